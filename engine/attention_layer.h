@@ -1,0 +1,64 @@
+// An attention layer as the engine sees it: dims, options and weights in one
+// canonical layout, whatever checkpoint format they came from.
+#ifndef ATTNSERVE_ENGINE_ATTENTION_LAYER_H_
+#define ATTNSERVE_ENGINE_ATTENTION_LAYER_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "engine/tensor.h"
+
+namespace attnserve {
+
+enum class Precision : uint8_t { kFloat32, kBFloat16, kFloat16 };
+
+struct LayerConfig {
+  std::string name;
+  // false: bare scaled-dot-product attention ("sdpa"); inputs are in head
+  // layout [B, H, L, D] and no weights exist. true: nn.MultiheadAttention
+  // semantics (batch first); inputs are [B, L, dim].
+  bool has_projections = false;
+
+  // Projection dims (has_projections only). Q projects query_dim ->
+  // num_heads * head_dim, K key_dim -> num_kv_heads * head_dim, V value_dim
+  // -> num_kv_heads * head_dim, O num_heads * head_dim -> out_dim.
+  int64_t embed_dim = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t query_dim = 0;
+  int64_t key_dim = 0;
+  int64_t value_dim = 0;
+  int64_t out_dim = 0;
+
+  // 0 = 1/sqrt(head_dim). A request's nonzero scale overrides it.
+  float scale = 0.0f;
+  // Every request is causal (in addition to requests that ask for it).
+  bool causal = false;
+  // Weight and compute precision of the projections and attention core.
+  Precision precision = Precision::kFloat32;
+};
+
+// Weights in PyTorch Linear layout ([out_features, in_features]), FLOAT32.
+// An empty bias Tensor (no data) means no bias.
+struct LayerWeights {
+  Tensor wq, bq;  // [num_heads * head_dim, query_dim], [num_heads * head_dim]
+  Tensor wk, bk;  // [num_kv_heads * head_dim, key_dim], [num_kv_heads * head_dim]
+  Tensor wv, bv;  // [num_kv_heads * head_dim, value_dim], [num_kv_heads * head_dim]
+  Tensor wo, bo;  // [out_dim, num_heads * head_dim], [out_dim]
+};
+
+// Immutable once built; shared by every engine instance that serves it.
+struct AttentionLayer {
+  LayerConfig config;
+  LayerWeights weights;
+};
+
+// Checks dims and weight shapes against each other (names the tensor and the
+// expected vs actual shape on failure).
+absl::Status ValidateLayer(const AttentionLayer& layer);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_ENGINE_ATTENTION_LAYER_H_

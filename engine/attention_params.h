@@ -1,0 +1,105 @@
+// The one plain struct every attention kernel takes: dims, strided pointers,
+// masks, scale, grouped-query heads. One AttentionParams is one request; a
+// ragged batch is a span of them (each with its own lengths, masks, options).
+#ifndef ATTNSERVE_ENGINE_ATTENTION_PARAMS_H_
+#define ATTNSERVE_ENGINE_ATTENTION_PARAMS_H_
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "engine/tensor.h"
+
+namespace attnserve {
+
+// A mask over scores [b, h, i, j], read through broadcast strides.
+struct MaskParams {
+  enum class Kind : uint8_t {
+    kNone,
+    kBool,      // BOOL bytes: nonzero = may attend
+    kAdditive,  // FLOAT32/FLOAT16/BFLOAT16 values added to the scaled scores
+  };
+  Kind kind = Kind::kNone;
+  DType dtype = DType::kBool;
+  const void* data = nullptr;
+  // Element strides over [b, h, i, j]; 0 broadcasts that dim.
+  int64_t stride_b = 0, stride_h = 0, stride_q = 0, stride_k = 0;
+};
+
+// Builds MaskParams for `mask` (rank 2..4, right-aligned like NumPy
+// broadcasting) against scores [batch, heads, q_len, kv_len]. An empty view
+// gives Kind::kNone. Error (InvalidArgument, field "attn_mask") when the
+// shape does not broadcast.
+absl::StatusOr<MaskParams> MakeMaskParams(const TensorView& mask, int64_t batch,
+                                          int64_t heads, int64_t q_len,
+                                          int64_t kv_len);
+
+// softmax(Q K^T * scale + mask) V for one request of `batch` sequences.
+// Element (b, h, i, d) of Q lives at q[b*q_stride_b + h*q_stride_h +
+// i*q_stride_row + d] (the last dim is contiguous); likewise K, V, O. So the
+// head layout [B, H, L, D] and the projected layout [B, L, H*D] are both
+// expressed without copies.
+struct AttentionParams {
+  // Dims.
+  int64_t batch = 0;
+  int64_t num_heads = 0;     // Hq
+  int64_t num_kv_heads = 0;  // Hkv; num_heads % num_kv_heads == 0
+  int64_t head_dim = 0;      // Dk (of Q and K)
+  int64_t head_dim_v = 0;    // Dv (of V and O)
+  int64_t q_len = 0;         // Lq
+  int64_t kv_len = 0;        // Lk
+
+  // Inputs: all three share `dtype` (FLOAT32, FLOAT16 or BFLOAT16).
+  DType dtype = DType::kFloat32;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t q_stride_b = 0, q_stride_h = 0, q_stride_row = 0;
+  int64_t k_stride_b = 0, k_stride_h = 0, k_stride_row = 0;
+  int64_t v_stride_b = 0, v_stride_h = 0, v_stride_row = 0;
+
+  // Output [b, h, i, :Dv] in `out_dtype`.
+  DType out_dtype = DType::kFloat32;
+  void* out = nullptr;
+  int64_t o_stride_b = 0, o_stride_h = 0, o_stride_row = 0;
+
+  // Masking. Query i sees key j iff all hold:
+  //   causal => j <= i + (kv_len - q_len)        (bottom-right aligned)
+  //   key_lengths != nullptr => j < key_lengths[b]
+  //   mask is kBool => mask(b, h, i, j) != 0
+  // A row that sees no key yields zeros (output and weights), never NaN.
+  bool causal = false;
+  const int64_t* key_lengths = nullptr;  // [batch], values in [0, kv_len]
+  MaskParams mask;
+
+  // Multiplies Q K^T; already resolved (finite, > 0).
+  float scale = 1.0f;
+
+  // Optional softmax probabilities in `weights_dtype`, contiguous:
+  // [batch, num_heads, q_len, kv_len], or [batch, q_len, kv_len] averaged
+  // over heads when average_weights. nullptr = not wanted.
+  void* weights = nullptr;
+  DType weights_dtype = DType::kFloat32;
+  bool average_weights = false;
+};
+
+// Strides for a contiguous [B, H, L, D] tensor.
+inline void HeadLayoutStrides(int64_t heads, int64_t len, int64_t dim,
+                              int64_t* stride_b, int64_t* stride_h,
+                              int64_t* stride_row) {
+  *stride_row = dim;
+  *stride_h = len * dim;
+  *stride_b = heads * len * dim;
+}
+
+// Strides for a contiguous [B, L, H * D] tensor read as heads.
+inline void TokenLayoutStrides(int64_t heads, int64_t len, int64_t dim,
+                               int64_t* stride_b, int64_t* stride_h,
+                               int64_t* stride_row) {
+  *stride_row = heads * dim;
+  *stride_h = dim;
+  *stride_b = len * heads * dim;
+}
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_ENGINE_ATTENTION_PARAMS_H_

@@ -1,0 +1,54 @@
+// One request through a layer, as the engine receives it: validated input
+// views, resolved options and caller-owned output buffers.
+#ifndef ATTNSERVE_ENGINE_ATTENTION_TASK_H_
+#define ATTNSERVE_ENGINE_ATTENTION_TASK_H_
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "engine/attention_layer.h"
+#include "engine/tensor.h"
+
+namespace attnserve {
+
+// Everything here was validated by the caller (server/validation) against the
+// layer: ranks, dims, dtypes, mask broadcastability, key_lengths range.
+struct AttentionTask {
+  // Layer without projections: query [B, Hq, Lq, Dk], key [B, Hkv, Lk, Dk],
+  // value [B, Hkv, Lk, Dv]. Layer with projections: query [B, Lq, query_dim],
+  // key [B, Lk, key_dim], value [B, Lk, value_dim]; key and value both empty
+  // = self-attention (key = value = query). Same dtype for all three.
+  TensorView query, key, value;
+
+  bool causal = false;  // already OR-ed with the layer's default
+  float scale = 1.0f;   // resolved: finite, > 0
+  absl::Span<const int64_t> key_lengths;  // empty, or [B] values in [0, Lk]
+  TensorView attn_mask;  // empty, or broadcastable to [B, Hq, Lq, Lk]
+
+  // Written by the engine. output: [B, Hq, Lq, Dv] (no projections) or
+  // [B, Lq, out_dim]; weights: empty (not wanted), [B, Hq, Lq, Lk], or
+  // [B, Lq, Lk] when average_weights. Any float dtype.
+  MutableTensorView output;
+  MutableTensorView weights;
+  bool average_weights = false;
+};
+
+// Dims of a task, derived from its shapes and the layer.
+struct TaskDims {
+  int64_t batch = 0, q_len = 0, kv_len = 0;
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, head_dim_v = 0;
+};
+TaskDims GetTaskDims(const LayerConfig& layer, const AttentionTask& task);
+
+// Shape of the output / weights for a task (used to allocate them).
+Shape OutputShape(const LayerConfig& layer, const TaskDims& dims);
+Shape WeightsShape(const TaskDims& dims, bool average_weights);
+
+// Resolves the scale: request value if nonzero, else the layer's, else
+// 1/sqrt(head_dim).
+float ResolveScale(const LayerConfig& layer, float request_scale, int64_t head_dim);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_ENGINE_ATTENTION_TASK_H_
