@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "engine/attention_layer.h"
+#include "engine/attention_params.h"
 #include "engine/tensor.h"
 
 namespace attnserve {
@@ -48,6 +49,20 @@ Shape WeightsShape(const TaskDims& dims, bool average_weights);
 // Resolves the scale: request value if nonzero, else the layer's, else
 // 1/sqrt(head_dim).
 float ResolveScale(const LayerConfig& layer, float request_scale, int64_t head_dim);
+
+// The engines' own guard before touching memory: ranks, dims, dtypes, the
+// output and weights shapes, key_lengths and the mask against the layer.
+// InvalidArgument naming the field on failure. (server/validation gives the
+// user-facing messages; this only keeps a bad task from reading or writing
+// out of bounds.)
+absl::Status CheckTask(const LayerConfig& layer, const AttentionTask& task);
+
+// The attention-core params of a checked task: dims, masks, scale, weights.
+// For a layer without projections q/k/v/out point into the task's views
+// (head layout, task dtypes). For a layer with projections they are left
+// null for the engine to point at its projected buffers.
+absl::StatusOr<AttentionParams> MakeCoreParams(const LayerConfig& layer,
+                                               const AttentionTask& task);
 
 }  // namespace attnserve
 

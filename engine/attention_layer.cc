@@ -1,0 +1,102 @@
+// Consistency checks for an AttentionLayer, run once when a model is loaded
+// so that the engines can trust dims and weight shapes afterwards.
+#include "engine/attention_layer.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace attnserve {
+namespace {
+
+absl::Status CheckWeight(const std::string& layer, const char* name, const Tensor& t,
+                         const Shape& expected, bool optional) {
+  if (optional && t.byte_size() == 0) return absl::OkStatus();  // no bias
+  if (t.dtype() != DType::kFloat32) {
+    return absl::InvalidArgumentError(absl::StrCat("layer '", layer, "': weight ", name,
+                                                   " must be FLOAT32, got ",
+                                                   std::string(DTypeName(t.dtype()))));
+  }
+  if (t.shape() != expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer '", layer, "': weight ", name, " must have shape ",
+                     ShapeString(expected), ", got ", ShapeString(t.shape())));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateLayer(const AttentionLayer& layer) {
+  const LayerConfig& c = layer.config;
+  if (c.name.empty()) return absl::InvalidArgumentError("layer: name must not be empty");
+  if (!std::isfinite(c.scale) || c.scale < 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer '", c.name, "': scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got ",
+        c.scale));
+  }
+  if (!c.has_projections) {
+    // Head layout: dims come from each request, and there is nothing to weigh.
+    const LayerWeights& w = layer.weights;
+    for (const Tensor* t : {&w.wq, &w.bq, &w.wk, &w.bk, &w.wv, &w.bv, &w.wo, &w.bo}) {
+      if (t->byte_size() != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer '", c.name, "': a layer without projections must carry no weights"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  struct Dim {
+    const char* name;
+    int64_t value;
+  };
+  for (const Dim& d : {Dim{"num_heads", c.num_heads}, Dim{"num_kv_heads", c.num_kv_heads},
+                       Dim{"head_dim", c.head_dim}, Dim{"query_dim", c.query_dim},
+                       Dim{"key_dim", c.key_dim}, Dim{"value_dim", c.value_dim},
+                       Dim{"out_dim", c.out_dim}}) {
+    if (d.value < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer '", c.name, "': ", d.name, " must be >= 1, got ", d.value));
+    }
+  }
+  if (c.embed_dim < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer '", c.name, "': embed_dim must be >= 0, got ", c.embed_dim));
+  }
+  if (c.num_heads % c.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer '", c.name, "': num_heads must be a multiple of num_kv_heads, got ",
+                     c.num_heads, " and ", c.num_kv_heads));
+  }
+
+  const int64_t q_features = c.num_heads * c.head_dim;
+  const int64_t kv_features = c.num_kv_heads * c.head_dim;
+  const LayerWeights& w = layer.weights;
+  struct Check {
+    const char* name;
+    const Tensor* tensor;
+    Shape expected;
+    bool optional;
+  };
+  const Check checks[] = {
+      {"wq", &w.wq, {q_features, c.query_dim}, false},
+      {"bq", &w.bq, {q_features}, true},
+      {"wk", &w.wk, {kv_features, c.key_dim}, false},
+      {"bk", &w.bk, {kv_features}, true},
+      {"wv", &w.wv, {kv_features, c.value_dim}, false},
+      {"bv", &w.bv, {kv_features}, true},
+      {"wo", &w.wo, {c.out_dim, q_features}, false},
+      {"bo", &w.bo, {c.out_dim}, true},
+  };
+  for (const Check& check : checks) {
+    if (absl::Status s = CheckWeight(c.name, check.name, *check.tensor, check.expected,
+                                     check.optional);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnserve
