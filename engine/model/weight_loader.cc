@@ -1,0 +1,379 @@
+// Checkpoint layouts -> canonical LayerWeights: name resolution, shape checks
+// with messages that name the tensor, and the per-layout splits/transposes.
+#include "engine/model/weight_loader.h"
+
+#include <cstring>
+#include <initializer_list>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/types/span.h"
+
+namespace attnserve {
+namespace {
+
+struct RoleDefault {
+  const char* role;
+  const char* name;
+};
+
+constexpr RoleDefault kTorchMhaNames[] = {
+    {"in_proj_weight", "in_proj_weight"}, {"in_proj_bias", "in_proj_bias"},
+    {"q_weight", "q_proj_weight"},       {"k_weight", "k_proj_weight"},
+    {"v_weight", "v_proj_weight"},       {"out_weight", "out_proj.weight"},
+    {"out_bias", "out_proj.bias"},
+};
+constexpr RoleDefault kSeparateQkvNames[] = {
+    {"q_weight", "q_proj.weight"}, {"q_bias", "q_proj.bias"},
+    {"k_weight", "k_proj.weight"}, {"k_bias", "k_proj.bias"},
+    {"v_weight", "v_proj.weight"}, {"v_bias", "v_proj.bias"},
+    {"out_weight", "o_proj.weight"}, {"out_bias", "o_proj.bias"},
+};
+constexpr RoleDefault kFusedNames[] = {
+    {"qkv_weight", "qkv.weight"},
+    {"qkv_bias", "qkv.bias"},
+    {"out_weight", "out_proj.weight"},
+    {"out_bias", "out_proj.bias"},
+};
+constexpr RoleDefault kKerasNames[] = {
+    {"q_weight", "query/kernel"},   {"q_bias", "query/bias"},
+    {"k_weight", "key/kernel"},     {"k_bias", "key/bias"},
+    {"v_weight", "value/kernel"},   {"v_bias", "value/bias"},
+    {"out_weight", "attention_output/kernel"}, {"out_bias", "attention_output/bias"},
+};
+
+absl::Span<const RoleDefault> RoleTable(WeightLayout layout) {
+  switch (layout) {
+    case WeightLayout::kTorchMha: return kTorchMhaNames;
+    case WeightLayout::kSeparateQkv: return kSeparateQkvNames;
+    case WeightLayout::kFusedQkvPerHead: return kFusedNames;
+    case WeightLayout::kKerasDense: return kKerasNames;
+  }
+  return {};
+}
+
+float RoundTo(Precision precision, float v) {
+  switch (precision) {
+    case Precision::kFloat32: return v;
+    case Precision::kBFloat16: return BFloat16ToFloat(FloatToBFloat16(v));
+    case Precision::kFloat16: return HalfToFloat(FloatToHalf(v));
+  }
+  return v;
+}
+
+// Reads tensors for one layer and reports problems in one voice.
+class Reader {
+ public:
+  Reader(const SafetensorsFile& file, const WeightSpec& spec, Precision precision)
+      : file_(file), spec_(spec), precision_(precision) {}
+
+  std::string NameOf(const std::string& role) const {
+    auto it = spec_.tensor_names.find(role);
+    std::string local = it != spec_.tensor_names.end() ? it->second
+                                                        : DefaultTensorName(spec_.layout, role);
+    return spec_.tensor_prefix + local;
+  }
+
+  bool Has(const std::string& role) const { return file_.Find(NameOf(role)) != nullptr; }
+
+  // The tensor for `role` as float32 values, rounded to the layer precision.
+  // `shapes` lists the accepted shapes (same element count, same memory
+  // order); the first is the one named in errors.
+  absl::StatusOr<std::vector<float>> Read(const std::string& role,
+                                          std::initializer_list<Shape> shapes) const {
+    const std::string name = NameOf(role);
+    const SafetensorsEntry* entry = file_.Find(name);
+    std::vector<std::string> expected;
+    for (const Shape& s : shapes) expected.push_back(ShapeString(s));
+    if (entry == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file_.path(), ": tensor '", name, "' is missing (", role, " of layout ",
+                       WeightLayoutName(spec_.layout), "); expected shape ",
+                       absl::StrJoin(expected, " or "), ". ", Inventory()));
+    }
+    bool match = false;
+    for (const Shape& s : shapes) match = match || s == entry->shape;
+    if (!match) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file_.path(), ": tensor '", name, "' (", role, " of layout ",
+                       WeightLayoutName(spec_.layout), ") has shape ",
+                       ShapeString(entry->shape), "; expected ",
+                       absl::StrJoin(expected, " or ")));
+    }
+    std::vector<float> values = file_.ReadAsFloat(*entry);
+    if (precision_ != Precision::kFloat32) {
+      for (float& v : values) v = RoundTo(precision_, v);
+    }
+    return values;
+  }
+
+ private:
+  // A hint for a wrong prefix or name: what the file does hold.
+  std::string Inventory() const {
+    const auto& entries = file_.entries();
+    if (entries.empty()) return "The file holds no tensors.";
+    std::vector<std::string> names;
+    for (const auto& [name, entry] : entries) {
+      if (names.size() == 8) break;
+      names.push_back(absl::StrCat("'", name, "'"));
+    }
+    return absl::StrCat("The file holds ", entries.size(), " tensors: ", absl::StrJoin(names, ", "),
+                        entries.size() > names.size() ? ", ..." : "");
+  }
+
+  const SafetensorsFile& file_;
+  const WeightSpec& spec_;
+  Precision precision_;
+};
+
+Tensor MakeTensor(Shape shape, const float* src) {
+  Tensor t(DType::kFloat32, std::move(shape));
+  if (t.byte_size() > 0) std::memcpy(t.data(), src, t.byte_size());
+  return t;
+}
+
+// Rows [row0, row0 + rows) of a row-major [*, cols] matrix.
+Tensor RowSlice(const std::vector<float>& m, int64_t cols, int64_t row0, int64_t rows) {
+  return MakeTensor({rows, cols}, m.data() + row0 * cols);
+}
+
+Tensor VectorSlice(const std::vector<float>& v, int64_t begin, int64_t n) {
+  return MakeTensor({n}, v.data() + begin);
+}
+
+// [in, out] (row-major) -> [out, in].
+Tensor Transpose(const std::vector<float>& kernel, int64_t in, int64_t out) {
+  Tensor t(DType::kFloat32, {out, in});
+  float* dst = t.data_as<float>();
+  for (int64_t i = 0; i < in; ++i) {
+    for (int64_t o = 0; o < out; ++o) dst[o * in + i] = kernel[static_cast<size_t>(i * out + o)];
+  }
+  return t;
+}
+
+#define ASSIGN_OR_RETURN(lhs, expr)          \
+  auto lhs##_or = (expr);                    \
+  if (!lhs##_or.ok()) return lhs##_or.status(); \
+  auto lhs = std::move(*lhs##_or)
+
+absl::StatusOr<LayerWeights> LoadTorchMha(const Reader& r, const LayerConfig& c,
+                                          const WeightSpec& spec) {
+  const int64_t q_out = c.num_heads * c.head_dim;
+  const int64_t kv_out = c.num_kv_heads * c.head_dim;
+  const int64_t packed_rows = q_out + 2 * kv_out;
+  LayerWeights w;
+  const bool same_in = c.query_dim == c.key_dim && c.key_dim == c.value_dim;
+  // PyTorch packs iff kdim == vdim == embed_dim; follow the file when it has
+  // the separate tensors instead, so a hand-made export also loads.
+  const bool packed = same_in && (r.Has("in_proj_weight") || !r.Has("q_weight"));
+  if (packed) {
+    ASSIGN_OR_RETURN(in_proj, r.Read("in_proj_weight", {{packed_rows, c.query_dim}}));
+    w.wq = RowSlice(in_proj, c.query_dim, 0, q_out);
+    w.wk = RowSlice(in_proj, c.query_dim, q_out, kv_out);
+    w.wv = RowSlice(in_proj, c.query_dim, q_out + kv_out, kv_out);
+  } else {
+    ASSIGN_OR_RETURN(wq, r.Read("q_weight", {{q_out, c.query_dim}}));
+    ASSIGN_OR_RETURN(wk, r.Read("k_weight", {{kv_out, c.key_dim}}));
+    ASSIGN_OR_RETURN(wv, r.Read("v_weight", {{kv_out, c.value_dim}}));
+    w.wq = MakeTensor({q_out, c.query_dim}, wq.data());
+    w.wk = MakeTensor({kv_out, c.key_dim}, wk.data());
+    w.wv = MakeTensor({kv_out, c.value_dim}, wv.data());
+  }
+  if (spec.q_bias || spec.k_bias || spec.v_bias) {
+    ASSIGN_OR_RETURN(in_bias, r.Read("in_proj_bias", {{packed_rows}}));
+    if (spec.q_bias) w.bq = VectorSlice(in_bias, 0, q_out);
+    if (spec.k_bias) w.bk = VectorSlice(in_bias, q_out, kv_out);
+    if (spec.v_bias) w.bv = VectorSlice(in_bias, q_out + kv_out, kv_out);
+  }
+  ASSIGN_OR_RETURN(wo, r.Read("out_weight", {{c.out_dim, q_out}}));
+  w.wo = MakeTensor({c.out_dim, q_out}, wo.data());
+  if (spec.out_bias) {
+    ASSIGN_OR_RETURN(bo, r.Read("out_bias", {{c.out_dim}}));
+    w.bo = MakeTensor({c.out_dim}, bo.data());
+  }
+  return w;
+}
+
+absl::StatusOr<LayerWeights> LoadSeparate(const Reader& r, const LayerConfig& c,
+                                          const WeightSpec& spec) {
+  const int64_t q_out = c.num_heads * c.head_dim;
+  const int64_t kv_out = c.num_kv_heads * c.head_dim;
+  LayerWeights w;
+  ASSIGN_OR_RETURN(wq, r.Read("q_weight", {{q_out, c.query_dim}}));
+  ASSIGN_OR_RETURN(wk, r.Read("k_weight", {{kv_out, c.key_dim}}));
+  ASSIGN_OR_RETURN(wv, r.Read("v_weight", {{kv_out, c.value_dim}}));
+  ASSIGN_OR_RETURN(wo, r.Read("out_weight", {{c.out_dim, q_out}}));
+  w.wq = MakeTensor({q_out, c.query_dim}, wq.data());
+  w.wk = MakeTensor({kv_out, c.key_dim}, wk.data());
+  w.wv = MakeTensor({kv_out, c.value_dim}, wv.data());
+  w.wo = MakeTensor({c.out_dim, q_out}, wo.data());
+  if (spec.q_bias) {
+    ASSIGN_OR_RETURN(b, r.Read("q_bias", {{q_out}}));
+    w.bq = MakeTensor({q_out}, b.data());
+  }
+  if (spec.k_bias) {
+    ASSIGN_OR_RETURN(b, r.Read("k_bias", {{kv_out}}));
+    w.bk = MakeTensor({kv_out}, b.data());
+  }
+  if (spec.v_bias) {
+    ASSIGN_OR_RETURN(b, r.Read("v_bias", {{kv_out}}));
+    w.bv = MakeTensor({kv_out}, b.data());
+  }
+  if (spec.out_bias) {
+    ASSIGN_OR_RETURN(b, r.Read("out_bias", {{c.out_dim}}));
+    w.bo = MakeTensor({c.out_dim}, b.data());
+  }
+  return w;
+}
+
+absl::StatusOr<LayerWeights> LoadFusedPerHead(const Reader& r, const LayerConfig& c,
+                                              const WeightSpec& spec) {
+  const int64_t h = c.num_heads;
+  const int64_t hd = c.head_dim;
+  const int64_t in = c.query_dim;
+  const int64_t q_out = h * hd;
+  LayerWeights w;
+  ASSIGN_OR_RETURN(qkv, r.Read("qkv_weight", {{h * 3 * hd, in}}));
+  // Output row (head, part, d) of the fused linear sits at head*3*hd +
+  // part*hd + d; it becomes row head*hd + d of W_part.
+  w.wq = Tensor(DType::kFloat32, {q_out, in});
+  w.wk = Tensor(DType::kFloat32, {q_out, in});
+  w.wv = Tensor(DType::kFloat32, {q_out, in});
+  float* parts[3] = {w.wq.data_as<float>(), w.wk.data_as<float>(), w.wv.data_as<float>()};
+  for (int64_t head = 0; head < h; ++head) {
+    for (int part = 0; part < 3; ++part) {
+      const float* src = qkv.data() + (head * 3 + part) * hd * in;
+      std::memcpy(parts[part] + head * hd * in, src, sizeof(float) * hd * in);
+    }
+  }
+  if (spec.q_bias || spec.k_bias || spec.v_bias) {
+    ASSIGN_OR_RETURN(bias, r.Read("qkv_bias", {{h * 3 * hd}}));
+    Tensor b[3] = {Tensor(DType::kFloat32, {q_out}), Tensor(DType::kFloat32, {q_out}),
+                   Tensor(DType::kFloat32, {q_out})};
+    for (int64_t head = 0; head < h; ++head) {
+      for (int part = 0; part < 3; ++part) {
+        std::memcpy(b[part].data_as<float>() + head * hd, bias.data() + (head * 3 + part) * hd,
+                    sizeof(float) * hd);
+      }
+    }
+    if (spec.q_bias) w.bq = std::move(b[0]);
+    if (spec.k_bias) w.bk = std::move(b[1]);
+    if (spec.v_bias) w.bv = std::move(b[2]);
+  }
+  ASSIGN_OR_RETURN(wo, r.Read("out_weight", {{c.out_dim, q_out}}));
+  w.wo = MakeTensor({c.out_dim, q_out}, wo.data());
+  if (spec.out_bias) {
+    ASSIGN_OR_RETURN(bo, r.Read("out_bias", {{c.out_dim}}));
+    w.bo = MakeTensor({c.out_dim}, bo.data());
+  }
+  return w;
+}
+
+absl::StatusOr<LayerWeights> LoadKeras(const Reader& r, const LayerConfig& c,
+                                       const WeightSpec& spec) {
+  const int64_t h = c.num_heads;
+  const int64_t hkv = c.num_kv_heads;
+  const int64_t hd = c.head_dim;
+  const int64_t q_out = h * hd;
+  const int64_t kv_out = hkv * hd;
+  LayerWeights w;
+  // Dense kernels are [in, units]; EinsumDense (keras MultiHeadAttention)
+  // keeps the heads apart, [in, H, hd] and [H, hd, out], same memory order.
+  ASSIGN_OR_RETURN(kq, r.Read("q_weight", {{c.query_dim, q_out}, {c.query_dim, h, hd}}));
+  ASSIGN_OR_RETURN(kk, r.Read("k_weight", {{c.key_dim, kv_out}, {c.key_dim, hkv, hd}}));
+  ASSIGN_OR_RETURN(kv, r.Read("v_weight", {{c.value_dim, kv_out}, {c.value_dim, hkv, hd}}));
+  ASSIGN_OR_RETURN(ko, r.Read("out_weight", {{q_out, c.out_dim}, {h, hd, c.out_dim}}));
+  w.wq = Transpose(kq, c.query_dim, q_out);
+  w.wk = Transpose(kk, c.key_dim, kv_out);
+  w.wv = Transpose(kv, c.value_dim, kv_out);
+  w.wo = Transpose(ko, q_out, c.out_dim);
+  if (spec.q_bias) {
+    ASSIGN_OR_RETURN(b, r.Read("q_bias", {{q_out}, {h, hd}}));
+    w.bq = MakeTensor({q_out}, b.data());
+  }
+  if (spec.k_bias) {
+    ASSIGN_OR_RETURN(b, r.Read("k_bias", {{kv_out}, {hkv, hd}}));
+    w.bk = MakeTensor({kv_out}, b.data());
+  }
+  if (spec.v_bias) {
+    ASSIGN_OR_RETURN(b, r.Read("v_bias", {{kv_out}, {hkv, hd}}));
+    w.bv = MakeTensor({kv_out}, b.data());
+  }
+  if (spec.out_bias) {
+    ASSIGN_OR_RETURN(b, r.Read("out_bias", {{c.out_dim}}));
+    w.bo = MakeTensor({c.out_dim}, b.data());
+  }
+  return w;
+}
+
+#undef ASSIGN_OR_RETURN
+
+}  // namespace
+
+const char* WeightLayoutName(WeightLayout layout) {
+  switch (layout) {
+    case WeightLayout::kTorchMha: return "TORCH_MHA";
+    case WeightLayout::kSeparateQkv: return "SEPARATE_QKV";
+    case WeightLayout::kFusedQkvPerHead: return "FUSED_QKV_PER_HEAD";
+    case WeightLayout::kKerasDense: return "KERAS_DENSE";
+  }
+  return "?";
+}
+
+std::vector<std::string> WeightRoles(WeightLayout layout) {
+  std::vector<std::string> roles;
+  for (const RoleDefault& d : RoleTable(layout)) roles.emplace_back(d.role);
+  return roles;
+}
+
+std::string DefaultTensorName(WeightLayout layout, const std::string& role) {
+  for (const RoleDefault& d : RoleTable(layout)) {
+    if (role == d.role) return d.name;
+  }
+  return "";
+}
+
+absl::StatusOr<LayerWeights> LoadLayerWeights(const SafetensorsFile& file,
+                                              const LayerConfig& config,
+                                              const WeightSpec& spec) {
+  if (!config.has_projections) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.path(), ": model '", config.name, "' has no projections to load"));
+  }
+  if (config.num_heads <= 0 || config.num_kv_heads <= 0 || config.head_dim <= 0 ||
+      config.query_dim <= 0 || config.key_dim <= 0 || config.value_dim <= 0 ||
+      config.out_dim <= 0 || config.num_heads % config.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.path(), ": model '", config.name, "' has unresolved or inconsistent dims"));
+  }
+  for (const auto& [role, name] : spec.tensor_names) {
+    if (DefaultTensorName(spec.layout, role).empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor_names key '", role, "' is not a role of layout ", WeightLayoutName(spec.layout),
+          "; expected one of ", absl::StrJoin(WeightRoles(spec.layout), ", ")));
+    }
+  }
+  Reader reader(file, spec, config.precision);
+  switch (spec.layout) {
+    case WeightLayout::kTorchMha:
+      return LoadTorchMha(reader, config, spec);
+    case WeightLayout::kSeparateQkv:
+      return LoadSeparate(reader, config, spec);
+    case WeightLayout::kFusedQkvPerHead:
+      if (config.query_dim != config.key_dim || config.key_dim != config.value_dim ||
+          config.num_kv_heads != config.num_heads) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            file.path(), ": layout FUSED_QKV_PER_HEAD needs query_dim == key_dim == value_dim "
+            "and num_kv_heads == num_heads; got ", config.query_dim, ", ", config.key_dim, ", ",
+            config.value_dim, " and ", config.num_kv_heads, " vs ", config.num_heads));
+      }
+      return LoadFusedPerHead(reader, config, spec);
+    case WeightLayout::kKerasDense:
+      return LoadKeras(reader, config, spec);
+  }
+  return absl::InvalidArgumentError("unknown weight layout");
+}
+
+}  // namespace attnserve
