@@ -1,0 +1,34 @@
+// Range checks for BatcherOptions (flags and config.pbtxt feed them).
+#include "server/batching/batcher_options.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace attnserve {
+
+absl::Status ValidateBatcherOptions(const BatcherOptions& o) {
+  if (o.max_batch_requests < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_batch_requests must be >= 1 (1 = batching off), got ",
+        o.max_batch_requests));
+  }
+  if (o.max_batch_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_batch_tokens must be >= 0 (0 = no limit), got ",
+        o.max_batch_tokens));
+  }
+  if (o.max_queue_delay_us < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_queue_delay_us must be >= 0, got ", o.max_queue_delay_us));
+  }
+  if (o.max_queue_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_queue_size must be >= 1, got ", o.max_queue_size));
+  }
+  if (o.instances < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "instances must be >= 0 (0 = manual mode), got ", o.instances));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnserve

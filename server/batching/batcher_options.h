@@ -1,0 +1,44 @@
+// BatcherOptions: how one model's dynamic batcher forms batches and bounds its
+// queue. Settable per model (server flags as defaults, config.pbtxt overrides).
+#ifndef ATTNSERVE_SERVER_BATCHING_BATCHER_OPTIONS_H_
+#define ATTNSERVE_SERVER_BATCHING_BATCHER_OPTIONS_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace attnserve {
+
+struct BatcherOptions {
+  // Most requests in one batch. 1 turns batching off (every request runs
+  // alone). Must be >= 1. Default: 32.
+  int max_batch_requests = 32;
+
+  // Most query tokens in one batch, summed over its requests (a request's
+  // tokens are batch * query length). A single request with more tokens than
+  // this still runs, alone, rather than waiting forever. 0 = no token limit.
+  // Default: 8192 tokens.
+  int64_t max_batch_tokens = 8192;
+
+  // Longest time the oldest queued request waits for others to join its
+  // batch before the batch closes anyway. 0 = close as soon as a worker is
+  // free. Default: 500 us.
+  int64_t max_queue_delay_us = 500;
+
+  // Most requests waiting in the queue (requests already taken into a batch
+  // being computed do not count). Schedule answers RESOURCE_EXHAUSTED beyond
+  // it. Must be >= 1. Default: 1024 requests.
+  int max_queue_size = 1024;
+
+  // Worker threads, each computing one batch at a time (engine instances of
+  // the model). 0 = no threads: the owner drives the batcher by calling
+  // ProcessReadyBatches() (tests, single-threaded tools). Default: 1.
+  int instances = 1;
+};
+
+// InvalidArgument naming the field and value when an option is out of range.
+absl::Status ValidateBatcherOptions(const BatcherOptions& options);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_BATCHING_BATCHER_OPTIONS_H_

@@ -1,0 +1,302 @@
+// DynamicBatcher: the queue, the batch-forming decision and the workers.
+#include "server/batching/dynamic_batcher.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace attnserve {
+
+absl::StatusOr<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(
+    std::string model, const BatcherOptions& options, ProcessFn process,
+    Clock* clock, QueueDepthFn on_queue_depth) {
+  if (absl::Status s = ValidateBatcherOptions(options); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batching options of model ", model, ": ", s.message()));
+  }
+  if (!process) return absl::InvalidArgumentError("process function is empty");
+  std::unique_ptr<DynamicBatcher> b(
+      new DynamicBatcher(std::move(model), options, std::move(process),
+                         clock ? clock : RealClock::Get(),
+                         std::move(on_queue_depth)));
+  b->workers_.reserve(options.instances);
+  for (int i = 0; i < options.instances; ++i) {
+    b->workers_.emplace_back([p = b.get()] { p->WorkerLoop(); });
+  }
+  return b;
+}
+
+DynamicBatcher::DynamicBatcher(std::string model, const BatcherOptions& options,
+                               ProcessFn process, Clock* clock,
+                               QueueDepthFn on_queue_depth)
+    : model_(std::move(model)),
+      options_(options),
+      process_(std::move(process)),
+      clock_(clock),
+      on_queue_depth_(std::move(on_queue_depth)) {}
+
+DynamicBatcher::~DynamicBatcher() { Shutdown(absl::ZeroDuration()); }
+
+absl::Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>* task) {
+  if (task == nullptr || *task == nullptr) {
+    return absl::InvalidArgumentError("Schedule: null task");
+  }
+  absl::MutexLock lock(&mu_);
+  if (state_ != State::kRunning) {
+    return absl::UnavailableError(absl::StrCat(
+        "model ", model_, " is shutting down and accepts no new requests"));
+  }
+  if (queue_.size() >= static_cast<size_t>(options_.max_queue_size)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("queue of model ", model_, " is full (", queue_.size(),
+                     " requests); retry later"));
+  }
+  (*task)->enqueue_time_ = clock_->Now();
+  queue_.push_back(std::move(*task));
+  PublishDepthLocked();
+  work_cv_.Signal();
+  return absl::OkStatus();
+}
+
+void DynamicBatcher::Wake() {
+  absl::MutexLock lock(&mu_);
+  work_cv_.SignalAll();
+}
+
+int64_t DynamicBatcher::queue_depth() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(queue_.size());
+}
+
+void DynamicBatcher::PublishDepthLocked() {
+  if (on_queue_depth_) on_queue_depth_(static_cast<int64_t>(queue_.size()));
+  if (queue_.empty()) drained_cv_.SignalAll();
+}
+
+// The batch-forming decision, in one place. At instant `now`:
+//
+// 1. Tasks that must never be computed leave the queue: cancelled ones
+//    (CANCELLED) and those whose deadline has passed (DEADLINE_EXCEEDED).
+//    Checking here, right before a batch closes, is what guarantees that an
+//    expired request is not computed; the caller fails them outside the lock.
+// 2. The candidate batch is the longest prefix of the queue (FIFO: a large
+//    request is never overtaken indefinitely by small ones) that fits in
+//    max_batch_requests and max_batch_tokens. The first task always fits: a
+//    request larger than max_batch_tokens runs alone instead of starving.
+// 3. The batch closes now if it is full (request count reached, token budget
+//    reached, or the next task would not fit -- waiting cannot make it
+//    bigger), if the oldest task has waited max_queue_delay, or if the batcher
+//    is draining for shutdown (waiting for company no longer pays off).
+//    Otherwise nothing runs and wake_at says when the answer changes by the
+//    clock alone: the oldest task's delay running out, or the earliest
+//    deadline (so an expiring request is failed promptly, not at the next
+//    batch).
+DynamicBatcher::Decision DynamicBatcher::FormBatchLocked(absl::Time now) {
+  Decision d;
+
+  // 1. Drop cancelled and expired tasks, keeping the others in order.
+  absl::Time earliest_deadline = absl::InfiniteFuture();
+  const size_t before = queue_.size();
+  std::deque<std::unique_ptr<BatchTask>> kept;
+  for (auto& t : queue_) {
+    if (t->cancelled()) {
+      d.dropped.emplace_back(
+          std::move(t),
+          absl::CancelledError("request cancelled while queued; not computed"));
+    } else if (t->deadline() <= now) {
+      const int64_t waited_us =
+          absl::ToInt64Microseconds(now - t->enqueue_time());
+      d.dropped.emplace_back(
+          std::move(t),
+          absl::DeadlineExceededError(absl::StrCat(
+              "deadline passed after ", waited_us, " us in the queue of model ",
+              model_, "; not computed")));
+    } else {
+      earliest_deadline = std::min(earliest_deadline, t->deadline());
+      kept.push_back(std::move(t));
+    }
+  }
+  queue_.swap(kept);
+  if (queue_.size() != before) PublishDepthLocked();
+  if (queue_.empty()) return d;
+
+  // 2. Longest FIFO prefix that fits.
+  const size_t max_requests = static_cast<size_t>(options_.max_batch_requests);
+  const int64_t max_tokens = options_.max_batch_tokens;  // 0 = unlimited
+  size_t n = 0;
+  int64_t tokens = 0;
+  bool next_does_not_fit = false;
+  for (const auto& t : queue_) {
+    if (n == max_requests) break;
+    if (max_tokens > 0 && n > 0 && tokens + t->tokens() > max_tokens) {
+      next_does_not_fit = true;
+      break;
+    }
+    ++n;
+    tokens += t->tokens();
+  }
+
+  // 3. Close now, or say when to look again.
+  const bool full = n == max_requests || next_does_not_fit ||
+                    (max_tokens > 0 && tokens >= max_tokens);
+  const absl::Time delay_over =
+      queue_.front()->enqueue_time() +
+      absl::Microseconds(options_.max_queue_delay_us);
+  const bool waited_enough = now >= delay_over;
+  if (!full && !waited_enough && state_ == State::kRunning) {
+    d.wake_at = std::min(delay_over, earliest_deadline);
+    return d;
+  }
+
+  d.batch.tasks.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    d.batch.tasks.push_back(std::move(queue_.front()));
+    queue_.pop_front();
+  }
+  d.batch.tokens = tokens;
+  d.batch.closed_at = now;
+  PublishDepthLocked();
+  return d;
+}
+
+void DynamicBatcher::FailAll(
+    std::vector<std::pair<std::unique_ptr<BatchTask>, absl::Status>>& tasks) {
+  for (auto& [task, status] : tasks) task->Complete(std::move(status));
+  tasks.clear();
+}
+
+std::vector<std::pair<std::unique_ptr<BatchTask>, absl::Status>>
+DynamicBatcher::TakeAllLocked() {
+  std::vector<std::pair<std::unique_ptr<BatchTask>, absl::Status>> out;
+  for (auto& t : queue_) {
+    out.emplace_back(std::move(t),
+                     absl::UnavailableError(absl::StrCat(
+                         "server shut down before the request could run "
+                         "(model ", model_, ")")));
+  }
+  queue_.clear();
+  PublishDepthLocked();
+  return out;
+}
+
+void DynamicBatcher::RunBatch(Batch& batch) {
+  process_(batch);
+  // Exactly-once guarantee even when the process function forgot a task;
+  // Complete is a no-op for the ones it did answer.
+  for (auto& t : batch.tasks) {
+    t->Complete(absl::InternalError(
+        "batch finished without answering this request (server bug)"));
+  }
+  batch.tasks.clear();  // destroy the tasks before the batch counts as done
+  BatchDone();
+}
+
+void DynamicBatcher::BatchDone() {
+  absl::MutexLock lock(&mu_);
+  --running_batches_;
+  drained_cv_.SignalAll();  // Shutdown waits for running_batches_ == 0
+}
+
+void DynamicBatcher::WorkerLoop() {
+  for (;;) {
+    Decision d;
+    {
+      absl::MutexLock lock(&mu_);
+      for (;;) {
+        if (state_ == State::kStopped) return;
+        d = FormBatchLocked(clock_->Now());
+        if (!d.batch.tasks.empty() || !d.dropped.empty()) break;
+        if (d.wake_at == absl::InfiniteFuture()) {
+          work_cv_.Wait(&mu_);
+        } else {
+          work_cv_.WaitWithTimeout(&mu_, d.wake_at - clock_->Now());
+        }
+      }
+      if (!d.batch.tasks.empty()) {
+        ++running_batches_;
+        // Another idle worker may be able to start on what is left.
+        if (!queue_.empty()) work_cv_.Signal();
+      }
+    }
+    FailAll(d.dropped);
+    if (!d.batch.tasks.empty()) RunBatch(d.batch);
+  }
+}
+
+int DynamicBatcher::ProcessReadyBatches() {
+  if (options_.instances != 0) return 0;
+  int batches = 0;
+  for (;;) {
+    Decision d;
+    {
+      absl::MutexLock lock(&mu_);
+      if (state_ == State::kStopped) return batches;
+      d = FormBatchLocked(clock_->Now());
+      if (!d.batch.tasks.empty()) ++running_batches_;
+    }
+    FailAll(d.dropped);
+    if (d.batch.tasks.empty()) return batches;
+    RunBatch(d.batch);
+    ++batches;
+  }
+}
+
+void DynamicBatcher::Shutdown(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutdown_started_) {
+      mu_.Await(absl::Condition(&shutdown_done_));
+      return;
+    }
+    shutdown_started_ = true;
+    state_ = State::kDraining;
+    work_cv_.SignalAll();  // waiting workers close partial batches at once
+  }
+
+  std::vector<std::pair<std::unique_ptr<BatchTask>, absl::Status>> leftover;
+  if (options_.instances == 0) {
+    // Manual mode: the caller's thread is the worker. Draining closes every
+    // batch at once, so each ProcessReadyBatches round makes progress.
+    const absl::Time until = clock_->Now() + grace;
+    for (;;) {
+      Decision d;
+      {
+        absl::MutexLock lock(&mu_);
+        if (queue_.empty() || clock_->Now() >= until) break;
+        d = FormBatchLocked(clock_->Now());
+        if (!d.batch.tasks.empty()) ++running_batches_;
+      }
+      FailAll(d.dropped);
+      if (!d.batch.tasks.empty()) RunBatch(d.batch);
+    }
+  } else {
+    absl::MutexLock lock(&mu_);
+    auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return queue_.empty() && running_batches_ == 0;
+    };
+    const absl::Time until = absl::Now() + grace;  // real time: threads drain
+    while (!drained() && absl::Now() < until) {
+      drained_cv_.WaitWithDeadline(&mu_, until);
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    leftover = TakeAllLocked();
+  }
+  FailAll(leftover);  // before joining: nobody waits on a computation for them
+
+  {
+    absl::MutexLock lock(&mu_);
+    // Workers finish the batch they hold (compute is not interruptible), then
+    // see kStopped and exit.
+    while (running_batches_ > 0) drained_cv_.Wait(&mu_);
+    state_ = State::kStopped;
+    work_cv_.SignalAll();
+  }
+  for (auto& w : workers_) w.join();
+  workers_.clear();
+  absl::MutexLock lock(&mu_);
+  shutdown_done_ = true;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,514 @@
+// Tests of DynamicBatcher: the batch-closing rules and queue policy with a
+// fake clock in manual mode (no threads, no sleeps), then shutdown and
+// exactly-once completion with real worker threads.
+#include "server/batching/dynamic_batcher.h"
+
+#include <atomic>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/batching/fake_clock.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+// What happened to one request, shared by the test and its task.
+struct Record {
+  std::atomic<int> completions{0};
+  std::atomic<bool> computed{false};
+  std::atomic<bool> cancel{false};
+  absl::Mutex mu;
+  absl::Status status ABSL_GUARDED_BY(mu);
+  absl::Notification done;
+
+  absl::Status GetStatus() {
+    absl::MutexLock lock(&mu);
+    return status;
+  }
+};
+
+class TestTask : public BatchTask {
+ public:
+  TestTask(int id, int64_t tokens, Record* record,
+           absl::Time deadline = absl::InfiniteFuture())
+      : BatchTask(tokens, deadline), id_(id), record_(record) {}
+  int id() const { return id_; }
+  Record* record() const { return record_; }
+  bool cancelled() const override { return record_->cancel.load(); }
+
+ protected:
+  void OnComplete(absl::Status status) override {
+    {
+      absl::MutexLock lock(&record_->mu);
+      record_->status = std::move(status);
+    }
+    if (record_->completions.fetch_add(1) == 0) record_->done.Notify();
+  }
+
+ private:
+  int id_;
+  Record* record_;
+};
+
+// Records the ids of every batch it is given and completes each task OK.
+class Recorder {
+ public:
+  DynamicBatcher::ProcessFn Fn() {
+    return [this](Batch& batch) {
+      std::vector<int> ids;
+      int64_t tokens = 0;
+      for (auto& t : batch.tasks) {
+        auto* task = static_cast<TestTask*>(t.get());
+        ids.push_back(task->id());
+        tokens += task->tokens();
+        task->record()->computed = true;
+      }
+      EXPECT_EQ(tokens, batch.tokens);
+      {
+        absl::MutexLock lock(&mu_);
+        batches_.push_back(ids);
+      }
+      for (auto& t : batch.tasks) t->Complete(absl::OkStatus());
+    };
+  }
+  std::vector<std::vector<int>> batches() {
+    absl::MutexLock lock(&mu_);
+    return batches_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::vector<int>> batches_ ABSL_GUARDED_BY(mu_);
+};
+
+class ManualBatcherTest : public ::testing::Test {
+ protected:
+  void Make(BatcherOptions options) {
+    options.instances = 0;  // manual mode: the test drives the batcher
+    auto b = DynamicBatcher::Create("m", options, recorder_.Fn(), &clock_);
+    ASSERT_TRUE(b.ok()) << b.status();
+    batcher_ = *std::move(b);
+  }
+  // Schedules request `id` with `tokens`; records live in records_[id].
+  absl::Status Send(int id, int64_t tokens,
+                    absl::Time deadline = absl::InfiniteFuture()) {
+    std::unique_ptr<BatchTask> task =
+        std::make_unique<TestTask>(id, tokens, &records_[id], deadline);
+    absl::Status s = batcher_->Schedule(&task);
+    EXPECT_EQ(s.ok(), task == nullptr) << "ownership contract";
+    return s;
+  }
+
+  FakeClock clock_;
+  Recorder recorder_;
+  Record records_[64];
+  std::unique_ptr<DynamicBatcher> batcher_;
+};
+
+TEST_F(ManualBatcherTest, ClosesOnRequestCount) {
+  Make({.max_batch_requests = 4, .max_batch_tokens = 0,
+        .max_queue_delay_us = 1000});
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(Send(i, 1).ok());
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);  // 3 < 4 and no delay yet
+  ASSERT_TRUE(Send(3, 1).ok());
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  for (int i = 4; i < 6; ++i) ASSERT_TRUE(Send(i, 1).ok());
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0, 1, 2, 3)));
+  EXPECT_EQ(batcher_->queue_depth(), 2);
+}
+
+TEST_F(ManualBatcherTest, ClosesOnTokens) {
+  Make({.max_batch_requests = 100, .max_batch_tokens = 100,
+        .max_queue_delay_us = 1000});
+  ASSERT_TRUE(Send(0, 40).ok());
+  ASSERT_TRUE(Send(1, 40).ok());
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);  // 80 < 100
+  // 30 more would make 110: the batch of 80 cannot grow, so it closes; the
+  // 30 starts a new batch that is not full yet.
+  ASSERT_TRUE(Send(2, 30).ok());
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  // Exactly reaching the budget closes it too.
+  ASSERT_TRUE(Send(3, 70).ok());
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  EXPECT_THAT(recorder_.batches(),
+              ElementsAre(ElementsAre(0, 1), ElementsAre(2, 3)));
+}
+
+TEST_F(ManualBatcherTest, ClosesOnDelayOfOldest) {
+  Make({.max_batch_requests = 8, .max_batch_tokens = 0,
+        .max_queue_delay_us = 1000});
+  ASSERT_TRUE(Send(0, 1).ok());
+  clock_.Advance(absl::Microseconds(600));
+  ASSERT_TRUE(Send(1, 1).ok());
+  clock_.Advance(absl::Microseconds(399));
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);  // oldest waited 999 us
+  clock_.Advance(absl::Microseconds(1));          // oldest waited 1000 us
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0, 1)));
+}
+
+TEST_F(ManualBatcherTest, ZeroDelayRunsWhateverIsQueued) {
+  Make({.max_batch_requests = 8, .max_batch_tokens = 0,
+        .max_queue_delay_us = 0});
+  ASSERT_TRUE(Send(0, 1).ok());
+  ASSERT_TRUE(Send(1, 1).ok());
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0, 1)));
+}
+
+TEST_F(ManualBatcherTest, OversizedRequestRunsAloneInsteadOfStarving) {
+  Make({.max_batch_requests = 8, .max_batch_tokens = 100,
+        .max_queue_delay_us = 1000});
+  ASSERT_TRUE(Send(0, 500).ok());
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // alone, at once
+  ASSERT_TRUE(Send(1, 10).ok());
+  ASSERT_TRUE(Send(2, 500).ok());
+  // FIFO: the small one closes (the big one cannot join), then the big one.
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 2);
+  EXPECT_THAT(recorder_.batches(),
+              ElementsAre(ElementsAre(0), ElementsAre(1), ElementsAre(2)));
+}
+
+TEST_F(ManualBatcherTest, BatchingOffRunsOneAtATime) {
+  Make({.max_batch_requests = 1, .max_batch_tokens = 0,
+        .max_queue_delay_us = 1000});
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(Send(i, 1).ok());
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 3);
+  EXPECT_THAT(recorder_.batches(),
+              ElementsAre(ElementsAre(0), ElementsAre(1), ElementsAre(2)));
+}
+
+TEST_F(ManualBatcherTest, ExpiredInQueueIsNeverComputed) {
+  Make({.max_batch_requests = 8, .max_batch_tokens = 0,
+        .max_queue_delay_us = 1000});
+  ASSERT_TRUE(Send(0, 1, clock_.Now() + absl::Microseconds(500)).ok());
+  ASSERT_TRUE(Send(1, 1).ok());
+  clock_.Advance(absl::Microseconds(600));
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);  // 1 is still waiting
+  EXPECT_EQ(records_[0].completions, 1);
+  EXPECT_EQ(records_[0].GetStatus().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(records_[0].GetStatus().message(), HasSubstr("not computed"));
+  EXPECT_FALSE(records_[0].computed);
+  EXPECT_EQ(batcher_->queue_depth(), 1);
+  clock_.Advance(absl::Microseconds(400));
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(1)));
+  EXPECT_TRUE(records_[1].GetStatus().ok());
+}
+
+TEST_F(ManualBatcherTest, DeadlineAlreadyPassedAtScheduleIsNotComputed) {
+  Make({.max_batch_requests = 1, .max_batch_tokens = 0,
+        .max_queue_delay_us = 0});
+  ASSERT_TRUE(Send(0, 1, clock_.Now()).ok());
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  EXPECT_EQ(records_[0].GetStatus().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_FALSE(records_[0].computed);
+}
+
+TEST_F(ManualBatcherTest, CancelledLeavesTheQueue) {
+  Make({.max_batch_requests = 2, .max_batch_tokens = 0,
+        .max_queue_delay_us = 1000});
+  ASSERT_TRUE(Send(0, 1).ok());
+  records_[0].cancel = true;
+  ASSERT_TRUE(Send(1, 1).ok());
+  // Without the cancelled one the batch is not full: nothing runs yet.
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  EXPECT_EQ(records_[0].completions, 1);
+  EXPECT_EQ(records_[0].GetStatus().code(), absl::StatusCode::kCancelled);
+  EXPECT_FALSE(records_[0].computed);
+  ASSERT_TRUE(Send(2, 1).ok());
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(1, 2)));
+}
+
+TEST_F(ManualBatcherTest, QueueFullIsResourceExhaustedAndCallerKeepsTask) {
+  Make({.max_batch_requests = 8, .max_batch_tokens = 0,
+        .max_queue_delay_us = 1000, .max_queue_size = 3});
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(Send(i, 1).ok());
+  std::unique_ptr<BatchTask> task =
+      std::make_unique<TestTask>(3, 1, &records_[3]);
+  absl::Status s = batcher_->Schedule(&task);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("queue of model m is full (3 requests)"));
+  EXPECT_NE(task, nullptr);  // still ours
+  EXPECT_EQ(records_[3].completions, 0);
+}
+
+TEST_F(ManualBatcherTest, ShutdownDrainsWithinGraceThenFailsTheRest) {
+  // Each batch "takes" one second of fake time; the grace covers three.
+  auto b = DynamicBatcher::Create(
+      "m",
+      {.max_batch_requests = 1, .max_batch_tokens = 0,
+       .max_queue_delay_us = 1'000'000, .instances = 0},
+      [this](Batch& batch) {
+        recorder_.Fn()(batch);
+        clock_.Advance(absl::Seconds(1));
+      },
+      &clock_);
+  ASSERT_TRUE(b.ok());
+  batcher_ = *std::move(b);
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(Send(i, 1).ok());
+  batcher_->Shutdown(absl::Milliseconds(2500));
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(records_[i].completions, 1) << i;
+    EXPECT_EQ(records_[i].GetStatus().code(),
+              i < 3 ? absl::StatusCode::kOk : absl::StatusCode::kUnavailable)
+        << i;
+    EXPECT_EQ(records_[i].computed, i < 3) << i;
+  }
+  absl::Status s = Send(5, 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(s.message(), HasSubstr("shutting down"));
+}
+
+TEST_F(ManualBatcherTest, UnansweredTaskIsCompletedInternal) {
+  auto b = DynamicBatcher::Create(
+      "m", {.max_batch_requests = 2, .max_queue_delay_us = 0, .instances = 0},
+      [](Batch& batch) { batch.tasks[0]->Complete(absl::OkStatus()); },
+      &clock_);
+  ASSERT_TRUE(b.ok());
+  batcher_ = *std::move(b);
+  ASSERT_TRUE(Send(0, 1).ok());
+  ASSERT_TRUE(Send(1, 1).ok());
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  EXPECT_TRUE(records_[0].GetStatus().ok());
+  EXPECT_EQ(records_[1].GetStatus().code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(records_[0].completions + records_[1].completions, 2);
+}
+
+TEST_F(ManualBatcherTest, QueueTimeEndsWhenTheBatchCloses) {
+  absl::Duration waited;
+  auto b = DynamicBatcher::Create(
+      "m", {.max_batch_requests = 8, .max_queue_delay_us = 300, .instances = 0},
+      [&](Batch& batch) {
+        waited = batch.closed_at - batch.tasks[0]->enqueue_time();
+        for (auto& t : batch.tasks) t->Complete(absl::OkStatus());
+      },
+      &clock_);
+  ASSERT_TRUE(b.ok());
+  batcher_ = *std::move(b);
+  ASSERT_TRUE(Send(0, 1).ok());
+  clock_.Advance(absl::Microseconds(450));
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  EXPECT_EQ(waited, absl::Microseconds(450));
+}
+
+TEST(BatcherOptionsTest, RejectsOutOfRange) {
+  EXPECT_TRUE(ValidateBatcherOptions({}).ok());
+  EXPECT_EQ(ValidateBatcherOptions({.max_batch_requests = 0}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateBatcherOptions({.max_batch_tokens = -1}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateBatcherOptions({.max_queue_delay_us = -1}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateBatcherOptions({.max_queue_size = 0}).code(),
+            absl::StatusCode::kInvalidArgument);
+  auto b = DynamicBatcher::Create("m", {.max_queue_size = 0},
+                                  [](Batch&) {});
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(b.status().message(), HasSubstr("max_queue_size"));
+}
+
+// ---- Real worker threads. Waits are on notifications, never on sleeps. ----
+
+TEST(ThreadedBatcherTest, QueueFullWithOneRunningRejectsExactlyTheExcess) {
+  constexpr int kQueue = 5, kExtra = 3;
+  absl::Notification started, release;
+  std::atomic<int> computed{0};
+  auto b = DynamicBatcher::Create(
+      "m",
+      {.max_batch_requests = 1, .max_batch_tokens = 0, .max_queue_delay_us = 0,
+       .max_queue_size = kQueue, .instances = 1},
+      [&](Batch& batch) {
+        if (!started.HasBeenNotified()) started.Notify();
+        release.WaitForNotification();
+        computed += batch.tasks.size();
+        for (auto& t : batch.tasks) t->Complete(absl::OkStatus());
+      });
+  ASSERT_TRUE(b.ok());
+  auto& batcher = *b;
+  Record records[1 + kQueue + kExtra];
+  std::unique_ptr<BatchTask> first = std::make_unique<TestTask>(0, 1, &records[0]);
+  ASSERT_TRUE(batcher->Schedule(&first).ok());
+  started.WaitForNotification();  // request 0 is running; the queue is empty
+  int exhausted = 0;
+  for (int i = 1; i < 1 + kQueue + kExtra; ++i) {
+    std::unique_ptr<BatchTask> t = std::make_unique<TestTask>(i, 1, &records[i]);
+    absl::Status s = batcher->Schedule(&t);
+    if (s.code() == absl::StatusCode::kResourceExhausted) {
+      ++exhausted;
+      EXPECT_THAT(s.message(), HasSubstr("is full (5 requests)"));
+      EXPECT_NE(t, nullptr);
+    } else {
+      EXPECT_TRUE(s.ok()) << s;
+    }
+  }
+  EXPECT_EQ(exhausted, kExtra);
+  release.Notify();
+  batcher->Shutdown(absl::Seconds(30));
+  EXPECT_EQ(computed, 1 + kQueue);
+  for (int i = 0; i < 1 + kQueue + kExtra; ++i) {
+    EXPECT_EQ(records[i].completions, i <= kQueue ? 1 : 0) << i;
+  }
+}
+
+TEST(ThreadedBatcherTest, ShutdownCompletesEveryAcceptedRequest) {
+  constexpr int kInFlight = 37;
+  Recorder recorder;
+  // A one-minute delay: only draining (not the delay) can close partial
+  // batches, so the test also checks that Shutdown does not wait for it.
+  auto b = DynamicBatcher::Create(
+      "m",
+      {.max_batch_requests = 4, .max_batch_tokens = 0,
+       .max_queue_delay_us = 60'000'000, .instances = 2},
+      recorder.Fn());
+  ASSERT_TRUE(b.ok());
+  Record records[kInFlight + 1];
+  for (int i = 0; i < kInFlight; ++i) {
+    std::unique_ptr<BatchTask> t = std::make_unique<TestTask>(i, 1, &records[i]);
+    ASSERT_TRUE((*b)->Schedule(&t).ok());
+  }
+  const absl::Time start = absl::Now();
+  (*b)->Shutdown(absl::Seconds(30));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  int ok = 0;
+  for (int i = 0; i < kInFlight; ++i) {
+    EXPECT_EQ(records[i].completions, 1) << i;
+    ok += records[i].GetStatus().ok();
+  }
+  EXPECT_EQ(ok, kInFlight);
+  std::unique_ptr<BatchTask> late =
+      std::make_unique<TestTask>(kInFlight, 1, &records[kInFlight]);
+  EXPECT_EQ((*b)->Schedule(&late).code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(ThreadedBatcherTest, WakeFailsCancelledTaskPromptly) {
+  Recorder recorder;
+  auto b = DynamicBatcher::Create(
+      "m",
+      {.max_batch_requests = 8, .max_queue_delay_us = 60'000'000,
+       .instances = 1},
+      recorder.Fn());
+  ASSERT_TRUE(b.ok());
+  Record record;
+  std::unique_ptr<BatchTask> t = std::make_unique<TestTask>(0, 1, &record);
+  ASSERT_TRUE((*b)->Schedule(&t).ok());
+  record.cancel = true;
+  (*b)->Wake();
+  ASSERT_TRUE(record.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(record.GetStatus().code(), absl::StatusCode::kCancelled);
+  EXPECT_FALSE(record.computed);
+}
+
+TEST(ThreadedBatcherTest, WorkerWakesForQueuedDeadline) {
+  // The delay is long; the deadline is short. The worker must wake for the
+  // deadline and fail the request without computing it.
+  Recorder recorder;
+  auto b = DynamicBatcher::Create(
+      "m",
+      {.max_batch_requests = 8, .max_queue_delay_us = 60'000'000,
+       .instances = 1},
+      recorder.Fn());
+  ASSERT_TRUE(b.ok());
+  Record record;
+  std::unique_ptr<BatchTask> t = std::make_unique<TestTask>(
+      0, 1, &record, absl::Now() + absl::Milliseconds(20));
+  ASSERT_TRUE((*b)->Schedule(&t).ok());
+  ASSERT_TRUE(record.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(record.GetStatus().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_FALSE(record.computed);
+}
+
+// Many producers, several workers, random cancellations, deadlines, process
+// functions that forget tasks, and a shutdown racing with Schedule: every
+// accepted task completes exactly once; every rejected one never does.
+TEST(ThreadedBatcherTest, ExactlyOnceUnderConcurrentStress) {
+  constexpr int kProducers = 6, kPerProducer = 400;
+  constexpr int kTotal = kProducers * kPerProducer;
+  std::vector<Record> records(kTotal);
+  std::atomic<int> scheduled_so_far{0};
+  absl::Notification half_sent;
+
+  auto b = DynamicBatcher::Create(
+      "m",
+      {.max_batch_requests = 8, .max_batch_tokens = 64,
+       .max_queue_delay_us = 50, .max_queue_size = 64, .instances = 3},
+      [](Batch& batch) {
+        for (auto& t : batch.tasks) {
+          auto* task = static_cast<TestTask*>(t.get());
+          task->record()->computed = true;
+          // Every 7th is left for the batcher to fail INTERNAL; some are
+          // answered twice (the second must be ignored).
+          if (task->id() % 7 == 0) continue;
+          task->Complete(absl::OkStatus());
+          if (task->id() % 5 == 0) task->Complete(absl::AbortedError("twice"));
+        }
+      });
+  ASSERT_TRUE(b.ok());
+  DynamicBatcher* batcher = b->get();
+
+  std::vector<std::atomic<bool>> accepted(kTotal);
+  std::vector<std::thread> producers;
+  for (int p = 0; p < kProducers; ++p) {
+    producers.emplace_back([&, p] {
+      std::mt19937 rng(p);
+      for (int i = 0; i < kPerProducer; ++i) {
+        const int id = p * kPerProducer + i;
+        absl::Time deadline = absl::InfiniteFuture();
+        if (rng() % 10 == 0) deadline = absl::Now() + absl::Microseconds(rng() % 200);
+        std::unique_ptr<BatchTask> t = std::make_unique<TestTask>(
+            id, 1 + rng() % 40, &records[id], deadline);
+        if (rng() % 10 == 0) records[id].cancel = true;
+        absl::Status s = batcher->Schedule(&t);
+        accepted[id] = s.ok();
+        if (!s.ok()) {
+          EXPECT_TRUE(s.code() == absl::StatusCode::kResourceExhausted ||
+                      s.code() == absl::StatusCode::kUnavailable)
+              << s;
+          EXPECT_NE(t, nullptr);
+        }
+        if (rng() % 16 == 0) batcher->Wake();
+        if (++scheduled_so_far == kTotal / 2) half_sent.Notify();
+        if (rng() % 4 == 0) std::this_thread::yield();
+      }
+    });
+  }
+  half_sent.WaitForNotification();
+  batcher->Shutdown(absl::Seconds(20));
+  for (auto& t : producers) t.join();
+  b->reset();
+
+  int n_accepted = 0, n_ok = 0;
+  for (int id = 0; id < kTotal; ++id) {
+    const int c = records[id].completions;
+    if (accepted[id]) {
+      ++n_accepted;
+      EXPECT_EQ(c, 1) << id;
+      n_ok += records[id].GetStatus().ok();
+      if (records[id].GetStatus().code() == absl::StatusCode::kAborted) {
+        ADD_FAILURE() << "second completion took effect for " << id;
+      }
+    } else {
+      EXPECT_EQ(c, 0) << id;
+    }
+  }
+  EXPECT_GT(n_accepted, 0);
+  EXPECT_GT(n_ok, 0);
+}
+
+}  // namespace
+}  // namespace attnserve
