@@ -1,0 +1,260 @@
+// LoadLayerWeights for each checkpoint layout: where every row of the
+// canonical weights comes from, and the messages for missing/misshapen tensors.
+#include "engine/model/weight_loader.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+WeightSpec Spec(WeightLayout layout, bool qkv_bias = true, bool out_bias = true) {
+  WeightSpec spec;
+  spec.layout = layout;
+  spec.q_bias = spec.k_bias = spec.v_bias = qkv_bias;
+  spec.out_bias = out_bias;
+  return spec;
+}
+
+struct NamedTensor {
+  std::string name;
+  Shape shape;
+  std::vector<float> values;  // stored as F32
+};
+
+// Values that identify their position: start + 0.001 * i.
+std::vector<float> Iota(int64_t n, float start) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = start + 0.001f * static_cast<float>(i);
+  return v;
+}
+
+NamedTensor T(std::string name, Shape shape, float start) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return {std::move(name), shape, Iota(n, start)};
+}
+
+std::unique_ptr<SafetensorsFile> MakeFile(const std::vector<NamedTensor>& tensors) {
+  std::string data;
+  std::vector<std::string> entries;
+  for (const NamedTensor& t : tensors) {
+    size_t begin = data.size();
+    data.append(reinterpret_cast<const char*>(t.values.data()), t.values.size() * 4);
+    entries.push_back(absl::StrCat("\"", t.name, "\":{\"dtype\":\"F32\",\"shape\":[",
+                                   absl::StrJoin(t.shape, ","), "],\"data_offsets\":[", begin,
+                                   ",", data.size(), "]}"));
+  }
+  std::string header = absl::StrCat("{", absl::StrJoin(entries, ","), "}");
+  uint64_t n = header.size();
+  std::string bytes(8, '\0');
+  std::memcpy(bytes.data(), &n, 8);
+  auto file = SafetensorsFile::FromBytes(bytes + header + data, "repo/m/weights.safetensors");
+  EXPECT_TRUE(file.ok()) << file.status();
+  return std::move(*file);
+}
+
+LayerConfig Config(int64_t embed, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  LayerConfig c;
+  c.name = "m";
+  c.has_projections = true;
+  c.embed_dim = embed;
+  c.num_heads = heads;
+  c.num_kv_heads = kv_heads;
+  c.head_dim = head_dim;
+  c.query_dim = c.key_dim = c.value_dim = c.out_dim = embed;
+  return c;
+}
+
+std::vector<float> Values(const Tensor& t) {
+  const float* p = t.data_as<float>();
+  return std::vector<float>(p, p + t.num_elements());
+}
+
+// Rows [row0, row0 + rows) of `m` viewed as [*, cols].
+std::vector<float> Rows(const std::vector<float>& m, int64_t cols, int64_t row0, int64_t rows) {
+  return std::vector<float>(m.begin() + row0 * cols, m.begin() + (row0 + rows) * cols);
+}
+
+TEST(WeightLoaderTest, TorchMhaPackedInProjectionSplitsIntoThirds) {
+  NamedTensor in_w = T("in_proj_weight", {12, 4}, 1.0f);
+  NamedTensor in_b = T("in_proj_bias", {12}, 2.0f);
+  NamedTensor out_w = T("out_proj.weight", {4, 4}, 3.0f);
+  NamedTensor out_b = T("out_proj.bias", {4}, 4.0f);
+  auto file = MakeFile({in_w, in_b, out_w, out_b});
+  auto w = LoadLayerWeights(*file, Config(4, 2, 2, 2), WeightSpec{});
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->wq.shape(), (Shape{4, 4}));
+  EXPECT_EQ(Values(w->wq), Rows(in_w.values, 4, 0, 4));
+  EXPECT_EQ(Values(w->wk), Rows(in_w.values, 4, 4, 4));
+  EXPECT_EQ(Values(w->wv), Rows(in_w.values, 4, 8, 4));
+  EXPECT_EQ(Values(w->bq), Rows(in_b.values, 1, 0, 4));
+  EXPECT_EQ(Values(w->bk), Rows(in_b.values, 1, 4, 4));
+  EXPECT_EQ(Values(w->bv), Rows(in_b.values, 1, 8, 4));
+  EXPECT_EQ(Values(w->wo), out_w.values);
+  EXPECT_EQ(Values(w->bo), out_b.values);
+}
+
+TEST(WeightLoaderTest, TorchMhaSeparateWeightsWhenKdimVdimDiffer) {
+  NamedTensor q = T("q_proj_weight", {4, 4}, 1.0f);
+  NamedTensor k = T("k_proj_weight", {4, 3}, 2.0f);
+  NamedTensor v = T("v_proj_weight", {4, 5}, 3.0f);
+  auto file = MakeFile({q, k, v, T("out_proj.weight", {4, 4}, 4.0f)});
+  LayerConfig c = Config(4, 2, 2, 2);
+  c.key_dim = 3;
+  c.value_dim = 5;
+  WeightSpec spec;
+  spec.q_bias = spec.k_bias = spec.v_bias = spec.out_bias = false;
+  auto w = LoadLayerWeights(*file, c, spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(Values(w->wq), q.values);
+  EXPECT_EQ(w->wk.shape(), (Shape{4, 3}));
+  EXPECT_EQ(Values(w->wk), k.values);
+  EXPECT_EQ(w->wv.shape(), (Shape{4, 5}));
+  EXPECT_EQ(Values(w->wv), v.values);
+  EXPECT_EQ(w->bq.byte_size(), 0u);
+  EXPECT_EQ(w->bo.byte_size(), 0u);
+}
+
+TEST(WeightLoaderTest, SeparateQkvWithGqaPrefixAndOverride) {
+  const std::string p = "model.layers.1.self_attn.";
+  NamedTensor q = T(p + "q_proj.weight", {8, 6}, 1.0f);
+  NamedTensor k = T(p + "k_proj.weight", {4, 6}, 2.0f);
+  NamedTensor v = T(p + "v_proj.weight", {4, 6}, 3.0f);
+  NamedTensor o = T(p + "dense.weight", {6, 8}, 4.0f);
+  NamedTensor ob = T(p + "dense.bias", {6}, 5.0f);
+  // An unrelated layer in the same file is ignored.
+  auto file = MakeFile({T("model.layers.0.self_attn.q_proj.weight", {8, 6}, 9.0f), q, k, v, o, ob});
+  LayerConfig c = Config(6, 4, 2, 2);
+  WeightSpec spec;
+  spec.layout = WeightLayout::kSeparateQkv;
+  spec.tensor_prefix = p;
+  spec.tensor_names = {{"out_weight", "dense.weight"}, {"out_bias", "dense.bias"}};
+  spec.q_bias = spec.k_bias = spec.v_bias = false;
+  auto w = LoadLayerWeights(*file, c, spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(Values(w->wq), q.values);
+  EXPECT_EQ(w->wk.shape(), (Shape{4, 6}));
+  EXPECT_EQ(Values(w->wk), k.values);
+  EXPECT_EQ(Values(w->wv), v.values);
+  EXPECT_EQ(w->wo.shape(), (Shape{6, 8}));
+  EXPECT_EQ(Values(w->wo), o.values);
+  EXPECT_EQ(Values(w->bo), ob.values);
+}
+
+TEST(WeightLoaderTest, FusedQkvPerHeadDeinterleavesHeads) {
+  const int64_t h = 2, hd = 3, in = 4;
+  NamedTensor qkv = T("qkv.weight", {h * 3 * hd, in}, 1.0f);
+  NamedTensor qkv_b = T("qkv.bias", {h * 3 * hd}, 2.0f);
+  auto file = MakeFile({qkv, qkv_b, T("out_proj.weight", {in, h * hd}, 3.0f),
+                        T("out_proj.bias", {in}, 4.0f)});
+  auto w = LoadLayerWeights(*file, Config(in, h, h, hd),
+                            Spec(WeightLayout::kFusedQkvPerHead));
+  ASSERT_TRUE(w.ok()) << w.status();
+  const Tensor* parts[3] = {&w->wq, &w->wk, &w->wv};
+  const Tensor* biases[3] = {&w->bq, &w->bk, &w->bv};
+  for (int part = 0; part < 3; ++part) {
+    std::vector<float> expected, expected_bias;
+    for (int64_t head = 0; head < h; ++head) {
+      // Fused output row (head, part, d) = head * 3 * hd + part * hd + d.
+      auto rows = Rows(qkv.values, in, head * 3 * hd + part * hd, hd);
+      expected.insert(expected.end(), rows.begin(), rows.end());
+      auto b = Rows(qkv_b.values, 1, head * 3 * hd + part * hd, hd);
+      expected_bias.insert(expected_bias.end(), b.begin(), b.end());
+    }
+    EXPECT_EQ(Values(*parts[part]), expected) << "part " << part;
+    EXPECT_EQ(Values(*biases[part]), expected_bias) << "part " << part;
+  }
+}
+
+TEST(WeightLoaderTest, KerasKernelsAreTransposedIn2dAnd3dForms) {
+  const int64_t in = 4, h = 2, hd = 2, out = 3;
+  NamedTensor kq = T("query/kernel", {in, h, hd}, 1.0f);  // EinsumDense form
+  NamedTensor kk = T("key/kernel", {in, h * hd}, 2.0f);   // Dense form
+  NamedTensor kv = T("value/kernel", {in, h, hd}, 3.0f);
+  NamedTensor ko = T("attention_output/kernel", {h, hd, out}, 4.0f);
+  NamedTensor bq = T("query/bias", {h, hd}, 5.0f);
+  auto file = MakeFile({kq, kk, kv, ko, bq, T("attention_output/bias", {out}, 6.0f)});
+  LayerConfig c = Config(in, h, h, hd);
+  c.out_dim = out;
+  WeightSpec spec = Spec(WeightLayout::kKerasDense);
+  spec.k_bias = spec.v_bias = false;
+  auto w = LoadLayerWeights(*file, c, spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_EQ(w->wq.shape(), (Shape{h * hd, in}));
+  ASSERT_EQ(w->wo.shape(), (Shape{out, h * hd}));
+  for (int64_t o = 0; o < h * hd; ++o) {
+    for (int64_t i = 0; i < in; ++i) {
+      EXPECT_EQ(w->wq.data_as<float>()[o * in + i], kq.values[i * h * hd + o]);
+      EXPECT_EQ(w->wk.data_as<float>()[o * in + i], kk.values[i * h * hd + o]);
+    }
+  }
+  for (int64_t o = 0; o < out; ++o) {
+    for (int64_t i = 0; i < h * hd; ++i) {
+      EXPECT_EQ(w->wo.data_as<float>()[o * h * hd + i], ko.values[i * out + o]);
+    }
+  }
+  EXPECT_EQ(Values(w->bq), bq.values);
+  EXPECT_EQ(w->bk.byte_size(), 0u);
+}
+
+TEST(WeightLoaderTest, MissingTensorNamesFileTensorAndExpectedShape) {
+  auto file = MakeFile({T("layers.0.attn.out_proj.weight", {4, 4}, 1.0f)});
+  WeightSpec spec;
+  spec.tensor_prefix = "layers.0.attn.";
+  auto w = LoadLayerWeights(*file, Config(4, 2, 2, 2), spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(),
+              AllOf(HasSubstr("repo/m/weights.safetensors"),
+                    HasSubstr("tensor 'layers.0.attn.in_proj_weight' is missing"),
+                    HasSubstr("expected shape [12, 4]"),
+                    HasSubstr("'layers.0.attn.out_proj.weight'")));
+}
+
+TEST(WeightLoaderTest, WrongShapeNamesExpectedAndActual) {
+  auto file = MakeFile({T("in_proj_weight", {12, 5}, 1.0f)});
+  auto w = LoadLayerWeights(*file, Config(4, 2, 2, 2), WeightSpec{});
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(),
+              AllOf(HasSubstr("repo/m/weights.safetensors"), HasSubstr("tensor 'in_proj_weight'"),
+                    HasSubstr("has shape [12, 5]; expected [12, 4]")));
+}
+
+TEST(WeightLoaderTest, Bf16PrecisionRoundsWeights) {
+  NamedTensor q = T("q_proj.weight", {2, 2}, 1.01f);
+  auto file = MakeFile({q, T("k_proj.weight", {2, 2}, 0.0f), T("v_proj.weight", {2, 2}, 0.0f),
+                        T("o_proj.weight", {2, 2}, 0.0f)});
+  LayerConfig c = Config(2, 1, 1, 2);
+  c.precision = Precision::kBFloat16;
+  WeightSpec spec = Spec(WeightLayout::kSeparateQkv, false, false);
+  auto w = LoadLayerWeights(*file, c, spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  for (int i = 0; i < 4; ++i) {
+    float got = w->wq.data_as<float>()[i];
+    EXPECT_EQ(got, BFloat16ToFloat(FloatToBFloat16(q.values[i])));
+    EXPECT_NE(got, q.values[i]);
+  }
+}
+
+TEST(WeightLoaderTest, UnknownRoleInTensorNamesIsRejected) {
+  auto file = MakeFile({});
+  WeightSpec spec;
+  spec.tensor_names = {{"qkv_weight", "x"}};  // a FUSED role, not TORCH_MHA
+  auto w = LoadLayerWeights(*file, Config(4, 2, 2, 2), spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(),
+              AllOf(HasSubstr("tensor_names key 'qkv_weight'"), HasSubstr("TORCH_MHA"),
+                    HasSubstr("in_proj_weight")));
+}
+
+}  // namespace
+}  // namespace attnserve
