@@ -1,0 +1,184 @@
+// Metric families, bucket layouts and the /metrics endpoint.
+#include "server/metrics.h"
+
+#include <cmath>
+#include <exception>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/exposer.h"
+#include "prometheus/text_serializer.h"
+
+#ifndef ATTNSERVE_VERSION
+#define ATTNSERVE_VERSION "unknown"
+#endif
+
+namespace attnserve {
+namespace {
+
+// 10 us .. 10 s, four buckets per decade (x1.78 each): fine enough that
+// histogram_quantile's interpolation stays within ~1.8x of the true value,
+// coarse enough to keep 25 series per histogram.
+prometheus::Histogram::BucketBoundaries SecondsBuckets() {
+  prometheus::Histogram::BucketBoundaries b;
+  for (int i = 0; i <= 24; ++i) b.push_back(1e-5 * std::pow(10.0, i / 4.0));
+  return b;
+}
+
+// Batch sizes in requests: exact for small batches, then doubling.
+prometheus::Histogram::BucketBoundaries RequestBuckets() {
+  return {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024};
+}
+
+// Batch sizes in query tokens: 1 .. 1M, doubling.
+prometheus::Histogram::BucketBoundaries TokenBuckets() {
+  prometheus::Histogram::BucketBoundaries b;
+  for (double v = 1; v <= (1 << 20); v *= 2) b.push_back(v);
+  return b;
+}
+
+}  // namespace
+
+const char* StatusCodeLabel(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kOk: return "OK";
+    case absl::StatusCode::kCancelled: return "CANCELLED";
+    case absl::StatusCode::kUnknown: return "UNKNOWN";
+    case absl::StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
+    case absl::StatusCode::kDeadlineExceeded: return "DEADLINE_EXCEEDED";
+    case absl::StatusCode::kNotFound: return "NOT_FOUND";
+    case absl::StatusCode::kAlreadyExists: return "ALREADY_EXISTS";
+    case absl::StatusCode::kPermissionDenied: return "PERMISSION_DENIED";
+    case absl::StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
+    case absl::StatusCode::kFailedPrecondition: return "FAILED_PRECONDITION";
+    case absl::StatusCode::kAborted: return "ABORTED";
+    case absl::StatusCode::kOutOfRange: return "OUT_OF_RANGE";
+    case absl::StatusCode::kUnimplemented: return "UNIMPLEMENTED";
+    case absl::StatusCode::kInternal: return "INTERNAL";
+    case absl::StatusCode::kUnavailable: return "UNAVAILABLE";
+    case absl::StatusCode::kDataLoss: return "DATA_LOSS";
+    case absl::StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
+    default: return "UNKNOWN";
+  }
+}
+
+void ModelMetrics::RequestDone(absl::StatusCode code, double total_seconds) {
+  int index = static_cast<int>(code);
+  if (index < 0 || index >= kNumCodes) index = static_cast<int>(absl::StatusCode::kUnknown);
+  requests_[index]->Increment();
+  request_duration_->Observe(total_seconds);
+}
+
+void ModelMetrics::BatchDone(int64_t requests, int64_t tokens, double compute_seconds) {
+  batch_requests_->Observe(static_cast<double>(requests));
+  batch_tokens_->Observe(static_cast<double>(tokens));
+  compute_duration_->Observe(compute_seconds);
+  tokens_->Increment(static_cast<double>(tokens));
+}
+
+absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& options) {
+  std::unique_ptr<Metrics> m(new Metrics);
+  m->registry_ = std::make_shared<prometheus::Registry>();
+  prometheus::Registry& r = *m->registry_;
+
+  m->requests_ = &prometheus::BuildCounter()
+                      .Name("attnserve_requests_total")
+                      .Help("Attend requests answered (one count per request, also per stream "
+                            "message), by model and final gRPC status code")
+                      .Register(r);
+  m->request_duration_ = &prometheus::BuildHistogram()
+                              .Name("attnserve_request_duration_seconds")
+                              .Help("Server-side time of one request, from receipt to its "
+                                    "response being handed to gRPC (any status)")
+                              .Register(r);
+  m->queue_duration_ = &prometheus::BuildHistogram()
+                            .Name("attnserve_queue_duration_seconds")
+                            .Help("Time one request waited in its model's queue until its "
+                                  "batch closed")
+                            .Register(r);
+  m->compute_duration_ = &prometheus::BuildHistogram()
+                              .Name("attnserve_compute_duration_seconds")
+                              .Help("Engine time of one executed batch (one count per batch, "
+                                    "whatever its size)")
+                              .Register(r);
+  m->batch_requests_ = &prometheus::BuildHistogram()
+                            .Name("attnserve_batch_requests")
+                            .Help("Requests in one executed batch (one count per batch)")
+                            .Register(r);
+  m->batch_tokens_ = &prometheus::BuildHistogram()
+                          .Name("attnserve_batch_tokens")
+                          .Help("Query tokens (batch x query length, summed over requests) in "
+                                "one executed batch (one count per batch)")
+                          .Register(r);
+  m->queue_depth_ = &prometheus::BuildGauge()
+                         .Name("attnserve_queue_depth")
+                         .Help("Requests waiting in the model's queue (not yet in a batch)")
+                         .Register(r);
+  m->inflight_ = &prometheus::BuildGauge()
+                      .Name("attnserve_inflight_requests")
+                      .Help("Requests accepted and not yet answered (queued or computing)")
+                      .Register(r);
+  m->tokens_ = &prometheus::BuildCounter()
+                    .Name("attnserve_tokens_total")
+                    .Help("Query tokens computed (a request of batch B and query length L "
+                          "counts B*L)")
+                    .Register(r);
+  std::map<std::string, std::string> build = options.build_labels;
+  build["version"] = ATTNSERVE_VERSION;
+  prometheus::BuildGauge()
+      .Name("attnserve_build_info")
+      .Help("Always 1; the labels describe the running build")
+      .Register(r)
+      .Add(build)
+      .Set(1);
+
+  if (!options.address.empty()) {
+    try {
+      // civetweb threads: 2 are enough for a few scrapers.
+      m->exposer_ = std::make_unique<prometheus::Exposer>(options.address, 2);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("metrics endpoint cannot listen on ",
+                                                 options.address, ": ", e.what()));
+    }
+    m->exposer_->RegisterCollectable(m->registry_);
+    std::vector<int> ports = m->exposer_->GetListeningPorts();
+    m->port_ = ports.empty() ? 0 : ports.front();
+    const size_t colon = options.address.rfind(':');
+    const std::string host =
+        colon == std::string::npos ? options.address : options.address.substr(0, colon);
+    m->address_ = absl::StrCat(host, ":", m->port_);
+  }
+  return m;
+}
+
+Metrics::~Metrics() = default;
+
+ModelMetrics* Metrics::ForModel(const std::string& model) {
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(model);
+  if (it != models_.end()) return it->second.get();
+  std::unique_ptr<ModelMetrics> mm(new ModelMetrics);
+  const prometheus::Labels labels{{"model", model}};
+  for (int c = 0; c < ModelMetrics::kNumCodes; ++c) {
+    mm->requests_[c] =
+        &requests_->Add({{"model", model},
+                         {"code", StatusCodeLabel(static_cast<absl::StatusCode>(c))}});
+  }
+  mm->request_duration_ = &request_duration_->Add(labels, SecondsBuckets());
+  mm->queue_duration_ = &queue_duration_->Add(labels, SecondsBuckets());
+  mm->compute_duration_ = &compute_duration_->Add(labels, SecondsBuckets());
+  mm->batch_requests_ = &batch_requests_->Add(labels, RequestBuckets());
+  mm->batch_tokens_ = &batch_tokens_->Add(labels, TokenBuckets());
+  mm->queue_depth_ = &queue_depth_->Add(labels);
+  mm->inflight_ = &inflight_->Add(labels);
+  mm->tokens_ = &tokens_->Add(labels);
+  ModelMetrics* raw = mm.get();
+  models_.emplace(model, std::move(mm));
+  return raw;
+}
+
+std::string Metrics::Serialize() const {
+  return prometheus::TextSerializer().Serialize(registry_->Collect());
+}
+
+}  // namespace attnserve

@@ -1,0 +1,121 @@
+// Prometheus metrics of one attnserve process: the metric families, per-model
+// handles that the request path updates, and the /metrics HTTP endpoint.
+#ifndef ATTNSERVE_SERVER_METRICS_H_
+#define ATTNSERVE_SERVER_METRICS_H_
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace prometheus {
+class Exposer;
+}  // namespace prometheus
+
+namespace attnserve {
+
+struct MetricsOptions {
+  // host:port of the /metrics endpoint; port 0 picks a free port (see
+  // Metrics::port()). Empty = no endpoint (metrics still collected, e.g. for
+  // tests). Default: 127.0.0.1:9464.
+  std::string address = "127.0.0.1:9464";
+  // Labels of attnserve_build_info (besides version). Default: none.
+  std::map<std::string, std::string> build_labels;
+};
+
+// The metrics of one served model. Every method is thread-safe and cheap
+// (atomics, or a short per-histogram lock); none allocates once created.
+class ModelMetrics {
+ public:
+  // One answered request: its final status code (absl and gRPC codes share
+  // numbering) and the server-side time from receipt to response.
+  void RequestDone(absl::StatusCode code, double total_seconds);
+  // A request that reached its batch: time from queued to its batch closing.
+  void Queued(double queue_seconds) { queue_duration_->Observe(queue_seconds); }
+  // One executed batch: its size in requests and query tokens, and the time
+  // its engine call took.
+  void BatchDone(int64_t requests, int64_t tokens, double compute_seconds);
+  void SetQueueDepth(int64_t depth) { queue_depth_->Set(static_cast<double>(depth)); }
+  // Accepted requests not yet answered (queued or computing).
+  void InflightAdd(int64_t delta) { inflight_->Increment(static_cast<double>(delta)); }
+
+ private:
+  friend class Metrics;
+  ModelMetrics() = default;
+
+  static constexpr int kNumCodes = 17;  // absl::StatusCode 0..16
+  std::array<prometheus::Counter*, kNumCodes> requests_{};
+  prometheus::Histogram* request_duration_ = nullptr;
+  prometheus::Histogram* queue_duration_ = nullptr;
+  prometheus::Histogram* compute_duration_ = nullptr;
+  prometheus::Histogram* batch_requests_ = nullptr;
+  prometheus::Histogram* batch_tokens_ = nullptr;
+  prometheus::Gauge* queue_depth_ = nullptr;
+  prometheus::Gauge* inflight_ = nullptr;
+  prometheus::Counter* tokens_ = nullptr;
+};
+
+// Thread-safe. Owns the registry and, when an address is given, the HTTP
+// endpoint (prometheus-cpp's Exposer on civetweb). Scrapes run on civetweb
+// threads with small (100 KiB) stacks: they only serialize what is here,
+// nothing on the request path runs there.
+class Metrics {
+ public:
+  // Unavailable when the endpoint cannot listen on options.address.
+  static absl::StatusOr<std::unique_ptr<Metrics>> Create(const MetricsOptions& options);
+  ~Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // The handle for `model`, created on first use; the pointer stays valid
+  // for the life of this object. Pass only names of served models: every
+  // name becomes a set of time series.
+  ModelMetrics* ForModel(const std::string& model);
+
+  // The endpoint's port (the one picked when options.address had port 0);
+  // 0 when there is no endpoint.
+  int port() const { return port_; }
+  // host:port actually bound, e.g. "127.0.0.1:40123"; empty without endpoint.
+  const std::string& address() const { return address_; }
+  // The text exposition of every metric (what /metrics serves).
+  std::string Serialize() const;
+
+ private:
+  Metrics() = default;
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+  std::string address_;
+
+  prometheus::Family<prometheus::Counter>* requests_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* request_duration_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* queue_duration_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* compute_duration_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* batch_requests_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* batch_tokens_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* queue_depth_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* inflight_ = nullptr;
+  prometheus::Family<prometheus::Counter>* tokens_ = nullptr;
+
+  absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<ModelMetrics>> models_ ABSL_GUARDED_BY(mu_);
+};
+
+// "OK", "INVALID_ARGUMENT", ...: the gRPC spelling used in the code label.
+const char* StatusCodeLabel(absl::StatusCode code);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_METRICS_H_

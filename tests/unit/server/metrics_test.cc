@@ -1,0 +1,92 @@
+// Tests of server/metrics: names, labels and units of every metric, and the
+// /metrics endpoint on an ephemeral loopback port.
+#include "server/metrics.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A plain HTTP/1.0 GET over loopback; returns the whole reply.
+std::string HttpGet(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  (void)!write(fd, req.data(), req.size());
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof buf)) > 0) out.append(buf, n);
+  close(fd);
+  return out;
+}
+
+TEST(MetricsTest, ExposesEveryFamilyLabelledByModel) {
+  auto m = Metrics::Create({.address = "", .build_labels = {{"backend", "cpu"}}});
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)->port(), 0);
+  ModelMetrics* mm = (*m)->ForModel("demo-mha");
+  EXPECT_EQ(mm, (*m)->ForModel("demo-mha"));
+  mm->RequestDone(absl::StatusCode::kOk, 0.002);
+  mm->RequestDone(absl::StatusCode::kOk, 0.003);
+  mm->RequestDone(absl::StatusCode::kResourceExhausted, 0.00001);
+  mm->Queued(0.0005);
+  mm->BatchDone(2, 32, 0.001);
+  mm->SetQueueDepth(3);
+  mm->InflightAdd(2);
+  mm->InflightAdd(-1);
+  const std::string text = (*m)->Serialize();
+  EXPECT_THAT(text, HasSubstr("attnserve_requests_total{code=\"OK\",model=\"demo-mha\"} 2"));
+  EXPECT_THAT(text, HasSubstr(
+      "attnserve_requests_total{code=\"RESOURCE_EXHAUSTED\",model=\"demo-mha\"} 1"));
+  EXPECT_THAT(text, HasSubstr("attnserve_request_duration_seconds_count{model=\"demo-mha\"} 3"));
+  EXPECT_THAT(text, HasSubstr("attnserve_queue_duration_seconds_count{model=\"demo-mha\"} 1"));
+  EXPECT_THAT(text, HasSubstr("attnserve_compute_duration_seconds_count{model=\"demo-mha\"} 1"));
+  EXPECT_THAT(text, HasSubstr("attnserve_batch_requests_sum{model=\"demo-mha\"} 2"));
+  EXPECT_THAT(text, HasSubstr("attnserve_batch_tokens_sum{model=\"demo-mha\"} 32"));
+  EXPECT_THAT(text, HasSubstr("attnserve_queue_depth{model=\"demo-mha\"} 3"));
+  EXPECT_THAT(text, HasSubstr("attnserve_inflight_requests{model=\"demo-mha\"} 1"));
+  EXPECT_THAT(text, HasSubstr("attnserve_tokens_total{model=\"demo-mha\"} 32"));
+  EXPECT_THAT(text, HasSubstr("attnserve_build_info{backend=\"cpu\",version="));
+  // Buckets span 10 us .. 10 s.
+  EXPECT_THAT(text, HasSubstr("attnserve_request_duration_seconds_bucket{model=\"demo-mha\",le=\"1e-05\"}"));
+  EXPECT_THAT(text, HasSubstr("attnserve_request_duration_seconds_bucket{model=\"demo-mha\",le=\"10\"}"));
+}
+
+TEST(MetricsTest, ServesOnEphemeralPort) {
+  auto m = Metrics::Create({.address = "127.0.0.1:0"});
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_GT((*m)->port(), 0);
+  EXPECT_EQ((*m)->address(), "127.0.0.1:" + std::to_string((*m)->port()));
+  (*m)->ForModel("sdpa")->RequestDone(absl::StatusCode::kOk, 0.001);
+  const std::string reply = HttpGet((*m)->port(), "/metrics");
+  EXPECT_THAT(reply, HasSubstr("200 OK"));
+  EXPECT_THAT(reply, HasSubstr("attnserve_requests_total{code=\"OK\",model=\"sdpa\"} 1"));
+}
+
+TEST(MetricsTest, BusyPortIsUnavailable) {
+  auto first = Metrics::Create({.address = "127.0.0.1:0"});
+  ASSERT_TRUE(first.ok());
+  auto second = Metrics::Create({.address = "127.0.0.1:" + std::to_string((*first)->port())});
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace attnserve
