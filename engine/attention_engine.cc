@@ -2,6 +2,8 @@
 #include "engine/attention_engine.h"
 
 #include "absl/strings/str_cat.h"
+#include "engine/cpu/cpu_engine.h"
+#include "engine/reference/reference_engine.h"
 
 namespace attnserve {
 
@@ -10,9 +12,9 @@ absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateEngine(std::string_view n
   if (name == "cuda") {
     return absl::UnavailableError("engine 'cuda': not built into this binary yet");
   }
-  if (name == "reference" || name == "cpu" || name == "auto") {
-    return absl::UnimplementedError(absl::StrCat("engine '", std::string(name), "': not implemented yet"));
-  }
+  if (name == "reference") return NewReferenceEngine();
+  // "auto" would prefer cuda; until that backend lands it is always cpu.
+  if (name == "cpu" || name == "auto") return NewCpuEngine(options);
   return absl::NotFoundError(absl::StrCat("engine '", std::string(name),
                                           "': unknown; expected cpu, reference, cuda or auto"));
 }

@@ -82,6 +82,12 @@ struct AttentionParams {
   bool average_weights = false;
 };
 
+// The engines' guard for AttentionParams handed to Attend: dims >= 1,
+// num_heads a multiple of num_kv_heads, q/k/v/out set, float dtypes, a mask
+// with data when it has a kind. InvalidArgument on failure. (Strides and
+// key_lengths values are trusted.)
+absl::Status CheckAttentionParams(const AttentionParams& p);
+
 // Strides for a contiguous [B, H, L, D] tensor.
 inline void HeadLayoutStrides(int64_t heads, int64_t len, int64_t dim,
                               int64_t* stride_b, int64_t* stride_h,

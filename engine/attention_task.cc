@@ -122,6 +122,13 @@ absl::Status CheckTask(const LayerConfig& layer, const AttentionTask& task) {
                                                      layer.query_dim, ", got ",
                                                      ShapeString(q.shape)));
     }
+    if (self_attention && (layer.key_dim != layer.query_dim ||
+                           layer.value_dim != layer.query_dim)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "key: may be omitted (self-attention) only when key_dim and value_dim equal "
+          "query_dim; layer has query_dim ", layer.query_dim, ", key_dim ", layer.key_dim,
+          ", value_dim ", layer.value_dim));
+    }
     if (!self_attention) {
       const Shape key_expected = {d.batch, d.kv_len, layer.key_dim};
       const Shape value_expected = {d.batch, d.kv_len, layer.value_dim};
