@@ -27,7 +27,8 @@ COPY --from=build /out/attnserve /out/attn_client /usr/local/bin/
 # Fail the image build, not the first start, if a runtime library is missing.
 RUN ! ldd /usr/local/bin/attnserve /usr/local/bin/attn_client | grep "not found"
 # A numeric user, so Kubernetes' runAsNonRoot can verify it.
-RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin attnserve
+RUN groupadd --system --gid 10001 attnserve \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin attnserve
 USER 10001:10001
 EXPOSE 50051 9464
 # The listen addresses sit in the entrypoint so that arguments given to
