@@ -69,9 +69,11 @@ namespace pb = ::attnserve::v1;
 namespace health = ::grpc::health::v1;
 
 // Distinct exit codes so scripts can tell a server-side failure from a typo.
+// Usage errors get 1 because Abseil's flag parser already exits with 1 on an
+// unknown flag or a bad flag value.
 constexpr int kExitOk = 0;
-constexpr int kExitRpcError = 1;
-constexpr int kExitUsage = 2;
+constexpr int kExitUsage = 1;
+constexpr int kExitRpcError = 2;
 constexpr int kExitNotServing = 3;
 
 // Requests and responses can be large tensors; gRPC's 4 MiB default receive
@@ -485,7 +487,7 @@ int Main(int argc, char** argv) {
       "  health: grpc.health.v1 Check (exit 0 = SERVING, 3 = not serving)\n"
       "  models: list the served models\n"
       "Flags may be spelled with dashes or underscores (--kv-seq = --kv_seq).\n"
-      "Exit codes: 0 ok, 1 RPC failed, 2 usage error, 3 not serving.");
+      "Exit codes: 0 ok, 1 usage error, 2 RPC failed, 3 not serving.");
   std::vector<std::string> normalized = NormalizeFlagNames(argc, argv);
   std::vector<char*> normalized_argv;
   for (std::string& a : normalized) normalized_argv.push_back(a.data());
