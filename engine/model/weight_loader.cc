@@ -78,6 +78,16 @@ class Reader {
 
   bool Has(const std::string& role) const { return file_.Find(NameOf(role)) != nullptr; }
 
+  // A bias the file holds for this layer but the config turns off is almost
+  // always a forgotten flag: refuse rather than drop it silently.
+  absl::Status CheckUnusedBias(const std::string& role, bool used, const char* flags) const {
+    if (used || !Has(role)) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        file_.path(), ": tensor '", NameOf(role), "' (", role, " of layout ",
+        WeightLayoutName(spec_.layout), ") is in the file but ", flags,
+        " false; set it to true to use the bias, or remove the tensor"));
+  }
+
   // The tensor for `role` as float32 values, rounded to the layer precision.
   // `shapes` lists the accepted shapes (same element count, same memory
   // order); the first is the one named in errors.
@@ -181,6 +191,14 @@ absl::StatusOr<LayerWeights> LoadTorchMha(const Reader& r, const LayerConfig& c,
     w.wk = MakeTensor({kv_out, c.key_dim}, wk.data());
     w.wv = MakeTensor({kv_out, c.value_dim}, wv.data());
   }
+  if (absl::Status s = r.CheckUnusedBias("in_proj_bias", spec.q_bias || spec.k_bias || spec.v_bias,
+                                         "q_bias, k_bias and v_bias are");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = r.CheckUnusedBias("out_bias", spec.out_bias, "out_bias is"); !s.ok()) {
+    return s;
+  }
   if (spec.q_bias || spec.k_bias || spec.v_bias) {
     ASSIGN_OR_RETURN(in_bias, r.Read("in_proj_bias", {{packed_rows}}));
     if (spec.q_bias) w.bq = VectorSlice(in_bias, 0, q_out);
@@ -196,10 +214,25 @@ absl::StatusOr<LayerWeights> LoadTorchMha(const Reader& r, const LayerConfig& c,
   return w;
 }
 
+// For layouts with one bias tensor per projection.
+absl::Status CheckUnusedBiases(const Reader& r, const WeightSpec& spec) {
+  const std::pair<const char*, bool> roles[] = {
+      {"q_bias", spec.q_bias}, {"k_bias", spec.k_bias}, {"v_bias", spec.v_bias},
+      {"out_bias", spec.out_bias}};
+  for (const auto& [role, used] : roles) {
+    if (absl::Status s = r.CheckUnusedBias(role, used, absl::StrCat(role, " is").c_str());
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<LayerWeights> LoadSeparate(const Reader& r, const LayerConfig& c,
                                           const WeightSpec& spec) {
   const int64_t q_out = c.num_heads * c.head_dim;
   const int64_t kv_out = c.num_kv_heads * c.head_dim;
+  if (absl::Status s = CheckUnusedBiases(r, spec); !s.ok()) return s;
   LayerWeights w;
   ASSIGN_OR_RETURN(wq, r.Read("q_weight", {{q_out, c.query_dim}}));
   ASSIGN_OR_RETURN(wk, r.Read("k_weight", {{kv_out, c.key_dim}}));
@@ -248,6 +281,14 @@ absl::StatusOr<LayerWeights> LoadFusedPerHead(const Reader& r, const LayerConfig
       std::memcpy(parts[part] + head * hd * in, src, sizeof(float) * hd * in);
     }
   }
+  if (absl::Status s = r.CheckUnusedBias("qkv_bias", spec.q_bias || spec.k_bias || spec.v_bias,
+                                         "q_bias, k_bias and v_bias are");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = r.CheckUnusedBias("out_bias", spec.out_bias, "out_bias is"); !s.ok()) {
+    return s;
+  }
   if (spec.q_bias || spec.k_bias || spec.v_bias) {
     ASSIGN_OR_RETURN(bias, r.Read("qkv_bias", {{h * 3 * hd}}));
     Tensor b[3] = {Tensor(DType::kFloat32, {q_out}), Tensor(DType::kFloat32, {q_out}),
@@ -278,6 +319,7 @@ absl::StatusOr<LayerWeights> LoadKeras(const Reader& r, const LayerConfig& c,
   const int64_t hd = c.head_dim;
   const int64_t q_out = h * hd;
   const int64_t kv_out = hkv * hd;
+  if (absl::Status s = CheckUnusedBiases(r, spec); !s.ok()) return s;
   LayerWeights w;
   // Dense kernels are [in, units]; EinsumDense (keras MultiHeadAttention)
   // keeps the heads apart, [in, H, hd] and [H, hd, out], same memory order.

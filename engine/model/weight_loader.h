@@ -51,7 +51,8 @@ struct WeightSpec {
   std::string tensor_prefix;
   // Role -> tensor name (without the prefix), overriding the layout default.
   std::map<std::string, std::string> tensor_names;
-  // Which projections carry a bias (absent ones must not be required).
+  // Which projections carry a bias. A bias tensor of this layer that is in
+  // the file while its flag is false is an error (a forgotten flag).
   bool q_bias = true;
   bool k_bias = true;
   bool v_bias = true;

@@ -229,6 +229,26 @@ TEST(WeightLoaderTest, WrongShapeNamesExpectedAndActual) {
                     HasSubstr("has shape [12, 5]; expected [12, 4]")));
 }
 
+TEST(WeightLoaderTest, BiasInFileWithFlagOffIsAnError) {
+  auto file = MakeFile({T("in_proj_weight", {12, 4}, 1.0f), T("in_proj_bias", {12}, 2.0f),
+                        T("out_proj.weight", {4, 4}, 3.0f)});
+  auto w = LoadLayerWeights(*file, Config(4, 2, 2, 2), Spec(WeightLayout::kTorchMha, false, false));
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(),
+              AllOf(HasSubstr("tensor 'in_proj_bias'"), HasSubstr("is in the file but q_bias"),
+                    HasSubstr("false")));
+
+  auto hf = MakeFile({T("q_proj.weight", {4, 4}, 1.0f), T("k_proj.weight", {4, 4}, 1.0f),
+                      T("v_proj.weight", {4, 4}, 1.0f), T("o_proj.weight", {4, 4}, 1.0f),
+                      T("o_proj.bias", {4}, 1.0f)});
+  w = LoadLayerWeights(*hf, Config(4, 2, 2, 2), Spec(WeightLayout::kSeparateQkv, false, false));
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(),
+              AllOf(HasSubstr("tensor 'o_proj.bias'"), HasSubstr("out_bias is false")));
+  EXPECT_TRUE(
+      LoadLayerWeights(*hf, Config(4, 2, 2, 2), Spec(WeightLayout::kSeparateQkv, false, true)).ok());
+}
+
 TEST(WeightLoaderTest, Bf16PrecisionRoundsWeights) {
   NamedTensor q = T("q_proj.weight", {2, 2}, 1.01f);
   auto file = MakeFile({q, T("k_proj.weight", {2, 2}, 0.0f), T("v_proj.weight", {2, 2}, 0.0f),
