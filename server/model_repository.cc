@@ -1,0 +1,422 @@
+// Model repository loading: config.pbtxt -> resolved ModelConfig -> engine
+// LayerConfig + weights from weights.safetensors, one folder at a time.
+#include "server/model_repository.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <system_error>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "engine/model/safetensors.h"
+#include "google/protobuf/io/tokenizer.h"
+#include "google/protobuf/text_format.h"
+
+namespace attnserve {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Far above any real attention layer, far below int64 overflow in the
+// products the loader and the engine form from these dims.
+constexpr int64_t kMaxDim = int64_t{1} << 20;
+constexpr int64_t kMaxHeads = 4096;
+constexpr int64_t kMaxProjectionWidth = int64_t{1} << 24;  // heads * head_dim
+
+class CollectErrors : public google::protobuf::io::ErrorCollector {
+ public:
+  explicit CollectErrors(const std::string& path) : path_(path) {}
+  void AddError(int line, google::protobuf::io::ColumnNumber column,
+                const std::string& message) override {
+    // The parser counts from 0; editors count from 1.
+    errors_.push_back(absl::StrCat(path_, ":", line + 1, ":", column + 1, ": ", message));
+  }
+  const std::vector<std::string>& errors() const { return errors_; }
+
+ private:
+  const std::string& path_;
+  std::vector<std::string> errors_;
+};
+
+absl::Status ConfigError(const std::string& path, absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": ", field, ": ", what));
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    std::error_code ec(errno, std::generic_category());
+    return absl::InvalidArgumentError(absl::StrCat(path, ": cannot read: ", ec.message()));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+bool OneOf(const std::string& value, std::initializer_list<const char*> allowed) {
+  return std::any_of(allowed.begin(), allowed.end(),
+                     [&](const char* a) { return value == a; });
+}
+
+WeightLayout ToLayout(v1::ModelConfig::WeightLayout layout) {
+  switch (layout) {
+    case v1::ModelConfig::SEPARATE_QKV: return WeightLayout::kSeparateQkv;
+    case v1::ModelConfig::FUSED_QKV_PER_HEAD: return WeightLayout::kFusedQkvPerHead;
+    case v1::ModelConfig::KERAS_DENSE: return WeightLayout::kKerasDense;
+    default: return WeightLayout::kTorchMha;
+  }
+}
+
+bool ValidName(const std::string& name) {
+  return !name.empty() && std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+  });
+}
+
+absl::Status ResolveProjectionDims(const std::string& path, v1::ModelConfig* c) {
+  struct Dim {
+    const char* field;
+    int64_t value;
+  };
+  for (const Dim& d : {Dim{"embed_dim", c->embed_dim()}, Dim{"num_heads", c->num_heads()},
+                       Dim{"num_kv_heads", c->num_kv_heads()}, Dim{"head_dim", c->head_dim()},
+                       Dim{"query_dim", c->query_dim()}, Dim{"key_dim", c->key_dim()},
+                       Dim{"value_dim", c->value_dim()}, Dim{"out_dim", c->out_dim()}}) {
+    if (d.value < 0) return ConfigError(path, d.field, absl::StrCat("must be >= 0, got ", d.value));
+    if (d.value > kMaxDim) {
+      return ConfigError(path, d.field, absl::StrCat("must be <= ", kMaxDim, ", got ", d.value));
+    }
+  }
+  if (c->embed_dim() == 0) return ConfigError(path, "embed_dim", "required for kind \"mha\" (> 0)");
+  if (c->num_heads() == 0) return ConfigError(path, "num_heads", "required for kind \"mha\" (> 0)");
+  if (c->num_heads() > kMaxHeads) {
+    return ConfigError(path, "num_heads",
+                       absl::StrCat("must be <= ", kMaxHeads, ", got ", c->num_heads()));
+  }
+  if (c->num_kv_heads() == 0) c->set_num_kv_heads(c->num_heads());
+  if (c->num_heads() % c->num_kv_heads() != 0) {
+    return ConfigError(path, "num_kv_heads",
+                       absl::StrCat("num_heads (", c->num_heads(), ") must be a multiple of "
+                                    "num_kv_heads (", c->num_kv_heads(), ")"));
+  }
+  if (c->head_dim() == 0) {
+    if (c->embed_dim() % c->num_heads() != 0) {
+      return ConfigError(path, "head_dim",
+                         absl::StrCat("unset, and embed_dim (", c->embed_dim(),
+                                      ") is not a multiple of num_heads (", c->num_heads(),
+                                      "); set head_dim"));
+    }
+    c->set_head_dim(c->embed_dim() / c->num_heads());
+  }
+  if (c->num_heads() * c->head_dim() > kMaxProjectionWidth) {
+    return ConfigError(path, "head_dim",
+                       absl::StrCat("num_heads * head_dim = ", c->num_heads() * c->head_dim(),
+                                    " exceeds ", kMaxProjectionWidth));
+  }
+  if (c->query_dim() == 0) c->set_query_dim(c->embed_dim());
+  if (c->key_dim() == 0) c->set_key_dim(c->embed_dim());
+  if (c->value_dim() == 0) c->set_value_dim(c->embed_dim());
+  if (c->out_dim() == 0) c->set_out_dim(c->embed_dim());
+  if (c->weight_layout() == v1::ModelConfig::WEIGHT_LAYOUT_UNSPECIFIED) {
+    c->set_weight_layout(v1::ModelConfig::TORCH_MHA);
+  }
+  if (c->weight_layout() == v1::ModelConfig::FUSED_QKV_PER_HEAD &&
+      (c->query_dim() != c->key_dim() || c->key_dim() != c->value_dim() ||
+       c->num_kv_heads() != c->num_heads())) {
+    return ConfigError(path, "weight_layout",
+                       absl::StrCat("FUSED_QKV_PER_HEAD needs query_dim == key_dim == value_dim "
+                                    "and num_kv_heads == num_heads; got ",
+                                    c->query_dim(), ", ", c->key_dim(), ", ", c->value_dim(),
+                                    " and ", c->num_kv_heads(), " vs ", c->num_heads()));
+  }
+  const WeightLayout layout = ToLayout(c->weight_layout());
+  for (const auto& [role, name] : c->tensor_names()) {
+    if (DefaultTensorName(layout, role).empty()) {
+      return ConfigError(path, "tensor_names",
+                         absl::StrCat("key '", role, "' is not a role of layout ",
+                                      WeightLayoutName(layout), "; expected one of ",
+                                      absl::StrJoin(WeightRoles(layout), ", ")));
+    }
+    if (name.empty()) {
+      return ConfigError(path, "tensor_names", absl::StrCat("key '", role, "' maps to \"\""));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// sdpa has no projections: fields that only make sense with weights would be
+// silently ignored, so they are refused.
+absl::Status CheckNoProjectionFields(const std::string& path, const v1::ModelConfig& c) {
+  const google::protobuf::Descriptor* d = c.GetDescriptor();
+  const google::protobuf::Reflection* r = c.GetReflection();
+  for (const char* field : {"embed_dim", "num_heads", "num_kv_heads", "head_dim", "query_dim",
+                            "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias",
+                            "out_bias", "weight_layout", "tensor_prefix", "tensor_names"}) {
+    const google::protobuf::FieldDescriptor* f = d->FindFieldByName(field);
+    bool set = f->is_repeated() ? r->FieldSize(c, f) > 0 : r->HasField(c, f);
+    if (set) {
+      return ConfigError(path, field,
+                         "not allowed for kind \"sdpa\" (no projections, no weights); remove it "
+                         "or use kind \"mha\"");
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ModelConfig> ParseModelConfig(const std::string& text, const std::string& path) {
+  v1::ModelConfig config;
+  CollectErrors errors(path);
+  google::protobuf::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&errors);
+  parser.AllowUnknownField(false);
+  if (!parser.ParseFromString(text, &config)) {
+    if (errors.errors().empty()) return ConfigError(path, "config", "does not parse");
+    return absl::InvalidArgumentError(absl::StrJoin(errors.errors(), "; "));
+  }
+  return config;
+}
+
+absl::Status ResolveModelConfig(const std::string& path, const std::string& default_name,
+                                v1::ModelConfig* c) {
+  if (c->name().empty()) c->set_name(default_name);
+  if (!ValidName(c->name())) {
+    return ConfigError(path, "name",
+                       absl::StrCat("\"", c->name(), "\" must be non-empty and use only letters, "
+                                    "digits, '-', '_' and '.'"));
+  }
+  if (c->kind().empty()) c->set_kind("mha");
+  if (c->kind() == "mha") {
+    if (absl::Status s = ResolveProjectionDims(path, c); !s.ok()) return s;
+  } else if (c->kind() == "sdpa") {
+    if (absl::Status s = CheckNoProjectionFields(path, *c); !s.ok()) return s;
+  } else {
+    return ConfigError(path, "kind",
+                       absl::StrCat("\"", c->kind(), "\" is not one of \"mha\", \"sdpa\""));
+  }
+  if (!std::isfinite(c->scale()) || c->scale() < 0) {
+    return ConfigError(path, "scale",
+                       absl::StrCat("must be finite and >= 0 (0 = 1/sqrt(head_dim)), got ",
+                                    c->scale()));
+  }
+  if (c->precision().empty()) c->set_precision("fp32");
+  if (!OneOf(c->precision(), {"fp32", "bf16", "fp16"})) {
+    return ConfigError(path, "precision",
+                       absl::StrCat("\"", c->precision(), "\" is not one of fp32, bf16, fp16"));
+  }
+  if (c->backend().empty()) c->set_backend("auto");
+  if (!OneOf(c->backend(), {"auto", "cpu", "cuda", "reference"})) {
+    return ConfigError(path, "backend",
+                       absl::StrCat("\"", c->backend(), "\" is not one of auto, cpu, cuda, "
+                                    "reference"));
+  }
+  if (c->instances() < 0) {
+    return ConfigError(path, "instances", absl::StrCat("must be >= 0, got ", c->instances()));
+  }
+  const v1::BatchingConfig& b = c->batching();
+  struct Field {
+    const char* name;
+    int64_t value;
+  };
+  for (const Field& f : {Field{"batching.max_batch_requests", b.max_batch_requests()},
+                         Field{"batching.max_batch_tokens", b.max_batch_tokens()},
+                         Field{"batching.max_queue_delay_us", b.max_queue_delay_us()},
+                         Field{"batching.max_queue_size", b.max_queue_size()}}) {
+    if (f.value < 0) return ConfigError(path, f.name, absl::StrCat("must be >= 0, got ", f.value));
+  }
+  return absl::OkStatus();
+}
+
+LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
+  LayerConfig layer;
+  layer.name = c.name();
+  layer.has_projections = c.kind() != "sdpa";
+  layer.embed_dim = c.embed_dim();
+  layer.num_heads = c.num_heads();
+  layer.num_kv_heads = c.num_kv_heads();
+  layer.head_dim = c.head_dim();
+  layer.query_dim = c.query_dim();
+  layer.key_dim = c.key_dim();
+  layer.value_dim = c.value_dim();
+  layer.out_dim = c.out_dim();
+  layer.scale = c.scale();
+  layer.causal = c.causal();
+  layer.precision = c.precision() == "bf16"   ? Precision::kBFloat16
+                    : c.precision() == "fp16" ? Precision::kFloat16
+                                              : Precision::kFloat32;
+  return layer;
+}
+
+WeightSpec ToWeightSpec(const v1::ModelConfig& c) {
+  WeightSpec spec;
+  spec.layout = ToLayout(c.weight_layout());
+  spec.tensor_prefix = c.tensor_prefix();
+  spec.tensor_names.insert(c.tensor_names().begin(), c.tensor_names().end());
+  spec.q_bias = c.q_bias();
+  spec.k_bias = c.k_bias();
+  spec.v_bias = c.v_bias();
+  spec.out_bias = c.out_bias();
+  return spec;
+}
+
+RepositoryModel LoadModelFolder(const std::string& directory) {
+  RepositoryModel model;
+  model.directory = directory;
+  const std::string folder = fs::path(directory).filename().string();
+  model.name = folder;
+  const std::string config_path = (fs::path(directory) / kModelConfigFile).string();
+  absl::StatusOr<std::string> text = ReadFile(config_path);
+  if (!text.ok()) {
+    model.status = text.status();
+    return model;
+  }
+  absl::StatusOr<v1::ModelConfig> config = ParseModelConfig(*text, config_path);
+  if (!config.ok()) {
+    model.status = config.status();
+    return model;
+  }
+  model.config = *std::move(config);
+  model.status = ResolveModelConfig(config_path, folder, &model.config);
+  if (!model.config.name().empty()) model.name = model.config.name();
+  if (!model.status.ok()) return model;
+
+  auto layer = std::make_shared<AttentionLayer>();
+  layer->config = ToLayerConfig(model.config);
+  if (layer->config.has_projections) {
+    const std::string weights_path = (fs::path(directory) / kModelWeightsFile).string();
+    absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(weights_path);
+    if (!file.ok()) {
+      model.status = absl::InvalidArgumentError(file.status().message());
+      return model;
+    }
+    absl::StatusOr<LayerWeights> weights =
+        LoadLayerWeights(**file, layer->config, ToWeightSpec(model.config));
+    if (!weights.ok()) {
+      model.status = weights.status();
+      return model;
+    }
+    layer->weights = *std::move(weights);
+  }
+  if (absl::Status valid = ValidateLayer(*layer); !valid.ok()) {
+    model.status = absl::InvalidArgumentError(absl::StrCat(directory, ": ", valid.message()));
+    return model;
+  }
+  model.layer = std::move(layer);
+  return model;
+}
+
+absl::StatusOr<std::vector<RepositoryModel>> LoadModelRepository(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--model-repository ", dir, ": not a directory",
+                     ec ? absl::StrCat(" (", ec.message(), ")") : ""));
+  }
+  std::vector<std::string> folders;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::error_code type_ec;
+    if (name.empty() || name[0] == '.' || !it->is_directory(type_ec)) continue;
+    folders.push_back(it->path().string());
+  }
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--model-repository ", dir, ": cannot list: ", ec.message()));
+  }
+  std::sort(folders.begin(), folders.end());
+
+  std::vector<RepositoryModel> models;
+  std::map<std::string, std::string> folder_of;  // model name -> folder
+  for (const std::string& folder : folders) {
+    RepositoryModel model = LoadModelFolder(folder);
+    auto [it, inserted] = folder_of.emplace(model.name, folder);
+    if (!inserted && model.status.ok()) {
+      model.status = absl::InvalidArgumentError(
+          absl::StrCat(folder, ": model name '", model.name, "' is already used by ", it->second));
+      model.layer.reset();
+    }
+    models.push_back(std::move(model));
+  }
+  return models;
+}
+
+absl::Status AddRepositoryModels(const std::string& dir, bool strict,
+                                 std::shared_ptr<AttentionEngine> default_engine,
+                                 const EngineOptions& engine_options, ModelRegistry* registry) {
+  absl::StatusOr<std::vector<RepositoryModel>> models = LoadModelRepository(dir);
+  if (!models.ok()) return models.status();
+
+  // One engine per backend, shared by the models that ask for it.
+  std::map<std::string, std::shared_ptr<AttentionEngine>> engines;
+  engines["auto"] = default_engine;
+  if (default_engine != nullptr) engines[std::string(default_engine->name())] = default_engine;
+
+  std::vector<std::shared_ptr<ServedModel>> served;
+  std::vector<std::string> failures;
+  for (RepositoryModel& m : *models) {
+    auto model = std::make_shared<ServedModel>();
+    model->name = m.name;
+    model->config = m.config;
+    if (model->config.name().empty()) model->config.set_name(m.name);
+    absl::Status status = m.status;
+    if (status.ok() && registry->Find(m.name).ok()) {
+      status = absl::AlreadyExistsError(absl::StrCat(
+          m.directory, ": model name '", m.name, "' is already taken (a built-in model)"));
+    }
+    if (status.ok()) {
+      const std::string& backend = m.config.backend();
+      auto it = engines.find(backend);
+      if (it == engines.end()) {
+        absl::StatusOr<std::unique_ptr<AttentionEngine>> engine =
+            CreateEngine(backend, engine_options);
+        if (engine.ok()) {
+          it = engines.emplace(backend, std::shared_ptr<AttentionEngine>(*std::move(engine))).first;
+        } else {
+          status = absl::InvalidArgumentError(absl::StrCat(
+              m.directory, ": backend \"", backend, "\" is unavailable: ", engine.status().message()));
+        }
+      }
+      if (status.ok()) model->engine = it->second;
+    }
+    if (status.ok()) {
+      model->layer = m.layer;
+      model->state = v1::ModelStatus::READY;
+    } else {
+      model->state = v1::ModelStatus::FAILED;
+      model->reason = std::string(status.message());
+      failures.push_back(absl::StrCat("model '", m.name, "': ", status.message()));
+    }
+    served.push_back(std::move(model));
+  }
+
+  if (strict && !failures.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model repository ", dir, ": ", failures.size(), " model(s) failed to load "
+        "(--strict-model-loading=false serves the others):\n  ",
+        absl::StrJoin(failures, "\n  ")));
+  }
+  for (const std::string& failure : failures) {
+    std::fprintf(stderr, "attnserve: model repository %s: %s (not ready)\n", dir.c_str(),
+                 failure.c_str());
+  }
+  for (std::shared_ptr<ServedModel>& model : served) {
+    if (absl::Status s = registry->Add(model); !s.ok()) {
+      // A clash with a built-in is already FAILED above; anything else here
+      // is a bug worth surfacing.
+      if (strict || model->ready()) return s;
+      std::fprintf(stderr, "attnserve: model repository %s: %s\n", dir.c_str(),
+                   std::string(s.message()).c_str());
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnserve

@@ -1,0 +1,76 @@
+// A model repository on disk (--model-repository DIR): one folder per model
+// holding config.pbtxt (a ModelConfig in text format) and weights.safetensors.
+#ifndef ATTNSERVE_SERVER_MODEL_REPOSITORY_H_
+#define ATTNSERVE_SERVER_MODEL_REPOSITORY_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attnserve/v1/model_config.pb.h"
+#include "engine/attention_engine.h"
+#include "engine/attention_layer.h"
+#include "engine/model/weight_loader.h"
+#include "server/model_registry.h"
+
+namespace attnserve {
+
+inline constexpr char kModelConfigFile[] = "config.pbtxt";
+inline constexpr char kModelWeightsFile[] = "weights.safetensors";
+
+// One folder of the repository, loaded or not.
+struct RepositoryModel {
+  // The config's name, else the folder name.
+  std::string name;
+  // DIR/<folder>.
+  std::string directory;
+  // As written, with every default resolved when the config parsed (what
+  // ListModels/GetModel report).
+  v1::ModelConfig config;
+  // OK when loaded; else the reason, naming the file, the tensor or field,
+  // and expected vs actual.
+  absl::Status status;
+  // Set iff status is OK.
+  std::shared_ptr<const AttentionLayer> layer;
+};
+
+// Parses config.pbtxt text. Unknown fields, bad enum values and syntax
+// errors are InvalidArgument naming `path`, the line and column, and the
+// field.
+absl::StatusOr<v1::ModelConfig> ParseModelConfig(const std::string& text, const std::string& path);
+
+// Fills defaults in place (name = `default_name`, kind "mha", dims from
+// embed_dim/num_heads, weight_layout TORCH_MHA, precision "fp32", backend
+// "auto") and checks that the dims and options agree. Errors name `path`,
+// the field, the rule and the values.
+absl::Status ResolveModelConfig(const std::string& path, const std::string& default_name,
+                                v1::ModelConfig* config);
+
+// A resolved ModelConfig as the engine's structs.
+LayerConfig ToLayerConfig(const v1::ModelConfig& config);
+WeightSpec ToWeightSpec(const v1::ModelConfig& config);
+
+// Loads one model folder; never fails as a whole: problems land in status.
+RepositoryModel LoadModelFolder(const std::string& directory);
+
+// Every sub-folder of `dir` whose name does not start with '.', sorted by
+// name, each loaded independently. A second folder claiming a name already
+// taken fails with a reason naming both folders. Error only when `dir`
+// itself cannot be listed.
+absl::StatusOr<std::vector<RepositoryModel>> LoadModelRepository(const std::string& dir);
+
+// Loads `dir` and adds every model to `registry`, run on `default_engine`
+// when its backend is "auto" (or names the default engine), else on an
+// engine created for that backend. strict: the first bad model (or a name
+// clash with a registered model) is returned as the error and nothing from
+// the repository is added. Not strict: bad models are added as FAILED with
+// their reason, the rest serve.
+absl::Status AddRepositoryModels(const std::string& dir, bool strict,
+                                 std::shared_ptr<AttentionEngine> default_engine,
+                                 const EngineOptions& engine_options, ModelRegistry* registry);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_MODEL_REPOSITORY_H_
