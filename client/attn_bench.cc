@@ -1,0 +1,580 @@
+// attn_bench: load generator for attnserve (and for anything serving the same
+// Attend RPC, e.g. bench/echo_server). Closed loop (--concurrency) or open loop
+// (--rate), unary or --stream, over one or many channels; reports throughput,
+// latency percentiles and errors by status code, as text or --json.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "client/half.h"
+#include "nlohmann/json.hpp"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address, host:port.");
+ABSL_FLAG(std::string, model, "", "Model name. Default: the server's default model.");
+ABSL_FLAG(std::string, layout, "auto",
+          "Input layout: sdpa ([B,H,L,D] query/key/value), mha ([B,L,query_dim], "
+          "self-attention), or auto (ask the server with GetModel).");
+ABSL_FLAG(int64_t, embed_dim, 512, "mha layout without GetModel: query_dim.");
+ABSL_FLAG(int64_t, batch, 1, "Batch size B of each request.");
+ABSL_FLAG(int64_t, seq, 16, "Query length Lq.");
+ABSL_FLAG(int64_t, kv_seq, 0, "Key/value length Lk. Default 0: --seq (sdpa); self-attention (mha).");
+ABSL_FLAG(int64_t, heads, 8, "sdpa: query heads Hq.");
+ABSL_FLAG(int64_t, kv_heads, 0, "sdpa: key/value heads. Default 0: --heads.");
+ABSL_FLAG(int64_t, head_dim, 64, "sdpa: head dim of query, key and value.");
+ABSL_FLAG(std::string, dtype, "fp32", "Input dtype: fp32, fp16 or bf16.");
+ABSL_FLAG(bool, causal, false, "Causal mask.");
+ABSL_FLAG(int, concurrency, 1, "Closed loop: requests kept in flight.");
+ABSL_FLAG(double, rate, 0, "Open loop: requests per second (evenly spaced). 0 = closed loop.");
+ABSL_FLAG(int64_t, max_outstanding, 10000,
+          "Open loop: most requests in flight; a send beyond it is counted as "
+          "CLIENT_OVERLOADED instead of being made.");
+ABSL_FLAG(double, duration, 0, "Seconds to send for (default 0: use --requests).");
+ABSL_FLAG(int64_t, requests, 0, "Requests to send in total (default 0: use --duration; "
+                                "neither: 1000).");
+ABSL_FLAG(int64_t, warmup_requests, 0,
+          "Requests sent (closed loop, same concurrency) before measuring; not reported.");
+ABSL_FLAG(bool, stream, false, "Use AttendStream: one stream per channel, messages matched by id.");
+ABSL_FLAG(int, channels, 1, "gRPC channels (separate TCP connections); load is spread round-robin.");
+ABSL_FLAG(int64_t, timeout_ms, 30000, "Deadline of each unary RPC, and of each stream as a whole.");
+ABSL_FLAG(bool, json, false, "Print one JSON object instead of text.");
+ABSL_FLAG(uint64_t, seed, 1, "Seed of the random inputs.");
+
+namespace attnserve::bench {
+namespace {
+
+namespace pb = ::attnserve::v1;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kMaxMessageBytes = 1 << 30;
+
+const char* CodeName(int code) {
+  static const char* const kNames[] = {
+      "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+      "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+      "UNAUTHENTICATED"};
+  return code >= 0 && code < 17 ? kNames[code] : "UNKNOWN";
+}
+
+// Everything measured, shared by all callbacks.
+class Stats {
+ public:
+  void Record(int code, Clock::duration latency, const pb::Timing* timing) {
+    absl::MutexLock lock(&mu_);
+    ++codes_[code];
+    if (code != 0) return;
+    latencies_ns_.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(latency).count());
+    if (timing != nullptr) {
+      batch_requests_sum_ += timing->batch_requests();
+      batch_requests_max_ = std::max<int64_t>(batch_requests_max_, timing->batch_requests());
+      queue_us_sum_ += timing->queue_us();
+      compute_us_sum_ += timing->compute_us();
+      server_total_us_sum_ += timing->total_us();
+    }
+  }
+  void RecordNamed(const std::string& name) {
+    absl::MutexLock lock(&mu_);
+    ++named_errors_[name];
+  }
+
+  nlohmann::json Summary(double seconds) {
+    absl::MutexLock lock(&mu_);
+    std::vector<int64_t> lat = latencies_ns_;
+    std::sort(lat.begin(), lat.end());
+    auto pct = [&](double q) -> double {
+      if (lat.empty()) return 0;
+      size_t i = static_cast<size_t>(std::ceil(q * static_cast<double>(lat.size())));
+      i = std::clamp<size_t>(i, 1, lat.size()) - 1;
+      return static_cast<double>(lat[i]) / 1e3;
+    };
+    int64_t total = 0, ok = 0;
+    nlohmann::json errors = nlohmann::json::object();
+    for (const auto& [code, n] : codes_) {
+      total += n;
+      if (code == 0) ok = n; else errors[CodeName(code)] = n;
+    }
+    for (const auto& [name, n] : named_errors_) errors[name] = n;
+    double mean = 0;
+    for (int64_t v : lat) mean += static_cast<double>(v);
+    mean = lat.empty() ? 0 : mean / static_cast<double>(lat.size()) / 1e3;
+    const double okd = std::max<double>(1.0, static_cast<double>(ok));
+    return {
+        {"requests", total},
+        {"ok", ok},
+        {"errors", errors},
+        {"seconds", seconds},
+        {"throughput_rps", seconds > 0 ? static_cast<double>(total) / seconds : 0.0},
+        {"ok_throughput_rps", seconds > 0 ? static_cast<double>(ok) / seconds : 0.0},
+        {"latency_us",
+         {{"p50", pct(0.50)}, {"p90", pct(0.90)}, {"p99", pct(0.99)}, {"p999", pct(0.999)},
+          {"mean", mean}, {"max", lat.empty() ? 0.0 : static_cast<double>(lat.back()) / 1e3}}},
+        {"server_timing",
+         {{"batch_requests_mean", static_cast<double>(batch_requests_sum_) / okd},
+          {"batch_requests_max", batch_requests_max_},
+          {"queue_us_mean", static_cast<double>(queue_us_sum_) / okd},
+          {"compute_us_mean", static_cast<double>(compute_us_sum_) / okd},
+          {"total_us_mean", static_cast<double>(server_total_us_sum_) / okd}}},
+    };
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<int64_t> latencies_ns_ ABSL_GUARDED_BY(mu_);  // OK requests only
+  std::map<int, int64_t> codes_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t> named_errors_ ABSL_GUARDED_BY(mu_);
+  int64_t batch_requests_sum_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t batch_requests_max_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t queue_us_sum_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t compute_us_sum_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t server_total_us_sum_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Decides whether another request may start: by count, or by end time.
+class Budget {
+ public:
+  Budget(int64_t requests, Clock::time_point end) : requests_(requests), end_(end) {}
+  bool Take() {
+    if (requests_ > 0) return issued_.fetch_add(1) < requests_;
+    return Clock::now() < end_;
+  }
+
+ private:
+  const int64_t requests_;  // 0 = by time
+  const Clock::time_point end_;
+  std::atomic<int64_t> issued_{0};
+};
+
+// One in-flight unary RPC.
+struct UnaryCall {
+  grpc::ClientContext context;
+  pb::AttendResponse response;
+  Clock::time_point start;
+};
+
+void StartUnary(pb::AttentionService::Stub* stub, const pb::AttendRequest* request,
+                Clock::time_point start, Stats* stats, std::function<void()> then) {
+  auto* call = new UnaryCall;
+  call->start = start;
+  call->context.set_deadline(std::chrono::system_clock::now() +
+                             std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
+  stub->async()->Attend(&call->context, request, &call->response,
+                        [call, stats, then = std::move(then)](grpc::Status status) {
+                          const auto latency = Clock::now() - call->start;
+                          stats->Record(status.error_code(), latency,
+                                        status.ok() ? &call->response.timing() : nullptr);
+                          delete call;
+                          then();
+                        });
+}
+
+// One AttendStream. Writes are queued (gRPC allows one outstanding write per
+// stream); responses are matched to their request by id. The hold keeps the
+// stream open while requests are still to come from outside its reactions.
+class StreamClient : public grpc::ClientBidiReactor<pb::AttendRequest, pb::AttendStreamResponse> {
+ public:
+  // on_response(slot) runs on a gRPC thread after each response.
+  StreamClient(pb::AttentionService::Stub* stub, Stats* stats,
+               std::function<void(int slot)> on_response)
+      : stats_(stats), on_response_(std::move(on_response)) {
+    context_.set_deadline(std::chrono::system_clock::now() +
+                          std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
+    stub->async()->AttendStream(&context_, this);
+    AddHold();
+    StartRead(&response_);
+    StartCall();
+  }
+
+  // Sends a copy of `base` with a fresh id; latency counts from `start`.
+  void Send(const pb::AttendRequest& base, int slot, Clock::time_point start) {
+    auto req = std::make_unique<pb::AttendRequest>(base);
+    absl::MutexLock lock(&mu_);
+    if (done_) {
+      stats_->Record(grpc::UNAVAILABLE, Clock::duration{}, nullptr);
+      return;
+    }
+    req->set_id(absl::StrCat(next_id_++));
+    pending_[req->id()] = {slot, start};
+    queue_.push_back(std::move(req));
+    if (!writing_) WriteNextLocked();
+  }
+
+  // No more Sends: half-close once the queued writes are out.
+  void Finish() {
+    absl::MutexLock lock(&mu_);
+    closing_ = true;
+    if (!writing_) CloseLocked();
+  }
+
+  void Wait() { finished_.WaitForNotification(); }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    queue_.pop_front();
+    writing_ = false;
+    if (ok && !queue_.empty()) {
+      WriteNextLocked();
+    } else if (closing_) {
+      CloseLocked();
+    }
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // stream over; OnDone follows
+    int slot = -1;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = pending_.find(response_.id());
+      if (it != pending_.end()) {
+        slot = it->second.slot;
+        stats_->Record(response_.code(), Clock::now() - it->second.start,
+                       response_.code() == 0 ? &response_.response().timing() : nullptr);
+        pending_.erase(it);
+      } else {
+        stats_->RecordNamed("UNMATCHED_ID");
+      }
+    }
+    StartRead(&response_);  // before on_response_: that may Send on this stream
+    if (slot >= 0) on_response_(slot);
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    {
+      absl::MutexLock lock(&mu_);
+      done_ = true;
+      // Requests that never got a response end with the stream's status.
+      for (const auto& [id, p] : pending_) {
+        stats_->Record(status.ok() ? grpc::INTERNAL : status.error_code(), Clock::now() - p.start,
+                       nullptr);
+      }
+      pending_.clear();
+      if (!status.ok()) stream_status_ = status;
+    }
+    finished_.Notify();
+  }
+
+ private:
+  struct Pending {
+    int slot;
+    Clock::time_point start;
+  };
+  void WriteNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    writing_ = true;
+    StartWrite(queue_.front().get());
+  }
+  void CloseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (closed_) return;
+    closed_ = true;
+    StartWritesDone();
+    RemoveHold();
+  }
+
+  grpc::ClientContext context_;
+  pb::AttendStreamResponse response_;
+  Stats* const stats_;
+  const std::function<void(int)> on_response_;
+  absl::Notification finished_;
+  absl::Mutex mu_;
+  std::deque<std::unique_ptr<pb::AttendRequest>> queue_ ABSL_GUARDED_BY(mu_);  // front = writing
+  absl::flat_hash_map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
+  int64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status stream_status_ ABSL_GUARDED_BY(mu_);
+};
+
+absl::StatusOr<pb::DataType> ParseDType(const std::string& name) {
+  if (name == "fp32") return pb::FLOAT32;
+  if (name == "fp16") return pb::FLOAT16;
+  if (name == "bf16") return pb::BFLOAT16;
+  return absl::InvalidArgumentError(absl::StrCat("--dtype must be fp32, fp16 or bf16, got ", name));
+}
+
+void FillRandom(pb::Tensor* t, pb::DataType dtype, const std::vector<int64_t>& shape,
+                std::mt19937_64& rng) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  t->set_dtype(dtype);
+  for (int64_t d : shape) t->add_shape(d);
+  const int size = dtype == pb::FLOAT32 ? 4 : 2;
+  std::string* data = t->mutable_data();
+  data->resize(static_cast<size_t>(n) * size);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = dist(rng);
+    if (dtype == pb::FLOAT32) {
+      std::memcpy(data->data() + 4 * i, &v, 4);
+    } else {
+      const uint16_t h = dtype == pb::FLOAT16 ? client::FloatToHalf(v) : client::FloatToBFloat16(v);
+      std::memcpy(data->data() + 2 * i, &h, 2);
+    }
+  }
+}
+
+// The request every RPC sends, shaped for the model.
+absl::StatusOr<pb::AttendRequest> BuildRequest(pb::AttentionService::Stub& stub) {
+  std::string layout = absl::GetFlag(FLAGS_layout);
+  int64_t query_dim = absl::GetFlag(FLAGS_embed_dim), key_dim = query_dim, value_dim = query_dim;
+  if (layout == "auto") {
+    pb::GetModelRequest req;
+    req.set_name(absl::GetFlag(FLAGS_model));
+    pb::ModelStatus model;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::Status s = stub.GetModel(&ctx, req, &model);
+    if (!s.ok()) {
+      return absl::UnavailableError(absl::StrCat("GetModel failed (", CodeName(s.error_code()),
+                                                 ": ", s.error_message(),
+                                                 "); pass --layout=sdpa|mha"));
+    }
+    const pb::ModelConfig& c = model.config();
+    layout = c.kind() == "sdpa" || c.embed_dim() == 0 ? "sdpa" : "mha";
+    query_dim = c.query_dim() ? c.query_dim() : c.embed_dim();
+    key_dim = c.key_dim() ? c.key_dim() : c.embed_dim();
+    value_dim = c.value_dim() ? c.value_dim() : c.embed_dim();
+  }
+  absl::StatusOr<pb::DataType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return dtype.status();
+  const int64_t b = absl::GetFlag(FLAGS_batch), lq = absl::GetFlag(FLAGS_seq);
+  int64_t lk = absl::GetFlag(FLAGS_kv_seq);
+  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
+  pb::AttendRequest r;
+  r.set_model(absl::GetFlag(FLAGS_model));
+  r.set_causal(absl::GetFlag(FLAGS_causal));
+  if (layout == "sdpa") {
+    const int64_t h = absl::GetFlag(FLAGS_heads);
+    const int64_t hkv = absl::GetFlag(FLAGS_kv_heads) ? absl::GetFlag(FLAGS_kv_heads) : h;
+    const int64_t d = absl::GetFlag(FLAGS_head_dim);
+    if (lk == 0) lk = lq;
+    FillRandom(r.mutable_query(), *dtype, {b, h, lq, d}, rng);
+    FillRandom(r.mutable_key(), *dtype, {b, hkv, lk, d}, rng);
+    FillRandom(r.mutable_value(), *dtype, {b, hkv, lk, d}, rng);
+  } else if (layout == "mha") {
+    FillRandom(r.mutable_query(), *dtype, {b, lq, query_dim}, rng);
+    if (lk > 0) {
+      FillRandom(r.mutable_key(), *dtype, {b, lk, key_dim}, rng);
+      FillRandom(r.mutable_value(), *dtype, {b, lk, value_dim}, rng);
+    }
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--layout must be auto, sdpa or mha, got ", layout));
+  }
+  return r;
+}
+
+std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  for (size_t i = 1; i < args.size(); ++i) {
+    std::string& a = args[i];
+    if (a == "--") break;
+    if (a.size() < 3 || a[0] != '-') continue;
+    const size_t begin = a[1] == '-' ? 2 : 1;
+    const size_t end = std::min(a.find('='), a.size());
+    std::replace(a.begin() + static_cast<std::ptrdiff_t>(begin),
+                 a.begin() + static_cast<std::ptrdiff_t>(end), '-', '_');
+  }
+  return args;
+}
+
+// Runs one phase (warm-up or measured) and returns its wall time in seconds.
+double RunPhase(const std::vector<std::unique_ptr<pb::AttentionService::Stub>>& stubs,
+                const pb::AttendRequest& request, Stats* stats, int64_t requests,
+                double duration_s, double rate, int concurrency, bool stream) {
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point end =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(duration_s));
+  Budget budget(requests, end);
+  const int n_channels = static_cast<int>(stubs.size());
+
+  // In-flight accounting: the phase ends when nothing is in flight and no
+  // more may start.
+  absl::Mutex mu;
+  int64_t in_flight = 0;
+  auto begin_one = [&] { absl::MutexLock l(&mu); ++in_flight; };
+  auto end_one = [&] { absl::MutexLock l(&mu); --in_flight; };
+
+  std::vector<std::unique_ptr<StreamClient>> streams;
+  std::function<void(int)> next;  // closed loop: slot finished one request
+  if (rate <= 0) {
+    next = [&](int slot) {
+      if (budget.Take()) {
+        begin_one();
+        const Clock::time_point now = Clock::now();
+        if (stream) {
+          streams[slot % n_channels]->Send(request, slot, now);
+        } else {
+          // next before end_one: in_flight must not touch 0 while another
+          // request is about to start.
+          StartUnary(stubs[slot % n_channels].get(), &request, now, stats, [&, slot] {
+            next(slot);
+            end_one();
+          });
+        }
+      }
+    };
+  }
+  if (stream) {
+    for (int c = 0; c < n_channels; ++c) {
+      streams.push_back(std::make_unique<StreamClient>(stubs[c].get(), stats, [&](int slot) {
+        if (next) next(slot);
+        end_one();
+      }));
+    }
+  }
+
+  if (rate <= 0) {
+    for (int slot = 0; slot < concurrency; ++slot) next(slot);
+  } else {
+    // Open loop: evenly spaced sends; latency counts from the scheduled send
+    // time, so a stalled client does not hide server queueing.
+    const auto interval = std::chrono::duration<double>(1.0 / rate);
+    const int64_t max_out = absl::GetFlag(FLAGS_max_outstanding);
+    for (int64_t i = 0;; ++i) {
+      const Clock::time_point due =
+          start + std::chrono::duration_cast<Clock::duration>(interval * static_cast<double>(i));
+      if (!budget.Take()) break;
+      std::this_thread::sleep_until(due);
+      bool overloaded;
+      {
+        absl::MutexLock l(&mu);
+        overloaded = in_flight >= max_out;
+        if (!overloaded) ++in_flight;
+      }
+      if (overloaded) {
+        stats->RecordNamed("CLIENT_OVERLOADED");
+        continue;
+      }
+      const int ch = static_cast<int>(i % n_channels);
+      if (stream) {
+        streams[ch]->Send(request, ch, due);
+      } else {
+        StartUnary(stubs[ch].get(), &request, due, stats, end_one);
+      }
+    }
+  }
+  {
+    absl::MutexLock l(&mu);
+    mu.Await(absl::Condition(
+        +[](int64_t* n) { return *n == 0; }, &in_flight));
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  for (auto& s : streams) s->Finish();
+  for (auto& s : streams) s->Wait();
+  return seconds;
+}
+
+int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "attn_bench --target=HOST:PORT [--model=M] [--concurrency=N | --rate=R] "
+      "[--duration=S | --requests=N] [--stream] [--channels=N] [--json]\n"
+      "Flags may be spelled with dashes or underscores.");
+  std::vector<std::string> normalized = NormalizeFlagNames(argc, argv);
+  std::vector<char*> ptrs;
+  for (std::string& a : normalized) ptrs.push_back(a.data());
+  const std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(ptrs.size()), ptrs.data());
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "attn_bench: unexpected argument '%s'\n", rest[1]);
+    return 1;
+  }
+  const int concurrency = absl::GetFlag(FLAGS_concurrency);
+  const int n_channels = absl::GetFlag(FLAGS_channels);
+  const double rate = absl::GetFlag(FLAGS_rate);
+  double duration = absl::GetFlag(FLAGS_duration);
+  int64_t requests = absl::GetFlag(FLAGS_requests);
+  if (duration <= 0 && requests <= 0) requests = 1000;
+  if (concurrency < 1 || n_channels < 1) {
+    std::fprintf(stderr, "attn_bench: --concurrency and --channels must be >= 1\n");
+    return 1;
+  }
+
+  std::vector<std::unique_ptr<pb::AttentionService::Stub>> stubs;
+  for (int c = 0; c < n_channels; ++c) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+    args.SetMaxSendMessageSize(kMaxMessageBytes);
+    // Distinct args and a local pool: each channel gets its own connection.
+    args.SetInt("attn_bench.channel", c);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    stubs.push_back(pb::AttentionService::NewStub(grpc::CreateCustomChannel(
+        absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials(), args)));
+  }
+  absl::StatusOr<pb::AttendRequest> request = BuildRequest(*stubs[0]);
+  if (!request.ok()) {
+    std::fprintf(stderr, "attn_bench: %s\n", std::string(request.status().message()).c_str());
+    return 1;
+  }
+  const bool stream = absl::GetFlag(FLAGS_stream);
+
+  if (const int64_t w = absl::GetFlag(FLAGS_warmup_requests); w > 0) {
+    Stats warm;
+    RunPhase(stubs, *request, &warm, w, 0, 0, concurrency, stream);
+  }
+  Stats stats;
+  const double seconds =
+      RunPhase(stubs, *request, &stats, requests, duration, rate, concurrency, stream);
+
+  nlohmann::json out = stats.Summary(seconds);
+  out["mode"] = rate > 0 ? "open" : "closed";
+  out["rpc"] = stream ? "stream" : "unary";
+  out["concurrency"] = rate > 0 ? 0 : concurrency;
+  out["rate"] = rate;
+  out["channels"] = n_channels;
+  out["target"] = absl::GetFlag(FLAGS_target);
+  out["model"] = absl::GetFlag(FLAGS_model);
+  out["request_bytes"] = request->ByteSizeLong();
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s\n", out.dump().c_str());
+    return 0;
+  }
+  std::printf("attn_bench: %s %s loop, %s, %d channel(s), request %zu bytes\n",
+              out["rpc"].get<std::string>().c_str(), out["mode"].get<std::string>().c_str(),
+              rate > 0 ? absl::StrCat(rate, " req/s").c_str()
+                       : absl::StrCat("concurrency ", concurrency).c_str(),
+              n_channels, request->ByteSizeLong());
+  std::printf("requests %lld (ok %lld) in %.3f s: %.1f req/s\n",
+              static_cast<long long>(out["requests"].get<int64_t>()),
+              static_cast<long long>(out["ok"].get<int64_t>()), seconds,
+              out["throughput_rps"].get<double>());
+  const auto& l = out["latency_us"];
+  std::printf("latency us: p50 %.1f  p90 %.1f  p99 %.1f  p99.9 %.1f  mean %.1f  max %.1f\n",
+              l["p50"].get<double>(), l["p90"].get<double>(), l["p99"].get<double>(),
+              l["p999"].get<double>(), l["mean"].get<double>(), l["max"].get<double>());
+  const auto& t = out["server_timing"];
+  std::printf("server: batch_requests mean %.2f max %lld, queue_us mean %.1f, compute_us mean %.1f\n",
+              t["batch_requests_mean"].get<double>(),
+              static_cast<long long>(t["batch_requests_max"].get<int64_t>()),
+              t["queue_us_mean"].get<double>(), t["compute_us_mean"].get<double>());
+  for (const auto& [name, n] : out["errors"].items()) {
+    std::printf("errors %s: %lld\n", name.c_str(), static_cast<long long>(n.get<int64_t>()));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace attnserve::bench
+
+int main(int argc, char** argv) { return attnserve::bench::Main(argc, argv); }
