@@ -1,0 +1,68 @@
+// One running attnserve: engine, models, compute workers and the gRPC server
+// (AttentionService, health, reflection), started and stopped as a unit.
+#ifndef ATTNSERVE_SERVER_ATTN_SERVER_H_
+#define ATTNSERVE_SERVER_ATTN_SERVER_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/server.h"
+#include "server/attention_service.h"
+#include "server/executor.h"
+#include "server/model_registry.h"
+#include "server/server_options.h"
+#include "server/unbatched_scheduler.h"
+
+namespace attnserve {
+
+// The gRPC service name that health reports on, besides "" (the server).
+inline constexpr char kAttentionServiceName[] = "attnserve.v1.AttentionService";
+
+// Thread-safe: Shutdown may be called from any thread, any number of times.
+class AttnServer {
+ public:
+  // Builds the engine and the built-in models, and starts serving. Errors:
+  // InvalidArgument for bad options, NotFound for an unknown default model
+  // or backend, Unavailable when the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<AttnServer>> Start(const ServerOptions& options);
+
+  // Shutdown().
+  ~AttnServer();
+  AttnServer(const AttnServer&) = delete;
+  AttnServer& operator=(const AttnServer&) = delete;
+
+  // The address actually bound: options.address with port 0 replaced by the
+  // port the kernel picked, e.g. "127.0.0.1:40123".
+  const std::string& address() const { return address_; }
+  int port() const { return port_; }
+  const ModelRegistry& registry() const { return registry_; }
+
+  // Health turns NOT_SERVING, new calls are refused, in-flight ones get
+  // options.shutdown_grace to finish before they are cancelled; then the
+  // workers stop. Returns when everything has stopped.
+  void Shutdown();
+
+ private:
+  explicit AttnServer(const ServerOptions& options);
+
+  const ServerOptions options_;
+  ModelRegistry registry_;
+  // Destroyed in reverse order: the gRPC server goes first, then the
+  // service, the scheduler, and the executor they hand work to.
+  std::unique_ptr<Executor> executor_;
+  std::unique_ptr<UnbatchedScheduler> scheduler_;
+  std::unique_ptr<AttentionServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+  int port_ = 0;
+
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_ATTN_SERVER_H_

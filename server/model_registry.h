@@ -1,0 +1,83 @@
+// The models this server serves, by name: each one's layer, the engine that
+// runs it, its config as reported by ListModels/GetModel, and its state.
+// Built-ins are added at startup; a model repository on disk adds more
+// through the same Add().
+#ifndef ATTNSERVE_SERVER_MODEL_REGISTRY_H_
+#define ATTNSERVE_SERVER_MODEL_REGISTRY_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "attnserve/v1/attention.pb.h"
+#include "engine/attention_engine.h"
+#include "engine/attention_layer.h"
+
+namespace attnserve {
+
+// One served model. Immutable once built; shared (shared_ptr) with the
+// requests running on it, so a later unload or reload never pulls a layer
+// from under a running request.
+struct ServedModel {
+  std::string name;
+  // Both set when READY; either may be null when FAILED.
+  std::shared_ptr<const AttentionLayer> layer;
+  std::shared_ptr<AttentionEngine> engine;
+  v1::ModelConfig config;
+  v1::ModelStatus::State state = v1::ModelStatus::STATE_UNSPECIFIED;
+  // Why the model is not READY (empty when READY).
+  std::string reason;
+
+  bool ready() const { return state == v1::ModelStatus::READY; }
+};
+
+// A READY model when `layer` passes ValidateLayer, else a FAILED one that
+// carries the reason (listed, never run).
+std::shared_ptr<const ServedModel> MakeServedModel(std::shared_ptr<const AttentionLayer> layer,
+                                                   std::shared_ptr<AttentionEngine> engine);
+
+// Thread-safe: every method may be called concurrently.
+class ModelRegistry {
+ public:
+  ModelRegistry() = default;
+  ModelRegistry(const ModelRegistry&) = delete;
+  ModelRegistry& operator=(const ModelRegistry&) = delete;
+
+  // AlreadyExists if the name is taken, InvalidArgument if it is empty.
+  absl::Status Add(std::shared_ptr<const ServedModel> model);
+
+  // The model that requests naming no model get. NotFound (listing the
+  // available names) if `name` is not registered.
+  absl::Status SetDefaultModel(absl::string_view name);
+  std::string default_model() const;
+
+  // `name` empty = the default model. NotFound names the model and lists
+  // the available ones. The model may be FAILED: callers that run it check
+  // ready().
+  absl::StatusOr<std::shared_ptr<const ServedModel>> Find(absl::string_view name) const;
+
+  // Every model, READY or not, sorted by name.
+  std::vector<std::shared_ptr<const ServedModel>> List() const;
+
+ private:
+  std::string AvailableNamesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<const ServedModel>, std::less<>> models_
+      ABSL_GUARDED_BY(mu_);
+  std::string default_model_ ABSL_GUARDED_BY(mu_);
+};
+
+// Adds the built-in models, `sdpa` and `demo-mha`, run on `engine`.
+absl::Status AddBuiltinModels(std::shared_ptr<AttentionEngine> engine, ModelRegistry* registry);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_MODEL_REGISTRY_H_

@@ -1,0 +1,75 @@
+// ServerOptions checks and flag-name spelling.
+#include "server/server_options.h"
+
+#include <climits>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace attnserve {
+namespace {
+
+// "host:port" or "[v6]:port" with a numeric port in [0, 65535].
+absl::Status CheckHostPort(const std::string& flag, const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", flag, ": expected host:port (e.g. 127.0.0.1:50051, 0.0.0.0:0), got '", address,
+        "'"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckServerOptions(const ServerOptions& options) {
+  if (absl::Status s = CheckHostPort("address", options.address); !s.ok()) return s;
+  if (absl::Status s = CheckHostPort("metrics-address", options.metrics_address); !s.ok()) {
+    return s;
+  }
+  if (options.backend != "auto" && options.backend != "cpu" && options.backend != "reference" &&
+      options.backend != "cuda") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--backend: expected auto, cpu, reference or cuda, got '", options.backend, "'"));
+  }
+  if (options.engine_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--threads: must be >= 0 (0 = one per core), got ", options.engine_threads));
+  }
+  if (options.max_message_bytes < 1 || options.max_message_bytes > INT_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-message-bytes: must be in [1, ",
+                                                   INT_MAX, "], got ",
+                                                   options.max_message_bytes));
+  }
+  if (options.default_model.empty()) {
+    return absl::InvalidArgumentError("--default-model: must not be empty");
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::string> NormalizeFlagNames(const std::vector<std::string>& args) {
+  std::vector<std::string> out;
+  out.reserve(args.size());
+  bool flags_done = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string arg = args[i];
+    if (i > 0 && !flags_done) {
+      if (arg == "--") {
+        flags_done = true;
+      } else if (absl::StartsWith(arg, "-")) {
+        const size_t name_begin = absl::StartsWith(arg, "--") ? 2 : 1;
+        const size_t name_end = std::min(arg.find('='), arg.size());
+        for (size_t c = name_begin; c < name_end; ++c) {
+          if (arg[c] == '-') arg[c] = '_';
+        }
+      }
+    }
+    out.push_back(std::move(arg));
+  }
+  return out;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,57 @@
+// Everything that configures one attnserve process, with defaults; main()
+// fills it from flags, tests fill it directly.
+#ifndef ATTNSERVE_SERVER_SERVER_OPTIONS_H_
+#define ATTNSERVE_SERVER_SERVER_OPTIONS_H_
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "server/executor.h"
+#include "server/validation.h"
+
+namespace attnserve {
+
+struct ServerOptions {
+  // gRPC listening address, host:port; port 0 picks a free port (see
+  // AttnServer::address()). Default: 127.0.0.1:50051.
+  std::string address = "127.0.0.1:50051";
+  // Prometheus endpoint, host:port. Accepted and checked, not served yet.
+  // Default: 127.0.0.1:9464.
+  std::string metrics_address = "127.0.0.1:9464";
+  // Engine backend: "auto" (cuda when usable, else cpu), "cpu", "reference",
+  // "cuda". Default: auto.
+  std::string backend = "auto";
+  // Threads inside one engine call; 0 = one per core. Default: 0.
+  int engine_threads = 0;
+  // Model for requests that name none. Default: demo-mha.
+  std::string default_model = "demo-mha";
+  // Largest request message in bytes; larger ones get RESOURCE_EXHAUSTED
+  // from gRPC before any parsing. Default: 64 MiB.
+  int64_t max_message_bytes = int64_t{64} << 20;
+  // How long Shutdown() lets in-flight requests finish before cancelling
+  // them. Default: 10 s.
+  std::chrono::milliseconds shutdown_grace{10000};
+  // The compute workers and their queue. Each worker runs one engine call
+  // at a time, which itself uses engine_threads. Default: 2 workers,
+  // 256 queued requests.
+  ExecutorOptions executor = {.num_threads = 2, .max_queue_size = 256, .name = "attend queue"};
+  // Per-request size limits. Default: ValidationOptions{}.
+  ValidationOptions validation;
+};
+
+// InvalidArgument naming the option (as its flag) when a value is out of
+// range or malformed.
+absl::Status CheckServerOptions(const ServerOptions& options);
+
+// Flags are spelled with dashes (--max-message-bytes) as in the docs; absl
+// flag names are identifiers (max_message_bytes). Rewrites the name part of
+// every "--name[=value]" argument before the first bare "--"; values and
+// positional arguments are untouched.
+std::vector<std::string> NormalizeFlagNames(const std::vector<std::string>& args);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_SERVER_OPTIONS_H_

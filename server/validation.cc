@@ -1,0 +1,319 @@
+// The rules of an AttendRequest, in the order a client would fix them:
+// presence, dtypes, shapes, cross-tensor dims, mask, key_lengths, options,
+// then the server's size limits.
+#include "server/validation.h"
+
+#include <cmath>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "engine/attention_params.h"
+#include "server/tensor_codec.h"
+
+namespace attnserve {
+namespace {
+
+bool IsFloat(DType dtype) { return dtype != DType::kBool; }
+
+// Optional tensors sent as an empty message count as absent.
+bool Given(bool has, const v1::Tensor& tensor) { return has && !IsEmptyTensor(tensor); }
+
+absl::Status RankError(absl::string_view field, int64_t rank, absl::string_view layout,
+                       const LayerConfig& layer, const TensorView& view) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ".shape: expected rank ", rank, " ", layout, " for model '", layer.name,
+      "', got rank ", view.rank(), " ", ShapeString(view.shape)));
+}
+
+// "key.shape: dim 0 (batch) must equal query's 2, got 3 (key shape [3, 4, 8, 8])".
+absl::Status DimMismatch(absl::string_view field, int dim, absl::string_view what,
+                         absl::string_view other, int64_t expected, const TensorView& view) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ".shape: dim ", dim, " (", what, ") must equal ", other, " ", expected, ", got ",
+      view.dim(dim), " (", field, " shape ", ShapeString(view.shape), ")"));
+}
+
+absl::StatusOr<TensorView> ViewFloatInput(const v1::Tensor& tensor, absl::string_view field,
+                                          const ValidationOptions& options) {
+  absl::StatusOr<TensorView> view = ViewTensor(tensor, field, options.max_input_elements);
+  if (!view.ok()) return view.status();
+  if (!IsFloat(view->dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".dtype: must be FLOAT32, FLOAT16 or BFLOAT16, got ", DTypeLabel(view->dtype)));
+  }
+  return view;
+}
+
+absl::Status CheckSameDType(absl::string_view field, const TensorView& view,
+                            const TensorView& query) {
+  if (view.dtype == query.dtype) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ".dtype: must match query.dtype (", DTypeLabel(query.dtype),
+                   "): mixed input dtypes are not supported, got ", DTypeLabel(view.dtype)));
+}
+
+// Head layout (no projections): query [B, Hq, Lq, Dk], key [B, Hkv, Lk, Dk],
+// value [B, Hkv, Lk, Dv].
+absl::Status CheckHeadLayout(const LayerConfig& layer, const TensorView& q, const TensorView& k,
+                             const TensorView& v, TaskDims* dims) {
+  if (q.rank() != 4) return RankError("query", 4, "[B, Hq, Lq, Dk]", layer, q);
+  if (k.rank() != 4) return RankError("key", 4, "[B, Hkv, Lk, Dk]", layer, k);
+  if (v.rank() != 4) return RankError("value", 4, "[B, Hkv, Lk, Dv]", layer, v);
+  if (k.dim(0) != q.dim(0)) return DimMismatch("key", 0, "batch", "query's", q.dim(0), k);
+  if (v.dim(0) != q.dim(0)) return DimMismatch("value", 0, "batch", "query's", q.dim(0), v);
+  if (v.dim(1) != k.dim(1)) return DimMismatch("value", 1, "kv heads", "key's", k.dim(1), v);
+  if (v.dim(2) != k.dim(2)) return DimMismatch("value", 2, "key length", "key's", k.dim(2), v);
+  if (k.dim(3) != q.dim(3)) return DimMismatch("key", 3, "head_dim", "query's", q.dim(3), k);
+  if (q.dim(1) % k.dim(1) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "query.shape: query heads Hq (dim 1) must be a multiple of key/value heads Hkv, got Hq=",
+        q.dim(1), " and Hkv=", k.dim(1), " (query ", ShapeString(q.shape), ", key ",
+        ShapeString(k.shape), ")"));
+  }
+  // A head-layout model may pin its dims (0 = any).
+  if (layer.num_heads > 0 && q.dim(1) != layer.num_heads) {
+    return DimMismatch("query", 1, "heads", absl::StrCat("model '", layer.name, "' num_heads"),
+                       layer.num_heads, q);
+  }
+  if (layer.num_kv_heads > 0 && k.dim(1) != layer.num_kv_heads) {
+    return DimMismatch("key", 1, "kv heads",
+                       absl::StrCat("model '", layer.name, "' num_kv_heads"), layer.num_kv_heads,
+                       k);
+  }
+  if (layer.head_dim > 0 && q.dim(3) != layer.head_dim) {
+    return DimMismatch("query", 3, "head_dim", absl::StrCat("model '", layer.name, "' head_dim"),
+                       layer.head_dim, q);
+  }
+  dims->batch = q.dim(0);
+  dims->num_heads = q.dim(1);
+  dims->num_kv_heads = k.dim(1);
+  dims->q_len = q.dim(2);
+  dims->kv_len = k.dim(2);
+  dims->head_dim = q.dim(3);
+  dims->head_dim_v = v.dim(3);
+  return absl::OkStatus();
+}
+
+// Projection layout: query [B, Lq, query_dim], key [B, Lk, key_dim], value
+// [B, Lk, value_dim]; key and value may both be absent (self-attention).
+absl::Status CheckTokenLayout(const LayerConfig& layer, const TensorView& q,
+                              const TensorView* k, const TensorView* v, TaskDims* dims) {
+  if (q.rank() != 3) return RankError("query", 3, "[B, Lq, query_dim]", layer, q);
+  const std::string model = absl::StrCat("model '", layer.name, "'");
+  if (q.dim(2) != layer.query_dim) {
+    return DimMismatch("query", 2, "query_dim", absl::StrCat(model, " query_dim"),
+                       layer.query_dim, q);
+  }
+  int64_t kv_len = q.dim(1);
+  if (k != nullptr) {
+    if (k->rank() != 3) return RankError("key", 3, "[B, Lk, key_dim]", layer, *k);
+    if (v->rank() != 3) return RankError("value", 3, "[B, Lk, value_dim]", layer, *v);
+    if (k->dim(0) != q.dim(0)) return DimMismatch("key", 0, "batch", "query's", q.dim(0), *k);
+    if (v->dim(0) != q.dim(0)) return DimMismatch("value", 0, "batch", "query's", q.dim(0), *v);
+    if (v->dim(1) != k->dim(1)) {
+      return DimMismatch("value", 1, "key length", "key's", k->dim(1), *v);
+    }
+    if (k->dim(2) != layer.key_dim) {
+      return DimMismatch("key", 2, "key_dim", absl::StrCat(model, " key_dim"), layer.key_dim,
+                         *k);
+    }
+    if (v->dim(2) != layer.value_dim) {
+      return DimMismatch("value", 2, "value_dim", absl::StrCat(model, " value_dim"),
+                         layer.value_dim, *v);
+    }
+    kv_len = k->dim(1);
+  }
+  dims->batch = q.dim(0);
+  dims->q_len = q.dim(1);
+  dims->kv_len = kv_len;
+  dims->num_heads = layer.num_heads;
+  dims->num_kv_heads = layer.num_kv_heads > 0 ? layer.num_kv_heads : layer.num_heads;
+  dims->head_dim = layer.head_dim;
+  dims->head_dim_v = layer.head_dim;
+  return absl::OkStatus();
+}
+
+absl::Status CheckMask(const v1::Tensor& proto, const TaskDims& d,
+                       const ValidationOptions& options, TensorView* mask) {
+  absl::StatusOr<TensorView> view = ViewTensor(proto, "attn_mask", options.max_input_elements);
+  if (!view.ok()) return view.status();
+  const Shape scores = {d.batch, d.num_heads, d.q_len, d.kv_len};
+  const std::string target = absl::StrCat("[B, Hq, Lq, Lk] = ", ShapeString(scores));
+  if (view->rank() < 2 || view->rank() > 4) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attn_mask.shape: expected rank 2 to 4 broadcastable to ", target, ", got rank ",
+        view->rank(), " ", ShapeString(view->shape)));
+  }
+  // NumPy broadcasting, right-aligned: each mask dim is 1 or the score dim.
+  static constexpr const char* kDimNames[] = {"B", "Hq", "Lq", "Lk"};
+  const int64_t offset = 4 - view->rank();
+  for (int64_t i = 0; i < view->rank(); ++i) {
+    const int64_t want = scores[static_cast<size_t>(offset + i)];
+    const int64_t got = view->dim(static_cast<int>(i));
+    if (got != 1 && got != want) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attn_mask.shape: ", ShapeString(view->shape), " does not broadcast to ", target,
+          ": dim ", i, " is ", got, ", must be 1 or ", kDimNames[offset + i], "=", want,
+          " (accepted e.g. [Lq, Lk], [B, 1, Lq, Lk], [1, Hq, Lq, Lk], [B, Hq, Lq, Lk])"));
+    }
+  }
+  // The engine reads the mask through MakeMaskParams; make sure it agrees,
+  // so that nothing the engine would reject gets past validation.
+  absl::StatusOr<MaskParams> params =
+      MakeMaskParams(*view, d.batch, d.num_heads, d.q_len, d.kv_len);
+  if (!params.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attn_mask.shape: ", ShapeString(view->shape), " rejected against ", target,
+                     ": ", params.status().message()));
+  }
+  *mask = *std::move(view);
+  return absl::OkStatus();
+}
+
+absl::Status CheckKeyLengths(const v1::AttendRequest& request, const TaskDims& d) {
+  const auto& lengths = request.key_lengths();
+  if (lengths.empty()) return absl::OkStatus();
+  if (lengths.size() != d.batch) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "key_lengths: expected one value per batch element (B=", d.batch, ") or none, got ",
+        lengths.size(), " values"));
+  }
+  for (int i = 0; i < lengths.size(); ++i) {
+    if (lengths[i] < 0 || lengths[i] > d.kv_len) {
+      return absl::InvalidArgumentError(absl::StrCat("key_lengths[", i, "]: must be in [0, Lk=",
+                                                     d.kv_len, "], got ", lengths[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Elements of `shape` as bytes of `dtype`, or ResourceExhausted naming
+// `field` when over `limit_bytes`.
+absl::Status CheckOutputSize(absl::string_view field, const Shape& shape, DType dtype,
+                             int64_t limit_bytes) {
+  const int64_t element_size = static_cast<int64_t>(DTypeSize(dtype));
+  absl::StatusOr<int64_t> elements = NumElements(shape, limit_bytes / element_size);
+  if (elements.ok()) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat(field, ": shape ", ShapeString(shape), " x ", DTypeLabel(dtype),
+                   " is over the server's limit of ", limit_bytes, " bytes"));
+}
+
+}  // namespace
+
+absl::StatusOr<ValidatedRequest> ValidateAttendRequest(const v1::AttendRequest& request,
+                                                       const LayerConfig& layer,
+                                                       const ValidationOptions& options) {
+  // Presence.
+  if (!Given(request.has_query(), request.query())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "query: required (model '", layer.name, "' takes ",
+        layer.has_projections ? "[B, Lq, query_dim]" : "[B, Hq, Lq, Dk]", ")"));
+  }
+  const bool has_key = Given(request.has_key(), request.key());
+  const bool has_value = Given(request.has_value(), request.value());
+  if (has_key != has_value) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        has_key ? "value" : "key", ": required because ", has_key ? "key" : "value",
+        " is given (key and value are given together, or both omitted for self-attention)"));
+  }
+  if (!has_key && !layer.has_projections) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "key: required by model '", layer.name,
+        "' (no projections: key [B, Hkv, Lk, Dk] and value [B, Hkv, Lk, Dv] must be given)"));
+  }
+  if (!has_key && (layer.key_dim != layer.query_dim || layer.value_dim != layer.query_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "key: required by model '", layer.name,
+        "': self-attention (key and value omitted) needs query_dim == key_dim == value_dim, "
+        "got query_dim=",
+        layer.query_dim, " key_dim=", layer.key_dim, " value_dim=", layer.value_dim));
+  }
+
+  // Each tensor on its own: dtype, dims, bytes.
+  ValidatedRequest out;
+  AttentionTask& task = out.task;
+  absl::StatusOr<TensorView> query = ViewFloatInput(request.query(), "query", options);
+  if (!query.ok()) return query.status();
+  task.query = *std::move(query);
+  if (has_key) {
+    absl::StatusOr<TensorView> key = ViewFloatInput(request.key(), "key", options);
+    if (!key.ok()) return key.status();
+    absl::StatusOr<TensorView> value = ViewFloatInput(request.value(), "value", options);
+    if (!value.ok()) return value.status();
+    if (absl::Status s = CheckSameDType("key", *key, task.query); !s.ok()) return s;
+    if (absl::Status s = CheckSameDType("value", *value, task.query); !s.ok()) return s;
+    task.key = *std::move(key);
+    task.value = *std::move(value);
+  }
+
+  // Ranks and dims across tensors and against the layer.
+  TaskDims& dims = out.dims;
+  absl::Status layout =
+      layer.has_projections
+          ? CheckTokenLayout(layer, task.query, has_key ? &task.key : nullptr,
+                             has_key ? &task.value : nullptr, &dims)
+          : CheckHeadLayout(layer, task.query, task.key, task.value, &dims);
+  if (!layout.ok()) return layout;
+
+  // Masking.
+  if (Given(request.has_attn_mask(), request.attn_mask())) {
+    if (absl::Status s = CheckMask(request.attn_mask(), dims, options, &task.attn_mask); !s.ok()) {
+      return s;
+    }
+  }
+  if (absl::Status s = CheckKeyLengths(request, dims); !s.ok()) return s;
+  task.key_lengths = absl::MakeConstSpan(request.key_lengths().data(),
+                                         static_cast<size_t>(request.key_lengths_size()));
+  task.causal = request.causal() || layer.causal;
+
+  // Options.
+  const float scale = request.scale();
+  if (!std::isfinite(scale) || scale < 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "scale: must be finite and >= 0 (0 = the model's default, 1/sqrt(head_dim)), got ",
+        scale));
+  }
+  task.scale = ResolveScale(layer, scale, dims.head_dim);
+  if (request.output_dtype() == v1::DATA_TYPE_UNSPECIFIED) {
+    out.output_dtype = task.query.dtype;
+  } else {
+    absl::StatusOr<DType> dtype = DTypeFromProto(request.output_dtype(), "output_dtype");
+    if (!dtype.ok() || !IsFloat(*dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "output_dtype: must be FLOAT32, FLOAT16, BFLOAT16 or unset (= the query's dtype), got ",
+          ProtoDTypeName(request.output_dtype())));
+    }
+    out.output_dtype = *dtype;
+  }
+  // average_weights alone is ignored, as in nn.MultiheadAttention.
+  task.average_weights = request.need_weights() && request.average_weights();
+
+  // Server limits.
+  out.output_shape = OutputShape(layer, dims);
+  if (absl::Status s =
+          CheckOutputSize("output", out.output_shape, out.output_dtype, options.max_output_bytes);
+      !s.ok()) {
+    return s;
+  }
+  if (request.need_weights()) {
+    out.weights_shape = WeightsShape(dims, task.average_weights);
+    if (absl::Status s = CheckOutputSize("weights", out.weights_shape, out.output_dtype,
+                                         options.max_output_bytes);
+        !s.ok()) {
+      return s;
+    }
+  }
+  const Shape scores = {dims.batch, dims.num_heads, dims.q_len, dims.kv_len};
+  if (!NumElements(scores, options.max_attention_scores).ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "query/key: ", ShapeString(scores), " attention scores [B, Hq, Lq, Lk] are over the ",
+        "server's limit of ", options.max_attention_scores, " per request"));
+  }
+  return out;
+}
+
+}  // namespace attnserve

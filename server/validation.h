@@ -1,0 +1,57 @@
+// Every check on an AttendRequest that can be made before compute, against
+// the layer that will serve it; the result is the engine's AttentionTask.
+// Nothing that fails here ever reaches the engine.
+#ifndef ATTNSERVE_SERVER_VALIDATION_H_
+#define ATTNSERVE_SERVER_VALIDATION_H_
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "attnserve/v1/attention.pb.h"
+#include "engine/attention_layer.h"
+#include "engine/attention_task.h"
+#include "engine/tensor.h"
+
+namespace attnserve {
+
+// Server-side size limits; a request over one gets ResourceExhausted.
+struct ValidationOptions {
+  // Most elements in one input tensor (query, key, value, attn_mask).
+  // Inputs are also bounded by the gRPC message size limit.
+  // Default: 2^30.
+  int64_t max_input_elements = int64_t{1} << 30;
+  // Most bytes in the output tensor, and separately in the weights tensor.
+  // Outputs are not bounded by the receive limit: weights grow as Lq * Lk.
+  // Default: 1 GiB.
+  int64_t max_output_bytes = int64_t{1} << 30;
+  // Most attention scores (B * Hq * Lq * Lk) in one request: bounds compute
+  // time and engine scratch. Default: 2^34.
+  int64_t max_attention_scores = int64_t{1} << 34;
+};
+
+// A request that passed every check, in the engine's terms.
+struct ValidatedRequest {
+  // Inputs, options and resolved scale set; `output` and `weights` are
+  // empty: the caller allocates them (output_shape / weights_shape) where the
+  // response will carry them. Views point into the request (see below).
+  AttentionTask task;
+  TaskDims dims;
+  DType output_dtype = DType::kFloat32;  // also the weights' dtype
+  Shape output_shape;
+  Shape weights_shape;  // empty when need_weights is false
+};
+
+// Checks `request` against `layer` (the model already resolved by name).
+// Errors are InvalidArgument whose message starts with the field ("query.data",
+// "key_lengths[1]", ...), states the rule and the values seen; or
+// ResourceExhausted for a request over one of `options`' limits.
+//
+// Lifetime: the returned task's views (tensors, key_lengths) point into
+// `request`, which must outlive them and stay unmodified.
+absl::StatusOr<ValidatedRequest> ValidateAttendRequest(const v1::AttendRequest& request,
+                                                       const LayerConfig& layer,
+                                                       const ValidationOptions& options = {});
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_VALIDATION_H_
