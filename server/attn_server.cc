@@ -10,6 +10,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "server/model_repository.h"
 
 namespace attnserve {
 
@@ -32,6 +33,13 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   }
   std::shared_ptr<AttentionEngine> shared_engine = *std::move(engine);
   if (absl::Status s = AddBuiltinModels(shared_engine, &server->registry_); !s.ok()) return s;
+  if (!options.model_repository.empty()) {
+    if (absl::Status s = AddRepositoryModels(options.model_repository, options.strict_model_loading,
+                                             shared_engine, engine_options, &server->registry_);
+        !s.ok()) {
+      return s;
+    }
+  }
   if (absl::Status s = server->registry_.SetDefaultModel(options.default_model); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("--default-model: ", s.message()));
   }

@@ -29,6 +29,11 @@ ABSL_FLAG(std::string, default_model, kDefaults.default_model,
 ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
           "largest request message in bytes; larger requests get RESOURCE_EXHAUSTED");
 ABSL_FLAG(std::string, backend, kDefaults.backend, "engine backend: auto, cpu, reference");
+ABSL_FLAG(std::string, model_repository, kDefaults.model_repository,
+          "directory with one folder per model (config.pbtxt + weights.safetensors)");
+ABSL_FLAG(bool, strict_model_loading, kDefaults.strict_model_loading,
+          "true: exit non-zero if any repository model fails to load; false: serve the "
+          "others and report the bad one FAILED in ListModels/GetModel");
 
 int main(int argc, char** argv) {
   // Block the stop signals before any thread exists, so every thread
@@ -43,7 +48,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "attnserve [--address=127.0.0.1:50051] [--metrics-address=127.0.0.1:9464] "
       "[--threads=N] [--default-model=demo-mha] [--max-message-bytes=67108864] "
-      "[--backend=auto|cpu|reference]\n"
+      "[--backend=auto|cpu|reference] [--model-repository=DIR] [--strict-model-loading=true]\n"
       "Flags may be written with dashes or underscores.");
   std::vector<std::string> args =
       attnserve::NormalizeFlagNames(std::vector<std::string>(argv, argv + argc));
@@ -63,6 +68,8 @@ int main(int argc, char** argv) {
   options.default_model = absl::GetFlag(FLAGS_default_model);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.backend = absl::GetFlag(FLAGS_backend);
+  options.model_repository = absl::GetFlag(FLAGS_model_repository);
+  options.strict_model_loading = absl::GetFlag(FLAGS_strict_model_loading);
 
   absl::StatusOr<std::unique_ptr<attnserve::AttnServer>> server =
       attnserve::AttnServer::Start(options);

@@ -28,6 +28,12 @@ struct ServerOptions {
   int engine_threads = 0;
   // Model for requests that name none. Default: demo-mha.
   std::string default_model = "demo-mha";
+  // A model repository: one folder per model (config.pbtxt +
+  // weights.safetensors), served next to the built-ins. Default: none.
+  std::string model_repository;
+  // true: any bad model in the repository stops startup with its error.
+  // false: the others serve, the bad one is listed FAILED. Default: true.
+  bool strict_model_loading = true;
   // Largest request message in bytes; larger ones get RESOURCE_EXHAUSTED
   // from gRPC before any parsing. Default: 64 MiB.
   int64_t max_message_bytes = int64_t{64} << 20;

@@ -1,0 +1,286 @@
+"""End-to-end tests of the real attnserve binary through its proto: a Python
+gRPC client (generated stubs), health, reflection, malformed requests, message
+size limits and clean shutdown. Oracle: harness.reference_attention (NumPy float64)."""
+
+import concurrent.futures
+import signal
+
+import grpc
+import numpy as np
+import pytest
+
+import harness
+from attnserve_client import AttentionClient, stubs
+
+pb = stubs.attention_pb2
+
+
+def _sdpa_inputs(rng, b=2, hq=4, hkv=2, lq=6, lk=9, dk=16, dv=8):
+    return (rng.standard_normal((b, hq, lq, dk)).astype(np.float32),
+            rng.standard_normal((b, hkv, lk, dk)).astype(np.float32),
+            rng.standard_normal((b, hkv, lk, dv)).astype(np.float32))
+
+
+def _assert_fp32_close(got, want):
+    # fp32 contract: relative error <= 1e-5 of the output's scale.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
+def test_health_serving(client):
+    assert client.health() == "SERVING"
+
+
+def test_list_models_has_builtins(client):
+    models = {m.name: m for m in client.list_models()}
+    assert {"sdpa", "demo-mha"} <= models.keys(), models.keys()
+    assert models["sdpa"].config.kind == "sdpa"
+    mha = models["demo-mha"]
+    assert mha.config.kind == "mha"
+    assert mha.config.embed_dim == 512 and mha.config.num_heads == 8
+    assert mha.is_default and not models["sdpa"].is_default
+    assert all(m.state == pb.ModelStatus.READY for m in models.values())
+
+
+def test_get_model(client):
+    assert client.get_model("sdpa").name == "sdpa"
+    with pytest.raises(grpc.RpcError) as e:
+        client.get_model("nope")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "nope" in e.value.details()
+
+
+@pytest.mark.parametrize("case", [
+    dict(),
+    dict(causal=True),
+    dict(causal=True, lq=9, lk=5),  # Lq > Lk: the first rows see no key
+    dict(key_lengths=[9, 4]),
+    dict(key_lengths=[0, 9]),  # a sequence with no keys at all
+    dict(mask="bool"),
+    dict(mask="float", scale=0.3),
+    dict(hq=6, hkv=3, dv=16, causal=True, key_lengths=[7, 9], mask="bool"),
+])
+def test_sdpa_matches_numpy(client, case):
+    case = dict(case)
+    rng = np.random.default_rng(len(str(case)))
+    shape = {k: case.pop(k) for k in ("hq", "hkv", "lq", "lk", "dv") if k in case}
+    q, k, v = _sdpa_inputs(rng, **shape)
+    mask = case.pop("mask", None)
+    lq, lk = q.shape[2], k.shape[2]
+    if mask == "bool":
+        mask = rng.random((q.shape[0], 1, lq, lk)) < 0.7
+    elif mask == "float":
+        mask = rng.standard_normal((lq, lk)).astype(np.float32)
+    res = client.attend(q, k, v, model="sdpa", attn_mask=mask, need_weights=True, request_id="r1", **case)
+    want, want_w = harness.reference_attention(q, k, v, mask=mask, **case)
+    assert res.id == "r1"
+    assert res.output.dtype == np.float32 and res.output.shape == want.shape
+    _assert_fp32_close(res.output, want)
+    assert res.weights.shape == want_w.shape
+    np.testing.assert_allclose(res.weights, want_w, rtol=1e-5, atol=1e-6)
+    assert res.timing.total_us >= res.timing.compute_us >= 0
+    assert res.timing.batch_requests >= 1
+
+
+def test_sdpa_average_weights(client):
+    q, k, v = _sdpa_inputs(np.random.default_rng(7))
+    res = client.attend(q, k, v, model="sdpa", causal=True, average_weights=True)
+    _, w = harness.reference_attention(q, k, v, causal=True)
+    assert res.weights.shape == (q.shape[0], q.shape[2], k.shape[2])
+    np.testing.assert_allclose(res.weights, w.mean(axis=1), rtol=1e-5, atol=1e-6)
+
+
+def test_demo_mha_self_attention(client):
+    x = np.random.default_rng(3).standard_normal((2, 16, 512)).astype(np.float32)
+    self_attn = client.attend(x, model="demo-mha").output
+    assert self_attn.shape == (2, 16, 512)
+    assert np.isfinite(self_attn).all() and np.abs(self_attn).max() > 0
+    # Omitting key/value means key = value = query; the empty model name means demo-mha.
+    explicit = client.attend(x, x, x).output
+    _assert_fp32_close(explicit, self_attn)
+    # Cross attention and per-sequence padding change the answer only where they should.
+    mem = np.random.default_rng(4).standard_normal((2, 5, 512)).astype(np.float32)
+    cross = client.attend(x, mem, mem, model="demo-mha").output
+    assert cross.shape == (2, 16, 512)
+    padded = client.attend(x, np.concatenate([mem, x[:, :3]], axis=1), np.concatenate([mem, x[:, :3]], axis=1),
+                           model="demo-mha", key_lengths=[5, 5]).output
+    _assert_fp32_close(padded, cross)
+
+
+def test_concurrent_requests_each_match_numpy(client):
+    # Many requests in flight at once (they may share batches on the server):
+    # every answer must still be its own request's answer.
+    rng = np.random.default_rng(11)
+    cases = []
+    for i in range(24):
+        lq, lk = int(rng.integers(1, 12)), int(rng.integers(1, 12))
+        cases.append((_sdpa_inputs(rng, b=1 + i % 2, lq=lq, lk=lk), bool(i % 3 == 0), f"c{i}"))
+
+    def run(case):
+        (q, k, v), causal, rid = case
+        res = client.attend(q, k, v, model="sdpa", causal=causal, request_id=rid)
+        return res, harness.reference_attention(q, k, v, causal=causal)[0], rid
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for res, want, rid in pool.map(run, cases):
+            assert res.id == rid
+            _assert_fp32_close(res.output, want)
+
+
+def _good_sdpa(rng=None):
+    rng = rng or np.random.default_rng(0)
+    q, k, v = _sdpa_inputs(rng, b=2, hq=4, hkv=2, lq=4, lk=5, dk=8, dv=8)
+    return q, k, v
+
+
+def _request(client, **overrides):
+    """A valid sdpa request, then `overrides` applied to the proto."""
+    q, k, v = _good_sdpa()
+    req = client.build_request(q, k, v, model="sdpa")
+    for field, value in overrides.items():
+        if callable(value):
+            value(req)
+        else:
+            setattr(req, field, value)
+    return req
+
+
+def _set_tensor(field, array=None, shape=None, dtype=None, data=None):
+    def apply(req):
+        t = getattr(req, field)
+        if array is not None:
+            from attnserve_client import encode_tensor
+            t.CopyFrom(encode_tensor(array))
+        if shape is not None:
+            del t.shape[:]
+            t.shape.extend(shape)
+        if dtype is not None:
+            t.dtype = dtype
+        if data is not None:
+            t.data = data
+    return apply
+
+
+def _clear(field):
+    return lambda req: req.ClearField(field)
+
+
+def _key_lengths(values):
+    def apply(req):
+        del req.key_lengths[:]
+        req.key_lengths.extend(values)
+    return apply
+
+
+MALFORMED = [
+    # (name, overrides, expected code, words the message must contain; a tuple = any one of them)
+    ("short data", dict(q=_set_tensor("query", data=b"\0" * 12)), "INVALID_ARGUMENT", ["query"]),
+    ("long data", dict(q=_set_tensor("query", data=b"\0" * (2 * 4 * 4 * 8 * 4 + 4))), "INVALID_ARGUMENT", ["query"]),
+    ("rank 3 query", dict(q=_set_tensor("query", shape=[2, 4, 32])), "INVALID_ARGUMENT", ["query"]),
+    ("rank 5 key", dict(k=_set_tensor("key", shape=[2, 2, 5, 8, 1])), "INVALID_ARGUMENT", ["key"]),
+    ("zero dim", dict(q=_set_tensor("query", shape=[2, 4, 0, 8], data=b"")), "INVALID_ARGUMENT", ["query"]),
+    ("negative dim", dict(q=_set_tensor("query", shape=[2, -4, 4, 8])), "INVALID_ARGUMENT", ["query"]),
+    ("overflowing shape", dict(q=_set_tensor("query", shape=[1 << 40, 1 << 40, 1 << 40, 8], data=b"")),
+     "INVALID_ARGUMENT", ["query"]),
+    ("dtype unset", dict(q=_set_tensor("query", dtype=pb.DATA_TYPE_UNSPECIFIED)), "INVALID_ARGUMENT", ["query"]),
+    ("bool query", dict(q=_set_tensor("query", array=np.ones((2, 4, 4, 8), dtype=bool))), "INVALID_ARGUMENT",
+     ["query"]),
+    ("mixed dtypes", dict(k=_set_tensor("key", array=np.zeros((2, 2, 5, 8), dtype=np.float16))),
+     "INVALID_ARGUMENT", ["key"]),
+    ("missing query", dict(q=_clear("query")), "INVALID_ARGUMENT", ["query"]),
+    ("key without value", dict(v=_clear("value")), "INVALID_ARGUMENT", ["value"]),
+    ("Hq not a multiple of Hkv", dict(k=_set_tensor("key", array=np.zeros((2, 3, 5, 8), np.float32)),
+                                      v=_set_tensor("value", array=np.zeros((2, 3, 5, 8), np.float32))),
+     "INVALID_ARGUMENT", [("key", "head")]),
+    ("key/value length mismatch", dict(v=_set_tensor("value", array=np.zeros((2, 2, 6, 8), np.float32))),
+     "INVALID_ARGUMENT", ["value"]),
+    ("batch mismatch", dict(k=_set_tensor("key", array=np.zeros((3, 2, 5, 8), np.float32))),
+     "INVALID_ARGUMENT", [("key", "batch")]),
+    ("Dk mismatch", dict(k=_set_tensor("key", array=np.zeros((2, 2, 5, 7), np.float32))),
+     "INVALID_ARGUMENT", ["key"]),
+    ("key_lengths count", dict(kl=_key_lengths([5])), "INVALID_ARGUMENT", ["key_lengths"]),
+    ("key_lengths too long", dict(kl=_key_lengths([5, 6])), "INVALID_ARGUMENT", ["key_lengths"]),
+    ("key_lengths negative", dict(kl=_key_lengths([-1, 5])), "INVALID_ARGUMENT", ["key_lengths"]),
+    ("mask not broadcastable", dict(m=_set_tensor("attn_mask", array=np.ones((3, 5), dtype=bool))),
+     "INVALID_ARGUMENT", ["attn_mask"]),
+    ("mask rank 1", dict(m=_set_tensor("attn_mask", array=np.ones((5,), dtype=bool))),
+     "INVALID_ARGUMENT", ["attn_mask"]),
+    ("mask byte size", dict(m=_set_tensor("attn_mask", array=np.ones((4, 5), dtype=bool), data=b"\1" * 19)),
+     "INVALID_ARGUMENT", ["attn_mask"]),
+    ("negative scale", dict(scale=-1.0), "INVALID_ARGUMENT", ["scale"]),
+    ("nan scale", dict(scale=float("nan")), "INVALID_ARGUMENT", ["scale"]),
+    ("inf scale", dict(scale=float("inf")), "INVALID_ARGUMENT", ["scale"]),
+    ("unknown model", dict(model="nope"), "NOT_FOUND", ["nope"]),
+]
+
+
+@pytest.mark.parametrize("name,overrides,code,words", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_request_rejected_then_serves(client, server, name, overrides, code, words):
+    req = _request(client, **overrides)
+    with pytest.raises(grpc.RpcError) as e:
+        client.attend_request(req)
+    assert e.value.code() == getattr(grpc.StatusCode, code), e.value.details()
+    for w in words:
+        alternatives = w if isinstance(w, tuple) else (w,)
+        assert any(a.lower() in e.value.details().lower() for a in alternatives), \
+            f"none of {alternatives} in {e.value.details()!r}"
+    # The server is still up and answers a good request correctly.
+    assert server.alive()
+    q, k, v = _good_sdpa(np.random.default_rng(1))
+    _assert_fp32_close(client.attend(q, k, v, model="sdpa").output, harness.reference_attention(q, k, v)[0])
+
+
+def test_demo_mha_wrong_feature_dim(client):
+    with pytest.raises(grpc.RpcError) as e:
+        client.attend(np.zeros((1, 4, 100), np.float32), model="demo-mha")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "query" in e.value.details() and "512" in e.value.details(), e.value.details()
+
+
+def _reflection_call(channel, **request):
+    from attnserve.grpc_ext.reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(**request)]),
+                                               timeout=30))
+    assert len(responses) == 1
+    return responses[0]
+
+
+def test_reflection_lists_and_describes_the_service(client):
+    resp = _reflection_call(client.channel, list_services="")
+    names = {s.name for s in resp.list_services_response.service}
+    assert "attnserve.v1.AttentionService" in names, names
+    assert "grpc.health.v1.Health" in names, names
+
+    from google.protobuf import descriptor_pb2
+    resp = _reflection_call(client.channel, file_containing_symbol="attnserve.v1.AttentionService")
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+             for b in resp.file_descriptor_response.file_descriptor_proto]
+    services = {s.name: {m.name for m in s.method} for f in files for s in f.service}
+    assert services.get("AttentionService", set()) >= {"Attend", "AttendStream", "ListModels", "GetModel"}
+
+
+def test_oversize_message_is_resource_exhausted():
+    srv = harness.ServerProcess("--max-message-bytes", "1048576")
+    try:
+        with AttentionClient(srv.target) as c:
+            rng = np.random.default_rng(5)
+            small = _sdpa_inputs(rng, b=1, hq=2, hkv=2, lq=64, lk=64, dk=64, dv=64)  # ~100 KiB
+            _assert_fp32_close(c.attend(*small, model="sdpa").output, harness.reference_attention(*small)[0])
+            big_q = rng.standard_normal((1, 8, 512, 64)).astype(np.float32)  # 1 MiB query alone
+            big_kv = rng.standard_normal((1, 8, 512, 64)).astype(np.float32)
+            with pytest.raises(grpc.RpcError) as e:
+                c.attend(big_q, big_kv, big_kv, model="sdpa")
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+            assert c.health() == "SERVING"
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_exits_zero(sig):
+    srv = harness.ServerProcess()
+    with AttentionClient(srv.target) as c:
+        assert c.health() == "SERVING"
+    code = srv.stop(sig)
+    assert code == 0, f"exit code {code} after {sig.name}:\n{srv.log()}"
