@@ -1,0 +1,459 @@
+// ValidateAttendRequest: one table row per rule (status code + the words the
+// message must contain), and valid requests whose task dims are checked.
+#include "server/validation.h"
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/model/builtin_models.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/tensor_codec.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::Tensor MakeTensor(v1::DataType dtype, std::vector<int64_t> shape) {
+  v1::Tensor t;
+  t.set_dtype(dtype);
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    t.add_shape(d);
+    n *= d;
+  }
+  const int64_t size = dtype == v1::FLOAT32 ? 4 : dtype == v1::BOOL ? 1 : 2;
+  t.set_data(std::string(static_cast<size_t>(n * size), '\0'));
+  return t;
+}
+
+const LayerConfig& SdpaLayer() {
+  static const auto keep = MakeSdpaLayer();
+  return keep->config;
+}
+const LayerConfig& MhaLayer() {
+  static const auto keep = MakeDemoMhaLayer();
+  return keep->config;
+}
+
+// sdpa: B=2, Hq=4, Hkv=2, Lq=5, Lk=7, Dk=8, Dv=6 (GQA, cross, Dv != Dk).
+v1::AttendRequest ValidSdpa() {
+  v1::AttendRequest r;
+  r.set_model("sdpa");
+  *r.mutable_query() = MakeTensor(v1::FLOAT32, {2, 4, 5, 8});
+  *r.mutable_key() = MakeTensor(v1::FLOAT32, {2, 2, 7, 8});
+  *r.mutable_value() = MakeTensor(v1::FLOAT32, {2, 2, 7, 6});
+  return r;
+}
+
+// demo-mha self-attention: query [2, 5, 512].
+v1::AttendRequest ValidMha() {
+  v1::AttendRequest r;
+  *r.mutable_query() = MakeTensor(v1::FLOAT32, {2, 5, 512});
+  return r;
+}
+
+// demo-mha cross attention: key/value [2, 7, 512].
+v1::AttendRequest ValidMhaCross() {
+  v1::AttendRequest r = ValidMha();
+  *r.mutable_key() = MakeTensor(v1::FLOAT32, {2, 7, 512});
+  *r.mutable_value() = MakeTensor(v1::FLOAT32, {2, 7, 512});
+  return r;
+}
+
+struct Case {
+  std::string name;
+  std::function<v1::AttendRequest()> request;
+  absl::StatusCode code;
+  std::vector<std::string> words;  // each must appear in the message
+  bool mha = false;                // validate against demo-mha instead of sdpa
+  ValidationOptions options = {};
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+template <typename F>
+std::function<v1::AttendRequest()> Sdpa(F mutate) {
+  return [mutate] {
+    v1::AttendRequest r = ValidSdpa();
+    mutate(r);
+    return r;
+  };
+}
+template <typename F>
+std::function<v1::AttendRequest()> Mha(F mutate, bool cross = false) {
+  return [mutate, cross] {
+    v1::AttendRequest r = cross ? ValidMhaCross() : ValidMha();
+    mutate(r);
+    return r;
+  };
+}
+
+constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
+constexpr absl::StatusCode kExhausted = absl::StatusCode::kResourceExhausted;
+
+std::vector<Case> Cases() {
+  std::vector<Case> c;
+  // Presence.
+  c.push_back({"QueryMissing", Sdpa([](auto& r) { r.clear_query(); }), kInvalid,
+               {"query:", "required"}});
+  c.push_back({"KeyWithoutValue", Sdpa([](auto& r) { r.clear_value(); }), kInvalid,
+               {"value:", "required because key is given"}});
+  c.push_back({"ValueWithoutKey", Sdpa([](auto& r) { r.clear_key(); }), kInvalid,
+               {"key:", "required because value is given"}});
+  c.push_back({"KeyValueOmittedOnSdpa", Sdpa([](auto& r) {
+                 r.clear_key();
+                 r.clear_value();
+               }),
+               kInvalid, {"key:", "required by model 'sdpa'"}});
+  c.push_back({"MhaKeyWithoutValue", Mha([](auto& r) { r.clear_value(); }, true), kInvalid,
+               {"value:", "required because key is given"}, true});
+  // dtypes.
+  c.push_back({"DTypeUnset", Sdpa([](auto& r) { r.mutable_query()->set_dtype(v1::DATA_TYPE_UNSPECIFIED); }),
+               kInvalid, {"query.dtype", "must be set", "DATA_TYPE_UNSPECIFIED"}});
+  c.push_back({"DTypeUnknownValue",
+               Sdpa([](auto& r) { r.mutable_key()->set_dtype(static_cast<v1::DataType>(17)); }),
+               kInvalid, {"key.dtype", "unknown dtype value 17"}});
+  c.push_back({"DTypeBoolInput", Sdpa([](auto& r) {
+                 *r.mutable_value() = MakeTensor(v1::BOOL, {2, 2, 7, 6});
+               }),
+               kInvalid, {"value.dtype", "FLOAT32, FLOAT16 or BFLOAT16", "got BOOL"}});
+  c.push_back({"DTypeMixed", Sdpa([](auto& r) {
+                 *r.mutable_key() = MakeTensor(v1::FLOAT16, {2, 2, 7, 8});
+               }),
+               kInvalid, {"key.dtype", "must match query.dtype (FLOAT32)", "got FLOAT16"}});
+  // Bytes.
+  c.push_back({"ByteSizeMismatch", Sdpa([](auto& r) {
+                 r.mutable_query()->set_data(std::string(100, '\0'));
+               }),
+               kInvalid,
+               {"query.data: expected 1280 bytes (shape [2, 4, 5, 8] x FLOAT32 4 bytes), got 100"}});
+  c.push_back({"ByteSizeMismatchHalf", Sdpa([](auto& r) {
+                 *r.mutable_query() = MakeTensor(v1::BFLOAT16, {2, 4, 5, 8});
+                 *r.mutable_key() = MakeTensor(v1::BFLOAT16, {2, 2, 7, 8});
+                 *r.mutable_value() = MakeTensor(v1::BFLOAT16, {2, 2, 7, 6});
+                 r.mutable_value()->mutable_data()->push_back('\0');
+               }),
+               kInvalid, {"value.data", "expected 336 bytes", "BFLOAT16 2 bytes", "got 337"}});
+  // Ranks.
+  c.push_back({"RankSdpa", Sdpa([](auto& r) {
+                 *r.mutable_query() = MakeTensor(v1::FLOAT32, {2, 5, 8});
+               }),
+               kInvalid, {"query.shape", "expected rank 4", "got rank 3", "[2, 5, 8]"}});
+  c.push_back({"RankSdpaKey", Sdpa([](auto& r) {
+                 *r.mutable_key() = MakeTensor(v1::FLOAT32, {2, 2, 7, 8, 1});
+               }),
+               kInvalid, {"key.shape", "expected rank 4", "got rank 5"}});
+  c.push_back({"RankMha", Mha([](auto& r) {
+                 *r.mutable_query() = MakeTensor(v1::FLOAT32, {2, 1, 5, 512});
+               }),
+               kInvalid, {"query.shape", "expected rank 3 [B, Lq, query_dim]", "got rank 4"}, true});
+  // Dims.
+  c.push_back({"ZeroDim", Sdpa([](auto& r) {
+                 r.mutable_query()->set_shape(2, 0);
+                 r.mutable_query()->clear_data();
+               }),
+               kInvalid, {"query.shape", "every dim must be >= 1", "got 0 at dim 2"}});
+  c.push_back({"NegativeDim", Sdpa([](auto& r) { r.mutable_value()->set_shape(3, -6); }),
+               kInvalid, {"value.shape", ">= 1", "got -6 at dim 3"}});
+  c.push_back({"ShapeOverflow", Sdpa([](auto& r) {
+                 r.mutable_query()->set_shape(0, int64_t{1} << 40);
+                 r.mutable_query()->set_shape(1, int64_t{1} << 40);
+               }),
+               kInvalid, {"query.shape", "overflows int64"}});
+  {
+    Case limit{"InputOverLimit", Sdpa([](auto&) {}), kExhausted,
+               {"query.shape", "320 elements", "limit of 100"}};
+    limit.options.max_input_elements = 100;
+    c.push_back(limit);
+  }
+  // Cross-tensor dims (head layout).
+  c.push_back({"HqNotMultipleOfHkv", Sdpa([](auto& r) {
+                 *r.mutable_key() = MakeTensor(v1::FLOAT32, {2, 3, 7, 8});
+                 *r.mutable_value() = MakeTensor(v1::FLOAT32, {2, 3, 7, 6});
+               }),
+               kInvalid, {"query.shape", "multiple", "Hq=4", "Hkv=3"}});
+  c.push_back({"KeyBatchMismatch", Sdpa([](auto& r) {
+                 *r.mutable_key() = MakeTensor(v1::FLOAT32, {3, 2, 7, 8});
+               }),
+               kInvalid, {"key.shape", "dim 0 (batch)", "query's 2", "got 3"}});
+  c.push_back({"ValueBatchMismatch", Sdpa([](auto& r) {
+                 *r.mutable_value() = MakeTensor(v1::FLOAT32, {1, 2, 7, 6});
+               }),
+               kInvalid, {"value.shape", "batch", "got 1"}});
+  c.push_back({"KeyValueLengthMismatch", Sdpa([](auto& r) {
+                 *r.mutable_value() = MakeTensor(v1::FLOAT32, {2, 2, 9, 6});
+               }),
+               kInvalid, {"value.shape", "key length", "key's 7", "got 9"}});
+  c.push_back({"KeyValueHeadsMismatch", Sdpa([](auto& r) {
+                 *r.mutable_value() = MakeTensor(v1::FLOAT32, {2, 4, 7, 6});
+               }),
+               kInvalid, {"value.shape", "kv heads", "key's 2", "got 4"}});
+  c.push_back({"HeadDimMismatch", Sdpa([](auto& r) {
+                 *r.mutable_key() = MakeTensor(v1::FLOAT32, {2, 2, 7, 16});
+               }),
+               kInvalid, {"key.shape", "head_dim", "query's 8", "got 16"}});
+  // Cross-tensor dims (projection layout).
+  c.push_back({"QueryWidthNotQueryDim", Mha([](auto& r) {
+                 *r.mutable_query() = MakeTensor(v1::FLOAT32, {2, 5, 64});
+               }),
+               kInvalid, {"query.shape", "query_dim", "512", "got 64"}, true});
+  c.push_back({"KeyWidthNotKeyDim", Mha([](auto& r) {
+                 *r.mutable_key() = MakeTensor(v1::FLOAT32, {2, 7, 256});
+               }, true),
+               kInvalid, {"key.shape", "key_dim", "got 256"}, true});
+  c.push_back({"MhaKeyValueLengthMismatch", Mha([](auto& r) {
+                 *r.mutable_value() = MakeTensor(v1::FLOAT32, {2, 8, 512});
+               }, true),
+               kInvalid, {"value.shape", "key length", "key's 7", "got 8"}, true});
+  c.push_back({"MhaBatchMismatch", Mha([](auto& r) {
+                 *r.mutable_key() = MakeTensor(v1::FLOAT32, {1, 7, 512});
+               }, true),
+               kInvalid, {"key.shape", "batch", "query's 2", "got 1"}, true});
+  // Mask.
+  c.push_back({"MaskNotBroadcastable", Sdpa([](auto& r) {
+                 *r.mutable_attn_mask() = MakeTensor(v1::BOOL, {3, 7});
+               }),
+               kInvalid,
+               {"attn_mask.shape", "[3, 7] does not broadcast", "[2, 4, 5, 7]", "Lq=5"}});
+  c.push_back({"MaskHeadsNotBroadcastable", Sdpa([](auto& r) {
+                 *r.mutable_attn_mask() = MakeTensor(v1::FLOAT32, {2, 3, 5, 7});
+               }),
+               kInvalid, {"attn_mask.shape", "does not broadcast", "Hq=4"}});
+  c.push_back({"MaskRank", Sdpa([](auto& r) {
+                 *r.mutable_attn_mask() = MakeTensor(v1::BOOL, {7});
+               }),
+               kInvalid, {"attn_mask.shape", "rank 2 to 4", "got rank 1"}});
+  c.push_back({"MaskDTypeUnset", Sdpa([](auto& r) {
+                 *r.mutable_attn_mask() = MakeTensor(v1::BOOL, {5, 7});
+                 r.mutable_attn_mask()->set_dtype(v1::DATA_TYPE_UNSPECIFIED);
+               }),
+               kInvalid, {"attn_mask.dtype", "must be set"}});
+  c.push_back({"MaskBytes", Sdpa([](auto& r) {
+                 *r.mutable_attn_mask() = MakeTensor(v1::FLOAT16, {5, 7});
+                 r.mutable_attn_mask()->set_data(std::string(35, '\0'));
+               }),
+               kInvalid, {"attn_mask.data", "expected 70 bytes", "got 35"}});
+  // key_lengths.
+  c.push_back({"KeyLengthsCount", Sdpa([](auto& r) {
+                 for (int i = 0; i < 3; ++i) r.add_key_lengths(1);
+               }),
+               kInvalid, {"key_lengths", "one value per batch element (B=2)", "got 3"}});
+  c.push_back({"KeyLengthsTooLong", Sdpa([](auto& r) {
+                 r.add_key_lengths(7);
+                 r.add_key_lengths(8);
+               }),
+               kInvalid, {"key_lengths[1]", "[0, Lk=7]", "got 8"}});
+  c.push_back({"KeyLengthsNegative", Sdpa([](auto& r) {
+                 r.add_key_lengths(-1);
+                 r.add_key_lengths(3);
+               }),
+               kInvalid, {"key_lengths[0]", "[0, Lk=7]", "got -1"}});
+  c.push_back({"MhaKeyLengthsSelfAttention", Mha([](auto& r) {
+                 r.add_key_lengths(5);
+                 r.add_key_lengths(6);
+               }),
+               kInvalid, {"key_lengths[1]", "[0, Lk=5]", "got 6"}, true});
+  // Scale.
+  c.push_back({"ScaleNaN", Sdpa([](auto& r) {
+                 r.set_scale(std::numeric_limits<float>::quiet_NaN());
+               }),
+               kInvalid, {"scale", "finite and >= 0", "nan"}});
+  c.push_back({"ScaleInf", Sdpa([](auto& r) {
+                 r.set_scale(std::numeric_limits<float>::infinity());
+               }),
+               kInvalid, {"scale", "finite", "inf"}});
+  c.push_back({"ScaleNegative", Sdpa([](auto& r) { r.set_scale(-0.5f); }), kInvalid,
+               {"scale", ">= 0", "got -0.5"}});
+  // Output dtype.
+  c.push_back({"OutputDTypeBool", Sdpa([](auto& r) { r.set_output_dtype(v1::BOOL); }),
+               kInvalid, {"output_dtype", "got BOOL"}});
+  c.push_back({"OutputDTypeUnknown",
+               Sdpa([](auto& r) { r.set_output_dtype(static_cast<v1::DataType>(9)); }),
+               kInvalid, {"output_dtype", "got 9"}});
+  // Server limits.
+  {
+    Case weights{"WeightsOverLimit", Sdpa([](auto& r) { r.set_need_weights(true); }), kExhausted,
+                 {"weights", "[2, 4, 5, 7]", "limit of 1000 bytes"}};
+    weights.options.max_output_bytes = 1000;  // output 960 bytes fits, weights 1120 do not
+    c.push_back(weights);
+    Case output{"OutputOverLimit", Sdpa([](auto&) {}), kExhausted,
+                {"output", "[2, 4, 5, 6]", "limit of 900 bytes"}};
+    output.options.max_output_bytes = 900;
+    c.push_back(output);
+    Case scores{"ScoresOverLimit", Sdpa([](auto&) {}), kExhausted,
+                {"attention scores", "[2, 4, 5, 7]", "limit of 100"}};
+    scores.options.max_attention_scores = 100;
+    c.push_back(scores);
+  }
+  return c;
+}
+
+class ValidationTableTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ValidationTableTest, RejectsWithFieldRuleAndValues) {
+  const Case& c = GetParam();
+  const v1::AttendRequest request = c.request();
+  absl::StatusOr<ValidatedRequest> result =
+      ValidateAttendRequest(request, c.mha ? MhaLayer() : SdpaLayer(), c.options);
+  ASSERT_FALSE(result.ok()) << c.name;
+  EXPECT_EQ(result.status().code(), c.code) << result.status();
+  for (const std::string& word : c.words) {
+    EXPECT_THAT(std::string(result.status().message()), HasSubstr(word));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryRule, ValidationTableTest, ::testing::ValuesIn(Cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+TEST(ValidationTest, SdpaGqaCrossAttentionDims) {
+  v1::AttendRequest r = ValidSdpa();
+  r.set_need_weights(true);
+  r.add_key_lengths(7);
+  r.add_key_lengths(0);  // a fully masked batch element is valid
+  *r.mutable_attn_mask() = MakeTensor(v1::BOOL, {2, 1, 5, 7});
+  absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, SdpaLayer());
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->dims.batch, 2);
+  EXPECT_EQ(v->dims.num_heads, 4);
+  EXPECT_EQ(v->dims.num_kv_heads, 2);
+  EXPECT_EQ(v->dims.q_len, 5);
+  EXPECT_EQ(v->dims.kv_len, 7);
+  EXPECT_EQ(v->dims.head_dim, 8);
+  EXPECT_EQ(v->dims.head_dim_v, 6);
+  EXPECT_EQ(v->output_shape, (Shape{2, 4, 5, 6}));
+  EXPECT_EQ(v->weights_shape, (Shape{2, 4, 5, 7}));
+  EXPECT_EQ(v->output_dtype, DType::kFloat32);
+  EXPECT_FLOAT_EQ(v->task.scale, 1.0f / std::sqrt(8.0f));
+  EXPECT_FALSE(v->task.causal);
+  EXPECT_FALSE(v->task.average_weights);
+  ASSERT_EQ(v->task.key_lengths.size(), 2u);
+  EXPECT_EQ(v->task.key_lengths[1], 0);
+  EXPECT_EQ(v->task.attn_mask.dtype, DType::kBool);
+  EXPECT_EQ(v->task.attn_mask.shape, (Shape{2, 1, 5, 7}));
+  // Zero copy: the views point into the request.
+  EXPECT_EQ(v->task.query.data, r.query().data().data());
+  EXPECT_EQ(v->task.key.data, r.key().data().data());
+  EXPECT_EQ(v->task.value.data, r.value().data().data());
+  EXPECT_EQ(v->task.key_lengths.data(), r.key_lengths().data());
+  // Outputs are the caller's to allocate.
+  EXPECT_TRUE(v->task.output.empty());
+}
+
+TEST(ValidationTest, SdpaOptionsResolved) {
+  v1::AttendRequest r = ValidSdpa();
+  *r.mutable_query() = MakeTensor(v1::FLOAT16, {2, 4, 5, 8});
+  *r.mutable_key() = MakeTensor(v1::FLOAT16, {2, 2, 7, 8});
+  *r.mutable_value() = MakeTensor(v1::FLOAT16, {2, 2, 7, 6});
+  r.set_scale(0.25f);
+  r.set_causal(true);
+  r.set_need_weights(true);
+  r.set_average_weights(true);
+  r.set_output_dtype(v1::FLOAT32);
+  *r.mutable_attn_mask() = MakeTensor(v1::FLOAT32, {5, 7});  // additive, [Lq, Lk]
+  absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, SdpaLayer());
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->task.query.dtype, DType::kFloat16);
+  EXPECT_EQ(v->output_dtype, DType::kFloat32);
+  EXPECT_FLOAT_EQ(v->task.scale, 0.25f);
+  EXPECT_TRUE(v->task.causal);
+  EXPECT_TRUE(v->task.average_weights);
+  EXPECT_EQ(v->weights_shape, (Shape{2, 5, 7}));
+}
+
+TEST(ValidationTest, EveryAcceptedMaskShapeBroadcasts) {
+  for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{
+           {5, 7}, {2, 1, 5, 7}, {1, 4, 5, 7}, {2, 4, 5, 7}, {1, 1, 1, 7}, {4, 5, 7}}) {
+    v1::AttendRequest r = ValidSdpa();
+    *r.mutable_attn_mask() = MakeTensor(v1::BOOL, shape);
+    absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, SdpaLayer());
+    EXPECT_TRUE(v.ok()) << ShapeString(shape) << ": " << v.status();
+  }
+}
+
+TEST(ValidationTest, EmptyOptionalTensorsCountAsAbsent) {
+  v1::AttendRequest r = ValidSdpa();
+  r.mutable_attn_mask();  // present but empty, as `"attn_mask": {}` in JSON
+  absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, SdpaLayer());
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_TRUE(v->task.attn_mask.empty());
+
+  v1::AttendRequest mha = ValidMha();
+  mha.mutable_key();
+  mha.mutable_value();
+  v = ValidateAttendRequest(mha, MhaLayer());
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_TRUE(v->task.key.empty());
+}
+
+TEST(ValidationTest, AverageWeightsWithoutNeedWeightsIsIgnored) {
+  v1::AttendRequest r = ValidSdpa();
+  r.set_average_weights(true);
+  absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, SdpaLayer());
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_TRUE(v->weights_shape.empty());
+  EXPECT_FALSE(v->task.average_weights);
+}
+
+TEST(ValidationTest, DemoMhaSelfAttentionDims) {
+  v1::AttendRequest r = ValidMha();
+  *r.mutable_query() = MakeTensor(v1::BFLOAT16, {2, 5, 512});
+  r.set_need_weights(true);
+  absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, MhaLayer());
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_TRUE(v->task.key.empty());
+  EXPECT_TRUE(v->task.value.empty());
+  EXPECT_EQ(v->dims.batch, 2);
+  EXPECT_EQ(v->dims.q_len, 5);
+  EXPECT_EQ(v->dims.kv_len, 5);
+  EXPECT_EQ(v->dims.num_heads, 8);
+  EXPECT_EQ(v->dims.num_kv_heads, 8);
+  EXPECT_EQ(v->dims.head_dim, 64);
+  EXPECT_EQ(v->dims.head_dim_v, 64);
+  EXPECT_EQ(v->output_shape, (Shape{2, 5, 512}));
+  EXPECT_EQ(v->weights_shape, (Shape{2, 8, 5, 5}));
+  EXPECT_EQ(v->output_dtype, DType::kBFloat16);
+  EXPECT_FLOAT_EQ(v->task.scale, 1.0f / 8.0f);
+}
+
+TEST(ValidationTest, DemoMhaCrossAttentionDims) {
+  v1::AttendRequest r = ValidMhaCross();
+  r.add_key_lengths(7);
+  r.add_key_lengths(3);
+  r.set_causal(true);
+  absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, MhaLayer());
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->dims.kv_len, 7);
+  EXPECT_EQ(v->task.key.shape, (Shape{2, 7, 512}));
+  EXPECT_EQ(v->output_shape, (Shape{2, 5, 512}));
+  EXPECT_TRUE(v->task.causal);
+}
+
+TEST(ValidationTest, ValidatedTaskPassesTheEngineCheck) {
+  // The engine re-checks tasks; a validated one with outputs bound must pass.
+  for (bool mha : {false, true}) {
+    v1::AttendRequest r = mha ? ValidMhaCross() : ValidSdpa();
+    r.set_need_weights(true);
+    const LayerConfig& layer = mha ? MhaLayer() : SdpaLayer();
+    absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, layer);
+    ASSERT_TRUE(v.ok()) << v.status();
+    v1::AttendResponse response;
+    v->task.output = AllocateTensor(v->output_dtype, v->output_shape, response.mutable_output());
+    v->task.weights =
+        AllocateTensor(v->output_dtype, v->weights_shape, response.mutable_weights());
+    EXPECT_TRUE(CheckTask(layer, v->task).ok()) << CheckTask(layer, v->task);
+    const TaskDims engine_dims = GetTaskDims(layer, v->task);
+    EXPECT_EQ(engine_dims.kv_len, v->dims.kv_len);
+    EXPECT_EQ(engine_dims.num_kv_heads, v->dims.num_kv_heads);
+    EXPECT_EQ(OutputShape(layer, engine_dims), v->output_shape);
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
