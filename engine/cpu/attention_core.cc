@@ -12,12 +12,6 @@
 namespace attnserve::cpu {
 namespace {
 
-// Upper bound on the fp32 score scratch of one call (64 MiB). Larger
-// requests are processed one batch element and a block of query rows at a
-// time; the split depends only on the request's own dims, so it never
-// breaks batch invariance.
-constexpr int64_t kScoresBudget = int64_t{16} << 20;
-
 // Scales, masks and softmaxes the rows of s = [bc, Hq, tq, Lk] (batch
 // elements b0.., query rows i0..) in place into probabilities.
 void MaskedSoftmax(const AttentionParams& p, int64_t b0, int64_t bc, int64_t i0, int64_t tq,
@@ -103,16 +97,16 @@ void StoreWeights(const AttentionParams& p, int64_t b0, int64_t bc, int64_t i0, 
 }  // namespace
 
 absl::Status AttentionCoreF32(const AttentionParams& p, MatmulCache& matmuls,
-                              dnnl::stream& stream) {
+                              dnnl::stream& stream, int64_t scores_budget) {
   const int64_t hq = p.num_heads, g = p.num_kv_heads, group = hq / g;
   const int64_t lk = p.kv_len, d = p.head_dim, dv = p.head_dim_v;
 
   // Whole request in one go when its scores fit the budget; otherwise one
   // batch element and as many query rows as fit.
   int64_t bc = p.batch, rows_per_block = p.q_len;
-  if (p.batch * hq * p.q_len * lk > kScoresBudget) {
+  if (p.batch * hq * p.q_len * lk > scores_budget) {
     bc = 1;
-    rows_per_block = std::clamp<int64_t>(kScoresBudget / (hq * lk), 1, p.q_len);
+    rows_per_block = std::clamp<int64_t>(scores_budget / (hq * lk), 1, p.q_len);
   }
   std::vector<float> scores(static_cast<size_t>(bc * hq * rows_per_block * lk));
 
