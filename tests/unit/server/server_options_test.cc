@@ -1,0 +1,64 @@
+// ServerOptions: range checks and the dash/underscore flag spelling.
+#include "server/server_options.h"
+
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+TEST(ServerOptionsTest, DefaultsAreValid) {
+  ServerOptions options;
+  EXPECT_TRUE(CheckServerOptions(options).ok());
+  EXPECT_EQ(options.address, "127.0.0.1:50051");
+  EXPECT_EQ(options.metrics_address, "127.0.0.1:9464");
+  EXPECT_EQ(options.default_model, "demo-mha");
+  EXPECT_EQ(options.max_message_bytes, 64 << 20);
+  EXPECT_EQ(options.backend, "auto");
+}
+
+TEST(ServerOptionsTest, RejectsBadValuesNamingTheFlag) {
+  auto message = [](ServerOptions o) { return std::string(CheckServerOptions(o).message()); };
+  ServerOptions o;
+  o.address = "localhost";
+  EXPECT_THAT(message(o), HasSubstr("--address"));
+  o = {};
+  o.address = "127.0.0.1:70000";
+  EXPECT_THAT(message(o), HasSubstr("--address"));
+  o = {};
+  o.metrics_address = "x:y";
+  EXPECT_THAT(message(o), HasSubstr("--metrics-address"));
+  o = {};
+  o.backend = "tpu";
+  EXPECT_THAT(message(o), HasSubstr("--backend"));
+  o = {};
+  o.engine_threads = -1;
+  EXPECT_THAT(message(o), HasSubstr("--threads"));
+  o = {};
+  o.max_message_bytes = 0;
+  EXPECT_THAT(message(o), HasSubstr("--max-message-bytes"));
+  o = {};
+  o.max_message_bytes = int64_t{1} << 40;
+  EXPECT_THAT(message(o), HasSubstr("--max-message-bytes"));
+  o = {};
+  o.address = "[::1]:0";
+  EXPECT_TRUE(CheckServerOptions(o).ok());
+}
+
+TEST(ServerOptionsTest, NormalizesFlagNamesOnly) {
+  EXPECT_THAT(NormalizeFlagNames({"attnserve", "--max-message-bytes=1", "--default-model",
+                                  "demo-mha", "-metrics-address=a:1", "--", "--not-a-flag"}),
+              ElementsAre("attnserve", "--max_message_bytes=1", "--default_model", "demo-mha",
+                          "-metrics_address=a:1", "--", "--not-a-flag"));
+  EXPECT_THAT(NormalizeFlagNames({"/path/to/attn-serve", "--address=host-name:1"}),
+              ElementsAre("/path/to/attn-serve", "--address=host-name:1"));
+}
+
+}  // namespace
+}  // namespace attnserve
