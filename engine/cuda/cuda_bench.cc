@@ -1,0 +1,245 @@
+// GPU throughput of the CUDA backend's pieces, device-resident (no host
+// copies): the attention kernels in TFLOP/s, and the projection GEMM (bias
+// fused) against plain cuBLAS GEMMs of the same shape and against a large
+// square GEMM (the ceiling). Prints one JSON object per line, which
+// bench/cuda_bench.py turns into a table next to PyTorch's SDPA.
+//
+//   attnserve_cuda_bench [--quick] [--iters N]
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include "engine/cuda/attention_kernels.h"
+#include "engine/cuda/cuda_status.h"
+#include "engine/cuda/device_memory.h"
+#include "engine/cuda/projection_gemm.h"
+
+namespace attnserve::cuda {
+namespace {
+
+const char* TypeName(ElemType t) {
+  switch (t) {
+    case ElemType::kF32:
+      return "fp32";
+    case ElemType::kF16:
+      return "fp16";
+    case ElemType::kBF16:
+      return "bf16";
+    default:
+      return "bool";
+  }
+}
+
+size_t Size(ElemType t) { return t == ElemType::kF32 ? 4 : 2; }
+
+// A device buffer of n random values in [-1, 1) of type t.
+DeviceBuffer Random(ElemType t, int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> host(static_cast<size_t>(n));
+  for (float& x : host) x = dist(rng);
+  absl::StatusOr<DeviceBuffer> fp32 = DeviceBuffer::Allocate(host.size() * 4);
+  absl::StatusOr<DeviceBuffer> out = DeviceBuffer::Allocate(static_cast<size_t>(n) * Size(t));
+  if (!fp32.ok() || !out.ok()) {
+    std::fprintf(stderr, "allocation failed\n");
+    std::exit(1);
+  }
+  cudaMemcpy(fp32->data(), host.data(), host.size() * 4, cudaMemcpyHostToDevice);
+  LaunchConvert(fp32->data(), ElemType::kF32, out->data(), t, n, nullptr);
+  cudaDeviceSynchronize();
+  return std::move(*out);
+}
+
+// Milliseconds per call of `fn` (after warm-up), timed with events.
+template <typename Fn>
+double TimeMs(Fn fn, int iters) {
+  for (int i = 0; i < 3; ++i) fn();
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  cudaEventRecord(start);
+  for (int i = 0; i < iters; ++i) fn();
+  cudaEventRecord(stop);
+  cudaEventSynchronize(stop);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, start, stop);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return ms / iters;
+}
+
+void Check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
+    std::exit(1);
+  }
+}
+
+void BenchAttention(ElemType t, int64_t batch, int64_t heads, int64_t len, int64_t dim,
+                    bool causal, int iters) {
+  const int64_t n = batch * heads * len * dim;
+  DeviceBuffer q = Random(t, n, 1), k = Random(t, n, 2), v = Random(t, n, 3);
+  absl::StatusOr<DeviceBuffer> out = DeviceBuffer::Allocate(static_cast<size_t>(n) * Size(t));
+  if (!out.ok()) std::exit(1);
+  DeviceAttention a;
+  a.batch = batch;
+  a.num_heads = a.num_kv_heads = heads;
+  a.head_dim = a.head_dim_v = dim;
+  a.q_len = a.kv_len = len;
+  a.type = a.out_type = t;
+  a.q = q.data();
+  a.k = k.data();
+  a.v = v.data();
+  a.out = out->data();
+  a.q_stride_row = a.k_stride_row = a.v_stride_row = a.o_stride_row = dim;
+  a.q_stride_h = a.k_stride_h = a.v_stride_h = a.o_stride_h = len * dim;
+  a.q_stride_b = a.k_stride_b = a.v_stride_b = a.o_stride_b = heads * len * dim;
+  a.causal = causal;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  const bool flash = FlashAttentionSupports(a);
+  const double ms = TimeMs(
+      [&] {
+        Check(flash ? LaunchFlashAttention(a, nullptr) : LaunchAttentionGeneral(a, nullptr),
+              "attention launch");
+      },
+      iters);
+  Check(cudaDeviceSynchronize(), "attention");
+  // 2 GEMMs of 2*L*L*D flops each per (b, h); causal does about half.
+  const double flops = 4.0 * batch * heads * len * len * dim * (causal ? 0.5 : 1.0);
+  std::printf(
+      "{\"kind\": \"attention\", \"kernel\": \"%s\", \"dtype\": \"%s\", \"batch\": %ld, "
+      "\"heads\": %ld, \"seq\": %ld, \"head_dim\": %ld, \"causal\": %s, \"ms\": %.4f, "
+      "\"tflops\": %.2f}\n",
+      flash ? "flash" : "general", TypeName(t), static_cast<long>(batch),
+      static_cast<long>(heads), static_cast<long>(len), static_cast<long>(dim),
+      causal ? "true" : "false", ms, flops / (ms * 1e-3) / 1e12);
+  std::fflush(stdout);
+}
+
+// Plain cublasGemmEx, no bias: the same GEMM as Linear without the epilogue.
+double CublasGemmMs(cublasHandle_t blas, ElemType t, const void* x, int64_t rows, int64_t in,
+                    const void* w, int64_t out, void* y, int iters) {
+  const cudaDataType_t dt = t == ElemType::kF32 ? CUDA_R_32F
+                            : t == ElemType::kF16 ? CUDA_R_16F
+                                                  : CUDA_R_16BF;
+  const float alpha = 1.0f, beta = 0.0f;
+  return TimeMs(
+      [&] {
+        cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out),
+                     static_cast<int>(rows), static_cast<int>(in), &alpha, w, dt,
+                     static_cast<int>(in), x, dt, static_cast<int>(in), &beta, y, dt,
+                     static_cast<int>(out), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      },
+      iters);
+}
+
+void BenchProjection(ElemType t, int64_t rows, int64_t in, int64_t out, int iters) {
+  absl::StatusOr<std::unique_ptr<ProjectionGemm>> gemm = ProjectionGemm::Create(nullptr);
+  if (!gemm.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(gemm.status().message()).c_str());
+    std::exit(1);
+  }
+  DeviceBuffer x = Random(t, rows * in, 4), w = Random(t, out * in, 5), b = Random(t, out, 6);
+  absl::StatusOr<DeviceBuffer> y = DeviceBuffer::Allocate(static_cast<size_t>(rows * out) * Size(t));
+  if (!y.ok()) std::exit(1);
+  const double ms = TimeMs(
+      [&] {
+        absl::Status s = (*gemm)->Linear(t, x.data(), rows, in, w.data(), b.data(), out, y->data());
+        if (!s.ok()) {
+          std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+          std::exit(1);
+        }
+      },
+      iters);
+  cublasHandle_t blas;
+  cublasCreate(&blas);
+  const double cublas_ms = CublasGemmMs(blas, t, x.data(), rows, in, w.data(), out, y->data(), iters);
+  cublasDestroy(blas);
+  Check(cudaDeviceSynchronize(), "projection");
+  const double flops = 2.0 * rows * in * out;
+  std::printf(
+      "{\"kind\": \"projection\", \"dtype\": \"%s\", \"rows\": %ld, \"in\": %ld, \"out\": %ld, "
+      "\"ms\": %.4f, \"tflops\": %.2f, \"cublas_same_shape_tflops\": %.2f}\n",
+      TypeName(t), static_cast<long>(rows), static_cast<long>(in), static_cast<long>(out), ms,
+      flops / (ms * 1e-3) / 1e12, flops / (cublas_ms * 1e-3) / 1e12);
+  std::fflush(stdout);
+}
+
+// The ceiling: the best of a few large square GEMMs.
+void BenchCeiling(ElemType t, int iters) {
+  cublasHandle_t blas;
+  cublasCreate(&blas);
+  double best = 0;
+  for (int64_t n : {4096, 8192}) {
+    DeviceBuffer a = Random(t, n * n, 7), b = Random(t, n * n, 8);
+    absl::StatusOr<DeviceBuffer> c = DeviceBuffer::Allocate(static_cast<size_t>(n * n) * Size(t));
+    if (!c.ok()) std::exit(1);
+    const double ms = CublasGemmMs(blas, t, a.data(), n, n, b.data(), n, c->data(), iters);
+    best = std::max(best, 2.0 * n * n * n / (ms * 1e-3) / 1e12);
+  }
+  cublasDestroy(blas);
+  Check(cudaDeviceSynchronize(), "ceiling");
+  std::printf("{\"kind\": \"gemm_ceiling\", \"dtype\": \"%s\", \"tflops\": %.2f}\n", TypeName(t),
+              best);
+  std::fflush(stdout);
+}
+
+int Main(int argc, char** argv) {
+  bool quick = false;
+  int iters = 20;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
+      iters = std::atoi(argv[++i]);
+    } else {
+      std::fprintf(stderr, "usage: %s [--quick] [--iters N]\n", argv[0]);
+      return 2;
+    }
+  }
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    std::fprintf(stderr, "no CUDA device: nothing to measure\n");
+    return 1;
+  }
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("{\"kind\": \"device\", \"name\": \"%s\", \"sm\": %d%d}\n", prop.name, prop.major,
+              prop.minor);
+
+  const std::vector<int64_t> lens = quick ? std::vector<int64_t>{2048}
+                                          : std::vector<int64_t>{512, 1024, 2048, 4096, 8192};
+  for (ElemType t : {ElemType::kBF16, ElemType::kF16}) {
+    for (int64_t dim : {64, 128}) {
+      for (bool causal : {false, true}) {
+        for (int64_t len : lens) {
+          // About 16k tokens per batch, 16 heads of 128 (or 32 of 64): 2048 wide.
+          const int64_t batch = std::max<int64_t>(1, 16384 / len);
+          BenchAttention(t, batch, 2048 / dim, len, dim, causal, iters);
+        }
+      }
+    }
+  }
+  BenchAttention(ElemType::kF32, 4, 16, 2048, 128, false, quick ? 3 : iters);  // general kernel
+  for (ElemType t : {ElemType::kBF16, ElemType::kF16, ElemType::kF32}) {
+    BenchCeiling(t, iters);
+    for (int64_t rows : {4096, 16384}) {
+      BenchProjection(t, rows, 4096, 4096, iters);
+      BenchProjection(t, rows, 4096, 3 * 4096, iters);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace attnserve::cuda
+
+int main(int argc, char** argv) { return attnserve::cuda::Main(argc, argv); }

@@ -1,0 +1,74 @@
+// Device helpers shared by the attention kernels: loads and stores of any
+// float dtype, and the visibility rule of attention_params.h.
+#ifndef ATTNSERVE_ENGINE_CUDA_DEVICE_UTILS_CUH_
+#define ATTNSERVE_ENGINE_CUDA_DEVICE_UTILS_CUH_
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "engine/cuda/attention_kernels.h"
+
+namespace attnserve::cuda {
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Element i of a buffer of `type`, as float (BOOL reads as 0 or 1).
+__device__ __forceinline__ float LoadElement(const void* data, ElemType type, int64_t i) {
+  switch (type) {
+    case ElemType::kF32:
+      return static_cast<const float*>(data)[i];
+    case ElemType::kF16:
+      return __half2float(static_cast<const __half*>(data)[i]);
+    case ElemType::kBF16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(data)[i]);
+    case ElemType::kBool:
+      return static_cast<const uint8_t*>(data)[i] != 0 ? 1.0f : 0.0f;
+  }
+  return 0.0f;
+}
+
+// Writes `value` rounded to nearest even into element i of a float buffer.
+__device__ __forceinline__ void StoreElement(void* data, ElemType type, int64_t i, float value) {
+  switch (type) {
+    case ElemType::kF32:
+      static_cast<float*>(data)[i] = value;
+      break;
+    case ElemType::kF16:
+      static_cast<__half*>(data)[i] = __float2half_rn(value);
+      break;
+    case ElemType::kBF16:
+      static_cast<__nv_bfloat16*>(data)[i] = __float2bfloat16_rn(value);
+      break;
+    case ElemType::kBool:
+      break;
+  }
+}
+
+// Keys [0, RowKeyEnd) may be visible to query row i of batch b; causal and
+// key_lengths both cut a prefix. May be <= 0 (the row sees nothing).
+__device__ __forceinline__ int64_t RowKeyEnd(const DeviceAttention& a, int64_t b, int64_t i) {
+  int64_t end = a.kv_len;
+  if (a.key_lengths != nullptr) end = min(end, a.key_lengths[b]);
+  if (a.causal) end = min(end, i + (a.kv_len - a.q_len) + 1);
+  return end;
+}
+
+// The scaled score after the mask for a key j < RowKeyEnd: -inf where a bool
+// mask forbids it, plus the additive mask value otherwise.
+__device__ __forceinline__ float ApplyMask(const DeviceMask& m, int64_t b, int64_t h, int64_t i,
+                                           int64_t j, float scaled_score) {
+  if (m.kind == MaskKind::kNone) return scaled_score;
+  const int64_t at = b * m.stride_b + h * m.stride_h + i * m.stride_q + j * m.stride_k;
+  if (m.kind == MaskKind::kBool) {
+    return static_cast<const uint8_t*>(m.data)[at] != 0 ? scaled_score : -INFINITY;
+  }
+  return scaled_score + LoadElement(m.data, m.type, at);
+}
+
+}  // namespace attnserve::cuda
+
+#endif  // ATTNSERVE_ENGINE_CUDA_DEVICE_UTILS_CUH_

@@ -1,0 +1,78 @@
+// Small element-wise kernels around the GEMMs and the attention core: dtype
+// conversion, bias addition (for the plain cuBLAS fallback GEMM) and the mean
+// of the probabilities over heads.
+#include <algorithm>
+#include <cstdint>
+
+#include "engine/cuda/attention_kernels.h"
+#include "engine/cuda/device_utils.cuh"
+
+namespace attnserve::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Enough blocks to cover n with a grid-stride loop, capped so the grid stays
+// well inside the hardware limit.
+unsigned GridFor(int64_t n) {
+  return static_cast<unsigned>(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, 65535 * 8));
+}
+
+__global__ void ConvertKernel(const void* src, ElemType src_type, void* dst, ElemType dst_type,
+                              int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    StoreElement(dst, dst_type, i, LoadElement(src, src_type, i));
+  }
+}
+
+__global__ void AddBiasKernel(void* y, const void* bias, ElemType type, int64_t rows,
+                              int64_t cols) {
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    StoreElement(y, type, i, LoadElement(y, type, i) + LoadElement(bias, type, i % cols));
+  }
+}
+
+__global__ void AverageHeadsKernel(const float* probs, int64_t batch, int64_t heads,
+                                   int64_t per_head, void* out, ElemType out_type) {
+  const int64_t n = batch * per_head;
+  const float inv_heads = 1.0f / static_cast<float>(heads);
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < n;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t b = idx / per_head;
+    const int64_t r = idx % per_head;
+    const float* p = probs + b * heads * per_head + r;
+    float sum = 0.0f;
+    for (int64_t h = 0; h < heads; ++h) sum += p[h * per_head];
+    StoreElement(out, out_type, idx, sum * inv_heads);
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchConvert(const void* src, ElemType src_type, void* dst, ElemType dst_type,
+                          int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  ConvertKernel<<<GridFor(n), kThreads, 0, stream>>>(src, src_type, dst, dst_type, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAddBias(void* y, const void* bias, ElemType type, int64_t rows, int64_t cols,
+                          cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  AddBiasKernel<<<GridFor(rows * cols), kThreads, 0, stream>>>(y, bias, type, rows, cols);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAverageHeads(const float* probs, int64_t batch, int64_t heads,
+                               int64_t per_head, void* out, ElemType out_type,
+                               cudaStream_t stream) {
+  if (batch <= 0 || per_head <= 0) return cudaSuccess;
+  AverageHeadsKernel<<<GridFor(batch * per_head), kThreads, 0, stream>>>(probs, batch, heads,
+                                                                         per_head, out, out_type);
+  return cudaGetLastError();
+}
+
+}  // namespace attnserve::cuda
