@@ -12,6 +12,10 @@
 namespace attnserve::cpu {
 namespace {
 
+// Below this many score elements a parallel region costs more than it saves
+// (and on an oversubscribed machine a lot more).
+constexpr int64_t kMinParallelElements = 1 << 14;
+
 // Scales, masks and softmaxes the rows of s = [bc, Hq, tq, Lk] (batch
 // elements b0.., query rows i0..) in place into probabilities.
 void MaskedSoftmax(const AttentionParams& p, int64_t b0, int64_t bc, int64_t i0, int64_t tq,
@@ -20,7 +24,7 @@ void MaskedSoftmax(const AttentionParams& p, int64_t b0, int64_t bc, int64_t i0,
   const int64_t rows = bc * p.num_heads * tq;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const MaskParams& m = p.mask;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * lk >= kMinParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t ii = r % tq;
     const int64_t h = (r / tq) % p.num_heads;
@@ -30,7 +34,7 @@ void MaskedSoftmax(const AttentionParams& p, int64_t b0, int64_t bc, int64_t i0,
     // Keys at j >= end are masked by causality or padding.
     int64_t end = lk;
     if (p.causal) end = std::min(end, std::max<int64_t>(0, i + (lk - p.q_len) + 1));
-    if (p.key_lengths != nullptr) end = std::min(end, p.key_lengths[b]);
+    if (p.key_lengths != nullptr) end = std::clamp<int64_t>(p.key_lengths[b], 0, end);
 
     const int64_t mask_base = b * m.stride_b + h * m.stride_h + i * m.stride_q;
     float row_max = neg_inf;
@@ -79,7 +83,8 @@ void StoreWeights(const AttentionParams& p, int64_t b0, int64_t bc, int64_t i0, 
     return;
   }
   const float inv_heads = 1.0f / static_cast<float>(p.num_heads);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) \
+    if (bc * tq * p.num_heads * lk >= kMinParallelElements)
   for (int64_t r = 0; r < bc * tq; ++r) {
     const int64_t bb = r / tq, ii = r % tq;
     std::vector<float> acc(static_cast<size_t>(lk), 0.0f);

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -162,6 +163,25 @@ class ReferenceEngine final : public AttentionEngine {
   std::string_view name() const override { return "reference"; }
 
   absl::Status Attend(absl::Span<const AttentionParams> batch) override {
+    return Guarded([&] { return AttendAll(batch); });
+  }
+
+  absl::Status Run(const AttentionLayer& layer, absl::Span<const AttentionTask> batch) override {
+    return Guarded([&] { return RunAll(layer, batch); });
+  }
+
+ private:
+  // The only thing that can throw here is allocation.
+  template <typename Fn>
+  static absl::Status Guarded(Fn&& fn) {
+    try {
+      return fn();
+    } catch (const std::bad_alloc&) {
+      return absl::ResourceExhaustedError("reference engine: out of memory");
+    }
+  }
+
+  absl::Status AttendAll(absl::Span<const AttentionParams> batch) {
     for (const AttentionParams& p : batch) {
       if (absl::Status s = CheckAttentionParams(p); !s.ok()) return s;
       const Heads q = LoadHeads(p.dtype, p.q, p.batch, p.num_heads, p.q_len, p.head_dim,
@@ -185,13 +205,13 @@ class ReferenceEngine final : public AttentionEngine {
     return absl::OkStatus();
   }
 
-  absl::Status Run(const AttentionLayer& layer, absl::Span<const AttentionTask> batch) override {
+  absl::Status RunAll(const AttentionLayer& layer, absl::Span<const AttentionTask> batch) {
     for (const AttentionTask& task : batch) {
       if (absl::Status s = CheckTask(layer.config, task); !s.ok()) return s;
       absl::StatusOr<AttentionParams> params = MakeCoreParams(layer.config, task);
       if (!params.ok()) return params.status();
       if (!layer.config.has_projections) {
-        if (absl::Status s = Attend({&*params, 1}); !s.ok()) return s;
+        if (absl::Status s = AttendAll({&*params, 1}); !s.ok()) return s;
         continue;
       }
       if (absl::Status s = RunProjected(layer, task, *params); !s.ok()) return s;
@@ -199,7 +219,6 @@ class ReferenceEngine final : public AttentionEngine {
     return absl::OkStatus();
   }
 
- private:
   // nn.MultiheadAttention (batch first): project, attend per head, project out.
   static absl::Status RunProjected(const AttentionLayer& layer, const AttentionTask& task,
                                    const AttentionParams& p) {
