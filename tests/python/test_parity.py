@@ -66,6 +66,7 @@ def torch_oracle(q, k, v, *, scale, causal=False, key_lengths=None, mask=None):
             allowed &= mask
         else:
             scores = scores + mask.double()
+            allowed &= mask != float("-inf")  # an all -inf row is a fully masked row
     scores = scores.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(scores, dim=-1)
     p = torch.where(allowed.any(dim=-1, keepdim=True), p, torch.zeros_like(p))
@@ -182,7 +183,7 @@ def test_low_precision_inputs_fp32_output(client, dtype, seed):
 
 
 EDGES = ["decode_lq1", "single_key", "lq_gt_lk_causal", "all_lengths_zero", "bool_rows_all_false",
-         "large_scores"]
+         "float_rows_all_neg_inf", "large_scores"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -202,6 +203,10 @@ def test_edge_cases(client, dtype, edge):
     elif edge == "bool_rows_all_false":
         mask = torch.rand(b, 1, lq, lk, generator=g) < 0.6
         mask[:, :, ::2, :] = False
+    elif edge == "float_rows_all_neg_inf":
+        mask = torch.randn(lq, lk, generator=g)
+        mask[::3, :] = float("-inf")
+        mask[1::3, ::2] = float("-inf")
     elif edge == "large_scores":
         scale = 4.0  # logits in the hundreds: the row-max subtraction must hold
     q = torch.randn(b, hq, lq, dk, generator=g).to(TORCH_DTYPE[dtype])
