@@ -7,7 +7,7 @@ FROM debian:bookworm AS build
 WORKDIR /src
 # The dependency layer first, so editing the sources does not reinstall packages.
 COPY scripts/install-deps.sh scripts/install-deps.sh
-RUN ./scripts/install-deps.sh && rm -rf /var/lib/apt/lists/*
+RUN ./scripts/install-deps.sh --build-only && rm -rf /var/lib/apt/lists/*
 COPY . .
 RUN cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DATTNSERVE_BUILD_TESTS=OFF -DATTNSERVE_BUILD_BENCH=OFF \

@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages attnserve builds, runs and tests with.
 # Idempotent: installs only what is missing. Uses sudo when not root.
+#   scripts/install-deps.sh               build + test packages
+#   scripts/install-deps.sh --build-only  what the build needs (the Docker build stage)
 set -euo pipefail
 
-PACKAGES=(
-  # build
+BUILD_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libdnnl-dev ocl-icd-opencl-dev prometheus-cpp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  # tests: Python client, PyTorch/NumPy oracles, a real Prometheus
+)
+TEST_PACKAGES=(
+  # Python client, PyTorch/NumPy oracles, a real Prometheus, an optimised BLAS for the peers
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy
   python3-torch python3-pytest prometheus libopenblas0
 )
+
+PACKAGES=("${BUILD_PACKAGES[@]}")
+case "${1:-}" in
+  --build-only) ;;
+  "") PACKAGES+=("${TEST_PACKAGES[@]}") ;;
+  *) echo "usage: $0 [--build-only]" >&2; exit 2 ;;
+esac
 
 SUDO=()
 if [ "$(id -u)" -ne 0 ]; then SUDO=(sudo); fi
