@@ -1,0 +1,293 @@
+// The flash attention dispatcher: checks each request, picks its kernel
+// variant, cuts the ragged batch into work items, runs them on OpenMP
+// threads, and combines the key-split partials of decode requests.
+#include "engine/cpu/flash_attention.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/cpu/flash_internal.h"
+
+namespace attnserve::cpu {
+namespace {
+
+using flash::ItemKind;
+using flash::kBlockRows;
+using flash::kSplitChunkKeys;
+using flash::RequestPlan;
+using flash::RoundUp;
+using flash::WorkItem;
+
+using RunItemFn = bool (*)(const WorkItem&);
+
+RunItemFn KernelFor(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar: return flash::RunItemScalar;
+    case CpuIsa::kAvx2: return flash::RunItemAvx2;
+    case CpuIsa::kAvx512: return flash::RunItemAvx512;
+    case CpuIsa::kAvx512Bf16: return flash::RunItemAvx512Bf16;
+    case CpuIsa::kAmx: return flash::RunItemAmx;
+  }
+  return flash::RunItemScalar;
+}
+
+bool IsFloat(DType d) { return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16; }
+
+absl::Status CheckRequest(const AttentionParams& p, size_t index) {
+  auto bad = [&](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("FlashAttention: request ", index, ": ", parts...));
+  };
+  if (p.batch < 1 || p.num_heads < 1 || p.num_kv_heads < 1 || p.head_dim < 1 ||
+      p.head_dim_v < 1 || p.q_len < 1 || p.kv_len < 1) {
+    return bad("dims must be >= 1 (batch ", p.batch, ", heads ", p.num_heads, "/", p.num_kv_heads,
+               ", head_dim ", p.head_dim, "/", p.head_dim_v, ", q_len ", p.q_len, ", kv_len ",
+               p.kv_len, ")");
+  }
+  if (p.num_heads % p.num_kv_heads != 0) {
+    return bad("num_heads (", p.num_heads, ") must be a multiple of num_kv_heads (",
+               p.num_kv_heads, ")");
+  }
+  if (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.out == nullptr) {
+    return bad("q, k, v and out must be set");
+  }
+  if (!IsFloat(p.dtype) || !IsFloat(p.out_dtype) || (p.weights != nullptr && !IsFloat(p.weights_dtype))) {
+    return bad("inputs, output and weights must be FLOAT32, FLOAT16 or BFLOAT16 (got ",
+               std::string(DTypeName(p.dtype)), ", ", std::string(DTypeName(p.out_dtype)), ", ",
+               std::string(DTypeName(p.weights_dtype)), ")");
+  }
+  if (p.mask.kind != MaskParams::Kind::kNone) {
+    if (p.mask.data == nullptr) return bad("mask has a kind but no data");
+    if (p.mask.kind == MaskParams::Kind::kAdditive && !IsFloat(p.mask.dtype)) {
+      return bad("an additive mask must be a float dtype (got ", std::string(DTypeName(p.mask.dtype)), ")");
+    }
+  }
+  if (!std::isfinite(p.scale) || p.scale <= 0.0f) return bad("scale must be finite and > 0");
+  return absl::OkStatus();
+}
+
+// One (request, batch element, kv head) whose keys were split into chunks:
+// its partials, chunk-major: [chunk][row][m, l, acc...].
+struct SplitGroup {
+  const RequestPlan* plan;
+  int64_t b, hkv, rows, chunks;
+  float* partial;
+};
+
+// Merges the chunks of one split group in chunk order (fixed, so the result
+// does not depend on which thread ran which chunk) and writes the output.
+void CombineSplit(const SplitGroup& sg, std::vector<float>& acc) {
+  const RequestPlan& plan = *sg.plan;
+  const AttentionParams& p = *plan.p;
+  const int64_t stride = flash::PartialStride(plan);
+  const int64_t dv = p.head_dim_v;
+  acc.resize(static_cast<size_t>(dv));
+  for (int64_t v = 0; v < sg.rows; ++v) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < sg.chunks; ++c) m = std::max(m, sg.partial[(c * sg.rows + v) * stride]);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    float l = 0.0f;
+    if (m != -std::numeric_limits<float>::infinity()) {
+      for (int64_t c = 0; c < sg.chunks; ++c) {
+        const float* part = sg.partial + (c * sg.rows + v) * stride;
+        if (part[1] == 0.0f) continue;  // chunk saw no key of this row
+        const float w = std::exp2(part[0] - m);
+        l += part[1] * w;
+        for (int64_t d = 0; d < dv; ++d) acc[static_cast<size_t>(d)] += part[2 + d] * w;
+      }
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (float& x : acc) x *= inv;
+    const int64_t i = v / plan.group, h = sg.hkv * plan.group + v % plan.group;
+    void* out = static_cast<char*>(p.out) +
+                (sg.b * p.o_stride_b + h * p.o_stride_h + i * p.o_stride_row) *
+                    static_cast<int64_t>(DTypeSize(p.out_dtype));
+    ConvertFromFloat(acc.data(), dv, p.out_dtype, out);
+  }
+}
+
+// Relative cost of an item (multiply-adds plus packing), to start the
+// biggest items first; only affects speed, never results.
+double ItemCost(const WorkItem& it) {
+  const AttentionParams& p = *it.plan->p;
+  const double dk = static_cast<double>(p.head_dim + p.head_dim_v);
+  const int64_t rows = it.row1 - it.row0;
+  if (it.kind == ItemKind::kWeights) {
+    const double heads = static_cast<double>(it.head_end - it.head);
+    return heads * rows * p.kv_len * (dk + p.head_dim + 4);
+  }
+  const int64_t g = it.plan->group;
+  const int64_t first = std::min(flash::VisibleKeys(*it.plan, it.b, it.row0 / g), it.key1);
+  const int64_t last = std::min(flash::VisibleKeys(*it.plan, it.b, (it.row1 - 1) / g), it.key1);
+  const double keys = std::max<double>(0.0, 0.5 * (first + last) - it.key0);
+  return rows * keys * dk + std::max<int64_t>(0, last - it.key0) * dk * 8;
+}
+
+}  // namespace
+
+absl::StatusOr<CpuIsa> ResolveFlashIsa(DType dtype, const FlashOptions& options) {
+  std::optional<CpuIsa> forced = options.isa;
+  if (!forced) {
+    const char* env = std::getenv(kCpuIsaEnv);
+    if (env != nullptr && env[0] != '\0') {
+      forced = ParseCpuIsa(env);
+      if (!forced) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            kCpuIsaEnv, "=", env, " is not one of scalar, avx2, avx512, bf16, amx"));
+      }
+    }
+  }
+  if (forced) {
+    if (!CpuSupports(*forced)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the CPU kernel variant '", std::string(CpuIsaName(*forced)), "' is not supported by this CPU"));
+    }
+    return *forced;
+  }
+  const bool bf16 = options.precision == FlashPrecision::kBFloat16 ||
+                    (options.precision == FlashPrecision::kAuto && dtype == DType::kBFloat16);
+  if (bf16) {
+    if (std::optional<CpuIsa> isa = BestBf16Isa()) return *isa;
+  }
+  return BestFp32Isa();
+}
+
+absl::Status FlashAttention(absl::Span<const AttentionParams> batch, const FlashOptions& options) {
+  std::vector<RequestPlan> plans(batch.size());
+  std::vector<RunItemFn> kernels(batch.size());
+  for (size_t r = 0; r < batch.size(); ++r) {
+    const AttentionParams& p = batch[r];
+    if (absl::Status s = CheckRequest(p, r); !s.ok()) return s;
+    absl::StatusOr<CpuIsa> isa = ResolveFlashIsa(p.dtype, options);
+    if (!isa.ok()) return isa.status();
+    kernels[r] = KernelFor(*isa);
+    RequestPlan& plan = plans[r];
+    plan.p = &p;
+    plan.group = p.num_heads / p.num_kv_heads;
+    plan.score_scale = p.scale * 1.44269504088896340736f;
+    plan.causal_offset = p.kv_len - p.q_len;
+    plan.dv_pad = RoundUp(p.head_dim_v, 16);
+  }
+
+  // Work items. Every decision here depends only on the request itself, so
+  // a request is computed the same way whatever shares its batch.
+  //
+  // Decode: when all query rows of a kv head fit one item, parallelism (and
+  // bandwidth) has to come from splitting the keys into fixed chunks.
+  auto is_split = [&](const RequestPlan& plan) {
+    const AttentionParams& p = *plan.p;
+    return p.weights == nullptr && plan.group * p.q_len <= kBlockRows && p.kv_len > kSplitChunkKeys;
+  };
+  size_t partial_floats = 0;
+  for (const RequestPlan& plan : plans) {
+    if (!is_split(plan)) continue;
+    const AttentionParams& p = *plan.p;
+    const int64_t chunks = (p.kv_len + kSplitChunkKeys - 1) / kSplitChunkKeys;
+    partial_floats += static_cast<size_t>(p.batch * p.num_kv_heads * chunks * plan.group *
+                                          p.q_len * flash::PartialStride(plan));
+  }
+  std::unique_ptr<float[]> partials;
+  if (partial_floats > 0) {
+    partials.reset(new (std::nothrow) float[partial_floats]);
+    if (partials == nullptr) {
+      return absl::ResourceExhaustedError("FlashAttention: no memory for decode partials");
+    }
+  }
+
+  std::vector<WorkItem> items;
+  std::vector<size_t> item_request;
+  std::vector<SplitGroup> splits;
+  float* next_partial = partials.get();
+  auto add = [&](size_t r, const WorkItem& it) {
+    items.push_back(it);
+    item_request.push_back(r);
+  };
+  for (size_t r = 0; r < batch.size(); ++r) {
+    const RequestPlan& plan = plans[r];
+    const AttentionParams& p = *plan.p;
+    WorkItem it;
+    it.plan = &plan;
+    if (p.weights != nullptr) {
+      // Averaged weights sum over heads in head order inside one item.
+      const int64_t heads_per_item = p.average_weights ? p.num_heads : 1;
+      it.kind = ItemKind::kWeights;
+      it.key0 = 0;
+      it.key1 = p.kv_len;
+      for (it.b = 0; it.b < p.batch; ++it.b)
+        for (it.head = 0; it.head < p.num_heads; it.head += heads_per_item)
+          for (it.row0 = 0; it.row0 < p.q_len; it.row0 += kBlockRows) {
+            it.head_end = it.head + heads_per_item;
+            it.row1 = std::min(p.q_len, it.row0 + kBlockRows);
+            add(r, it);
+          }
+      continue;
+    }
+    const int64_t vrows = plan.group * p.q_len;
+    if (is_split(plan)) {
+      const int64_t chunks = (p.kv_len + kSplitChunkKeys - 1) / kSplitChunkKeys;
+      const int64_t chunk_floats = vrows * flash::PartialStride(plan);
+      it.kind = ItemKind::kSplit;
+      it.row0 = 0;
+      it.row1 = vrows;
+      for (it.b = 0; it.b < p.batch; ++it.b)
+        for (it.head = 0; it.head < p.num_kv_heads; ++it.head) {
+          splits.push_back(SplitGroup{&plan, it.b, it.head, vrows, chunks, next_partial});
+          for (int64_t c = 0; c < chunks; ++c) {
+            it.key0 = c * kSplitChunkKeys;
+            it.key1 = std::min(p.kv_len, it.key0 + kSplitChunkKeys);
+            it.partial = next_partial + c * chunk_floats;
+            add(r, it);
+          }
+          next_partial += chunks * chunk_floats;
+        }
+      continue;
+    }
+    it.kind = ItemKind::kFlash;
+    it.key0 = 0;
+    it.key1 = p.kv_len;
+    for (it.b = 0; it.b < p.batch; ++it.b)
+      for (it.head = 0; it.head < p.num_kv_heads; ++it.head)
+        for (it.row0 = 0; it.row0 < vrows; it.row0 += kBlockRows) {
+          it.row1 = std::min(vrows, it.row0 + kBlockRows);
+          add(r, it);
+        }
+  }
+  if (items.empty()) return absl::OkStatus();
+
+  // Biggest first, then whichever thread is free takes the next.
+  std::vector<size_t> order(items.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  for (WorkItem& it : items) it.cost = ItemCost(it);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return items[a].cost > items[b].cost; });
+
+  int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(std::max(threads, 1)), items.size()));
+  std::atomic<bool> ok{true};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t n_splits = static_cast<int64_t>(splits.size());
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t k = 0; k < n_items; ++k) {
+      const size_t idx = order[static_cast<size_t>(k)];
+      if (!kernels[item_request[idx]](items[idx])) ok.store(false, std::memory_order_relaxed);
+    }
+    // (implicit barrier: every partial is written before any is combined)
+    std::vector<float> acc;
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t s = 0; s < n_splits; ++s) CombineSplit(splits[static_cast<size_t>(s)], acc);
+  }
+  if (!ok.load()) return absl::ResourceExhaustedError("FlashAttention: no memory for kernel scratch");
+  return absl::OkStatus();
+}
+
+}  // namespace attnserve::cpu

@@ -1,0 +1,28 @@
+// AVX2 + FMA fp32 instantiation of the flash attention kernel
+// (flash_kernel_impl.h).
+// Compiled for its instruction set through a target pragma, so the library
+// still runs on CPUs without it (the dispatcher checks cpuid first).
+#include <immintrin.h>
+
+#include "engine/cpu/flash_internal.h"
+
+#pragma GCC push_options
+// GCC 12's AVX-512 intrinsics trip a false -Wmaybe-uninitialized
+// (_mm512_undefined_*) once inlined.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC target("avx2,fma,f16c")
+#define ATTNSERVE_FLASH_KERNEL_FILE 1
+#define ATTNSERVE_FLASH_VEC_AVX2 1
+#define ATTNSERVE_FLASH_FP32 1
+
+namespace attnserve::cpu::flash {
+namespace {
+#include "engine/cpu/flash_kernel_impl.h"
+}  // namespace
+
+bool RunItemAvx2(const WorkItem& item) { return Kernel::Run(item); }
+
+}  // namespace attnserve::cpu::flash
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
