@@ -133,6 +133,9 @@ def models(tmp_path_factory):
     export_torch.write_model_folder(str(repo / "keras"), dict(
         name="keras", embed_dim=12, num_heads=3, head_dim=5, q_bias=True, k_bias=True,
         v_bias=True, out_bias=True, weight_layout="KERAS_DENSE"), m["keras"])
+    # kind "sdpa": no weights file, only attention options.
+    (repo / "sdpa-causal").mkdir()
+    (repo / "sdpa-causal" / "config.pbtxt").write_text('kind: "sdpa"\ncausal: true\nscale: 0.25\n')
     m["_repo"] = repo
     return m
 
@@ -372,10 +375,17 @@ def test_keras_layout_with_keras_mask(models, rc):
     assert_close(rc.attend(q, v, v, model="keras", attn_mask=mask[:, None]).output, want)
 
 
+def test_sdpa_kind_from_the_repository(rc):
+    rng = np.random.default_rng(207)
+    q, k, v = rand(rng, 2, 4, 3, 8), rand(rng, 2, 2, 5, 8), rand(rng, 2, 2, 5, 6)
+    want, _ = harness.reference_attention(q, k, v, causal=True, scale=0.25)
+    assert_close(rc.attend(q, k, v, model="sdpa-causal").output, want)
+
+
 def test_list_and_get_model_report_full_config(models, rc):
     listed = {s.name: s for s in rc.list_models()}
     expected = {"mha-bias", "mha-nobias", "mha-kvdim", "mha-bf16", "hf-gqa", "narrow-causal",
-                "hf-fullscale", "neox-fused", "decoder-layer1", "keras"}
+                "hf-fullscale", "neox-fused", "decoder-layer1", "keras", "sdpa-causal"}
     assert expected <= set(listed)
     for name in expected:
         assert listed[name].state == 1, f"{name}: {listed[name].reason}"  # READY

@@ -1,0 +1,256 @@
+// config.pbtxt parsing and defaults, and repository folders loaded into the
+// registry (strict and not), without a server process.
+#include "server/model_repository.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace attnserve {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+v1::ModelConfig Resolved(const std::string& text) {
+  absl::StatusOr<v1::ModelConfig> c = ParseModelConfig(text, "m/config.pbtxt");
+  EXPECT_TRUE(c.ok()) << c.status();
+  absl::Status s = ResolveModelConfig("m/config.pbtxt", "folder", &*c);
+  EXPECT_TRUE(s.ok()) << s;
+  return *c;
+}
+
+absl::Status ResolveError(const std::string& text) {
+  absl::StatusOr<v1::ModelConfig> c = ParseModelConfig(text, "m/config.pbtxt");
+  if (!c.ok()) return c.status();
+  absl::Status s = ResolveModelConfig("m/config.pbtxt", "folder", &*c);
+  EXPECT_FALSE(s.ok()) << "resolved a bad config: " << text;
+  return s;
+}
+
+TEST(ModelConfigTest, DefaultsFollowEmbedDimAndHeads) {
+  v1::ModelConfig c = Resolved("embed_dim: 64 num_heads: 8");
+  EXPECT_EQ(c.name(), "folder");
+  EXPECT_EQ(c.kind(), "mha");
+  EXPECT_EQ(c.num_kv_heads(), 8);
+  EXPECT_EQ(c.head_dim(), 8);
+  EXPECT_EQ(c.query_dim(), 64);
+  EXPECT_EQ(c.key_dim(), 64);
+  EXPECT_EQ(c.value_dim(), 64);
+  EXPECT_EQ(c.out_dim(), 64);
+  EXPECT_EQ(c.weight_layout(), v1::ModelConfig::TORCH_MHA);
+  EXPECT_EQ(c.precision(), "fp32");
+  EXPECT_EQ(c.backend(), "auto");
+
+  LayerConfig layer = ToLayerConfig(c);
+  EXPECT_TRUE(layer.has_projections);
+  EXPECT_EQ(layer.head_dim, 8);
+  EXPECT_EQ(layer.precision, Precision::kFloat32);
+}
+
+TEST(ModelConfigTest, ExplicitValuesAreKept) {
+  v1::ModelConfig c = Resolved(R"(
+      name: "llama-3" embed_dim: 40 num_heads: 4 num_kv_heads: 2 head_dim: 16
+      query_dim: 40 key_dim: 12 value_dim: 20 out_dim: 7 q_bias: true
+      weight_layout: SEPARATE_QKV tensor_prefix: "model.layers.3.self_attn."
+      tensor_names { key: "out_weight" value: "dense.weight" }
+      scale: 0.125 causal: true precision: "bf16" backend: "reference" instances: 2
+      batching { max_batch_requests: 8 max_queue_delay_us: 500 })");
+  EXPECT_EQ(c.name(), "llama-3");
+  EXPECT_EQ(c.head_dim(), 16);
+  EXPECT_EQ(c.key_dim(), 12);
+  EXPECT_EQ(c.out_dim(), 7);
+  EXPECT_EQ(c.batching().max_batch_requests(), 8);
+  LayerConfig layer = ToLayerConfig(c);
+  EXPECT_EQ(layer.precision, Precision::kBFloat16);
+  EXPECT_FLOAT_EQ(layer.scale, 0.125f);
+  EXPECT_TRUE(layer.causal);
+  WeightSpec spec = ToWeightSpec(c);
+  EXPECT_EQ(spec.layout, WeightLayout::kSeparateQkv);
+  EXPECT_EQ(spec.tensor_prefix, "model.layers.3.self_attn.");
+  EXPECT_EQ(spec.tensor_names.at("out_weight"), "dense.weight");
+  EXPECT_TRUE(spec.q_bias);
+  EXPECT_FALSE(spec.k_bias);
+}
+
+TEST(ModelConfigTest, UnknownFieldNamesFileLineAndField) {
+  absl::StatusOr<v1::ModelConfig> c =
+      ParseModelConfig("embed_dim: 8\nnum_heads: 2\nnum_layers: 3\n", "repo/m/config.pbtxt");
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(),
+              AllOf(HasSubstr("repo/m/config.pbtxt:3:"), HasSubstr("num_layers")));
+}
+
+TEST(ModelConfigTest, BadEnumAndSyntaxAreReported) {
+  absl::StatusOr<v1::ModelConfig> c =
+      ParseModelConfig("weight_layout: PYTORCH\n", "repo/m/config.pbtxt");
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(std::string(c.status().message()),
+              AllOf(HasSubstr("repo/m/config.pbtxt:"), HasSubstr("PYTORCH"),
+                    HasSubstr("weight_layout")));
+  c = ParseModelConfig("embed_dim: \"eight\"\n", "repo/m/config.pbtxt");
+  ASSERT_FALSE(c.ok());
+  // Protobuf names the line and column and what it expected there.
+  EXPECT_THAT(std::string(c.status().message()),
+              AllOf(HasSubstr("repo/m/config.pbtxt:1:"), HasSubstr("Expected integer")));
+}
+
+TEST(ModelConfigTest, EachRuleHasItsMessage) {
+  struct Case {
+    const char* text;
+    std::vector<const char*> words;
+  };
+  const Case cases[] = {
+      {"num_heads: 2", {"embed_dim", "required"}},
+      {"embed_dim: 8", {"num_heads", "required"}},
+      {"embed_dim: -8 num_heads: 2", {"embed_dim", ">= 0", "-8"}},
+      {"embed_dim: 8 num_heads: 4 num_kv_heads: 3", {"num_kv_heads", "multiple", "(4)", "(3)"}},
+      {"embed_dim: 10 num_heads: 3", {"head_dim", "not a multiple", "set head_dim"}},
+      {"embed_dim: 8 num_heads: 2 kind: \"flash\"", {"kind", "\"flash\""}},
+      {"embed_dim: 8 num_heads: 2 precision: \"fp8\"", {"precision", "fp8", "fp32, bf16, fp16"}},
+      {"embed_dim: 8 num_heads: 2 backend: \"tpu\"", {"backend", "tpu"}},
+      {"embed_dim: 8 num_heads: 2 scale: -1", {"scale", ">= 0"}},
+      {"embed_dim: 8 num_heads: 2 scale: inf", {"scale", "finite"}},
+      {"embed_dim: 8 num_heads: 2 instances: -1", {"instances"}},
+      {"embed_dim: 8 num_heads: 2 batching { max_queue_size: -1 }", {"batching.max_queue_size"}},
+      {"embed_dim: 8 num_heads: 2 name: \"a b\"", {"name", "\"a b\""}},
+      {"embed_dim: 4194304 num_heads: 2", {"embed_dim", "<="}},
+      {"embed_dim: 8 num_heads: 2 key_dim: 4 weight_layout: FUSED_QKV_PER_HEAD",
+       {"FUSED_QKV_PER_HEAD", "query_dim == key_dim"}},
+      {"embed_dim: 8 num_heads: 2 tensor_names { key: \"qkv_weight\" value: \"x\" }",
+       {"tensor_names", "'qkv_weight'", "TORCH_MHA", "in_proj_weight"}},
+      {"kind: \"sdpa\" embed_dim: 8", {"embed_dim", "not allowed for kind \"sdpa\""}},
+  };
+  for (const Case& c : cases) {
+    absl::Status s = ResolveError(c.text);
+    EXPECT_THAT(s.message(), HasSubstr("m/config.pbtxt")) << c.text;
+    for (const char* w : c.words) EXPECT_THAT(s.message(), HasSubstr(w)) << c.text;
+  }
+}
+
+TEST(ModelConfigTest, SdpaNeedsNoDims) {
+  v1::ModelConfig c = Resolved("kind: \"sdpa\" causal: true scale: 0.5");
+  LayerConfig layer = ToLayerConfig(c);
+  EXPECT_FALSE(layer.has_projections);
+  EXPECT_TRUE(layer.causal);
+}
+
+// A repository written by the test: safetensors bytes built by hand.
+class RepositoryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/model_repository_test_XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  void WriteFile(const std::string& rel, const std::string& bytes) {
+    fs::path p = fs::path(dir_) / rel;
+    fs::create_directories(p.parent_path());
+    std::ofstream(p, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+
+  // An nn.MultiheadAttention(embed, heads, bias=False) folder.
+  void WriteMha(const std::string& folder, int64_t embed, const std::string& extra_config = "") {
+    std::vector<std::string> entries;
+    std::string data;
+    auto add = [&](const std::string& name, int64_t rows, int64_t cols) {
+      size_t begin = data.size();
+      std::vector<float> v(static_cast<size_t>(rows * cols));
+      for (size_t i = 0; i < v.size(); ++i) v[i] = 0.01f * static_cast<float>(i % 17);
+      data.append(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+      entries.push_back(absl::StrCat("\"", name, "\":{\"dtype\":\"F32\",\"shape\":[", rows, ",",
+                                     cols, "],\"data_offsets\":[", begin, ",", data.size(), "]}"));
+    };
+    add("in_proj_weight", 3 * embed, embed);
+    add("out_proj.weight", embed, embed);
+    std::string header = absl::StrCat("{", absl::StrJoin(entries, ","), "}");
+    uint64_t n = header.size();
+    std::string bytes(8, '\0');
+    std::memcpy(bytes.data(), &n, 8);
+    WriteFile(folder + "/weights.safetensors", bytes + header + data);
+    WriteFile(folder + "/config.pbtxt",
+              absl::StrCat("embed_dim: ", embed, "\nnum_heads: 2\n", extra_config));
+  }
+
+  std::string dir_;
+};
+
+TEST_F(RepositoryTest, LoadsFoldersSortedAndReportsEachProblem) {
+  WriteMha("b-good", 8);
+  WriteMha("a-bad", 8, "out_dim: 6\n");    // out_proj.weight is [8, 8]
+  WriteMha(".hidden", 8, "nonsense: 1\n");  // skipped
+  WriteFile("c-empty/README", "no config here");
+  WriteFile("stray-file.txt", "ignored");
+  absl::StatusOr<std::vector<RepositoryModel>> models = LoadModelRepository(dir_);
+  ASSERT_TRUE(models.ok()) << models.status();
+  ASSERT_EQ(models->size(), 3u);
+  EXPECT_EQ((*models)[0].name, "a-bad");
+  EXPECT_THAT((*models)[0].status.message(),
+              AllOf(HasSubstr("a-bad/weights.safetensors"), HasSubstr("'out_proj.weight'"),
+                    HasSubstr("has shape [8, 8]; expected [6, 8]")));
+  EXPECT_EQ((*models)[0].layer, nullptr);
+  EXPECT_EQ((*models)[0].config.out_dim(), 6);  // the resolved config is still reported
+  EXPECT_EQ((*models)[1].name, "b-good");
+  EXPECT_TRUE((*models)[1].status.ok()) << (*models)[1].status;
+  ASSERT_NE((*models)[1].layer, nullptr);
+  EXPECT_EQ((*models)[1].layer->weights.wk.shape(), (Shape{8, 8}));
+  EXPECT_EQ((*models)[2].name, "c-empty");
+  EXPECT_THAT((*models)[2].status.message(),
+              AllOf(HasSubstr("c-empty/config.pbtxt"), HasSubstr("cannot read")));
+}
+
+TEST_F(RepositoryTest, StrictRefusesAndAddsNothing) {
+  WriteMha("good", 8);
+  WriteMha("bad", 8, "head_dim: 3\n");
+  auto engine = CreateEngine("reference");
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::shared_ptr<AttentionEngine> shared = *std::move(engine);
+  ModelRegistry registry;
+  absl::Status s = AddRepositoryModels(dir_, /*strict=*/true, shared, {}, &registry);
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("1 model(s) failed"), HasSubstr("model 'bad'"),
+                                 HasSubstr("in_proj_weight")));
+  EXPECT_TRUE(registry.List().empty());
+}
+
+TEST_F(RepositoryTest, NonStrictAddsTheBadOneAsFailed) {
+  WriteMha("good", 8);
+  WriteMha("bad", 8, "head_dim: 3\n");
+  auto engine = CreateEngine("reference");
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::shared_ptr<AttentionEngine> shared = *std::move(engine);
+  ModelRegistry registry;
+  ASSERT_TRUE(AddRepositoryModels(dir_, /*strict=*/false, shared, {}, &registry).ok());
+  auto good = registry.Find("good");
+  ASSERT_TRUE(good.ok());
+  EXPECT_TRUE((*good)->ready());
+  EXPECT_EQ((*good)->engine, shared);
+  EXPECT_EQ((*good)->config.num_kv_heads(), 2);
+  auto bad = registry.Find("bad");
+  ASSERT_TRUE(bad.ok());
+  EXPECT_EQ((*bad)->state, v1::ModelStatus::FAILED);
+  EXPECT_THAT((*bad)->reason, AllOf(HasSubstr("bad/weights.safetensors"),
+                                    HasSubstr("expected [18, 8]")));
+}
+
+TEST(RepositoryDirTest, MissingDirectoryIsAnError) {
+  absl::StatusOr<std::vector<RepositoryModel>> models =
+      LoadModelRepository("/nonexistent/model/repo");
+  ASSERT_FALSE(models.ok());
+  EXPECT_THAT(models.status().message(),
+              AllOf(HasSubstr("/nonexistent/model/repo"), HasSubstr("not a directory")));
+}
+
+}  // namespace
+}  // namespace attnserve
