@@ -6,6 +6,7 @@
 #include <functional>
 #include <limits>
 #include <ostream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -453,6 +454,99 @@ TEST(ValidationTest, ValidatedTaskPassesTheEngineCheck) {
     EXPECT_EQ(engine_dims.num_kv_heads, v->dims.num_kv_heads);
     EXPECT_EQ(OutputShape(layer, engine_dims), v->output_shape);
   }
+}
+
+// Random, mostly malformed requests: validation never crashes, rejects with
+// InvalidArgument or ResourceExhausted only, and whatever it accepts the
+// engine's own CheckTask accepts too.
+TEST(ValidationTest, RandomRequestsAcceptedOnlyWhenTheEngineAgrees) {
+  std::mt19937 rng(1234);
+  auto pick = [&rng](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
+  auto dim = [&](int64_t typical) -> int64_t {
+    switch (pick(12)) {
+      case 0: return 0;
+      case 1: return -1;
+      case 2: return 1;
+      default: return typical;
+    }
+  };
+  const v1::DataType dtypes[] = {v1::FLOAT32, v1::FLOAT16, v1::BFLOAT16, v1::BOOL,
+                                 v1::DATA_TYPE_UNSPECIFIED};
+  auto tensor = [&](std::vector<int64_t> shape, v1::DataType dtype) {
+    if (pick(10) == 0) shape.push_back(dim(2));  // wrong rank
+    if (pick(10) == 0) shape.pop_back();
+    if (pick(8) == 0) dtype = dtypes[pick(5)];
+    v1::Tensor t;
+    t.set_dtype(dtype);
+    int64_t n = 1;
+    for (int64_t d : shape) {
+      t.add_shape(d);
+      n *= std::max<int64_t>(d, 0);
+    }
+    const int64_t size = dtype == v1::FLOAT32 ? 4 : dtype == v1::BOOL ? 1 : 2;
+    int64_t bytes = n * size;
+    if (pick(10) == 0) bytes += pick(3) - 1;
+    t.set_data(std::string(static_cast<size_t>(std::max<int64_t>(bytes, 0)), '\1'));
+    return t;
+  };
+  int accepted = 0, rejected = 0;
+  for (int iter = 0; iter < 3000; ++iter) {
+    const bool mha = pick(2) == 0;
+    const LayerConfig& layer = mha ? MhaLayer() : SdpaLayer();
+    const int64_t b = dim(2), lq = dim(3), lk = dim(4), hkv = dim(2), hq = hkv * (1 + pick(2)),
+                  dk = dim(4), dv = dim(3);
+    const v1::DataType dtype = dtypes[pick(3)];
+    v1::AttendRequest r;
+    const bool with_kv = !mha || pick(2) == 0;
+    if (mha) {
+      *r.mutable_query() = tensor({b, lq, pick(10) == 0 ? 64 : 512}, dtype);
+      if (with_kv) {
+        *r.mutable_key() = tensor({b, lk, 512}, dtype);
+        *r.mutable_value() = tensor({b, lk, 512}, dtype);
+      }
+    } else {
+      *r.mutable_query() = tensor({b, hq, lq, dk}, dtype);
+      *r.mutable_key() = tensor({b, hkv, lk, dk}, dtype);
+      *r.mutable_value() = tensor({b, hkv, lk, dv}, dtype);
+    }
+    if (pick(4) == 0) r.clear_value();
+    const int64_t kv_len = with_kv ? lk : lq;
+    const int64_t heads = mha ? 8 : hq;
+    switch (pick(5)) {
+      case 0: *r.mutable_attn_mask() = tensor({lq, kv_len}, pick(2) ? v1::BOOL : v1::FLOAT32); break;
+      case 1: *r.mutable_attn_mask() = tensor({b, 1, lq, kv_len}, v1::BOOL); break;
+      case 2: *r.mutable_attn_mask() = tensor({1, heads, lq, kv_len}, v1::FLOAT16); break;
+      default: break;
+    }
+    if (pick(3) == 0) {
+      for (int64_t i = 0, n = b + pick(3) - 1; i < n; ++i) r.add_key_lengths(pick(static_cast<int>(kv_len) + 3) - 1);
+    }
+    if (pick(6) == 0) r.set_scale(pick(2) ? -1.0f : std::numeric_limits<float>::quiet_NaN());
+    r.set_need_weights(pick(2) == 0);
+    r.set_average_weights(pick(2) == 0);
+    r.set_causal(pick(2) == 0);
+    if (pick(5) == 0) r.set_output_dtype(dtypes[pick(5)]);
+
+    absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, layer);
+    if (!v.ok()) {
+      ++rejected;
+      EXPECT_TRUE(v.status().code() == absl::StatusCode::kInvalidArgument ||
+                  v.status().code() == absl::StatusCode::kResourceExhausted)
+          << v.status();
+      continue;
+    }
+    ++accepted;
+    v1::AttendResponse response;
+    v->task.output = AllocateTensor(v->output_dtype, v->output_shape, response.mutable_output());
+    if (!v->weights_shape.empty()) {
+      v->task.weights =
+          AllocateTensor(v->output_dtype, v->weights_shape, response.mutable_weights());
+    }
+    EXPECT_TRUE(CheckTask(layer, v->task).ok())
+        << CheckTask(layer, v->task) << " for " << r.ShortDebugString().substr(0, 400);
+  }
+  EXPECT_GT(accepted, 100);
+  EXPECT_GT(rejected, 100);
 }
 
 }  // namespace
