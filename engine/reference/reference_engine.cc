@@ -122,7 +122,7 @@ void StoreWeights(const AttentionParams& p, const Heads& probs) {
       }
 }
 
-// y[r, n] = sum_c x[r, c] * w[n, c] + bias[n] for x [rows, in] in `x_dtype`
+// y[r, n] = sum_c x[r, c] * w[n, c] + bias[n] for x [rows, in]
 // and w [out, in] FLOAT32 (PyTorch Linear layout).
 std::vector<double> Linear(const std::vector<double>& x, int64_t rows, int64_t in,
                            const Tensor& w, const Tensor& bias) {
