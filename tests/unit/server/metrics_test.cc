@@ -38,6 +38,12 @@ std::string HttpGet(int port, const std::string& path) {
   return out;
 }
 
+MetricsOptions Options(const std::string& address) {
+  MetricsOptions o;
+  o.address = address;
+  return o;
+}
+
 TEST(MetricsTest, ExposesEveryFamilyLabelledByModel) {
   auto m = Metrics::Create({.address = "", .build_labels = {{"backend", "cpu"}}});
   ASSERT_TRUE(m.ok()) << m.status();
@@ -71,7 +77,7 @@ TEST(MetricsTest, ExposesEveryFamilyLabelledByModel) {
 }
 
 TEST(MetricsTest, ServesOnEphemeralPort) {
-  auto m = Metrics::Create({.address = "127.0.0.1:0"});
+  auto m = Metrics::Create(Options("127.0.0.1:0"));
   ASSERT_TRUE(m.ok()) << m.status();
   ASSERT_GT((*m)->port(), 0);
   EXPECT_EQ((*m)->address(), "127.0.0.1:" + std::to_string((*m)->port()));
@@ -82,9 +88,9 @@ TEST(MetricsTest, ServesOnEphemeralPort) {
 }
 
 TEST(MetricsTest, BusyPortIsUnavailable) {
-  auto first = Metrics::Create({.address = "127.0.0.1:0"});
+  auto first = Metrics::Create(Options("127.0.0.1:0"));
   ASSERT_TRUE(first.ok());
-  auto second = Metrics::Create({.address = "127.0.0.1:" + std::to_string((*first)->port())});
+  auto second = Metrics::Create(Options("127.0.0.1:" + std::to_string((*first)->port())));
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
 }
 
