@@ -12,6 +12,8 @@ a float64 evaluation of the framework's own module (or the NumPy reference).
   bf16 models: rel <= 1e-2 (weights, and on the server projections and the
     attention core, rounded to bf16's 8-bit mantissa, 2^-8 = 3.9e-3 per
     rounding; measured 3.1e-3 with fp32 inputs, 3.7e-3 with bf16 inputs).
+  fp16 models: rel <= 2e-3 (2^-11 = 4.9e-4 per rounding; measured 4.7e-4 with
+    fp32 inputs, 6.0e-4 with fp16 inputs).
 Bad models: every case asserts the exit code and the file, tensor/field and
 expected vs actual in the message.
 """
@@ -34,6 +36,7 @@ from checkpoint_models import (HFStyleAttention, NeoXStyleAttention, TinyDecoder
 
 FP32_TOL = 1e-5
 BF16_TOL = 1e-2
+FP16_TOL = 2e-3
 EXPORT = os.path.join(os.path.dirname(export_torch.__file__), "export_torch.py")
 
 
@@ -99,6 +102,8 @@ def models(tmp_path_factory):
     for name in ("mha-bias", "mha-nobias", "mha-kvdim"):
         export_torch.export_module(m[name], str(repo / name))
     export_torch.export_module(m["mha-bf16"], str(repo / "mha-bf16"), precision="bf16")
+    m["mha-fp16"] = _mha(4, 32, 4)
+    export_torch.export_module(m["mha-fp16"], str(repo / "mha-fp16"), precision="fp16")
 
     torch.manual_seed(5)
     m["hf-gqa"] = HFStyleAttention(64, 8, 2, 8, qkv_bias=True, o_bias=False).eval()
@@ -254,13 +259,16 @@ def test_mha_causal_mask_is_the_causal_flag(models, rc):
     assert_close(rc.attend(x, model="mha-bias", causal=True).output, want)
 
 
-def test_mha_bf16_precision(models, rc):
+@pytest.mark.parametrize("precision,tol", [("bf16", BF16_TOL), ("fp16", FP16_TOL)])
+def test_mha_reduced_precision(models, rc, precision, tol):
+    name = f"mha-{precision}"
+    assert rc.get_model(name).config.precision == precision
     rng = np.random.default_rng(108)
     x = rand(rng, 2, 6, 32)
-    want, _ = torch_mha(models["mha-bf16"], x, x, x, need_weights=False)
-    for input_dtype in (None, "bf16"):
-        got = rc.attend(x, model="mha-bf16", input_dtype=input_dtype).output
-        assert_close(got, want, tol=BF16_TOL, what=f"bf16 model, {input_dtype or 'fp32'} input")
+    want, _ = torch_mha(models[name], x, x, x, need_weights=False)
+    for input_dtype in (None, precision):
+        got = rc.attend(x, model=name, input_dtype=input_dtype).output
+        assert_close(got, want, tol=tol, what=f"{precision} model, {input_dtype or 'fp32'} input")
 
 
 # ---------------------------------------------------------------------------
@@ -384,7 +392,7 @@ def test_sdpa_kind_from_the_repository(rc):
 
 def test_list_and_get_model_report_full_config(models, rc):
     listed = {s.name: s for s in rc.list_models()}
-    expected = {"mha-bias", "mha-nobias", "mha-kvdim", "mha-bf16", "hf-gqa", "narrow-causal",
+    expected = {"mha-bias", "mha-nobias", "mha-kvdim", "mha-bf16", "mha-fp16", "hf-gqa", "narrow-causal",
                 "hf-fullscale", "neox-fused", "decoder-layer1", "keras", "sdpa-causal"}
     assert expected <= set(listed)
     for name in expected:
@@ -396,7 +404,6 @@ def test_list_and_get_model_report_full_config(models, rc):
     assert c.weight_layout == 2 and c.precision == "fp32" and c.backend == "auto"
     c = rc.get_model("mha-kvdim").config
     assert (c.key_dim, c.value_dim, c.weight_layout) == (10, 14, 1)
-    assert rc.get_model("mha-bf16").config.precision == "bf16"
     c = rc.get_model("keras").config  # written by hand with defaults left out
     assert (c.num_kv_heads, c.query_dim, c.out_dim, c.weight_layout) == (3, 12, 12, 4)
 
