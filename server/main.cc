@@ -10,6 +10,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "server/attn_server.h"
 #include "server/server_options.h"
 
@@ -45,6 +47,13 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
+  // --help lists the flags of this file (absl's default looks for a file
+  // named after the binary).
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view path) {
+    return absl::EndsWith(path, "server/main.cc");
+  };
+  absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage(
       "attnserve [--address=127.0.0.1:50051] [--metrics-address=127.0.0.1:9464] "
       "[--threads=N] [--default-model=demo-mha] [--max-message-bytes=67108864] "
