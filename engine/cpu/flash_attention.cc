@@ -3,7 +3,9 @@
 // threads, and combines the key-split partials of decode requests.
 #include "engine/cpu/flash_attention.h"
 
+#if defined(_OPENMP)
 #include <omp.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -269,7 +271,11 @@ absl::Status FlashAttention(absl::Span<const AttentionParams> batch, const Flash
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return items[a].cost > items[b].cost; });
 
+#if defined(_OPENMP)
   int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+#else
+  int threads = 1;  // built without OpenMP: one thread
+#endif
   threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(std::max(threads, 1)), items.size()));
   std::atomic<bool> ok{true};
   const int64_t n_items = static_cast<int64_t>(items.size());

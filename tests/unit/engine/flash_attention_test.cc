@@ -16,7 +16,6 @@
 //     the output rounding.
 #include "engine/cpu/flash_attention.h"
 
-#include <omp.h>
 #include <stdlib.h>
 
 #include <algorithm>
