@@ -51,8 +51,8 @@ __global__ void AttentionGeneralKernel(DeviceAttention a, int rows_per_block, in
   float* sp = so + a.head_dim_v;
 
   const int64_t kv_head = h / (a.num_heads / a.num_kv_heads);
-  const T* q_row = static_cast<const T*>(a.q) + b * a.q_stride_b + h * a.q_stride_h +
-                   i * a.q_stride_row;
+  const T* q_row =
+      static_cast<const T*>(a.q) + b * a.q_stride_b + h * a.q_stride_h + i * a.q_stride_row;
   const T* k_base = static_cast<const T*>(a.k) + b * a.k_stride_b + kv_head * a.k_stride_h;
   const T* v_base = static_cast<const T*>(a.v) + b * a.v_stride_b + kv_head * a.v_stride_h;
   const int64_t out_row = b * a.o_stride_b + h * a.o_stride_h + i * a.o_stride_row;
@@ -143,17 +143,17 @@ cudaError_t Launch(const DeviceAttention& a, cudaStream_t stream) {
   if (shared_bytes > kDefaultSharedBytes) {
     // Very large head dims: one warp per block with opted-in shared memory
     // (fails with cudaErrorInvalidValue beyond the device's limit).
-    const cudaError_t err = cudaFuncSetAttribute(
-        AttentionGeneralKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(std::min<int64_t>(shared_bytes, INT32_MAX)));
+    const cudaError_t err =
+        cudaFuncSetAttribute(AttentionGeneralKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(std::min<int64_t>(shared_bytes, INT32_MAX)));
     if (err != cudaSuccess) return err;
   }
   const int64_t q_tiles = (a.q_len + rows_per_block - 1) / rows_per_block;
   const int64_t blocks = q_tiles * a.num_heads * a.batch;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  AttentionGeneralKernel<T><<<static_cast<unsigned>(blocks), rows_per_block * kWarpSize,
-                              static_cast<size_t>(shared_bytes), stream>>>(a, rows_per_block,
-                                                                           q_tiles);
+  AttentionGeneralKernel<T>
+      <<<static_cast<unsigned>(blocks), rows_per_block * kWarpSize,
+         static_cast<size_t>(shared_bytes), stream>>>(a, rows_per_block, q_tiles);
   return cudaGetLastError();
 }
 

@@ -4,9 +4,9 @@
 #ifndef ATTNSERVE_ENGINE_CUDA_ATTENTION_KERNELS_H_
 #define ATTNSERVE_ENGINE_CUDA_ATTENTION_KERNELS_H_
 
-#include <cstdint>
-
 #include <cuda_runtime_api.h>
+
+#include <cstdint>
 
 namespace attnserve::cuda {
 
@@ -43,8 +43,8 @@ struct DeviceAttention {
   void* out = nullptr;
   int64_t o_stride_b = 0, o_stride_h = 0, o_stride_row = 0;
 
-  bool causal = false;                    // bottom-right aligned
-  const int64_t* key_lengths = nullptr;   // [batch] or null
+  bool causal = false;                   // bottom-right aligned
+  const int64_t* key_lengths = nullptr;  // [batch] or null
   DeviceMask mask;
   float scale = 1.0f;
 
@@ -70,14 +70,13 @@ cudaError_t LaunchConvert(const void* src, ElemType src_type, void* dst, ElemTyp
                           int64_t n, cudaStream_t stream);
 
 // y[r, c] += bias[c] for a row-major [rows, cols] y; y and bias share `type`.
-cudaError_t LaunchAddBias(void* y, const void* bias, ElemType type, int64_t rows,
-                          int64_t cols, cudaStream_t stream);
+cudaError_t LaunchAddBias(void* y, const void* bias, ElemType type, int64_t rows, int64_t cols,
+                          cudaStream_t stream);
 
 // out[b, r] = mean over h of probs[b, h, r] for probs [batch, heads, per_head]
 // (fp32), summed in head order so that the result is deterministic.
-cudaError_t LaunchAverageHeads(const float* probs, int64_t batch, int64_t heads,
-                               int64_t per_head, void* out, ElemType out_type,
-                               cudaStream_t stream);
+cudaError_t LaunchAverageHeads(const float* probs, int64_t batch, int64_t heads, int64_t per_head,
+                               void* out, ElemType out_type, cudaStream_t stream);
 
 }  // namespace attnserve::cuda
 

@@ -5,6 +5,9 @@
 // bench/cuda_bench.py turns into a table next to PyTorch's SDPA.
 //
 //   attnserve_cuda_bench [--quick] [--iters N]
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -13,9 +16,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <cublas_v2.h>
-#include <cuda_runtime_api.h>
 
 #include "engine/cuda/attention_kernels.h"
 #include "engine/cuda/cuda_status.h"
@@ -83,8 +83,8 @@ void Check(cudaError_t err, const char* what) {
   }
 }
 
-void BenchAttention(ElemType t, int64_t batch, int64_t heads, int64_t len, int64_t dim,
-                    bool causal, int iters) {
+void BenchAttention(ElemType t, int64_t batch, int64_t heads, int64_t len, int64_t dim, bool causal,
+                    int iters) {
   const int64_t n = batch * heads * len * dim;
   DeviceBuffer q = Random(t, n, 1), k = Random(t, n, 2), v = Random(t, n, 3);
   absl::StatusOr<DeviceBuffer> out = DeviceBuffer::Allocate(static_cast<size_t>(n) * Size(t));
@@ -118,25 +118,25 @@ void BenchAttention(ElemType t, int64_t batch, int64_t heads, int64_t len, int64
       "{\"kind\": \"attention\", \"kernel\": \"%s\", \"dtype\": \"%s\", \"batch\": %ld, "
       "\"heads\": %ld, \"seq\": %ld, \"head_dim\": %ld, \"causal\": %s, \"ms\": %.4f, "
       "\"tflops\": %.2f}\n",
-      flash ? "flash" : "general", TypeName(t), static_cast<long>(batch),
-      static_cast<long>(heads), static_cast<long>(len), static_cast<long>(dim),
-      causal ? "true" : "false", ms, flops / (ms * 1e-3) / 1e12);
+      flash ? "flash" : "general", TypeName(t), static_cast<long>(batch), static_cast<long>(heads),
+      static_cast<long>(len), static_cast<long>(dim), causal ? "true" : "false", ms,
+      flops / (ms * 1e-3) / 1e12);
   std::fflush(stdout);
 }
 
 // Plain cublasGemmEx, no bias: the same GEMM as Linear without the epilogue.
 double CublasGemmMs(cublasHandle_t blas, ElemType t, const void* x, int64_t rows, int64_t in,
                     const void* w, int64_t out, void* y, int iters) {
-  const cudaDataType_t dt = t == ElemType::kF32 ? CUDA_R_32F
+  const cudaDataType_t dt = t == ElemType::kF32   ? CUDA_R_32F
                             : t == ElemType::kF16 ? CUDA_R_16F
                                                   : CUDA_R_16BF;
   const float alpha = 1.0f, beta = 0.0f;
   return TimeMs(
       [&] {
-        cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out),
-                     static_cast<int>(rows), static_cast<int>(in), &alpha, w, dt,
-                     static_cast<int>(in), x, dt, static_cast<int>(in), &beta, y, dt,
-                     static_cast<int>(out), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out), static_cast<int>(rows),
+                     static_cast<int>(in), &alpha, w, dt, static_cast<int>(in), x, dt,
+                     static_cast<int>(in), &beta, y, dt, static_cast<int>(out), CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT);
       },
       iters);
 }
@@ -148,7 +148,8 @@ void BenchProjection(ElemType t, int64_t rows, int64_t in, int64_t out, int iter
     std::exit(1);
   }
   DeviceBuffer x = Random(t, rows * in, 4), w = Random(t, out * in, 5), b = Random(t, out, 6);
-  absl::StatusOr<DeviceBuffer> y = DeviceBuffer::Allocate(static_cast<size_t>(rows * out) * Size(t));
+  absl::StatusOr<DeviceBuffer> y =
+      DeviceBuffer::Allocate(static_cast<size_t>(rows * out) * Size(t));
   if (!y.ok()) std::exit(1);
   const double ms = TimeMs(
       [&] {
@@ -161,7 +162,8 @@ void BenchProjection(ElemType t, int64_t rows, int64_t in, int64_t out, int iter
       iters);
   cublasHandle_t blas;
   cublasCreate(&blas);
-  const double cublas_ms = CublasGemmMs(blas, t, x.data(), rows, in, w.data(), out, y->data(), iters);
+  const double cublas_ms =
+      CublasGemmMs(blas, t, x.data(), rows, in, w.data(), out, y->data(), iters);
   cublasDestroy(blas);
   Check(cudaDeviceSynchronize(), "projection");
   const double flops = 2.0 * rows * in * out;
@@ -215,8 +217,8 @@ int Main(int argc, char** argv) {
   std::printf("{\"kind\": \"device\", \"name\": \"%s\", \"sm\": %d%d}\n", prop.name, prop.major,
               prop.minor);
 
-  const std::vector<int64_t> lens = quick ? std::vector<int64_t>{2048}
-                                          : std::vector<int64_t>{512, 1024, 2048, 4096, 8192};
+  const std::vector<int64_t> lens =
+      quick ? std::vector<int64_t>{2048} : std::vector<int64_t>{512, 1024, 2048, 4096, 8192};
   for (ElemType t : {ElemType::kBF16, ElemType::kF16}) {
     for (int64_t dim : {64, 128}) {
       for (bool causal : {false, true}) {

@@ -1,11 +1,14 @@
 // The CUDA engine: stages each request through pinned memory onto the
-// device, runs the projections (cuBLASLt) and the attention kernels on one
-// stream per call, and copies the results back. A whole batch is enqueued
-// before the one synchronisation at its end, so the host packs request n+1
-// while the GPU computes request n. Requests never share a launch: each
-// request's kernels and GEMM shapes depend on that request alone, which is
-// what makes results batch-invariant.
+// device, runs the projections (cuBLASLt) and the attention kernels, and
+// copies the results back. A whole batch is enqueued before the one
+// synchronisation at its end: uploads go on a copy stream and compute waits
+// for each request's uploads through an event, so while the GPU computes
+// request n the host packs request n+1 and the copy engine uploads it.
+// Requests never share a launch: each request's kernels and GEMM shapes
+// depend on that request alone, which is what makes results batch-invariant.
 #include "engine/cuda/cuda_engine.h"
+
+#include <cuda_runtime_api.h>
 
 #include <cmath>
 #include <cstring>
@@ -15,8 +18,6 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
-
-#include <cuda_runtime_api.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -61,32 +62,37 @@ ElemType PrecisionType(Precision precision) {
   return ElemType::kF32;
 }
 
-bool IsFloat(DType dtype) { return dtype != DType::kBool; }
-
-// A stream and everything a call enqueues on it. Owned by the engine's pool;
-// one call at a time.
+// The streams of one call and the memory it stages through. Owned by the
+// engine's pool; one call at a time.
 struct Workspace {
-  cudaStream_t stream = nullptr;
+  cudaStream_t stream = nullptr;       // compute and downloads
+  cudaStream_t copy_stream = nullptr;  // uploads
+  cudaEvent_t uploaded = nullptr;      // recorded on copy_stream after a request's uploads
   std::unique_ptr<ProjectionGemm> gemm;
   Arena device{Arena::Kind::kDevice};
   Arena pinned{Arena::Kind::kPinnedHost};
 
   ~Workspace() {
+    if (copy_stream != nullptr) (void)cudaStreamSynchronize(copy_stream);
     if (stream != nullptr) (void)cudaStreamSynchronize(stream);
     gemm.reset();
+    if (uploaded != nullptr) (void)cudaEventDestroy(uploaded);
+    if (copy_stream != nullptr) (void)cudaStreamDestroy(copy_stream);
     if (stream != nullptr) (void)cudaStreamDestroy(stream);
   }
 };
 
 // One Run/Attend call on a workspace: allocations from its arenas, copies
 // through pinned memory, and the host-side deliveries that run once the
-// stream has finished. If the call is abandoned on an error, the destructor
-// still waits for the stream before the memory is reused.
+// streams have finished. Per request: Upload*, then UploadsDone, then
+// compute and Download on stream(). If the call is abandoned on an error,
+// the destructor still waits for both streams before the memory is reused.
 class Call {
  public:
   explicit Call(Workspace& ws) : ws_(ws) {}
   ~Call() {
     if (!finished_) {
+      (void)cudaStreamSynchronize(ws_.copy_stream);
       (void)cudaStreamSynchronize(ws_.stream);
       (void)cudaGetLastError();
       ws_.device.Reset();
@@ -101,7 +107,8 @@ class Call {
 
   absl::StatusOr<void*> DeviceAlloc(size_t bytes) { return ws_.device.Allocate(bytes); }
 
-  // Copies `bytes` of host memory to a new device allocation.
+  // Copies `bytes` of host memory to a new device allocation (on the copy
+  // stream: compute may use it after UploadsDone).
   absl::StatusOr<void*> Upload(const void* host, size_t bytes) {
     absl::StatusOr<void*> staging = ws_.pinned.Allocate(bytes);
     if (!staging.ok()) return staging.status();
@@ -136,6 +143,13 @@ class Call {
     return UploadStaged(*staging, bytes);
   }
 
+  // Makes work enqueued on stream() from now on wait for every upload so far.
+  absl::Status UploadsDone() {
+    ATTNSERVE_CUDA_CALL(cudaEventRecord(ws_.uploaded, ws_.copy_stream));
+    ATTNSERVE_CUDA_CALL(cudaStreamWaitEvent(ws_.stream, ws_.uploaded, 0));
+    return absl::OkStatus();
+  }
+
   // Copies `bytes` from the device to pinned memory; `deliver` gets the
   // pinned copy after the stream has finished (in Finish).
   absl::Status Download(const void* device, size_t bytes,
@@ -149,8 +163,9 @@ class Call {
     return absl::OkStatus();
   }
 
-  // Waits for the stream, then hands every result to its caller-owned buffer.
+  // Waits for the streams, then hands every result to its caller-owned buffer.
   absl::Status Finish() {
+    ATTNSERVE_CUDA_CALL(cudaStreamSynchronize(ws_.copy_stream));
     ATTNSERVE_CUDA_CALL(cudaStreamSynchronize(ws_.stream));
     for (const std::function<void()>& deliver : deliveries_) deliver();
     finished_ = true;
@@ -164,7 +179,7 @@ class Call {
     absl::StatusOr<void*> device = ws_.device.Allocate(bytes);
     if (!device.ok()) return device.status();
     ATTNSERVE_CUDA_CALL(
-        cudaMemcpyAsync(*device, staging, bytes, cudaMemcpyHostToDevice, ws_.stream));
+        cudaMemcpyAsync(*device, staging, bytes, cudaMemcpyHostToDevice, ws_.copy_stream));
     return *device;
   }
 
@@ -193,7 +208,8 @@ absl::StatusOr<const void*> ConvertOnDevice(Call& call, const void* data, ElemTy
   return static_cast<const void*>(*out);
 }
 
-// Uploads the mask's extent and the key lengths of `p` and points `a` at them.
+// Uploads the mask's extent and the key lengths of `p` and points `a` at
+// them (before the request's UploadsDone).
 absl::Status StageMaskAndLengths(Call& call, const AttentionParams& p, DeviceAttention& a) {
   a.causal = p.causal;
   a.scale = p.scale;
@@ -267,24 +283,15 @@ absl::Status RunCore(Call& call, DeviceAttention& a, const AttentionParams& p) {
   });
 }
 
-// The defensive checks the reference engine makes on bare AttentionParams
-// (the server validates requests; this keeps a bad call from touching
-// memory out of bounds).
+// The engines' shared guard on bare AttentionParams, plus what the kernels
+// additionally rely on (the server validates requests; this keeps a bad
+// call from touching memory out of bounds).
 absl::Status CheckParams(const AttentionParams& p) {
-  if (p.batch < 1 || p.num_heads < 1 || p.num_kv_heads < 1 || p.head_dim < 1 ||
-      p.head_dim_v < 1 || p.q_len < 1 || p.kv_len < 1 || p.num_heads % p.num_kv_heads != 0 ||
-      p.q == nullptr || p.k == nullptr || p.v == nullptr || p.out == nullptr ||
-      !IsFloat(p.dtype) || !IsFloat(p.out_dtype) ||
-      (p.weights != nullptr && !IsFloat(p.weights_dtype)) ||
-      (p.mask.kind != MaskParams::Kind::kNone && p.mask.data == nullptr) ||
-      (p.mask.kind == MaskParams::Kind::kBool && p.mask.dtype != DType::kBool) ||
-      (p.mask.kind == MaskParams::Kind::kAdditive && !IsFloat(p.mask.dtype)) ||
-      p.mask.stride_b < 0 || p.mask.stride_h < 0 || p.mask.stride_q < 0 ||
-      p.mask.stride_k < 0) {
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(CheckAttentionParams(p));
+  if ((p.mask.kind == MaskParams::Kind::kBool && p.mask.dtype != DType::kBool) ||
+      p.mask.stride_b < 0 || p.mask.stride_h < 0 || p.mask.stride_q < 0 || p.mask.stride_k < 0) {
     return absl::InvalidArgumentError(
-        "AttentionParams: dims must be >= 1, num_heads a multiple of num_kv_heads, "
-        "q/k/v/out set, the input, output and weights dtypes float types, and the mask's "
-        "data, dtype and strides consistent with its kind");
+        "AttentionParams: a bool mask must be BOOL and mask strides must be >= 0");
   }
   if (!std::isfinite(p.scale) || p.scale <= 0.0f) {
     return absl::InvalidArgumentError(
@@ -379,6 +386,8 @@ class CudaEngine final : public AttentionEngine {
     // never synchronises implicitly with the legacy default stream.
     auto ws = std::make_unique<Workspace>();
     ATTNSERVE_CUDA_CALL(cudaStreamCreateWithFlags(&ws->stream, cudaStreamNonBlocking));
+    ATTNSERVE_CUDA_CALL(cudaStreamCreateWithFlags(&ws->copy_stream, cudaStreamNonBlocking));
+    ATTNSERVE_CUDA_CALL(cudaEventCreateWithFlags(&ws->uploaded, cudaEventDisableTiming));
     absl::StatusOr<std::unique_ptr<ProjectionGemm>> gemm = ProjectionGemm::Create(ws->stream);
     if (!gemm.ok()) return gemm.status();
     ws->gemm = std::move(*gemm);
@@ -448,20 +457,22 @@ class CudaEngine final : public AttentionEngine {
   absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, ElemType compute) {
     const ElemType in_type = ToElem(p.dtype);
     const size_t in_size = ElemSize(in_type);
-    absl::StatusOr<void*> q = call.UploadHeads(p.q, in_size, p.batch, p.num_heads, p.q_len,
-                                               p.head_dim, p.q_stride_b, p.q_stride_h,
-                                               p.q_stride_row);
+    absl::StatusOr<void*> q =
+        call.UploadHeads(p.q, in_size, p.batch, p.num_heads, p.q_len, p.head_dim, p.q_stride_b,
+                         p.q_stride_h, p.q_stride_row);
     if (!q.ok()) return q.status();
-    absl::StatusOr<void*> k = call.UploadHeads(p.k, in_size, p.batch, p.num_kv_heads, p.kv_len,
-                                               p.head_dim, p.k_stride_b, p.k_stride_h,
-                                               p.k_stride_row);
+    absl::StatusOr<void*> k =
+        call.UploadHeads(p.k, in_size, p.batch, p.num_kv_heads, p.kv_len, p.head_dim, p.k_stride_b,
+                         p.k_stride_h, p.k_stride_row);
     if (!k.ok()) return k.status();
-    absl::StatusOr<void*> v = call.UploadHeads(p.v, in_size, p.batch, p.num_kv_heads, p.kv_len,
-                                               p.head_dim_v, p.v_stride_b, p.v_stride_h,
-                                               p.v_stride_row);
+    absl::StatusOr<void*> v =
+        call.UploadHeads(p.v, in_size, p.batch, p.num_kv_heads, p.kv_len, p.head_dim_v,
+                         p.v_stride_b, p.v_stride_h, p.v_stride_row);
     if (!v.ok()) return v.status();
 
     DeviceAttention a;
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(StageMaskAndLengths(call, p, a));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
     a.batch = p.batch;
     a.num_heads = p.num_heads;
     a.num_kv_heads = p.num_kv_heads;
@@ -499,8 +510,6 @@ class CudaEngine final : public AttentionEngine {
     a.out = *out;
     HeadLayoutStrides(p.num_heads, p.q_len, p.head_dim_v, &a.o_stride_b, &a.o_stride_h,
                       &a.o_stride_row);
-
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(StageMaskAndLengths(call, p, a));
     ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, a, p));
 
     return call.Download(a.out, out_bytes, [p, out_size](const char* pinned) {
@@ -530,20 +539,34 @@ class CudaEngine final : public AttentionEngine {
     const int64_t key_dim = self_attention ? config.query_dim : config.key_dim;
     const int64_t value_dim = self_attention ? config.query_dim : config.value_dim;
 
-    // Inputs to the device, converted to the compute type.
-    auto upload = [&](const TensorView& view, int64_t n) -> absl::StatusOr<const void*> {
-      absl::StatusOr<void*> raw = call.Upload(view.data, static_cast<size_t>(n) * ElemSize(in_type));
-      if (!raw.ok()) return raw.status();
-      return ConvertOnDevice(call, *raw, in_type, ct, n);
-    };
-    absl::StatusOr<const void*> xq = upload(task.query, q_rows * config.query_dim);
+    // Everything this request uploads, then the compute that waits for it.
+    DeviceAttention a;
+    absl::StatusOr<void*> raw_q = call.Upload(
+        task.query.data, static_cast<size_t>(q_rows * config.query_dim) * ElemSize(in_type));
+    if (!raw_q.ok()) return raw_q.status();
+    absl::StatusOr<void*> raw_k = raw_q;
+    absl::StatusOr<void*> raw_v = raw_q;
+    if (!self_attention) {
+      raw_k =
+          call.Upload(task.key.data, static_cast<size_t>(kv_rows * key_dim) * ElemSize(in_type));
+      if (!raw_k.ok()) return raw_k.status();
+      raw_v = call.Upload(task.value.data,
+                          static_cast<size_t>(kv_rows * value_dim) * ElemSize(in_type));
+      if (!raw_v.ok()) return raw_v.status();
+    }
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(StageMaskAndLengths(call, p, a));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
+
+    // Inputs in the compute type (self-attention converts once).
+    absl::StatusOr<const void*> xq =
+        ConvertOnDevice(call, *raw_q, in_type, ct, q_rows * config.query_dim);
     if (!xq.ok()) return xq.status();
     absl::StatusOr<const void*> xk = xq;
     absl::StatusOr<const void*> xv = xq;
     if (!self_attention) {
-      xk = upload(task.key, kv_rows * key_dim);
+      xk = ConvertOnDevice(call, *raw_k, in_type, ct, kv_rows * key_dim);
       if (!xk.ok()) return xk.status();
-      xv = upload(task.value, kv_rows * value_dim);
+      xv = ConvertOnDevice(call, *raw_v, in_type, ct, kv_rows * value_dim);
       if (!xv.ok()) return xv.status();
     }
 
@@ -552,22 +575,23 @@ class CudaEngine final : public AttentionEngine {
     const int64_t v_features = p.num_kv_heads * p.head_dim_v;
     absl::StatusOr<void*> q = call.DeviceAlloc(static_cast<size_t>(q_rows * q_features) * ct_size);
     if (!q.ok()) return q.status();
-    absl::StatusOr<void*> k = call.DeviceAlloc(static_cast<size_t>(kv_rows * kv_features) * ct_size);
+    absl::StatusOr<void*> k =
+        call.DeviceAlloc(static_cast<size_t>(kv_rows * kv_features) * ct_size);
     if (!k.ok()) return k.status();
     absl::StatusOr<void*> v = call.DeviceAlloc(static_cast<size_t>(kv_rows * v_features) * ct_size);
     if (!v.ok()) return v.status();
     ATTNSERVE_CUDA_RETURN_IF_ERROR(call.gemm().Linear(ct, *xq, q_rows, config.query_dim,
                                                       w.wq.data(), w.bq.data(), q_features, *q));
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(call.gemm().Linear(ct, *xk, kv_rows, key_dim, w.wk.data(),
-                                                      w.bk.data(), kv_features, *k));
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(call.gemm().Linear(ct, *xv, kv_rows, value_dim, w.wv.data(),
-                                                      w.bv.data(), v_features, *v));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(
+        call.gemm().Linear(ct, *xk, kv_rows, key_dim, w.wk.data(), w.bk.data(), kv_features, *k));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(
+        call.gemm().Linear(ct, *xv, kv_rows, value_dim, w.wv.data(), w.bv.data(), v_features, *v));
 
     // Attention over the token layout [B, L, H*D], written in the same layout.
     const int64_t o_features = p.num_heads * p.head_dim_v;
-    absl::StatusOr<void*> attn = call.DeviceAlloc(static_cast<size_t>(q_rows * o_features) * ct_size);
+    absl::StatusOr<void*> attn =
+        call.DeviceAlloc(static_cast<size_t>(q_rows * o_features) * ct_size);
     if (!attn.ok()) return attn.status();
-    DeviceAttention a;
     a.batch = p.batch;
     a.num_heads = p.num_heads;
     a.num_kv_heads = p.num_kv_heads;
@@ -589,7 +613,6 @@ class CudaEngine final : public AttentionEngine {
     a.out = *attn;
     TokenLayoutStrides(p.num_heads, p.q_len, p.head_dim_v, &a.o_stride_b, &a.o_stride_h,
                        &a.o_stride_row);
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(StageMaskAndLengths(call, p, a));
     ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, a, p));
 
     // Out-projection, then the output dtype, then home.
@@ -642,9 +665,9 @@ absl::StatusOr<std::unique_ptr<AttentionEngine>> NewCudaEngine(const EngineOptio
     return absl::UnavailableError("no usable CUDA device: cannot query device 0");
   }
   if (major < 8) {
-    return absl::UnavailableError(absl::StrCat(
-        "no usable CUDA device: ", prop.name, " has compute capability ", major, ".", minor,
-        "; the CUDA backend is built for 8.0 and newer"));
+    return absl::UnavailableError(absl::StrCat("no usable CUDA device: ", prop.name,
+                                               " has compute capability ", major, ".", minor,
+                                               "; the CUDA backend is built for 8.0 and newer"));
   }
   if (const cudaError_t err = cudaSetDevice(kDevice); err != cudaSuccess) {
     (void)cudaGetLastError();

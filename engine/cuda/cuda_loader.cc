@@ -93,9 +93,9 @@ Module FindModule() {
   // Never dlclose: engines made by the module hold code and vtables in it.
   void* symbol = dlsym(handle, ATTNSERVE_CUDA_FACTORY_SYMBOL);
   if (symbol == nullptr) {
-    module.error = absl::StrCat("CUDA module ", ATTNSERVE_CUDA_MODULE_NAME, " has no ",
-                                ATTNSERVE_CUDA_FACTORY_SYMBOL,
-                                " (built from a different attnserve version?)");
+    module.error =
+        absl::StrCat("CUDA module ", ATTNSERVE_CUDA_MODULE_NAME, " has no ",
+                     ATTNSERVE_CUDA_FACTORY_SYMBOL, " (built from a different attnserve version?)");
     return module;
   }
   module.factory = reinterpret_cast<AttnserveCudaFactory>(symbol);

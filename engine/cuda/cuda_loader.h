@@ -25,8 +25,7 @@ namespace attnserve {
 // reason, when the module is missing or fails to load ("CUDA module ...") or
 // when there is no usable GPU ("no CUDA device: cudaGetDeviceCount: ...").
 // Never crashes for want of a GPU. Thread-safe.
-absl::StatusOr<std::unique_ptr<AttentionEngine>> LoadCudaEngine(
-    const EngineOptions& options = {});
+absl::StatusOr<std::unique_ptr<AttentionEngine>> LoadCudaEngine(const EngineOptions& options = {});
 
 // Where this build wrote the module; empty when it was built without CUDA
 // (ATTNSERVE_CUDA=OFF, or AUTO without nvcc).

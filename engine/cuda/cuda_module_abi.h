@@ -17,7 +17,8 @@
 // Returns a new engine that the caller owns (delete it through the
 // AttentionEngine pointer; the module must stay loaded), or null with a
 // NUL-terminated reason of at most error_size bytes in `error` (no usable GPU).
-using AttnserveCudaFactory = attnserve::AttentionEngine* (*)(const attnserve::EngineOptions* options,
-                                                             char* error, size_t error_size);
+using AttnserveCudaFactory =
+    attnserve::AttentionEngine* (*)(const attnserve::EngineOptions* options, char* error,
+                                    size_t error_size);
 
 #endif  // ATTNSERVE_ENGINE_CUDA_CUDA_MODULE_ABI_H_

@@ -3,10 +3,10 @@
 #ifndef ATTNSERVE_ENGINE_CUDA_CUDA_STATUS_H_
 #define ATTNSERVE_ENGINE_CUDA_CUDA_STATUS_H_
 
-#include <string>
-
 #include <cublas_api.h>
 #include <cuda_runtime_api.h>
+
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -29,9 +29,9 @@ inline absl::Status CudaStatus(cudaError_t err, absl::string_view what) {
 
 inline absl::Status CublasStatus(cublasStatus_t status, absl::string_view what) {
   if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  const std::string message = absl::StrCat("CUDA backend: ", what, ": ",
-                                           cublasGetStatusName(status), " (",
-                                           cublasGetStatusString(status), ")");
+  const std::string message =
+      absl::StrCat("CUDA backend: ", what, ": ", cublasGetStatusName(status), " (",
+                   cublasGetStatusString(status), ")");
   if (status == CUBLAS_STATUS_ALLOC_FAILED) return absl::ResourceExhaustedError(message);
   return absl::InternalError(message);
 }
@@ -39,9 +39,9 @@ inline absl::Status CublasStatus(cublasStatus_t status, absl::string_view what) 
 }  // namespace attnserve::cuda
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
-#define ATTNSERVE_CUDA_RETURN_IF_ERROR(expr)                            \
-  do {                                                                  \
-    if (absl::Status _status = (expr); !_status.ok()) return _status;  \
+#define ATTNSERVE_CUDA_RETURN_IF_ERROR(expr)                          \
+  do {                                                                \
+    if (absl::Status _status = (expr); !_status.ok()) return _status; \
   } while (0)
 
 // The same for a CUDA runtime call or a cuBLAS(Lt) call; the message names the call.

@@ -1,10 +1,10 @@
 // Growing arenas and device buffers over the CUDA runtime allocators.
 #include "engine/cuda/device_memory.h"
 
+#include <cuda_runtime_api.h>
+
 #include <algorithm>
 #include <utility>
-
-#include <cuda_runtime_api.h>
 
 #include "absl/strings/str_cat.h"
 #include "engine/cuda/cuda_status.h"

@@ -3,10 +3,10 @@
 #ifndef ATTNSERVE_ENGINE_CUDA_DEVICE_UTILS_CUH_
 #define ATTNSERVE_ENGINE_CUDA_DEVICE_UTILS_CUH_
 
-#include <cstdint>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <cstdint>
 
 #include "engine/cuda/attention_kernels.h"
 

@@ -66,9 +66,8 @@ cudaError_t LaunchAddBias(void* y, const void* bias, ElemType type, int64_t rows
   return cudaGetLastError();
 }
 
-cudaError_t LaunchAverageHeads(const float* probs, int64_t batch, int64_t heads,
-                               int64_t per_head, void* out, ElemType out_type,
-                               cudaStream_t stream) {
+cudaError_t LaunchAverageHeads(const float* probs, int64_t batch, int64_t heads, int64_t per_head,
+                               void* out, ElemType out_type, cudaStream_t stream) {
   if (batch <= 0 || per_head <= 0) return cudaSuccess;
   AverageHeadsKernel<<<GridFor(batch * per_head), kThreads, 0, stream>>>(probs, batch, heads,
                                                                          per_head, out, out_type);

@@ -26,9 +26,9 @@
 namespace attnserve::cuda {
 namespace {
 
-constexpr int kBlockM = 64;   // query rows per block
-constexpr int kBlockN = 64;   // keys per tile
-constexpr int kWarps = 4;     // each owns 16 query rows
+constexpr int kBlockM = 64;  // query rows per block
+constexpr int kBlockN = 64;  // keys per tile
+constexpr int kWarps = 4;    // each owns 16 query rows
 constexpr int kThreads = kWarps * 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 
@@ -90,7 +90,8 @@ __device__ __forceinline__ void LoadTile(T* dst, const T* src, int64_t stride_ro
     const int r = c / kChunks;
     const int col = (c % kChunks) * 8;
     uint4 value = make_uint4(0, 0, 0, 0);
-    if (row0 + r < rows) value = *reinterpret_cast<const uint4*>(src + (row0 + r) * stride_row + col);
+    if (row0 + r < rows)
+      value = *reinterpret_cast<const uint4*>(src + (row0 + r) * stride_row + col);
     *reinterpret_cast<uint4*>(dst + r * kLd + col) = value;
   }
 }
@@ -223,10 +224,10 @@ __global__ void __launch_bounds__(kThreads)
     // O += P V, 16 keys per step; P's A fragment comes from S tiles 2kk, 2kk+1.
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint32_t p_frag[4] = {
-          Mma<T>::Pack(s[2 * kk][0], s[2 * kk][1]), Mma<T>::Pack(s[2 * kk][2], s[2 * kk][3]),
-          Mma<T>::Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-          Mma<T>::Pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const uint32_t p_frag[4] = {Mma<T>::Pack(s[2 * kk][0], s[2 * kk][1]),
+                                  Mma<T>::Pack(s[2 * kk][2], s[2 * kk][3]),
+                                  Mma<T>::Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                  Mma<T>::Pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         // B[x][y] = V[kk*16 + x][n*8 + y]: two keys' values for one dim per register.

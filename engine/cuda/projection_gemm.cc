@@ -69,9 +69,8 @@ ProjectionGemm::~ProjectionGemm() {
 absl::Status ProjectionGemm::Linear(ElemType type, const void* x, int64_t rows, int64_t in,
                                     const void* w, const void* bias, int64_t out, void* y) {
   if (rows <= 0 || in <= 0 || out <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("CUDA backend: projection dims must be >= 1, got rows ", rows, ", in ", in,
-                     ", out ", out));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CUDA backend: projection dims must be >= 1, got rows ", rows, ", in ", in, ", out ", out));
   }
   const cudaDataType_t data_type = CudaType(type);
   MatmulDesc op;
@@ -87,16 +86,16 @@ absl::Status ProjectionGemm::Linear(ElemType type, const void* x, int64_t rows, 
     ATTNSERVE_CUBLAS_CALL(cublasLtMatmulDescSetAttribute(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
                                                          &epilogue, sizeof(epilogue)));
     // The bias is of the output type (the default for these types).
-    ATTNSERVE_CUBLAS_CALL(cublasLtMatmulDescSetAttribute(
-        op.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    ATTNSERVE_CUBLAS_CALL(cublasLtMatmulDescSetAttribute(op.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                         &bias, sizeof(bias)));
   }
   Layout a, b, d;
   ATTNSERVE_CUBLAS_CALL(cublasLtMatrixLayoutCreate(&a.layout, data_type, static_cast<uint64_t>(in),
                                                    static_cast<uint64_t>(out), in));
   ATTNSERVE_CUBLAS_CALL(cublasLtMatrixLayoutCreate(&b.layout, data_type, static_cast<uint64_t>(in),
                                                    static_cast<uint64_t>(rows), in));
-  ATTNSERVE_CUBLAS_CALL(cublasLtMatrixLayoutCreate(
-      &d.layout, data_type, static_cast<uint64_t>(out), static_cast<uint64_t>(rows), out));
+  ATTNSERVE_CUBLAS_CALL(cublasLtMatrixLayoutCreate(&d.layout, data_type, static_cast<uint64_t>(out),
+                                                   static_cast<uint64_t>(rows), out));
 
   const ShapeKey key{static_cast<int>(type), rows, in, out, bias != nullptr};
   auto it = choices_.find(key);
@@ -104,9 +103,9 @@ absl::Status ProjectionGemm::Linear(ElemType type, const void* x, int64_t rows, 
     Preference pref;
     ATTNSERVE_CUBLAS_CALL(cublasLtMatmulPreferenceCreate(&pref.pref));
     const uint64_t max_workspace = workspace_.size();
-    ATTNSERVE_CUBLAS_CALL(cublasLtMatmulPreferenceSetAttribute(
-        pref.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
-        sizeof(max_workspace)));
+    ATTNSERVE_CUBLAS_CALL(
+        cublasLtMatmulPreferenceSetAttribute(pref.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                             &max_workspace, sizeof(max_workspace)));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
@@ -131,22 +130,20 @@ absl::Status ProjectionGemm::Linear(ElemType type, const void* x, int64_t rows, 
   return absl::OkStatus();
 }
 
-absl::Status ProjectionGemm::LinearFallback(ElemType type, const void* x, int64_t rows,
-                                            int64_t in, const void* w, const void* bias,
-                                            int64_t out, void* y) {
+absl::Status ProjectionGemm::LinearFallback(ElemType type, const void* x, int64_t rows, int64_t in,
+                                            const void* w, const void* bias, int64_t out, void* y) {
   if (rows > INT_MAX || in > INT_MAX || out > INT_MAX) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "CUDA backend: projection of ", rows, " x ", in, " -> ", out, " is too large"));
+    return absl::ResourceExhaustedError(absl::StrCat("CUDA backend: projection of ", rows, " x ",
+                                                     in, " -> ", out, " is too large"));
   }
   const cudaDataType_t data_type = CudaType(type);
   const float alpha = 1.0f;
   const float beta = 0.0f;
-  ATTNSERVE_CUBLAS_CALL(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out),
-                                     static_cast<int>(rows), static_cast<int>(in), &alpha, w,
-                                     data_type, static_cast<int>(in), x, data_type,
-                                     static_cast<int>(in), &beta, y, data_type,
-                                     static_cast<int>(out), CUBLAS_COMPUTE_32F,
-                                     CUBLAS_GEMM_DEFAULT));
+  ATTNSERVE_CUBLAS_CALL(
+      cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out), static_cast<int>(rows),
+                   static_cast<int>(in), &alpha, w, data_type, static_cast<int>(in), x, data_type,
+                   static_cast<int>(in), &beta, y, data_type, static_cast<int>(out),
+                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   if (bias != nullptr) {
     ATTNSERVE_CUDA_CALL(LaunchAddBias(y, bias, type, rows, out, stream_));
   }

@@ -5,14 +5,14 @@
 #ifndef ATTNSERVE_ENGINE_CUDA_PROJECTION_GEMM_H_
 #define ATTNSERVE_ENGINE_CUDA_PROJECTION_GEMM_H_
 
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <tuple>
-
-#include <cublasLt.h>
-#include <cublas_v2.h>
-#include <cuda_runtime_api.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -46,8 +46,8 @@ class ProjectionGemm {
   };
   using ShapeKey = std::tuple<int, int64_t, int64_t, int64_t, bool>;
 
-  absl::Status LinearFallback(ElemType type, const void* x, int64_t rows, int64_t in,
-                              const void* w, const void* bias, int64_t out, void* y);
+  absl::Status LinearFallback(ElemType type, const void* x, int64_t rows, int64_t in, const void* w,
+                              const void* bias, int64_t out, void* y);
 
   cudaStream_t stream_;
   cublasLtHandle_t lt_ = nullptr;

@@ -11,8 +11,6 @@
 // fp16 before P V on the tensor cores, outputs to fp16); BFLOAT16 2e-2 +
 // 2e-2 (8-bit mantissa). Projection layers computing in bf16/fp16 round
 // weights and activations as well: 6e-2 + 6e-2 and 1.5e-2 + 2e-2.
-#include "engine/cuda/cuda_loader.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -28,6 +26,7 @@
 #include "engine/attention_layer.h"
 #include "engine/attention_params.h"
 #include "engine/attention_task.h"
+#include "engine/cuda/cuda_loader.h"
 #include "engine/tensor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -74,8 +73,8 @@ AttentionEngine& Reference() {
   return *reference;
 }
 
-#define REQUIRE_GPU()                                                                   \
-  do {                                                                                  \
+#define REQUIRE_GPU()                                                                  \
+  do {                                                                                 \
     if (Cuda().engine == nullptr) GTEST_SKIP() << "no CUDA engine: " << Cuda().reason; \
   } while (0)
 
@@ -200,17 +199,21 @@ struct AttendCase {
 
   // Allocates and fills inputs (from `rng`) and zeroed outputs.
   void Fill(std::mt19937& rng) {
-    const Shape q_shape = token_layout ? Shape{batch, q_len, heads, dk} : Shape{batch, heads, q_len, dk};
-    const Shape k_shape = token_layout ? Shape{batch, kv_len, kv_heads, dk} : Shape{batch, kv_heads, kv_len, dk};
-    const Shape v_shape = token_layout ? Shape{batch, kv_len, kv_heads, dv} : Shape{batch, kv_heads, kv_len, dv};
-    const Shape o_shape = token_layout ? Shape{batch, q_len, heads, dv} : Shape{batch, heads, q_len, dv};
+    const Shape q_shape =
+        token_layout ? Shape{batch, q_len, heads, dk} : Shape{batch, heads, q_len, dk};
+    const Shape k_shape =
+        token_layout ? Shape{batch, kv_len, kv_heads, dk} : Shape{batch, kv_heads, kv_len, dk};
+    const Shape v_shape =
+        token_layout ? Shape{batch, kv_len, kv_heads, dv} : Shape{batch, kv_heads, kv_len, dv};
+    const Shape o_shape =
+        token_layout ? Shape{batch, q_len, heads, dv} : Shape{batch, heads, q_len, dv};
     q = RandomTensor(dtype, q_shape, rng, 2.0f);  // wider scores than U(-1, 1) alone
     k = RandomTensor(dtype, k_shape, rng);
     v = RandomTensor(dtype, v_shape, rng);
     out = Tensor(out_dtype, o_shape);
     if (need_weights) {
-      weights = Tensor(weights_dtype, average ? Shape{batch, q_len, kv_len}
-                                              : Shape{batch, heads, q_len, kv_len});
+      weights = Tensor(weights_dtype,
+                       average ? Shape{batch, q_len, kv_len} : Shape{batch, heads, q_len, kv_len});
     }
     if (with_lengths) {
       std::uniform_int_distribution<int64_t> len(0, kv_len);
@@ -283,8 +286,8 @@ T Pick(std::mt19937& rng, std::initializer_list<T> choices) {
 AttendCase RandomCase(std::mt19937& rng) {
   AttendCase c;
   c.dtype = Pick(rng, {DType::kFloat32, DType::kFloat16, DType::kBFloat16});
-  c.out_dtype = rng() % 4 == 0 ? Pick(rng, {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
-                               : c.dtype;
+  c.out_dtype =
+      rng() % 4 == 0 ? Pick(rng, {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) : c.dtype;
   c.dk = Pick<int64_t>(rng, {64, 128, 64, 128, 32, 80, 40});
   c.dv = rng() % 4 == 0 ? Pick<int64_t>(rng, {16, 64, 72, 128}) : c.dk;
   c.kv_heads = Pick<int64_t>(rng, {1, 2, 3});
@@ -295,11 +298,16 @@ AttendCase RandomCase(std::mt19937& rng) {
   c.causal = rng() % 3 == 0;
   c.with_lengths = rng() % 3 == 0;
   c.token_layout = rng() % 4 == 0;
-  c.mask_choice = Pick(rng, {MaskChoice::kNone, MaskChoice::kNone, MaskChoice::kBool,
-                             MaskChoice::kAdditive});
+  c.mask_choice =
+      Pick(rng, {MaskChoice::kNone, MaskChoice::kNone, MaskChoice::kBool, MaskChoice::kAdditive});
   const int64_t b = c.batch, h = c.heads, lq = c.q_len, lk = c.kv_len;
-  c.mask_shape = Pick<Shape>(rng, {{lq, lk}, {b, 1, lq, lk}, {1, h, lq, lk}, {b, h, lq, lk},
-                                   {1, lk}, {b, 1, 1, lk}, {h, lq, lk}});
+  c.mask_shape = Pick<Shape>(rng, {{lq, lk},
+                                   {b, 1, lq, lk},
+                                   {1, h, lq, lk},
+                                   {b, h, lq, lk},
+                                   {1, lk},
+                                   {b, 1, 1, lk},
+                                   {h, lq, lk}});
   c.need_weights = rng() % 4 == 0;
   c.average = rng() % 2 == 0;
   c.weights_dtype = Pick(rng, {DType::kFloat32, DType::kFloat16, DType::kBFloat16});
@@ -326,7 +334,8 @@ void CompareWithReference(AttendCase& c) {
   const absl::Status status = Cuda().engine->Attend({&gpu, 1});
   ASSERT_TRUE(status.ok()) << status;
   ExpectClose(c.out, ref_out, CaseTolerance(c, c.out_dtype), "output");
-  if (c.need_weights) ExpectClose(c.weights, ref_weights, CaseTolerance(c, c.weights_dtype), "weights");
+  if (c.need_weights)
+    ExpectClose(c.weights, ref_weights, CaseTolerance(c, c.weights_dtype), "weights");
 }
 
 // ---------------------------------------------------------------- Attend
@@ -350,8 +359,14 @@ TEST(CudaEngineTest, FusedKernelShapesMatchReference) {
   for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
     for (int64_t dim : {64, 128}) {
       for (bool causal : {false, true}) {
-        for (auto [lq, lk] : {std::pair<int64_t, int64_t>{1, 1}, {63, 63}, {64, 64}, {65, 65},
-                              {200, 200}, {17, 150}, {150, 17}, {128, 257}}) {
+        for (auto [lq, lk] : {std::pair<int64_t, int64_t>{1, 1},
+                              {63, 63},
+                              {64, 64},
+                              {65, 65},
+                              {200, 200},
+                              {17, 150},
+                              {150, 17},
+                              {128, 257}}) {
           AttendCase c;
           c.dtype = c.out_dtype = dtype;
           c.dk = c.dv = dim;
@@ -388,7 +403,7 @@ TEST(CudaEngineTest, FullyMaskedRowsAreZeros) {
       c.kv_len = variant == 1 ? 40 : 70;
       c.causal = variant == 1;
       c.with_lengths = variant == 0;
-      c.mask_choice = variant == 2 ? MaskChoice::kBool
+      c.mask_choice = variant == 2   ? MaskChoice::kBool
                       : variant == 3 ? MaskChoice::kAdditive
                                      : MaskChoice::kNone;
       c.mask_shape = {c.batch, c.heads, c.q_len, c.kv_len};
@@ -426,9 +441,9 @@ TEST(CudaEngineTest, RaggedBatchesAreBatchInvariant) {
     alone_out.push_back(c.out);
     alone_weights.push_back(c.weights);
   }
-  for (const std::vector<int>& order : {std::vector<int>{0, 1, 2, 3, 4, 5},
-                                        std::vector<int>{5, 3, 1, 0, 2, 4},
-                                        std::vector<int>{2, 2, 4}}) {
+  for (const std::vector<int>& order :
+       {std::vector<int>{0, 1, 2, 3, 4, 5}, std::vector<int>{5, 3, 1, 0, 2, 4},
+        std::vector<int>{2, 2, 4}}) {
     std::vector<Tensor> outs, weights;
     std::vector<AttentionParams> batch;
     outs.reserve(order.size());
@@ -507,8 +522,8 @@ struct TaskBuffers {
   AttentionTask task;
 };
 
-std::unique_ptr<TaskBuffers> RandomTask(const LayerConfig& config, std::mt19937& rng,
-                                        DType dtype, bool self_attention) {
+std::unique_ptr<TaskBuffers> RandomTask(const LayerConfig& config, std::mt19937& rng, DType dtype,
+                                        bool self_attention) {
   auto t = std::make_unique<TaskBuffers>();
   const int64_t b = Pick<int64_t>(rng, {1, 2});
   const int64_t lq = Pick<int64_t>(rng, {1, 9, 64, 77});
@@ -545,13 +560,14 @@ std::unique_ptr<TaskBuffers> RandomTask(const LayerConfig& config, std::mt19937&
   }
   if (rng() % 3 == 0) {
     t->mask = Tensor(DType::kBool, {b, 1, lq, lk});
-    for (int64_t i = 0; i < t->mask.num_elements(); ++i) t->mask.data_as<uint8_t>()[i] = rng() % 5 != 0;
+    for (int64_t i = 0; i < t->mask.num_elements(); ++i)
+      t->mask.data_as<uint8_t>()[i] = rng() % 5 != 0;
     t->task.attn_mask = t->mask.view();
   }
   if (rng() % 3 == 0) {
     t->task.average_weights = rng() % 2 == 0;
-    t->weights = Tensor(DType::kFloat32, t->task.average_weights ? Shape{b, lq, lk}
-                                                                 : Shape{b, hq, lq, lk});
+    t->weights =
+        Tensor(DType::kFloat32, t->task.average_weights ? Shape{b, lq, lk} : Shape{b, hq, lq, lk});
     t->task.weights = t->weights.mutable_view();
   }
   return t;
@@ -568,8 +584,8 @@ void CompareRun(const AttentionLayer& layer, std::vector<std::unique_ptr<TaskBuf
     SCOPED_TRACE("task " + std::to_string(i));
     TaskBuffers& t = *tasks[i];
     Tensor ref_out(t.output.dtype(), t.output.shape());
-    Tensor ref_weights = t.weights.byte_size() > 0 ? Tensor(t.weights.dtype(), t.weights.shape())
-                                                   : Tensor();
+    Tensor ref_weights =
+        t.weights.byte_size() > 0 ? Tensor(t.weights.dtype(), t.weights.shape()) : Tensor();
     AttentionTask ref = t.task;
     ref.output = ref_out.mutable_view();
     if (ref_weights.byte_size() > 0) ref.weights = ref_weights.mutable_view();
@@ -634,11 +650,11 @@ TEST(CudaEngineTest, RunProjectionLayersMatchReference) {
     Tolerance tol;
   };
   const Variant variants[] = {
-      {128, 4, 4, 128, 128, true, Precision::kFloat32, {1e-4, 1e-4}},      // general kernel, fp32
-      {96, 4, 2, 80, 48, false, Precision::kFloat32, {1e-4, 1e-4}},        // GQA, kdim != vdim
-      {256, 4, 4, 256, 256, true, Precision::kBFloat16, {6e-2, 6e-2}},     // fused, head_dim 64
-      {512, 4, 2, 512, 512, true, Precision::kFloat16, {1.5e-2, 2e-2}},    // fused, head_dim 128, GQA
-      {120, 5, 5, 120, 120, true, Precision::kBFloat16, {6e-2, 6e-2}},     // general kernel, bf16
+      {128, 4, 4, 128, 128, true, Precision::kFloat32, {1e-4, 1e-4}},    // general kernel, fp32
+      {96, 4, 2, 80, 48, false, Precision::kFloat32, {1e-4, 1e-4}},      // GQA, kdim != vdim
+      {256, 4, 4, 256, 256, true, Precision::kBFloat16, {6e-2, 6e-2}},   // fused, head_dim 64
+      {512, 4, 2, 512, 512, true, Precision::kFloat16, {1.5e-2, 2e-2}},  // fused, head_dim 128, GQA
+      {120, 5, 5, 120, 120, true, Precision::kBFloat16, {6e-2, 6e-2}},   // general kernel, bf16
   };
   for (const Variant& v : variants) {
     AttentionLayer layer =
