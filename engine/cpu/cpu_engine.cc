@@ -1,5 +1,6 @@
 // The cpu backend: converts inputs to fp32 at the edge, runs the projections
-// as oneDNN matmuls with fused bias, hands the core to AttentionCoreF32 and
+// as oneDNN matmuls with fused bias, hands the core to the fused flash kernel
+// (cpu/flash_attention.h, which reads any dtype and layout in place) and
 // converts the result to the requested dtype. Each task is computed on its
 // own, which is what makes results independent of batch composition.
 #include "engine/cpu/cpu_engine.h"
@@ -8,8 +9,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "engine/cpu/attention_core.h"
 #include "engine/cpu/dnnl_matmul.h"
+#include "engine/cpu/flash_attention.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -41,23 +42,6 @@ class Float32Input {
   const float* data_ = nullptr;
 };
 
-// Gathers a strided [B, H, L, D] view of any float dtype into contiguous fp32.
-std::vector<float> GatherHeads(DType dtype, const void* data, int64_t batch, int64_t heads,
-                               int64_t len, int64_t dim, int64_t stride_b, int64_t stride_h,
-                               int64_t stride_row) {
-  std::vector<float> out(static_cast<size_t>(batch * heads * len * dim));
-  const auto* bytes = static_cast<const unsigned char*>(data);
-  const size_t elem = DTypeSize(dtype);
-  float* dst = out.data();
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t i = 0; i < len; ++i, dst += dim) {
-        const int64_t at = b * stride_b + h * stride_h + i * stride_row;
-        ConvertToFloat(dtype, bytes + static_cast<size_t>(at) * elem, dim, dst);
-      }
-  return out;
-}
-
 class CpuEngine final : public AttentionEngine {
  public:
   explicit CpuEngine(const EngineOptions& options) : options_(options) {}
@@ -65,12 +49,12 @@ class CpuEngine final : public AttentionEngine {
   std::string_view name() const override { return "cpu"; }
 
   absl::Status Attend(absl::Span<const AttentionParams> batch) override {
-    return Guarded([&](dnnl::stream& stream) -> absl::Status {
+    return Guarded([&](dnnl::stream&) -> absl::Status {
       for (const AttentionParams& p : batch) {
         if (absl::Status s = CheckAttentionParams(p); !s.ok()) return s;
-        if (absl::Status s = AttendOne(p, stream); !s.ok()) return s;
       }
-      return absl::OkStatus();
+      // One call for the whole ragged batch: its work items share the threads.
+      return cpu::FlashAttention(batch, FlashOptionsFor(nullptr));
     });
   }
 
@@ -82,7 +66,7 @@ class CpuEngine final : public AttentionEngine {
         if (!params.ok()) return params.status();
         absl::Status s = layer.config.has_projections
                              ? RunProjected(layer, task, *params, stream)
-                             : AttendOne(*params, stream);
+                             : cpu::FlashAttention({&*params, 1}, FlashOptionsFor(&layer.config));
         if (!s.ok()) return s;
       }
       return absl::OkStatus();
@@ -109,50 +93,16 @@ class CpuEngine final : public AttentionEngine {
     }
   }
 
-  // The core for params of any dtypes: fp16/bf16 inputs and outputs go
-  // through contiguous fp32 copies.
-  absl::Status AttendOne(const AttentionParams& p, dnnl::stream& stream) {
-    AttentionParams f = p;
-    std::vector<float> q, k, v, out;
-    if (p.dtype != DType::kFloat32) {
-      q = GatherHeads(p.dtype, p.q, p.batch, p.num_heads, p.q_len, p.head_dim, p.q_stride_b,
-                      p.q_stride_h, p.q_stride_row);
-      k = GatherHeads(p.dtype, p.k, p.batch, p.num_kv_heads, p.kv_len, p.head_dim,
-                      p.k_stride_b, p.k_stride_h, p.k_stride_row);
-      v = GatherHeads(p.dtype, p.v, p.batch, p.num_kv_heads, p.kv_len, p.head_dim_v,
-                      p.v_stride_b, p.v_stride_h, p.v_stride_row);
-      f.dtype = DType::kFloat32;
-      f.q = q.data();
-      f.k = k.data();
-      f.v = v.data();
-      HeadLayoutStrides(p.num_heads, p.q_len, p.head_dim, &f.q_stride_b, &f.q_stride_h,
-                        &f.q_stride_row);
-      HeadLayoutStrides(p.num_kv_heads, p.kv_len, p.head_dim, &f.k_stride_b, &f.k_stride_h,
-                        &f.k_stride_row);
-      HeadLayoutStrides(p.num_kv_heads, p.kv_len, p.head_dim_v, &f.v_stride_b, &f.v_stride_h,
-                        &f.v_stride_row);
-    }
-    if (p.out_dtype != DType::kFloat32) {
-      out.resize(static_cast<size_t>(p.batch * p.num_heads * p.q_len * p.head_dim_v));
-      f.out_dtype = DType::kFloat32;
-      f.out = out.data();
-      HeadLayoutStrides(p.num_heads, p.q_len, p.head_dim_v, &f.o_stride_b, &f.o_stride_h,
-                        &f.o_stride_row);
-    }
-    if (absl::Status s = cpu::AttentionCoreF32(f, matmuls_, stream); !s.ok()) return s;
-    if (p.out_dtype != DType::kFloat32) {
-      auto* dst = static_cast<unsigned char*>(p.out);
-      const size_t elem = DTypeSize(p.out_dtype);
-      const float* src = out.data();
-      for (int64_t b = 0; b < p.batch; ++b)
-        for (int64_t h = 0; h < p.num_heads; ++h)
-          for (int64_t i = 0; i < p.q_len; ++i, src += p.head_dim_v) {
-            const int64_t at = b * p.o_stride_b + h * p.o_stride_h + i * p.o_stride_row;
-            ConvertFromFloat(src, p.head_dim_v, p.out_dtype,
-                             dst + static_cast<size_t>(at) * elem);
-          }
-    }
-    return absl::OkStatus();
+  // Threads as configured; bf16 products only when the layer's precision
+  // asks for them (otherwise bf16/fp16 inputs are widened and the result is
+  // as exact as for fp32 inputs).
+  cpu::FlashOptions FlashOptionsFor(const LayerConfig* layer) const {
+    cpu::FlashOptions o;
+    o.num_threads = options_.num_threads;
+    o.precision = layer != nullptr && layer->precision == Precision::kBFloat16
+                      ? cpu::FlashPrecision::kBFloat16
+                      : cpu::FlashPrecision::kFloat32;
+    return o;
   }
 
   // y [rows, N] = x [rows, K] w^T + bias, w in PyTorch Linear layout [N, K].
@@ -218,7 +168,8 @@ class CpuEngine final : public AttentionEngine {
                        &p.v_stride_row);
     TokenLayoutStrides(p.num_heads, p.q_len, p.head_dim_v, &p.o_stride_b, &p.o_stride_h,
                        &p.o_stride_row);
-    if (absl::Status s = cpu::AttentionCoreF32(p, matmuls_, stream); !s.ok()) return s;
+    if (absl::Status s = cpu::FlashAttention({&p, 1}, FlashOptionsFor(&layer.config)); !s.ok())
+      return s;
 
     const DType out_dtype = task.output.dtype;
     std::vector<float> y;
