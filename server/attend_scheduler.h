@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
@@ -56,6 +57,11 @@ class AttendScheduler {
   // `done` is never called: ResourceExhausted when the queue is full,
   // Unavailable when shutting down.
   virtual absl::Status Schedule(std::unique_ptr<AttendWork>* work) = 0;
+
+  // Hint: some queued work of `model` (empty = any model) may have become
+  // cancelled; look now rather than when the next batch closes. Default:
+  // nothing (a scheduler that checks at dispatch only).
+  virtual void Wake(const std::string& model) {}
 };
 
 }  // namespace attnserve

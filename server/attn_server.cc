@@ -1,12 +1,14 @@
 // Wiring of one attnserve process.
 #include "server/attn_server.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "engine/attention_engine.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
@@ -44,11 +46,24 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
     return absl::Status(s.code(), absl::StrCat("--default-model: ", s.message()));
   }
 
-  server->executor_ = std::make_unique<Executor>(options.executor);
-  server->scheduler_ = std::make_unique<UnbatchedScheduler>(server->executor_.get());
+  MetricsOptions metrics_options;
+  metrics_options.address = options.metrics_address;
+  metrics_options.build_labels = {{"backend", options.backend},
+                                  {"grpc_version", grpc::Version()}};
+  absl::StatusOr<std::unique_ptr<Metrics>> metrics = Metrics::Create(metrics_options);
+  if (!metrics.ok()) {
+    return absl::Status(metrics.status().code(),
+                        absl::StrCat("--metrics-address: ", metrics.status().message()));
+  }
+  server->metrics_ = *std::move(metrics);
+  absl::StatusOr<std::unique_ptr<BatchingScheduler>> scheduler =
+      BatchingScheduler::Create(server->registry_, options.batching, server->metrics_.get());
+  if (!scheduler.ok()) return scheduler.status();
+  server->scheduler_ = *std::move(scheduler);
+  AttentionServiceOptions service_options;
+  service_options.validation = options.validation;
   server->service_ = std::make_unique<AttentionServiceImpl>(
-      &server->registry_, server->scheduler_.get(),
-      AttentionServiceOptions{.validation = options.validation});
+      &server->registry_, server->scheduler_.get(), server->metrics_.get(), service_options);
 
   // Both are process-wide switches read by ServerBuilder; they must be set
   // before BuildAndStart.
@@ -65,7 +80,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     server->server_.reset();
-    server->executor_->Shutdown();
+    server->scheduler_->Shutdown(absl::ZeroDuration());
     return absl::UnavailableError(absl::StrCat(
         "--address: cannot listen on ", options.address, " (in use or not a local address?)"));
   }
@@ -80,17 +95,24 @@ void AttnServer::Shutdown() {
   absl::MutexLock lock(&shutdown_mu_);
   if (shut_down_) return;
   shut_down_ = true;
-  if (server_ != nullptr) {
-    // Tell load balancers first; Shutdown() also does this, but only once
-    // it starts refusing calls.
-    server_->GetHealthCheckService()->SetServingStatus(false);
-    // Waits for in-flight calls (their work keeps running on the executor)
-    // up to the grace period, then cancels the rest; queued work then sees
-    // the cancellation and finishes without compute.
-    server_->Shutdown(std::chrono::system_clock::now() + options_.shutdown_grace);
-    server_->Wait();
-  }
-  if (executor_ != nullptr) executor_->Shutdown();
+  if (server_ == nullptr) return;
+  // 1. Tell load balancers first.
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  // 2. Refuse new requests (UNAVAILABLE) and stop reading open streams.
+  service_->BeginShutdown();
+  // 3. Every accepted request is computed (batches close at once, no
+  //    max_queue_delay wait) or, past the grace, answered UNAVAILABLE. When
+  //    this returns every accepted request has its answer.
+  const auto start = std::chrono::steady_clock::now();
+  scheduler_->Shutdown(absl::FromChrono(options_.shutdown_grace));
+  // 4. Let gRPC send those answers and end the drained streams; calls still
+  //    open after what is left of the grace (at least 1 s) are cancelled.
+  const auto left = std::max<std::chrono::steady_clock::duration>(
+      options_.shutdown_grace - (std::chrono::steady_clock::now() - start),
+      std::chrono::seconds(1));
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    std::chrono::duration_cast<std::chrono::system_clock::duration>(left));
+  server_->Wait();
 }
 
 }  // namespace attnserve

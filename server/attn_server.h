@@ -1,5 +1,6 @@
-// One running attnserve: engine, models, compute workers and the gRPC server
-// (AttentionService, health, reflection), started and stopped as a unit.
+// One running attnserve: engine, models, one batching queue per model, the
+// metrics endpoint and the gRPC server (AttentionService, health,
+// reflection), started and stopped as a unit.
 #ifndef ATTNSERVE_SERVER_ATTN_SERVER_H_
 #define ATTNSERVE_SERVER_ATTN_SERVER_H_
 
@@ -11,10 +12,10 @@
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/server.h"
 #include "server/attention_service.h"
-#include "server/executor.h"
+#include "server/batching_scheduler.h"
+#include "server/metrics.h"
 #include "server/model_registry.h"
 #include "server/server_options.h"
-#include "server/unbatched_scheduler.h"
 
 namespace attnserve {
 
@@ -38,11 +39,16 @@ class AttnServer {
   // port the kernel picked, e.g. "127.0.0.1:40123".
   const std::string& address() const { return address_; }
   int port() const { return port_; }
+  // The metrics endpoint actually bound (port 0 resolved), e.g.
+  // "127.0.0.1:40124".
+  const std::string& metrics_address() const { return metrics_->address(); }
+  const Metrics& metrics() const { return *metrics_; }
   const ModelRegistry& registry() const { return registry_; }
 
-  // Health turns NOT_SERVING, new calls are refused, in-flight ones get
-  // options.shutdown_grace to finish before they are cancelled; then the
-  // workers stop. Returns when everything has stopped.
+  // Health turns NOT_SERVING; new requests (unary and stream messages) get
+  // UNAVAILABLE; every accepted request is computed and answered within
+  // options.shutdown_grace, those still queued after it get UNAVAILABLE;
+  // open streams end once answered. Returns when everything has stopped.
   void Shutdown();
 
  private:
@@ -51,9 +57,10 @@ class AttnServer {
   const ServerOptions options_;
   ModelRegistry registry_;
   // Destroyed in reverse order: the gRPC server goes first, then the
-  // service, the scheduler, and the executor they hand work to.
-  std::unique_ptr<Executor> executor_;
-  std::unique_ptr<UnbatchedScheduler> scheduler_;
+  // service, the scheduler it hands work to, and the metrics all of them
+  // update.
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<BatchingScheduler> scheduler_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;

@@ -142,6 +142,10 @@ absl::Status BatchingScheduler::Schedule(std::unique_ptr<AttendWork>* work) {
 }
 
 void BatchingScheduler::Wake(const std::string& model) {
+  if (model.empty()) {
+    for (auto& [name, queue] : queues_) queue.batcher->Wake();
+    return;
+  }
   auto it = queues_.find(model);
   if (it != queues_.end()) it->second.batcher->Wake();
 }

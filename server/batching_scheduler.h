@@ -44,9 +44,10 @@ class BatchingScheduler final : public AttendScheduler {
   // is full), UNAVAILABLE (shutting down, or a model without a batcher).
   absl::Status Schedule(std::unique_ptr<AttendWork>* work) override;
 
-  // Makes the model's batcher look at its queue now: call it when a queued
-  // work's is_cancelled() has turned true, so it leaves the queue at once.
-  void Wake(const std::string& model);
+  // Makes the model's batcher (every batcher when `model` is empty) look at
+  // its queue now: call it when a queued work's is_cancelled() has turned
+  // true, so that the work leaves the queue at once.
+  void Wake(const std::string& model) override;
 
   // All batchers stop accepting at once, then drain concurrently for up to
   // `grace`; work still queued after it is failed UNAVAILABLE. Returns when

@@ -10,6 +10,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/time/time.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "server/attn_server.h"
@@ -23,7 +24,8 @@ ABSL_FLAG(std::string, address, kDefaults.address,
           "gRPC listening address host:port; port 0 picks a free port (the log line "
           "'attnserve listening on HOST:PORT' shows it)");
 ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
-          "Prometheus metrics endpoint host:port (accepted; served from a later release)");
+          "Prometheus metrics endpoint host:port, path /metrics; port 0 picks a free port "
+          "(the log line 'attnserve metrics on HOST:PORT' shows it)");
 ABSL_FLAG(int, threads, kDefaults.engine_threads,
           "threads inside one engine call; 0 = one per core");
 ABSL_FLAG(std::string, default_model, kDefaults.default_model,
@@ -33,6 +35,22 @@ ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
 ABSL_FLAG(std::string, backend, kDefaults.backend, "engine backend: auto, cpu, reference");
 ABSL_FLAG(std::string, model_repository, kDefaults.model_repository,
           "directory with one folder per model (config.pbtxt + weights.safetensors)");
+ABSL_FLAG(int, max_batch_requests, kDefaults.batching.max_batch_requests,
+          "most requests in one batch (1 = batching off); default for every model, "
+          "config.pbtxt batching overrides");
+ABSL_FLAG(int64_t, max_batch_tokens, kDefaults.batching.max_batch_tokens,
+          "most query tokens (batch x query length, summed) in one batch; 0 = no limit; a "
+          "larger single request runs alone");
+ABSL_FLAG(int64_t, max_queue_delay_us, kDefaults.batching.max_queue_delay_us,
+          "microseconds the oldest queued request may wait for others to join its batch; "
+          "0 = dispatch as soon as a worker is free");
+ABSL_FLAG(int, max_queue_size, kDefaults.batching.max_queue_size,
+          "most requests waiting per model; beyond it requests get RESOURCE_EXHAUSTED at once");
+ABSL_FLAG(int, instances, kDefaults.batching.instances,
+          "engine workers per model, each computing one batch at a time");
+ABSL_FLAG(absl::Duration, shutdown_grace, absl::FromChrono(kDefaults.shutdown_grace),
+          "on SIGTERM/SIGINT, how long accepted requests may take to complete (e.g. 30s, "
+          "500ms); requests still queued after it get UNAVAILABLE");
 ABSL_FLAG(bool, strict_model_loading, kDefaults.strict_model_loading,
           "true: exit non-zero if any repository model fails to load; false: serve the "
           "others and report the bad one FAILED in ListModels/GetModel");
@@ -57,7 +75,9 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "attnserve [--address=127.0.0.1:50051] [--metrics-address=127.0.0.1:9464] "
       "[--threads=N] [--default-model=demo-mha] [--max-message-bytes=67108864] "
-      "[--backend=auto|cpu|reference] [--model-repository=DIR] [--strict-model-loading=true]\n"
+      "[--backend=auto|cpu|reference] [--model-repository=DIR] [--strict-model-loading=true] "
+      "[--max-batch-requests=N] [--max-batch-tokens=N] [--max-queue-delay-us=N] "
+      "[--max-queue-size=N] [--instances=N] [--shutdown-grace=30s]\n"
       "Flags may be written with dashes or underscores.");
   std::vector<std::string> args =
       attnserve::NormalizeFlagNames(std::vector<std::string>(argv, argv + argc));
@@ -79,6 +99,12 @@ int main(int argc, char** argv) {
   options.backend = absl::GetFlag(FLAGS_backend);
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.strict_model_loading = absl::GetFlag(FLAGS_strict_model_loading);
+  options.batching.max_batch_requests = absl::GetFlag(FLAGS_max_batch_requests);
+  options.batching.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.batching.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  options.batching.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+  options.batching.instances = absl::GetFlag(FLAGS_instances);
+  options.shutdown_grace = absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_shutdown_grace));
 
   absl::StatusOr<std::unique_ptr<attnserve::AttnServer>> server =
       attnserve::AttnServer::Start(options);
@@ -87,6 +113,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   // Integration tests parse this exact line to learn the port.
+  std::fprintf(stderr, "attnserve metrics on %s\n", (*server)->metrics_address().c_str());
   std::fprintf(stderr, "attnserve listening on %s\n", (*server)->address().c_str());
   std::fflush(stderr);
 

@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 
 namespace attnserve {
 namespace {
@@ -46,6 +47,16 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
   }
   if (options.default_model.empty()) {
     return absl::InvalidArgumentError("--default-model: must not be empty");
+  }
+  if (options.shutdown_grace.count() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--shutdown-grace: must be >= 0, got ",
+                                                   options.shutdown_grace.count(), " ms"));
+  }
+  if (absl::Status s = ValidateBatcherOptions(options.batching); !s.ok()) {
+    // The option names match the flags, spelled with dashes.
+    std::string message(s.message());
+    absl::StrReplaceAll({{"_", "-"}}, &message);
+    return absl::InvalidArgumentError(absl::StrCat("--", message));
   }
   return absl::OkStatus();
 }

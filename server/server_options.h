@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "server/executor.h"
+#include "server/batching/batcher_options.h"
 #include "server/validation.h"
 
 namespace attnserve {
@@ -18,8 +18,8 @@ struct ServerOptions {
   // gRPC listening address, host:port; port 0 picks a free port (see
   // AttnServer::address()). Default: 127.0.0.1:50051.
   std::string address = "127.0.0.1:50051";
-  // Prometheus endpoint, host:port. Accepted and checked, not served yet.
-  // Default: 127.0.0.1:9464.
+  // Prometheus endpoint (/metrics), host:port; port 0 picks a free port
+  // (see AttnServer::metrics_address()). Default: 127.0.0.1:9464.
   std::string metrics_address = "127.0.0.1:9464";
   // Engine backend: "auto" (cuda when usable, else cpu), "cpu", "reference",
   // "cuda". Default: auto.
@@ -37,13 +37,13 @@ struct ServerOptions {
   // Largest request message in bytes; larger ones get RESOURCE_EXHAUSTED
   // from gRPC before any parsing. Default: 64 MiB.
   int64_t max_message_bytes = int64_t{64} << 20;
-  // How long Shutdown() lets in-flight requests finish before cancelling
-  // them. Default: 10 s.
-  std::chrono::milliseconds shutdown_grace{10000};
-  // The compute workers and their queue. Each worker runs one engine call
-  // at a time, which itself uses engine_threads. Default: 2 workers,
-  // 256 queued requests.
-  ExecutorOptions executor = {.num_threads = 2, .max_queue_size = 256, .name = "attend queue"};
+  // How long Shutdown() lets accepted requests finish; requests still queued
+  // after it are answered UNAVAILABLE. Default: 30 s.
+  std::chrono::milliseconds shutdown_grace{30000};
+  // Dynamic batching of every model: one queue per model, `instances`
+  // engine workers each. A repository model's config.pbtxt (batching,
+  // instances) overrides these field by field. Default: BatcherOptions{}.
+  BatcherOptions batching;
   // Per-request size limits. Default: ValidationOptions{}.
   ValidationOptions validation;
 };

@@ -22,8 +22,10 @@ struct BatcherOptions {
 
   // Longest time the oldest queued request waits for others to join its
   // batch before the batch closes anyway. 0 = close as soon as a worker is
-  // free. Default: 500 us.
-  int64_t max_queue_delay_us = 500;
+  // free: batches then form from what arrived while the workers were busy,
+  // so a lone request pays no delay and a loaded server still batches (the
+  // Triton default). Default: 0 us.
+  int64_t max_queue_delay_us = 0;
 
   // Most requests waiting in the queue (requests already taken into a batch
   // being computed do not count). Schedule answers RESOURCE_EXHAUSTED beyond

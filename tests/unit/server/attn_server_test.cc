@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <future>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -47,6 +48,7 @@ class AttnServerTest : public ::testing::Test {
   static void SetUpTestSuite() {
     ServerOptions options;
     options.address = "127.0.0.1:0";
+    options.metrics_address = "127.0.0.1:0";
     options.backend = "reference";  // the oracle: this tests the server, not the kernels
     options.engine_threads = 1;
     options.max_message_bytes = 1 << 20;
@@ -263,14 +265,51 @@ TEST_F(AttnServerTest, ListAndGetModels) {
             grpc::StatusCode::NOT_FOUND);
 }
 
-TEST_F(AttnServerTest, AttendStreamNotYetImplemented) {
+// Interleaved good and bad messages: one answer per message, in any order,
+// each with its request's id and its own status; the stream ends OK.
+TEST_F(AttnServerTest, AttendStreamAnswersEachMessageWithItsIdAndStatus) {
+  std::mt19937 rng(11);
+  v1::AttendRequest good;
+  good.set_model("sdpa");
+  *good.mutable_query() = RandomTensor({1, 2, 3, 4}, &rng);
+  *good.mutable_key() = RandomTensor({1, 2, 5, 4}, &rng);
+  *good.mutable_value() = RandomTensor({1, 2, 5, 4}, &rng);
+  v1::AttendRequest bad_dtype = good;
+  bad_dtype.mutable_key()->set_dtype(v1::DATA_TYPE_UNSPECIFIED);
+  v1::AttendRequest unknown_model = good;
+  unknown_model.set_model("no-such-model");
+
   grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   auto stream = stub_->AttendStream(&context);
+  std::map<std::string, grpc::StatusCode> want;
+  for (int round = 0; round < 3; ++round) {
+    for (auto [request, code] : {std::pair{&good, grpc::StatusCode::OK},
+                                 std::pair{&bad_dtype, grpc::StatusCode::INVALID_ARGUMENT},
+                                 std::pair{&unknown_model, grpc::StatusCode::NOT_FOUND}}) {
+      v1::AttendRequest r = *request;
+      r.set_id("m" + std::to_string(want.size()));
+      want[r.id()] = code;
+      ASSERT_TRUE(stream->Write(r));
+    }
+  }
   stream->WritesDone();
+  std::map<std::string, grpc::StatusCode> got;
   v1::AttendStreamResponse response;
   while (stream->Read(&response)) {
+    EXPECT_EQ(got.count(response.id()), 0u) << "two answers for " << response.id();
+    got[response.id()] = static_cast<grpc::StatusCode>(response.code());
+    if (response.code() == 0) {
+      EXPECT_EQ(response.response().id(), response.id());
+      EXPECT_THAT(response.response().output().shape(), ::testing::ElementsAre(1, 2, 3, 4));
+      EXPECT_GE(response.response().timing().batch_requests(), 1);
+    } else {
+      EXPECT_FALSE(response.message().empty());
+      EXPECT_FALSE(response.has_response());
+    }
   }
-  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(got, want);
 }
 
 TEST_F(AttnServerTest, HealthServing) {
@@ -286,6 +325,7 @@ TEST_F(AttnServerTest, HealthServing) {
 TEST(AttnServerStartTest, BadOptionsFailToStart) {
   ServerOptions options;
   options.address = "127.0.0.1:0";
+  options.metrics_address = "127.0.0.1:0";
   options.default_model = "nope";
   absl::StatusOr<std::unique_ptr<AttnServer>> server = AttnServer::Start(options);
   EXPECT_EQ(server.status().code(), absl::StatusCode::kNotFound);
@@ -299,6 +339,7 @@ TEST(AttnServerStartTest, BadOptionsFailToStart) {
 TEST(AttnServerStartTest, PortInUseFailsAndShutdownRefusesNewCalls) {
   ServerOptions options;
   options.address = "127.0.0.1:0";
+  options.metrics_address = "127.0.0.1:0";
   options.backend = "reference";
   absl::StatusOr<std::unique_ptr<AttnServer>> first = AttnServer::Start(options);
   ASSERT_TRUE(first.ok()) << first.status();
