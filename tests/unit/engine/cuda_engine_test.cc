@@ -111,6 +111,23 @@ TEST(CudaLoaderTest, CreateEngineCudaIsTheCudaEngineOrUnavailable) {
   }
 }
 
+// DESIGN.md section 4: cuBLASLt carries ~94 KiB of TLS; linked into the
+// process it leaves no room in the 100 KiB stacks of civetweb's threads (the
+// metrics endpoint). Loaded with dlopen its TLS is allocated lazily, so such
+// threads still start once the module (and cuBLAS) is in the process.
+TEST(CudaLoaderTest, SmallStackThreadsStartAfterTheModuleLoads) {
+  (void)LoadCudaEngine();
+  pthread_attr_t attr;
+  ASSERT_EQ(pthread_attr_init(&attr), 0);
+  ASSERT_EQ(pthread_attr_setstacksize(&attr, 100 * 1024), 0);
+  pthread_t thread;
+  const int rc = pthread_create(
+      &thread, &attr, [](void*) -> void* { return nullptr; }, nullptr);
+  pthread_attr_destroy(&attr);
+  ASSERT_EQ(rc, 0) << "pthread_create with a 100 KiB stack: " << std::strerror(rc);
+  pthread_join(thread, nullptr);
+}
+
 // ---------------------------------------------------------------- cases
 
 Tensor RandomTensor(DType dtype, Shape shape, std::mt19937& rng, float scale = 1.0f) {
