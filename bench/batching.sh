@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Dynamic batching on vs off: attn_bench closed loop at concurrency 32 with
+# small requests (demo-mha, batch 1, 16 tokens) against attnserve with its
+# default batching and with --max-batch-requests=1; prints throughput, p99
+# and the p99 bound 2 x (max_queue_delay + one batch's compute).
+#
+#   bench/batching.sh [BUILD_DIR]      Env: DURATION (s, default 10),
+#                                      ATTNSERVE_ARGS (extra server flags)
+set -euo pipefail
+
+build=${1:-build}
+attnserve=$build/server/attnserve
+bench=$build/client/attn_bench
+duration=${DURATION:-10}
+tmp=$(mktemp -d)
+pid=
+cleanup() { [[ -n $pid ]] && kill -TERM "$pid" 2>/dev/null; wait 2>/dev/null || true; rm -rf "$tmp"; }
+trap cleanup EXIT
+
+measure() {  # NAME SERVER-FLAGS...
+  local name=$1; shift
+  "$attnserve" --address=127.0.0.1:0 --metrics-address=127.0.0.1:0 ${ATTNSERVE_ARGS:-} "$@" \
+    >"$tmp/log" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do grep -q "listening on" "$tmp/log" && break; sleep 0.05; done
+  local target delay
+  target=$(grep -o "listening on [0-9.]*:[0-9]*" "$tmp/log" | awk '{print $3}')
+  delay=$(printf '%s\n' "$@" | sed -n 's/^--max-queue-delay-us=//p'); delay=${delay:-0}
+  "$bench" --target="$target" --model=demo-mha --batch=1 --seq=16 --concurrency=32 \
+    --duration="$duration" --warmup-requests=200 --json >"$tmp/$name.json"
+  kill -TERM "$pid"; wait "$pid" || true; pid=
+  python3 - "$name" "$delay" "$tmp/$name.json" <<'PY'
+import json, sys
+name, delay, r = sys.argv[1], float(sys.argv[2]), json.load(open(sys.argv[3]))
+t, l = r["server_timing"], r["latency_us"]
+bound = 2 * (delay + t["compute_us_mean"])
+print(f"{name:<12} {r['ok_throughput_rps']:9.1f} req/s  p50 {l['p50']:9.1f} us  p99 {l['p99']:9.1f} us  "
+      f"batch mean {t['batch_requests_mean']:5.2f}  compute/batch {t['compute_us_mean']:8.1f} us  "
+      f"p99 bound 2x(delay+compute) {bound:9.1f} us {'OK' if l['p99'] <= bound else 'EXCEEDED'}  "
+      f"errors {r['errors'] or 0}")
+PY
+}
+
+echo "demo-mha B1 L16, closed loop, concurrency 32, ${duration}s each"
+measure batching     ${BATCHING_FLAGS:-}
+measure no-batching  --max-batch-requests=1
