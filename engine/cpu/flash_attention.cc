@@ -133,9 +133,8 @@ double ItemCost(const WorkItem& it) {
   return rows * keys * dk + std::max<int64_t>(0, last - it.key0) * dk * 8;
 }
 
-}  // namespace
-
-absl::StatusOr<CpuIsa> ResolveFlashIsa(DType dtype, const FlashOptions& options) {
+// ResolveFlashIsa, also saying whether the variant was forced.
+absl::StatusOr<CpuIsa> ResolveIsa(DType dtype, const FlashOptions& options, bool* was_forced) {
   std::optional<CpuIsa> forced = options.isa;
   if (!forced) {
     const char* env = std::getenv(kCpuIsaEnv);
@@ -147,6 +146,7 @@ absl::StatusOr<CpuIsa> ResolveFlashIsa(DType dtype, const FlashOptions& options)
       }
     }
   }
+  *was_forced = forced.has_value();
   if (forced) {
     if (!CpuSupports(*forced)) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -162,13 +162,35 @@ absl::StatusOr<CpuIsa> ResolveFlashIsa(DType dtype, const FlashOptions& options)
   return BestFp32Isa();
 }
 
+}  // namespace
+
+absl::StatusOr<CpuIsa> ResolveFlashIsa(DType dtype, const FlashOptions& options) {
+  bool forced = false;
+  return ResolveIsa(dtype, options, &forced);
+}
+
+absl::StatusOr<CpuIsa> FlashIsaFor(const AttentionParams& p, const FlashOptions& options) {
+  bool forced = false;
+  absl::StatusOr<CpuIsa> isa = ResolveIsa(p.dtype, options, &forced);
+  if (!isa.ok()) return isa;
+  // Decode (a few query rows per kv head) is bound by reading K and V, not
+  // by products: the AVX-512 fp32 kernel reads bf16 K/V as few bytes, skips
+  // the pair packing the bf16 kernels need, and its products of bf16 inputs
+  // are exact. Only when the variant was not forced.
+  if (!forced && IsBf16Isa(*isa) && p.num_kv_heads > 0 &&
+      p.num_heads / p.num_kv_heads * p.q_len <= 4 && CpuSupports(CpuIsa::kAvx512)) {
+    return CpuIsa::kAvx512;
+  }
+  return isa;
+}
+
 absl::Status FlashAttention(absl::Span<const AttentionParams> batch, const FlashOptions& options) {
   std::vector<RequestPlan> plans(batch.size());
   std::vector<RunItemFn> kernels(batch.size());
   for (size_t r = 0; r < batch.size(); ++r) {
     const AttentionParams& p = batch[r];
     if (absl::Status s = CheckRequest(p, r); !s.ok()) return s;
-    absl::StatusOr<CpuIsa> isa = ResolveFlashIsa(p.dtype, options);
+    absl::StatusOr<CpuIsa> isa = FlashIsaFor(p, options);
     if (!isa.ok()) return isa.status();
     kernels[r] = KernelFor(*isa);
     RequestPlan& plan = plans[r];
@@ -179,8 +201,17 @@ absl::Status FlashAttention(absl::Span<const AttentionParams> batch, const Flash
     plan.dv_pad = RoundUp(p.head_dim_v, 16);
   }
 
-  // Work items. Every decision here depends only on the request itself, so
-  // a request is computed the same way whatever shares its batch.
+#if defined(_OPENMP)
+  int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+#else
+  int threads = 1;  // built without OpenMP: one thread
+#endif
+  threads = std::max(threads, 1);
+
+  // Work items. Which keys a row sees and in which blocks depends only on
+  // its request, so a request is computed the same way whatever shares its
+  // batch; how rows are grouped into items (here also by thread count)
+  // changes no result.
   //
   // Decode: when all query rows of a kv head fit one item, parallelism (and
   // bandwidth) has to come from splitting the keys into fixed chunks.
@@ -255,10 +286,16 @@ absl::Status FlashAttention(absl::Span<const AttentionParams> batch, const Flash
     it.kind = ItemKind::kFlash;
     it.key0 = 0;
     it.key1 = p.kv_len;
+    // Big items amortise K/V packing; smaller ones keep every thread busy.
+    int64_t item_rows = flash::kItemRows;
+    auto count = [&](int64_t rows_per_item) {
+      return p.batch * p.num_kv_heads * ((vrows + rows_per_item - 1) / rows_per_item);
+    };
+    while (item_rows > kBlockRows && count(item_rows) < 4 * threads) item_rows -= kBlockRows;
     for (it.b = 0; it.b < p.batch; ++it.b)
       for (it.head = 0; it.head < p.num_kv_heads; ++it.head)
-        for (it.row0 = 0; it.row0 < vrows; it.row0 += kBlockRows) {
-          it.row1 = std::min(vrows, it.row0 + kBlockRows);
+        for (it.row0 = 0; it.row0 < vrows; it.row0 += item_rows) {
+          it.row1 = std::min(vrows, it.row0 + item_rows);
           add(r, it);
         }
   }
@@ -271,12 +308,7 @@ absl::Status FlashAttention(absl::Span<const AttentionParams> batch, const Flash
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return items[a].cost > items[b].cost; });
 
-#if defined(_OPENMP)
-  int threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
-#else
-  int threads = 1;  // built without OpenMP: one thread
-#endif
-  threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(std::max(threads, 1)), items.size()));
+  threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(threads), items.size()));
   std::atomic<bool> ok{true};
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t n_splits = static_cast<int64_t>(splits.size());

@@ -76,9 +76,15 @@ struct FlashOptions {
 absl::Status FlashAttention(absl::Span<const AttentionParams> batch,
                             const FlashOptions& options = {});
 
-// The variant FlashAttention would run for a request of `dtype` under
-// `options` (resolving the environment variable), or FailedPrecondition.
+// The variant `options` (and the environment variable) select for inputs of
+// `dtype`, or FailedPrecondition.
 absl::StatusOr<CpuIsa> ResolveFlashIsa(DType dtype, const FlashOptions& options);
+
+// The variant FlashAttention runs for request `p`: ResolveFlashIsa, except
+// that decode-shaped requests (<= 4 query rows per kv head) run on the
+// AVX-512 fp32 kernel instead of an automatically chosen bf16 one (they are
+// bound by reading K/V, and fp32 products of bf16 inputs are exact).
+absl::StatusOr<CpuIsa> FlashIsaFor(const AttentionParams& p, const FlashOptions& options);
 
 }  // namespace attnserve::cpu
 

@@ -26,6 +26,12 @@ namespace attnserve::cpu::flash {
 // packing of each key block over enough rows, and keep an item's Q, S and O
 // blocks (64 x 64 x 4 B each at head_dim 64) in L1/L2.
 inline constexpr int64_t kBlockRows = 64;
+// Most rows of one kFlash/kSplit item: its kBlockRows sub-blocks share each
+// packed K/V block, which amortises the packing (a transpose) over up to 256
+// rows. Items get fewer rows when a request would otherwise leave threads
+// idle.
+inline constexpr int64_t kItemRows = 256;
+static_assert(kItemRows % kBlockRows == 0);
 // Keys per inner block: the unit of online-softmax rescaling, K/V packing and
 // causal skipping. Its score block (64 x 256 fp32 = 64 KiB) stays in L2.
 inline constexpr int64_t kBlockKeys = 256;

@@ -59,11 +59,22 @@ inline void StoreElem(DType dt, void* base, int64_t i, float v) {
   }
 }
 
+inline int64_t ElemSize(DType dt) { return dt == DType::kFloat32 ? 4 : dt == DType::kBool ? 1 : 2; }
 inline const void* ElemPtr(const void* base, DType dt, int64_t i) {
-  return static_cast<const char*>(base) + i * static_cast<int64_t>(DTypeSize(dt));
+  return static_cast<const char*>(base) + i * ElemSize(dt);
 }
 inline void* ElemPtr(void* base, DType dt, int64_t i) {
-  return static_cast<char*>(base) + i * static_cast<int64_t>(DTypeSize(dt));
+  return static_cast<char*>(base) + i * ElemSize(dt);
+}
+
+// Rows this far ahead are prefetched where K/V rows stream from memory
+// (decode): the hardware prefetcher alone left read bandwidth unused.
+// Prefetches past the end of a block are harmless (no fault, maybe a wasted
+// line).
+constexpr int64_t kPrefetchRows = 16;
+inline void PrefetchRow(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
 }
 
 inline uint32_t LoadU32(const void* p) {
@@ -102,7 +113,9 @@ struct Vec {
   static V LoadConvert(const void* src, DType dt, int64_t i) { return LoadElem(dt, src, i); }
   static void StoreConvert(void* dst, DType dt, int64_t i, V v) { StoreElem(dt, dst, i, v); }
   static V BoolBias(const uint8_t* m) { return *m != 0 ? 0.0f : kNegInf; }
-  static void Transpose(const float* const*, int64_t, float*, int64_t) {}
+  static void Transpose(const float*, int64_t, float*, int64_t) {}
+  // lane k of the result = sum of the lanes of acc[k] (W = 1: itself).
+  static V ReduceLanes(V* acc) { return acc[0]; }
 };
 #endif
 
@@ -185,19 +198,36 @@ struct Vec {
     return _mm256_and_ps(_mm256_castsi256_ps(zero), Set1(kNegInf));
   }
   // dst[c * ldd + r] = rows[r][col0 + c] for an 8 x 8 block.
-  static void Transpose(const float* const* rows, int64_t col0, float* dst, int64_t ldd) {
+  // lane k of the result = sum of the lanes of acc[k], for k < 8.
+  static V ReduceLanes(V* acc) {
+    // Pairwise: after each round a vector holds partial sums of 2x the keys.
+    V t[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) t[k] = _mm256_hadd_ps(acc[2 * k], acc[2 * k + 1]);
+    const V u0 = _mm256_hadd_ps(t[0], t[1]), u1 = _mm256_hadd_ps(t[2], t[3]);
+    // u0 lanes: [k0 k1 k2 k3 | k0 k1 k2 k3] halves; u1 likewise for k4..k7.
+    const V lo = _mm256_permute2f128_ps(u0, u1, 0x20), hi = _mm256_permute2f128_ps(u0, u1, 0x31);
+    return Add(lo, hi);
+  }
+  // dst[c * ldd + k] = src[k * lds + c] for an 8 x 8 block.
+  __attribute__((always_inline)) static void Transpose(const float* src, int64_t lds, float* dst,
+                                                       int64_t ldd) {
     V r[8], t[8];
-    for (int k = 0; k < 8; ++k) r[k] = Load(rows[k] + col0);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) r[k] = Load(src + k * lds);
+#pragma GCC unroll 8
     for (int k = 0; k < 8; k += 2) {
       t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
       t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
     }
+#pragma GCC unroll 8
     for (int k = 0; k < 8; k += 4) {
       r[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44);
       r[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
       r[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44);
       r[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
     }
+#pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
       Store(dst + k * ldd, _mm256_permute2f128_ps(r[k], r[k + 4], 0x20));
       Store(dst + (k + 4) * ldd, _mm256_permute2f128_ps(r[k], r[k + 4], 0x31));
@@ -207,25 +237,31 @@ struct Vec {
 #endif
 
 #if defined(ATTNSERVE_FLASH_VEC_AVX512)
-// 16 x 16 transpose of 32-bit elements: dst row c = column c of the 16 rows.
-inline void Transpose16x16(__m512 r[16]) {
+// 16 x 16 transpose of 32-bit elements: afterwards r[c] holds column c of
+// the 16 input rows. Fully unrolled so the arrays live in registers.
+__attribute__((always_inline)) inline void Transpose16x16(__m512 r[16]) {
   __m512 t[16];
+#pragma GCC unroll 16
   for (int k = 0; k < 16; k += 2) {
     t[k] = _mm512_unpacklo_ps(r[k], r[k + 1]);
     t[k + 1] = _mm512_unpackhi_ps(r[k], r[k + 1]);
   }
+#pragma GCC unroll 16
   for (int k = 0; k < 16; k += 4) {
     r[k] = _mm512_shuffle_ps(t[k], t[k + 2], 0x44);
     r[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], 0xEE);
     r[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0x44);
     r[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
   }
+#pragma GCC unroll 16
   for (int h = 0; h < 16; h += 8) {
+#pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
       t[h + k] = _mm512_shuffle_f32x4(r[h + k], r[h + k + 4], 0x88);
       t[h + k + 4] = _mm512_shuffle_f32x4(r[h + k], r[h + k + 4], 0xDD);
     }
   }
+#pragma GCC unroll 8
   for (int k = 0; k < 8; ++k) {
     r[k] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88);
     r[k + 8] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0xDD);
@@ -301,10 +337,22 @@ struct Vec {
     const __mmask16 zero = _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512());
     return _mm512_maskz_mov_ps(zero, Set1(kNegInf));
   }
-  static void Transpose(const float* const* rows, int64_t col0, float* dst, int64_t ldd) {
+  // lane k of the result = sum of the lanes of acc[k], for k < 16.
+  __attribute__((always_inline)) static V ReduceLanes(V* acc) {
+    Transpose16x16(acc);
+    V sum = acc[0];
+#pragma GCC unroll 16
+    for (int k = 1; k < 16; ++k) sum = Add(sum, acc[k]);
+    return sum;
+  }
+  // dst[c * ldd + k] = src[k * lds + c] for a 16 x 16 block.
+  __attribute__((always_inline)) static void Transpose(const float* src, int64_t lds, float* dst,
+                                                       int64_t ldd) {
     V r[16];
-    for (int k = 0; k < 16; ++k) r[k] = Load(rows[k] + col0);
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; ++k) r[k] = Load(src + k * lds);
     Transpose16x16(r);
+#pragma GCC unroll 16
     for (int k = 0; k < 16; ++k) Store(dst + k * ldd, r[k]);
   }
 };
@@ -369,21 +417,19 @@ struct Products {
     int64_t j0 = 0;
     if constexpr (Vec::kT > 0) {
       constexpr int T = Vec::kT > 0 ? Vec::kT : 1;
-      const float* rows[T];
       for (; j0 + T <= n; j0 += T) {
-        for (int jj = 0; jj < T; ++jj) {
-          const void* src = ElemPtr(kbase, dt, (j0 + jj) * ld);
-          if (dt == DType::kFloat32) {
-            rows[jj] = static_cast<const float*>(src);
-          } else {
-            ConvertRow(src, dt, d, conv + jj * d);
-            rows[jj] = conv + jj * d;
-          }
+        // T rows, `lds` apart: K itself when fp32, else converted copies.
+        const float* rows = static_cast<const float*>(ElemPtr(kbase, dt, j0 * ld));
+        int64_t lds = ld;
+        if (dt != DType::kFloat32) {
+          for (int jj = 0; jj < T; ++jj) ConvertRow(ElemPtr(kbase, dt, (j0 + jj) * ld), dt, d, conv + jj * d);
+          rows = conv;
+          lds = d;
         }
         int64_t k0 = 0;
-        for (; k0 + T <= d; k0 += T) Vec::Transpose(rows, k0, kt + k0 * npad + j0, npad);
+        for (; k0 + T <= d; k0 += T) Vec::Transpose(rows + k0, lds, kt + k0 * npad + j0, npad);
         for (int64_t k = k0; k < d; ++k)
-          for (int jj = 0; jj < T; ++jj) kt[k * npad + j0 + jj] = rows[jj][k];
+          for (int jj = 0; jj < T; ++jj) kt[k * npad + j0 + jj] = rows[jj * lds + k];
       }
     }
     for (int64_t j = j0; j < n; ++j) {
@@ -391,6 +437,33 @@ struct Products {
       for (int64_t k = 0; k < d; ++k) kt[k * npad + j] = conv[k];
     }
     for (int64_t k = 0; k < d; ++k) FillRow(kt + k * npad + n, npad - n, 0.0f);
+  }
+
+  // Few rows (decode): Q K^T as dot products straight from the K rows, W
+  // keys at a time reduced across lanes, instead of transposing K for a
+  // broadcast GEMM that would use one row of it. Needs d % W == 0 and fp32
+  // K rows (conv is not used).
+  static bool UseDirectK(int64_t rows, int64_t d, DType dt) { return rows <= 4 && d % W == 0; }
+  static void QKDirect(float* s, int64_t lds, const float* q, int64_t ldq, const void* kbase,
+                       DType dt, int64_t ld, int64_t rows, int64_t n, int64_t d) {
+    for (int64_t j0 = 0; j0 < n; j0 += W) {
+      const int64_t nk = std::min<int64_t>(W, n - j0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = q + r * ldq;
+        V acc[W];
+#pragma GCC unroll 16
+        for (int jj = 0; jj < W; ++jj) {
+          acc[jj] = Vec::Zero();
+          if (jj < nk) {
+            const void* kr = ElemPtr(kbase, dt, (j0 + jj) * ld);
+            if (r == 0) PrefetchRow(ElemPtr(kr, dt, kPrefetchRows * ld), d * ElemSize(dt));
+            for (int64_t c = 0; c < d; c += W)
+              acc[jj] = Vec::Fma(Vec::Load(qr + c), Vec::LoadConvert(kr, dt, c), acc[jj]);
+          }
+        }
+        Vec::Store(s + r * lds + j0, Vec::ReduceLanes(acc));
+      }
+    }
   }
 
   // Returns V rows (and their stride): in place when possible, else
@@ -456,9 +529,27 @@ struct Products {
     }
   }
 
-  template <int M, int N>
+  // Where P V reads V rows: packed/in-place fp32, or (decode) any float
+  // dtype straight from the input, widened in registers.
+  struct Fp32VRows {
+    const float* v;
+    int64_t ld;
+    V Load(int64_t j, int64_t c) const { return Vec::Load(v + j * ld + c); }
+    void Prefetch(int64_t j, int64_t cols) const { PrefetchRow(v + j * ld, cols * 4); }
+    Fp32VRows Columns(int64_t c0) const { return {v + c0, ld}; }
+  };
+  struct InputVRows {
+    const void* v;
+    DType dt;
+    int64_t ld, c0;
+    V Load(int64_t j, int64_t c) const { return Vec::LoadConvert(ElemPtr(v, dt, j * ld), dt, c0 + c); }
+    void Prefetch(int64_t j, int64_t cols) const { PrefetchRow(ElemPtr(v, dt, j * ld + c0), cols * ElemSize(dt)); }
+    InputVRows Columns(int64_t c) const { return {v, dt, ld, c0 + c}; }
+  };
+
+  template <int M, int N, typename VRows>
   static void PvTile(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
-                     const float* v, int64_t ldv, int64_t n) {
+                     const VRows& vr, int64_t n) {
     V acc[M][N];
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
@@ -467,9 +558,10 @@ struct Products {
       for (int c = 0; c < N; ++c) acc[m][c] = Vec::Mul(Vec::Load(o + m * ldo + c * W), a);
     }
     for (int64_t j = 0; j < n; ++j) {
+      vr.Prefetch(j + kPrefetchRows, N * W);
       V vv[N];
 #pragma GCC unroll 4
-      for (int c = 0; c < N; ++c) vv[c] = Vec::Load(v + j * ldv + c * W);
+      for (int c = 0; c < N; ++c) vv[c] = vr.Load(j, c * W);
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
         const V pb = Vec::Set1(p[m * ldp + j]);
@@ -483,40 +575,53 @@ struct Products {
       for (int c = 0; c < N; ++c) Vec::Store(o + m * ldo + c * W, acc[m][c]);
   }
 
-  template <int N>
+  template <int N, typename VRows>
   static void PvRows(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
-                     const float* v, int64_t ldv, int64_t rows, int64_t n) {
+                     const VRows& vr, int64_t rows, int64_t n) {
     constexpr int M = Vec::kPvRows;
     int64_t r0 = 0;
     for (; r0 + M <= rows; r0 += M)
-      PvTile<M, N>(o + r0 * ldo, ldo, alpha + r0, p + r0 * ldp, ldp, v, ldv, n);
+      PvTile<M, N>(o + r0 * ldo, ldo, alpha + r0, p + r0 * ldp, ldp, vr, n);
     float* orow = o + r0 * ldo;
     const float* prow = p + r0 * ldp;
     switch (rows - r0) {
       case 0: break;
-      case 1: PvTile<1, N>(orow, ldo, alpha + r0, prow, ldp, v, ldv, n); break;
-      case 2: PvTile<2, N>(orow, ldo, alpha + r0, prow, ldp, v, ldv, n); break;
-      case 3: PvTile<3, N>(orow, ldo, alpha + r0, prow, ldp, v, ldv, n); break;
-      case 4: if constexpr (M > 4) PvTile<4, N>(orow, ldo, alpha + r0, prow, ldp, v, ldv, n); break;
-      case 5: if constexpr (M > 5) PvTile<5, N>(orow, ldo, alpha + r0, prow, ldp, v, ldv, n); break;
+      case 1: PvTile<1, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
+      case 2: PvTile<2, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
+      case 3: PvTile<3, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
+      case 4: if constexpr (M > 4) PvTile<4, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
+      case 5: if constexpr (M > 5) PvTile<5, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
     }
   }
 
   // o[r] = alpha[r] * o[r] + sum_{j < n} p[r][j] v[j] for r < rows, over
   // dv_pad columns (a multiple of 16).
-  static void PV(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
-                 const float* v, int64_t ldv, int64_t rows, int64_t n, int64_t dv_pad, float*) {
+  template <typename VRows>
+  static void PvColumns(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                        const VRows& vr, int64_t rows, int64_t n, int64_t dv_pad) {
     constexpr int N = Vec::kPvVecs;
     int64_t c0 = 0;
-    for (; c0 + N * W <= dv_pad; c0 += N * W) PvRows<N>(o + c0, ldo, alpha, p, ldp, v + c0, ldv, rows, n);
+    for (; c0 + N * W <= dv_pad; c0 += N * W) PvRows<N>(o + c0, ldo, alpha, p, ldp, vr.Columns(c0), rows, n);
     if constexpr (N > 1) {
       switch ((dv_pad - c0) / W) {
         case 0: break;
-        case 1: PvRows<1>(o + c0, ldo, alpha, p, ldp, v + c0, ldv, rows, n); break;
-        case 2: if constexpr (N > 2) PvRows<2>(o + c0, ldo, alpha, p, ldp, v + c0, ldv, rows, n); break;
-        case 3: if constexpr (N > 3) PvRows<3>(o + c0, ldo, alpha, p, ldp, v + c0, ldv, rows, n); break;
+        case 1: PvRows<1>(o + c0, ldo, alpha, p, ldp, vr.Columns(c0), rows, n); break;
+        case 2: if constexpr (N > 2) PvRows<2>(o + c0, ldo, alpha, p, ldp, vr.Columns(c0), rows, n); break;
+        case 3: if constexpr (N > 3) PvRows<3>(o + c0, ldo, alpha, p, ldp, vr.Columns(c0), rows, n); break;
       }
     }
+  }
+
+  static void PV(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                 const float* v, int64_t ldv, int64_t rows, int64_t n, int64_t dv_pad, float*) {
+    PvColumns(o, ldo, alpha, p, ldp, Fp32VRows{v, ldv}, rows, n, dv_pad);
+  }
+
+  // Decode: V rows read in place whatever their dtype (dv must equal dv_pad).
+  static bool UseDirectV(int64_t rows, int64_t dv, int64_t dv_pad) { return rows <= 4 && dv == dv_pad; }
+  static void PVDirect(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                       const void* vbase, DType dt, int64_t ldv, int64_t rows, int64_t n, int64_t dv_pad) {
+    PvColumns(o, ldo, alpha, p, ldp, InputVRows{vbase, dt, ldv, 0}, rows, n, dv_pad);
   }
 
   static void StoreP(float* dst, V p) { Vec::Store(dst, p); }
@@ -547,6 +652,14 @@ struct Bf16Packing {
   static size_t ConvElems(int64_t d) { return static_cast<size_t>(16 * RoundUp(d, 32) + RoundUp(d, 32) + 16); }
 
   static __m256i ToBf16(V v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+  // K and V are always packed (AMX and vdpbf16ps both want pair layouts).
+  static bool UseDirectK(int64_t, int64_t, DType) { return false; }
+  static bool UseDirectV(int64_t, int64_t, int64_t) { return false; }
+  static void PVDirect(float*, int64_t, const float*, const uint16_t*, int64_t, const void*, DType,
+                       int64_t, int64_t, int64_t, int64_t) {}
+  static void QKDirect(float*, int64_t, const uint16_t*, int64_t, const void*, DType, int64_t,
+                       int64_t, int64_t, int64_t) {}
 
   // dst[0, n) = bf16(src[0, n)), dst[n, npad) = 0.
   static void RowToBf16(uint16_t* dst, const void* src, DType dt, int64_t n, int64_t npad) {
@@ -585,9 +698,11 @@ struct Bf16Packing {
       }
       for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
         __m512 r[16];
+#pragma GCC unroll 16
         for (int jj = 0; jj < 16; ++jj)
           r[jj] = _mm512_loadu_ps(reinterpret_cast<const float*>(conv + jj * dpad) + p0);
         Transpose16x16(r);
+#pragma GCC unroll 16
         for (int pp = 0; pp < 16; ++pp)
           _mm512_storeu_ps(reinterpret_cast<float*>(k2 + (p0 + pp) * npad + j0), r[pp]);
       }
@@ -876,9 +991,9 @@ class Kernel {
   // Q.K (npad entries, overwritten with t and, in kFinal, fp32 P); prow:
   // P as PElem. n keys are valid in the block; row.limit - kb are visible.
   template <Mode kMode>
-  static void SoftmaxBlock(const RequestPlan& plan, const Row& row, int64_t b, int64_t kb,
-                           int64_t n, int64_t npad, float* s, PElem* prow, float* bias, float* m,
-                           float* l, float* alpha) {
+  static void SoftmaxBlock(const RequestPlan& plan, const Row& row, int64_t kb, int64_t n,
+                           int64_t npad, float* s, PElem* prow, float* bias, float* m, float* l,
+                           float* alpha) {
     const AttentionParams& p = *plan.p;
     const int64_t visible = std::min(row.limit - kb, n);
     if (visible <= 0) {
@@ -889,14 +1004,13 @@ class Kernel {
     }
     const int64_t jv = RoundUp(visible, W);
     FillRow(s + visible, jv - visible, kNegInf);
+    // Without a mask the scores stay raw and the scale folds into the
+    // exponent's FMA (2^(s*c - m)); with one, t = s*c + bias is stored.
+    const bool masked = p.mask.kind != MaskParams::Kind::kNone;
     const V c = Vec::Set1(plan.score_scale);
     V mx = Vec::Set1(kNegInf);
-    if (p.mask.kind == MaskParams::Kind::kNone) {
-      for (int64_t j = 0; j < jv; j += W) {
-        const V t = Vec::Mul(Vec::Load(s + j), c);
-        Vec::Store(s + j, t);
-        mx = Vec::Max(mx, t);
-      }
+    if (!masked) {
+      for (int64_t j = 0; j < jv; j += W) mx = Vec::Max(mx, Vec::Load(s + j));
     } else {
       BuildBias(p.mask, row.mask_offset + kb * p.mask.stride_k, visible, jv, bias);
       for (int64_t j = 0; j < jv; j += W) {
@@ -905,33 +1019,38 @@ class Kernel {
         mx = Vec::Max(mx, t);
       }
     }
+    // c > 0, so max(s) * c == max(s * c) exactly (rounding is monotonic).
+    const float block_max = masked ? Vec::ReduceMax(mx) : Vec::ReduceMax(mx) * plan.score_scale;
+    // 2^(t_j - m) for the vector at j.
+    auto exp_arg = [&](int64_t j, V neg_m) {
+      return masked ? Vec::Add(Vec::Load(s + j), neg_m) : Vec::Fma(Vec::Load(s + j), c, neg_m);
+    };
     constexpr int kDeg = Products::kExpDegree;
     if constexpr (kMode == Mode::kFinal) {
       // m, l are final; l == 0 means the row saw no key at all.
       const float inv_l = *l > 0.0f ? 1.0f / *l : 0.0f;
-      const V mv = Vec::Set1(*m == kNegInf ? 0.0f : *m);
+      const V neg_m = Vec::Set1(*m == kNegInf ? 0.0f : -*m);
       const V il = Vec::Set1(inv_l);
       for (int64_t j = 0; j < jv; j += W) {
-        const V pv = Vec::Mul(Vec::template Exp2<kDeg>(Vec::Sub(Vec::Load(s + j), mv)), il);
+        const V pv = Vec::Mul(Vec::template Exp2<kDeg>(exp_arg(j, neg_m)), il);
         Vec::Store(s + j, pv);
         if constexpr (!Products::kPInScores) Products::StoreP(prow + j, pv);
       }
       FillRow(s + jv, npad - jv, 0.0f);
       if constexpr (!Products::kPInScores) std::memset(prow + jv, 0, static_cast<size_t>(npad - jv) * sizeof(PElem));
       *alpha = 1.0f;
-      return;
     } else {
-      const float m_new = std::max(*m, Vec::ReduceMax(mx));
+      const float m_new = std::max(*m, block_max);
       if (m_new == kNegInf) {  // every visible key masked to -inf so far
         *alpha = 1.0f;
         if constexpr (kMode == Mode::kOnline) std::memset(prow, 0, static_cast<size_t>(npad) * sizeof(PElem));
         return;
       }
       const float a = *m == kNegInf ? 0.0f : std::exp2(*m - m_new);
-      const V mv = Vec::Set1(m_new);
+      const V neg_m = Vec::Set1(-m_new);
       V sum = Vec::Zero();
       for (int64_t j = 0; j < jv; j += W) {
-        const V pv = Vec::template Exp2<kDeg>(Vec::Sub(Vec::Load(s + j), mv));
+        const V pv = Vec::template Exp2<kDeg>(exp_arg(j, neg_m));
         if constexpr (kMode == Mode::kOnline) Products::StoreP(prow + j, pv);
         sum = Vec::Add(sum, pv);
       }
@@ -990,14 +1109,14 @@ class Kernel {
     bufs->q = sc.q.Get<QElem>(static_cast<size_t>(r_pad * Products::QStride(p.head_dim)));
     bufs->k = sc.k.Get<KElem>(Products::KElems(p.head_dim, kBlockKeys));
     bufs->v = sc.v.Get<VElem>(Products::VElems(kBlockKeys, plan.dv_pad));
-    bufs->s = sc.s.Get<float>(static_cast<size_t>(r_pad * kBlockKeys));
+    bufs->s = sc.s.Get<float>(static_cast<size_t>(kBlockRows * kBlockKeys));
     bufs->p = Products::kPInScores ? reinterpret_cast<PElem*>(bufs->s)
-                                   : sc.p.Get<PElem>(static_cast<size_t>(r_pad * kBlockKeys));
+                                   : sc.p.Get<PElem>(static_cast<size_t>(kBlockRows * kBlockKeys));
     bufs->o = sc.o.Get<float>(static_cast<size_t>(r_pad * plan.dv_pad));
     float* stats = sc.stats.Get<float>(static_cast<size_t>(3 * r_pad));
     bufs->bias = sc.bias.Get<float>(static_cast<size_t>(kBlockKeys));
     bufs->conv = sc.conv.Get<float>(Products::ConvElems(dmax));
-    bufs->tmp = sc.tmp.Get<float>(static_cast<size_t>(r_pad * plan.dv_pad));
+    bufs->tmp = sc.tmp.Get<float>(static_cast<size_t>(kBlockRows * plan.dv_pad));
     if (!bufs->q || !bufs->k || !bufs->v || !bufs->s || !bufs->p || !bufs->o || !stats ||
         !bufs->bias || !bufs->conv || !bufs->tmp)
       return false;
@@ -1018,19 +1137,30 @@ class Kernel {
   }
 
   // Packs K and V for keys [kb, kb + n) of kv head `hkv`.
+  static const void* KBlock(const AttentionParams& p, int64_t b, int64_t hkv, int64_t kb) {
+    return ElemPtr(p.k, p.dtype, b * p.k_stride_b + hkv * p.k_stride_h + kb * p.k_stride_row);
+  }
+
+  // Packs K (unless `direct_k`: QKDirect reads it in place) and V for keys
+  // [kb, kb + n) of kv head `hkv`.
+  static const void* VBlock(const AttentionParams& p, int64_t b, int64_t hkv, int64_t kb) {
+    return ElemPtr(p.v, p.dtype, b * p.v_stride_b + hkv * p.v_stride_h + kb * p.v_stride_row);
+  }
+
   static void PackKV(const AttentionParams& p, const RequestPlan& plan, int64_t b, int64_t hkv,
                      int64_t kb, int64_t n, int64_t npad, const Buffers& bf, bool with_v,
-                     const VElem** v, int64_t* ldv) {
-    const void* kbase = ElemPtr(p.k, p.dtype, b * p.k_stride_b + hkv * p.k_stride_h + kb * p.k_stride_row);
-    Products::PackK(bf.k, kbase, p.dtype, p.k_stride_row, n, npad, p.head_dim, bf.conv);
+                     const VElem** v, int64_t* ldv, bool direct_k = false) {
+    if (!direct_k) Products::PackK(bf.k, KBlock(p, b, hkv, kb), p.dtype, p.k_stride_row, n, npad, p.head_dim, bf.conv);
     if (!with_v) return;
-    const void* vbase = ElemPtr(p.v, p.dtype, b * p.v_stride_b + hkv * p.v_stride_h + kb * p.v_stride_row);
+    const void* vbase = VBlock(p, b, hkv, kb);
     *v = Products::PackV(bf.v, vbase, p.dtype, p.v_stride_row, n, npad, p.head_dim_v, plan.dv_pad,
                          bf.conv, ldv);
   }
 
  public:
-  // kFlash / kSplit items.
+  // kFlash / kSplit items: up to kItemRows rows, computed as sub-blocks of
+  // kBlockRows that share each packed K/V block. A row's arithmetic does not
+  // depend on which rows share its item or sub-block.
   static bool RunFlash(const WorkItem& item) {
     const RequestPlan& plan = *item.plan;
     const AttentionParams& p = *plan.p;
@@ -1041,8 +1171,11 @@ class Kernel {
     Buffers bf;
     if (!GetBuffers(plan, r_pad, &bf)) return false;
 
-    Row row[kBlockRows];
-    const void* qrows[kBlockRows];
+    Row row[kItemRows];
+    const void* qrows[kItemRows];
+    constexpr int64_t kMaxSub = kItemRows / kBlockRows;
+    int64_t sub_end[kMaxSub];  // keys a sub-block may see: max of its rows' limits
+    const int64_t subs = (rows + kBlockRows - 1) / kBlockRows;
     int64_t kend = item.key0;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t v = item.row0 + r;
@@ -1053,6 +1186,8 @@ class Kernel {
       rw.mask_offset = MaskOffset(p, b, rw.h, rw.i);
       rw.out = ORow(p, b, rw.h, rw.i);
       qrows[r] = QRow(p, b, rw.h, rw.i);
+      if (r % kBlockRows == 0) sub_end[r / kBlockRows] = item.key0;
+      sub_end[r / kBlockRows] = std::max(sub_end[r / kBlockRows], rw.limit);
       kend = std::max(kend, rw.limit);
     }
     FillRow(bf.m, r_pad, kNegInf);
@@ -1060,22 +1195,42 @@ class Kernel {
     FillRow(bf.alpha, r_pad, 1.0f);
     FillRow(bf.o, r_pad * dvp, 0.0f);
 
+    // Decided per request (not per item), so every row of it is computed
+    // the same way however rows are grouped.
+    const bool direct_k = Products::UseDirectK(plan.group * p.q_len, p.head_dim, p.dtype);
+    const bool direct_v = Products::UseDirectV(plan.group * p.q_len, p.head_dim_v, dvp);
     Products::Begin();
-    Products::PackQ(bf.q, qrows, rows, r_pad, p.dtype, p.head_dim);
     const int64_t ldq = Products::QStride(p.head_dim);
+    Products::PackQ(bf.q, qrows, rows, r_pad, p.dtype, p.head_dim);
     for (int64_t kb = item.key0; kb < kend; kb += kBlockKeys) {
       const int64_t n = std::min(kBlockKeys, kend - kb);
       const int64_t npad = RoundUp(n, kKeyAlign);
       const VElem* v = nullptr;
       int64_t ldv = 0;
-      PackKV(p, plan, b, hkv, kb, n, npad, bf, true, &v, &ldv);
-      Products::QK(bf.s, npad, bf.q, ldq, bf.k, npad, r_pad, npad, p.head_dim);
-      for (int64_t r = 0; r < rows; ++r)
-        SoftmaxBlock<Mode::kOnline>(plan, row[r], b, kb, n, npad, bf.s + r * npad, bf.p + r * npad,
-                                    bf.bias, bf.m + r, bf.l + r, bf.alpha + r);
-      if (r_pad > rows)
-        std::memset(bf.p + rows * npad, 0, static_cast<size_t>((r_pad - rows) * npad) * sizeof(PElem));
-      Products::PV(bf.o, dvp, bf.alpha, bf.p, npad, v, ldv, r_pad, n, dvp, bf.tmp);
+      PackKV(p, plan, b, hkv, kb, n, npad, bf, !direct_v, &v, &ldv, direct_k);
+      for (int64_t sb = 0; sb < subs; ++sb) {
+        if (sub_end[sb] <= kb) continue;  // every row of it is past its limit
+        const int64_t r0 = sb * kBlockRows;
+        const int64_t sr = std::min(kBlockRows, rows - r0);
+        const int64_t sr_pad = std::min(kBlockRows, r_pad - r0);
+        if (direct_k) {
+          Products::QKDirect(bf.s, npad, bf.q + r0 * ldq, ldq, KBlock(p, b, hkv, kb), p.dtype,
+                             p.k_stride_row, sr_pad, n, p.head_dim);
+        } else {
+          Products::QK(bf.s, npad, bf.q + r0 * ldq, ldq, bf.k, npad, sr_pad, npad, p.head_dim);
+        }
+        for (int64_t r = 0; r < sr; ++r)
+          SoftmaxBlock<Mode::kOnline>(plan, row[r0 + r], kb, n, npad, bf.s + r * npad, bf.p + r * npad,
+                                      bf.bias, bf.m + r0 + r, bf.l + r0 + r, bf.alpha + r0 + r);
+        if (sr_pad > sr)
+          std::memset(bf.p + sr * npad, 0, static_cast<size_t>((sr_pad - sr) * npad) * sizeof(PElem));
+        if (direct_v) {
+          Products::PVDirect(bf.o + r0 * dvp, dvp, bf.alpha + r0, bf.p, npad, VBlock(p, b, hkv, kb), p.dtype,
+                             p.v_stride_row, sr_pad, n, dvp);
+        } else {
+          Products::PV(bf.o + r0 * dvp, dvp, bf.alpha + r0, bf.p, npad, v, ldv, sr_pad, n, dvp, bf.tmp);
+        }
+      }
     }
     Products::End();
 
@@ -1143,7 +1298,7 @@ class Kernel {
         PackKV(p, plan, b, hkv, kb, n, npad, bf, false, nullptr, nullptr);
         Products::QK(bf.s, npad, bf.q, ldq, bf.k, npad, r_pad, npad, p.head_dim);
         for (int64_t r = 0; r < rows; ++r)
-          SoftmaxBlock<Mode::kStats>(plan, row[r], b, kb, n, npad, bf.s + r * npad, nullptr, bf.bias,
+          SoftmaxBlock<Mode::kStats>(plan, row[r], kb, n, npad, bf.s + r * npad, nullptr, bf.bias,
                                      bf.m + r, bf.l + r, bf.alpha + r);
       }
       for (int64_t kb = 0; kb < kend; kb += kBlockKeys) {  // pass 2: P, weights, P V
@@ -1155,7 +1310,7 @@ class Kernel {
         Products::QK(bf.s, npad, bf.q, ldq, bf.k, npad, r_pad, npad, p.head_dim);
         for (int64_t r = 0; r < rows; ++r) {
           float* srow = bf.s + r * npad;
-          SoftmaxBlock<Mode::kFinal>(plan, row[r], b, kb, n, npad, srow, bf.p + r * npad, bf.bias,
+          SoftmaxBlock<Mode::kFinal>(plan, row[r], kb, n, npad, srow, bf.p + r * npad, bf.bias,
                                      bf.m + r, bf.l + r, bf.alpha + r);
           if (avg != nullptr) {
             float* arow = avg + r * lk + kb;
@@ -1173,7 +1328,7 @@ class Kernel {
         StoreRowScaled(row[r].out, p.out_dtype, bf.o + r * dvp, p.head_dim_v, 1.0f);
         if (avg == nullptr && kend < lk) {
           void* wrow = ElemPtr(p.weights, p.weights_dtype, ((b * p.num_heads + h) * lq + row[r].i) * lk + kend);
-          std::memset(wrow, 0, static_cast<size_t>(lk - kend) * DTypeSize(p.weights_dtype));
+          std::memset(wrow, 0, static_cast<size_t>((lk - kend) * ElemSize(p.weights_dtype)));
         }
       }
     }

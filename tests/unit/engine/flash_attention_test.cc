@@ -607,6 +607,18 @@ TEST(FlashAttentionTest, EnvironmentForcesVariant) {
     EXPECT_EQ(*ResolveFlashIsa(DType::kBFloat16, opt), BestFp32Isa());
     opt.precision = FlashPrecision::kBFloat16;
     EXPECT_EQ(*ResolveFlashIsa(DType::kFloat32, opt), *bf);
+    // Decode-shaped requests stay on the fp32 kernel unless forced.
+    AttentionParams p;
+    p.dtype = DType::kBFloat16;
+    p.num_heads = 8;
+    p.num_kv_heads = 2;
+    p.q_len = 1;
+    if (CpuSupports(CpuIsa::kAvx512)) EXPECT_EQ(*FlashIsaFor(p, opt), CpuIsa::kAvx512);
+    p.q_len = 2;  // 8 rows per kv head
+    EXPECT_EQ(*FlashIsaFor(p, opt), *bf);
+    opt.isa = *bf;
+    p.q_len = 1;
+    EXPECT_EQ(*FlashIsaFor(p, opt), *bf);
   }
 }
 

@@ -1,0 +1,362 @@
+// Google Benchmark for the CPU engine on the shapes: the fused
+// attention core (fp32 and bf16), the full projection layer, and the
+// machine's ceilings measured the same way (oneDNN matmul on the core's GEMM
+// sizes, a STREAM triad), plus the extra peak RSS of long sequences.
+// bench/compare_peers.py runs this with --benchmark_format=json next to
+// PyTorch and prints the ratios; docs/PERFORMANCE.md records them.
+//
+// Names: <what>/<shape>/<dtype>/threads:<n>. Counters: GFLOPs (useful
+// multiply-adds x 2 per second), GBps (bytes per second; for the core, the
+// K/V bytes a decode step must read), extra_MiB.
+#include <omp.h>
+#include <stdio.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "benchmark/benchmark.h"
+#include "engine/attention_engine.h"
+#include "engine/attention_layer.h"
+#include "engine/attention_task.h"
+#include "engine/cpu/flash_attention.h"
+#include "engine/model/builtin_models.h"
+#include "engine/tensor.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace attnserve {
+namespace {
+
+// The shapes. MHA shapes are self-attention with head_dim E / H.
+struct BenchShape {
+  const char* name;
+  int64_t batch, q_len, kv_len, heads, head_dim;
+  bool layer;  // also benchmark the nn.MultiheadAttention layer (E = H * D)
+};
+const BenchShape kShapes[] = {
+    {"B1_L128_E512_H8", 1, 128, 128, 8, 64, true},
+    {"B8_L512_E768_H12", 8, 512, 512, 12, 64, true},
+    {"B1_L2048_E1024_H16", 1, 2048, 2048, 16, 64, true},
+    {"B32_L64_E256_H4", 32, 64, 64, 4, 64, true},
+    {"decode_B16_Lk1024_H16_D64", 16, 1, 1024, 16, 64, false},
+    {"long_B1_L8192_H16_D64", 1, 8192, 8192, 16, 64, false},
+};
+
+double CoreFlops(const BenchShape& s) {
+  return 4.0 * s.batch * s.heads * s.q_len * s.kv_len * s.head_dim;
+}
+
+// Fills a tensor with values in [-1, 1) (deterministic).
+Tensor RandomTensor(DType dtype, Shape shape, uint64_t seed) {
+  Tensor t(dtype, std::move(shape));
+  SplitMix64 rng(seed);
+  for (int64_t i = 0; i < t.num_elements(); ++i) StoreFromFloat(dtype, t.data(), i, rng.Uniform(1.0f));
+  return t;
+}
+
+// Inputs and output of one sdpa request in head layout.
+struct CoreInputs {
+  Tensor q, k, v, out;
+  AttentionParams p;
+  CoreInputs(const BenchShape& s, DType dtype) {
+    q = RandomTensor(dtype, {s.batch, s.heads, s.q_len, s.head_dim}, 1);
+    k = RandomTensor(dtype, {s.batch, s.heads, s.kv_len, s.head_dim}, 2);
+    v = RandomTensor(dtype, {s.batch, s.heads, s.kv_len, s.head_dim}, 3);
+    out = Tensor(dtype, {s.batch, s.heads, s.q_len, s.head_dim});
+    std::memset(out.data(), 0, out.byte_size());
+    p.batch = s.batch;
+    p.num_heads = p.num_kv_heads = s.heads;
+    p.head_dim = p.head_dim_v = s.head_dim;
+    p.q_len = s.q_len;
+    p.kv_len = s.kv_len;
+    p.dtype = p.out_dtype = dtype;
+    p.q = q.data();
+    p.k = k.data();
+    p.v = v.data();
+    p.out = out.data();
+    HeadLayoutStrides(s.heads, s.q_len, s.head_dim, &p.q_stride_b, &p.q_stride_h, &p.q_stride_row);
+    HeadLayoutStrides(s.heads, s.kv_len, s.head_dim, &p.k_stride_b, &p.k_stride_h, &p.k_stride_row);
+    HeadLayoutStrides(s.heads, s.kv_len, s.head_dim, &p.v_stride_b, &p.v_stride_h, &p.v_stride_row);
+    HeadLayoutStrides(s.heads, s.q_len, s.head_dim, &p.o_stride_b, &p.o_stride_h, &p.o_stride_row);
+    p.scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  }
+};
+
+// The fused attention core (what nn.MultiheadAttention calls between its
+// projections; non-causal, no mask).
+void BM_Core(benchmark::State& state, BenchShape s, DType dtype, int threads) {
+  CoreInputs in(s, dtype);
+  cpu::FlashOptions opt;
+  opt.num_threads = threads;
+  if (absl::Status st = cpu::FlashAttention({in.p}, opt); !st.ok()) {
+    state.SkipWithError(std::string(st.message()).c_str());
+    return;
+  }
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(cpu::FlashAttention({in.p}, opt));
+    benchmark::ClobberMemory();
+  }
+  state.counters["GFLOPs"] = benchmark::Counter(CoreFlops(s), benchmark::Counter::kIsIterationInvariantRate);
+  const double kv_bytes = 2.0 * s.batch * s.heads * s.kv_len * s.head_dim * DTypeSize(dtype);
+  state.counters["GBps"] = benchmark::Counter(kv_bytes, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(std::string(cpu::CpuIsaName(*cpu::FlashIsaFor(in.p, opt))));
+}
+
+// The GEMM ceiling of the core: oneDNN's batched matmuls S = Q K^T and
+// O = P V on the same sizes (fp32, or bf16 in / fp32 accumulate), no
+// softmax. The long shape is run one head at a time (its full S would be
+// 4 GiB) and counted as all heads.
+void BM_GemmCeiling(benchmark::State& state, BenchShape s, DType dtype, int threads) {
+  using dnnl::memory;
+  omp_set_num_threads(threads);
+  dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  dnnl::stream stream(eng);
+  const bool per_head = s.q_len * s.kv_len > (int64_t{64} << 20) / s.heads;
+  const int64_t bh = per_head ? 1 : s.batch * s.heads;
+  const int64_t repeats = per_head ? s.batch * s.heads : 1;
+  const int64_t m = s.q_len, n = s.kv_len, d = s.head_dim;
+  const memory::data_type dt = dtype == DType::kBFloat16 ? memory::data_type::bf16 : memory::data_type::f32;
+  const memory::data_type acc = memory::data_type::f32;
+  // S = Q [bh, m, d] x K^T (K [bh, n, d] read transposed) -> [bh, m, n].
+  memory::desc q_md({bh, m, d}, dt, memory::format_tag::abc);
+  memory::desc kt_md({bh, d, n}, dt, memory::dims{n * d, 1, d});
+  memory::desc s_md({bh, m, n}, acc, memory::format_tag::abc);
+  // O = P [bh, m, n] x V [bh, n, d] -> [bh, m, d].
+  memory::desc p_md({bh, m, n}, dt, memory::format_tag::abc);
+  memory::desc v_md({bh, n, d}, dt, memory::format_tag::abc);
+  memory::desc o_md({bh, m, d}, acc, memory::format_tag::abc);
+  dnnl::matmul qk(dnnl::matmul::primitive_desc(dnnl::matmul::desc(q_md, kt_md, s_md), eng));
+  dnnl::matmul pv(dnnl::matmul::primitive_desc(dnnl::matmul::desc(p_md, v_md, o_md), eng));
+  memory q(q_md, eng), k(kt_md, eng), sc(s_md, eng), p(p_md, eng), v(v_md, eng), o(o_md, eng);
+  for (memory* mem : {&q, &k, &sc, &p, &v, &o}) {
+    std::memset(mem->get_data_handle(), 0, mem->get_desc().get_size());
+  }
+  auto run = [&] {
+    for (int64_t r = 0; r < repeats; ++r) {
+      qk.execute(stream, {{DNNL_ARG_SRC, q}, {DNNL_ARG_WEIGHTS, k}, {DNNL_ARG_DST, sc}});
+      pv.execute(stream, {{DNNL_ARG_SRC, p}, {DNNL_ARG_WEIGHTS, v}, {DNNL_ARG_DST, o}});
+    }
+    stream.wait();
+  };
+  run();
+  for (auto _ : state) run();
+  state.counters["GFLOPs"] = benchmark::Counter(CoreFlops(s), benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(per_head ? "one head at a time" : "");
+}
+
+// nn.MultiheadAttention forward (batch first, self-attention, biases,
+// need_weights=False) through the cpu engine: projections + fused core.
+void BM_Layer(benchmark::State& state, BenchShape s, Precision precision, int threads) {
+  const int64_t e = s.heads * s.head_dim;
+  auto layer = std::make_shared<AttentionLayer>();
+  LayerConfig& c = layer->config;
+  c.name = "bench";
+  c.has_projections = true;
+  c.embed_dim = c.query_dim = c.key_dim = c.value_dim = c.out_dim = e;
+  c.num_heads = c.num_kv_heads = s.heads;
+  c.head_dim = s.head_dim;
+  c.precision = precision;
+  const float bound = 1.0f / std::sqrt(static_cast<float>(e));
+  LayerWeights& w = layer->weights;
+  w.wq = SeededUniformTensor({e, e}, 11, bound);
+  w.wk = SeededUniformTensor({e, e}, 12, bound);
+  w.wv = SeededUniformTensor({e, e}, 13, bound);
+  w.wo = SeededUniformTensor({e, e}, 14, bound);
+  w.bq = SeededUniformTensor({e}, 15, bound);
+  w.bk = SeededUniformTensor({e}, 16, bound);
+  w.bv = SeededUniformTensor({e}, 17, bound);
+  w.bo = SeededUniformTensor({e}, 18, bound);
+  EngineOptions eo;
+  eo.num_threads = threads;
+  absl::StatusOr<std::unique_ptr<AttentionEngine>> engine = CreateEngine("cpu", eo);
+  if (!engine.ok()) {
+    state.SkipWithError(std::string(engine.status().message()).c_str());
+    return;
+  }
+  const DType dtype = precision == Precision::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  Tensor x = RandomTensor(dtype, {s.batch, s.q_len, e}, 21);
+  Tensor y(dtype, {s.batch, s.q_len, e});
+  AttentionTask task;
+  task.query = x.view();
+  task.scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  task.output = y.mutable_view();
+  if (absl::Status st = (*engine)->Run(*layer, {&task, 1}); !st.ok()) {
+    state.SkipWithError(std::string(st.message()).c_str());
+    return;
+  }
+  for (auto _ : state) {
+    benchmark::DoNotOptimize((*engine)->Run(*layer, {&task, 1}));
+    benchmark::ClobberMemory();
+  }
+  const double proj_flops = 2.0 * s.batch * s.q_len * e * e * 4;
+  state.counters["GFLOPs"] =
+      benchmark::Counter(proj_flops + CoreFlops(s), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// oneDNN sgemm ceiling of the layer: the four projection GEMMs ([B*L, E] x
+// [E, E] with bias) plus the core's two batched GEMMs.
+void BM_LayerGemmCeiling(benchmark::State& state, BenchShape s, int threads) {
+  using dnnl::memory;
+  omp_set_num_threads(threads);
+  dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  dnnl::stream stream(eng);
+  const int64_t e = s.heads * s.head_dim, rows = s.batch * s.q_len;
+  const auto f32 = memory::data_type::f32;
+  memory::desc x_md({rows, e}, f32, memory::format_tag::ab);
+  memory::desc w_md({e, e}, f32, memory::format_tag::ba);
+  memory::desc b_md({1, e}, f32, memory::format_tag::ab);
+  dnnl::matmul proj(dnnl::matmul::primitive_desc(dnnl::matmul::desc(x_md, w_md, b_md, x_md), eng));
+  memory x(x_md, eng), w(w_md, eng), b(b_md, eng), y(x_md, eng);
+  for (memory* mem : {&x, &w, &b, &y}) std::memset(mem->get_data_handle(), 0, mem->get_desc().get_size());
+  const int64_t bh = s.batch * s.heads, m = s.q_len, n = s.kv_len, d = s.head_dim;
+  memory::desc q_md({bh, m, d}, f32, memory::format_tag::abc);
+  memory::desc kt_md({bh, d, n}, f32, memory::dims{n * d, 1, d});
+  memory::desc s_md({bh, m, n}, f32, memory::format_tag::abc);
+  memory::desc v_md({bh, n, d}, f32, memory::format_tag::abc);
+  dnnl::matmul qk(dnnl::matmul::primitive_desc(dnnl::matmul::desc(q_md, kt_md, s_md), eng));
+  dnnl::matmul pv(dnnl::matmul::primitive_desc(dnnl::matmul::desc(s_md, v_md, q_md), eng));
+  memory q(q_md, eng), k(kt_md, eng), sc(s_md, eng), v(v_md, eng), o(q_md, eng);
+  for (memory* mem : {&q, &k, &sc, &v, &o}) std::memset(mem->get_data_handle(), 0, mem->get_desc().get_size());
+  auto run = [&] {
+    for (int r = 0; r < 4; ++r)
+      proj.execute(stream, {{DNNL_ARG_SRC, x}, {DNNL_ARG_WEIGHTS, w}, {DNNL_ARG_BIAS, b}, {DNNL_ARG_DST, y}});
+    qk.execute(stream, {{DNNL_ARG_SRC, q}, {DNNL_ARG_WEIGHTS, k}, {DNNL_ARG_DST, sc}});
+    pv.execute(stream, {{DNNL_ARG_SRC, sc}, {DNNL_ARG_WEIGHTS, v}, {DNNL_ARG_DST, o}});
+    stream.wait();
+  };
+  run();
+  for (auto _ : state) run();
+  const double flops = 2.0 * rows * e * e * 4 + CoreFlops(s);
+  state.counters["GFLOPs"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// STREAM triad a = b + s * c over three float arrays of `mib` MiB in all,
+// first touched by the threads that use them. GBps counts 12 bytes per
+// element (STREAM's convention: two reads, one write).
+void BM_StreamTriad(benchmark::State& state, int64_t mib, int threads) {
+  const int64_t n = (mib << 20) / 12;
+  std::unique_ptr<float[]> a(new float[static_cast<size_t>(n)]), b(new float[static_cast<size_t>(n)]),
+      c(new float[static_cast<size_t>(n)]);
+  float* pa = a.get();
+  float* pb = b.get();
+  float* pc = c.get();
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    pa[i] = 0.0f;
+    pb[i] = 1.0f;
+    pc[i] = 2.0f;
+  }
+  const float scalar = 3.0f;
+  for (auto _ : state) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; ++i) pa[i] = pb[i] + scalar * pc[i];
+    benchmark::ClobberMemory();
+  }
+  state.counters["GBps"] = benchmark::Counter(12.0 * n, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// Resident set (kind "VmRSS" or "VmHWM") in bytes, from /proc/self/status.
+int64_t ProcStatusBytes(const char* kind) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind(kind, 0) == 0) return std::stoll(line.substr(std::strlen(kind) + 1)) * 1024;
+  }
+  return -1;
+}
+
+// Peak RSS the core adds beyond its inputs and outputs: the high-water mark
+// is reset (clear_refs 5) after the inputs exist and the thread pool has
+// started, then read after one call.
+void BM_PeakRss(benchmark::State& state, BenchShape s, DType dtype, int threads) {
+  CoreInputs in(s, dtype);
+  cpu::FlashOptions opt;
+  opt.num_threads = threads;
+  BenchShape tiny = s;
+  tiny.q_len = tiny.kv_len = 64;
+  CoreInputs warm(tiny, dtype);
+  (void)cpu::FlashAttention({warm.p}, opt);  // threads + their scratch exist
+  double extra = -1;
+  for (auto _ : state) {
+    std::ofstream("/proc/self/clear_refs") << "5";
+    const int64_t before = ProcStatusBytes("VmRSS:");
+    benchmark::DoNotOptimize(cpu::FlashAttention({in.p}, opt));
+    extra = static_cast<double>(ProcStatusBytes("VmHWM:") - before) / (1 << 20);
+  }
+  state.counters["extra_MiB"] = extra;
+  state.counters["inputs_outputs_MiB"] =
+      static_cast<double>(in.q.byte_size() + in.k.byte_size() + in.v.byte_size() + in.out.byte_size()) /
+      (1 << 20);
+}
+
+void RegisterAll() {
+  const int max_threads = omp_get_max_threads();
+  std::vector<int> thread_counts = {1};
+  if (max_threads >= 2) thread_counts.push_back(2);
+  if (max_threads > 2) thread_counts.push_back(max_threads);
+  for (const BenchShape& s : kShapes) {
+    for (int t : thread_counts) {
+      const std::string suffix = absl::StrCat("/threads:", t);
+      for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+        const std::string dn = dt == DType::kFloat32 ? "fp32" : "bf16";
+        benchmark::RegisterBenchmark(absl::StrCat("Core/", s.name, "/", dn, suffix).c_str(), BM_Core, s, dt, t)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+        benchmark::RegisterBenchmark(absl::StrCat("GemmCeiling/", s.name, "/", dn, suffix).c_str(),
+                                     BM_GemmCeiling, s, dt, t)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      }
+      if (s.layer) {
+        benchmark::RegisterBenchmark(absl::StrCat("Layer/", s.name, "/fp32", suffix).c_str(), BM_Layer, s,
+                                     Precision::kFloat32, t)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+        benchmark::RegisterBenchmark(absl::StrCat("Layer/", s.name, "/bf16", suffix).c_str(), BM_Layer, s,
+                                     Precision::kBFloat16, t)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+        benchmark::RegisterBenchmark(absl::StrCat("LayerGemmCeiling/", s.name, "/fp32", suffix).c_str(),
+                                     BM_LayerGemmCeiling, s, t)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      }
+    }
+  }
+  for (int t : thread_counts) {
+    // The decode shape's K/V (128 MiB fp32) and a set far beyond any cache.
+    for (int64_t mib : {128, 3072}) {
+      benchmark::RegisterBenchmark(absl::StrCat("StreamTriad/MiB:", mib, "/threads:", t).c_str(),
+                                   BM_StreamTriad, mib, t)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+  }
+  const BenchShape& longest = kShapes[5];
+  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    benchmark::RegisterBenchmark(
+        absl::StrCat("PeakRss/", longest.name, dt == DType::kFloat32 ? "/fp32" : "/bf16", "/threads:",
+                     thread_counts.back())
+            .c_str(),
+        BM_PeakRss, longest, dt, thread_counts.back())
+        ->Iterations(1)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
+
+int main(int argc, char** argv) {
+  attnserve::RegisterAll();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
