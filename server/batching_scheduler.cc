@@ -43,7 +43,18 @@ class WorkTask final : public BatchTask {
 
  protected:
   void OnComplete(absl::Status status) override {
-    if (timing.batch_requests == 0) timing.queue = SteadyClock::now() - work_->scheduled_at;
+    const SteadyClock::time_point now = SteadyClock::now();
+    if (timing.batch_requests == 0) timing.queue = now - work_->scheduled_at;
+    // gRPC cancels a call when its deadline passes, and its timer may fire a
+    // hair before our clocks agree the deadline is due: a cancellation at
+    // the deadline is the deadline.
+    if (status.code() == absl::StatusCode::kCancelled &&
+        now >= work_->deadline - std::chrono::milliseconds(1)) {
+      status = absl::DeadlineExceededError(absl::StrCat(
+          "deadline passed after ",
+          std::chrono::duration_cast<std::chrono::microseconds>(timing.queue).count(),
+          " us in the queue of model ", work_->model->name, "; not computed"));
+    }
     if (metrics_ != nullptr) metrics_->InflightAdd(-1);
     work_->done(std::move(status), timing);
   }

@@ -99,11 +99,9 @@ DynamicBatcher::Decision DynamicBatcher::FormBatchLocked(absl::Time now) {
   const size_t before = queue_.size();
   std::deque<std::unique_ptr<BatchTask>> kept;
   for (auto& t : queue_) {
-    if (t->cancelled()) {
-      d.dropped.emplace_back(
-          std::move(t),
-          absl::CancelledError("request cancelled while queued; not computed"));
-    } else if (t->deadline() <= now) {
+    // Deadline first: a transport may report an expired call as cancelled
+    // too, and the deadline is the more useful answer.
+    if (t->deadline() <= now) {
       const int64_t waited_us =
           absl::ToInt64Microseconds(now - t->enqueue_time());
       d.dropped.emplace_back(
@@ -111,6 +109,10 @@ DynamicBatcher::Decision DynamicBatcher::FormBatchLocked(absl::Time now) {
           absl::DeadlineExceededError(absl::StrCat(
               "deadline passed after ", waited_us, " us in the queue of model ",
               model_, "; not computed")));
+    } else if (t->cancelled()) {
+      d.dropped.emplace_back(
+          std::move(t),
+          absl::CancelledError("request cancelled while queued; not computed"));
     } else {
       earliest_deadline = std::min(earliest_deadline, t->deadline());
       kept.push_back(std::move(t));

@@ -219,6 +219,17 @@ TEST_F(ManualBatcherTest, DeadlineAlreadyPassedAtScheduleIsNotComputed) {
   EXPECT_FALSE(records_[0].computed);
 }
 
+TEST_F(ManualBatcherTest, ExpiredAndCancelledIsDeadlineExceeded) {
+  // gRPC also marks a call cancelled when its deadline passes.
+  Make({.max_batch_requests = 8, .max_batch_tokens = 0,
+        .max_queue_delay_us = 1000});
+  ASSERT_TRUE(Send(0, 1, clock_.Now() + absl::Microseconds(10)).ok());
+  records_[0].cancel = true;
+  clock_.Advance(absl::Microseconds(10));
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  EXPECT_EQ(records_[0].GetStatus().code(), absl::StatusCode::kDeadlineExceeded);
+}
+
 TEST_F(ManualBatcherTest, CancelledLeavesTheQueue) {
   Make({.max_batch_requests = 2, .max_batch_tokens = 0,
         .max_queue_delay_us = 1000});
