@@ -64,7 +64,7 @@ class Rng {
 
 std::string DT(DType d) { return std::string(DTypeName(d)); }
 
-enum class MaskShape { kNone, kLqLk, kB1LqLk, k1HLqLk, kBHLqLk, kB11Lk };
+enum class MaskShape { kNone, kLqLk, kB1LqLk, k1HLqLk, kBHLqLk, kB11Lk, kLq1 };
 
 struct Shape4 {
   int64_t batch = 1, heads = 1, kv_heads = 1, q_len = 1, kv_len = 1, dk = 16, dv = 16;
@@ -151,21 +151,23 @@ void Materialize(Rng& rng, Request& r) {
       case MaskShape::k1HLqLk: mb = 1; mh = s.heads; break;
       case MaskShape::kBHLqLk: mb = s.batch; mh = s.heads; break;
       case MaskShape::kB11Lk: mb = s.batch; mh = 1; mq = 1; break;
+      case MaskShape::kLq1: break;  // [Lq, 1]: one value per query row
       case MaskShape::kNone: break;
     }
-    const int64_t n = mb * mh * mq * s.kv_len;
+    const int64_t mk = r.mask_shape == MaskShape::kLq1 ? 1 : s.kv_len;
+    const int64_t n = mb * mh * mq * mk;
     p.mask.kind = r.mask_kind;
     p.mask.dtype = r.mask_kind == MaskParams::Kind::kBool ? DType::kBool : r.mask_dtype;
-    p.mask.stride_k = 1;
-    p.mask.stride_q = mq == 1 ? 0 : s.kv_len;
-    p.mask.stride_h = mh == 1 ? 0 : mq * s.kv_len;
-    p.mask.stride_b = mb == 1 ? 0 : mh * mq * s.kv_len;
+    p.mask.stride_k = mk == 1 ? 0 : 1;
+    p.mask.stride_q = mq == 1 ? 0 : mk;
+    p.mask.stride_h = mh == 1 ? 0 : mq * mk;
+    p.mask.stride_b = mb == 1 ? 0 : mh * mq * mk;
     r.mask.resize(static_cast<size_t>(n) * DTypeSize(p.mask.dtype));
     // Some mask rows block everything: fully masked query rows.
-    for (int64_t row = 0; row < n / s.kv_len; ++row) {
+    for (int64_t row = 0; row < n / mk; ++row) {
       const bool all_blocked = rng.Chance(0.08);
-      for (int64_t j = 0; j < s.kv_len; ++j) {
-        const int64_t e = row * s.kv_len + j;
+      for (int64_t j = 0; j < mk; ++j) {
+        const int64_t e = row * mk + j;
         if (r.mask_kind == MaskParams::Kind::kBool) {
           r.mask[static_cast<size_t>(e)] = !all_blocked && rng.Chance(0.75) ? 1 : 0;
         } else {
@@ -373,7 +375,7 @@ std::unique_ptr<Request> RandomRequest(Rng& rng, bool decode) {
   const int mk = static_cast<int>(rng.Int(0, 2));
   if (mk > 0) {
     r->mask_kind = mk == 1 ? MaskParams::Kind::kBool : MaskParams::Kind::kAdditive;
-    r->mask_shape = static_cast<MaskShape>(rng.Int(1, 5));
+    r->mask_shape = static_cast<MaskShape>(rng.Int(1, 6));
     r->mask_dtype = rng.Pick(kFloat);
   }
   if (!decode && rng.Chance(0.2)) {
@@ -467,6 +469,9 @@ TEST_P(FlashIsaTest, BlockEdgesMatchReference) {
       {1, 8, 1, 1, 513, 64, 64},      // just past the split threshold
       {2, 2, 2, 3, 2050, 17, 33},     // odd dims, split, ragged chunk
       {1, 1, 1, 300, 40, 16, 16},     // Lq > Lk, causal rows before the diagonal see nothing
+      {1, 2, 1, 20, 300, 256, 512},   // wide heads
+      {1, 1, 1, 2, 700, 200, 40},     // decode with dims off the vector width
+      {1, 3, 1, 70, 90, 17, 9},       // odd everything
   };
   for (const Shape4& s : shapes) {
     for (bool causal : {false, true}) {
