@@ -56,13 +56,14 @@ void AttentionServiceImpl::RecordAnswer(const std::string& model_name, const abs
 // drop the queued work at once instead of when its batch would close.
 class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
  public:
-  explicit UnaryReactor(AttentionServiceImpl* service) : service_(service) {}
+  explicit UnaryReactor(AttentionServiceImpl* service)
+      : service_(service), counted_(service->CallStarted()) {}
 
   void Start(grpc::CallbackServerContext* context, const v1::AttendRequest* request,
              v1::AttendResponse* response) {
     const SteadyClock::time_point received = SteadyClock::now();
     absl::Status status;
-    if (service_->shutting_down_.load()) {
+    if (!counted_ || service_->shutting_down_.load()) {
       status = absl::UnavailableError("server is shutting down; not accepting requests");
     } else {
       // request, response and context stay valid until OnDone: gRPC frees
@@ -83,10 +84,16 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
   // gRPC runs OnCancel only after the handler returned, so model_name_ is
   // no longer written.
   void OnCancel() override { service_->scheduler_->Wake(model_name_); }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    AttentionServiceImpl* service = service_;
+    const bool counted = counted_;
+    delete this;
+    if (counted) service->CallDone();
+  }
 
  private:
   AttentionServiceImpl* const service_;
+  const bool counted_;  // opened before shutdown: shutdown waits for it
   std::string model_name_;
 };
 
@@ -163,7 +170,7 @@ class AttentionServiceImpl::StreamReactor final
     : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendStreamResponse> {
  public:
   StreamReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* context)
-      : service_(service), context_(context) {
+      : service_(service), context_(context), counted_(service->CallStarted()) {
     service_->AddStream(this);
     absl::MutexLock lock(&mu_);
     reading_ = true;
@@ -231,8 +238,11 @@ class AttentionServiceImpl::StreamReactor final
   void OnCancel() override { service_->scheduler_->Wake(""); }
 
   void OnDone() override {
-    service_->RemoveStream(this);
+    AttentionServiceImpl* service = service_;
+    const bool counted = counted_;
+    service->RemoveStream(this);
     delete this;
+    if (counted) service->CallDone();
   }
 
   // Server shutdown: stop reading; end the stream once everything accepted
@@ -302,6 +312,7 @@ class AttentionServiceImpl::StreamReactor final
 
   AttentionServiceImpl* const service_;
   grpc::CallbackServerContext* const context_;
+  const bool counted_;  // opened before shutdown: shutdown waits for it
 
   v1::AttendRequest request_;  // read buffer; touched only by the read in flight
   absl::Mutex mu_;
@@ -334,8 +345,30 @@ void AttentionServiceImpl::RemoveStream(StreamReactor* stream) {
   streams_.erase(stream);
 }
 
+bool AttentionServiceImpl::CallStarted() {
+  absl::MutexLock lock(&calls_mu_);
+  if (shutting_down_.load()) return false;
+  ++open_calls_;
+  return true;
+}
+
+void AttentionServiceImpl::CallDone() {
+  absl::MutexLock lock(&calls_mu_);
+  --open_calls_;
+}
+
+bool AttentionServiceImpl::WaitForNoCalls(absl::Duration timeout) {
+  absl::MutexLock lock(&calls_mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return open_calls_ == 0; };
+  return calls_mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+}
+
 void AttentionServiceImpl::BeginShutdown() {
-  shutting_down_.store(true);
+  {
+    // Under calls_mu_: a call is either counted or sees the flag.
+    absl::MutexLock lock(&calls_mu_);
+    shutting_down_.store(true);
+  }
   absl::MutexLock lock(&streams_mu_);
   for (StreamReactor* stream : streams_) stream->ServerShutdown();
 }

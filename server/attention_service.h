@@ -14,6 +14,7 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/attend_scheduler.h"
 #include "server/metrics.h"
@@ -62,6 +63,13 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // to the scheduler to finish. Idempotent.
   void BeginShutdown();
 
+  // Waits until every Attend and AttendStream call opened before
+  // BeginShutdown is done (its answers handed to gRPC and sent), up to
+  // `timeout`. True when they all are. Calls opened later are answered
+  // UNAVAILABLE at once and not waited for, so a steady stream of newcomers
+  // cannot hold shutdown up.
+  bool WaitForNoCalls(absl::Duration timeout);
+
  private:
   class UnaryReactor;
   class StreamReactor;
@@ -81,6 +89,10 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 
   void AddStream(StreamReactor* stream);
   void RemoveStream(StreamReactor* stream);
+  // Counts a call opened before BeginShutdown (returns true) so that
+  // shutdown waits for it; calls opened later are refused and not waited for.
+  bool CallStarted();
+  void CallDone();
 
   const ModelRegistry* const registry_;
   AttendScheduler* const scheduler_;
@@ -90,6 +102,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   std::atomic<bool> shutting_down_{false};
   absl::Mutex streams_mu_;
   std::set<StreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
+  absl::Mutex calls_mu_;
+  // Attend + AttendStream calls opened before shutdown and not yet done.
+  int64_t open_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
 };
 
 }  // namespace attnserve

@@ -105,13 +105,17 @@ void AttnServer::Shutdown() {
   //    this returns every accepted request has its answer.
   const auto start = std::chrono::steady_clock::now();
   scheduler_->Shutdown(absl::FromChrono(options_.shutdown_grace));
-  // 4. Let gRPC send those answers and end the drained streams; calls still
-  //    open after what is left of the grace (at least 1 s) are cancelled.
-  const auto left = std::max<std::chrono::steady_clock::duration>(
-      options_.shutdown_grace - (std::chrono::steady_clock::now() - start),
-      std::chrono::seconds(1));
+  // 4. Keep serving (new calls get UNAVAILABLE from the service) until every
+  //    open call has been answered and sent -- streams whose client reads
+  //    slowly included -- for what is left of the grace.
+  const absl::Duration left = absl::FromChrono(options_.shutdown_grace) -
+                              absl::FromChrono(std::chrono::steady_clock::now() - start);
+  const bool idle = service_->WaitForNoCalls(std::max(left, absl::ZeroDuration()));
+  // 5. Stop gRPC. When idle, only calls that arrived in the last instant can
+  //    be open: give their UNAVAILABLE a moment to go out. Otherwise the
+  //    grace is spent and what is still open is cancelled now.
   server_->Shutdown(std::chrono::system_clock::now() +
-                    std::chrono::duration_cast<std::chrono::system_clock::duration>(left));
+                    (idle ? std::chrono::milliseconds(200) : std::chrono::milliseconds(0)));
   server_->Wait();
 }
 

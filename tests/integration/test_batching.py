@@ -9,6 +9,7 @@ how fast this machine computes."""
 
 import concurrent.futures
 import signal
+import threading
 import time
 
 import grpc
@@ -21,7 +22,7 @@ from attnserve_client import AttentionClient, stubs
 
 pb = stubs.attention_pb2
 
-HOLD = ["--max-batch-requests", "64", "--max-queue-delay-us", "60000000"]  # 60 s
+HOLD = ["--max-batch-requests", "64", "--max-batch-tokens", "0", "--max-queue-delay-us", "60000000"]  # 60 s
 
 
 def _server(*args):
@@ -283,23 +284,41 @@ def _health(client):
 
 
 def test_sigterm_completes_every_accepted_request_and_exits_zero():
-    in_flight = 20
+    """K unary requests and a stream of M messages are accepted and held in the
+    queue; the stream's client does not read. On SIGTERM: health turns
+    NOT_SERVING, a new request gets UNAVAILABLE (the server keeps serving
+    refusals while the stream's answers wait for its reader), every accepted
+    request completes correctly, the stream ends UNAVAILABLE once answered,
+    and the process exits 0."""
+    unary, streamed = 20, 48
     srv = _server(*HOLD, "--shutdown-grace", "60s")
+    release = threading.Event()
     try:
         rng = np.random.default_rng(4)
         with AttentionClient(srv.target, timeout=120) as c:
             reqs = [_sdpa_request(c, rng, 1, 2, 1, int(rng.integers(1, 20)), int(rng.integers(1, 20)), 16,
-                                  request_id=f"r{i}") for i in range(in_flight)]
+                                  request_id=f"r{i}") for i in range(unary)]
             futures = [c.stub.Attend.future(r, timeout=120) for r in reqs]
+            # 1 MiB answers: far more than HTTP/2 windows hold unread.
+            big = _sdpa_request(c, rng, 1, 1, 1, 4096, 8, 64)
+
+            def messages():
+                for i in range(streamed):
+                    m = pb.AttendRequest()
+                    m.CopyFrom(big)
+                    m.id = f"s{i}"
+                    yield m
+                release.wait(120)  # keep the stream open, not half-closed
+
+            stream = c.stub.AttendStream(messages(), timeout=120)
             su.wait_for(lambda: su.metric(su.scrape(srv), "attnserve_inflight_requests", model="sdpa")
-                        == in_flight, 30, f"{in_flight} accepted requests")
+                        == unary + streamed, 30, f"{unary + streamed} accepted requests")
             srv.proc.send_signal(signal.SIGTERM)
-            # Health turns NOT_SERVING (or the server is already gone) ...
-            su.wait_for(lambda: _health(c) in ("NOT_SERVING", "UNAVAILABLE"), 30, "health NOT_SERVING")
-            # ... and a new request is refused.
+            su.wait_for(lambda: _health(c) == "NOT_SERVING", 30, "health NOT_SERVING")
             with pytest.raises(grpc.RpcError) as e:
                 c.attend_request(reqs[0], timeout=30)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+            assert "shutting down" in e.value.details()
             for r, f in zip(reqs, futures):
                 resp = f.result(timeout=120)
                 assert resp.id == r.id
@@ -308,7 +327,17 @@ def test_sigterm_completes_every_accepted_request_and_exits_zero():
                 want = harness.reference_attention(q, k, v)[0]
                 got = np.frombuffer(resp.output.data, np.float32).reshape(want.shape)
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+            # Now read the stream: every accepted message answered OK, then
+            # the server ends the stream because it is shutting down.
+            ids = []
+            with pytest.raises(grpc.RpcError) as e:
+                for resp in stream:
+                    assert resp.code == 0, resp.message
+                    ids.append(resp.id)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+            assert sorted(ids) == sorted(f"s{i}" for i in range(streamed))
             code = srv.stop(timeout=120)
             assert code == 0, f"exit code {code}:\n{srv.log()}"
     finally:
+        release.set()
         _kill(srv)
