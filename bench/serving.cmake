@@ -11,3 +11,7 @@ target_link_libraries(echo_server PRIVATE
 add_executable(stacked_gemm_probe ${CMAKE_CURRENT_LIST_DIR}/stacked_gemm_probe.cc)
 target_include_directories(stacked_gemm_probe PRIVATE ${PROJECT_SOURCE_DIR})
 target_link_libraries(stacked_gemm_probe PRIVATE attnserve_engine DNNL::dnnl)
+find_package(OpenMP)  # the chunked variant spreads chunks over OpenMP threads
+if(OpenMP_CXX_FOUND)
+  target_link_libraries(stacked_gemm_probe PRIVATE OpenMP::OpenMP_CXX)
+endif()

@@ -173,6 +173,7 @@ class AttentionServiceImpl::StreamReactor final
       : service_(service), context_(context), counted_(service->CallStarted()) {
     service_->AddStream(this);
     absl::MutexLock lock(&mu_);
+    if (finished_) return;  // opened during shutdown: already ended
     reading_ = true;
     StartRead(&request_);
   }
