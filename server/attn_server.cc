@@ -56,6 +56,11 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
                         absl::StrCat("--metrics-address: ", metrics.status().message()));
   }
   server->metrics_ = *std::move(metrics);
+  for (const auto& model : server->registry_.List()) {
+    server->metrics_->SetModelReady(
+        model->name, model->engine != nullptr ? std::string(model->engine->name()) : "",
+        model->ready());
+  }
   absl::StatusOr<std::unique_ptr<BatchingScheduler>> scheduler =
       BatchingScheduler::Create(server->registry_, options.batching, server->metrics_.get());
   if (!scheduler.ok()) return scheduler.status();

@@ -123,6 +123,11 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                     .Help("Query tokens computed (a request of batch B and query length L "
                           "counts B*L)")
                     .Register(r);
+  m->model_ready_ = &prometheus::BuildGauge()
+                         .Name("attnserve_model_ready")
+                         .Help("1 when the model is loaded and serving, 0 when it failed to "
+                               "load; labelled with the backend that serves it")
+                         .Register(r);
   std::map<std::string, std::string> build = options.build_labels;
   build["version"] = ATTNSERVE_VERSION;
   prometheus::BuildGauge()
@@ -152,6 +157,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
 }
 
 Metrics::~Metrics() = default;
+
+void Metrics::SetModelReady(const std::string& model, const std::string& backend, bool ready) {
+  model_ready_->Add({{"model", model}, {"backend", backend}}).Set(ready ? 1.0 : 0.0);
+}
 
 ModelMetrics* Metrics::ForModel(const std::string& model) {
   absl::MutexLock lock(&mu_);

@@ -83,6 +83,12 @@ class Metrics {
   // name becomes a set of time series.
   ModelMetrics* ForModel(const std::string& model);
 
+  // attnserve_model_ready{model,backend}: 1 when the model is READY, 0 when
+  // it failed to load (so a bad model in a non-strict repository shows up in
+  // dashboards and alerts, not only in GetModel). `backend` names the engine
+  // serving it ("cpu", "cuda", "reference"; empty when it has none).
+  void SetModelReady(const std::string& model, const std::string& backend, bool ready);
+
   // The endpoint's port (the one picked when options.address had port 0);
   // 0 when there is no endpoint.
   int port() const { return port_; }
@@ -108,6 +114,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* queue_depth_ = nullptr;
   prometheus::Family<prometheus::Gauge>* inflight_ = nullptr;
   prometheus::Family<prometheus::Counter>* tokens_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* model_ready_ = nullptr;
 
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<ModelMetrics>> models_ ABSL_GUARDED_BY(mu_);

@@ -583,6 +583,13 @@ def test_non_strict_serves_the_rest_and_reports_the_bad_ones(tmp_path):
             want, _ = torch_mha(good, x, x, x, need_weights=False)
             assert_close(c.attend(x, model="good").output, want)
         assert "not ready" in server.log()
+        import serving_util
+        samples = serving_util.scrape(server)
+        def ready(model, backend):
+            return samples[("attnserve_model_ready", frozenset({("model", model), ("backend", backend)}))]
+        assert ready("good", "cpu") == 1
+        for case, _, _ in BAD_MODELS:
+            assert ready(case, "") == 0
     finally:
         assert server.stop() == 0
 

@@ -76,6 +76,16 @@ TEST(MetricsTest, ExposesEveryFamilyLabelledByModel) {
   EXPECT_THAT(text, HasSubstr("attnserve_request_duration_seconds_bucket{model=\"demo-mha\",le=\"10\"}"));
 }
 
+TEST(MetricsTest, ModelReadyCarriesStateAndBackend) {
+  auto m = Metrics::Create({.address = "", .build_labels = {}});
+  ASSERT_TRUE(m.ok()) << m.status();
+  (*m)->SetModelReady("demo-mha", "cpu", true);
+  (*m)->SetModelReady("broken", "", false);
+  const std::string text = (*m)->Serialize();
+  EXPECT_THAT(text, HasSubstr("attnserve_model_ready{backend=\"cpu\",model=\"demo-mha\"} 1"));
+  EXPECT_THAT(text, HasSubstr("attnserve_model_ready{backend=\"\",model=\"broken\"} 0"));
+}
+
 TEST(MetricsTest, ServesOnEphemeralPort) {
   auto m = Metrics::Create(Options("127.0.0.1:0"));
   ASSERT_TRUE(m.ok()) << m.status();
