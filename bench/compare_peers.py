@@ -145,6 +145,25 @@ def run_torch(python, threads, min_time, coretype):
     return json.loads(proc.stdout)
 
 
+def merge_best(store, t, res):
+    """Keeps, per benchmark, the fastest of the runs so far."""
+    cur = store.setdefault(t, {})
+    for name, r in res.items():
+        if name not in cur or r["s"] < cur[name]["s"]:
+            cur[name] = r
+
+
+def merge_torch(store, t, res):
+    if t not in store or "results" not in store[t]:
+        store[t] = res
+        return
+    for key, r in res.get("results", {}).items():
+        cur = store[t]["results"].setdefault(key, {})
+        for field in ("core_s", "mha_s"):
+            if field in r and (field not in cur or r[field] < cur[field]):
+                cur[field] = r[field]
+
+
 def best_openblas_coretype():
     """The most specific OPENBLAS_CORETYPE this OpenBLAS accepts for this CPU."""
     try:
@@ -206,6 +225,9 @@ def main():
     ap.add_argument("--min-time", type=float, default=0.5, help="seconds per measurement")
     ap.add_argument("--torch-python", default="/usr/bin/python3", help="python with Debian's torch 1.13")
     ap.add_argument("--torch2-python", default=None, help="python of a PyTorch 2.x virtualenv (optional)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run everything this many times and keep each figure's best (a shared machine "
+                         "only ever makes a measurement slower)")
     ap.add_argument("--json", default=None, help="also write every raw figure here")
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -232,14 +254,15 @@ def main():
     raw = {"machine": info, "engine": {}, "torch1": {}, "torch2": {}}
 
     t_start = time.time()
-    for t in threads:
-        print(f"# threads {t}: engine_bench ...", file=sys.stderr, flush=True)
-        raw["engine"][t], ctx = run_engine_bench(args.engine_bench, t, args.min_time)
-        print(f"# threads {t}: torch 1.13 ...", file=sys.stderr, flush=True)
-        raw["torch1"][t] = run_torch(args.torch_python, t, args.min_time, coretype)
-        if args.torch2_python:
-            print(f"# threads {t}: torch 2.x ...", file=sys.stderr, flush=True)
-            raw["torch2"][t] = run_torch(args.torch2_python, t, args.min_time, coretype)
+    for rep in range(args.repeat):
+        for t in threads:
+            print(f"# round {rep + 1}, threads {t}: engine_bench ...", file=sys.stderr, flush=True)
+            merge_best(raw["engine"], t, run_engine_bench(args.engine_bench, t, args.min_time)[0])
+            print(f"# round {rep + 1}, threads {t}: torch 1.13 ...", file=sys.stderr, flush=True)
+            merge_torch(raw["torch1"], t, run_torch(args.torch_python, t, args.min_time, coretype))
+            if args.torch2_python:
+                print(f"# round {rep + 1}, threads {t}: torch 2.x ...", file=sys.stderr, flush=True)
+                merge_torch(raw["torch2"], t, run_torch(args.torch2_python, t, args.min_time, coretype))
     print("# peak RSS ...", file=sys.stderr, flush=True)
     rss, _ = run_engine_bench(args.engine_bench, 0, args.min_time, extra_filter="PeakRss/")
     raw["peak_rss"] = rss

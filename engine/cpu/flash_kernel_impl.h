@@ -1,17 +1,18 @@
-// The flash attention algorithm, written once over a vector type (Vec*) and
-// a product policy (Fp32Products, Bf16DotProducts, AmxProducts); each
-// engine/cpu/flash_kernel_<isa>.cc instantiates it for one instruction set.
+// The flash attention algorithm, written once over a vector type (`Vec`) and
+// a product policy (`Products`: fp32 FMA, vdpbf16ps or AMX), both chosen by
+// macros; each engine/cpu/flash_kernel_<isa>.cc instantiates it for one
+// instruction set.
 //
 // Included only from those files, after flash_internal.h, inside an anonymous
 // namespace and a `#pragma GCC target` region, with ATTNSERVE_FLASH_VEC_*
 // (and ATTNSERVE_FLASH_BF16 / ATTNSERVE_FLASH_AMX) defined. No include guard:
 // one inclusion per file, and everything here has internal linkage.
 //
-// Per work item (a block of <= 64 query rows of one kv head, see
-// flash_internal.h) and per block of 256 keys:
-//   pack K (transposed) and V;  S = Q K^T;  per row: t = S*scale*log2(e) +
-//   mask, running max m, P = 2^(t - m), running sum l, alpha = 2^(m_old -
-//   m);  O = alpha * O + P V.
+// Per work item (<= 256 query rows of one kv head, see flash_internal.h) and
+// per block of 256 keys: pack K (transposed, or in bf16 pairs) and V once;
+// then per 64-row sub-block: S = Q K^T; per row: t = S*scale*log2(e) + mask,
+// running max m, P = 2^(t - m), running sum l, alpha = 2^(m_old - m);
+// O = alpha * O + P V.
 // Keys beyond a row's causal/key_lengths limit are -inf; whole blocks beyond
 // every row's limit are never visited. The output is O / l (0 when l == 0).
 
