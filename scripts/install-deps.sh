@@ -14,7 +14,7 @@ BUILD_PACKAGES=(
 TEST_PACKAGES=(
   # Python client, PyTorch/NumPy oracles, a real Prometheus, an optimised BLAS for the peers
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy
-  python3-torch python3-pytest prometheus libopenblas0
+  python3-torch python3-pytest python3-yaml prometheus libopenblas0
 )
 
 PACKAGES=("${BUILD_PACKAGES[@]}")
