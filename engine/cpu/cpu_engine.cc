@@ -1,16 +1,18 @@
-// The cpu backend: converts inputs to fp32 at the edge, runs the projections
-// as oneDNN matmuls with fused bias, hands the core to the fused flash kernel
-// (cpu/flash_attention.h, which reads any dtype and layout in place) and
-// converts the result to the requested dtype. Each task is computed on its
-// own, which is what makes results independent of batch composition.
+// The cpu backend: per batch, stacks every task's rows into the projections
+// (oneDNN matmuls over fixed-height chunks, engine/cpu/projection.h), runs
+// the whole batch's attention core in one call of the fused flash kernel
+// (engine/cpu/flash_attention.h) and scatters the output projection into
+// each task's output in its dtype. Fixed chunks and a core that computes each
+// request on its own are what keep results independent of batch composition.
 #include "engine/cpu/cpu_engine.h"
 
+#include <cstring>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "engine/cpu/dnnl_matmul.h"
 #include "engine/cpu/flash_attention.h"
+#include "engine/cpu/projection.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -19,37 +21,20 @@
 namespace attnserve {
 namespace {
 
-using cpu::MatmulCache;
-using cpu::MatmulShape;
-
-// A float32 view of a contiguous tensor: the data itself when it already is
-// FLOAT32, else a converted copy.
-class Float32Input {
- public:
-  explicit Float32Input(const TensorView& t) {
-    if (t.dtype == DType::kFloat32) {
-      data_ = static_cast<const float*>(t.data);
-      return;
-    }
-    copy_.resize(static_cast<size_t>(t.num_elements()));
-    ConvertToFloat(t.dtype, t.data, t.num_elements(), copy_.data());
-    data_ = copy_.data();
-  }
-  const float* data() const { return data_; }
-
- private:
-  std::vector<float> copy_;
-  const float* data_ = nullptr;
-};
+using cpu::AlignedBytes;
+using cpu::ChunkedLinear;
+using cpu::LinearJob;
+using cpu::RowLayout;
 
 class CpuEngine final : public AttentionEngine {
  public:
-  explicit CpuEngine(const EngineOptions& options) : options_(options) {}
+  explicit CpuEngine(const EngineOptions& options)
+      : options_(options), engine_(dnnl::engine::kind::cpu, 0), projections_(engine_) {}
 
   std::string_view name() const override { return "cpu"; }
 
   absl::Status Attend(absl::Span<const AttentionParams> batch) override {
-    return Guarded([&](dnnl::stream&) -> absl::Status {
+    return Guarded([&]() -> absl::Status {
       for (const AttentionParams& p : batch) {
         if (absl::Status s = CheckAttentionParams(p); !s.ok()) return s;
       }
@@ -59,31 +44,33 @@ class CpuEngine final : public AttentionEngine {
   }
 
   absl::Status Run(const AttentionLayer& layer, absl::Span<const AttentionTask> batch) override {
-    return Guarded([&](dnnl::stream& stream) -> absl::Status {
+    return Guarded([&]() -> absl::Status {
+      std::vector<AttentionParams> params;
+      params.reserve(batch.size());
       for (const AttentionTask& task : batch) {
         if (absl::Status s = CheckTask(layer.config, task); !s.ok()) return s;
-        absl::StatusOr<AttentionParams> params = MakeCoreParams(layer.config, task);
-        if (!params.ok()) return params.status();
-        absl::Status s = layer.config.has_projections
-                             ? RunProjected(layer, task, *params, stream)
-                             : cpu::FlashAttention({&*params, 1}, FlashOptionsFor(&layer.config));
-        if (!s.ok()) return s;
+        absl::StatusOr<AttentionParams> p = MakeCoreParams(layer.config, task);
+        if (!p.ok()) return p.status();
+        params.push_back(*p);
       }
-      return absl::OkStatus();
+      if (params.empty()) return absl::OkStatus();
+      if (!layer.config.has_projections) {
+        return cpu::FlashAttention(params, FlashOptionsFor(&layer.config));
+      }
+      return RunProjected(layer, batch, params);
     });
   }
 
  private:
-  // Sets the thread count, makes a stream, and turns anything thrown inside
-  // (oneDNN errors, allocation failures) into a Status.
+  // Sets the thread count and turns anything thrown inside (oneDNN errors,
+  // allocation failures) into a Status.
   template <typename Fn>
   absl::Status Guarded(Fn&& fn) {
 #ifdef _OPENMP
     if (options_.num_threads > 0) omp_set_num_threads(options_.num_threads);
 #endif
     try {
-      dnnl::stream stream(matmuls_.engine());
-      return fn(stream);
+      return fn();
     } catch (const dnnl::error& e) {
       return absl::InternalError(absl::StrCat("cpu engine: oneDNN error: ", e.what()));
     } catch (const std::bad_alloc&) {
@@ -91,6 +78,14 @@ class CpuEngine final : public AttentionEngine {
     } catch (const std::exception& e) {
       return absl::InternalError(absl::StrCat("cpu engine: ", e.what()));
     }
+  }
+
+  int Threads() const {
+#ifdef _OPENMP
+    return options_.num_threads > 0 ? options_.num_threads : omp_get_max_threads();
+#else
+    return 1;
+#endif
   }
 
   // Threads as configured; bf16 products only when the layer's precision
@@ -105,89 +100,143 @@ class CpuEngine final : public AttentionEngine {
     return o;
   }
 
-  // y [rows, N] = x [rows, K] w^T + bias, w in PyTorch Linear layout [N, K].
-  absl::Status Linear(const float* x, int64_t rows, const Tensor& w, const Tensor& bias,
-                      float* y, dnnl::stream& stream) {
-    const int64_t n = w.shape()[0], k = w.shape()[1];
-    MatmulShape shape;
-    shape.src_dims = {rows, k};
-    shape.src_strides = {k, 1};
-    shape.wei_dims = {k, n};
-    shape.wei_strides = {1, k};  // w^T, read in place
-    shape.dst_dims = {rows, n};
-    shape.dst_strides = {n, 1};
-    shape.has_bias = bias.byte_size() != 0;
-    return matmuls_.Execute(shape, x, w.data_as<float>(),
-                            shape.has_bias ? bias.data_as<float>() : nullptr, y, stream);
-  }
+  // nn.MultiheadAttention (batch first) over the whole batch:
+  //  1. projections: self-attention tasks' query rows through one fused
+  //     [Wq; Wk; Wv] linear, cross-attention tasks' query, key and value rows
+  //     through Wq, Wk, Wv; all stacked, in one parallel pass over chunks;
+  //  2. the core of every task in one FlashAttention call, reading heads in
+  //     place from the stacked activations and writing the stacked core output;
+  //  3. the output projection over that, scattered into each task's output.
+  // Activations between the steps are FLOAT32, or BFLOAT16 for bf16 layers.
+  absl::Status RunProjected(const AttentionLayer& layer, absl::Span<const AttentionTask> batch,
+                            std::vector<AttentionParams>& params) {
+    const LayerConfig& c = layer.config;
+    std::shared_ptr<cpu::LayerProjections> projections = projections_.Get(layer);
+    const DType act = projections->activation_dtype();
+    const size_t act_size = DTypeSize(act);
+    const int64_t qf = c.num_heads * c.head_dim, kvf = c.num_kv_heads * c.head_dim;
 
-  // nn.MultiheadAttention (batch first): Q/K/V projections into token layout
-  // [B, L, H*D], the core reading heads in place, then the out projection.
-  absl::Status RunProjected(const AttentionLayer& layer, const AttentionTask& task,
-                            AttentionParams p, dnnl::stream& stream) {
-    const LayerWeights& w = layer.weights;
-    const bool self_attention = task.key.empty();
-    const int64_t q_rows = p.batch * p.q_len, kv_rows = p.batch * p.kv_len;
-    const int64_t q_features = p.num_heads * p.head_dim;
-    const int64_t kv_features = p.num_kv_heads * p.head_dim;
-
-    std::vector<float> q(static_cast<size_t>(q_rows * q_features));
-    std::vector<float> k(static_cast<size_t>(kv_rows * kv_features));
-    std::vector<float> v(static_cast<size_t>(kv_rows * kv_features));
-    {
-      const Float32Input xq(task.query);
-      if (absl::Status s = Linear(xq.data(), q_rows, w.wq, w.bq, q.data(), stream); !s.ok())
-        return s;
-      if (self_attention) {
-        if (absl::Status s = Linear(xq.data(), kv_rows, w.wk, w.bk, k.data(), stream); !s.ok())
-          return s;
-        if (absl::Status s = Linear(xq.data(), kv_rows, w.wv, w.bv, v.data(), stream); !s.ok())
-          return s;
+    std::vector<size_t> self_tasks, cross_tasks;
+    std::vector<int64_t> self_rows, cross_q_rows, cross_kv_rows, all_q_rows;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const AttentionParams& p = params[i];
+      all_q_rows.push_back(p.batch * p.q_len);
+      if (batch[i].key.empty()) {
+        self_tasks.push_back(i);
+        self_rows.push_back(p.batch * p.q_len);
       } else {
-        const Float32Input xk(task.key);
-        if (absl::Status s = Linear(xk.data(), kv_rows, w.wk, w.bk, k.data(), stream); !s.ok())
-          return s;
-        const Float32Input xv(task.value);
-        if (absl::Status s = Linear(xv.data(), kv_rows, w.wv, w.bv, v.data(), stream); !s.ok())
-          return s;
+        cross_tasks.push_back(i);
+        cross_q_rows.push_back(p.batch * p.q_len);
+        cross_kv_rows.push_back(p.batch * p.kv_len);
       }
     }
-
-    std::vector<float> heads_out(static_cast<size_t>(q_rows * q_features));
-    p.dtype = DType::kFloat32;
-    p.out_dtype = DType::kFloat32;
-    p.q = q.data();
-    p.k = k.data();
-    p.v = v.data();
-    p.out = heads_out.data();
-    TokenLayoutStrides(p.num_heads, p.q_len, p.head_dim, &p.q_stride_b, &p.q_stride_h,
-                       &p.q_stride_row);
-    TokenLayoutStrides(p.num_kv_heads, p.kv_len, p.head_dim, &p.k_stride_b, &p.k_stride_h,
-                       &p.k_stride_row);
-    TokenLayoutStrides(p.num_kv_heads, p.kv_len, p.head_dim_v, &p.v_stride_b, &p.v_stride_h,
-                       &p.v_stride_row);
-    TokenLayoutStrides(p.num_heads, p.q_len, p.head_dim_v, &p.o_stride_b, &p.o_stride_h,
-                       &p.o_stride_row);
-    if (absl::Status s = cpu::FlashAttention({&p, 1}, FlashOptionsFor(&layer.config)); !s.ok())
-      return s;
-
-    const DType out_dtype = task.output.dtype;
-    std::vector<float> y;
-    float* y_data = static_cast<float*>(task.output.data);
-    if (out_dtype != DType::kFloat32) {
-      y.resize(static_cast<size_t>(task.output.num_elements()));
-      y_data = y.data();
+    auto get = [&](absl::StatusOr<const ChunkedLinear*> l, const ChunkedLinear** out) {
+      if (l.ok()) *out = *l;
+      return l.status();
+    };
+    const ChunkedLinear *qkv = nullptr, *wq = nullptr, *wk = nullptr, *wv = nullptr,
+                        *wo = nullptr;
+    if (!self_tasks.empty()) {
+      if (absl::Status s = get(projections->qkv(layer), &qkv); !s.ok()) return s;
     }
-    if (absl::Status s = Linear(heads_out.data(), q_rows, w.wo, w.bo, y_data, stream); !s.ok())
-      return s;
-    if (out_dtype != DType::kFloat32) {
-      ConvertFromFloat(y.data(), static_cast<int64_t>(y.size()), out_dtype, task.output.data);
+    if (!cross_tasks.empty()) {
+      if (absl::Status s = get(projections->q(layer), &wq); !s.ok()) return s;
+      if (absl::Status s = get(projections->k(layer), &wk); !s.ok()) return s;
+      if (absl::Status s = get(projections->v(layer), &wv); !s.ok()) return s;
     }
-    return absl::OkStatus();
+    if (absl::Status s = get(projections->o(layer), &wo); !s.ok()) return s;
+
+    // 1. Q/K/V projections into stacked activations.
+    const int64_t qkv_n = qf + 2 * kvf;
+    const RowLayout self_layout = cpu::LayoutRows(self_rows, qkv && !qkv->rows_independent());
+    const RowLayout q_layout = cpu::LayoutRows(cross_q_rows, wq && !wq->rows_independent());
+    const RowLayout k_layout = cpu::LayoutRows(cross_kv_rows, wk && !wk->rows_independent());
+    const RowLayout v_layout = cpu::LayoutRows(cross_kv_rows, wv && !wv->rows_independent());
+    AlignedBytes qkv_buf(self_layout.total * qkv_n * act_size);
+    AlignedBytes q_buf(q_layout.total * qf * act_size);
+    AlignedBytes k_buf(k_layout.total * kvf * act_size);
+    AlignedBytes v_buf(v_layout.total * kvf * act_size);
+
+    std::vector<LinearJob> jobs;
+    auto add_job = [&](const ChunkedLinear* linear, const RowLayout& layout,
+                       const std::vector<size_t>& tasks, const std::vector<int64_t>& rows,
+                       TensorView AttentionTask::*input, const AlignedBytes& out) {
+      if (tasks.empty()) return;
+      LinearJob job;
+      job.linear = linear;
+      job.rows = layout.total;
+      for (size_t t = 0; t < tasks.size(); ++t) {
+        const TensorView& x = batch[tasks[t]].*input;
+        job.in.push_back({layout.offsets[t], rows[t], x.dtype, x.data, x.shape.back()});
+      }
+      job.out.push_back({0, layout.total, act, out.data(), linear->out_features()});
+      jobs.push_back(std::move(job));
+    };
+    add_job(qkv, self_layout, self_tasks, self_rows, &AttentionTask::query, qkv_buf);
+    add_job(wq, q_layout, cross_tasks, cross_q_rows, &AttentionTask::query, q_buf);
+    add_job(wk, k_layout, cross_tasks, cross_kv_rows, &AttentionTask::key, k_buf);
+    add_job(wv, v_layout, cross_tasks, cross_kv_rows, &AttentionTask::value, v_buf);
+    if (absl::Status s = cpu::RunLinearJobs(jobs, engine_, Threads()); !s.ok()) return s;
+
+    // 2. The core over the whole batch, into the stacked core output.
+    const RowLayout o_layout = cpu::LayoutRows(all_q_rows, !wo->rows_independent());
+    AlignedBytes core(o_layout.total * qf * act_size);
+    auto at = [&](const AlignedBytes& buf, int64_t row, int64_t row_elems, int64_t col) {
+      return buf.data() + (row * row_elems + col) * static_cast<int64_t>(act_size);
+    };
+    for (size_t t = 0; t < self_tasks.size(); ++t) {
+      AttentionParams& p = params[self_tasks[t]];
+      const int64_t row = self_layout.offsets[t];
+      p.q = at(qkv_buf, row, qkv_n, 0);
+      p.k = at(qkv_buf, row, qkv_n, qf);
+      p.v = at(qkv_buf, row, qkv_n, qf + kvf);
+      p.q_stride_row = p.k_stride_row = p.v_stride_row = qkv_n;
+      p.q_stride_b = p.q_len * qkv_n;
+      p.k_stride_b = p.v_stride_b = p.kv_len * qkv_n;
+    }
+    for (size_t t = 0; t < cross_tasks.size(); ++t) {
+      AttentionParams& p = params[cross_tasks[t]];
+      p.q = at(q_buf, q_layout.offsets[t], qf, 0);
+      p.k = at(k_buf, k_layout.offsets[t], kvf, 0);
+      p.v = at(v_buf, v_layout.offsets[t], kvf, 0);
+      p.q_stride_row = qf;
+      p.k_stride_row = p.v_stride_row = kvf;
+      p.q_stride_b = p.q_len * qf;
+      p.k_stride_b = p.v_stride_b = p.kv_len * kvf;
+    }
+    int64_t covered = 0;  // rows of `core` the core writes; the rest are zeroed
+    for (size_t i = 0; i < params.size(); ++i) {
+      AttentionParams& p = params[i];
+      p.dtype = act;
+      p.out_dtype = act;
+      p.q_stride_h = p.k_stride_h = p.v_stride_h = c.head_dim;
+      p.out = at(core, o_layout.offsets[i], qf, 0);
+      TokenLayoutStrides(p.num_heads, p.q_len, p.head_dim_v, &p.o_stride_b, &p.o_stride_h,
+                         &p.o_stride_row);
+      const int64_t row = o_layout.offsets[i];
+      if (row > covered) std::memset(at(core, covered, qf, 0), 0, (row - covered) * qf * act_size);
+      covered = row + all_q_rows[i];
+    }
+    if (o_layout.total > covered) {
+      std::memset(at(core, covered, qf, 0), 0, (o_layout.total - covered) * qf * act_size);
+    }
+    if (absl::Status s = cpu::FlashAttention(params, FlashOptionsFor(&c)); !s.ok()) return s;
+
+    // 3. Output projection, scattered into each task's output.
+    LinearJob out_job;
+    out_job.linear = wo;
+    out_job.rows = o_layout.total;
+    out_job.in.push_back({0, o_layout.total, act, core.data(), qf});
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const MutableTensorView& y = batch[i].output;
+      out_job.out.push_back({o_layout.offsets[i], all_q_rows[i], y.dtype, y.data, c.out_dim});
+    }
+    return cpu::RunLinearJobs({&out_job, 1}, engine_, Threads());
   }
 
   const EngineOptions options_;
-  MatmulCache matmuls_;
+  const dnnl::engine engine_;
+  cpu::ProjectionCache projections_;
 };
 
 }  // namespace

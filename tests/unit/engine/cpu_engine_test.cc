@@ -1,7 +1,9 @@
 // The cpu backend against the float64 reference over seeded random cases
 // (every mask kind and broadcast shape, GQA, cross attention, Dv != Dk, each
 // dtype, fully masked rows, need_weights, sdpa and projection layers), plus
-// determinism, batch invariance and concurrent use.
+// determinism, batch invariance and concurrent use; and the stacked
+// projections: a task alone vs among random co-tenants (fp32, bf16 and fp16
+// layers), thread-count invariance, bf16 accuracy, the per-layer cache.
 //
 // Error metric, per tensor: max_i |cpu_i - ref_i| / max(max_i |ref_i|, 1e-30),
 // with the reference computed in float64 and written as FLOAT32. Tolerances by
@@ -18,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -26,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/attention_engine.h"
 #include "engine/cpu/attention_core.h"
+#include "engine/cpu/projection.h"
 #include "engine/model/builtin_models.h"
 #include "engine/reference/reference_engine.h"
 #include "gtest/gtest.h"
@@ -534,6 +538,330 @@ TEST_F(CpuEngineTest, RejectsBadTasksWithoutThrowing) {
   run.task.key_lengths = absl::MakeSpan(too_long, static_cast<size_t>(c.q.shape()[0]));
   const absl::Status s = cpu_->Run(*c.layer, {&run.task, 1});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+}
+
+// --- Stacked projections (engine/cpu/projection.h) ------------------------
+//
+// The cpu backend stacks the rows of every task of a batch into fixed-height
+// chunked matmuls. The tests below put tasks of projection layers (fp32, bf16
+// and fp16 precision) into batches with random co-tenants (other lengths, self
+// and cross attention, masks, dtypes, need_weights) at random positions and
+// require the same bits as the task alone; they also check thread-count
+// invariance and accuracy against the float64 reference.
+//
+// bf16 layers: the reference runs on the same bf16-rounded weights, biases and
+// inputs; the cpu backend additionally rounds Q, K, V, the softmax
+// probabilities and the core output to bf16 (fp32 accumulation), so its error
+// bound is a few bf16 ulps of the largest output: kBf16LayerTolerance.
+constexpr double kBf16LayerTolerance = 2e-2;
+
+// A projection layer whose query, key and value dims are equal (so tasks may
+// be self- or cross-attention), weights drawn from `seed`, NOT rounded to the
+// precision (the engine must do it).
+std::shared_ptr<const AttentionLayer> MakeProjectionLayer(uint32_t seed, int64_t dim,
+                                                          int64_t heads, int64_t kv_heads,
+                                                          int64_t head_dim, int64_t out_dim,
+                                                          Precision precision) {
+  Rng rng(seed);
+  auto layer = std::make_shared<AttentionLayer>();
+  LayerConfig& c = layer->config;
+  c.name = absl::StrCat("proj-", dim, "-", heads, "x", head_dim, "-", static_cast<int>(precision));
+  c.has_projections = true;
+  c.num_heads = heads;
+  c.num_kv_heads = kv_heads;
+  c.head_dim = head_dim;
+  c.embed_dim = heads * head_dim;
+  c.query_dim = c.key_dim = c.value_dim = dim;
+  c.out_dim = out_dim;
+  c.precision = precision;
+  const int64_t qf = heads * head_dim, kvf = kv_heads * head_dim;
+  LayerWeights& w = layer->weights;
+  auto weight = [&](int64_t out, int64_t in) {
+    return RandomTensor(rng, DType::kFloat32, {out, in}, 1.0f / std::sqrt(static_cast<float>(in)));
+  };
+  w.wq = weight(qf, dim);
+  w.bq = RandomTensor(rng, DType::kFloat32, {qf}, 0.5f);
+  w.wk = weight(kvf, dim);  // no bk: a fused QKV with a partial bias
+  w.wv = weight(kvf, dim);
+  w.bv = RandomTensor(rng, DType::kFloat32, {kvf}, 0.5f);
+  w.wo = weight(out_dim, qf);
+  w.bo = RandomTensor(rng, DType::kFloat32, {out_dim}, 0.5f);
+  EXPECT_TRUE(ValidateLayer(*layer).ok());
+  return layer;
+}
+
+// `layer` with another precision (same weights, unrounded).
+std::shared_ptr<const AttentionLayer> WithPrecision(const AttentionLayer& layer,
+                                                    Precision precision) {
+  auto copy = std::make_shared<AttentionLayer>(layer);
+  copy->config.precision = precision;
+  copy->config.name += precision == Precision::kBFloat16 ? "-bf16" : "-fp16";
+  return copy;
+}
+
+float RoundTo(Precision precision, float v) {
+  switch (precision) {
+    case Precision::kBFloat16: return BFloat16ToFloat(FloatToBFloat16(v));
+    case Precision::kFloat16: return HalfToFloat(FloatToHalf(v));
+    case Precision::kFloat32: break;
+  }
+  return v;
+}
+
+Tensor Rounded(const Tensor& t, Precision precision) {
+  if (t.byte_size() == 0 || precision == Precision::kFloat32) return t;
+  Tensor r = t;
+  for (int64_t i = 0; i < r.num_elements(); ++i) {
+    StoreFromFloat(r.dtype(), r.data(), i, RoundTo(precision, LoadAsFloat(t.dtype(), t.data(), i)));
+  }
+  return r;
+}
+
+// What the reference should compute for `c` on the cpu backend: weights and
+// biases rounded to the layer precision, and for bf16 layers the inputs too.
+Case ReferenceCaseFor(const Case& c) {
+  const Precision precision = c.layer->config.precision;
+  if (precision == Precision::kFloat32) return c;
+  auto layer = std::make_shared<AttentionLayer>(*c.layer);
+  LayerWeights& w = layer->weights;
+  for (Tensor* t : {&w.wq, &w.bq, &w.wk, &w.bk, &w.wv, &w.bv, &w.wo, &w.bo}) {
+    *t = Rounded(*t, precision);
+  }
+  Case r = c;
+  r.layer = layer;
+  if (precision == Precision::kBFloat16) {
+    r.q = Rounded(c.q, precision);
+    r.k = Rounded(c.k, precision);
+    r.v = Rounded(c.v, precision);
+  }
+  return r;
+}
+
+// A random task for a projection layer made by MakeProjectionLayer: batch 1-2,
+// 1-max_len tokens, self or cross attention, any input/output dtype, a mask
+// kind, and sometimes weights.
+Case RandomProjectionTask(Rng& rng, const std::shared_ptr<const AttentionLayer>& layer,
+                          int64_t max_len) {
+  const LayerConfig& lc = layer->config;
+  Case c;
+  c.layer = layer;
+  const bool self_attention = rng.Chance(0.5);
+  const int64_t batch = rng.Int(1, 2);
+  const int64_t lq = rng.Int(1, max_len);
+  const int64_t lk = self_attention ? lq : rng.Int(1, max_len);
+  const DType in = rng.Pick<DType>({DType::kFloat32, DType::kFloat16, DType::kBFloat16});
+  c.q = RandomTensor(rng, in, {batch, lq, lc.query_dim}, 1.0f);
+  if (!self_attention) {
+    c.k = RandomTensor(rng, in, {batch, lk, lc.key_dim}, 1.0f);
+    c.v = RandomTensor(rng, in, {batch, lk, lc.value_dim}, 1.0f);
+  }
+  std::string mask_label = "none";
+  switch (rng.Int(0, 4)) {
+    case 1:
+      c.mask = RandomMask(rng, DType::kBool, {batch, 1, lq, lk});
+      mask_label = "bool";
+      break;
+    case 2:
+      c.mask = RandomMask(rng, DType::kFloat32, {lq, lk});
+      mask_label = "additive";
+      break;
+    case 3:
+      for (int64_t b = 0; b < batch; ++b) c.key_lengths.push_back(rng.Int(0, lk));
+      mask_label = "key_lengths";
+      break;
+    case 4:
+      c.causal = true;
+      mask_label = "causal";
+      break;
+    default:
+      break;
+  }
+  c.scale = ResolveScale(lc, 0.0f, lc.head_dim);
+  c.need_weights = rng.Chance(0.25);
+  c.average_weights = c.need_weights && rng.Chance(0.5);
+  c.out_dtype = rng.Pick<DType>({DType::kFloat32, DType::kFloat16, DType::kBFloat16});
+  c.weights_dtype = DType::kFloat32;
+  c.label = absl::StrCat("layer ", lc.name, self_attention ? " self" : " cross", ", query ",
+                         ShapeString(c.q.shape()), ", kv len ", lk, ", in ", DT(in), ", out ",
+                         DT(c.out_dtype), ", mask ", mask_label,
+                         c.need_weights ? ", weights" : "");
+  return c;
+}
+
+// Runs the tasks `order` (indices into `cases`, all of one layer) as one
+// batch; returns each case's {output, weights} at its index (empty tensors
+// for cases not in the batch).
+std::vector<std::pair<Tensor, Tensor>> RunBatch(AttentionEngine& engine,
+                                                const std::vector<Case>& cases,
+                                                const std::vector<size_t>& order) {
+  std::vector<std::unique_ptr<CaseRun>> runs(cases.size());
+  std::vector<AttentionTask> tasks;
+  for (size_t i : order) {
+    runs[i] = std::make_unique<CaseRun>(cases[i], cases[i].out_dtype, cases[i].weights_dtype);
+    tasks.push_back(runs[i]->task);
+  }
+  const absl::Status s = engine.Run(*cases[order[0]].layer, tasks);
+  EXPECT_TRUE(s.ok()) << s;
+  std::vector<std::pair<Tensor, Tensor>> results(cases.size());
+  for (size_t i = 0; i < cases.size(); ++i) {
+    if (runs[i] != nullptr) results[i] = {std::move(runs[i]->out), std::move(runs[i]->weights)};
+  }
+  return results;
+}
+
+class StackedProjectionTest : public CpuEngineTest {
+ protected:
+  // The layers under test: demo-mha and a small odd-sized GQA layer, each in
+  // fp32 and bf16 precision.
+  std::vector<std::shared_ptr<const AttentionLayer>> Layers() {
+    const auto odd = MakeProjectionLayer(31, 24, 3, 1, 8, 10, Precision::kFloat32);
+    return {demo_, WithPrecision(*demo_, Precision::kBFloat16), odd,
+            WithPrecision(*odd, Precision::kBFloat16)};
+  }
+
+  // Pool of random tasks of `layer`; lengths up to 70 tokens so that tasks
+  // span several 32-row chunks and share chunks with their neighbours.
+  std::vector<Case> Pool(const std::shared_ptr<const AttentionLayer>& layer, uint32_t seed,
+                         size_t n) {
+    Rng rng(seed);
+    std::vector<Case> pool;
+    for (size_t i = 0; i < n; ++i) pool.push_back(RandomProjectionTask(rng, layer, 70));
+    return pool;
+  }
+
+  void CheckAccuracy(const Case& c, const Tensor& out, const Tensor& weights) {
+    const Case rc = ReferenceCaseFor(c);
+    CaseRun ref(rc, DType::kFloat32, DType::kFloat32);
+    ASSERT_TRUE(reference_->Run(*rc.layer, {&ref.task, 1}).ok()) << c.label;
+    const bool bf16 = c.layer->config.precision == Precision::kBFloat16;
+    auto check = [&](const char* what, const Tensor& got, const Tensor& want, DType dtype) {
+      if (!bf16) {
+        EXPECT_EQ(Compare(what, AsFloats(got), AsFloats(want), dtype), "") << c.label;
+        return;
+      }
+      const std::vector<float> g = AsFloats(got), w = AsFloats(want);
+      double max_ref = 0.0, max_diff = 0.0;
+      for (size_t i = 0; i < g.size(); ++i) {
+        ASSERT_FALSE(std::isnan(g[i])) << c.label;
+        max_ref = std::max(max_ref, std::fabs(static_cast<double>(w[i])));
+        max_diff = std::max(max_diff, std::fabs(static_cast<double>(g[i]) - w[i]));
+      }
+      EXPECT_LE(max_diff / std::max(max_ref, 1e-30), kBf16LayerTolerance) << what << ", " << c.label;
+    };
+    check("output", out, ref.out, c.out_dtype);
+    if (c.need_weights) check("weights", weights, ref.weights, c.weights_dtype);
+  }
+};
+
+TEST_F(StackedProjectionTest, TaskAloneEqualsTaskAmongRandomCoTenants) {
+  uint32_t seed = 100;
+  for (const auto& layer : Layers()) {
+    const std::vector<Case> pool = Pool(layer, ++seed, 14);
+    std::vector<std::pair<Tensor, Tensor>> alone(pool.size());
+    for (size_t i = 0; i < pool.size(); ++i) {
+      alone[i] = std::move(RunBatch(*cpu_, pool, {i})[i]);
+      CheckAccuracy(pool[i], alone[i].first, alone[i].second);
+    }
+    Rng rng(seed * 7);
+    for (int trial = 0; trial < 12; ++trial) {
+      // A random subset of 2..all tasks in random order.
+      std::vector<size_t> order(pool.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      for (size_t i = order.size() - 1; i > 0; --i) {
+        std::swap(order[i], order[static_cast<size_t>(rng.Int(0, static_cast<int64_t>(i)))]);
+      }
+      order.resize(static_cast<size_t>(rng.Int(2, static_cast<int64_t>(pool.size()))));
+      const auto together = RunBatch(*cpu_, pool, order);
+      for (size_t pos = 0; pos < order.size(); ++pos) {
+        const size_t i = order[pos];
+        EXPECT_TRUE(BitwiseEqual(alone[i].first, together[i].first))
+            << "output of " << pool[i].label << " at position " << pos << " of " << order.size();
+        EXPECT_TRUE(BitwiseEqual(alone[i].second, together[i].second))
+            << "weights of " << pool[i].label << " at position " << pos;
+      }
+    }
+  }
+}
+
+TEST_F(StackedProjectionTest, ResultsDoNotDependOnTheThreadCount) {
+  std::vector<std::unique_ptr<AttentionEngine>> engines;
+  for (int threads : {1, 2, 3}) {
+    absl::StatusOr<std::unique_ptr<AttentionEngine>> e = CreateEngine("cpu", {threads});
+    ASSERT_TRUE(e.ok()) << e.status();
+    engines.push_back(std::move(*e));
+  }
+  uint32_t seed = 200;
+  for (const auto& layer : Layers()) {
+    const std::vector<Case> pool = Pool(layer, ++seed, 10);
+    std::vector<size_t> all(pool.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+    const auto expected = RunBatch(*engines[0], pool, all);
+    for (size_t e = 1; e < engines.size(); ++e) {
+      const auto got = RunBatch(*engines[e], pool, all);
+      for (size_t i = 0; i < pool.size(); ++i) {
+        EXPECT_TRUE(BitwiseEqual(expected[i].first, got[i].first))
+            << "threads " << e + 1 << ", output of " << pool[i].label;
+        EXPECT_TRUE(BitwiseEqual(expected[i].second, got[i].second))
+            << "threads " << e + 1 << ", weights of " << pool[i].label;
+      }
+    }
+  }
+}
+
+TEST_F(StackedProjectionTest, Fp16LayerIsFp32ComputeWithFp16Weights) {
+  // Documented behaviour: fp16 precision rounds weights and biases to fp16
+  // values and computes in fp32 (inputs are not rounded): fp32 tolerance
+  // against a reference on the rounded weights.
+  const auto layer = WithPrecision(*MakeProjectionLayer(41, 24, 3, 1, 8, 10, Precision::kFloat32),
+                                   Precision::kFloat16);
+  const std::vector<Case> pool = Pool(layer, 41, 8);
+  std::vector<size_t> all(pool.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  const auto got = RunBatch(*cpu_, pool, all);
+  for (size_t i = 0; i < pool.size(); ++i) CheckAccuracy(pool[i], got[i].first, got[i].second);
+}
+
+TEST_F(StackedProjectionTest, ANewLayerAtAFreedLayersAddressGetsItsOwnWeights) {
+  // The engine caches prepacked weights by layer address; a layer built in the
+  // same storage after another was destroyed must not see the old weights.
+  std::optional<AttentionLayer> slot;
+  for (uint32_t seed : {51u, 52u, 53u}) {
+    slot.emplace(*MakeProjectionLayer(seed, 24, 3, 1, 8, 10, Precision::kFloat32));
+    // A non-owning shared_ptr: every case of this round uses `slot`'s address.
+    const std::shared_ptr<const AttentionLayer> layer(&*slot, [](const AttentionLayer*) {});
+    const std::vector<Case> pool = Pool(layer, seed, 3);
+    for (size_t i = 0; i < pool.size(); ++i) {
+      const auto got = RunBatch(*cpu_, pool, {i});
+      CheckAccuracy(pool[i], got[i].first, got[i].second);
+    }
+    slot.reset();
+  }
+}
+
+TEST(ChunkedLinearTest, RowsAreIndependentOfTheirPositionInAChunk) {
+  // Not required for correctness (the engine falls back to chunk-aligned
+  // tasks), but expected of oneDNN's kernels on x86; a failure here means the
+  // fallback is the path in use on this CPU.
+  dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  const auto layer = MakeProjectionLayer(61, 24, 3, 1, 8, 10, Precision::kFloat32);
+  for (Precision precision : {Precision::kFloat32, Precision::kBFloat16}) {
+    cpu::LayerProjections projections(engine, precision);
+    for (auto get : {&cpu::LayerProjections::qkv, &cpu::LayerProjections::o}) {
+      absl::StatusOr<const cpu::ChunkedLinear*> linear = (projections.*get)(*layer);
+      ASSERT_TRUE(linear.ok()) << linear.status();
+      EXPECT_TRUE((*linear)->rows_independent());
+    }
+  }
+}
+
+TEST(ChunkedLinearTest, LayoutRowsPacksOrAlignsToChunks) {
+  const cpu::RowLayout packed = cpu::LayoutRows({5, 40, 1}, false);
+  EXPECT_EQ(packed.offsets, (std::vector<int64_t>{0, 5, 45}));
+  EXPECT_EQ(packed.total, 64);
+  const cpu::RowLayout aligned = cpu::LayoutRows({5, 40, 1}, true);
+  EXPECT_EQ(aligned.offsets, (std::vector<int64_t>{0, 32, 96}));
+  EXPECT_EQ(aligned.total, 128);
+  EXPECT_EQ(cpu::LayoutRows({}, false).total, 0);
 }
 
 }  // namespace

@@ -1,0 +1,212 @@
+// The cpu backend's projections: y = x W^T + b as oneDNN matmuls over rows
+// stacked from every task of a batch, cut into fixed-height chunks so that a
+// row's result never depends on what else is in the batch. Internal to engine/cpu.
+#ifndef ATTNSERVE_ENGINE_CPU_PROJECTION_H_
+#define ATTNSERVE_ENGINE_CPU_PROJECTION_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "engine/attention_layer.h"
+#include "engine/tensor.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace attnserve::cpu {
+
+// Rows per chunk. Every chunk of every stacked projection is one
+// single-threaded matmul of exactly this many rows (a short last chunk is
+// zero-padded), so the primitive, its blocking and its summation order are
+// fixed per layer: the batch decides only which chunk and which position a
+// row lands in. 32 rows keep an AVX-512 fp32 or AMX bf16 matmul near its
+// single-core peak while a lone short request wastes at most 31 padded rows.
+inline constexpr int64_t kChunkRows = 32;
+
+// Rows [row0, row0 + rows) of a stacked matrix that live in someone else's
+// buffer: row r at data + (r - row0) * stride elements of `dtype`, its
+// columns contiguous.
+struct RowBlock {
+  int64_t row0 = 0;
+  int64_t rows = 0;
+  DType dtype = DType::kFloat32;
+  const void* data = nullptr;
+  int64_t stride = 0;
+};
+struct MutableRowBlock {
+  int64_t row0 = 0;
+  int64_t rows = 0;
+  DType dtype = DType::kFloat32;
+  void* data = nullptr;
+  int64_t stride = 0;
+};
+
+// y [M, N] = x [M, K] W^T + b for any M, as ceil(M / kChunkRows) matmuls of
+// kChunkRows rows with the weights prepacked (oneDNN's preferred layout) once.
+//
+// Compute types: FLOAT32 everywhere, or (precision kBFloat16) BFLOAT16 x and
+// W with fp32 accumulation and bias, dst in `dst_dtype` (FLOAT32 or
+// BFLOAT16). Precision kFloat16 computes in fp32 with W and b rounded to fp16
+// values.
+//
+// Thread safety: immutable after Create; RunChunk may run concurrently.
+class ChunkedLinear {
+ public:
+  // W = the rows of `weights` stacked ([n_i, K] each, PyTorch Linear layout,
+  // FLOAT32; several = a fused projection such as [Wq; Wk; Wv]); b = the
+  // matching `biases` (an empty Tensor = zeros). Builds and checks the
+  // primitive with one OpenMP thread (see rows_independent()).
+  static absl::StatusOr<std::unique_ptr<const ChunkedLinear>> Create(
+      const dnnl::engine& engine, absl::Span<const Tensor* const> weights,
+      absl::Span<const Tensor* const> biases, Precision precision, DType dst_dtype);
+
+  int64_t in_features() const { return k_; }
+  int64_t out_features() const { return n_; }
+  // Type of x as the matmul reads it: FLOAT32 or BFLOAT16.
+  DType src_dtype() const { return src_dtype_; }
+  DType dst_dtype() const { return dst_dtype_; }
+
+  // Whether a row's output is bitwise the same at every position of a chunk,
+  // checked once at creation by running a chunk whose rows are all equal.
+  // When false, callers start each task's rows at a chunk boundary, so that a
+  // task meets the same primitive at the same positions whatever its batch.
+  bool rows_independent() const { return rows_independent_; }
+
+  // One chunk: src [kChunkRows, K] contiguous in src_dtype(), dst
+  // [kChunkRows, N] contiguous in dst_dtype(). Runs on the calling thread
+  // (callers set the OpenMP thread count to 1 first). `scratchpad` holds
+  // scratchpad_bytes(). Throws dnnl::error.
+  void RunChunk(const void* src, void* dst, void* scratchpad, dnnl::stream& stream) const;
+  size_t scratchpad_bytes() const { return scratchpad_bytes_; }
+
+ private:
+  ChunkedLinear() = default;
+
+  int64_t k_ = 0, n_ = 0;
+  DType src_dtype_ = DType::kFloat32, dst_dtype_ = DType::kFloat32;
+  bool rows_independent_ = true;
+  dnnl::engine engine_;
+  dnnl::matmul primitive_;
+  dnnl::memory::desc src_md_, dst_md_, scratchpad_md_;
+  dnnl::memory weights_, bias_;  // prepacked, owned
+  size_t scratchpad_bytes_ = 0;
+};
+
+// One stacked projection over a batch: `rows` rows (a multiple of
+// kChunkRows) whose inputs are `in` and whose outputs go to `out` (each
+// sorted by row0, not overlapping). Rows that no `in` block covers read as
+// zeros; outputs of rows that no `out` block covers are dropped.
+struct LinearJob {
+  const ChunkedLinear* linear = nullptr;
+  int64_t rows = 0;
+  std::vector<RowBlock> in;
+  std::vector<MutableRowBlock> out;
+};
+
+// Runs every chunk of every job on `threads` OpenMP threads (chunks are
+// handed out dynamically; which thread runs a chunk changes no result: each
+// is the same single-threaded matmul on its own rows). Inputs are converted
+// to the linear's src type while gathered into a 64-byte aligned chunk
+// buffer; an `in` block already in that type with a 64-byte aligned start
+// and rows of exactly K elements is read in place. Errors: Internal (oneDNN)
+// or ResourceExhausted.
+absl::Status RunLinearJobs(absl::Span<const LinearJob> jobs, const dnnl::engine& engine,
+                           int threads);
+
+// An uninitialised, 64-byte aligned byte buffer (stacked activations and
+// per-thread chunk buffers: every chunk then starts 64-byte aligned).
+class AlignedBytes {
+ public:
+  AlignedBytes() = default;
+  explicit AlignedBytes(size_t bytes);  // throws std::bad_alloc
+  unsigned char* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+
+ private:
+  struct Free {
+    void operator()(unsigned char* p) const;
+  };
+  std::unique_ptr<unsigned char, Free> data_;
+  size_t size_ = 0;
+};
+
+// Placement of blocks of rows one after another in a stacked matrix (each
+// at a chunk boundary when `aligned`); `total` is rounded up to kChunkRows.
+struct RowLayout {
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+};
+RowLayout LayoutRows(absl::Span<const int64_t> rows, bool aligned);
+
+// The per-layer state of the projections: the prepacked linears, each built
+// on the first call that needs it and kept for the life of the entry.
+//
+// Thread safety: thread-safe. Getters may block while a linear is built.
+class LayerProjections {
+ public:
+  LayerProjections(const dnnl::engine& engine, Precision precision)
+      : engine_(engine), precision_(precision) {}
+
+  // Activation type between the projections and the attention core:
+  // BFLOAT16 for bf16 layers, FLOAT32 otherwise.
+  DType activation_dtype() const {
+    return precision_ == Precision::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  }
+
+  // The fused [Wq; Wk; Wv] (self-attention), Q, K, V and output linears of
+  // `layer` (the layer this entry was made for; read only while building).
+  absl::StatusOr<const ChunkedLinear*> qkv(const AttentionLayer& layer);
+  absl::StatusOr<const ChunkedLinear*> q(const AttentionLayer& layer);
+  absl::StatusOr<const ChunkedLinear*> k(const AttentionLayer& layer);
+  absl::StatusOr<const ChunkedLinear*> v(const AttentionLayer& layer);
+  absl::StatusOr<const ChunkedLinear*> o(const AttentionLayer& layer);
+
+ private:
+  enum Which { kQkv, kQ, kK, kV, kO, kCount };
+  absl::StatusOr<const ChunkedLinear*> Get(Which which, const AttentionLayer& layer);
+
+  const dnnl::engine engine_;
+  const Precision precision_;
+  absl::Mutex mu_;
+  std::unique_ptr<const ChunkedLinear> linears_[kCount] ABSL_GUARDED_BY(mu_);
+};
+
+// LayerProjections by layer address (AttentionEngine's contract lets an
+// engine key per-layer state so). An entry also records a fingerprint of the
+// layer (dims, precision, weight pointers and a sample of weight values), so
+// a new layer built at a freed layer's address gets a fresh entry instead of
+// the old weights.
+//
+// Thread safety: thread-safe. Entries are shared_ptrs: one replaced or
+// evicted while a call uses it stays alive until that call ends.
+class ProjectionCache {
+ public:
+  // `capacity`: layers kept; the least recently used one is dropped beyond
+  // it (and rebuilt if it comes back).
+  explicit ProjectionCache(const dnnl::engine& engine, size_t capacity = 64)
+      : engine_(engine), capacity_(capacity) {}
+
+  std::shared_ptr<LayerProjections> Get(const AttentionLayer& layer);
+
+ private:
+  struct Entry {
+    uint64_t fingerprint = 0;
+    uint64_t last_use = 0;
+    std::shared_ptr<LayerProjections> projections;
+  };
+
+  const dnnl::engine engine_;
+  const size_t capacity_;
+  absl::Mutex mu_;
+  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<const AttentionLayer*, Entry> entries_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace attnserve::cpu
+
+#endif  // ATTNSERVE_ENGINE_CPU_PROJECTION_H_
