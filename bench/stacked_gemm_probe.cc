@@ -1,16 +1,17 @@
-// stacked_gemm_probe: may a batch's projection GEMMs be stacked (all tokens of
-// all requests in one oneDNN matmul) without breaking bitwise batch
-// invariance, and what does keeping them per request cost? Checks each
-// request's rows of the stacked product against the same request alone, then
-// times per-request vs stacked for a batch like the serving benchmark's.
+// stacked_gemm_probe: what stacking a batch's projection GEMMs costs and buys,
+// and whether it keeps bitwise batch invariance. Compares the cpu engine's
+// chunked stacking (engine/cpu/projection.h: fixed 32-row single-threaded
+// matmuls on prepacked weights) with per-request GEMMs and one stacked GEMM.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
 
 #include "engine/cpu/dnnl_matmul.h"
+#include "engine/cpu/projection.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -18,13 +19,26 @@
 
 namespace {
 
+using attnserve::DType;
+using attnserve::Precision;
+using attnserve::Tensor;
+using attnserve::cpu::ChunkedLinear;
+using attnserve::cpu::LinearJob;
 using attnserve::cpu::MatmulCache;
 using attnserve::cpu::MatmulShape;
 
-// y [rows, n] = x [rows, k] w^T + b, w [n, k] (PyTorch Linear layout), as the
-// cpu engine's projections do it.
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, std::string(s.message()).c_str());
+    std::exit(1);
+  }
+}
+
+// y [rows, n] = x [rows, k] w^T + b with w [n, k] read in place (transposed
+// strides): the cpu engine's projections before chunked stacking.
 void Linear(MatmulCache& cache, dnnl::stream& stream, const float* x, int64_t rows,
-            const float* w, const float* b, int64_t n, int64_t k, float* y) {
+            const Tensor& w, const Tensor& b, float* y) {
+  const int64_t n = w.shape()[0], k = w.shape()[1];
   MatmulShape s;
   s.src_dims = {rows, k};
   s.src_strides = {k, 1};
@@ -33,146 +47,149 @@ void Linear(MatmulCache& cache, dnnl::stream& stream, const float* x, int64_t ro
   s.dst_dims = {rows, n};
   s.dst_strides = {n, 1};
   s.has_bias = true;
-  absl::Status st = cache.Execute(s, x, w, b, y, stream);
-  if (!st.ok()) {
-    std::fprintf(stderr, "matmul: %s\n", std::string(st.message()).c_str());
-    std::exit(1);
-  }
+  Check(cache.Execute(s, x, w.data_as<float>(), b.data_as<float>(), y, stream), "matmul");
 }
 
-// The batch-invariant-by-construction way to stack: fixed chunks of kChunk
-// rows (the tail zero-padded), each one single-threaded matmul of the same
-// shape, chunks spread over threads. Every row then goes through the same
-// kernel with the same reduction order whatever its co-tenants, M or
-// thread count (oneDNN runs single-threaded inside a parallel region).
-constexpr int64_t kChunk = 32;
-void ChunkedLinear(MatmulCache& cache, const float* x, int64_t rows, const float* w,
-                   const float* b, int64_t n, int64_t k, float* y) {
-  const int64_t chunks = (rows + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static)
-  for (int64_t c = 0; c < chunks; ++c) {
-    dnnl::stream stream(cache.engine());
-    const int64_t r0 = c * kChunk, r = std::min(kChunk, rows - r0);
-    if (r == kChunk) {
-      Linear(cache, stream, x + r0 * k, kChunk, w, b, n, k, y + r0 * n);
-    } else {
-      std::vector<float> xin(kChunk * k, 0.0f), yout(kChunk * n);
-      std::memcpy(xin.data(), x + r0 * k, r * k * sizeof(float));
-      Linear(cache, stream, xin.data(), kChunk, w, b, n, k, yout.data());
-      std::memcpy(y + r0 * n, yout.data(), r * n * sizeof(float));
-    }
+// The engine's way: the requests' rows stacked, in chunks.
+void Chunked(const ChunkedLinear& linear, const dnnl::engine& engine, const float* x,
+             const std::vector<int64_t>& rows, float* y, int threads) {
+  const attnserve::cpu::RowLayout layout = attnserve::cpu::LayoutRows(rows, false);
+  LinearJob job;
+  job.linear = &linear;
+  job.rows = layout.total;
+  int64_t done = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    job.in.push_back({layout.offsets[i], rows[i], DType::kFloat32, x + done * linear.in_features(),
+                      linear.in_features()});
+    job.out.push_back({layout.offsets[i], rows[i], DType::kFloat32,
+                       y + done * linear.out_features(), linear.out_features()});
+    done += rows[i];
   }
+  Check(attnserve::cpu::RunLinearJobs({&job, 1}, engine, threads), "chunked");
+}
+
+Tensor RandomTensor(std::mt19937& rng, attnserve::Shape shape, float scale) {
+  std::normal_distribution<float> normal;
+  Tensor t(DType::kFloat32, std::move(shape));
+  for (int64_t i = 0; i < t.num_elements(); ++i) t.data_as<float>()[i] = normal(rng) * scale;
+  return t;
 }
 
 double Seconds(std::chrono::steady_clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
 
+template <typename Fn>
+double TimeIt(int reps, Fn&& fn) {
+  for (int warm = 0; warm < 5; ++warm) fn();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int rep = 0; rep < reps; ++rep) fn();
+  return Seconds(std::chrono::steady_clock::now() - t0) / reps;
+}
+
 }  // namespace
 
 int main() {
-  constexpr int64_t kIn = 512, kOut = 512;  // demo-mha's Q projection
+  constexpr int64_t kDim = 512;  // demo-mha: E 512, Q/K/V/O all 512 -> 512
   std::mt19937 rng(1);
-  std::normal_distribution<float> normal;
-  std::vector<float> w(kIn * kOut), b(kOut);
-  for (float& v : w) v = normal(rng) * 0.05f;
-  for (float& v : b) v = normal(rng);
+  const Tensor wq = RandomTensor(rng, {kDim, kDim}, 0.05f), wk = RandomTensor(rng, {kDim, kDim}, 0.05f);
+  const Tensor wv = RandomTensor(rng, {kDim, kDim}, 0.05f), wo = RandomTensor(rng, {kDim, kDim}, 0.05f);
+  const Tensor bq = RandomTensor(rng, {kDim}, 1.0f), bk = RandomTensor(rng, {kDim}, 1.0f);
+  const Tensor bv = RandomTensor(rng, {kDim}, 1.0f), bo = RandomTensor(rng, {kDim}, 1.0f);
   MatmulCache cache;
   dnnl::stream stream(cache.engine());
-
-  // 1. Invariance: random batches of requests of 1..64 tokens; each
-  //    request's rows of the stacked product vs the request alone.
-  int checked = 0, differing = 0;
-  std::uniform_int_distribution<int> len(1, 64), count(2, 32);
-  for (int trial = 0; trial < 200; ++trial) {
-    const int n = count(rng);
-    std::vector<int64_t> rows(n), offset(n);
-    int64_t total = 0;
-    for (int i = 0; i < n; ++i) {
-      rows[i] = len(rng);
-      offset[i] = total;
-      total += rows[i];
-    }
-    std::vector<float> x(total * kIn), stacked(total * kOut);
-    for (float& v : x) v = normal(rng);
-    Linear(cache, stream, x.data(), total, w.data(), b.data(), kOut, kIn, stacked.data());
-    for (int i = 0; i < n; ++i) {
-      std::vector<float> alone(rows[i] * kOut);
-      Linear(cache, stream, x.data() + offset[i] * kIn, rows[i], w.data(), b.data(), kOut, kIn,
-             alone.data());
-      ++checked;
-      if (std::memcmp(alone.data(), stacked.data() + offset[i] * kOut,
-                      alone.size() * sizeof(float)) != 0) {
-        ++differing;
-      }
-    }
-  }
-  std::printf("invariance: %d of %d requests differ bitwise between stacked and alone\n",
-              differing, checked);
-
-  // 1b. The chunked stacking against a lone request run the same way.
-  checked = differing = 0;
-  for (int trial = 0; trial < 200; ++trial) {
-    const int n = count(rng);
-    std::vector<int64_t> rows(n), offset(n);
-    int64_t total = 0;
-    for (int i = 0; i < n; ++i) {
-      rows[i] = len(rng);
-      offset[i] = total;
-      total += rows[i];
-    }
-    std::vector<float> x(total * kIn), stacked(total * kOut);
-    for (float& v : x) v = normal(rng);
-    ChunkedLinear(cache, x.data(), total, w.data(), b.data(), kOut, kIn, stacked.data());
-    for (int i = 0; i < n; ++i) {
-      std::vector<float> alone(rows[i] * kOut);
-      ChunkedLinear(cache, x.data() + offset[i] * kIn, rows[i], w.data(), b.data(), kOut, kIn,
-                    alone.data());
-      ++checked;
-      differing += std::memcmp(alone.data(), stacked.data() + offset[i] * kOut,
-                               alone.size() * sizeof(float)) != 0;
-    }
-  }
-  std::printf("invariance (chunked): %d of %d requests differ bitwise\n", differing, checked);
-
-  // 2. Cost: 32 requests of 16 tokens (the serving benchmark's batch), per
-  //    request vs stacked, Q/K/V/O shaped (4 projections).
-  constexpr int kRequests = 32, kTokens = 16, kReps = 200;
-  std::vector<float> x(kRequests * kTokens * kIn), y(kRequests * kTokens * kOut);
-  for (float& v : x) v = normal(rng);
-  auto time_it = [&](int mode) {  // 0 per request, 1 stacked, 2 chunked
-    for (int warm = 0; warm < 10; ++warm) {
-      Linear(cache, stream, x.data(), kRequests * kTokens, w.data(), b.data(), kOut, kIn, y.data());
-    }
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int rep = 0; rep < kReps; ++rep) {
-      for (int proj = 0; proj < 4; ++proj) {
-        if (mode == 1) {
-          Linear(cache, stream, x.data(), kRequests * kTokens, w.data(), b.data(), kOut, kIn,
-                 y.data());
-        } else if (mode == 2) {
-          ChunkedLinear(cache, x.data(), kRequests * kTokens, w.data(), b.data(), kOut, kIn,
-                        y.data());
-        } else {
-          for (int r = 0; r < kRequests; ++r) {
-            Linear(cache, stream, x.data() + r * kTokens * kIn, kTokens, w.data(), b.data(), kOut,
-                   kIn, y.data() + r * kTokens * kOut);
-          }
-        }
-      }
-    }
-    return Seconds(std::chrono::steady_clock::now() - t0) / kReps;
-  };
-  const double per_request = time_it(0), stacked = time_it(1), chunked = time_it(2);
   int threads = 1;
 #ifdef _OPENMP
   threads = omp_get_max_threads();
 #endif
-  std::printf("projections of %d x %d tokens (4 x [%lld -> %lld]), %d threads: per request "
-              "%.1f us, stacked %.1f us, chunked %.1f us; per-request cost %.2fx of stacked, "
-              "%.2fx of chunked\n",
-              kRequests, kTokens, static_cast<long long>(kIn), static_cast<long long>(kOut),
-              threads, per_request * 1e6, stacked * 1e6, chunked * 1e6, per_request / stacked,
-              per_request / chunked);
+  auto make = [&](std::vector<const Tensor*> w, std::vector<const Tensor*> b, Precision p) {
+    auto l = ChunkedLinear::Create(cache.engine(), w, b, p, DType::kFloat32);
+    Check(l.status(), "ChunkedLinear");
+    return std::move(*l);
+  };
+  const auto qkv = make({&wq, &wk, &wv}, {&bq, &bk, &bv}, Precision::kFloat32);
+  const auto out = make({&wo}, {&bo}, Precision::kFloat32);
+  const auto qkv_bf16 = make({&wq, &wk, &wv}, {&bq, &bk, &bv}, Precision::kBFloat16);
+  const auto out_bf16 = make({&wo}, {&bo}, Precision::kBFloat16);
+  std::printf("chunked primitives: rows independent of their position in a chunk: %s\n",
+              qkv->rows_independent() && out->rows_independent() && qkv_bf16->rows_independent() &&
+                      out_bf16->rows_independent()
+                  ? "yes"
+                  : "NO (the engine aligns tasks to chunks)");
+
+  // 1. Invariance: random batches of 2-32 requests of 1-64 tokens; each
+  //    request's rows of the stacked product vs the request alone, for one
+  //    stacked GEMM and for the engine's chunks (fp32 and bf16).
+  std::uniform_int_distribution<int> len(1, 64), count(2, 32);
+  int checked = 0, differ_stacked = 0, differ_chunked = 0, differ_bf16 = 0;
+  for (int trial = 0; trial < 100; ++trial) {
+    const int n = count(rng);
+    std::vector<int64_t> rows(n), offset(n);
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) {
+      rows[i] = len(rng);
+      offset[i] = total;
+      total += rows[i];
+    }
+    const Tensor x = RandomTensor(rng, {total, kDim}, 1.0f);
+    std::vector<float> stacked(total * kDim), chunked(total * 3 * kDim), bf16(total * 3 * kDim);
+    Linear(cache, stream, x.data_as<float>(), total, wq, bq, stacked.data());
+    Chunked(*qkv, cache.engine(), x.data_as<float>(), rows, chunked.data(), threads);
+    Chunked(*qkv_bf16, cache.engine(), x.data_as<float>(), rows, bf16.data(), threads);
+    for (int i = 0; i < n; ++i) {
+      const float* xi = x.data_as<float>() + offset[i] * kDim;
+      std::vector<float> alone(rows[i] * kDim), alone3(rows[i] * 3 * kDim);
+      Linear(cache, stream, xi, rows[i], wq, bq, alone.data());
+      differ_stacked += std::memcmp(alone.data(), stacked.data() + offset[i] * kDim,
+                                    alone.size() * sizeof(float)) != 0;
+      Chunked(*qkv, cache.engine(), xi, {rows[i]}, alone3.data(), threads);
+      differ_chunked += std::memcmp(alone3.data(), chunked.data() + offset[i] * 3 * kDim,
+                                    alone3.size() * sizeof(float)) != 0;
+      Chunked(*qkv_bf16, cache.engine(), xi, {rows[i]}, alone3.data(), threads);
+      differ_bf16 += std::memcmp(alone3.data(), bf16.data() + offset[i] * 3 * kDim,
+                                 alone3.size() * sizeof(float)) != 0;
+      ++checked;
+    }
+  }
+  std::printf("invariance (%d requests in 100 random batches, %d threads): differ bitwise from "
+              "alone: one stacked GEMM %d, chunked fp32 %d, chunked bf16 %d\n",
+              checked, threads, differ_stacked, differ_chunked, differ_bf16);
+
+  // 2. Cost of demo-mha's four projections (Q, K, V, O: 4 x [512 -> 512])
+  //    over 32 requests of 16 tokens, and over one request alone.
+  for (int requests : {32, 1}) {
+    constexpr int64_t kTokens = 16;
+    const int64_t total = requests * kTokens;
+    const Tensor x = RandomTensor(rng, {total, kDim}, 1.0f);
+    std::vector<float> y(total * 3 * kDim);
+    const std::vector<int64_t> rows(requests, kTokens);
+    const float* xp = x.data_as<float>();
+    const int reps = requests == 1 ? 400 : 40;
+    const double per_request = TimeIt(reps, [&] {
+      for (const Tensor* w : {&wq, &wk, &wv, &wo}) {
+        for (int r = 0; r < requests; ++r) {
+          Linear(cache, stream, xp + r * kTokens * kDim, kTokens, *w, bq, y.data() + r * kTokens * kDim);
+        }
+      }
+    });
+    const double stacked = TimeIt(reps, [&] {
+      for (const Tensor* w : {&wq, &wk, &wv, &wo}) Linear(cache, stream, xp, total, *w, bq, y.data());
+    });
+    const double chunked = TimeIt(reps, [&] {
+      Chunked(*qkv, cache.engine(), xp, rows, y.data(), threads);
+      Chunked(*out, cache.engine(), xp, rows, y.data(), threads);
+    });
+    const double chunked_bf16 = TimeIt(reps, [&] {
+      Chunked(*qkv_bf16, cache.engine(), xp, rows, y.data(), threads);
+      Chunked(*out_bf16, cache.engine(), xp, rows, y.data(), threads);
+    });
+    const double gflop = 2.0 * total * kDim * kDim * 4 / 1e9;
+    std::printf("%2d x %lld tokens, 4 x [%lld -> %lld], %d threads: per request %8.1f us, one "
+                "stacked GEMM %8.1f us, engine chunks fp32 %8.1f us (%.0f GFLOP/s), bf16 %8.1f us "
+                "(%.0f GFLOP/s)\n",
+                requests, static_cast<long long>(kTokens), static_cast<long long>(kDim),
+                static_cast<long long>(kDim), threads, per_request * 1e6, stacked * 1e6,
+                chunked * 1e6, gflop / chunked, chunked_bf16 * 1e6, gflop / chunked_bf16);
+  }
   return 0;
 }
