@@ -103,7 +103,8 @@ int main() {
   threads = omp_get_max_threads();
 #endif
   auto make = [&](std::vector<const Tensor*> w, std::vector<const Tensor*> b, Precision p) {
-    auto l = ChunkedLinear::Create(cache.engine(), w, b, p, DType::kFloat32);
+    const DType compute = p == Precision::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+    auto l = ChunkedLinear::Create(cache.engine(), w, b, p, compute, DType::kFloat32);
     Check(l.status(), "ChunkedLinear");
     return std::move(*l);
   };

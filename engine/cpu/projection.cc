@@ -235,7 +235,8 @@ void AlignedBytes::Free::operator()(unsigned char* p) const { std::free(p); }
 
 absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
     const dnnl::engine& engine, absl::Span<const Tensor* const> weights,
-    absl::Span<const Tensor* const> biases, Precision precision, DType dst_dtype) {
+    absl::Span<const Tensor* const> biases, Precision rounding, DType compute_dtype,
+    DType dst_dtype) {
   if (weights.empty() || weights.size() != biases.size()) {
     return absl::InternalError("ChunkedLinear: one bias (maybe empty) per weight required");
   }
@@ -263,7 +264,7 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
   auto linear = std::unique_ptr<ChunkedLinear>(new ChunkedLinear());
   linear->k_ = k;
   linear->n_ = n;
-  linear->src_dtype_ = precision == Precision::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  linear->src_dtype_ = compute_dtype == DType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
   linear->dst_dtype_ = dst_dtype;
   linear->engine_ = engine;
 
@@ -281,11 +282,11 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
       const Tensor& w = *weights[i];
       const int64_t count = w.num_elements();
       rounded.assign(w.data_as<float>(), w.data_as<float>() + count);
-      for (float& v : rounded) v = RoundTo(precision, v);
+      for (float& v : rounded) v = RoundTo(rounding, v);
       Convert(rounded.data(), DType::kFloat32, count, user.data() + row * k * DTypeSize(wdt), wdt);
       if (biases[i]->byte_size() != 0) {
         const float* b = biases[i]->data_as<float>();
-        for (int64_t j = 0; j < w.shape()[0]; ++j) bias[row + j] = RoundTo(precision, b[j]);
+        for (int64_t j = 0; j < w.shape()[0]; ++j) bias[row + j] = RoundTo(rounding, b[j]);
       }
       row += static_cast<size_t>(w.shape()[0]);
     }
@@ -470,18 +471,17 @@ absl::StatusOr<const ChunkedLinear*> LayerProjections::Get(Which which,
   const LayerWeights& w = layer.weights;
   const DType act = activation_dtype();
   absl::StatusOr<std::unique_ptr<const ChunkedLinear>> made;
+  auto create = [&](std::initializer_list<const Tensor*> weights,
+                    std::initializer_list<const Tensor*> biases, DType dst) {
+    made = ChunkedLinear::Create(engine_, weights, biases, precision_, act, dst);
+  };
   switch (which) {
-    case kQkv:
-      made = ChunkedLinear::Create(engine_, {&w.wq, &w.wk, &w.wv}, {&w.bq, &w.bk, &w.bv},
-                                   precision_, act);
-      break;
-    case kQ: made = ChunkedLinear::Create(engine_, {&w.wq}, {&w.bq}, precision_, act); break;
-    case kK: made = ChunkedLinear::Create(engine_, {&w.wk}, {&w.bk}, precision_, act); break;
-    case kV: made = ChunkedLinear::Create(engine_, {&w.wv}, {&w.bv}, precision_, act); break;
-    case kO:
-      // fp32 out: the task's output dtype is applied when rows are scattered.
-      made = ChunkedLinear::Create(engine_, {&w.wo}, {&w.bo}, precision_, DType::kFloat32);
-      break;
+    case kQkv: create({&w.wq, &w.wk, &w.wv}, {&w.bq, &w.bk, &w.bv}, act); break;
+    case kQ: create({&w.wq}, {&w.bq}, act); break;
+    case kK: create({&w.wk}, {&w.bk}, act); break;
+    case kV: create({&w.wv}, {&w.bv}, act); break;
+    // fp32 out: the task's output dtype is applied when rows are scattered.
+    case kO: create({&w.wo}, {&w.bo}, DType::kFloat32); break;
     case kCount: break;
   }
   if (!made.ok()) return made.status();
@@ -496,7 +496,9 @@ std::shared_ptr<LayerProjections> ProjectionCache::Get(const AttentionLayer& lay
   entry.last_use = ++clock_;
   if (entry.projections == nullptr || entry.fingerprint != fingerprint) {
     entry.fingerprint = fingerprint;
-    entry.projections = std::make_shared<LayerProjections>(engine_, layer.config.precision);
+    const CpuFeatures& cpu = GetCpuFeatures();
+    entry.projections = std::make_shared<LayerProjections>(engine_, layer.config.precision,
+                                                           cpu.avx512_bf16 || cpu.amx_bf16);
   }
   std::shared_ptr<LayerProjections> result = entry.projections;
   if (entries_.size() > capacity_) {

@@ -49,10 +49,10 @@ struct MutableRowBlock {
 // y [M, N] = x [M, K] W^T + b for any M, as ceil(M / kChunkRows) matmuls of
 // kChunkRows rows with the weights prepacked (oneDNN's preferred layout) once.
 //
-// Compute types: FLOAT32 everywhere, or (precision kBFloat16) BFLOAT16 x and
-// W with fp32 accumulation and bias, dst in `dst_dtype` (FLOAT32 or
-// BFLOAT16). Precision kFloat16 computes in fp32 with W and b rounded to fp16
-// values.
+// W and b are first rounded to `rounding` (bf16 or fp16 values; exact when
+// the weight loader already did it). x and W then enter the matmul as
+// `compute_dtype` (FLOAT32, or BFLOAT16 with fp32 accumulation and an fp32
+// bias); dst is `dst_dtype` (FLOAT32 or BFLOAT16).
 //
 // Thread safety: immutable after Create; RunChunk may run concurrently.
 class ChunkedLinear {
@@ -63,7 +63,8 @@ class ChunkedLinear {
   // primitive with one OpenMP thread (see rows_independent()).
   static absl::StatusOr<std::unique_ptr<const ChunkedLinear>> Create(
       const dnnl::engine& engine, absl::Span<const Tensor* const> weights,
-      absl::Span<const Tensor* const> biases, Precision precision, DType dst_dtype);
+      absl::Span<const Tensor* const> biases, Precision rounding, DType compute_dtype,
+      DType dst_dtype);
 
   int64_t in_features() const { return k_; }
   int64_t out_features() const { return n_; }
@@ -149,14 +150,19 @@ RowLayout LayoutRows(absl::Span<const int64_t> rows, bool aligned);
 // Thread safety: thread-safe. Getters may block while a linear is built.
 class LayerProjections {
  public:
-  LayerProjections(const dnnl::engine& engine, Precision precision)
-      : engine_(engine), precision_(precision) {}
+  // `bf16_compute`: whether a bf16 layer's matmuls take bf16 operands
+  // (ProjectionCache says yes when the CPU has AVX512_BF16 or AMX; oneDNN
+  // 2.6 would emulate bf16 elsewhere, slower than fp32). Without it a bf16
+  // layer computes in fp32 on bf16-rounded weights.
+  LayerProjections(const dnnl::engine& engine, Precision precision, bool bf16_compute)
+      : engine_(engine),
+        precision_(precision),
+        activation_dtype_(precision == Precision::kBFloat16 && bf16_compute ? DType::kBFloat16
+                                                                            : DType::kFloat32) {}
 
-  // Activation type between the projections and the attention core:
-  // BFLOAT16 for bf16 layers, FLOAT32 otherwise.
-  DType activation_dtype() const {
-    return precision_ == Precision::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
-  }
+  // Activation type of the matmuls and between the projections and the
+  // attention core: BFLOAT16 for bf16 layers with bf16 compute, else FLOAT32.
+  DType activation_dtype() const { return activation_dtype_; }
 
   // The fused [Wq; Wk; Wv] (self-attention), Q, K, V and output linears of
   // `layer` (the layer this entry was made for; read only while building).
@@ -172,6 +178,7 @@ class LayerProjections {
 
   const dnnl::engine engine_;
   const Precision precision_;
+  const DType activation_dtype_;
   absl::Mutex mu_;
   std::unique_ptr<const ChunkedLinear> linears_[kCount] ABSL_GUARDED_BY(mu_);
 };

@@ -808,6 +808,31 @@ TEST_F(StackedProjectionTest, ResultsDoNotDependOnTheThreadCount) {
   }
 }
 
+TEST_F(StackedProjectionTest, ConcurrentFirstCallsOnAFreshEngineGiveTheSameBits) {
+  // Several threads race to prepare the same layer (prepacked weights are
+  // built on first use under the layer's lock) and then run it together.
+  for (const auto& layer : {demo_, WithPrecision(*demo_, Precision::kBFloat16)}) {
+    const std::vector<Case> pool = Pool(layer, 300, 6);
+    std::vector<size_t> all(pool.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+    const auto expected = RunBatch(*cpu_, pool, all);
+    absl::StatusOr<std::unique_ptr<AttentionEngine>> fresh = CreateEngine("cpu");
+    ASSERT_TRUE(fresh.ok());
+    std::vector<std::vector<std::pair<Tensor, Tensor>>> results(4);
+    std::vector<std::thread> threads;
+    for (size_t t = 0; t < results.size(); ++t) {
+      threads.emplace_back([&, t] { results[t] = RunBatch(**fresh, pool, all); });
+    }
+    for (std::thread& th : threads) th.join();
+    for (const auto& r : results) {
+      for (size_t i = 0; i < pool.size(); ++i) {
+        EXPECT_TRUE(BitwiseEqual(r[i].first, expected[i].first)) << pool[i].label;
+        EXPECT_TRUE(BitwiseEqual(r[i].second, expected[i].second)) << pool[i].label;
+      }
+    }
+  }
+}
+
 TEST_F(StackedProjectionTest, Fp16LayerIsFp32ComputeWithFp16Weights) {
   // Documented behaviour: fp16 precision rounds weights and biases to fp16
   // values and computes in fp32 (inputs are not rounded): fp32 tolerance
@@ -845,13 +870,48 @@ TEST(ChunkedLinearTest, RowsAreIndependentOfTheirPositionInAChunk) {
   dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   const auto layer = MakeProjectionLayer(61, 24, 3, 1, 8, 10, Precision::kFloat32);
   for (Precision precision : {Precision::kFloat32, Precision::kBFloat16}) {
-    cpu::LayerProjections projections(engine, precision);
+    cpu::LayerProjections projections(engine, precision, /*bf16_compute=*/true);
     for (auto get : {&cpu::LayerProjections::qkv, &cpu::LayerProjections::o}) {
       absl::StatusOr<const cpu::ChunkedLinear*> linear = (projections.*get)(*layer);
       ASSERT_TRUE(linear.ok()) << linear.status();
       EXPECT_TRUE((*linear)->rows_independent());
     }
   }
+}
+
+TEST(ChunkedLinearTest, RoundsWeightsToThePrecisionThenComputesInTheComputeType) {
+  // A bf16 or fp16 layer computed in fp32 (fp16 always; bf16 on CPUs without
+  // AVX512_BF16/AMX) is bitwise an fp32 linear on pre-rounded weights.
+  dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  Rng rng(71);
+  const Tensor w = RandomTensor(rng, DType::kFloat32, {40, 24}, 0.3f);
+  const Tensor b = RandomTensor(rng, DType::kFloat32, {40}, 0.5f);
+  const Tensor x = RandomTensor(rng, DType::kFloat32, {45, 24}, 1.0f);
+  auto run = [&](const cpu::ChunkedLinear& linear) {
+    Tensor y(DType::kFloat32, {45, 40});
+    cpu::LinearJob job;
+    job.linear = &linear;
+    job.rows = 64;
+    job.in.push_back({0, 45, DType::kFloat32, x.data(), 24});
+    job.out.push_back({0, 45, DType::kFloat32, y.data(), 40});
+    EXPECT_TRUE(cpu::RunLinearJobs({&job, 1}, engine, 2).ok());
+    return y;
+  };
+  for (Precision precision : {Precision::kBFloat16, Precision::kFloat16}) {
+    const Tensor wr = Rounded(w, precision), br = Rounded(b, precision);
+    auto rounded = cpu::ChunkedLinear::Create(engine, {&w}, {&b}, precision, DType::kFloat32,
+                                              DType::kFloat32);
+    auto plain = cpu::ChunkedLinear::Create(engine, {&wr}, {&br}, Precision::kFloat32,
+                                            DType::kFloat32, DType::kFloat32);
+    ASSERT_TRUE(rounded.ok() && plain.ok());
+    EXPECT_TRUE(BitwiseEqual(run(**rounded), run(**plain)));
+  }
+  EXPECT_EQ(cpu::LayerProjections(engine, Precision::kBFloat16, false).activation_dtype(),
+            DType::kFloat32);
+  EXPECT_EQ(cpu::LayerProjections(engine, Precision::kBFloat16, true).activation_dtype(),
+            DType::kBFloat16);
+  EXPECT_EQ(cpu::LayerProjections(engine, Precision::kFloat16, true).activation_dtype(),
+            DType::kFloat32);
 }
 
 TEST(ChunkedLinearTest, LayoutRowsPacksOrAlignsToChunks) {
