@@ -107,7 +107,8 @@ class CpuEngine final : public AttentionEngine {
   //  2. the core of every task in one FlashAttention call, reading heads in
   //     place from the stacked activations and writing the stacked core output;
   //  3. the output projection over that, scattered into each task's output.
-  // Activations between the steps are FLOAT32, or BFLOAT16 for bf16 layers.
+  // Activations between the steps are FLOAT32, or BFLOAT16 for bf16 layers on
+  // CPUs with bf16 matmuls (LayerProjections::activation_dtype).
   absl::Status RunProjected(const AttentionLayer& layer, absl::Span<const AttentionTask> batch,
                             std::vector<AttentionParams>& params) {
     const LayerConfig& c = layer.config;

@@ -22,8 +22,9 @@ namespace attnserve {
 //
 // Precision: fp32 layers compute in fp32. bf16 layers feed bf16 weights and
 // activations (inputs, Q/K/V, core output) to the matmuls and the core, with
-// fp32 accumulation. fp16 layers compute in fp32 on weights and biases
-// rounded to fp16 values.
+// fp32 accumulation, on CPUs with AVX512_BF16 or AMX; elsewhere their
+// matmuls compute in fp32 on bf16-rounded weights. fp16 layers compute in
+// fp32 on weights and biases rounded to fp16 values (inputs not rounded).
 //
 // Per-layer state (prepacked weights, primitives) is built on the first call
 // that needs it and cached by the layer's address, with a fingerprint of its
