@@ -53,7 +53,7 @@ void Linear(MatmulCache& cache, dnnl::stream& stream, const float* x, int64_t ro
 // The engine's way: the requests' rows stacked, in chunks.
 void Chunked(const ChunkedLinear& linear, const dnnl::engine& engine, const float* x,
              const std::vector<int64_t>& rows, float* y, int threads) {
-  const attnserve::cpu::RowLayout layout = attnserve::cpu::LayoutRows(rows, false);
+  const attnserve::cpu::RowLayout layout = attnserve::cpu::LayoutRowsFor(linear, rows);
   LinearJob job;
   job.linear = &linear;
   job.rows = layout.total;

@@ -149,10 +149,13 @@ class CpuEngine final : public AttentionEngine {
 
     // 1. Q/K/V projections into stacked activations.
     const int64_t qkv_n = qf + 2 * kvf;
-    const RowLayout self_layout = cpu::LayoutRows(self_rows, qkv && !qkv->rows_independent());
-    const RowLayout q_layout = cpu::LayoutRows(cross_q_rows, wq && !wq->rows_independent());
-    const RowLayout k_layout = cpu::LayoutRows(cross_kv_rows, wk && !wk->rows_independent());
-    const RowLayout v_layout = cpu::LayoutRows(cross_kv_rows, wv && !wv->rows_independent());
+    auto layout = [](const ChunkedLinear* linear, const std::vector<int64_t>& rows) {
+      return linear != nullptr ? cpu::LayoutRowsFor(*linear, rows) : RowLayout{};
+    };
+    const RowLayout self_layout = layout(qkv, self_rows);
+    const RowLayout q_layout = layout(wq, cross_q_rows);
+    const RowLayout k_layout = layout(wk, cross_kv_rows);
+    const RowLayout v_layout = layout(wv, cross_kv_rows);
     AlignedBytes qkv_buf(self_layout.total * qkv_n * act_size);
     AlignedBytes q_buf(q_layout.total * qf * act_size);
     AlignedBytes k_buf(k_layout.total * kvf * act_size);
@@ -180,7 +183,7 @@ class CpuEngine final : public AttentionEngine {
     if (absl::Status s = cpu::RunLinearJobs(jobs, engine_, Threads()); !s.ok()) return s;
 
     // 2. The core over the whole batch, into the stacked core output.
-    const RowLayout o_layout = cpu::LayoutRows(all_q_rows, !wo->rows_independent());
+    const RowLayout o_layout = cpu::LayoutRowsFor(*wo, all_q_rows);
     AlignedBytes core(o_layout.total * qf * act_size);
     auto at = [&](const AlignedBytes& buf, int64_t row, int64_t row_elems, int64_t col) {
       return buf.data() + (row * row_elems + col) * static_cast<int64_t>(act_size);

@@ -144,7 +144,7 @@ void RunChunkOf(const LinearJob& job, int64_t chunk, unsigned char* src_buf,
                 unsigned char* dst_buf, unsigned char* scratchpad, dnnl::stream& stream) {
   const ChunkedLinear& lin = *job.linear;
   const int64_t k = lin.in_features(), n = lin.out_features();
-  const int64_t r0 = chunk * kChunkRows, r1 = r0 + kChunkRows;
+  const int64_t r0 = chunk * lin.chunk_rows(), r1 = r0 + lin.chunk_rows();
   const DType sdt = lin.src_dtype(), ddt = lin.dst_dtype();
   const size_t s_row = static_cast<size_t>(k) * DTypeSize(sdt);
   const size_t d_row = static_cast<size_t>(n) * DTypeSize(ddt);
@@ -267,6 +267,9 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
   linear->src_dtype_ = compute_dtype == DType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
   linear->dst_dtype_ = dst_dtype;
   linear->engine_ = engine;
+  const size_t weight_bytes = static_cast<size_t>(n * k) * DTypeSize(linear->src_dtype_);
+  const int64_t h = weight_bytes > kTallChunkWeightBytes ? kTallChunkRows : kChunkRows;
+  linear->chunk_rows_ = h;
 
   // W stacked in PyTorch layout [N, K] is the matmul's [K, N] weights with
   // strides {1, K}; values rounded to the layer precision (exact when the
@@ -295,8 +298,8 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
   try {
     OnOneThread([&] {
       ChunkedLinear& l = *linear;
-      l.src_md_ = dnnl::memory::desc({kChunkRows, k}, DnnlType(wdt), {k, 1});
-      l.dst_md_ = dnnl::memory::desc({kChunkRows, n}, DnnlType(dst_dtype), {n, 1});
+      l.src_md_ = dnnl::memory::desc({h, k}, DnnlType(wdt), {k, 1});
+      l.dst_md_ = dnnl::memory::desc({h, n}, DnnlType(dst_dtype), {n, 1});
       const dnnl::memory::desc wei_any({k, n}, DnnlType(wdt), dnnl::memory::format_tag::any);
       const dnnl::memory::desc bias_md({1, n}, dt::f32, {n, 1});
       dnnl::primitive_attr attr;
@@ -324,8 +327,8 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
 
       // Position check: every row of the chunk the same random vector; all
       // output rows must then be bitwise equal.
-      AlignedBytes src(kChunkRows * k * DTypeSize(wdt));
-      AlignedBytes dst(kChunkRows * n * DTypeSize(dst_dtype));
+      AlignedBytes src(h * k * DTypeSize(wdt));
+      AlignedBytes dst(h * n * DTypeSize(dst_dtype));
       AlignedBytes pad(std::max<size_t>(l.scratchpad_bytes_, 1));
       std::mt19937 gen(12345);
       std::vector<float> row(static_cast<size_t>(k));
@@ -333,11 +336,11 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
       const size_t d_row = static_cast<size_t>(n) * DTypeSize(dst_dtype);
       for (int trial = 0; trial < 2 && l.rows_independent_; ++trial) {
         for (float& v : row) v = static_cast<float>(gen() >> 8) * 0x1.0p-23f - 1.0f;
-        for (int64_t r = 0; r < kChunkRows; ++r) {
+        for (int64_t r = 0; r < h; ++r) {
           Convert(row.data(), DType::kFloat32, k, src.data() + r * s_row, wdt);
         }
         l.RunChunk(src.data(), dst.data(), pad.data(), stream);
-        for (int64_t r = 1; r < kChunkRows; ++r) {
+        for (int64_t r = 1; r < h; ++r) {
           if (std::memcmp(dst.data(), dst.data() + r * d_row, d_row) != 0) {
             l.rows_independent_ = false;
           }
@@ -345,7 +348,7 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
       }
     });
   } catch (const dnnl::error& e) {
-    return absl::InternalError(absl::StrCat("ChunkedLinear: oneDNN matmul [", kChunkRows, ", ",
+    return absl::InternalError(absl::StrCat("ChunkedLinear: oneDNN matmul [", h, ", ",
                                             k, "] x [", k, ", ", n, "]: ", e.what()));
   }
   return std::unique_ptr<const ChunkedLinear>(std::move(linear));
@@ -366,17 +369,21 @@ void ChunkedLinear::RunChunk(const void* src, void* dst, void* scratchpad,
   stream.wait();
 }
 
-RowLayout LayoutRows(absl::Span<const int64_t> rows, bool aligned) {
+RowLayout LayoutRows(absl::Span<const int64_t> rows, int64_t chunk_rows, bool aligned) {
   RowLayout layout;
   layout.offsets.reserve(rows.size());
   int64_t next = 0;
   for (int64_t r : rows) {
-    if (aligned) next = (next + kChunkRows - 1) / kChunkRows * kChunkRows;
+    if (aligned) next = (next + chunk_rows - 1) / chunk_rows * chunk_rows;
     layout.offsets.push_back(next);
     next += r;
   }
-  layout.total = (next + kChunkRows - 1) / kChunkRows * kChunkRows;
+  layout.total = (next + chunk_rows - 1) / chunk_rows * chunk_rows;
   return layout;
+}
+
+RowLayout LayoutRowsFor(const ChunkedLinear& linear, absl::Span<const int64_t> rows) {
+  return LayoutRows(rows, linear.chunk_rows(), !linear.rows_independent());
 }
 
 absl::Status RunLinearJobs(absl::Span<const LinearJob> jobs, const dnnl::engine& engine,
@@ -389,14 +396,15 @@ absl::Status RunLinearJobs(absl::Span<const LinearJob> jobs, const dnnl::engine&
   size_t src_bytes = 0, dst_bytes = 0, pad_bytes = 1;
   for (size_t j = 0; j < jobs.size(); ++j) {
     const LinearJob& job = jobs[j];
-    if (job.rows % kChunkRows != 0 || job.linear == nullptr) {
-      return absl::InternalError("RunLinearJobs: rows must be a multiple of kChunkRows");
+    if (job.linear == nullptr || job.rows % job.linear->chunk_rows() != 0) {
+      return absl::InternalError("RunLinearJobs: rows must be a multiple of chunk_rows()");
     }
     const ChunkedLinear& lin = *job.linear;
-    src_bytes = std::max(src_bytes, kChunkRows * lin.in_features() * DTypeSize(lin.src_dtype()));
-    dst_bytes = std::max(dst_bytes, kChunkRows * lin.out_features() * DTypeSize(lin.dst_dtype()));
+    const int64_t h = lin.chunk_rows();
+    src_bytes = std::max(src_bytes, h * lin.in_features() * DTypeSize(lin.src_dtype()));
+    dst_bytes = std::max(dst_bytes, h * lin.out_features() * DTypeSize(lin.dst_dtype()));
     pad_bytes = std::max(pad_bytes, lin.scratchpad_bytes());
-    for (int64_t c = 0; c < job.rows / kChunkRows; ++c) items.push_back({j, c});
+    for (int64_t c = 0; c < job.rows / h; ++c) items.push_back({j, c});
   }
   if (items.empty()) return absl::OkStatus();
   threads = static_cast<int>(std::clamp<size_t>(static_cast<size_t>(std::max(threads, 1)), 1,

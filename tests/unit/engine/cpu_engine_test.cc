@@ -712,12 +712,16 @@ std::vector<std::pair<Tensor, Tensor>> RunBatch(AttentionEngine& engine,
 class StackedProjectionTest : public CpuEngineTest {
  protected:
   // The layers under test: demo-mha and a small odd-sized GQA layer, each in
-  // fp32 and bf16 precision.
+  // fp32 and bf16 precision, and a wide fp32 layer whose fused QKV weights
+  // (7 MiB) take 64-row chunks.
   std::vector<std::shared_ptr<const AttentionLayer>> Layers() {
     const auto odd = MakeProjectionLayer(31, 24, 3, 1, 8, 10, Precision::kFloat32);
     return {demo_, WithPrecision(*demo_, Precision::kBFloat16), odd,
-            WithPrecision(*odd, Precision::kBFloat16)};
+            WithPrecision(*odd, Precision::kBFloat16), wide_};
   }
+
+  std::shared_ptr<const AttentionLayer> wide_ =
+      MakeProjectionLayer(33, 768, 12, 12, 64, 40, Precision::kFloat32);
 
   // Pool of random tasks of `layer`; lengths up to 70 tokens so that tasks
   // span several 32-row chunks and share chunks with their neighbours.
@@ -879,6 +883,18 @@ TEST(ChunkedLinearTest, RowsAreIndependentOfTheirPositionInAChunk) {
   }
 }
 
+TEST(ChunkedLinearTest, ChunkHeightFollowsTheWeightSize) {
+  dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  const auto wide = MakeProjectionLayer(33, 768, 12, 12, 64, 40, Precision::kFloat32);
+  cpu::LayerProjections fp32(engine, Precision::kFloat32, true);
+  cpu::LayerProjections bf16(engine, Precision::kBFloat16, true);
+  EXPECT_EQ((*fp32.qkv(*wide))->chunk_rows(), cpu::kTallChunkRows);  // 768 x 2304 fp32: 6.75 MiB
+  EXPECT_EQ((*fp32.o(*wide))->chunk_rows(), cpu::kChunkRows);
+  EXPECT_EQ((*bf16.qkv(*wide))->chunk_rows(), cpu::kChunkRows);  // 3.4 MiB in bf16
+  cpu::LayerProjections demo(engine, Precision::kFloat32, true);  // one per layer
+  EXPECT_EQ((*demo.qkv(*MakeDemoMhaLayer()))->chunk_rows(), cpu::kChunkRows);  // 3 MiB
+}
+
 TEST(ChunkedLinearTest, RoundsWeightsToThePrecisionThenComputesInTheComputeType) {
   // A bf16 or fp16 layer computed in fp32 (fp16 always; bf16 on CPUs without
   // AVX512_BF16/AMX) is bitwise an fp32 linear on pre-rounded weights.
@@ -915,13 +931,14 @@ TEST(ChunkedLinearTest, RoundsWeightsToThePrecisionThenComputesInTheComputeType)
 }
 
 TEST(ChunkedLinearTest, LayoutRowsPacksOrAlignsToChunks) {
-  const cpu::RowLayout packed = cpu::LayoutRows({5, 40, 1}, false);
+  const cpu::RowLayout packed = cpu::LayoutRows({5, 40, 1}, 32, false);
   EXPECT_EQ(packed.offsets, (std::vector<int64_t>{0, 5, 45}));
   EXPECT_EQ(packed.total, 64);
-  const cpu::RowLayout aligned = cpu::LayoutRows({5, 40, 1}, true);
+  const cpu::RowLayout aligned = cpu::LayoutRows({5, 40, 1}, 32, true);
   EXPECT_EQ(aligned.offsets, (std::vector<int64_t>{0, 32, 96}));
   EXPECT_EQ(aligned.total, 128);
-  EXPECT_EQ(cpu::LayoutRows({}, false).total, 0);
+  EXPECT_EQ(cpu::LayoutRows({5, 40, 1}, 64, false).total, 64);
+  EXPECT_EQ(cpu::LayoutRows({}, 32, false).total, 0);
 }
 
 }  // namespace
