@@ -1,9 +1,10 @@
-// The cpu backend: per batch, stacks every task's rows into the projections
-// (oneDNN matmuls over fixed-height chunks, engine/cpu/projection.h), runs
-// the whole batch's attention core in one call of the fused flash kernel
-// (engine/cpu/flash_attention.h) and scatters the output projection into
-// each task's output in its dtype. Fixed chunks and a core that computes each
-// request on its own are what keep results independent of batch composition.
+// The cpu backend. For a projection layer it stacks every task's rows into
+// the projections (oneDNN matmuls over fixed-height chunks,
+// engine/cpu/projection.h), runs the whole batch's attention core in one call
+// of the fused flash kernel (engine/cpu/flash_attention.h) and scatters the
+// output projection into each task's output in its dtype; a bare sdpa layer
+// is one flash call per task. Fixed chunks and a core that computes each
+// request on its own keep results independent of batch composition.
 #include "engine/cpu/cpu_engine.h"
 
 #include <cstring>
@@ -55,7 +56,11 @@ class CpuEngine final : public AttentionEngine {
       }
       if (params.empty()) return absl::OkStatus();
       if (!layer.config.has_projections) {
-        return cpu::FlashAttention(params, FlashOptionsFor(&layer.config));
+        for (const AttentionParams& p : params) {
+          absl::Status s = cpu::FlashAttention({&p, 1}, FlashOptionsFor(&layer.config));
+          if (!s.ok()) return s;
+        }
+        return absl::OkStatus();
       }
       return RunProjected(layer, batch, params);
     });
