@@ -291,7 +291,9 @@ def test_sigterm_completes_every_accepted_request_and_exits_zero():
     request completes correctly, the stream ends UNAVAILABLE once answered,
     and the process exits 0."""
     unary, streamed = 20, 48
-    srv = _server(*HOLD, "--shutdown-grace", "60s")
+    # Room for all 68 in one held batch: with HOLD's 64, a full batch would
+    # close and complete before the in-flight gauge could read 68.
+    srv = _server(*HOLD, "--max-batch-requests", "128", "--shutdown-grace", "60s")
     release = threading.Event()
     try:
         rng = np.random.default_rng(4)
