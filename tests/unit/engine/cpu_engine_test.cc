@@ -28,7 +28,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/attention_engine.h"
-#include "engine/cpu/attention_core.h"
 #include "engine/cpu/projection.h"
 #include "engine/model/builtin_models.h"
 #include "engine/reference/reference_engine.h"
@@ -400,52 +399,6 @@ TEST_F(CpuEngineTest, AttendTakesStridedParamsOfAnyDType) {
     ASSERT_TRUE(cpu_->Attend({&pc, 1}).ok());
     EXPECT_EQ(Compare("output", AsFloats(out_cpu), AsFloats(out_ref), DType::kBFloat16), "");
     EXPECT_EQ(Compare("weights", AsFloats(w_cpu), AsFloats(w_ref), DType::kFloat32), "");
-  }
-}
-
-TEST_F(CpuEngineTest, CoreSplitsLargeRequestsWithoutChangingResults) {
-  // Forces the core's per-batch-element, few-rows-at-a-time path with a tiny
-  // score budget and compares with the reference.
-  Rng rng(9);
-  const int64_t b = 3, hq = 4, hkv = 1, lq = 11, lk = 6, d = 5, dv = 3;
-  const Tensor q = RandomTensor(rng, DType::kFloat32, {b, hq, lq, d}, 1.0f);
-  const Tensor k = RandomTensor(rng, DType::kFloat32, {b, hkv, lk, d}, 1.0f);
-  const Tensor v = RandomTensor(rng, DType::kFloat32, {b, hkv, lk, dv}, 1.0f);
-  const Tensor mask = RandomMask(rng, DType::kFloat16, {b, 1, lq, lk});
-  Tensor out_ref(DType::kFloat32, {b, hq, lq, dv}), out_cpu(DType::kFloat32, {b, hq, lq, dv});
-  Tensor w_ref(DType::kFloat32, {b, lq, lk}), w_cpu(DType::kFloat32, {b, lq, lk});
-  AttentionParams p;
-  p.batch = b;
-  p.num_heads = hq;
-  p.num_kv_heads = hkv;
-  p.head_dim = d;
-  p.head_dim_v = dv;
-  p.q_len = lq;
-  p.kv_len = lk;
-  p.q = q.data();
-  p.k = k.data();
-  p.v = v.data();
-  HeadLayoutStrides(hq, lq, d, &p.q_stride_b, &p.q_stride_h, &p.q_stride_row);
-  HeadLayoutStrides(hkv, lk, d, &p.k_stride_b, &p.k_stride_h, &p.k_stride_row);
-  HeadLayoutStrides(hkv, lk, dv, &p.v_stride_b, &p.v_stride_h, &p.v_stride_row);
-  HeadLayoutStrides(hq, lq, dv, &p.o_stride_b, &p.o_stride_h, &p.o_stride_row);
-  p.mask = *MakeMaskParams(mask.view(), b, hq, lq, lk);
-  p.scale = 0.7f;
-  p.average_weights = true;
-  AttentionParams pr = p, pc = p;
-  pr.out = out_ref.data();
-  pr.weights = w_ref.data();
-  ASSERT_TRUE(reference_->Attend({&pr, 1}).ok());
-  for (int64_t budget : {int64_t{1}, hq * lk * 3, hq * lk * lq * 2}) {
-    pc.out = out_cpu.data();
-    pc.weights = w_cpu.data();
-    cpu::MatmulCache matmuls;
-    dnnl::stream stream(matmuls.engine());
-    ASSERT_TRUE(cpu::AttentionCoreF32(pc, matmuls, stream, budget).ok());
-    EXPECT_EQ(Compare("output", AsFloats(out_cpu), AsFloats(out_ref), DType::kFloat32), "")
-        << "budget " << budget;
-    EXPECT_EQ(Compare("weights", AsFloats(w_cpu), AsFloats(w_ref), DType::kFloat32), "")
-        << "budget " << budget;
   }
 }
 
