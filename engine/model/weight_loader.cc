@@ -64,6 +64,12 @@ float RoundTo(Precision precision, float v) {
 }
 
 // Reads tensors for one layer and reports problems in one voice.
+Tensor MakeTensor(Shape shape, const float* src) {
+  Tensor t(DType::kFloat32, std::move(shape));
+  if (t.byte_size() > 0) std::memcpy(t.data(), src, t.byte_size());
+  return t;
+}
+
 class Reader {
  public:
   Reader(const SafetensorsFile& file, const WeightSpec& spec, Precision precision)
@@ -119,6 +125,17 @@ class Reader {
     return values;
   }
 
+  // A bias the spec asks for, as a 1-D tensor of shapes[0]'s element count
+  // (the canonical layout); left empty when `wanted` is false.
+  absl::Status ReadBias(const std::string& role, bool wanted,
+                        std::initializer_list<Shape> shapes, Tensor* out) const {
+    if (!wanted) return absl::OkStatus();
+    absl::StatusOr<std::vector<float>> values = Read(role, shapes);
+    if (!values.ok()) return values.status();
+    *out = MakeTensor({static_cast<int64_t>(values->size())}, values->data());
+    return absl::OkStatus();
+  }
+
  private:
   // A hint for a wrong prefix or name: what the file does hold.
   std::string Inventory() const {
@@ -138,12 +155,6 @@ class Reader {
   Precision precision_;
 };
 
-Tensor MakeTensor(Shape shape, const float* src) {
-  Tensor t(DType::kFloat32, std::move(shape));
-  if (t.byte_size() > 0) std::memcpy(t.data(), src, t.byte_size());
-  return t;
-}
-
 // Rows [row0, row0 + rows) of a row-major [*, cols] matrix.
 Tensor RowSlice(const std::vector<float>& m, int64_t cols, int64_t row0, int64_t rows) {
   return MakeTensor({rows, cols}, m.data() + row0 * cols);
@@ -162,6 +173,9 @@ Tensor Transpose(const std::vector<float>& kernel, int64_t in, int64_t out) {
   }
   return t;
 }
+
+#define RETURN_IF_ERROR(expr)                    \
+  if (absl::Status s_ = (expr); !s_.ok()) return s_
 
 #define ASSIGN_OR_RETURN(lhs, expr)          \
   auto lhs##_or = (expr);                    \
@@ -207,10 +221,7 @@ absl::StatusOr<LayerWeights> LoadTorchMha(const Reader& r, const LayerConfig& c,
   }
   ASSIGN_OR_RETURN(wo, r.Read("out_weight", {{c.out_dim, q_out}}));
   w.wo = MakeTensor({c.out_dim, q_out}, wo.data());
-  if (spec.out_bias) {
-    ASSIGN_OR_RETURN(bo, r.Read("out_bias", {{c.out_dim}}));
-    w.bo = MakeTensor({c.out_dim}, bo.data());
-  }
+  RETURN_IF_ERROR(r.ReadBias("out_bias", spec.out_bias, {{c.out_dim}}, &w.bo));
   return w;
 }
 
@@ -242,22 +253,10 @@ absl::StatusOr<LayerWeights> LoadSeparate(const Reader& r, const LayerConfig& c,
   w.wk = MakeTensor({kv_out, c.key_dim}, wk.data());
   w.wv = MakeTensor({kv_out, c.value_dim}, wv.data());
   w.wo = MakeTensor({c.out_dim, q_out}, wo.data());
-  if (spec.q_bias) {
-    ASSIGN_OR_RETURN(b, r.Read("q_bias", {{q_out}}));
-    w.bq = MakeTensor({q_out}, b.data());
-  }
-  if (spec.k_bias) {
-    ASSIGN_OR_RETURN(b, r.Read("k_bias", {{kv_out}}));
-    w.bk = MakeTensor({kv_out}, b.data());
-  }
-  if (spec.v_bias) {
-    ASSIGN_OR_RETURN(b, r.Read("v_bias", {{kv_out}}));
-    w.bv = MakeTensor({kv_out}, b.data());
-  }
-  if (spec.out_bias) {
-    ASSIGN_OR_RETURN(b, r.Read("out_bias", {{c.out_dim}}));
-    w.bo = MakeTensor({c.out_dim}, b.data());
-  }
+  RETURN_IF_ERROR(r.ReadBias("q_bias", spec.q_bias, {{q_out}}, &w.bq));
+  RETURN_IF_ERROR(r.ReadBias("k_bias", spec.k_bias, {{kv_out}}, &w.bk));
+  RETURN_IF_ERROR(r.ReadBias("v_bias", spec.v_bias, {{kv_out}}, &w.bv));
+  RETURN_IF_ERROR(r.ReadBias("out_bias", spec.out_bias, {{c.out_dim}}, &w.bo));
   return w;
 }
 
@@ -305,10 +304,7 @@ absl::StatusOr<LayerWeights> LoadFusedPerHead(const Reader& r, const LayerConfig
   }
   ASSIGN_OR_RETURN(wo, r.Read("out_weight", {{c.out_dim, q_out}}));
   w.wo = MakeTensor({c.out_dim, q_out}, wo.data());
-  if (spec.out_bias) {
-    ASSIGN_OR_RETURN(bo, r.Read("out_bias", {{c.out_dim}}));
-    w.bo = MakeTensor({c.out_dim}, bo.data());
-  }
+  RETURN_IF_ERROR(r.ReadBias("out_bias", spec.out_bias, {{c.out_dim}}, &w.bo));
   return w;
 }
 
@@ -331,22 +327,10 @@ absl::StatusOr<LayerWeights> LoadKeras(const Reader& r, const LayerConfig& c,
   w.wk = Transpose(kk, c.key_dim, kv_out);
   w.wv = Transpose(kv, c.value_dim, kv_out);
   w.wo = Transpose(ko, q_out, c.out_dim);
-  if (spec.q_bias) {
-    ASSIGN_OR_RETURN(b, r.Read("q_bias", {{q_out}, {h, hd}}));
-    w.bq = MakeTensor({q_out}, b.data());
-  }
-  if (spec.k_bias) {
-    ASSIGN_OR_RETURN(b, r.Read("k_bias", {{kv_out}, {hkv, hd}}));
-    w.bk = MakeTensor({kv_out}, b.data());
-  }
-  if (spec.v_bias) {
-    ASSIGN_OR_RETURN(b, r.Read("v_bias", {{kv_out}, {hkv, hd}}));
-    w.bv = MakeTensor({kv_out}, b.data());
-  }
-  if (spec.out_bias) {
-    ASSIGN_OR_RETURN(b, r.Read("out_bias", {{c.out_dim}}));
-    w.bo = MakeTensor({c.out_dim}, b.data());
-  }
+  RETURN_IF_ERROR(r.ReadBias("q_bias", spec.q_bias, {{q_out}, {h, hd}}, &w.bq));
+  RETURN_IF_ERROR(r.ReadBias("k_bias", spec.k_bias, {{kv_out}, {hkv, hd}}, &w.bk));
+  RETURN_IF_ERROR(r.ReadBias("v_bias", spec.v_bias, {{kv_out}, {hkv, hd}}, &w.bv));
+  RETURN_IF_ERROR(r.ReadBias("out_bias", spec.out_bias, {{c.out_dim}}, &w.bo));
   return w;
 }
 
