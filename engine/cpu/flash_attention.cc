@@ -116,8 +116,14 @@ void CombineSplit(const SplitGroup& sg, std::vector<float>& acc) {
   }
 }
 
+// Least ItemCost work per thread (about 2 MFLOP, tens of microseconds) for
+// which waking another thread pays; on a busy host a woken thread may first
+// wait for a core.
+constexpr double kMinCostPerThread = 1 << 20;
+
 // Relative cost of an item (multiply-adds plus packing), to start the
-// biggest items first; only affects speed, never results.
+// biggest items first, and to size the thread team; only affects speed,
+// never results.
 double ItemCost(const WorkItem& it) {
   const AttentionParams& p = *it.plan->p;
   const double dk = static_cast<double>(p.head_dim + p.head_dim_v);
@@ -308,7 +314,13 @@ absl::Status FlashAttention(absl::Span<const AttentionParams> batch, const Flash
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return items[a].cost > items[b].cost; });
 
-  threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(threads), items.size()));
+  // A thread joins only for enough work to pay for waking it (a small
+  // request alone, e.g. 16 tokens x 8 heads, runs on the caller's thread).
+  double total_cost = 0;
+  for (const WorkItem& it : items) total_cost += it.cost;
+  const double worth = std::max(1.0, std::floor(total_cost / kMinCostPerThread));
+  threads = static_cast<int>(std::min<double>({static_cast<double>(threads),
+                                              static_cast<double>(items.size()), worth}));
   std::atomic<bool> ok{true};
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t n_splits = static_cast<int64_t>(splits.size());

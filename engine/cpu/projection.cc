@@ -13,6 +13,8 @@
 #include <random>
 #include <unordered_map>
 
+#include <unistd.h>
+
 #include "absl/strings/str_cat.h"
 #include "engine/cpu/cpu_features.h"
 
@@ -138,54 +140,73 @@ typename std::vector<Block>::const_iterator FirstEndingAfter(const std::vector<B
                               [&](const Block& b) { return b.row0 + b.rows <= row; });
 }
 
-// Chunk `chunk` of `job`: gather (or read in place), one matmul, scatter (or
-// write in place). The buffers are this thread's.
-void RunChunkOf(const LinearJob& job, int64_t chunk, unsigned char* src_buf,
+// Chunk `chunk`'s src rows read in place: one `in` block covers the chunk,
+// already in the linear's src type, with K-element rows and a 64-byte
+// aligned start. nullptr when the chunk has to be gathered.
+const void* InPlaceSrc(const LinearJob& job, int64_t chunk) {
+  const ChunkedLinear& lin = *job.linear;
+  const int64_t r0 = chunk * lin.chunk_rows(), r1 = r0 + lin.chunk_rows();
+  const size_t s_row = static_cast<size_t>(lin.in_features()) * DTypeSize(lin.src_dtype());
+  auto in = FirstEndingAfter(job.in, r0);
+  if (in == job.in.end() || in->row0 > r0 || in->row0 + in->rows < r1 ||
+      in->dtype != lin.src_dtype() || in->stride != lin.in_features()) {
+    return nullptr;
+  }
+  const void* src = static_cast<const unsigned char*>(in->data) + (r0 - in->row0) * s_row;
+  return Aligned64(src) ? src : nullptr;
+}
+
+// Chunk `chunk`'s src rows, converted to the src type, into `buf`
+// ([chunk_rows(), K]); rows no `in` block covers are zeros.
+void GatherChunk(const LinearJob& job, int64_t chunk, unsigned char* buf) {
+  const ChunkedLinear& lin = *job.linear;
+  const int64_t k = lin.in_features();
+  const int64_t r0 = chunk * lin.chunk_rows(), r1 = r0 + lin.chunk_rows();
+  const DType sdt = lin.src_dtype();
+  const size_t s_row = static_cast<size_t>(k) * DTypeSize(sdt);
+  int64_t r = r0;  // next row of the chunk to fill
+  for (auto in = FirstEndingAfter(job.in, r0); in != job.in.end() && in->row0 < r1; ++in) {
+    const int64_t b0 = std::max(r0, in->row0), b1 = std::min(r1, in->row0 + in->rows);
+    if (b0 > r) std::memset(buf + (r - r0) * s_row, 0, (b0 - r) * s_row);
+    const size_t in_es = DTypeSize(in->dtype);
+    for (int64_t row = b0; row < b1; ++row) {
+      Convert(static_cast<const unsigned char*>(in->data) + (row - in->row0) * in->stride * in_es,
+              in->dtype, k, buf + (row - r0) * s_row, sdt);
+    }
+    r = b1;
+  }
+  if (r < r1) std::memset(buf + (r - r0) * s_row, 0, (r1 - r) * s_row);
+}
+
+// Panel `panel` of chunk `chunk` of `job` on `src`: written in place when the
+// linear has one panel and one `out` block covers the chunk in the dst type
+// with N-element rows, else into `dst_buf` ([chunk_rows(), panel_cols()],
+// this thread's) and scattered from there.
+void RunPanelOf(const LinearJob& job, int64_t chunk, int64_t panel, const void* src,
                 unsigned char* dst_buf, unsigned char* scratchpad, dnnl::stream& stream) {
   const ChunkedLinear& lin = *job.linear;
-  const int64_t k = lin.in_features(), n = lin.out_features();
+  const int64_t n = lin.out_features(), cols = lin.panel_cols(), col0 = panel * cols;
   const int64_t r0 = chunk * lin.chunk_rows(), r1 = r0 + lin.chunk_rows();
-  const DType sdt = lin.src_dtype(), ddt = lin.dst_dtype();
-  const size_t s_row = static_cast<size_t>(k) * DTypeSize(sdt);
-  const size_t d_row = static_cast<size_t>(n) * DTypeSize(ddt);
-
-  const void* src = src_buf;
-  auto in = FirstEndingAfter(job.in, r0);
-  const bool in_place_src =
-      in != job.in.end() && in->row0 <= r0 && in->row0 + in->rows >= r1 && in->dtype == sdt &&
-      in->stride == k &&
-      Aligned64(static_cast<const unsigned char*>(in->data) + (r0 - in->row0) * s_row);
-  if (in_place_src) {
-    src = static_cast<const unsigned char*>(in->data) + (r0 - in->row0) * s_row;
-  } else {
-    int64_t r = r0;  // next row of the chunk to fill
-    for (; in != job.in.end() && in->row0 < r1; ++in) {
-      const int64_t b0 = std::max(r0, in->row0), b1 = std::min(r1, in->row0 + in->rows);
-      if (b0 > r) std::memset(src_buf + (r - r0) * s_row, 0, (b0 - r) * s_row);
-      const size_t in_es = DTypeSize(in->dtype);
-      for (int64_t row = b0; row < b1; ++row) {
-        Convert(static_cast<const unsigned char*>(in->data) + (row - in->row0) * in->stride * in_es,
-                in->dtype, k, src_buf + (row - r0) * s_row, sdt);
-      }
-      r = b1;
-    }
-    if (r < r1) std::memset(src_buf + (r - r0) * s_row, 0, (r1 - r) * s_row);
-  }
+  const DType ddt = lin.dst_dtype();
+  const size_t d_es = DTypeSize(ddt), d_row = static_cast<size_t>(cols) * d_es;
 
   auto out = FirstEndingAfter(job.out, r0);
-  const bool in_place_dst = out != job.out.end() && out->row0 <= r0 &&
+  const bool in_place_dst = cols == n && out != job.out.end() && out->row0 <= r0 &&
                             out->row0 + out->rows >= r1 && out->dtype == ddt &&
                             out->stride == n;
-  void* dst = in_place_dst ? static_cast<unsigned char*>(out->data) + (r0 - out->row0) * d_row
-                           : dst_buf;
-  lin.RunChunk(src, dst, scratchpad, stream);
-  if (in_place_dst) return;
+  if (in_place_dst) {
+    lin.RunChunk(src, static_cast<unsigned char*>(out->data) + (r0 - out->row0) * d_row, panel,
+                 scratchpad, stream);
+    return;
+  }
+  lin.RunChunk(src, dst_buf, panel, scratchpad, stream);
   for (; out != job.out.end() && out->row0 < r1; ++out) {
     const int64_t b0 = std::max(r0, out->row0), b1 = std::min(r1, out->row0 + out->rows);
     const size_t out_es = DTypeSize(out->dtype);
     for (int64_t row = b0; row < b1; ++row) {
-      Convert(dst_buf + (row - r0) * d_row, ddt, n,
-              static_cast<unsigned char*>(out->data) + (row - out->row0) * out->stride * out_es,
+      Convert(dst_buf + (row - r0) * d_row, ddt, cols,
+              static_cast<unsigned char*>(out->data) +
+                  ((row - out->row0) * out->stride + col0) * out_es,
               out->dtype);
     }
   }
@@ -224,6 +245,15 @@ uint64_t Fingerprint(const AttentionLayer& layer) {
 
 }  // namespace
 
+size_t DefaultPanelBytes() {
+  static const size_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (l2 <= 0) return size_t{512} << 10;
+    return std::clamp<size_t>(static_cast<size_t>(l2) / 2, size_t{256} << 10, size_t{2} << 20);
+  }();
+  return bytes;
+}
+
 AlignedBytes::AlignedBytes(size_t bytes) : size_(bytes) {
   if (bytes == 0) return;
   void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -236,7 +266,7 @@ void AlignedBytes::Free::operator()(unsigned char* p) const { std::free(p); }
 absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
     const dnnl::engine& engine, absl::Span<const Tensor* const> weights,
     absl::Span<const Tensor* const> biases, Precision rounding, DType compute_dtype,
-    DType dst_dtype) {
+    DType dst_dtype, size_t max_panel_bytes) {
   if (weights.empty() || weights.size() != biases.size()) {
     return absl::InternalError("ChunkedLinear: one bias (maybe empty) per weight required");
   }
@@ -270,6 +300,19 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
   const size_t weight_bytes = static_cast<size_t>(n * k) * DTypeSize(linear->src_dtype_);
   const int64_t h = weight_bytes > kTallChunkWeightBytes ? kTallChunkRows : kChunkRows;
   linear->chunk_rows_ = h;
+  const size_t col_bytes = static_cast<size_t>(k) * DTypeSize(linear->src_dtype_);
+  const size_t budget = max_panel_bytes > 0 ? max_panel_bytes : DefaultPanelBytes();
+  int64_t cols = n;
+  if (static_cast<size_t>(n) * col_bytes > budget) {
+    for (int64_t c = n - 1; c >= 16; --c) {
+      if (n % c == 0 && c % 16 == 0 && static_cast<size_t>(c) * col_bytes <= budget) {
+        cols = c;
+        break;
+      }
+    }
+  }
+  linear->panel_cols_ = cols;
+  const int64_t panels = n / cols;
 
   // W stacked in PyTorch layout [N, K] is the matmul's [K, N] weights with
   // strides {1, K}; values rounded to the layer precision (exact when the
@@ -299,9 +342,11 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
     OnOneThread([&] {
       ChunkedLinear& l = *linear;
       l.src_md_ = dnnl::memory::desc({h, k}, DnnlType(wdt), {k, 1});
-      l.dst_md_ = dnnl::memory::desc({h, n}, DnnlType(dst_dtype), {n, 1});
-      const dnnl::memory::desc wei_any({k, n}, DnnlType(wdt), dnnl::memory::format_tag::any);
-      const dnnl::memory::desc bias_md({1, n}, dt::f32, {n, 1});
+      // Dense [h, cols]: a strided dst would move oneDNN 2.6 off its brgemm
+      // (AMX) kernels onto plain gemm, 2-3x slower in bf16.
+      l.dst_md_ = dnnl::memory::desc({h, cols}, DnnlType(dst_dtype), {cols, 1});
+      const dnnl::memory::desc wei_any({k, cols}, DnnlType(wdt), dnnl::memory::format_tag::any);
+      const dnnl::memory::desc bias_md({1, cols}, dt::f32, {cols, 1});
       dnnl::primitive_attr attr;
       // Each execution brings its own scratchpad (one per thread), so one
       // primitive runs on several threads at once.
@@ -315,34 +360,40 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
       l.scratchpad_bytes_ = l.scratchpad_md_.get_size();
 
       dnnl::stream stream(engine);
-      dnnl::memory user_mem(dnnl::memory::desc({k, n}, DnnlType(wdt), {1, k}), engine,
-                            user.data());
-      l.weights_ = dnnl::memory(pd.weights_desc(), engine);
-      dnnl::reorder(user_mem, l.weights_).execute(stream, user_mem, l.weights_);
-      if (has_bias) {
-        l.bias_ = dnnl::memory(bias_md, engine);
-        std::memcpy(l.bias_.get_data_handle(), bias.data(), bias.size() * sizeof(float));
+      for (int64_t p = 0; p < panels; ++p) {
+        // Rows [p * cols, (p + 1) * cols) of W [N, K] are this panel's [K, cols].
+        dnnl::memory user_mem(dnnl::memory::desc({k, cols}, DnnlType(wdt), {1, k}), engine,
+                              user.data() + p * cols * k * DTypeSize(wdt));
+        l.weights_.emplace_back(pd.weights_desc(), engine);
+        dnnl::reorder(user_mem, l.weights_.back()).execute(stream, user_mem, l.weights_.back());
+        if (has_bias) {
+          l.bias_.emplace_back(bias_md, engine);
+          std::memcpy(l.bias_.back().get_data_handle(), bias.data() + p * cols,
+                      static_cast<size_t>(cols) * sizeof(float));
+        }
       }
       stream.wait();
 
       // Position check: every row of the chunk the same random vector; all
-      // output rows must then be bitwise equal.
+      // output rows of every panel must then be bitwise equal.
       AlignedBytes src(h * k * DTypeSize(wdt));
-      AlignedBytes dst(h * n * DTypeSize(dst_dtype));
+      AlignedBytes dst(h * cols * DTypeSize(dst_dtype));
       AlignedBytes pad(std::max<size_t>(l.scratchpad_bytes_, 1));
       std::mt19937 gen(12345);
       std::vector<float> row(static_cast<size_t>(k));
       const size_t s_row = static_cast<size_t>(k) * DTypeSize(wdt);
-      const size_t d_row = static_cast<size_t>(n) * DTypeSize(dst_dtype);
+      const size_t d_row = static_cast<size_t>(cols) * DTypeSize(dst_dtype);
       for (int trial = 0; trial < 2 && l.rows_independent_; ++trial) {
         for (float& v : row) v = static_cast<float>(gen() >> 8) * 0x1.0p-23f - 1.0f;
         for (int64_t r = 0; r < h; ++r) {
           Convert(row.data(), DType::kFloat32, k, src.data() + r * s_row, wdt);
         }
-        l.RunChunk(src.data(), dst.data(), pad.data(), stream);
-        for (int64_t r = 1; r < h; ++r) {
-          if (std::memcmp(dst.data(), dst.data() + r * d_row, d_row) != 0) {
-            l.rows_independent_ = false;
+        for (int64_t p = 0; p < panels; ++p) {
+          l.RunChunk(src.data(), dst.data(), p, pad.data(), stream);
+          for (int64_t r = 1; r < h; ++r) {
+            if (std::memcmp(dst.data(), dst.data() + r * d_row, d_row) != 0) {
+              l.rows_independent_ = false;
+            }
           }
         }
       }
@@ -354,14 +405,15 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
   return std::unique_ptr<const ChunkedLinear>(std::move(linear));
 }
 
-void ChunkedLinear::RunChunk(const void* src, void* dst, void* scratchpad,
+void ChunkedLinear::RunChunk(const void* src, void* dst, int64_t panel, void* scratchpad,
                              dnnl::stream& stream) const {
+  const size_t p = static_cast<size_t>(panel);
   // oneDNN takes non-const handles; it only reads src.
   std::unordered_map<int, dnnl::memory> args = {
       {DNNL_ARG_SRC, dnnl::memory(src_md_, engine_, const_cast<void*>(src))},
-      {DNNL_ARG_WEIGHTS, weights_},
+      {DNNL_ARG_WEIGHTS, weights_[p]},
       {DNNL_ARG_DST, dnnl::memory(dst_md_, engine_, dst)}};
-  if (bias_) args.emplace(DNNL_ARG_BIAS, bias_);
+  if (!bias_.empty()) args.emplace(DNNL_ARG_BIAS, bias_[p]);
   if (scratchpad_bytes_ > 0) {
     args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(scratchpad_md_, engine_, scratchpad));
   }
@@ -391,20 +443,39 @@ absl::Status RunLinearJobs(absl::Span<const LinearJob> jobs, const dnnl::engine&
   struct Item {
     size_t job;
     int64_t chunk;
+    int64_t panel;
   };
-  std::vector<Item> items;
+  std::vector<Item> gathers, items;
+  // Chunks of a multi-panel job that are not read in place are gathered once,
+  // into staged[job], instead of once per panel.
+  std::vector<AlignedBytes> staged(jobs.size());
   size_t src_bytes = 0, dst_bytes = 0, pad_bytes = 1;
-  for (size_t j = 0; j < jobs.size(); ++j) {
-    const LinearJob& job = jobs[j];
-    if (job.linear == nullptr || job.rows % job.linear->chunk_rows() != 0) {
-      return absl::InternalError("RunLinearJobs: rows must be a multiple of chunk_rows()");
+  try {
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      const LinearJob& job = jobs[j];
+      if (job.linear == nullptr || job.rows % job.linear->chunk_rows() != 0) {
+        return absl::InternalError("RunLinearJobs: rows must be a multiple of chunk_rows()");
+      }
+      const ChunkedLinear& lin = *job.linear;
+      const int64_t h = lin.chunk_rows(), chunks = job.rows / h;
+      const size_t s_chunk = h * lin.in_features() * DTypeSize(lin.src_dtype());
+      src_bytes = std::max(src_bytes, s_chunk);
+      dst_bytes = std::max(dst_bytes, h * lin.out_features() * DTypeSize(lin.dst_dtype()));
+      pad_bytes = std::max(pad_bytes, lin.scratchpad_bytes());
+      if (lin.panels() > 1) {
+        for (int64_t c = 0; c < chunks; ++c) {
+          if (InPlaceSrc(job, c) == nullptr) gathers.push_back({j, c, 0});
+        }
+        if (!gathers.empty() && gathers.back().job == j) {
+          staged[j] = AlignedBytes(static_cast<size_t>(chunks) * s_chunk);
+        }
+      }
+      for (int64_t p = 0; p < lin.panels(); ++p) {
+        for (int64_t c = 0; c < chunks; ++c) items.push_back({j, c, p});
+      }
     }
-    const ChunkedLinear& lin = *job.linear;
-    const int64_t h = lin.chunk_rows();
-    src_bytes = std::max(src_bytes, h * lin.in_features() * DTypeSize(lin.src_dtype()));
-    dst_bytes = std::max(dst_bytes, h * lin.out_features() * DTypeSize(lin.dst_dtype()));
-    pad_bytes = std::max(pad_bytes, lin.scratchpad_bytes());
-    for (int64_t c = 0; c < job.rows / h; ++c) items.push_back({j, c});
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("projection: out of memory for staged rows");
   }
   if (items.empty()) return absl::OkStatus();
   threads = static_cast<int>(std::clamp<size_t>(static_cast<size_t>(std::max(threads, 1)), 1,
@@ -418,6 +489,12 @@ absl::Status RunLinearJobs(absl::Span<const LinearJob> jobs, const dnnl::engine&
     if (first_error.ok()) first_error = std::move(s);
     failed.store(true, std::memory_order_relaxed);
   };
+  auto staged_chunk = [&](const Item& item) {
+    const ChunkedLinear& lin = *jobs[item.job].linear;
+    return staged[item.job].data() +
+           item.chunk * lin.chunk_rows() * lin.in_features() * DTypeSize(lin.src_dtype());
+  };
+  const int64_t n_gathers = static_cast<int64_t>(gathers.size());
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -438,13 +515,28 @@ absl::Status RunLinearJobs(absl::Span<const LinearJob> jobs, const dnnl::engine&
     } catch (const std::bad_alloc&) {
       fail(absl::ResourceExhaustedError("projection: out of memory for chunk buffers"));
     }
-    // Every thread reaches the worksharing loop, ready or not.
+    // Every thread reaches both worksharing loops, ready or not; the barrier
+    // between them puts every staged chunk in place before any panel reads it.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_gathers; ++i) {
+      if (failed.load(std::memory_order_relaxed)) continue;
+      const Item& item = gathers[static_cast<size_t>(i)];
+      GatherChunk(jobs[item.job], item.chunk, staged_chunk(item));
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
       if (failed.load(std::memory_order_relaxed)) continue;
       const Item& item = items[static_cast<size_t>(i)];
+      const LinearJob& job = jobs[item.job];
       try {
-        RunChunkOf(jobs[item.job], item.chunk, src.data(), dst.data(), pad.data(), *stream);
+        const void* in = InPlaceSrc(job, item.chunk);
+        if (in == nullptr && job.linear->panels() > 1) {
+          in = staged_chunk(item);
+        } else if (in == nullptr) {
+          GatherChunk(job, item.chunk, src.data());
+          in = src.data();
+        }
+        RunPanelOf(job, item.chunk, item.panel, in, dst.data(), pad.data(), *stream);
       } catch (const dnnl::error& e) {
         fail(absl::InternalError(absl::StrCat("projection: oneDNN matmul failed (status ",
                                               static_cast<int>(e.status), "): ", e.what())));

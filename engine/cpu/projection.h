@@ -35,6 +35,19 @@ inline constexpr int64_t kChunkRows = 32;
 inline constexpr int64_t kTallChunkRows = 64;
 inline constexpr size_t kTallChunkWeightBytes = size_t{4} << 20;
 
+// Column panels. A linear whose weights exceed the panel budget is cut into
+// equal panels of output columns, each prepacked on its own and small enough
+// to stay in a core's L2 while RunLinearJobs runs it over every chunk of a
+// batch (panel-major): the weights then come from L3 once per batch instead
+// of once per chunk, and a lone request's single chunk still has one item
+// per panel for the threads to share. Splitting columns changes no output
+// element's summation (each is one K-long dot product of one primitive), so
+// the panel count does not affect batch invariance.
+//
+// The budget is half the L2 of the CPU we run on (sysconf), clamped to
+// [256 KiB, 2 MiB]; 512 KiB when the L2 size is unknown.
+size_t DefaultPanelBytes();
+
 // Rows [row0, row0 + rows) of a stacked matrix that live in someone else's
 // buffer: row r at data + (r - row0) * stride elements of `dtype`, its
 // columns contiguous.
@@ -69,10 +82,15 @@ class ChunkedLinear {
   // FLOAT32; several = a fused projection such as [Wq; Wk; Wv]); b = the
   // matching `biases` (an empty Tensor = zeros). Builds and checks the
   // primitive with one OpenMP thread (see rows_independent()).
+  //
+  // `max_panel_bytes`: prepacked weight bytes per column panel (0 =
+  // DefaultPanelBytes()). The panel width is the widest divisor of N that is
+  // a multiple of 16 and fits; N itself when it all fits or no such divisor
+  // exists.
   static absl::StatusOr<std::unique_ptr<const ChunkedLinear>> Create(
       const dnnl::engine& engine, absl::Span<const Tensor* const> weights,
       absl::Span<const Tensor* const> biases, Precision rounding, DType compute_dtype,
-      DType dst_dtype);
+      DType dst_dtype, size_t max_panel_bytes = 0);
 
   int64_t in_features() const { return k_; }
   int64_t out_features() const { return n_; }
@@ -81,6 +99,9 @@ class ChunkedLinear {
   DType dst_dtype() const { return dst_dtype_; }
   // kChunkRows or kTallChunkRows (see there).
   int64_t chunk_rows() const { return chunk_rows_; }
+  // Output columns per panel (divides out_features()), and the panel count.
+  int64_t panel_cols() const { return panel_cols_; }
+  int64_t panels() const { return n_ / panel_cols_; }
 
   // Whether a row's output is bitwise the same at every position of a chunk,
   // checked once at creation by running a chunk whose rows are all equal.
@@ -88,23 +109,25 @@ class ChunkedLinear {
   // task meets the same primitive at the same positions whatever its batch.
   bool rows_independent() const { return rows_independent_; }
 
-  // One chunk: src [chunk_rows(), K] contiguous in src_dtype(), dst
-  // [chunk_rows(), N] contiguous in dst_dtype(). Runs on the calling thread
-  // (callers set the OpenMP thread count to 1 first). `scratchpad` holds
-  // scratchpad_bytes(). Throws dnnl::error.
-  void RunChunk(const void* src, void* dst, void* scratchpad, dnnl::stream& stream) const;
+  // One panel of one chunk: src [chunk_rows(), K] contiguous in src_dtype();
+  // dst [chunk_rows(), panel_cols()] contiguous in dst_dtype(), receiving
+  // output columns [panel * panel_cols(), (panel + 1) * panel_cols()).
+  // Runs on the calling thread (callers set the OpenMP thread count to 1
+  // first). `scratchpad` holds scratchpad_bytes(). Throws dnnl::error.
+  void RunChunk(const void* src, void* dst, int64_t panel, void* scratchpad,
+                dnnl::stream& stream) const;
   size_t scratchpad_bytes() const { return scratchpad_bytes_; }
 
  private:
   ChunkedLinear() = default;
 
-  int64_t k_ = 0, n_ = 0, chunk_rows_ = kChunkRows;
+  int64_t k_ = 0, n_ = 0, chunk_rows_ = kChunkRows, panel_cols_ = 1;
   DType src_dtype_ = DType::kFloat32, dst_dtype_ = DType::kFloat32;
   bool rows_independent_ = true;
   dnnl::engine engine_;
   dnnl::matmul primitive_;
   dnnl::memory::desc src_md_, dst_md_, scratchpad_md_;
-  dnnl::memory weights_, bias_;  // prepacked, owned
+  std::vector<dnnl::memory> weights_, bias_;  // per panel; prepacked, owned
   size_t scratchpad_bytes_ = 0;
 };
 
@@ -119,13 +142,15 @@ struct LinearJob {
   std::vector<MutableRowBlock> out;
 };
 
-// Runs every chunk of every job on `threads` OpenMP threads (chunks are
-// handed out dynamically; which thread runs a chunk changes no result: each
-// is the same single-threaded matmul on its own rows). Inputs are converted
-// to the linear's src type while gathered into a 64-byte aligned chunk
-// buffer; an `in` block already in that type with a 64-byte aligned start
-// and rows of exactly K elements is read in place. Errors: Internal (oneDNN)
-// or ResourceExhausted.
+// Runs every (chunk, panel) of every job on `threads` OpenMP threads, panel
+// by panel so that a panel's weights stay in cache across the chunks. Items
+// are handed out dynamically; which thread runs one changes no result: each
+// is the same single-threaded matmul on its own rows and columns. Inputs are
+// converted to the linear's src type while gathered into a 64-byte aligned
+// chunk buffer (for a linear of several panels, once per chunk in a first
+// pass); an `in` block already in that type with a 64-byte aligned start and
+// rows of exactly K elements is read in place. Errors: Internal (oneDNN) or
+// ResourceExhausted.
 absl::Status RunLinearJobs(absl::Span<const LinearJob> jobs, const dnnl::engine& engine,
                            int threads);
 

@@ -848,6 +848,111 @@ TEST(ChunkedLinearTest, ChunkHeightFollowsTheWeightSize) {
   EXPECT_EQ((*demo.qkv(*MakeDemoMhaLayer()))->chunk_rows(), cpu::kChunkRows);  // 3 MiB
 }
 
+TEST(ChunkedLinearTest, ColumnPanelsAreSizedByTheBudget) {
+  dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  Rng rng(81);
+  const Tensor w = RandomTensor(rng, DType::kFloat32, {96, 24}, 0.3f);
+  const Tensor b = RandomTensor(rng, DType::kFloat32, {96}, 0.5f);
+  auto make = [&](size_t budget) {
+    auto l = cpu::ChunkedLinear::Create(engine, {&w}, {&b}, Precision::kFloat32, DType::kFloat32,
+                                        DType::kFloat32, budget);
+    EXPECT_TRUE(l.ok()) << l.status();
+    return std::move(*l);
+  };
+  // 96 columns x 96 bytes each: widest multiple-of-16 divisor that fits.
+  EXPECT_EQ(make(32 * 96)->panel_cols(), 32);
+  EXPECT_EQ(make(32 * 96)->panels(), 3);
+  EXPECT_EQ(make(60 * 96)->panel_cols(), 48);
+  EXPECT_EQ(make(96 * 96)->panels(), 1);
+  EXPECT_EQ(make(8 * 96)->panels(), 1);  // no multiple of 16 fits: one panel
+  // The engine's budget on this CPU: demo-mha's fused QKV (3 MiB fp32) is
+  // always cut, since the budget is at most 2 MiB.
+  EXPECT_LE(cpu::DefaultPanelBytes(), size_t{2} << 20);
+  cpu::LayerProjections demo(engine, Precision::kFloat32, true);
+  const cpu::ChunkedLinear* qkv = *demo.qkv(*MakeDemoMhaLayer());
+  EXPECT_GT(qkv->panels(), 1);
+  EXPECT_LE(static_cast<size_t>(qkv->panel_cols()) * 512 * sizeof(float),
+            cpu::DefaultPanelBytes());
+}
+
+TEST(ChunkedLinearTest, PanelsComputeEveryColumnAndKeepRowsInvariant) {
+  // y = x W^T + b through 3 column panels, against float64 and against one
+  // panel; then rows of a block alone vs the same rows among co-tenants at
+  // other offsets, on 1 and 2 threads, into outputs of other dtypes and
+  // strides (the scatter of each panel's columns).
+  dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  Rng rng(82);
+  constexpr int64_t kN = 96, kK = 24;
+  const Tensor w = RandomTensor(rng, DType::kFloat32, {kN, kK}, 0.3f);
+  const Tensor b = RandomTensor(rng, DType::kFloat32, {kN}, 0.5f);
+  for (DType compute : {DType::kFloat32, DType::kBFloat16}) {
+    const Precision precision =
+        compute == DType::kFloat32 ? Precision::kFloat32 : Precision::kBFloat16;
+    auto paneled = cpu::ChunkedLinear::Create(engine, {&w}, {&b}, precision, compute,
+                                              DType::kFloat32, 32 * kK * DTypeSize(compute));
+    auto whole = cpu::ChunkedLinear::Create(engine, {&w}, {&b}, precision, compute,
+                                            DType::kFloat32, 1 << 20);
+    ASSERT_TRUE(paneled.ok() && whole.ok());
+    ASSERT_EQ((*paneled)->panels(), 3);
+    ASSERT_EQ((*whole)->panels(), 1);
+
+    // rows [row0, row0 + x.rows) of a `total`-row job; output row stride
+    // `stride` (>= kN) in `out_dtype`.
+    auto run = [&](const cpu::ChunkedLinear& linear, const std::vector<const Tensor*>& xs,
+                   const std::vector<int64_t>& row0, int64_t total, DType out_dtype,
+                   int64_t stride, int threads) {
+      std::vector<Tensor> ys;
+      cpu::LinearJob job;
+      job.linear = &linear;
+      job.rows = (total + linear.chunk_rows() - 1) / linear.chunk_rows() * linear.chunk_rows();
+      for (size_t i = 0; i < xs.size(); ++i) {
+        const int64_t rows = xs[i]->shape()[0];
+        ys.emplace_back(out_dtype, Shape{rows, stride});
+        job.in.push_back({row0[i], rows, xs[i]->dtype(), xs[i]->data(), kK});
+      }
+      for (size_t i = 0; i < xs.size(); ++i) {
+        job.out.push_back({row0[i], xs[i]->shape()[0], out_dtype, ys[i].data(), stride});
+      }
+      const absl::Status s = cpu::RunLinearJobs({&job, 1}, engine, threads);
+      EXPECT_TRUE(s.ok()) << s;
+      return ys;
+    };
+    const Tensor x = RandomTensor(rng, DType::kFloat32, {45, kK}, 1.0f);
+    const Tensor y = run(**paneled, {&x}, {0}, 45, DType::kFloat32, kN, 1)[0];
+    const Tensor y1 = run(**whole, {&x}, {0}, 45, DType::kFloat32, kN, 1)[0];
+    const Tensor wr = Rounded(w, precision), br = Rounded(b, precision);
+    const Tensor xr = Rounded(x, compute == DType::kBFloat16 ? precision : Precision::kFloat32);
+    const double tolerance = compute == DType::kFloat32 ? 1e-5 : 1e-2;
+    for (int64_t r = 0; r < 45; ++r) {
+      for (int64_t n = 0; n < kN; ++n) {
+        double want = br.data_as<float>()[n];
+        for (int64_t k = 0; k < kK; ++k) {
+          want += static_cast<double>(xr.data_as<float>()[r * kK + k]) * wr.data_as<float>()[n * kK + k];
+        }
+        const float got = y.data_as<float>()[r * kN + n];
+        ASSERT_NEAR(got, want, tolerance * (1.0 + std::fabs(want))) << "row " << r << " col " << n;
+        ASSERT_NEAR(got, y1.data_as<float>()[r * kN + n], tolerance * (1.0 + std::fabs(want)));
+      }
+    }
+
+    const Tensor target = RandomTensor(rng, DType::kFloat16, {37, kK}, 1.0f);
+    for (DType out_dtype : {DType::kFloat32, DType::kBFloat16}) {
+      const int64_t stride = out_dtype == DType::kFloat32 ? kN : kN + 5;
+      const Tensor alone = run(**paneled, {&target}, {0}, 37, out_dtype, stride, 1)[0];
+      for (int trial = 0; trial < 6; ++trial) {
+        const Tensor before = RandomTensor(rng, DType::kFloat32, {rng.Int(1, 70), kK}, 1.0f);
+        const Tensor after = RandomTensor(rng, DType::kBFloat16, {rng.Int(1, 40), kK}, 1.0f);
+        const int64_t at = before.shape()[0] + rng.Int(0, 3);
+        const int64_t end = at + 37 + rng.Int(0, 3);
+        const auto ys = run(**paneled, {&before, &target, &after}, {0, at, end},
+                            end + after.shape()[0], out_dtype, stride, trial % 2 + 1);
+        EXPECT_TRUE(BitwiseEqual(alone, ys[1]))
+            << DT(compute) << " compute, out " << DT(out_dtype) << ", rows at " << at;
+      }
+    }
+  }
+}
+
 TEST(ChunkedLinearTest, RoundsWeightsToThePrecisionThenComputesInTheComputeType) {
   // A bf16 or fp16 layer computed in fp32 (fp16 always; bf16 on CPUs without
   // AVX512_BF16/AMX) is bitwise an fp32 linear on pre-rounded weights.
