@@ -1,7 +1,8 @@
 // Google Benchmark for the CPU engine on the issue's shapes: the fused
 // attention core (fp32 and bf16), the full projection layer, and the
 // machine's ceilings measured the same way (oneDNN matmul on the core's GEMM
-// sizes, a STREAM triad), plus the extra peak RSS of long sequences.
+// sizes, a STREAM triad), the extra peak RSS of long sequences, and
+// demo-mha batches of 16-token requests (the batching case of issue 3).
 // bench/compare_peers.py runs this with --benchmark_format=json next to
 // PyTorch and prints the ratios; docs/PERFORMANCE.md records them.
 //
@@ -234,6 +235,83 @@ void BM_LayerGemmCeiling(benchmark::State& state, BenchShape s, int threads) {
   state.counters["GFLOPs"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// The serving case of issue 3: `requests` demo-mha requests of one sequence
+// of 16 tokens (fp32), run as one ragged batch through the cpu engine, as the
+// batcher hands them over. Counter per_request: time / requests (seconds).
+constexpr int64_t kServingTokens = 16;
+
+void BM_DemoMhaBatch(benchmark::State& state, int requests, int threads) {
+  const std::shared_ptr<const AttentionLayer> layer = MakeDemoMhaLayer();
+  const int64_t e = layer->config.embed_dim;
+  EngineOptions eo;
+  eo.num_threads = threads;
+  absl::StatusOr<std::unique_ptr<AttentionEngine>> engine = CreateEngine("cpu", eo);
+  if (!engine.ok()) {
+    state.SkipWithError(std::string(engine.status().message()).c_str());
+    return;
+  }
+  std::vector<Tensor> xs, ys;
+  std::vector<AttentionTask> tasks(static_cast<size_t>(requests));
+  for (int r = 0; r < requests; ++r) {
+    xs.push_back(RandomTensor(DType::kFloat32, {1, kServingTokens, e}, 100 + r));
+    ys.emplace_back(DType::kFloat32, Shape{1, kServingTokens, e});
+  }
+  for (int r = 0; r < requests; ++r) {
+    tasks[r].query = xs[r].view();
+    tasks[r].scale = 1.0f / std::sqrt(static_cast<float>(layer->config.head_dim));
+    tasks[r].output = ys[r].mutable_view();
+  }
+  if (absl::Status st = (*engine)->Run(*layer, tasks); !st.ok()) {
+    state.SkipWithError(std::string(st.message()).c_str());
+    return;
+  }
+  for (auto _ : state) {
+    benchmark::DoNotOptimize((*engine)->Run(*layer, tasks));
+    benchmark::ClobberMemory();
+  }
+  state.counters["per_request"] = benchmark::Counter(
+      requests, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+  const double flops = requests * (2.0 * kServingTokens * e * e * 4 +
+                                   4.0 * kServingTokens * kServingTokens * e);
+  state.counters["GFLOPs"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// Its sgemm ceiling: demo-mha's four projections as single oneDNN matmuls
+// over all requests' rows stacked ([requests * 16, 512] x [512, 512] + bias,
+// weights prepacked), i.e. what batching could give with no attention core,
+// no gather/scatter and no batch invariance to keep.
+void BM_DemoMhaBatchGemmCeiling(benchmark::State& state, int requests, int threads) {
+  using dnnl::memory;
+  omp_set_num_threads(threads);
+  dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  dnnl::stream stream(eng);
+  const int64_t e = MakeDemoMhaLayer()->config.embed_dim, rows = requests * kServingTokens;
+  const auto f32 = memory::data_type::f32;
+  memory::desc x_md({rows, e}, f32, memory::format_tag::ab);
+  memory::desc w_any({e, e}, f32, memory::format_tag::any);
+  memory::desc b_md({1, e}, f32, memory::format_tag::ab);
+  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(x_md, w_any, b_md, x_md), eng);
+  dnnl::matmul proj(pd);
+  std::vector<memory> ws;
+  for (int i = 0; i < 4; ++i) ws.emplace_back(pd.weights_desc(), eng);
+  memory x(x_md, eng), b(b_md, eng), y(x_md, eng);
+  for (memory* mem : {&x, &b, &y, &ws[0], &ws[1], &ws[2], &ws[3]}) {
+    std::memset(mem->get_data_handle(), 0, mem->get_desc().get_size());
+  }
+  auto run = [&] {
+    for (const memory& w : ws) {
+      proj.execute(stream, {{DNNL_ARG_SRC, x}, {DNNL_ARG_WEIGHTS, w}, {DNNL_ARG_BIAS, b}, {DNNL_ARG_DST, y}});
+    }
+    stream.wait();
+  };
+  run();
+  for (auto _ : state) run();
+  state.counters["per_request"] = benchmark::Counter(
+      requests, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+  state.counters["GFLOPs"] = benchmark::Counter(2.0 * rows * e * e * 4,
+                                                benchmark::Counter::kIsIterationInvariantRate);
+}
+
 // STREAM triad a = b + s * c over three float arrays of `mib` MiB in all,
 // first touched by the threads that use them. GBps counts 12 bytes per
 // element (STREAM's convention: two reads, one write).
@@ -332,6 +410,19 @@ void RegisterAll() {
     for (int64_t mib : {128, 3072}) {
       benchmark::RegisterBenchmark(absl::StrCat("StreamTriad/MiB:", mib, "/threads:", t).c_str(),
                                    BM_StreamTriad, mib, t)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+  }
+  for (int t : thread_counts) {
+    for (int requests : {1, 16, 32}) {
+      const std::string suffix = absl::StrCat("/requests:", requests, "/threads:", t);
+      benchmark::RegisterBenchmark(absl::StrCat("DemoMhaBatch", suffix).c_str(), BM_DemoMhaBatch,
+                                   requests, t)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+      benchmark::RegisterBenchmark(absl::StrCat("DemoMhaBatchGemmCeiling", suffix).c_str(),
+                                   BM_DemoMhaBatchGemmCeiling, requests, t)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
