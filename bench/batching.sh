@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Dynamic batching on vs off: attn_bench closed loop at concurrency 32 with
 # small requests (demo-mha, batch 1, 16 tokens) against attnserve with its
-# default batching and with --max-batch-requests=1; prints throughput, p99
-# and the p99 bound 2 x (max_queue_delay + one batch's compute).
+# default batching (plus BATCHING_FLAGS) and with --max-batch-requests=1;
+# prints throughput, p99, the p99 bound 2 x (max_queue_delay + one batch's
+# compute), and the throughput ratio.
 #
 #   bench/batching.sh [BUILD_DIR]      Env: DURATION (s, default 10),
-#                                      ATTNSERVE_ARGS (extra server flags)
+#                                      ATTNSERVE_ARGS (server flags of both runs),
+#                                      BATCHING_FLAGS (flags of the batching run,
+#                                      e.g. --max-queue-delay-us=4000)
 set -euo pipefail
 
 build=${1:-build}
@@ -34,6 +37,7 @@ import json, sys
 name, delay, r = sys.argv[1], float(sys.argv[2]), json.load(open(sys.argv[3]))
 t, l = r["server_timing"], r["latency_us"]
 bound = 2 * (delay + t["compute_us_mean"])
+open(sys.argv[3] + ".rps", "w").write(str(r["ok_throughput_rps"]))
 print(f"{name:<12} {r['ok_throughput_rps']:9.1f} req/s  p50 {l['p50']:9.1f} us  p99 {l['p99']:9.1f} us  "
       f"batch mean {t['batch_requests_mean']:5.2f}  compute/batch {t['compute_us_mean']:8.1f} us  "
       f"p99 bound 2x(delay+compute) {bound:9.1f} us {'OK' if l['p99'] <= bound else 'EXCEEDED'}  "
@@ -44,3 +48,5 @@ PY
 echo "demo-mha B1 L16, closed loop, concurrency 32, ${duration}s each"
 measure batching     ${BATCHING_FLAGS:-}
 measure no-batching  --max-batch-requests=1
+python3 -c 'import sys; a, b = (float(open(f).read()) for f in sys.argv[1:]); print(f"batching / no-batching throughput: {a / b:.2f}x")' \
+  "$tmp/batching.json.rps" "$tmp/no-batching.json.rps"
