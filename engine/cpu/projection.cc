@@ -178,33 +178,37 @@ void GatherChunk(const LinearJob& job, int64_t chunk, unsigned char* buf) {
   if (r < r1) std::memset(buf + (r - r0) * s_row, 0, (r1 - r) * s_row);
 }
 
-// Panel `panel` of chunk `chunk` of `job` on `src`: written in place when the
-// linear has one panel and one `out` block covers the chunk in the dst type
-// with N-element rows, else into `dst_buf` ([chunk_rows(), panel_cols()],
-// this thread's) and scattered from there.
+// Panel `panel` of chunk `chunk` of `job` on `src`: written in place when one
+// `out` block covers the chunk in the dst type with N-element rows and the
+// linear writes panels into full rows (dst_row_stride() == N), else into
+// `dst_buf` ([chunk_rows(), dst_row_stride()], this thread's) and scattered
+// from there.
 void RunPanelOf(const LinearJob& job, int64_t chunk, int64_t panel, const void* src,
                 unsigned char* dst_buf, unsigned char* scratchpad, dnnl::stream& stream) {
   const ChunkedLinear& lin = *job.linear;
   const int64_t n = lin.out_features(), cols = lin.panel_cols(), col0 = panel * cols;
+  const int64_t ld = lin.dst_row_stride();
   const int64_t r0 = chunk * lin.chunk_rows(), r1 = r0 + lin.chunk_rows();
   const DType ddt = lin.dst_dtype();
-  const size_t d_es = DTypeSize(ddt), d_row = static_cast<size_t>(cols) * d_es;
+  const size_t d_es = DTypeSize(ddt), d_row = static_cast<size_t>(ld) * d_es;
 
   auto out = FirstEndingAfter(job.out, r0);
-  const bool in_place_dst = cols == n && out != job.out.end() && out->row0 <= r0 &&
+  const bool in_place_dst = ld == n && out != job.out.end() && out->row0 <= r0 &&
                             out->row0 + out->rows >= r1 && out->dtype == ddt &&
                             out->stride == n;
   if (in_place_dst) {
-    lin.RunChunk(src, static_cast<unsigned char*>(out->data) + (r0 - out->row0) * d_row, panel,
-                 scratchpad, stream);
+    lin.RunChunk(src,
+                 static_cast<unsigned char*>(out->data) + (r0 - out->row0) * d_row + col0 * d_es,
+                 panel, scratchpad, stream);
     return;
   }
-  lin.RunChunk(src, dst_buf, panel, scratchpad, stream);
+  unsigned char* base = dst_buf + (ld == n ? col0 * d_es : 0);
+  lin.RunChunk(src, base, panel, scratchpad, stream);
   for (; out != job.out.end() && out->row0 < r1; ++out) {
     const int64_t b0 = std::max(r0, out->row0), b1 = std::min(r1, out->row0 + out->rows);
     const size_t out_es = DTypeSize(out->dtype);
     for (int64_t row = b0; row < b1; ++row) {
-      Convert(dst_buf + (row - r0) * d_row, ddt, cols,
+      Convert(base + (row - r0) * d_row, ddt, cols,
               static_cast<unsigned char*>(out->data) +
                   ((row - out->row0) * out->stride + col0) * out_es,
               out->dtype);
@@ -312,6 +316,11 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
     }
   }
   linear->panel_cols_ = cols;
+  // fp32 panels go straight into full output rows (no copy; oneDNN 2.6 runs
+  // a strided dst on its jit gemm, as fast as brgemm here). bf16 panels stay
+  // dense: a strided dst would move them off the AMX brgemm kernels onto a
+  // gemm 2-3x slower.
+  linear->dst_ld_ = linear->src_dtype_ == DType::kFloat32 ? n : cols;
   const int64_t panels = n / cols;
 
   // W stacked in PyTorch layout [N, K] is the matmul's [K, N] weights with
@@ -342,9 +351,7 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
     OnOneThread([&] {
       ChunkedLinear& l = *linear;
       l.src_md_ = dnnl::memory::desc({h, k}, DnnlType(wdt), {k, 1});
-      // Dense [h, cols]: a strided dst would move oneDNN 2.6 off its brgemm
-      // (AMX) kernels onto plain gemm, 2-3x slower in bf16.
-      l.dst_md_ = dnnl::memory::desc({h, cols}, DnnlType(dst_dtype), {cols, 1});
+      l.dst_md_ = dnnl::memory::desc({h, cols}, DnnlType(dst_dtype), {l.dst_ld_, 1});
       const dnnl::memory::desc wei_any({k, cols}, DnnlType(wdt), dnnl::memory::format_tag::any);
       const dnnl::memory::desc bias_md({1, cols}, dt::f32, {cols, 1});
       dnnl::primitive_attr attr;
@@ -377,21 +384,22 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
       // Position check: every row of the chunk the same random vector; all
       // output rows of every panel must then be bitwise equal.
       AlignedBytes src(h * k * DTypeSize(wdt));
-      AlignedBytes dst(h * cols * DTypeSize(dst_dtype));
+      AlignedBytes dst(h * l.dst_ld_ * DTypeSize(dst_dtype));
       AlignedBytes pad(std::max<size_t>(l.scratchpad_bytes_, 1));
       std::mt19937 gen(12345);
       std::vector<float> row(static_cast<size_t>(k));
       const size_t s_row = static_cast<size_t>(k) * DTypeSize(wdt);
-      const size_t d_row = static_cast<size_t>(cols) * DTypeSize(dst_dtype);
+      const size_t d_es = DTypeSize(dst_dtype), d_row = static_cast<size_t>(l.dst_ld_) * d_es;
       for (int trial = 0; trial < 2 && l.rows_independent_; ++trial) {
         for (float& v : row) v = static_cast<float>(gen() >> 8) * 0x1.0p-23f - 1.0f;
         for (int64_t r = 0; r < h; ++r) {
           Convert(row.data(), DType::kFloat32, k, src.data() + r * s_row, wdt);
         }
         for (int64_t p = 0; p < panels; ++p) {
-          l.RunChunk(src.data(), dst.data(), p, pad.data(), stream);
+          unsigned char* base = dst.data() + (l.dst_ld_ == n ? p * cols * d_es : 0);
+          l.RunChunk(src.data(), base, p, pad.data(), stream);
           for (int64_t r = 1; r < h; ++r) {
-            if (std::memcmp(dst.data(), dst.data() + r * d_row, d_row) != 0) {
+            if (std::memcmp(base, base + r * d_row, cols * d_es) != 0) {
               l.rows_independent_ = false;
             }
           }

@@ -109,9 +109,15 @@ class ChunkedLinear {
   // task meets the same primitive at the same positions whatever its batch.
   bool rows_independent() const { return rows_independent_; }
 
+  // Row stride of RunChunk's dst, in elements: out_features() when panels
+  // are written into full output rows (fp32), panel_cols() when each panel
+  // is written densely (bf16).
+  int64_t dst_row_stride() const { return dst_ld_; }
+
   // One panel of one chunk: src [chunk_rows(), K] contiguous in src_dtype();
-  // dst [chunk_rows(), panel_cols()] contiguous in dst_dtype(), receiving
-  // output columns [panel * panel_cols(), (panel + 1) * panel_cols()).
+  // dst [chunk_rows(), panel_cols()] in dst_dtype() with rows
+  // dst_row_stride() elements apart, receiving output columns
+  // [panel * panel_cols(), (panel + 1) * panel_cols()).
   // Runs on the calling thread (callers set the OpenMP thread count to 1
   // first). `scratchpad` holds scratchpad_bytes(). Throws dnnl::error.
   void RunChunk(const void* src, void* dst, int64_t panel, void* scratchpad,
@@ -121,7 +127,7 @@ class ChunkedLinear {
  private:
   ChunkedLinear() = default;
 
-  int64_t k_ = 0, n_ = 0, chunk_rows_ = kChunkRows, panel_cols_ = 1;
+  int64_t k_ = 0, n_ = 0, chunk_rows_ = kChunkRows, panel_cols_ = 1, dst_ld_ = 1;
   DType src_dtype_ = DType::kFloat32, dst_dtype_ = DType::kFloat32;
   bool rows_independent_ = true;
   dnnl::engine engine_;
