@@ -29,8 +29,9 @@ namespace attnserve::cpu {
 // an AVX-512 fp32 or AMX bf16 matmul near its single-core peak while a lone
 // short request wastes at most 31 padded rows; linears whose weights exceed
 // kTallChunkWeightBytes (several times a core's L2) use kTallChunkRows (64),
-// since every chunk streams the whole weight matrix from L3 and 32 rows no
-// longer amortise that (B8 L512 E768 fp32: 7% faster with 64).
+// since every chunk streamed the whole weight matrix from L3 and 32 rows no
+// longer amortised that (B8 L512 E768 fp32: 7% faster with 64, measured
+// before column panels kept each panel's weights in L2).
 inline constexpr int64_t kChunkRows = 32;
 inline constexpr int64_t kTallChunkRows = 64;
 inline constexpr size_t kTallChunkWeightBytes = size_t{4} << 20;
@@ -66,9 +67,9 @@ struct MutableRowBlock {
   int64_t stride = 0;
 };
 
-// y [M, N] = x [M, K] W^T + b for any M, as ceil(M / chunk_rows()) matmuls
-// of chunk_rows() rows with the weights prepacked (oneDNN's preferred layout)
-// once.
+// y [M, N] = x [M, K] W^T + b for any M, as ceil(M / chunk_rows()) x
+// panels() matmuls of chunk_rows() rows by panel_cols() columns, with each
+// panel's weights prepacked (oneDNN's preferred layout) once.
 //
 // W and b are first rounded to `rounding` (bf16 or fp16 values; exact when
 // the weight loader already did it). x and W then enter the matmul as
