@@ -149,6 +149,18 @@ void BM_GemmCeiling(benchmark::State& state, BenchShape s, DType dtype, int thre
   state.SetLabel(per_head ? "one head at a time" : "");
 }
 
+// The cpu engine on `threads` threads, or null after marking `state` skipped.
+std::unique_ptr<AttentionEngine> CpuEngineOrSkip(benchmark::State& state, int threads) {
+  EngineOptions eo;
+  eo.num_threads = threads;
+  absl::StatusOr<std::unique_ptr<AttentionEngine>> engine = CreateEngine("cpu", eo);
+  if (!engine.ok()) {
+    state.SkipWithError(std::string(engine.status().message()).c_str());
+    return nullptr;
+  }
+  return std::move(*engine);
+}
+
 // nn.MultiheadAttention forward (batch first, self-attention, biases,
 // need_weights=False) through the cpu engine: projections + fused core.
 void BM_Layer(benchmark::State& state, BenchShape s, Precision precision, int threads) {
@@ -171,13 +183,8 @@ void BM_Layer(benchmark::State& state, BenchShape s, Precision precision, int th
   w.bk = SeededUniformTensor({e}, 16, bound);
   w.bv = SeededUniformTensor({e}, 17, bound);
   w.bo = SeededUniformTensor({e}, 18, bound);
-  EngineOptions eo;
-  eo.num_threads = threads;
-  absl::StatusOr<std::unique_ptr<AttentionEngine>> engine = CreateEngine("cpu", eo);
-  if (!engine.ok()) {
-    state.SkipWithError(std::string(engine.status().message()).c_str());
-    return;
-  }
+  std::unique_ptr<AttentionEngine> engine = CpuEngineOrSkip(state, threads);
+  if (engine == nullptr) return;
   const DType dtype = precision == Precision::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
   Tensor x = RandomTensor(dtype, {s.batch, s.q_len, e}, 21);
   Tensor y(dtype, {s.batch, s.q_len, e});
@@ -185,12 +192,12 @@ void BM_Layer(benchmark::State& state, BenchShape s, Precision precision, int th
   task.query = x.view();
   task.scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
   task.output = y.mutable_view();
-  if (absl::Status st = (*engine)->Run(*layer, {&task, 1}); !st.ok()) {
+  if (absl::Status st = engine->Run(*layer, {&task, 1}); !st.ok()) {
     state.SkipWithError(std::string(st.message()).c_str());
     return;
   }
   for (auto _ : state) {
-    benchmark::DoNotOptimize((*engine)->Run(*layer, {&task, 1}));
+    benchmark::DoNotOptimize(engine->Run(*layer, {&task, 1}));
     benchmark::ClobberMemory();
   }
   const double proj_flops = 2.0 * s.batch * s.q_len * e * e * 4;
@@ -243,13 +250,8 @@ constexpr int64_t kServingTokens = 16;
 void BM_DemoMhaBatch(benchmark::State& state, int requests, int threads) {
   const std::shared_ptr<const AttentionLayer> layer = MakeDemoMhaLayer();
   const int64_t e = layer->config.embed_dim;
-  EngineOptions eo;
-  eo.num_threads = threads;
-  absl::StatusOr<std::unique_ptr<AttentionEngine>> engine = CreateEngine("cpu", eo);
-  if (!engine.ok()) {
-    state.SkipWithError(std::string(engine.status().message()).c_str());
-    return;
-  }
+  std::unique_ptr<AttentionEngine> engine = CpuEngineOrSkip(state, threads);
+  if (engine == nullptr) return;
   std::vector<Tensor> xs, ys;
   std::vector<AttentionTask> tasks(static_cast<size_t>(requests));
   for (int r = 0; r < requests; ++r) {
@@ -261,12 +263,12 @@ void BM_DemoMhaBatch(benchmark::State& state, int requests, int threads) {
     tasks[r].scale = 1.0f / std::sqrt(static_cast<float>(layer->config.head_dim));
     tasks[r].output = ys[r].mutable_view();
   }
-  if (absl::Status st = (*engine)->Run(*layer, tasks); !st.ok()) {
+  if (absl::Status st = engine->Run(*layer, tasks); !st.ok()) {
     state.SkipWithError(std::string(st.message()).c_str());
     return;
   }
   for (auto _ : state) {
-    benchmark::DoNotOptimize((*engine)->Run(*layer, tasks));
+    benchmark::DoNotOptimize(engine->Run(*layer, tasks));
     benchmark::ClobberMemory();
   }
   state.counters["per_request"] = benchmark::Counter(
