@@ -45,6 +45,10 @@ const BenchShape kShapes[] = {
     {"B32_L64_E256_H4", 32, 64, 64, 4, 64, true},
     {"decode_B16_Lk1024_H16_D64", 16, 1, 1024, 16, 64, false},
     {"long_B1_L8192_H16_D64", 1, 8192, 8192, 16, 64, false},
+    // Short key sequences of the serving benchmarks (issue 3): the 16 MiB
+    // sdpa payload of bench/overhead.sh, and 32 demo-mha requests' cores.
+    {"few_keys_B1_L65536_Lk8_H1_D64", 1, 65536, 8, 1, 64, false},
+    {"short_B32_L16_H8_D64", 32, 16, 16, 8, 64, false},
 };
 
 double CoreFlops(const BenchShape& s) {

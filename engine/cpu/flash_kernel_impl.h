@@ -393,10 +393,14 @@ struct Products {
   using VElem = float;
   using PElem = float;
   static constexpr int kRowAlign = 1;
+  // Keys of a block are padded to a multiple of this: one AVX-512 vector,
+  // so a short key sequence (8 or 16 keys) does not pay for a 64-key tile.
+  static constexpr int64_t kKeyAlign = 16;
   static constexpr int kExpDegree = 5;
   static constexpr bool kPInScores = true;
   using V = Vec::V;
   static constexpr int W = Vec::W;
+  static_assert(kKeyAlign % W == 0 && flash::kKeyAlign % kKeyAlign == 0);
 
   static void Begin() {}
   static void End() {}
@@ -509,23 +513,39 @@ struct Products {
       for (int n = 0; n < N; ++n) Vec::Store(s + m * lds + n * W, acc[m][n]);
   }
 
+  // Scores of rows [0, rows) for the N * W keys from column j0.
+  template <int N>
+  static void QkRows(float* s, int64_t lds, const float* q, int64_t ldq, const float* kt,
+                     int64_t ldk, int64_t rows, int64_t j0, int64_t d) {
+    constexpr int M = Vec::kQkRows;
+    int64_t r0 = 0;
+    for (; r0 + M <= rows; r0 += M) QkTile<M, N>(q + r0 * ldq, ldq, kt + j0, ldk, d, s + r0 * lds + j0, lds);
+    const float* qr = q + r0 * ldq;
+    float* sr = s + r0 * lds + j0;
+    switch (rows - r0) {
+      case 0: break;
+      case 1: QkTile<1, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
+      case 2: QkTile<2, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
+      case 3: QkTile<3, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
+      case 4: if constexpr (M > 4) QkTile<4, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
+      case 5: if constexpr (M > 5) QkTile<5, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
+    }
+  }
+
   // s[r][j] = sum_k q[r][k] kt[k][j] for r < rows, j < ncols (a multiple of
-  // kQkVecs * W).
+  // kKeyAlign): kQkVecs vectors of keys at a time, then the 1..kQkVecs-1
+  // left. Every score is the same k-ordered sum whatever the tile width.
   static void QK(float* s, int64_t lds, const float* q, int64_t ldq, const float* kt, int64_t ldk,
                  int64_t rows, int64_t ncols, int64_t d) {
-    constexpr int M = Vec::kQkRows, N = Vec::kQkVecs;
-    for (int64_t j0 = 0; j0 < ncols; j0 += N * W) {
-      int64_t r0 = 0;
-      for (; r0 + M <= rows; r0 += M) QkTile<M, N>(q + r0 * ldq, ldq, kt + j0, ldk, d, s + r0 * lds + j0, lds);
-      const float* qr = q + r0 * ldq;
-      float* sr = s + r0 * lds + j0;
-      switch (rows - r0) {
+    constexpr int N = Vec::kQkVecs;
+    int64_t j0 = 0;
+    for (; j0 + N * W <= ncols; j0 += N * W) QkRows<N>(s, lds, q, ldq, kt, ldk, rows, j0, d);
+    if constexpr (N > 1) {
+      switch ((ncols - j0) / W) {
         case 0: break;
-        case 1: QkTile<1, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
-        case 2: QkTile<2, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
-        case 3: QkTile<3, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
-        case 4: if constexpr (M > 4) QkTile<4, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
-        case 5: if constexpr (M > 5) QkTile<5, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
+        case 1: QkRows<1>(s, lds, q, ldq, kt, ldk, rows, j0, d); break;
+        case 2: if constexpr (N > 2) QkRows<2>(s, lds, q, ldq, kt, ldk, rows, j0, d); break;
+        case 3: if constexpr (N > 3) QkRows<3>(s, lds, q, ldq, kt, ldk, rows, j0, d); break;
       }
     }
   }
@@ -642,6 +662,9 @@ struct Bf16Packing {
   using KElem = uint32_t;
   using VElem = uint32_t;
   using PElem = uint16_t;
+  // Keys of a block are padded to a multiple of this (the 64-key tiles of
+  // both bf16 product kernels).
+  static constexpr int64_t kKeyAlign = flash::kKeyAlign;
   static constexpr int kExpDegree = 3;
   static constexpr bool kPInScores = false;
   using V = Vec::V;
@@ -1205,7 +1228,7 @@ class Kernel {
     Products::PackQ(bf.q, qrows, rows, r_pad, p.dtype, p.head_dim);
     for (int64_t kb = item.key0; kb < kend; kb += kBlockKeys) {
       const int64_t n = std::min(kBlockKeys, kend - kb);
-      const int64_t npad = RoundUp(n, kKeyAlign);
+      const int64_t npad = RoundUp(n, Products::kKeyAlign);
       const VElem* v = nullptr;
       int64_t ldv = 0;
       PackKV(p, plan, b, hkv, kb, n, npad, bf, !direct_v, &v, &ldv, direct_k);
@@ -1295,7 +1318,7 @@ class Kernel {
 
       for (int64_t kb = 0; kb < kend; kb += kBlockKeys) {  // pass 1: row max and sum
         const int64_t n = std::min(kBlockKeys, kend - kb);
-        const int64_t npad = RoundUp(n, kKeyAlign);
+        const int64_t npad = RoundUp(n, Products::kKeyAlign);
         PackKV(p, plan, b, hkv, kb, n, npad, bf, false, nullptr, nullptr);
         Products::QK(bf.s, npad, bf.q, ldq, bf.k, npad, r_pad, npad, p.head_dim);
         for (int64_t r = 0; r < rows; ++r)
@@ -1304,7 +1327,7 @@ class Kernel {
       }
       for (int64_t kb = 0; kb < kend; kb += kBlockKeys) {  // pass 2: P, weights, P V
         const int64_t n = std::min(kBlockKeys, kend - kb);
-        const int64_t npad = RoundUp(n, kKeyAlign);
+        const int64_t npad = RoundUp(n, Products::kKeyAlign);
         const VElem* v = nullptr;
         int64_t ldv = 0;
         PackKV(p, plan, b, hkv, kb, n, npad, bf, true, &v, &ldv);

@@ -472,6 +472,9 @@ TEST_P(FlashIsaTest, BlockEdgesMatchReference) {
       {1, 2, 1, 20, 300, 256, 512},   // wide heads
       {1, 1, 1, 2, 700, 200, 40},     // decode with dims off the vector width
       {1, 3, 1, 70, 90, 17, 9},       // odd everything
+      {1, 2, 1, 200, 8, 64, 64},      // few keys: one 16-key vector (fp32 kernels)
+      {2, 8, 8, 16, 16, 64, 64},      // demo-mha's 16-token requests
+      {1, 1, 1, 9, 49, 64, 64},       // 64-key tile, then one vector of keys
   };
   for (const Shape4& s : shapes) {
     for (bool causal : {false, true}) {
