@@ -377,7 +377,10 @@ inline void StoreRowScaled(void* dst, DType dt, const float* src, int64_t n, flo
 }
 
 inline void FillRow(float* dst, int64_t n, float value) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = value;
+  const typename Vec::V v = Vec::Set1(value);
+  int64_t j = 0;
+  for (; j + Vec::W <= n; j += Vec::W) Vec::Store(dst + j, v);
+  for (; j < n; ++j) dst[j] = value;
 }
 
 // ---- fp32 products (scalar, AVX2, AVX-512) ----
