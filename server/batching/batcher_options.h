@@ -36,6 +36,17 @@ struct BatcherOptions {
   // the model). 0 = no threads: the owner drives the batcher by calling
   // ProcessReadyBatches() (tests, single-threaded tools). Default: 1.
   int instances = 1;
+
+  // After computing a batch of a single request, how long a worker keeps
+  // polling the empty queue before it goes to sleep, in microseconds. A
+  // sleeping worker takes 50-70 us to wake up on a VM (a third of a tiny
+  // request's round trip, bench/overhead.sh); polling catches the next
+  // request at once, for at most this much CPU per lone request. Under load
+  // batches hold several requests and no worker polls, which leaves the CPU
+  // to gRPC and the engine. One worker of a model polls at a time. Set from
+  // the server flag for every model (not in config.pbtxt). 0 = never poll.
+  // Must be <= 10000. Default: 200 us.
+  int64_t idle_spin_us = 200;
 };
 
 // InvalidArgument naming the field and value when an option is out of range.

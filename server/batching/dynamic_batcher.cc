@@ -2,6 +2,7 @@
 #include "server/batching/dynamic_batcher.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 
@@ -53,6 +54,7 @@ absl::Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>* task) {
   }
   (*task)->enqueue_time_ = clock_->Now();
   queue_.push_back(std::move(*task));
+  scheduled_.fetch_add(1, std::memory_order_release);
   PublishDepthLocked();
   work_cv_.Signal();
   return absl::OkStatus();
@@ -200,6 +202,11 @@ void DynamicBatcher::BatchDone() {
 }
 
 void DynamicBatcher::WorkerLoop() {
+  // Lone requests in a row: polling starts after two (one lone batch among
+  // full ones is a loaded server's straggler, where polling would take the
+  // CPU that gRPC needs to bring in the next batch).
+  int lone = 0;
+  bool poll = false;
   for (;;) {
     Decision d;
     {
@@ -209,6 +216,11 @@ void DynamicBatcher::WorkerLoop() {
         d = FormBatchLocked(clock_->Now());
         if (!d.batch.tasks.empty() || !d.dropped.empty()) break;
         if (d.wake_at == absl::InfiniteFuture()) {
+          if (poll && state_ == State::kRunning) {
+            poll = false;
+            PollForWorkLocked();
+            continue;
+          }
           work_cv_.Wait(&mu_);
         } else {
           work_cv_.WaitWithTimeout(&mu_, d.wake_at - clock_->Now());
@@ -221,8 +233,28 @@ void DynamicBatcher::WorkerLoop() {
       }
     }
     FailAll(d.dropped);
-    if (!d.batch.tasks.empty()) RunBatch(d.batch);
+    if (!d.batch.tasks.empty()) {
+      lone = d.batch.tasks.size() == 1 ? lone + 1 : 0;
+      poll = options_.idle_spin_us > 0 && lone >= 2;
+      RunBatch(d.batch);
+    }
   }
+}
+
+void DynamicBatcher::PollForWorkLocked() {
+  if (polling_.exchange(true, std::memory_order_acquire)) return;
+  const uint64_t seen = scheduled_.load(std::memory_order_relaxed);
+  mu_.Unlock();
+  const auto until =
+      std::chrono::steady_clock::now() + std::chrono::microseconds(options_.idle_spin_us);
+  while (scheduled_.load(std::memory_order_acquire) == seen &&
+         std::chrono::steady_clock::now() < until) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  mu_.Lock();
+  polling_.store(false, std::memory_order_release);
 }
 
 int DynamicBatcher::ProcessReadyBatches() {

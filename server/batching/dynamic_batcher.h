@@ -4,6 +4,7 @@
 #ifndef ATTNSERVE_SERVER_BATCHING_DYNAMIC_BATCHER_H_
 #define ATTNSERVE_SERVER_BATCHING_DYNAMIC_BATCHER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -116,6 +117,10 @@ class DynamicBatcher {
 
   Decision FormBatchLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WorkerLoop();
+  // Polls, with mu_ released, until a request is scheduled or
+  // options_.idle_spin_us pass (BatcherOptions::idle_spin_us); returns at
+  // once if another worker is polling. Called and returns with mu_ held.
+  void PollForWorkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs process_ and completes what it left uncompleted. Without the lock.
   void RunBatch(Batch& batch) ABSL_LOCKS_EXCLUDED(mu_);
   void BatchDone() ABSL_LOCKS_EXCLUDED(mu_);
@@ -142,6 +147,10 @@ class DynamicBatcher {
   bool shutdown_done_ ABSL_GUARDED_BY(mu_) = false;
 
   std::vector<std::thread> workers_;  // written only by Create and Shutdown
+  // Requests ever scheduled (what a polling worker watches, lock-free), and
+  // whether a worker is polling.
+  std::atomic<uint64_t> scheduled_{0};
+  std::atomic<bool> polling_{false};
 };
 
 }  // namespace attnserve

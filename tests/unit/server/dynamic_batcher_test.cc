@@ -328,6 +328,11 @@ TEST(BatcherOptionsTest, RejectsOutOfRange) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ValidateBatcherOptions({.max_queue_size = 0}).code(),
             absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateBatcherOptions({.idle_spin_us = -1}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateBatcherOptions({.idle_spin_us = 10001}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ValidateBatcherOptions({.idle_spin_us = 0}).ok());
   auto b = DynamicBatcher::Create("m", {.max_queue_size = 0},
                                   [](Batch&) {});
   EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
@@ -405,6 +410,29 @@ TEST(ThreadedBatcherTest, ShutdownCompletesEveryAcceptedRequest) {
   std::unique_ptr<BatchTask> late =
       std::make_unique<TestTask>(kInFlight, 1, &records[kInFlight]);
   EXPECT_EQ((*b)->Schedule(&late).code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(ThreadedBatcherTest, LoneRequestsMeetAPollingWorker) {
+  // Each request is sent only after the previous one completed, so every
+  // batch is a lone request and a worker is (most likely) polling when the
+  // next one arrives: each must still run exactly once, alone, in order. A
+  // shutdown right after the last one must not wait for the poll to end.
+  Recorder recorder;
+  auto b = DynamicBatcher::Create(
+      "m", {.max_batch_requests = 8, .instances = 2, .idle_spin_us = 10000}, recorder.Fn());
+  ASSERT_TRUE(b.ok());
+  constexpr int kRequests = 200;
+  std::vector<Record> records(kRequests);
+  for (int i = 0; i < kRequests; ++i) {
+    std::unique_ptr<BatchTask> t = std::make_unique<TestTask>(i, 1, &records[i]);
+    ASSERT_TRUE((*b)->Schedule(&t).ok());
+    ASSERT_TRUE(records[i].done.WaitForNotificationWithTimeout(absl::Seconds(10))) << i;
+    EXPECT_TRUE(records[i].GetStatus().ok()) << records[i].GetStatus();
+  }
+  (*b)->Shutdown(absl::Seconds(10));
+  const std::vector<std::vector<int>> batches = recorder.batches();
+  ASSERT_EQ(batches.size(), static_cast<size_t>(kRequests));
+  for (int i = 0; i < kRequests; ++i) EXPECT_EQ(batches[i], std::vector<int>{i});
 }
 
 TEST(ThreadedBatcherTest, WakeFailsCancelledTaskPromptly) {
