@@ -65,8 +65,8 @@ ABSL_FLAG(int, max_queue_size, kDefaults.batching.max_queue_size,
 ABSL_FLAG(int, instances, kDefaults.batching.instances,
           "engine workers per model, each computing one batch at a time");
 ABSL_FLAG(int64_t, idle_spin_us, kDefaults.batching.idle_spin_us,
-          "after a batch of one request, how long (us) the worker polls the empty queue "
-          "before sleeping (a sleeping worker's wake-up costs 50-70 us on a VM); 0 = never");
+          "after two lone requests in a row, how long (us) a worker polls the empty queue "
+          "before sleeping (a sleeping worker's wake-up cost 55-80 us on a VM); 0 = never");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::FromChrono(kDefaults.shutdown_grace),
           "on SIGTERM/SIGINT, how long accepted requests may take to complete (e.g. 30s, "
           "500ms); requests still queued after it get UNAVAILABLE");

@@ -37,9 +37,9 @@ struct BatcherOptions {
   // ProcessReadyBatches() (tests, single-threaded tools). Default: 1.
   int instances = 1;
 
-  // After computing a batch of a single request, how long a worker keeps
+  // After two batches of a single request in a row, how long a worker keeps
   // polling the empty queue before it goes to sleep, in microseconds. A
-  // sleeping worker takes 50-70 us to wake up on a VM (a third of a tiny
+  // sleeping worker takes 55-80 us to wake up on a VM (a third of a tiny
   // request's round trip, bench/overhead.sh); polling catches the next
   // request at once, for at most this much CPU per lone request. Under load
   // batches hold several requests and no worker polls, which leaves the CPU
