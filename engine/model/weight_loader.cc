@@ -2,6 +2,7 @@
 // with messages that name the tensor, and the per-layout splits/transposes.
 #include "engine/model/weight_loader.h"
 
+#include <array>
 #include <cstring>
 #include <initializer_list>
 #include <utility>
@@ -260,6 +261,20 @@ absl::StatusOr<LayerWeights> LoadSeparate(const Reader& r, const LayerConfig& c,
   return w;
 }
 
+// De-interleaves a fused per-head QKV matrix [h * 3 * hd, cols] (a bias is
+// cols = 1): its row (head, part, d), at head*3*hd + part*hd + d, becomes row
+// head*hd + d of parts[part] (each [h * hd, cols], already allocated).
+void SplitFusedPerHead(const float* fused, int64_t h, int64_t hd, int64_t cols,
+                       std::array<Tensor*, 3> parts) {
+  const size_t block = static_cast<size_t>(hd * cols);
+  for (int64_t head = 0; head < h; ++head) {
+    for (int part = 0; part < 3; ++part) {
+      std::memcpy(parts[part]->data_as<float>() + head * block,
+                  fused + (head * 3 + part) * block, sizeof(float) * block);
+    }
+  }
+}
+
 absl::StatusOr<LayerWeights> LoadFusedPerHead(const Reader& r, const LayerConfig& c,
                                               const WeightSpec& spec) {
   const int64_t h = c.num_heads;
@@ -268,18 +283,10 @@ absl::StatusOr<LayerWeights> LoadFusedPerHead(const Reader& r, const LayerConfig
   const int64_t q_out = h * hd;
   LayerWeights w;
   ASSIGN_OR_RETURN(qkv, r.Read("qkv_weight", {{h * 3 * hd, in}}));
-  // Output row (head, part, d) of the fused linear sits at head*3*hd +
-  // part*hd + d; it becomes row head*hd + d of W_part.
   w.wq = Tensor(DType::kFloat32, {q_out, in});
   w.wk = Tensor(DType::kFloat32, {q_out, in});
   w.wv = Tensor(DType::kFloat32, {q_out, in});
-  float* parts[3] = {w.wq.data_as<float>(), w.wk.data_as<float>(), w.wv.data_as<float>()};
-  for (int64_t head = 0; head < h; ++head) {
-    for (int part = 0; part < 3; ++part) {
-      const float* src = qkv.data() + (head * 3 + part) * hd * in;
-      std::memcpy(parts[part] + head * hd * in, src, sizeof(float) * hd * in);
-    }
-  }
+  SplitFusedPerHead(qkv.data(), h, hd, in, {&w.wq, &w.wk, &w.wv});
   if (absl::Status s = r.CheckUnusedBias("qkv_bias", spec.q_bias || spec.k_bias || spec.v_bias,
                                          "q_bias, k_bias and v_bias are");
       !s.ok()) {
@@ -292,12 +299,7 @@ absl::StatusOr<LayerWeights> LoadFusedPerHead(const Reader& r, const LayerConfig
     ASSIGN_OR_RETURN(bias, r.Read("qkv_bias", {{h * 3 * hd}}));
     Tensor b[3] = {Tensor(DType::kFloat32, {q_out}), Tensor(DType::kFloat32, {q_out}),
                    Tensor(DType::kFloat32, {q_out})};
-    for (int64_t head = 0; head < h; ++head) {
-      for (int part = 0; part < 3; ++part) {
-        std::memcpy(b[part].data_as<float>() + head * hd, bias.data() + (head * 3 + part) * hd,
-                    sizeof(float) * hd);
-      }
-    }
+    SplitFusedPerHead(bias.data(), h, hd, 1, {&b[0], &b[1], &b[2]});
     if (spec.q_bias) w.bq = std::move(b[0]);
     if (spec.k_bias) w.bk = std::move(b[1]);
     if (spec.v_bias) w.bv = std::move(b[2]);
