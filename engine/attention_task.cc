@@ -52,8 +52,6 @@ float ResolveScale(const LayerConfig& layer, float request_scale, int64_t head_d
 
 namespace {
 
-bool IsFloat(DType d) { return d != DType::kBool; }
-
 absl::Status CheckView(const char* field, const TensorView& v, const Shape* expected,
                        int64_t rank) {
   if (v.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": missing"));

@@ -17,6 +17,11 @@ namespace attnserve {
 
 enum class DType : uint8_t { kFloat32, kFloat16, kBFloat16, kBool };
 
+// FLOAT32, FLOAT16 or BFLOAT16: the dtypes attention computes on.
+inline bool IsFloat(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+}
+
 // Bytes per element: 4, 2, 2, 1.
 size_t DTypeSize(DType dtype);
 // "FLOAT32", "FLOAT16", "BFLOAT16", "BOOL" (the proto enum names).

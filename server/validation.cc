@@ -16,7 +16,6 @@
 namespace attnserve {
 namespace {
 
-bool IsFloat(DType dtype) { return dtype != DType::kBool; }
 
 // Optional tensors sent as an empty message count as absent.
 bool Given(bool has, const v1::Tensor& tensor) { return has && !IsEmptyTensor(tensor); }

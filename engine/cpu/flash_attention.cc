@@ -42,7 +42,6 @@ RunItemFn KernelFor(CpuIsa isa) {
   return flash::RunItemScalar;
 }
 
-bool IsFloat(DType d) { return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16; }
 
 absl::Status CheckRequest(const AttentionParams& p, size_t index) {
   auto bad = [&](auto&&... parts) {
