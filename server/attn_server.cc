@@ -12,11 +12,12 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
-#include "server/model_repository.h"
+#include "server/models/model_repository.h"
 
 namespace attnserve {
 
-AttnServer::AttnServer(const ServerOptions& options) : options_(options) {}
+AttnServer::AttnServer(const ServerOptions& options)
+    : options_(options), clock_(options.clock != nullptr ? options.clock : MonotonicClock::Get()) {}
 
 AttnServer::~AttnServer() { Shutdown(); }
 
@@ -62,13 +63,15 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
         model->ready());
   }
   absl::StatusOr<std::unique_ptr<BatchingScheduler>> scheduler =
-      BatchingScheduler::Create(server->registry_, options.batching, server->metrics_.get());
+      BatchingScheduler::Create(server->registry_, options.batching, server->metrics_.get(),
+                                server->clock_);
   if (!scheduler.ok()) return scheduler.status();
   server->scheduler_ = *std::move(scheduler);
-  AttentionServiceOptions service_options;
-  service_options.validation = options.validation;
-  server->service_ = std::make_unique<AttentionServiceImpl>(
-      &server->registry_, server->scheduler_.get(), server->metrics_.get(), service_options);
+  server->dispatcher_ = std::make_unique<RequestDispatcher>(
+      &server->registry_, server->scheduler_.get(), server->metrics_.get(), server->clock_,
+      options.validation);
+  server->service_ =
+      std::make_unique<AttentionServiceImpl>(&server->registry_, server->dispatcher_.get());
 
   // Both are process-wide switches read by ServerBuilder; they must be set
   // before BuildAndStart.
@@ -108,13 +111,13 @@ void AttnServer::Shutdown() {
   // 3. Every accepted request is computed (batches close at once, no
   //    max_queue_delay wait) or, past the grace, answered UNAVAILABLE. When
   //    this returns every accepted request has its answer.
-  const auto start = std::chrono::steady_clock::now();
+  const absl::Time start = clock_->Now();
   scheduler_->Shutdown(absl::FromChrono(options_.shutdown_grace));
   // 4. Keep serving (new calls get UNAVAILABLE from the service) until every
   //    open call has been answered and sent -- streams whose client reads
   //    slowly included -- for what is left of the grace.
-  const absl::Duration left = absl::FromChrono(options_.shutdown_grace) -
-                              absl::FromChrono(std::chrono::steady_clock::now() - start);
+  const absl::Duration left =
+      absl::FromChrono(options_.shutdown_grace) - (clock_->Now() - start);
   const bool idle = service_->WaitForNoCalls(std::max(left, absl::ZeroDuration()));
   // 5. Stop gRPC. When idle, only calls that arrived in the last instant can
   //    be open: give their UNAVAILABLE a moment to go out. Otherwise the

@@ -11,11 +11,12 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/server.h"
-#include "server/attention_service.h"
-#include "server/batching_scheduler.h"
-#include "server/metrics.h"
-#include "server/model_registry.h"
+#include "server/batching/batching_scheduler.h"
+#include "server/dispatch/request_dispatcher.h"
+#include "server/metrics/metrics.h"
+#include "server/models/model_registry.h"
 #include "server/server_options.h"
+#include "server/transport/attention_service.h"
 
 namespace attnserve {
 
@@ -56,11 +57,13 @@ class AttnServer {
 
   const ServerOptions options_;
   ModelRegistry registry_;
+  Clock* const clock_;
   // Destroyed in reverse order: the gRPC server goes first, then the
-  // service, the scheduler it hands work to, and the metrics all of them
-  // update.
+  // service, the dispatcher and scheduler it hands requests to, and the
+  // metrics all of them update.
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<BatchingScheduler> scheduler_;
+  std::unique_ptr<RequestDispatcher> dispatcher_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;

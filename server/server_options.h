@@ -10,7 +10,8 @@
 
 #include "absl/status/status.h"
 #include "server/batching/batcher_options.h"
-#include "server/validation.h"
+#include "server/request/clock.h"
+#include "server/request/validation.h"
 
 namespace attnserve {
 
@@ -46,6 +47,10 @@ struct ServerOptions {
   BatcherOptions batching;
   // Per-request size limits. Default: ValidationOptions{}.
   ValidationOptions validation;
+  // The time source of every timing rule (deadlines, batching, shutdown
+  // grace); must outlive the server. Tests inject a FakeClock. Default:
+  // nullptr = MonotonicClock.
+  Clock* clock = nullptr;
 };
 
 // InvalidArgument naming the option (as its flag) when a value is out of

@@ -7,6 +7,12 @@
 #include "absl/strings/str_cat.h"
 
 namespace attnserve {
+namespace {
+
+// See FormBatchLocked, step 1.
+constexpr absl::Duration kDeadlineTimerSlack = absl::Milliseconds(1);
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(
     std::string model, const BatcherOptions& options, ProcessFn process,
@@ -18,7 +24,7 @@ absl::StatusOr<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(
   if (!process) return absl::InvalidArgumentError("process function is empty");
   std::unique_ptr<DynamicBatcher> b(
       new DynamicBatcher(std::move(model), options, std::move(process),
-                         clock ? clock : RealClock::Get(),
+                         clock ? clock : MonotonicClock::Get(),
                          std::move(on_queue_depth)));
   b->workers_.reserve(options.instances);
   for (int i = 0; i < options.instances; ++i) {
@@ -38,9 +44,9 @@ DynamicBatcher::DynamicBatcher(std::string model, const BatcherOptions& options,
 
 DynamicBatcher::~DynamicBatcher() { Shutdown(absl::ZeroDuration()); }
 
-absl::Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>* task) {
-  if (task == nullptr || *task == nullptr) {
-    return absl::InvalidArgumentError("Schedule: null task");
+absl::Status DynamicBatcher::Schedule(std::unique_ptr<InferenceRequest>* request) {
+  if (request == nullptr || *request == nullptr) {
+    return absl::InvalidArgumentError("Schedule: null request");
   }
   absl::MutexLock lock(&mu_);
   if (state_ != State::kRunning) {
@@ -52,8 +58,8 @@ absl::Status DynamicBatcher::Schedule(std::unique_ptr<BatchTask>* task) {
         absl::StrCat("queue of model ", model_, " is full (", queue_.size(),
                      " requests); retry later"));
   }
-  (*task)->enqueue_time_ = clock_->Now();
-  queue_.push_back(std::move(*task));
+  (*request)->enqueued = clock_->Now();
+  queue_.push_back(std::move(*request));
   scheduled_.fetch_add(1, std::memory_order_release);
   PublishDepthLocked();
   work_cv_.Signal();
@@ -77,47 +83,47 @@ void DynamicBatcher::PublishDepthLocked() {
 
 // The batch-forming decision, in one place. At instant `now`:
 //
-// 1. Tasks that must never be computed leave the queue: cancelled ones
+// 1. Requests that must never be computed leave the queue: cancelled ones
 //    (CANCELLED) and those whose deadline has passed (DEADLINE_EXCEEDED).
 //    Checking here, right before a batch closes, is what guarantees that an
 //    expired request is not computed; the caller fails them outside the lock.
 // 2. The candidate batch is the longest prefix of the queue (FIFO: a large
 //    request is never overtaken indefinitely by small ones) that fits in
-//    max_batch_requests and max_batch_tokens. The first task always fits: a
+//    max_batch_requests and max_batch_tokens. The first request always fits: a
 //    request larger than max_batch_tokens runs alone instead of starving.
 // 3. The batch closes now if it is full (request count reached, token budget
-//    reached, or the next task would not fit -- waiting cannot make it
-//    bigger), if the oldest task has waited max_queue_delay, or if the batcher
+//    reached, or the next request would not fit -- waiting cannot make it
+//    bigger), if the oldest request has waited max_queue_delay, or if the batcher
 //    is draining for shutdown (waiting for company no longer pays off).
 //    Otherwise nothing runs and wake_at says when the answer changes by the
-//    clock alone: the oldest task's delay running out, or the earliest
+//    clock alone: the oldest request's delay running out, or the earliest
 //    deadline (so an expiring request is failed promptly, not at the next
 //    batch).
 DynamicBatcher::Decision DynamicBatcher::FormBatchLocked(absl::Time now) {
   Decision d;
 
-  // 1. Drop cancelled and expired tasks, keeping the others in order.
+  // 1. Drop cancelled and expired requests, keeping the others in order.
   absl::Time earliest_deadline = absl::InfiniteFuture();
   const size_t before = queue_.size();
-  std::deque<std::unique_ptr<BatchTask>> kept;
-  for (auto& t : queue_) {
-    // Deadline first: a transport may report an expired call as cancelled
-    // too, and the deadline is the more useful answer.
-    if (t->deadline() <= now) {
-      const int64_t waited_us =
-          absl::ToInt64Microseconds(now - t->enqueue_time());
-      d.dropped.emplace_back(
-          std::move(t),
-          absl::DeadlineExceededError(absl::StrCat(
-              "deadline passed after ", waited_us, " us in the queue of model ",
-              model_, "; not computed")));
-    } else if (t->cancelled()) {
-      d.dropped.emplace_back(
-          std::move(t),
-          absl::CancelledError("request cancelled while queued; not computed"));
+  std::deque<std::unique_ptr<InferenceRequest>> kept;
+  for (auto& r : queue_) {
+    // A transport also cancels a call whose deadline passed, and its timer
+    // may fire a hair before this clock reaches the deadline: a cancellation
+    // within kDeadlineTimerSlack of the deadline is the deadline, the more
+    // useful answer.
+    const bool expired = r->deadline <= now;
+    if (expired || r->cancelled()) {
+      r->timing.queue = now - r->enqueued;
+      absl::Status status =
+          expired || now >= r->deadline - kDeadlineTimerSlack
+              ? absl::DeadlineExceededError(absl::StrCat(
+                    "deadline passed after ", absl::ToInt64Microseconds(r->timing.queue),
+                    " us in the queue of model ", model_, "; not computed"))
+              : absl::CancelledError("request cancelled while queued; not computed");
+      d.dropped.emplace_back(std::move(r), std::move(status));
     } else {
-      earliest_deadline = std::min(earliest_deadline, t->deadline());
-      kept.push_back(std::move(t));
+      earliest_deadline = std::min(earliest_deadline, r->deadline);
+      kept.push_back(std::move(r));
     }
   }
   queue_.swap(kept);
@@ -130,21 +136,21 @@ DynamicBatcher::Decision DynamicBatcher::FormBatchLocked(absl::Time now) {
   size_t n = 0;
   int64_t tokens = 0;
   bool next_does_not_fit = false;
-  for (const auto& t : queue_) {
+  for (const auto& r : queue_) {
     if (n == max_requests) break;
-    if (max_tokens > 0 && n > 0 && tokens + t->tokens() > max_tokens) {
+    if (max_tokens > 0 && n > 0 && tokens + r->tokens() > max_tokens) {
       next_does_not_fit = true;
       break;
     }
     ++n;
-    tokens += t->tokens();
+    tokens += r->tokens();
   }
 
   // 3. Close now, or say when to look again.
   const bool full = n == max_requests || next_does_not_fit ||
                     (max_tokens > 0 && tokens >= max_tokens);
   const absl::Time delay_over =
-      queue_.front()->enqueue_time() +
+      queue_.front()->enqueued +
       absl::Microseconds(options_.max_queue_delay_us);
   const bool waited_enough = now >= delay_over;
   if (!full && !waited_enough && state_ == State::kRunning) {
@@ -152,9 +158,10 @@ DynamicBatcher::Decision DynamicBatcher::FormBatchLocked(absl::Time now) {
     return d;
   }
 
-  d.batch.tasks.reserve(n);
+  d.batch.requests.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    d.batch.tasks.push_back(std::move(queue_.front()));
+    queue_.front()->timing.queue = now - queue_.front()->enqueued;
+    d.batch.requests.push_back(std::move(queue_.front()));
     queue_.pop_front();
   }
   d.batch.tokens = tokens;
@@ -164,16 +171,18 @@ DynamicBatcher::Decision DynamicBatcher::FormBatchLocked(absl::Time now) {
 }
 
 void DynamicBatcher::FailAll(
-    std::vector<std::pair<std::unique_ptr<BatchTask>, absl::Status>>& tasks) {
-  for (auto& [task, status] : tasks) task->Complete(std::move(status));
-  tasks.clear();
+    std::vector<std::pair<std::unique_ptr<InferenceRequest>, absl::Status>>& requests) {
+  for (auto& [request, status] : requests) request->Complete(std::move(status));
+  requests.clear();
 }
 
-std::vector<std::pair<std::unique_ptr<BatchTask>, absl::Status>>
+std::vector<std::pair<std::unique_ptr<InferenceRequest>, absl::Status>>
 DynamicBatcher::TakeAllLocked() {
-  std::vector<std::pair<std::unique_ptr<BatchTask>, absl::Status>> out;
-  for (auto& t : queue_) {
-    out.emplace_back(std::move(t),
+  std::vector<std::pair<std::unique_ptr<InferenceRequest>, absl::Status>> out;
+  const absl::Time now = clock_->Now();
+  for (auto& r : queue_) {
+    r->timing.queue = now - r->enqueued;
+    out.emplace_back(std::move(r),
                      absl::UnavailableError(absl::StrCat(
                          "server shut down before the request could run "
                          "(model ", model_, ")")));
@@ -185,13 +194,13 @@ DynamicBatcher::TakeAllLocked() {
 
 void DynamicBatcher::RunBatch(Batch& batch) {
   process_(batch);
-  // Exactly-once guarantee even when the process function forgot a task;
-  // Complete is a no-op for the ones it did answer.
-  for (auto& t : batch.tasks) {
-    t->Complete(absl::InternalError(
+  // Exactly-once guarantee even when the process function forgot a
+  // request; Complete is a no-op for the ones it did answer.
+  for (auto& r : batch.requests) {
+    r->Complete(absl::InternalError(
         "batch finished without answering this request (server bug)"));
   }
-  batch.tasks.clear();  // destroy the tasks before the batch counts as done
+  batch.requests.clear();  // destroy the requests before the batch counts as done
   BatchDone();
 }
 
@@ -214,7 +223,7 @@ void DynamicBatcher::WorkerLoop() {
       for (;;) {
         if (state_ == State::kStopped) return;
         d = FormBatchLocked(clock_->Now());
-        if (!d.batch.tasks.empty() || !d.dropped.empty()) break;
+        if (!d.batch.requests.empty() || !d.dropped.empty()) break;
         if (d.wake_at == absl::InfiniteFuture()) {
           if (poll && state_ == State::kRunning) {
             poll = false;
@@ -226,15 +235,15 @@ void DynamicBatcher::WorkerLoop() {
           work_cv_.WaitWithTimeout(&mu_, d.wake_at - clock_->Now());
         }
       }
-      if (!d.batch.tasks.empty()) {
+      if (!d.batch.requests.empty()) {
         ++running_batches_;
         // Another idle worker may be able to start on what is left.
         if (!queue_.empty()) work_cv_.Signal();
       }
     }
     FailAll(d.dropped);
-    if (!d.batch.tasks.empty()) {
-      lone = d.batch.tasks.size() == 1 ? lone + 1 : 0;
+    if (!d.batch.requests.empty()) {
+      lone = d.batch.requests.size() == 1 ? lone + 1 : 0;
       poll = options_.idle_spin_us > 0 && lone >= 2;
       RunBatch(d.batch);
     }
@@ -266,10 +275,10 @@ int DynamicBatcher::ProcessReadyBatches() {
       absl::MutexLock lock(&mu_);
       if (state_ == State::kStopped) return batches;
       d = FormBatchLocked(clock_->Now());
-      if (!d.batch.tasks.empty()) ++running_batches_;
+      if (!d.batch.requests.empty()) ++running_batches_;
     }
     FailAll(d.dropped);
-    if (d.batch.tasks.empty()) return batches;
+    if (d.batch.requests.empty()) return batches;
     RunBatch(d.batch);
     ++batches;
   }
@@ -287,7 +296,7 @@ void DynamicBatcher::Shutdown(absl::Duration grace) {
     work_cv_.SignalAll();  // waiting workers close partial batches at once
   }
 
-  std::vector<std::pair<std::unique_ptr<BatchTask>, absl::Status>> leftover;
+  std::vector<std::pair<std::unique_ptr<InferenceRequest>, absl::Status>> leftover;
   if (options_.instances == 0) {
     // Manual mode: the caller's thread is the worker. Draining closes every
     // batch at once, so each ProcessReadyBatches round makes progress.
@@ -298,19 +307,19 @@ void DynamicBatcher::Shutdown(absl::Duration grace) {
         absl::MutexLock lock(&mu_);
         if (queue_.empty() || clock_->Now() >= until) break;
         d = FormBatchLocked(clock_->Now());
-        if (!d.batch.tasks.empty()) ++running_batches_;
+        if (!d.batch.requests.empty()) ++running_batches_;
       }
       FailAll(d.dropped);
-      if (!d.batch.tasks.empty()) RunBatch(d.batch);
+      if (!d.batch.requests.empty()) RunBatch(d.batch);
     }
   } else {
     absl::MutexLock lock(&mu_);
     auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return queue_.empty() && running_batches_ == 0;
     };
-    const absl::Time until = absl::Now() + grace;  // real time: threads drain
-    while (!drained() && absl::Now() < until) {
-      drained_cv_.WaitWithDeadline(&mu_, until);
+    const absl::Time until = clock_->Now() + grace;
+    for (absl::Time now = clock_->Now(); !drained() && now < until; now = clock_->Now()) {
+      drained_cv_.WaitWithTimeout(&mu_, until - now);
     }
   }
   {

@@ -19,19 +19,21 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/batching/batch_task.h"
 #include "server/batching/batcher_options.h"
-#include "server/batching/clock.h"
+#include "server/request/clock.h"
+#include "server/request/inference_request.h"
 
 namespace attnserve {
 
-// A closed batch, as handed to the process function.
+// A closed batch: a group of requests computed by one engine call, as
+// handed to the process function.
 struct Batch {
-  // In queue order (oldest first). Never empty.
-  std::vector<std::unique_ptr<BatchTask>> tasks;
-  // Sum of tasks[i]->tokens().
+  // In queue order (oldest first). Never empty. Each one's timing.queue is
+  // set (closed_at - enqueued).
+  std::vector<std::unique_ptr<InferenceRequest>> requests;
+  // Sum of requests[i]->tokens().
   int64_t tokens = 0;
-  // When the batch closed: each task's queue time is closed_at - enqueue_time.
+  // When the batch closed.
   absl::Time closed_at;
 };
 
@@ -39,15 +41,18 @@ struct Batch {
 // concurrently from any thread. ProcessReadyBatches is for manual mode
 // (instances == 0) and may run on one thread at a time.
 //
-// Completion guarantee: every task accepted by Schedule is completed exactly
-// once -- by the process function (normally), or by the batcher with
+// Completion guarantee: every request accepted by Schedule is completed
+// exactly once -- by the process function (normally), or by the batcher with
 // CANCELLED (requester gave up while queued), DEADLINE_EXCEEDED (deadline
 // passed while queued; never computed), UNAVAILABLE (still queued when the
 // shutdown grace ran out) or INTERNAL (the process function returned without
-// completing it). Tasks are destroyed by the batcher after completion.
+// completing it). Requests are destroyed by the batcher after completion.
+//
+// Time: every decision reads the injected clock.
 class DynamicBatcher {
  public:
-  // Computes a batch and completes each of its tasks (BatchTask::Complete).
+  // Computes a batch and completes each of its requests
+  // (InferenceRequest::Complete).
   // Runs on a worker thread (or the thread calling ProcessReadyBatches /
   // Shutdown in manual mode), never under the batcher's lock. May run
   // concurrently with itself when instances > 1.
@@ -56,7 +61,7 @@ class DynamicBatcher {
   // the batcher's lock: must be cheap and must not call into the batcher.
   using QueueDepthFn = std::function<void(int64_t depth)>;
 
-  // model: used in status messages. clock: nullptr = RealClock; must outlive
+  // model: used in status messages. clock: nullptr = MonotonicClock; must outlive
   // the batcher. Starts options.instances worker threads. InvalidArgument for
   // out-of-range options.
   static absl::StatusOr<std::unique_ptr<DynamicBatcher>> Create(
@@ -68,30 +73,31 @@ class DynamicBatcher {
   DynamicBatcher(const DynamicBatcher&) = delete;
   DynamicBatcher& operator=(const DynamicBatcher&) = delete;
 
-  // Non-blocking. On OK the batcher owns the task and *task is null. On error
-  // *task is untouched and the caller still owns (and must answer) it:
-  // RESOURCE_EXHAUSTED when max_queue_size requests are already queued,
-  // UNAVAILABLE once Shutdown has begun, INVALID_ARGUMENT for a null task.
-  absl::Status Schedule(std::unique_ptr<BatchTask>* task);
+  // Non-blocking. On OK the batcher owns the request, sets its `enqueued`,
+  // and *request is null. On error *request is untouched and the caller
+  // still owns (and must answer) it: RESOURCE_EXHAUSTED when max_queue_size
+  // requests are already queued, UNAVAILABLE once Shutdown has begun,
+  // INVALID_ARGUMENT for a null request.
+  absl::Status Schedule(std::unique_ptr<InferenceRequest>* request);
 
-  // Re-examines the queue now. Call it after a queued task's cancelled()
-  // turned true so that the task leaves the queue without waiting for the
-  // next batch to close.
+  // Re-examines the queue now. Call it after a queued request's cancelled()
+  // turned true so that it leaves the queue without waiting for the next
+  // batch to close.
   void Wake();
 
   // Manual mode (instances == 0) only: forms and runs, on the calling thread,
   // every batch that is ready at clock->Now(); fails cancelled and expired
-  // tasks. Returns the number of batches run. Does nothing (returns 0) in
+  // requests. Returns the number of batches run. Does nothing (returns 0) in
   // threaded mode.
   int ProcessReadyBatches();
 
   // Stops accepting (Schedule answers UNAVAILABLE from now on), closes every
   // remaining batch without waiting for max_queue_delay, and waits up to
-  // `grace` for the queue to drain. Tasks still queued after the grace are
-  // failed UNAVAILABLE. Batches already being computed cannot be interrupted:
-  // Shutdown waits for them, then joins the workers. In manual mode the
-  // draining runs on the calling thread and the grace is measured with the
-  // injected clock. Idempotent; a concurrent second call waits for the first.
+  // `grace` (on the injected clock) for the queue to drain. Requests still
+  // queued after the grace are failed UNAVAILABLE. Batches already being
+  // computed cannot be interrupted: Shutdown waits for them, then joins the
+  // workers. In manual mode the draining runs on the calling thread.
+  // Idempotent; a concurrent second call waits for the first.
   void Shutdown(absl::Duration grace);
 
   // Requests waiting in the queue (not those being computed).
@@ -104,10 +110,10 @@ class DynamicBatcher {
 
   // What FormBatchLocked decided at one instant.
   struct Decision {
-    Batch batch;  // tasks non-empty: run it now
-    // Tasks that must never be computed, with the status to fail them with.
-    // Completed by the caller after releasing the lock.
-    std::vector<std::pair<std::unique_ptr<BatchTask>, absl::Status>> dropped;
+    Batch batch;  // requests non-empty: run it now
+    // Requests that must never be computed, with the status to fail them
+    // with. Completed by the caller after releasing the lock.
+    std::vector<std::pair<std::unique_ptr<InferenceRequest>, absl::Status>> dropped;
     // When batch is empty: when the decision may change by the clock alone.
     absl::Time wake_at = absl::InfiniteFuture();
   };
@@ -125,11 +131,11 @@ class DynamicBatcher {
   void RunBatch(Batch& batch) ABSL_LOCKS_EXCLUDED(mu_);
   void BatchDone() ABSL_LOCKS_EXCLUDED(mu_);
   void PublishDepthLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Takes every queued task with status UNAVAILABLE (grace ran out).
-  std::vector<std::pair<std::unique_ptr<BatchTask>, absl::Status>>
-  TakeAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes every queued request with status UNAVAILABLE (grace ran out).
+  std::vector<std::pair<std::unique_ptr<InferenceRequest>, absl::Status>> TakeAllLocked()
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void FailAll(
-      std::vector<std::pair<std::unique_ptr<BatchTask>, absl::Status>>& tasks);
+      std::vector<std::pair<std::unique_ptr<InferenceRequest>, absl::Status>>& requests);
 
   const std::string model_;
   const BatcherOptions options_;
@@ -140,7 +146,7 @@ class DynamicBatcher {
   mutable absl::Mutex mu_;
   absl::CondVar work_cv_;     // queue or state changed; workers wait on it
   absl::CondVar drained_cv_;  // queue emptied or a batch finished (Shutdown)
-  std::deque<std::unique_ptr<BatchTask>> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::unique_ptr<InferenceRequest>> queue_ ABSL_GUARDED_BY(mu_);
   State state_ ABSL_GUARDED_BY(mu_) = State::kRunning;
   int running_batches_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutdown_started_ ABSL_GUARDED_BY(mu_) = false;

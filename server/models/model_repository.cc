@@ -1,6 +1,6 @@
 // Model repository loading: config.pbtxt -> resolved ModelConfig -> engine
 // LayerConfig + weights from weights.safetensors, one folder at a time.
-#include "server/model_repository.h"
+#include "server/models/model_repository.h"
 
 #include <algorithm>
 #include <cctype>
@@ -18,6 +18,7 @@
 #include "engine/model/safetensors.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
+#include "server/models/model_config_codec.h"
 
 namespace attnserve {
 namespace {
@@ -63,15 +64,6 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 bool OneOf(const std::string& value, std::initializer_list<const char*> allowed) {
   return std::any_of(allowed.begin(), allowed.end(),
                      [&](const char* a) { return value == a; });
-}
-
-WeightLayout ToLayout(v1::ModelConfig::WeightLayout layout) {
-  switch (layout) {
-    case v1::ModelConfig::SEPARATE_QKV: return WeightLayout::kSeparateQkv;
-    case v1::ModelConfig::FUSED_QKV_PER_HEAD: return WeightLayout::kFusedQkvPerHead;
-    case v1::ModelConfig::KERAS_DENSE: return WeightLayout::kKerasDense;
-    default: return WeightLayout::kTorchMha;
-  }
 }
 
 bool ValidName(const std::string& name) {
@@ -136,7 +128,7 @@ absl::Status ResolveProjectionDims(const std::string& path, v1::ModelConfig* c) 
                                     c->query_dim(), ", ", c->key_dim(), ", ", c->value_dim(),
                                     " and ", c->num_kv_heads(), " vs ", c->num_heads()));
   }
-  const WeightLayout layout = ToLayout(c->weight_layout());
+  const WeightLayout layout = ToWeightLayout(c->weight_layout());
   for (const auto& [role, name] : c->tensor_names()) {
     if (DefaultTensorName(layout, role).empty()) {
       return ConfigError(path, "tensor_names",
@@ -233,38 +225,6 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
     if (f.value < 0) return ConfigError(path, f.name, absl::StrCat("must be >= 0, got ", f.value));
   }
   return absl::OkStatus();
-}
-
-LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
-  LayerConfig layer;
-  layer.name = c.name();
-  layer.has_projections = c.kind() != "sdpa";
-  layer.embed_dim = c.embed_dim();
-  layer.num_heads = c.num_heads();
-  layer.num_kv_heads = c.num_kv_heads();
-  layer.head_dim = c.head_dim();
-  layer.query_dim = c.query_dim();
-  layer.key_dim = c.key_dim();
-  layer.value_dim = c.value_dim();
-  layer.out_dim = c.out_dim();
-  layer.scale = c.scale();
-  layer.causal = c.causal();
-  layer.precision = c.precision() == "bf16"   ? Precision::kBFloat16
-                    : c.precision() == "fp16" ? Precision::kFloat16
-                                              : Precision::kFloat32;
-  return layer;
-}
-
-WeightSpec ToWeightSpec(const v1::ModelConfig& c) {
-  WeightSpec spec;
-  spec.layout = ToLayout(c.weight_layout());
-  spec.tensor_prefix = c.tensor_prefix();
-  spec.tensor_names.insert(c.tensor_names().begin(), c.tensor_names().end());
-  spec.q_bias = c.q_bias();
-  spec.k_bias = c.k_bias();
-  spec.v_bias = c.v_bias();
-  spec.out_bias = c.out_bias();
-  return spec;
 }
 
 RepositoryModel LoadModelFolder(const std::string& directory) {
@@ -364,8 +324,10 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
   for (RepositoryModel& m : *models) {
     auto model = std::make_shared<ServedModel>();
     model->name = m.name;
-    model->config = m.config;
-    if (model->config.name().empty()) model->config.set_name(m.name);
+    model->batching = ToModelBatching(m.config);
+    auto config = std::make_shared<v1::ModelConfig>(m.config);
+    if (config->name().empty()) config->set_name(m.name);
+    model->config = std::move(config);
     absl::Status status = m.status;
     if (status.ok() && registry->Find(m.name).ok()) {
       status = absl::AlreadyExistsError(absl::StrCat(
@@ -388,9 +350,9 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
     }
     if (status.ok()) {
       model->layer = m.layer;
-      model->state = v1::ModelStatus::READY;
+      model->state = ModelState::kReady;
     } else {
-      model->state = v1::ModelStatus::FAILED;
+      model->state = ModelState::kFailed;
       model->reason = std::string(status.message());
       failures.push_back(absl::StrCat("model '", m.name, "': ", status.message()));
     }

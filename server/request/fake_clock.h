@@ -1,11 +1,11 @@
 // A manually advanced clock for tests: time moves only when the test says so.
-#ifndef ATTNSERVE_SERVER_BATCHING_FAKE_CLOCK_H_
-#define ATTNSERVE_SERVER_BATCHING_FAKE_CLOCK_H_
+#ifndef ATTNSERVE_SERVER_REQUEST_FAKE_CLOCK_H_
+#define ATTNSERVE_SERVER_REQUEST_FAKE_CLOCK_H_
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/batching/clock.h"
+#include "server/request/clock.h"
 
 namespace attnserve {
 
@@ -36,4 +36,4 @@ class FakeClock final : public Clock {
 
 }  // namespace attnserve
 
-#endif  // ATTNSERVE_SERVER_BATCHING_FAKE_CLOCK_H_
+#endif  // ATTNSERVE_SERVER_REQUEST_FAKE_CLOCK_H_

@@ -1,7 +1,7 @@
 // The rules of an AttendRequest, in the order a client would fix them:
 // presence, dtypes, shapes, cross-tensor dims, mask, key_lengths, options,
 // then the server's size limits.
-#include "server/validation.h"
+#include "server/request/validation.h"
 
 #include <cmath>
 #include <string>
@@ -11,14 +11,59 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "engine/attention_params.h"
-#include "server/tensor_codec.h"
 
 namespace attnserve {
 namespace {
 
 
-// Optional tensors sent as an empty message count as absent.
-bool Given(bool has, const v1::Tensor& tensor) { return has && !IsEmptyTensor(tensor); }
+// DTypeName as an absl::string_view (what absl::StrCat takes).
+absl::string_view DTypeLabel(DType dtype) {
+  const std::string_view name = DTypeName(dtype);
+  return absl::string_view(name.data(), name.size());
+}
+
+}  // namespace
+
+absl::StatusOr<TensorView> ViewInput(const InputTensor& tensor, absl::string_view field,
+                                     int64_t max_elements) {
+  if (!tensor.decode_error.ok()) return tensor.decode_error;
+  const Shape& shape = tensor.shape;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".shape: every dim must be >= 1, got ", shape[i], " at dim ", i,
+                       " (shape ", ShapeString(shape), ")"));
+    }
+  }
+  // NumElements reports overflow; the limit is checked here so that the
+  // message can say which of the two happened.
+  absl::StatusOr<int64_t> elements = NumElements(shape);
+  if (!elements.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape: element count of ",
+                                                   ShapeString(shape), " overflows int64"));
+  }
+  if (*elements > max_elements) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(field, ".shape: ", ShapeString(shape), " has ", *elements,
+                     " elements, more than the server's limit of ", max_elements));
+  }
+  const size_t element_size = DTypeSize(tensor.dtype);
+  // elements <= INT64_MAX and element_size <= 4: compare in 128 bits to stay
+  // exact whatever the limit.
+  const unsigned __int128 expected =
+      static_cast<unsigned __int128>(*elements) * static_cast<unsigned __int128>(element_size);
+  if (expected != tensor.data.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".data: expected ", static_cast<uint64_t>(expected), " bytes (shape ",
+        ShapeString(shape), " x ", DTypeLabel(tensor.dtype), " ", element_size, " bytes), got ",
+        tensor.data.size()));
+  }
+  // Front ends hand over heap buffers (a protobuf string: operator new, or
+  // its 8-byte aligned in-object buffer), so element reads are aligned.
+  return TensorView{tensor.dtype, shape, tensor.data.data()};
+}
+
+namespace {
 
 absl::Status RankError(absl::string_view field, int64_t rank, absl::string_view layout,
                        const LayerConfig& layer, const TensorView& view) {
@@ -35,9 +80,9 @@ absl::Status DimMismatch(absl::string_view field, int dim, absl::string_view wha
       view.dim(dim), " (", field, " shape ", ShapeString(view.shape), ")"));
 }
 
-absl::StatusOr<TensorView> ViewFloatInput(const v1::Tensor& tensor, absl::string_view field,
+absl::StatusOr<TensorView> ViewFloatInput(const InputTensor& tensor, absl::string_view field,
                                           const ValidationOptions& options) {
-  absl::StatusOr<TensorView> view = ViewTensor(tensor, field, options.max_input_elements);
+  absl::StatusOr<TensorView> view = ViewInput(tensor, field, options.max_input_elements);
   if (!view.ok()) return view.status();
   if (!IsFloat(view->dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -129,15 +174,15 @@ absl::Status CheckTokenLayout(const LayerConfig& layer, const TensorView& q,
   dims->q_len = q.dim(1);
   dims->kv_len = kv_len;
   dims->num_heads = layer.num_heads;
-  dims->num_kv_heads = layer.num_kv_heads > 0 ? layer.num_kv_heads : layer.num_heads;
+  dims->num_kv_heads = layer.num_kv_heads;  // >= 1: ValidateLayer checked it
   dims->head_dim = layer.head_dim;
   dims->head_dim_v = layer.head_dim;
   return absl::OkStatus();
 }
 
-absl::Status CheckMask(const v1::Tensor& proto, const TaskDims& d,
+absl::Status CheckMask(const InputTensor& input, const TaskDims& d,
                        const ValidationOptions& options, TensorView* mask) {
-  absl::StatusOr<TensorView> view = ViewTensor(proto, "attn_mask", options.max_input_elements);
+  absl::StatusOr<TensorView> view = ViewInput(input, "attn_mask", options.max_input_elements);
   if (!view.ok()) return view.status();
   const Shape scores = {d.batch, d.num_heads, d.q_len, d.kv_len};
   const std::string target = absl::StrCat("[B, Hq, Lq, Lk] = ", ShapeString(scores));
@@ -172,15 +217,14 @@ absl::Status CheckMask(const v1::Tensor& proto, const TaskDims& d,
   return absl::OkStatus();
 }
 
-absl::Status CheckKeyLengths(const v1::AttendRequest& request, const TaskDims& d) {
-  const auto& lengths = request.key_lengths();
+absl::Status CheckKeyLengths(absl::Span<const int64_t> lengths, const TaskDims& d) {
   if (lengths.empty()) return absl::OkStatus();
-  if (lengths.size() != d.batch) {
+  if (static_cast<int64_t>(lengths.size()) != d.batch) {
     return absl::InvalidArgumentError(absl::StrCat(
         "key_lengths: expected one value per batch element (B=", d.batch, ") or none, got ",
         lengths.size(), " values"));
   }
-  for (int i = 0; i < lengths.size(); ++i) {
+  for (size_t i = 0; i < lengths.size(); ++i) {
     if (lengths[i] < 0 || lengths[i] > d.kv_len) {
       return absl::InvalidArgumentError(absl::StrCat("key_lengths[", i, "]: must be in [0, Lk=",
                                                      d.kv_len, "], got ", lengths[i]));
@@ -203,17 +247,17 @@ absl::Status CheckOutputSize(absl::string_view field, const Shape& shape, DType 
 
 }  // namespace
 
-absl::StatusOr<ValidatedRequest> ValidateAttendRequest(const v1::AttendRequest& request,
-                                                       const LayerConfig& layer,
-                                                       const ValidationOptions& options) {
+absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& request,
+                                                      const LayerConfig& layer,
+                                                      const ValidationOptions& options) {
   // Presence.
-  if (!Given(request.has_query(), request.query())) {
+  if (!request.query.present) {
     return absl::InvalidArgumentError(absl::StrCat(
         "query: required (model '", layer.name, "' takes ",
         layer.has_projections ? "[B, Lq, query_dim]" : "[B, Hq, Lq, Dk]", ")"));
   }
-  const bool has_key = Given(request.has_key(), request.key());
-  const bool has_value = Given(request.has_value(), request.value());
+  const bool has_key = request.key.present;
+  const bool has_value = request.value.present;
   if (has_key != has_value) {
     return absl::InvalidArgumentError(absl::StrCat(
         has_key ? "value" : "key", ": required because ", has_key ? "key" : "value",
@@ -235,13 +279,13 @@ absl::StatusOr<ValidatedRequest> ValidateAttendRequest(const v1::AttendRequest& 
   // Each tensor on its own: dtype, dims, bytes.
   ValidatedRequest out;
   AttentionTask& task = out.task;
-  absl::StatusOr<TensorView> query = ViewFloatInput(request.query(), "query", options);
+  absl::StatusOr<TensorView> query = ViewFloatInput(request.query, "query", options);
   if (!query.ok()) return query.status();
   task.query = *std::move(query);
   if (has_key) {
-    absl::StatusOr<TensorView> key = ViewFloatInput(request.key(), "key", options);
+    absl::StatusOr<TensorView> key = ViewFloatInput(request.key, "key", options);
     if (!key.ok()) return key.status();
-    absl::StatusOr<TensorView> value = ViewFloatInput(request.value(), "value", options);
+    absl::StatusOr<TensorView> value = ViewFloatInput(request.value, "value", options);
     if (!value.ok()) return value.status();
     if (absl::Status s = CheckSameDType("key", *key, task.query); !s.ok()) return s;
     if (absl::Status s = CheckSameDType("value", *value, task.query); !s.ok()) return s;
@@ -259,37 +303,35 @@ absl::StatusOr<ValidatedRequest> ValidateAttendRequest(const v1::AttendRequest& 
   if (!layout.ok()) return layout;
 
   // Masking.
-  if (Given(request.has_attn_mask(), request.attn_mask())) {
-    if (absl::Status s = CheckMask(request.attn_mask(), dims, options, &task.attn_mask); !s.ok()) {
+  if (request.attn_mask.present) {
+    if (absl::Status s = CheckMask(request.attn_mask, dims, options, &task.attn_mask); !s.ok()) {
       return s;
     }
   }
-  if (absl::Status s = CheckKeyLengths(request, dims); !s.ok()) return s;
-  task.key_lengths = absl::MakeConstSpan(request.key_lengths().data(),
-                                         static_cast<size_t>(request.key_lengths_size()));
-  task.causal = request.causal() || layer.causal;
+  if (absl::Status s = CheckKeyLengths(request.key_lengths, dims); !s.ok()) return s;
+  task.key_lengths = request.key_lengths;
+  task.causal = request.causal || layer.causal;
 
   // Options.
-  const float scale = request.scale();
+  const float scale = request.scale;
   if (!std::isfinite(scale) || scale < 0.0f) {
     return absl::InvalidArgumentError(absl::StrCat(
         "scale: must be finite and >= 0 (0 = the model's default, 1/sqrt(head_dim)), got ",
         scale));
   }
   task.scale = ResolveScale(layer, scale, dims.head_dim);
-  if (request.output_dtype() == v1::DATA_TYPE_UNSPECIFIED) {
+  if (!request.output_dtype_error.ok()) return request.output_dtype_error;
+  if (!request.output_dtype.has_value()) {
     out.output_dtype = task.query.dtype;
+  } else if (!IsFloat(*request.output_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "output_dtype: must be FLOAT32, FLOAT16, BFLOAT16 or unset (= the query's dtype), got ",
+        DTypeLabel(*request.output_dtype)));
   } else {
-    absl::StatusOr<DType> dtype = DTypeFromProto(request.output_dtype(), "output_dtype");
-    if (!dtype.ok() || !IsFloat(*dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "output_dtype: must be FLOAT32, FLOAT16, BFLOAT16 or unset (= the query's dtype), got ",
-          ProtoDTypeName(request.output_dtype())));
-    }
-    out.output_dtype = *dtype;
+    out.output_dtype = *request.output_dtype;
   }
   // average_weights alone is ignored, as in nn.MultiheadAttention.
-  task.average_weights = request.need_weights() && request.average_weights();
+  task.average_weights = request.need_weights && request.average_weights;
 
   // Server limits.
   out.output_shape = OutputShape(layer, dims);
@@ -298,7 +340,7 @@ absl::StatusOr<ValidatedRequest> ValidateAttendRequest(const v1::AttendRequest& 
       !s.ok()) {
     return s;
   }
-  if (request.need_weights()) {
+  if (request.need_weights) {
     out.weights_shape = WeightsShape(dims, task.average_weights);
     if (absl::Status s = CheckOutputSize("weights", out.weights_shape, out.output_dtype,
                                          options.max_output_bytes);

@@ -1,7 +1,7 @@
 // Prometheus metrics of one attnserve process: the metric families, per-model
 // handles that the request path updates, and the /metrics HTTP endpoint.
-#ifndef ATTNSERVE_SERVER_METRICS_H_
-#define ATTNSERVE_SERVER_METRICS_H_
+#ifndef ATTNSERVE_SERVER_METRICS_METRICS_H_
+#define ATTNSERVE_SERVER_METRICS_METRICS_H_
 
 #include <array>
 #include <cstdint>
@@ -125,4 +125,4 @@ const char* StatusCodeLabel(absl::StatusCode code);
 
 }  // namespace attnserve
 
-#endif  // ATTNSERVE_SERVER_METRICS_H_
+#endif  // ATTNSERVE_SERVER_METRICS_METRICS_H_

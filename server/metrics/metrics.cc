@@ -1,5 +1,5 @@
 // Metric families, bucket layouts and the /metrics endpoint.
-#include "server/metrics.h"
+#include "server/metrics/metrics.h"
 
 #include <cmath>
 #include <exception>

@@ -1,7 +1,7 @@
 // absl::Status -> grpc::Status at the transport edge. Everything inside the
 // process speaks absl::Status; only the service and main() see grpc::Status.
-#ifndef ATTNSERVE_SERVER_STATUS_UTIL_H_
-#define ATTNSERVE_SERVER_STATUS_UTIL_H_
+#ifndef ATTNSERVE_SERVER_TRANSPORT_STATUS_UTIL_H_
+#define ATTNSERVE_SERVER_TRANSPORT_STATUS_UTIL_H_
 
 #include <cstddef>
 
@@ -22,4 +22,4 @@ grpc::Status ToGrpcStatus(const absl::Status& status,
 
 }  // namespace attnserve
 
-#endif  // ATTNSERVE_SERVER_STATUS_UTIL_H_
+#endif  // ATTNSERVE_SERVER_TRANSPORT_STATUS_UTIL_H_

@@ -1,5 +1,5 @@
 // absl::Status -> grpc::Status with a bounded message.
-#include "server/status_util.h"
+#include "server/transport/status_util.h"
 
 #include <string>
 

@@ -1,16 +1,18 @@
-// Every check on an AttendRequest that can be made before compute, against
-// the layer that will serve it; the result is the engine's AttentionTask.
-// Nothing that fails here ever reaches the engine.
-#ifndef ATTNSERVE_SERVER_VALIDATION_H_
-#define ATTNSERVE_SERVER_VALIDATION_H_
+// The one set of rules for an Attend request, whatever front end it came
+// through: every check that can be made before compute, against the layer
+// that will serve it. The result is the engine's AttentionTask; nothing that
+// fails here reaches the engine, which checks only its own invariants.
+#ifndef ATTNSERVE_SERVER_REQUEST_VALIDATION_H_
+#define ATTNSERVE_SERVER_REQUEST_VALIDATION_H_
 
 #include <cstdint>
 
 #include "absl/status/statusor.h"
-#include "attnserve/v1/attention.pb.h"
+#include "absl/strings/string_view.h"
 #include "engine/attention_layer.h"
 #include "engine/attention_task.h"
 #include "engine/tensor.h"
+#include "server/request/attend_inputs.h"
 
 namespace attnserve {
 
@@ -41,17 +43,28 @@ struct ValidatedRequest {
   Shape weights_shape;  // empty when need_weights is false
 };
 
+// The rules of one input tensor, in order: decoded (InputTensor::decode_error
+// is OK); every dim >= 1; the element count fits in int64 and is at most
+// `max_elements` (else ResourceExhausted: a server limit, not a malformed
+// request); `data` holds exactly elements * element size bytes. `field`
+// ("query", "attn_mask") starts every message. Ranks are checked against the
+// model by ValidateAttendInputs.
+//
+// Lifetime: the view points where `tensor.data` does.
+absl::StatusOr<TensorView> ViewInput(const InputTensor& tensor, absl::string_view field,
+                                     int64_t max_elements = INT64_MAX);
+
 // Checks `request` against `layer` (the model already resolved by name).
 // Errors are InvalidArgument whose message starts with the field ("query.data",
 // "key_lengths[1]", ...), states the rule and the values seen; or
 // ResourceExhausted for a request over one of `options`' limits.
 //
-// Lifetime: the returned task's views (tensors, key_lengths) point into
-// `request`, which must outlive them and stay unmodified.
-absl::StatusOr<ValidatedRequest> ValidateAttendRequest(const v1::AttendRequest& request,
-                                                       const LayerConfig& layer,
-                                                       const ValidationOptions& options = {});
+// Lifetime: the returned task's views (tensors, key_lengths) point where
+// `request`'s do (the front end's message), which must outlive them.
+absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& request,
+                                                      const LayerConfig& layer,
+                                                      const ValidationOptions& options = {});
 
 }  // namespace attnserve
 
-#endif  // ATTNSERVE_SERVER_VALIDATION_H_
+#endif  // ATTNSERVE_SERVER_REQUEST_VALIDATION_H_

@@ -1,14 +1,14 @@
-// attnserve.v1.AttentionService on gRPC's callback API. Handlers return at
-// once: Attend (and each AttendStream message) validates, binds the outputs
-// into the response and hands the work to an AttendScheduler, whose
-// completion sends the answer.
-#ifndef ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
-#define ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
+// attnserve.v1.AttentionService on gRPC's callback API: the attnserve.v1
+// front end. Handlers return at once: Attend (and each AttendStream message,
+// see attend_stream_reactor.h) is translated (attend_codec.h) and handed to
+// the shared RequestDispatcher, whose completion sends the answer.
+#ifndef ATTNSERVE_SERVER_TRANSPORT_ATTENTION_SERVICE_H_
+#define ATTNSERVE_SERVER_TRANSPORT_ATTENTION_SERVICE_H_
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <set>
-#include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
@@ -16,16 +16,14 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
-#include "server/attend_scheduler.h"
-#include "server/metrics.h"
-#include "server/model_registry.h"
-#include "server/validation.h"
+#include "server/dispatch/request_dispatcher.h"
+#include "server/models/model_registry.h"
 
 namespace attnserve {
 
+class AttendStreamReactor;
+
 struct AttentionServiceOptions {
-  // Size limits applied to every Attend request. Default: ValidationOptions{}.
-  ValidationOptions validation;
   // AttendStream flow control: most responses one stream may owe at once
   // (requests being computed plus responses waiting to be written). At the
   // bound the server stops reading the stream until the client reads.
@@ -33,17 +31,17 @@ struct AttentionServiceOptions {
   size_t max_stream_backlog = 64;
 };
 
-// Thread-safe (gRPC calls handlers concurrently). Does not own the registry,
-// the scheduler or the metrics (nullable); all must outlive the grpc::Server
-// this is registered with (i.e. until its Shutdown() has returned).
+// Thread-safe (gRPC calls handlers concurrently). Does not own the registry
+// or the dispatcher; both must outlive the grpc::Server this is registered
+// with (i.e. until its Shutdown() has returned).
 //
 // Every request gets exactly one answer: the unary status, or one
 // AttendStreamResponse per stream message carrying the request's id and its
 // own status (a failed message does not end the stream).
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
-  AttentionServiceImpl(const ModelRegistry* registry, AttendScheduler* scheduler,
-                       Metrics* metrics = nullptr, AttentionServiceOptions options = {});
+  AttentionServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
+                       AttentionServiceOptions options = {});
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const v1::AttendRequest* request,
@@ -59,8 +57,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 
   // From now on new requests (unary or stream messages) are answered
   // UNAVAILABLE; open streams stop reading and end (UNAVAILABLE) once every
-  // request they accepted has been answered. Work already accepted is left
-  // to the scheduler to finish. Idempotent.
+  // request they accepted has been answered. Requests already accepted are
+  // left to the scheduler to finish. Idempotent.
   void BeginShutdown();
 
   // Waits until every Attend and AttendStream call opened before
@@ -71,37 +69,30 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   bool WaitForNoCalls(absl::Duration timeout);
 
  private:
+  friend class AttendStreamReactor;
   class UnaryReactor;
-  class StreamReactor;
 
-  // Everything up to handing the work over: model lookup, validation,
-  // output binding, Schedule. On OK, `done` runs exactly once (from a
-  // scheduler thread) with the final status, after the response's timing is
-  // filled in. On error `done` is dropped unrun and the error is the answer.
-  // `*model_name` is set once the model is known (for metrics and Wake).
-  absl::Status StartAttend(grpc::CallbackServerContext* context, const v1::AttendRequest& request,
-                           v1::AttendResponse* response, SteadyClock::time_point received,
-                           std::string* model_name, absl::AnyInvocable<void(absl::Status)> done);
-  // One answered request, for the metrics.
-  void RecordAnswer(const std::string& model_name, const absl::Status& status,
-                    SteadyClock::time_point received);
-  v1::ModelStatus ToModelStatus(const ServedModel& model, const std::string& default_name) const;
+  // Translates one AttendRequest and submits it. `done` runs exactly once
+  // with the final status (response->timing filled in when OK), from this
+  // thread or a batcher worker. request, response and context must stay
+  // valid until it has run.
+  void StartAttend(grpc::CallbackServerContext* context, const v1::AttendRequest& request,
+                   v1::AttendResponse* response, absl::AnyInvocable<void(absl::Status)> done);
 
-  void AddStream(StreamReactor* stream);
-  void RemoveStream(StreamReactor* stream);
+  void AddStream(AttendStreamReactor* stream);
+  void RemoveStream(AttendStreamReactor* stream);
   // Counts a call opened before BeginShutdown (returns true) so that
   // shutdown waits for it; calls opened later are refused and not waited for.
   bool CallStarted();
   void CallDone();
 
   const ModelRegistry* const registry_;
-  AttendScheduler* const scheduler_;
-  Metrics* const metrics_;
+  RequestDispatcher* const dispatcher_;
   const AttentionServiceOptions options_;
 
   std::atomic<bool> shutting_down_{false};
   absl::Mutex streams_mu_;
-  std::set<StreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
+  std::set<AttendStreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
   absl::Mutex calls_mu_;
   // Attend + AttendStream calls opened before shutdown and not yet done.
   int64_t open_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
@@ -109,4 +100,4 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 
 }  // namespace attnserve
 
-#endif  // ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
+#endif  // ATTNSERVE_SERVER_TRANSPORT_ATTENTION_SERVICE_H_

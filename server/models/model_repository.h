@@ -1,7 +1,7 @@
 // A model repository on disk (--model-repository DIR): one folder per model
 // holding config.pbtxt (a ModelConfig in text format) and weights.safetensors.
-#ifndef ATTNSERVE_SERVER_MODEL_REPOSITORY_H_
-#define ATTNSERVE_SERVER_MODEL_REPOSITORY_H_
+#ifndef ATTNSERVE_SERVER_MODELS_MODEL_REPOSITORY_H_
+#define ATTNSERVE_SERVER_MODELS_MODEL_REPOSITORY_H_
 
 #include <memory>
 #include <string>
@@ -13,7 +13,7 @@
 #include "engine/attention_engine.h"
 #include "engine/attention_layer.h"
 #include "engine/model/weight_loader.h"
-#include "server/model_registry.h"
+#include "server/models/model_registry.h"
 
 namespace attnserve {
 
@@ -48,10 +48,6 @@ absl::StatusOr<v1::ModelConfig> ParseModelConfig(const std::string& text, const 
 absl::Status ResolveModelConfig(const std::string& path, const std::string& default_name,
                                 v1::ModelConfig* config);
 
-// A resolved ModelConfig as the engine's structs.
-LayerConfig ToLayerConfig(const v1::ModelConfig& config);
-WeightSpec ToWeightSpec(const v1::ModelConfig& config);
-
 // Loads one model folder; never fails as a whole: problems land in status.
 RepositoryModel LoadModelFolder(const std::string& directory);
 
@@ -73,4 +69,4 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
 
 }  // namespace attnserve
 
-#endif  // ATTNSERVE_SERVER_MODEL_REPOSITORY_H_
+#endif  // ATTNSERVE_SERVER_MODELS_MODEL_REPOSITORY_H_

@@ -1,12 +1,13 @@
 // Name -> served model, plus the built-in models.
-#include "server/model_registry.h"
+#include "server/models/model_registry.h"
 
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine/model/builtin_models.h"
-#include "server/model_config_codec.h"
+#include "attnserve/v1/model_config.pb.h"
+#include "server/models/model_config_codec.h"
 
 namespace attnserve {
 
@@ -14,16 +15,17 @@ std::shared_ptr<const ServedModel> MakeServedModel(std::shared_ptr<const Attenti
                                                    std::shared_ptr<AttentionEngine> engine) {
   auto model = std::make_shared<ServedModel>();
   model->name = layer->config.name;
-  model->config = LayerToModelConfig(*layer);
-  if (engine != nullptr) model->config.set_backend(std::string(engine->name()));
+  auto config = std::make_shared<v1::ModelConfig>(LayerToModelConfig(*layer));
+  if (engine != nullptr) config->set_backend(std::string(engine->name()));
+  model->config = std::move(config);
   if (absl::Status valid = ValidateLayer(*layer); !valid.ok()) {
-    model->state = v1::ModelStatus::FAILED;
+    model->state = ModelState::kFailed;
     model->reason = std::string(valid.message());
   } else if (engine == nullptr) {
-    model->state = v1::ModelStatus::FAILED;
+    model->state = ModelState::kFailed;
     model->reason = "no engine";
   } else {
-    model->state = v1::ModelStatus::READY;
+    model->state = ModelState::kReady;
   }
   model->layer = std::move(layer);
   model->engine = std::move(engine);

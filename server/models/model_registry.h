@@ -2,8 +2,8 @@
 // runs it, its config as reported by ListModels/GetModel, and its state.
 // Built-ins are added at startup; a model repository on disk adds more
 // through the same Add().
-#ifndef ATTNSERVE_SERVER_MODEL_REGISTRY_H_
-#define ATTNSERVE_SERVER_MODEL_REGISTRY_H_
+#ifndef ATTNSERVE_SERVER_MODELS_MODEL_REGISTRY_H_
+#define ATTNSERVE_SERVER_MODELS_MODEL_REGISTRY_H_
 
 #include <map>
 #include <memory>
@@ -16,30 +16,15 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "attnserve/v1/attention.pb.h"
 #include "engine/attention_engine.h"
 #include "engine/attention_layer.h"
+#include "server/models/served_model.h"
 
 namespace attnserve {
 
-// One served model. Immutable once built; shared (shared_ptr) with the
-// requests running on it, so a later unload or reload never pulls a layer
-// from under a running request.
-struct ServedModel {
-  std::string name;
-  // Both set when READY; either may be null when FAILED.
-  std::shared_ptr<const AttentionLayer> layer;
-  std::shared_ptr<AttentionEngine> engine;
-  v1::ModelConfig config;
-  v1::ModelStatus::State state = v1::ModelStatus::STATE_UNSPECIFIED;
-  // Why the model is not READY (empty when READY).
-  std::string reason;
-
-  bool ready() const { return state == v1::ModelStatus::READY; }
-};
-
-// A READY model when `layer` passes ValidateLayer, else a FAILED one that
-// carries the reason (listed, never run).
+// A ready model when `layer` passes ValidateLayer, else a failed one that
+// carries the reason (listed, never run). Its reported config is derived
+// from the layer (LayerToModelConfig); no batching overrides.
 std::shared_ptr<const ServedModel> MakeServedModel(std::shared_ptr<const AttentionLayer> layer,
                                                    std::shared_ptr<AttentionEngine> engine);
 
@@ -58,9 +43,9 @@ class ModelRegistry {
   absl::Status SetDefaultModel(absl::string_view name);
   std::string default_model() const;
 
-  // `name` empty = the default model. NotFound names the model and lists
-  // the available ones. The model may be FAILED: callers that run it check
-  // ready().
+  // `name` empty = the default model: the one place that rule lives.
+  // NotFound names the model and lists the available ones. The model may
+  // have failed to load: callers that run it check ready().
   absl::StatusOr<std::shared_ptr<const ServedModel>> Find(absl::string_view name) const;
 
   // Every model, READY or not, sorted by name.
@@ -80,4 +65,4 @@ absl::Status AddBuiltinModels(std::shared_ptr<AttentionEngine> engine, ModelRegi
 
 }  // namespace attnserve
 
-#endif  // ATTNSERVE_SERVER_MODEL_REGISTRY_H_
+#endif  // ATTNSERVE_SERVER_MODELS_MODEL_REGISTRY_H_

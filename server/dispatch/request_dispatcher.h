@@ -1,0 +1,82 @@
+// RequestDispatcher: the request path every front end shares. A front end
+// decodes its wire message into AttendInputs and an InferenceRequest and
+// calls Submit; model lookup, validation, output binding, scheduling,
+// deadlines and the per-request metrics happen here, once, for all of them.
+#ifndef ATTNSERVE_SERVER_DISPATCH_REQUEST_DISPATCHER_H_
+#define ATTNSERVE_SERVER_DISPATCH_REQUEST_DISPATCHER_H_
+
+#include <memory>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "engine/tensor.h"
+#include "server/batching/batching_scheduler.h"
+#include "server/metrics/metrics.h"
+#include "server/models/model_registry.h"
+#include "server/request/attend_inputs.h"
+#include "server/request/clock.h"
+#include "server/request/inference_request.h"
+#include "server/request/validation.h"
+
+namespace attnserve {
+
+// Which result tensor a front end is asked to allocate.
+enum class OutputName { kOutput, kWeights };
+
+// Thread-safe: Submit may be called concurrently from any thread. Does not
+// own the registry, the scheduler, the metrics (nullable) or the clock; all
+// must outlive it.
+class RequestDispatcher {
+ public:
+  // Allocates a result tensor where the front end's response will carry it
+  // and returns a writable view of it: the engine writes there directly.
+  // Called on Submit's thread, before Submit returns.
+  using OutputAllocator =
+      absl::FunctionRef<MutableTensorView(OutputName name, DType dtype, const Shape& shape)>;
+
+  RequestDispatcher(const ModelRegistry* registry, BatchingScheduler* scheduler, Metrics* metrics,
+                    Clock* clock, ValidationOptions validation);
+
+  // Runs `request`, whose id, received, deadline, is_cancelled and done the
+  // front end has set, on the model `inputs.model` names (empty = the
+  // default model). The request is answered exactly once through its
+  // Complete(): on this thread when it is refused before compute (unknown
+  // or failed model, invalid inputs, queue full, shutting down), otherwise
+  // later from a batcher worker. `inputs`' views must stay valid until then.
+  void Submit(std::unique_ptr<InferenceRequest> request, const AttendInputs& inputs,
+              OutputAllocator allocate);
+
+  // Answers `request` with `status` (not OK) without running it, counted
+  // like every other answer: for requests a front end refuses itself (the
+  // server is shutting down).
+  void Reject(std::unique_ptr<InferenceRequest> request, absl::Status status);
+
+  // A queued request's cancelled() may have turned true: have the queue of
+  // the model the client named (empty = the default model) look now, or,
+  // when the front end cannot tell which model (a stream's requests), every
+  // queue.
+  void Cancelled(absl::string_view model);
+  void CancelledOnAnyModel();
+
+  // The server's clock: front ends stamp `received` and deadlines with it.
+  Clock* clock() const { return clock_; }
+
+ private:
+  // Puts the metrics in front of the front end's `done`.
+  void CountAnswer(InferenceRequest& request);
+  // Everything up to handing the request over; on error the caller answers.
+  absl::Status Start(std::unique_ptr<InferenceRequest>& request, const AttendInputs& inputs,
+                     OutputAllocator allocate);
+  // The metrics of one answered request.
+  void RecordAnswer(const InferenceRequest& request, const absl::Status& status);
+
+  const ModelRegistry* const registry_;
+  BatchingScheduler* const scheduler_;
+  Metrics* const metrics_;
+  Clock* const clock_;
+  const ValidationOptions validation_;
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_DISPATCH_REQUEST_DISPATCHER_H_

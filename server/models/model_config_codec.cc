@@ -1,0 +1,93 @@
+// ModelConfig proto <-> LayerConfig, WeightSpec and ModelBatching.
+#include "server/models/model_config_codec.h"
+
+namespace attnserve {
+namespace {
+
+const char* PrecisionName(Precision precision) {
+  switch (precision) {
+    case Precision::kFloat32: return "fp32";
+    case Precision::kBFloat16: return "bf16";
+    case Precision::kFloat16: return "fp16";
+  }
+  return "fp32";
+}
+
+}  // namespace
+
+v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
+  const LayerConfig& c = layer.config;
+  v1::ModelConfig config;
+  config.set_name(c.name);
+  config.set_kind(c.has_projections ? "mha" : "sdpa");
+  config.set_embed_dim(c.embed_dim);
+  config.set_num_heads(c.num_heads);
+  config.set_num_kv_heads(c.num_kv_heads);
+  config.set_head_dim(c.head_dim);
+  config.set_query_dim(c.query_dim);
+  config.set_key_dim(c.key_dim);
+  config.set_value_dim(c.value_dim);
+  config.set_out_dim(c.out_dim);
+  // LayerWeights: an empty bias tensor means no bias.
+  config.set_q_bias(layer.weights.bq.byte_size() > 0);
+  config.set_k_bias(layer.weights.bk.byte_size() > 0);
+  config.set_v_bias(layer.weights.bv.byte_size() > 0);
+  config.set_out_bias(layer.weights.bo.byte_size() > 0);
+  config.set_scale(c.scale);
+  config.set_causal(c.causal);
+  config.set_precision(PrecisionName(c.precision));
+  return config;
+}
+
+LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
+  LayerConfig layer;
+  layer.name = c.name();
+  layer.has_projections = c.kind() != "sdpa";
+  layer.embed_dim = c.embed_dim();
+  layer.num_heads = c.num_heads();
+  layer.num_kv_heads = c.num_kv_heads();
+  layer.head_dim = c.head_dim();
+  layer.query_dim = c.query_dim();
+  layer.key_dim = c.key_dim();
+  layer.value_dim = c.value_dim();
+  layer.out_dim = c.out_dim();
+  layer.scale = c.scale();
+  layer.causal = c.causal();
+  layer.precision = c.precision() == "bf16"   ? Precision::kBFloat16
+                    : c.precision() == "fp16" ? Precision::kFloat16
+                                              : Precision::kFloat32;
+  return layer;
+}
+
+WeightLayout ToWeightLayout(v1::ModelConfig::WeightLayout layout) {
+  switch (layout) {
+    case v1::ModelConfig::SEPARATE_QKV: return WeightLayout::kSeparateQkv;
+    case v1::ModelConfig::FUSED_QKV_PER_HEAD: return WeightLayout::kFusedQkvPerHead;
+    case v1::ModelConfig::KERAS_DENSE: return WeightLayout::kKerasDense;
+    default: return WeightLayout::kTorchMha;
+  }
+}
+
+WeightSpec ToWeightSpec(const v1::ModelConfig& c) {
+  WeightSpec spec;
+  spec.layout = ToWeightLayout(c.weight_layout());
+  spec.tensor_prefix = c.tensor_prefix();
+  spec.tensor_names.insert(c.tensor_names().begin(), c.tensor_names().end());
+  spec.q_bias = c.q_bias();
+  spec.k_bias = c.k_bias();
+  spec.v_bias = c.v_bias();
+  spec.out_bias = c.out_bias();
+  return spec;
+}
+
+ModelBatching ToModelBatching(const v1::ModelConfig& c) {
+  ModelBatching b;
+  b.max_batch_requests = c.batching().max_batch_requests();
+  b.max_batch_tokens = c.batching().max_batch_tokens();
+  b.max_queue_delay_us = c.batching().max_queue_delay_us();
+  b.max_queue_size = c.batching().max_queue_size();
+  b.instances = c.instances();
+  return b;
+}
+
+}  // namespace attnserve

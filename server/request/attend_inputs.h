@@ -1,0 +1,53 @@
+// What a front end hands to the shared request path: one Attend request as it
+// arrived on the wire, decoded into plain C++ (dtype codes mapped, bytes not
+// copied) and not yet checked. Every front end (attnserve.v1, KServe v2)
+// produces one; server/request/validation.h owns every rule about it.
+#ifndef ATTNSERVE_SERVER_REQUEST_ATTEND_INPUTS_H_
+#define ATTNSERVE_SERVER_REQUEST_ATTEND_INPUTS_H_
+
+#include <cstdint>
+#include <optional>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "engine/tensor.h"
+
+namespace attnserve {
+
+// One input tensor as received. Nothing here has been checked.
+struct InputTensor {
+  // False: the client did not send it (or sent an empty message).
+  bool present = false;
+  // A decoding failure of this tensor (e.g. an unknown dtype code), with a
+  // message naming the field. Validation reports it when it reaches this
+  // tensor, so errors come in the same order whatever the front end.
+  absl::Status decode_error;
+  DType dtype = DType::kFloat32;
+  Shape shape;
+  // The tensor's bytes, row-major, little-endian, as received.
+  absl::string_view data;
+};
+
+// Lifetime: every view points into the front end's request message, which
+// outlives the request (until its completion has run).
+struct AttendInputs {
+  // Empty = the server's default model.
+  absl::string_view model;
+  InputTensor query, key, value, attn_mask;
+  // Empty = none.
+  absl::Span<const int64_t> key_lengths;
+  bool causal = false;
+  // 0 = the model's default.
+  float scale = 0.0f;
+  bool need_weights = false;
+  bool average_weights = false;
+  // Unset = the query's dtype.
+  std::optional<DType> output_dtype;
+  // Like InputTensor::decode_error, for output_dtype.
+  absl::Status output_dtype_error;
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_REQUEST_ATTEND_INPUTS_H_

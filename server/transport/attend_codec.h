@@ -1,0 +1,27 @@
+// The attnserve.v1 front end's translation: AttendRequest -> the request
+// path's AttendInputs, and a finished InferenceRequest -> AttendResponse
+// fields. Everything else about a request is shared (server/dispatch).
+#ifndef ATTNSERVE_SERVER_TRANSPORT_ATTEND_CODEC_H_
+#define ATTNSERVE_SERVER_TRANSPORT_ATTEND_CODEC_H_
+
+#include "absl/time/time.h"
+#include "attnserve/v1/attention.pb.h"
+#include "server/dispatch/request_dispatcher.h"
+#include "server/request/attend_inputs.h"
+#include "server/request/inference_request.h"
+
+namespace attnserve {
+
+// Lifetime: the result points into `request`, which must outlive it.
+AttendInputs DecodeAttendRequest(const v1::AttendRequest& request);
+
+// Allocates the result tensors in `response` (output, weights).
+MutableTensorView AllocateAttendOutput(v1::AttendResponse* response, OutputName name, DType dtype,
+                                       const Shape& shape);
+
+// Fills response->timing from a request answered OK at `now`.
+void SetTiming(const InferenceRequest& request, absl::Time now, v1::AttendResponse* response);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_TRANSPORT_ATTEND_CODEC_H_

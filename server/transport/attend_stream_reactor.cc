@@ -1,0 +1,128 @@
+// AttendStreamReactor: reads, submits, answers and flow control of one
+// AttendStream.
+#include "server/transport/attend_stream_reactor.h"
+
+#include <utility>
+
+#include "server/transport/status_util.h"
+
+namespace attnserve {
+
+AttendStreamReactor::AttendStreamReactor(AttentionServiceImpl* service,
+                                         grpc::CallbackServerContext* context)
+    : service_(service), context_(context), counted_(service->CallStarted()) {
+  service_->AddStream(this);
+  absl::MutexLock lock(&mu_);
+  if (finished_) return;  // opened during shutdown: already ended
+  reading_ = true;
+  StartRead(&request_);
+}
+
+void AttendStreamReactor::OnReadDone(bool ok) {
+  if (!ok) {  // client half-closed (or the call ended)
+    absl::MutexLock lock(&mu_);
+    reading_ = false;
+    reads_done_ = true;
+    MaybeFinishLocked();
+    return;
+  }
+  // The message's tensors must outlive its request: move it (no byte copy)
+  // out of the read buffer into its own Message.
+  auto message = std::make_unique<Message>();
+  message->request = std::move(request_);
+  message->answer.set_id(message->request.id());
+  {
+    absl::MutexLock lock(&mu_);
+    reading_ = false;
+    if (finished_) return;  // stream already ended: never accepted
+    ++owed_;
+  }
+  // From here the completion owns the message (it may even run before
+  // StartAttend returns).
+  Message* raw = message.release();
+  service_->StartAttend(context_, raw->request, raw->answer.mutable_response(),
+                        [this, raw](absl::Status status) {
+                          Answer(std::unique_ptr<Message>(raw), std::move(status));
+                        });
+  absl::MutexLock lock(&mu_);
+  paused_ = true;
+  MaybeReadLocked();
+}
+
+void AttendStreamReactor::OnWriteDone(bool ok) {
+  absl::MutexLock lock(&mu_);
+  backlog_.pop_front();
+  writing_ = false;
+  if (!ok) {
+    write_failed_ = true;  // client gone: the rest of the backlog is dropped
+    backlog_.clear();
+  } else if (!backlog_.empty()) {
+    WriteLocked();
+  }
+  MaybeReadLocked();
+  MaybeFinishLocked();
+}
+
+void AttendStreamReactor::OnCancel() { service_->dispatcher_->CancelledOnAnyModel(); }
+
+void AttendStreamReactor::OnDone() {
+  AttentionServiceImpl* service = service_;
+  const bool counted = counted_;
+  service->RemoveStream(this);
+  delete this;
+  if (counted) service->CallDone();
+}
+
+void AttendStreamReactor::ServerShutdown() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+  MaybeFinishLocked();
+}
+
+void AttendStreamReactor::Answer(std::unique_ptr<Message> message, absl::Status status) {
+  message->request.Clear();  // inputs no longer needed; free them now
+  if (!status.ok()) {
+    message->answer.clear_response();
+    message->answer.set_code(static_cast<int>(status.code()));
+    const grpc::Status bounded = ToGrpcStatus(status);
+    message->answer.set_message(bounded.error_message());
+  }
+  absl::MutexLock lock(&mu_);
+  --owed_;
+  if (!write_failed_) {
+    backlog_.push_back(std::move(message));
+    if (!writing_) WriteLocked();
+  }
+  MaybeReadLocked();
+  MaybeFinishLocked();
+}
+
+void AttendStreamReactor::WriteLocked() {
+  writing_ = true;
+  StartWrite(&backlog_.front()->answer);
+}
+
+void AttendStreamReactor::MaybeReadLocked() {
+  if (!paused_ || reading_ || reads_done_ || finished_ || draining_ || write_failed_) return;
+  if (owed_ + backlog_.size() >= service_->options_.max_stream_backlog) return;
+  paused_ = false;
+  reading_ = true;
+  StartRead(&request_);
+}
+
+void AttendStreamReactor::MaybeFinishLocked() {
+  if (finished_ || writing_ || owed_ > 0) return;
+  if (write_failed_) {
+    finished_ = true;
+    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client stopped receiving"));
+  } else if (backlog_.empty() && reads_done_) {
+    finished_ = true;
+    Finish(grpc::Status::OK);
+  } else if (backlog_.empty() && draining_) {
+    finished_ = true;
+    Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "server is shutting down; every request read was answered"));
+  }
+}
+
+}  // namespace attnserve

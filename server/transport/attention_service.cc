@@ -1,0 +1,188 @@
+// AttentionService handlers: unary Attend, model listing, and the call
+// bookkeeping that graceful shutdown waits on. AttendStream's reactor is in
+// attend_stream_reactor.cc.
+#include "server/transport/attention_service.h"
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "attnserve/v1/model_config.pb.h"
+#include "server/transport/attend_codec.h"
+#include "server/transport/attend_stream_reactor.h"
+#include "server/transport/status_util.h"
+
+namespace attnserve {
+namespace {
+
+// The call's deadline on the server's clock; InfiniteFuture when there is
+// none (gRPC reports "none" as a far-future wall time). gRPC states
+// deadlines in wall time: this is the one place that reads it.
+absl::Time ServerDeadline(const grpc::CallbackServerContext& context, const Clock& clock) {
+  const auto wall_deadline = context.deadline();
+  const auto wall_now = std::chrono::system_clock::now();
+  if (wall_deadline >= wall_now + std::chrono::hours(24 * 365)) return absl::InfiniteFuture();
+  return clock.Now() + absl::FromChrono(wall_deadline - wall_now);
+}
+
+v1::ModelStatus ToModelStatus(const ServedModel& model, const std::string& default_name) {
+  v1::ModelStatus status;
+  status.set_name(model.name);
+  *status.mutable_config() = *model.config;
+  status.set_state(model.ready() ? v1::ModelStatus::READY : v1::ModelStatus::FAILED);
+  status.set_reason(model.reason);
+  if (model.engine != nullptr) status.set_backend(std::string(model.engine->name()));
+  status.set_is_default(model.name == default_name);
+  return status;
+}
+
+}  // namespace
+
+AttentionServiceImpl::AttentionServiceImpl(const ModelRegistry* registry,
+                                           RequestDispatcher* dispatcher,
+                                           AttentionServiceOptions options)
+    : registry_(registry), dispatcher_(dispatcher), options_(std::move(options)) {}
+
+void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
+                                       const v1::AttendRequest& request,
+                                       v1::AttendResponse* response,
+                                       absl::AnyInvocable<void(absl::Status)> done) {
+  Clock* const clock = dispatcher_->clock();
+  auto r = std::make_unique<InferenceRequest>();
+  r->id = request.id();
+  r->received = clock->Now();
+  r->deadline = ServerDeadline(*context, *clock);
+  r->is_cancelled = [context] { return context->IsCancelled(); };
+  response->set_id(request.id());
+  r->done = [done = std::move(done), response, clock](absl::Status status,
+                                                      const InferenceRequest& r) mutable {
+    if (status.ok()) SetTiming(r, clock->Now(), response);
+    done(std::move(status));
+  };
+  if (shutting_down_.load()) {
+    dispatcher_->Reject(std::move(r),
+                        absl::UnavailableError("server is shutting down; not accepting requests"));
+    return;
+  }
+  dispatcher_->Submit(std::move(r), DecodeAttendRequest(request),
+                      [response](OutputName name, DType dtype, const Shape& shape) {
+                        return AllocateAttendOutput(response, name, dtype, shape);
+                      });
+}
+
+// ---------------------------------------------------------------- Attend
+
+// Finishes from the request's completion; OnCancel asks the dispatcher to
+// drop the queued request at once instead of when its batch would close.
+class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
+ public:
+  UnaryReactor(AttentionServiceImpl* service, const v1::AttendRequest* request)
+      : service_(service), model_(request->model()), counted_(service->CallStarted()) {}
+
+  void Start(grpc::CallbackServerContext* context, const v1::AttendRequest* request,
+             v1::AttendResponse* response) {
+    // request, response and context stay valid until OnDone: gRPC frees
+    // them only after the reactor is done.
+    service_->StartAttend(context, *request, response,
+                          [this](absl::Status status) { Finish(ToGrpcStatus(status)); });
+  }
+
+  void OnCancel() override { service_->dispatcher_->Cancelled(model_); }
+  void OnDone() override {
+    AttentionServiceImpl* service = service_;
+    const bool counted = counted_;
+    delete this;
+    if (counted) service->CallDone();
+  }
+
+ private:
+  AttentionServiceImpl* const service_;
+  const std::string model_;  // as the client named it
+  const bool counted_;       // opened before shutdown: shutdown waits for it
+};
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
+                                                       const v1::AttendRequest* request,
+                                                       v1::AttendResponse* response) {
+  auto* reactor = new UnaryReactor(this, request);
+  reactor->Start(context, request, response);
+  return reactor;
+}
+
+grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendStreamResponse>*
+AttentionServiceImpl::AttendStream(grpc::CallbackServerContext* context) {
+  return new AttendStreamReactor(this, context);
+}
+
+// ------------------------------------------------------ call bookkeeping
+
+void AttentionServiceImpl::AddStream(AttendStreamReactor* stream) {
+  absl::MutexLock lock(&streams_mu_);
+  streams_.insert(stream);
+  // A stream opened after shutdown began: drain (and so end) it at once.
+  if (shutting_down_.load()) stream->ServerShutdown();
+}
+
+void AttentionServiceImpl::RemoveStream(AttendStreamReactor* stream) {
+  absl::MutexLock lock(&streams_mu_);
+  streams_.erase(stream);
+}
+
+bool AttentionServiceImpl::CallStarted() {
+  absl::MutexLock lock(&calls_mu_);
+  if (shutting_down_.load()) return false;
+  ++open_calls_;
+  return true;
+}
+
+void AttentionServiceImpl::CallDone() {
+  absl::MutexLock lock(&calls_mu_);
+  --open_calls_;
+}
+
+bool AttentionServiceImpl::WaitForNoCalls(absl::Duration timeout) {
+  absl::MutexLock lock(&calls_mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return open_calls_ == 0; };
+  return calls_mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+}
+
+void AttentionServiceImpl::BeginShutdown() {
+  {
+    // Under calls_mu_: a call is either counted or sees the flag.
+    absl::MutexLock lock(&calls_mu_);
+    shutting_down_.store(true);
+  }
+  absl::MutexLock lock(&streams_mu_);
+  for (AttendStreamReactor* stream : streams_) stream->ServerShutdown();
+}
+
+// ---------------------------------------------------------------- models
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* context,
+                                                           const v1::ListModelsRequest* request,
+                                                           v1::ListModelsResponse* response) {
+  const std::string default_name = registry_->default_model();
+  for (const auto& model : registry_->List()) {
+    *response->add_models() = ToModelStatus(*model, default_name);
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* context,
+                                                         const v1::GetModelRequest* request,
+                                                         v1::ModelStatus* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<std::shared_ptr<const ServedModel>> model = registry_->Find(request->name());
+  if (!model.ok()) {
+    reactor->Finish(ToGrpcStatus(model.status()));
+  } else {
+    *response = ToModelStatus(**model, registry_->default_model());
+    reactor->Finish(grpc::Status::OK);
+  }
+  return reactor;
+}
+
+}  // namespace attnserve
