@@ -1,6 +1,6 @@
 // BatchingScheduler: per-model options, one ragged engine call per batch,
 // failure isolation inside a batch, and the Schedule ownership contract.
-#include "server/batching_scheduler.h"
+#include "server/batching/batching_scheduler.h"
 
 #include <atomic>
 #include <memory>
@@ -11,6 +11,7 @@
 #include "engine/model/builtin_models.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/request/fake_clock.h"
 
 namespace attnserve {
 namespace {
@@ -24,10 +25,11 @@ constexpr float kPoison = 13.0f;
 class RecordingEngine : public AttentionEngine {
  public:
   std::string_view name() const override { return "recording"; }
-  absl::Status Run(const AttentionLayer&, absl::Span<const AttentionTask> batch) override {
+  absl::Status Run(const AttentionLayer&, absl::Span<const AttentionTask> tasks) override {
+    if (clock != nullptr) clock->Advance(compute_time);
     absl::MutexLock lock(&mu);
-    sizes.push_back(static_cast<int>(batch.size()));
-    for (const AttentionTask& t : batch) {
+    sizes.push_back(static_cast<int>(tasks.size()));
+    for (const AttentionTask& t : tasks) {
       if (t.scale == kPoison) return absl::InternalError("poisoned task");
     }
     return absl::OkStatus();
@@ -41,12 +43,15 @@ class RecordingEngine : public AttentionEngine {
   }
   absl::Mutex mu;
   std::vector<int> sizes ABSL_GUARDED_BY(mu);
+  // When set, each Run takes compute_time on this clock.
+  FakeClock* clock = nullptr;
+  absl::Duration compute_time;
 };
 
 struct Outcome {
   absl::Notification finished;
   absl::Status status;
-  WorkTiming timing;
+  RequestTiming timing;
   std::atomic<int> done_calls{0};
 };
 
@@ -58,21 +63,22 @@ class BatchingSchedulerTest : public ::testing::Test {
     ASSERT_TRUE(registry_.Add(model_).ok());
   }
 
-  std::unique_ptr<AttendWork> MakeWork(Outcome* outcome, float scale = 1.0f) {
-    auto work = std::make_unique<AttendWork>();
-    work->model = model_;
-    work->task.query.shape = {1, 2, 4, 8};  // 4 query tokens
-    work->task.key.shape = {1, 2, 4, 8};
-    work->task.value.shape = {1, 2, 4, 8};
-    work->task.scale = scale;
-    work->scheduled_at = SteadyClock::now();
-    work->done = [outcome](absl::Status status, const WorkTiming& timing) {
+  std::unique_ptr<InferenceRequest> MakeRequest(Outcome* outcome, float scale = 1.0f) {
+    auto request = std::make_unique<InferenceRequest>();
+    request->model = model_;
+    request->task.query.shape = {1, 2, 4, 8};
+    request->task.key.shape = {1, 2, 4, 8};
+    request->task.value.shape = {1, 2, 4, 8};
+    request->task.scale = scale;
+    request->dims.batch = 1;
+    request->dims.q_len = 4;  // 4 query tokens
+    request->done = [outcome](absl::Status status, const InferenceRequest& r) {
       outcome->status = std::move(status);
-      outcome->timing = timing;
+      outcome->timing = r.timing;
       outcome->done_calls.fetch_add(1);
       outcome->finished.Notify();
     };
-    return work;
+    return request;
   }
 
   // Batches close only when full or on shutdown: deterministic batches.
@@ -92,11 +98,11 @@ TEST(ModelBatcherOptionsTest, ConfigOverridesNonzeroFieldsOnly) {
   BatcherOptions defaults;
   defaults.max_batch_requests = 32;
   defaults.max_queue_delay_us = 100;
-  v1::ModelConfig config;
-  config.mutable_batching()->set_max_batch_requests(4);
-  config.mutable_batching()->set_max_queue_size(7);
-  config.set_instances(2);
-  const BatcherOptions o = ModelBatcherOptions(defaults, config);
+  ModelBatching model;
+  model.max_batch_requests = 4;
+  model.max_queue_size = 7;
+  model.instances = 2;
+  const BatcherOptions o = ModelBatcherOptions(defaults, model);
   EXPECT_EQ(o.max_batch_requests, 4);
   EXPECT_EQ(o.max_queue_size, 7);
   EXPECT_EQ(o.instances, 2);
@@ -109,7 +115,7 @@ TEST_F(BatchingSchedulerTest, BatchRunsAsOneEngineCall) {
   ASSERT_TRUE(s.ok()) << s.status();
   Outcome outcomes[3];
   for (Outcome& o : outcomes) {
-    std::unique_ptr<AttendWork> work = MakeWork(&o);
+    std::unique_ptr<InferenceRequest> work = MakeRequest(&o);
     ASSERT_TRUE((*s)->Schedule(&work).ok());
     EXPECT_EQ(work, nullptr);
   }
@@ -126,7 +132,7 @@ TEST_F(BatchingSchedulerTest, OneBadTaskDoesNotFailItsCoTenants) {
   ASSERT_TRUE(s.ok());
   Outcome outcomes[3];
   for (int i = 0; i < 3; ++i) {
-    std::unique_ptr<AttendWork> work = MakeWork(&outcomes[i], i == 1 ? kPoison : 1.0f);
+    std::unique_ptr<InferenceRequest> work = MakeRequest(&outcomes[i], i == 1 ? kPoison : 1.0f);
     ASSERT_TRUE((*s)->Schedule(&work).ok());
   }
   for (Outcome& o : outcomes) o.finished.WaitForNotification();
@@ -137,15 +143,37 @@ TEST_F(BatchingSchedulerTest, OneBadTaskDoesNotFailItsCoTenants) {
   EXPECT_THAT(engine_->Sizes(), ElementsAre(3, 1, 1, 1));
 }
 
-TEST_F(BatchingSchedulerTest, RefusedWorkStaysWithTheCaller) {
+TEST_F(BatchingSchedulerTest, TimingReadsTheInjectedClock) {
+  FakeClock clock;
+  engine_->clock = &clock;
+  engine_->compute_time = absl::Milliseconds(7);
+  // The batch (max 2) waits for company for 3 ms of the fake clock: the
+  // worker runs it only once the test has advanced the clock past that.
+  BatcherOptions o = Held(2);
+  o.max_queue_delay_us = 3000;
+  auto s = BatchingScheduler::Create(registry_, o, nullptr, &clock);
+  ASSERT_TRUE(s.ok()) << s.status();
+  Outcome outcome;
+  std::unique_ptr<InferenceRequest> r = MakeRequest(&outcome);
+  ASSERT_TRUE((*s)->Schedule(&r).ok());
+  clock.Advance(absl::Milliseconds(5));  // past the 3 ms delay
+  (*s)->WakeAll();
+  outcome.finished.WaitForNotification();
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status;
+  EXPECT_EQ(outcome.timing.queue, absl::Milliseconds(5));
+  EXPECT_EQ(outcome.timing.compute, absl::Milliseconds(7));
+  EXPECT_EQ(outcome.timing.batch_requests, 1);
+}
+
+TEST_F(BatchingSchedulerTest, RefusedRequestStaysWithTheCaller) {
   BatcherOptions o = Held(64);
   o.max_queue_size = 1;
   auto s = BatchingScheduler::Create(registry_, o, nullptr);
   ASSERT_TRUE(s.ok());
   Outcome first, second;
-  std::unique_ptr<AttendWork> a = MakeWork(&first);
+  std::unique_ptr<InferenceRequest> a = MakeRequest(&first);
   ASSERT_TRUE((*s)->Schedule(&a).ok());
-  std::unique_ptr<AttendWork> b = MakeWork(&second);
+  std::unique_ptr<InferenceRequest> b = MakeRequest(&second);
   absl::Status status = (*s)->Schedule(&b);
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(status.message(), HasSubstr("queue of model sdpa is full (1 requests)"));
@@ -161,14 +189,10 @@ TEST_F(BatchingSchedulerTest, RefusedWorkStaysWithTheCaller) {
 }
 
 TEST_F(BatchingSchedulerTest, BadModelBatchingConfigFailsCreate) {
-  v1::ModelConfig config;
-  config.set_name("broken");
-  config.set_kind("sdpa");
-  config.mutable_batching()->set_max_queue_size(-1);
   auto layer = MakeSdpaLayer();
   auto served = std::make_shared<ServedModel>(*MakeServedModel(layer, engine_));
   served->name = "broken";
-  served->config = config;
+  served->batching.max_queue_size = -1;
   ASSERT_TRUE(registry_.Add(served).ok());
   auto s = BatchingScheduler::Create(registry_, BatcherOptions{}, nullptr);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);

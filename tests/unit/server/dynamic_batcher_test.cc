@@ -16,7 +16,7 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/batching/fake_clock.h"
+#include "server/request/fake_clock.h"
 
 namespace attnserve {
 namespace {
@@ -40,48 +40,47 @@ struct Record {
   }
 };
 
-class TestTask : public BatchTask {
- public:
-  TestTask(int id, int64_t tokens, Record* record,
-           absl::Time deadline = absl::InfiniteFuture())
-      : BatchTask(tokens, deadline), id_(id), record_(record) {}
-  int id() const { return id_; }
-  Record* record() const { return record_; }
-  bool cancelled() const override { return record_->cancel.load(); }
-
- protected:
-  void OnComplete(absl::Status status) override {
+// Request `id` with `tokens` query tokens, answered into `record`.
+std::unique_ptr<InferenceRequest> MakeRequest(int id, int64_t tokens, Record* record,
+                                              absl::Time deadline = absl::InfiniteFuture()) {
+  auto r = std::make_unique<InferenceRequest>();
+  r->id = std::to_string(id);
+  r->dims.batch = 1;
+  r->dims.q_len = tokens;
+  r->deadline = deadline;
+  r->is_cancelled = [record] { return record->cancel.load(); };
+  r->done = [record](absl::Status status, const InferenceRequest&) {
     {
-      absl::MutexLock lock(&record_->mu);
-      record_->status = std::move(status);
+      absl::MutexLock lock(&record->mu);
+      record->status = std::move(status);
     }
-    if (record_->completions.fetch_add(1) == 0) record_->done.Notify();
-  }
+    if (record->completions.fetch_add(1) == 0) record->done.Notify();
+  };
+  return r;
+}
 
- private:
-  int id_;
-  Record* record_;
-};
+int IdOf(const InferenceRequest& r) { return std::stoi(r.id); }
 
 // Records the ids of every batch it is given and completes each task OK.
 class Recorder {
  public:
+  // records[id] is request id's Record.
+  explicit Recorder(Record* records) : records_(records) {}
   DynamicBatcher::ProcessFn Fn() {
     return [this](Batch& batch) {
       std::vector<int> ids;
       int64_t tokens = 0;
-      for (auto& t : batch.tasks) {
-        auto* task = static_cast<TestTask*>(t.get());
-        ids.push_back(task->id());
-        tokens += task->tokens();
-        task->record()->computed = true;
+      for (auto& r : batch.requests) {
+        ids.push_back(IdOf(*r));
+        tokens += r->tokens();
+        records_[IdOf(*r)].computed = true;
       }
       EXPECT_EQ(tokens, batch.tokens);
       {
         absl::MutexLock lock(&mu_);
         batches_.push_back(ids);
       }
-      for (auto& t : batch.tasks) t->Complete(absl::OkStatus());
+      for (auto& r : batch.requests) r->Complete(absl::OkStatus());
     };
   }
   std::vector<std::vector<int>> batches() {
@@ -90,6 +89,7 @@ class Recorder {
   }
 
  private:
+  Record* const records_;
   absl::Mutex mu_;
   std::vector<std::vector<int>> batches_ ABSL_GUARDED_BY(mu_);
 };
@@ -105,16 +105,15 @@ class ManualBatcherTest : public ::testing::Test {
   // Schedules request `id` with `tokens`; records live in records_[id].
   absl::Status Send(int id, int64_t tokens,
                     absl::Time deadline = absl::InfiniteFuture()) {
-    std::unique_ptr<BatchTask> task =
-        std::make_unique<TestTask>(id, tokens, &records_[id], deadline);
+    std::unique_ptr<InferenceRequest> task = MakeRequest(id, tokens, &records_[id], deadline);
     absl::Status s = batcher_->Schedule(&task);
     EXPECT_EQ(s.ok(), task == nullptr) << "ownership contract";
     return s;
   }
 
   FakeClock clock_;
-  Recorder recorder_;
   Record records_[64];
+  Recorder recorder_{records_};
   std::unique_ptr<DynamicBatcher> batcher_;
 };
 
@@ -250,8 +249,7 @@ TEST_F(ManualBatcherTest, QueueFullIsResourceExhaustedAndCallerKeepsTask) {
   Make({.max_batch_requests = 8, .max_batch_tokens = 0,
         .max_queue_delay_us = 1000, .max_queue_size = 3});
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(Send(i, 1).ok());
-  std::unique_ptr<BatchTask> task =
-      std::make_unique<TestTask>(3, 1, &records_[3]);
+  std::unique_ptr<InferenceRequest> task = MakeRequest(3, 1, &records_[3]);
   absl::Status s = batcher_->Schedule(&task);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(s.message(), HasSubstr("queue of model m is full (3 requests)"));
@@ -289,7 +287,7 @@ TEST_F(ManualBatcherTest, ShutdownDrainsWithinGraceThenFailsTheRest) {
 TEST_F(ManualBatcherTest, UnansweredTaskIsCompletedInternal) {
   auto b = DynamicBatcher::Create(
       "m", {.max_batch_requests = 2, .max_queue_delay_us = 0, .instances = 0},
-      [](Batch& batch) { batch.tasks[0]->Complete(absl::OkStatus()); },
+      [](Batch& batch) { batch.requests[0]->Complete(absl::OkStatus()); },
       &clock_);
   ASSERT_TRUE(b.ok());
   batcher_ = *std::move(b);
@@ -306,8 +304,9 @@ TEST_F(ManualBatcherTest, QueueTimeEndsWhenTheBatchCloses) {
   auto b = DynamicBatcher::Create(
       "m", {.max_batch_requests = 8, .max_queue_delay_us = 300, .instances = 0},
       [&](Batch& batch) {
-        waited = batch.closed_at - batch.tasks[0]->enqueue_time();
-        for (auto& t : batch.tasks) t->Complete(absl::OkStatus());
+        waited = batch.closed_at - batch.requests[0]->enqueued;
+        EXPECT_EQ(batch.requests[0]->timing.queue, waited);
+        for (auto& r : batch.requests) r->Complete(absl::OkStatus());
       },
       &clock_);
   ASSERT_TRUE(b.ok());
@@ -352,18 +351,18 @@ TEST(ThreadedBatcherTest, QueueFullWithOneRunningRejectsExactlyTheExcess) {
       [&](Batch& batch) {
         if (!started.HasBeenNotified()) started.Notify();
         release.WaitForNotification();
-        computed += batch.tasks.size();
-        for (auto& t : batch.tasks) t->Complete(absl::OkStatus());
+        computed += batch.requests.size();
+        for (auto& r : batch.requests) r->Complete(absl::OkStatus());
       });
   ASSERT_TRUE(b.ok());
   auto& batcher = *b;
   Record records[1 + kQueue + kExtra];
-  std::unique_ptr<BatchTask> first = std::make_unique<TestTask>(0, 1, &records[0]);
+  std::unique_ptr<InferenceRequest> first = MakeRequest(0, 1, &records[0]);
   ASSERT_TRUE(batcher->Schedule(&first).ok());
   started.WaitForNotification();  // request 0 is running; the queue is empty
   int exhausted = 0;
   for (int i = 1; i < 1 + kQueue + kExtra; ++i) {
-    std::unique_ptr<BatchTask> t = std::make_unique<TestTask>(i, 1, &records[i]);
+    std::unique_ptr<InferenceRequest> t = MakeRequest(i, 1, &records[i]);
     absl::Status s = batcher->Schedule(&t);
     if (s.code() == absl::StatusCode::kResourceExhausted) {
       ++exhausted;
@@ -384,7 +383,8 @@ TEST(ThreadedBatcherTest, QueueFullWithOneRunningRejectsExactlyTheExcess) {
 
 TEST(ThreadedBatcherTest, ShutdownCompletesEveryAcceptedRequest) {
   constexpr int kInFlight = 37;
-  Recorder recorder;
+  Record records[kInFlight + 1];
+  Recorder recorder(records);
   // A one-minute delay: only draining (not the delay) can close partial
   // batches, so the test also checks that Shutdown does not wait for it.
   auto b = DynamicBatcher::Create(
@@ -393,9 +393,8 @@ TEST(ThreadedBatcherTest, ShutdownCompletesEveryAcceptedRequest) {
        .max_queue_delay_us = 60'000'000, .instances = 2},
       recorder.Fn());
   ASSERT_TRUE(b.ok());
-  Record records[kInFlight + 1];
   for (int i = 0; i < kInFlight; ++i) {
-    std::unique_ptr<BatchTask> t = std::make_unique<TestTask>(i, 1, &records[i]);
+    std::unique_ptr<InferenceRequest> t = MakeRequest(i, 1, &records[i]);
     ASSERT_TRUE((*b)->Schedule(&t).ok());
   }
   const absl::Time start = absl::Now();
@@ -407,8 +406,7 @@ TEST(ThreadedBatcherTest, ShutdownCompletesEveryAcceptedRequest) {
     ok += records[i].GetStatus().ok();
   }
   EXPECT_EQ(ok, kInFlight);
-  std::unique_ptr<BatchTask> late =
-      std::make_unique<TestTask>(kInFlight, 1, &records[kInFlight]);
+  std::unique_ptr<InferenceRequest> late = MakeRequest(kInFlight, 1, &records[kInFlight]);
   EXPECT_EQ((*b)->Schedule(&late).code(), absl::StatusCode::kUnavailable);
 }
 
@@ -417,14 +415,14 @@ TEST(ThreadedBatcherTest, LoneRequestsMeetAPollingWorker) {
   // batch is a lone request and a worker is (most likely) polling when the
   // next one arrives: each must still run exactly once, alone, in order. A
   // shutdown right after the last one must not wait for the poll to end.
-  Recorder recorder;
+  constexpr int kRequests = 200;
+  std::vector<Record> records(kRequests);
+  Recorder recorder(records.data());
   auto b = DynamicBatcher::Create(
       "m", {.max_batch_requests = 8, .instances = 2, .idle_spin_us = 10000}, recorder.Fn());
   ASSERT_TRUE(b.ok());
-  constexpr int kRequests = 200;
-  std::vector<Record> records(kRequests);
   for (int i = 0; i < kRequests; ++i) {
-    std::unique_ptr<BatchTask> t = std::make_unique<TestTask>(i, 1, &records[i]);
+    std::unique_ptr<InferenceRequest> t = MakeRequest(i, 1, &records[i]);
     ASSERT_TRUE((*b)->Schedule(&t).ok());
     ASSERT_TRUE(records[i].done.WaitForNotificationWithTimeout(absl::Seconds(10))) << i;
     EXPECT_TRUE(records[i].GetStatus().ok()) << records[i].GetStatus();
@@ -436,15 +434,15 @@ TEST(ThreadedBatcherTest, LoneRequestsMeetAPollingWorker) {
 }
 
 TEST(ThreadedBatcherTest, WakeFailsCancelledTaskPromptly) {
-  Recorder recorder;
+  Record record;
+  Recorder recorder(&record);
   auto b = DynamicBatcher::Create(
       "m",
       {.max_batch_requests = 8, .max_queue_delay_us = 60'000'000,
        .instances = 1},
       recorder.Fn());
   ASSERT_TRUE(b.ok());
-  Record record;
-  std::unique_ptr<BatchTask> t = std::make_unique<TestTask>(0, 1, &record);
+  std::unique_ptr<InferenceRequest> t = MakeRequest(0, 1, &record);
   ASSERT_TRUE((*b)->Schedule(&t).ok());
   record.cancel = true;
   (*b)->Wake();
@@ -456,16 +454,16 @@ TEST(ThreadedBatcherTest, WakeFailsCancelledTaskPromptly) {
 TEST(ThreadedBatcherTest, WorkerWakesForQueuedDeadline) {
   // The delay is long; the deadline is short. The worker must wake for the
   // deadline and fail the request without computing it.
-  Recorder recorder;
+  Record record;
+  Recorder recorder(&record);
   auto b = DynamicBatcher::Create(
       "m",
       {.max_batch_requests = 8, .max_queue_delay_us = 60'000'000,
        .instances = 1},
       recorder.Fn());
   ASSERT_TRUE(b.ok());
-  Record record;
-  std::unique_ptr<BatchTask> t = std::make_unique<TestTask>(
-      0, 1, &record, absl::Now() + absl::Milliseconds(20));
+  std::unique_ptr<InferenceRequest> t = MakeRequest(
+      0, 1, &record, MonotonicClock::Get()->Now() + absl::Milliseconds(20));
   ASSERT_TRUE((*b)->Schedule(&t).ok());
   ASSERT_TRUE(record.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
   EXPECT_EQ(record.GetStatus().code(), absl::StatusCode::kDeadlineExceeded);
@@ -486,15 +484,15 @@ TEST(ThreadedBatcherTest, ExactlyOnceUnderConcurrentStress) {
       "m",
       {.max_batch_requests = 8, .max_batch_tokens = 64,
        .max_queue_delay_us = 50, .max_queue_size = 64, .instances = 3},
-      [](Batch& batch) {
-        for (auto& t : batch.tasks) {
-          auto* task = static_cast<TestTask*>(t.get());
-          task->record()->computed = true;
+      [&records](Batch& batch) {
+        for (auto& r : batch.requests) {
+          const int id = IdOf(*r);
+          records[id].computed = true;
           // Every 7th is left for the batcher to fail INTERNAL; some are
           // answered twice (the second must be ignored).
-          if (task->id() % 7 == 0) continue;
-          task->Complete(absl::OkStatus());
-          if (task->id() % 5 == 0) task->Complete(absl::AbortedError("twice"));
+          if (id % 7 == 0) continue;
+          r->Complete(absl::OkStatus());
+          if (id % 5 == 0) r->Complete(absl::AbortedError("twice"));
         }
       });
   ASSERT_TRUE(b.ok());
@@ -508,8 +506,10 @@ TEST(ThreadedBatcherTest, ExactlyOnceUnderConcurrentStress) {
       for (int i = 0; i < kPerProducer; ++i) {
         const int id = p * kPerProducer + i;
         absl::Time deadline = absl::InfiniteFuture();
-        if (rng() % 10 == 0) deadline = absl::Now() + absl::Microseconds(rng() % 200);
-        std::unique_ptr<BatchTask> t = std::make_unique<TestTask>(
+        if (rng() % 10 == 0) {
+          deadline = MonotonicClock::Get()->Now() + absl::Microseconds(rng() % 200);
+        }
+        std::unique_ptr<InferenceRequest> t = MakeRequest(
             id, 1 + rng() % 40, &records[id], deadline);
         if (rng() % 10 == 0) records[id].cancel = true;
         absl::Status s = batcher->Schedule(&t);

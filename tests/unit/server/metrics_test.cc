@@ -1,6 +1,6 @@
 // Tests of server/metrics: names, labels and units of every metric, and the
 // /metrics endpoint on an ephemeral loopback port.
-#include "server/metrics.h"
+#include "server/metrics/metrics.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

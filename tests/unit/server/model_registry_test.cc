@@ -1,9 +1,10 @@
 // ModelRegistry: lookup by name and default, NotFound listing the models,
 // FAILED models listed but marked; built-ins and their reported config.
-#include "server/model_registry.h"
+#include "server/models/model_registry.h"
 
 #include <string>
 
+#include "attnserve/v1/model_config.pb.h"
 #include "engine/model/builtin_models.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -31,13 +32,13 @@ TEST(ModelRegistryTest, BuiltinsAndDefault) {
   EXPECT_EQ(models[1]->name, "sdpa");
   for (const auto& m : models) {
     EXPECT_TRUE(m->ready()) << m->name << ": " << m->reason;
-    EXPECT_EQ(m->config.backend(), "reference");
+    EXPECT_EQ(m->config->backend(), "reference");
   }
 
   absl::StatusOr<std::shared_ptr<const ServedModel>> found = registry.Find("");
   ASSERT_TRUE(found.ok());
   EXPECT_EQ((*found)->name, "demo-mha");
-  const v1::ModelConfig& config = (*found)->config;
+  const v1::ModelConfig& config = *(*found)->config;
   EXPECT_EQ(config.kind(), "mha");
   EXPECT_EQ(config.embed_dim(), 512);
   EXPECT_EQ(config.num_heads(), 8);
@@ -47,7 +48,7 @@ TEST(ModelRegistryTest, BuiltinsAndDefault) {
 
   found = registry.Find("sdpa");
   ASSERT_TRUE(found.ok());
-  EXPECT_EQ((*found)->config.kind(), "sdpa");
+  EXPECT_EQ((*found)->config->kind(), "sdpa");
 }
 
 TEST(ModelRegistryTest, UnknownModelListsAvailable) {
@@ -85,7 +86,7 @@ TEST(ModelRegistryTest, InvalidLayerIsListedAsFailed) {
   absl::StatusOr<std::shared_ptr<const ServedModel>> found = registry.Find("broken");
   ASSERT_TRUE(found.ok());
   EXPECT_FALSE((*found)->ready());
-  EXPECT_EQ((*found)->state, v1::ModelStatus::FAILED);
+  EXPECT_EQ((*found)->state, ModelState::kFailed);
   EXPECT_FALSE((*found)->reason.empty());
 }
 

@@ -1,6 +1,6 @@
 // config.pbtxt parsing and defaults, and repository folders loaded into the
 // registry (strict and not), without a server process.
-#include "server/model_repository.h"
+#include "server/models/model_repository.h"
 
 #include <unistd.h>
 
@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/models/model_config_codec.h"
 
 namespace attnserve {
 namespace {
@@ -236,10 +237,10 @@ TEST_F(RepositoryTest, NonStrictAddsTheBadOneAsFailed) {
   ASSERT_TRUE(good.ok());
   EXPECT_TRUE((*good)->ready());
   EXPECT_EQ((*good)->engine, shared);
-  EXPECT_EQ((*good)->config.num_kv_heads(), 2);
+  EXPECT_EQ((*good)->config->num_kv_heads(), 2);
   auto bad = registry.Find("bad");
   ASSERT_TRUE(bad.ok());
-  EXPECT_EQ((*bad)->state, v1::ModelStatus::FAILED);
+  EXPECT_EQ((*bad)->state, ModelState::kFailed);
   EXPECT_THAT((*bad)->reason, AllOf(HasSubstr("bad/weights.safetensors"),
                                     HasSubstr("expected [18, 8]")));
 }

@@ -1,5 +1,5 @@
 // status_util: codes carried over unchanged, messages bounded.
-#include "server/status_util.h"
+#include "server/transport/status_util.h"
 
 #include <string>
 

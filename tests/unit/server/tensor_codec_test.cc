@@ -1,15 +1,22 @@
-// tensor_codec: dtype mapping, zero-copy input views, in-place output buffers.
-#include "server/tensor_codec.h"
+// tensor_codec: dtype mapping, zero-copy input views (decoded here, checked
+// by the request path's ViewInput), in-place output buffers.
+#include "server/transport/tensor_codec.h"
 
 #include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/request/validation.h"
 
 namespace attnserve {
 namespace {
 
 using ::testing::HasSubstr;
+
+absl::StatusOr<TensorView> ViewTensor(const v1::Tensor& t, absl::string_view field,
+                                      int64_t max_elements = INT64_MAX) {
+  return ViewInput(DecodeTensor(t, /*has=*/true, field), field, max_elements);
+}
 
 TEST(TensorCodecTest, DTypeRoundTrip) {
   for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kBool}) {
@@ -78,8 +85,21 @@ TEST(TensorCodecTest, AllocateWritesInPlace) {
 TEST(TensorCodecTest, EmptyTensor) {
   v1::Tensor t;
   EXPECT_TRUE(IsEmptyTensor(t));
+  EXPECT_FALSE(DecodeTensor(t, /*has=*/true, "attn_mask").present);
   t.add_shape(1);
   EXPECT_FALSE(IsEmptyTensor(t));
+  EXPECT_TRUE(DecodeTensor(t, /*has=*/true, "attn_mask").present);
+  EXPECT_FALSE(DecodeTensor(t, /*has=*/false, "attn_mask").present);
+}
+
+TEST(TensorCodecTest, UnknownDTypeIsADecodeErrorNamingTheField) {
+  v1::Tensor t;
+  t.set_dtype(static_cast<v1::DataType>(42));
+  t.add_shape(1);
+  const InputTensor in = DecodeTensor(t, /*has=*/true, "key");
+  EXPECT_TRUE(in.present);
+  EXPECT_EQ(in.decode_error.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(in.decode_error.message()), HasSubstr("key.dtype: unknown dtype value 42"));
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
-// ValidateAttendRequest: one table row per rule (status code + the words the
-// message must contain), and valid requests whose task dims are checked.
-#include "server/validation.h"
+// ValidateAttendInputs, fed as the attnserve.v1 front end feeds it (an
+// AttendRequest decoded by attend_codec): one table row per rule (status
+// code + the words the message must contain), and valid requests whose task
+// dims are checked.
+#include "server/request/validation.h"
 
 #include <cmath>
 #include <functional>
@@ -14,12 +16,19 @@
 #include "engine/model/builtin_models.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/tensor_codec.h"
+#include "server/transport/attend_codec.h"
+#include "server/transport/tensor_codec.h"
 
 namespace attnserve {
 namespace {
 
 using ::testing::HasSubstr;
+
+absl::StatusOr<ValidatedRequest> ValidateAttendRequest(const v1::AttendRequest& request,
+                                                       const LayerConfig& layer,
+                                                       const ValidationOptions& options = {}) {
+  return ValidateAttendInputs(DecodeAttendRequest(request), layer, options);
+}
 
 v1::Tensor MakeTensor(v1::DataType dtype, std::vector<int64_t> shape) {
   v1::Tensor t;
