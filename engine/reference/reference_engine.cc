@@ -1,129 +1,221 @@
-// The reference backend: every semantic of attention_params.h written as the
-// most direct loop over doubles, so that reading it is the specification.
+// The reference backend: every semantic of an AttentionTask written as the
+// most direct loop over doubles, so that reading it is the specification. It
+// reads the task's views itself and shares no checking or mask code with the
+// engines it is the oracle of.
 #include "engine/reference/reference_engine.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <new>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "engine/attention_task.h"
 
 namespace attnserve {
 namespace {
 
-// Contiguous [B, H, L, D] doubles.
-struct Heads {
-  int64_t batch = 0, heads = 0, len = 0, dim = 0;
-  std::vector<double> data;
-
-  Heads(int64_t b, int64_t h, int64_t l, int64_t d)
-      : batch(b), heads(h), len(l), dim(d), data(static_cast<size_t>(b * h * l * d), 0.0) {}
-  double* row(int64_t b, int64_t h, int64_t i) {
-    return data.data() + ((b * heads + h) * len + i) * dim;
-  }
-  const double* row(int64_t b, int64_t h, int64_t i) const {
-    return data.data() + ((b * heads + h) * len + i) * dim;
-  }
+// The dims of one task: scores are [batch, heads, q_len, kv_len].
+struct Dims {
+  int64_t batch = 0, heads = 0, kv_heads = 0, q_len = 0, kv_len = 0;
+  int64_t head_dim = 0, head_dim_v = 0;
 };
 
-// Reads a strided [B, H, L, D] view of any float dtype into doubles.
-Heads LoadHeads(DType dtype, const void* data, int64_t b_n, int64_t h_n, int64_t l_n,
-                int64_t d_n, int64_t stride_b, int64_t stride_h, int64_t stride_row) {
-  Heads out(b_n, h_n, l_n, d_n);
-  for (int64_t b = 0; b < b_n; ++b)
-    for (int64_t h = 0; h < h_n; ++h)
-      for (int64_t i = 0; i < l_n; ++i)
-        for (int64_t d = 0; d < d_n; ++d)
-          out.row(b, h, i)[d] =
-              LoadAsFloat(dtype, data, b * stride_b + h * stride_h + i * stride_row + d);
-  return out;
+absl::Status Invalid(const char* field, const std::string& rule) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", rule));
 }
 
-bool Visible(const AttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
-  if (p.causal && j > i + (p.kv_len - p.q_len)) return false;
-  if (p.key_lengths != nullptr && j >= p.key_lengths[b]) return false;
-  if (p.mask.kind == MaskParams::Kind::kBool) {
-    const int64_t at = b * p.mask.stride_b + h * p.mask.stride_h + i * p.mask.stride_q +
-                       j * p.mask.stride_k;
-    if (static_cast<const uint8_t*>(p.mask.data)[at] == 0) return false;
+// A present float tensor of `rank` whose dims are all >= 1 and whose size fits.
+absl::Status CheckInput(const char* field, const TensorView& v, int64_t rank) {
+  if (v.empty()) return Invalid(field, "missing");
+  if (!IsFloat(v.dtype)) {
+    return Invalid(field, absl::StrCat("dtype must be FLOAT32, FLOAT16 or BFLOAT16, got ",
+                                       std::string(DTypeName(v.dtype))));
   }
-  return true;
+  if (v.rank() != rank) {
+    return Invalid(field, absl::StrCat("rank must be ", rank, ", got shape ",
+                                       ShapeString(v.shape)));
+  }
+  if (absl::StatusOr<int64_t> n = NumElements(v.shape); !n.ok()) {
+    return Invalid(field, std::string(n.status().message()));
+  }
+  return absl::OkStatus();
 }
 
-double AdditiveMask(const AttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
-  if (p.mask.kind != MaskParams::Kind::kAdditive) return 0.0;
-  const int64_t at = b * p.mask.stride_b + h * p.mask.stride_h + i * p.mask.stride_q +
-                     j * p.mask.stride_k;
-  return LoadAsFloat(p.mask.dtype, p.mask.data, at);
+absl::Status CheckShape(const char* field, const Shape& got, const Shape& want) {
+  if (got == want) return absl::OkStatus();
+  return Invalid(field, absl::StrCat("shape must be ", ShapeString(want), ", got ",
+                                     ShapeString(got)));
 }
 
-// softmax(Q K^T * scale + mask) V over doubles. q: [B, Hq, Lq, Dk], k: [B,
-// Hkv, Lk, Dk], v: [B, Hkv, Lk, Dv]; writes out [B, Hq, Lq, Dv] and probs
-// [B, Hq, Lq, Lk]. Only dims, masks and scale are read from `p`.
-void AttendDouble(const AttentionParams& p, const Heads& q, const Heads& k, const Heads& v,
-                  Heads& out, Heads& probs) {
-  const int64_t group = p.num_heads / p.num_kv_heads;
-  const double neg_inf = -std::numeric_limits<double>::infinity();
-  std::vector<double> scores(static_cast<size_t>(p.kv_len));
-  std::vector<bool> visible(static_cast<size_t>(p.kv_len));
-  for (int64_t b = 0; b < p.batch; ++b) {
-    for (int64_t h = 0; h < p.num_heads; ++h) {
-      const int64_t g = h / group;  // the kv head this query head reads
-      for (int64_t i = 0; i < p.q_len; ++i) {
-        const double* qi = q.row(b, h, i);
-        double row_max = neg_inf;
-        for (int64_t j = 0; j < p.kv_len; ++j) {
-          visible[j] = Visible(p, b, h, i, j);
-          if (!visible[j]) continue;
-          const double* kj = k.row(b, g, j);
-          double dot = 0.0;
-          for (int64_t d = 0; d < p.head_dim; ++d) dot += qi[d] * kj[d];
-          scores[j] = dot * static_cast<double>(p.scale) + AdditiveMask(p, b, h, i, j);
-          row_max = std::max(row_max, scores[j]);
-        }
-        double* oi = out.row(b, h, i);
-        double* pi = probs.row(b, h, i);
-        // No visible key, or only keys masked to -inf: zeros, not NaN.
-        if (row_max == neg_inf) continue;
-        double sum = 0.0;
-        for (int64_t j = 0; j < p.kv_len; ++j) {
-          pi[j] = visible[j] ? std::exp(scores[j] - row_max) : 0.0;
-          sum += pi[j];
-        }
-        for (int64_t j = 0; j < p.kv_len; ++j) pi[j] /= sum;
-        for (int64_t j = 0; j < p.kv_len; ++j) {
-          if (pi[j] == 0.0) continue;
-          const double* vj = v.row(b, g, j);
-          for (int64_t d = 0; d < p.head_dim_v; ++d) oi[d] += pi[j] * vj[d];
-        }
+// Checks the inputs against the layer and derives the dims from them.
+absl::StatusOr<Dims> CheckInputs(const LayerConfig& c, const AttentionTask& t) {
+  const bool self_attention = c.has_projections && t.key.empty() && t.value.empty();
+  const int64_t rank = c.has_projections ? 3 : 4;
+  if (absl::Status s = CheckInput("query", t.query, rank); !s.ok()) return s;
+  if (!self_attention) {
+    if (absl::Status s = CheckInput("key", t.key, rank); !s.ok()) return s;
+    if (absl::Status s = CheckInput("value", t.value, rank); !s.ok()) return s;
+    for (const auto& [field, view] : {std::pair{"key", &t.key}, std::pair{"value", &t.value}}) {
+      if (view->dtype != t.query.dtype) {
+        return Invalid(field, absl::StrCat("dtype must match query's ",
+                                           std::string(DTypeName(t.query.dtype)), ", got ",
+                                           std::string(DTypeName(view->dtype))));
       }
     }
   }
+  const Shape& q = t.query.shape;
+  Dims d;
+  d.batch = q[0];
+  if (!c.has_projections) {
+    // query [B, Hq, Lq, Dk], key [B, Hkv, Lk, Dk], value [B, Hkv, Lk, Dv].
+    d.heads = q[1];
+    d.q_len = q[2];
+    d.head_dim = q[3];
+    d.kv_heads = t.key.shape[1];
+    d.kv_len = t.key.shape[2];
+    d.head_dim_v = t.value.shape[3];
+    if (absl::Status s =
+            CheckShape("key", t.key.shape, {d.batch, d.kv_heads, d.kv_len, d.head_dim});
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s =
+            CheckShape("value", t.value.shape, {d.batch, d.kv_heads, d.kv_len, d.head_dim_v});
+        !s.ok()) {
+      return s;
+    }
+    if (d.heads % d.kv_heads != 0) {
+      return Invalid("key", absl::StrCat("query heads (", d.heads,
+                                         ") must be a multiple of key/value heads (", d.kv_heads,
+                                         ")"));
+    }
+    return d;
+  }
+  // query [B, Lq, query_dim], key [B, Lk, key_dim], value [B, Lk, value_dim].
+  d.heads = c.num_heads;
+  d.kv_heads = c.num_kv_heads;
+  d.head_dim = d.head_dim_v = c.head_dim;
+  d.q_len = q[1];
+  if (q[2] != c.query_dim) {
+    return Invalid("query", absl::StrCat("last dim must be query_dim ", c.query_dim, ", got ",
+                                         ShapeString(q)));
+  }
+  if (self_attention) {
+    if (c.key_dim != c.query_dim || c.value_dim != c.query_dim) {
+      return Invalid("key", absl::StrCat("may be omitted (self-attention) only when key_dim (",
+                                         c.key_dim, ") and value_dim (", c.value_dim,
+                                         ") equal query_dim (", c.query_dim, ")"));
+    }
+    d.kv_len = d.q_len;
+    return d;
+  }
+  d.kv_len = t.key.shape[1];
+  if (absl::Status s = CheckShape("key", t.key.shape, {d.batch, d.kv_len, c.key_dim}); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = CheckShape("value", t.value.shape, {d.batch, d.kv_len, c.value_dim});
+      !s.ok()) {
+    return s;
+  }
+  return d;
 }
 
-// Writes the probabilities to p.weights (per head, or the mean over heads).
-void StoreWeights(const AttentionParams& p, const Heads& probs) {
-  if (p.weights == nullptr) return;
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t i = 0; i < p.q_len; ++i)
-      for (int64_t j = 0; j < p.kv_len; ++j) {
-        if (p.average_weights) {
-          double sum = 0.0;
-          for (int64_t h = 0; h < p.num_heads; ++h) sum += probs.row(b, h, i)[j];
-          StoreFromFloat(p.weights_dtype, p.weights, (b * p.q_len + i) * p.kv_len + j,
-                         static_cast<float>(sum / static_cast<double>(p.num_heads)));
-        } else {
-          for (int64_t h = 0; h < p.num_heads; ++h)
-            StoreFromFloat(p.weights_dtype, p.weights,
-                           ((b * p.num_heads + h) * p.q_len + i) * p.kv_len + j,
-                           static_cast<float>(probs.row(b, h, i)[j]));
-        }
+// Everything but the inputs: output and weights buffers, scale, key_lengths
+// and the mask's broadcast against the scores.
+absl::Status CheckRest(const LayerConfig& c, const AttentionTask& t, const Dims& d) {
+  if (t.output.empty() || !IsFloat(t.output.dtype)) {
+    return Invalid("output", "missing, or not a FLOAT32/FLOAT16/BFLOAT16 buffer");
+  }
+  const Shape output = c.has_projections ? Shape{d.batch, d.q_len, c.out_dim}
+                                         : Shape{d.batch, d.heads, d.q_len, d.head_dim_v};
+  if (absl::Status s = CheckShape("output", t.output.shape, output); !s.ok()) return s;
+  if (!t.weights.empty()) {
+    if (!IsFloat(t.weights.dtype)) {
+      return Invalid("weights", absl::StrCat("dtype must be a float dtype, got ",
+                                             std::string(DTypeName(t.weights.dtype))));
+    }
+    const Shape weights = t.average_weights ? Shape{d.batch, d.q_len, d.kv_len}
+                                            : Shape{d.batch, d.heads, d.q_len, d.kv_len};
+    if (absl::Status s = CheckShape("weights", t.weights.shape, weights); !s.ok()) return s;
+  }
+  if (!std::isfinite(t.scale) || t.scale <= 0.0f) {
+    return Invalid("scale", absl::StrCat("must be finite and > 0, got ", t.scale));
+  }
+  if (!t.key_lengths.empty()) {
+    if (static_cast<int64_t>(t.key_lengths.size()) != d.batch) {
+      return Invalid("key_lengths", absl::StrCat("must have one entry per batch element (",
+                                                 d.batch, "), got ", t.key_lengths.size()));
+    }
+    for (const int64_t len : t.key_lengths) {
+      if (len < 0 || len > d.kv_len) {
+        return Invalid("key_lengths", absl::StrCat("each must be in [0, ", d.kv_len, "], got ",
+                                                   len));
       }
+    }
+  }
+  if (!t.attn_mask.empty()) {
+    const Shape& m = t.attn_mask.shape;
+    if (m.size() < 2 || m.size() > 4) {
+      return Invalid("attn_mask", absl::StrCat("rank must be 2, 3 or 4, got shape ",
+                                               ShapeString(m)));
+    }
+    if (absl::StatusOr<int64_t> n = NumElements(m); !n.ok()) {
+      return Invalid("attn_mask", std::string(n.status().message()));
+    }
+    // NumPy broadcasting: dims matched from the right, each equal or 1.
+    const int64_t scores[4] = {d.batch, d.heads, d.q_len, d.kv_len};
+    for (size_t a = 0; a < m.size(); ++a) {
+      const int64_t target = scores[4 - m.size() + a];
+      if (m[a] != 1 && m[a] != target) {
+        return Invalid("attn_mask", absl::StrCat("shape ", ShapeString(m),
+                                                 " does not broadcast to [B, Hq, Lq, Lk] = ",
+                                                 ShapeString(scores), " (dim ", a, ")"));
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
-// y[r, n] = sum_c x[r, c] * w[n, c] + bias[n] for x [rows, in]
-// and w [out, in] FLOAT32 (PyTorch Linear layout).
+// Element (b, h, i, j) of a mask broadcast to [B, Hq, Lq, Lk]: its own dims
+// right-aligned with those, a dim of size 1 read at index 0.
+int64_t MaskIndex(const Shape& m, int64_t b, int64_t h, int64_t i, int64_t j) {
+  const int64_t at[4] = {b, h, i, j};
+  int64_t index = 0;
+  for (size_t a = 0; a < m.size(); ++a) {
+    index = index * m[a] + (m[a] == 1 ? 0 : at[4 - m.size() + a]);
+  }
+  return index;
+}
+
+// Rows of D doubles addressed as (b, h, l): head layout [B, H, L, D] or token
+// layout [B, L, H * D], whichever `heads_outer` says.
+struct Rows {
+  std::vector<double> data;
+  int64_t heads = 0, len = 0, dim = 0;
+  bool heads_outer = true;
+
+  int64_t at(int64_t b, int64_t h, int64_t l) const {
+    return heads_outer ? ((b * heads + h) * len + l) * dim : ((b * len + l) * heads + h) * dim;
+  }
+  double* row(int64_t b, int64_t h, int64_t l) { return data.data() + at(b, h, l); }
+  const double* row(int64_t b, int64_t h, int64_t l) const { return data.data() + at(b, h, l); }
+};
+
+std::vector<double> LoadAll(const TensorView& t) {
+  std::vector<double> out(static_cast<size_t>(t.num_elements()));
+  for (int64_t i = 0; i < static_cast<int64_t>(out.size()); ++i) {
+    out[i] = LoadAsFloat(t.dtype, t.data, i);
+  }
+  return out;
+}
+
+// y[r, n] = sum_c x[r, c] * w[n, c] + bias[n] for x [rows, in] and w
+// [out, in] FLOAT32 (PyTorch Linear layout): the weights as stored, whatever
+// the layer's precision.
 std::vector<double> Linear(const std::vector<double>& x, int64_t rows, int64_t in,
                            const Tensor& w, const Tensor& bias) {
   const int64_t out = w.shape()[0];
@@ -139,121 +231,153 @@ std::vector<double> Linear(const std::vector<double>& x, int64_t rows, int64_t i
   return y;
 }
 
-std::vector<double> LoadAll(const TensorView& t) {
-  std::vector<double> out(static_cast<size_t>(t.num_elements()));
-  for (int64_t i = 0; i < static_cast<int64_t>(out.size()); ++i)
-    out[i] = LoadAsFloat(t.dtype, t.data, i);
-  return out;
+void StoreAll(const std::vector<double>& values, const MutableTensorView& to) {
+  for (int64_t i = 0; i < static_cast<int64_t>(values.size()); ++i) {
+    StoreFromFloat(to.dtype, to.data, i, static_cast<float>(values[i]));
+  }
 }
 
-// [B, L, H*D] token layout -> [B, H, L, D] heads.
-Heads SplitHeads(const std::vector<double>& x, int64_t batch, int64_t len, int64_t heads,
-                 int64_t dim) {
-  Heads out(batch, heads, len, dim);
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t l = 0; l < len; ++l)
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t d = 0; d < dim; ++d)
-          out.row(b, h, l)[d] = x[((b * len + l) * heads + h) * dim + d];
-  return out;
+// softmax(Q K^T * scale + mask) V per head, into `out` (rows of Dv, zeroed
+// by the caller), and the probabilities into t.weights when wanted.
+// Query head h reads key/value head h / (Hq / Hkv). Query i sees key j iff
+// causal => j <= i + (Lk - Lq), j < key_lengths[b], and a bool mask is
+// nonzero there; a float mask is added to the scaled score. A row that sees
+// no key, or only keys at -inf, is zeros (output and weights), not NaN.
+void AttendHeads(const AttentionTask& t, const Dims& d, const Rows& q, const Rows& k,
+                 const Rows& v, Rows& out) {
+  const int64_t group = d.heads / d.kv_heads;
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  const TensorView& mask = t.attn_mask;
+  const bool bool_mask = !mask.empty() && mask.dtype == DType::kBool;
+  const bool float_mask = !mask.empty() && mask.dtype != DType::kBool;
+  auto sees = [&](int64_t b, int64_t h, int64_t i, int64_t j) {
+    if (t.causal && j > i + (d.kv_len - d.q_len)) return false;
+    if (!t.key_lengths.empty() && j >= t.key_lengths[b]) return false;
+    if (bool_mask) {
+      return static_cast<const uint8_t*>(mask.data)[MaskIndex(mask.shape, b, h, i, j)] != 0;
+    }
+    return true;
+  };
+  auto added = [&](int64_t b, int64_t h, int64_t i, int64_t j) {
+    if (!float_mask) return 0.0;
+    return static_cast<double>(
+        LoadAsFloat(mask.dtype, mask.data, MaskIndex(mask.shape, b, h, i, j)));
+  };
+  std::vector<double> scores(static_cast<size_t>(d.kv_len));
+  std::vector<bool> visible(static_cast<size_t>(d.kv_len));
+  std::vector<double> p(static_cast<size_t>(d.kv_len));
+  std::vector<double> head_sum(static_cast<size_t>(d.kv_len));
+  for (int64_t b = 0; b < d.batch; ++b) {
+    for (int64_t i = 0; i < d.q_len; ++i) {
+      std::fill(head_sum.begin(), head_sum.end(), 0.0);
+      for (int64_t h = 0; h < d.heads; ++h) {
+        const int64_t g = h / group;
+        const double* qi = q.row(b, h, i);
+        double row_max = neg_inf;
+        for (int64_t j = 0; j < d.kv_len; ++j) {
+          visible[j] = sees(b, h, i, j);
+          if (!visible[j]) continue;
+          const double* kj = k.row(b, g, j);
+          double dot = 0.0;
+          for (int64_t c = 0; c < d.head_dim; ++c) dot += qi[c] * kj[c];
+          scores[j] = dot * static_cast<double>(t.scale) + added(b, h, i, j);
+          row_max = std::max(row_max, scores[j]);
+        }
+        std::fill(p.begin(), p.end(), 0.0);
+        if (row_max != neg_inf) {
+          double sum = 0.0;
+          for (int64_t j = 0; j < d.kv_len; ++j) {
+            p[j] = visible[j] ? std::exp(scores[j] - row_max) : 0.0;
+            sum += p[j];
+          }
+          for (int64_t j = 0; j < d.kv_len; ++j) p[j] /= sum;
+          double* oi = out.row(b, h, i);
+          for (int64_t j = 0; j < d.kv_len; ++j) {
+            if (p[j] == 0.0) continue;
+            const double* vj = v.row(b, g, j);
+            for (int64_t c = 0; c < d.head_dim_v; ++c) oi[c] += p[j] * vj[c];
+          }
+        }
+        for (int64_t j = 0; j < d.kv_len; ++j) {
+          head_sum[j] += p[j];
+          if (!t.weights.empty() && !t.average_weights) {
+            StoreFromFloat(t.weights.dtype, t.weights.data,
+                           ((b * d.heads + h) * d.q_len + i) * d.kv_len + j,
+                           static_cast<float>(p[j]));
+          }
+        }
+      }
+      if (!t.weights.empty() && t.average_weights) {
+        for (int64_t j = 0; j < d.kv_len; ++j) {
+          StoreFromFloat(t.weights.dtype, t.weights.data, (b * d.q_len + i) * d.kv_len + j,
+                         static_cast<float>(head_sum[j] / static_cast<double>(d.heads)));
+        }
+      }
+    }
+  }
+}
+
+// One task of a layer without projections: inputs and output in head layout.
+void RunBare(const AttentionTask& t, const Dims& d) {
+  const Rows q{LoadAll(t.query), d.heads, d.q_len, d.head_dim};
+  const Rows k{LoadAll(t.key), d.kv_heads, d.kv_len, d.head_dim};
+  const Rows v{LoadAll(t.value), d.kv_heads, d.kv_len, d.head_dim_v};
+  Rows out{std::vector<double>(static_cast<size_t>(d.batch * d.heads * d.q_len * d.head_dim_v)),
+           d.heads, d.q_len, d.head_dim_v};
+  AttendHeads(t, d, q, k, v, out);
+  StoreAll(out.data, t.output);
+}
+
+// One task of nn.MultiheadAttention (batch first): project the tokens, attend
+// per head over the projected [B, L, H * D] rows, concatenate the heads,
+// project out.
+void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dims& d) {
+  const LayerConfig& c = layer.config;
+  const LayerWeights& w = layer.weights;
+  const bool self_attention = t.key.empty();
+  const std::vector<double> xq = LoadAll(t.query);
+  const std::vector<double> xk = self_attention ? xq : LoadAll(t.key);
+  const std::vector<double> xv = self_attention ? xq : LoadAll(t.value);
+  const int64_t q_rows = d.batch * d.q_len, kv_rows = d.batch * d.kv_len;
+  const Rows q{Linear(xq, q_rows, c.query_dim, w.wq, w.bq), d.heads, d.q_len, d.head_dim, false};
+  const Rows k{Linear(xk, kv_rows, self_attention ? c.query_dim : c.key_dim, w.wk, w.bk),
+               d.kv_heads, d.kv_len, d.head_dim, false};
+  const Rows v{Linear(xv, kv_rows, self_attention ? c.query_dim : c.value_dim, w.wv, w.bv),
+               d.kv_heads, d.kv_len, d.head_dim_v, false};
+  Rows merged{std::vector<double>(static_cast<size_t>(q_rows * d.heads * d.head_dim_v)), d.heads,
+              d.q_len, d.head_dim_v, false};
+  AttendHeads(t, d, q, k, v, merged);
+  StoreAll(Linear(merged.data, q_rows, d.heads * d.head_dim_v, w.wo, w.bo), t.output);
 }
 
 class ReferenceEngine final : public AttentionEngine {
  public:
   std::string_view name() const override { return "reference"; }
 
-  absl::Status Attend(absl::Span<const AttentionParams> batch) override {
-    return Guarded([&] { return AttendAll(batch); });
-  }
-
   absl::Status Run(const AttentionLayer& layer, absl::Span<const AttentionTask> batch) override {
-    return Guarded([&] { return RunAll(layer, batch); });
-  }
-
- private:
-  // The only thing that can throw here is allocation.
-  template <typename Fn>
-  static absl::Status Guarded(Fn&& fn) {
     try {
-      return fn();
-    } catch (const std::bad_alloc&) {
+      if (layer.config.has_projections) {
+        // The weights are read with the config's dims: check they agree.
+        if (absl::Status s = ValidateLayer(layer); !s.ok()) return s;
+      }
+      for (const AttentionTask& task : batch) {
+        absl::StatusOr<Dims> dims = CheckInputs(layer.config, task);
+        if (!dims.ok()) return dims.status();
+        if (absl::Status s = CheckRest(layer.config, task, *dims); !s.ok()) return s;
+        if (layer.config.has_projections) {
+          RunProjected(layer, task, *dims);
+        } else {
+          RunBare(task, *dims);
+        }
+      }
+      return absl::OkStatus();
+    } catch (const std::bad_alloc&) {  // the only thing that can throw here
       return absl::ResourceExhaustedError("reference engine: out of memory");
     }
   }
 
-  absl::Status AttendAll(absl::Span<const AttentionParams> batch) {
-    for (const AttentionParams& p : batch) {
-      if (absl::Status s = CheckAttentionParams(p); !s.ok()) return s;
-      const Heads q = LoadHeads(p.dtype, p.q, p.batch, p.num_heads, p.q_len, p.head_dim,
-                                p.q_stride_b, p.q_stride_h, p.q_stride_row);
-      const Heads k = LoadHeads(p.dtype, p.k, p.batch, p.num_kv_heads, p.kv_len, p.head_dim,
-                                p.k_stride_b, p.k_stride_h, p.k_stride_row);
-      const Heads v = LoadHeads(p.dtype, p.v, p.batch, p.num_kv_heads, p.kv_len,
-                                p.head_dim_v, p.v_stride_b, p.v_stride_h, p.v_stride_row);
-      Heads out(p.batch, p.num_heads, p.q_len, p.head_dim_v);
-      Heads probs(p.batch, p.num_heads, p.q_len, p.kv_len);
-      AttendDouble(p, q, k, v, out, probs);
-      for (int64_t b = 0; b < p.batch; ++b)
-        for (int64_t h = 0; h < p.num_heads; ++h)
-          for (int64_t i = 0; i < p.q_len; ++i)
-            for (int64_t d = 0; d < p.head_dim_v; ++d)
-              StoreFromFloat(p.out_dtype, p.out,
-                             b * p.o_stride_b + h * p.o_stride_h + i * p.o_stride_row + d,
-                             static_cast<float>(out.row(b, h, i)[d]));
-      StoreWeights(p, probs);
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Status RunAll(const AttentionLayer& layer, absl::Span<const AttentionTask> batch) {
-    for (const AttentionTask& task : batch) {
-      if (absl::Status s = CheckTask(layer.config, task); !s.ok()) return s;
-      absl::StatusOr<AttentionParams> params = MakeCoreParams(layer.config, task);
-      if (!params.ok()) return params.status();
-      if (!layer.config.has_projections) {
-        if (absl::Status s = AttendAll({&*params, 1}); !s.ok()) return s;
-        continue;
-      }
-      if (absl::Status s = RunProjected(layer, task, *params); !s.ok()) return s;
-    }
-    return absl::OkStatus();
-  }
-
-  // nn.MultiheadAttention (batch first): project, attend per head, project out.
-  static absl::Status RunProjected(const AttentionLayer& layer, const AttentionTask& task,
-                                   const AttentionParams& p) {
-    const LayerConfig& c = layer.config;
-    const LayerWeights& w = layer.weights;
-    const bool self_attention = task.key.empty();
-    const std::vector<double> xq = LoadAll(task.query);
-    const std::vector<double> xk = self_attention ? xq : LoadAll(task.key);
-    const std::vector<double> xv = self_attention ? xq : LoadAll(task.value);
-    const int64_t kdim = self_attention ? c.query_dim : c.key_dim;
-    const int64_t vdim = self_attention ? c.query_dim : c.value_dim;
-    const Heads q = SplitHeads(Linear(xq, p.batch * p.q_len, c.query_dim, w.wq, w.bq),
-                               p.batch, p.q_len, p.num_heads, p.head_dim);
-    const Heads k = SplitHeads(Linear(xk, p.batch * p.kv_len, kdim, w.wk, w.bk), p.batch,
-                               p.kv_len, p.num_kv_heads, p.head_dim);
-    const Heads v = SplitHeads(Linear(xv, p.batch * p.kv_len, vdim, w.wv, w.bv), p.batch,
-                               p.kv_len, p.num_kv_heads, p.head_dim_v);
-    Heads heads_out(p.batch, p.num_heads, p.q_len, p.head_dim_v);
-    Heads probs(p.batch, p.num_heads, p.q_len, p.kv_len);
-    AttendDouble(p, q, k, v, heads_out, probs);
-    StoreWeights(p, probs);
-
-    // Concatenate heads back to [B, Lq, Hq*Dv], then the out projection.
-    const int64_t features = p.num_heads * p.head_dim_v;
-    std::vector<double> merged(static_cast<size_t>(p.batch * p.q_len * features));
-    for (int64_t b = 0; b < p.batch; ++b)
-      for (int64_t i = 0; i < p.q_len; ++i)
-        for (int64_t h = 0; h < p.num_heads; ++h)
-          for (int64_t d = 0; d < p.head_dim_v; ++d)
-            merged[(b * p.q_len + i) * features + h * p.head_dim_v + d] =
-                heads_out.row(b, h, i)[d];
-    const std::vector<double> y = Linear(merged, p.batch * p.q_len, features, w.wo, w.bo);
-    for (int64_t i = 0; i < static_cast<int64_t>(y.size()); ++i)
-      StoreFromFloat(task.output.dtype, task.output.data, i, static_cast<float>(y[i]));
-    return absl::OkStatus();
+  absl::Status Attend(absl::Span<const AttentionParams>) override {
+    return absl::UnimplementedError("reference engine: use Run");
   }
 };
 

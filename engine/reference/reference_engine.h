@@ -11,6 +11,13 @@
 namespace attnserve {
 
 // Thread-safe and stateless: every call works on its own scratch.
+//
+// Run checks each task itself (InvalidArgument naming the field) and shares
+// no checking, dims or mask code with the engines it is the oracle of. The
+// layer's precision is not applied: weights are used as stored (FLOAT32)
+// and inputs as sent; a test of a bf16/fp16 layer rounds the weights (and
+// inputs) it hands the reference. Results are rounded once, to the output
+// and weights dtypes. Attend is not implemented (Unimplemented): use Run.
 std::unique_ptr<AttentionEngine> NewReferenceEngine();
 
 }  // namespace attnserve

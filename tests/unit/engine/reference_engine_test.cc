@@ -3,12 +3,17 @@
 // equals repeated K/V, fully masked rows give zeros, projections compose.
 #include "engine/reference/reference_engine.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "engine/attention_engine.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -42,23 +47,30 @@ std::vector<float> AsFloats(const Tensor& t) {
   return out;
 }
 
+float InverseSqrt(int64_t head_dim) {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
 // An sdpa task over q/k/v with outputs allocated to match.
 struct SdpaRun {
   Tensor out, weights;
   AttentionTask task;
 
+  // Default scale 1/sqrt(Dk); output [B, Hq, Lq, Dv]; weights [B, Hq, Lq, Lk]
+  // or [B, Lq, Lk].
   SdpaRun(const Tensor& q, const Tensor& k, const Tensor& v, bool need_weights = true,
           bool average = false, DType out_dtype = DType::kFloat32) {
     task.query = q.view();
     task.key = k.view();
     task.value = v.view();
-    const LayerConfig sdpa;
-    task.scale = ResolveScale(sdpa, 0.0f, q.shape()[3]);
-    const TaskDims d = GetTaskDims(sdpa, task);
-    out = Tensor(out_dtype, OutputShape(sdpa, d));
+    const Shape& qs = q.shape();
+    task.scale = InverseSqrt(qs[3]);
+    out = Tensor(out_dtype, {qs[0], qs[1], qs[2], v.shape()[3]});
     task.output = out.mutable_view();
     if (need_weights) {
-      weights = Tensor(DType::kFloat32, WeightsShape(d, average));
+      const int64_t lk = k.shape()[2];
+      weights = Tensor(DType::kFloat32, average ? Shape{qs[0], qs[2], lk}
+                                                : Shape{qs[0], qs[1], qs[2], lk});
       task.weights = weights.mutable_view();
       task.average_weights = average;
     }
@@ -305,7 +317,7 @@ TEST(ReferenceEngineTest, ProjectionsCompose) {
       task.key = x.view();
       task.value = x.view();
     }
-    task.scale = ResolveScale(layer.config, 0.0f, 3);
+    task.scale = InverseSqrt(3);
     task.output = out.mutable_view();
     ASSERT_TRUE(engine->Run(layer, {&task, 1}).ok());
     const std::vector<float> y = AsFloats(out);
@@ -313,6 +325,343 @@ TEST(ReferenceEngineTest, ProjectionsCompose) {
     for (size_t i = 0; i < y.size(); ++i) {
       EXPECT_NEAR(y[i], 2.0 * attended[i] + bias[i % 3], 1e-6) << i;
     }
+  }
+}
+
+// The oracle's oracle: attention over doubles written the way NumPy would do
+// it, over whole [B, Hq, Lq, Lk] score arrays. A mask's shape is padded with
+// leading 1s to rank 4 and read at index (b % mb, h % mh, i % mi, j % mj),
+// which repeats each dim of size 1. Returns the output [B, Hq, Lq, Dv] and the
+// weights [B, Hq, Lq, Lk].
+struct Naive {
+  std::vector<double> out, weights;
+};
+
+struct NaiveOptions {
+  double scale = 0.0;  // 0: 1/sqrt(Dk)
+  bool causal = false;
+  std::vector<int64_t> key_lengths;
+  const Tensor* mask = nullptr;
+};
+
+// q [B, Hq, Lq, Dk], k [B, Hkv, Lk, Dk], v [B, Hkv, Lk, Dv] as doubles.
+Naive NaiveAttention(const std::vector<double>& q, const std::vector<double>& k,
+                     const std::vector<double>& v, int64_t B, int64_t Hq, int64_t Hkv,
+                     int64_t Lq, int64_t Lk, int64_t Dk, int64_t Dv, const NaiveOptions& o) {
+  const double scale = o.scale != 0.0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(Dk));
+  Shape ms = {1, 1, 1, 1};
+  std::vector<float> mask;
+  if (o.mask != nullptr) {
+    const Shape& m = o.mask->shape();
+    std::copy(m.begin(), m.end(), ms.end() - static_cast<int64_t>(m.size()));
+    mask = AsFloats(*o.mask);
+  }
+  Naive r{std::vector<double>(B * Hq * Lq * Dv, 0.0), std::vector<double>(B * Hq * Lq * Lk, 0.0)};
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t i = 0; i < Lq; ++i) {
+        std::vector<double> s(Lk, -kInf);
+        for (int64_t j = 0; j < Lk; ++j) {
+          const int64_t at =
+              ((b % ms[0] * ms[1] + h % ms[1]) * ms[2] + i % ms[2]) * ms[3] + j % ms[3];
+          const float m = mask.empty() ? 0.0f : mask[at];
+          const bool allowed = (!o.causal || j - i <= Lk - Lq) &&
+                               (o.key_lengths.empty() || j < o.key_lengths[b]) &&
+                               !(o.mask != nullptr && o.mask->dtype() == DType::kBool && m == 0);
+          if (!allowed) continue;
+          double dot = 0.0;
+          for (int64_t c = 0; c < Dk; ++c) {
+            dot += q[((b * Hq + h) * Lq + i) * Dk + c] *
+                   k[((b * Hkv + h * Hkv / Hq) * Lk + j) * Dk + c];
+          }
+          s[j] = dot * scale + (o.mask != nullptr && o.mask->dtype() != DType::kBool ? m : 0.0);
+        }
+        const double max = *std::max_element(s.begin(), s.end());
+        if (max == -kInf) continue;  // nothing visible: zeros
+        double sum = 0.0;
+        for (double& x : s) sum += (x = std::exp(x - max));
+        for (int64_t j = 0; j < Lk; ++j) {
+          const double p = s[j] / sum;
+          r.weights[((b * Hq + h) * Lq + i) * Lk + j] = p;
+          for (int64_t c = 0; c < Dv; ++c) {
+            r.out[((b * Hq + h) * Lq + i) * Dv + c] +=
+                p * v[((b * Hkv + h * Hkv / Hq) * Lk + j) * Dv + c];
+          }
+        }
+      }
+  return r;
+}
+
+std::vector<double> AsDoubles(const Tensor& t) {
+  const std::vector<float> f = AsFloats(t);
+  return {f.begin(), f.end()};
+}
+
+// [B, Hq, Lq, Lk] -> the mean over heads [B, Lq, Lk].
+std::vector<double> MeanOverHeads(const std::vector<double>& w, int64_t B, int64_t H, int64_t Lq,
+                                  int64_t Lk) {
+  std::vector<double> mean(B * Lq * Lk, 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < Lq * Lk; ++i) {
+        mean[b * Lq * Lk + i] += w[(b * H + h) * Lq * Lk + i] / H;
+      }
+  return mean;
+}
+
+// Tolerance: both sides are double; the engine rounds once to fp32.
+void ExpectClose(const std::vector<float>& got, const std::vector<double>& want,
+                 const std::string& label) {
+  ASSERT_EQ(got.size(), want.size()) << label;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], 1e-6 * std::max(1.0, std::fabs(want[i]))) << label << " at " << i;
+  }
+}
+
+TEST(ReferenceEngineTest, MatchesNaiveAttentionOverEveryMaskShape) {
+  constexpr int64_t B = 2, Hq = 4, Hkv = 2, Lq = 3, Lk = 5, Dk = 6, Dv = 3;
+  const std::vector<Shape> mask_shapes = {
+      {Lq, Lk}, {1, Lk}, {Lq, 1}, {Hq, 1, Lk}, {1, Lq, Lk}, {B, 1, Lq, Lk}, {1, Hq, Lq, Lk},
+      {B, Hq, Lq, Lk}, {B, 1, 1, 1}};
+  uint32_t seed = 100;
+  for (DType in : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    // Inputs rounded to `in` once; the naive side reads the rounded values.
+    const Tensor q = Values(in, {B, Hq, Lq, Dk}, AsFloats(Random({B, Hq, Lq, Dk}, ++seed)));
+    const Tensor k = Values(in, {B, Hkv, Lk, Dk}, AsFloats(Random({B, Hkv, Lk, Dk}, ++seed)));
+    const Tensor v = Values(in, {B, Hkv, Lk, Dv}, AsFloats(Random({B, Hkv, Lk, Dv}, ++seed)));
+    for (const Shape& shape : mask_shapes) {
+      for (DType mask_dtype : {DType::kBool, DType::kFloat16}) {
+        for (int options = 0; options < 4; ++options) {
+          Tensor mask(mask_dtype, shape);
+          const Tensor values = Random(shape, ++seed);
+          for (int64_t i = 0; i < mask.num_elements(); ++i) {
+            const float x = values.data_as<float>()[i];
+            const float m = mask_dtype == DType::kBool ? x > -0.5f : 3 * x;
+            StoreFromFloat(mask_dtype, mask.data(), i, m);
+          }
+          NaiveOptions o;
+          o.mask = &mask;
+          o.causal = options & 1;
+          if (options & 2) o.key_lengths = {Lk - 1, 2};
+          o.scale = options == 3 ? 0.3 : 0.0;
+          const bool average = options == 2;
+          SdpaRun run(q, k, v, /*need_weights=*/true, average);
+          run.task.attn_mask = mask.view();
+          run.task.causal = o.causal;
+          run.task.key_lengths = o.key_lengths;
+          if (o.scale != 0.0) run.task.scale = 0.3f;
+          o.scale = run.task.scale;
+          ASSERT_TRUE(RunSdpa(run.task).ok()) << ShapeString(shape);
+          const Naive want = NaiveAttention(AsDoubles(q), AsDoubles(k), AsDoubles(v), B, Hq, Hkv,
+                                            Lq, Lk, Dk, Dv, o);
+          const std::string label =
+              absl::StrCat("in ", std::string(DTypeName(in)), ", mask ",
+                           std::string(DTypeName(mask_dtype)), ShapeString(shape), ", options ",
+                           options);
+          ExpectClose(AsFloats(run.out), want.out, label);
+          ExpectClose(AsFloats(run.weights),
+                      average ? MeanOverHeads(want.weights, B, Hq, Lq, Lk) : want.weights, label);
+        }
+      }
+    }
+  }
+}
+
+// y = x W^T + b over doubles for x [rows, in], W [out, in].
+std::vector<double> NaiveLinear(const std::vector<double>& x, int64_t rows, const Tensor& w,
+                                const Tensor& bias) {
+  const int64_t out = w.shape()[0], in = w.shape()[1];
+  const std::vector<double> wd = AsDoubles(w);
+  const std::vector<double> bd = bias.byte_size() != 0 ? AsDoubles(bias) : std::vector<double>();
+  std::vector<double> y(rows * out);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < out; ++n) {
+      double acc = bd.empty() ? 0.0 : bd[n];
+      for (int64_t c = 0; c < in; ++c) acc += x[r * in + c] * wd[n * in + c];
+      y[r * out + n] = acc;
+    }
+  return y;
+}
+
+// [B, L, H * D] -> [B, H, L, D], and back when `inverse`.
+std::vector<double> Transpose12(const std::vector<double>& x, int64_t B, int64_t L, int64_t H,
+                                int64_t D, bool inverse = false) {
+  std::vector<double> y(x.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d) {
+          const int64_t token = ((b * L + l) * H + h) * D + d, head = ((b * H + h) * L + l) * D + d;
+          (inverse ? y[token] : y[head]) = inverse ? x[head] : x[token];
+        }
+  return y;
+}
+
+// nn.MultiheadAttention-style layer with grouped K/V heads, distinct
+// query/key/value/out dims, and a missing bias (bk), against NumPy-style
+// projections written here; self-attention on a layer whose dims allow it.
+TEST(ReferenceEngineTest, ProjectionLayerMatchesNaiveMultiheadAttention) {
+  constexpr int64_t Hq = 4, Hkv = 2, D = 5;
+  auto make_layer = [](int64_t qd, int64_t kd, int64_t vd, int64_t od, uint32_t seed) {
+    AttentionLayer layer;
+    LayerConfig& c = layer.config;
+    c.name = "naive";
+    c.has_projections = true;
+    c.num_heads = Hq;
+    c.num_kv_heads = Hkv;
+    c.head_dim = D;
+    c.query_dim = qd;
+    c.key_dim = kd;
+    c.value_dim = vd;
+    c.out_dim = od;
+    LayerWeights& w = layer.weights;
+    w.wq = Random({Hq * D, qd}, seed);
+    w.bq = Random({Hq * D}, seed + 1);
+    w.wk = Random({Hkv * D, kd}, seed + 2);
+    w.wv = Random({Hkv * D, vd}, seed + 3);
+    w.bv = Random({Hkv * D}, seed + 4);
+    w.wo = Random({od, Hq * D}, seed + 5);
+    w.bo = Random({od}, seed + 6);
+    EXPECT_TRUE(ValidateLayer(layer).ok());
+    return layer;
+  };
+  const AttentionLayer cross = make_layer(7, 6, 3, 9, 200);
+  const AttentionLayer self = make_layer(8, 8, 8, 8, 300);
+  constexpr int64_t B = 2, Lq = 3;
+  for (const AttentionLayer* layer : {&cross, &self}) {
+    const LayerConfig& c = layer->config;
+    const bool self_attention = layer == &self;
+    const int64_t Lk = self_attention ? Lq : 4;
+    const Tensor x = Random({B, Lq, c.query_dim}, 400);
+    const Tensor xk = Random({B, Lk, c.key_dim}, 401);
+    const Tensor xv = Random({B, Lk, c.value_dim}, 402);
+    const Tensor mask = Values(DType::kFloat32, {Lq, 1}, {0.5, -1, 2});  // a per-row offset
+    for (bool causal : {false, true}) {
+      Tensor out(DType::kFloat32, {B, Lq, c.out_dim}), weights(DType::kFloat32, {B, Hq, Lq, Lk});
+      AttentionTask task;
+      task.query = x.view();
+      if (!self_attention) {
+        task.key = xk.view();
+        task.value = xv.view();
+      }
+      task.causal = causal;
+      task.scale = 0.4f;
+      task.attn_mask = mask.view();
+      task.output = out.mutable_view();
+      task.weights = weights.mutable_view();
+      ASSERT_TRUE(NewReferenceEngine()->Run(*layer, {&task, 1}).ok());
+
+      const LayerWeights& w = layer->weights;
+      const std::vector<double> q = Transpose12(NaiveLinear(AsDoubles(x), B * Lq, w.wq, w.bq), B,
+                                                Lq, Hq, D);
+      const std::vector<double> k = Transpose12(
+          NaiveLinear(AsDoubles(self_attention ? x : xk), B * Lk, w.wk, w.bk), B, Lk, Hkv, D);
+      const std::vector<double> v = Transpose12(
+          NaiveLinear(AsDoubles(self_attention ? x : xv), B * Lk, w.wv, w.bv), B, Lk, Hkv, D);
+      NaiveOptions o;
+      o.scale = 0.4f;
+      o.causal = causal;
+      o.mask = &mask;
+      const Naive a = NaiveAttention(q, k, v, B, Hq, Hkv, Lq, Lk, D, D, o);
+      const std::vector<double> y =
+          NaiveLinear(Transpose12(a.out, B, Lq, Hq, D, /*inverse=*/true), B * Lq, w.wo, w.bo);
+      const std::string label =
+          absl::StrCat(self_attention ? "self" : "cross", causal ? " causal" : "");
+      ExpectClose(AsFloats(out), y, label);
+      ExpectClose(AsFloats(weights), a.weights, label);
+    }
+  }
+}
+
+// Every malformed task is refused before any memory is touched, with
+// InvalidArgument naming the field.
+TEST(ReferenceEngineTest, RejectsBadTasksNamingTheField) {
+  const Tensor q = Random({2, 4, 3, 6}, 500);
+  const Tensor k = Random({2, 2, 5, 6}, 501);
+  const Tensor v = Random({2, 2, 5, 3}, 502);
+  const Tensor q_half = Values(DType::kFloat16, q.shape(), AsFloats(q));
+  const Tensor k3 = Random({2, 3, 5, 6}, 503), v3 = Random({2, 3, 5, 3}, 503);
+  const Tensor v_short = Random({2, 2, 4, 3}, 504);
+  const Tensor q_rank3 = Random({2, 3, 6}, 505);
+  const Tensor bool_q = Values(DType::kBool, q.shape(), std::vector<float>(144, 1));
+  const Tensor mask_bad = Values(DType::kBool, {4, 5}, std::vector<float>(20, 1));
+  const Tensor mask_rank1 = Values(DType::kBool, {5}, std::vector<float>(5, 1));
+  const Tensor mask_rank5 = Values(DType::kBool, {1, 1, 1, 3, 5}, std::vector<float>(15, 1));
+  Tensor wrong_weights(DType::kFloat32, {2, 3, 5});  // per-head shape expected
+  Tensor bool_weights(DType::kBool, {2, 4, 3, 5});
+  Tensor bool_out(DType::kBool, {2, 4, 3, 3});
+  const int64_t lengths_short[] = {5};
+  const int64_t lengths_over[] = {5, 6};
+  const int64_t lengths_negative[] = {-1, 2};
+
+  struct Bad {
+    const char* field;
+    std::function<void(AttentionTask&)> spoil;
+  };
+  const std::vector<Bad> bads = {
+      {"query", [&](AttentionTask& t) { t.query = TensorView(); }},
+      {"query", [&](AttentionTask& t) { t.query = q_rank3.view(); }},
+      {"query", [&](AttentionTask& t) { t.query = bool_q.view(); }},
+      {"key", [&](AttentionTask& t) { t.query = q_half.view(); }},  // dtype differs from query's
+      {"key", [&](AttentionTask& t) { t.key = k3.view(), t.value = v3.view(); }},  // 4 over 3
+      {"value", [&](AttentionTask& t) { t.value = v_short.view(); }},
+      {"value", [&](AttentionTask& t) { t.value = TensorView(); }},
+      {"output", [&](AttentionTask& t) { t.output = MutableTensorView(); }},
+      {"output", [&](AttentionTask& t) { t.output = bool_out.mutable_view(); }},
+      {"weights", [&](AttentionTask& t) { t.weights = wrong_weights.mutable_view(); }},
+      {"weights", [&](AttentionTask& t) { t.weights = bool_weights.mutable_view(); }},
+      {"scale", [&](AttentionTask& t) { t.scale = 0.0f; }},
+      {"scale", [&](AttentionTask& t) { t.scale = std::nanf(""); }},
+      {"key_lengths", [&](AttentionTask& t) { t.key_lengths = lengths_short; }},
+      {"key_lengths", [&](AttentionTask& t) { t.key_lengths = lengths_over; }},
+      {"key_lengths", [&](AttentionTask& t) { t.key_lengths = lengths_negative; }},
+      {"attn_mask", [&](AttentionTask& t) { t.attn_mask = mask_bad.view(); }},
+      {"attn_mask", [&](AttentionTask& t) { t.attn_mask = mask_rank1.view(); }},
+      {"attn_mask", [&](AttentionTask& t) { t.attn_mask = mask_rank5.view(); }},
+  };
+  for (const Bad& bad : bads) {
+    SdpaRun run(q, k, v);
+    ASSERT_TRUE(RunSdpa(run.task).ok());
+    bad.spoil(run.task);
+    const absl::Status s = RunSdpa(run.task);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad.field << ": " << s;
+    EXPECT_THAT(std::string(s.message()), ::testing::StartsWith(std::string(bad.field) + ":"))
+        << s;
+  }
+
+  // A projection layer: the query's last dim, self-attention only where the
+  // dims allow it, and key without value.
+  AttentionLayer layer;
+  layer.config.name = "p";
+  layer.config.has_projections = true;
+  layer.config.num_heads = layer.config.num_kv_heads = 1;
+  layer.config.head_dim = 2;
+  layer.config.query_dim = 3;
+  layer.config.key_dim = 4;
+  layer.config.value_dim = 3;
+  layer.config.out_dim = 3;
+  layer.weights.wq = Random({2, 3}, 506);
+  layer.weights.wk = Random({2, 4}, 507);
+  layer.weights.wv = Random({2, 3}, 508);
+  layer.weights.wo = Random({3, 2}, 509);
+  ASSERT_TRUE(ValidateLayer(layer).ok());
+  const Tensor x = Random({1, 2, 3}, 510), x_wide = Random({1, 2, 4}, 511);
+  Tensor out(DType::kFloat32, {1, 2, 3});
+  const Tensor* const none = nullptr;
+  // {field named, key, value, query}: a bad query dim, a key of the wrong
+  // dim, self-attention where key_dim differs, value missing.
+  for (const auto& [field, key, value, query] :
+       {std::tuple{"query", &x_wide, &x, &x_wide}, std::tuple{"key", &x, &x, &x},
+        std::tuple{"key", none, none, &x}, std::tuple{"value", &x_wide, none, &x}}) {
+    AttentionTask task;
+    task.query = query->view();
+    if (key != nullptr) task.key = key->view();
+    if (value != nullptr) task.value = value->view();
+    task.scale = 1.0f;
+    task.output = out.mutable_view();
+    const absl::Status s = NewReferenceEngine()->Run(layer, {&task, 1});
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << field << ": " << s;
+    EXPECT_THAT(std::string(s.message()), ::testing::StartsWith(std::string(field) + ":")) << s;
   }
 }
 

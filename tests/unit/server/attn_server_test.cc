@@ -4,6 +4,7 @@
 // and serving on after bad requests.
 #include "server/attn_server.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <future>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "engine/model/builtin_models.h"
 #include "gmock/gmock.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -178,7 +180,43 @@ TEST_F(AttnServerTest, DefaultModelIsDemoMhaSelfAttention) {
   grpc::Status status = Attend(request, &response);
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_THAT(response.output().shape(), ::testing::ElementsAre(1, 4, 512));
-  EXPECT_EQ(response.output().data().size(), 4u * 512 * 4);
+  ASSERT_EQ(response.output().data().size(), 4u * 512 * 4);
+
+  // The values: demo-mha's weights through nn.MultiheadAttention's arithmetic
+  // in double, written out here (tests/python/test_demo_mha.py checks the
+  // same layer against PyTorch itself).
+  constexpr int L = 4, E = 512, H = 8, D = 64;
+  const std::shared_ptr<const AttentionLayer> demo = MakeDemoMhaLayer();
+  const LayerWeights& w = demo->weights;
+  auto linear = [](const std::vector<double>& x, const Tensor& weight, const Tensor& bias) {
+    std::vector<double> y(L * E);
+    for (int r = 0; r < L; ++r)
+      for (int n = 0; n < E; ++n) {
+        double acc = bias.data_as<float>()[n];
+        for (int c = 0; c < E; ++c) acc += x[r * E + c] * weight.data_as<float>()[n * E + c];
+        y[r * E + n] = acc;
+      }
+    return y;
+  };
+  const std::vector<double> x(Floats(request.query()), Floats(request.query()) + L * E);
+  const std::vector<double> q = linear(x, w.wq, w.bq), k = linear(x, w.wk, w.bk),
+                            v = linear(x, w.wv, w.bv);
+  std::vector<double> heads(L * E, 0.0);  // [L, H * D]
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < L; ++i) {
+      double p[L], max = -INFINITY, sum = 0;
+      for (int j = 0; j < L; ++j) {
+        p[j] = 0;
+        for (int d = 0; d < D; ++d) p[j] += q[i * E + h * D + d] * k[j * E + h * D + d];
+        max = std::max(max, p[j] /= std::sqrt(double{D}));
+      }
+      for (double& s : p) sum += (s = std::exp(s - max));
+      for (int j = 0; j < L; ++j)
+        for (int d = 0; d < D; ++d) heads[i * E + h * D + d] += p[j] / sum * v[j * E + h * D + d];
+    }
+  const std::vector<double> y = linear(heads, w.wo, w.bo);
+  const float* o = Floats(response.output());
+  for (int i = 0; i < L * E; ++i) ASSERT_NEAR(o[i], y[i], 1e-5) << "element " << i;
 }
 
 TEST_F(AttnServerTest, OutputDtypeFollowsRequest) {
