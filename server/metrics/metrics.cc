@@ -1,6 +1,14 @@
 // Metric families, bucket layouts and the /metrics endpoint.
 #include "server/metrics/metrics.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
 #include <cmath>
 #include <exception>
 #include <vector>
@@ -156,7 +164,52 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
   return m;
 }
 
-Metrics::~Metrics() = default;
+namespace {
+
+// Opens and closes a TCP connection to host:port ("0.0.0.0" and "::" mean
+// this machine). Best effort: errors are ignored.
+void PokeListener(const std::string& host, int port) {
+  std::string target = host;
+  if (!target.empty() && target.front() == '[') target = target.substr(1, target.size() - 2);
+  if (target == "0.0.0.0" || target.empty()) target = "127.0.0.1";
+  if (target == "::") target = "::1";
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(target.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const bool connected = connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+    close(fd);
+    if (connected) break;
+  }
+  freeaddrinfo(found);
+}
+
+}  // namespace
+
+Metrics::~Metrics() {
+  if (exposer_ == nullptr) return;
+  // civetweb's listener thread sleeps in poll() for up to 2 s between looks
+  // at its stop flag, so a plain stop takes up to 2 s (every server test and
+  // every container stop paid it). Stop on another thread and poke the
+  // listening socket until it has: an incoming connection ends the poll at
+  // once.
+  std::atomic<bool> stopped{false};
+  std::thread stopper([this, &stopped] {
+    exposer_.reset();
+    stopped.store(true);
+  });
+  const size_t colon = address_.rfind(':');
+  const std::string host = colon == std::string::npos ? address_ : address_.substr(0, colon);
+  while (!stopped.load()) {
+    PokeListener(host, port_);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  stopper.join();
+}
 
 void Metrics::SetModelReady(const std::string& model, const std::string& backend, bool ready) {
   model_ready_->Add({{"model", model}, {"backend", backend}}).Set(ready ? 1.0 : 0.0);
