@@ -28,6 +28,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/attention_engine.h"
+#include "engine/attention_layer.h"
 #include "engine/cpu/projection.h"
 #include "engine/model/builtin_models.h"
 #include "engine/reference/reference_engine.h"
@@ -550,15 +551,6 @@ std::shared_ptr<const AttentionLayer> WithPrecision(const AttentionLayer& layer,
   copy->config.precision = precision;
   copy->config.name += precision == Precision::kBFloat16 ? "-bf16" : "-fp16";
   return copy;
-}
-
-float RoundTo(Precision precision, float v) {
-  switch (precision) {
-    case Precision::kBFloat16: return BFloat16ToFloat(FloatToBFloat16(v));
-    case Precision::kFloat16: return HalfToFloat(FloatToHalf(v));
-    case Precision::kFloat32: break;
-  }
-  return v;
 }
 
 Tensor Rounded(const Tensor& t, Precision precision) {
