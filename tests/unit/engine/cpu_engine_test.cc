@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/attention_engine.h"
 #include "engine/attention_layer.h"
+#include "engine/cpu/flash_attention.h"
 #include "engine/cpu/projection.h"
 #include "engine/model/builtin_models.h"
 #include "engine/reference/reference_engine.h"
@@ -363,16 +364,39 @@ TEST_F(CpuEngineTest, LongerSequences) {
   }
 }
 
-TEST_F(CpuEngineTest, AttendTakesStridedParamsOfAnyDType) {
-  // Token-layout [B, L, H*D] inputs through Attend(), fp16 in and bf16 out.
+// [B, L, H * D] (token layout) -> [B, H, L, D] (head layout), same dtype and
+// bits: what the sdpa layer takes.
+Tensor ToHeadLayout(const Tensor& t, int64_t heads) {
+  const int64_t b = t.shape()[0], len = t.shape()[1], d = t.shape()[2] / heads;
+  Tensor h(t.dtype(), {b, heads, len, d});
+  const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(t.dtype());
+  const char* src = static_cast<const char*>(t.data());
+  char* dst = static_cast<char*>(h.data());
+  for (int64_t bi = 0; bi < b; ++bi) {
+    for (int64_t i = 0; i < len; ++i) {
+      for (int64_t hi = 0; hi < heads; ++hi) {
+        std::memcpy(dst + ((bi * heads + hi) * len + i) * row_bytes,
+                    src + ((bi * len + i) * heads + hi) * row_bytes, row_bytes);
+      }
+    }
+  }
+  return h;
+}
+
+TEST_F(CpuEngineTest, FlashAttentionTakesStridedParamsOfAnyDType) {
+  // Token-layout [B, L, H*D] inputs straight into the flash kernel (with the
+  // options the cpu engine gives a layer-less call), fp16 in and bf16 out;
+  // the oracle is the reference engine's sdpa layer over the same values
+  // copied into head layout.
   Rng rng(5);
   const int64_t b = 2, hq = 4, hkv = 2, lq = 5, lk = 7, d = 8;
+  const float scale = 0.3f;
   for (DType in : {DType::kFloat32, DType::kFloat16}) {
     const Tensor q = RandomTensor(rng, in, {b, lq, hq * d}, 1.0f);
     const Tensor k = RandomTensor(rng, in, {b, lk, hkv * d}, 1.0f);
     const Tensor v = RandomTensor(rng, in, {b, lk, hkv * d}, 1.0f);
-    Tensor out_ref(DType::kFloat32, {b, lq, hq * d}), out_cpu(DType::kBFloat16, {b, lq, hq * d});
-    Tensor w_ref(DType::kFloat32, {b, hq, lq, lk}), w_cpu(DType::kFloat32, {b, hq, lq, lk});
+    Tensor out_cpu(DType::kBFloat16, {b, lq, hq * d});
+    Tensor w_cpu(DType::kFloat32, {b, hq, lq, lk});
     AttentionParams p;
     p.batch = b;
     p.num_heads = hq;
@@ -389,17 +413,28 @@ TEST_F(CpuEngineTest, AttendTakesStridedParamsOfAnyDType) {
     TokenLayoutStrides(hkv, lk, d, &p.v_stride_b, &p.v_stride_h, &p.v_stride_row);
     TokenLayoutStrides(hq, lq, d, &p.o_stride_b, &p.o_stride_h, &p.o_stride_row);
     p.causal = true;
-    p.scale = 0.3f;
-    AttentionParams pr = p, pc = p;
-    pr.out = out_ref.data();
-    pr.weights = w_ref.data();
-    pc.out = out_cpu.data();
-    pc.out_dtype = DType::kBFloat16;
-    pc.weights = w_cpu.data();
-    ASSERT_TRUE(reference_->Attend({&pr, 1}).ok());
-    ASSERT_TRUE(cpu_->Attend({&pc, 1}).ok());
-    EXPECT_EQ(Compare("output", AsFloats(out_cpu), AsFloats(out_ref), DType::kBFloat16), "");
-    EXPECT_EQ(Compare("weights", AsFloats(w_cpu), AsFloats(w_ref), DType::kFloat32), "");
+    p.scale = scale;
+    p.out = out_cpu.data();
+    p.out_dtype = DType::kBFloat16;
+    p.weights = w_cpu.data();
+    cpu::FlashOptions options;
+    options.precision = cpu::FlashPrecision::kFloat32;
+    ASSERT_TRUE(cpu::FlashAttention({&p, 1}, options).ok());
+
+    Case c;
+    c.layer = sdpa_;
+    c.q = ToHeadLayout(q, hq);
+    c.k = ToHeadLayout(k, hkv);
+    c.v = ToHeadLayout(v, hkv);
+    c.causal = true;
+    c.scale = scale;
+    c.need_weights = true;
+    CaseRun ref(c, DType::kFloat32, DType::kFloat32);
+    ASSERT_TRUE(reference_->Run(*sdpa_, {&ref.task, 1}).ok());
+    EXPECT_EQ(Compare("output", AsFloats(ToHeadLayout(out_cpu, hq)), AsFloats(ref.out),
+                      DType::kBFloat16),
+              "");
+    EXPECT_EQ(Compare("weights", AsFloats(w_cpu), AsFloats(ref.weights), DType::kFloat32), "");
   }
 }
 
