@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "engine/cpu/dnnl_matmul.h"
+#include "bench/dnnl_matmul.h"
 #include "engine/cpu/projection.h"
 
 #ifdef _OPENMP
@@ -24,8 +24,8 @@ using attnserve::Precision;
 using attnserve::Tensor;
 using attnserve::cpu::ChunkedLinear;
 using attnserve::cpu::LinearJob;
-using attnserve::cpu::MatmulCache;
-using attnserve::cpu::MatmulShape;
+using attnserve::bench::MatmulCache;
+using attnserve::bench::MatmulShape;
 
 void Check(const absl::Status& s, const char* what) {
   if (!s.ok()) {

@@ -13,6 +13,18 @@ namespace attnserve {
 
 enum class Precision : uint8_t { kFloat32, kBFloat16, kFloat16 };
 
+// `v` as a weight stored in `precision` keeps it: rounded to bf16 or fp16 the
+// way the tensor conversions round (FloatToBFloat16, FloatToHalf), widened
+// back to float.
+inline float RoundTo(Precision precision, float v) {
+  switch (precision) {
+    case Precision::kFloat32: return v;
+    case Precision::kBFloat16: return BFloat16ToFloat(FloatToBFloat16(v));
+    case Precision::kFloat16: return HalfToFloat(FloatToHalf(v));
+  }
+  return v;
+}
+
 struct LayerConfig {
   std::string name;
   // false: bare scaled-dot-product attention ("sdpa"); inputs are in head

@@ -4,10 +4,10 @@
 #ifndef ATTNSERVE_ENGINE_CPU_FLASH_INTERNAL_H_
 #define ATTNSERVE_ENGINE_CPU_FLASH_INTERNAL_H_
 
-// Everything the kernel template (flash_kernel_impl.h) uses is included here,
-// outside any `#pragma GCC target` region: library code compiled inside such
-// a region could be merged by the linker with the baseline copy (ODR), and
-// then run AVX-512 instructions on a CPU without them.
+// Everything the kernel template (engine/cpu/flash_kernel/) uses is included
+// here, outside any `#pragma GCC target` region: library code compiled inside
+// such a region could be merged by the linker with the baseline copy (ODR),
+// and then run AVX-512 instructions on a CPU without them.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>

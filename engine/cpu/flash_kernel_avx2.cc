@@ -1,5 +1,5 @@
 // AVX2 + FMA fp32 instantiation of the flash attention kernel
-// (flash_kernel_impl.h).
+// (engine/cpu/flash_kernel/).
 // Compiled for its instruction set through a target pragma, so the library
 // still runs on CPUs without it (the dispatcher checks cpuid first).
 #include <immintrin.h>
@@ -13,12 +13,14 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC target("avx2,fma,f16c")
 #define ATTNSERVE_FLASH_KERNEL_FILE 1
-#define ATTNSERVE_FLASH_VEC_AVX2 1
-#define ATTNSERVE_FLASH_FP32 1
 
 namespace attnserve::cpu::flash {
 namespace {
-#include "engine/cpu/flash_kernel_impl.h"
+#include "engine/cpu/flash_kernel/common.h"
+#include "engine/cpu/flash_kernel/vec_avx2.h"
+#include "engine/cpu/flash_kernel/vec_rows.h"
+#include "engine/cpu/flash_kernel/fp32_products.h"
+#include "engine/cpu/flash_kernel/driver.h"
 }  // namespace
 
 bool RunItemAvx2(const WorkItem& item) { return Kernel::Run(item); }

@@ -1,5 +1,5 @@
 // AVX-512 fp32 instantiation of the flash attention kernel
-// (flash_kernel_impl.h).
+// (engine/cpu/flash_kernel/).
 // Compiled for its instruction set through a target pragma, so the library
 // still runs on CPUs without it (the dispatcher checks cpuid first).
 #include <immintrin.h>
@@ -13,12 +13,14 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
 #define ATTNSERVE_FLASH_KERNEL_FILE 1
-#define ATTNSERVE_FLASH_VEC_AVX512 1
-#define ATTNSERVE_FLASH_FP32 1
 
 namespace attnserve::cpu::flash {
 namespace {
-#include "engine/cpu/flash_kernel_impl.h"
+#include "engine/cpu/flash_kernel/common.h"
+#include "engine/cpu/flash_kernel/vec_avx512.h"
+#include "engine/cpu/flash_kernel/vec_rows.h"
+#include "engine/cpu/flash_kernel/fp32_products.h"
+#include "engine/cpu/flash_kernel/driver.h"
 }  // namespace
 
 bool RunItemAvx512(const WorkItem& item) { return Kernel::Run(item); }

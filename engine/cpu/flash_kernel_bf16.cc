@@ -1,4 +1,4 @@
-// AVX512_BF16 instantiation of the flash attention kernel (flash_kernel_impl.h):
+// AVX512_BF16 instantiation of the flash attention kernel (engine/cpu/flash_kernel/):
 // vdpbf16ps bf16 products with fp32 accumulation.
 // Compiled for its instruction set through a target pragma, so the library
 // still runs on CPUs without it (the dispatcher checks cpuid first).
@@ -13,12 +13,15 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 #define ATTNSERVE_FLASH_KERNEL_FILE 1
-#define ATTNSERVE_FLASH_VEC_AVX512 1
-#define ATTNSERVE_FLASH_BF16 1
 
 namespace attnserve::cpu::flash {
 namespace {
-#include "engine/cpu/flash_kernel_impl.h"
+#include "engine/cpu/flash_kernel/common.h"
+#include "engine/cpu/flash_kernel/vec_avx512.h"
+#include "engine/cpu/flash_kernel/vec_rows.h"
+#include "engine/cpu/flash_kernel/bf16_packing.h"
+#include "engine/cpu/flash_kernel/bf16_products.h"
+#include "engine/cpu/flash_kernel/driver.h"
 }  // namespace
 
 bool RunItemAvx512Bf16(const WorkItem& item) { return Kernel::Run(item); }

@@ -123,15 +123,6 @@ void Convert(const void* src, DType sdt, int64_t n, void* dst, DType ddt) {
   }
 }
 
-float RoundTo(Precision precision, float v) {
-  switch (precision) {
-    case Precision::kFloat32: return v;
-    case Precision::kBFloat16: return BFloat16ToFloat(FloatToBFloat16(v));
-    case Precision::kFloat16: return HalfToFloat(FloatToHalf(v));
-  }
-  return v;
-}
-
 // The first block of `blocks` (sorted by row0) that ends after `row`.
 template <typename Block>
 typename std::vector<Block>::const_iterator FirstEndingAfter(const std::vector<Block>& blocks,

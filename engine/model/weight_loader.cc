@@ -55,15 +55,6 @@ absl::Span<const RoleDefault> RoleTable(WeightLayout layout) {
   return {};
 }
 
-float RoundTo(Precision precision, float v) {
-  switch (precision) {
-    case Precision::kFloat32: return v;
-    case Precision::kBFloat16: return BFloat16ToFloat(FloatToBFloat16(v));
-    case Precision::kFloat16: return HalfToFloat(FloatToHalf(v));
-  }
-  return v;
-}
-
 // Reads tensors for one layer and reports problems in one voice.
 Tensor MakeTensor(Shape shape, const float* src) {
   Tensor t(DType::kFloat32, std::move(shape));

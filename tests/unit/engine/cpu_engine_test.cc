@@ -21,17 +21,19 @@
 #include <cstring>
 #include <limits>
 #include <optional>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "engine/attention_engine.h"
+#include "engine/attention_layer.h"
+#include "engine/cpu/flash_attention.h"
 #include "engine/cpu/projection.h"
 #include "engine/model/builtin_models.h"
 #include "engine/reference/reference_engine.h"
 #include "gtest/gtest.h"
+#include "tests/unit/engine/test_rng.h"
 
 namespace attnserve {
 namespace {
@@ -48,26 +50,7 @@ double Tolerance(DType dtype) {
   return 0.0;
 }
 
-// Portable draws from mt19937 (whose sequence the standard fixes; the
-// std:: distributions are implementation-defined).
-class Rng {
- public:
-  explicit Rng(uint32_t seed) : gen_(seed) {}
-  int64_t Int(int64_t lo, int64_t hi) {  // [lo, hi]
-    return lo + static_cast<int64_t>(gen_() % static_cast<uint32_t>(hi - lo + 1));
-  }
-  float Uniform(float lo, float hi) {
-    return lo + (hi - lo) * static_cast<float>(gen_() >> 8) * 0x1.0p-24f;
-  }
-  bool Chance(double p) { return static_cast<double>(gen_() >> 8) * 0x1.0p-24 < p; }
-  template <typename T>
-  const T& Pick(const std::vector<T>& v) {
-    return v[static_cast<size_t>(Int(0, static_cast<int64_t>(v.size()) - 1))];
-  }
-
- private:
-  std::mt19937 gen_;
-};
+using testutil::Rng;
 
 Tensor RandomTensor(Rng& rng, DType dtype, Shape shape, float amplitude) {
   Tensor t(dtype, std::move(shape));
@@ -362,16 +345,39 @@ TEST_F(CpuEngineTest, LongerSequences) {
   }
 }
 
-TEST_F(CpuEngineTest, AttendTakesStridedParamsOfAnyDType) {
-  // Token-layout [B, L, H*D] inputs through Attend(), fp16 in and bf16 out.
+// [B, L, H * D] (token layout) -> [B, H, L, D] (head layout), same dtype and
+// bits: what the sdpa layer takes.
+Tensor ToHeadLayout(const Tensor& t, int64_t heads) {
+  const int64_t b = t.shape()[0], len = t.shape()[1], d = t.shape()[2] / heads;
+  Tensor h(t.dtype(), {b, heads, len, d});
+  const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(t.dtype());
+  const char* src = static_cast<const char*>(t.data());
+  char* dst = static_cast<char*>(h.data());
+  for (int64_t bi = 0; bi < b; ++bi) {
+    for (int64_t i = 0; i < len; ++i) {
+      for (int64_t hi = 0; hi < heads; ++hi) {
+        std::memcpy(dst + ((bi * heads + hi) * len + i) * row_bytes,
+                    src + ((bi * len + i) * heads + hi) * row_bytes, row_bytes);
+      }
+    }
+  }
+  return h;
+}
+
+TEST_F(CpuEngineTest, FlashAttentionTakesStridedParamsOfAnyDType) {
+  // Token-layout [B, L, H*D] inputs straight into the flash kernel (with the
+  // options the cpu engine gives a layer-less call), fp16 in and bf16 out;
+  // the oracle is the reference engine's sdpa layer over the same values
+  // copied into head layout.
   Rng rng(5);
   const int64_t b = 2, hq = 4, hkv = 2, lq = 5, lk = 7, d = 8;
+  const float scale = 0.3f;
   for (DType in : {DType::kFloat32, DType::kFloat16}) {
     const Tensor q = RandomTensor(rng, in, {b, lq, hq * d}, 1.0f);
     const Tensor k = RandomTensor(rng, in, {b, lk, hkv * d}, 1.0f);
     const Tensor v = RandomTensor(rng, in, {b, lk, hkv * d}, 1.0f);
-    Tensor out_ref(DType::kFloat32, {b, lq, hq * d}), out_cpu(DType::kBFloat16, {b, lq, hq * d});
-    Tensor w_ref(DType::kFloat32, {b, hq, lq, lk}), w_cpu(DType::kFloat32, {b, hq, lq, lk});
+    Tensor out_cpu(DType::kBFloat16, {b, lq, hq * d});
+    Tensor w_cpu(DType::kFloat32, {b, hq, lq, lk});
     AttentionParams p;
     p.batch = b;
     p.num_heads = hq;
@@ -388,22 +394,37 @@ TEST_F(CpuEngineTest, AttendTakesStridedParamsOfAnyDType) {
     TokenLayoutStrides(hkv, lk, d, &p.v_stride_b, &p.v_stride_h, &p.v_stride_row);
     TokenLayoutStrides(hq, lq, d, &p.o_stride_b, &p.o_stride_h, &p.o_stride_row);
     p.causal = true;
-    p.scale = 0.3f;
-    AttentionParams pr = p, pc = p;
-    pr.out = out_ref.data();
-    pr.weights = w_ref.data();
-    pc.out = out_cpu.data();
-    pc.out_dtype = DType::kBFloat16;
-    pc.weights = w_cpu.data();
-    ASSERT_TRUE(reference_->Attend({&pr, 1}).ok());
-    ASSERT_TRUE(cpu_->Attend({&pc, 1}).ok());
-    EXPECT_EQ(Compare("output", AsFloats(out_cpu), AsFloats(out_ref), DType::kBFloat16), "");
-    EXPECT_EQ(Compare("weights", AsFloats(w_cpu), AsFloats(w_ref), DType::kFloat32), "");
+    p.scale = scale;
+    p.out = out_cpu.data();
+    p.out_dtype = DType::kBFloat16;
+    p.weights = w_cpu.data();
+    cpu::FlashOptions options;
+    options.precision = cpu::FlashPrecision::kFloat32;
+    ASSERT_TRUE(cpu::FlashAttention({&p, 1}, options).ok());
+
+    Case c;
+    c.layer = sdpa_;
+    c.q = ToHeadLayout(q, hq);
+    c.k = ToHeadLayout(k, hkv);
+    c.v = ToHeadLayout(v, hkv);
+    c.causal = true;
+    c.scale = scale;
+    c.need_weights = true;
+    CaseRun ref(c, DType::kFloat32, DType::kFloat32);
+    ASSERT_TRUE(reference_->Run(*sdpa_, {&ref.task, 1}).ok());
+    EXPECT_EQ(Compare("output", AsFloats(ToHeadLayout(out_cpu, hq)), AsFloats(ref.out),
+                      DType::kBFloat16),
+              "");
+    EXPECT_EQ(Compare("weights", AsFloats(w_cpu), AsFloats(ref.weights), DType::kFloat32), "");
   }
 }
 
-std::vector<Tensor> RunAndCollect(AttentionEngine& engine, const std::vector<Case>& cases,
-                                  const std::vector<size_t>& order) {
+// Runs the tasks `order` (indices into `cases`, all of one layer) as one
+// batch; returns each case's {output, weights} at its index (empty tensors
+// for cases not in the batch).
+std::vector<std::pair<Tensor, Tensor>> RunBatch(AttentionEngine& engine,
+                                                const std::vector<Case>& cases,
+                                                const std::vector<size_t>& order) {
   std::vector<std::unique_ptr<CaseRun>> runs(cases.size());
   std::vector<AttentionTask> tasks;
   for (size_t i : order) {
@@ -412,11 +433,9 @@ std::vector<Tensor> RunAndCollect(AttentionEngine& engine, const std::vector<Cas
   }
   const absl::Status s = engine.Run(*cases[order[0]].layer, tasks);
   EXPECT_TRUE(s.ok()) << s;
-  std::vector<Tensor> results;
+  std::vector<std::pair<Tensor, Tensor>> results(cases.size());
   for (size_t i = 0; i < cases.size(); ++i) {
-    if (runs[i] == nullptr) continue;
-    results.push_back(std::move(runs[i]->out));
-    results.push_back(std::move(runs[i]->weights));
+    if (runs[i] != nullptr) results[i] = {std::move(runs[i]->out), std::move(runs[i]->weights)};
   }
   return results;
 }
@@ -444,21 +463,21 @@ TEST_F(CpuEngineTest, DeterministicAndBatchInvariant) {
     const std::vector<Case> cases = CasesOfLayer(layer, sdpa_, demo_, 8);
     ASSERT_EQ(cases.size(), 8u);
     // Each task alone, twice.
-    std::vector<std::vector<Tensor>> alone;
+    std::vector<std::pair<Tensor, Tensor>> alone(cases.size());
     for (size_t i = 0; i < cases.size(); ++i) {
-      alone.push_back(RunAndCollect(*cpu_, cases, {i}));
-      std::vector<Tensor> again = RunAndCollect(*cpu_, cases, {i});
-      for (size_t t = 0; t < again.size(); ++t) {
-        EXPECT_TRUE(BitwiseEqual(alone[i][t], again[t])) << "rerun of " << cases[i].label;
-      }
+      alone[i] = std::move(RunBatch(*cpu_, cases, {i})[i]);
+      const auto again = RunBatch(*cpu_, cases, {i});
+      EXPECT_TRUE(BitwiseEqual(alone[i].first, again[i].first)) << "rerun of " << cases[i].label;
+      EXPECT_TRUE(BitwiseEqual(alone[i].second, again[i].second)) << "rerun of " << cases[i].label;
     }
     // All tasks in one Run, in two different orders.
     for (const std::vector<size_t>& order :
          {std::vector<size_t>{0, 1, 2, 3, 4, 5, 6, 7}, std::vector<size_t>{5, 2, 7, 0, 3, 6, 1, 4}}) {
-      const std::vector<Tensor> together = RunAndCollect(*cpu_, cases, order);
+      const auto together = RunBatch(*cpu_, cases, order);
       for (size_t i = 0; i < cases.size(); ++i) {
-        EXPECT_TRUE(BitwiseEqual(alone[i][0], together[2 * i])) << "output of " << cases[i].label;
-        EXPECT_TRUE(BitwiseEqual(alone[i][1], together[2 * i + 1]))
+        EXPECT_TRUE(BitwiseEqual(alone[i].first, together[i].first))
+            << "output of " << cases[i].label;
+        EXPECT_TRUE(BitwiseEqual(alone[i].second, together[i].second))
             << "weights of " << cases[i].label;
       }
     }
@@ -469,18 +488,21 @@ TEST_F(CpuEngineTest, ConcurrentCallsGiveTheSameBits) {
   const std::vector<Case> cases = CasesOfLayer(sdpa_, sdpa_, demo_, 6);
   std::vector<size_t> all(cases.size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-  const std::vector<Tensor> expected = RunAndCollect(*cpu_, cases, all);
-  std::vector<std::vector<Tensor>> results(3);
+  const auto expected = RunBatch(*cpu_, cases, all);
+  std::vector<std::vector<std::pair<Tensor, Tensor>>> results(3);
   std::vector<std::thread> threads;
   for (size_t t = 0; t < results.size(); ++t) {
     threads.emplace_back([&, t] {
-      for (int rep = 0; rep < 3; ++rep) results[t] = RunAndCollect(*cpu_, cases, all);
+      for (int rep = 0; rep < 3; ++rep) results[t] = RunBatch(*cpu_, cases, all);
     });
   }
   for (std::thread& th : threads) th.join();
-  for (const std::vector<Tensor>& r : results) {
+  for (const auto& r : results) {
     ASSERT_EQ(r.size(), expected.size());
-    for (size_t i = 0; i < r.size(); ++i) EXPECT_TRUE(BitwiseEqual(r[i], expected[i])) << i;
+    for (size_t i = 0; i < r.size(); ++i) {
+      EXPECT_TRUE(BitwiseEqual(r[i].first, expected[i].first)) << "output " << i;
+      EXPECT_TRUE(BitwiseEqual(r[i].second, expected[i].second)) << "weights " << i;
+    }
   }
 }
 
@@ -550,15 +572,6 @@ std::shared_ptr<const AttentionLayer> WithPrecision(const AttentionLayer& layer,
   copy->config.precision = precision;
   copy->config.name += precision == Precision::kBFloat16 ? "-bf16" : "-fp16";
   return copy;
-}
-
-float RoundTo(Precision precision, float v) {
-  switch (precision) {
-    case Precision::kBFloat16: return BFloat16ToFloat(FloatToBFloat16(v));
-    case Precision::kFloat16: return HalfToFloat(FloatToHalf(v));
-    case Precision::kFloat32: break;
-  }
-  return v;
 }
 
 Tensor Rounded(const Tensor& t, Precision precision) {
@@ -639,27 +652,6 @@ Case RandomProjectionTask(Rng& rng, const std::shared_ptr<const AttentionLayer>&
                          DT(c.out_dtype), ", mask ", mask_label,
                          c.need_weights ? ", weights" : "");
   return c;
-}
-
-// Runs the tasks `order` (indices into `cases`, all of one layer) as one
-// batch; returns each case's {output, weights} at its index (empty tensors
-// for cases not in the batch).
-std::vector<std::pair<Tensor, Tensor>> RunBatch(AttentionEngine& engine,
-                                                const std::vector<Case>& cases,
-                                                const std::vector<size_t>& order) {
-  std::vector<std::unique_ptr<CaseRun>> runs(cases.size());
-  std::vector<AttentionTask> tasks;
-  for (size_t i : order) {
-    runs[i] = std::make_unique<CaseRun>(cases[i], cases[i].out_dtype, cases[i].weights_dtype);
-    tasks.push_back(runs[i]->task);
-  }
-  const absl::Status s = engine.Run(*cases[order[0]].layer, tasks);
-  EXPECT_TRUE(s.ok()) << s;
-  std::vector<std::pair<Tensor, Tensor>> results(cases.size());
-  for (size_t i = 0; i < cases.size(); ++i) {
-    if (runs[i] != nullptr) results[i] = {std::move(runs[i]->out), std::move(runs[i]->weights)};
-  }
-  return results;
 }
 
 class StackedProjectionTest : public CpuEngineTest {

@@ -23,7 +23,6 @@
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -31,36 +30,14 @@
 #include "engine/cpu/cpu_features.h"
 #include "engine/tensor.h"
 #include "gtest/gtest.h"
+#include "tests/unit/engine/test_rng.h"
 
 namespace attnserve::cpu {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Portable draws from mt19937 (the std:: distributions are
-// implementation-defined).
-class Rng {
- public:
-  explicit Rng(uint32_t seed) : gen_(seed) {}
-  int64_t Int(int64_t lo, int64_t hi) {  // [lo, hi]
-    return lo + static_cast<int64_t>(gen_() % static_cast<uint32_t>(hi - lo + 1));
-  }
-  float Uniform(float lo, float hi) {
-    return lo + (hi - lo) * static_cast<float>(gen_() >> 8) * 0x1.0p-24f;
-  }
-  float Normal() {  // Box-Muller
-    const float u = Uniform(1e-7f, 1.0f), v = Uniform(0.0f, 1.0f);
-    return std::sqrt(-2.0f * std::log(u)) * std::cos(6.2831853f * v);
-  }
-  bool Chance(double p) { return static_cast<double>(gen_() >> 8) * 0x1.0p-24 < p; }
-  template <typename T>
-  const T& Pick(const std::vector<T>& v) {
-    return v[static_cast<size_t>(Int(0, static_cast<int64_t>(v.size()) - 1))];
-  }
-
- private:
-  std::mt19937 gen_;
-};
+using testutil::Rng;
 
 std::string DT(DType d) { return std::string(DTypeName(d)); }
 
@@ -621,7 +598,9 @@ TEST(FlashAttentionTest, EnvironmentForcesVariant) {
     p.num_heads = 8;
     p.num_kv_heads = 2;
     p.q_len = 1;
-    if (CpuSupports(CpuIsa::kAvx512)) EXPECT_EQ(*FlashIsaFor(p, opt), CpuIsa::kAvx512);
+    if (CpuSupports(CpuIsa::kAvx512)) {
+      EXPECT_EQ(*FlashIsaFor(p, opt), CpuIsa::kAvx512);
+    }
     p.q_len = 2;  // 8 rows per kv head
     EXPECT_EQ(*FlashIsaFor(p, opt), *bf);
     opt.isa = *bf;

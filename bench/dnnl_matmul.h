@@ -1,7 +1,8 @@
 // oneDNN fp32 matmuls over caller-owned strided buffers, with the primitives
-// built once per shape and kept in a bounded cache. Internal to engine/cpu.
-#ifndef ATTNSERVE_ENGINE_CPU_DNNL_MATMUL_H_
-#define ATTNSERVE_ENGINE_CPU_DNNL_MATMUL_H_
+// built once per shape and kept in a bounded cache: the per-request GEMMs
+// that bench/stacked_gemm_probe compares chunked stacking against.
+#ifndef ATTNSERVE_BENCH_DNNL_MATMUL_H_
+#define ATTNSERVE_BENCH_DNNL_MATMUL_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -15,7 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
-namespace attnserve::cpu {
+namespace attnserve::bench {
 
 // dst = src x wei (+ bias), all FLOAT32. Dims follow oneDNN matmul: src
 // [..., M, K], wei [..., K, N], dst [..., M, N] with equal ranks (2..5);
@@ -72,6 +73,6 @@ class MatmulCache {
   std::map<Key, decltype(lru_)::iterator> index_ ABSL_GUARDED_BY(mu_);
 };
 
-}  // namespace attnserve::cpu
+}  // namespace attnserve::bench
 
-#endif  // ATTNSERVE_ENGINE_CPU_DNNL_MATMUL_H_
+#endif  // ATTNSERVE_BENCH_DNNL_MATMUL_H_

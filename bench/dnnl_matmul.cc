@@ -1,12 +1,12 @@
 // The matmul primitive cache: build once per shape, execute many times with
 // a per-execution (user-mode) scratchpad.
-#include "engine/cpu/dnnl_matmul.h"
+#include "bench/dnnl_matmul.h"
 
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
 
-namespace attnserve::cpu {
+namespace attnserve::bench {
 
 std::vector<int64_t> MatmulShape::Key() const {
   std::vector<int64_t> key;
@@ -119,4 +119,4 @@ absl::Status MatmulCache::Execute(const MatmulShape& shape, const float* src,
   return absl::OkStatus();
 }
 
-}  // namespace attnserve::cpu
+}  // namespace attnserve::bench

@@ -1,0 +1,117 @@
+// AVX512_BF16 products (`Products`): vdpbf16ps microkernels, bf16 pairs in,
+// fp32 accumulation, over the operands bf16_packing.h lays out.
+
+#if !defined(ATTNSERVE_FLASH_KERNEL_FILE)
+#error "engine/cpu/flash_kernel/ is included only by engine/cpu/flash_kernel_<isa>.cc"
+#endif
+
+struct Products : Bf16Packing {
+  static constexpr int kRowAlign = 1;
+  static void Begin() {}
+  static void End() {}
+
+  template <int M, int N>
+  static void QkTile(const uint16_t* q, int64_t ldq, const uint32_t* k2, int64_t ldk,
+                     int64_t pairs, float* s, int64_t lds) {
+    __m512 acc[M][N];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+      for (int n = 0; n < N; ++n) acc[m][n] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512bh kv[N];
+#pragma GCC unroll 4
+      for (int n = 0; n < N; ++n) kv[n] = (__m512bh)_mm512_loadu_si512(k2 + p * ldk + n * 16);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(LoadU32(q + m * ldq + 2 * p)));
+#pragma GCC unroll 4
+        for (int n = 0; n < N; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], qb, kv[n]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+      for (int n = 0; n < N; ++n) _mm512_storeu_ps(s + m * lds + n * 16, acc[m][n]);
+  }
+
+  static void QK(float* s, int64_t lds, const uint16_t* q, int64_t ldq, const uint32_t* k2,
+                 int64_t ldk, int64_t rows, int64_t ncols, int64_t d) {
+    constexpr int M = 6, N = 4;
+    const int64_t pairs = (d + 1) / 2;
+    for (int64_t j0 = 0; j0 < ncols; j0 += N * 16) {
+      int64_t r0 = 0;
+      for (; r0 + M <= rows; r0 += M)
+        QkTile<M, N>(q + r0 * ldq, ldq, k2 + j0, ldk, pairs, s + r0 * lds + j0, lds);
+      const uint16_t* qr = q + r0 * ldq;
+      float* sr = s + r0 * lds + j0;
+      switch (rows - r0) {
+        case 0: break;
+        case 1: QkTile<1, N>(qr, ldq, k2 + j0, ldk, pairs, sr, lds); break;
+        case 2: QkTile<2, N>(qr, ldq, k2 + j0, ldk, pairs, sr, lds); break;
+        case 3: QkTile<3, N>(qr, ldq, k2 + j0, ldk, pairs, sr, lds); break;
+        case 4: QkTile<4, N>(qr, ldq, k2 + j0, ldk, pairs, sr, lds); break;
+        case 5: QkTile<5, N>(qr, ldq, k2 + j0, ldk, pairs, sr, lds); break;
+      }
+    }
+  }
+
+  template <int M, int N>
+  static void PvTile(float* o, int64_t ldo, const float* alpha, const uint16_t* p, int64_t ldp,
+                     const uint32_t* v2, int64_t ldv, int64_t pairs) {
+    __m512 acc[M][N];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512 a = _mm512_set1_ps(alpha[m]);
+#pragma GCC unroll 4
+      for (int c = 0; c < N; ++c) acc[m][c] = _mm512_mul_ps(_mm512_loadu_ps(o + m * ldo + c * 16), a);
+    }
+    for (int64_t q = 0; q < pairs; ++q) {
+      __m512bh vv[N];
+#pragma GCC unroll 4
+      for (int c = 0; c < N; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v2 + q * ldv + c * 16);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(LoadU32(p + m * ldp + 2 * q)));
+#pragma GCC unroll 4
+        for (int c = 0; c < N; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], pb, vv[c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+      for (int c = 0; c < N; ++c) _mm512_storeu_ps(o + m * ldo + c * 16, acc[m][c]);
+  }
+
+  template <int N>
+  static void PvRows(float* o, int64_t ldo, const float* alpha, const uint16_t* p, int64_t ldp,
+                     const uint32_t* v2, int64_t ldv, int64_t rows, int64_t pairs) {
+    constexpr int M = 6;
+    int64_t r0 = 0;
+    for (; r0 + M <= rows; r0 += M)
+      PvTile<M, N>(o + r0 * ldo, ldo, alpha + r0, p + r0 * ldp, ldp, v2, ldv, pairs);
+    float* orow = o + r0 * ldo;
+    const uint16_t* prow = p + r0 * ldp;
+    switch (rows - r0) {
+      case 0: break;
+      case 1: PvTile<1, N>(orow, ldo, alpha + r0, prow, ldp, v2, ldv, pairs); break;
+      case 2: PvTile<2, N>(orow, ldo, alpha + r0, prow, ldp, v2, ldv, pairs); break;
+      case 3: PvTile<3, N>(orow, ldo, alpha + r0, prow, ldp, v2, ldv, pairs); break;
+      case 4: PvTile<4, N>(orow, ldo, alpha + r0, prow, ldp, v2, ldv, pairs); break;
+      case 5: PvTile<5, N>(orow, ldo, alpha + r0, prow, ldp, v2, ldv, pairs); break;
+    }
+  }
+
+  static void PV(float* o, int64_t ldo, const float* alpha, const uint16_t* p, int64_t ldp,
+                 const uint32_t* v2, int64_t ldv, int64_t rows, int64_t n, int64_t dv_pad, float*) {
+    const int64_t pairs = (n + 1) / 2;
+    int64_t c0 = 0;
+    for (; c0 + 64 <= dv_pad; c0 += 64) PvRows<4>(o + c0, ldo, alpha, p, ldp, v2 + c0, ldv, rows, pairs);
+    switch ((dv_pad - c0) / 16) {
+      case 0: break;
+      case 1: PvRows<1>(o + c0, ldo, alpha, p, ldp, v2 + c0, ldv, rows, pairs); break;
+      case 2: PvRows<2>(o + c0, ldo, alpha, p, ldp, v2 + c0, ldv, rows, pairs); break;
+      case 3: PvRows<3>(o + c0, ldo, alpha, p, ldp, v2 + c0, ldv, rows, pairs); break;
+    }
+  }
+};

@@ -1,0 +1,407 @@
+// The flash attention driver (class Kernel): the algorithm, written once over
+// the `Vec` and `Products` that the including file defined before it (see
+// common.h for the composition).
+//
+// Per work item (<= 256 query rows of one kv head, see flash_internal.h) and
+// per block of 256 keys: pack K (transposed, or in bf16 pairs) and V once;
+// then per 64-row sub-block: S = Q K^T; per row: t = S*scale*log2(e) + mask,
+// running max m, P = 2^(t - m), running sum l, alpha = 2^(m_old - m);
+// O = alpha * O + P V.
+// Keys beyond a row's causal/key_lengths limit are -inf; whole blocks beyond
+// every row's limit are never visited. The output is O / l (0 when l == 0).
+
+#if !defined(ATTNSERVE_FLASH_KERNEL_FILE)
+#error "engine/cpu/flash_kernel/ is included only by engine/cpu/flash_kernel_<isa>.cc"
+#endif
+
+class Kernel {
+  using V = Vec::V;
+  static constexpr int W = Vec::W;
+  using QElem = Products::QElem;
+  using KElem = Products::KElem;
+  using VElem = Products::VElem;
+  using PElem = Products::PElem;
+
+  struct Row {
+    int64_t i = 0, h = 0;
+    int64_t limit = 0;  // keys [0, limit) may be visible (also <= item key1)
+    int64_t mask_offset = 0;
+    void* out = nullptr;
+  };
+
+  // Per-thread buffers, reused across items and calls.
+  struct Scratch {
+    ScratchBuffer q, k, v, s, p, o, stats, bias, conv, tmp, avg;
+  };
+  static Scratch& ThreadScratch() {
+    static thread_local Scratch scratch;
+    return scratch;
+  }
+
+  enum class Mode {
+    kOnline,  // running max/sum, P for this block, alpha to rescale O
+    kStats,   // running max/sum only (weights pass 1)
+    kFinal,   // P = 2^(t - m) / l with the final m, l (weights pass 2)
+  };
+
+  // Scores of one row of one key block -> probabilities. s: the row's raw
+  // Q.K (npad entries, overwritten with t and, in kFinal, fp32 P); prow:
+  // P as PElem. n keys are valid in the block; row.limit - kb are visible.
+  template <Mode kMode>
+  static void SoftmaxBlock(const RequestPlan& plan, const Row& row, int64_t kb, int64_t n,
+                           int64_t npad, float* s, PElem* prow, float* bias, float* m, float* l,
+                           float* alpha) {
+    const AttentionParams& p = *plan.p;
+    const int64_t visible = std::min(row.limit - kb, n);
+    if (visible <= 0) {
+      *alpha = 1.0f;
+      if constexpr (kMode != Mode::kStats) std::memset(prow, 0, static_cast<size_t>(npad) * sizeof(PElem));
+      if constexpr (kMode == Mode::kFinal) FillRow(s, n, 0.0f);
+      return;
+    }
+    const int64_t jv = RoundUp(visible, W);
+    FillRow(s + visible, jv - visible, kNegInf);
+    // Without a mask the scores stay raw and the scale folds into the
+    // exponent's FMA (2^(s*c - m)); with one, t = s*c + bias is stored.
+    const bool masked = p.mask.kind != MaskParams::Kind::kNone;
+    const V c = Vec::Set1(plan.score_scale);
+    V mx = Vec::Set1(kNegInf);
+    if (!masked) {
+      for (int64_t j = 0; j < jv; j += W) mx = Vec::Max(mx, Vec::Load(s + j));
+    } else {
+      BuildBias(p.mask, row.mask_offset + kb * p.mask.stride_k, visible, jv, bias);
+      for (int64_t j = 0; j < jv; j += W) {
+        const V t = Vec::Fma(Vec::Load(s + j), c, Vec::Load(bias + j));
+        Vec::Store(s + j, t);
+        mx = Vec::Max(mx, t);
+      }
+    }
+    // c > 0, so max(s) * c == max(s * c) exactly (rounding is monotonic).
+    const float block_max = masked ? Vec::ReduceMax(mx) : Vec::ReduceMax(mx) * plan.score_scale;
+    // 2^(t_j - m) for the vector at j.
+    auto exp_arg = [&](int64_t j, V neg_m) {
+      return masked ? Vec::Add(Vec::Load(s + j), neg_m) : Vec::Fma(Vec::Load(s + j), c, neg_m);
+    };
+    constexpr int kDeg = Products::kExpDegree;
+    if constexpr (kMode == Mode::kFinal) {
+      // m, l are final; l == 0 means the row saw no key at all.
+      const float inv_l = *l > 0.0f ? 1.0f / *l : 0.0f;
+      const V neg_m = Vec::Set1(*m == kNegInf ? 0.0f : -*m);
+      const V il = Vec::Set1(inv_l);
+      for (int64_t j = 0; j < jv; j += W) {
+        const V pv = Vec::Mul(Vec::template Exp2<kDeg>(exp_arg(j, neg_m)), il);
+        Vec::Store(s + j, pv);
+        if constexpr (!Products::kPInScores) Products::StoreP(prow + j, pv);
+      }
+      FillRow(s + jv, npad - jv, 0.0f);
+      if constexpr (!Products::kPInScores) std::memset(prow + jv, 0, static_cast<size_t>(npad - jv) * sizeof(PElem));
+      *alpha = 1.0f;
+    } else {
+      const float m_new = std::max(*m, block_max);
+      if (m_new == kNegInf) {  // every visible key masked to -inf so far
+        *alpha = 1.0f;
+        if constexpr (kMode == Mode::kOnline) std::memset(prow, 0, static_cast<size_t>(npad) * sizeof(PElem));
+        return;
+      }
+      const float a = *m == kNegInf ? 0.0f : std::exp2(*m - m_new);
+      const V neg_m = Vec::Set1(-m_new);
+      V sum = Vec::Zero();
+      for (int64_t j = 0; j < jv; j += W) {
+        const V pv = Vec::template Exp2<kDeg>(exp_arg(j, neg_m));
+        if constexpr (kMode == Mode::kOnline) Products::StoreP(prow + j, pv);
+        sum = Vec::Add(sum, pv);
+      }
+      if constexpr (kMode == Mode::kOnline) {
+        if constexpr (Products::kPInScores) FillRow(reinterpret_cast<float*>(prow) + jv, npad - jv, 0.0f);
+        else std::memset(prow + jv, 0, static_cast<size_t>(npad - jv) * sizeof(PElem));
+      }
+      *l = *l * a + Vec::ReduceAdd(sum);
+      *m = m_new;
+      *alpha = a;
+    }
+  }
+
+  // bias[j] = mask(j) * log2(e) (additive) or 0 / -inf (bool) for j <
+  // visible; 0 for visible <= j < jv (those scores are already -inf).
+  static void BuildBias(const MaskParams& mk, int64_t offset, int64_t visible, int64_t jv,
+                        float* bias) {
+    const int64_t sk = mk.stride_k;
+    int64_t j = 0;
+    if (mk.kind == MaskParams::Kind::kBool) {
+      const uint8_t* mp = static_cast<const uint8_t*>(mk.data) + offset;
+      if (sk == 1) {
+        for (; j + W <= visible; j += W) Vec::Store(bias + j, Vec::BoolBias(mp + j));
+      }
+      for (; j < visible; ++j) bias[j] = mp[j * sk] != 0 ? 0.0f : kNegInf;
+    } else {
+      if (sk == 1) {
+        const V l2e = Vec::Set1(kLog2e);
+        const void* base = ElemPtr(mk.data, mk.dtype, offset);
+        for (; j + W <= visible; j += W) Vec::Store(bias + j, Vec::Mul(Vec::LoadConvert(base, mk.dtype, j), l2e));
+      }
+      for (; j < visible; ++j) bias[j] = LoadElem(mk.dtype, mk.data, offset + j * sk) * kLog2e;
+    }
+    FillRow(bias + visible, jv - visible, 0.0f);
+  }
+
+  struct Buffers {
+    QElem* q;
+    KElem* k;
+    VElem* v;
+    float* s;
+    PElem* p;
+    float* o;
+    float* m;
+    float* l;
+    float* alpha;
+    float* bias;
+    float* conv;
+    float* tmp;
+  };
+
+  static bool GetBuffers(const RequestPlan& plan, int64_t r_pad, Buffers* bufs) {
+    const AttentionParams& p = *plan.p;
+    Scratch& sc = ThreadScratch();
+    const int64_t dmax = std::max(p.head_dim, plan.dv_pad);
+    bufs->q = sc.q.Get<QElem>(static_cast<size_t>(r_pad * Products::QStride(p.head_dim)));
+    bufs->k = sc.k.Get<KElem>(Products::KElems(p.head_dim, kBlockKeys));
+    bufs->v = sc.v.Get<VElem>(Products::VElems(kBlockKeys, plan.dv_pad));
+    bufs->s = sc.s.Get<float>(static_cast<size_t>(kBlockRows * kBlockKeys));
+    bufs->p = Products::kPInScores ? reinterpret_cast<PElem*>(bufs->s)
+                                   : sc.p.Get<PElem>(static_cast<size_t>(kBlockRows * kBlockKeys));
+    bufs->o = sc.o.Get<float>(static_cast<size_t>(r_pad * plan.dv_pad));
+    float* stats = sc.stats.Get<float>(static_cast<size_t>(3 * r_pad));
+    bufs->bias = sc.bias.Get<float>(static_cast<size_t>(kBlockKeys));
+    bufs->conv = sc.conv.Get<float>(Products::ConvElems(dmax));
+    bufs->tmp = sc.tmp.Get<float>(static_cast<size_t>(kBlockRows * plan.dv_pad));
+    if (!bufs->q || !bufs->k || !bufs->v || !bufs->s || !bufs->p || !bufs->o || !stats ||
+        !bufs->bias || !bufs->conv || !bufs->tmp)
+      return false;
+    bufs->m = stats;
+    bufs->l = stats + r_pad;
+    bufs->alpha = stats + 2 * r_pad;
+    return true;
+  }
+
+  static const void* QRow(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
+    return ElemPtr(p.q, p.dtype, b * p.q_stride_b + h * p.q_stride_h + i * p.q_stride_row);
+  }
+  static void* ORow(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
+    return ElemPtr(p.out, p.out_dtype, b * p.o_stride_b + h * p.o_stride_h + i * p.o_stride_row);
+  }
+  static int64_t MaskOffset(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
+    return b * p.mask.stride_b + h * p.mask.stride_h + i * p.mask.stride_q;
+  }
+
+  // Where key (value) row kb of kv head `hkv` starts in the input.
+  static const void* KBlock(const AttentionParams& p, int64_t b, int64_t hkv, int64_t kb) {
+    return ElemPtr(p.k, p.dtype, b * p.k_stride_b + hkv * p.k_stride_h + kb * p.k_stride_row);
+  }
+
+  static const void* VBlock(const AttentionParams& p, int64_t b, int64_t hkv, int64_t kb) {
+    return ElemPtr(p.v, p.dtype, b * p.v_stride_b + hkv * p.v_stride_h + kb * p.v_stride_row);
+  }
+
+  // Packs K (unless `direct_k`: QKDirect reads it in place) and, when
+  // `with_v`, V for keys [kb, kb + n) of kv head `hkv`.
+  static void PackKV(const AttentionParams& p, const RequestPlan& plan, int64_t b, int64_t hkv,
+                     int64_t kb, int64_t n, int64_t npad, const Buffers& bf, bool with_v,
+                     const VElem** v, int64_t* ldv, bool direct_k = false) {
+    if (!direct_k) Products::PackK(bf.k, KBlock(p, b, hkv, kb), p.dtype, p.k_stride_row, n, npad, p.head_dim, bf.conv);
+    if (!with_v) return;
+    const void* vbase = VBlock(p, b, hkv, kb);
+    *v = Products::PackV(bf.v, vbase, p.dtype, p.v_stride_row, n, npad, p.head_dim_v, plan.dv_pad,
+                         bf.conv, ldv);
+  }
+
+ public:
+  // kFlash / kSplit items: up to kItemRows rows, computed as sub-blocks of
+  // kBlockRows that share each packed K/V block. A row's arithmetic does not
+  // depend on which rows share its item or sub-block.
+  static bool RunFlash(const WorkItem& item) {
+    const RequestPlan& plan = *item.plan;
+    const AttentionParams& p = *plan.p;
+    const int64_t g = plan.group, b = item.b, hkv = item.head;
+    const int64_t rows = item.row1 - item.row0;
+    const int64_t r_pad = RoundUp(rows, Products::kRowAlign);
+    const int64_t dvp = plan.dv_pad;
+    Buffers bf;
+    if (!GetBuffers(plan, r_pad, &bf)) return false;
+
+    Row row[kItemRows];
+    const void* qrows[kItemRows];
+    constexpr int64_t kMaxSub = kItemRows / kBlockRows;
+    int64_t sub_end[kMaxSub];  // keys a sub-block may see: max of its rows' limits
+    const int64_t subs = (rows + kBlockRows - 1) / kBlockRows;
+    int64_t kend = item.key0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t v = item.row0 + r;
+      Row& rw = row[r];
+      rw.i = v / g;
+      rw.h = hkv * g + v % g;
+      rw.limit = std::min(VisibleKeys(plan, b, rw.i), item.key1);
+      rw.mask_offset = MaskOffset(p, b, rw.h, rw.i);
+      rw.out = ORow(p, b, rw.h, rw.i);
+      qrows[r] = QRow(p, b, rw.h, rw.i);
+      if (r % kBlockRows == 0) sub_end[r / kBlockRows] = item.key0;
+      sub_end[r / kBlockRows] = std::max(sub_end[r / kBlockRows], rw.limit);
+      kend = std::max(kend, rw.limit);
+    }
+    FillRow(bf.m, r_pad, kNegInf);
+    FillRow(bf.l, r_pad, 0.0f);
+    FillRow(bf.alpha, r_pad, 1.0f);
+    FillRow(bf.o, r_pad * dvp, 0.0f);
+
+    // Decided per request (not per item), so every row of it is computed
+    // the same way however rows are grouped.
+    const bool direct_k = Products::UseDirectK(plan.group * p.q_len, p.head_dim, p.dtype);
+    const bool direct_v = Products::UseDirectV(plan.group * p.q_len, p.head_dim_v, dvp);
+    Products::Begin();
+    const int64_t ldq = Products::QStride(p.head_dim);
+    Products::PackQ(bf.q, qrows, rows, r_pad, p.dtype, p.head_dim);
+    for (int64_t kb = item.key0; kb < kend; kb += kBlockKeys) {
+      const int64_t n = std::min(kBlockKeys, kend - kb);
+      const int64_t npad = RoundUp(n, Products::kKeyAlign);
+      const VElem* v = nullptr;
+      int64_t ldv = 0;
+      PackKV(p, plan, b, hkv, kb, n, npad, bf, !direct_v, &v, &ldv, direct_k);
+      for (int64_t sb = 0; sb < subs; ++sb) {
+        if (sub_end[sb] <= kb) continue;  // every row of it is past its limit
+        const int64_t r0 = sb * kBlockRows;
+        const int64_t sr = std::min(kBlockRows, rows - r0);
+        const int64_t sr_pad = std::min(kBlockRows, r_pad - r0);
+        if (direct_k) {
+          Products::QKDirect(bf.s, npad, bf.q + r0 * ldq, ldq, KBlock(p, b, hkv, kb), p.dtype,
+                             p.k_stride_row, sr_pad, n, p.head_dim);
+        } else {
+          Products::QK(bf.s, npad, bf.q + r0 * ldq, ldq, bf.k, npad, sr_pad, npad, p.head_dim);
+        }
+        for (int64_t r = 0; r < sr; ++r)
+          SoftmaxBlock<Mode::kOnline>(plan, row[r0 + r], kb, n, npad, bf.s + r * npad, bf.p + r * npad,
+                                      bf.bias, bf.m + r0 + r, bf.l + r0 + r, bf.alpha + r0 + r);
+        if (sr_pad > sr)
+          std::memset(bf.p + sr * npad, 0, static_cast<size_t>((sr_pad - sr) * npad) * sizeof(PElem));
+        if (direct_v) {
+          Products::PVDirect(bf.o + r0 * dvp, dvp, bf.alpha + r0, bf.p, npad, VBlock(p, b, hkv, kb), p.dtype,
+                             p.v_stride_row, sr_pad, n, dvp);
+        } else {
+          Products::PV(bf.o + r0 * dvp, dvp, bf.alpha + r0, bf.p, npad, v, ldv, sr_pad, n, dvp, bf.tmp);
+        }
+      }
+    }
+    Products::End();
+
+    if (item.kind == ItemKind::kSplit) {
+      const int64_t stride = PartialStride(plan);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* dst = item.partial + r * stride;
+        dst[0] = bf.m[r];
+        dst[1] = bf.l[r];
+        std::memcpy(dst + 2, bf.o + r * dvp, static_cast<size_t>(dvp) * 4);
+      }
+    } else {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = bf.l[r] > 0.0f ? 1.0f / bf.l[r] : 0.0f;
+        StoreRowScaled(row[r].out, p.out_dtype, bf.o + r * dvp, p.head_dim_v, inv);
+      }
+    }
+    return true;
+  }
+
+  // kWeights items: query heads [head, head_end) x positions [row0, row1),
+  // two passes over the keys per head.
+  static bool RunWeights(const WorkItem& item) {
+    const RequestPlan& plan = *item.plan;
+    const AttentionParams& p = *plan.p;
+    const int64_t b = item.b, lk = p.kv_len, lq = p.q_len;
+    const int64_t rows = item.row1 - item.row0;
+    const int64_t r_pad = RoundUp(rows, Products::kRowAlign);
+    const int64_t dvp = plan.dv_pad;
+    Buffers bf;
+    if (!GetBuffers(plan, r_pad, &bf)) return false;
+    float* avg = nullptr;
+    if (p.average_weights) {
+      avg = ThreadScratch().avg.Get<float>(static_cast<size_t>(rows * lk));
+      if (avg == nullptr) return false;
+      FillRow(avg, rows * lk, 0.0f);
+    }
+    const int64_t ldq = Products::QStride(p.head_dim);
+    Row row[kBlockRows];
+    const void* qrows[kBlockRows];
+
+    Products::Begin();
+    for (int64_t h = item.head; h < item.head_end; ++h) {
+      const int64_t hkv = h / plan.group;
+      int64_t kend = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        Row& rw = row[r];
+        rw.i = item.row0 + r;
+        rw.h = h;
+        rw.limit = VisibleKeys(plan, b, rw.i);
+        rw.mask_offset = MaskOffset(p, b, h, rw.i);
+        rw.out = ORow(p, b, h, rw.i);
+        qrows[r] = QRow(p, b, h, rw.i);
+        kend = std::max(kend, rw.limit);
+      }
+      Products::PackQ(bf.q, qrows, rows, r_pad, p.dtype, p.head_dim);
+      FillRow(bf.m, r_pad, kNegInf);
+      FillRow(bf.l, r_pad, 0.0f);
+      FillRow(bf.alpha, r_pad, 1.0f);
+      FillRow(bf.o, r_pad * dvp, 0.0f);
+
+      for (int64_t kb = 0; kb < kend; kb += kBlockKeys) {  // pass 1: row max and sum
+        const int64_t n = std::min(kBlockKeys, kend - kb);
+        const int64_t npad = RoundUp(n, Products::kKeyAlign);
+        PackKV(p, plan, b, hkv, kb, n, npad, bf, false, nullptr, nullptr);
+        Products::QK(bf.s, npad, bf.q, ldq, bf.k, npad, r_pad, npad, p.head_dim);
+        for (int64_t r = 0; r < rows; ++r)
+          SoftmaxBlock<Mode::kStats>(plan, row[r], kb, n, npad, bf.s + r * npad, nullptr, bf.bias,
+                                     bf.m + r, bf.l + r, bf.alpha + r);
+      }
+      for (int64_t kb = 0; kb < kend; kb += kBlockKeys) {  // pass 2: P, weights, P V
+        const int64_t n = std::min(kBlockKeys, kend - kb);
+        const int64_t npad = RoundUp(n, Products::kKeyAlign);
+        const VElem* v = nullptr;
+        int64_t ldv = 0;
+        PackKV(p, plan, b, hkv, kb, n, npad, bf, true, &v, &ldv);
+        Products::QK(bf.s, npad, bf.q, ldq, bf.k, npad, r_pad, npad, p.head_dim);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* srow = bf.s + r * npad;
+          SoftmaxBlock<Mode::kFinal>(plan, row[r], kb, n, npad, srow, bf.p + r * npad, bf.bias,
+                                     bf.m + r, bf.l + r, bf.alpha + r);
+          if (avg != nullptr) {
+            float* arow = avg + r * lk + kb;
+            for (int64_t j = 0; j < n; ++j) arow[j] += srow[j];
+          } else {
+            void* wrow = ElemPtr(p.weights, p.weights_dtype, ((b * p.num_heads + h) * lq + row[r].i) * lk + kb);
+            StoreRowScaled(wrow, p.weights_dtype, srow, n, 1.0f);
+          }
+        }
+        if (r_pad > rows)
+          std::memset(bf.p + rows * npad, 0, static_cast<size_t>((r_pad - rows) * npad) * sizeof(PElem));
+        Products::PV(bf.o, dvp, bf.alpha, bf.p, npad, v, ldv, r_pad, n, dvp, bf.tmp);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        StoreRowScaled(row[r].out, p.out_dtype, bf.o + r * dvp, p.head_dim_v, 1.0f);
+        if (avg == nullptr && kend < lk) {
+          void* wrow = ElemPtr(p.weights, p.weights_dtype, ((b * p.num_heads + h) * lq + row[r].i) * lk + kend);
+          std::memset(wrow, 0, static_cast<size_t>((lk - kend) * ElemSize(p.weights_dtype)));
+        }
+      }
+    }
+    Products::End();
+
+    if (avg != nullptr) {
+      const float inv_h = 1.0f / static_cast<float>(p.num_heads);
+      for (int64_t r = 0; r < rows; ++r) {
+        void* wrow = ElemPtr(p.weights, p.weights_dtype, (b * lq + item.row0 + r) * lk);
+        StoreRowScaled(wrow, p.weights_dtype, avg + r * lk, lk, inv_h);
+      }
+    }
+    return true;
+  }
+
+  static bool Run(const WorkItem& item) {
+    return item.kind == ItemKind::kWeights ? RunWeights(item) : RunFlash(item);
+  }
+};

@@ -1,0 +1,272 @@
+// fp32 products (`Products`, with vec_scalar.h, vec_avx2.h or vec_avx512.h):
+// Q K^T and P V as FMA microkernels over the Vec in scope.
+//
+// Q: [rows][d] fp32. K block transposed: kt[d][npad] (keys along vectors, so
+// one broadcast of Q[r][k] meets a vector of keys). V rows: [n][ld] fp32,
+// read in place when already fp32 with a vector-multiple width. P lives in
+// the score buffer (in place).
+
+#if !defined(ATTNSERVE_FLASH_KERNEL_FILE)
+#error "engine/cpu/flash_kernel/ is included only by engine/cpu/flash_kernel_<isa>.cc"
+#endif
+
+struct Products {
+  using QElem = float;
+  using KElem = float;
+  using VElem = float;
+  using PElem = float;
+  static constexpr int kRowAlign = 1;
+  // Keys of a block are padded to a multiple of this: one AVX-512 vector,
+  // so a short key sequence (8 or 16 keys) does not pay for a 64-key tile.
+  static constexpr int64_t kKeyAlign = 16;
+  static constexpr int kExpDegree = 5;
+  static constexpr bool kPInScores = true;
+  using V = Vec::V;
+  static constexpr int W = Vec::W;
+  static_assert(kKeyAlign % W == 0 && flash::kKeyAlign % kKeyAlign == 0);
+
+  static void Begin() {}
+  static void End() {}
+  static int64_t QStride(int64_t d) { return d; }
+  static size_t KElems(int64_t d, int64_t npad) { return static_cast<size_t>(d * npad); }
+  static size_t VElems(int64_t npad, int64_t dv_pad) { return static_cast<size_t>(npad * dv_pad); }
+  static size_t ConvElems(int64_t d) { return static_cast<size_t>(16 * d); }
+
+  static void PackQ(float* q, const void* const* rows, int64_t r_count, int64_t r_pad, DType dt,
+                    int64_t d) {
+    for (int64_t r = 0; r < r_count; ++r) ConvertRow(rows[r], dt, d, q + r * d);
+    for (int64_t r = r_count; r < r_pad; ++r) FillRow(q + r * d, d, 0.0f);
+  }
+
+  // kt[k][j] = K[j][k] for j < n, 0 for n <= j < npad. `kbase` points at
+  // key 0 of the block, rows `ld` elements apart; conv: 16 * d floats.
+  static void PackK(float* kt, const void* kbase, DType dt, int64_t ld, int64_t n, int64_t npad,
+                    int64_t d, float* conv) {
+    int64_t j0 = 0;
+    if constexpr (Vec::kT > 0) {
+      constexpr int T = Vec::kT > 0 ? Vec::kT : 1;
+      for (; j0 + T <= n; j0 += T) {
+        // T rows, `lds` apart: K itself when fp32, else converted copies.
+        const float* rows = static_cast<const float*>(ElemPtr(kbase, dt, j0 * ld));
+        int64_t lds = ld;
+        if (dt != DType::kFloat32) {
+          for (int jj = 0; jj < T; ++jj) ConvertRow(ElemPtr(kbase, dt, (j0 + jj) * ld), dt, d, conv + jj * d);
+          rows = conv;
+          lds = d;
+        }
+        int64_t k0 = 0;
+        for (; k0 + T <= d; k0 += T) Vec::Transpose(rows + k0, lds, kt + k0 * npad + j0, npad);
+        for (int64_t k = k0; k < d; ++k)
+          for (int jj = 0; jj < T; ++jj) kt[k * npad + j0 + jj] = rows[jj * lds + k];
+      }
+    }
+    for (int64_t j = j0; j < n; ++j) {
+      ConvertRow(ElemPtr(kbase, dt, j * ld), dt, d, conv);
+      for (int64_t k = 0; k < d; ++k) kt[k * npad + j] = conv[k];
+    }
+    for (int64_t k = 0; k < d; ++k) FillRow(kt + k * npad + n, npad - n, 0.0f);
+  }
+
+  // Few rows (decode): Q K^T as dot products straight from the K rows, W
+  // keys at a time reduced across lanes, instead of transposing K for a
+  // broadcast GEMM that would use one row of it. Needs d % W == 0 and fp32
+  // K rows (conv is not used).
+  static bool UseDirectK(int64_t rows, int64_t d, DType dt) { return rows <= 4 && d % W == 0; }
+  static void QKDirect(float* s, int64_t lds, const float* q, int64_t ldq, const void* kbase,
+                       DType dt, int64_t ld, int64_t rows, int64_t n, int64_t d) {
+    for (int64_t j0 = 0; j0 < n; j0 += W) {
+      const int64_t nk = std::min<int64_t>(W, n - j0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = q + r * ldq;
+        V acc[W];
+#pragma GCC unroll 16
+        for (int jj = 0; jj < W; ++jj) {
+          acc[jj] = Vec::Zero();
+          if (jj < nk) {
+            const void* kr = ElemPtr(kbase, dt, (j0 + jj) * ld);
+            if (r == 0) PrefetchRow(ElemPtr(kr, dt, kPrefetchRows * ld), d * ElemSize(dt));
+            for (int64_t c = 0; c < d; c += W)
+              acc[jj] = Vec::Fma(Vec::Load(qr + c), Vec::LoadConvert(kr, dt, c), acc[jj]);
+          }
+        }
+        Vec::Store(s + r * lds + j0, Vec::ReduceLanes(acc));
+      }
+    }
+  }
+
+  // Returns V rows (and their stride): in place when possible, else
+  // converted into vb [n][dv_pad] with zero columns past dv.
+  static const float* PackV(float* vb, const void* vbase, DType dt, int64_t ld, int64_t n,
+                            int64_t npad, int64_t dv, int64_t dv_pad, float* /*conv*/,
+                            int64_t* ldv) {
+    if (dt == DType::kFloat32 && dv == dv_pad) {
+      *ldv = ld;
+      return static_cast<const float*>(vbase);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      ConvertRow(ElemPtr(vbase, dt, j * ld), dt, dv, vb + j * dv_pad);
+      FillRow(vb + j * dv_pad + dv, dv_pad - dv, 0.0f);
+    }
+    *ldv = dv_pad;
+    return vb;
+  }
+
+  template <int M, int N>
+  static void QkTile(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t d,
+                     float* s, int64_t lds) {
+    V acc[M][N];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+      for (int n = 0; n < N; ++n) acc[m][n] = Vec::Zero();
+    for (int64_t k = 0; k < d; ++k) {
+      V kv[N];
+#pragma GCC unroll 4
+      for (int n = 0; n < N; ++n) kv[n] = Vec::Load(kt + k * ldk + n * W);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const V qb = Vec::Set1(q[m * ldq + k]);
+#pragma GCC unroll 4
+        for (int n = 0; n < N; ++n) acc[m][n] = Vec::Fma(qb, kv[n], acc[m][n]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+      for (int n = 0; n < N; ++n) Vec::Store(s + m * lds + n * W, acc[m][n]);
+  }
+
+  // Scores of rows [0, rows) for the N * W keys from column j0.
+  template <int N>
+  static void QkRows(float* s, int64_t lds, const float* q, int64_t ldq, const float* kt,
+                     int64_t ldk, int64_t rows, int64_t j0, int64_t d) {
+    constexpr int M = Vec::kQkRows;
+    int64_t r0 = 0;
+    for (; r0 + M <= rows; r0 += M) QkTile<M, N>(q + r0 * ldq, ldq, kt + j0, ldk, d, s + r0 * lds + j0, lds);
+    const float* qr = q + r0 * ldq;
+    float* sr = s + r0 * lds + j0;
+    switch (rows - r0) {
+      case 0: break;
+      case 1: QkTile<1, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
+      case 2: QkTile<2, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
+      case 3: QkTile<3, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
+      case 4: if constexpr (M > 4) QkTile<4, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
+      case 5: if constexpr (M > 5) QkTile<5, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
+    }
+  }
+
+  // s[r][j] = sum_k q[r][k] kt[k][j] for r < rows, j < ncols (a multiple of
+  // kKeyAlign): kQkVecs vectors of keys at a time, then the 1..kQkVecs-1
+  // left. Every score is the same k-ordered sum whatever the tile width.
+  static void QK(float* s, int64_t lds, const float* q, int64_t ldq, const float* kt, int64_t ldk,
+                 int64_t rows, int64_t ncols, int64_t d) {
+    constexpr int N = Vec::kQkVecs;
+    int64_t j0 = 0;
+    for (; j0 + N * W <= ncols; j0 += N * W) QkRows<N>(s, lds, q, ldq, kt, ldk, rows, j0, d);
+    if constexpr (N > 1) {
+      switch ((ncols - j0) / W) {
+        case 0: break;
+        case 1: QkRows<1>(s, lds, q, ldq, kt, ldk, rows, j0, d); break;
+        case 2: if constexpr (N > 2) QkRows<2>(s, lds, q, ldq, kt, ldk, rows, j0, d); break;
+        case 3: if constexpr (N > 3) QkRows<3>(s, lds, q, ldq, kt, ldk, rows, j0, d); break;
+      }
+    }
+  }
+
+  // Where P V reads V rows: packed/in-place fp32, or (decode) any float
+  // dtype straight from the input, widened in registers.
+  struct Fp32VRows {
+    const float* v;
+    int64_t ld;
+    V Load(int64_t j, int64_t c) const { return Vec::Load(v + j * ld + c); }
+    void Prefetch(int64_t j, int64_t cols) const { PrefetchRow(v + j * ld, cols * 4); }
+    Fp32VRows Columns(int64_t c0) const { return {v + c0, ld}; }
+  };
+  struct InputVRows {
+    const void* v;
+    DType dt;
+    int64_t ld, c0;
+    V Load(int64_t j, int64_t c) const { return Vec::LoadConvert(ElemPtr(v, dt, j * ld), dt, c0 + c); }
+    void Prefetch(int64_t j, int64_t cols) const { PrefetchRow(ElemPtr(v, dt, j * ld + c0), cols * ElemSize(dt)); }
+    InputVRows Columns(int64_t c) const { return {v, dt, ld, c0 + c}; }
+  };
+
+  template <int M, int N, typename VRows>
+  static void PvTile(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                     const VRows& vr, int64_t n) {
+    V acc[M][N];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const V a = Vec::Set1(alpha[m]);
+#pragma GCC unroll 4
+      for (int c = 0; c < N; ++c) acc[m][c] = Vec::Mul(Vec::Load(o + m * ldo + c * W), a);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      vr.Prefetch(j + kPrefetchRows, N * W);
+      V vv[N];
+#pragma GCC unroll 4
+      for (int c = 0; c < N; ++c) vv[c] = vr.Load(j, c * W);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const V pb = Vec::Set1(p[m * ldp + j]);
+#pragma GCC unroll 4
+        for (int c = 0; c < N; ++c) acc[m][c] = Vec::Fma(pb, vv[c], acc[m][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+      for (int c = 0; c < N; ++c) Vec::Store(o + m * ldo + c * W, acc[m][c]);
+  }
+
+  template <int N, typename VRows>
+  static void PvRows(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                     const VRows& vr, int64_t rows, int64_t n) {
+    constexpr int M = Vec::kPvRows;
+    int64_t r0 = 0;
+    for (; r0 + M <= rows; r0 += M)
+      PvTile<M, N>(o + r0 * ldo, ldo, alpha + r0, p + r0 * ldp, ldp, vr, n);
+    float* orow = o + r0 * ldo;
+    const float* prow = p + r0 * ldp;
+    switch (rows - r0) {
+      case 0: break;
+      case 1: PvTile<1, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
+      case 2: PvTile<2, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
+      case 3: PvTile<3, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
+      case 4: if constexpr (M > 4) PvTile<4, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
+      case 5: if constexpr (M > 5) PvTile<5, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
+    }
+  }
+
+  // o[r] = alpha[r] * o[r] + sum_{j < n} p[r][j] v[j] for r < rows, over
+  // dv_pad columns (a multiple of 16).
+  template <typename VRows>
+  static void PvColumns(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                        const VRows& vr, int64_t rows, int64_t n, int64_t dv_pad) {
+    constexpr int N = Vec::kPvVecs;
+    int64_t c0 = 0;
+    for (; c0 + N * W <= dv_pad; c0 += N * W) PvRows<N>(o + c0, ldo, alpha, p, ldp, vr.Columns(c0), rows, n);
+    if constexpr (N > 1) {
+      switch ((dv_pad - c0) / W) {
+        case 0: break;
+        case 1: PvRows<1>(o + c0, ldo, alpha, p, ldp, vr.Columns(c0), rows, n); break;
+        case 2: if constexpr (N > 2) PvRows<2>(o + c0, ldo, alpha, p, ldp, vr.Columns(c0), rows, n); break;
+        case 3: if constexpr (N > 3) PvRows<3>(o + c0, ldo, alpha, p, ldp, vr.Columns(c0), rows, n); break;
+      }
+    }
+  }
+
+  static void PV(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                 const float* v, int64_t ldv, int64_t rows, int64_t n, int64_t dv_pad, float*) {
+    PvColumns(o, ldo, alpha, p, ldp, Fp32VRows{v, ldv}, rows, n, dv_pad);
+  }
+
+  // Decode: V rows read in place whatever their dtype (dv must equal dv_pad).
+  static bool UseDirectV(int64_t rows, int64_t dv, int64_t dv_pad) { return rows <= 4 && dv == dv_pad; }
+  static void PVDirect(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                       const void* vbase, DType dt, int64_t ldv, int64_t rows, int64_t n, int64_t dv_pad) {
+    PvColumns(o, ldo, alpha, p, ldp, InputVRows{vbase, dt, ldv, 0}, rows, n, dv_pad);
+  }
+
+  static void StoreP(float* dst, V p) { Vec::Store(dst, p); }
+};
