@@ -15,23 +15,18 @@ build=${1:-build}
 attnserve=$build/server/attnserve
 bench=$build/client/attn_bench
 duration=${DURATION:-10}
-tmp=$(mktemp -d)
-pid=
-cleanup() { [[ -n $pid ]] && kill -TERM "$pid" 2>/dev/null; wait 2>/dev/null || true; rm -rf "$tmp"; }
-trap cleanup EXIT
+source "$(dirname "$0")/lib.sh"  # stops the server however this script exits
+tmp=$bench_tmp
 
 measure() {  # NAME SERVER-FLAGS...
   local name=$1; shift
-  "$attnserve" --address=127.0.0.1:0 --metrics-address=127.0.0.1:0 ${ATTNSERVE_ARGS:-} "$@" \
-    >"$tmp/log" 2>&1 &
-  pid=$!
-  for _ in $(seq 600); do grep -q "listening on" "$tmp/log" && break; sleep 0.05; done
   local target delay
-  target=$(grep -o "listening on [0-9.]*:[0-9]*" "$tmp/log" | awk '{print $3}')
+  bench_start target "$tmp/$name.log" "$attnserve" --address=127.0.0.1:0 \
+    --metrics-address=127.0.0.1:0 ${ATTNSERVE_ARGS:-} "$@"
   delay=$(printf '%s\n' "$@" | sed -n 's/^--max-queue-delay-us=//p'); delay=${delay:-0}
   "$bench" --target="$target" --model=demo-mha --batch=1 --seq=16 --concurrency=32 \
     --duration="$duration" --warmup-requests=200 --json >"$tmp/$name.json"
-  kill -TERM "$pid"; wait "$pid" || true; pid=
+  bench_stop "$bench_last_pid"
   python3 - "$name" "$delay" "$tmp/$name.json" <<'PY'
 import json, sys
 name, delay, r = sys.argv[1], float(sys.argv[2]), json.load(open(sys.argv[3]))

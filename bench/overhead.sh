@@ -7,7 +7,9 @@
 #   bench/overhead.sh [BUILD_DIR]     (default: build; needs attnserve,
 #                                      attn_bench and echo_server built)
 # Env: ATTNSERVE_ARGS (extra server flags), TINY_REQUESTS, MIB_REQUESTS,
-# MIB16_REQUESTS (request counts).
+# MIB16_REQUESTS (measured requests of each case, default 5000, 300 and 40,
+# each after N/10 + 5 warm-up requests; TINY_REQUESTS=20 MIB_REQUESTS=5
+# MIB16_REQUESTS=2 is a quick check that the script runs).
 set -euo pipefail
 
 build=${1:-build}
@@ -18,33 +20,11 @@ for b in "$attnserve" "$bench" "$echo_server"; do
   [[ -x $b ]] || { echo "overhead.sh: $b not built" >&2; exit 1; }
 done
 
-tmp=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
+source "$(dirname "$0")/lib.sh"  # stops both servers however this script exits
 
-# Starts a server that prints "... listening on HOST:PORT"; echoes HOST:PORT.
-start() {
-  local log=$1; shift
-  "$@" >"$log" 2>&1 &
-  pids+=($!)
-  for _ in $(seq 600); do
-    if grep -q "listening on" "$log"; then
-      grep -o "listening on [0-9.]*:[0-9]*" "$log" | head -1 | awk '{print $3}'
-      return
-    fi
-    sleep 0.05
-  done
-  echo "overhead.sh: $1 did not start:" >&2; cat "$log" >&2; exit 1
-}
-
-server=$(start "$tmp/attnserve.log" "$attnserve" --address=127.0.0.1:0 \
-         --metrics-address=127.0.0.1:0 ${ATTNSERVE_ARGS:-})
-floor=$(start "$tmp/echo.log" "$echo_server" --address=127.0.0.1:0)
+bench_start server "$bench_tmp/attnserve.log" "$attnserve" --address=127.0.0.1:0 \
+  --metrics-address=127.0.0.1:0 ${ATTNSERVE_ARGS:-}
+bench_start floor "$bench_tmp/echo.log" "$echo_server" --address=127.0.0.1:0
 
 # run NAME REQUESTS attn_bench-shape-flags... : one line per target.
 run() {

@@ -8,11 +8,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <deque>
 #include <map>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,7 +20,6 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -30,7 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "attnserve/v1/attention.grpc.pb.h"
-#include "client/half.h"
+#include "client/request_builder.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address, host:port.");
@@ -71,13 +68,11 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kMaxMessageBytes = 1 << 30;
 
-const char* CodeName(int code) {
-  static const char* const kNames[] = {
-      "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-      "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-      "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
-      "UNAUTHENTICATED"};
-  return code >= 0 && code < 17 ? kNames[code] : "UNKNOWN";
+// gRPC and Abseil number their status codes alike; a stream response carries
+// its code as a plain int, which may be out of range.
+std::string CodeName(int code) {
+  const std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+  return name.empty() ? "UNKNOWN" : name;
 }
 
 // Everything measured, shared by all callbacks.
@@ -308,41 +303,15 @@ class StreamClient : public grpc::ClientBidiReactor<pb::AttendRequest, pb::Atten
   grpc::Status stream_status_ ABSL_GUARDED_BY(mu_);
 };
 
-absl::StatusOr<pb::DataType> ParseDType(const std::string& name) {
-  if (name == "fp32") return pb::FLOAT32;
-  if (name == "fp16") return pb::FLOAT16;
-  if (name == "bf16") return pb::BFLOAT16;
-  return absl::InvalidArgumentError(absl::StrCat("--dtype must be fp32, fp16 or bf16, got ", name));
-}
-
-void FillRandom(pb::Tensor* t, pb::DataType dtype, const std::vector<int64_t>& shape,
-                std::mt19937_64& rng) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  t->set_dtype(dtype);
-  for (int64_t d : shape) t->add_shape(d);
-  const int size = dtype == pb::FLOAT32 ? 4 : 2;
-  std::string* data = t->mutable_data();
-  data->resize(static_cast<size_t>(n) * size);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = dist(rng);
-    if (dtype == pb::FLOAT32) {
-      std::memcpy(data->data() + 4 * i, &v, 4);
-    } else {
-      const uint16_t h = dtype == pb::FLOAT16 ? client::FloatToHalf(v) : client::FloatToBFloat16(v);
-      std::memcpy(data->data() + 2 * i, &h, 2);
-    }
-  }
-}
-
 // The request every RPC sends, shaped for the model.
-absl::StatusOr<pb::AttendRequest> BuildRequest(pb::AttentionService::Stub& stub) {
-  std::string layout = absl::GetFlag(FLAGS_layout);
-  int64_t query_dim = absl::GetFlag(FLAGS_embed_dim), key_dim = query_dim, value_dim = query_dim;
-  if (layout == "auto") {
+absl::StatusOr<pb::AttendRequest> BuildBenchRequest(pb::AttentionService::Stub& stub) {
+  absl::StatusOr<client::RequestSpec> spec = client::RequestSpecFromFlags();
+  if (!spec.ok()) return spec.status();
+  const std::string layout_flag = absl::GetFlag(FLAGS_layout);
+  client::InputLayout layout;
+  if (layout_flag == "auto") {
     pb::GetModelRequest req;
-    req.set_name(absl::GetFlag(FLAGS_model));
+    req.set_name(spec->model);
     pb::ModelStatus model;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -352,52 +321,21 @@ absl::StatusOr<pb::AttendRequest> BuildRequest(pb::AttentionService::Stub& stub)
                                                  ": ", s.error_message(),
                                                  "); pass --layout=sdpa|mha"));
     }
-    const pb::ModelConfig& c = model.config();
-    layout = c.kind() == "sdpa" || c.embed_dim() == 0 ? "sdpa" : "mha";
-    query_dim = c.query_dim() ? c.query_dim() : c.embed_dim();
-    key_dim = c.key_dim() ? c.key_dim() : c.embed_dim();
-    value_dim = c.value_dim() ? c.value_dim() : c.embed_dim();
-  }
-  absl::StatusOr<pb::DataType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
-  if (!dtype.ok()) return dtype.status();
-  const int64_t b = absl::GetFlag(FLAGS_batch), lq = absl::GetFlag(FLAGS_seq);
-  int64_t lk = absl::GetFlag(FLAGS_kv_seq);
-  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
-  pb::AttendRequest r;
-  r.set_model(absl::GetFlag(FLAGS_model));
-  r.set_causal(absl::GetFlag(FLAGS_causal));
-  if (layout == "sdpa") {
-    const int64_t h = absl::GetFlag(FLAGS_heads);
-    const int64_t hkv = absl::GetFlag(FLAGS_kv_heads) ? absl::GetFlag(FLAGS_kv_heads) : h;
-    const int64_t d = absl::GetFlag(FLAGS_head_dim);
-    if (lk == 0) lk = lq;
-    FillRandom(r.mutable_query(), *dtype, {b, h, lq, d}, rng);
-    FillRandom(r.mutable_key(), *dtype, {b, hkv, lk, d}, rng);
-    FillRandom(r.mutable_value(), *dtype, {b, hkv, lk, d}, rng);
-  } else if (layout == "mha") {
-    FillRandom(r.mutable_query(), *dtype, {b, lq, query_dim}, rng);
-    if (lk > 0) {
-      FillRandom(r.mutable_key(), *dtype, {b, lk, key_dim}, rng);
-      FillRandom(r.mutable_value(), *dtype, {b, lk, value_dim}, rng);
+    absl::StatusOr<client::InputLayout> of_model = client::InputLayoutOf(model.config());
+    if (!of_model.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(of_model.status().message(), "; pass --layout=sdpa|mha"));
     }
+    layout = *of_model;
+  } else if (layout_flag == "sdpa") {
+    layout.kind = client::InputLayout::Kind::kSdpa;
+  } else if (layout_flag == "mha") {
+    const int64_t d = absl::GetFlag(FLAGS_embed_dim);
+    layout = {client::InputLayout::Kind::kMha, d, d, d};
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("--layout must be auto, sdpa or mha, got ", layout));
+    return absl::InvalidArgumentError(absl::StrCat("--layout must be auto, sdpa or mha, got ", layout_flag));
   }
-  return r;
-}
-
-std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
-  std::vector<std::string> args(argv, argv + argc);
-  for (size_t i = 1; i < args.size(); ++i) {
-    std::string& a = args[i];
-    if (a == "--") break;
-    if (a.size() < 3 || a[0] != '-') continue;
-    const size_t begin = a[1] == '-' ? 2 : 1;
-    const size_t end = std::min(a.find('='), a.size());
-    std::replace(a.begin() + static_cast<std::ptrdiff_t>(begin),
-                 a.begin() + static_cast<std::ptrdiff_t>(end), '-', '_');
-  }
-  return args;
+  return client::BuildRequest(*spec, layout);
 }
 
 // Runs one phase (warm-up or measured) and returns its wall time in seconds.
@@ -492,12 +430,9 @@ int Main(int argc, char** argv) {
       "attn_bench --target=HOST:PORT [--model=M] [--concurrency=N | --rate=R] "
       "[--duration=S | --requests=N] [--stream] [--channels=N] [--json]\n"
       "Flags may be spelled with dashes or underscores.");
-  std::vector<std::string> normalized = NormalizeFlagNames(argc, argv);
-  std::vector<char*> ptrs;
-  for (std::string& a : normalized) ptrs.push_back(a.data());
-  const std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(ptrs.size()), ptrs.data());
+  const std::vector<std::string> rest = client::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
-    std::fprintf(stderr, "attn_bench: unexpected argument '%s'\n", rest[1]);
+    std::fprintf(stderr, "attn_bench: unexpected argument '%s'\n", rest[1].c_str());
     return 1;
   }
   const int concurrency = absl::GetFlag(FLAGS_concurrency);
@@ -522,7 +457,7 @@ int Main(int argc, char** argv) {
     stubs.push_back(pb::AttentionService::NewStub(grpc::CreateCustomChannel(
         absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials(), args)));
   }
-  absl::StatusOr<pb::AttendRequest> request = BuildRequest(*stubs[0]);
+  absl::StatusOr<pb::AttendRequest> request = BuildBenchRequest(*stubs[0]);
   if (!request.ok()) {
     std::fprintf(stderr, "attn_bench: %s\n", std::string(request.status().message()).c_str());
     return 1;

@@ -9,14 +9,12 @@
 #include <cstring>
 #include <memory>
 #include <optional>
-#include <random>
 #include <string>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -27,6 +25,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "client/half.h"
 #include "client/npy.h"
+#include "client/request_builder.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address, host:port.");
@@ -80,31 +79,10 @@ constexpr int kExitNotServing = 3;
 // limit would reject ordinary outputs.
 constexpr int kMaxMessageBytes = 1 << 30;
 
-const char* StatusCodeName(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::OK: return "OK";
-    case grpc::CANCELLED: return "CANCELLED";
-    case grpc::UNKNOWN: return "UNKNOWN";
-    case grpc::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::NOT_FOUND: return "NOT_FOUND";
-    case grpc::ALREADY_EXISTS: return "ALREADY_EXISTS";
-    case grpc::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    case grpc::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::ABORTED: return "ABORTED";
-    case grpc::OUT_OF_RANGE: return "OUT_OF_RANGE";
-    case grpc::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::INTERNAL: return "INTERNAL";
-    case grpc::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::DATA_LOSS: return "DATA_LOSS";
-    default: return "UNKNOWN_CODE";
-  }
-}
-
 int RpcFailed(const char* what, const grpc::Status& status) {
-  std::fprintf(stderr, "error: %s failed: %s: %s\n", what, StatusCodeName(status.error_code()),
+  // gRPC and Abseil number their status codes alike.
+  std::fprintf(stderr, "error: %s failed: %s: %s\n", what,
+               absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code())).c_str(),
                status.error_message().c_str());
   return kExitRpcError;
 }
@@ -119,13 +97,6 @@ std::unique_ptr<grpc::ClientContext> MakeContext() {
   ctx->set_deadline(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
   return ctx;
-}
-
-absl::StatusOr<pb::DataType> ParseDType(const std::string& name) {
-  if (name == "fp32" || name == "float32") return pb::FLOAT32;
-  if (name == "fp16" || name == "float16") return pb::FLOAT16;
-  if (name == "bf16" || name == "bfloat16") return pb::BFLOAT16;
-  return absl::InvalidArgumentError(absl::StrCat("dtype must be fp32, fp16 or bf16, got '", name, "'"));
 }
 
 int DTypeSize(pb::DataType dtype) {
@@ -168,31 +139,6 @@ float LoadFloat(pb::DataType dtype, const char* data, int64_t i) {
   }
 }
 
-// Encodes floats as `dtype` into a tensor's bytes.
-void StoreFloats(const std::vector<float>& values, pb::DataType dtype, std::string* out) {
-  out->resize(values.size() * static_cast<size_t>(DTypeSize(dtype)));
-  char* dst = out->data();
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (dtype == pb::FLOAT32) {
-      std::memcpy(dst + 4 * i, &values[i], 4);
-    } else {
-      const uint16_t h = dtype == pb::FLOAT16 ? FloatToHalf(values[i]) : FloatToBFloat16(values[i]);
-      std::memcpy(dst + 2 * i, &h, 2);
-    }
-  }
-}
-
-void FillRandom(pb::Tensor* t, pb::DataType dtype, const std::vector<int64_t>& shape, std::mt19937_64& rng) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> values(static_cast<size_t>(n));
-  for (float& v : values) v = dist(rng);
-  t->set_dtype(dtype);
-  for (int64_t d : shape) t->add_shape(d);
-  StoreFloats(values, dtype, t->mutable_data());
-}
-
 // Loads a float .npy into a tensor of `dtype`, converting element by element
 // unless the file already holds that dtype.
 absl::Status LoadInput(const std::string& path, pb::DataType dtype, pb::Tensor* t) {
@@ -208,7 +154,7 @@ absl::Status LoadInput(const std::string& path, pb::DataType dtype, pb::Tensor* 
   }
   std::vector<float> values(static_cast<size_t>(array->num_elements()));
   for (size_t i = 0; i < values.size(); ++i) values[i] = LoadFloat(from, array->data.data(), static_cast<int64_t>(i));
-  StoreFloats(values, dtype, t->mutable_data());
+  EncodeFloats(values, dtype, t->mutable_data());
   return absl::OkStatus();
 }
 
@@ -288,48 +234,6 @@ absl::StatusOr<pb::ModelStatus> FindModel(pb::AttentionService::Stub& stub, cons
   return absl::NotFoundError("the server names no default model; pass --model");
 }
 
-int64_t OrDefault(int64_t v, int64_t fallback) { return v > 0 ? v : fallback; }
-
-// Fills query/key/value with random data shaped for `model`.
-absl::Status FillRandomInputs(const pb::ModelStatus& model, pb::DataType dtype, pb::AttendRequest* req) {
-  const int64_t b = absl::GetFlag(FLAGS_batch);
-  const int64_t lq = absl::GetFlag(FLAGS_seq);
-  const int64_t kv_seq = absl::GetFlag(FLAGS_kv_seq);
-  if (b < 1 || lq < 1 || kv_seq < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--batch and --seq must be >= 1 and --kv-seq >= 0, got ",
-                                                   b, ", ", lq, ", ", kv_seq));
-  }
-  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
-  const pb::ModelConfig& c = model.config();
-  if (c.kind() == "sdpa") {
-    const int64_t hq = absl::GetFlag(FLAGS_heads);
-    const int64_t hkv = OrDefault(absl::GetFlag(FLAGS_kv_heads), hq);
-    const int64_t dk = absl::GetFlag(FLAGS_head_dim);
-    const int64_t dv = OrDefault(absl::GetFlag(FLAGS_value_dim), dk);
-    const int64_t lk = OrDefault(kv_seq, lq);
-    if (hq < 1 || dk < 1) return absl::InvalidArgumentError("--heads and --head-dim must be >= 1");
-    FillRandom(req->mutable_query(), dtype, {b, hq, lq, dk}, rng);
-    FillRandom(req->mutable_key(), dtype, {b, hkv, lk, dk}, rng);
-    FillRandom(req->mutable_value(), dtype, {b, hkv, lk, dv}, rng);
-    return absl::OkStatus();
-  }
-  if (c.kind() == "mha") {
-    // Unset dims default as model_config.proto says.
-    const int64_t qd = OrDefault(c.query_dim(), c.embed_dim());
-    const int64_t kd = OrDefault(c.key_dim(), c.embed_dim());
-    const int64_t vd = OrDefault(c.value_dim(), c.embed_dim());
-    if (qd < 1) return absl::FailedPreconditionError("the model config has no query_dim/embed_dim");
-    FillRandom(req->mutable_query(), dtype, {b, lq, qd}, rng);
-    if (kv_seq > 0) {
-      FillRandom(req->mutable_key(), dtype, {b, kv_seq, kd}, rng);
-      FillRandom(req->mutable_value(), dtype, {b, kv_seq, vd}, rng);
-    }
-    return absl::OkStatus();
-  }
-  return absl::FailedPreconditionError(
-      absl::StrCat("model kind '", c.kind(), "' is unknown to this client; pass --query-npy"));
-}
-
 int RunHealth(const std::shared_ptr<grpc::Channel>& channel) {
   auto stub = health::Health::NewStub(channel);
   health::HealthCheckRequest req;
@@ -364,22 +268,21 @@ int RunModels(pb::AttentionService::Stub& stub) {
 }
 
 int RunAttend(const std::shared_ptr<grpc::Channel>& channel, pb::AttentionService::Stub& stub) {
-  pb::AttendRequest req;
-  req.set_model(absl::GetFlag(FLAGS_model));
-  req.set_causal(absl::GetFlag(FLAGS_causal));
-  req.set_need_weights(absl::GetFlag(FLAGS_need_weights) || absl::GetFlag(FLAGS_average_weights));
-  req.set_average_weights(absl::GetFlag(FLAGS_average_weights));
-  const double scale = absl::GetFlag(FLAGS_scale);
-  req.set_scale(static_cast<float>(scale));
+  absl::StatusOr<RequestSpec> spec = RequestSpecFromFlags();
+  if (!spec.ok()) return UsageError(std::string(spec.status().message()));
+  spec->value_dim = absl::GetFlag(FLAGS_value_dim);
+  // Flag values first: a typo is a usage error even when the server is down.
+  std::vector<int64_t> key_lengths;
   for (const std::string& s : absl::GetFlag(FLAGS_key_lengths)) {
     int64_t len;
     if (!absl::SimpleAtoi(s, &len)) return UsageError(absl::StrCat("--key-lengths: '", s, "' is not an integer"));
-    req.add_key_lengths(len);
+    key_lengths.push_back(len);
   }
+  std::optional<pb::DataType> output_dtype;
   if (!absl::GetFlag(FLAGS_output_dtype).empty()) {
     auto out = ParseDType(absl::GetFlag(FLAGS_output_dtype));
     if (!out.ok()) return UsageError(absl::StrCat("--output-dtype: ", out.status().message()));
-    req.set_output_dtype(*out);
+    output_dtype = *out;
   }
 
   const std::string query_npy = absl::GetFlag(FLAGS_query_npy);
@@ -388,13 +291,14 @@ int RunAttend(const std::shared_ptr<grpc::Channel>& channel, pb::AttentionServic
   if (key_npy.empty() != value_npy.empty()) return UsageError("--key-npy and --value-npy go together");
   if (query_npy.empty() && !key_npy.empty()) return UsageError("--key-npy/--value-npy need --query-npy");
 
-  std::string model_label = req.model().empty() ? "(server default)" : req.model();
+  pb::AttendRequest req;
+  std::string model_label = spec->model.empty() ? "(server default)" : spec->model;
   if (!query_npy.empty()) {
+    req.set_model(spec->model);
+    req.set_causal(spec->causal);
     pb::DataType dtype;
-    if (!absl::GetFlag(FLAGS_dtype).empty()) {
-      auto d = ParseDType(absl::GetFlag(FLAGS_dtype));
-      if (!d.ok()) return UsageError(absl::StrCat("--dtype: ", d.status().message()));
-      dtype = *d;
+    if (spec->dtype.has_value()) {
+      dtype = *spec->dtype;
     } else {
       auto q = ReadNpy(query_npy);
       if (!q.ok()) return UsageError(std::string(q.status().message()));
@@ -405,16 +309,22 @@ int RunAttend(const std::shared_ptr<grpc::Channel>& channel, pb::AttentionServic
     if (st.ok() && !value_npy.empty()) st = LoadInput(value_npy, dtype, req.mutable_value());
     if (!st.ok()) return UsageError(std::string(st.message()));
   } else {
-    auto d = ParseDType(absl::GetFlag(FLAGS_dtype).empty() ? "fp32" : absl::GetFlag(FLAGS_dtype));
-    if (!d.ok()) return UsageError(absl::StrCat("--dtype: ", d.status().message()));
     grpc::Status rpc;
-    auto model = FindModel(stub, req.model(), &rpc);
-    if (!rpc.ok()) return RpcFailed(req.model().empty() ? "ListModels" : "GetModel", rpc);
+    auto model = FindModel(stub, spec->model, &rpc);
+    if (!rpc.ok()) return RpcFailed(spec->model.empty() ? "ListModels" : "GetModel", rpc);
     if (!model.ok()) return UsageError(std::string(model.status().message()));
     model_label = absl::StrCat(model->name(), " (", model->config().kind(), ", backend ", model->backend(), ")");
-    const absl::Status st = FillRandomInputs(*model, *d, &req);
-    if (!st.ok()) return UsageError(std::string(st.message()));
+    absl::StatusOr<InputLayout> layout = InputLayoutOf(model->config());
+    if (!layout.ok()) return UsageError(absl::StrCat(layout.status().message(), "; pass --query-npy"));
+    absl::StatusOr<pb::AttendRequest> random = BuildRequest(*spec, *layout);
+    if (!random.ok()) return UsageError(std::string(random.status().message()));
+    req = *std::move(random);
   }
+  req.set_need_weights(absl::GetFlag(FLAGS_need_weights) || absl::GetFlag(FLAGS_average_weights));
+  req.set_average_weights(absl::GetFlag(FLAGS_average_weights));
+  req.set_scale(static_cast<float>(absl::GetFlag(FLAGS_scale)));
+  for (int64_t len : key_lengths) req.add_key_lengths(len);
+  if (output_dtype.has_value()) req.set_output_dtype(*output_dtype);
   if (!absl::GetFlag(FLAGS_mask_npy).empty()) {
     const absl::Status st = LoadMask(absl::GetFlag(FLAGS_mask_npy), req.mutable_attn_mask());
     if (!st.ok()) return UsageError(std::string(st.message()));
@@ -464,22 +374,6 @@ int RunAttend(const std::shared_ptr<grpc::Channel>& channel, pb::AttentionServic
   return kExitOk;
 }
 
-// Abseil spells flags with underscores; accept the dashed spelling too
-// (--kv-seq, --output-npy), as most command-line tools do.
-std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
-  std::vector<std::string> args(argv, argv + argc);
-  for (size_t i = 1; i < args.size(); ++i) {
-    std::string& a = args[i];
-    if (a == "--") break;  // everything after is positional
-    if (a.size() < 3 || a[0] != '-') continue;
-    const size_t name_begin = a[1] == '-' ? 2 : 1;
-    const size_t name_end = std::min(a.find('='), a.size());
-    std::replace(a.begin() + static_cast<std::ptrdiff_t>(name_begin), a.begin() + static_cast<std::ptrdiff_t>(name_end),
-                 '-', '_');
-  }
-  return args;
-}
-
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "attn_client [attend|health|models] [--flags]\n"
@@ -488,11 +382,7 @@ int Main(int argc, char** argv) {
       "  models: list the served models\n"
       "Flags may be spelled with dashes or underscores (--kv-seq = --kv_seq).\n"
       "Exit codes: 0 ok, 1 usage error, 2 RPC failed, 3 not serving.");
-  std::vector<std::string> normalized = NormalizeFlagNames(argc, argv);
-  std::vector<char*> normalized_argv;
-  for (std::string& a : normalized) normalized_argv.push_back(a.data());
-  const std::vector<char*> args =
-      absl::ParseCommandLine(static_cast<int>(normalized_argv.size()), normalized_argv.data());
+  const std::vector<std::string> args = ParseCommandLine(argc, argv);
   if (args.size() > 2) return UsageError("at most one command: attend, health or models");
   const std::string command = args.size() == 2 ? args[1] : "attend";
   if (command != "attend" && command != "health" && command != "models") {
