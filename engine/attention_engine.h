@@ -33,11 +33,12 @@ class AttentionEngine {
   // "reference", "cpu", "cuda".
   virtual std::string_view name() const = 0;
 
-  // Runs a layer (projections if any, then attention) over a ragged batch:
-  // each task is one request with its own lengths, masks and options. On
-  // error no output should be trusted.
+  // Runs a layer (projections if any, then attention) over a group of
+  // requests computed together (a server batch; each task's own B is its
+  // batch size): each task has its own lengths, masks and options. On error
+  // no output should be trusted.
   virtual absl::Status Run(const AttentionLayer& layer,
-                           absl::Span<const AttentionTask> batch) = 0;
+                           absl::Span<const AttentionTask> tasks) = 0;
 
   // The attention core alone over a ragged batch (host pointers).
   virtual absl::Status Attend(absl::Span<const AttentionParams> batch) = 0;

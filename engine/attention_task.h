@@ -35,7 +35,9 @@ struct AttentionTask {
   bool average_weights = false;
 };
 
-// Dims of a task, derived from its shapes and the layer.
+// Dims of a task, derived from its shapes and the layer. `batch` is B, the
+// sequences of ONE request (a group of requests is a "batch" only in
+// server/batching).
 struct TaskDims {
   int64_t batch = 0, q_len = 0, kv_len = 0;
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, head_dim_v = 0;
