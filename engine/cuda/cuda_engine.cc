@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/attention_params_check.h"
 #include "engine/attention_task.h"
 #include "engine/cuda/attention_kernels.h"
 #include "engine/cuda/cuda_status.h"

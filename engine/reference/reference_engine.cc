@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "engine/attention_params_check.h"
 
 namespace attnserve {
 namespace {
