@@ -93,6 +93,21 @@ inline void TokenLayoutStrides(int64_t heads, int64_t len, int64_t dim,
   *stride_b = len * heads * dim;
 }
 
+// HeadLayoutStrides or TokenLayoutStrides.
+using LayoutStrides = void (*)(int64_t heads, int64_t len, int64_t dim, int64_t* stride_b,
+                               int64_t* stride_h, int64_t* stride_row);
+
+// Sets every stride of `p` for contiguous Q, K, V and O, all in `layout`
+// (Q and O over num_heads, K and V over num_kv_heads).
+inline void SetContiguousStrides(AttentionParams* p, LayoutStrides layout) {
+  layout(p->num_heads, p->q_len, p->head_dim, &p->q_stride_b, &p->q_stride_h, &p->q_stride_row);
+  layout(p->num_kv_heads, p->kv_len, p->head_dim, &p->k_stride_b, &p->k_stride_h,
+         &p->k_stride_row);
+  layout(p->num_kv_heads, p->kv_len, p->head_dim_v, &p->v_stride_b, &p->v_stride_h,
+         &p->v_stride_row);
+  layout(p->num_heads, p->q_len, p->head_dim_v, &p->o_stride_b, &p->o_stride_h, &p->o_stride_row);
+}
+
 }  // namespace attnserve
 
 #endif  // ATTNSERVE_ENGINE_ATTENTION_PARAMS_H_
