@@ -1,13 +1,14 @@
 // The one plain struct every attention kernel takes: dims, strided pointers,
 // masks, scale, grouped-query heads. One AttentionParams is one request; a
 // ragged batch is a span of them (each with its own lengths, masks, options).
+// Plain C++ (no absl, no STL), so that the CUDA kernels take it as it is,
+// with device pointers in it; mask_broadcast.h builds its MaskParams.
 #ifndef ATTNSERVE_ENGINE_ATTENTION_PARAMS_H_
 #define ATTNSERVE_ENGINE_ATTENTION_PARAMS_H_
 
 #include <cstdint>
 
-#include "absl/status/statusor.h"
-#include "engine/tensor.h"
+#include "engine/dtype.h"
 
 namespace attnserve {
 
@@ -24,14 +25,6 @@ struct MaskParams {
   // Element strides over [b, h, i, j]; 0 broadcasts that dim.
   int64_t stride_b = 0, stride_h = 0, stride_q = 0, stride_k = 0;
 };
-
-// Builds MaskParams for `mask` (rank 2..4, right-aligned like NumPy
-// broadcasting) against scores [batch, heads, q_len, kv_len]. An empty view
-// gives Kind::kNone. Error (InvalidArgument, field "attn_mask") when the
-// shape does not broadcast.
-absl::StatusOr<MaskParams> MakeMaskParams(const TensorView& mask, int64_t batch,
-                                          int64_t heads, int64_t q_len,
-                                          int64_t kv_len);
 
 // softmax(Q K^T * scale + mask) V for one request of `batch` sequences.
 // Element (b, h, i, d) of Q lives at q[b*q_stride_b + h*q_stride_h +
@@ -82,12 +75,6 @@ struct AttentionParams {
   bool average_weights = false;
 };
 
-// The engines' guard for AttentionParams handed to Attend: dims >= 1,
-// num_heads a multiple of num_kv_heads, q/k/v/out set, float dtypes, a mask
-// with data when it has a kind. InvalidArgument on failure. (Strides and
-// key_lengths values are trusted.)
-absl::Status CheckAttentionParams(const AttentionParams& p);
-
 // Strides for a contiguous [B, H, L, D] tensor.
 inline void HeadLayoutStrides(int64_t heads, int64_t len, int64_t dim,
                               int64_t* stride_b, int64_t* stride_h,
@@ -104,6 +91,21 @@ inline void TokenLayoutStrides(int64_t heads, int64_t len, int64_t dim,
   *stride_row = heads * dim;
   *stride_h = dim;
   *stride_b = len * heads * dim;
+}
+
+// HeadLayoutStrides or TokenLayoutStrides.
+using LayoutStrides = void (*)(int64_t heads, int64_t len, int64_t dim, int64_t* stride_b,
+                               int64_t* stride_h, int64_t* stride_row);
+
+// Sets every stride of `p` for contiguous Q, K, V and O, all in `layout`
+// (Q and O over num_heads, K and V over num_kv_heads).
+inline void SetContiguousStrides(AttentionParams* p, LayoutStrides layout) {
+  layout(p->num_heads, p->q_len, p->head_dim, &p->q_stride_b, &p->q_stride_h, &p->q_stride_row);
+  layout(p->num_kv_heads, p->kv_len, p->head_dim, &p->k_stride_b, &p->k_stride_h,
+         &p->k_stride_row);
+  layout(p->num_kv_heads, p->kv_len, p->head_dim_v, &p->v_stride_b, &p->v_stride_h,
+         &p->v_stride_row);
+  layout(p->num_heads, p->q_len, p->head_dim_v, &p->o_stride_b, &p->o_stride_h, &p->o_stride_row);
 }
 
 }  // namespace attnserve

@@ -6,6 +6,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/mask_broadcast.h"
 
 namespace attnserve {
 

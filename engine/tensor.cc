@@ -12,16 +12,6 @@
 
 namespace attnserve {
 
-size_t DTypeSize(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return 4;
-    case DType::kFloat16: return 2;
-    case DType::kBFloat16: return 2;
-    case DType::kBool: return 1;
-  }
-  return 0;
-}
-
 std::string_view DTypeName(DType dtype) {
   switch (dtype) {
     case DType::kFloat32: return "FLOAT32";

@@ -1,5 +1,6 @@
-// Element types, shapes and non-owning tensor views: the currency of engine/.
-// Nothing here allocates tensor data; sizes are computed with overflow checks.
+// Shapes and non-owning tensor views over the dtypes of dtype.h: the currency
+// of engine/. Nothing here allocates tensor data; sizes are computed with
+// overflow checks.
 #ifndef ATTNSERVE_ENGINE_TENSOR_H_
 #define ATTNSERVE_ENGINE_TENSOR_H_
 
@@ -12,18 +13,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "engine/dtype.h"
 
 namespace attnserve {
 
-enum class DType : uint8_t { kFloat32, kFloat16, kBFloat16, kBool };
-
-// FLOAT32, FLOAT16 or BFLOAT16: the dtypes attention computes on.
-inline bool IsFloat(DType dtype) {
-  return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
-}
-
-// Bytes per element: 4, 2, 2, 1.
-size_t DTypeSize(DType dtype);
 // "FLOAT32", "FLOAT16", "BFLOAT16", "BOOL" (the proto enum names).
 std::string_view DTypeName(DType dtype);
 

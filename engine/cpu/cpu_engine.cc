@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/attention_params_check.h"
 #include "engine/cpu/flash_attention.h"
 #include "engine/cpu/projection.h"
 

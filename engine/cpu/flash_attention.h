@@ -16,6 +16,7 @@
 #include <optional>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "engine/attention_params.h"
 #include "engine/cpu/cpu_features.h"

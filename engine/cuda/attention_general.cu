@@ -22,7 +22,7 @@ __host__ __device__ inline int64_t WarpSharedFloats(int64_t head_dim, int64_t he
 }
 
 template <typename T>
-__device__ __forceinline__ float Score(const DeviceAttention& a, const float* sq, const T* k_row,
+__device__ __forceinline__ float Score(const AttentionParams& a, const float* sq, const T* k_row,
                                        int64_t b, int64_t h, int64_t i, int64_t j) {
   float dot = 0.0f;
   for (int64_t d = 0; d < a.head_dim; ++d) dot += sq[d] * ToFloat(k_row[d]);
@@ -32,7 +32,7 @@ __device__ __forceinline__ float Score(const DeviceAttention& a, const float* sq
 // Grid: one block per (b, h, tile of `rows_per_block` query rows), flattened
 // into blockIdx.x; one warp per row.
 template <typename T>
-__global__ void AttentionGeneralKernel(DeviceAttention a, int rows_per_block, int64_t q_tiles) {
+__global__ void AttentionGeneralKernel(AttentionParams a, int rows_per_block, int64_t q_tiles) {
   extern __shared__ float smem[];
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
@@ -90,11 +90,11 @@ __global__ void AttentionGeneralKernel(DeviceAttention a, int rows_per_block, in
   if (m == -INFINITY) {
     // No visible key (or only -inf scores): zeros, never NaN.
     for (int64_t d = lane; d < a.head_dim_v; d += kWarpSize) {
-      StoreElement(a.out, a.out_type, out_row + d, 0.0f);
+      StoreElement(a.out, a.out_dtype, out_row + d, 0.0f);
     }
     if (a.weights != nullptr) {
       for (int64_t j = lane; j < a.kv_len; j += kWarpSize) {
-        StoreElement(a.weights, a.weights_type, weights_row + j, 0.0f);
+        StoreElement(a.weights, a.weights_dtype, weights_row + j, 0.0f);
       }
     }
     return;
@@ -109,7 +109,7 @@ __global__ void AttentionGeneralKernel(DeviceAttention a, int rows_per_block, in
     if (j < end) {
       const float s = Score(a, sq, k_base + j * a.k_stride_row, b, h, i, j);
       p = s == -INFINITY ? 0.0f : expf(s - m) * inv_l;
-      if (a.weights != nullptr) StoreElement(a.weights, a.weights_type, weights_row + j, p);
+      if (a.weights != nullptr) StoreElement(a.weights, a.weights_dtype, weights_row + j, p);
     }
     sp[lane] = p;
     __syncwarp();
@@ -126,16 +126,16 @@ __global__ void AttentionGeneralKernel(DeviceAttention a, int rows_per_block, in
   }
   if (a.weights != nullptr) {
     for (int64_t j = max(end, int64_t{0}) + lane; j < a.kv_len; j += kWarpSize) {
-      StoreElement(a.weights, a.weights_type, weights_row + j, 0.0f);
+      StoreElement(a.weights, a.weights_dtype, weights_row + j, 0.0f);
     }
   }
   for (int64_t d = lane; d < a.head_dim_v; d += kWarpSize) {
-    StoreElement(a.out, a.out_type, out_row + d, so[d]);
+    StoreElement(a.out, a.out_dtype, out_row + d, so[d]);
   }
 }
 
 template <typename T>
-cudaError_t Launch(const DeviceAttention& a, cudaStream_t stream) {
+cudaError_t Launch(const AttentionParams& a, cudaStream_t stream) {
   constexpr int64_t kDefaultSharedBytes = 48 * 1024;
   const int64_t per_warp = WarpSharedFloats(a.head_dim, a.head_dim_v) * int64_t{sizeof(float)};
   int rows_per_block = static_cast<int>(std::clamp<int64_t>(kDefaultSharedBytes / per_warp, 1, 4));
@@ -159,15 +159,17 @@ cudaError_t Launch(const DeviceAttention& a, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t LaunchAttentionGeneral(const DeviceAttention& args, cudaStream_t stream) {
-  switch (args.type) {
-    case ElemType::kF32:
+cudaError_t LaunchAttentionGeneral(const AttentionParams& args, cudaStream_t stream) {
+  // Per-head weights only: an averaged buffer is too small for them.
+  if (args.weights != nullptr && args.average_weights) return cudaErrorInvalidValue;
+  switch (args.dtype) {
+    case DType::kFloat32:
       return Launch<float>(args, stream);
-    case ElemType::kF16:
+    case DType::kFloat16:
       return Launch<__half>(args, stream);
-    case ElemType::kBF16:
+    case DType::kBFloat16:
       return Launch<__nv_bfloat16>(args, stream);
-    case ElemType::kBool:
+    case DType::kBool:
       break;
   }
   return cudaErrorInvalidValue;

@@ -25,35 +25,34 @@
 namespace attnserve::cuda {
 namespace {
 
-const char* TypeName(ElemType t) {
+const char* TypeName(DType t) {
   switch (t) {
-    case ElemType::kF32:
+    case DType::kFloat32:
       return "fp32";
-    case ElemType::kF16:
+    case DType::kFloat16:
       return "fp16";
-    case ElemType::kBF16:
+    case DType::kBFloat16:
       return "bf16";
     default:
       return "bool";
   }
 }
 
-size_t Size(ElemType t) { return t == ElemType::kF32 ? 4 : 2; }
-
 // A device buffer of n random values in [-1, 1) of type t.
-DeviceBuffer Random(ElemType t, int64_t n, uint32_t seed) {
+DeviceBuffer Random(DType t, int64_t n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<float> host(static_cast<size_t>(n));
   for (float& x : host) x = dist(rng);
   absl::StatusOr<DeviceBuffer> fp32 = DeviceBuffer::Allocate(host.size() * 4);
-  absl::StatusOr<DeviceBuffer> out = DeviceBuffer::Allocate(static_cast<size_t>(n) * Size(t));
+  absl::StatusOr<DeviceBuffer> out =
+      DeviceBuffer::Allocate(static_cast<size_t>(n) * DTypeSize(t));
   if (!fp32.ok() || !out.ok()) {
     std::fprintf(stderr, "allocation failed\n");
     std::exit(1);
   }
   cudaMemcpy(fp32->data(), host.data(), host.size() * 4, cudaMemcpyHostToDevice);
-  LaunchConvert(fp32->data(), ElemType::kF32, out->data(), t, n, nullptr);
+  LaunchConvert(fp32->data(), DType::kFloat32, out->data(), t, n, nullptr);
   cudaDeviceSynchronize();
   return std::move(*out);
 }
@@ -83,18 +82,19 @@ void Check(cudaError_t err, const char* what) {
   }
 }
 
-void BenchAttention(ElemType t, int64_t batch, int64_t heads, int64_t len, int64_t dim, bool causal,
+void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t dim, bool causal,
                     int iters) {
   const int64_t n = batch * heads * len * dim;
   DeviceBuffer q = Random(t, n, 1), k = Random(t, n, 2), v = Random(t, n, 3);
-  absl::StatusOr<DeviceBuffer> out = DeviceBuffer::Allocate(static_cast<size_t>(n) * Size(t));
+  absl::StatusOr<DeviceBuffer> out =
+      DeviceBuffer::Allocate(static_cast<size_t>(n) * DTypeSize(t));
   if (!out.ok()) std::exit(1);
-  DeviceAttention a;
+  AttentionParams a;
   a.batch = batch;
   a.num_heads = a.num_kv_heads = heads;
   a.head_dim = a.head_dim_v = dim;
   a.q_len = a.kv_len = len;
-  a.type = a.out_type = t;
+  a.dtype = a.out_dtype = t;
   a.q = q.data();
   a.k = k.data();
   a.v = v.data();
@@ -125,11 +125,11 @@ void BenchAttention(ElemType t, int64_t batch, int64_t heads, int64_t len, int64
 }
 
 // Plain cublasGemmEx, no bias: the same GEMM as Linear without the epilogue.
-double CublasGemmMs(cublasHandle_t blas, ElemType t, const void* x, int64_t rows, int64_t in,
+double CublasGemmMs(cublasHandle_t blas, DType t, const void* x, int64_t rows, int64_t in,
                     const void* w, int64_t out, void* y, int iters) {
-  const cudaDataType_t dt = t == ElemType::kF32   ? CUDA_R_32F
-                            : t == ElemType::kF16 ? CUDA_R_16F
-                                                  : CUDA_R_16BF;
+  const cudaDataType_t dt = t == DType::kFloat32   ? CUDA_R_32F
+                            : t == DType::kFloat16 ? CUDA_R_16F
+                                                   : CUDA_R_16BF;
   const float alpha = 1.0f, beta = 0.0f;
   return TimeMs(
       [&] {
@@ -141,7 +141,7 @@ double CublasGemmMs(cublasHandle_t blas, ElemType t, const void* x, int64_t rows
       iters);
 }
 
-void BenchProjection(ElemType t, int64_t rows, int64_t in, int64_t out, int iters) {
+void BenchProjection(DType t, int64_t rows, int64_t in, int64_t out, int iters) {
   absl::StatusOr<std::unique_ptr<ProjectionGemm>> gemm = ProjectionGemm::Create(nullptr);
   if (!gemm.ok()) {
     std::fprintf(stderr, "%s\n", std::string(gemm.status().message()).c_str());
@@ -149,7 +149,7 @@ void BenchProjection(ElemType t, int64_t rows, int64_t in, int64_t out, int iter
   }
   DeviceBuffer x = Random(t, rows * in, 4), w = Random(t, out * in, 5), b = Random(t, out, 6);
   absl::StatusOr<DeviceBuffer> y =
-      DeviceBuffer::Allocate(static_cast<size_t>(rows * out) * Size(t));
+      DeviceBuffer::Allocate(static_cast<size_t>(rows * out) * DTypeSize(t));
   if (!y.ok()) std::exit(1);
   const double ms = TimeMs(
       [&] {
@@ -176,13 +176,14 @@ void BenchProjection(ElemType t, int64_t rows, int64_t in, int64_t out, int iter
 }
 
 // The ceiling: the best of a few large square GEMMs.
-void BenchCeiling(ElemType t, int iters) {
+void BenchCeiling(DType t, int iters) {
   cublasHandle_t blas;
   cublasCreate(&blas);
   double best = 0;
   for (int64_t n : {4096, 8192}) {
     DeviceBuffer a = Random(t, n * n, 7), b = Random(t, n * n, 8);
-    absl::StatusOr<DeviceBuffer> c = DeviceBuffer::Allocate(static_cast<size_t>(n * n) * Size(t));
+    absl::StatusOr<DeviceBuffer> c =
+        DeviceBuffer::Allocate(static_cast<size_t>(n * n) * DTypeSize(t));
     if (!c.ok()) std::exit(1);
     const double ms = CublasGemmMs(blas, t, a.data(), n, n, b.data(), n, c->data(), iters);
     best = std::max(best, 2.0 * n * n * n / (ms * 1e-3) / 1e12);
@@ -219,7 +220,7 @@ int Main(int argc, char** argv) {
 
   const std::vector<int64_t> lens =
       quick ? std::vector<int64_t>{2048} : std::vector<int64_t>{512, 1024, 2048, 4096, 8192};
-  for (ElemType t : {ElemType::kBF16, ElemType::kF16}) {
+  for (DType t : {DType::kBFloat16, DType::kFloat16}) {
     for (int64_t dim : {64, 128}) {
       for (bool causal : {false, true}) {
         for (int64_t len : lens) {
@@ -230,8 +231,8 @@ int Main(int argc, char** argv) {
       }
     }
   }
-  BenchAttention(ElemType::kF32, 4, 16, 2048, 128, false, quick ? 3 : iters);  // general kernel
-  for (ElemType t : {ElemType::kBF16, ElemType::kF16, ElemType::kF32}) {
+  BenchAttention(DType::kFloat32, 4, 16, 2048, 128, false, quick ? 3 : iters);  // general kernel
+  for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     BenchCeiling(t, iters);
     for (int64_t rows : {4096, 16384}) {
       BenchProjection(t, rows, 4096, 4096, iters);

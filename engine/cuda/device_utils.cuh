@@ -17,40 +17,40 @@ __device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // Element i of a buffer of `type`, as float (BOOL reads as 0 or 1).
-__device__ __forceinline__ float LoadElement(const void* data, ElemType type, int64_t i) {
+__device__ __forceinline__ float LoadElement(const void* data, DType type, int64_t i) {
   switch (type) {
-    case ElemType::kF32:
+    case DType::kFloat32:
       return static_cast<const float*>(data)[i];
-    case ElemType::kF16:
+    case DType::kFloat16:
       return __half2float(static_cast<const __half*>(data)[i]);
-    case ElemType::kBF16:
+    case DType::kBFloat16:
       return __bfloat162float(static_cast<const __nv_bfloat16*>(data)[i]);
-    case ElemType::kBool:
+    case DType::kBool:
       return static_cast<const uint8_t*>(data)[i] != 0 ? 1.0f : 0.0f;
   }
   return 0.0f;
 }
 
 // Writes `value` rounded to nearest even into element i of a float buffer.
-__device__ __forceinline__ void StoreElement(void* data, ElemType type, int64_t i, float value) {
+__device__ __forceinline__ void StoreElement(void* data, DType type, int64_t i, float value) {
   switch (type) {
-    case ElemType::kF32:
+    case DType::kFloat32:
       static_cast<float*>(data)[i] = value;
       break;
-    case ElemType::kF16:
+    case DType::kFloat16:
       static_cast<__half*>(data)[i] = __float2half_rn(value);
       break;
-    case ElemType::kBF16:
+    case DType::kBFloat16:
       static_cast<__nv_bfloat16*>(data)[i] = __float2bfloat16_rn(value);
       break;
-    case ElemType::kBool:
+    case DType::kBool:
       break;
   }
 }
 
 // Keys [0, RowKeyEnd) may be visible to query row i of batch b; causal and
 // key_lengths both cut a prefix. May be <= 0 (the row sees nothing).
-__device__ __forceinline__ int64_t RowKeyEnd(const DeviceAttention& a, int64_t b, int64_t i) {
+__device__ __forceinline__ int64_t RowKeyEnd(const AttentionParams& a, int64_t b, int64_t i) {
   int64_t end = a.kv_len;
   if (a.key_lengths != nullptr) end = min(end, a.key_lengths[b]);
   if (a.causal) end = min(end, i + (a.kv_len - a.q_len) + 1);
@@ -59,14 +59,14 @@ __device__ __forceinline__ int64_t RowKeyEnd(const DeviceAttention& a, int64_t b
 
 // The scaled score after the mask for a key j < RowKeyEnd: -inf where a bool
 // mask forbids it, plus the additive mask value otherwise.
-__device__ __forceinline__ float ApplyMask(const DeviceMask& m, int64_t b, int64_t h, int64_t i,
+__device__ __forceinline__ float ApplyMask(const MaskParams& m, int64_t b, int64_t h, int64_t i,
                                            int64_t j, float scaled_score) {
-  if (m.kind == MaskKind::kNone) return scaled_score;
+  if (m.kind == MaskParams::Kind::kNone) return scaled_score;
   const int64_t at = b * m.stride_b + h * m.stride_h + i * m.stride_q + j * m.stride_k;
-  if (m.kind == MaskKind::kBool) {
+  if (m.kind == MaskParams::Kind::kBool) {
     return static_cast<const uint8_t*>(m.data)[at] != 0 ? scaled_score : -INFINITY;
   }
-  return scaled_score + LoadElement(m.data, m.type, at);
+  return scaled_score + LoadElement(m.data, m.dtype, at);
 }
 
 }  // namespace attnserve::cuda

@@ -18,7 +18,7 @@ unsigned GridFor(int64_t n) {
   return static_cast<unsigned>(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, 65535 * 8));
 }
 
-__global__ void ConvertKernel(const void* src, ElemType src_type, void* dst, ElemType dst_type,
+__global__ void ConvertKernel(const void* src, DType src_type, void* dst, DType dst_type,
                               int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
@@ -26,7 +26,7 @@ __global__ void ConvertKernel(const void* src, ElemType src_type, void* dst, Ele
   }
 }
 
-__global__ void AddBiasKernel(void* y, const void* bias, ElemType type, int64_t rows,
+__global__ void AddBiasKernel(void* y, const void* bias, DType type, int64_t rows,
                               int64_t cols) {
   const int64_t n = rows * cols;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
@@ -36,7 +36,7 @@ __global__ void AddBiasKernel(void* y, const void* bias, ElemType type, int64_t 
 }
 
 __global__ void AverageHeadsKernel(const float* probs, int64_t batch, int64_t heads,
-                                   int64_t per_head, void* out, ElemType out_type) {
+                                   int64_t per_head, void* out, DType out_type) {
   const int64_t n = batch * per_head;
   const float inv_heads = 1.0f / static_cast<float>(heads);
   for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < n;
@@ -52,14 +52,14 @@ __global__ void AverageHeadsKernel(const float* probs, int64_t batch, int64_t he
 
 }  // namespace
 
-cudaError_t LaunchConvert(const void* src, ElemType src_type, void* dst, ElemType dst_type,
+cudaError_t LaunchConvert(const void* src, DType src_type, void* dst, DType dst_type,
                           int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   ConvertKernel<<<GridFor(n), kThreads, 0, stream>>>(src, src_type, dst, dst_type, n);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchAddBias(void* y, const void* bias, ElemType type, int64_t rows, int64_t cols,
+cudaError_t LaunchAddBias(void* y, const void* bias, DType type, int64_t rows, int64_t cols,
                           cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   AddBiasKernel<<<GridFor(rows * cols), kThreads, 0, stream>>>(y, bias, type, rows, cols);
@@ -67,7 +67,7 @@ cudaError_t LaunchAddBias(void* y, const void* bias, ElemType type, int64_t rows
 }
 
 cudaError_t LaunchAverageHeads(const float* probs, int64_t batch, int64_t heads, int64_t per_head,
-                               void* out, ElemType out_type, cudaStream_t stream) {
+                               void* out, DType out_type, cudaStream_t stream) {
   if (batch <= 0 || per_head <= 0) return cudaSuccess;
   AverageHeadsKernel<<<GridFor(batch * per_head), kThreads, 0, stream>>>(probs, batch, heads,
                                                                          per_head, out, out_type);

@@ -104,7 +104,7 @@ constexpr int SharedBytes() {
 // Grid: one block per (b, h, 64-row query tile), flattened into blockIdx.x.
 template <typename T, int D, bool kCausal>
 __global__ void __launch_bounds__(kThreads)
-    FlashAttentionKernel(DeviceAttention a, int64_t q_tiles) {
+    FlashAttentionKernel(AttentionParams a, int64_t q_tiles) {
   static_assert(kBlockM == kBlockN, "LoadTile copies kBlockM rows");
   constexpr int kLd = D + 8;  // row pitch: 16 bytes of padding shift each row by 4 banks
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(kThreads)
       const int r = e >> 1;
       if (row[r] >= a.q_len) continue;
       const int64_t col = n * 8 + 2 * t + (e & 1);
-      StoreElement(a.out, a.out_type,
+      StoreElement(a.out, a.out_dtype,
                    b * a.o_stride_b + h * a.o_stride_h + row[r] * a.o_stride_row + col,
                    o[n][e] * inv_l[r]);
     }
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T, int D, bool kCausal>
-cudaError_t Launch(const DeviceAttention& a, cudaStream_t stream) {
+cudaError_t Launch(const AttentionParams& a, cudaStream_t stream) {
   constexpr int kShared = SharedBytes<T, D>();
   if (kShared > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(
@@ -281,8 +281,8 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 }  // namespace
 
-bool FlashAttentionSupports(const DeviceAttention& a) {
-  if (a.type != ElemType::kF16 && a.type != ElemType::kBF16) return false;
+bool FlashAttentionSupports(const AttentionParams& a) {
+  if (a.dtype != DType::kFloat16 && a.dtype != DType::kBFloat16) return false;
   if (a.head_dim != a.head_dim_v || (a.head_dim != 64 && a.head_dim != 128)) return false;
   if (a.weights != nullptr) return false;
   if (!Aligned16(a.q) || !Aligned16(a.k) || !Aligned16(a.v)) return false;
@@ -294,11 +294,11 @@ bool FlashAttentionSupports(const DeviceAttention& a) {
 }
 
 // The variants: {fp16, bf16} x {64, 128} x {causal, not}.
-cudaError_t LaunchFlashAttention(const DeviceAttention& args, cudaStream_t stream) {
+cudaError_t LaunchFlashAttention(const AttentionParams& args, cudaStream_t stream) {
   if (!FlashAttentionSupports(args)) return cudaErrorInvalidValue;
   return ATTNSERVE_HEAD_DIM_SWITCH(args.head_dim, kHeadDim, [&] {
     return ATTNSERVE_BOOL_SWITCH(args.causal, kCausal, [&] {
-      if (args.type == ElemType::kF16) return Launch<__half, kHeadDim, kCausal>(args, stream);
+      if (args.dtype == DType::kFloat16) return Launch<__half, kHeadDim, kCausal>(args, stream);
       return Launch<__nv_bfloat16, kHeadDim, kCausal>(args, stream);
     });
   });

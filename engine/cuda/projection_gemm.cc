@@ -8,6 +8,7 @@
 #include <climits>
 
 #include "absl/strings/str_cat.h"
+#include "engine/cuda/attention_kernels.h"
 #include "engine/cuda/cuda_status.h"
 
 namespace attnserve::cuda {
@@ -15,11 +16,11 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // what cuBLAS suggests for Hopper
 
-cudaDataType_t CudaType(ElemType type) {
+cudaDataType_t CudaType(DType type) {
   switch (type) {
-    case ElemType::kF16:
+    case DType::kFloat16:
       return CUDA_R_16F;
-    case ElemType::kBF16:
+    case DType::kBFloat16:
       return CUDA_R_16BF;
     default:
       return CUDA_R_32F;
@@ -66,7 +67,7 @@ ProjectionGemm::~ProjectionGemm() {
   if (lt_ != nullptr) cublasLtDestroy(lt_);
 }
 
-absl::Status ProjectionGemm::Linear(ElemType type, const void* x, int64_t rows, int64_t in,
+absl::Status ProjectionGemm::Linear(DType type, const void* x, int64_t rows, int64_t in,
                                     const void* w, const void* bias, int64_t out, void* y) {
   if (rows <= 0 || in <= 0 || out <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -130,7 +131,7 @@ absl::Status ProjectionGemm::Linear(ElemType type, const void* x, int64_t rows, 
   return absl::OkStatus();
 }
 
-absl::Status ProjectionGemm::LinearFallback(ElemType type, const void* x, int64_t rows, int64_t in,
+absl::Status ProjectionGemm::LinearFallback(DType type, const void* x, int64_t rows, int64_t in,
                                             const void* w, const void* bias, int64_t out, void* y) {
   if (rows > INT_MAX || in > INT_MAX || out > INT_MAX) {
     return absl::ResourceExhaustedError(absl::StrCat("CUDA backend: projection of ", rows, " x ",

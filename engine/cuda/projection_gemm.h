@@ -16,8 +16,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/cuda/attention_kernels.h"
 #include "engine/cuda/device_memory.h"
+#include "engine/dtype.h"
 
 namespace attnserve::cuda {
 
@@ -32,7 +32,7 @@ class ProjectionGemm {
   // Enqueues y[rows, out] = x[rows, in] * w[out, in]^T (+ bias[out]) on the
   // stream. Every pointer is on the device and of `type` (FLOAT32, FLOAT16
   // or BFLOAT16); bias may be null; y must not alias x or w.
-  absl::Status Linear(ElemType type, const void* x, int64_t rows, int64_t in, const void* w,
+  absl::Status Linear(DType type, const void* x, int64_t rows, int64_t in, const void* w,
                       const void* bias, int64_t out, void* y);
 
  private:
@@ -46,7 +46,7 @@ class ProjectionGemm {
   };
   using ShapeKey = std::tuple<int, int64_t, int64_t, int64_t, bool>;
 
-  absl::Status LinearFallback(ElemType type, const void* x, int64_t rows, int64_t in, const void* w,
+  absl::Status LinearFallback(DType type, const void* x, int64_t rows, int64_t in, const void* w,
                               const void* bias, int64_t out, void* y);
 
   cudaStream_t stream_;

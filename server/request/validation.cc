@@ -10,7 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "engine/attention_params.h"
+#include "engine/mask_broadcast.h"
 
 namespace attnserve {
 namespace {

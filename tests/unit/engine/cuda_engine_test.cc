@@ -1,10 +1,12 @@
-// The CUDA backend against the reference engine, reached as production
-// reaches it: LoadCudaEngine, which dlopens libattnserve_cuda.so. The
-// comparisons run over seeded random cases (every mask kind, GQA, cross
-// attention, Dv != Dk, ragged batches, each dtype, head dims served by the
-// fused kernel and by the general one, need_weights) and need a GPU: without
-// one each is skipped with the loader's reason. The loader tests run
-// everywhere.
+// The CUDA backend against the reference engine's Run, reached as production
+// reaches it: LoadCudaEngine, which dlopens libattnserve_cuda.so, then Run.
+// Bare attention runs as tasks on the sdpa layer (head layout); the token
+// layout [B, L, H * D] runs on projection layers whose projections are
+// identities, which compute exactly that attention. The comparisons run over
+// seeded random cases (every mask kind, GQA, cross attention, Dv != Dk,
+// ragged batches, each dtype, head dims served by the fused kernel and by the
+// general one, need_weights) and need a GPU: without one each is skipped with
+// the loader's reason. The loader tests run everywhere.
 //
 // Tolerances (absolute + relative to the float64 reference, inputs in
 // [-1, 1]): FLOAT32 1e-4 + 1e-4; FLOAT16 4e-3 + 1e-2 (P is rounded to
@@ -15,18 +17,20 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <random>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "engine/attention_engine.h"
 #include "engine/attention_layer.h"
-#include "engine/attention_params.h"
 #include "engine/attention_task.h"
 #include "engine/cuda/cuda_loader.h"
+#include "engine/model/builtin_models.h"
 #include "engine/tensor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -187,7 +191,63 @@ void ExpectIdentical(const Tensor& a, const Tensor& b, const std::string& what) 
 
 enum class MaskChoice { kNone, kBool, kAdditive };
 
-// One Attend request: owns its inputs and outputs; params() points into them.
+Precision PrecisionOf(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return Precision::kFloat16;
+    case DType::kBFloat16:
+      return Precision::kBFloat16;
+    default:
+      return Precision::kFloat32;
+  }
+}
+
+Tensor Identity(int64_t n) {
+  Tensor t(DType::kFloat32, {n, n});
+  for (int64_t i = 0; i < n; ++i) t.data_as<float>()[i * n + i] = 1.0f;
+  return t;
+}
+
+// A projection layer whose projections are identities without biases, in the
+// precision of `dtype` (so the inputs convert exactly): it computes attention
+// over token-layout inputs [B, L, H * D], the strides only a projection layer
+// hands the kernels. One per shape, alive for the process: the CUDA engine
+// caches device weights by the layer's address. Not thread-safe.
+const AttentionLayer& IdentityProjectionLayer(int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                              DType dtype) {
+  using Key = std::tuple<int64_t, int64_t, int64_t, DType>;
+  static auto* layers = new std::map<Key, std::unique_ptr<AttentionLayer>>;
+  std::unique_ptr<AttentionLayer>& layer = (*layers)[Key{heads, kv_heads, head_dim, dtype}];
+  if (layer == nullptr) {
+    layer = std::make_unique<AttentionLayer>();
+    LayerConfig& c = layer->config;
+    c.name = "identity-projections";
+    c.has_projections = true;
+    c.embed_dim = heads * head_dim;
+    c.num_heads = heads;
+    c.num_kv_heads = kv_heads;
+    c.head_dim = head_dim;
+    c.query_dim = c.out_dim = heads * head_dim;
+    c.key_dim = c.value_dim = kv_heads * head_dim;
+    c.precision = PrecisionOf(dtype);
+    LayerWeights& w = layer->weights;
+    w.wq = Identity(heads * head_dim);
+    w.wk = Identity(kv_heads * head_dim);
+    w.wv = Identity(kv_heads * head_dim);
+    w.wo = Identity(heads * head_dim);
+    EXPECT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
+  }
+  return *layer;
+}
+
+const AttentionLayer& SdpaLayer() {
+  static const std::shared_ptr<const AttentionLayer> layer = MakeSdpaLayer();
+  return *layer;
+}
+
+// One request: owns its inputs and outputs; Task() points into them. In head
+// layout it runs on the sdpa layer; in token layout (Dv == Dk) on an
+// identity projection layer.
 struct AttendCase {
   DType dtype = DType::kFloat32, out_dtype = DType::kFloat32, weights_dtype = DType::kFloat32;
   int64_t batch = 1, heads = 1, kv_heads = 1, q_len = 1, kv_len = 1, dk = 64, dv = 64;
@@ -199,6 +259,7 @@ struct AttendCase {
 
   Tensor q, k, v, mask, out, weights;
   std::vector<int64_t> lengths;
+  const AttentionLayer* layer = nullptr;  // set by Fill
 
   std::string Describe() const {
     std::ostringstream s;
@@ -214,16 +275,16 @@ struct AttendCase {
     return s.str();
   }
 
-  // Allocates and fills inputs (from `rng`) and zeroed outputs.
+  // Allocates and fills inputs (from `rng`) and zeroed outputs; picks the layer.
   void Fill(std::mt19937& rng) {
     const Shape q_shape =
-        token_layout ? Shape{batch, q_len, heads, dk} : Shape{batch, heads, q_len, dk};
+        token_layout ? Shape{batch, q_len, heads * dk} : Shape{batch, heads, q_len, dk};
     const Shape k_shape =
-        token_layout ? Shape{batch, kv_len, kv_heads, dk} : Shape{batch, kv_heads, kv_len, dk};
+        token_layout ? Shape{batch, kv_len, kv_heads * dk} : Shape{batch, kv_heads, kv_len, dk};
     const Shape v_shape =
-        token_layout ? Shape{batch, kv_len, kv_heads, dv} : Shape{batch, kv_heads, kv_len, dv};
+        token_layout ? Shape{batch, kv_len, kv_heads * dv} : Shape{batch, kv_heads, kv_len, dv};
     const Shape o_shape =
-        token_layout ? Shape{batch, q_len, heads, dv} : Shape{batch, heads, q_len, dv};
+        token_layout ? Shape{batch, q_len, heads * dv} : Shape{batch, heads, q_len, dv};
     q = RandomTensor(dtype, q_shape, rng, 2.0f);  // wider scores than U(-1, 1) alone
     k = RandomTensor(dtype, k_shape, rng);
     v = RandomTensor(dtype, v_shape, rng);
@@ -253,46 +314,33 @@ struct AttendCase {
       mask = Tensor(mask_dtype, mask_shape);
       ConvertFromFloat(values.data(), static_cast<int64_t>(values.size()), mask_dtype, mask.data());
     }
+    if (token_layout) {
+      EXPECT_EQ(dk, dv) << "a projection layer has one head dim";
+      layer = &IdentityProjectionLayer(heads, kv_heads, dk, dtype);
+    } else {
+      layer = &SdpaLayer();
+    }
   }
 
-  // Params over this case's buffers, writing to `o` and `w`.
-  AttentionParams Params(Tensor& o, Tensor* w) const {
-    AttentionParams p;
-    p.batch = batch;
-    p.num_heads = heads;
-    p.num_kv_heads = kv_heads;
-    p.head_dim = dk;
-    p.head_dim_v = dv;
-    p.q_len = q_len;
-    p.kv_len = kv_len;
-    p.dtype = dtype;
-    p.q = q.data();
-    p.k = k.data();
-    p.v = v.data();
-    p.out = o.data();
-    p.out_dtype = out_dtype;
-    auto strides = token_layout ? TokenLayoutStrides : HeadLayoutStrides;
-    strides(heads, q_len, dk, &p.q_stride_b, &p.q_stride_h, &p.q_stride_row);
-    strides(kv_heads, kv_len, dk, &p.k_stride_b, &p.k_stride_h, &p.k_stride_row);
-    strides(kv_heads, kv_len, dv, &p.v_stride_b, &p.v_stride_h, &p.v_stride_row);
-    strides(heads, q_len, dv, &p.o_stride_b, &p.o_stride_h, &p.o_stride_row);
-    p.causal = causal;
-    p.key_lengths = with_lengths ? lengths.data() : nullptr;
-    if (mask_choice != MaskChoice::kNone) {
-      absl::StatusOr<MaskParams> m = MakeMaskParams(mask.view(), batch, heads, q_len, kv_len);
-      EXPECT_TRUE(m.ok()) << m.status();
-      if (m.ok()) p.mask = *m;
-    }
-    p.scale = scale;
+  // A task over this case's inputs, writing to `o` and `w` (null: no weights).
+  AttentionTask Task(Tensor& o, Tensor* w) const {
+    AttentionTask t;
+    t.query = q.view();
+    t.key = k.view();
+    t.value = v.view();
+    t.output = o.mutable_view();
+    t.causal = causal;
+    t.scale = scale;
+    if (with_lengths) t.key_lengths = lengths;
+    if (mask_choice != MaskChoice::kNone) t.attn_mask = mask.view();
     if (w != nullptr && need_weights) {
-      p.weights = w->data();
-      p.weights_dtype = weights_dtype;
-      p.average_weights = average;
+      t.weights = w->mutable_view();
+      t.average_weights = average;
     }
-    return p;
+    return t;
   }
 
-  AttentionParams Params() { return Params(out, &weights); }
+  AttentionTask Task() { return Task(out, &weights); }
 };
 
 template <typename T>
@@ -300,7 +348,8 @@ T Pick(std::mt19937& rng, std::initializer_list<T> choices) {
   return *(choices.begin() + rng() % choices.size());
 }
 
-AttendCase RandomCase(std::mt19937& rng) {
+// With `token_layout`, a quarter of the cases are in token layout (Dv == Dk).
+AttendCase RandomCase(std::mt19937& rng, bool token_layout = true) {
   AttendCase c;
   c.dtype = Pick(rng, {DType::kFloat32, DType::kFloat16, DType::kBFloat16});
   c.out_dtype =
@@ -314,7 +363,8 @@ AttendCase RandomCase(std::mt19937& rng) {
   c.kv_len = rng() % 2 == 0 ? c.q_len : Pick<int64_t>(rng, {1, 5, 64, 97, 130});
   c.causal = rng() % 3 == 0;
   c.with_lengths = rng() % 3 == 0;
-  c.token_layout = rng() % 4 == 0;
+  c.token_layout = token_layout && rng() % 4 == 0;
+  if (c.token_layout) c.dv = c.dk;
   c.mask_choice =
       Pick(rng, {MaskChoice::kNone, MaskChoice::kNone, MaskChoice::kBool, MaskChoice::kAdditive});
   const int64_t b = c.batch, h = c.heads, lq = c.q_len, lk = c.kv_len;
@@ -345,17 +395,18 @@ void CompareWithReference(AttendCase& c) {
   SCOPED_TRACE(c.Describe());
   Tensor ref_out(c.out.dtype(), c.out.shape());
   Tensor ref_weights = c.need_weights ? Tensor(c.weights.dtype(), c.weights.shape()) : Tensor();
-  const AttentionParams ref = c.Params(ref_out, c.need_weights ? &ref_weights : nullptr);
-  ASSERT_TRUE(Reference().Attend({&ref, 1}).ok());
-  const AttentionParams gpu = c.Params();
-  const absl::Status status = Cuda().engine->Attend({&gpu, 1});
+  const AttentionTask ref = c.Task(ref_out, c.need_weights ? &ref_weights : nullptr);
+  const absl::Status ref_status = Reference().Run(*c.layer, {&ref, 1});
+  ASSERT_TRUE(ref_status.ok()) << ref_status;
+  const AttentionTask gpu = c.Task();
+  const absl::Status status = Cuda().engine->Run(*c.layer, {&gpu, 1});
   ASSERT_TRUE(status.ok()) << status;
   ExpectClose(c.out, ref_out, CaseTolerance(c, c.out_dtype), "output");
   if (c.need_weights)
     ExpectClose(c.weights, ref_weights, CaseTolerance(c, c.weights_dtype), "weights");
 }
 
-// ---------------------------------------------------------------- Attend
+// ---------------------------------------------------------------- attention
 
 TEST(CudaEngineTest, RandomCasesMatchReference) {
   REQUIRE_GPU();
@@ -445,16 +496,17 @@ TEST(CudaEngineTest, FullyMaskedRowsAreZeros) {
 }
 
 // A request's result does not depend on the other requests of its batch:
-// each request alone and inside a mixed ragged batch give the same bits.
+// each request alone and inside a mixed ragged batch give the same bits. (A
+// batch runs on one layer: all cases here are sdpa tasks in head layout.)
 TEST(CudaEngineTest, RaggedBatchesAreBatchInvariant) {
   REQUIRE_GPU();
   std::mt19937 rng(99);
   std::vector<AttendCase> cases;
-  for (int i = 0; i < 6; ++i) cases.push_back(RandomCase(rng));
+  for (int i = 0; i < 6; ++i) cases.push_back(RandomCase(rng, /*token_layout=*/false));
   std::vector<Tensor> alone_out, alone_weights;
   for (AttendCase& c : cases) {
-    const AttentionParams p = c.Params();
-    ASSERT_TRUE(Cuda().engine->Attend({&p, 1}).ok()) << c.Describe();
+    const AttentionTask task = c.Task();
+    ASSERT_TRUE(Cuda().engine->Run(SdpaLayer(), {&task, 1}).ok()) << c.Describe();
     alone_out.push_back(c.out);
     alone_weights.push_back(c.weights);
   }
@@ -462,7 +514,7 @@ TEST(CudaEngineTest, RaggedBatchesAreBatchInvariant) {
        {std::vector<int>{0, 1, 2, 3, 4, 5}, std::vector<int>{5, 3, 1, 0, 2, 4},
         std::vector<int>{2, 2, 4}}) {
     std::vector<Tensor> outs, weights;
-    std::vector<AttentionParams> batch;
+    std::vector<AttentionTask> batch;
     outs.reserve(order.size());
     weights.reserve(order.size());
     for (int i : order) {
@@ -470,9 +522,9 @@ TEST(CudaEngineTest, RaggedBatchesAreBatchInvariant) {
       weights.push_back(cases[i].need_weights
                             ? Tensor(cases[i].weights.dtype(), cases[i].weights.shape())
                             : Tensor());
-      batch.push_back(cases[i].Params(outs.back(), &weights.back()));
+      batch.push_back(cases[i].Task(outs.back(), &weights.back()));
     }
-    const absl::Status status = Cuda().engine->Attend(batch);
+    const absl::Status status = Cuda().engine->Run(SdpaLayer(), batch);
     ASSERT_TRUE(status.ok()) << status;
     for (size_t n = 0; n < order.size(); ++n) {
       const int i = order[n];
@@ -491,8 +543,8 @@ TEST(CudaEngineTest, ConcurrentCallsGiveTheSameResults) {
   for (int i = 0; i < 4; ++i) cases.push_back(RandomCase(rng));
   std::vector<Tensor> expected;
   for (AttendCase& c : cases) {
-    const AttentionParams p = c.Params();
-    ASSERT_TRUE(Cuda().engine->Attend({&p, 1}).ok());
+    const AttentionTask task = c.Task();
+    ASSERT_TRUE(Cuda().engine->Run(*c.layer, {&task, 1}).ok()) << c.Describe();
     expected.push_back(c.out);
   }
   std::vector<std::vector<Tensor>> got(8);
@@ -503,8 +555,8 @@ TEST(CudaEngineTest, ConcurrentCallsGiveTheSameResults) {
         for (AttendCase& c : cases) {
           Tensor out(c.out.dtype(), c.out.shape());
           Tensor w = c.need_weights ? Tensor(c.weights.dtype(), c.weights.shape()) : Tensor();
-          const AttentionParams p = c.Params(out, &w);
-          if (!Cuda().engine->Attend({&p, 1}).ok()) return;
+          const AttentionTask task = c.Task(out, &w);
+          if (!Cuda().engine->Run(*c.layer, {&task, 1}).ok()) return;
           if (round == 4) got[t].push_back(std::move(out));
         }
       }
@@ -519,15 +571,28 @@ TEST(CudaEngineTest, ConcurrentCallsGiveTheSameResults) {
   }
 }
 
-TEST(CudaEngineTest, RejectsInconsistentParams) {
+// The engine refuses an invalid task before touching any memory, and with it
+// the whole batch.
+TEST(CudaEngineTest, RejectsInvalidTasks) {
   REQUIRE_GPU();
   std::mt19937 rng(3);
   AttendCase c;
   c.heads = 3;
   c.kv_heads = 2;  // not a divisor
   c.Fill(rng);
-  const AttentionParams p = c.Params();
-  EXPECT_EQ(Cuda().engine->Attend({&p, 1}).code(), absl::StatusCode::kInvalidArgument);
+  const AttentionTask uneven_heads = c.Task();
+  EXPECT_EQ(Cuda().engine->Run(SdpaLayer(), {&uneven_heads, 1}).code(),
+            absl::StatusCode::kInvalidArgument);
+
+  AttendCase d;
+  d.heads = d.kv_heads = 2;
+  d.Fill(rng);
+  AttentionTask short_output = d.Task();
+  short_output.output.shape = {1, 2, 1, 32};
+  EXPECT_EQ(Cuda().engine->Run(SdpaLayer(), {&short_output, 1}).code(),
+            absl::StatusCode::kInvalidArgument);
+  const AttentionTask mixed[] = {d.Task(), uneven_heads};
+  EXPECT_EQ(Cuda().engine->Run(SdpaLayer(), mixed).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // ---------------------------------------------------------------- Run
@@ -616,8 +681,7 @@ void CompareRun(const AttentionLayer& layer, std::vector<std::unique_ptr<TaskBuf
 TEST(CudaEngineTest, RunSdpaLayerMatchesReference) {
   REQUIRE_GPU();
   std::mt19937 rng(21);
-  AttentionLayer layer;
-  layer.config.name = "sdpa";
+  const AttentionLayer& layer = SdpaLayer();
   for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     SCOPED_TRACE(std::string(DTypeName(dtype)));
     std::vector<std::unique_ptr<TaskBuffers>> tasks;

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <limits>
 
-#include "engine/attention_params.h"
+#include "engine/mask_broadcast.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

@@ -1,0 +1,194 @@
+// Host <-> device staging for the CUDA engine: pinned-memory uploads on the
+// copy stream, downloads delivered after the one synchronisation of a call,
+// and the one-time upload of a layer's weights.
+#include "engine/cuda/staging.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "engine/cuda/attention_kernels.h"
+#include "engine/cuda/cuda_status.h"
+#include "engine/tensor.h"
+
+namespace attnserve::cuda {
+
+absl::StatusOr<std::unique_ptr<Workspace>> Workspace::Create() {
+  auto ws = std::make_unique<Workspace>();
+  ATTNSERVE_CUDA_CALL(cudaStreamCreateWithFlags(&ws->stream, cudaStreamNonBlocking));
+  ATTNSERVE_CUDA_CALL(cudaStreamCreateWithFlags(&ws->copy_stream, cudaStreamNonBlocking));
+  ATTNSERVE_CUDA_CALL(cudaEventCreateWithFlags(&ws->uploaded, cudaEventDisableTiming));
+  absl::StatusOr<std::unique_ptr<ProjectionGemm>> gemm = ProjectionGemm::Create(ws->stream);
+  if (!gemm.ok()) return gemm.status();
+  ws->gemm = std::move(*gemm);
+  return ws;
+}
+
+Workspace::~Workspace() {
+  if (copy_stream != nullptr) (void)cudaStreamSynchronize(copy_stream);
+  if (stream != nullptr) (void)cudaStreamSynchronize(stream);
+  gemm.reset();
+  if (uploaded != nullptr) (void)cudaEventDestroy(uploaded);
+  if (copy_stream != nullptr) (void)cudaStreamDestroy(copy_stream);
+  if (stream != nullptr) (void)cudaStreamDestroy(stream);
+}
+
+Call::~Call() {
+  if (!finished_) {
+    (void)cudaStreamSynchronize(ws_.copy_stream);
+    (void)cudaStreamSynchronize(ws_.stream);
+    (void)cudaGetLastError();
+    ws_.device.Reset();
+    ws_.pinned.Reset();
+  }
+}
+
+absl::StatusOr<void*> Call::Upload(const void* host, size_t bytes) {
+  absl::StatusOr<void*> staging = ws_.pinned.Allocate(bytes);
+  if (!staging.ok()) return staging.status();
+  std::memcpy(*staging, host, bytes);
+  return UploadStaged(*staging, bytes);
+}
+
+absl::StatusOr<void*> Call::UploadHeads(const void* host, size_t elem_size, int64_t batch,
+                                        int64_t heads, int64_t len, int64_t dim, int64_t stride_b,
+                                        int64_t stride_h, int64_t stride_row) {
+  const size_t bytes = static_cast<size_t>(batch * heads * len * dim) * elem_size;
+  absl::StatusOr<void*> staging = ws_.pinned.Allocate(bytes);
+  if (!staging.ok()) return staging.status();
+  const bool contiguous = stride_row == dim && (heads == 1 || stride_h == len * dim) &&
+                          (batch == 1 || stride_b == heads * len * dim);
+  if (contiguous) {
+    std::memcpy(*staging, host, bytes);
+  } else {
+    const size_t row_bytes = static_cast<size_t>(dim) * elem_size;
+    char* dst = static_cast<char*>(*staging);
+    const char* src = static_cast<const char*>(host);
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t i = 0; i < len; ++i) {
+          std::memcpy(dst, src + (b * stride_b + h * stride_h + i * stride_row) * elem_size,
+                      row_bytes);
+          dst += row_bytes;
+        }
+  }
+  return UploadStaged(*staging, bytes);
+}
+
+absl::Status Call::UploadsDone() {
+  ATTNSERVE_CUDA_CALL(cudaEventRecord(ws_.uploaded, ws_.copy_stream));
+  ATTNSERVE_CUDA_CALL(cudaStreamWaitEvent(ws_.stream, ws_.uploaded, 0));
+  return absl::OkStatus();
+}
+
+absl::Status Call::Download(const void* device, size_t bytes,
+                            std::function<void(const char* pinned)> deliver) {
+  absl::StatusOr<void*> staging = ws_.pinned.Allocate(bytes);
+  if (!staging.ok()) return staging.status();
+  ATTNSERVE_CUDA_CALL(
+      cudaMemcpyAsync(*staging, device, bytes, cudaMemcpyDeviceToHost, ws_.stream));
+  const char* pinned = static_cast<const char*>(*staging);
+  deliveries_.push_back([pinned, deliver = std::move(deliver)] { deliver(pinned); });
+  return absl::OkStatus();
+}
+
+absl::Status Call::Finish() {
+  ATTNSERVE_CUDA_CALL(cudaStreamSynchronize(ws_.copy_stream));
+  ATTNSERVE_CUDA_CALL(cudaStreamSynchronize(ws_.stream));
+  for (const std::function<void()>& deliver : deliveries_) deliver();
+  finished_ = true;
+  ws_.device.Reset();
+  ws_.pinned.Reset();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> Call::UploadStaged(void* staging, size_t bytes) {
+  absl::StatusOr<void*> device = ws_.device.Allocate(bytes);
+  if (!device.ok()) return device.status();
+  ATTNSERVE_CUDA_CALL(
+      cudaMemcpyAsync(*device, staging, bytes, cudaMemcpyHostToDevice, ws_.copy_stream));
+  return *device;
+}
+
+absl::Status StageMaskAndLengths(Call& call, const AttentionParams& p, AttentionParams& a) {
+  if (p.key_lengths != nullptr) {
+    absl::StatusOr<void*> lengths =
+        call.Upload(p.key_lengths, static_cast<size_t>(p.batch) * sizeof(int64_t));
+    if (!lengths.ok()) return lengths.status();
+    a.key_lengths = static_cast<const int64_t*>(*lengths);
+  }
+  if (p.mask.kind != MaskParams::Kind::kNone) {
+    // The mask is a dense tensor read through broadcast strides: its extent
+    // is one past the largest index any (b, h, i, j) reaches.
+    const int64_t last = (p.batch - 1) * p.mask.stride_b + (p.num_heads - 1) * p.mask.stride_h +
+                         (p.q_len - 1) * p.mask.stride_q + (p.kv_len - 1) * p.mask.stride_k;
+    const size_t bytes = static_cast<size_t>(last + 1) * DTypeSize(p.mask.dtype);
+    absl::StatusOr<void*> mask = call.Upload(p.mask.data, bytes);
+    if (!mask.ok()) return mask.status();
+    a.mask = p.mask;
+    a.mask.data = *mask;
+  }
+  return absl::OkStatus();
+}
+
+DType PrecisionDType(Precision precision) {
+  switch (precision) {
+    case Precision::kBFloat16:
+      return DType::kBFloat16;
+    case Precision::kFloat16:
+      return DType::kFloat16;
+    case Precision::kFloat32:
+      break;
+  }
+  return DType::kFloat32;
+}
+
+namespace {
+
+// One fp32 host weight as a device buffer of `type` (synchronous: done once).
+absl::StatusOr<DeviceBuffer> UploadWeight(const Tensor& host, DType type, cudaStream_t stream) {
+  const int64_t n = static_cast<int64_t>(host.byte_size() / sizeof(float));
+  absl::StatusOr<DeviceBuffer> fp32 = DeviceBuffer::Allocate(host.byte_size());
+  if (!fp32.ok()) return fp32.status();
+  ATTNSERVE_CUDA_CALL(cudaMemcpyAsync(fp32->data(), host.data(), host.byte_size(),
+                                      cudaMemcpyHostToDevice, stream));
+  if (type == DType::kFloat32) {
+    ATTNSERVE_CUDA_CALL(cudaStreamSynchronize(stream));
+    return fp32;
+  }
+  absl::StatusOr<DeviceBuffer> converted =
+      DeviceBuffer::Allocate(static_cast<size_t>(n) * DTypeSize(type));
+  if (!converted.ok()) return converted.status();
+  ATTNSERVE_CUDA_CALL(
+      LaunchConvert(fp32->data(), DType::kFloat32, converted->data(), type, n, stream));
+  ATTNSERVE_CUDA_CALL(cudaStreamSynchronize(stream));
+  return converted;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(const AttentionLayer& layer,
+                                                         cudaStream_t stream) {
+  auto uploaded = std::make_unique<DeviceLayer>();
+  uploaded->source = layer.weights.wq.data();
+  uploaded->precision = layer.config.precision;
+  uploaded->type = PrecisionDType(layer.config.precision);
+  const LayerWeights& w = layer.weights;
+  const std::pair<const Tensor*, DeviceBuffer*> parts[] = {
+      {&w.wq, &uploaded->wq}, {&w.bq, &uploaded->bq}, {&w.wk, &uploaded->wk},
+      {&w.bk, &uploaded->bk}, {&w.wv, &uploaded->wv}, {&w.bv, &uploaded->bv},
+      {&w.wo, &uploaded->wo}, {&w.bo, &uploaded->bo}};
+  for (const auto& [host, device] : parts) {
+    if (host->byte_size() == 0) continue;  // no bias
+    if (host->dtype() != DType::kFloat32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer '", layer.config.name, "': weights must be FLOAT32"));
+    }
+    absl::StatusOr<DeviceBuffer> buffer = UploadWeight(*host, uploaded->type, stream);
+    if (!buffer.ok()) return buffer.status();
+    *device = std::move(*buffer);
+  }
+  return uploaded;
+}
+
+}  // namespace attnserve::cuda

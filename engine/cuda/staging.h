@@ -1,0 +1,119 @@
+// Moving data between the host and the GPU for the CUDA engine: a call's
+// streams and arenas (Workspace), its uploads through pinned memory and its
+// downloads into caller-owned buffers (Call), and a layer's weights made
+// resident on the device once (DeviceLayer).
+#ifndef ATTNSERVE_ENGINE_CUDA_STAGING_H_
+#define ATTNSERVE_ENGINE_CUDA_STAGING_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/attention_layer.h"
+#include "engine/attention_params.h"
+#include "engine/cuda/device_memory.h"
+#include "engine/cuda/projection_gemm.h"
+#include "engine/dtype.h"
+
+namespace attnserve::cuda {
+
+// The streams of one call and the memory it stages through. Owned by the
+// engine's pool; used by one call at a time. Create and use it with the
+// engine's device current.
+struct Workspace {
+  // Non-blocking streams, so that they never synchronise implicitly with
+  // the legacy default stream.
+  static absl::StatusOr<std::unique_ptr<Workspace>> Create();
+  ~Workspace();  // waits for both streams
+
+  cudaStream_t stream = nullptr;       // compute and downloads
+  cudaStream_t copy_stream = nullptr;  // uploads
+  cudaEvent_t uploaded = nullptr;      // recorded on copy_stream after a request's uploads
+  std::unique_ptr<ProjectionGemm> gemm;
+  Arena device{Arena::Kind::kDevice};
+  Arena pinned{Arena::Kind::kPinnedHost};
+};
+
+// One Run/Attend call on a workspace: allocations from its arenas, copies
+// through pinned memory, and the host-side deliveries that run once the
+// streams have finished. Per request: Upload*, then UploadsDone, then
+// compute and Download on stream(). If the call is abandoned on an error,
+// the destructor still waits for both streams before the memory is reused.
+//
+// Not thread-safe; borrows the workspace for its lifetime. Host buffers
+// passed to Upload* are read before the method returns; those a Download
+// delivers into must stay alive until Finish.
+class Call {
+ public:
+  explicit Call(Workspace& ws) : ws_(ws) {}
+  ~Call();
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+
+  cudaStream_t stream() const { return ws_.stream; }
+  ProjectionGemm& gemm() { return *ws_.gemm; }
+
+  // Device memory valid until Finish (or the call's end).
+  absl::StatusOr<void*> DeviceAlloc(size_t bytes) { return ws_.device.Allocate(bytes); }
+
+  // Copies `bytes` of host memory to a new device allocation (on the copy
+  // stream: compute may use it after UploadsDone).
+  absl::StatusOr<void*> Upload(const void* host, size_t bytes);
+
+  // Packs a strided [B, H, L, D] view (element strides, last dim contiguous)
+  // into a contiguous device copy.
+  absl::StatusOr<void*> UploadHeads(const void* host, size_t elem_size, int64_t batch,
+                                    int64_t heads, int64_t len, int64_t dim, int64_t stride_b,
+                                    int64_t stride_h, int64_t stride_row);
+
+  // Makes work enqueued on stream() from now on wait for every upload so far.
+  absl::Status UploadsDone();
+
+  // Copies `bytes` from the device to pinned memory; `deliver` gets the
+  // pinned copy after the stream has finished (in Finish).
+  absl::Status Download(const void* device, size_t bytes,
+                        std::function<void(const char* pinned)> deliver);
+
+  // Waits for the streams, then hands every result to its caller-owned buffer.
+  absl::Status Finish();
+
+ private:
+  absl::StatusOr<void*> UploadStaged(void* staging, size_t bytes);
+
+  Workspace& ws_;
+  std::vector<std::function<void()>> deliveries_;
+  bool finished_ = false;
+};
+
+// Uploads the key lengths and the mask's extent of host-side `p` and points
+// device-side `a` at them (before the request's UploadsDone). The mask keeps
+// p's kind, dtype and broadcast strides.
+absl::Status StageMaskAndLengths(Call& call, const AttentionParams& p, AttentionParams& a);
+
+// The dtype a layer of `precision` computes in.
+DType PrecisionDType(Precision precision);
+
+// A layer's weights on the device, in the layer's precision. Biases are null
+// when the layer has none. Immutable once made; shared by concurrent calls.
+struct DeviceLayer {
+  const void* source = nullptr;  // the host wq it was made from (detects address reuse)
+  Precision precision = Precision::kFloat32;
+  DType type = DType::kFloat32;  // PrecisionDType(precision)
+  DeviceBuffer wq, bq, wk, bk, wv, bv, wo, bo;
+};
+
+// Uploads `layer`'s FLOAT32 weights converted to its precision, synchronously
+// on `stream` (done once per layer). InvalidArgument for weights of another
+// dtype.
+absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(const AttentionLayer& layer,
+                                                         cudaStream_t stream);
+
+}  // namespace attnserve::cuda
+
+#endif  // ATTNSERVE_ENGINE_CUDA_STAGING_H_
