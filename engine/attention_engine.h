@@ -1,8 +1,8 @@
 // The backend interface: every engine (reference, cpu, cuda) computes the
 // same function over the same inputs; only speed differs.
 //
-// Thread safety: an AttentionEngine is thread-safe. Run and Attend may be
-// called concurrently from any number of threads; each call's results
+// Thread safety: an AttentionEngine is thread-safe. Run may be called
+// concurrently from any number of threads; each call's results
 // depend only on its own arguments (not on other calls, nor on the other
 // tasks of its batch: batch invariance).
 //
@@ -39,9 +39,6 @@ class AttentionEngine {
   // no output should be trusted.
   virtual absl::Status Run(const AttentionLayer& layer,
                            absl::Span<const AttentionTask> tasks) = 0;
-
-  // The attention core alone over a ragged batch (host pointers).
-  virtual absl::Status Attend(absl::Span<const AttentionParams> batch) = 0;
 };
 
 struct EngineOptions {

@@ -12,7 +12,6 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "engine/attention_params_check.h"
 #include "engine/cpu/flash_attention.h"
 #include "engine/cpu/projection.h"
 
@@ -34,16 +33,6 @@ class CpuEngine final : public AttentionEngine {
       : options_(options), engine_(dnnl::engine::kind::cpu, 0), projections_(engine_) {}
 
   std::string_view name() const override { return "cpu"; }
-
-  absl::Status Attend(absl::Span<const AttentionParams> batch) override {
-    return Guarded([&]() -> absl::Status {
-      for (const AttentionParams& p : batch) {
-        if (absl::Status s = CheckAttentionParams(p); !s.ok()) return s;
-      }
-      // One call for the whole ragged batch: its work items share the threads.
-      return cpu::FlashAttention(batch, FlashOptionsFor(nullptr));
-    });
-  }
 
   absl::Status Run(const AttentionLayer& layer, absl::Span<const AttentionTask> batch) override {
     return Guarded([&]() -> absl::Status {

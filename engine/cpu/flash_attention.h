@@ -67,7 +67,7 @@ struct FlashOptions {
 //    partial results; no [Lq, Lk] matrix is ever allocated. With weights,
 //    one [64, Lk] fp32 row block per thread.
 //
-// Errors: InvalidArgument when a request fails CheckAttentionParams-style
+// Errors: InvalidArgument when a request fails the kernel's own guard
 // checks (null pointers, dims < 1, Hq % Hkv != 0, non-float dtypes);
 // FailedPrecondition for a forced variant this CPU lacks or an unknown
 // ATTNSERVE_CPU_ISA value. Nothing is written on error.

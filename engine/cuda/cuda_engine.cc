@@ -18,7 +18,6 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "engine/attention_params_check.h"
 #include "engine/attention_task.h"
 #include "engine/cuda/cuda_status.h"
 #include "engine/cuda/dispatch.h"
@@ -26,23 +25,6 @@
 
 namespace attnserve::cuda {
 namespace {
-
-// The engines' shared guard on bare AttentionParams, plus what the kernels
-// additionally rely on (the server validates requests; this keeps a bad
-// call from touching memory out of bounds).
-absl::Status CheckParams(const AttentionParams& p) {
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(CheckAttentionParams(p));
-  if ((p.mask.kind == MaskParams::Kind::kBool && p.mask.dtype != DType::kBool) ||
-      p.mask.stride_b < 0 || p.mask.stride_h < 0 || p.mask.stride_q < 0 || p.mask.stride_k < 0) {
-    return absl::InvalidArgumentError(
-        "AttentionParams: a bool mask must be BOOL and mask strides must be >= 0");
-  }
-  if (!std::isfinite(p.scale) || p.scale <= 0.0f) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("AttentionParams: scale must be finite and > 0, got ", p.scale));
-  }
-  return absl::OkStatus();
-}
 
 class CudaEngine final : public AttentionEngine {
  public:
@@ -54,18 +36,6 @@ class CudaEngine final : public AttentionEngine {
   }
 
   std::string_view name() const override { return "cuda"; }
-
-  absl::Status Attend(absl::Span<const AttentionParams> batch) override {
-    for (const AttentionParams& p : batch) ATTNSERVE_CUDA_RETURN_IF_ERROR(CheckParams(p));
-    ATTNSERVE_CUDA_CALL(cudaSetDevice(device_));
-    absl::StatusOr<Lease> ws = Acquire();
-    if (!ws.ok()) return ws.status();
-    Call call(*ws->get());
-    for (const AttentionParams& p : batch) {
-      ATTNSERVE_CUDA_RETURN_IF_ERROR(EnqueueHostAttention(call, p, p.dtype));
-    }
-    return call.Finish();
-  }
 
   absl::Status Run(const AttentionLayer& layer, absl::Span<const AttentionTask> batch) override {
     const LayerConfig& config = layer.config;

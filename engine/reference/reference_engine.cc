@@ -375,10 +375,6 @@ class ReferenceEngine final : public AttentionEngine {
       return absl::ResourceExhaustedError("reference engine: out of memory");
     }
   }
-
-  absl::Status Attend(absl::Span<const AttentionParams>) override {
-    return absl::UnimplementedError("reference engine: use Run");
-  }
 };
 
 }  // namespace

@@ -17,7 +17,7 @@ namespace attnserve {
 // layer's precision is not applied: weights are used as stored (FLOAT32)
 // and inputs as sent; a test of a bf16/fp16 layer rounds the weights (and
 // inputs) it hands the reference. Results are rounded once, to the output
-// and weights dtypes. Attend is not implemented (Unimplemented): use Run.
+// and weights dtypes.
 std::unique_ptr<AttentionEngine> NewReferenceEngine();
 
 }  // namespace attnserve

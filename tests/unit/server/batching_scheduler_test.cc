@@ -34,9 +34,6 @@ class RecordingEngine : public AttentionEngine {
     }
     return absl::OkStatus();
   }
-  absl::Status Attend(absl::Span<const AttentionParams>) override {
-    return absl::UnimplementedError("not used");
-  }
   std::vector<int> Sizes() {
     absl::MutexLock lock(&mu);
     return sizes;
