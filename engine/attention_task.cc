@@ -221,14 +221,7 @@ absl::StatusOr<AttentionParams> MakeCoreParams(const LayerConfig& layer,
     p.k = task.key.data;
     p.v = task.value.data;
     p.out = task.output.data;
-    HeadLayoutStrides(d.num_heads, d.q_len, d.head_dim, &p.q_stride_b, &p.q_stride_h,
-                      &p.q_stride_row);
-    HeadLayoutStrides(d.num_kv_heads, d.kv_len, d.head_dim, &p.k_stride_b, &p.k_stride_h,
-                      &p.k_stride_row);
-    HeadLayoutStrides(d.num_kv_heads, d.kv_len, d.head_dim_v, &p.v_stride_b, &p.v_stride_h,
-                      &p.v_stride_row);
-    HeadLayoutStrides(d.num_heads, d.q_len, d.head_dim_v, &p.o_stride_b, &p.o_stride_h,
-                      &p.o_stride_row);
+    SetContiguousStrides(&p, HeadLayoutStrides);
   }
   return p;
 }

@@ -13,7 +13,7 @@
 
 namespace attnserve {
 
-// Everything here was validated by the caller (server/validation) against the
+// Everything here was validated by the caller (server/request/validation) against the
 // layer: ranks, dims, dtypes, mask broadcastability, key_lengths range.
 struct AttentionTask {
   // Layer without projections: query [B, Hq, Lq, Dk], key [B, Hkv, Lk, Dk],
@@ -52,11 +52,13 @@ Shape WeightsShape(const TaskDims& dims, bool average_weights);
 // 1/sqrt(head_dim).
 float ResolveScale(const LayerConfig& layer, float request_scale, int64_t head_dim);
 
-// The engines' own guard before touching memory: ranks, dims, dtypes, the
-// output and weights shapes, key_lengths and the mask against the layer.
-// InvalidArgument naming the field on failure. (server/validation gives the
-// user-facing messages; this only keeps a bad task from reading or writing
-// out of bounds.)
+// The production engines' invariants, checked before they touch memory:
+// ranks, dims, dtypes, the output and weights shapes, key_lengths and the
+// mask against the layer -- what keeps a call inside its buffers. Not the
+// rules a client is told about: server/request/validation.cc owns those, and
+// nothing it accepts fails here (tests/unit/server/validation_test.cc holds
+// the two together). InvalidArgument naming the field on failure. The
+// reference engine has its own checks, to stay an independent oracle.
 absl::Status CheckTask(const LayerConfig& layer, const AttentionTask& task);
 
 // The attention-core params of a checked task: dims, masks, scale, weights.
