@@ -1,14 +1,19 @@
 // The rules of an AttendRequest, in the order a client would fix them:
 // presence, dtypes, shapes, cross-tensor dims, mask, key_lengths, options,
-// then the server's size limits.
+// the server's size and work limits, then the values (the only rules that
+// read the data).
 #include "server/request/validation.h"
 
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "engine/mask_broadcast.h"
 
@@ -245,6 +250,192 @@ absl::Status CheckOutputSize(absl::string_view field, const Shape& shape, DType 
                    " is over the server's limit of ", limit_bytes, " bytes"));
 }
 
+// The bit layout of a float dtype: the sign bit, and the pattern of +Inf
+// (exponent all ones, mantissa zero). With the sign cleared, a pattern above
+// +Inf is NaN, and finite values order as their patterns do, so one integer
+// max over the magnitudes finds both the largest |x| and any non-finite x.
+template <typename Bits>
+struct FloatBits {
+  Bits sign;
+  Bits inf;
+};
+constexpr FloatBits<uint32_t> kFloat32Bits{0x80000000u, 0x7f800000u};
+constexpr FloatBits<uint16_t> kFloat16Bits{0x8000u, 0x7c00u};
+constexpr FloatBits<uint16_t> kBFloat16Bits{0x8000u, 0x7f80u};
+
+// What one pass over a float tensor found.
+struct ValueScan {
+  // Largest magnitude as a bit pattern (sign cleared); > inf: a NaN exists,
+  // == inf: an Inf and no NaN.
+  uint32_t max_abs_bits = 0;
+  // Largest pattern among values with the sign bit clear (NaN, +Inf and the
+  // largest positive value order in that way); 0 when none is positive.
+  uint32_t max_positive_bits = 0;
+};
+
+// Branch-free, so the compiler vectorises it: the cost is one read of the
+// tensor (docs/OPERATIONS.md has the measurement against memcpy).
+template <typename Bits>
+ValueScan ScanBits(const void* data, int64_t n, FloatBits<Bits> f) {
+  const Bits* p = static_cast<const Bits*>(data);
+  const Bits abs_mask = static_cast<Bits>(~f.sign);
+  Bits max_abs = 0, max_positive = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const Bits b = p[i];
+    max_abs = std::max<Bits>(max_abs, b & abs_mask);
+    max_positive = std::max<Bits>(max_positive, (b & f.sign) ? Bits{0} : b);
+  }
+  return ValueScan{max_abs, max_positive};
+}
+
+ValueScan Scan(const TensorView& view) {
+  const int64_t n = view.num_elements();
+  switch (view.dtype) {
+    case DType::kFloat32: return ScanBits(view.data, n, kFloat32Bits);
+    case DType::kFloat16: return ScanBits(view.data, n, kFloat16Bits);
+    case DType::kBFloat16: return ScanBits(view.data, n, kBFloat16Bits);
+    default: return ValueScan{};
+  }
+}
+
+uint32_t InfBits(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16: return kFloat16Bits.inf;
+    case DType::kBFloat16: return kBFloat16Bits.inf;
+    default: return kFloat32Bits.inf;
+  }
+}
+
+// The value of a magnitude bit pattern of `dtype`, widened to double.
+double BitsValue(DType dtype, uint32_t bits) {
+  switch (dtype) {
+    case DType::kFloat16: return HalfToFloat(static_cast<uint16_t>(bits));
+    case DType::kBFloat16: return BFloat16ToFloat(static_cast<uint16_t>(bits));
+    default: {
+      float f;
+      std::memcpy(&f, &bits, sizeof f);
+      return f;
+    }
+  }
+}
+
+// "[0, 1, 3, 7]": the row-major index of element `i` of `shape`.
+std::string ElementIndex(const Shape& shape, int64_t i) {
+  Shape index(shape.size());
+  for (size_t d = shape.size(); d-- > 0;) {
+    index[d] = i % shape[d];
+    i /= shape[d];
+  }
+  return ShapeString(index);
+}
+
+// InvalidArgument naming the first element that is NaN or +Inf (or -Inf
+// when `refuse_negative_inf`); runs only once a scan has found one, so it
+// need not be fast.
+absl::Status NonfiniteError(absl::string_view field, const TensorView& view,
+                            absl::string_view rule, bool refuse_negative_inf) {
+  for (int64_t i = 0, n = view.num_elements(); i < n; ++i) {
+    const float x = LoadAsFloat(view.dtype, view.data, i);
+    if (std::isfinite(x) || (!refuse_negative_inf && x == -INFINITY)) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".data: element ", ElementIndex(view.shape, i), " is ",
+        std::isnan(x) ? "NaN" : (x > 0 ? "+inf" : "-inf"), "; ", rule));
+  }
+  return absl::InternalError(absl::StrCat(field, ".data: scan and search disagree"));
+}
+
+constexpr absl::string_view kRefused =
+    "non-finite inputs are refused (--nonfinite-inputs=reject)";
+
+// max|x| of a float input, or InvalidArgument at its first NaN/Inf.
+absl::StatusOr<double> FiniteMaxAbs(absl::string_view field, const TensorView& view) {
+  const ValueScan scan = Scan(view);
+  if (scan.max_abs_bits >= InfBits(view.dtype)) {
+    return NonfiniteError(field, view, kRefused, /*refuse_negative_inf=*/true);
+  }
+  return BitsValue(view.dtype, scan.max_abs_bits);
+}
+
+// The largest positive value of a float mask (0 if none), or InvalidArgument
+// at its first NaN or +Inf. -Inf means "masked" and is what SDPA users send.
+absl::StatusOr<double> MaskMaxPositive(const TensorView& mask) {
+  const ValueScan scan = Scan(mask);
+  const uint32_t inf = InfBits(mask.dtype);
+  if (scan.max_positive_bits >= inf || scan.max_abs_bits > inf) {
+    return NonfiniteError("attn_mask", mask,
+                          "a float mask may hold -inf (masked) but not NaN or +inf; "
+                          "non-finite inputs are refused (--nonfinite-inputs=reject)",
+                          /*refuse_negative_inf=*/false);
+  }
+  return BitsValue(mask.dtype, scan.max_positive_bits);
+}
+
+// The values rules of ValidateAttendInputs (see validation.h).
+absl::Status CheckValues(const AttentionTask& task, const TaskDims& dims, bool head_layout) {
+  absl::StatusOr<double> max_q = FiniteMaxAbs("query", task.query);
+  if (!max_q.ok()) return max_q.status();
+  double max_k = 0, max_v = 0;
+  if (!task.key.empty()) {
+    absl::StatusOr<double> k = FiniteMaxAbs("key", task.key);
+    if (!k.ok()) return k.status();
+    absl::StatusOr<double> v = FiniteMaxAbs("value", task.value);
+    if (!v.ok()) return v.status();
+    max_k = *k;
+    max_v = *v;
+  }
+  double mask_max = 0;
+  if (!task.attn_mask.empty() && IsFloat(task.attn_mask.dtype)) {
+    absl::StatusOr<double> m = MaskMaxPositive(task.attn_mask);
+    if (!m.ok()) return m.status();
+    mask_max = *m;
+  }
+  if (!head_layout) return absl::OkStatus();
+  const double scale = std::max(1.0, static_cast<double>(task.scale));
+  const double score_bound =
+      *max_q * max_k * static_cast<double>(dims.head_dim) * scale + mask_max;
+  if (score_bound > FLT_MAX) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "query/key/scale: scores may overflow float32: max|query| %g * max|key| %g * "
+        "head_dim %d * max(1, scale %g)%s = %g exceeds FLT_MAX %g; such inputs are refused "
+        "(--nonfinite-inputs=reject)",
+        *max_q, max_k, dims.head_dim, static_cast<double>(task.scale),
+        mask_max > 0 ? absl::StrFormat(" + max attn_mask %g", mask_max) : "", score_bound,
+        static_cast<double>(FLT_MAX)));
+  }
+  const double sum_bound = max_v * static_cast<double>(dims.kv_len);
+  if (sum_bound > FLT_MAX) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "value.data: weighted sums may overflow float32: max|value| %g * Lk %d = %g exceeds "
+        "FLT_MAX %g; such inputs are refused (--nonfinite-inputs=reject)",
+        max_v, dims.kv_len, sum_bound, static_cast<double>(FLT_MAX)));
+  }
+  return absl::OkStatus();
+}
+
+// The request's matrix-product multiply-adds (see
+// ValidationOptions::max_multiply_adds), in double: exact enough for a limit
+// and never overflows.
+struct Work {
+  double attention = 0;
+  double projections = 0;
+};
+
+Work RequestWork(const LayerConfig& layer, const TaskDims& d) {
+  Work w;
+  const double b = static_cast<double>(d.batch), lq = static_cast<double>(d.q_len),
+               lk = static_cast<double>(d.kv_len), hq = static_cast<double>(d.num_heads),
+               hkv = static_cast<double>(d.num_kv_heads), dk = static_cast<double>(d.head_dim),
+               dv = static_cast<double>(d.head_dim_v);
+  w.attention = b * hq * lq * lk * (dk + dv);
+  if (layer.has_projections) {
+    w.projections = b * (lq * static_cast<double>(layer.query_dim) * hq * dk +
+                         lk * static_cast<double>(layer.key_dim) * hkv * dk +
+                         lk * static_cast<double>(layer.value_dim) * hkv * dv +
+                         lq * hq * dv * static_cast<double>(layer.out_dim));
+  }
+  return w;
+}
+
 }  // namespace
 
 absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& request,
@@ -348,11 +539,29 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
       return s;
     }
   }
+  // Work, before any compute: a small message can ask for seconds of it.
   const Shape scores = {dims.batch, dims.num_heads, dims.q_len, dims.kv_len};
   if (!NumElements(scores, options.max_attention_scores).ok()) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "query/key: ", ShapeString(scores), " attention scores [B, Hq, Lq, Lk] are over the ",
-        "server's limit of ", options.max_attention_scores, " per request"));
+        "query/key: ", ShapeString(scores), " = ",
+        absl::StrFormat("%.0f", static_cast<double>(dims.batch) * dims.num_heads * dims.q_len *
+                                    dims.kv_len),
+        " attention scores [B, Hq, Lq, Lk] are over the server's limit of ",
+        options.max_attention_scores, " per request (--max-attention-scores)"));
+  }
+  const Work work = RequestWork(layer, dims);
+  if (work.attention + work.projections > static_cast<double>(options.max_multiply_adds)) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "query/key/value: %.0f multiply-adds (attention B*Hq*Lq*Lk*(Dk+Dv) = %.0f, "
+        "projections %.0f) are over the server's limit of %d per request "
+        "(--max-multiply-adds)",
+        work.attention + work.projections, work.attention, work.projections,
+        options.max_multiply_adds));
+  }
+
+  // Values: the one pass over the data, last.
+  if (options.nonfinite_inputs == NonfiniteInputs::kReject) {
+    if (absl::Status s = CheckValues(task, dims, !layer.has_projections); !s.ok()) return s;
   }
   return out;
 }

@@ -16,7 +16,22 @@
 
 namespace attnserve {
 
-// Server-side size limits; a request over one gets ResourceExhausted.
+// What validation does with NaN and +-Inf in a request's inputs.
+enum class NonfiniteInputs {
+  // Refuse the request with InvalidArgument naming the tensor and the first
+  // offending element: NaN or +-Inf in query, key or value; NaN or +Inf in a
+  // float attn_mask (-Inf is the SDPA way to say "masked" and is accepted);
+  // and inputs whose scores or output sums could overflow float32 (see
+  // ValidateAttendInputs). An engine never sees a value it could turn into
+  // a silently different answer.
+  kReject,
+  // (Not implemented.) Propagating like PyTorch (NaN rows) would need every
+  // engine's softmax to treat NaN and +Inf as PyTorch does; the enum keeps
+  // the name of the option so that the flag can grow it.
+};
+
+// Server-side limits; a request over one gets ResourceExhausted. The flag
+// that sets each one is named in its message.
 struct ValidationOptions {
   // Most elements in one input tensor (query, key, value, attn_mask).
   // Inputs are also bounded by the gRPC message size limit.
@@ -26,9 +41,23 @@ struct ValidationOptions {
   // Outputs are not bounded by the receive limit: weights grow as Lq * Lk.
   // Default: 1 GiB.
   int64_t max_output_bytes = int64_t{1} << 30;
-  // Most attention scores (B * Hq * Lq * Lk) in one request: bounds compute
-  // time and engine scratch. Default: 2^34.
-  int64_t max_attention_scores = int64_t{1} << 34;
+  // Most attention scores (B * Hq * Lq * Lk) in one request
+  // (--max-attention-scores): bounds the per-score work (softmax, masking)
+  // and engine scratch whatever the head dim. The CPU engine spends 3-4 ns
+  // of one core per score at head dims up to 64 (docs/OPERATIONS.md), so
+  // 2^28 is about one second of a core. Default: 2^28.
+  int64_t max_attention_scores = int64_t{1} << 28;
+  // Most multiply-adds of the request's matrix products
+  // (--max-multiply-adds): attention B * Hq * Lq * Lk * (Dk + Dv), plus, for
+  // projection models, the Q, K, V and output projections
+  // B * (Lq * query_dim * Hq * Dk + Lk * key_dim * Hkv * Dk +
+  //      Lk * value_dim * Hkv * Dv + Lq * Hq * Dv * out_dim).
+  // Bounds what max_attention_scores does not: large head dims and
+  // projection work (many tokens, few scores). About 1 s of a core for
+  // attention, 2 s for projections on the CPU engine. Default: 2^35.
+  int64_t max_multiply_adds = int64_t{1} << 35;
+  // NaN and +-Inf in the inputs. Default: kReject.
+  NonfiniteInputs nonfinite_inputs = NonfiniteInputs::kReject;
 };
 
 // A request that passed every check, in the engine's terms.
@@ -58,6 +87,19 @@ absl::StatusOr<TensorView> ViewInput(const InputTensor& tensor, absl::string_vie
 // Errors are InvalidArgument whose message starts with the field ("query.data",
 // "key_lengths[1]", ...), states the rule and the values seen; or
 // ResourceExhausted for a request over one of `options`' limits.
+//
+// Values (options.nonfinite_inputs == kReject), checked last because they are
+// the one check that reads the data (one pass over each input):
+//   - query, key, value: no NaN or +-Inf, fp16/bf16 included;
+//   - a float attn_mask: no NaN or +Inf (-Inf = masked is accepted);
+//   - head-layout models: the bound on a score before softmax,
+//       max|query| * max|key| * Dk * max(1, scale) + max(0, max attn_mask),
+//     must not exceed FLT_MAX (engines may form the dot product before
+//     scaling), and max|value| * Lk must not exceed FLT_MAX (engines sum up
+//     to Lk weighted values before normalising). Conservative: a request
+//     refused here might not have overflowed, but an accepted one cannot.
+//     Projection models get only the NaN/Inf rules: their scores depend on
+//     the weights.
 //
 // Lifetime: the returned task's views (tensors, key_lengths) point where
 // `request`'s do (the front end's message), which must outlive them.

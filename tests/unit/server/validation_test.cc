@@ -5,6 +5,7 @@
 #include "server/request/validation.h"
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <ostream>
@@ -77,6 +78,31 @@ v1::AttendRequest ValidMhaCross() {
   return r;
 }
 
+// Sets element `i` (row-major) of a tensor to a raw bit pattern: fp32 takes
+// 32 bits, fp16/bf16 16, so NaN and Inf encodings are exactly what is sent.
+template <typename Bits>
+void SetBits(v1::Tensor* t, int64_t i, Bits bits) {
+  ASSERT_LE((i + 1) * static_cast<int64_t>(sizeof bits), static_cast<int64_t>(t->data().size()));
+  std::memcpy(t->mutable_data()->data() + i * static_cast<int64_t>(sizeof bits), &bits,
+              sizeof bits);
+}
+void SetFloat(v1::Tensor* t, int64_t i, float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  SetBits(t, i, bits);
+}
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// ValidSdpa with query, key and value in `dtype` (zeros).
+v1::AttendRequest ValidSdpaAs(v1::DataType dtype) {
+  v1::AttendRequest r = ValidSdpa();
+  *r.mutable_query() = MakeTensor(dtype, {2, 4, 5, 8});
+  *r.mutable_key() = MakeTensor(dtype, {2, 2, 7, 8});
+  *r.mutable_value() = MakeTensor(dtype, {2, 2, 7, 6});
+  return r;
+}
+
 struct Case {
   std::string name;
   std::function<v1::AttendRequest()> request;
@@ -92,6 +118,14 @@ template <typename F>
 std::function<v1::AttendRequest()> Sdpa(F mutate) {
   return [mutate] {
     v1::AttendRequest r = ValidSdpa();
+    mutate(r);
+    return r;
+  };
+}
+template <typename F>
+std::function<v1::AttendRequest()> SdpaAs(v1::DataType dtype, F mutate) {
+  return [dtype, mutate] {
+    v1::AttendRequest r = ValidSdpaAs(dtype);
     mutate(r);
     return r;
   };
@@ -298,10 +332,127 @@ std::vector<Case> Cases() {
     output.options.max_output_bytes = 900;
     c.push_back(output);
     Case scores{"ScoresOverLimit", Sdpa([](auto&) {}), kExhausted,
-                {"attention scores", "[2, 4, 5, 7]", "limit of 100"}};
+                {"attention scores", "[2, 4, 5, 7] = 280", "limit of 100",
+                 "(--max-attention-scores)"}};
     scores.options.max_attention_scores = 100;
     c.push_back(scores);
+    // 2*4*5*7 scores * (Dk 8 + Dv 6).
+    Case macs{"MultiplyAddsOverLimit", Sdpa([](auto&) {}), kExhausted,
+              {"3920 multiply-adds", "attention B*Hq*Lq*Lk*(Dk+Dv) = 3920", "projections 0",
+               "limit of 1000", "(--max-multiply-adds)"}};
+    macs.options.max_multiply_adds = 1000;
+    c.push_back(macs);
+    // demo-mha B2 L5: Q, K, V, O projections of 512 x 512 for 10 tokens each.
+    Case projections{"ProjectionWorkOverLimit", Mha([](auto&) {}), kExhausted,
+                     {"projections 10485760", "limit of 10000000", "(--max-multiply-adds)"},
+                     true};
+    projections.options.max_multiply_adds = 10000000;
+    c.push_back(projections);
   }
+  // The issue's request: 1.5 MB buying 2^34 scores is refused by default.
+  c.push_back({"IssueRequestOverDefaultLimits", Sdpa([](auto& r) {
+                 *r.mutable_query() = MakeTensor(v1::FLOAT32, {1, 1, 131072, 1});
+                 *r.mutable_key() = MakeTensor(v1::FLOAT32, {1, 1, 131072, 1});
+                 *r.mutable_value() = MakeTensor(v1::FLOAT32, {1, 1, 131072, 1});
+               }),
+               kExhausted,
+               {"[1, 1, 131072, 131072] = 17179869184 attention scores", "limit of 268435456",
+                "--max-attention-scores"}});
+  // Non-finite inputs (NonfiniteInputs::kReject, the default). query
+  // [2, 4, 5, 8]: element [0, 1, 3, 7] is 71; key [2, 2, 7, 8]: [1, 0, 2, 5]
+  // is 133; value [2, 2, 7, 6]: [1, 1, 6, 5] is 167.
+  const std::string refused = "non-finite inputs are refused (--nonfinite-inputs=reject)";
+  c.push_back({"QueryNaN", Sdpa([](auto& r) { SetFloat(r.mutable_query(), 71, kNaN); }),
+               kInvalid, {"query.data: element [0, 1, 3, 7] is NaN; " + refused}});
+  c.push_back({"QueryNegativeNaN", Sdpa([](auto& r) { SetFloat(r.mutable_query(), 71, -kNaN); }),
+               kInvalid, {"query.data: element [0, 1, 3, 7] is NaN"}});
+  c.push_back({"KeyPositiveInf", Sdpa([](auto& r) { SetFloat(r.mutable_key(), 133, kInf); }),
+               kInvalid, {"key.data: element [1, 0, 2, 5] is +inf", refused}});
+  c.push_back({"KeyNegativeInf", Sdpa([](auto& r) { SetFloat(r.mutable_key(), 133, -kInf); }),
+               kInvalid, {"key.data: element [1, 0, 2, 5] is -inf", refused}});
+  c.push_back({"KeyNaN", Sdpa([](auto& r) { SetFloat(r.mutable_key(), 133, kNaN); }), kInvalid,
+               {"key.data: element [1, 0, 2, 5] is NaN"}});
+  c.push_back({"ValueNaN", Sdpa([](auto& r) { SetFloat(r.mutable_value(), 167, kNaN); }),
+               kInvalid, {"value.data: element [1, 1, 6, 5] is NaN"}});
+  c.push_back({"FirstOffenderIsNamed", Sdpa([](auto& r) {
+                 SetFloat(r.mutable_query(), 80, kInf);
+                 SetFloat(r.mutable_query(), 71, kNaN);
+               }),
+               kInvalid, {"query.data: element [0, 1, 3, 7] is NaN"}});
+  // fp16: exponent 0x7c00 all ones; bf16: 0x7f80.
+  c.push_back({"QueryNaNFloat16",
+               SdpaAs(v1::FLOAT16, [](auto& r) { SetBits<uint16_t>(r.mutable_query(), 71, 0x7e00); }),
+               kInvalid, {"query.data: element [0, 1, 3, 7] is NaN", refused}});
+  c.push_back({"KeyInfFloat16",
+               SdpaAs(v1::FLOAT16, [](auto& r) { SetBits<uint16_t>(r.mutable_key(), 133, 0x7c00); }),
+               kInvalid, {"key.data: element [1, 0, 2, 5] is +inf"}});
+  c.push_back({"ValueNegativeNaNFloat16",
+               SdpaAs(v1::FLOAT16, [](auto& r) { SetBits<uint16_t>(r.mutable_value(), 167, 0xfc01); }),
+               kInvalid, {"value.data: element [1, 1, 6, 5] is NaN"}});
+  c.push_back({"QueryNaNBFloat16",
+               SdpaAs(v1::BFLOAT16, [](auto& r) { SetBits<uint16_t>(r.mutable_query(), 71, 0x7fc1); }),
+               kInvalid, {"query.data: element [0, 1, 3, 7] is NaN", refused}});
+  c.push_back({"KeyNegativeInfBFloat16",
+               SdpaAs(v1::BFLOAT16, [](auto& r) { SetBits<uint16_t>(r.mutable_key(), 133, 0xff80); }),
+               kInvalid, {"key.data: element [1, 0, 2, 5] is -inf"}});
+  c.push_back({"ValueInfBFloat16",
+               SdpaAs(v1::BFLOAT16, [](auto& r) { SetBits<uint16_t>(r.mutable_value(), 167, 0x7f80); }),
+               kInvalid, {"value.data: element [1, 1, 6, 5] is +inf"}});
+  c.push_back({"MhaQueryInf", Mha([](auto& r) { SetFloat(r.mutable_query(), 600, kInf); }),
+               kInvalid, {"query.data: element [0, 1, 88] is +inf", refused}, true});
+  c.push_back({"MhaValueNaN", Mha([](auto& r) { SetFloat(r.mutable_value(), 0, kNaN); }, true),
+               kInvalid, {"value.data: element [0, 0, 0] is NaN"}, true});
+  // Float masks: -inf is "masked" (accepted, see below); NaN and +inf are not.
+  const std::string mask_rule = "a float mask may hold -inf (masked) but not NaN or +inf";
+  c.push_back({"MaskNaN", Sdpa([](auto& r) {
+                 *r.mutable_attn_mask() = MakeTensor(v1::FLOAT32, {5, 7});
+                 SetFloat(r.mutable_attn_mask(), 0, -kInf);
+                 SetFloat(r.mutable_attn_mask(), 9, kNaN);
+               }),
+               kInvalid, {"attn_mask.data: element [1, 2] is NaN; " + mask_rule, refused}});
+  c.push_back({"MaskPositiveInf", Sdpa([](auto& r) {
+                 *r.mutable_attn_mask() = MakeTensor(v1::FLOAT32, {2, 1, 5, 7});
+                 SetFloat(r.mutable_attn_mask(), 40, kInf);
+               }),
+               kInvalid, {"attn_mask.data: element [1, 0, 0, 5] is +inf", mask_rule}});
+  c.push_back({"MaskNegativeNaN", Sdpa([](auto& r) {
+                 *r.mutable_attn_mask() = MakeTensor(v1::FLOAT32, {5, 7});
+                 SetFloat(r.mutable_attn_mask(), 3, -kNaN);
+               }),
+               kInvalid, {"attn_mask.data: element [0, 3] is NaN"}});
+  c.push_back({"MaskPositiveInfFloat16", Sdpa([](auto& r) {
+                 *r.mutable_attn_mask() = MakeTensor(v1::FLOAT16, {5, 7});
+                 SetBits<uint16_t>(r.mutable_attn_mask(), 34, 0x7c00);
+               }),
+               kInvalid, {"attn_mask.data: element [4, 6] is +inf", mask_rule}});
+  c.push_back({"MaskNaNBFloat16", Sdpa([](auto& r) {
+                 *r.mutable_attn_mask() = MakeTensor(v1::BFLOAT16, {5, 7});
+                 SetBits<uint16_t>(r.mutable_attn_mask(), 34, 0xffc0);
+               }),
+               kInvalid, {"attn_mask.data: element [4, 6] is NaN", mask_rule}});
+  // Finite inputs whose scores or sums overflow float32.
+  c.push_back({"ScoresOverflowLargeValues", Sdpa([](auto& r) {
+                 SetFloat(r.mutable_query(), 71, 1e30f);
+                 SetFloat(r.mutable_key(), 133, -1e30f);
+               }),
+               kInvalid,
+               {"query/key/scale: scores may overflow float32", "max|query| 1e+30",
+                "max|key| 1e+30", "head_dim 8", "exceeds FLT_MAX", "--nonfinite-inputs=reject"}});
+  c.push_back({"ScoresOverflowScale", Sdpa([](auto& r) {
+                 SetFloat(r.mutable_query(), 0, 1.0f);
+                 SetFloat(r.mutable_key(), 0, 1.0f);
+                 r.set_scale(3e38f);
+               }),
+               kInvalid, {"query/key/scale", "max(1, scale 3e+38)", "exceeds FLT_MAX"}});
+  c.push_back({"ScoresPlusMaskOverflow", Sdpa([](auto& r) {
+                 SetFloat(r.mutable_query(), 0, 1e18f);
+                 SetFloat(r.mutable_key(), 0, 1e18f);
+                 *r.mutable_attn_mask() = MakeTensor(v1::FLOAT32, {5, 7});
+                 SetFloat(r.mutable_attn_mask(), 1, 3.4e38f);
+               }),
+               kInvalid, {"query/key/scale", "+ max attn_mask 3.4e+38", "exceeds FLT_MAX"}});
+  c.push_back({"ValueSumsOverflow", Sdpa([](auto& r) { SetFloat(r.mutable_value(), 5, 3e38f); }),
+               kInvalid, {"value.data: weighted sums may overflow", "max|value| 3e+38", "Lk 7"}});
   return c;
 }
 
@@ -400,6 +551,67 @@ TEST(ValidationTest, EmptyOptionalTensorsCountAsAbsent) {
   v = ValidateAttendRequest(mha, MhaLayer());
   ASSERT_TRUE(v.ok()) << v.status();
   EXPECT_TRUE(v->task.key.empty());
+}
+
+TEST(ValidationTest, FloatMaskMayHoldNegativeInfinity) {
+  // -inf is how SDPA users say "masked", in every float dtype; a large
+  // finite negative value is fine too.
+  struct MaskCase {
+    v1::DataType dtype;
+    std::function<void(v1::Tensor*)> set;
+  };
+  const MaskCase cases[] = {
+      {v1::FLOAT32, [](v1::Tensor* m) { SetFloat(m, 3, -kInf); SetFloat(m, 4, -3e38f); }},
+      {v1::FLOAT16, [](v1::Tensor* m) { SetBits<uint16_t>(m, 3, 0xfc00); }},
+      {v1::BFLOAT16, [](v1::Tensor* m) { SetBits<uint16_t>(m, 3, 0xff80); }},
+  };
+  for (const MaskCase& mc : cases) {
+    v1::AttendRequest r = ValidSdpa();
+    *r.mutable_attn_mask() = MakeTensor(mc.dtype, {5, 7});
+    mc.set(r.mutable_attn_mask());
+    absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, SdpaLayer());
+    EXPECT_TRUE(v.ok()) << v1::DataType_Name(mc.dtype) << ": " << v.status();
+  }
+}
+
+TEST(ValidationTest, LargeFiniteInputsUnderTheOverflowBoundPass) {
+  // 1e18 * 1e18 * 8 * max(1, 1/sqrt(8)) = 8e36 <= FLT_MAX; fp16's largest
+  // value 65504 anywhere; value 3e38 with Lk = 1.
+  v1::AttendRequest r = ValidSdpa();
+  SetFloat(r.mutable_query(), 71, -1e18f);
+  SetFloat(r.mutable_key(), 133, 1e18f);
+  EXPECT_TRUE(ValidateAttendRequest(r, SdpaLayer()).ok());
+
+  v1::AttendRequest half = ValidSdpaAs(v1::FLOAT16);
+  SetBits<uint16_t>(half.mutable_query(), 0, 0x7bff);
+  SetBits<uint16_t>(half.mutable_value(), 0, 0xfbff);
+  EXPECT_TRUE(ValidateAttendRequest(half, SdpaLayer()).ok());
+
+  v1::AttendRequest one_key = ValidSdpa();
+  *one_key.mutable_key() = MakeTensor(v1::FLOAT32, {2, 2, 1, 8});
+  *one_key.mutable_value() = MakeTensor(v1::FLOAT32, {2, 2, 1, 6});
+  SetFloat(one_key.mutable_value(), 0, 3e38f);
+  EXPECT_TRUE(ValidateAttendRequest(one_key, SdpaLayer()).ok());
+
+  // Projection models: only NaN/Inf are refused (their scores depend on the
+  // weights).
+  v1::AttendRequest mha = ValidMha();
+  SetFloat(mha.mutable_query(), 7, 3e38f);
+  EXPECT_TRUE(ValidateAttendRequest(mha, MhaLayer()).ok());
+}
+
+TEST(ValidationTest, DefaultLimitsAdmitTypicalRequests) {
+  // sdpa B1 H16 L2048 D64 (2^26 scores, 2^33 multiply-adds) and demo-mha
+  // over 4096 tokens (2^32 projection multiply-adds).
+  ValidationOptions defaults;
+  v1::AttendRequest r = ValidSdpa();
+  *r.mutable_query() = MakeTensor(v1::BFLOAT16, {1, 16, 2048, 64});
+  *r.mutable_key() = MakeTensor(v1::BFLOAT16, {1, 16, 2048, 64});
+  *r.mutable_value() = MakeTensor(v1::BFLOAT16, {1, 16, 2048, 64});
+  EXPECT_TRUE(ValidateAttendRequest(r, SdpaLayer(), defaults).ok());
+  v1::AttendRequest mha = ValidMha();
+  *mha.mutable_query() = MakeTensor(v1::FLOAT32, {1, 4096, 512});
+  EXPECT_TRUE(ValidateAttendRequest(mha, MhaLayer(), defaults).ok());
 }
 
 TEST(ValidationTest, AverageWeightsWithoutNeedWeightsIsIgnored) {
