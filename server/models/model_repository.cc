@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "engine/model/safetensors.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
@@ -50,15 +51,32 @@ absl::Status ConfigError(const std::string& path, absl::string_view field, absl:
   return absl::InvalidArgumentError(absl::StrCat(path, ": ", field, ": ", what));
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
+// Reads `path`; errors call it `label`.
+absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string& label) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     std::error_code ec(errno, std::generic_category());
-    return absl::InvalidArgumentError(absl::StrCat(path, ": cannot read: ", ec.message()));
+    return absl::InvalidArgumentError(absl::StrCat(label, ": cannot read: ", ec.message()));
   }
   std::ostringstream text;
   text << in.rdbuf();
   return text.str();
+}
+
+// The name of a repository folder inside the repository ("bad" for
+// "/srv/models/bad" or "/srv/models/bad/").
+std::string FolderLabel(const std::string& directory) {
+  fs::path path = fs::path(directory).lexically_normal();
+  if (path.filename().empty()) path = path.parent_path();
+  return path.filename().string();
+}
+
+// `status` with every occurrence of `path` (as the engine's file readers
+// name the file they opened) replaced by `label`.
+absl::Status Relabel(const absl::Status& status, const std::string& path,
+                     const std::string& label) {
+  return absl::Status(status.code(),
+                      absl::StrReplaceAll(status.message(), {{path, label}}));
 }
 
 bool OneOf(const std::string& value, std::initializer_list<const char*> allowed) {
@@ -230,43 +248,47 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
 RepositoryModel LoadModelFolder(const std::string& directory) {
   RepositoryModel model;
   model.directory = directory;
-  const std::string folder = fs::path(directory).filename().string();
-  model.name = folder;
+  model.folder = FolderLabel(directory);
+  model.name = model.folder;
   const std::string config_path = (fs::path(directory) / kModelConfigFile).string();
-  absl::StatusOr<std::string> text = ReadFile(config_path);
+  const std::string config_label = absl::StrCat(model.folder, "/", kModelConfigFile);
+  absl::StatusOr<std::string> text = ReadFile(config_path, config_label);
   if (!text.ok()) {
     model.status = text.status();
     return model;
   }
-  absl::StatusOr<v1::ModelConfig> config = ParseModelConfig(*text, config_path);
+  absl::StatusOr<v1::ModelConfig> config = ParseModelConfig(*text, config_label);
   if (!config.ok()) {
     model.status = config.status();
     return model;
   }
   model.config = *std::move(config);
-  model.status = ResolveModelConfig(config_path, folder, &model.config);
+  model.status = ResolveModelConfig(config_label, model.folder, &model.config);
   if (!model.config.name().empty()) model.name = model.config.name();
   if (!model.status.ok()) return model;
 
   auto layer = std::make_shared<AttentionLayer>();
   layer->config = ToLayerConfig(model.config);
   if (layer->config.has_projections) {
+    // The reader names the file by the path it opened.
     const std::string weights_path = (fs::path(directory) / kModelWeightsFile).string();
+    const std::string weights_label = absl::StrCat(model.folder, "/", kModelWeightsFile);
     absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(weights_path);
     if (!file.ok()) {
-      model.status = absl::InvalidArgumentError(file.status().message());
+      model.status = Relabel(absl::InvalidArgumentError(file.status().message()), weights_path,
+                             weights_label);
       return model;
     }
     absl::StatusOr<LayerWeights> weights =
         LoadLayerWeights(**file, layer->config, ToWeightSpec(model.config));
     if (!weights.ok()) {
-      model.status = weights.status();
+      model.status = Relabel(weights.status(), weights_path, weights_label);
       return model;
     }
     layer->weights = *std::move(weights);
   }
   if (absl::Status valid = ValidateLayer(*layer); !valid.ok()) {
-    model.status = absl::InvalidArgumentError(absl::StrCat(directory, ": ", valid.message()));
+    model.status = absl::InvalidArgumentError(absl::StrCat(model.folder, ": ", valid.message()));
     return model;
   }
   model.layer = std::move(layer);
@@ -294,13 +316,13 @@ absl::StatusOr<std::vector<RepositoryModel>> LoadModelRepository(const std::stri
   std::sort(folders.begin(), folders.end());
 
   std::vector<RepositoryModel> models;
-  std::map<std::string, std::string> folder_of;  // model name -> folder
+  std::map<std::string, std::string> folder_of;  // model name -> folder label
   for (const std::string& folder : folders) {
     RepositoryModel model = LoadModelFolder(folder);
-    auto [it, inserted] = folder_of.emplace(model.name, folder);
+    auto [it, inserted] = folder_of.emplace(model.name, model.folder);
     if (!inserted && model.status.ok()) {
-      model.status = absl::InvalidArgumentError(
-          absl::StrCat(folder, ": model name '", model.name, "' is already used by ", it->second));
+      model.status = absl::InvalidArgumentError(absl::StrCat(
+          model.folder, ": model name '", model.name, "' is already used by ", it->second));
       model.layer.reset();
     }
     models.push_back(std::move(model));
@@ -331,7 +353,7 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
     absl::Status status = m.status;
     if (status.ok() && registry->Find(m.name).ok()) {
       status = absl::AlreadyExistsError(absl::StrCat(
-          m.directory, ": model name '", m.name, "' is already taken (a built-in model)"));
+          m.folder, ": model name '", m.name, "' is already taken (a built-in model)"));
     }
     if (status.ok()) {
       const std::string& backend = m.config.backend();
@@ -343,7 +365,7 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
           it = engines.emplace(backend, std::shared_ptr<AttentionEngine>(*std::move(engine))).first;
         } else {
           status = absl::InvalidArgumentError(absl::StrCat(
-              m.directory, ": backend \"", backend, "\" is unavailable: ", engine.status().message()));
+              m.folder, ": backend \"", backend, "\" is unavailable: ", engine.status().message()));
         }
       }
       if (status.ok()) model->engine = it->second;
@@ -354,7 +376,10 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
     } else {
       model->state = ModelState::kFailed;
       model->reason = std::string(status.message());
-      failures.push_back(absl::StrCat("model '", m.name, "': ", status.message()));
+      // The operator's log (and a strict startup error) also gets the full
+      // path; clients see only `reason`.
+      failures.push_back(
+          absl::StrCat("model '", m.name, "' (", m.directory, "): ", status.message()));
     }
     served.push_back(std::move(model));
   }

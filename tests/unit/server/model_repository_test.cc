@@ -22,6 +22,8 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
+using ::testing::StartsWith;
 
 v1::ModelConfig Resolved(const std::string& text) {
   absl::StatusOr<v1::ModelConfig> c = ParseModelConfig(text, "m/config.pbtxt");
@@ -243,6 +245,69 @@ TEST_F(RepositoryTest, NonStrictAddsTheBadOneAsFailed) {
   EXPECT_EQ((*bad)->state, ModelState::kFailed);
   EXPECT_THAT((*bad)->reason, AllOf(HasSubstr("bad/weights.safetensors"),
                                     HasSubstr("expected [18, 8]")));
+}
+
+// A failed model's reason reaches any client (GetModel, ListModels, Attend
+// errors): it names files relative to the repository, never the server's
+// full path; the operator's startup error/log keeps the full path.
+TEST_F(RepositoryTest, ReasonsNameFilesRelativeToTheRepository) {
+  WriteMha("good", 8);
+  WriteMha("no-weights", 8);
+  fs::remove(fs::path(dir_) / "no-weights" / "weights.safetensors");
+  WriteMha("bad-shape", 8, "out_dim: 6\n");
+  WriteMha("bad-syntax", 8, "nonsense: 1\n");
+  WriteMha("bad-dims", 8, "head_dim: 3\n");
+  WriteFile("no-config/README", "no config here");
+  WriteMha("dup", 8, "name: \"good\"\n");
+  WriteMha("builtin", 8, "name: \"taken\"\n");
+  WriteMha("no-backend", 8, "backend: \"cuda\"\n");
+  auto engine = CreateEngine("reference");
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::shared_ptr<AttentionEngine> shared = *std::move(engine);
+  ModelRegistry registry;
+  auto builtin = std::make_shared<ServedModel>();
+  builtin->name = "taken";
+  builtin->config = std::make_shared<v1::ModelConfig>();
+  ASSERT_TRUE(registry.Add(builtin).ok());
+  ASSERT_TRUE(AddRepositoryModels(dir_ + "/", /*strict=*/false, shared, {}, &registry).ok());
+
+  const std::vector<std::pair<std::string, std::string>> expected = {
+      {"no-weights", "no-weights/weights.safetensors: cannot open"},
+      {"bad-shape", "bad-shape/weights.safetensors: tensor 'out_proj.weight'"},
+      {"bad-syntax", "bad-syntax/config.pbtxt:3:"},
+      {"bad-dims", "bad-dims/weights.safetensors"},
+      {"no-config", "no-config/config.pbtxt: cannot read"},
+      {"no-backend", "no-backend: backend \"cuda\""},
+  };
+  for (const auto& [name, start] : expected) {
+    auto model = registry.Find(name);
+    ASSERT_TRUE(model.ok()) << name;
+    EXPECT_EQ((*model)->state, ModelState::kFailed) << name;
+    EXPECT_THAT((*model)->reason, AllOf(StartsWith(start), Not(HasSubstr(dir_)))) << name;
+  }
+  // The duplicate and the clash with a registered name never got a model of
+  // their own name; their reasons are in the load results.
+  absl::StatusOr<std::vector<RepositoryModel>> models = LoadModelRepository(dir_);
+  ASSERT_TRUE(models.ok()) << models.status();
+  for (const RepositoryModel& m : *models) {
+    EXPECT_THAT(std::string(m.status.message()), Not(HasSubstr(dir_))) << m.folder;
+    if (m.folder == "good") {
+      // "dup" sorts before "good", so "good" is the second folder named good.
+      EXPECT_THAT(std::string(m.status.message()),
+                  HasSubstr("good: model name 'good' is already used by dup"));
+    }
+    EXPECT_EQ(m.directory, (fs::path(dir_) / m.folder).string());
+  }
+  for (const auto& model : registry.List()) {
+    EXPECT_THAT(model->reason, Not(HasSubstr(dir_))) << model->name;
+  }
+
+  // Strict: the startup error is the operator's and names the full path.
+  ModelRegistry strict_registry;
+  absl::Status s = AddRepositoryModels(dir_, /*strict=*/true, shared, {}, &strict_registry);
+  EXPECT_THAT(s.message(),
+              AllOf(HasSubstr(absl::StrCat("model 'no-weights' (", dir_, "/no-weights): ",
+                                           "no-weights/weights.safetensors: cannot open"))));
 }
 
 TEST(RepositoryDirTest, MissingDirectoryIsAnError) {
