@@ -73,6 +73,18 @@ ABSL_FLAG(absl::Duration, shutdown_grace, absl::FromChrono(kDefaults.shutdown_gr
 ABSL_FLAG(bool, strict_model_loading, kDefaults.strict_model_loading,
           "true: exit non-zero if any repository model fails to load; false: serve the "
           "others and report the bad one FAILED in ListModels/GetModel");
+// Client abuse (issue 14): work per request and non-finite inputs.
+ABSL_FLAG(int64_t, max_attention_scores, kDefaults.validation.max_attention_scores,
+          "most attention scores B*Hq*Lq*Lk in one request (about 1 s of a core per 2^28 on "
+          "the CPU engine); larger requests get RESOURCE_EXHAUSTED before any compute");
+ABSL_FLAG(int64_t, max_multiply_adds, kDefaults.validation.max_multiply_adds,
+          "most multiply-adds of one request's matrix products: attention "
+          "B*Hq*Lq*Lk*(Dk+Dv) plus a projection model's Q, K, V and output projections; "
+          "larger requests get RESOURCE_EXHAUSTED before any compute");
+ABSL_FLAG(std::string, nonfinite_inputs, "reject",
+          "NaN/Inf in query, key, value, NaN/+inf in a float attn_mask, and inputs whose "
+          "scores could overflow float32: reject (INVALID_ARGUMENT naming the tensor and "
+          "element; the only mode implemented)");
 
 int main(int argc, char** argv) {
   DefaultToPassiveOpenMpWaits(argv);
@@ -105,7 +117,9 @@ int main(int argc, char** argv) {
       "[--threads=N] [--default-model=demo-mha] [--max-message-bytes=67108864] "
       "[--backend=auto|cpu|reference] [--model-repository=DIR] [--strict-model-loading=true] "
       "[--max-batch-requests=N] [--max-batch-tokens=N] [--max-queue-delay-us=N] "
-      "[--max-queue-size=N] [--instances=N] [--idle-spin-us=200] [--shutdown-grace=30s]\n"
+      "[--max-queue-size=N] [--instances=N] [--idle-spin-us=200] [--shutdown-grace=30s] "
+      "[--max-attention-scores=268435456] [--max-multiply-adds=34359738368] "
+      "[--nonfinite-inputs=reject]\n"
       "Flags may be written with dashes or underscores.");
   std::vector<std::string> args =
       attnserve::NormalizeFlagNames(std::vector<std::string>(argv, argv + argc));
@@ -134,6 +148,15 @@ int main(int argc, char** argv) {
   options.batching.instances = absl::GetFlag(FLAGS_instances);
   options.batching.idle_spin_us = absl::GetFlag(FLAGS_idle_spin_us);
   options.shutdown_grace = absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_shutdown_grace));
+  options.validation.max_attention_scores = absl::GetFlag(FLAGS_max_attention_scores);
+  options.validation.max_multiply_adds = absl::GetFlag(FLAGS_max_multiply_adds);
+  absl::StatusOr<attnserve::NonfiniteInputs> nonfinite =
+      attnserve::ParseNonfiniteInputs(absl::GetFlag(FLAGS_nonfinite_inputs));
+  if (!nonfinite.ok()) {
+    std::fprintf(stderr, "attnserve: %s\n", std::string(nonfinite.status().message()).c_str());
+    return 2;
+  }
+  options.validation.nonfinite_inputs = *nonfinite;
 
   absl::StatusOr<std::unique_ptr<attnserve::AttnServer>> server =
       attnserve::AttnServer::Start(options);

@@ -52,6 +52,14 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat("--shutdown-grace: must be >= 0, got ",
                                                    options.shutdown_grace.count(), " ms"));
   }
+  if (options.validation.max_attention_scores < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-attention-scores: must be >= 1, got ",
+                                                   options.validation.max_attention_scores));
+  }
+  if (options.validation.max_multiply_adds < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-multiply-adds: must be >= 1, got ",
+                                                   options.validation.max_multiply_adds));
+  }
   if (absl::Status s = ValidateBatcherOptions(options.batching); !s.ok()) {
     // The option names match the flags, spelled with dashes.
     std::string message(s.message());
@@ -81,6 +89,18 @@ std::vector<std::string> NormalizeFlagNames(const std::vector<std::string>& args
     out.push_back(std::move(arg));
   }
   return out;
+}
+
+absl::StatusOr<NonfiniteInputs> ParseNonfiniteInputs(const std::string& value) {
+  if (value == "reject") return NonfiniteInputs::kReject;
+  if (value == "propagate") {
+    return absl::InvalidArgumentError(
+        "--nonfinite-inputs: 'propagate' (NaN rows as PyTorch gives them) is not implemented: "
+        "the engines would need PyTorch's NaN and +inf semantics in their softmax; use "
+        "'reject'");
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--nonfinite-inputs: expected reject, got '", value, "'"));
 }
 
 }  // namespace attnserve

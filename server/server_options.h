@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "server/batching/batcher_options.h"
 #include "server/request/clock.h"
 #include "server/request/validation.h"
@@ -45,7 +46,9 @@ struct ServerOptions {
   // engine workers each. A repository model's config.pbtxt (batching,
   // instances) overrides these field by field. Default: BatcherOptions{}.
   BatcherOptions batching;
-  // Per-request size limits. Default: ValidationOptions{}.
+  // Per-request size and work limits (--max-attention-scores,
+  // --max-multiply-adds) and what is done with non-finite inputs
+  // (--nonfinite-inputs). Default: ValidationOptions{}.
   ValidationOptions validation;
   // The time source of every timing rule (deadlines, batching, shutdown
   // grace); must outlive the server. Tests inject a FakeClock. Default:
@@ -62,6 +65,11 @@ absl::Status CheckServerOptions(const ServerOptions& options);
 // every "--name[=value]" argument before the first bare "--"; values and
 // positional arguments are untouched.
 std::vector<std::string> NormalizeFlagNames(const std::vector<std::string>& args);
+
+// --nonfinite-inputs: "reject" (the only mode implemented; see
+// NonfiniteInputs). Anything else is InvalidArgument naming the flag;
+// "propagate" says why it is not available.
+absl::StatusOr<NonfiniteInputs> ParseNonfiniteInputs(const std::string& value);
 
 }  // namespace attnserve
 

@@ -47,8 +47,36 @@ TEST(ServerOptionsTest, RejectsBadValuesNamingTheFlag) {
   o.max_message_bytes = int64_t{1} << 40;
   EXPECT_THAT(message(o), HasSubstr("--max-message-bytes"));
   o = {};
+  o.validation.max_attention_scores = 0;
+  EXPECT_THAT(message(o), HasSubstr("--max-attention-scores: must be >= 1, got 0"));
+  o = {};
+  o.validation.max_multiply_adds = -5;
+  EXPECT_THAT(message(o), HasSubstr("--max-multiply-adds: must be >= 1, got -5"));
+  o = {};
   o.address = "[::1]:0";
   EXPECT_TRUE(CheckServerOptions(o).ok());
+}
+
+TEST(ServerOptionsTest, WorkLimitsAndNonfiniteDefaults) {
+  ServerOptions options;
+  EXPECT_EQ(options.validation.max_attention_scores, int64_t{1} << 28);
+  EXPECT_EQ(options.validation.max_multiply_adds, int64_t{1} << 35);
+  EXPECT_EQ(options.validation.nonfinite_inputs, NonfiniteInputs::kReject);
+}
+
+TEST(ServerOptionsTest, ParsesNonfiniteInputs) {
+  absl::StatusOr<NonfiniteInputs> mode = ParseNonfiniteInputs("reject");
+  ASSERT_TRUE(mode.ok()) << mode.status();
+  EXPECT_EQ(*mode, NonfiniteInputs::kReject);
+  mode = ParseNonfiniteInputs("propagate");
+  ASSERT_FALSE(mode.ok());
+  EXPECT_THAT(std::string(mode.status().message()),
+              HasSubstr("--nonfinite-inputs: 'propagate' (NaN rows as PyTorch gives them) is "
+                        "not implemented"));
+  mode = ParseNonfiniteInputs("ignore");
+  ASSERT_FALSE(mode.ok());
+  EXPECT_THAT(std::string(mode.status().message()),
+              HasSubstr("--nonfinite-inputs: expected reject, got 'ignore'"));
 }
 
 TEST(ServerOptionsTest, NormalizesFlagNamesOnly) {
