@@ -250,40 +250,49 @@ absl::Status CheckOutputSize(absl::string_view field, const Shape& shape, DType 
                    " is over the server's limit of ", limit_bytes, " bytes"));
 }
 
-// The bit layout of a float dtype: the sign bit, and the pattern of +Inf
-// (exponent all ones, mantissa zero). With the sign cleared, a pattern above
-// +Inf is NaN, and finite values order as their patterns do, so one integer
-// max over the magnitudes finds both the largest |x| and any non-finite x.
+// The bit layout of a float dtype, read as a signed integer of its width:
+// the pattern of +Inf (exponent all ones, mantissa zero) and the mask that
+// clears the sign. With the sign cleared, a pattern above +Inf is NaN and
+// finite magnitudes order as their patterns do; read signed, every negative
+// float is below every positive one. So two integer max reductions find the
+// largest |x|, the largest positive x, and any NaN or Inf.
 template <typename Bits>
 struct FloatBits {
-  Bits sign;
+  Bits abs_mask;
   Bits inf;
 };
-constexpr FloatBits<uint32_t> kFloat32Bits{0x80000000u, 0x7f800000u};
-constexpr FloatBits<uint16_t> kFloat16Bits{0x8000u, 0x7c00u};
-constexpr FloatBits<uint16_t> kBFloat16Bits{0x8000u, 0x7f80u};
+constexpr FloatBits<int32_t> kFloat32Bits{0x7fffffff, 0x7f800000};
+constexpr FloatBits<int16_t> kFloat16Bits{0x7fff, 0x7c00};
+constexpr FloatBits<int16_t> kBFloat16Bits{0x7fff, 0x7f80};
 
-// What one pass over a float tensor found.
+// What one pass over a float tensor found, as bit patterns.
 struct ValueScan {
-  // Largest magnitude as a bit pattern (sign cleared); > inf: a NaN exists,
-  // == inf: an Inf and no NaN.
-  uint32_t max_abs_bits = 0;
-  // Largest pattern among values with the sign bit clear (NaN, +Inf and the
-  // largest positive value order in that way); 0 when none is positive.
-  uint32_t max_positive_bits = 0;
+  // Largest magnitude (sign cleared): > inf: a NaN exists; == inf: an Inf
+  // and no NaN.
+  int32_t max_abs_bits = 0;
+  // Largest pattern among values with the sign bit clear (NaN above +Inf
+  // above every finite value); 0 when none is positive.
+  int32_t max_positive_bits = 0;
 };
 
-// Branch-free, so the compiler vectorises it: the cost is one read of the
-// tensor (docs/OPERATIONS.md has the measurement against memcpy).
+// GCC vectorises loops only from -O3 (or with -ftree-vectorize); this loop
+// is the whole cost of the values rules, and vectorised it reads at memory
+// speed (docs/OPERATIONS.md has the measurement against memcpy). Clang vectorises
+// at -O2.
+#if defined(__GNUC__) && !defined(__clang__)
+#define ATTNSERVE_VECTORIZE __attribute__((optimize("tree-vectorize")))
+#else
+#define ATTNSERVE_VECTORIZE
+#endif
+
 template <typename Bits>
-ValueScan ScanBits(const void* data, int64_t n, FloatBits<Bits> f) {
+ATTNSERVE_VECTORIZE ValueScan ScanBits(const void* data, int64_t n, FloatBits<Bits> f) {
   const Bits* p = static_cast<const Bits*>(data);
-  const Bits abs_mask = static_cast<Bits>(~f.sign);
   Bits max_abs = 0, max_positive = 0;
   for (int64_t i = 0; i < n; ++i) {
     const Bits b = p[i];
-    max_abs = std::max<Bits>(max_abs, b & abs_mask);
-    max_positive = std::max<Bits>(max_positive, (b & f.sign) ? Bits{0} : b);
+    max_abs = std::max<Bits>(max_abs, static_cast<Bits>(b & f.abs_mask));
+    max_positive = std::max<Bits>(max_positive, b);
   }
   return ValueScan{max_abs, max_positive};
 }
@@ -298,7 +307,7 @@ ValueScan Scan(const TensorView& view) {
   }
 }
 
-uint32_t InfBits(DType dtype) {
+int32_t InfBits(DType dtype) {
   switch (dtype) {
     case DType::kFloat16: return kFloat16Bits.inf;
     case DType::kBFloat16: return kBFloat16Bits.inf;
@@ -307,7 +316,7 @@ uint32_t InfBits(DType dtype) {
 }
 
 // The value of a magnitude bit pattern of `dtype`, widened to double.
-double BitsValue(DType dtype, uint32_t bits) {
+double BitsValue(DType dtype, int32_t bits) {
   switch (dtype) {
     case DType::kFloat16: return HalfToFloat(static_cast<uint16_t>(bits));
     case DType::kBFloat16: return BFloat16ToFloat(static_cast<uint16_t>(bits));
@@ -360,7 +369,7 @@ absl::StatusOr<double> FiniteMaxAbs(absl::string_view field, const TensorView& v
 // at its first NaN or +Inf. -Inf means "masked" and is what SDPA users send.
 absl::StatusOr<double> MaskMaxPositive(const TensorView& mask) {
   const ValueScan scan = Scan(mask);
-  const uint32_t inf = InfBits(mask.dtype);
+  const int32_t inf = InfBits(mask.dtype);
   if (scan.max_positive_bits >= inf || scan.max_abs_bits > inf) {
     return NonfiniteError("attn_mask", mask,
                           "a float mask may hold -inf (masked) but not NaN or +inf; "
