@@ -211,6 +211,16 @@ MALFORMED = [
     ("nan scale", dict(scale=float("nan")), "INVALID_ARGUMENT", ["scale", "nan"]),
     ("inf scale", dict(scale=float("inf")), "INVALID_ARGUMENT", ["scale", "inf"]),
     ("unknown model", dict(model="nope"), "NOT_FOUND", ["nope"]),
+    # Non-finite inputs and overflowing scores are refused, never answered
+    # with silently different numbers (issue 14).
+    ("+inf key", dict(k=_set_tensor("key", array=np.where(np.arange(2 * 2 * 5 * 8).reshape(2, 2, 5, 8) == 9,
+                                                          np.inf, 0).astype(np.float32))),
+     "INVALID_ARGUMENT", ["key.data: element [0, 0, 1, 1] is +inf", "--nonfinite-inputs=reject"]),
+    ("nan float mask", dict(m=_set_tensor("attn_mask", array=np.array([[0, np.nan, 0, 0, 0]] * 4, np.float32))),
+     "INVALID_ARGUMENT", ["attn_mask.data: element [0, 1] is NaN", "may hold -inf"]),
+    ("+inf float mask", dict(m=_set_tensor("attn_mask", array=np.array([[0, 0, 0, 0, np.inf]] * 4, np.float16))),
+     "INVALID_ARGUMENT", ["attn_mask.data: element [0, 4] is +inf"]),
+    ("scores overflow", dict(scale=3e38), "INVALID_ARGUMENT", ["query/key/scale", "exceeds FLT_MAX"]),
 ]
 
 
@@ -228,6 +238,67 @@ def test_malformed_request_rejected_then_serves(client, server, name, overrides,
     assert server.alive()
     q, k, v = _good_sdpa(np.random.default_rng(1))
     _assert_fp32_close(client.attend(q, k, v, model="sdpa").output, harness.reference_attention(q, k, v)[0])
+
+
+def test_nan_query_refused_with_the_documented_message(client):
+    q, k, v = _good_sdpa()
+    q[0, 1, 2, 3] = np.nan
+    with pytest.raises(grpc.RpcError) as e:
+        client.attend(q, k, v, model="sdpa")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == ("query.data: element [0, 1, 2, 3] is NaN; non-finite inputs are "
+                                 "refused (--nonfinite-inputs=reject)"), e.value.details()
+    # bf16 on the wire: the same rule on the 16-bit pattern.
+    with pytest.raises(grpc.RpcError) as e:
+        client.attend(q, k, v, model="sdpa", input_dtype="bf16")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "query.data: element [0, 1, 2, 3] is NaN" in e.value.details()
+
+
+def test_negative_inf_mask_is_answered(client):
+    # -inf in a float mask is SDPA's "masked": answered, as PyTorch does.
+    q, k, v = _good_sdpa()
+    mask = np.zeros((4, 5), np.float32)
+    mask[:, 3] = -np.inf
+    mask[1, :4] = -np.inf
+    res = client.attend(q, k, v, model="sdpa", attn_mask=mask)
+    want = harness.reference_attention(q, k, v, mask=mask)[0]
+    assert np.isfinite(res.output).all()
+    _assert_fp32_close(res.output, want)
+
+
+def test_work_per_request_is_bounded():
+    # The issue's request: 1.5 MB buying 2^34 attention scores (seconds of a
+    # core) is refused before any compute; a lower flag refuses smaller ones.
+    srv = harness.ServerProcess("--max-multiply-adds", "1000000")
+    try:
+        with AttentionClient(srv.target) as c:
+            x = np.ones((1, 1, 131072, 1), np.float32)
+            with pytest.raises(grpc.RpcError) as e:
+                c.attend(x, x, x, model="sdpa", timeout=10)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+            assert "17179869184 attention scores" in e.value.details()
+            assert "limit of 268435456 per request (--max-attention-scores)" in e.value.details()
+            q, k, v = _sdpa_inputs(np.random.default_rng(3), b=1, hq=8, hkv=8, lq=64, lk=64, dk=64, dv=64)
+            with pytest.raises(grpc.RpcError) as e:
+                c.attend(q, k, v, model="sdpa")
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+            assert "4194304 multiply-adds" in e.value.details()
+            assert "limit of 1000000 per request (--max-multiply-adds)" in e.value.details()
+            small = _sdpa_inputs(np.random.default_rng(4), b=1, hq=2, hkv=2, lq=8, lk=8, dk=8, dv=8)
+            _assert_fp32_close(c.attend(*small, model="sdpa").output, harness.reference_attention(*small)[0])
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log()
+
+
+def test_nonfinite_propagate_is_refused_at_startup():
+    import subprocess
+    proc = subprocess.run([harness.server_bin(), "--address", "127.0.0.1:0", "--metrics-address",
+                           "127.0.0.1:0", "--nonfinite-inputs=propagate"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "--nonfinite-inputs: 'propagate'" in proc.stderr and "not implemented" in proc.stderr, proc.stderr
 
 
 def test_demo_mha_wrong_feature_dim(client):
