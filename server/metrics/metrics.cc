@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <exception>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -85,6 +86,15 @@ void ModelMetrics::BatchDone(int64_t requests, int64_t tokens, double compute_se
 }
 
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& options) {
+  if (options.threads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics threads: must be >= 1, got ", options.threads));
+  }
+  if (options.request_timeout.count() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metrics request timeout: must be >= 1 ms, got ", options.request_timeout.count(),
+        " ms"));
+  }
   std::unique_ptr<Metrics> m(new Metrics);
   m->registry_ = std::make_shared<prometheus::Registry>();
   prometheus::Registry& r = *m->registry_;
@@ -147,8 +157,17 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
 
   if (!options.address.empty()) {
     try {
-      // civetweb threads: 2 are enough for a few scrapers.
-      m->exposer_ = std::make_unique<prometheus::Exposer>(options.address, 2);
+      // civetweb serves one connection per worker thread and by default
+      // waits 30 s for a request to arrive in full: two clients that sent
+      // half a request blocked every scrape for 29.7 s with 2 threads.
+      // request_timeout_ms bounds the whole request read (not each read()),
+      // so trickling a byte at a time does not extend it. Keep-alive stays
+      // off: an idle scraper connection would hold a worker between scrapes.
+      m->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+          "listening_ports", options.address,
+          "num_threads", std::to_string(options.threads),
+          "request_timeout_ms", std::to_string(options.request_timeout.count()),
+          "enable_keep_alive", "no"});
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat("metrics endpoint cannot listen on ",
                                                  options.address, ": ", e.what()));
