@@ -52,6 +52,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   metrics_options.address = options.metrics_address;
   metrics_options.threads = options.metrics_threads;
   metrics_options.request_timeout = options.metrics_request_timeout;
+  metrics_options.connections_shed = &ConnectionsShedForFds;
   metrics_options.build_labels = {{"backend", options.backend},
                                   {"grpc_version", grpc::Version()}};
   absl::StatusOr<std::unique_ptr<Metrics>> metrics = Metrics::Create(metrics_options);

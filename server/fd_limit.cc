@@ -2,6 +2,7 @@
 // of failing when the process is out of descriptors.
 #include "server/fd_limit.h"
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/resource.h>
@@ -116,6 +117,12 @@ void KeepAcceptingWhenOutOfFds() {
   std::lock_guard<std::mutex> lock(g_mu);
   ReserveLocked();
   g_shedding_enabled.store(true);
+}
+
+bool AcceptGuardIsBound() {
+  // What a library's call to accept4 binds to: the first definition in the
+  // global scope, the executable's when it exports one.
+  return dlsym(RTLD_DEFAULT, "accept4") == reinterpret_cast<void*>(&::accept4);
 }
 
 int64_t ConnectionsShedForFds() { return g_shed_total.load(std::memory_order_relaxed); }

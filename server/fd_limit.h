@@ -35,6 +35,11 @@ absl::StatusOr<OpenFileLimit> RaiseOpenFileLimit();
 // stderr says how many were closed. Idempotent and thread-safe.
 void KeepAcceptingWhenOutOfFds();
 
+// Whether gRPC's accept4 calls reach the one of KeepAcceptingWhenOutOfFds:
+// false when the executable does not export accept4 (link it with
+// -Wl,--export-dynamic-symbol=accept4), or a library bound it otherwise.
+bool AcceptGuardIsBound();
+
 // Connections closed because no descriptor was free, since the process
 // started.
 int64_t ConnectionsShedForFds();

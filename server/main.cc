@@ -141,6 +141,12 @@ int main(int argc, char** argv) {
                  static_cast<unsigned long long>(limit->after));
   }
 
+  if (!attnserve::AcceptGuardIsBound()) {
+    std::fprintf(stderr,
+                 "attnserve: warning: accept4 is not interposed; running out of file "
+                 "descriptors will stop the gRPC listener for good\n");
+  }
+
   attnserve::ServerOptions options;
   options.address = absl::GetFlag(FLAGS_address);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <exception>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -45,6 +46,30 @@ prometheus::Histogram::BucketBoundaries TokenBuckets() {
   for (double v = 1; v <= (1 << 20); v *= 2) b.push_back(v);
   return b;
 }
+
+// Families whose value lives outside this object (a process-wide counter)
+// and is read when scraped.
+class ReadOnScrape : public prometheus::Collectable {
+ public:
+  explicit ReadOnScrape(std::function<int64_t()> connections_shed)
+      : connections_shed_(std::move(connections_shed)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    prometheus::MetricFamily family;
+    family.name = "attnserve_connections_shed_total";
+    family.help =
+        "Incoming gRPC connections closed at once because the process had no free file "
+        "descriptor (the listener keeps accepting; raise the open files limit)";
+    family.type = prometheus::MetricType::Counter;
+    prometheus::ClientMetric value;
+    value.counter.value = static_cast<double>(connections_shed_());
+    family.metric.push_back(std::move(value));
+    return {std::move(family)};
+  }
+
+ private:
+  const std::function<int64_t()> connections_shed_;
+};
 
 }  // namespace
 
@@ -155,6 +180,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
       .Add(build)
       .Set(1);
 
+  if (options.connections_shed) {
+    m->read_on_scrape_ = std::make_shared<ReadOnScrape>(options.connections_shed);
+  }
+
   if (!options.address.empty()) {
     try {
       // civetweb serves one connection per worker thread and by default
@@ -173,6 +202,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                                                  options.address, ": ", e.what()));
     }
     m->exposer_->RegisterCollectable(m->registry_);
+    if (m->read_on_scrape_ != nullptr) m->exposer_->RegisterCollectable(m->read_on_scrape_);
     std::vector<int> ports = m->exposer_->GetListeningPorts();
     m->port_ = ports.empty() ? 0 : ports.front();
     const size_t colon = options.address.rfind(':');
@@ -259,7 +289,11 @@ ModelMetrics* Metrics::ForModel(const std::string& model) {
 }
 
 std::string Metrics::Serialize() const {
-  return prometheus::TextSerializer().Serialize(registry_->Collect());
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  if (read_on_scrape_ != nullptr) {
+    for (prometheus::MetricFamily& f : read_on_scrape_->Collect()) families.push_back(std::move(f));
+  }
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 }  // namespace attnserve

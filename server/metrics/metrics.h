@@ -6,6 +6,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -42,6 +43,11 @@ struct MetricsOptions {
   // how long a slow or silent client can hold a worker thread.
   // Default: 5 s.
   std::chrono::milliseconds request_timeout{5000};
+  // Read at every scrape as attnserve_connections_shed_total: incoming
+  // connections closed at once because the process had no free file
+  // descriptor (see KeepAcceptingWhenOutOfFds). Thread-safe, cheap.
+  // Default: none (the family is absent).
+  std::function<int64_t()> connections_shed = nullptr;
 };
 
 // The metrics of one served model. Every method is thread-safe and cheap
@@ -112,6 +118,8 @@ class Metrics {
   Metrics() = default;
 
   std::shared_ptr<prometheus::Registry> registry_;
+  // Families read from elsewhere at scrape time (connections_shed).
+  std::shared_ptr<prometheus::Collectable> read_on_scrape_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;
   std::string address_;

@@ -102,6 +102,7 @@ def test_accepting_resumes_after_fd_exhaustion():
         assert "out of file descriptors (open files limit 256): closed" in server.log(), \
             server.log()
         assert "Failed accept4" not in server.log(), server.log()
+        assert su.metric(su.scrape(server), "attnserve_connections_shed_total") > 0
     finally:
         _stop_cleanly(server)
 

@@ -18,6 +18,7 @@ namespace attnserve {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // A plain HTTP/1.0 GET over loopback; returns the whole reply.
 std::string HttpGet(int port, const std::string& path) {
@@ -127,6 +128,21 @@ TEST(MetricsTest, BusyPortIsUnavailable) {
   ASSERT_TRUE(first.ok());
   auto second = Metrics::Create(Options("127.0.0.1:" + std::to_string((*first)->port())));
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(MetricsTest, ConnectionsShedIsReadAtEachScrape) {
+  int64_t shed = 0;
+  MetricsOptions o = Options("127.0.0.1:0");
+  o.connections_shed = [&shed] { return shed; };
+  auto m = Metrics::Create(o);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_THAT((*m)->Serialize(), HasSubstr("attnserve_connections_shed_total 0"));
+  shed = 3;
+  EXPECT_THAT(HttpGet((*m)->port(), "/metrics"),
+              HasSubstr("# TYPE attnserve_connections_shed_total counter\n"
+                        "attnserve_connections_shed_total 3"));
+  EXPECT_THAT(Metrics::Create(Options("")).value()->Serialize(),
+              Not(HasSubstr("attnserve_connections_shed_total")));
 }
 
 TEST(MetricsTest, RejectsNoThreadsAndNoTimeout) {
