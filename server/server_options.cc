@@ -31,6 +31,15 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
   if (absl::Status s = CheckHostPort("metrics-address", options.metrics_address); !s.ok()) {
     return s;
   }
+  if (options.metrics_threads < 1 || options.metrics_threads > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--metrics-threads: must be in [1, 1024], got ", options.metrics_threads));
+  }
+  if (options.metrics_request_timeout.count() < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics-request-timeout: must be >= 1ms, got ",
+                     options.metrics_request_timeout.count(), " ms"));
+  }
   if (options.backend != "auto" && options.backend != "cpu" && options.backend != "reference" &&
       options.backend != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -35,6 +35,12 @@ TEST(ServerOptionsTest, RejectsBadValuesNamingTheFlag) {
   o.metrics_address = "x:y";
   EXPECT_THAT(message(o), HasSubstr("--metrics-address"));
   o = {};
+  o.metrics_threads = 0;
+  EXPECT_THAT(message(o), HasSubstr("--metrics-threads"));
+  o = {};
+  o.metrics_request_timeout = std::chrono::milliseconds(0);
+  EXPECT_THAT(message(o), HasSubstr("--metrics-request-timeout"));
+  o = {};
   o.backend = "tpu";
   EXPECT_THAT(message(o), HasSubstr("--backend"));
   o = {};
