@@ -139,7 +139,7 @@ void BM_GemmCeiling(benchmark::State& state, BenchShape s, DType dtype, int thre
     qk = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(q_md, kt_md, s_md), eng));
     pv = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(p_md, v_md, o_md), eng));
   } catch (const dnnl::error& e) {
-    // oneDNN 2.6 has no bf16 matmul without AVX512_BF16 or AMX.
+    // oneDNN 2.6 has no bf16 matmul on AVX2-only CPUs (emulated on AVX-512).
     state.SkipWithError(absl::StrCat("oneDNN has no such matmul on this CPU: ", e.what()).c_str());
     return;
   }
