@@ -99,7 +99,6 @@ void AttendStreamReactor::Answer(std::unique_ptr<Message> message, absl::Status 
     message->answer.set_message(ToGrpcStatus(s).error_message());
     SerializeMessage(message->answer, &message->answer_bytes).IgnoreError();
   }
-  message->answer.Clear();  // answer_bytes hold it now
   absl::MutexLock lock(&mu_);
   --owed_;
   if (!write_failed_) {

@@ -101,9 +101,10 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
     // OnDone: gRPC frees its part only after the reactor is done.
     service_->StartAttend(context, parsed_, request_, &response_,
                           [this, response_bytes](absl::Status status) {
-                            request_.Clear();  // inputs no longer needed; free them now
+                            // request_ and response_ are freed in OnDone, as
+                            // gRPC freed its messages: not while the client
+                            // waits for the answer.
                             if (status.ok()) status = SerializeMessage(response_, response_bytes);
-                            response_.Clear();  // the bytes hold the answer now
                             Finish(ToGrpcStatus(status));
                           });
   }
