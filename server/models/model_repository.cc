@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "engine/model/safetensors.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
@@ -64,6 +65,15 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 bool OneOf(const std::string& value, std::initializer_list<const char*> allowed) {
   return std::any_of(allowed.begin(), allowed.end(),
                      [&](const char* a) { return value == a; });
+}
+
+// `message` with every "DIR/" (and DIR itself) replaced by "" / ".", so that
+// paths inside the repository read relative to it.
+std::string RelativeToRepository(absl::string_view message, const std::string& dir) {
+  std::string root = fs::path(dir).lexically_normal().string();
+  while (root.size() > 1 && root.back() == '/') root.pop_back();
+  std::string out = absl::StrReplaceAll(message, {{root + "/", ""}});
+  return absl::StrReplaceAll(out, {{root, "."}});
 }
 
 bool ValidName(const std::string& name) {
@@ -353,7 +363,10 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
       model->state = ModelState::kReady;
     } else {
       model->state = ModelState::kFailed;
-      model->reason = std::string(status.message());
+      // Callers see the reason (GetModel, ListModels, Attend errors): name
+      // files relative to the repository, not by the server's own paths.
+      // The operator's log line below keeps the full paths.
+      model->reason = RelativeToRepository(status.message(), dir);
       failures.push_back(absl::StrCat("model '", m.name, "': ", status.message()));
     }
     served.push_back(std::move(model));

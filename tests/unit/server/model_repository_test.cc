@@ -243,6 +243,9 @@ TEST_F(RepositoryTest, NonStrictAddsTheBadOneAsFailed) {
   EXPECT_EQ((*bad)->state, ModelState::kFailed);
   EXPECT_THAT((*bad)->reason, AllOf(HasSubstr("bad/weights.safetensors"),
                                     HasSubstr("expected [18, 8]")));
+  // Callers see paths relative to the repository, never the server's own.
+  EXPECT_THAT((*bad)->reason, ::testing::StartsWith("bad/weights.safetensors"));
+  EXPECT_THAT((*bad)->reason, ::testing::Not(HasSubstr(dir_)));
 }
 
 TEST(RepositoryDirTest, MissingDirectoryIsAnError) {
