@@ -75,6 +75,10 @@ ABSL_FLAG(absl::Duration, metrics_request_timeout,
           absl::FromChrono(kDefaults.metrics_request_timeout),
           "how long the metrics endpoint waits for a request to arrive in full (or a "
           "response write to progress) before dropping the connection (e.g. 5s, 500ms)");
+ABSL_FLAG(int64_t, max_attention_scores, kDefaults.validation.max_attention_scores,
+          "most attention scores (B x Hq x Lq x Lk) one request may ask for; larger requests "
+          "get RESOURCE_EXHAUSTED before any compute (the default is about 1 s of a core at "
+          "head_dim 64)");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::FromChrono(kDefaults.shutdown_grace),
           "on SIGTERM/SIGINT, how long accepted requests may take to complete (e.g. 30s, "
           "500ms); requests still queued after it get UNAVAILABLE");
@@ -162,6 +166,7 @@ int main(int argc, char** argv) {
   options.batching.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   options.batching.instances = absl::GetFlag(FLAGS_instances);
   options.batching.idle_spin_us = absl::GetFlag(FLAGS_idle_spin_us);
+  options.validation.max_attention_scores = absl::GetFlag(FLAGS_max_attention_scores);
   options.metrics_threads = absl::GetFlag(FLAGS_metrics_threads);
   options.metrics_request_timeout =
       absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_metrics_request_timeout));

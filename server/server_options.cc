@@ -40,6 +40,11 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
         absl::StrCat("--metrics-request-timeout: must be >= 1ms, got ",
                      options.metrics_request_timeout.count(), " ms"));
   }
+  if (options.validation.max_attention_scores < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-attention-scores: must be >= 1, got ",
+                     options.validation.max_attention_scores));
+  }
   if (options.backend != "auto" && options.backend != "cpu" && options.backend != "reference" &&
       options.backend != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat(

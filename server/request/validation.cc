@@ -352,7 +352,8 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
   if (!NumElements(scores, options.max_attention_scores).ok()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "query/key: ", ShapeString(scores), " attention scores [B, Hq, Lq, Lk] are over the ",
-        "server's limit of ", options.max_attention_scores, " per request"));
+        "server's limit of ", options.max_attention_scores,
+        " per request (--max-attention-scores)"));
   }
   return out;
 }

@@ -26,9 +26,13 @@ struct ValidationOptions {
   // Outputs are not bounded by the receive limit: weights grow as Lq * Lk.
   // Default: 1 GiB.
   int64_t max_output_bytes = int64_t{1} << 30;
-  // Most attention scores (B * Hq * Lq * Lk) in one request: bounds compute
-  // time and engine scratch. Default: 2^34.
-  int64_t max_attention_scores = int64_t{1} << 34;
+  // Most attention scores (B * Hq * Lq * Lk) in one request: bounds the
+  // compute one request can buy, refused (ResourceExhausted) before any
+  // compute. The default is about a second of one core at head_dim 64 (the
+  // fp32 core does ~250M scores/s on a 2-vCPU AVX2 EPYC: engine_bench
+  // Core/B8_L512, 25M scores in 97 ms); B1 H16 L4096 still fits. Server flag
+  // --max-attention-scores. Default: 2^28.
+  int64_t max_attention_scores = int64_t{1} << 28;
 };
 
 // A request that passed every check, in the engine's terms.

@@ -41,6 +41,9 @@ TEST(ServerOptionsTest, RejectsBadValuesNamingTheFlag) {
   o.metrics_request_timeout = std::chrono::milliseconds(0);
   EXPECT_THAT(message(o), HasSubstr("--metrics-request-timeout"));
   o = {};
+  o.validation.max_attention_scores = 0;
+  EXPECT_THAT(message(o), HasSubstr("--max-attention-scores"));
+  o = {};
   o.backend = "tpu";
   EXPECT_THAT(message(o), HasSubstr("--backend"));
   o = {};
