@@ -3,7 +3,10 @@
 // then the server's size limits.
 #include "server/request/validation.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <string>
 #include <string_view>
 
@@ -217,6 +220,70 @@ absl::Status CheckMask(const InputTensor& input, const TaskDims& d,
   return absl::OkStatus();
 }
 
+// "[0, 1, 3, 7]": the multi-index of flat element `i` of `shape`.
+std::string IndexString(const Shape& shape, int64_t i) {
+  Shape index(shape.size());
+  for (size_t d = shape.size(); d-- > 0;) {
+    index[d] = i % shape[d];
+    i /= shape[d];
+  }
+  return ShapeString(index);
+}
+
+// One pass over a float tensor's bits: the first NaN or infinity (allowed:
+// -inf when `allow_negative_infinity`, the additive-mask convention for
+// "masked") is InvalidArgument naming `field` and the element; else
+// `*max_abs` is the largest magnitude. Finite values keep their order when
+// read as sign-less integers, so the scan compares bits, not floats.
+absl::Status CheckFinite(const TensorView& view, absl::string_view field,
+                         bool allow_negative_infinity, double* max_abs) {
+  const int64_t n = view.num_elements();
+  uint32_t exponent_mask = 0, magnitude_mask = 0, sign_bit = 0;
+  switch (view.dtype) {
+    case DType::kFloat32: exponent_mask = 0x7f800000u, magnitude_mask = 0x7fffffffu, sign_bit = 0x80000000u; break;
+    case DType::kFloat16: exponent_mask = 0x7c00u, magnitude_mask = 0x7fffu, sign_bit = 0x8000u; break;
+    case DType::kBFloat16: exponent_mask = 0x7f80u, magnitude_mask = 0x7fffu, sign_bit = 0x8000u; break;
+    case DType::kBool: return absl::OkStatus();
+  }
+  auto bits_at = [&](int64_t i) -> uint32_t {
+    if (view.dtype == DType::kFloat32) {
+      uint32_t b;
+      std::memcpy(&b, static_cast<const char*>(view.data) + 4 * i, 4);
+      return b;
+    }
+    uint16_t h;
+    std::memcpy(&h, static_cast<const char*>(view.data) + 2 * i, 2);
+    return h;
+  };
+  uint32_t largest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = bits_at(i);
+    if ((b & exponent_mask) == exponent_mask) {
+      const bool nan = (b & magnitude_mask) != exponent_mask;
+      if (!nan && allow_negative_infinity && (b & sign_bit) != 0) continue;
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".data: element ", IndexString(view.shape, i), " is ",
+          nan ? "NaN" : (b & sign_bit) != 0 ? "-inf" : "+inf",
+          allow_negative_infinity ? "; a float mask may hold finite values and -inf only"
+                                  : "; non-finite inputs are refused (they would not come back "
+                                    "as PyTorch returns them)"));
+    }
+    largest = std::max(largest, b & magnitude_mask);
+  }
+  if (max_abs != nullptr) {
+    const uint32_t top = view.dtype == DType::kFloat32 ? largest : largest << 16;
+    float f;
+    if (view.dtype == DType::kFloat16) {
+      const uint16_t half = static_cast<uint16_t>(largest);
+      f = LoadAsFloat(DType::kFloat16, &half, 0);
+    } else {
+      std::memcpy(&f, &top, 4);
+    }
+    *max_abs = f;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckKeyLengths(absl::Span<const int64_t> lengths, const TaskDims& d) {
   if (lengths.empty()) return absl::OkStatus();
   if (static_cast<int64_t>(lengths.size()) != d.batch) {
@@ -302,9 +369,20 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
           : CheckHeadLayout(layer, task.query, task.key, task.value, &dims);
   if (!layout.ok()) return layout;
 
+  // Values: nothing non-finite, and no score that could overflow float32.
+  double max_q = 0.0, max_k = 0.0;
+  if (absl::Status s = CheckFinite(task.query, "query", false, &max_q); !s.ok()) return s;
+  if (has_key) {
+    if (absl::Status s = CheckFinite(task.key, "key", false, &max_k); !s.ok()) return s;
+    if (absl::Status s = CheckFinite(task.value, "value", false, nullptr); !s.ok()) return s;
+  }
+
   // Masking.
   if (request.attn_mask.present) {
     if (absl::Status s = CheckMask(request.attn_mask, dims, options, &task.attn_mask); !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = CheckFinite(task.attn_mask, "attn_mask", true, nullptr); !s.ok()) {
       return s;
     }
   }
@@ -320,6 +398,19 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
         scale));
   }
   task.scale = ResolveScale(layer, scale, dims.head_dim);
+  // Bare attention: |q . k| * scale <= max|q| * max|k| * Dk * scale. Past
+  // float32's range a score would be +-inf and its row NaN; refuse instead
+  // of returning a silently different row. (Projected inputs are bounded by
+  // the layer's weights, not by this rule.)
+  if (!layer.has_projections) {
+    const double bound = max_q * max_k * static_cast<double>(dims.head_dim) * task.scale;
+    if (bound > static_cast<double>(std::numeric_limits<float>::max())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "query/key/scale: scores can overflow float32: max|query| ", max_q, " x max|key| ",
+          max_k, " x head_dim ", dims.head_dim, " x scale ", task.scale, " = ", bound,
+          " > 3.4e38"));
+    }
+  }
   if (!request.output_dtype_error.ok()) return request.output_dtype_error;
   if (!request.output_dtype.has_value()) {
     out.output_dtype = task.query.dtype;

@@ -5,6 +5,7 @@
 #include "server/request/validation.h"
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <ostream>
@@ -297,6 +298,49 @@ std::vector<Case> Cases() {
                 {"output", "[2, 4, 5, 6]", "limit of 900 bytes"}};
     output.options.max_output_bytes = 900;
     c.push_back(output);
+    // Non-finite values (bit patterns written in place) and scores that
+    // would overflow float32.
+    auto poke = [](v1::Tensor* t, size_t byte, std::initializer_list<unsigned char> bytes) {
+      std::string* d = t->mutable_data();
+      for (unsigned char b : bytes) (*d)[byte++] = static_cast<char>(b);
+    };
+    auto all_dtype = [](v1::AttendRequest& r, v1::DataType dt) {
+      for (v1::Tensor* t : {r.mutable_query(), r.mutable_key(), r.mutable_value()}) {
+        std::vector<int64_t> shape(t->shape().begin(), t->shape().end());
+        *t = MakeTensor(dt, shape);
+      }
+    };
+    // query [2, 4, 5, 8]: element [0, 1, 3, 7] is flat 71.
+    c.push_back({"QueryNaN", Sdpa([poke](auto& r) { poke(r.mutable_query(), 71 * 4, {0, 0, 0xc0, 0x7f}); }),
+                 kInvalid, {"query.data", "[0, 1, 3, 7]", "NaN", "non-finite"}});
+    c.push_back({"KeyPlusInfFp16", Sdpa([poke, all_dtype](auto& r) {
+                   all_dtype(r, v1::FLOAT16);
+                   poke(r.mutable_key(), 0, {0x00, 0x7c});
+                 }),
+                 kInvalid, {"key.data", "[0, 0, 0, 0]", "+inf"}});
+    c.push_back({"ValueNaNBf16", Sdpa([poke, all_dtype](auto& r) {
+                   all_dtype(r, v1::BFLOAT16);
+                   poke(r.mutable_value(), 2, {0xc0, 0x7f});
+                 }),
+                 kInvalid, {"value.data", "[0, 0, 0, 1]", "NaN"}});
+    c.push_back({"KeyMinusInf", Sdpa([poke](auto& r) { poke(r.mutable_key(), 4, {0, 0, 0x80, 0xff}); }),
+                 kInvalid, {"key.data", "-inf"}});
+    c.push_back({"MaskNaN", Sdpa([poke](auto& r) {
+                   *r.mutable_attn_mask() = MakeTensor(v1::FLOAT32, {5, 7});
+                   poke(r.mutable_attn_mask(), 8, {0, 0, 0xc0, 0x7f});
+                 }),
+                 kInvalid, {"attn_mask.data", "[0, 2]", "NaN", "-inf only"}});
+    c.push_back({"MaskPlusInf", Sdpa([poke](auto& r) {
+                   *r.mutable_attn_mask() = MakeTensor(v1::FLOAT32, {5, 7});
+                   poke(r.mutable_attn_mask(), 0, {0, 0, 0x80, 0x7f});
+                 }),
+                 kInvalid, {"attn_mask.data", "+inf"}});
+    c.push_back({"ScoresOverflow", Sdpa([poke](auto& r) {
+                   // 1e30 (0x7149f2ca) in one query and one key element.
+                   poke(r.mutable_query(), 0, {0xca, 0xf2, 0x49, 0x71});
+                   poke(r.mutable_key(), 0, {0xca, 0xf2, 0x49, 0x71});
+                 }),
+                 kInvalid, {"query/key/scale", "overflow float32"}});
     Case scores{"ScoresOverLimit", Sdpa([](auto&) {}), kExhausted,
                 {"attention scores", "[2, 4, 5, 7]", "limit of 100"}};
     scores.options.max_attention_scores = 100;
@@ -321,6 +365,16 @@ TEST_P(ValidationTableTest, RejectsWithFieldRuleAndValues) {
 
 INSTANTIATE_TEST_SUITE_P(EveryRule, ValidationTableTest, ::testing::ValuesIn(Cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+TEST(ValidationTest, FloatMaskMayHoldMinusInfinity) {
+  // -inf is how an additive mask says "masked" (SDPA's convention).
+  v1::AttendRequest r = ValidSdpa();
+  *r.mutable_attn_mask() = MakeTensor(v1::FLOAT32, {5, 7});
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  std::memcpy(r.mutable_attn_mask()->mutable_data()->data() + 12, &minus_inf, 4);
+  absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, SdpaLayer());
+  EXPECT_TRUE(v.ok()) << v.status();
+}
 
 TEST(ValidationTest, SdpaGqaCrossAttentionDims) {
   v1::AttendRequest r = ValidSdpa();
