@@ -240,9 +240,15 @@ absl::Status CheckFinite(const TensorView& view, absl::string_view field,
   const int64_t n = view.num_elements();
   uint32_t exponent_mask = 0, magnitude_mask = 0, sign_bit = 0;
   switch (view.dtype) {
-    case DType::kFloat32: exponent_mask = 0x7f800000u, magnitude_mask = 0x7fffffffu, sign_bit = 0x80000000u; break;
-    case DType::kFloat16: exponent_mask = 0x7c00u, magnitude_mask = 0x7fffu, sign_bit = 0x8000u; break;
-    case DType::kBFloat16: exponent_mask = 0x7f80u, magnitude_mask = 0x7fffu, sign_bit = 0x8000u; break;
+    case DType::kFloat32:
+      exponent_mask = 0x7f800000u, magnitude_mask = 0x7fffffffu, sign_bit = 0x80000000u;
+      break;
+    case DType::kFloat16:
+      exponent_mask = 0x7c00u, magnitude_mask = 0x7fffu, sign_bit = 0x8000u;
+      break;
+    case DType::kBFloat16:
+      exponent_mask = 0x7f80u, magnitude_mask = 0x7fffu, sign_bit = 0x8000u;
+      break;
     case DType::kBool: return absl::OkStatus();
   }
   auto bits_at = [&](int64_t i) -> uint32_t {
@@ -255,8 +261,27 @@ absl::Status CheckFinite(const TensorView& view, absl::string_view field,
     std::memcpy(&h, static_cast<const char*>(view.data) + 2 * i, 2);
     return h;
   };
+  // The common case in one pass of a max, which the compiler vectorizes
+  // (16 MiB of fp32: 1.7-2.0 ms here, a memcpy of it 2.0-2.5 ms): a value
+  // is non-finite exactly when its magnitude bits reach the all-ones
+  // exponent. The element is looked for only when there is one to report.
   uint32_t largest = 0;
-  for (int64_t i = 0; i < n; ++i) {
+  auto scan = [&](auto zero) {
+    using Bits = decltype(zero);
+    const char* data = static_cast<const char*>(view.data);
+    for (int64_t i = 0; i < n; ++i) {
+      Bits b;
+      std::memcpy(&b, data + sizeof(Bits) * i, sizeof(Bits));
+      largest = std::max<uint32_t>(largest, b & magnitude_mask);
+    }
+  };
+  if (view.dtype == DType::kFloat32) {
+    scan(uint32_t{0});
+  } else {
+    scan(uint16_t{0});
+  }
+  const bool any_nonfinite = largest >= exponent_mask;
+  for (int64_t i = 0; any_nonfinite && i < n; ++i) {
     const uint32_t b = bits_at(i);
     if ((b & exponent_mask) == exponent_mask) {
       const bool nan = (b & magnitude_mask) != exponent_mask;
@@ -268,7 +293,6 @@ absl::Status CheckFinite(const TensorView& view, absl::string_view field,
                                   : "; non-finite inputs are refused (they would not come back "
                                     "as PyTorch returns them)"));
     }
-    largest = std::max(largest, b & magnitude_mask);
   }
   if (max_abs != nullptr) {
     const uint32_t top = view.dtype == DType::kFloat32 ? largest : largest << 16;
