@@ -261,10 +261,10 @@ absl::Status CheckFinite(const TensorView& view, absl::string_view field,
     std::memcpy(&h, static_cast<const char*>(view.data) + 2 * i, 2);
     return h;
   };
-  // The common case in one pass of a max, which the compiler vectorizes
-  // (16 MiB of fp32: 1.7-2.0 ms here, a memcpy of it 2.0-2.5 ms): a value
-  // is non-finite exactly when its magnitude bits reach the all-ones
-  // exponent. The element is looked for only when there is one to report.
+  // The common case in one pass of a max, which the compiler vectorizes (it
+  // ran at memcpy speed in a standalone loop): a value is non-finite exactly
+  // when its magnitude bits reach the all-ones exponent. The element is
+  // looked for only when there is one to report.
   uint32_t largest = 0;
   auto scan = [&](auto zero) {
     using Bits = decltype(zero);
