@@ -2,12 +2,16 @@
 // and whether it keeps bitwise batch invariance. Compares the cpu engine's
 // chunked stacking (engine/cpu/projection.h: fixed 32-row single-threaded
 // matmuls on prepacked weights) with per-request GEMMs and one stacked GEMM.
+// The bf16-compute columns are left out on CPUs where the engine computes bf16
+// layers in fp32 (no AVX512_BF16 or AMX: cpu::HasBf16Matmuls()).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "bench/dnnl_matmul.h"
@@ -110,11 +114,18 @@ int main() {
   };
   const auto qkv = make({&wq, &wk, &wv}, {&bq, &bk, &bv}, Precision::kFloat32);
   const auto out = make({&wo}, {&bo}, Precision::kFloat32);
-  const auto qkv_bf16 = make({&wq, &wk, &wv}, {&bq, &bk, &bv}, Precision::kBFloat16);
-  const auto out_bf16 = make({&wo}, {&bo}, Precision::kBFloat16);
+  const bool bf16 = attnserve::cpu::HasBf16Matmuls();
+  std::unique_ptr<const ChunkedLinear> qkv_bf16, out_bf16;
+  if (bf16) {
+    qkv_bf16 = make({&wq, &wk, &wv}, {&bq, &bk, &bv}, Precision::kBFloat16);
+    out_bf16 = make({&wo}, {&bo}, Precision::kBFloat16);
+  } else {
+    std::printf("bf16 compute: skipped (no AVX512_BF16 or AMX; the engine computes bf16 layers "
+                "in fp32 here)\n");
+  }
   std::printf("chunked primitives: rows independent of their position in a chunk: %s\n",
-              qkv->rows_independent() && out->rows_independent() && qkv_bf16->rows_independent() &&
-                      out_bf16->rows_independent()
+              qkv->rows_independent() && out->rows_independent() &&
+                      (!bf16 || (qkv_bf16->rows_independent() && out_bf16->rows_independent()))
                   ? "yes"
                   : "NO (the engine aligns tasks to chunks)");
 
@@ -133,10 +144,13 @@ int main() {
       total += rows[i];
     }
     const Tensor x = RandomTensor(rng, {total, kDim}, 1.0f);
-    std::vector<float> stacked(total * kDim), chunked(total * 3 * kDim), bf16(total * 3 * kDim);
+    std::vector<float> stacked(total * kDim), chunked(total * 3 * kDim), chunked_bf16;
     Linear(cache, stream, x.data_as<float>(), total, wq, bq, stacked.data());
     Chunked(*qkv, cache.engine(), x.data_as<float>(), rows, chunked.data(), threads);
-    Chunked(*qkv_bf16, cache.engine(), x.data_as<float>(), rows, bf16.data(), threads);
+    if (bf16) {
+      chunked_bf16.resize(total * 3 * kDim);
+      Chunked(*qkv_bf16, cache.engine(), x.data_as<float>(), rows, chunked_bf16.data(), threads);
+    }
     for (int i = 0; i < n; ++i) {
       const float* xi = x.data_as<float>() + offset[i] * kDim;
       std::vector<float> alone(rows[i] * kDim), alone3(rows[i] * 3 * kDim);
@@ -146,15 +160,18 @@ int main() {
       Chunked(*qkv, cache.engine(), xi, {rows[i]}, alone3.data(), threads);
       differ_chunked += std::memcmp(alone3.data(), chunked.data() + offset[i] * 3 * kDim,
                                     alone3.size() * sizeof(float)) != 0;
-      Chunked(*qkv_bf16, cache.engine(), xi, {rows[i]}, alone3.data(), threads);
-      differ_bf16 += std::memcmp(alone3.data(), bf16.data() + offset[i] * 3 * kDim,
-                                 alone3.size() * sizeof(float)) != 0;
+      if (bf16) {
+        Chunked(*qkv_bf16, cache.engine(), xi, {rows[i]}, alone3.data(), threads);
+        differ_bf16 += std::memcmp(alone3.data(), chunked_bf16.data() + offset[i] * 3 * kDim,
+                                   alone3.size() * sizeof(float)) != 0;
+      }
       ++checked;
     }
   }
   std::printf("invariance (%d requests in 100 random batches, %d threads): differ bitwise from "
-              "alone: one stacked GEMM %d, chunked fp32 %d, chunked bf16 %d\n",
-              checked, threads, differ_stacked, differ_chunked, differ_bf16);
+              "alone: one stacked GEMM %d, chunked fp32 %d, chunked bf16 %s\n",
+              checked, threads, differ_stacked, differ_chunked,
+              bf16 ? std::to_string(differ_bf16).c_str() : "skipped");
 
   // 2. Cost of demo-mha's four projections (Q, K, V, O: 4 x [512 -> 512])
   //    over 32 requests of 16 tokens, and over one request alone.
@@ -180,17 +197,23 @@ int main() {
       Chunked(*qkv, cache.engine(), xp, rows, y.data(), threads);
       Chunked(*out, cache.engine(), xp, rows, y.data(), threads);
     });
-    const double chunked_bf16 = TimeIt(reps, [&] {
-      Chunked(*qkv_bf16, cache.engine(), xp, rows, y.data(), threads);
-      Chunked(*out_bf16, cache.engine(), xp, rows, y.data(), threads);
-    });
     const double gflop = 2.0 * total * kDim * kDim * 4 / 1e9;
+    std::string bf16_time = "skipped";
+    if (bf16) {
+      const double chunked_bf16 = TimeIt(reps, [&] {
+        Chunked(*qkv_bf16, cache.engine(), xp, rows, y.data(), threads);
+        Chunked(*out_bf16, cache.engine(), xp, rows, y.data(), threads);
+      });
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%8.1f us (%.0f GFLOP/s)", chunked_bf16 * 1e6,
+                    gflop / chunked_bf16);
+      bf16_time = buf;
+    }
     std::printf("%2d x %lld tokens, 4 x [%lld -> %lld], %d threads: per request %8.1f us, one "
-                "stacked GEMM %8.1f us, engine chunks fp32 %8.1f us (%.0f GFLOP/s), bf16 %8.1f us "
-                "(%.0f GFLOP/s)\n",
+                "stacked GEMM %8.1f us, engine chunks fp32 %8.1f us (%.0f GFLOP/s), bf16 %s\n",
                 requests, static_cast<long long>(kTokens), static_cast<long long>(kDim),
                 static_cast<long long>(kDim), threads, per_request * 1e6, stacked * 1e6,
-                chunked * 1e6, gflop / chunked, chunked_bf16 * 1e6, gflop / chunked_bf16);
+                chunked * 1e6, gflop / chunked, bf16_time.c_str());
   }
   return 0;
 }

@@ -12,6 +12,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "server/fd_limit.h"
 #include "server/models/model_repository.h"
 
 namespace attnserve {
@@ -49,6 +50,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
 
   MetricsOptions metrics_options;
   metrics_options.address = options.metrics_address;
+  metrics_options.threads = options.metrics_threads;
+  metrics_options.request_timeout = options.metrics_request_timeout;
+  metrics_options.connections_shed = &ConnectionsShedForFds;
   metrics_options.build_labels = {{"backend", options.backend},
                                   {"grpc_version", grpc::Version()}};
   absl::StatusOr<std::unique_ptr<Metrics>> metrics = Metrics::Create(metrics_options);
@@ -77,6 +81,10 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   // before BuildAndStart.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+
+  // Without this, the first accept4 that fails with EMFILE stops gRPC
+  // 1.51's listener for good.
+  KeepAcceptingWhenOutOfFds();
 
   grpc::ServerBuilder builder;
   // gRPC sets SO_REUSEPORT by default, which would let a second server

@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "server/attn_server.h"
+#include "server/fd_limit.h"
 #include "server/server_options.h"
 
 namespace {
@@ -67,16 +68,25 @@ ABSL_FLAG(int, instances, kDefaults.batching.instances,
 ABSL_FLAG(int64_t, idle_spin_us, kDefaults.batching.idle_spin_us,
           "after two lone requests in a row, how long (us) a worker polls the empty queue "
           "before sleeping (a sleeping worker's wake-up cost 55-80 us on a VM); 0 = never");
+ABSL_FLAG(int, metrics_threads, kDefaults.metrics_threads,
+          "HTTP worker threads of the metrics endpoint, each serving one connection at a "
+          "time");
+ABSL_FLAG(absl::Duration, metrics_request_timeout,
+          absl::FromChrono(kDefaults.metrics_request_timeout),
+          "how long the metrics endpoint waits for a request to arrive in full (or a "
+          "response write to progress) before dropping the connection (e.g. 5s, 500ms)");
+ABSL_FLAG(int64_t, max_attention_scores, kDefaults.validation.max_attention_scores,
+          "most attention scores (B x Hq x Lq x Lk) one request may ask for; larger requests "
+          "get RESOURCE_EXHAUSTED before any compute (the default is about 1 s of a core at "
+          "head_dim 64)");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::FromChrono(kDefaults.shutdown_grace),
           "on SIGTERM/SIGINT, how long accepted requests may take to complete (e.g. 30s, "
           "500ms); requests still queued after it get UNAVAILABLE");
 ABSL_FLAG(bool, strict_model_loading, kDefaults.strict_model_loading,
           "true: exit non-zero if any repository model fails to load; false: serve the "
           "others and report the bad one FAILED in ListModels/GetModel");
-// Client abuse (issue 14): work per request and non-finite inputs.
-ABSL_FLAG(int64_t, max_attention_scores, kDefaults.validation.max_attention_scores,
-          "most attention scores B*Hq*Lq*Lk in one request (about 1 s of a core per 2^28 on "
-          "the CPU engine); larger requests get RESOURCE_EXHAUSTED before any compute");
+// Client abuse (issue 14): work per request (with --max-attention-scores) and
+// non-finite inputs.
 ABSL_FLAG(int64_t, max_multiply_adds, kDefaults.validation.max_multiply_adds,
           "most multiply-adds of one request's matrix products: attention "
           "B*Hq*Lq*Lk*(Dk+Dv) plus a projection model's Q, K, V and output projections; "
@@ -117,7 +127,8 @@ int main(int argc, char** argv) {
       "[--threads=N] [--default-model=demo-mha] [--max-message-bytes=67108864] "
       "[--backend=auto|cpu|reference] [--model-repository=DIR] [--strict-model-loading=true] "
       "[--max-batch-requests=N] [--max-batch-tokens=N] [--max-queue-delay-us=N] "
-      "[--max-queue-size=N] [--instances=N] [--idle-spin-us=200] [--shutdown-grace=30s] "
+      "[--max-queue-size=N] [--instances=N] [--idle-spin-us=200] [--metrics-threads=8] "
+      "[--metrics-request-timeout=5s] [--shutdown-grace=30s] "
       "[--max-attention-scores=268435456] [--max-multiply-adds=34359738368] "
       "[--nonfinite-inputs=reject]\n"
       "Flags may be written with dashes or underscores.");
@@ -130,6 +141,26 @@ int main(int argc, char** argv) {
   if (positional.size() > 1) {
     std::fprintf(stderr, "attnserve: unexpected argument '%s' (see --help)\n", positional[1]);
     return 2;
+  }
+
+  // Every connection costs a descriptor, and the soft limit is often 1024.
+  if (absl::StatusOr<attnserve::OpenFileLimit> limit = attnserve::RaiseOpenFileLimit();
+      !limit.ok()) {
+    std::fprintf(stderr, "attnserve: cannot raise the open files limit: %s\n",
+                 limit.status().ToString().c_str());
+  } else if (limit->after != limit->before) {
+    std::fprintf(stderr, "attnserve: open files limit %llu (raised from %llu)\n",
+                 static_cast<unsigned long long>(limit->after),
+                 static_cast<unsigned long long>(limit->before));
+  } else {
+    std::fprintf(stderr, "attnserve: open files limit %llu\n",
+                 static_cast<unsigned long long>(limit->after));
+  }
+
+  if (!attnserve::AcceptGuardIsBound()) {
+    std::fprintf(stderr,
+                 "attnserve: warning: accept4 is not interposed; running out of file "
+                 "descriptors will stop the gRPC listener for good\n");
   }
 
   attnserve::ServerOptions options;
@@ -147,8 +178,11 @@ int main(int argc, char** argv) {
   options.batching.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   options.batching.instances = absl::GetFlag(FLAGS_instances);
   options.batching.idle_spin_us = absl::GetFlag(FLAGS_idle_spin_us);
-  options.shutdown_grace = absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_shutdown_grace));
   options.validation.max_attention_scores = absl::GetFlag(FLAGS_max_attention_scores);
+  options.metrics_threads = absl::GetFlag(FLAGS_metrics_threads);
+  options.metrics_request_timeout =
+      absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_metrics_request_timeout));
+  options.shutdown_grace = absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_shutdown_grace));
   options.validation.max_multiply_adds = absl::GetFlag(FLAGS_max_multiply_adds);
   absl::StatusOr<attnserve::NonfiniteInputs> nonfinite =
       attnserve::ParseNonfiniteInputs(absl::GetFlag(FLAGS_nonfinite_inputs));

@@ -31,6 +31,20 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
   if (absl::Status s = CheckHostPort("metrics-address", options.metrics_address); !s.ok()) {
     return s;
   }
+  if (options.metrics_threads < 1 || options.metrics_threads > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--metrics-threads: must be in [1, 1024], got ", options.metrics_threads));
+  }
+  if (options.metrics_request_timeout.count() < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics-request-timeout: must be >= 1ms, got ",
+                     options.metrics_request_timeout.count(), " ms"));
+  }
+  if (options.validation.max_attention_scores < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-attention-scores: must be >= 1, got ",
+                     options.validation.max_attention_scores));
+  }
   if (options.backend != "auto" && options.backend != "cpu" && options.backend != "reference" &&
       options.backend != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -51,10 +65,6 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
   if (options.shutdown_grace.count() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--shutdown-grace: must be >= 0, got ",
                                                    options.shutdown_grace.count(), " ms"));
-  }
-  if (options.validation.max_attention_scores < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("--max-attention-scores: must be >= 1, got ",
-                                                   options.validation.max_attention_scores));
   }
   if (options.validation.max_multiply_adds < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--max-multiply-adds: must be >= 1, got ",

@@ -46,6 +46,13 @@ struct ServerOptions {
   // engine workers each. A repository model's config.pbtxt (batching,
   // instances) overrides these field by field. Default: BatcherOptions{}.
   BatcherOptions batching;
+  // Worker threads of the metrics endpoint; each serves one HTTP connection
+  // at a time. Default: 8.
+  int metrics_threads = 8;
+  // How long the metrics endpoint waits for a request to arrive in full (and
+  // for a response write to progress) before it drops the connection; bounds
+  // how long a slow client holds a metrics thread. Default: 5 s.
+  std::chrono::milliseconds metrics_request_timeout{5000};
   // Per-request size and work limits (--max-attention-scores,
   // --max-multiply-adds) and what is done with non-finite inputs
   // (--nonfinite-inputs). Default: ValidationOptions{}.

@@ -23,7 +23,9 @@
 
 namespace attnserve::cpu {
 
-// How the products Q K^T and P V are computed.
+// How the products Q K^T and P V are computed. bf16 products need AVX512_BF16
+// or AMX (BestBf16Isa()); on other CPUs kAuto and kBFloat16 compute them in
+// fp32, as kFloat32 does.
 enum class FlashPrecision {
   // bf16 products when the inputs are BFLOAT16 (exact: they already are
   // bf16), fp32 otherwise.

@@ -240,6 +240,11 @@ uint64_t Fingerprint(const AttentionLayer& layer) {
 
 }  // namespace
 
+bool HasBf16Matmuls() {
+  const CpuFeatures& cpu = GetCpuFeatures();
+  return cpu.avx512_bf16 || cpu.amx_bf16;
+}
+
 size_t DefaultPanelBytes() {
   static const size_t bytes = [] {
     const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
@@ -398,8 +403,13 @@ absl::StatusOr<std::unique_ptr<const ChunkedLinear>> ChunkedLinear::Create(
       }
     });
   } catch (const dnnl::error& e) {
-    return absl::InternalError(absl::StrCat("ChunkedLinear: oneDNN matmul [", h, ", ",
-                                            k, "] x [", k, ", ", n, "]: ", e.what()));
+    const std::string what =
+        absl::StrCat("ChunkedLinear: oneDNN matmul [", h, ", ", k, "] x [", k, ", ", n, "] in ",
+                     std::string(DTypeName(wdt)), ": ", e.what());
+    if (e.status == dnnl_unimplemented) {
+      return absl::UnimplementedError(absl::StrCat(what, " (none on this CPU)"));
+    }
+    return absl::InternalError(what);
   }
   return std::unique_ptr<const ChunkedLinear>(std::move(linear));
 }
@@ -595,9 +605,8 @@ std::shared_ptr<LayerProjections> ProjectionCache::Get(const AttentionLayer& lay
   entry.last_use = ++clock_;
   if (entry.projections == nullptr || entry.fingerprint != fingerprint) {
     entry.fingerprint = fingerprint;
-    const CpuFeatures& cpu = GetCpuFeatures();
     entry.projections = std::make_shared<LayerProjections>(engine_, layer.config.precision,
-                                                           cpu.avx512_bf16 || cpu.amx_bf16);
+                                                           HasBf16Matmuls());
   }
   std::shared_ptr<LayerProjections> result = entry.projections;
   if (entries_.size() > capacity_) {

@@ -82,7 +82,9 @@ class ChunkedLinear {
   // W = the rows of `weights` stacked ([n_i, K] each, PyTorch Linear layout,
   // FLOAT32; several = a fused projection such as [Wq; Wk; Wv]); b = the
   // matching `biases` (an empty Tensor = zeros). Builds and checks the
-  // primitive with one OpenMP thread (see rows_independent()).
+  // primitive with one OpenMP thread (see rows_independent()). Unimplemented
+  // when oneDNN has no such matmul on this CPU (BFLOAT16 compute_dtype on
+  // AVX2-only CPUs: see HasBf16Matmuls()).
   //
   // `max_panel_bytes`: prepacked weight bytes per column panel (0 =
   // DefaultPanelBytes()). The panel width is the widest divisor of N that is
@@ -188,6 +190,13 @@ struct RowLayout {
 RowLayout LayoutRows(absl::Span<const int64_t> rows, int64_t chunk_rows, bool aligned);
 RowLayout LayoutRowsFor(const ChunkedLinear& linear, absl::Span<const int64_t> rows);
 
+// Whether the engine gives a bf16 layer's matmuls bf16 operands: true on CPUs
+// with AVX512_BF16 or AMX. Elsewhere bf16 layers compute in fp32 on
+// bf16-rounded weights: oneDNN 2.6 has no bf16 matmul at all on AVX2-only
+// CPUs (ChunkedLinear::Create returns Unimplemented there) and emulates one on
+// other AVX-512 CPUs, slower than fp32.
+bool HasBf16Matmuls();
+
 // The per-layer state of the projections: the prepacked linears, each built
 // on the first call that needs it and kept for the life of the entry.
 //
@@ -195,9 +204,9 @@ RowLayout LayoutRowsFor(const ChunkedLinear& linear, absl::Span<const int64_t> r
 class LayerProjections {
  public:
   // `bf16_compute`: whether a bf16 layer's matmuls take bf16 operands
-  // (ProjectionCache says yes when the CPU has AVX512_BF16 or AMX; oneDNN
-  // 2.6 would emulate bf16 elsewhere, slower than fp32). Without it a bf16
-  // layer computes in fp32 on bf16-rounded weights.
+  // (ProjectionCache passes HasBf16Matmuls(); true where it is false makes
+  // a bf16 layer's getters fail on AVX2-only CPUs). Without it a bf16 layer
+  // computes in fp32 on bf16-rounded weights.
   LayerProjections(const dnnl::engine& engine, Precision precision, bool bf16_compute)
       : engine_(engine),
         precision_(precision),

@@ -11,6 +11,8 @@
 
 #include <cmath>
 #include <exception>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -44,6 +46,30 @@ prometheus::Histogram::BucketBoundaries TokenBuckets() {
   for (double v = 1; v <= (1 << 20); v *= 2) b.push_back(v);
   return b;
 }
+
+// Families whose value lives outside this object (a process-wide counter)
+// and is read when scraped.
+class ReadOnScrape : public prometheus::Collectable {
+ public:
+  explicit ReadOnScrape(std::function<int64_t()> connections_shed)
+      : connections_shed_(std::move(connections_shed)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    prometheus::MetricFamily family;
+    family.name = "attnserve_connections_shed_total";
+    family.help =
+        "Incoming gRPC connections closed at once because the process had no free file "
+        "descriptor (the listener keeps accepting; raise the open files limit)";
+    family.type = prometheus::MetricType::Counter;
+    prometheus::ClientMetric value;
+    value.counter.value = static_cast<double>(connections_shed_());
+    family.metric.push_back(std::move(value));
+    return {std::move(family)};
+  }
+
+ private:
+  const std::function<int64_t()> connections_shed_;
+};
 
 }  // namespace
 
@@ -85,6 +111,15 @@ void ModelMetrics::BatchDone(int64_t requests, int64_t tokens, double compute_se
 }
 
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& options) {
+  if (options.threads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics threads: must be >= 1, got ", options.threads));
+  }
+  if (options.request_timeout.count() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metrics request timeout: must be >= 1 ms, got ", options.request_timeout.count(),
+        " ms"));
+  }
   std::unique_ptr<Metrics> m(new Metrics);
   m->registry_ = std::make_shared<prometheus::Registry>();
   prometheus::Registry& r = *m->registry_;
@@ -145,15 +180,29 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
       .Add(build)
       .Set(1);
 
+  if (options.connections_shed) {
+    m->read_on_scrape_ = std::make_shared<ReadOnScrape>(options.connections_shed);
+  }
+
   if (!options.address.empty()) {
     try {
-      // civetweb threads: 2 are enough for a few scrapers.
-      m->exposer_ = std::make_unique<prometheus::Exposer>(options.address, 2);
+      // civetweb serves one connection per worker thread and by default
+      // waits 30 s for a request to arrive in full: two clients that sent
+      // half a request blocked every scrape for 29.7 s with 2 threads.
+      // request_timeout_ms bounds the whole request read (not each read()),
+      // so trickling a byte at a time does not extend it. Keep-alive stays
+      // off: an idle scraper connection would hold a worker between scrapes.
+      m->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+          "listening_ports", options.address,
+          "num_threads", std::to_string(options.threads),
+          "request_timeout_ms", std::to_string(options.request_timeout.count()),
+          "enable_keep_alive", "no"});
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat("metrics endpoint cannot listen on ",
                                                  options.address, ": ", e.what()));
     }
     m->exposer_->RegisterCollectable(m->registry_);
+    if (m->read_on_scrape_ != nullptr) m->exposer_->RegisterCollectable(m->read_on_scrape_);
     std::vector<int> ports = m->exposer_->GetListeningPorts();
     m->port_ = ports.empty() ? 0 : ports.front();
     const size_t colon = options.address.rfind(':');
@@ -240,7 +289,11 @@ ModelMetrics* Metrics::ForModel(const std::string& model) {
 }
 
 std::string Metrics::Serialize() const {
-  return prometheus::TextSerializer().Serialize(registry_->Collect());
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  if (read_on_scrape_ != nullptr) {
+    for (prometheus::MetricFamily& f : read_on_scrape_->Collect()) families.push_back(std::move(f));
+  }
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 }  // namespace attnserve

@@ -4,7 +4,9 @@
 #define ATTNSERVE_SERVER_METRICS_METRICS_H_
 
 #include <array>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -32,6 +34,20 @@ struct MetricsOptions {
   std::string address = "127.0.0.1:9464";
   // Labels of attnserve_build_info (besides version). Default: none.
   std::map<std::string, std::string> build_labels;
+  // HTTP worker threads of the endpoint: each serves one connection at a
+  // time, so this many clients that send half a request occupy them all
+  // (until request_timeout). Default: 8.
+  int threads = 8;
+  // How long the endpoint waits for a request to arrive in full, and for a
+  // response write to progress, before it closes the connection. Bounds
+  // how long a slow or silent client can hold a worker thread.
+  // Default: 5 s.
+  std::chrono::milliseconds request_timeout{5000};
+  // Read at every scrape as attnserve_connections_shed_total: incoming
+  // connections closed at once because the process had no free file
+  // descriptor (see KeepAcceptingWhenOutOfFds). Thread-safe, cheap.
+  // Default: none (the family is absent).
+  std::function<int64_t()> connections_shed = nullptr;
 };
 
 // The metrics of one served model. Every method is thread-safe and cheap
@@ -72,6 +88,7 @@ class ModelMetrics {
 // nothing on the request path runs there.
 class Metrics {
  public:
+  // InvalidArgument when threads < 1 or request_timeout < 1 ms;
   // Unavailable when the endpoint cannot listen on options.address.
   static absl::StatusOr<std::unique_ptr<Metrics>> Create(const MetricsOptions& options);
   ~Metrics();
@@ -101,6 +118,8 @@ class Metrics {
   Metrics() = default;
 
   std::shared_ptr<prometheus::Registry> registry_;
+  // Families read from elsewhere at scrape time (connections_shed).
+  std::shared_ptr<prometheus::Collectable> read_on_scrape_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;
   std::string address_;

@@ -51,37 +51,29 @@ absl::Status ConfigError(const std::string& path, absl::string_view field, absl:
   return absl::InvalidArgumentError(absl::StrCat(path, ": ", field, ": ", what));
 }
 
-// Reads `path`; errors call it `label`.
-absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string& label) {
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     std::error_code ec(errno, std::generic_category());
-    return absl::InvalidArgumentError(absl::StrCat(label, ": cannot read: ", ec.message()));
+    return absl::InvalidArgumentError(absl::StrCat(path, ": cannot read: ", ec.message()));
   }
   std::ostringstream text;
   text << in.rdbuf();
   return text.str();
 }
 
-// The name of a repository folder inside the repository ("bad" for
-// "/srv/models/bad" or "/srv/models/bad/").
-std::string FolderLabel(const std::string& directory) {
-  fs::path path = fs::path(directory).lexically_normal();
-  if (path.filename().empty()) path = path.parent_path();
-  return path.filename().string();
-}
-
-// `status` with every occurrence of `path` (as the engine's file readers
-// name the file they opened) replaced by `label`.
-absl::Status Relabel(const absl::Status& status, const std::string& path,
-                     const std::string& label) {
-  return absl::Status(status.code(),
-                      absl::StrReplaceAll(status.message(), {{path, label}}));
-}
-
 bool OneOf(const std::string& value, std::initializer_list<const char*> allowed) {
   return std::any_of(allowed.begin(), allowed.end(),
                      [&](const char* a) { return value == a; });
+}
+
+// `message` with every "DIR/" (and DIR itself) replaced by "" / ".", so that
+// paths inside the repository read relative to it.
+std::string RelativeToRepository(absl::string_view message, const std::string& dir) {
+  std::string root = fs::path(dir).lexically_normal().string();
+  while (root.size() > 1 && root.back() == '/') root.pop_back();
+  std::string out = absl::StrReplaceAll(message, {{root + "/", ""}});
+  return absl::StrReplaceAll(out, {{root, "."}});
 }
 
 bool ValidName(const std::string& name) {
@@ -248,47 +240,43 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
 RepositoryModel LoadModelFolder(const std::string& directory) {
   RepositoryModel model;
   model.directory = directory;
-  model.folder = FolderLabel(directory);
-  model.name = model.folder;
+  const std::string folder = fs::path(directory).filename().string();
+  model.name = folder;
   const std::string config_path = (fs::path(directory) / kModelConfigFile).string();
-  const std::string config_label = absl::StrCat(model.folder, "/", kModelConfigFile);
-  absl::StatusOr<std::string> text = ReadFile(config_path, config_label);
+  absl::StatusOr<std::string> text = ReadFile(config_path);
   if (!text.ok()) {
     model.status = text.status();
     return model;
   }
-  absl::StatusOr<v1::ModelConfig> config = ParseModelConfig(*text, config_label);
+  absl::StatusOr<v1::ModelConfig> config = ParseModelConfig(*text, config_path);
   if (!config.ok()) {
     model.status = config.status();
     return model;
   }
   model.config = *std::move(config);
-  model.status = ResolveModelConfig(config_label, model.folder, &model.config);
+  model.status = ResolveModelConfig(config_path, folder, &model.config);
   if (!model.config.name().empty()) model.name = model.config.name();
   if (!model.status.ok()) return model;
 
   auto layer = std::make_shared<AttentionLayer>();
   layer->config = ToLayerConfig(model.config);
   if (layer->config.has_projections) {
-    // The reader names the file by the path it opened.
     const std::string weights_path = (fs::path(directory) / kModelWeightsFile).string();
-    const std::string weights_label = absl::StrCat(model.folder, "/", kModelWeightsFile);
     absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(weights_path);
     if (!file.ok()) {
-      model.status = Relabel(absl::InvalidArgumentError(file.status().message()), weights_path,
-                             weights_label);
+      model.status = absl::InvalidArgumentError(file.status().message());
       return model;
     }
     absl::StatusOr<LayerWeights> weights =
         LoadLayerWeights(**file, layer->config, ToWeightSpec(model.config));
     if (!weights.ok()) {
-      model.status = Relabel(weights.status(), weights_path, weights_label);
+      model.status = weights.status();
       return model;
     }
     layer->weights = *std::move(weights);
   }
   if (absl::Status valid = ValidateLayer(*layer); !valid.ok()) {
-    model.status = absl::InvalidArgumentError(absl::StrCat(model.folder, ": ", valid.message()));
+    model.status = absl::InvalidArgumentError(absl::StrCat(directory, ": ", valid.message()));
     return model;
   }
   model.layer = std::move(layer);
@@ -316,13 +304,13 @@ absl::StatusOr<std::vector<RepositoryModel>> LoadModelRepository(const std::stri
   std::sort(folders.begin(), folders.end());
 
   std::vector<RepositoryModel> models;
-  std::map<std::string, std::string> folder_of;  // model name -> folder label
+  std::map<std::string, std::string> folder_of;  // model name -> folder
   for (const std::string& folder : folders) {
     RepositoryModel model = LoadModelFolder(folder);
-    auto [it, inserted] = folder_of.emplace(model.name, model.folder);
+    auto [it, inserted] = folder_of.emplace(model.name, folder);
     if (!inserted && model.status.ok()) {
-      model.status = absl::InvalidArgumentError(absl::StrCat(
-          model.folder, ": model name '", model.name, "' is already used by ", it->second));
+      model.status = absl::InvalidArgumentError(
+          absl::StrCat(folder, ": model name '", model.name, "' is already used by ", it->second));
       model.layer.reset();
     }
     models.push_back(std::move(model));
@@ -353,7 +341,7 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
     absl::Status status = m.status;
     if (status.ok() && registry->Find(m.name).ok()) {
       status = absl::AlreadyExistsError(absl::StrCat(
-          m.folder, ": model name '", m.name, "' is already taken (a built-in model)"));
+          m.directory, ": model name '", m.name, "' is already taken (a built-in model)"));
     }
     if (status.ok()) {
       const std::string& backend = m.config.backend();
@@ -365,7 +353,7 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
           it = engines.emplace(backend, std::shared_ptr<AttentionEngine>(*std::move(engine))).first;
         } else {
           status = absl::InvalidArgumentError(absl::StrCat(
-              m.folder, ": backend \"", backend, "\" is unavailable: ", engine.status().message()));
+              m.directory, ": backend \"", backend, "\" is unavailable: ", engine.status().message()));
         }
       }
       if (status.ok()) model->engine = it->second;
@@ -375,11 +363,11 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
       model->state = ModelState::kReady;
     } else {
       model->state = ModelState::kFailed;
-      model->reason = std::string(status.message());
-      // The operator's log (and a strict startup error) also gets the full
-      // path; clients see only `reason`.
-      failures.push_back(
-          absl::StrCat("model '", m.name, "' (", m.directory, "): ", status.message()));
+      // Callers see the reason (GetModel, ListModels, Attend errors): name
+      // files relative to the repository, not by the server's own paths.
+      // The operator's log line below keeps the full paths.
+      model->reason = RelativeToRepository(status.message(), dir);
+      failures.push_back(absl::StrCat("model '", m.name, "': ", status.message()));
     }
     served.push_back(std::move(model));
   }

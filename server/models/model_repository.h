@@ -21,19 +21,11 @@ inline constexpr char kModelConfigFile[] = "config.pbtxt";
 inline constexpr char kModelWeightsFile[] = "weights.safetensors";
 
 // One folder of the repository, loaded or not.
-//
-// Every message (status, and so ServedModel::reason) names files relative to
-// the repository root ("<folder>/config.pbtxt"): it reaches any client
-// through GetModel, ListModels and Attend errors, and must not tell them the
-// server's filesystem layout. Only the operator's startup log adds
-// `directory`.
 struct RepositoryModel {
   // The config's name, else the folder name.
   std::string name;
-  // DIR/<folder>: for the operator's log only.
+  // DIR/<folder>.
   std::string directory;
-  // <folder>, the folder's name inside the repository: what messages call it.
-  std::string folder;
   // As written, with every default resolved when the config parsed (what
   // ListModels/GetModel report).
   v1::ModelConfig config;
@@ -56,8 +48,7 @@ absl::StatusOr<v1::ModelConfig> ParseModelConfig(const std::string& text, const 
 absl::Status ResolveModelConfig(const std::string& path, const std::string& default_name,
                                 v1::ModelConfig* config);
 
-// Loads one model folder; never fails as a whole: problems land in status,
-// naming files relative to the folder's parent (the repository root).
+// Loads one model folder; never fails as a whole: problems land in status.
 RepositoryModel LoadModelFolder(const std::string& directory);
 
 // Every sub-folder of `dir` whose name does not start with '.', sorted by

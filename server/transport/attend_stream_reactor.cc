@@ -4,6 +4,8 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+#include "server/transport/attend_codec.h"
 #include "server/transport/status_util.h"
 
 namespace attnserve {
@@ -15,7 +17,7 @@ AttendStreamReactor::AttendStreamReactor(AttentionServiceImpl* service,
   absl::MutexLock lock(&mu_);
   if (finished_) return;  // opened during shutdown: already ended
   reading_ = true;
-  StartRead(&request_);
+  StartRead(&read_bytes_);
 }
 
 void AttendStreamReactor::OnReadDone(bool ok) {
@@ -26,10 +28,12 @@ void AttendStreamReactor::OnReadDone(bool ok) {
     MaybeFinishLocked();
     return;
   }
-  // The message's tensors must outlive its request: move it (no byte copy)
-  // out of the read buffer into its own Message.
+  // The message's tensors must outlive its request: parse it into its own
+  // Message (the one copy of the bytes, as gRPC's own parse made).
   auto message = std::make_unique<Message>();
-  message->request = std::move(request_);
+  const absl::Status parsed =
+      ParseAttendRequest(&read_bytes_, absl::StrCat("AttendStream message ", ++messages_read_),
+                         &message->request);
   message->answer.set_id(message->request.id());
   {
     absl::MutexLock lock(&mu_);
@@ -40,7 +44,7 @@ void AttendStreamReactor::OnReadDone(bool ok) {
   // From here the completion owns the message (it may even run before
   // StartAttend returns).
   Message* raw = message.release();
-  service_->StartAttend(context_, raw->request, raw->answer.mutable_response(),
+  service_->StartAttend(context_, parsed, raw->request, raw->answer.mutable_response(),
                         [this, raw](absl::Status status) {
                           Answer(std::unique_ptr<Message>(raw), std::move(status));
                         });
@@ -87,6 +91,14 @@ void AttendStreamReactor::Answer(std::unique_ptr<Message> message, absl::Status 
     const grpc::Status bounded = ToGrpcStatus(status);
     message->answer.set_message(bounded.error_message());
   }
+  // Serialized here, outside mu_, rather than by StartWrite under it.
+  if (absl::Status s = SerializeMessage(message->answer, &message->answer_bytes); !s.ok()) {
+    // Over protobuf's size limit: answer the error instead (a few bytes).
+    message->answer.clear_response();
+    message->answer.set_code(static_cast<int>(s.code()));
+    message->answer.set_message(ToGrpcStatus(s).error_message());
+    SerializeMessage(message->answer, &message->answer_bytes).IgnoreError();
+  }
   absl::MutexLock lock(&mu_);
   --owed_;
   if (!write_failed_) {
@@ -99,7 +111,7 @@ void AttendStreamReactor::Answer(std::unique_ptr<Message> message, absl::Status 
 
 void AttendStreamReactor::WriteLocked() {
   writing_ = true;
-  StartWrite(&backlog_.front()->answer);
+  StartWrite(&backlog_.front()->answer_bytes);
 }
 
 void AttendStreamReactor::MaybeReadLocked() {
@@ -107,7 +119,7 @@ void AttendStreamReactor::MaybeReadLocked() {
   if (owed_ + backlog_.size() >= service_->options_.max_stream_backlog) return;
   paused_ = false;
   reading_ = true;
-  StartRead(&request_);
+  StartRead(&read_bytes_);
 }
 
 void AttendStreamReactor::MaybeFinishLocked() {

@@ -1,10 +1,12 @@
-// AttendStreamReactor: one AttendStream call. Each message is submitted like
-// a unary Attend; its answer (response or status, with its id) is written in
-// completion order, one write at a time, under a flow-control bound.
+// AttendStreamReactor: one AttendStream call. Each message is parsed and
+// submitted like a unary Attend; its answer (response or status, with its id)
+// is written in completion order, one write at a time, under a flow-control
+// bound.
 #ifndef ATTNSERVE_SERVER_TRANSPORT_ATTEND_STREAM_REACTOR_H_
 #define ATTNSERVE_SERVER_TRANSPORT_ATTEND_STREAM_REACTOR_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <memory>
 
@@ -12,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "server/transport/attention_service.h"
 
 namespace attnserve {
@@ -22,11 +25,17 @@ namespace attnserve {
 // and the server stops reading requests: HTTP/2 flow control then pushes
 // back on the client's writes.
 //
+// A message that is not a valid AttendRequest is answered in its place in the
+// stream like any other refused request: code INVALID_ARGUMENT, a message
+// naming its position ("AttendStream message 3 could not be parsed ..."), an
+// empty id; the stream goes on (gRPC's framing is intact, so the next message
+// is read as usual), as Triton's streaming API answers a failed request with
+// an error response and keeps the stream open.
+//
 // Lifetime: created by AttentionServiceImpl::AttendStream, deletes itself in
 // OnDone. The stream finishes only when nothing is owed (no request in the
 // server refers to it), so completions never touch a deleted reactor.
-class AttendStreamReactor final
-    : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendStreamResponse> {
+class AttendStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   AttendStreamReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* context);
 
@@ -45,6 +54,7 @@ class AttendStreamReactor final
   struct Message {
     v1::AttendRequest request;
     v1::AttendStreamResponse answer;
+    grpc::ByteBuffer answer_bytes;  // the serialized answer, once it is known
   };
 
   // Queues the answer of one accepted message (any thread).
@@ -58,7 +68,10 @@ class AttendStreamReactor final
   grpc::CallbackServerContext* const context_;
   const bool counted_;  // opened before shutdown: shutdown waits for it
 
-  v1::AttendRequest request_;  // read buffer; touched only by the read in flight
+  // Read buffer and the number of messages read; touched only by the read in
+  // flight (reads never overlap).
+  grpc::ByteBuffer read_bytes_;
+  int64_t messages_read_ = 0;
   absl::Mutex mu_;
   // Answers waiting to be written; front() is being written when writing_.
   std::deque<std::unique_ptr<Message>> backlog_ ABSL_GUARDED_BY(mu_);

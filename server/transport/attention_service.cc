@@ -11,6 +11,7 @@
 #include "attnserve/v1/model_config.pb.h"
 #include "server/transport/attend_codec.h"
 #include "server/transport/attend_stream_reactor.h"
+#include "server/transport/protobuf_log.h"
 #include "server/transport/status_util.h"
 
 namespace attnserve {
@@ -42,9 +43,12 @@ v1::ModelStatus ToModelStatus(const ServedModel& model, const std::string& defau
 AttentionServiceImpl::AttentionServiceImpl(const ModelRegistry* registry,
                                            RequestDispatcher* dispatcher,
                                            AttentionServiceOptions options)
-    : registry_(registry), dispatcher_(dispatcher), options_(std::move(options)) {}
+    : registry_(registry), dispatcher_(dispatcher), options_(std::move(options)) {
+  InstallProtobufLogHandler();
+}
 
 void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
+                                       const absl::Status& parsed,
                                        const v1::AttendRequest& request,
                                        v1::AttendResponse* response,
                                        absl::AnyInvocable<void(absl::Status)> done) {
@@ -65,6 +69,10 @@ void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
                         absl::UnavailableError("server is shutting down; not accepting requests"));
     return;
   }
+  if (!parsed.ok()) {
+    dispatcher_->Reject(std::move(r), parsed);
+    return;
+  }
   dispatcher_->Submit(std::move(r), DecodeAttendRequest(request),
                       [response](OutputName name, DType dtype, const Shape& shape) {
                         return AllocateAttendOutput(response, name, dtype, shape);
@@ -77,15 +85,28 @@ void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
 // drop the queued request at once instead of when its batch would close.
 class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
  public:
-  UnaryReactor(AttentionServiceImpl* service, const v1::AttendRequest* request)
-      : service_(service), model_(request->model()), counted_(service->CallStarted()) {}
+  // Parses `request_bytes` (and frees them, as gRPC's generated handler
+  // would have after parsing).
+  UnaryReactor(AttentionServiceImpl* service, const grpc::ByteBuffer* request_bytes)
+      : service_(service),
+        // gRPC owns the (non-const) buffer until OnDone and only frees it
+        // then; releasing it now keeps one copy of the inputs, not two.
+        parsed_(ParseAttendRequest(const_cast<grpc::ByteBuffer*>(request_bytes), "request",
+                                   &request_)),
+        model_(request_.model()),
+        counted_(service->CallStarted()) {}
 
-  void Start(grpc::CallbackServerContext* context, const v1::AttendRequest* request,
-             v1::AttendResponse* response) {
-    // request, response and context stay valid until OnDone: gRPC frees
-    // them only after the reactor is done.
-    service_->StartAttend(context, *request, response,
-                          [this](absl::Status status) { Finish(ToGrpcStatus(status)); });
+  void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
+    // request_, response_, context and response_bytes stay valid until
+    // OnDone: gRPC frees its part only after the reactor is done.
+    service_->StartAttend(context, parsed_, request_, &response_,
+                          [this, response_bytes](absl::Status status) {
+                            // request_ and response_ are freed in OnDone, as
+                            // gRPC freed its messages: not while the client
+                            // waits for the answer.
+                            if (status.ok()) status = SerializeMessage(response_, response_bytes);
+                            Finish(ToGrpcStatus(status));
+                          });
   }
 
   void OnCancel() override { service_->dispatcher_->Cancelled(model_); }
@@ -98,20 +119,22 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
 
  private:
   AttentionServiceImpl* const service_;
+  v1::AttendRequest request_;
+  v1::AttendResponse response_;
+  const absl::Status parsed_;
   const std::string model_;  // as the client named it
   const bool counted_;       // opened before shutdown: shutdown waits for it
 };
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
-                                                       const v1::AttendRequest* request,
-                                                       v1::AttendResponse* response) {
+                                                       const grpc::ByteBuffer* request,
+                                                       grpc::ByteBuffer* response) {
   auto* reactor = new UnaryReactor(this, request);
-  reactor->Start(context, request, response);
+  reactor->Start(context, response);
   return reactor;
 }
 
-grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendStreamResponse>*
-AttentionServiceImpl::AttendStream(grpc::CallbackServerContext* context) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(grpc::CallbackServerContext* context) {
   return new AttendStreamReactor(this, context);
 }
 

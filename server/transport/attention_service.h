@@ -1,7 +1,7 @@
 // attnserve.v1.AttentionService on gRPC's callback API: the attnserve.v1
 // front end. Handlers return at once: Attend (and each AttendStream message,
-// see attend_stream_reactor.h) is translated (attend_codec.h) and handed to
-// the shared RequestDispatcher, whose completion sends the answer.
+// see attend_stream_reactor.h) is parsed and translated (attend_codec.h) and
+// handed to the shared RequestDispatcher, whose completion sends the answer.
 #ifndef ATTNSERVE_SERVER_TRANSPORT_ATTENTION_SERVICE_H_
 #define ATTNSERVE_SERVER_TRANSPORT_ATTENTION_SERVICE_H_
 
@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "server/dispatch/request_dispatcher.h"
 #include "server/models/model_registry.h"
 
@@ -31,22 +32,40 @@ struct AttentionServiceOptions {
   size_t max_stream_backlog = 64;
 };
 
+// Attend and AttendStream take gRPC's raw bytes and parse them here, so that
+// a message that is not a valid AttendRequest is answered like any other bad
+// request (INVALID_ARGUMENT, counted in the metrics) instead of by gRPC
+// (UNIMPLEMENTED for a unary call, a silent end of the stream with OK).
+using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attend<
+    v1::AttentionService::WithRawCallbackMethod_AttendStream<
+        v1::AttentionService::WithCallbackMethod_ListModels<
+            v1::AttentionService::WithCallbackMethod_GetModel<v1::AttentionService::Service>>>>;
+
 // Thread-safe (gRPC calls handlers concurrently). Does not own the registry
 // or the dispatcher; both must outlive the grpc::Server this is registered
 // with (i.e. until its Shutdown() has returned).
 //
 // Every request gets exactly one answer: the unary status, or one
 // AttendStreamResponse per stream message carrying the request's id and its
-// own status (a failed message does not end the stream).
-class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
+// own status (a failed message does not end the stream). A message that
+// cannot be parsed is answered INVALID_ARGUMENT naming it ("request", or
+// "AttendStream message N", counting from 1; its answer's id is empty) and
+// never reaches the dispatcher's model lookup or validation.
+//
+// Constructing one installs the process's protobuf log handler
+// (protobuf_log.h), so that clients' bytes cannot flood the log.
+class AttentionServiceImpl final : public AttentionServiceBase {
  public:
   AttentionServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
                        AttentionServiceOptions options = {});
 
+  // `request` holds a serialized AttendRequest; `response` receives the
+  // serialized AttendResponse.
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
-                                   const v1::AttendRequest* request,
-                                   v1::AttendResponse* response) override;
-  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendStreamResponse>* AttendStream(
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
+  // Reads serialized AttendRequests, writes serialized AttendStreamResponses.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
                                        const v1::ListModelsRequest* request,
@@ -72,12 +91,15 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   friend class AttendStreamReactor;
   class UnaryReactor;
 
-  // Translates one AttendRequest and submits it. `done` runs exactly once
-  // with the final status (response->timing filled in when OK), from this
-  // thread or a batcher worker. request, response and context must stay
-  // valid until it has run.
-  void StartAttend(grpc::CallbackServerContext* context, const v1::AttendRequest& request,
-                   v1::AttendResponse* response, absl::AnyInvocable<void(absl::Status)> done);
+  // Translates one AttendRequest and submits it; `parsed` is what
+  // ParseAttendRequest said of it: not OK, the request (empty) is refused
+  // with that status through the dispatcher (counted, not run). `done` runs
+  // exactly once with the final status (response->timing filled in when OK),
+  // from this thread or a batcher worker. request, response and context must
+  // stay valid until it has run.
+  void StartAttend(grpc::CallbackServerContext* context, const absl::Status& parsed,
+                   const v1::AttendRequest& request, v1::AttendResponse* response,
+                   absl::AnyInvocable<void(absl::Status)> done);
 
   void AddStream(AttendStreamReactor* stream);
   void RemoveStream(AttendStreamReactor* stream);

@@ -47,14 +47,16 @@ class ServerProcess:
     """One attnserve process. Its combined stdout/stderr is drained by a thread
     (so a chatty server never blocks on a full pipe) and kept for diagnostics."""
 
-    def __init__(self, *extra_args, startup_timeout=60.0):
+    def __init__(self, *extra_args, startup_timeout=60.0, preexec_fn=None):
+        """`preexec_fn` runs in the child before exec (e.g. to set rlimits)."""
         self.args = [server_bin(), "--address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
                      *extra_args]
         self.lines = []
         self.port = None
         self._listening = threading.Event()
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, text=True, errors="replace")
+                                     stdin=subprocess.DEVNULL, text=True, errors="replace",
+                                     preexec_fn=preexec_fn)
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
         deadline = time.monotonic() + startup_timeout

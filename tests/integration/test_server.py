@@ -356,3 +356,40 @@ def test_signal_exits_zero(sig):
         assert c.health() == "SERVING"
     code = srv.stop(sig)
     assert code == 0, f"exit code {code} after {sig.name}:\n{srv.log()}"
+
+
+def test_max_attention_scores_bounds_the_work_of_one_request():
+    # B*Hq*Lq*Lk = 1*2*6*9 = 108 scores fit a limit of 108; one more key does not, and is
+    # refused before any compute with the flag named.
+    server = harness.ServerProcess("--max-attention-scores=108")
+    try:
+        client = AttentionClient(server.target)
+        rng = np.random.default_rng(7)
+        q, k, v = _sdpa_inputs(rng, b=1, hq=2, hkv=1, lq=6, lk=9)
+        out = client.attend(q, k, v, model="sdpa").output
+        _assert_fp32_close(out, harness.reference_attention(q, k, v)[0])
+        q, k, v = _sdpa_inputs(rng, b=1, hq=2, hkv=1, lq=6, lk=10)
+        with pytest.raises(grpc.RpcError) as e:
+            client.attend(q, k, v, model="sdpa")
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+        for words in ("[1, 2, 6, 10]", "limit of 108", "--max-attention-scores"):
+            assert words in e.value.details(), e.value.details()
+    finally:
+        server.stop()
+
+
+def test_nonfinite_inputs_are_refused_and_minus_inf_masks_answered(client):
+    # PyTorch would return NaN rows for these; attnserve refuses them rather than answering
+    # with silently different (finite) rows.
+    rng = np.random.default_rng(11)
+    q, k, v = _sdpa_inputs(rng)
+    q[0, 1, 3, 7] = np.nan
+    with pytest.raises(grpc.RpcError) as e:
+        client.attend(q, k, v, model="sdpa")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "query.data: element [0, 1, 3, 7] is NaN" in e.value.details(), e.value.details()
+    q, k, v = _sdpa_inputs(rng)
+    mask = np.zeros((q.shape[2], k.shape[2]), dtype=np.float32)
+    mask[:, 0] = -np.inf  # masked, the SDPA convention
+    got = client.attend(q, k, v, model="sdpa", attn_mask=mask).output
+    _assert_fp32_close(got, harness.reference_attention(q, k, v, mask=mask)[0])

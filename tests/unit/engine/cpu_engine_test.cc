@@ -819,10 +819,18 @@ TEST(ChunkedLinearTest, RowsAreIndependentOfTheirPositionInAChunk) {
   dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   const auto layer = MakeProjectionLayer(61, 24, 3, 1, 8, 10, Precision::kFloat32);
   for (Precision precision : {Precision::kFloat32, Precision::kBFloat16}) {
-    cpu::LayerProjections projections(engine, precision, /*bf16_compute=*/true);
+    // bf16 compute where the engine uses it, else the fp32 fallback.
+    cpu::LayerProjections projections(engine, precision, cpu::HasBf16Matmuls());
     for (auto get : {&cpu::LayerProjections::qkv, &cpu::LayerProjections::o}) {
       absl::StatusOr<const cpu::ChunkedLinear*> linear = (projections.*get)(*layer);
       ASSERT_TRUE(linear.ok()) << linear.status();
+      // Measured true on AVX-512 Xeons; oneDNN 2.6's AVX2 kernels (AMD EPYC)
+      // give row results that depend on the row's place in a chunk.
+      if (!(*linear)->rows_independent() && !cpu::GetCpuFeatures().avx512) {
+        GTEST_SKIP() << "rows_independent() is false on this CPU without AVX-512; the engine "
+                        "aligns each task to a chunk there (checked by "
+                        "PanelsComputeEveryColumnAndKeepRowsInvariant and CpuEngineTest)";
+      }
       EXPECT_TRUE((*linear)->rows_independent());
     }
   }
@@ -832,12 +840,21 @@ TEST(ChunkedLinearTest, ChunkHeightFollowsTheWeightSize) {
   dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   const auto wide = MakeProjectionLayer(33, 768, 12, 12, 64, 40, Precision::kFloat32);
   cpu::LayerProjections fp32(engine, Precision::kFloat32, true);
-  cpu::LayerProjections bf16(engine, Precision::kBFloat16, true);
-  EXPECT_EQ((*fp32.qkv(*wide))->chunk_rows(), cpu::kTallChunkRows);  // 768 x 2304 fp32: 6.75 MiB
-  EXPECT_EQ((*fp32.o(*wide))->chunk_rows(), cpu::kChunkRows);
-  EXPECT_EQ((*bf16.qkv(*wide))->chunk_rows(), cpu::kChunkRows);  // 3.4 MiB in bf16
+  cpu::LayerProjections bf16(engine, Precision::kBFloat16, cpu::HasBf16Matmuls());
   cpu::LayerProjections demo(engine, Precision::kFloat32, true);  // one per layer
-  EXPECT_EQ((*demo.qkv(*MakeDemoMhaLayer()))->chunk_rows(), cpu::kChunkRows);  // 3 MiB
+  const auto demo_layer = MakeDemoMhaLayer();
+  using Linear = absl::StatusOr<const cpu::ChunkedLinear*>;
+  const Linear fp32_qkv = fp32.qkv(*wide), fp32_o = fp32.o(*wide), bf16_qkv = bf16.qkv(*wide),
+               demo_qkv = demo.qkv(*demo_layer);
+  for (const Linear* l : {&fp32_qkv, &fp32_o, &bf16_qkv, &demo_qkv}) {
+    ASSERT_TRUE(l->ok()) << l->status();
+  }
+  EXPECT_EQ((*fp32_qkv)->chunk_rows(), cpu::kTallChunkRows);  // 768 x 2304 fp32: 6.75 MiB
+  EXPECT_EQ((*fp32_o)->chunk_rows(), cpu::kChunkRows);
+  // 3.4 MiB in bf16; the fp32 fallback's 6.75 MiB on CPUs without bf16 matmuls.
+  EXPECT_EQ((*bf16_qkv)->chunk_rows(),
+            cpu::HasBf16Matmuls() ? cpu::kChunkRows : cpu::kTallChunkRows);
+  EXPECT_EQ((*demo_qkv)->chunk_rows(), cpu::kChunkRows);  // 3 MiB
 }
 
 TEST(ChunkedLinearTest, ColumnPanelsAreSizedByTheBudget) {
@@ -870,21 +887,25 @@ TEST(ChunkedLinearTest, ColumnPanelsAreSizedByTheBudget) {
 TEST(ChunkedLinearTest, PanelsComputeEveryColumnAndKeepRowsInvariant) {
   // y = x W^T + b through 3 column panels, against float64 and against one
   // panel; then rows of a block alone vs the same rows among co-tenants at
-  // other offsets, on 1 and 2 threads, into outputs of other dtypes and
-  // strides (the scatter of each panel's columns).
+  // other offsets (chunk-aligned ones where rows_independent() is false, as
+  // LayoutRowsFor places them), on 1 and 2 threads, into outputs of other
+  // dtypes and strides (the scatter of each panel's columns). fp32 and bf16
+  // layers, in the compute type the engine gives them on this CPU.
   dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   Rng rng(82);
   constexpr int64_t kN = 96, kK = 24;
   const Tensor w = RandomTensor(rng, DType::kFloat32, {kN, kK}, 0.3f);
   const Tensor b = RandomTensor(rng, DType::kFloat32, {kN}, 0.5f);
-  for (DType compute : {DType::kFloat32, DType::kBFloat16}) {
-    const Precision precision =
-        compute == DType::kFloat32 ? Precision::kFloat32 : Precision::kBFloat16;
+  for (Precision precision : {Precision::kFloat32, Precision::kBFloat16}) {
+    const DType compute = precision == Precision::kBFloat16 && cpu::HasBf16Matmuls()
+                              ? DType::kBFloat16
+                              : DType::kFloat32;
     auto paneled = cpu::ChunkedLinear::Create(engine, {&w}, {&b}, precision, compute,
                                               DType::kFloat32, 32 * kK * DTypeSize(compute));
     auto whole = cpu::ChunkedLinear::Create(engine, {&w}, {&b}, precision, compute,
                                             DType::kFloat32, 1 << 20);
-    ASSERT_TRUE(paneled.ok() && whole.ok());
+    ASSERT_TRUE(paneled.ok()) << paneled.status();
+    ASSERT_TRUE(whole.ok()) << whole.status();
     ASSERT_EQ((*paneled)->panels(), 3);
     ASSERT_EQ((*whole)->panels(), 1);
 
@@ -927,6 +948,12 @@ TEST(ChunkedLinearTest, PanelsComputeEveryColumnAndKeepRowsInvariant) {
       }
     }
 
+    // Where a row's bits depend on its place in a chunk (oneDNN 2.6's AVX2
+    // kernels), a block starts at a chunk boundary, as in the engine.
+    const int64_t h = (*paneled)->chunk_rows();
+    auto place = [&](int64_t row) {
+      return (*paneled)->rows_independent() ? row : (row + h - 1) / h * h;
+    };
     const Tensor target = RandomTensor(rng, DType::kFloat16, {37, kK}, 1.0f);
     for (DType out_dtype : {DType::kFloat32, DType::kBFloat16}) {
       const int64_t stride = out_dtype == DType::kFloat32 ? kN : kN + 5;
@@ -934,15 +961,34 @@ TEST(ChunkedLinearTest, PanelsComputeEveryColumnAndKeepRowsInvariant) {
       for (int trial = 0; trial < 6; ++trial) {
         const Tensor before = RandomTensor(rng, DType::kFloat32, {rng.Int(1, 70), kK}, 1.0f);
         const Tensor after = RandomTensor(rng, DType::kBFloat16, {rng.Int(1, 40), kK}, 1.0f);
-        const int64_t at = before.shape()[0] + rng.Int(0, 3);
-        const int64_t end = at + 37 + rng.Int(0, 3);
+        const int64_t at = place(before.shape()[0] + rng.Int(0, 3));
+        const int64_t end = place(at + 37 + rng.Int(0, 3));
         const auto ys = run(**paneled, {&before, &target, &after}, {0, at, end},
                             end + after.shape()[0], out_dtype, stride, trial % 2 + 1);
         EXPECT_TRUE(BitwiseEqual(alone, ys[1]))
-            << DT(compute) << " compute, out " << DT(out_dtype) << ", rows at " << at;
+            << DT(compute) << " compute, out " << DT(out_dtype) << ", rows at " << at
+            << (at % h == 0 ? " (chunk-aligned)" : "");
       }
     }
   }
+}
+
+TEST(ChunkedLinearTest, AMatmulOneDnnLacksIsUnimplementedNotAnAbort) {
+  // oneDNN 2.6 has bf16 matmuls on every AVX-512 CPU (emulated without
+  // AVX512_BF16) and none below; the engine never asks for one there
+  // (HasBf16Matmuls), but a caller that does gets a Status.
+  if (cpu::GetCpuFeatures().avx512) GTEST_SKIP() << "this CPU has oneDNN bf16 matmuls (AVX-512)";
+  ASSERT_FALSE(cpu::HasBf16Matmuls());
+  dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  Rng rng(72);
+  const Tensor w = RandomTensor(rng, DType::kFloat32, {40, 24}, 0.3f);
+  const Tensor b = RandomTensor(rng, DType::kFloat32, {40}, 0.5f);
+  const auto linear = cpu::ChunkedLinear::Create(engine, {&w}, {&b}, Precision::kBFloat16,
+                                                 DType::kBFloat16, DType::kFloat32);
+  EXPECT_EQ(linear.status().code(), absl::StatusCode::kUnimplemented) << linear.status();
+  const auto layer = MakeProjectionLayer(61, 24, 3, 1, 8, 10, Precision::kBFloat16);
+  cpu::LayerProjections forced(engine, Precision::kBFloat16, /*bf16_compute=*/true);
+  EXPECT_EQ(forced.qkv(*layer).status().code(), absl::StatusCode::kUnimplemented);
 }
 
 TEST(ChunkedLinearTest, RoundsWeightsToThePrecisionThenComputesInTheComputeType) {

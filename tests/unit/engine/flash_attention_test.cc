@@ -557,7 +557,7 @@ INSTANTIATE_TEST_SUITE_P(AllVariants, FlashIsaTest,
 // The fp32 variants agree with each other far more closely than with
 // anything bf16: AVX2 and AVX-512 differ only in summation order.
 TEST(FlashAttentionTest, Avx2MatchesAvx512) {
-  if (!CpuSupports(CpuIsa::kAvx512)) GTEST_SKIP();
+  if (!CpuSupports(CpuIsa::kAvx512)) GTEST_SKIP() << "no AVX-512 on this CPU";
   Rng rng(77);
   for (int c = 0; c < 20; ++c) {
     auto r = RandomRequest(rng, c % 4 == 0);
@@ -606,6 +606,17 @@ TEST(FlashAttentionTest, EnvironmentForcesVariant) {
     opt.isa = *bf;
     p.q_len = 1;
     EXPECT_EQ(*FlashIsaFor(p, opt), *bf);
+  } else {
+    // No bf16 products on this CPU: bf16 requests and bf16 precision run the
+    // best fp32 variant, and forcing a bf16 one is refused.
+    EXPECT_EQ(*ResolveFlashIsa(DType::kBFloat16, opt), BestFp32Isa());
+    opt.precision = FlashPrecision::kBFloat16;
+    EXPECT_EQ(*ResolveFlashIsa(DType::kFloat32, opt), BestFp32Isa());
+    for (CpuIsa isa : {CpuIsa::kAvx512Bf16, CpuIsa::kAmx}) {
+      opt.isa = isa;
+      EXPECT_EQ(ResolveFlashIsa(DType::kBFloat16, opt).status().code(),
+                absl::StatusCode::kFailedPrecondition);
+    }
   }
 }
 

@@ -35,6 +35,15 @@ TEST(ServerOptionsTest, RejectsBadValuesNamingTheFlag) {
   o.metrics_address = "x:y";
   EXPECT_THAT(message(o), HasSubstr("--metrics-address"));
   o = {};
+  o.metrics_threads = 0;
+  EXPECT_THAT(message(o), HasSubstr("--metrics-threads"));
+  o = {};
+  o.metrics_request_timeout = std::chrono::milliseconds(0);
+  EXPECT_THAT(message(o), HasSubstr("--metrics-request-timeout"));
+  o = {};
+  o.validation.max_attention_scores = 0;
+  EXPECT_THAT(message(o), HasSubstr("--max-attention-scores"));
+  o = {};
   o.backend = "tpu";
   EXPECT_THAT(message(o), HasSubstr("--backend"));
   o = {};
