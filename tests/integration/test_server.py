@@ -255,18 +255,6 @@ def test_nan_query_refused_with_the_documented_message(client):
     assert "query.data: element [0, 1, 2, 3] is NaN" in e.value.details()
 
 
-def test_negative_inf_mask_is_answered(client):
-    # -inf in a float mask is SDPA's "masked": answered, as PyTorch does.
-    q, k, v = _good_sdpa()
-    mask = np.zeros((4, 5), np.float32)
-    mask[:, 3] = -np.inf
-    mask[1, :4] = -np.inf
-    res = client.attend(q, k, v, model="sdpa", attn_mask=mask)
-    want = harness.reference_attention(q, k, v, mask=mask)[0]
-    assert np.isfinite(res.output).all()
-    _assert_fp32_close(res.output, want)
-
-
 def test_work_per_request_is_bounded():
     # The request: 1.5 MB buying 2^34 attention scores (seconds of a
     # core) is refused before any compute; a lower flag refuses smaller ones.
