@@ -13,7 +13,7 @@
 
 namespace attnserve {
 
-absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what,
+absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
                                 v1::AttendRequest* request) {
   const size_t size = bytes->Length();
   grpc::Status parsed;
@@ -36,7 +36,8 @@ absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what,
     reason = absl::StrCat("not a valid protobuf encoding of that message (", size, " bytes)");
   }
   return absl::InvalidArgumentError(
-      absl::StrCat(what, " could not be parsed as attnserve.v1.AttendRequest: ", reason));
+      absl::StrCat(what, number > 0 ? absl::StrCat(" ", number) : "",
+                   " could not be parsed as attnserve.v1.AttendRequest: ", reason));
 }
 
 absl::Status SerializeMessage(const google::protobuf::MessageLite& message,

@@ -23,9 +23,10 @@ namespace attnserve {
 // `bytes`. Not parseable: INVALID_ARGUMENT "<what> could not be parsed as
 // attnserve.v1.AttendRequest: <reason>", `request` left empty, and nothing
 // logged (protobuf's own complaint becomes the reason; see protobuf_log.h).
-// `what` names the message for the client ("request", "AttendStream
-// message 3").
-absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what,
+// `what` names the message for the client ("request", or "AttendStream
+// message" with `number` 3: "AttendStream message 3"; 0 = no number); it is
+// formatted only when the parse fails.
+absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
                                 v1::AttendRequest* request);
 
 // Serializes `message` into `bytes` as gRPC's generated handlers would.

@@ -32,7 +32,7 @@ void AttendStreamReactor::OnReadDone(bool ok) {
   // Message (the one copy of the bytes, as gRPC's own parse made).
   auto message = std::make_unique<Message>();
   const absl::Status parsed =
-      ParseAttendRequest(&read_bytes_, absl::StrCat("AttendStream message ", ++messages_read_),
+      ParseAttendRequest(&read_bytes_, "AttendStream message", ++messages_read_,
                          &message->request);
   message->answer.set_id(message->request.id());
   {

@@ -91,7 +91,7 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
       : service_(service),
         // gRPC owns the (non-const) buffer until OnDone and only frees it
         // then; releasing it now keeps one copy of the inputs, not two.
-        parsed_(ParseAttendRequest(const_cast<grpc::ByteBuffer*>(request_bytes), "request",
+        parsed_(ParseAttendRequest(const_cast<grpc::ByteBuffer*>(request_bytes), "request", 0,
                                    &request_)),
         model_(request_.model()),
         counted_(service->CallStarted()) {}
