@@ -49,6 +49,19 @@ struct AttentionParams {
   int64_t q_stride_b = 0, q_stride_h = 0, q_stride_row = 0;
   int64_t k_stride_b = 0, k_stride_h = 0, k_stride_row = 0;
   int64_t v_stride_b = 0, v_stride_h = 0, v_stride_row = 0;
+  // Paged K/V (server-side sessions, a paged KV cache). When k_blocks is set,
+  // K and V are read from fixed-size blocks of `block_tokens` tokens instead
+  // of through k/v and their strides: key (h, j, d) lives at
+  //   k_blocks[j / block_tokens][(h * block_tokens + j % block_tokens) * head_dim + d]
+  // and value (h, j, d) likewise in v_blocks with head_dim_v; the blocks hold
+  // `dtype` elements. ceil(kv_len / block_tokens) pointers each; batch == 1
+  // (one sequence per params: a batch of sessions is a span of params).
+  // block_tokens is a multiple of kPagedBlockTokensMultiple: a kernel whose
+  // key tiles are min(its tile, block_tokens) keys, aligned to the block,
+  // never has a tile straddle two blocks.
+  const void* const* k_blocks = nullptr;
+  const void* const* v_blocks = nullptr;
+  int64_t block_tokens = 0;
 
   // Output [b, h, i, :Dv] in `out_dtype`.
   DType out_dtype = DType::kFloat32;
@@ -74,6 +87,9 @@ struct AttentionParams {
   DType weights_dtype = DType::kFloat32;
   bool average_weights = false;
 };
+
+// Paged K/V blocks hold a multiple of this many tokens (see AttentionParams).
+inline constexpr int64_t kPagedBlockTokensMultiple = 16;
 
 // Strides for a contiguous [B, H, L, D] tensor.
 inline void HeadLayoutStrides(int64_t heads, int64_t len, int64_t dim,
