@@ -11,11 +11,25 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
+#include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/server_builder.h"
 #include "server/fd_limit.h"
 #include "server/models/model_repository.h"
+#include "server/transport/tls_credentials.h"
 
 namespace attnserve {
+namespace {
+
+// Adds gRPC server reflection to one ServerBuilder.
+class ReflectionOption final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
+  }
+};
+
+}  // namespace
 
 AttnServer::AttnServer(const ServerOptions& options)
     : options_(options), clock_(options.clock != nullptr ? options.clock : MonotonicClock::Get()) {}
@@ -74,13 +88,33 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   server->dispatcher_ = std::make_unique<RequestDispatcher>(
       &server->registry_, server->scheduler_.get(), server->metrics_.get(), server->clock_,
       options.validation);
-  server->service_ =
-      std::make_unique<AttentionServiceImpl>(&server->registry_, server->dispatcher_.get());
+  AttentionServiceOptions service_options;
+  if (!options.auth_token_file.empty()) {
+    absl::StatusOr<BearerTokens> tokens = BearerTokens::FromFile(options.auth_token_file);
+    if (!tokens.ok()) {
+      return absl::Status(tokens.status().code(),
+                          absl::StrCat("--auth-token-file: ", tokens.status().message()));
+    }
+    // A misspelt model would silently lock its token out of the model meant.
+    for (const std::string& model : tokens->RestrictedModels()) {
+      if (!server->registry_.Find(model).ok()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--auth-token-file: a token is restricted to model '", model,
+            "', which this server does not serve"));
+      }
+    }
+    server->tokens_ = std::make_unique<BearerTokens>(*std::move(tokens));
+    service_options.tokens = server->tokens_.get();
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials(options.tls);
+  if (!credentials.ok()) return credentials.status();
+  server->service_ = std::make_unique<AttentionServiceImpl>(
+      &server->registry_, server->dispatcher_.get(), service_options);
 
-  // Both are process-wide switches read by ServerBuilder; they must be set
-  // before BuildAndStart.
+  // A process-wide switch read by ServerBuilder; it must be set before
+  // BuildAndStart. Health is never behind the tokens: probes need it.
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
   // Without this, the first accept4 that fails with EMFILE stops gRPC
   // 1.51's listener for good.
@@ -90,8 +124,29 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   // gRPC sets SO_REUSEPORT by default, which would let a second server
   // silently share a fixed port with this one.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &server->port_);
+  builder.AddListeningPort(options.address, *credentials, &server->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  const ConnectionLimits& limits = options.connections;
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                             static_cast<int>(limits.keepalive_time.count()));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                             static_cast<int>(limits.keepalive_timeout.count()));
+  if (limits.max_connection_idle.count() > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                               static_cast<int>(limits.max_connection_idle.count()));
+  }
+  if (limits.max_connection_age.count() > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                               static_cast<int>(limits.max_connection_age.count()));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                               static_cast<int>(limits.max_connection_age_grace.count()));
+  }
+  if (options.reflection) {
+    // Per server rather than InitProtoReflectionServerBuilderPlugin(), which
+    // would turn reflection on for every server the process builds.
+    builder.SetOption(std::make_unique<ReflectionOption>());
+  }
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {

@@ -17,6 +17,7 @@
 #include "server/models/model_registry.h"
 #include "server/server_options.h"
 #include "server/transport/attention_service.h"
+#include "server/transport/bearer_tokens.h"
 
 namespace attnserve {
 
@@ -64,6 +65,7 @@ class AttnServer {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<BatchingScheduler> scheduler_;
   std::unique_ptr<RequestDispatcher> dispatcher_;
+  std::unique_ptr<BearerTokens> tokens_;  // null: no authentication
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;

@@ -96,6 +96,56 @@ ABSL_FLAG(std::string, nonfinite_inputs, "reject",
           "scores could overflow float32: reject (INVALID_ARGUMENT naming the tensor and "
           "element; the only mode implemented)");
 
+// Security (issue 15): transport security, authentication, and the limits
+// that bound what one client can hold. docs/SECURITY.md has the threat model.
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain of the gRPC port; with --tls-key-file turns TLS on "
+          "(default: plaintext)");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls-cert-file");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA bundle; set: clients must present a certificate signed by one of these "
+          "CAs (mutual TLS), else the handshake fails");
+ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Seconds(kDefaults.tls.reload_interval.count()),
+          "how often the three TLS files are re-read; new handshakes use changed files, open "
+          "connections keep theirs (replace the files atomically)");
+ABSL_FLAG(std::string, auth_token_file, kDefaults.auth_token_file,
+          "file of accepted bearer tokens, one per line, optionally followed by the models it "
+          "may use ('TOKEN model1 model2'); set: every call but health needs "
+          "'authorization: Bearer TOKEN' (UNAUTHENTICATED without, PERMISSION_DENIED for a "
+          "model the token may not use)");
+ABSL_FLAG(bool, reflection, kDefaults.reflection,
+          "serve gRPC server reflection (not behind --auth-token-file: it describes the API, "
+          "not the models)");
+ABSL_FLAG(int, max_concurrent_streams, kDefaults.connections.max_concurrent_streams,
+          "most calls open at once on one client connection; further calls wait in the client");
+ABSL_FLAG(absl::Duration, keepalive_time, absl::FromChrono(kDefaults.connections.keepalive_time),
+          "after this long without activity the server pings the client");
+ABSL_FLAG(absl::Duration, keepalive_timeout,
+          absl::FromChrono(kDefaults.connections.keepalive_timeout),
+          "how long the server waits for a keepalive ping's answer before closing the "
+          "connection");
+ABSL_FLAG(absl::Duration, max_connection_idle,
+          absl::FromChrono(kDefaults.connections.max_connection_idle),
+          "close a connection with no open call after this long (GOAWAY); 0 = never");
+ABSL_FLAG(absl::Duration, max_connection_age,
+          absl::FromChrono(kDefaults.connections.max_connection_age),
+          "send GOAWAY to connections this old, so clients reconnect (re-balancing, rotated "
+          "certificates); 0 = never");
+ABSL_FLAG(absl::Duration, max_connection_age_grace,
+          absl::FromChrono(kDefaults.connections.max_connection_age_grace),
+          "after --max-connection-age, how long open calls may take before the connection "
+          "is closed");
+ABSL_FLAG(int64_t, max_queue_bytes, kDefaults.batching.max_queue_bytes,
+          "most bytes of requests (inputs plus allocated outputs) waiting in one model's "
+          "queue; requests past it get RESOURCE_EXHAUSTED at once (a request into an empty "
+          "queue is always taken)");
+ABSL_FLAG(int64_t, max_tensor_elements, kDefaults.validation.max_input_elements,
+          "most elements of one input tensor (query, key, value, attn_mask), checked on the "
+          "declared shape; larger requests get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_returned_weights, kDefaults.validation.max_returned_weights,
+          "most attention weights (B x Hq x Lq x Lk, or B x Lq x Lk averaged) one request may "
+          "ask to get back with need_weights; larger requests get RESOURCE_EXHAUSTED");
+
 int main(int argc, char** argv) {
   DefaultToPassiveOpenMpWaits(argv);
 
@@ -130,7 +180,12 @@ int main(int argc, char** argv) {
       "[--max-queue-size=N] [--instances=N] [--idle-spin-us=200] [--metrics-threads=8] "
       "[--metrics-request-timeout=5s] [--shutdown-grace=30s] "
       "[--max-attention-scores=268435456] [--max-multiply-adds=34359738368] "
-      "[--nonfinite-inputs=reject]\n"
+      "[--nonfinite-inputs=reject] [--tls-cert-file=PEM --tls-key-file=PEM "
+      "[--tls-client-ca-file=PEM] [--tls-reload-interval=60s]] [--auth-token-file=FILE] "
+      "[--reflection=true] [--max-concurrent-streams=100] [--keepalive-time=2h] "
+      "[--keepalive-timeout=20s] [--max-connection-idle=0] [--max-connection-age=0] "
+      "[--max-connection-age-grace=30s] [--max-queue-bytes=1073741824] "
+      "[--max-tensor-elements=1073741824] [--max-returned-weights=67108864]\n"
       "Flags may be written with dashes or underscores.");
   std::vector<std::string> args =
       attnserve::NormalizeFlagNames(std::vector<std::string>(argv, argv + argc));
@@ -191,6 +246,27 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.validation.nonfinite_inputs = *nonfinite;
+  options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
+  options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+  options.tls.reload_interval = std::chrono::seconds(
+      absl::ToInt64Seconds(absl::GetFlag(FLAGS_tls_reload_interval)));
+  options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  options.reflection = absl::GetFlag(FLAGS_reflection);
+  options.connections.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  options.connections.keepalive_time =
+      absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_keepalive_time));
+  options.connections.keepalive_timeout =
+      absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_keepalive_timeout));
+  options.connections.max_connection_idle =
+      absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_max_connection_idle));
+  options.connections.max_connection_age =
+      absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_max_connection_age));
+  options.connections.max_connection_age_grace =
+      absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_max_connection_age_grace));
+  options.batching.max_queue_bytes = absl::GetFlag(FLAGS_max_queue_bytes);
+  options.validation.max_input_elements = absl::GetFlag(FLAGS_max_tensor_elements);
+  options.validation.max_returned_weights = absl::GetFlag(FLAGS_max_returned_weights);
 
   absl::StatusOr<std::unique_ptr<attnserve::AttnServer>> server =
       attnserve::AttnServer::Start(options);
@@ -198,6 +274,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "attnserve: %s\n", server.status().ToString().c_str());
     return 1;
   }
+  std::fprintf(stderr, "attnserve: transport %s; %s\n",
+               !options.tls.enabled() ? "plaintext (no TLS)"
+               : options.tls.client_ca_file.empty() ? "TLS"
+                                                    : "mutual TLS (client certificates required)",
+               options.auth_token_file.empty() ? "no authentication"
+                                               : "bearer tokens required (--auth-token-file)");
   // Integration tests parse this exact line to learn the port.
   std::fprintf(stderr, "attnserve metrics on %s\n", (*server)->metrics_address().c_str());
   std::fprintf(stderr, "attnserve listening on %s\n", (*server)->address().c_str());

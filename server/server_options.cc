@@ -2,6 +2,7 @@
 #include "server/server_options.h"
 
 #include <climits>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -70,6 +71,36 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat("--max-multiply-adds: must be >= 1, got ",
                                                    options.validation.max_multiply_adds));
   }
+  if (options.validation.max_input_elements < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-tensor-elements: must be >= 1, got ",
+                                                   options.validation.max_input_elements));
+  }
+  if (options.validation.max_returned_weights < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-returned-weights: must be >= 1, got ",
+                                                   options.validation.max_returned_weights));
+  }
+  const ConnectionLimits& c = options.connections;
+  if (c.max_concurrent_streams < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-concurrent-streams: must be >= 1, got ",
+                                                   c.max_concurrent_streams));
+  }
+  const std::pair<const char*, std::chrono::milliseconds> durations[] = {
+      {"keepalive-time", c.keepalive_time},
+      {"keepalive-timeout", c.keepalive_timeout},
+      {"max-connection-idle", c.max_connection_idle},
+      {"max-connection-age", c.max_connection_age},
+      {"max-connection-age-grace", c.max_connection_age_grace}};
+  for (const auto& [flag, value] : durations) {
+    if (value.count() < 0 || value.count() > INT_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": must be in [0, ", INT_MAX,
+                                                     "] ms, got ", value.count(), " ms"));
+    }
+  }
+  if (c.keepalive_time.count() < 1000 || c.keepalive_timeout.count() < 1) {
+    return absl::InvalidArgumentError(
+        "--keepalive-time must be >= 1s and --keepalive-timeout >= 1ms");
+  }
+  if (absl::Status s = CheckTlsOptions(options.tls); !s.ok()) return s;
   if (absl::Status s = ValidateBatcherOptions(options.batching); !s.ok()) {
     // The option names match the flags, spelled with dashes.
     std::string message(s.message());

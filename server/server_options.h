@@ -13,8 +13,34 @@
 #include "server/batching/batcher_options.h"
 #include "server/request/clock.h"
 #include "server/request/validation.h"
+#include "server/transport/tls_credentials.h"
 
 namespace attnserve {
+
+// Per-connection limits of the gRPC port, as gRPC channel arguments. A
+// duration of 0 turns that limit off.
+struct ConnectionLimits {
+  // Most streams (calls) open at once on one HTTP/2 connection
+  // (--max-concurrent-streams); a client's further calls wait in the
+  // client until one ends. Default: 100 (HTTP/2's recommended minimum).
+  int max_concurrent_streams = 100;
+  // Idle time after which the server pings a client to check the
+  // connection is alive (--keepalive-time), and how long it waits for the
+  // answer before closing it (--keepalive-timeout). Defaults: 2 h, 20 s
+  // (gRPC's).
+  std::chrono::milliseconds keepalive_time{2 * 3600 * 1000};
+  std::chrono::milliseconds keepalive_timeout{20000};
+  // A connection with no call open for this long is closed with GOAWAY
+  // (--max-connection-idle); clients reconnect on their next call.
+  // Default: 0 = never.
+  std::chrono::milliseconds max_connection_idle{0};
+  // A connection this old is sent GOAWAY (--max-connection-age): clients
+  // reconnect, which re-spreads them over replicas and makes them take a
+  // rotated certificate; calls open then get --max-connection-age-grace to
+  // finish before the connection is closed. Defaults: 0 = never; 30 s.
+  std::chrono::milliseconds max_connection_age{0};
+  std::chrono::milliseconds max_connection_age_grace{30000};
+};
 
 struct ServerOptions {
   // gRPC listening address, host:port; port 0 picks a free port (see
@@ -57,6 +83,19 @@ struct ServerOptions {
   // --max-multiply-adds) and what is done with non-finite inputs
   // (--nonfinite-inputs). Default: ValidationOptions{}.
   ValidationOptions validation;
+  // Transport security of the gRPC port: TLS (--tls-cert-file,
+  // --tls-key-file), mutual TLS (--tls-client-ca-file), reloaded every
+  // --tls-reload-interval. Default: plaintext.
+  TlsOptions tls;
+  // Bearer tokens every call except health must present
+  // (--auth-token-file; format in server/transport/bearer_tokens.h). Read
+  // once at startup. Default: none = no authentication.
+  std::string auth_token_file;
+  // Serve gRPC server reflection (--reflection). Reflection is not behind
+  // the tokens: it describes the API (public in proto/), not the models.
+  // Default: true.
+  bool reflection = true;
+  ConnectionLimits connections;
   // The time source of every timing rule (deadlines, batching, shutdown
   // grace); must outlive the server. Tests inject a FakeClock. Default:
   // nullptr = MonotonicClock.

@@ -24,6 +24,10 @@ absl::Status ValidateBatcherOptions(const BatcherOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_queue_size must be >= 1, got ", o.max_queue_size));
   }
+  if (o.max_queue_bytes < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_queue_bytes must be >= 1, got ", o.max_queue_bytes));
+  }
   if (o.idle_spin_us < 0 || o.idle_spin_us > 10000) {
     return absl::InvalidArgumentError(absl::StrCat(
         "idle_spin_us must be in [0, 10000] (0 = never poll), got ", o.idle_spin_us));

@@ -32,6 +32,16 @@ struct BatcherOptions {
   // it. Must be >= 1. Default: 1024 requests.
   int max_queue_size = 1024;
 
+  // Most bytes of requests waiting in the queue, summed over them (a
+  // request's bytes: InferenceRequest::bytes, its inputs plus the outputs
+  // allocated for it). Schedule answers RESOURCE_EXHAUSTED at once to a
+  // request that would take the sum past it, so that a flood of large
+  // requests cannot hold more than this much memory per model; a request
+  // into an empty queue is always accepted (the per-request limits bound
+  // it), so no single request is refused forever. Set from the server flag
+  // for every model (not in config.pbtxt). Must be >= 1. Default: 1 GiB.
+  int64_t max_queue_bytes = int64_t{1} << 30;
+
   // Worker threads, each computing one batch at a time (engine instances of
   // the model). 0 = no threads: the owner drives the batcher by calling
   // ProcessReadyBatches() (tests, single-threaded tools). Default: 1.

@@ -58,7 +58,15 @@ absl::Status DynamicBatcher::Schedule(std::unique_ptr<InferenceRequest>* request
         absl::StrCat("queue of model ", model_, " is full (", queue_.size(),
                      " requests); retry later"));
   }
+  const int64_t bytes = (*request)->bytes;
+  if (!queue_.empty() && queued_bytes_ + bytes > options_.max_queue_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "queue of model ", model_, " holds ", queued_bytes_, " bytes of requests; this one's ",
+        bytes, " would pass the limit of ", options_.max_queue_bytes,
+        " (--max-queue-bytes); retry later"));
+  }
   (*request)->enqueued = clock_->Now();
+  queued_bytes_ += bytes;
   queue_.push_back(std::move(*request));
   scheduled_.fetch_add(1, std::memory_order_release);
   PublishDepthLocked();
@@ -113,6 +121,7 @@ DynamicBatcher::Decision DynamicBatcher::FormBatchLocked(absl::Time now) {
     // useful answer.
     const bool expired = r->deadline <= now;
     if (expired || r->cancelled()) {
+      queued_bytes_ -= r->bytes;
       r->timing.queue = now - r->enqueued;
       absl::Status status =
           expired || now >= r->deadline - kDeadlineTimerSlack
@@ -161,6 +170,7 @@ DynamicBatcher::Decision DynamicBatcher::FormBatchLocked(absl::Time now) {
   d.batch.requests.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     queue_.front()->timing.queue = now - queue_.front()->enqueued;
+    queued_bytes_ -= queue_.front()->bytes;
     d.batch.requests.push_back(std::move(queue_.front()));
     queue_.pop_front();
   }
@@ -188,6 +198,7 @@ DynamicBatcher::TakeAllLocked() {
                          "(model ", model_, ")")));
   }
   queue_.clear();
+  queued_bytes_ = 0;
   PublishDepthLocked();
   return out;
 }

@@ -76,7 +76,8 @@ class DynamicBatcher {
   // Non-blocking. On OK the batcher owns the request, sets its `enqueued`,
   // and *request is null. On error *request is untouched and the caller
   // still owns (and must answer) it: RESOURCE_EXHAUSTED when max_queue_size
-  // requests are already queued, UNAVAILABLE once Shutdown has begun,
+  // requests are already queued or its bytes would take the queue past
+  // max_queue_bytes, UNAVAILABLE once Shutdown has begun,
   // INVALID_ARGUMENT for a null request.
   absl::Status Schedule(std::unique_ptr<InferenceRequest>* request);
 
@@ -147,6 +148,8 @@ class DynamicBatcher {
   absl::CondVar work_cv_;     // queue or state changed; workers wait on it
   absl::CondVar drained_cv_;  // queue emptied or a batch finished (Shutdown)
   std::deque<std::unique_ptr<InferenceRequest>> queue_ ABSL_GUARDED_BY(mu_);
+  // Sum of queue_'s requests' bytes (BatcherOptions::max_queue_bytes).
+  int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   State state_ ABSL_GUARDED_BY(mu_) = State::kRunning;
   int running_batches_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutdown_started_ ABSL_GUARDED_BY(mu_) = false;

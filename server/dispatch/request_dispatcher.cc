@@ -13,6 +13,20 @@ namespace {
 // names never become label values (unbounded series).
 constexpr char kUnknownModelLabel[] = "(unknown)";
 
+// What a queued request holds in memory: the input bytes as received and
+// the outputs allocated for it (BatcherOptions::max_queue_bytes).
+int64_t RequestBytes(const AttendInputs& inputs, const AttentionTask& task) {
+  int64_t bytes = 0;
+  for (const InputTensor* t : {&inputs.query, &inputs.key, &inputs.value, &inputs.attn_mask}) {
+    bytes += static_cast<int64_t>(t->data.size());
+  }
+  bytes += static_cast<int64_t>(inputs.key_lengths.size() * sizeof(int64_t));
+  for (const MutableTensorView* out : {&task.output, &task.weights}) {
+    if (!out->shape.empty()) bytes += static_cast<int64_t>(out->byte_size());
+  }
+  return bytes;
+}
+
 }  // namespace
 
 RequestDispatcher::RequestDispatcher(const ModelRegistry* registry, BatchingScheduler* scheduler,
@@ -48,6 +62,11 @@ void RequestDispatcher::Submit(std::unique_ptr<InferenceRequest> request,
 
 absl::Status RequestDispatcher::Start(std::unique_ptr<InferenceRequest>& request,
                                       const AttendInputs& inputs, OutputAllocator allocate) {
+  if (absl::Status s =
+          request->access.Check(inputs.model, [this] { return registry_->default_model(); });
+      !s.ok()) {
+    return s;
+  }
   absl::StatusOr<std::shared_ptr<const ServedModel>> model = registry_->Find(inputs.model);
   if (!model.ok()) return model.status();
   request->model = *std::move(model);
@@ -70,6 +89,7 @@ absl::Status RequestDispatcher::Start(std::unique_ptr<InferenceRequest>& request
     request->task.weights =
         allocate(OutputName::kWeights, validated->output_dtype, validated->weights_shape);
   }
+  request->bytes = RequestBytes(inputs, request->task);
   // Counted before Schedule, so that a fast completion never takes the gauge
   // below zero; RecordAnswer takes it back for every request the scheduler
   // accepted (enqueued set).

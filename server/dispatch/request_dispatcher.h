@@ -41,7 +41,8 @@ class RequestDispatcher {
   // front end has set, on the model `inputs.model` names (empty = the
   // default model). The request is answered exactly once through its
   // Complete(): on this thread when it is refused before compute (unknown
-  // or failed model, invalid inputs, queue full, shutting down), otherwise
+  // or failed model, a model outside request->access, invalid inputs, queue
+  // full, shutting down), otherwise
   // later from a batcher worker. `inputs`' views must stay valid until then.
   void Submit(std::unique_ptr<InferenceRequest> request, const AttendInputs& inputs,
               OutputAllocator allocate);

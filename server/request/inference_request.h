@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "engine/attention_task.h"
 #include "server/models/served_model.h"
+#include "server/request/model_access.h"
 
 namespace attnserve {
 
@@ -53,6 +54,10 @@ class InferenceRequest {
   AttentionTask task;
   // The task's dims, as validation derived them.
   TaskDims dims;
+  // Memory the request holds while it waits: its input tensors' bytes plus
+  // the outputs allocated for it (set by the dispatcher; the unit of
+  // BatcherOptions::max_queue_bytes). Default: 0.
+  int64_t bytes = 0;
   // When the front end received the request. Default: not set.
   absl::Time received = absl::InfinitePast();
   // Still queued at its deadline: finishes DEADLINE_EXCEEDED, not computed.
@@ -62,6 +67,11 @@ class InferenceRequest {
   // a queued request then finishes CANCELLED without compute. Thread-safe,
   // cheap, non-blocking (called under the batcher's lock).
   std::function<bool()> is_cancelled;
+  // The models the caller may use, from its credentials (the front end sets
+  // it; see ModelAccess). The dispatcher answers PERMISSION_DENIED for any
+  // other. Default: every model -- a front end that authenticates callers
+  // must set it.
+  ModelAccess access;
   DoneFn done;
 
   // Set by the scheduler.

@@ -50,7 +50,8 @@ absl::StatusOr<TensorView> ViewInput(const InputTensor& tensor, absl::string_vie
   if (*elements > max_elements) {
     return absl::ResourceExhaustedError(
         absl::StrCat(field, ".shape: ", ShapeString(shape), " has ", *elements,
-                     " elements, more than the server's limit of ", max_elements));
+                     " elements, more than the server's limit of ", max_elements,
+                     " (--max-tensor-elements)"));
   }
   const size_t element_size = DTypeSize(tensor.dtype);
   // elements <= INT64_MAX and element_size <= 4: compare in 128 bits to stay
@@ -542,6 +543,13 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
   }
   if (request.need_weights) {
     out.weights_shape = WeightsShape(dims, task.average_weights);
+    if (!NumElements(out.weights_shape, options.max_returned_weights).ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "need_weights: weights ", ShapeString(out.weights_shape),
+          " are over the server's limit of ", options.max_returned_weights,
+          " returned weights per request (--max-returned-weights); ask for average_weights, "
+          "fewer tokens, or no weights"));
+    }
     if (absl::Status s = CheckOutputSize("weights", out.weights_shape, out.output_dtype,
                                          options.max_output_bytes);
         !s.ok()) {

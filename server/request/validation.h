@@ -33,10 +33,18 @@ enum class NonfiniteInputs {
 // Server-side limits; a request over one gets ResourceExhausted. The flag
 // that sets each one is named in its message.
 struct ValidationOptions {
-  // Most elements in one input tensor (query, key, value, attn_mask).
+  // Most elements in one input tensor (query, key, value, attn_mask)
+  // (--max-tensor-elements). Checked on the declared shape before the data:
+  // a small message cannot make the server allocate for a large shape.
   // Inputs are also bounded by the gRPC message size limit.
   // Default: 2^30.
   int64_t max_input_elements = int64_t{1} << 30;
+  // Most attention weights one request may ask to get back
+  // (--max-returned-weights): elements of the weights tensor, B*Hq*Lq*Lk
+  // (B*Lq*Lk with average_weights). The server allocates them in the
+  // response before compute, and they grow as Lq*Lk however small the
+  // request. 2^26 float32 weights are 256 MiB. Default: 2^26.
+  int64_t max_returned_weights = int64_t{1} << 26;
   // Most bytes in the output tensor, and separately in the weights tensor.
   // Outputs are not bounded by the receive limit: weights grow as Lq * Lk.
   // Default: 1 GiB.

@@ -12,10 +12,19 @@ namespace attnserve {
 
 AttendStreamReactor::AttendStreamReactor(AttentionServiceImpl* service,
                                          grpc::CallbackServerContext* context)
-    : service_(service), context_(context), counted_(service->CallStarted()) {
+    : service_(service),
+      context_(context),
+      counted_(service->CallStarted()),
+      access_(CallAccess(service->options_.tokens, *context)) {
   service_->AddStream(this);
   absl::MutexLock lock(&mu_);
   if (finished_) return;  // opened during shutdown: already ended
+  if (!access_.ok()) {
+    // Credentials are per call: nothing this stream sends can be served.
+    finished_ = true;
+    Finish(ToGrpcStatus(access_.status()));
+    return;
+  }
   reading_ = true;
   StartRead(&read_bytes_);
 }
@@ -44,7 +53,7 @@ void AttendStreamReactor::OnReadDone(bool ok) {
   // From here the completion owns the message (it may even run before
   // StartAttend returns).
   Message* raw = message.release();
-  service_->StartAttend(context_, parsed, raw->request, raw->answer.mutable_response(),
+  service_->StartAttend(context_, parsed, *access_, raw->request, raw->answer.mutable_response(),
                         [this, raw](absl::Status status) {
                           Answer(std::unique_ptr<Message>(raw), std::move(status));
                         });

@@ -12,9 +12,11 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "server/request/model_access.h"
 #include "server/transport/attention_service.h"
 
 namespace attnserve {
@@ -67,6 +69,8 @@ class AttendStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffe
   AttentionServiceImpl* const service_;
   grpc::CallbackServerContext* const context_;
   const bool counted_;  // opened before shutdown: shutdown waits for it
+  // The caller's models; not OK: the stream ended UNAUTHENTICATED at once.
+  const absl::StatusOr<ModelAccess> access_;
 
   // Read buffer and the number of messages read; touched only by the read in
   // flight (reads never overlap).

@@ -48,7 +48,7 @@ AttentionServiceImpl::AttentionServiceImpl(const ModelRegistry* registry,
 }
 
 void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
-                                       const absl::Status& parsed,
+                                       const absl::Status& parsed, const ModelAccess& access,
                                        const v1::AttendRequest& request,
                                        v1::AttendResponse* response,
                                        absl::AnyInvocable<void(absl::Status)> done) {
@@ -58,6 +58,7 @@ void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
   r->received = clock->Now();
   r->deadline = ServerDeadline(*context, *clock);
   r->is_cancelled = [context] { return context->IsCancelled(); };
+  r->access = access;
   response->set_id(request.id());
   r->done = [done = std::move(done), response, clock](absl::Status status,
                                                       const InferenceRequest& r) mutable {
@@ -85,21 +86,26 @@ void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
 // drop the queued request at once instead of when its batch would close.
 class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
  public:
-  // Parses `request_bytes` (and frees them, as gRPC's generated handler
-  // would have after parsing).
-  UnaryReactor(AttentionServiceImpl* service, const grpc::ByteBuffer* request_bytes)
+  // Authenticates the call, then parses `request_bytes` (and frees them, as
+  // gRPC's generated handler would have after parsing); an unauthenticated
+  // call's bytes are never parsed.
+  UnaryReactor(AttentionServiceImpl* service, const grpc::CallbackServerContext& context,
+               const grpc::ByteBuffer* request_bytes)
       : service_(service),
+        access_(CallAccess(service->options_.tokens, context)),
         // gRPC owns the (non-const) buffer until OnDone and only frees it
         // then; releasing it now keeps one copy of the inputs, not two.
-        parsed_(ParseAttendRequest(const_cast<grpc::ByteBuffer*>(request_bytes), "request", 0,
-                                   &request_)),
+        parsed_(access_.ok() ? ParseAttendRequest(const_cast<grpc::ByteBuffer*>(request_bytes),
+                                                  "request", 0, &request_)
+                             : access_.status()),
         model_(request_.model()),
         counted_(service->CallStarted()) {}
 
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
     // request_, response_, context and response_bytes stay valid until
     // OnDone: gRPC frees its part only after the reactor is done.
-    service_->StartAttend(context, parsed_, request_, &response_,
+    service_->StartAttend(context, parsed_, access_.ok() ? *access_ : ModelAccess::All(),
+                          request_, &response_,
                           [this, response_bytes](absl::Status status) {
                             // request_ and response_ are freed in OnDone, as
                             // gRPC freed its messages: not while the client
@@ -119,6 +125,7 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
 
  private:
   AttentionServiceImpl* const service_;
+  const absl::StatusOr<ModelAccess> access_;
   v1::AttendRequest request_;
   v1::AttendResponse response_;
   const absl::Status parsed_;
@@ -129,7 +136,7 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
                                                        const grpc::ByteBuffer* request,
                                                        grpc::ByteBuffer* response) {
-  auto* reactor = new UnaryReactor(this, request);
+  auto* reactor = new UnaryReactor(this, *context, request);
   reactor->Start(context, response);
   return reactor;
 }
@@ -185,11 +192,16 @@ void AttentionServiceImpl::BeginShutdown() {
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* context,
                                                            const v1::ListModelsRequest* request,
                                                            v1::ListModelsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<ModelAccess> access = CallAccess(options_.tokens, *context);
+  if (!access.ok()) {
+    reactor->Finish(ToGrpcStatus(access.status()));
+    return reactor;
+  }
   const std::string default_name = registry_->default_model();
   for (const auto& model : registry_->List()) {
-    *response->add_models() = ToModelStatus(*model, default_name);
+    if (access->Allows(model->name)) *response->add_models() = ToModelStatus(*model, default_name);
   }
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
@@ -198,6 +210,17 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerCon
                                                          const v1::GetModelRequest* request,
                                                          v1::ModelStatus* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<ModelAccess> access = CallAccess(options_.tokens, *context);
+  if (!access.ok()) {
+    reactor->Finish(ToGrpcStatus(access.status()));
+    return reactor;
+  }
+  if (absl::Status s =
+          access->Check(request->name(), [this] { return registry_->default_model(); });
+      !s.ok()) {
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
   absl::StatusOr<std::shared_ptr<const ServedModel>> model = registry_->Find(request->name());
   if (!model.ok()) {
     reactor->Finish(ToGrpcStatus(model.status()));

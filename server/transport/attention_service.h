@@ -19,6 +19,8 @@
 #include "grpcpp/support/byte_buffer.h"
 #include "server/dispatch/request_dispatcher.h"
 #include "server/models/model_registry.h"
+#include "server/request/model_access.h"
+#include "server/transport/bearer_tokens.h"
 
 namespace attnserve {
 
@@ -30,6 +32,9 @@ struct AttentionServiceOptions {
   // bound the server stops reading the stream until the client reads.
   // Default: 64.
   size_t max_stream_backlog = 64;
+  // Bearer tokens every call must present (--auth-token-file); not owned,
+  // must outlive the service. Null: no authentication. Default: null.
+  const BearerTokens* tokens = nullptr;
 };
 
 // Attend and AttendStream take gRPC's raw bytes and parse them here, so that
@@ -51,6 +56,16 @@ using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attend<
 // cannot be parsed is answered INVALID_ARGUMENT naming it ("request", or
 // "AttendStream message N", counting from 1; its answer's id is empty) and
 // never reaches the dispatcher's model lookup or validation.
+//
+// Authentication (options.tokens set): every call's `authorization` header is
+// checked first (CallAccess). A unary call without a valid token is answered
+// UNAUTHENTICATED without its message being parsed; an AttendStream ends
+// UNAUTHENTICATED before its first read. A restricted token's ModelAccess
+// travels on each InferenceRequest; the dispatcher answers
+// PERMISSION_DENIED for a model outside it, per request and per stream
+// message. ListModels lists only the models the token may use, and GetModel
+// of any other name is PERMISSION_DENIED (existing or not, so a restricted
+// token cannot probe for names).
 //
 // Constructing one installs the process's protobuf log handler
 // (protobuf_log.h), so that clients' bytes cannot flood the log.
@@ -92,13 +107,14 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   class UnaryReactor;
 
   // Translates one AttendRequest and submits it; `parsed` is what
-  // ParseAttendRequest said of it: not OK, the request (empty) is refused
-  // with that status through the dispatcher (counted, not run). `done` runs
+  // ParseAttendRequest said of it (or the authentication failure): not OK,
+  // the request (empty) is refused with that status through the dispatcher
+  // (counted, not run). `access`: the models the caller may use. `done` runs
   // exactly once with the final status (response->timing filled in when OK),
   // from this thread or a batcher worker. request, response and context must
   // stay valid until it has run.
   void StartAttend(grpc::CallbackServerContext* context, const absl::Status& parsed,
-                   const v1::AttendRequest& request, v1::AttendResponse* response,
+                   const ModelAccess& access, const v1::AttendRequest& request, v1::AttendResponse* response,
                    absl::AnyInvocable<void(absl::Status)> done);
 
   void AddStream(AttendStreamReactor* stream);
