@@ -27,6 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "client/client_security.h"
 #include "client/request_builder.h"
 #include "nlohmann/json.hpp"
 
@@ -176,6 +177,7 @@ void StartUnary(pb::AttentionService::Stub* stub, const pb::AttendRequest* reque
   call->start = start;
   call->context.set_deadline(std::chrono::system_clock::now() +
                              std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
+  client::AddAuthorization(&call->context);
   stub->async()->Attend(&call->context, request, &call->response,
                         [call, stats, then = std::move(then)](grpc::Status status) {
                           const auto latency = Clock::now() - call->start;
@@ -197,6 +199,7 @@ class StreamClient : public grpc::ClientBidiReactor<pb::AttendRequest, pb::Atten
       : stats_(stats), on_response_(std::move(on_response)) {
     context_.set_deadline(std::chrono::system_clock::now() +
                           std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
+    client::AddAuthorization(&context_);
     stub->async()->AttendStream(&context_, this);
     AddHold();
     StartRead(&response_);
@@ -315,6 +318,7 @@ absl::StatusOr<pb::AttendRequest> BuildBenchRequest(pb::AttentionService::Stub& 
     pb::ModelStatus model;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    client::AddAuthorization(&ctx);
     grpc::Status s = stub.GetModel(&ctx, req, &model);
     if (!s.ok()) {
       return absl::UnavailableError(absl::StrCat("GetModel failed (", CodeName(s.error_code()),
@@ -446,16 +450,26 @@ int Main(int argc, char** argv) {
     return 1;
   }
 
+  if (absl::Status s = client::LoadTokenFromFlags(); !s.ok()) {
+    std::fprintf(stderr, "attn_bench: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
   std::vector<std::unique_ptr<pb::AttentionService::Stub>> stubs;
   for (int c = 0; c < n_channels; ++c) {
     grpc::ChannelArguments args;
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+        client::ChannelCredentialsFromFlags(&args);
+    if (!credentials.ok()) {
+      std::fprintf(stderr, "attn_bench: %s\n", std::string(credentials.status().message()).c_str());
+      return 1;
+    }
     args.SetMaxReceiveMessageSize(kMaxMessageBytes);
     args.SetMaxSendMessageSize(kMaxMessageBytes);
     // Distinct args and a local pool: each channel gets its own connection.
     args.SetInt("attn_bench.channel", c);
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     stubs.push_back(pb::AttentionService::NewStub(grpc::CreateCustomChannel(
-        absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials(), args)));
+        absl::GetFlag(FLAGS_target), *credentials, args)));
   }
   absl::StatusOr<pb::AttendRequest> request = BuildBenchRequest(*stubs[0]);
   if (!request.ok()) {

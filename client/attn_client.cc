@@ -23,6 +23,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "client/client_security.h"
 #include "client/half.h"
 #include "client/npy.h"
 #include "client/request_builder.h"
@@ -96,6 +97,7 @@ std::unique_ptr<grpc::ClientContext> MakeContext() {
   auto ctx = std::make_unique<grpc::ClientContext>();
   ctx->set_deadline(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
+  AddAuthorization(ctx.get());
   return ctx;
 }
 
@@ -392,7 +394,11 @@ int Main(int argc, char** argv) {
   grpc::ChannelArguments channel_args;
   channel_args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   channel_args.SetMaxSendMessageSize(kMaxMessageBytes);
-  auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials(),
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      ChannelCredentialsFromFlags(&channel_args);
+  if (!credentials.ok()) return UsageError(std::string(credentials.status().message()));
+  if (absl::Status s = LoadTokenFromFlags(); !s.ok()) return UsageError(std::string(s.message()));
+  auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_target), *credentials,
                                            channel_args);
   if (command == "health") return RunHealth(channel);
   auto stub = pb::AttentionService::NewStub(channel);

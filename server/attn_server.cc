@@ -20,13 +20,25 @@
 namespace attnserve {
 namespace {
 
-// Adds gRPC server reflection to one ServerBuilder.
+// Turns gRPC server reflection on or off for one ServerBuilder. Linking
+// grpc++_reflection registers its plugin for every builder of the process
+// (a static initializer), so "off" must remove it; "on" keeps exactly one.
 class ReflectionOption final : public grpc::ServerBuilderOption {
  public:
+  explicit ReflectionOption(bool enabled) : enabled_(enabled) {}
   void UpdateArguments(grpc::ChannelArguments*) override {}
   void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
-    plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
+    const std::string name = grpc::reflection::ProtoServerReflectionPlugin().name();
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
+                                  [&](const auto& p) { return p->name() == name; }),
+                   plugins->end());
+    if (enabled_) {
+      plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
+    }
   }
+
+ private:
+  const bool enabled_;
 };
 
 }  // namespace
@@ -142,11 +154,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
                                static_cast<int>(limits.max_connection_age_grace.count()));
   }
-  if (options.reflection) {
-    // Per server rather than InitProtoReflectionServerBuilderPlugin(), which
-    // would turn reflection on for every server the process builds.
-    builder.SetOption(std::make_unique<ReflectionOption>());
-  }
+  builder.SetOption(std::make_unique<ReflectionOption>(options.reflection));
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
