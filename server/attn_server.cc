@@ -76,6 +76,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
       options.validation);
   server->service_ =
       std::make_unique<AttentionServiceImpl>(&server->registry_, server->dispatcher_.get());
+  // The same models, dispatcher and metrics through the KServe v2 protocol.
+  server->kserve_service_ = std::make_unique<KServeServiceImpl>(
+      &server->registry_, server->dispatcher_.get(), server->metrics_.get());
 
   // Both are process-wide switches read by ServerBuilder; they must be set
   // before BuildAndStart.
@@ -93,6 +96,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &server->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.RegisterService(server->service_.get());
+  builder.RegisterService(server->kserve_service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     server->server_.reset();
@@ -116,6 +120,7 @@ void AttnServer::Shutdown() {
   server_->GetHealthCheckService()->SetServingStatus(false);
   // 2. Refuse new requests (UNAVAILABLE) and stop reading open streams.
   service_->BeginShutdown();
+  kserve_service_->BeginShutdown();
   // 3. Every accepted request is computed (batches close at once, no
   //    max_queue_delay wait) or, past the grace, answered UNAVAILABLE. When
   //    this returns every accepted request has its answer.
@@ -126,7 +131,11 @@ void AttnServer::Shutdown() {
   //    slowly included -- for what is left of the grace.
   const absl::Duration left =
       absl::FromChrono(options_.shutdown_grace) - (clock_->Now() - start);
-  const bool idle = service_->WaitForNoCalls(std::max(left, absl::ZeroDuration()));
+  const bool idle = service_->WaitForNoCalls(std::max(left, absl::ZeroDuration())) &&
+                    kserve_service_->WaitForNoCalls(
+                        std::max(absl::FromChrono(options_.shutdown_grace) -
+                                     (clock_->Now() - start),
+                                 absl::ZeroDuration()));
   // 5. Stop gRPC. When idle, only calls that arrived in the last instant can
   //    be open: give their UNAVAILABLE a moment to go out. Otherwise the
   //    grace is spent and what is still open is cancelled now.

@@ -1,6 +1,6 @@
 // One running attnserve: engine, models, one batching queue per model, the
-// metrics endpoint and the gRPC server (AttentionService, health,
-// reflection), started and stopped as a unit.
+// metrics endpoint and the gRPC server (AttentionService, the KServe v2
+// GRPCInferenceService, health, reflection), started and stopped as a unit.
 #ifndef ATTNSERVE_SERVER_ATTN_SERVER_H_
 #define ATTNSERVE_SERVER_ATTN_SERVER_H_
 
@@ -17,6 +17,7 @@
 #include "server/models/model_registry.h"
 #include "server/server_options.h"
 #include "server/transport/attention_service.h"
+#include "server/transport/kserve_service.h"
 
 namespace attnserve {
 
@@ -65,6 +66,7 @@ class AttnServer {
   std::unique_ptr<BatchingScheduler> scheduler_;
   std::unique_ptr<RequestDispatcher> dispatcher_;
   std::unique_ptr<AttentionServiceImpl> service_;
+  std::unique_ptr<KServeServiceImpl> kserve_service_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   int port_ = 0;

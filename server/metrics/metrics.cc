@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -16,6 +17,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "prometheus/exposer.h"
 #include "prometheus/text_serializer.h"
 
@@ -101,6 +104,9 @@ void ModelMetrics::RequestDone(absl::StatusCode code, double total_seconds) {
   if (index < 0 || index >= kNumCodes) index = static_cast<int>(absl::StatusCode::kUnknown);
   requests_[index]->Increment();
   request_duration_->Observe(total_seconds);
+  (code == absl::StatusCode::kOk ? success_ : fail_).Add(total_seconds);
+  last_inference_ms_.store(static_cast<uint64_t>(absl::ToUnixMillis(absl::Now())),
+                           std::memory_order_relaxed);
 }
 
 void ModelMetrics::BatchDone(int64_t requests, int64_t tokens, double compute_seconds) {
@@ -108,6 +114,30 @@ void ModelMetrics::BatchDone(int64_t requests, int64_t tokens, double compute_se
   batch_tokens_->Observe(static_cast<double>(tokens));
   compute_duration_->Observe(compute_seconds);
   tokens_->Increment(static_cast<double>(tokens));
+  compute_.Add(compute_seconds, static_cast<uint64_t>(std::max<int64_t>(requests, 0)));
+  executions_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void ModelMetrics::AtomicDuration::Add(double seconds, uint64_t times) {
+  count.fetch_add(times, std::memory_order_relaxed);
+  ns.fetch_add(times * static_cast<uint64_t>(std::max(0.0, seconds) * 1e9),
+               std::memory_order_relaxed);
+}
+
+ModelStatisticsSnapshot::Duration ModelMetrics::AtomicDuration::Load() const {
+  return {count.load(std::memory_order_relaxed), ns.load(std::memory_order_relaxed)};
+}
+
+ModelStatisticsSnapshot ModelMetrics::Statistics() const {
+  ModelStatisticsSnapshot s;
+  s.success = success_.Load();
+  s.fail = fail_.Load();
+  s.queue = queue_.Load();
+  s.compute = compute_.Load();
+  s.execution_count = executions_.load(std::memory_order_relaxed);
+  s.inference_count = s.success.count;
+  s.last_inference_ms = last_inference_ms_.load(std::memory_order_relaxed);
+  return s;
 }
 
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& options) {

@@ -4,6 +4,7 @@
 #define ATTNSERVE_SERVER_METRICS_METRICS_H_
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -50,6 +51,27 @@ struct MetricsOptions {
   std::function<int64_t()> connections_shed = nullptr;
 };
 
+// Cumulative totals of one model since startup, as Triton's statistics
+// extension reports them (GRPCInferenceService.ModelStatistics). Read from the
+// same calls that update the Prometheus families, so both always agree.
+struct ModelStatisticsSnapshot {
+  struct Duration {
+    uint64_t count = 0;
+    uint64_t ns = 0;
+  };
+  Duration success;  // answered OK: receipt -> response
+  Duration fail;     // answered with an error, refusals included
+  Duration queue;    // requests that reached a batch: queued -> batch closed
+  // Requests computed, each counted with its batch's engine time (Triton's
+  // compute_infer: a batch of n adds n and n times its time).
+  Duration compute;
+  // Engine calls (batches); successful requests; the wall time (ms since the
+  // Unix epoch) of the last answered request, 0 = none yet.
+  uint64_t execution_count = 0;
+  uint64_t inference_count = 0;
+  uint64_t last_inference_ms = 0;
+};
+
 // The metrics of one served model. Every method is thread-safe and cheap
 // (atomics, or a short per-histogram lock); none allocates once created.
 class ModelMetrics {
@@ -58,13 +80,18 @@ class ModelMetrics {
   // numbering) and the server-side time from receipt to response.
   void RequestDone(absl::StatusCode code, double total_seconds);
   // A request that reached its batch: time from queued to its batch closing.
-  void Queued(double queue_seconds) { queue_duration_->Observe(queue_seconds); }
+  void Queued(double queue_seconds) {
+    queue_duration_->Observe(queue_seconds);
+    queue_.Add(queue_seconds);
+  }
   // One executed batch: its size in requests and query tokens, and the time
   // its engine call took.
   void BatchDone(int64_t requests, int64_t tokens, double compute_seconds);
   void SetQueueDepth(int64_t depth) { queue_depth_->Set(static_cast<double>(depth)); }
   // Accepted requests not yet answered (queued or computing).
   void InflightAdd(int64_t delta) { inflight_->Increment(static_cast<double>(delta)); }
+  // The totals so far (each field read atomically, not all at one instant).
+  ModelStatisticsSnapshot Statistics() const;
 
  private:
   friend class Metrics;
@@ -80,6 +107,17 @@ class ModelMetrics {
   prometheus::Gauge* queue_depth_ = nullptr;
   prometheus::Gauge* inflight_ = nullptr;
   prometheus::Counter* tokens_ = nullptr;
+
+  struct AtomicDuration {
+    std::atomic<uint64_t> count{0};
+    std::atomic<uint64_t> ns{0};
+    // `times` occurrences of `seconds` each.
+    void Add(double seconds, uint64_t times = 1);
+    ModelStatisticsSnapshot::Duration Load() const;
+  };
+  AtomicDuration success_, fail_, queue_, compute_;
+  std::atomic<uint64_t> executions_{0};
+  std::atomic<uint64_t> last_inference_ms_{0};
 };
 
 // Thread-safe. Owns the registry and, when an address is given, the HTTP

@@ -34,6 +34,11 @@ struct InputTensor {
 struct AttendInputs {
   // Empty = the server's default model.
   absl::string_view model;
+  // A decoding failure of the request as a whole (an input name the protocol
+  // does not know, a content count that does not match): reported first by
+  // validation, after the model lookup, so an unknown model is still
+  // NOT_FOUND whatever else is wrong, as for the tensors' own decode_error.
+  absl::Status decode_error;
   InputTensor query, key, value, attn_mask;
   // Empty = none.
   absl::Span<const int64_t> key_lengths;

@@ -450,6 +450,7 @@ Work RequestWork(const LayerConfig& layer, const TaskDims& d) {
 absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& request,
                                                       const LayerConfig& layer,
                                                       const ValidationOptions& options) {
+  if (!request.decode_error.ok()) return request.decode_error;
   // Presence.
   if (!request.query.present) {
     return absl::InvalidArgumentError(absl::StrCat(

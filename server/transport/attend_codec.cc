@@ -15,6 +15,11 @@ namespace attnserve {
 
 absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
                                 v1::AttendRequest* request) {
+  return ParseMessage(bytes, what, number, request);
+}
+
+absl::Status ParseMessage(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
+                          google::protobuf::MessageLite* request) {
   const size_t size = bytes->Length();
   grpc::Status parsed;
   std::string reason;
@@ -22,7 +27,8 @@ absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what,
     // What protobuf would log about these bytes (invalid UTF-8 in a string
     // field) is the client's answer, not a line in the server's log.
     ScopedProtobufLogCapture capture;
-    parsed = grpc::SerializationTraits<v1::AttendRequest>::Deserialize(bytes, request);
+    parsed =
+        grpc::SerializationTraits<google::protobuf::MessageLite>::Deserialize(bytes, request);
     reason = capture.captured();
   }
   if (parsed.ok()) return absl::OkStatus();
@@ -37,7 +43,7 @@ absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what,
   }
   return absl::InvalidArgumentError(
       absl::StrCat(what, number > 0 ? absl::StrCat(" ", number) : "",
-                   " could not be parsed as attnserve.v1.AttendRequest: ", reason));
+                   " could not be parsed as ", request->GetTypeName(), ": ", reason));
 }
 
 absl::Status SerializeMessage(const google::protobuf::MessageLite& message,

@@ -29,6 +29,12 @@ namespace attnserve {
 absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
                                 v1::AttendRequest* request);
 
+// ParseAttendRequest for any request message (the KServe front end's too):
+// the same deserializer, release of `bytes` and error,
+// "<what>[ <number>] could not be parsed as <message type>: <reason>".
+absl::Status ParseMessage(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
+                          google::protobuf::MessageLite* message);
+
 // Serializes `message` into `bytes` as gRPC's generated handlers would.
 // Fails (INTERNAL) only for a message over protobuf's 2 GiB limit.
 absl::Status SerializeMessage(const google::protobuf::MessageLite& message,

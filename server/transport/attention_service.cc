@@ -11,21 +11,12 @@
 #include "attnserve/v1/model_config.pb.h"
 #include "server/transport/attend_codec.h"
 #include "server/transport/attend_stream_reactor.h"
+#include "server/transport/call_deadline.h"
 #include "server/transport/protobuf_log.h"
 #include "server/transport/status_util.h"
 
 namespace attnserve {
 namespace {
-
-// The call's deadline on the server's clock; InfiniteFuture when there is
-// none (gRPC reports "none" as a far-future wall time). gRPC states
-// deadlines in wall time: this is the one place that reads it.
-absl::Time ServerDeadline(const grpc::CallbackServerContext& context, const Clock& clock) {
-  const auto wall_deadline = context.deadline();
-  const auto wall_now = std::chrono::system_clock::now();
-  if (wall_deadline >= wall_now + std::chrono::hours(24 * 365)) return absl::InfiniteFuture();
-  return clock.Now() + absl::FromChrono(wall_deadline - wall_now);
-}
 
 v1::ModelStatus ToModelStatus(const ServedModel& model, const std::string& default_name) {
   v1::ModelStatus status;
