@@ -161,7 +161,8 @@ def merge_metadata(base: Metadata, extra: Optional[Metadata]) -> Optional[List[T
 # AttendStream ordering
 
 class StreamOrder:
-    """Gives each outgoing request a unique id (its own when it has one) and
+    """Gives each outgoing request a unique id (its own when it has one; a
+    user id may appear once per stream) and
     releases the answers in the order the requests were sent.
 
     The request side (gRPC's sender thread, or a task) calls `sent`; the
@@ -173,6 +174,7 @@ class StreamOrder:
         self._order: "collections.deque[str]" = collections.deque()
         self._pending: Dict[str, Any] = {}
         self._in_flight = set()
+        self._seen = set()  # every id sent: answers are matched by id
         self._auto = 0
         self.return_exceptions = return_exceptions
         self.send_error: Optional[BaseException] = None
@@ -205,12 +207,16 @@ class StreamOrder:
             if not req.id:
                 clone = attention_pb2.AttendRequest()
                 clone.CopyFrom(req)
-                self._auto += 1
-                clone.id = f"attnserve-client-{self._auto}"
+                while True:
+                    self._auto += 1
+                    clone.id = f"attnserve-client-{self._auto}"
+                    if clone.id not in self._seen:
+                        break
                 req = clone
-            elif req.id in self._in_flight:
-                raise ValueError(f"AttendStream request id {req.id!r} is already in flight; "
+            elif req.id in self._seen:
+                raise ValueError(f"AttendStream request id {req.id!r} appears twice in this stream; "
                                  "ids must be unique (leave id empty to have one assigned)")
+            self._seen.add(req.id)
             self._in_flight.add(req.id)
             self._order.append(req.id)
         return req
