@@ -4,6 +4,7 @@ oracle, errors as AttnServeError, attend_stream ordering, models and health."""
 
 import os
 import re
+import sys
 
 import grpc
 import numpy as np
@@ -22,7 +23,9 @@ def test_installed_package_has_built_in_stubs_and_the_project_version():
     from attnserve_client import _stubs
     assert _stubs.BUILT_IN, "the wheel must carry its generated stubs"
     source = os.environ.get("ATTNSERVE_SOURCE_DIR", "")
-    assert source and not os.path.abspath(attnserve_client.__file__).startswith(os.path.abspath(source))
+    where = os.path.abspath(attnserve_client.__file__)
+    assert where.startswith(os.path.abspath(sys.prefix) + os.sep), f"imported from {where}, not the venv"
+    assert not where.startswith(os.path.join(os.path.abspath(source), "client", "python") + os.sep)
     with open(os.path.join(source, "CMakeLists.txt")) as f:
         want = re.search(r"project\(\s*attnserve\s+VERSION\s+([0-9.]+)", f.read()).group(1)
     assert attnserve_client.__version__ == want
