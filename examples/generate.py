@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from attnserve_client import AttentionClient, UnimplementedError
-from attnserve_client.torch import RemoteMultiheadAttention, export_attention_layers, replace_attention_layers
+from attnserve_client.torch import export_attention_layers, replace_attention_layers
 
 
 class Block(nn.Module):

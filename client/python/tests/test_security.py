@@ -4,7 +4,6 @@ self-signed CA (openssl): server-authenticated TLS, mutual TLS, and the token
 arriving as `authorization: Bearer <token>` on every call, sync and asyncio."""
 
 import asyncio
-import os
 import subprocess
 from concurrent import futures
 

@@ -3,7 +3,6 @@ nn.TransformerEncoders exported into a model repository and replaced by
 RemoteMultiheadAttention give the local model's outputs within 1e-5; the
 drop-in follows nn.MultiheadAttention's masks, layouts and weights."""
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")  # run_suite.py runs this in a venv that sees Debian's torch
