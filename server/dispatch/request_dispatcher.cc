@@ -50,10 +50,13 @@ void RequestDispatcher::Submit(std::unique_ptr<InferenceRequest> request,
 
 absl::Status RequestDispatcher::Start(std::unique_ptr<InferenceRequest>& request,
                                       const AttendInputs& inputs, OutputAllocator allocate) {
-  // A session request that names no model runs on the session's model.
+  // A session request that names no model runs on the session's model (and
+  // an unknown, closed, expired or evicted session is its first error).
   std::string session_model;
   if (!inputs.session_id.empty() && inputs.model.empty() && sessions_ != nullptr) {
-    session_model = sessions_->ModelOf(inputs.session_id);
+    absl::StatusOr<std::string> m = sessions_->ModelOf(inputs.session_id);
+    if (!m.ok()) return m.status();
+    session_model = *std::move(m);
   }
   absl::StatusOr<std::shared_ptr<const ServedModel>> model =
       registry_->Find(session_model.empty() ? inputs.model : session_model);

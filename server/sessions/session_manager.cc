@@ -208,10 +208,12 @@ absl::Status SessionManager::CheckShape(Session& s, const InferenceRequest& r) {
   return absl::OkStatus();
 }
 
-std::string SessionManager::ModelOf(absl::string_view id) const {
+absl::StatusOr<std::string> SessionManager::ModelOf(absl::string_view id) {
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(id);
-  return it != sessions_.end() ? it->second->cache->model : std::string();
+  SweepLocked();
+  absl::StatusOr<Session*> s = Find(id);
+  if (!s.ok()) return s.status();
+  return (*s)->cache->model;
 }
 
 absl::Status SessionManager::Submit(std::unique_ptr<InferenceRequest>* request) {
@@ -252,6 +254,13 @@ absl::Status SessionManager::Bind(Session& s, InferenceRequest& r) {
   const int64_t bt = options_.block_tokens;
   const size_t needed = static_cast<size_t>((total + bt - 1) / bt);
   ModelCache& cache = *s.cache;
+  if (static_cast<int64_t>(needed) * s.block_bytes > cache.pool.capacity_bytes()) {
+    // Refused before evicting anyone for it.
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session_id: session '", s.id, "' would hold ", total, " tokens in ", needed, " blocks of ",
+        s.block_bytes, " bytes, more than the whole KV cache of model '", cache.model, "' (",
+        cache.pool.capacity_bytes(), " bytes, --kv-cache-bytes)"));
+  }
   while (s.k_blocks.size() < needed) {
     void* block = cache.pool.Allocate(s.block_bytes);
     if (block == nullptr) {

@@ -90,9 +90,9 @@ class SessionManager {
   absl::StatusOr<int64_t> Close(absl::string_view id,
                                 std::vector<std::unique_ptr<InferenceRequest>>* orphans);
 
-  // The model session `id` is bound to; empty when there is no such open
-  // session (Submit then says why).
-  std::string ModelOf(absl::string_view id) const;
+  // The model session `id` is bound to; the errors of Submit for an
+  // unknown, closed, expired or evicted session.
+  absl::StatusOr<std::string> ModelOf(absl::string_view id);
 
   // Takes a validated request for session (*request)->session_id (B == 1,
   // no mask, key_lengths or weights: server/request/validation.h) whose
