@@ -71,9 +71,11 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
                                 server->clock_);
   if (!scheduler.ok()) return scheduler.status();
   server->scheduler_ = *std::move(scheduler);
+  server->sessions_ =
+      std::make_unique<SessionManager>(options.sessions, server->clock_, server->metrics_.get());
   server->dispatcher_ = std::make_unique<RequestDispatcher>(
       &server->registry_, server->scheduler_.get(), server->metrics_.get(), server->clock_,
-      options.validation);
+      options.validation, server->sessions_.get());
   server->service_ =
       std::make_unique<AttentionServiceImpl>(&server->registry_, server->dispatcher_.get());
 
@@ -101,6 +103,11 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
         "--address: cannot listen on ", options.address, " (in use or not a local address?)"));
   }
   server->server_->GetHealthCheckService()->SetServingStatus(kAttentionServiceName, true);
+  server->sweeper_ = std::thread([s = server.get()] {
+    while (!s->stop_sweeper_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
+      s->sessions_->Sweep();
+    }
+  });
 
   const size_t colon = options.address.rfind(':');
   server->address_ = absl::StrCat(options.address.substr(0, colon), ":", server->port_);
@@ -133,6 +140,8 @@ void AttnServer::Shutdown() {
   server_->Shutdown(std::chrono::system_clock::now() +
                     (idle ? std::chrono::milliseconds(200) : std::chrono::milliseconds(0)));
   server_->Wait();
+  stop_sweeper_.Notify();
+  if (sweeper_.joinable()) sweeper_.join();
 }
 
 }  // namespace attnserve

@@ -96,6 +96,21 @@ ABSL_FLAG(std::string, nonfinite_inputs, "reject",
           "scores could overflow float32: reject (INVALID_ARGUMENT naming the tensor and "
           "element; the only mode implemented)");
 
+// Server-side attention sessions (issue 17, docs/API.md "Sessions").
+ABSL_FLAG(int64_t, kv_cache_bytes, kDefaults.sessions.kv_cache_bytes,
+          "bytes of session KV cache per model (blocks of K and V); when full, the least "
+          "recently used idle session is evicted (its next request gets ABORTED)");
+ABSL_FLAG(int64_t, kv_block_tokens, kDefaults.sessions.block_tokens,
+          "tokens per KV-cache block, a multiple of 16: a session grows by one block at a time");
+ABSL_FLAG(absl::Duration, session_ttl, kDefaults.sessions.ttl,
+          "idle time after which a session is closed (e.g. 10m, 30s); OpenSession may ask "
+          "for another TTL up to 24h");
+ABSL_FLAG(int64_t, session_max_tokens, kDefaults.sessions.max_tokens,
+          "most tokens one session may cache; OpenSession may ask for fewer");
+ABSL_FLAG(int64_t, max_sessions, kDefaults.sessions.max_sessions,
+          "most sessions open at once, all models together; 0 = no sessions (OpenSession "
+          "gets RESOURCE_EXHAUSTED)");
+
 int main(int argc, char** argv) {
   DefaultToPassiveOpenMpWaits(argv);
 
@@ -130,7 +145,8 @@ int main(int argc, char** argv) {
       "[--max-queue-size=N] [--instances=N] [--idle-spin-us=200] [--metrics-threads=8] "
       "[--metrics-request-timeout=5s] [--shutdown-grace=30s] "
       "[--max-attention-scores=268435456] [--max-multiply-adds=34359738368] "
-      "[--nonfinite-inputs=reject]\n"
+      "[--nonfinite-inputs=reject] [--kv-cache-bytes=1073741824] [--kv-block-tokens=16] "
+      "[--session-ttl=10m] [--session-max-tokens=32768] [--max-sessions=65536]\n"
       "Flags may be written with dashes or underscores.");
   std::vector<std::string> args =
       attnserve::NormalizeFlagNames(std::vector<std::string>(argv, argv + argc));
@@ -191,6 +207,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.validation.nonfinite_inputs = *nonfinite;
+  options.sessions.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  options.sessions.block_tokens = absl::GetFlag(FLAGS_kv_block_tokens);
+  options.sessions.ttl = absl::GetFlag(FLAGS_session_ttl);
+  options.sessions.max_tokens = absl::GetFlag(FLAGS_session_max_tokens);
+  options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
 
   absl::StatusOr<std::unique_ptr<attnserve::AttnServer>> server =
       attnserve::AttnServer::Start(options);

@@ -13,6 +13,7 @@
 #include "server/batching/batcher_options.h"
 #include "server/request/clock.h"
 #include "server/request/validation.h"
+#include "server/sessions/session_options.h"
 
 namespace attnserve {
 
@@ -57,6 +58,11 @@ struct ServerOptions {
   // --max-multiply-adds) and what is done with non-finite inputs
   // (--nonfinite-inputs). Default: ValidationOptions{}.
   ValidationOptions validation;
+  // Server-side attention sessions: KV cache per model, block size, idle
+  // TTL, per-session token limit, session count (--kv-cache-bytes,
+  // --kv-block-tokens, --session-ttl, --session-max-tokens, --max-sessions).
+  // Default: SessionOptions{}.
+  SessionOptions sessions;
   // The time source of every timing rule (deadlines, batching, shutdown
   // grace); must outlive the server. Tests inject a FakeClock. Default:
   // nullptr = MonotonicClock.

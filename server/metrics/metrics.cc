@@ -171,6 +171,35 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                          .Help("1 when the model is loaded and serving, 0 when it failed to "
                                "load; labelled with the backend that serves it")
                          .Register(r);
+  m->sessions_open_ = &prometheus::BuildGauge()
+                           .Name("attnserve_sessions_open")
+                           .Help("Attention sessions open (OpenSession, not yet closed, expired "
+                                 "or evicted)")
+                           .Register(r);
+  m->kv_blocks_ = &prometheus::BuildGauge()
+                       .Name("attnserve_kv_cache_blocks")
+                       .Help("KV-cache blocks of the model's session pool: state=used (held by "
+                             "sessions) or free (allocated, on the free list)")
+                       .Register(r);
+  m->kv_bytes_ = &prometheus::BuildGauge()
+                      .Name("attnserve_kv_cache_bytes")
+                      .Help("KV-cache bytes of the model's session pool: state=held (in blocks, "
+                            "used or free) or capacity (--kv-cache-bytes)")
+                      .Register(r);
+  m->session_appends_ = &prometheus::BuildCounter()
+                             .Name("attnserve_session_appends_total")
+                             .Help("Session requests whose K/V rows were appended to the cache "
+                                   "(one per successful session request)")
+                             .Register(r);
+  m->session_evictions_ = &prometheus::BuildCounter()
+                               .Name("attnserve_session_evictions_total")
+                               .Help("Idle sessions evicted (least recently used first) to make "
+                                     "room in a full KV cache")
+                               .Register(r);
+  m->session_expiries_ = &prometheus::BuildCounter()
+                              .Name("attnserve_session_expiries_total")
+                              .Help("Sessions closed by the server after their idle TTL")
+                              .Register(r);
   std::map<std::string, std::string> build = options.build_labels;
   build["version"] = ATTNSERVE_VERSION;
   prometheus::BuildGauge()
@@ -260,6 +289,16 @@ Metrics::~Metrics() {
   stopper.join();
 }
 
+void ModelMetrics::SetSessionCache(int64_t sessions_open, int64_t blocks_used,
+                                   int64_t blocks_free, int64_t bytes_held,
+                                   int64_t bytes_capacity) {
+  sessions_open_->Set(static_cast<double>(sessions_open));
+  kv_blocks_used_->Set(static_cast<double>(blocks_used));
+  kv_blocks_free_->Set(static_cast<double>(blocks_free));
+  kv_bytes_held_->Set(static_cast<double>(bytes_held));
+  kv_bytes_capacity_->Set(static_cast<double>(bytes_capacity));
+}
+
 void Metrics::SetModelReady(const std::string& model, const std::string& backend, bool ready) {
   model_ready_->Add({{"model", model}, {"backend", backend}}).Set(ready ? 1.0 : 0.0);
 }
@@ -283,6 +322,14 @@ ModelMetrics* Metrics::ForModel(const std::string& model) {
   mm->queue_depth_ = &queue_depth_->Add(labels);
   mm->inflight_ = &inflight_->Add(labels);
   mm->tokens_ = &tokens_->Add(labels);
+  mm->sessions_open_ = &sessions_open_->Add(labels);
+  mm->kv_blocks_used_ = &kv_blocks_->Add({{"model", model}, {"state", "used"}});
+  mm->kv_blocks_free_ = &kv_blocks_->Add({{"model", model}, {"state", "free"}});
+  mm->kv_bytes_held_ = &kv_bytes_->Add({{"model", model}, {"state", "held"}});
+  mm->kv_bytes_capacity_ = &kv_bytes_->Add({{"model", model}, {"state", "capacity"}});
+  mm->session_appends_ = &session_appends_->Add(labels);
+  mm->session_evictions_ = &session_evictions_->Add(labels);
+  mm->session_expiries_ = &session_expiries_->Add(labels);
   ModelMetrics* raw = mm.get();
   models_.emplace(model, std::move(mm));
   return raw;

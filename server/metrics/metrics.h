@@ -66,6 +66,15 @@ class ModelMetrics {
   // Accepted requests not yet answered (queued or computing).
   void InflightAdd(int64_t delta) { inflight_->Increment(static_cast<double>(delta)); }
 
+  // Sessions (server/sessions): the model's KV cache now.
+  void SetSessionCache(int64_t sessions_open, int64_t blocks_used, int64_t blocks_free,
+                       int64_t bytes_held, int64_t bytes_capacity);
+  // One session request's rows appended (a committed request).
+  void SessionAppended() { session_appends_->Increment(); }
+  // One idle session evicted to make room, or expired past its TTL.
+  void SessionEvicted() { session_evictions_->Increment(); }
+  void SessionExpired() { session_expiries_->Increment(); }
+
  private:
   friend class Metrics;
   ModelMetrics() = default;
@@ -80,6 +89,14 @@ class ModelMetrics {
   prometheus::Gauge* queue_depth_ = nullptr;
   prometheus::Gauge* inflight_ = nullptr;
   prometheus::Counter* tokens_ = nullptr;
+  prometheus::Gauge* sessions_open_ = nullptr;
+  prometheus::Gauge* kv_blocks_used_ = nullptr;
+  prometheus::Gauge* kv_blocks_free_ = nullptr;
+  prometheus::Gauge* kv_bytes_held_ = nullptr;
+  prometheus::Gauge* kv_bytes_capacity_ = nullptr;
+  prometheus::Counter* session_appends_ = nullptr;
+  prometheus::Counter* session_evictions_ = nullptr;
+  prometheus::Counter* session_expiries_ = nullptr;
 };
 
 // Thread-safe. Owns the registry and, when an address is given, the HTTP
@@ -134,6 +151,12 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* inflight_ = nullptr;
   prometheus::Family<prometheus::Counter>* tokens_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_ready_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* sessions_open_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* kv_blocks_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* kv_bytes_ = nullptr;
+  prometheus::Family<prometheus::Counter>* session_appends_ = nullptr;
+  prometheus::Family<prometheus::Counter>* session_evictions_ = nullptr;
+  prometheus::Family<prometheus::Counter>* session_expiries_ = nullptr;
 
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<ModelMetrics>> models_ ABSL_GUARDED_BY(mu_);

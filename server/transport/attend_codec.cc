@@ -65,6 +65,7 @@ AttendInputs DecodeAttendRequest(const v1::AttendRequest& request) {
   in.scale = request.scale();
   in.need_weights = request.need_weights();
   in.average_weights = request.average_weights();
+  in.session_id = request.session_id();
   if (request.output_dtype() != v1::DATA_TYPE_UNSPECIFIED) {
     absl::StatusOr<DType> dtype = DTypeFromProto(request.output_dtype(), "output_dtype");
     if (dtype.ok()) {

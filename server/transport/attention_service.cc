@@ -61,7 +61,10 @@ void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
   response->set_id(request.id());
   r->done = [done = std::move(done), response, clock](absl::Status status,
                                                       const InferenceRequest& r) mutable {
-    if (status.ok()) SetTiming(r, clock->Now(), response);
+    if (status.ok()) {
+      SetTiming(r, clock->Now(), response);
+      if (!r.session_id.empty()) response->set_session_length(r.session_length);
+    }
     done(std::move(status));
   };
   if (shutting_down_.load()) {
@@ -205,6 +208,59 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerCon
     *response = ToModelStatus(**model, registry_->default_model());
     reactor->Finish(grpc::Status::OK);
   }
+  return reactor;
+}
+
+// -------------------------------------------------------------- sessions
+
+namespace {
+
+absl::Duration FromProto(const google::protobuf::Duration& d) {
+  return absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
+}
+
+void ToProto(absl::Duration d, google::protobuf::Duration* out) {
+  const int64_t seconds = absl::IDivDuration(d, absl::Seconds(1), &d);
+  out->set_seconds(seconds);
+  out->set_nanos(static_cast<int32_t>(absl::ToInt64Nanoseconds(d)));
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(
+    grpc::CallbackServerContext* context, const v1::OpenSessionRequest* request,
+    v1::OpenSessionResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (shutting_down_.load()) {
+    reactor->Finish(ToGrpcStatus(absl::UnavailableError("server is shutting down")));
+    return reactor;
+  }
+  absl::StatusOr<OpenedSession> opened = dispatcher_->OpenSession(
+      request->model(), FromProto(request->ttl()), request->max_tokens());
+  if (!opened.ok()) {
+    reactor->Finish(ToGrpcStatus(opened.status()));
+    return reactor;
+  }
+  response->set_session_id(opened->id);
+  response->set_model(opened->model);
+  ToProto(opened->ttl, response->mutable_ttl());
+  response->set_max_tokens(opened->max_tokens);
+  response->set_block_tokens(opened->block_tokens);
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(
+    grpc::CallbackServerContext* context, const v1::CloseSessionRequest* request,
+    v1::CloseSessionResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<int64_t> released = dispatcher_->CloseSession(request->session_id());
+  if (!released.ok()) {
+    reactor->Finish(ToGrpcStatus(released.status()));
+    return reactor;
+  }
+  response->set_released_tokens(*released);
+  reactor->Finish(grpc::Status::OK);
   return reactor;
 }
 

@@ -39,7 +39,10 @@ struct AttentionServiceOptions {
 using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attend<
     v1::AttentionService::WithRawCallbackMethod_AttendStream<
         v1::AttentionService::WithCallbackMethod_ListModels<
-            v1::AttentionService::WithCallbackMethod_GetModel<v1::AttentionService::Service>>>>;
+            v1::AttentionService::WithCallbackMethod_GetModel<
+                v1::AttentionService::WithCallbackMethod_OpenSession<
+                    v1::AttentionService::WithCallbackMethod_CloseSession<
+                        v1::AttentionService::Service>>>>>>;
 
 // Thread-safe (gRPC calls handlers concurrently). Does not own the registry
 // or the dispatcher; both must outlive the grpc::Server this is registered
@@ -73,6 +76,14 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context,
                                      const v1::GetModelRequest* request,
                                      v1::ModelStatus* response) override;
+  // Sessions (RequestDispatcher::OpenSession / CloseSession); UNAVAILABLE
+  // once shutdown has begun.
+  grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* context,
+                                        const v1::OpenSessionRequest* request,
+                                        v1::OpenSessionResponse* response) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
+                                         const v1::CloseSessionRequest* request,
+                                         v1::CloseSessionResponse* response) override;
 
   // From now on new requests (unary or stream messages) are answered
   // UNAVAILABLE; open streams stop reading and end (UNAVAILABLE) once every
