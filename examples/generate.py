@@ -158,7 +158,7 @@ def start_server(binary: str, repository: str, timeout: float = 60.0):
 def run(client: AttentionClient, model: TinyDecoder, names: Dict[str, str], prompt: List[int],
         new_tokens: int, modes=("local", "stateless", "session"), report=print):
     """Generates with each mode; returns {mode: (tokens, tokens/s)}, a mode
-    the server cannot do yet (sessions: UNIMPLEMENTED) mapped to None."""
+    the server cannot do (sessions refused with UNIMPLEMENTED) mapped to None."""
     import copy
     remote = replace_attention_layers(copy.deepcopy(model), client, names)
     results = {}
@@ -172,7 +172,7 @@ def run(client: AttentionClient, model: TinyDecoder, names: Dict[str, str], prom
             else:
                 tokens = generate_sessions(remote, client, names, prompt, new_tokens)
         except UnimplementedError:
-            report(f"{mode:>9}: the server does not implement sessions yet (UNIMPLEMENTED)")
+            report(f"{mode:>9}: this server does not serve sessions (UNIMPLEMENTED)")
             results[mode] = None
             continue
         rate = new_tokens / (time.perf_counter() - start)

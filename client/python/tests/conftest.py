@@ -16,10 +16,6 @@ except ImportError:  # run from the checkout
                                     "..", "..", "..", "tests", "integration"))
     import harness  # noqa: E402
 
-SESSIONS_PENDING = ("sessions are not implemented by this server yet (OpenSession answers UNIMPLEMENTED "
-                    "until the sessions branch merges)")
-
-
 @pytest.fixture(scope="session")
 def server():
     yield from harness.server_fixture()
@@ -30,13 +26,3 @@ def client(server):
     from attnserve_client import AttentionClient
     with AttentionClient(server.target, timeout=60) as c:
         yield c
-
-
-def open_session_or_skip(client, *args, **kwargs):
-    """client.open_session, skipping the test ONLY when the server answers
-    UNIMPLEMENTED (sessions not merged yet)."""
-    from attnserve_client import UnimplementedError
-    try:
-        return client.open_session(*args, **kwargs)
-    except UnimplementedError:
-        pytest.skip(SESSIONS_PENDING)

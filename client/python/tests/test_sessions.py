@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from attnserve_client import AsyncAttentionClient, NotFoundError, UnimplementedError
-from conftest import SESSIONS_PENDING, open_session_or_skip
 from harness import reference_attention
 
 
@@ -19,7 +18,7 @@ def test_prefill_then_decode_matches_attention_over_the_whole_prefix(client):
     k_all = rng.standard_normal((b, hkv, prompt + steps, d)).astype(np.float32)
     v_all = rng.standard_normal((b, hkv, prompt + steps, d)).astype(np.float32)
     q_all = rng.standard_normal((b, hq, prompt + steps, d)).astype(np.float32)
-    with open_session_or_skip(client, "sdpa", ttl=30) as s:
+    with client.open_session("sdpa", ttl=30) as s:
         assert s.id and s.model == "sdpa"
         res = s.attend(q_all[:, :, :prompt], k_all[:, :, :prompt], v_all[:, :, :prompt])
         want = reference_attention(q_all[:, :, :prompt], k_all[:, :, :prompt], v_all[:, :, :prompt],
@@ -40,7 +39,7 @@ def test_prefill_then_decode_matches_attention_over_the_whole_prefix(client):
 
 
 def test_close_reports_released_tokens_and_unknown_ids_are_not_found(client):
-    s = open_session_or_skip(client, "sdpa")
+    s = client.open_session("sdpa")
     x = np.ones((1, 2, 3, 8), np.float32)
     s.attend(x, x, x)
     assert client.close_session(s) == 3
@@ -54,10 +53,7 @@ def test_close_reports_released_tokens_and_unknown_ids_are_not_found(client):
 def test_async_session_context_manager(server):
     async def main():
         async with AsyncAttentionClient(server.target) as c:
-            try:
-                s = await c.open_session("sdpa")
-            except UnimplementedError:
-                return "skip"
+            s = await c.open_session("sdpa")
             async with s:
                 x = np.ones((1, 2, 2, 8), np.float32)
                 r = await s.attend(x, x, x)
@@ -65,5 +61,4 @@ def test_async_session_context_manager(server):
             assert s.closed
             return "ok"
 
-    if asyncio.run(main()) == "skip":
-        pytest.skip(SESSIONS_PENDING)
+    assert asyncio.run(main()) == "ok"
