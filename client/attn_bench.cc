@@ -61,6 +61,11 @@ ABSL_FLAG(std::string, lb_policy, "",
           "address the target resolves to (dns:///headless-service:50051, or "
           "ipv4:127.0.0.1:50061,127.0.0.1:50062); pick_first uses one. Default: gRPC's "
           "(pick_first).");
+ABSL_FLAG(std::string, health_check_service, "",
+          "Client-side health checking: the grpc.health.v1 service name each address is "
+          "watched for (attnserve.v1.AttentionService); an address that reports NOT_SERVING, "
+          "e.g. a replica shutting down, gets no new RPCs. Needs --lb-policy=round_robin. "
+          "Default: none.");
 ABSL_FLAG(int64_t, timeout_ms, 30000, "Deadline of each unary RPC, and of each stream as a whole.");
 ABSL_FLAG(bool, json, false, "Print one JSON object instead of text.");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the random inputs.");
@@ -458,6 +463,11 @@ int Main(int argc, char** argv) {
                  lb.c_str());
     return 1;
   }
+  if (!absl::GetFlag(FLAGS_health_check_service).empty() &&
+      absl::GetFlag(FLAGS_lb_policy) != "round_robin") {
+    std::fprintf(stderr, "attn_bench: --health-check-service needs --lb-policy=round_robin\n");
+    return 1;
+  }
 
   std::vector<std::unique_ptr<pb::AttentionService::Stub>> stubs;
   for (int c = 0; c < n_channels; ++c) {
@@ -469,6 +479,9 @@ int Main(int argc, char** argv) {
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     if (const std::string lb = absl::GetFlag(FLAGS_lb_policy); !lb.empty()) {
       args.SetLoadBalancingPolicyName(lb);
+    }
+    if (const std::string health = absl::GetFlag(FLAGS_health_check_service); !health.empty()) {
+      args.SetServiceConfigJSON(nlohmann::json{{"healthCheckConfig", {{"serviceName", health}}}}.dump());
     }
     stubs.push_back(pb::AttentionService::NewStub(grpc::CreateCustomChannel(
         absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials(), args)));
