@@ -208,7 +208,11 @@ def test_nginx_spreads_rpcs_and_loses_nothing_when_a_replica_stops(tmp_path, rep
             failed_on_stopped.append((status, message))
     assert [ok_by_replica.get(r.target, 0) for r in replicas[1:]] == at_end[1:]
     assert ok_by_replica[replicas[0].target] >= at_end[0]
-    assert all("shutting down" in m for _, m in failed_on_stopped), failed_on_stopped
+    # Refused by the draining service, or cancelled by gRPC itself: a call
+    # that arrived in the last instant, when the replica stops gRPC (its own
+    # counts above show nothing accepted was lost).
+    assert all("shutting down" in m or (s, m) == ("1", "CANCELLED") for s, m in failed_on_stopped), \
+        failed_on_stopped
     retried = sum(1 for tried, _, _ in rpcs if len(tried) > 1)
     print(f"nginx: {len(rpcs)} Attend RPCs, {retried} tried on a second replica, "
           f"failed on the stopped one: {failed_on_stopped[:5]}")
