@@ -58,6 +58,16 @@ ABSL_FLAG(int64_t, warmup_requests, 0,
           "Requests sent (closed loop, same concurrency) before measuring; not reported.");
 ABSL_FLAG(bool, stream, false, "Use AttendStream: one stream per channel, messages matched by id.");
 ABSL_FLAG(int, channels, 1, "gRPC channels (separate TCP connections); load is spread round-robin.");
+ABSL_FLAG(std::string, lb_policy, "",
+          "gRPC load-balancing policy of each channel: round_robin spreads RPCs over every "
+          "address the target resolves to (dns:///headless-service:50051, or "
+          "ipv4:127.0.0.1:50061,127.0.0.1:50062); pick_first uses one. Default: gRPC's "
+          "(pick_first).");
+ABSL_FLAG(std::string, health_check_service, "",
+          "Client-side health checking: the grpc.health.v1 service name each address is "
+          "watched for (attnserve.v1.AttentionService); an address that reports NOT_SERVING, "
+          "e.g. a replica shutting down, gets no new RPCs. Needs --lb-policy=round_robin. "
+          "Default: none.");
 ABSL_FLAG(int64_t, timeout_ms, 30000, "Deadline of each unary RPC, and of each stream as a whole.");
 ABSL_FLAG(bool, json, false, "Print one JSON object instead of text.");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the random inputs.");
@@ -559,7 +569,8 @@ int RunSessions(const std::vector<std::unique_ptr<pb::AttentionService::Stub>>& 
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "attn_bench --target=HOST:PORT [--model=M] [--concurrency=N | --rate=R] "
-      "[--duration=S | --requests=N] [--stream] [--channels=N] [--json]\n"
+      "[--duration=S | --requests=N] [--stream] [--channels=N] [--lb-policy=round_robin] "
+      "[--json]\n"
       "Flags may be spelled with dashes or underscores.");
   const std::vector<std::string> rest = client::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
@@ -576,6 +587,18 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "attn_bench: --concurrency and --channels must be >= 1\n");
     return 1;
   }
+  // gRPC falls back to pick_first on a name it does not know, silently here.
+  if (const std::string lb = absl::GetFlag(FLAGS_lb_policy);
+      !lb.empty() && lb != "pick_first" && lb != "round_robin") {
+    std::fprintf(stderr, "attn_bench: --lb-policy must be pick_first or round_robin, got '%s'\n",
+                 lb.c_str());
+    return 1;
+  }
+  if (!absl::GetFlag(FLAGS_health_check_service).empty() &&
+      absl::GetFlag(FLAGS_lb_policy) != "round_robin") {
+    std::fprintf(stderr, "attn_bench: --health-check-service needs --lb-policy=round_robin\n");
+    return 1;
+  }
 
   std::vector<std::unique_ptr<pb::AttentionService::Stub>> stubs;
   for (int c = 0; c < n_channels; ++c) {
@@ -585,6 +608,12 @@ int Main(int argc, char** argv) {
     // Distinct args and a local pool: each channel gets its own connection.
     args.SetInt("attn_bench.channel", c);
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    if (const std::string lb = absl::GetFlag(FLAGS_lb_policy); !lb.empty()) {
+      args.SetLoadBalancingPolicyName(lb);
+    }
+    if (const std::string health = absl::GetFlag(FLAGS_health_check_service); !health.empty()) {
+      args.SetServiceConfigJSON(nlohmann::json{{"healthCheckConfig", {{"serviceName", health}}}}.dump());
+    }
     stubs.push_back(pb::AttentionService::NewStub(grpc::CreateCustomChannel(
         absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials(), args)));
   }

@@ -15,6 +15,8 @@ TEST_PACKAGES=(
   # Python client, PyTorch/NumPy oracles, a real Prometheus, an optimised BLAS for the peers
   python3 python3-venv python3-grpcio python3-grpc-tools python3-protobuf python3-numpy openssl
   python3-torch python3-pytest python3-yaml prometheus libopenblas0
+  # The gRPC load balancers of the scale-out test, and compose (deploy/docker-compose.yml)
+  nginx haproxy docker-compose
 )
 
 PACKAGES=("${BUILD_PACKAGES[@]}")

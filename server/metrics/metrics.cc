@@ -157,6 +157,11 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                          .Name("attnserve_queue_depth")
                          .Help("Requests waiting in the model's queue (not yet in a batch)")
                          .Register(r);
+  m->queue_capacity_ = &prometheus::BuildGauge()
+                            .Name("attnserve_queue_capacity")
+                            .Help("Most requests the model's queue holds (max_queue_size); "
+                                  "beyond it requests get RESOURCE_EXHAUSTED")
+                            .Register(r);
   m->inflight_ = &prometheus::BuildGauge()
                       .Name("attnserve_inflight_requests")
                       .Help("Requests accepted and not yet answered (queued or computing)")
@@ -320,6 +325,7 @@ ModelMetrics* Metrics::ForModel(const std::string& model) {
   mm->batch_requests_ = &batch_requests_->Add(labels, RequestBuckets());
   mm->batch_tokens_ = &batch_tokens_->Add(labels, TokenBuckets());
   mm->queue_depth_ = &queue_depth_->Add(labels);
+  mm->queue_capacity_ = &queue_capacity_->Add(labels);
   mm->inflight_ = &inflight_->Add(labels);
   mm->tokens_ = &tokens_->Add(labels);
   mm->sessions_open_ = &sessions_open_->Add(labels);

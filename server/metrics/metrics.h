@@ -63,6 +63,11 @@ class ModelMetrics {
   // its engine call took.
   void BatchDone(int64_t requests, int64_t tokens, double compute_seconds);
   void SetQueueDepth(int64_t depth) { queue_depth_->Set(static_cast<double>(depth)); }
+  // The most requests the model's queue holds (its max_queue_size), so that
+  // dashboards and alerts can show depth as a fraction of it.
+  void SetQueueCapacity(int64_t capacity) {
+    queue_capacity_->Set(static_cast<double>(capacity));
+  }
   // Accepted requests not yet answered (queued or computing).
   void InflightAdd(int64_t delta) { inflight_->Increment(static_cast<double>(delta)); }
 
@@ -87,6 +92,7 @@ class ModelMetrics {
   prometheus::Histogram* batch_requests_ = nullptr;
   prometheus::Histogram* batch_tokens_ = nullptr;
   prometheus::Gauge* queue_depth_ = nullptr;
+  prometheus::Gauge* queue_capacity_ = nullptr;
   prometheus::Gauge* inflight_ = nullptr;
   prometheus::Counter* tokens_ = nullptr;
   prometheus::Gauge* sessions_open_ = nullptr;
@@ -148,6 +154,7 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>* batch_requests_ = nullptr;
   prometheus::Family<prometheus::Histogram>* batch_tokens_ = nullptr;
   prometheus::Family<prometheus::Gauge>* queue_depth_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* queue_capacity_ = nullptr;
   prometheus::Family<prometheus::Gauge>* inflight_ = nullptr;
   prometheus::Family<prometheus::Counter>* tokens_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_ready_ = nullptr;
