@@ -1,8 +1,10 @@
 // attnserve: the gRPC attention server. Parses flags, starts an AttnServer,
-// and shuts it down cleanly (exit code 0) on SIGTERM or SIGINT.
+// and shuts it down cleanly (exit code 0) on SIGTERM or SIGINT; a second
+// signal exits at once (code 128 + signal).
 #include <csignal>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <pthread.h>
@@ -15,6 +17,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
+#include "grpc/grpc.h"
 #include "server/attn_server.h"
 #include "server/fd_limit.h"
 #include "server/server_options.h"
@@ -80,8 +83,9 @@ ABSL_FLAG(int64_t, max_attention_scores, kDefaults.validation.max_attention_scor
           "get RESOURCE_EXHAUSTED before any compute (the default is about 1 s of a core at "
           "head_dim 64)");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::FromChrono(kDefaults.shutdown_grace),
-          "on SIGTERM/SIGINT, how long accepted requests may take to complete (e.g. 30s, "
-          "500ms); requests still queued after it get UNAVAILABLE");
+          "on SIGTERM/SIGINT, how long accepted requests may take to complete (e.g. 8s, "
+          "500ms); requests still queued after it get UNAVAILABLE; the default fits inside "
+          "docker stop's 10 s; a second signal exits at once");
 ABSL_FLAG(bool, strict_model_loading, kDefaults.strict_model_loading,
           "true: exit non-zero if any repository model fails to load; false: serve the "
           "others and report the bad one FAILED in ListModels/GetModel");
@@ -128,7 +132,7 @@ int main(int argc, char** argv) {
       "[--backend=auto|cpu|reference] [--model-repository=DIR] [--strict-model-loading=true] "
       "[--max-batch-requests=N] [--max-batch-tokens=N] [--max-queue-delay-us=N] "
       "[--max-queue-size=N] [--instances=N] [--idle-spin-us=200] [--metrics-threads=8] "
-      "[--metrics-request-timeout=5s] [--shutdown-grace=30s] "
+      "[--metrics-request-timeout=5s] [--shutdown-grace=8s] "
       "[--max-attention-scores=268435456] [--max-multiply-adds=34359738368] "
       "[--nonfinite-inputs=reject]\n"
       "Flags may be written with dashes or underscores.");
@@ -162,6 +166,14 @@ int main(int argc, char** argv) {
                  "attnserve: warning: accept4 is not interposed; running out of file "
                  "descriptors will stop the gRPC listener for good\n");
   }
+
+  // gRPC's library teardown (grpc_shutdown, run by the last grpc::Server's
+  // destructor) joins its executor threads, and one of them can sit in a
+  // ~10 s poll while an idle client keeps its connection open after every
+  // call is answered: `docker stop` then ran into its SIGKILL. This
+  // reference keeps that teardown from running; the process exits with
+  // _exit below once every answer has been sent.
+  grpc_init();
 
   attnserve::ServerOptions options;
   options.address = absl::GetFlag(FLAGS_address);
@@ -206,9 +218,30 @@ int main(int argc, char** argv) {
   int signal_number = 0;
   while (sigwait(&stop_signals, &signal_number) != 0) {
   }
-  std::fprintf(stderr, "attnserve: signal %d, shutting down\n", signal_number);
+  std::fprintf(stderr, "attnserve: signal %d, shutting down (a second signal exits at once)\n",
+               signal_number);
+  std::fflush(stderr);
+  // An operator who presses Ctrl-C twice, or an orchestrator that gives up
+  // early, wants the process gone now: the drain below may wait up to
+  // --shutdown-grace. The signals stay blocked, so this thread is the only
+  // receiver; 128 + signal is the shell's code for "ended by that signal".
+  std::thread([stop_signals] {
+    int second = 0;
+    while (sigwait(&stop_signals, &second) != 0) {
+    }
+    std::fprintf(stderr, "attnserve: second signal %d, exiting without waiting for open requests\n",
+                 second);
+    std::fflush(stderr);
+    _exit(128 + second);
+  }).detach();
+  // Returns once every accepted request has been answered and its answer
+  // handed to the kernel; then our own parts stop (metrics endpoint, batch
+  // workers, engine).
   (*server)->Shutdown();
   server->reset();
   std::fprintf(stderr, "attnserve: stopped\n");
-  return 0;
+  std::fflush(stderr);
+  // gRPC's threads still run (see grpc_init above): skip static destructors
+  // they could race with. The kernel closes the idle connections.
+  _exit(0);
 }

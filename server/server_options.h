@@ -40,8 +40,9 @@ struct ServerOptions {
   // from gRPC before any parsing. Default: 64 MiB.
   int64_t max_message_bytes = int64_t{64} << 20;
   // How long Shutdown() lets accepted requests finish; requests still queued
-  // after it are answered UNAVAILABLE. Default: 30 s.
-  std::chrono::milliseconds shutdown_grace{30000};
+  // after it are answered UNAVAILABLE. Fits inside `docker stop`'s default
+  // 10 s before SIGKILL, with room for the exit itself. Default: 8 s.
+  std::chrono::milliseconds shutdown_grace{8000};
   // Dynamic batching of every model: one queue per model, `instances`
   // engine workers each. A repository model's config.pbtxt (batching,
   // instances) overrides these field by field. Default: BatcherOptions{}.

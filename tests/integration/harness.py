@@ -47,9 +47,10 @@ class ServerProcess:
     """One attnserve process. Its combined stdout/stderr is drained by a thread
     (so a chatty server never blocks on a full pipe) and kept for diagnostics."""
 
-    def __init__(self, *extra_args, startup_timeout=60.0, preexec_fn=None):
-        """`preexec_fn` runs in the child before exec (e.g. to set rlimits)."""
-        self.args = [server_bin(), "--address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
+    def __init__(self, *extra_args, startup_timeout=60.0, preexec_fn=None, wrapper=()):
+        """`preexec_fn` runs in the child before exec (e.g. to set rlimits);
+        `wrapper` is a command line the server runs under (e.g. unshare)."""
+        self.args = [*wrapper, server_bin(), "--address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
                      *extra_args]
         self.lines = []
         self.port = None
