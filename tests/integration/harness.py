@@ -88,6 +88,18 @@ class ServerProcess:
     def alive(self):
         return self.proc.poll() is None
 
+    def wait(self, timeout=30.0):
+        """Waits for an exit already under way (after a signal the test sent:
+        a second signal would end the drain at once) and returns the exit code."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"attnserve did not exit within {timeout}s:\n{self.log()}")
+        self._reader.join(5)
+        return self.proc.returncode
+
     def stop(self, sig=signal.SIGTERM, timeout=30.0):
         """Sends `sig` and returns the exit code (fails if it does not exit)."""
         if self.proc.poll() is None:
