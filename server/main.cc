@@ -3,11 +3,13 @@
 // signal exits at once (code 128 + signal).
 #include <csignal>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include "absl/flags/flag.h"
@@ -19,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "grpc/grpc.h"
 #include "server/attn_server.h"
+#include "server/cpu_limit.h"
 #include "server/fd_limit.h"
 #include "server/server_options.h"
 
@@ -38,6 +41,25 @@ void DefaultToPassiveOpenMpWaits(char** argv) {
   execv("/proc/self/exe", argv);
   // exec failed (no /proc?): run on with libgomp's default policy.
 }
+// --threads 0: one engine thread per CPU the process may use. OpenMP counts
+// the CPUs of the affinity mask, which in a container is the node's; a
+// cgroup CPU quota (docker --cpus, Kubernetes limits.cpu) is the real
+// budget. 0 (OpenMP's count) when there is no quota.
+int ThreadsForContainer() {
+  absl::StatusOr<std::optional<attnserve::CpuLimit>> limit = attnserve::ReadCpuLimit();
+  if (!limit.ok()) {
+    std::fprintf(stderr, "attnserve: warning: cannot read the cgroup CPU limit (%s); --threads 0 "
+                 "uses one thread per CPU\n", std::string(limit.status().message()).c_str());
+    return 0;
+  }
+  if (!limit->has_value()) return 0;
+  cpu_set_t cpus;
+  const int available = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
+  const int threads = attnserve::ThreadsForCpuLimit((*limit)->cpus, available);
+  std::fprintf(stderr, "attnserve: engine threads %d (CPU limit %.2f from %s)\n", threads,
+               (*limit)->cpus, (*limit)->source.c_str());
+  return threads;
+}
 }  // namespace
 
 ABSL_FLAG(std::string, address, kDefaults.address,
@@ -47,7 +69,8 @@ ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
           "Prometheus metrics endpoint host:port, path /metrics; port 0 picks a free port "
           "(the log line 'attnserve metrics on HOST:PORT' shows it)");
 ABSL_FLAG(int, threads, kDefaults.engine_threads,
-          "threads inside one engine call; 0 = one per core");
+          "threads inside one engine call; 0 = one per CPU the process may use (the cgroup "
+          "CPU quota when one is set, e.g. docker --cpus or Kubernetes limits.cpu)");
 ABSL_FLAG(std::string, default_model, kDefaults.default_model,
           "model for requests that name none (built-ins: demo-mha, sdpa)");
 ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
@@ -203,6 +226,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.validation.nonfinite_inputs = *nonfinite;
+
+  if (options.engine_threads == 0) options.engine_threads = ThreadsForContainer();
 
   absl::StatusOr<std::unique_ptr<attnserve::AttnServer>> server =
       attnserve::AttnServer::Start(options);

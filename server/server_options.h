@@ -26,7 +26,8 @@ struct ServerOptions {
   // Engine backend: "auto" (cuda when usable, else cpu), "cpu", "reference",
   // "cuda". Default: auto.
   std::string backend = "auto";
-  // Threads inside one engine call; 0 = one per core. Default: 0.
+  // Threads inside one engine call; 0 = one per core (OpenMP's count; main()
+  // first turns 0 into the cgroup CPU quota when one is set). Default: 0.
   int engine_threads = 0;
   // Model for requests that name none. Default: demo-mha.
   std::string default_model = "demo-mha";
