@@ -3,13 +3,13 @@ access: attnserve and Prometheus (the Debian-package stand-in of
 deploy/docker-compose.offline.yml) come up healthy on loopback ports, and
 Prometheus scrapes attnserve through the compose network and loads the alert
 rules. Grafana is left out (it is not packaged in Debian, so there is no image
-to run; test_dashboard.py checks the dashboard). Skips when no Docker engine
-or docker-compose is available."""
+to run; test_dashboard.py checks the dashboard). The Docker engine and the
+attnserve image are test_container's (docker_util): a clean machine starts
+dockerd instead of skipping."""
 
 import json
 import os
 import shutil
-import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -18,6 +18,7 @@ import pytest
 
 import docker_util as du
 import serving_util as su
+from docker_util import docker, image  # noqa: F401 (fixtures)
 from prometheus_util import free_port
 
 COMPOSE = os.path.join(du.ROOT, "deploy", "docker-compose.yml")
@@ -32,35 +33,34 @@ def _http_json(url):
         return None
 
 
-def _health(compose, service):
+def _health(docker, compose, service):
     cid = compose("ps", "-q", service).stdout.strip()
     if not cid:
         return None
-    out = du.run("docker", "inspect", "--format", "{{.State.Health.Status}}", cid, check=False)
+    out = docker("inspect", "--format", "{{.State.Health.Status}}", cid, check=False)
     return out.stdout.strip()
 
 
-def test_compose_brings_up_attnserve_and_prometheus_scraping_it():
-    du.require_docker()
+def test_compose_brings_up_attnserve_and_prometheus_scraping_it(docker, image):
     if shutil.which("docker-compose") is None:
-        pytest.skip("docker-compose not installed (Debian package docker-compose; scripts/install-deps.sh)")
-    env = dict(os.environ,
-               ATTNSERVE_IMAGE=du.attnserve_image(),
+        pytest.fail("docker-compose is not installed (Debian package docker-compose; scripts/install-deps.sh)")
+    env = dict(docker.env,
+               ATTNSERVE_IMAGE=image["tag"],
                ATTNSERVE_GRPC_PORT=str(free_port()),
                ATTNSERVE_METRICS_PORT=str(free_port()),
                PROMETHEUS_PORT=str(free_port()))
     project = f"attnserve-test-{os.getpid()}"
 
     def compose(*args, timeout=600, check=True):
-        return du.run("docker-compose", "-p", project, "-f", COMPOSE, "-f", OFFLINE, *args,
-                      timeout=timeout, check=check, env=env)
+        return du.run(["docker-compose", "-p", project, "-f", COMPOSE, "-f", OFFLINE, *args],
+                       timeout=timeout, check=check, env=env)
 
     try:
         compose("build", "prometheus", timeout=900)
         compose("up", "-d", "attnserve", "prometheus", timeout=300)
         start = time.monotonic()
-        su.wait_for(lambda: _health(compose, "attnserve") == "healthy" and
-                    _health(compose, "prometheus") == "healthy", 120, "both services to be healthy",
+        su.wait_for(lambda: _health(docker, compose, "attnserve") == "healthy" and
+                    _health(docker, compose, "prometheus") == "healthy", 120, "both services to be healthy",
                     interval=1)
         print(f"healthy after {time.monotonic() - start:.1f} s")
 
