@@ -9,6 +9,14 @@
 // O = alpha * O + P V.
 // Keys beyond a row's causal/key_lengths limit are -inf; whole blocks beyond
 // every row's limit are never visited. The output is O / l (0 when l == 0).
+//
+// Paged K/V (AttentionParams::k_blocks): the 256-key blocks are the same as
+// for contiguous K/V; a block that spans several cache blocks is read as
+// "runs" of rows `head_dim` apart, one per cache block: packed run by run
+// into the same packed block, or (decode) read in place run by run, the
+// first run's P V scaling O by alpha and the later ones by exactly 1. Every
+// value and every operation is the one the contiguous layout gives, so a
+// paged request is bitwise equal to the same request with contiguous K/V.
 
 #if !defined(ATTNSERVE_FLASH_KERNEL_FILE)
 #error "engine/cpu/flash_kernel/ is included only by engine/cpu/flash_kernel_<isa>.cc"
@@ -154,6 +162,7 @@ class Kernel {
     float* m;
     float* l;
     float* alpha;
+    float* ones;  // r_pad ones: P V's scale for a block's later runs
     float* bias;
     float* conv;
     float* tmp;
@@ -165,12 +174,14 @@ class Kernel {
     const int64_t dmax = std::max(p.head_dim, plan.dv_pad);
     bufs->q = sc.q.Get<QElem>(static_cast<size_t>(r_pad * Products::QStride(p.head_dim)));
     bufs->k = sc.k.Get<KElem>(Products::KElems(p.head_dim, kBlockKeys));
-    bufs->v = sc.v.Get<VElem>(Products::VElems(kBlockKeys, plan.dv_pad));
+    // + kKeyAlign: paged bf16 packing may write up to 31 zero keys past the
+    // block (bf16_packing.h, PackV).
+    bufs->v = sc.v.Get<VElem>(Products::VElems(kBlockKeys + kKeyAlign, plan.dv_pad));
     bufs->s = sc.s.Get<float>(static_cast<size_t>(kBlockRows * kBlockKeys));
     bufs->p = Products::kPInScores ? reinterpret_cast<PElem*>(bufs->s)
                                    : sc.p.Get<PElem>(static_cast<size_t>(kBlockRows * kBlockKeys));
     bufs->o = sc.o.Get<float>(static_cast<size_t>(r_pad * plan.dv_pad));
-    float* stats = sc.stats.Get<float>(static_cast<size_t>(3 * r_pad));
+    float* stats = sc.stats.Get<float>(static_cast<size_t>(4 * r_pad));
     bufs->bias = sc.bias.Get<float>(static_cast<size_t>(kBlockKeys));
     bufs->conv = sc.conv.Get<float>(Products::ConvElems(dmax));
     bufs->tmp = sc.tmp.Get<float>(static_cast<size_t>(kBlockRows * plan.dv_pad));
@@ -180,6 +191,8 @@ class Kernel {
     bufs->m = stats;
     bufs->l = stats + r_pad;
     bufs->alpha = stats + 2 * r_pad;
+    bufs->ones = stats + 3 * r_pad;
+    FillRow(bufs->ones, r_pad, 1.0f);
     return true;
   }
 
@@ -193,13 +206,31 @@ class Kernel {
     return b * p.mask.stride_b + h * p.mask.stride_h + i * p.mask.stride_q;
   }
 
-  // Where key (value) row kb of kv head `hkv` starts in the input.
+  // Where key (value) row kb of kv head `hkv` starts in the input, and the
+  // stride of the rows that follow it in the same run (RunKeys).
   static const void* KBlock(const AttentionParams& p, int64_t b, int64_t hkv, int64_t kb) {
+    if (p.k_blocks != nullptr) {
+      const int64_t bt = p.block_tokens;
+      return ElemPtr(p.k_blocks[kb / bt], p.dtype, (hkv * bt + kb % bt) * p.head_dim);
+    }
     return ElemPtr(p.k, p.dtype, b * p.k_stride_b + hkv * p.k_stride_h + kb * p.k_stride_row);
   }
 
   static const void* VBlock(const AttentionParams& p, int64_t b, int64_t hkv, int64_t kb) {
+    if (p.v_blocks != nullptr) {
+      const int64_t bt = p.block_tokens;
+      return ElemPtr(p.v_blocks[kb / bt], p.dtype, (hkv * bt + kb % bt) * p.head_dim_v);
+    }
     return ElemPtr(p.v, p.dtype, b * p.v_stride_b + hkv * p.v_stride_h + kb * p.v_stride_row);
+  }
+  static int64_t KLd(const AttentionParams& p) { return p.k_blocks != nullptr ? p.head_dim : p.k_stride_row; }
+  static int64_t VLd(const AttentionParams& p) { return p.v_blocks != nullptr ? p.head_dim_v : p.v_stride_row; }
+
+  // Of keys [kb, kb + n), how many from kb lie in one run (rows KLd/VLd
+  // apart): all when contiguous, up to the end of kb's cache block when
+  // paged (a multiple of 16 keys unless it ends the block at kb + n).
+  static int64_t RunKeys(const AttentionParams& p, int64_t kb, int64_t n) {
+    return p.k_blocks != nullptr ? std::min(n, p.block_tokens - kb % p.block_tokens) : n;
   }
 
   // Packs K (unless `direct_k`: QKDirect reads it in place) and, when
@@ -207,11 +238,27 @@ class Kernel {
   static void PackKV(const AttentionParams& p, const RequestPlan& plan, int64_t b, int64_t hkv,
                      int64_t kb, int64_t n, int64_t npad, const Buffers& bf, bool with_v,
                      const VElem** v, int64_t* ldv, bool direct_k = false) {
-    if (!direct_k) Products::PackK(bf.k, KBlock(p, b, hkv, kb), p.dtype, p.k_stride_row, n, npad, p.head_dim, bf.conv);
+    if (!direct_k) {
+      for (int64_t j = 0, run = 0; j < n; j += run) {
+        run = RunKeys(p, kb + j, n - j);
+        Products::PackK(bf.k + j, npad, KBlock(p, b, hkv, kb + j), p.dtype, KLd(p), run, p.head_dim,
+                        bf.conv);
+      }
+      Products::PadK(bf.k, npad, n, npad, p.head_dim);
+    }
     if (!with_v) return;
-    const void* vbase = VBlock(p, b, hkv, kb);
-    *v = Products::PackV(bf.v, vbase, p.dtype, p.v_stride_row, n, npad, p.head_dim_v, plan.dv_pad,
-                         bf.conv, ldv);
+    if (RunKeys(p, kb, n) == n) {  // one run: V may be read in place
+      *v = Products::PackV(bf.v, VBlock(p, b, hkv, kb), p.dtype, VLd(p), n, p.head_dim_v, plan.dv_pad,
+                           bf.conv, ldv, /*may_alias=*/true);
+      return;
+    }
+    for (int64_t j = 0, run = 0; j < n; j += run) {
+      run = RunKeys(p, kb + j, n - j);
+      Products::PackV(bf.v + Products::VOffset(j, plan.dv_pad), VBlock(p, b, hkv, kb + j), p.dtype,
+                      VLd(p), run, p.head_dim_v, plan.dv_pad, bf.conv, ldv, /*may_alias=*/false);
+    }
+    Products::PadV(bf.v, n, plan.dv_pad);
+    *v = bf.v;
   }
 
  public:
@@ -271,8 +318,11 @@ class Kernel {
         const int64_t sr = std::min(kBlockRows, rows - r0);
         const int64_t sr_pad = std::min(kBlockRows, r_pad - r0);
         if (direct_k) {
-          Products::QKDirect(bf.s, npad, bf.q + r0 * ldq, ldq, KBlock(p, b, hkv, kb), p.dtype,
-                             p.k_stride_row, sr_pad, n, p.head_dim);
+          for (int64_t j = 0, run = 0; j < n; j += run) {
+            run = RunKeys(p, kb + j, n - j);
+            Products::QKDirect(bf.s + j, npad, bf.q + r0 * ldq, ldq, KBlock(p, b, hkv, kb + j), p.dtype,
+                               KLd(p), sr_pad, run, p.head_dim);
+          }
         } else {
           Products::QK(bf.s, npad, bf.q + r0 * ldq, ldq, bf.k, npad, sr_pad, npad, p.head_dim);
         }
@@ -282,8 +332,11 @@ class Kernel {
         if (sr_pad > sr)
           std::memset(bf.p + sr * npad, 0, static_cast<size_t>((sr_pad - sr) * npad) * sizeof(PElem));
         if (direct_v) {
-          Products::PVDirect(bf.o + r0 * dvp, dvp, bf.alpha + r0, bf.p, npad, VBlock(p, b, hkv, kb), p.dtype,
-                             p.v_stride_row, sr_pad, n, dvp);
+          for (int64_t j = 0, run = 0; j < n; j += run) {
+            run = RunKeys(p, kb + j, n - j);
+            Products::PVDirect(bf.o + r0 * dvp, dvp, j == 0 ? bf.alpha + r0 : bf.ones, bf.p + j, npad,
+                               VBlock(p, b, hkv, kb + j), p.dtype, VLd(p), sr_pad, run, dvp);
+          }
         } else {
           Products::PV(bf.o + r0 * dvp, dvp, bf.alpha + r0, bf.p, npad, v, ldv, sr_pad, n, dvp, bf.tmp);
         }

@@ -38,9 +38,12 @@ struct Products {
     for (int64_t r = r_count; r < r_pad; ++r) FillRow(q + r * d, d, 0.0f);
   }
 
-  // kt[k][j] = K[j][k] for j < n, 0 for n <= j < npad. `kbase` points at
-  // key 0 of the block, rows `ld` elements apart; conv: 16 * d floats.
-  static void PackK(float* kt, const void* kbase, DType dt, int64_t ld, int64_t n, int64_t npad,
+  // kt[k][j] = K[j][k] for j < n (columns `ldk` apart; PadK zeroes the
+  // rest). `kbase` points at key 0, rows `ld` elements apart; conv: 16 * d
+  // floats. A paged tile is packed run by run (engine/cpu/flash_kernel/
+  // driver.h), each at its column offset: the values are the same as for
+  // one contiguous run.
+  static void PackK(float* kt, int64_t ldk, const void* kbase, DType dt, int64_t ld, int64_t n,
                     int64_t d, float* conv) {
     int64_t j0 = 0;
     if constexpr (Vec::kT > 0) {
@@ -55,16 +58,20 @@ struct Products {
           lds = d;
         }
         int64_t k0 = 0;
-        for (; k0 + T <= d; k0 += T) Vec::Transpose(rows + k0, lds, kt + k0 * npad + j0, npad);
+        for (; k0 + T <= d; k0 += T) Vec::Transpose(rows + k0, lds, kt + k0 * ldk + j0, ldk);
         for (int64_t k = k0; k < d; ++k)
-          for (int jj = 0; jj < T; ++jj) kt[k * npad + j0 + jj] = rows[jj * lds + k];
+          for (int jj = 0; jj < T; ++jj) kt[k * ldk + j0 + jj] = rows[jj * lds + k];
       }
     }
     for (int64_t j = j0; j < n; ++j) {
       ConvertRow(ElemPtr(kbase, dt, j * ld), dt, d, conv);
-      for (int64_t k = 0; k < d; ++k) kt[k * npad + j] = conv[k];
+      for (int64_t k = 0; k < d; ++k) kt[k * ldk + j] = conv[k];
     }
-    for (int64_t k = 0; k < d; ++k) FillRow(kt + k * npad + n, npad - n, 0.0f);
+  }
+
+  // kt[k][j] = 0 for n <= j < npad.
+  static void PadK(float* kt, int64_t ldk, int64_t n, int64_t npad, int64_t d) {
+    for (int64_t k = 0; k < d; ++k) FillRow(kt + k * ldk + n, npad - n, 0.0f);
   }
 
   // Few rows (decode): Q K^T as dot products straight from the K rows, W
@@ -94,12 +101,14 @@ struct Products {
     }
   }
 
-  // Returns V rows (and their stride): in place when possible, else
-  // converted into vb [n][dv_pad] with zero columns past dv.
+  // Returns V rows (and their stride): in place when possible and
+  // `may_alias`, else converted into vb [n][dv_pad] with zero columns past
+  // dv. A paged tile is packed run by run (may_alias false), run j0 at
+  // vb + VOffset(j0, dv_pad).
   static const float* PackV(float* vb, const void* vbase, DType dt, int64_t ld, int64_t n,
-                            int64_t npad, int64_t dv, int64_t dv_pad, float* /*conv*/,
-                            int64_t* ldv) {
-    if (dt == DType::kFloat32 && dv == dv_pad) {
+                            int64_t dv, int64_t dv_pad, float* /*conv*/, int64_t* ldv,
+                            bool may_alias) {
+    if (may_alias && dt == DType::kFloat32 && dv == dv_pad) {
       *ldv = ld;
       return static_cast<const float*>(vbase);
     }
@@ -110,6 +119,9 @@ struct Products {
     *ldv = dv_pad;
     return vb;
   }
+  static int64_t VOffset(int64_t j, int64_t dv_pad) { return j * dv_pad; }
+  // P V reads rows j < n only: nothing to pad.
+  static void PadV(float*, int64_t, int64_t) {}
 
   template <int M, int N>
   static void QkTile(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t d,
