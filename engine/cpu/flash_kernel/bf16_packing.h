@@ -37,7 +37,7 @@ struct Bf16Packing {
   static void PVDirect(float*, int64_t, const float*, const uint16_t*, int64_t, const void*, DType,
                        int64_t, int64_t, int64_t, int64_t) {}
   static void QKDirect(float*, int64_t, const uint16_t*, int64_t, const void*, DType, int64_t,
-                       int64_t, int64_t, int64_t) {}
+                       int64_t, int64_t, int64_t, const RowPrefetch&) {}
 
   // dst[0, n) = bf16(src[0, n)), dst[n, npad) = 0.
   static void RowToBf16(uint16_t* dst, const void* src, DType dt, int64_t n, int64_t npad) {

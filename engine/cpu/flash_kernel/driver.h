@@ -233,6 +233,17 @@ class Kernel {
     return p.k_blocks != nullptr ? std::min(n, p.block_tokens - kb % p.block_tokens) : n;
   }
 
+  // dst[j] = the row of key key0 + j (K, or V when `value`) for j < count.
+  static void RowPointers(const AttentionParams& p, int64_t b, int64_t hkv, int64_t key0, int64_t count,
+                          bool value, const void** dst) {
+    for (int64_t j = 0, run = 0; j < count; j += run) {
+      run = RunKeys(p, key0 + j, count - j);
+      const void* base = value ? VBlock(p, b, hkv, key0 + j) : KBlock(p, b, hkv, key0 + j);
+      const int64_t ld = value ? VLd(p) : KLd(p);
+      for (int64_t t = 0; t < run; ++t) dst[j + t] = ElemPtr(base, p.dtype, t * ld);
+    }
+  }
+
   // Packs K (unless `direct_k`: QKDirect reads it in place) and, when
   // `with_v`, V for keys [kb, kb + n) of kv head `hkv`.
   static void PackKV(const AttentionParams& p, const RequestPlan& plan, int64_t b, int64_t hkv,
@@ -306,12 +317,30 @@ class Kernel {
     Products::Begin();
     const int64_t ldq = Products::QStride(p.head_dim);
     Products::PackQ(bf.q, qrows, rows, r_pad, p.dtype, p.head_dim);
+    // Decode: what Q K^T prefetches per key of the block (RowPrefetch).
+    const void* k_ahead[kBlockKeys];
+    const void* v_rows[kBlockKeys];
+    RowPrefetch pf;
+    if (direct_k) {
+      pf.k_ahead = k_ahead;
+      pf.k_bytes = p.head_dim * ElemSize(p.dtype);
+      if (direct_v) {
+        pf.v_rows = v_rows;
+        pf.v_bytes = p.head_dim_v * ElemSize(p.dtype);
+      }
+    }
     for (int64_t kb = item.key0; kb < kend; kb += kBlockKeys) {
       const int64_t n = std::min(kBlockKeys, kend - kb);
       const int64_t npad = RoundUp(n, Products::kKeyAlign);
       const VElem* v = nullptr;
       int64_t ldv = 0;
       PackKV(p, plan, b, hkv, kb, n, npad, bf, !direct_v, &v, &ldv, direct_k);
+      if (direct_k) {
+        const int64_t ahead = std::clamp<int64_t>(kend - kb - kPrefetchRows, 0, n);
+        RowPointers(p, b, hkv, kb + kPrefetchRows, ahead, false, k_ahead);
+        std::fill(k_ahead + ahead, k_ahead + n, nullptr);
+        if (direct_v) RowPointers(p, b, hkv, kb, n, true, v_rows);
+      }
       for (int64_t sb = 0; sb < subs; ++sb) {
         if (sub_end[sb] <= kb) continue;  // every row of it is past its limit
         const int64_t r0 = sb * kBlockRows;
@@ -321,7 +350,7 @@ class Kernel {
           for (int64_t j = 0, run = 0; j < n; j += run) {
             run = RunKeys(p, kb + j, n - j);
             Products::QKDirect(bf.s + j, npad, bf.q + r0 * ldq, ldq, KBlock(p, b, hkv, kb + j), p.dtype,
-                               KLd(p), sr_pad, run, p.head_dim);
+                               KLd(p), sr_pad, run, p.head_dim, sb == 0 ? pf.From(j) : RowPrefetch{});
           }
         } else {
           Products::QK(bf.s, npad, bf.q + r0 * ldq, ldq, bf.k, npad, sr_pad, npad, p.head_dim);

@@ -76,28 +76,91 @@ struct Products {
 
   // Few rows (decode): Q K^T as dot products straight from the K rows, W
   // keys at a time reduced across lanes, instead of transposing K for a
-  // broadcast GEMM that would use one row of it. Needs d % W == 0 and fp32
-  // K rows (conv is not used).
+  // broadcast GEMM that would use one row of it. Needs d % W == 0 (conv is
+  // not used). `pf` says what to prefetch per key (RowPrefetch).
   static bool UseDirectK(int64_t rows, int64_t d, DType dt) { return rows <= 4 && d % W == 0; }
   static void QKDirect(float* s, int64_t lds, const float* q, int64_t ldq, const void* kbase,
-                       DType dt, int64_t ld, int64_t rows, int64_t n, int64_t d) {
-    for (int64_t j0 = 0; j0 < n; j0 += W) {
-      const int64_t nk = std::min<int64_t>(W, n - j0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* qr = q + r * ldq;
-        V acc[W];
+                       DType dt, int64_t ld, int64_t rows, int64_t n, int64_t d, const RowPrefetch& pf) {
+    switch (dt) {
+      case DType::kFloat16: return QKDirectRows<DType::kFloat16>(s, lds, q, ldq, kbase, ld, rows, n, d, pf);
+      case DType::kBFloat16: return QKDirectRows<DType::kBFloat16>(s, lds, q, ldq, kbase, ld, rows, n, d, pf);
+      default: return QKDirectRows<DType::kFloat32>(s, lds, q, ldq, kbase, ld, rows, n, d, pf);
+    }
+  }
+  template <DType kDt>
+  static void QKDirectRows(float* s, int64_t lds, const float* q, int64_t ldq, const void* kbase,
+                           int64_t ld, int64_t rows, int64_t n, int64_t d, const RowPrefetch& pf) {
+    switch (rows) {
+      case 1: return QKDirectTile<1, kDt>(s, lds, q, ldq, kbase, ld, n, d, pf);
+      case 2: return QKDirectTile<2, kDt>(s, lds, q, ldq, kbase, ld, n, d, pf);
+      case 3: return QKDirectTile<3, kDt>(s, lds, q, ldq, kbase, ld, n, d, pf);
+      default: return QKDirectTile<4, kDt>(s, lds, q, ldq, kbase, ld, n, d, pf);
+    }
+  }
+
+  // Keys whose dot products with R rows run side by side: R x K
+  // accumulators in about half the vector registers (a power of two <= W).
+  static constexpr int DirectKeys(int rows) {
+    int k = 1;
+    while (2 * k <= W && 2 * k * rows <= (W >= 16 ? 16 : 8)) k *= 2;
+    return k;
+  }
+
+  // acc[r][k] += q[r] . K row kr[k] over d, one vector of columns at a
+  // time: each K vector is widened once for all R rows.
+  template <int R, int K, DType kDt>
+  __attribute__((always_inline)) static void DotKeys(const float* q, int64_t ldq, const void* const* kr,
+                                                     int64_t d, V (*acc)[K]) {
+    for (int64_t c = 0; c < d; c += W) {
 #pragma GCC unroll 16
-        for (int jj = 0; jj < W; ++jj) {
-          acc[jj] = Vec::Zero();
-          if (jj < nk) {
-            const void* kr = ElemPtr(kbase, dt, (j0 + jj) * ld);
-            if (r == 0) PrefetchRow(ElemPtr(kr, dt, kPrefetchRows * ld), d * ElemSize(dt));
-            for (int64_t c = 0; c < d; c += W)
-              acc[jj] = Vec::Fma(Vec::Load(qr + c), Vec::LoadConvert(kr, dt, c), acc[jj]);
+      for (int k = 0; k < K; ++k) {
+        const V kv = Vec::LoadConvert(kr[k], kDt, c);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r][k] = Vec::Fma(Vec::Load(q + r * ldq + c), kv, acc[r][k]);
+      }
+    }
+  }
+
+  // s[r][j] for R rows and keys [0, n): per (row, key) one c-ordered FMA
+  // chain, then the lane reduction of W keys (lanes of missing keys are 0).
+  template <int R, DType kDt>
+  static void QKDirectTile(float* s, int64_t lds, const float* q, int64_t ldq, const void* kbase,
+                           int64_t ld, int64_t n, int64_t d, const RowPrefetch& pf) {
+    constexpr int K = DirectKeys(R);
+    V part[R][W];  // the W keys' accumulators of each row
+    for (int64_t j0 = 0; j0 < n; j0 += W) {
+      for (int k0 = 0; k0 < W; k0 += K) {
+        const int64_t key0 = j0 + k0;
+        V acc[R][K];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+          for (int k = 0; k < K; ++k) acc[r][k] = Vec::Zero();
+        const void* kr[K];
+        if (key0 + K <= n) {
+#pragma GCC unroll 16
+          for (int k = 0; k < K; ++k) {
+            kr[k] = ElemPtr(kbase, kDt, (key0 + k) * ld);
+            pf.At(key0 + k);
+          }
+          DotKeys<R, K, kDt>(q, ldq, kr, d, acc);
+        } else {
+          for (int k = 0; k < K && key0 + k < n; ++k) {  // the last keys, one at a time
+            const void* one = ElemPtr(kbase, kDt, (key0 + k) * ld);
+            pf.At(key0 + k);
+            V a[R][1];
+            for (int r = 0; r < R; ++r) a[r][0] = Vec::Zero();
+            DotKeys<R, 1, kDt>(q, ldq, &one, d, a);
+            for (int r = 0; r < R; ++r) acc[r][k] = a[r][0];
           }
         }
-        Vec::Store(s + r * lds + j0, Vec::ReduceLanes(acc));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+          for (int k = 0; k < K; ++k) part[r][k0 + k] = acc[r][k];
       }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) Vec::Store(s + r * lds + j0, Vec::ReduceLanes(part[r]));
     }
   }
 
@@ -194,13 +257,13 @@ struct Products {
     void Prefetch(int64_t j, int64_t cols) const { PrefetchRow(v + j * ld, cols * 4); }
     Fp32VRows Columns(int64_t c0) const { return {v + c0, ld}; }
   };
+  template <DType kDt>  // a compile-time dtype: no dispatch per load
   struct InputVRows {
     const void* v;
-    DType dt;
     int64_t ld, c0;
-    V Load(int64_t j, int64_t c) const { return Vec::LoadConvert(ElemPtr(v, dt, j * ld), dt, c0 + c); }
-    void Prefetch(int64_t j, int64_t cols) const { PrefetchRow(ElemPtr(v, dt, j * ld + c0), cols * ElemSize(dt)); }
-    InputVRows Columns(int64_t c) const { return {v, dt, ld, c0 + c}; }
+    V Load(int64_t j, int64_t c) const { return Vec::LoadConvert(ElemPtr(v, kDt, j * ld), kDt, c0 + c); }
+    void Prefetch(int64_t j, int64_t cols) const { PrefetchRow(ElemPtr(v, kDt, j * ld + c0), cols * ElemSize(kDt)); }
+    InputVRows Columns(int64_t c) const { return {v, ld, c0 + c}; }
   };
 
   template <int M, int N, typename VRows>
@@ -277,7 +340,14 @@ struct Products {
   static bool UseDirectV(int64_t rows, int64_t dv, int64_t dv_pad) { return rows <= 4 && dv == dv_pad; }
   static void PVDirect(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
                        const void* vbase, DType dt, int64_t ldv, int64_t rows, int64_t n, int64_t dv_pad) {
-    PvColumns(o, ldo, alpha, p, ldp, InputVRows{vbase, dt, ldv, 0}, rows, n, dv_pad);
+    switch (dt) {
+      case DType::kFloat16:
+        return PvColumns(o, ldo, alpha, p, ldp, InputVRows<DType::kFloat16>{vbase, ldv, 0}, rows, n, dv_pad);
+      case DType::kBFloat16:
+        return PvColumns(o, ldo, alpha, p, ldp, InputVRows<DType::kBFloat16>{vbase, ldv, 0}, rows, n, dv_pad);
+      default:
+        return PvColumns(o, ldo, alpha, p, ldp, InputVRows<DType::kFloat32>{vbase, ldv, 0}, rows, n, dv_pad);
+    }
   }
 
   static void StoreP(float* dst, V p) { Vec::Store(dst, p); }
