@@ -34,10 +34,10 @@ struct Bf16Packing {
   // K and V are always packed (AMX and vdpbf16ps both want pair layouts).
   static bool UseDirectK(int64_t, int64_t, DType) { return false; }
   static bool UseDirectV(int64_t, int64_t, int64_t) { return false; }
-  static void PVDirect(float*, int64_t, const float*, const uint16_t*, int64_t, const void*, DType,
-                       int64_t, int64_t, int64_t, int64_t) {}
-  static void QKDirect(float*, int64_t, const uint16_t*, int64_t, const void*, DType, int64_t,
-                       int64_t, int64_t, int64_t, const RowPrefetch&) {}
+  static void PVDirect(float*, int64_t, const float*, const uint16_t*, int64_t, const void* const*, DType,
+                       int64_t, int64_t, int64_t) {}
+  static void QKDirect(float*, int64_t, const uint16_t*, int64_t, const void* const*, DType, int64_t,
+                       int64_t, int64_t, const RowPrefetch&) {}
 
   // dst[0, n) = bf16(src[0, n)), dst[n, npad) = 0.
   static void RowToBf16(uint16_t* dst, const void* src, DType dt, int64_t n, int64_t npad) {

@@ -93,9 +93,6 @@ struct RowPrefetch {
     if (k_ahead != nullptr && k_ahead[j] != nullptr) PrefetchRow(k_ahead[j], k_bytes);
     if (v_rows != nullptr && v_rows[j] != nullptr) PrefetchRow(v_rows[j], v_bytes);
   }
-  RowPrefetch From(int64_t j) const {
-    return {k_ahead ? k_ahead + j : nullptr, v_rows ? v_rows + j : nullptr, k_bytes, v_bytes};
-  }
 };
 
 inline uint32_t LoadU32(const void* p) {

@@ -12,11 +12,12 @@
 //
 // Paged K/V (AttentionParams::k_blocks): the 256-key blocks are the same as
 // for contiguous K/V; a block that spans several cache blocks is read as
-// "runs" of rows `head_dim` apart, one per cache block: packed run by run
-// into the same packed block, or (decode) read in place run by run, the
-// first run's P V scaling O by alpha and the later ones by exactly 1. Every
-// value and every operation is the one the contiguous layout gives, so a
-// paged request is bitwise equal to the same request with contiguous K/V.
+// "runs" of rows `head_dim` apart, one per cache block, packed run by run
+// into the same packed block. Decode reads K and V rows in place through a
+// table of row pointers built per block (from the block table when paged),
+// which also drives its prefetching. Every value and every operation is the
+// one the contiguous layout gives, so a paged request is bitwise equal to
+// the same request with contiguous K/V.
 
 #if !defined(ATTNSERVE_FLASH_KERNEL_FILE)
 #error "engine/cpu/flash_kernel/ is included only by engine/cpu/flash_kernel_<isa>.cc"
@@ -162,7 +163,6 @@ class Kernel {
     float* m;
     float* l;
     float* alpha;
-    float* ones;  // r_pad ones: P V's scale for a block's later runs
     float* bias;
     float* conv;
     float* tmp;
@@ -181,7 +181,7 @@ class Kernel {
     bufs->p = Products::kPInScores ? reinterpret_cast<PElem*>(bufs->s)
                                    : sc.p.Get<PElem>(static_cast<size_t>(kBlockRows * kBlockKeys));
     bufs->o = sc.o.Get<float>(static_cast<size_t>(r_pad * plan.dv_pad));
-    float* stats = sc.stats.Get<float>(static_cast<size_t>(4 * r_pad));
+    float* stats = sc.stats.Get<float>(static_cast<size_t>(3 * r_pad));
     bufs->bias = sc.bias.Get<float>(static_cast<size_t>(kBlockKeys));
     bufs->conv = sc.conv.Get<float>(Products::ConvElems(dmax));
     bufs->tmp = sc.tmp.Get<float>(static_cast<size_t>(kBlockRows * plan.dv_pad));
@@ -191,8 +191,6 @@ class Kernel {
     bufs->m = stats;
     bufs->l = stats + r_pad;
     bufs->alpha = stats + 2 * r_pad;
-    bufs->ones = stats + 3 * r_pad;
-    FillRow(bufs->ones, r_pad, 1.0f);
     return true;
   }
 
@@ -317,12 +315,13 @@ class Kernel {
     Products::Begin();
     const int64_t ldq = Products::QStride(p.head_dim);
     Products::PackQ(bf.q, qrows, rows, r_pad, p.dtype, p.head_dim);
-    // Decode: what Q K^T prefetches per key of the block (RowPrefetch).
-    const void* k_ahead[kBlockKeys];
+    // Decode: the rows of a block's keys (K also of the next kPrefetchRows
+    // keys, null past the item's keys), and what Q K^T prefetches per key.
+    const void* k_rows[kBlockKeys + kPrefetchRows];
     const void* v_rows[kBlockKeys];
     RowPrefetch pf;
     if (direct_k) {
-      pf.k_ahead = k_ahead;
+      pf.k_ahead = k_rows + kPrefetchRows;
       pf.k_bytes = p.head_dim * ElemSize(p.dtype);
       if (direct_v) {
         pf.v_rows = v_rows;
@@ -336,22 +335,19 @@ class Kernel {
       int64_t ldv = 0;
       PackKV(p, plan, b, hkv, kb, n, npad, bf, !direct_v, &v, &ldv, direct_k);
       if (direct_k) {
-        const int64_t ahead = std::clamp<int64_t>(kend - kb - kPrefetchRows, 0, n);
-        RowPointers(p, b, hkv, kb + kPrefetchRows, ahead, false, k_ahead);
-        std::fill(k_ahead + ahead, k_ahead + n, nullptr);
-        if (direct_v) RowPointers(p, b, hkv, kb, n, true, v_rows);
+        const int64_t m = std::min(n + kPrefetchRows, kend - kb);
+        RowPointers(p, b, hkv, kb, m, false, k_rows);
+        std::fill(k_rows + m, k_rows + n + kPrefetchRows, nullptr);
       }
+      if (direct_v) RowPointers(p, b, hkv, kb, n, true, v_rows);
       for (int64_t sb = 0; sb < subs; ++sb) {
         if (sub_end[sb] <= kb) continue;  // every row of it is past its limit
         const int64_t r0 = sb * kBlockRows;
         const int64_t sr = std::min(kBlockRows, rows - r0);
         const int64_t sr_pad = std::min(kBlockRows, r_pad - r0);
         if (direct_k) {
-          for (int64_t j = 0, run = 0; j < n; j += run) {
-            run = RunKeys(p, kb + j, n - j);
-            Products::QKDirect(bf.s + j, npad, bf.q + r0 * ldq, ldq, KBlock(p, b, hkv, kb + j), p.dtype,
-                               KLd(p), sr_pad, run, p.head_dim, sb == 0 ? pf.From(j) : RowPrefetch{});
-          }
+          Products::QKDirect(bf.s, npad, bf.q + r0 * ldq, ldq, k_rows, p.dtype, sr_pad, n, p.head_dim,
+                             sb == 0 ? pf : RowPrefetch{});
         } else {
           Products::QK(bf.s, npad, bf.q + r0 * ldq, ldq, bf.k, npad, sr_pad, npad, p.head_dim);
         }
@@ -361,11 +357,7 @@ class Kernel {
         if (sr_pad > sr)
           std::memset(bf.p + sr * npad, 0, static_cast<size_t>((sr_pad - sr) * npad) * sizeof(PElem));
         if (direct_v) {
-          for (int64_t j = 0, run = 0; j < n; j += run) {
-            run = RunKeys(p, kb + j, n - j);
-            Products::PVDirect(bf.o + r0 * dvp, dvp, j == 0 ? bf.alpha + r0 : bf.ones, bf.p + j, npad,
-                               VBlock(p, b, hkv, kb + j), p.dtype, VLd(p), sr_pad, run, dvp);
-          }
+          Products::PVDirect(bf.o + r0 * dvp, dvp, bf.alpha + r0, bf.p, npad, v_rows, p.dtype, sr_pad, n, dvp);
         } else {
           Products::PV(bf.o + r0 * dvp, dvp, bf.alpha + r0, bf.p, npad, v, ldv, sr_pad, n, dvp, bf.tmp);
         }

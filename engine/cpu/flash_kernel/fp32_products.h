@@ -74,27 +74,28 @@ struct Products {
     for (int64_t k = 0; k < d; ++k) FillRow(kt + k * ldk + n, npad - n, 0.0f);
   }
 
-  // Few rows (decode): Q K^T as dot products straight from the K rows, W
-  // keys at a time reduced across lanes, instead of transposing K for a
-  // broadcast GEMM that would use one row of it. Needs d % W == 0 (conv is
-  // not used). `pf` says what to prefetch per key (RowPrefetch).
+  // Few rows (decode): Q K^T as dot products straight from the K rows
+  // (krows[j]: key j's row, wherever it lives: contiguous or a paged
+  // cache's blocks), W keys at a time reduced across lanes, instead of
+  // transposing K for a broadcast GEMM that would use one row of it. Needs
+  // d % W == 0 (conv is not used). `pf` says what to prefetch per key.
   static bool UseDirectK(int64_t rows, int64_t d, DType dt) { return rows <= 4 && d % W == 0; }
-  static void QKDirect(float* s, int64_t lds, const float* q, int64_t ldq, const void* kbase,
-                       DType dt, int64_t ld, int64_t rows, int64_t n, int64_t d, const RowPrefetch& pf) {
+  static void QKDirect(float* s, int64_t lds, const float* q, int64_t ldq, const void* const* krows,
+                       DType dt, int64_t rows, int64_t n, int64_t d, const RowPrefetch& pf) {
     switch (dt) {
-      case DType::kFloat16: return QKDirectRows<DType::kFloat16>(s, lds, q, ldq, kbase, ld, rows, n, d, pf);
-      case DType::kBFloat16: return QKDirectRows<DType::kBFloat16>(s, lds, q, ldq, kbase, ld, rows, n, d, pf);
-      default: return QKDirectRows<DType::kFloat32>(s, lds, q, ldq, kbase, ld, rows, n, d, pf);
+      case DType::kFloat16: return QKDirectRows<DType::kFloat16>(s, lds, q, ldq, krows, rows, n, d, pf);
+      case DType::kBFloat16: return QKDirectRows<DType::kBFloat16>(s, lds, q, ldq, krows, rows, n, d, pf);
+      default: return QKDirectRows<DType::kFloat32>(s, lds, q, ldq, krows, rows, n, d, pf);
     }
   }
   template <DType kDt>
-  static void QKDirectRows(float* s, int64_t lds, const float* q, int64_t ldq, const void* kbase,
-                           int64_t ld, int64_t rows, int64_t n, int64_t d, const RowPrefetch& pf) {
+  static void QKDirectRows(float* s, int64_t lds, const float* q, int64_t ldq, const void* const* krows,
+                           int64_t rows, int64_t n, int64_t d, const RowPrefetch& pf) {
     switch (rows) {
-      case 1: return QKDirectTile<1, kDt>(s, lds, q, ldq, kbase, ld, n, d, pf);
-      case 2: return QKDirectTile<2, kDt>(s, lds, q, ldq, kbase, ld, n, d, pf);
-      case 3: return QKDirectTile<3, kDt>(s, lds, q, ldq, kbase, ld, n, d, pf);
-      default: return QKDirectTile<4, kDt>(s, lds, q, ldq, kbase, ld, n, d, pf);
+      case 1: return QKDirectTile<1, kDt>(s, lds, q, ldq, krows, n, d, pf);
+      case 2: return QKDirectTile<2, kDt>(s, lds, q, ldq, krows, n, d, pf);
+      case 3: return QKDirectTile<3, kDt>(s, lds, q, ldq, krows, n, d, pf);
+      default: return QKDirectTile<4, kDt>(s, lds, q, ldq, krows, n, d, pf);
     }
   }
 
@@ -124,8 +125,8 @@ struct Products {
   // s[r][j] for R rows and keys [0, n): per (row, key) one c-ordered FMA
   // chain, then the lane reduction of W keys (lanes of missing keys are 0).
   template <int R, DType kDt>
-  static void QKDirectTile(float* s, int64_t lds, const float* q, int64_t ldq, const void* kbase,
-                           int64_t ld, int64_t n, int64_t d, const RowPrefetch& pf) {
+  static void QKDirectTile(float* s, int64_t lds, const float* q, int64_t ldq, const void* const* krows,
+                           int64_t n, int64_t d, const RowPrefetch& pf) {
     constexpr int K = DirectKeys(R);
     V part[R][W];  // the W keys' accumulators of each row
     for (int64_t j0 = 0; j0 < n; j0 += W) {
@@ -136,21 +137,16 @@ struct Products {
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
           for (int k = 0; k < K; ++k) acc[r][k] = Vec::Zero();
-        const void* kr[K];
         if (key0 + K <= n) {
 #pragma GCC unroll 16
-          for (int k = 0; k < K; ++k) {
-            kr[k] = ElemPtr(kbase, kDt, (key0 + k) * ld);
-            pf.At(key0 + k);
-          }
-          DotKeys<R, K, kDt>(q, ldq, kr, d, acc);
+          for (int k = 0; k < K; ++k) pf.At(key0 + k);
+          DotKeys<R, K, kDt>(q, ldq, krows + key0, d, acc);
         } else {
           for (int k = 0; k < K && key0 + k < n; ++k) {  // the last keys, one at a time
-            const void* one = ElemPtr(kbase, kDt, (key0 + k) * ld);
             pf.At(key0 + k);
             V a[R][1];
             for (int r = 0; r < R; ++r) a[r][0] = Vec::Zero();
-            DotKeys<R, 1, kDt>(q, ldq, &one, d, a);
+            DotKeys<R, 1, kDt>(q, ldq, krows + key0 + k, d, a);
             for (int r = 0; r < R; ++r) acc[r][k] = a[r][0];
           }
         }
@@ -257,13 +253,16 @@ struct Products {
     void Prefetch(int64_t j, int64_t cols) const { PrefetchRow(v + j * ld, cols * 4); }
     Fp32VRows Columns(int64_t c0) const { return {v + c0, ld}; }
   };
-  template <DType kDt>  // a compile-time dtype: no dispatch per load
+  // rows[j]: value j's row (contiguous or in a paged cache's blocks); a
+  // compile-time dtype, so no dispatch per load. V rows were prefetched
+  // while Q K^T read the keys (RowPrefetch).
+  template <DType kDt>
   struct InputVRows {
-    const void* v;
-    int64_t ld, c0;
-    V Load(int64_t j, int64_t c) const { return Vec::LoadConvert(ElemPtr(v, kDt, j * ld), kDt, c0 + c); }
-    void Prefetch(int64_t j, int64_t cols) const { PrefetchRow(ElemPtr(v, kDt, j * ld + c0), cols * ElemSize(kDt)); }
-    InputVRows Columns(int64_t c) const { return {v, ld, c0 + c}; }
+    const void* const* rows;
+    int64_t c0;
+    V Load(int64_t j, int64_t c) const { return Vec::LoadConvert(rows[j], kDt, c0 + c); }
+    void Prefetch(int64_t, int64_t) const {}
+    InputVRows Columns(int64_t c) const { return {rows, c0 + c}; }
   };
 
   template <int M, int N, typename VRows>
@@ -339,14 +338,14 @@ struct Products {
   // Decode: V rows read in place whatever their dtype (dv must equal dv_pad).
   static bool UseDirectV(int64_t rows, int64_t dv, int64_t dv_pad) { return rows <= 4 && dv == dv_pad; }
   static void PVDirect(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
-                       const void* vbase, DType dt, int64_t ldv, int64_t rows, int64_t n, int64_t dv_pad) {
+                       const void* const* vrows, DType dt, int64_t rows, int64_t n, int64_t dv_pad) {
     switch (dt) {
       case DType::kFloat16:
-        return PvColumns(o, ldo, alpha, p, ldp, InputVRows<DType::kFloat16>{vbase, ldv, 0}, rows, n, dv_pad);
+        return PvColumns(o, ldo, alpha, p, ldp, InputVRows<DType::kFloat16>{vrows, 0}, rows, n, dv_pad);
       case DType::kBFloat16:
-        return PvColumns(o, ldo, alpha, p, ldp, InputVRows<DType::kBFloat16>{vbase, ldv, 0}, rows, n, dv_pad);
+        return PvColumns(o, ldo, alpha, p, ldp, InputVRows<DType::kBFloat16>{vrows, 0}, rows, n, dv_pad);
       default:
-        return PvColumns(o, ldo, alpha, p, ldp, InputVRows<DType::kFloat32>{vbase, ldv, 0}, rows, n, dv_pad);
+        return PvColumns(o, ldo, alpha, p, ldp, InputVRows<DType::kFloat32>{vrows, 0}, rows, n, dv_pad);
     }
   }
 
