@@ -81,17 +81,15 @@ inline void PrefetchRow(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
 }
 
-// Decode reads K and V rows straight from memory, one pass each; while its
-// Q K^T reads key j of a block it prefetches k_ahead[j] (the K row
-// kPrefetchRows keys on, wherever the paged cache keeps it) and v_rows[j]
-// (the V row P V reads after the softmax). Null entries are skipped.
+// Decode reads K rows straight from memory, one pass: while its Q K^T
+// reads key j of a block it prefetches k_ahead[j], the K row kPrefetchRows
+// keys on, wherever the paged cache keeps it (null entries are skipped).
+// (Prefetching the block's V rows there as well measured no faster.)
 struct RowPrefetch {
   const void* const* k_ahead = nullptr;
-  const void* const* v_rows = nullptr;
-  int64_t k_bytes = 0, v_bytes = 0;
+  int64_t k_bytes = 0;
   void At(int64_t j) const {
     if (k_ahead != nullptr && k_ahead[j] != nullptr) PrefetchRow(k_ahead[j], k_bytes);
-    if (v_rows != nullptr && v_rows[j] != nullptr) PrefetchRow(v_rows[j], v_bytes);
   }
 };
 

@@ -315,18 +315,15 @@ class Kernel {
     Products::Begin();
     const int64_t ldq = Products::QStride(p.head_dim);
     Products::PackQ(bf.q, qrows, rows, r_pad, p.dtype, p.head_dim);
-    // Decode: the rows of a block's keys (K also of the next kPrefetchRows
-    // keys, null past the item's keys), and what Q K^T prefetches per key.
+    // Decode: the K and V rows of a block's keys and of the next
+    // kPrefetchRows keys (prefetched; null past the item's keys), through
+    // the block table when paged.
     const void* k_rows[kBlockKeys + kPrefetchRows];
-    const void* v_rows[kBlockKeys];
+    const void* v_rows[kBlockKeys + kPrefetchRows];
     RowPrefetch pf;
     if (direct_k) {
       pf.k_ahead = k_rows + kPrefetchRows;
       pf.k_bytes = p.head_dim * ElemSize(p.dtype);
-      if (direct_v) {
-        pf.v_rows = v_rows;
-        pf.v_bytes = p.head_dim_v * ElemSize(p.dtype);
-      }
     }
     for (int64_t kb = item.key0; kb < kend; kb += kBlockKeys) {
       const int64_t n = std::min(kBlockKeys, kend - kb);
@@ -334,12 +331,15 @@ class Kernel {
       const VElem* v = nullptr;
       int64_t ldv = 0;
       PackKV(p, plan, b, hkv, kb, n, npad, bf, !direct_v, &v, &ldv, direct_k);
+      const int64_t with_next = std::min(n + kPrefetchRows, kend - kb);
       if (direct_k) {
-        const int64_t m = std::min(n + kPrefetchRows, kend - kb);
-        RowPointers(p, b, hkv, kb, m, false, k_rows);
-        std::fill(k_rows + m, k_rows + n + kPrefetchRows, nullptr);
+        RowPointers(p, b, hkv, kb, with_next, false, k_rows);
+        std::fill(k_rows + with_next, k_rows + n + kPrefetchRows, nullptr);
       }
-      if (direct_v) RowPointers(p, b, hkv, kb, n, true, v_rows);
+      if (direct_v) {
+        RowPointers(p, b, hkv, kb, with_next, true, v_rows);
+        std::fill(v_rows + with_next, v_rows + n + kPrefetchRows, nullptr);
+      }
       for (int64_t sb = 0; sb < subs; ++sb) {
         if (sub_end[sb] <= kb) continue;  // every row of it is past its limit
         const int64_t r0 = sb * kBlockRows;

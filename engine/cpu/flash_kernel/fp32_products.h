@@ -109,15 +109,19 @@ struct Products {
 
   // acc[r][k] += q[r] . K row kr[k] over d, one vector of columns at a
   // time: each K vector is widened once for all R rows.
+  // (Each Q vector is loaded once for all K keys.)
   template <int R, int K, DType kDt>
   __attribute__((always_inline)) static void DotKeys(const float* q, int64_t ldq, const void* const* kr,
                                                      int64_t d, V (*acc)[K]) {
     for (int64_t c = 0; c < d; c += W) {
+      V qv[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) qv[r] = Vec::Load(q + r * ldq + c);
 #pragma GCC unroll 16
       for (int k = 0; k < K; ++k) {
         const V kv = Vec::LoadConvert(kr[k], kDt, c);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) acc[r][k] = Vec::Fma(Vec::Load(q + r * ldq + c), kv, acc[r][k]);
+        for (int r = 0; r < R; ++r) acc[r][k] = Vec::Fma(qv[r], kv, acc[r][k]);
       }
     }
   }
@@ -253,18 +257,6 @@ struct Products {
     void Prefetch(int64_t j, int64_t cols) const { PrefetchRow(v + j * ld, cols * 4); }
     Fp32VRows Columns(int64_t c0) const { return {v + c0, ld}; }
   };
-  // rows[j]: value j's row (contiguous or in a paged cache's blocks); a
-  // compile-time dtype, so no dispatch per load. V rows were prefetched
-  // while Q K^T read the keys (RowPrefetch).
-  template <DType kDt>
-  struct InputVRows {
-    const void* const* rows;
-    int64_t c0;
-    V Load(int64_t j, int64_t c) const { return Vec::LoadConvert(rows[j], kDt, c0 + c); }
-    void Prefetch(int64_t, int64_t) const {}
-    InputVRows Columns(int64_t c) const { return {rows, c0 + c}; }
-  };
-
   template <int M, int N, typename VRows>
   static void PvTile(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
                      const VRows& vr, int64_t n) {
@@ -335,18 +327,79 @@ struct Products {
     PvColumns(o, ldo, alpha, p, ldp, Fp32VRows{v, ldv}, rows, n, dv_pad);
   }
 
-  // Decode: V rows read in place whatever their dtype (dv must equal dv_pad).
+  // Decode: o[r] = alpha[r] * o[r] + sum_{j < n} p[r][j] V[j] for r < rows
+  // (<= 4), V rows read in place through vrows[j] (contiguous or in a paged
+  // cache's blocks; null for the kPrefetchRows entries past the item's
+  // keys), whatever their dtype (dv must equal dv_pad). Each output element
+  // is the j-ordered FMA chain of PV; the column passes are as wide as the
+  // registers allow, and the first prefetches whole rows ahead.
   static bool UseDirectV(int64_t rows, int64_t dv, int64_t dv_pad) { return rows <= 4 && dv == dv_pad; }
   static void PVDirect(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
                        const void* const* vrows, DType dt, int64_t rows, int64_t n, int64_t dv_pad) {
     switch (dt) {
-      case DType::kFloat16:
-        return PvColumns(o, ldo, alpha, p, ldp, InputVRows<DType::kFloat16>{vrows, 0}, rows, n, dv_pad);
-      case DType::kBFloat16:
-        return PvColumns(o, ldo, alpha, p, ldp, InputVRows<DType::kBFloat16>{vrows, 0}, rows, n, dv_pad);
-      default:
-        return PvColumns(o, ldo, alpha, p, ldp, InputVRows<DType::kFloat32>{vrows, 0}, rows, n, dv_pad);
+      case DType::kFloat16: return PvDirectRows<DType::kFloat16>(o, ldo, alpha, p, ldp, vrows, rows, n, dv_pad);
+      case DType::kBFloat16: return PvDirectRows<DType::kBFloat16>(o, ldo, alpha, p, ldp, vrows, rows, n, dv_pad);
+      default: return PvDirectRows<DType::kFloat32>(o, ldo, alpha, p, ldp, vrows, rows, n, dv_pad);
     }
+  }
+  template <DType kDt>
+  static void PvDirectRows(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                           const void* const* vrows, int64_t rows, int64_t n, int64_t dv_pad) {
+    switch (rows) {
+      case 1: return PvDirectColumns<1, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
+      case 2: return PvDirectColumns<2, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
+      case 3: return PvDirectColumns<3, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
+      default: return PvDirectColumns<4, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
+    }
+  }
+  // Vectors of columns per pass for M rows: M x N accumulators, M
+  // broadcasts of P and one V vector in the registers.
+  static constexpr int DirectColumns(int rows) {
+    const int regs = W >= 16 ? 30 : 14;
+    int n = 1;
+    while (2 * n <= 8 && rows * 2 * n + rows + 1 <= regs) n *= 2;
+    return n;
+  }
+  template <int M, DType kDt>
+  static void PvDirectColumns(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                              const void* const* vrows, int64_t n, int64_t dv_pad) {
+    constexpr int N = DirectColumns(M);
+    const int64_t vecs = dv_pad / W;
+    const int64_t row_bytes = dv_pad * ElemSize(kDt);
+    int64_t c = 0;
+    for (; c + N <= vecs; c += N)
+      PvDirectTile<M, N, kDt>(o + c * W, ldo, alpha, p, ldp, vrows, n, c * W, c == 0, row_bytes);
+    for (; c < vecs; ++c)
+      PvDirectTile<M, 1, kDt>(o + c * W, ldo, alpha, p, ldp, vrows, n, c * W, c == 0, row_bytes);
+  }
+  template <int M, int N, DType kDt>
+  static void PvDirectTile(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                           const void* const* vrows, int64_t n, int64_t c0, bool prefetch,
+                           int64_t row_bytes) {
+    V acc[M][N];
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      const V a = Vec::Set1(alpha[m]);
+#pragma GCC unroll 8
+      for (int c = 0; c < N; ++c) acc[m][c] = Vec::Mul(Vec::Load(o + m * ldo + c * W), a);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if (prefetch && vrows[j + kPrefetchRows] != nullptr) PrefetchRow(vrows[j + kPrefetchRows], row_bytes);
+      const void* vr = ElemPtr(vrows[j], kDt, c0);
+      V pb[M];
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) pb[m] = Vec::Set1(p[m * ldp + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < N; ++c) {
+        const V vv = Vec::LoadConvert(vr, kDt, c * W);
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) acc[m][c] = Vec::Fma(pb[m], vv, acc[m][c]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+      for (int c = 0; c < N; ++c) Vec::Store(o + m * ldo + c * W, acc[m][c]);
   }
 
   static void StoreP(float* dst, V p) { Vec::Store(dst, p); }
