@@ -311,3 +311,15 @@ def test_counted_in_metrics_and_statistics_like_attend(client, server):
     line = next(l for l in text.splitlines()
                 if l.startswith("attnserve_requests_total") and 'model="sdpa"' in l and 'code="OK"' in l)
     assert float(line.split()[-1]) >= before + 1
+
+
+def test_readme_example_runs_as_written(server, capsys):
+    """README.md's "Calling it from Triton clients" example, executed (only the
+    address changed to this test's server)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    section = readme[readme.index("### Calling it from Triton clients"):]
+    code = section[section.index("```python") + len("```python"):]
+    code = code[:code.index("```")]
+    exec(compile(code.replace("127.0.0.1:50051", server.target), "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "(1, 8, 16, 64)"
