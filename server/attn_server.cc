@@ -78,6 +78,10 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
       options.validation, server->sessions_.get());
   server->service_ =
       std::make_unique<AttentionServiceImpl>(&server->registry_, server->dispatcher_.get());
+  // The KServe v2 / Open Inference Protocol front end, on the same port.
+  server->kserve_ = std::make_unique<KServeServiceImpl>(
+      &server->registry_, server->dispatcher_.get(), server->metrics_.get(),
+      AttentionServiceOptions{}.max_stream_backlog);
 
   // Both are process-wide switches read by ServerBuilder; they must be set
   // before BuildAndStart.
@@ -95,6 +99,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &server->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.RegisterService(server->service_.get());
+  builder.RegisterService(server->kserve_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     server->server_.reset();
@@ -123,6 +128,7 @@ void AttnServer::Shutdown() {
   server_->GetHealthCheckService()->SetServingStatus(false);
   // 2. Refuse new requests (UNAVAILABLE) and stop reading open streams.
   service_->BeginShutdown();
+  kserve_->BeginShutdown();
   // 3. Every accepted request is computed (batches close at once, no
   //    max_queue_delay wait) or, past the grace, answered UNAVAILABLE. When
   //    this returns every accepted request has its answer.
@@ -134,6 +140,9 @@ void AttnServer::Shutdown() {
   const absl::Duration left =
       absl::FromChrono(options_.shutdown_grace) - (clock_->Now() - start);
   service_->WaitForNoCalls(std::max(left, absl::ZeroDuration()));
+  kserve_->WaitForNoCalls(
+      std::max(absl::FromChrono(options_.shutdown_grace) - (clock_->Now() - start),
+               absl::ZeroDuration()));
   // 5. Stop gRPC now. Every accepted call has been answered (or the grace is
   //    spent). gRPC's own shutdown would wait, up to its deadline, for every
   //    client to close its connection, and idle clients never do: any

@@ -20,6 +20,7 @@
 #include "server/server_options.h"
 #include "server/sessions/session_manager.h"
 #include "server/transport/attention_service.h"
+#include "server/transport/kserve_service.h"
 
 namespace attnserve {
 
@@ -70,6 +71,7 @@ class AttnServer {
   std::unique_ptr<SessionManager> sessions_;
   std::unique_ptr<RequestDispatcher> dispatcher_;
   std::unique_ptr<AttentionServiceImpl> service_;
+  std::unique_ptr<KServeServiceImpl> kserve_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   int port_ = 0;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "prometheus/exposer.h"
 #include "prometheus/text_serializer.h"
 
@@ -96,11 +97,26 @@ const char* StatusCodeLabel(absl::StatusCode code) {
   }
 }
 
+namespace {
+uint64_t Nanos(double seconds) { return seconds > 0 ? static_cast<uint64_t>(seconds * 1e9) : 0; }
+}  // namespace
+
 void ModelMetrics::RequestDone(absl::StatusCode code, double total_seconds) {
   int index = static_cast<int>(code);
   if (index < 0 || index >= kNumCodes) index = static_cast<int>(absl::StatusCode::kUnknown);
   requests_[index]->Increment();
   request_duration_->Observe(total_seconds);
+  const bool ok = code == absl::StatusCode::kOk;
+  (ok ? success_count_ : fail_count_).fetch_add(1, std::memory_order_relaxed);
+  (ok ? success_ns_ : fail_ns_).fetch_add(Nanos(total_seconds), std::memory_order_relaxed);
+  last_inference_ms_.store(static_cast<uint64_t>(absl::ToUnixMillis(absl::Now())),
+                           std::memory_order_relaxed);
+}
+
+void ModelMetrics::Queued(double queue_seconds) {
+  queue_duration_->Observe(queue_seconds);
+  queue_count_.fetch_add(1, std::memory_order_relaxed);
+  queue_ns_.fetch_add(Nanos(queue_seconds), std::memory_order_relaxed);
 }
 
 void ModelMetrics::BatchDone(int64_t requests, int64_t tokens, double compute_seconds) {
@@ -108,6 +124,30 @@ void ModelMetrics::BatchDone(int64_t requests, int64_t tokens, double compute_se
   batch_tokens_->Observe(static_cast<double>(tokens));
   compute_duration_->Observe(compute_seconds);
   tokens_->Increment(static_cast<double>(tokens));
+  execution_count_.fetch_add(1, std::memory_order_relaxed);
+  inference_count_.fetch_add(static_cast<uint64_t>(requests), std::memory_order_relaxed);
+  compute_ns_.fetch_add(Nanos(compute_seconds), std::memory_order_relaxed);
+}
+
+ModelStatsSnapshot ModelMetrics::Stats() const {
+  ModelStatsSnapshot s;
+  s.success_count = success_count_.load(std::memory_order_relaxed);
+  s.success_ns = success_ns_.load(std::memory_order_relaxed);
+  s.fail_count = fail_count_.load(std::memory_order_relaxed);
+  s.fail_ns = fail_ns_.load(std::memory_order_relaxed);
+  s.queue_count = queue_count_.load(std::memory_order_relaxed);
+  s.queue_ns = queue_ns_.load(std::memory_order_relaxed);
+  s.execution_count = execution_count_.load(std::memory_order_relaxed);
+  s.compute_ns = compute_ns_.load(std::memory_order_relaxed);
+  s.inference_count = inference_count_.load(std::memory_order_relaxed);
+  s.last_inference_ms = last_inference_ms_.load(std::memory_order_relaxed);
+  return s;
+}
+
+const ModelMetrics* Metrics::FindModel(const std::string& model) const {
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(model);
+  return it == models_.end() ? nullptr : it->second.get();
 }
 
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& options) {

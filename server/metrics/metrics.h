@@ -4,6 +4,7 @@
 #define ATTNSERVE_SERVER_METRICS_METRICS_H_
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -50,6 +51,17 @@ struct MetricsOptions {
   std::function<int64_t()> connections_shed = nullptr;
 };
 
+// Cumulative totals of one model since the server started, for the KServe v2
+// ModelStatistics RPC (Triton's per-model statistics). Durations in ns.
+struct ModelStatsSnapshot {
+  uint64_t success_count = 0, success_ns = 0;  // answered OK: count, receipt -> answer
+  uint64_t fail_count = 0, fail_ns = 0;        // answered with an error
+  uint64_t queue_count = 0, queue_ns = 0;      // requests that reached a batch: time queued
+  uint64_t execution_count = 0, compute_ns = 0;  // engine calls (batches) and their time
+  uint64_t inference_count = 0;                // requests computed (summed batch sizes)
+  uint64_t last_inference_ms = 0;              // wall time of the last answer, ms since epoch
+};
+
 // The metrics of one served model. Every method is thread-safe and cheap
 // (atomics, or a short per-histogram lock); none allocates once created.
 class ModelMetrics {
@@ -58,7 +70,7 @@ class ModelMetrics {
   // numbering) and the server-side time from receipt to response.
   void RequestDone(absl::StatusCode code, double total_seconds);
   // A request that reached its batch: time from queued to its batch closing.
-  void Queued(double queue_seconds) { queue_duration_->Observe(queue_seconds); }
+  void Queued(double queue_seconds);
   // One executed batch: its size in requests and query tokens, and the time
   // its engine call took.
   void BatchDone(int64_t requests, int64_t tokens, double compute_seconds);
@@ -79,6 +91,9 @@ class ModelMetrics {
   // One idle session evicted to make room, or expired past its TTL.
   void SessionEvicted() { session_evictions_->Increment(); }
   void SessionExpired() { session_expiries_->Increment(); }
+
+  // The totals so far (each field read atomically; fields read one by one).
+  ModelStatsSnapshot Stats() const;
 
  private:
   friend class Metrics;
@@ -103,6 +118,10 @@ class ModelMetrics {
   prometheus::Counter* session_appends_ = nullptr;
   prometheus::Counter* session_evictions_ = nullptr;
   prometheus::Counter* session_expiries_ = nullptr;
+  // Stats(): the histograms' sums are not readable per status code.
+  std::atomic<uint64_t> success_count_{0}, success_ns_{0}, fail_count_{0}, fail_ns_{0};
+  std::atomic<uint64_t> queue_count_{0}, queue_ns_{0}, execution_count_{0}, compute_ns_{0};
+  std::atomic<uint64_t> inference_count_{0}, last_inference_ms_{0};
 };
 
 // Thread-safe. Owns the registry and, when an address is given, the HTTP
@@ -122,6 +141,8 @@ class Metrics {
   // for the life of this object. Pass only names of served models: every
   // name becomes a set of time series.
   ModelMetrics* ForModel(const std::string& model);
+  // The handle for `model` if it exists, else null (creates nothing).
+  const ModelMetrics* FindModel(const std::string& model) const;
 
   // attnserve_model_ready{model,backend}: 1 when the model is READY, 0 when
   // it failed to load (so a bad model in a non-strict repository shows up in
@@ -165,7 +186,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* session_evictions_ = nullptr;
   prometheus::Family<prometheus::Counter>* session_expiries_ = nullptr;
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<ModelMetrics>> models_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -1,31 +1,20 @@
 // AttentionService handlers: unary Attend, model listing, and the call
-// bookkeeping that graceful shutdown waits on. AttendStream's reactor is in
-// attend_stream_reactor.cc.
+// AttendStream's messages; the stream's reads, writes and flow control are
+// stream_reactor.cc, the shutdown bookkeeping call_tracker.cc.
 #include "server/transport/attention_service.h"
 
-#include <chrono>
 #include <memory>
 #include <string>
 #include <utility>
 
 #include "attnserve/v1/model_config.pb.h"
 #include "server/transport/attend_codec.h"
-#include "server/transport/attend_stream_reactor.h"
 #include "server/transport/protobuf_log.h"
+#include "server/transport/server_deadline.h"
 #include "server/transport/status_util.h"
 
 namespace attnserve {
 namespace {
-
-// The call's deadline on the server's clock; InfiniteFuture when there is
-// none (gRPC reports "none" as a far-future wall time). gRPC states
-// deadlines in wall time: this is the one place that reads it.
-absl::Time ServerDeadline(const grpc::CallbackServerContext& context, const Clock& clock) {
-  const auto wall_deadline = context.deadline();
-  const auto wall_now = std::chrono::system_clock::now();
-  if (wall_deadline >= wall_now + std::chrono::hours(24 * 365)) return absl::InfiniteFuture();
-  return clock.Now() + absl::FromChrono(wall_deadline - wall_now);
-}
 
 v1::ModelStatus ToModelStatus(const ServedModel& model, const std::string& default_name) {
   v1::ModelStatus status;
@@ -67,7 +56,7 @@ void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
     }
     done(std::move(status));
   };
-  if (shutting_down_.load()) {
+  if (calls_.shutting_down()) {
     dispatcher_->Reject(std::move(r),
                         absl::UnavailableError("server is shutting down; not accepting requests"));
     return;
@@ -94,10 +83,10 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
       : service_(service),
         // gRPC owns the (non-const) buffer until OnDone and only frees it
         // then; releasing it now keeps one copy of the inputs, not two.
-        parsed_(ParseAttendRequest(const_cast<grpc::ByteBuffer*>(request_bytes), "request", 0,
+        parsed_(ParseRequestMessage(const_cast<grpc::ByteBuffer*>(request_bytes), "request", 0,
                                    &request_)),
         model_(request_.model()),
-        counted_(service->CallStarted()) {}
+        counted_(service->calls_.CallStarted()) {}
 
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
     // request_, response_, context and response_bytes stay valid until
@@ -117,7 +106,7 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
     AttentionServiceImpl* service = service_;
     const bool counted = counted_;
     delete this;
-    if (counted) service->CallDone();
+    if (counted) service->calls_.CallDone();
   }
 
  private:
@@ -137,51 +126,57 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   return reactor;
 }
 
-grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(grpc::CallbackServerContext* context) {
-  return new AttendStreamReactor(this, context);
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
+    grpc::CallbackServerContext* context) {
+  return new StreamReactor(&calls_, this, context, options_.max_stream_backlog);
 }
 
-// ------------------------------------------------------ call bookkeeping
+// ---------------------------------------------------------- AttendStream
 
-void AttentionServiceImpl::AddStream(AttendStreamReactor* stream) {
-  absl::MutexLock lock(&streams_mu_);
-  streams_.insert(stream);
-  // A stream opened after shutdown began: drain (and so end) it at once.
-  if (shutting_down_.load()) stream->ServerShutdown();
+void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* context,
+                                              grpc::ByteBuffer* bytes, int64_t number,
+                                              AnswerFn answer) {
+  // The message's tensors must outlive its request: parse it into its own
+  // state (the one copy of the bytes, as gRPC's own parse made), which the
+  // completion owns (it may even run before StartAttend returns).
+  struct Message {
+    v1::AttendRequest request;
+    v1::AttendStreamResponse answer;
+  };
+  auto* message = new Message;
+  const absl::Status parsed =
+      ParseRequestMessage(bytes, "AttendStream message", number, &message->request);
+  message->answer.set_id(message->request.id());
+  StartAttend(context, parsed, message->request, message->answer.mutable_response(),
+              [message, answer = std::move(answer)](absl::Status status) mutable {
+                std::unique_ptr<Message> owned(message);
+                owned->request.Clear();  // inputs no longer needed; free them now
+                if (!status.ok()) {
+                  owned->answer.clear_response();
+                  owned->answer.set_code(static_cast<int>(status.code()));
+                  owned->answer.set_message(ToGrpcStatus(status).error_message());
+                }
+                grpc::ByteBuffer bytes;
+                if (absl::Status s = SerializeMessage(owned->answer, &bytes); !s.ok()) {
+                  // Over protobuf's size limit: answer the error instead.
+                  owned->answer.clear_response();
+                  owned->answer.set_code(static_cast<int>(s.code()));
+                  owned->answer.set_message(ToGrpcStatus(s).error_message());
+                  SerializeMessage(owned->answer, &bytes).IgnoreError();
+                }
+                answer(std::move(bytes));
+              });
 }
 
-void AttentionServiceImpl::RemoveStream(AttendStreamReactor* stream) {
-  absl::MutexLock lock(&streams_mu_);
-  streams_.erase(stream);
-}
+void AttentionServiceImpl::StreamCancelled() { dispatcher_->CancelledOnAnyModel(); }
 
-bool AttentionServiceImpl::CallStarted() {
-  absl::MutexLock lock(&calls_mu_);
-  if (shutting_down_.load()) return false;
-  ++open_calls_;
-  return true;
-}
-
-void AttentionServiceImpl::CallDone() {
-  absl::MutexLock lock(&calls_mu_);
-  --open_calls_;
-}
+// ------------------------------------------------------------- shutdown
 
 bool AttentionServiceImpl::WaitForNoCalls(absl::Duration timeout) {
-  absl::MutexLock lock(&calls_mu_);
-  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return open_calls_ == 0; };
-  return calls_mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+  return calls_.WaitForNoCalls(timeout);
 }
 
-void AttentionServiceImpl::BeginShutdown() {
-  {
-    // Under calls_mu_: a call is either counted or sees the flag.
-    absl::MutexLock lock(&calls_mu_);
-    shutting_down_.store(true);
-  }
-  absl::MutexLock lock(&streams_mu_);
-  for (AttendStreamReactor* stream : streams_) stream->ServerShutdown();
-}
+void AttentionServiceImpl::BeginShutdown() { calls_.BeginShutdown(); }
 
 // ---------------------------------------------------------------- models
 
@@ -231,7 +226,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(
     grpc::CallbackServerContext* context, const v1::OpenSessionRequest* request,
     v1::OpenSessionResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (shutting_down_.load()) {
+  if (calls_.shutting_down()) {
     reactor->Finish(ToGrpcStatus(absl::UnavailableError("server is shutting down")));
     return reactor;
   }

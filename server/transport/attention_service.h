@@ -1,28 +1,24 @@
 // attnserve.v1.AttentionService on gRPC's callback API: the attnserve.v1
 // front end. Handlers return at once: Attend (and each AttendStream message,
-// see attend_stream_reactor.h) is parsed and translated (attend_codec.h) and
+// see stream_reactor.h) is parsed and translated (attend_codec.h) and
 // handed to the shared RequestDispatcher, whose completion sends the answer.
 #ifndef ATTNSERVE_SERVER_TRANSPORT_ATTENTION_SERVICE_H_
 #define ATTNSERVE_SERVER_TRANSPORT_ATTENTION_SERVICE_H_
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <set>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "server/dispatch/request_dispatcher.h"
 #include "server/models/model_registry.h"
+#include "server/transport/call_tracker.h"
+#include "server/transport/stream_reactor.h"
 
 namespace attnserve {
-
-class AttendStreamReactor;
 
 struct AttentionServiceOptions {
   // AttendStream flow control: most responses one stream may owe at once
@@ -57,7 +53,7 @@ using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attend<
 //
 // Constructing one installs the process's protobuf log handler
 // (protobuf_log.h), so that clients' bytes cannot flood the log.
-class AttentionServiceImpl final : public AttentionServiceBase {
+class AttentionServiceImpl final : public AttentionServiceBase, private StreamHandler {
  public:
   AttentionServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
                        AttentionServiceOptions options = {});
@@ -99,11 +95,16 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   bool WaitForNoCalls(absl::Duration timeout);
 
  private:
-  friend class AttendStreamReactor;
   class UnaryReactor;
 
+  // StreamHandler: one AttendStream message, answered with its
+  // AttendStreamResponse (the response, or its code and message).
+  void StartStreamMessage(grpc::CallbackServerContext* context, grpc::ByteBuffer* bytes,
+                          int64_t number, AnswerFn answer) override;
+  void StreamCancelled() override;
+
   // Translates one AttendRequest and submits it; `parsed` is what
-  // ParseAttendRequest said of it: not OK, the request (empty) is refused
+  // ParseRequestMessage said of it: not OK, the request (empty) is refused
   // with that status through the dispatcher (counted, not run). `done` runs
   // exactly once with the final status (response->timing filled in when OK),
   // from this thread or a batcher worker. request, response and context must
@@ -112,23 +113,11 @@ class AttentionServiceImpl final : public AttentionServiceBase {
                    const v1::AttendRequest& request, v1::AttendResponse* response,
                    absl::AnyInvocable<void(absl::Status)> done);
 
-  void AddStream(AttendStreamReactor* stream);
-  void RemoveStream(AttendStreamReactor* stream);
-  // Counts a call opened before BeginShutdown (returns true) so that
-  // shutdown waits for it; calls opened later are refused and not waited for.
-  bool CallStarted();
-  void CallDone();
-
   const ModelRegistry* const registry_;
   RequestDispatcher* const dispatcher_;
   const AttentionServiceOptions options_;
 
-  std::atomic<bool> shutting_down_{false};
-  absl::Mutex streams_mu_;
-  std::set<AttendStreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
-  absl::Mutex calls_mu_;
-  // Attend + AttendStream calls opened before shutdown and not yet done.
-  int64_t open_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
+  CallTracker calls_;
 };
 
 }  // namespace attnserve
