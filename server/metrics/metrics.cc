@@ -127,6 +127,8 @@ void ModelMetrics::BatchDone(int64_t requests, int64_t tokens, double compute_se
   execution_count_.fetch_add(1, std::memory_order_relaxed);
   inference_count_.fetch_add(static_cast<uint64_t>(requests), std::memory_order_relaxed);
   compute_ns_.fetch_add(Nanos(compute_seconds), std::memory_order_relaxed);
+  compute_request_ns_.fetch_add(Nanos(compute_seconds) * static_cast<uint64_t>(requests),
+                                std::memory_order_relaxed);
 }
 
 ModelStatsSnapshot ModelMetrics::Stats() const {
@@ -140,6 +142,7 @@ ModelStatsSnapshot ModelMetrics::Stats() const {
   s.execution_count = execution_count_.load(std::memory_order_relaxed);
   s.compute_ns = compute_ns_.load(std::memory_order_relaxed);
   s.inference_count = inference_count_.load(std::memory_order_relaxed);
+  s.compute_request_ns = compute_request_ns_.load(std::memory_order_relaxed);
   s.last_inference_ms = last_inference_ms_.load(std::memory_order_relaxed);
   return s;
 }

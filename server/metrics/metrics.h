@@ -59,6 +59,9 @@ struct ModelStatsSnapshot {
   uint64_t queue_count = 0, queue_ns = 0;      // requests that reached a batch: time queued
   uint64_t execution_count = 0, compute_ns = 0;  // engine calls (batches) and their time
   uint64_t inference_count = 0;                // requests computed (summed batch sizes)
+  // Each computed request's share of time: its batch's engine time, summed
+  // over requests (as Triton reports compute_infer per request).
+  uint64_t compute_request_ns = 0;
   uint64_t last_inference_ms = 0;              // wall time of the last answer, ms since epoch
 };
 
@@ -121,7 +124,7 @@ class ModelMetrics {
   // Stats(): the histograms' sums are not readable per status code.
   std::atomic<uint64_t> success_count_{0}, success_ns_{0}, fail_count_{0}, fail_ns_{0};
   std::atomic<uint64_t> queue_count_{0}, queue_ns_{0}, execution_count_{0}, compute_ns_{0};
-  std::atomic<uint64_t> inference_count_{0}, last_inference_ms_{0};
+  std::atomic<uint64_t> inference_count_{0}, compute_request_ns_{0}, last_inference_ms_{0};
 };
 
 // Thread-safe. Owns the registry and, when an address is given, the HTTP

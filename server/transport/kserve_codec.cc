@@ -152,6 +152,13 @@ absl::Status DecodeParameters(const ModelInferRequest& request, KServeRequest* d
       } else {
         in.session_id = p.string_param();
       }
+    } else if (name == "triton_enable_empty_final_response") {
+      // Triton's directive for decoupled models (a final empty response on a
+      // stream); perf_analyzer sends it on every request. Every attnserve
+      // model answers each request with exactly one response, as Triton's
+      // non-decoupled models do, which also ignore it.
+      bool unused;
+      s = BoolParameter(name, p, &unused);
     } else if (name == "timeout") {
       // Triton's request timeout, in microseconds.
       if (p.parameter_choice_case() == InferParameter::kInt64Param && p.int64_param() >= 0) {

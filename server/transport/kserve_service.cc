@@ -355,7 +355,12 @@ grpc::ServerUnaryReactor* KServeServiceImpl::ModelStatistics(
     SetDuration(is->mutable_success(), s.success_count, s.success_ns);
     SetDuration(is->mutable_fail(), s.fail_count, s.fail_ns);
     SetDuration(is->mutable_queue(), s.queue_count, s.queue_ns);
-    SetDuration(is->mutable_compute_infer(), s.execution_count, s.compute_ns);
+    // As Triton: compute_* per computed request (each request's batch's
+    // engine time). attnserve decodes inputs before queueing and writes
+    // outputs in place, so there is no separate input or output step: 0 ns.
+    SetDuration(is->mutable_compute_input(), s.inference_count, 0);
+    SetDuration(is->mutable_compute_infer(), s.inference_count, s.compute_request_ns);
+    SetDuration(is->mutable_compute_output(), s.inference_count, 0);
   }
   return Answer(context, absl::OkStatus());
 }
