@@ -75,7 +75,8 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
       &server->registry_, server->scheduler_.get(), server->metrics_.get(), server->clock_,
       options.validation);
   server->service_ =
-      std::make_unique<AttentionServiceImpl>(&server->registry_, server->dispatcher_.get());
+      std::make_unique<AttentionServiceImpl>(&server->registry_, server->dispatcher_.get(),
+                                             server->metrics_.get());
 
   // Both are process-wide switches read by ServerBuilder; they must be set
   // before BuildAndStart.

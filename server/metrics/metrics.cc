@@ -171,6 +171,11 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                          .Help("1 when the model is loaded and serving, 0 when it failed to "
                                "load; labelled with the backend that serves it")
                          .Register(r);
+  m->unparseable_ = &prometheus::BuildCounter()
+                         .Name("attnserve_unparseable_messages_total")
+                         .Help("Request messages that were not a valid protobuf encoding of "
+                               "their type, answered INVALID_ARGUMENT, by RPC method")
+                         .Register(r);
   std::map<std::string, std::string> build = options.build_labels;
   build["version"] = ATTNSERVE_VERSION;
   prometheus::BuildGauge()
@@ -262,6 +267,11 @@ Metrics::~Metrics() {
 
 void Metrics::SetModelReady(const std::string& model, const std::string& backend, bool ready) {
   model_ready_->Add({{"model", model}, {"backend", backend}}).Set(ready ? 1.0 : 0.0);
+}
+
+void Metrics::UnparseableMessage(absl::string_view method) {
+  // Family::Add finds the existing series under the family's own lock.
+  unparseable_->Add({{"method", std::string(method)}}).Increment();
 }
 
 ModelMetrics* Metrics::ForModel(const std::string& model) {

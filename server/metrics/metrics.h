@@ -14,6 +14,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -106,6 +107,14 @@ class Metrics {
   // serving it ("cpu", "cuda", "reference"; empty when it has none).
   void SetModelReady(const std::string& model, const std::string& backend, bool ready);
 
+  // attnserve_unparseable_messages_total{method}: one request message (of
+  // any RPC: "Attend", "AttendStream", "ListModels", "GetModel") that was not
+  // a valid protobuf encoding of its type and was answered INVALID_ARGUMENT.
+  // Attend's and AttendStream's are also in attnserve_requests_total under
+  // model="(unknown)". Pass only the service's method names (each name is a
+  // time series).
+  void UnparseableMessage(absl::string_view method);
+
   // The endpoint's port (the one picked when options.address had port 0);
   // 0 when there is no endpoint.
   int port() const { return port_; }
@@ -134,6 +143,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* inflight_ = nullptr;
   prometheus::Family<prometheus::Counter>* tokens_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_ready_ = nullptr;
+  prometheus::Family<prometheus::Counter>* unparseable_ = nullptr;
 
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<ModelMetrics>> models_ ABSL_GUARDED_BY(mu_);

@@ -13,8 +13,8 @@
 
 namespace attnserve {
 
-absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
-                                v1::AttendRequest* request) {
+absl::Status ParseMessage(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
+                          google::protobuf::MessageLite* message) {
   const size_t size = bytes->Length();
   grpc::Status parsed;
   std::string reason;
@@ -22,11 +22,11 @@ absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what,
     // What protobuf would log about these bytes (invalid UTF-8 in a string
     // field) is the client's answer, not a line in the server's log.
     ScopedProtobufLogCapture capture;
-    parsed = grpc::SerializationTraits<v1::AttendRequest>::Deserialize(bytes, request);
+    parsed = grpc::SerializationTraits<google::protobuf::MessageLite>::Deserialize(bytes, message);
     reason = capture.captured();
   }
   if (parsed.ok()) return absl::OkStatus();
-  request->Clear();  // a failed parse leaves the fields read before the fault
+  message->Clear();  // a failed parse leaves the fields read before the fault
   // Protobuf's advice to the proto's author is no help to the client.
   if (size_t advice = reason.find(" Use the 'bytes' type"); advice != std::string::npos) {
     reason.erase(advice);
@@ -35,9 +35,14 @@ absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what,
   if (reason.empty()) {
     reason = absl::StrCat("not a valid protobuf encoding of that message (", size, " bytes)");
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat(what, number > 0 ? absl::StrCat(" ", number) : "",
-                   " could not be parsed as attnserve.v1.AttendRequest: ", reason));
+  return absl::InvalidArgumentError(absl::StrCat(what, number > 0 ? absl::StrCat(" ", number) : "",
+                                                 " could not be parsed as ",
+                                                 message->GetTypeName(), ": ", reason));
+}
+
+absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
+                                v1::AttendRequest* request) {
+  return ParseMessage(bytes, what, number, request);
 }
 
 absl::Status SerializeMessage(const google::protobuf::MessageLite& message,

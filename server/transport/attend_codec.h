@@ -17,15 +17,20 @@
 
 namespace attnserve {
 
-// Parses one AttendRequest as gRPC's generated handlers would (the same
-// deserializer: the tensor bytes are copied once, from gRPC's slices into
-// `request`; invalid UTF-8 in a string field is refused) and releases
+// Parses one request message of any type as gRPC's generated handlers would
+// (the same deserializer: bytes are copied once, from gRPC's slices into
+// `message`; invalid UTF-8 in a string field is refused) and releases
 // `bytes`. Not parseable: INVALID_ARGUMENT "<what> could not be parsed as
-// attnserve.v1.AttendRequest: <reason>", `request` left empty, and nothing
-// logged (protobuf's own complaint becomes the reason; see protobuf_log.h).
+// <message type>: <reason>", `message` left empty, and nothing logged
+// (protobuf's own complaint becomes the reason; see protobuf_log.h).
 // `what` names the message for the client ("request", or "AttendStream
 // message" with `number` 3: "AttendStream message 3"; 0 = no number); it is
 // formatted only when the parse fails.
+absl::Status ParseMessage(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
+                          google::protobuf::MessageLite* message);
+
+// ParseMessage for an AttendRequest ("... could not be parsed as
+// attnserve.v1.AttendRequest: <reason>").
 absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
                                 v1::AttendRequest* request);
 

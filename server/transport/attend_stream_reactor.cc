@@ -34,6 +34,7 @@ void AttendStreamReactor::OnReadDone(bool ok) {
   const absl::Status parsed =
       ParseAttendRequest(&read_bytes_, "AttendStream message", ++messages_read_,
                          &message->request);
+  if (!parsed.ok()) service_->CountUnparseable("AttendStream");
   message->answer.set_id(message->request.id());
   {
     absl::MutexLock lock(&mu_);

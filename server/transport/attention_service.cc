@@ -41,9 +41,12 @@ v1::ModelStatus ToModelStatus(const ServedModel& model, const std::string& defau
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(const ModelRegistry* registry,
-                                           RequestDispatcher* dispatcher,
+                                           RequestDispatcher* dispatcher, Metrics* metrics,
                                            AttentionServiceOptions options)
-    : registry_(registry), dispatcher_(dispatcher), options_(std::move(options)) {
+    : registry_(registry),
+      dispatcher_(dispatcher),
+      metrics_(metrics),
+      options_(std::move(options)) {
   InstallProtobufLogHandler();
 }
 
@@ -94,7 +97,9 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
         parsed_(ParseAttendRequest(const_cast<grpc::ByteBuffer*>(request_bytes), "request", 0,
                                    &request_)),
         model_(request_.model()),
-        counted_(service->CallStarted()) {}
+        counted_(service->CallStarted()) {
+    if (!parsed_.ok()) service_->CountUnparseable("Attend");
+  }
 
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
     // request_, response_, context and response_bytes stay valid until
@@ -182,28 +187,65 @@ void AttentionServiceImpl::BeginShutdown() {
 
 // ---------------------------------------------------------------- models
 
+void AttentionServiceImpl::CountUnparseable(absl::string_view method) {
+  if (metrics_ != nullptr) metrics_->UnparseableMessage(method);
+}
+
+namespace {
+
+// Parses a model RPC's request; on failure finishes `reactor` with the
+// parse error and returns false.
+bool ParseModelRequest(const grpc::ByteBuffer* bytes, google::protobuf::MessageLite* request,
+                       grpc::ServerUnaryReactor* reactor) {
+  // gRPC owns the buffer until the call is done; parsing releases its
+  // slices early, as for Attend.
+  const absl::Status parsed =
+      ParseMessage(const_cast<grpc::ByteBuffer*>(bytes), "request", 0, request);
+  if (parsed.ok()) return true;
+  reactor->Finish(ToGrpcStatus(parsed));
+  return false;
+}
+
+// Serializes `message` as the call's answer and finishes.
+void FinishWith(const google::protobuf::MessageLite& message, grpc::ByteBuffer* response,
+                grpc::ServerUnaryReactor* reactor) {
+  reactor->Finish(ToGrpcStatus(SerializeMessage(message, response)));
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* context,
-                                                           const v1::ListModelsRequest* request,
-                                                           v1::ListModelsResponse* response) {
+                                                           const grpc::ByteBuffer* request_bytes,
+                                                           grpc::ByteBuffer* response_bytes) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  v1::ListModelsRequest request;
+  if (!ParseModelRequest(request_bytes, &request, reactor)) {
+    CountUnparseable("ListModels");
+    return reactor;
+  }
+  v1::ListModelsResponse response;
   const std::string default_name = registry_->default_model();
   for (const auto& model : registry_->List()) {
-    *response->add_models() = ToModelStatus(*model, default_name);
+    *response.add_models() = ToModelStatus(*model, default_name);
   }
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
+  FinishWith(response, response_bytes, reactor);
   return reactor;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* context,
-                                                         const v1::GetModelRequest* request,
-                                                         v1::ModelStatus* response) {
+                                                         const grpc::ByteBuffer* request_bytes,
+                                                         grpc::ByteBuffer* response_bytes) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<std::shared_ptr<const ServedModel>> model = registry_->Find(request->name());
+  v1::GetModelRequest request;
+  if (!ParseModelRequest(request_bytes, &request, reactor)) {
+    CountUnparseable("GetModel");
+    return reactor;
+  }
+  absl::StatusOr<std::shared_ptr<const ServedModel>> model = registry_->Find(request.name());
   if (!model.ok()) {
     reactor->Finish(ToGrpcStatus(model.status()));
   } else {
-    *response = ToModelStatus(**model, registry_->default_model());
-    reactor->Finish(grpc::Status::OK);
+    FinishWith(ToModelStatus(**model, registry_->default_model()), response_bytes, reactor);
   }
   return reactor;
 }

@@ -18,6 +18,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "server/dispatch/request_dispatcher.h"
+#include "server/metrics/metrics.h"
 #include "server/models/model_registry.h"
 
 namespace attnserve {
@@ -36,10 +37,11 @@ struct AttentionServiceOptions {
 // a message that is not a valid AttendRequest is answered like any other bad
 // request (INVALID_ARGUMENT, counted in the metrics) instead of by gRPC
 // (UNIMPLEMENTED for a unary call, a silent end of the stream with OK).
+// ListModels and GetModel take raw bytes for the same reason.
 using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attend<
     v1::AttentionService::WithRawCallbackMethod_AttendStream<
-        v1::AttentionService::WithCallbackMethod_ListModels<
-            v1::AttentionService::WithCallbackMethod_GetModel<v1::AttentionService::Service>>>>;
+        v1::AttentionService::WithRawCallbackMethod_ListModels<
+            v1::AttentionService::WithRawCallbackMethod_GetModel<v1::AttentionService::Service>>>>;
 
 // Thread-safe (gRPC calls handlers concurrently). Does not own the registry
 // or the dispatcher; both must outlive the grpc::Server this is registered
@@ -50,14 +52,20 @@ using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attend<
 // own status (a failed message does not end the stream). A message that
 // cannot be parsed is answered INVALID_ARGUMENT naming it ("request", or
 // "AttendStream message N", counting from 1; its answer's id is empty) and
-// never reaches the dispatcher's model lookup or validation.
+// never reaches the dispatcher's model lookup or validation. An unparseable
+// ListModelsRequest or GetModelRequest is answered INVALID_ARGUMENT
+// ("request could not be parsed as attnserve.v1.GetModelRequest: ...").
+// Every unparseable message is counted in
+// attnserve_unparseable_messages_total{method} and logs nothing.
 //
 // Constructing one installs the process's protobuf log handler
 // (protobuf_log.h), so that clients' bytes cannot flood the log.
 class AttentionServiceImpl final : public AttentionServiceBase {
  public:
+  // `metrics` (nullable, not owned, must outlive this) receives the
+  // unparseable-message counts.
   AttentionServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
-                       AttentionServiceOptions options = {});
+                       Metrics* metrics, AttentionServiceOptions options = {});
 
   // `request` holds a serialized AttendRequest; `response` receives the
   // serialized AttendResponse.
@@ -67,12 +75,14 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   // Reads serialized AttendRequests, writes serialized AttendStreamResponses.
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendStream(
       grpc::CallbackServerContext* context) override;
+  // Serialized ListModelsRequest -> serialized ListModelsResponse.
   grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
-                                       const v1::ListModelsRequest* request,
-                                       v1::ListModelsResponse* response) override;
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+  // Serialized GetModelRequest -> serialized ModelStatus.
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context,
-                                     const v1::GetModelRequest* request,
-                                     v1::ModelStatus* response) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
 
   // From now on new requests (unary or stream messages) are answered
   // UNAVAILABLE; open streams stop reading and end (UNAVAILABLE) once every
@@ -107,9 +117,12 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   // shutdown waits for it; calls opened later are refused and not waited for.
   bool CallStarted();
   void CallDone();
+  // Counts one message of `method` that could not be parsed.
+  void CountUnparseable(absl::string_view method);
 
   const ModelRegistry* const registry_;
   RequestDispatcher* const dispatcher_;
+  Metrics* const metrics_;
   const AttentionServiceOptions options_;
 
   std::atomic<bool> shutting_down_{false};
