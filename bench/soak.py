@@ -223,35 +223,105 @@ ALLOWED = {
 }
 
 
+def worker(target, seed, end, out):
+    """One client process: draws requests until `end` (time.time()),
+    writing its counts to `out` every 2 s (so a client that dies keeps what
+    it counted)."""
+    load = Load(target)
+
+    def save():
+        with load.lock:
+            data = {"counts": [[k, c, n] for (k, c), n in load.counts.items()],
+                    "unexpected": load.unexpected}
+        with open(out + ".tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(out + ".tmp", out)
+
+    t = threading.Thread(target=load.run_thread, args=(seed,), daemon=True)
+    t.start()
+    while time.time() < end and t.is_alive():
+        time.sleep(min(2.0, max(0.0, end - time.time())))
+        save()
+    load.stop.set()
+    t.join(120)
+    save()
+
+
 def main():
+    if sys.argv[1] == "--worker":
+        return worker(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5])
     target, pid, duration = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     bound_mb = float(os.environ.get("SOAK_RSS_BOUND_MB", "10"))
     threads = int(os.environ.get("SOAK_THREADS", "4"))
     warmup = float(os.environ.get("SOAK_WARMUP_S", max(30.0, duration / 4)))
     interval = min(5.0, max(1.0, duration / 120))
 
-    load = Load(target)
-    workers = [threading.Thread(target=load.run_thread, args=(1000 + i,), daemon=True)
-               for i in range(threads)]
+    # Each client is its own process: grpcio 1.51's Python client can
+    # abort (absl "Mutex unlocked when destroyed") under heavy cancelling;
+    # a client that dies is counted and replaced, and its connections
+    # closing abruptly is one more thing the server has to survive.
+    import subprocess
+    import tempfile
+    scratch = tempfile.mkdtemp(prefix="attnserve-soak-")
+    end = time.time() + duration
+    files, procs, client_aborts = [], {}, []
+
+    def spawn(slot):
+        out = os.path.join(scratch, f"w{slot}-{len(files)}.json")
+        files.append(out)
+        procs[slot] = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", target,
+             str(1000 + len(files)), str(end), out])
+
+    for i in range(threads):
+        spawn(i)
     start = time.monotonic()
-    for w in workers:
-        w.start()
     samples = []  # (t, rss_mb, fds, requests so far)
     next_report = start + 60
+
+    def requests_so_far():
+        n = 0
+        for path in files:
+            try:
+                with open(path) as f:
+                    n += sum(c[2] for c in json.load(f)["counts"])
+            except (OSError, ValueError):
+                pass
+        return n
+
     while True:
         now = time.monotonic()
         if now - start >= duration:
             break
+        for slot, proc in list(procs.items()):
+            if proc.poll() is not None and time.time() < end - 5:
+                client_aborts.append(proc.returncode)
+                spawn(slot)
         rss, fds = rss_and_fds(pid)
-        samples.append((now - start, rss, fds, sum(load.counts.values())))
+        samples.append((now - start, rss, fds, requests_so_far()))
         if now >= next_report:
             print(f"soak: {now - start:6.0f} s  rss {rss:7.1f} MB  fds {fds:4d}  "
-                  f"requests {samples[-1][3]}", flush=True)
+                  f"requests {samples[-1][3]}  client aborts {len(client_aborts)}", flush=True)
             next_report += 60
         time.sleep(interval)
-    load.stop.set()
-    for w in workers:
-        w.join(120)
+    for proc in procs.values():
+        try:
+            proc.wait(150)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.returncode != 0:
+            client_aborts.append(proc.returncode)
+    load = Load(target)
+    for path in files:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        for k, c, n in data["counts"]:
+            load.counts[(k, c)] += n
+        load.unexpected.extend(tuple(u) for u in data["unexpected"])
     time.sleep(2)  # answers and connections settle
     rss_end, fds_end = rss_and_fds(pid)
 
@@ -273,7 +343,7 @@ def main():
         "rss_max_mb": max(s[1] for s in samples), "rss_bound_mb": bound_mb,
         "fds_at_warmup": fds_warm, "fds_max": max(s[2] for s in samples),
         "fds_after_load": fds_end, "rss_after_load_mb": rss_end,
-        "unexpected": unexpected,
+        "unexpected": unexpected, "client_aborts": client_aborts,
         "counts": {f"{k}:{c}": n for (k, c), n in sorted(load.counts.items())},
     }
     if os.environ.get("SOAK_SAMPLES"):
@@ -301,7 +371,9 @@ def main():
         sys.exit("soak: FAILED: " + "; ".join(failures))
     print(f"soak: PASSED: {total} requests in {duration:.0f} s, RSS growth after warm-up "
           f"{growth:+.1f} MB (bound {bound_mb} MB), peak {peak:+.1f} MB, fds {fds_warm} -> "
-          f"{fds_end}, no unexpected status")
+          f"{fds_end}, no unexpected status"
+          + (f" ({len(client_aborts)} client processes aborted and were replaced)"
+             if client_aborts else ""))
 
 
 if __name__ == "__main__":
