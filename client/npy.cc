@@ -75,6 +75,10 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return ParseNpy(bytes, path);
+}
+
+absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes, const std::string& path) {
   auto bad = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", why));
   };
@@ -133,7 +137,7 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
   if (bytes.size() - data_at < want) {
     return bad(absl::StrCat("data holds ", bytes.size() - data_at, " bytes, shape needs ", want));
   }
-  array.data = bytes.substr(data_at, want);
+  array.data = std::string(bytes.substr(data_at, want));
   return array;
 }
 
