@@ -15,6 +15,8 @@ TEST_PACKAGES=(
   # Python client, PyTorch/NumPy oracles, a real Prometheus, an optimised BLAS for the peers
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy
   python3-torch python3-pytest python3-yaml prometheus libopenblas0
+  # libFuzzer + ASan/UBSan for scripts/fuzz.sh (ctest's fuzz.short)
+  clang-14 libfuzzer-14-dev libclang-rt-14-dev
 )
 
 PACKAGES=("${BUILD_PACKAGES[@]}")

@@ -2,6 +2,7 @@
 // AttendStream.
 #include "server/transport/attend_stream_reactor.h"
 
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -22,10 +23,14 @@ AttendStreamReactor::AttendStreamReactor(AttentionServiceImpl* service,
 
 void AttendStreamReactor::OnReadDone(bool ok) {
   if (!ok) {  // client half-closed (or the call ended)
-    absl::MutexLock lock(&mu_);
-    reading_ = false;
-    reads_done_ = true;
-    MaybeFinishLocked();
+    std::optional<grpc::Status> finish;
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      reads_done_ = true;
+      finish = MaybeFinishLocked();
+    }
+    if (finish) Finish(*std::move(finish));
     return;
   }
   // The message's tensors must outlive its request: parse it into its own
@@ -55,17 +60,21 @@ void AttendStreamReactor::OnReadDone(bool ok) {
 }
 
 void AttendStreamReactor::OnWriteDone(bool ok) {
-  absl::MutexLock lock(&mu_);
-  backlog_.pop_front();
-  writing_ = false;
-  if (!ok) {
-    write_failed_ = true;  // client gone: the rest of the backlog is dropped
-    backlog_.clear();
-  } else if (!backlog_.empty()) {
-    WriteLocked();
+  std::optional<grpc::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    backlog_.pop_front();
+    writing_ = false;
+    if (!ok) {
+      write_failed_ = true;  // client gone: the rest of the backlog is dropped
+      backlog_.clear();
+    } else if (!backlog_.empty()) {
+      WriteLocked();
+    }
+    MaybeReadLocked();
+    finish = MaybeFinishLocked();
   }
-  MaybeReadLocked();
-  MaybeFinishLocked();
+  if (finish) Finish(*std::move(finish));
 }
 
 void AttendStreamReactor::OnCancel() { service_->dispatcher_->CancelledOnAnyModel(); }
@@ -79,9 +88,13 @@ void AttendStreamReactor::OnDone() {
 }
 
 void AttendStreamReactor::ServerShutdown() {
-  absl::MutexLock lock(&mu_);
-  draining_ = true;
-  MaybeFinishLocked();
+  std::optional<grpc::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    draining_ = true;
+    finish = MaybeFinishLocked();
+  }
+  if (finish) Finish(*std::move(finish));
 }
 
 void AttendStreamReactor::Answer(std::unique_ptr<Message> message, absl::Status status) {
@@ -100,14 +113,21 @@ void AttendStreamReactor::Answer(std::unique_ptr<Message> message, absl::Status 
     message->answer.set_message(ToGrpcStatus(s).error_message());
     SerializeMessage(message->answer, &message->answer_bytes).IgnoreError();
   }
-  absl::MutexLock lock(&mu_);
-  --owed_;
-  if (!write_failed_) {
-    backlog_.push_back(std::move(message));
-    if (!writing_) WriteLocked();
+  std::optional<grpc::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    --owed_;
+    if (!write_failed_) {
+      backlog_.push_back(std::move(message));
+      if (!writing_) WriteLocked();
+    }
+    MaybeReadLocked();
+    finish = MaybeFinishLocked();
   }
-  MaybeReadLocked();
-  MaybeFinishLocked();
+  // Last touch of this reactor: once Finish is called, OnDone may delete it
+  // on another thread at any moment (this runs on a batcher worker, outside
+  // any gRPC reaction, so gRPC does not wait for it).
+  if (finish) Finish(*std::move(finish));
 }
 
 void AttendStreamReactor::WriteLocked() {
@@ -123,19 +143,22 @@ void AttendStreamReactor::MaybeReadLocked() {
   StartRead(&read_bytes_);
 }
 
-void AttendStreamReactor::MaybeFinishLocked() {
-  if (finished_ || writing_ || owed_ > 0) return;
+std::optional<grpc::Status> AttendStreamReactor::MaybeFinishLocked() {
+  if (finished_ || writing_ || owed_ > 0) return std::nullopt;
   if (write_failed_) {
     finished_ = true;
-    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client stopped receiving"));
-  } else if (backlog_.empty() && reads_done_) {
-    finished_ = true;
-    Finish(grpc::Status::OK);
-  } else if (backlog_.empty() && draining_) {
-    finished_ = true;
-    Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        "server is shutting down; every request read was answered"));
+    return grpc::Status(grpc::StatusCode::CANCELLED, "client stopped receiving");
   }
+  if (backlog_.empty() && reads_done_) {
+    finished_ = true;
+    return grpc::Status::OK;
+  }
+  if (backlog_.empty() && draining_) {
+    finished_ = true;
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "server is shutting down; every request read was answered");
+  }
+  return std::nullopt;
 }
 
 }  // namespace attnserve

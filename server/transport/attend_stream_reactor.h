@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -34,7 +35,9 @@ namespace attnserve {
 //
 // Lifetime: created by AttentionServiceImpl::AttendStream, deletes itself in
 // OnDone. The stream finishes only when nothing is owed (no request in the
-// server refers to it), so completions never touch a deleted reactor.
+// server refers to it), so completions never touch a deleted reactor; and
+// Finish is called outside mu_, as the last thing a thread does with the
+// reactor.
 class AttendStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   AttendStreamReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* context);
@@ -62,7 +65,12 @@ class AttendStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffe
   void WriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Issues the next read if one is wanted and the backlog has room.
   void MaybeReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The status to Finish the stream with, when it is done (then finished_
+  // is set). The caller calls Finish only after releasing mu_: Finish lets
+  // OnDone delete this reactor on another thread, and a MutexLock still
+  // held would then unlock freed memory (the soak's abort: "Mutex unlocked
+  // when destroyed or not locked").
+  std::optional<grpc::Status> MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   AttentionServiceImpl* const service_;
   grpc::CallbackServerContext* const context_;
