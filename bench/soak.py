@@ -245,7 +245,9 @@ def worker(target, seed, end, out):
 
     t = threading.Thread(target=load.run_thread, args=(seed,), daemon=True)
     t.start()
-    while time.time() < end and t.is_alive():
+    parent = os.getppid()
+    # Stops early when the soak itself is gone (no orphaned load).
+    while time.time() < end and t.is_alive() and os.getppid() == parent:
         time.sleep(min(2.0, max(0.0, end - time.time())))
         save()
     load.stop.set()
@@ -279,6 +281,8 @@ def main():
             [sys.executable, os.path.abspath(__file__), "--worker", target,
              str(1000 + len(files)), str(end), out])
 
+    import atexit
+    atexit.register(lambda: [p.kill() for p in procs.values() if p.poll() is None])
     for i in range(threads):
         spawn(i)
     start = time.monotonic()
