@@ -105,6 +105,10 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
 
   const size_t colon = options.address.rfind(':');
   server->address_ = absl::StrCat(options.address.substr(0, colon), ":", server->port_);
+  if (options.malloc_trim_interval.count() > 0) {
+    server->trimmer_ =
+        std::make_unique<MemoryTrimmer>(absl::FromChrono(options.malloc_trim_interval));
+  }
   return server;
 }
 
