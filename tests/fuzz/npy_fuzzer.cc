@@ -21,6 +21,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     return 0;
   }
+  // num_elements() multiplies left to right in int64: no partial product of
+  // an accepted shape may overflow (checked here without relying on UBSan,
+  // so the ordinary build's replay catches it too).
+  int64_t n = 1;
+  for (int64_t d : array->shape) {
+    if (__builtin_mul_overflow(n, d, &n)) {
+      std::fprintf(stderr, "npy_fuzzer: accepted a shape whose element count overflows int64\n");
+      std::abort();
+    }
+  }
   const int item = attnserve::client::NpyItemSize(array->descr);
   if (item == 0 || array->data.size() != static_cast<size_t>(array->num_elements()) * item ||
       array->data.size() > size) {
