@@ -75,6 +75,7 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat("--max-multiply-adds: must be >= 1, got ",
                                                    options.validation.max_multiply_adds));
   }
+  if (absl::Status s = CheckSessionOptions(options.sessions); !s.ok()) return s;
   if (absl::Status s = ValidateBatcherOptions(options.batching); !s.ok()) {
     // The option names match the flags, spelled with dashes.
     std::string message(s.message());

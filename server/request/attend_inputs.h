@@ -46,6 +46,10 @@ struct AttendInputs {
   std::optional<DType> output_dtype;
   // Like InputTensor::decode_error, for output_dtype.
   absl::Status output_dtype_error;
+  // Empty = stateless. Otherwise the session (OpenSession) whose cache the
+  // key/value rows are appended to and the query attends over; B must be 1
+  // and attn_mask, key_lengths and need_weights are refused (validation.h).
+  absl::string_view session_id;
 };
 
 }  // namespace attnserve

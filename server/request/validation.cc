@@ -530,6 +530,35 @@ Work RequestWork(const LayerConfig& layer, const TaskDims& d) {
 
 }  // namespace
 
+namespace {
+
+// What a session request may not carry: the cache holds one sequence, and
+// masks, lengths and weights would span tokens the client no longer sends.
+absl::Status CheckSessionRules(const AttendInputs& request, const TaskDims& dims) {
+  if (dims.batch != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "query.shape: dim 0 (batch) must be 1 with session_id (a session holds one sequence; "
+        "batch sessions by sending concurrent requests), got ", dims.batch));
+  }
+  if (request.attn_mask.present) {
+    return absl::InvalidArgumentError(
+        "attn_mask: not supported with session_id (the query attends causally over every "
+        "cached token)");
+  }
+  if (!request.key_lengths.empty()) {
+    return absl::InvalidArgumentError(
+        "key_lengths: not supported with session_id (every appended row is a token)");
+  }
+  if (request.need_weights) {
+    return absl::InvalidArgumentError(
+        "need_weights: not supported with session_id (the weights would span the whole cache; "
+        "send the sequence statelessly to get them)");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& request,
                                                       const LayerConfig& layer,
                                                       const ValidationOptions& options,
@@ -585,6 +614,9 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
                              has_key ? &task.value : nullptr, &dims)
           : CheckHeadLayout(layer, task.query, task.key, task.value, &dims);
   if (!layout.ok()) return layout;
+  if (!request.session_id.empty()) {
+    if (absl::Status s = CheckSessionRules(request, dims); !s.ok()) return s;
+  }
 
   // Masking.
   if (request.attn_mask.present) {
@@ -594,7 +626,8 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
   }
   if (absl::Status s = CheckKeyLengths(request.key_lengths, dims); !s.ok()) return s;
   task.key_lengths = request.key_lengths;
-  task.causal = request.causal || layer.causal;
+  // A session's query attends causally over everything cached.
+  task.causal = request.causal || layer.causal || !request.session_id.empty();
 
   // Options.
   const float scale = request.scale;

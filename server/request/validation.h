@@ -88,6 +88,12 @@ absl::StatusOr<TensorView> ViewInput(const InputTensor& tensor, absl::string_vie
 // "key_lengths[1]", ...), states the rule and the values seen; or
 // ResourceExhausted for a request over one of `options`' limits.
 //
+// Session requests (request.session_id set): B must be 1, and attn_mask,
+// key_lengths and need_weights are refused (InvalidArgument naming the
+// field); the task is causal (bottom-right over the whole cache). Dims and
+// limits are those of the request's own rows; the session manager checks
+// them against the session (shape, dtype, token limit).
+//
 // Values (options.nonfinite_inputs == kReject), checked last because they are
 // the one check that reads the data (one pass over each input):
 //   - query, key, value: no NaN or +-Inf, fp16/bf16 included;

@@ -1,5 +1,5 @@
 // Fuzz target: one serialized AttendRequest through the server's own parse
-// (ParseAttendRequest on a grpc::ByteBuffer), decode and validation, then,
+// (ParseRequestMessage on a grpc::ByteBuffer), decode and validation, then,
 // when valid, through the reference and cpu engines, whose outputs must
 // agree where the inputs are numerically tame. Work bounds keep every
 // accepted shape tiny. Models by name: "" or "sdpa" (bare attention), "mha",
@@ -22,6 +22,7 @@
 #include "grpcpp/support/slice.h"
 #include "server/request/validation.h"
 #include "server/transport/attend_codec.h"
+#include "server/transport/message_codec.h"
 #include "server/transport/protobuf_log.h"
 
 namespace attnserve {
@@ -137,7 +138,7 @@ void RunOne(const Fixture& f, const uint8_t* data, size_t size) {
   grpc::Slice slice(data, size);
   grpc::ByteBuffer bytes(&slice, 1);
   v1::AttendRequest request;
-  const absl::Status parsed = ParseAttendRequest(&bytes, "request", 0, &request);
+  const absl::Status parsed = ParseRequestMessage(&bytes, "request", 0, &request);
   if (!parsed.ok()) {
     if (parsed.code() != absl::StatusCode::kInvalidArgument ||
         !absl::StartsWith(parsed.message(),

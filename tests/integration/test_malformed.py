@@ -165,7 +165,8 @@ def test_unparseable_messages_do_not_flood_the_log(client, channel, server):
     assert pb.AttendResponse.FromString(raw).id == "after"
 
 
-LIST_MODELS = "/attnserve.v1.AttentionService/ListModels"
+SERVICE = "/attnserve.v1.AttentionService/"
+LIST_MODELS = SERVICE + "ListModels"
 
 
 def _unparseable_count(server, method):
@@ -178,11 +179,17 @@ def _unparseable_count(server, method):
      pb.GetModelRequest(name="sdpa").SerializeToString().replace(b"sdpa", b"sd\xffa"),
      ["'attnserve.v1.GetModelRequest.name'", "invalid UTF-8"]),
     (LIST_MODELS, "ListModelsRequest", b"\x0a\x05ab", ["not a valid protobuf encoding"]),
-], ids=["getmodel-garbage", "getmodel-utf8", "listmodels-truncated"])
+    (SERVICE + "OpenSession", "OpenSessionRequest", b"\xff\xff\xff",
+     ["not a valid protobuf encoding"]),
+    (SERVICE + "CloseSession", "CloseSessionRequest",
+     pb.CloseSessionRequest(session_id="abcd").SerializeToString().replace(b"abcd", b"ab\xffd"),
+     ["'attnserve.v1.CloseSessionRequest.session_id'", "invalid UTF-8"]),
+], ids=["getmodel-garbage", "getmodel-utf8", "listmodels-truncated", "opensession-garbage",
+        "closesession-utf8"])
 def test_model_rpcs_unparseable_is_invalid_argument_counted_and_not_logged(
         channel, server, method, type_name, payload, words):
-    """ListModels/GetModel answered UNIMPLEMENTED with an empty message (gRPC's
-    own parse) and logged a libprotobuf ERROR line per call."""
+    """ListModels/GetModel (and the session RPCs) answered UNIMPLEMENTED with an
+    empty message (gRPC's own parse) and logged a libprotobuf ERROR line per call."""
     rpc = channel.unary_unary(method, request_serializer=_identity,
                               response_deserializer=_identity)
     name = method.rsplit("/", 1)[1]
