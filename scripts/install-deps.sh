@@ -21,6 +21,8 @@ TEST_PACKAGES=(
   nginx haproxy docker-compose
   # The container test: a Docker engine and the tool that makes its debian:bookworm base
   docker.io debootstrap
+  # libFuzzer + ASan/UBSan for scripts/fuzz.sh (ctest's fuzz.short)
+  clang-14 libfuzzer-14-dev libclang-rt-14-dev
 )
 
 PACKAGES=("${BUILD_PACKAGES[@]}")

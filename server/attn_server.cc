@@ -77,7 +77,8 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
       &server->registry_, server->scheduler_.get(), server->metrics_.get(), server->clock_,
       options.validation, server->sessions_.get());
   server->service_ =
-      std::make_unique<AttentionServiceImpl>(&server->registry_, server->dispatcher_.get());
+      std::make_unique<AttentionServiceImpl>(&server->registry_, server->dispatcher_.get(),
+                                             server->metrics_.get());
   // The KServe v2 / Open Inference Protocol front end, on the same port.
   server->kserve_ = std::make_unique<KServeServiceImpl>(
       &server->registry_, server->dispatcher_.get(), server->metrics_.get(),
@@ -116,6 +117,10 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
 
   const size_t colon = options.address.rfind(':');
   server->address_ = absl::StrCat(options.address.substr(0, colon), ":", server->port_);
+  if (options.malloc_trim_interval.count() > 0) {
+    server->trimmer_ =
+        std::make_unique<MemoryTrimmer>(absl::FromChrono(options.malloc_trim_interval));
+  }
   return server;
 }
 

@@ -15,6 +15,7 @@
 #include "grpcpp/server.h"
 #include "server/batching/batching_scheduler.h"
 #include "server/dispatch/request_dispatcher.h"
+#include "server/memory_trim.h"
 #include "server/metrics/metrics.h"
 #include "server/models/model_registry.h"
 #include "server/server_options.h"
@@ -73,6 +74,7 @@ class AttnServer {
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<KServeServiceImpl> kserve_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<MemoryTrimmer> trimmer_;  // null when the interval is 0
   std::string address_;
   int port_ = 0;
 

@@ -105,6 +105,11 @@ ABSL_FLAG(int64_t, max_attention_scores, kDefaults.validation.max_attention_scor
           "most attention scores (B x Hq x Lq x Lk) one request may ask for; larger requests "
           "get RESOURCE_EXHAUSTED before any compute (the default is about 1 s of a core at "
           "head_dim 64)");
+ABSL_FLAG(absl::Duration, malloc_trim_interval,
+          absl::FromChrono(kDefaults.malloc_trim_interval),
+          "how often freed heap memory is returned to the OS with malloc_trim (e.g. 10s; 0 = "
+          "never): glibc's per-thread arenas otherwise keep it, and RSS creeps up under "
+          "mixed request sizes");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::FromChrono(kDefaults.shutdown_grace),
           "on SIGTERM/SIGINT, how long accepted requests may take to complete (e.g. 8s, "
           "500ms); requests still queued after it get UNAVAILABLE; the default fits inside "
@@ -234,6 +239,8 @@ int main(int argc, char** argv) {
   options.metrics_request_timeout =
       absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_metrics_request_timeout));
   options.shutdown_grace = absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_shutdown_grace));
+  options.malloc_trim_interval =
+      absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_malloc_trim_interval));
   options.validation.max_multiply_adds = absl::GetFlag(FLAGS_max_multiply_adds);
   absl::StatusOr<attnserve::NonfiniteInputs> nonfinite =
       attnserve::ParseNonfiniteInputs(absl::GetFlag(FLAGS_nonfinite_inputs));

@@ -40,6 +40,11 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
         absl::StrCat("--metrics-request-timeout: must be >= 1ms, got ",
                      options.metrics_request_timeout.count(), " ms"));
   }
+  if (options.malloc_trim_interval.count() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--malloc-trim-interval: must be >= 0 (0 = never), got ",
+                     options.malloc_trim_interval.count(), " ms"));
+  }
   if (options.validation.max_attention_scores < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max-attention-scores: must be >= 1, got ",

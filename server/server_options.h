@@ -56,6 +56,9 @@ struct ServerOptions {
   // for a response write to progress) before it drops the connection; bounds
   // how long a slow client holds a metrics thread. Default: 5 s.
   std::chrono::milliseconds metrics_request_timeout{5000};
+  // How often freed heap memory is handed back to the OS (malloc_trim; see
+  // server/memory_trim.h); 0 = never. Default: 10 s.
+  std::chrono::milliseconds malloc_trim_interval{10000};
   // Per-request size and work limits (--max-attention-scores,
   // --max-multiply-adds) and what is done with non-finite inputs
   // (--nonfinite-inputs). Default: ValidationOptions{}.

@@ -68,7 +68,7 @@ absl::Status RequestDispatcher::Start(std::unique_ptr<InferenceRequest>& request
         absl::StrCat("model: '", served.name, "' is not ready: ", served.reason));
   }
   absl::StatusOr<ValidatedRequest> validated =
-      ValidateAttendInputs(inputs, served.layer->config, validation_);
+      ValidateAttendInputs(inputs, served.layer->config, validation_, &served.weight_bounds);
   if (!validated.ok()) return validated.status();
 
   request->task = std::move(validated->task);

@@ -219,6 +219,11 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                          .Help("1 when the model is loaded and serving, 0 when it failed to "
                                "load; labelled with the backend that serves it")
                          .Register(r);
+  m->unparseable_ = &prometheus::BuildCounter()
+                         .Name("attnserve_unparseable_messages_total")
+                         .Help("Request messages that were not a valid protobuf encoding of "
+                               "their type, answered INVALID_ARGUMENT, by RPC method")
+                         .Register(r);
   m->sessions_open_ = &prometheus::BuildGauge()
                            .Name("attnserve_sessions_open")
                            .Help("Attention sessions open (OpenSession, not yet closed, expired "
@@ -349,6 +354,11 @@ void ModelMetrics::SetSessionCache(int64_t sessions_open, int64_t blocks_used,
 
 void Metrics::SetModelReady(const std::string& model, const std::string& backend, bool ready) {
   model_ready_->Add({{"model", model}, {"backend", backend}}).Set(ready ? 1.0 : 0.0);
+}
+
+void Metrics::UnparseableMessage(absl::string_view method) {
+  // Family::Add finds the existing series under the family's own lock.
+  unparseable_->Add({{"method", std::string(method)}}).Increment();
 }
 
 ModelMetrics* Metrics::ForModel(const std::string& model) {

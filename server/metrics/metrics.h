@@ -15,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -153,6 +154,14 @@ class Metrics {
   // serving it ("cpu", "cuda", "reference"; empty when it has none).
   void SetModelReady(const std::string& model, const std::string& backend, bool ready);
 
+  // attnserve_unparseable_messages_total{method}: one request message (of
+  // any attnserve.v1 RPC: "Attend", "GetModel", ...) that was not
+  // a valid protobuf encoding of its type and was answered INVALID_ARGUMENT.
+  // Attend's and AttendStream's are also in attnserve_requests_total under
+  // model="(unknown)". Pass only the service's method names (each name is a
+  // time series).
+  void UnparseableMessage(absl::string_view method);
+
   // The endpoint's port (the one picked when options.address had port 0);
   // 0 when there is no endpoint.
   int port() const { return port_; }
@@ -182,6 +191,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* inflight_ = nullptr;
   prometheus::Family<prometheus::Counter>* tokens_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_ready_ = nullptr;
+  prometheus::Family<prometheus::Counter>* unparseable_ = nullptr;
   prometheus::Family<prometheus::Gauge>* sessions_open_ = nullptr;
   prometheus::Family<prometheus::Gauge>* kv_blocks_ = nullptr;
   prometheus::Family<prometheus::Gauge>* kv_bytes_ = nullptr;

@@ -378,6 +378,7 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
     }
     if (status.ok()) {
       model->layer = m.layer;
+      model->weight_bounds = MeasureWeightBounds(m.layer->weights);
       model->state = ModelState::kReady;
     } else {
       model->state = ModelState::kFailed;

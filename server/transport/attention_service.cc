@@ -9,6 +9,7 @@
 
 #include "attnserve/v1/model_config.pb.h"
 #include "server/transport/attend_codec.h"
+#include "server/transport/message_codec.h"
 #include "server/transport/protobuf_log.h"
 #include "server/transport/server_deadline.h"
 #include "server/transport/status_util.h"
@@ -30,9 +31,12 @@ v1::ModelStatus ToModelStatus(const ServedModel& model, const std::string& defau
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(const ModelRegistry* registry,
-                                           RequestDispatcher* dispatcher,
+                                           RequestDispatcher* dispatcher, Metrics* metrics,
                                            AttentionServiceOptions options)
-    : registry_(registry), dispatcher_(dispatcher), options_(std::move(options)) {
+    : registry_(registry),
+      dispatcher_(dispatcher),
+      metrics_(metrics),
+      options_(std::move(options)) {
   InstallProtobufLogHandler();
 }
 
@@ -86,7 +90,9 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
         parsed_(ParseRequestMessage(const_cast<grpc::ByteBuffer*>(request_bytes), "request", 0,
                                    &request_)),
         model_(request_.model()),
-        counted_(service->calls_.CallStarted()) {}
+        counted_(service->calls_.CallStarted()) {
+    if (!parsed_.ok()) service_->CountUnparseable("Attend");
+  }
 
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
     // request_, response_, context and response_bytes stay valid until
@@ -146,6 +152,7 @@ void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* conte
   auto* message = new Message;
   const absl::Status parsed =
       ParseRequestMessage(bytes, "AttendStream message", number, &message->request);
+  if (!parsed.ok()) CountUnparseable("AttendStream");
   message->answer.set_id(message->request.id());
   StartAttend(context, parsed, message->request, message->answer.mutable_response(),
               [message, answer = std::move(answer)](absl::Status status) mutable {
@@ -180,30 +187,64 @@ void AttentionServiceImpl::BeginShutdown() { calls_.BeginShutdown(); }
 
 // ---------------------------------------------------------------- models
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* context,
-                                                           const v1::ListModelsRequest* request,
-                                                           v1::ListModelsResponse* response) {
-  const std::string default_name = registry_->default_model();
-  for (const auto& model : registry_->List()) {
-    *response->add_models() = ToModelStatus(*model, default_name);
-  }
+void AttentionServiceImpl::CountUnparseable(absl::string_view method) {
+  if (metrics_ != nullptr) metrics_->UnparseableMessage(method);
+}
+
+// The unary RPCs besides Attend take raw bytes too: `handle` runs on the
+// parsed request; an unparseable one is answered INVALID_ARGUMENT ("request
+// could not be parsed as attnserve.v1.GetModelRequest: ..."), counted under
+// `method` and never logged, where gRPC's own parse answered UNIMPLEMENTED
+// with no message and wrote a libprotobuf ERROR line.
+template <typename Request, typename Response, typename Handle>
+grpc::ServerUnaryReactor* AttentionServiceImpl::RawUnary(grpc::CallbackServerContext* context,
+                                                         absl::string_view method,
+                                                         const grpc::ByteBuffer* request_bytes,
+                                                         grpc::ByteBuffer* response_bytes,
+                                                         Handle handle) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
+  Request request;
+  // gRPC owns the buffer until the call is done; parsing releases its
+  // slices early, as for Attend.
+  absl::Status status = ParseRequestMessage(const_cast<grpc::ByteBuffer*>(request_bytes),
+                                            "request", 0, &request);
+  if (!status.ok()) {
+    CountUnparseable(method);
+    reactor->Finish(ToGrpcStatus(status));
+    return reactor;
+  }
+  Response response;
+  status = handle(request, &response);
+  if (status.ok()) status = SerializeMessage(response, response_bytes);
+  reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
 
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* context,
+                                                           const grpc::ByteBuffer* request,
+                                                           grpc::ByteBuffer* response) {
+  return RawUnary<v1::ListModelsRequest, v1::ListModelsResponse>(
+      context, "ListModels", request, response,
+      [this](const v1::ListModelsRequest&, v1::ListModelsResponse* out) {
+        const std::string default_name = registry_->default_model();
+        for (const auto& model : registry_->List()) {
+          *out->add_models() = ToModelStatus(*model, default_name);
+        }
+        return absl::OkStatus();
+      });
+}
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* context,
-                                                         const v1::GetModelRequest* request,
-                                                         v1::ModelStatus* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<std::shared_ptr<const ServedModel>> model = registry_->Find(request->name());
-  if (!model.ok()) {
-    reactor->Finish(ToGrpcStatus(model.status()));
-  } else {
-    *response = ToModelStatus(**model, registry_->default_model());
-    reactor->Finish(grpc::Status::OK);
-  }
-  return reactor;
+                                                         const grpc::ByteBuffer* request,
+                                                         grpc::ByteBuffer* response) {
+  return RawUnary<v1::GetModelRequest, v1::ModelStatus>(
+      context, "GetModel", request, response,
+      [this](const v1::GetModelRequest& in, v1::ModelStatus* out) -> absl::Status {
+        absl::StatusOr<std::shared_ptr<const ServedModel>> model = registry_->Find(in.name());
+        if (!model.ok()) return model.status();
+        *out = ToModelStatus(**model, registry_->default_model());
+        return absl::OkStatus();
+      });
 }
 
 // -------------------------------------------------------------- sessions
@@ -222,41 +263,36 @@ void ToProto(absl::Duration d, google::protobuf::Duration* out) {
 
 }  // namespace
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(
-    grpc::CallbackServerContext* context, const v1::OpenSessionRequest* request,
-    v1::OpenSessionResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (calls_.shutting_down()) {
-    reactor->Finish(ToGrpcStatus(absl::UnavailableError("server is shutting down")));
-    return reactor;
-  }
-  absl::StatusOr<OpenedSession> opened = dispatcher_->OpenSession(
-      request->model(), FromProto(request->ttl()), request->max_tokens());
-  if (!opened.ok()) {
-    reactor->Finish(ToGrpcStatus(opened.status()));
-    return reactor;
-  }
-  response->set_session_id(opened->id);
-  response->set_model(opened->model);
-  ToProto(opened->ttl, response->mutable_ttl());
-  response->set_max_tokens(opened->max_tokens);
-  response->set_block_tokens(opened->block_tokens);
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServerContext* context,
+                                                            const grpc::ByteBuffer* request,
+                                                            grpc::ByteBuffer* response) {
+  return RawUnary<v1::OpenSessionRequest, v1::OpenSessionResponse>(
+      context, "OpenSession", request, response,
+      [this](const v1::OpenSessionRequest& in, v1::OpenSessionResponse* out) -> absl::Status {
+        if (calls_.shutting_down()) return absl::UnavailableError("server is shutting down");
+        absl::StatusOr<OpenedSession> opened =
+            dispatcher_->OpenSession(in.model(), FromProto(in.ttl()), in.max_tokens());
+        if (!opened.ok()) return opened.status();
+        out->set_session_id(opened->id);
+        out->set_model(opened->model);
+        ToProto(opened->ttl, out->mutable_ttl());
+        out->set_max_tokens(opened->max_tokens);
+        out->set_block_tokens(opened->block_tokens);
+        return absl::OkStatus();
+      });
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(
-    grpc::CallbackServerContext* context, const v1::CloseSessionRequest* request,
-    v1::CloseSessionResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<int64_t> released = dispatcher_->CloseSession(request->session_id());
-  if (!released.ok()) {
-    reactor->Finish(ToGrpcStatus(released.status()));
-    return reactor;
-  }
-  response->set_released_tokens(*released);
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServerContext* context,
+                                                             const grpc::ByteBuffer* request,
+                                                             grpc::ByteBuffer* response) {
+  return RawUnary<v1::CloseSessionRequest, v1::CloseSessionResponse>(
+      context, "CloseSession", request, response,
+      [this](const v1::CloseSessionRequest& in, v1::CloseSessionResponse* out) -> absl::Status {
+        absl::StatusOr<int64_t> released = dispatcher_->CloseSession(in.session_id());
+        if (!released.ok()) return released.status();
+        out->set_released_tokens(*released);
+        return absl::OkStatus();
+      });
 }
 
 }  // namespace attnserve

@@ -1,6 +1,7 @@
 // StreamReactor: reads, answers and flow control of one inference stream.
 #include "server/transport/stream_reactor.h"
 
+#include <optional>
 #include <utility>
 
 namespace attnserve {
@@ -21,10 +22,14 @@ StreamReactor::StreamReactor(CallTracker* calls, StreamHandler* handler,
 
 void StreamReactor::OnReadDone(bool ok) {
   if (!ok) {  // client half-closed (or the call ended)
-    absl::MutexLock lock(&mu_);
-    reading_ = false;
-    reads_done_ = true;
-    MaybeFinishLocked();
+    std::optional<grpc::Status> finish;
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      reads_done_ = true;
+      finish = MaybeFinishLocked();
+    }
+    if (finish) Finish(*std::move(finish));
     return;
   }
   {
@@ -42,17 +47,21 @@ void StreamReactor::OnReadDone(bool ok) {
 }
 
 void StreamReactor::OnWriteDone(bool ok) {
-  absl::MutexLock lock(&mu_);
-  backlog_.pop_front();
-  writing_ = false;
-  if (!ok) {
-    write_failed_ = true;  // client gone: the rest of the backlog is dropped
-    backlog_.clear();
-  } else if (!backlog_.empty()) {
-    WriteLocked();
+  std::optional<grpc::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    backlog_.pop_front();
+    writing_ = false;
+    if (!ok) {
+      write_failed_ = true;  // client gone: the rest of the backlog is dropped
+      backlog_.clear();
+    } else if (!backlog_.empty()) {
+      WriteLocked();
+    }
+    MaybeReadLocked();
+    finish = MaybeFinishLocked();
   }
-  MaybeReadLocked();
-  MaybeFinishLocked();
+  if (finish) Finish(*std::move(finish));
 }
 
 void StreamReactor::OnCancel() { handler_->StreamCancelled(); }
@@ -66,20 +75,31 @@ void StreamReactor::OnDone() {
 }
 
 void StreamReactor::ServerShutdown() {
-  absl::MutexLock lock(&mu_);
-  draining_ = true;
-  MaybeFinishLocked();
+  std::optional<grpc::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    draining_ = true;
+    finish = MaybeFinishLocked();
+  }
+  if (finish) Finish(*std::move(finish));
 }
 
 void StreamReactor::Answer(grpc::ByteBuffer answer) {
-  absl::MutexLock lock(&mu_);
-  --owed_;
-  if (!write_failed_) {
-    backlog_.push_back(std::move(answer));
-    if (!writing_) WriteLocked();
+  std::optional<grpc::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    --owed_;
+    if (!write_failed_) {
+      backlog_.push_back(std::move(answer));
+      if (!writing_) WriteLocked();
+    }
+    MaybeReadLocked();
+    finish = MaybeFinishLocked();
   }
-  MaybeReadLocked();
-  MaybeFinishLocked();
+  // Last touch of this reactor: once Finish is called, OnDone may delete it
+  // on another thread at any moment (this runs on a batcher worker, outside
+  // any gRPC reaction, so gRPC does not wait for it).
+  if (finish) Finish(*std::move(finish));
 }
 
 void StreamReactor::WriteLocked() {
@@ -95,19 +115,22 @@ void StreamReactor::MaybeReadLocked() {
   StartRead(&read_bytes_);
 }
 
-void StreamReactor::MaybeFinishLocked() {
-  if (finished_ || writing_ || owed_ > 0) return;
+std::optional<grpc::Status> StreamReactor::MaybeFinishLocked() {
+  if (finished_ || writing_ || owed_ > 0) return std::nullopt;
   if (write_failed_) {
     finished_ = true;
-    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client stopped receiving"));
-  } else if (backlog_.empty() && reads_done_) {
-    finished_ = true;
-    Finish(grpc::Status::OK);
-  } else if (backlog_.empty() && draining_) {
-    finished_ = true;
-    Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        "server is shutting down; every request read was answered"));
+    return grpc::Status(grpc::StatusCode::CANCELLED, "client stopped receiving");
   }
+  if (backlog_.empty() && reads_done_) {
+    finished_ = true;
+    return grpc::Status::OK;
+  }
+  if (backlog_.empty() && draining_) {
+    finished_ = true;
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "server is shutting down; every request read was answered");
+  }
+  return std::nullopt;
 }
 
 }  // namespace attnserve

@@ -10,12 +10,14 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
+#include "grpcpp/support/status.h"
 #include "server/transport/call_tracker.h"
 
 namespace attnserve {
@@ -51,7 +53,9 @@ class StreamHandler {
 //
 // Lifetime: created by a service's stream handler method, deletes itself in
 // OnDone. The stream finishes only when nothing is owed (no request in the
-// server refers to it), so completions never touch a deleted reactor.
+// server refers to it), so completions never touch a deleted reactor; and
+// Finish is called outside mu_, as the last thing a thread does with the
+// reactor.
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   // `calls` and `handler` outlive the stream (the service owns both).
@@ -73,7 +77,12 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void WriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Issues the next read if one is wanted and the backlog has room.
   void MaybeReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The status to Finish the stream with, when it is done (then finished_
+  // is set). The caller calls Finish only after releasing mu_: Finish lets
+  // OnDone delete this reactor on another thread, and a MutexLock still
+  // held would then unlock freed memory (the soak's abort: "Mutex unlocked
+  // when destroyed or not locked").
+  std::optional<grpc::Status> MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   CallTracker* const calls_;
   StreamHandler* const handler_;
