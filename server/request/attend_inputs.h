@@ -34,11 +34,6 @@ struct InputTensor {
 struct AttendInputs {
   // Empty = the server's default model.
   absl::string_view model;
-  // A decoding failure of the request as a whole (an input name the protocol
-  // does not know, a content count that does not match): reported first by
-  // validation, after the model lookup, so an unknown model is still
-  // NOT_FOUND whatever else is wrong, as for the tensors' own decode_error.
-  absl::Status decode_error;
   InputTensor query, key, value, attn_mask;
   // Empty = none.
   absl::Span<const int64_t> key_lengths;
@@ -51,6 +46,10 @@ struct AttendInputs {
   std::optional<DType> output_dtype;
   // Like InputTensor::decode_error, for output_dtype.
   absl::Status output_dtype_error;
+  // Empty = stateless. Otherwise the session (OpenSession) whose cache the
+  // key/value rows are appended to and the query attends over; B must be 1
+  // and attn_mask, key_lengths and need_weights are refused (validation.h).
+  absl::string_view session_id;
 };
 
 }  // namespace attnserve

@@ -1,363 +1,185 @@
-// ModelInferRequest -> KServeInferInputs, and result tensors -> ModelInferResponse.
+// ModelInferRequest -> AttendInputs, and outputs -> ModelInferResponse.
 #include "server/transport/kserve_codec.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
-#include <map>
-#include <utility>
+#include <string>
 
-#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 
 namespace attnserve {
 namespace {
 
 using inference::InferParameter;
-using inference::InferTensorContents;
 using inference::ModelInferRequest;
 
-constexpr char kInputNames[] = "query, key, value, attn_mask, key_lengths";
-// Request parameters attnserve reads; the one list every "unknown
-// parameter" message quotes. A new parameter is a row here and a branch in
-// ApplyParameter.
-constexpr const char* kParameterNames[] = {
-    "causal", "scale", "need_weights", "average_weights", "timeout", "priority",
-    "triton_enable_empty_final_response"};
+constexpr const char* kInputNames = "query, key, value, attn_mask, key_lengths";
+constexpr const char* kParameterNames =
+    "causal, scale, need_weights, average_weights, session_id, timeout";
 
-// ---------------------------------------------------------------- parameters
-
-const char* ParameterKind(const InferParameter& p) {
-  switch (p.parameter_choice_case()) {
-    case InferParameter::kBoolParam: return "bool_param";
-    case InferParameter::kInt64Param: return "int64_param";
-    case InferParameter::kStringParam: return "string_param";
-    case InferParameter::kDoubleParam: return "double_param";
-    case InferParameter::kUint64Param: return "uint64_param";
-    case InferParameter::PARAMETER_CHOICE_NOT_SET: break;
+// The datatype of a float or mask input; anything else is the tensor's
+// decode_error (reported by validation in its usual order).
+absl::Status TensorDType(const ModelInferRequest::InferInputTensor& tensor, bool mask,
+                         DType* dtype) {
+  const std::string& t = tensor.datatype();
+  if (t == "FP32") {
+    *dtype = DType::kFloat32;
+  } else if (t == "FP16") {
+    *dtype = DType::kFloat16;
+  } else if (t == "BF16") {
+    *dtype = DType::kBFloat16;
+  } else if (t == "BOOL" && mask) {
+    *dtype = DType::kBool;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "input '", tensor.name(), "': datatype must be ",
+        mask ? "BOOL, FP32, FP16 or BF16" : "FP32, FP16 or BF16", ", got '", t, "'"));
   }
-  return "no value";
+  return absl::OkStatus();
 }
 
-absl::StatusOr<bool> BoolParameter(const std::string& key, const InferParameter& p) {
-  if (p.parameter_choice_case() == InferParameter::kBoolParam) return p.bool_param();
-  return absl::InvalidArgumentError(absl::StrCat("parameters['", key,
-                                                 "']: must be a bool (bool_param), got ",
-                                                 ParameterKind(p)));
-}
-
-// double_param, or an integer (clients send 1 for 1.0).
-absl::StatusOr<double> NumberParameter(const std::string& key, const InferParameter& p) {
-  switch (p.parameter_choice_case()) {
-    case InferParameter::kDoubleParam: return p.double_param();
-    case InferParameter::kInt64Param: return static_cast<double>(p.int64_param());
-    case InferParameter::kUint64Param: return static_cast<double>(p.uint64_param());
-    default: break;
-  }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "parameters['", key, "']: must be a number (double_param, int64_param or uint64_param), got ",
-      ParameterKind(p)));
-}
-
-absl::Status ApplyParameter(const std::string& key, const InferParameter& p,
-                            KServeInferInputs* out) {
-  AttendInputs& in = out->inputs;
-  auto set_bool = [&](bool* field) -> absl::Status {
-    absl::StatusOr<bool> v = BoolParameter(key, p);
-    if (!v.ok()) return v.status();
-    *field = *v;
-    return absl::OkStatus();
-  };
-  if (key == "causal") return set_bool(&in.causal);
-  if (key == "need_weights") return set_bool(&in.need_weights);
-  if (key == "average_weights") return set_bool(&in.average_weights);
-  if (key == "triton_enable_empty_final_response") return set_bool(&out->flag_final_response);
-  if (key == "scale") {
-    absl::StatusOr<double> v = NumberParameter(key, p);
-    if (!v.ok()) return v.status();
-    // Out of float range becomes inf, which validation refuses by name.
-    in.scale = static_cast<float>(*v);
-    return absl::OkStatus();
-  }
-  if (key == "timeout") {
-    // Triton's queue timeout, in microseconds; 0 = none.
-    int64_t us = 0;
-    if (p.parameter_choice_case() == InferParameter::kInt64Param) {
-      us = p.int64_param();
-    } else if (p.parameter_choice_case() == InferParameter::kUint64Param) {
-      us = static_cast<int64_t>(std::min<uint64_t>(p.uint64_param(), INT64_MAX));
-    } else {
+// The bytes of input `index`: its raw_input_contents entry, or its typed
+// contents where they are laid out as the raw bytes would be (fp32, bool).
+absl::Status TensorBytes(const ModelInferRequest& request, int index, DType dtype,
+                         absl::string_view* data) {
+  const auto& tensor = request.inputs(index);
+  if (request.raw_input_contents_size() > 0) {
+    if (tensor.has_contents()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "parameters['timeout']: must be an integer number of microseconds (int64_param or "
-          "uint64_param), got ",
-          ParameterKind(p)));
+          "input '", tensor.name(), "': contents and raw_input_contents are both set; send one"));
     }
-    if (us < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("parameters['timeout']: must be >= 0 microseconds (0 = none), got ", us));
-    }
-    if (us > 0) out->timeout = absl::Microseconds(us);
+    *data = request.raw_input_contents(index);
     return absl::OkStatus();
   }
-  // Accepted and ignored: there is one priority level.
-  if (key == "priority") return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("parameters: unknown parameter '", key,
-                                                 "' (attnserve takes ",
-                                                 absl::StrJoin(kParameterNames, ", "), ")"));
-}
-
-// ---------------------------------------------------------------- tensors
-
-// The typed content fields that hold values, by name.
-std::vector<const char*> FilledContents(const InferTensorContents& c) {
-  std::vector<const char*> filled;
-  if (c.bool_contents_size() > 0) filled.push_back("bool_contents");
-  if (c.int_contents_size() > 0) filled.push_back("int_contents");
-  if (c.int64_contents_size() > 0) filled.push_back("int64_contents");
-  if (c.uint_contents_size() > 0) filled.push_back("uint_contents");
-  if (c.uint64_contents_size() > 0) filled.push_back("uint64_contents");
-  if (c.fp32_contents_size() > 0) filled.push_back("fp32_contents");
-  if (c.fp64_contents_size() > 0) filled.push_back("fp64_contents");
-  if (c.bytes_contents_size() > 0) filled.push_back("bytes_contents");
-  return filled;
-}
-
-// The typed contents field of `datatype`, or nullptr when it has none that
-// attnserve reads (FP16, BF16 travel raw).
-const char* ContentsField(absl::string_view datatype) {
-  if (datatype == "FP32") return "fp32_contents";
-  if (datatype == "BOOL") return "bool_contents";
-  if (datatype == "INT32") return "int_contents";
-  if (datatype == "INT64") return "int64_contents";
-  return nullptr;
-}
-
-// The typed contents of one input: only the field of its datatype, holding
-// exactly one value per element (when the shape is valid; a bad shape is
-// validation's to report).
-absl::Status CheckTypedContents(const ModelInferRequest::InferInputTensor& t,
-                                int64_t values_in_field) {
-  const char* field = ContentsField(t.datatype());
-  const std::vector<const char*> filled = FilledContents(t.contents());
-  if (field == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        t.name(), ": ", t.datatype(),
-        " data must be sent in raw_input_contents (the typed contents have no field for it)"));
-  }
-  for (const char* f : filled) {
-    if (std::strcmp(f, field) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(t.name(), ".contents: ", t.datatype(),
-                                                     " values go in ", field, ", got ", f));
-    }
-  }
-  absl::StatusOr<int64_t> elements = NumElements(t.shape());
-  if (elements.ok() && *elements != values_in_field) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(t.name(), ".contents.", field, ": expected ", *elements, " values for shape ",
-                     ShapeString(t.shape()), ", got ", values_in_field));
-  }
-  return absl::OkStatus();
-}
-
-// Raw bytes of one input: exactly elements * element size (when the shape is
-// valid).
-absl::Status CheckRawSize(const ModelInferRequest::InferInputTensor& t, int index,
-                          size_t element_size, size_t bytes) {
-  absl::StatusOr<int64_t> elements = NumElements(t.shape());
-  if (!elements.ok()) return absl::OkStatus();
-  const double expected = static_cast<double>(*elements) * static_cast<double>(element_size);
-  if (expected == static_cast<double>(bytes)) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "raw_input_contents[", index, "] (", t.name(), "): expected ", *elements, " x ",
-      element_size, " = ", absl::StrFormat("%.0f", expected), " bytes for ", t.datatype(), " ",
-      ShapeString(t.shape()), ", got ", bytes));
-}
-
-absl::StatusOr<DType> TensorDType(const ModelInferRequest::InferInputTensor& t) {
-  const std::string& d = t.datatype();
-  if (d == "FP32") return DType::kFloat32;
-  if (d == "FP16") return DType::kFloat16;
-  if (d == "BF16") return DType::kBFloat16;
-  if (d == "BOOL") return DType::kBool;
-  return absl::InvalidArgumentError(absl::StrCat(
-      t.name(), ".datatype: must be FP32, FP16 or BF16 (attn_mask: BOOL or the query's type), ",
-      "got '", d, "'"));
-}
-
-// One of query, key, value, attn_mask. `raw`: its raw_input_contents entry, or
-// nullptr when the request uses typed contents.
-InputTensor DecodeTensor(const ModelInferRequest::InferInputTensor& t, int index,
-                         const std::string* raw) {
-  InputTensor in;
-  in.present = true;
-  in.shape.assign(t.shape().begin(), t.shape().end());
-  absl::StatusOr<DType> dtype = TensorDType(t);
-  if (!dtype.ok()) {
-    in.decode_error = dtype.status();
-    return in;
-  }
-  in.dtype = *dtype;
-  if (raw != nullptr) {
-    in.decode_error = CheckRawSize(t, index, DTypeSize(in.dtype), raw->size());
-    in.data = *raw;
-    return in;
-  }
-  const InferTensorContents& c = t.contents();
-  if (in.dtype == DType::kFloat32) {
-    in.decode_error = CheckTypedContents(t, c.fp32_contents_size());
-    // Little-endian IEEE floats, as the raw form: viewed, not copied.
-    in.data = absl::string_view(reinterpret_cast<const char*>(c.fp32_contents().data()),
-                                sizeof(float) * c.fp32_contents_size());
-  } else if (in.dtype == DType::kBool) {
-    static_assert(sizeof(bool) == 1, "BOOL tensors are one byte per element");
-    in.decode_error = CheckTypedContents(t, c.bool_contents_size());
-    in.data = absl::string_view(reinterpret_cast<const char*>(c.bool_contents().data()),
+  const inference::InferTensorContents& c = tensor.contents();
+  switch (dtype) {
+    case DType::kFloat32:
+      *data = absl::string_view(reinterpret_cast<const char*>(c.fp32_contents().data()),
+                                c.fp32_contents_size() * sizeof(float));
+      return absl::OkStatus();
+    case DType::kBool:
+      static_assert(sizeof(bool) == 1);
+      *data = absl::string_view(reinterpret_cast<const char*>(c.bool_contents().data()),
                                 c.bool_contents_size());
-  } else {
-    in.decode_error = CheckTypedContents(t, 0);
+      return absl::OkStatus();
+    default:  // as Triton: FP16 and BF16 have no typed contents
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", tensor.name(), "': ", KServeDatatype(dtype),
+          " data must be sent in raw_input_contents (the protocol has no typed contents for it)"));
   }
-  return in;
 }
 
-// key_lengths: INT32 or INT64, shape [B], widened into `out`.
-absl::Status DecodeKeyLengths(const ModelInferRequest::InferInputTensor& t, int index,
-                              const std::string* raw, std::vector<int64_t>* out) {
-  const std::string& d = t.datatype();
-  if (d != "INT32" && d != "INT64") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("key_lengths.datatype: must be INT32 or INT64, got '", d, "'"));
-  }
-  if (t.shape_size() != 1) {
+absl::Status DecodeKeyLengths(const ModelInferRequest& request, int index,
+                              std::vector<int64_t>* out) {
+  const auto& tensor = request.inputs(index);
+  const std::string& t = tensor.datatype();
+  if (t != "INT32" && t != "INT64") {
     return absl::InvalidArgumentError(absl::StrCat(
-        "key_lengths.shape: expected [B] (one length per batch element), got ",
-        ShapeString(t.shape())));
+        "input 'key_lengths': datatype must be INT32 or INT64, got '", t, "'"));
   }
-  const bool is32 = d == "INT32";
-  if (raw != nullptr) {
-    const size_t size = is32 ? sizeof(int32_t) : sizeof(int64_t);
-    if (absl::Status s = CheckRawSize(t, index, size, raw->size()); !s.ok()) return s;
-    out->resize(raw->size() / size);
-    for (size_t i = 0; i < out->size(); ++i) {
-      if (is32) {
-        int32_t v;
-        std::memcpy(&v, raw->data() + i * size, size);
-        (*out)[i] = v;
+  if (tensor.shape_size() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "input 'key_lengths': shape must be [B] (one length per batch element), got rank ",
+        tensor.shape_size()));
+  }
+  const bool wide = t == "INT64";
+  if (request.raw_input_contents_size() > 0) {
+    const std::string& raw = request.raw_input_contents(index);
+    const size_t width = wide ? 8 : 4;
+    const int64_t n = tensor.shape(0);
+    if (n < 0 || raw.size() != static_cast<size_t>(n) * width) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input 'key_lengths': expected ", n, " x ", width, " bytes for shape [", n, "] ", t,
+          ", got ", raw.size()));
+    }
+    out->resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      if (wide) {
+        std::memcpy(&(*out)[i], raw.data() + 8 * i, 8);
       } else {
-        std::memcpy(&(*out)[i], raw->data() + i * size, size);
+        int32_t v;
+        std::memcpy(&v, raw.data() + 4 * i, 4);
+        (*out)[i] = v;
       }
     }
-    return absl::OkStatus();
-  }
-  const InferTensorContents& c = t.contents();
-  if (is32) {
-    if (absl::Status s = CheckTypedContents(t, c.int_contents_size()); !s.ok()) return s;
-    out->assign(c.int_contents().begin(), c.int_contents().end());
+  } else if (wide) {
+    out->assign(tensor.contents().int64_contents().begin(),
+                tensor.contents().int64_contents().end());
   } else {
-    if (absl::Status s = CheckTypedContents(t, c.int64_contents_size()); !s.ok()) return s;
-    out->assign(c.int64_contents().begin(), c.int64_contents().end());
+    out->assign(tensor.contents().int_contents().begin(), tensor.contents().int_contents().end());
+  }
+  if (static_cast<int64_t>(out->size()) != tensor.shape(0)) {
+    return absl::InvalidArgumentError(absl::StrCat("input 'key_lengths': shape [",
+                                                   tensor.shape(0), "] but ", out->size(),
+                                                   " values"));
   }
   return absl::OkStatus();
 }
 
-// Everything that is not one tensor's own business; the first error wins.
-absl::Status DecodeRequest(const ModelInferRequest& request, KServeInferInputs* out) {
-  AttendInputs& in = out->inputs;
-  if (absl::Status s = CheckModelVersion(request.model_name(), request.model_version()); !s.ok()) {
-    return s;
+absl::Status BoolParameter(const std::string& name, const InferParameter& p, bool* out) {
+  if (p.parameter_choice_case() != InferParameter::kBoolParam) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter '", name, "': must be a bool (bool_param)"));
   }
-  // Parameters, in name order so that the error reported is always the same.
-  std::map<std::string, const InferParameter*> parameters;
-  for (const auto& [key, value] : request.parameters()) parameters[key] = &value;
-  for (const auto& [key, value] : parameters) {
-    if (absl::Status s = ApplyParameter(key, *value, out); !s.ok()) return s;
-  }
+  *out = p.bool_param();
+  return absl::OkStatus();
+}
 
-  const bool raw = request.raw_input_contents_size() > 0;
-  if (raw && request.raw_input_contents_size() != request.inputs_size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "raw_input_contents: expected one entry per input (", request.inputs_size(),
-        " inputs), got ", request.raw_input_contents_size()));
-  }
-  bool has_key_lengths = false;
-  for (int i = 0; i < request.inputs_size(); ++i) {
-    const ModelInferRequest::InferInputTensor& t = request.inputs(i);
-    const std::string* bytes = raw ? &request.raw_input_contents(i) : nullptr;
-    if (raw && !FilledContents(t.contents()).empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("inputs[", i, "] (", t.name(),
-                       "): contents must be empty when raw_input_contents is used"));
-    }
-    if (!raw && FilledContents(t.contents()).empty()) {
-      absl::StatusOr<int64_t> elements = NumElements(t.shape());
-      if (elements.ok()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "inputs[", i, "] (", t.name(), "): no data (send it in raw_input_contents, or in ",
-            "contents.", ContentsField(t.datatype()) ? ContentsField(t.datatype()) : "<field>",
-            ")"));
-      }
-    }
-    InputTensor* tensor = nullptr;
-    if (t.name() == "query") {
-      tensor = &in.query;
-    } else if (t.name() == "key") {
-      tensor = &in.key;
-    } else if (t.name() == "value") {
-      tensor = &in.value;
-    } else if (t.name() == "attn_mask") {
-      tensor = &in.attn_mask;
-    } else if (t.name() == "key_lengths") {
-      if (has_key_lengths) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("inputs[", i, "]: input 'key_lengths' is given twice"));
-      }
-      has_key_lengths = true;
-      if (absl::Status s = DecodeKeyLengths(t, i, bytes, &out->key_lengths); !s.ok()) return s;
-      continue;
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("inputs[", i, "]: unknown input '", t.name(),
-                                                     "' (attnserve models take ", kInputNames,
-                                                     ")"));
-    }
-    if (tensor->present) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("inputs[", i, "]: input '", t.name(), "' is given twice"));
-    }
-    *tensor = DecodeTensor(t, i, bytes);
-  }
-  in.key_lengths = out->key_lengths;
-
-  // Outputs: requesting weights asks for them.
-  if (request.outputs_size() > 0) {
-    out->return_output = false;
-    for (int i = 0; i < request.outputs_size(); ++i) {
-      const std::string& name = request.outputs(i).name();
-      if (name == "output") {
-        out->return_output = true;
-      } else if (name == "weights") {
-        out->return_weights = true;
-        in.need_weights = true;
+absl::Status DecodeParameters(const ModelInferRequest& request, KServeRequest* decoded) {
+  AttendInputs& in = decoded->inputs;
+  for (const auto& [name, p] : request.parameters()) {
+    absl::Status s;
+    if (name == "causal") {
+      s = BoolParameter(name, p, &in.causal);
+    } else if (name == "need_weights") {
+      s = BoolParameter(name, p, &in.need_weights);
+    } else if (name == "average_weights") {
+      s = BoolParameter(name, p, &in.average_weights);
+    } else if (name == "scale") {
+      if (p.parameter_choice_case() == InferParameter::kDoubleParam) {
+        in.scale = static_cast<float>(p.double_param());
+      } else if (p.parameter_choice_case() == InferParameter::kInt64Param) {
+        in.scale = static_cast<float>(p.int64_param());
       } else {
-        return absl::InvalidArgumentError(absl::StrCat("outputs[", i, "]: unknown output '",
-                                                       name, "' (attnserve models have output, "
-                                                       "weights)"));
+        s = absl::InvalidArgumentError(
+            "parameter 'scale': must be a number (double_param or int64_param)");
       }
+    } else if (name == "session_id") {
+      if (p.parameter_choice_case() != InferParameter::kStringParam) {
+        s = absl::InvalidArgumentError("parameter 'session_id': must be a string (string_param)");
+      } else {
+        in.session_id = p.string_param();
+      }
+    } else if (name == "triton_enable_empty_final_response") {
+      // Triton's directive for decoupled models (a final empty response on a
+      // stream); perf_analyzer sends it on every request. Every attnserve
+      // model answers each request with exactly one response, as Triton's
+      // non-decoupled models do, which also ignore it.
+      bool unused;
+      s = BoolParameter(name, p, &unused);
+    } else if (name == "timeout") {
+      // Triton's request timeout, in microseconds.
+      if (p.parameter_choice_case() == InferParameter::kInt64Param && p.int64_param() >= 0) {
+        decoded->timeout_us = p.int64_param();
+      } else if (p.parameter_choice_case() == InferParameter::kUint64Param) {
+        decoded->timeout_us = static_cast<int64_t>(std::min<uint64_t>(p.uint64_param(), INT64_MAX));
+      } else {
+        s = absl::InvalidArgumentError(
+            "parameter 'timeout': must be a non-negative integer (microseconds)");
+      }
+    } else {
+      s = absl::InvalidArgumentError(absl::StrCat("parameter '", name,
+                                                  "' is not supported; parameters are ",
+                                                  kParameterNames));
     }
-  } else {
-    out->return_weights = in.need_weights;
+    if (!s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
 }  // namespace
-
-absl::Status CheckModelVersion(absl::string_view model, absl::string_view version) {
-  if (version.empty() || version == kKServeModelVersion) return absl::OkStatus();
-  return absl::NotFoundError(absl::StrCat("model '", model, "' has no version '", version,
-                                          "' (attnserve serves version \"",
-                                          kKServeModelVersion,
-                                          "\" of each model; an empty version means it)"));
-}
 
 const char* KServeDatatype(DType dtype) {
   switch (dtype) {
@@ -369,31 +191,96 @@ const char* KServeDatatype(DType dtype) {
   return "FP32";
 }
 
-void DecodeModelInferRequest(const ModelInferRequest& request, KServeInferInputs* out) {
-  out->inputs.model = request.model_name();
-  out->inputs.decode_error = DecodeRequest(request, out);
+absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeRequest* decoded) {
+  AttendInputs& in = decoded->inputs;
+  in.model = request.model_name();
+  if (!request.model_version().empty() && request.model_version() != "1") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model_version: model '", request.model_name(), "' has only version \"1\" (or \"\"), got \"",
+        request.model_version(), "\""));
+  }
+  if (request.raw_input_contents_size() > 0 &&
+      request.raw_input_contents_size() != request.inputs_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "raw_input_contents: expected one entry per input (", request.inputs_size(), "), got ",
+        request.raw_input_contents_size()));
+  }
+  if (absl::Status s = DecodeParameters(request, decoded); !s.ok()) return s;
+
+  bool seen_key_lengths = false;
+  for (int i = 0; i < request.inputs_size(); ++i) {
+    const auto& tensor = request.inputs(i);
+    const std::string& name = tensor.name();
+    if (name == "key_lengths") {
+      if (seen_key_lengths) {
+        return absl::InvalidArgumentError("input 'key_lengths' is given more than once");
+      }
+      seen_key_lengths = true;
+      if (absl::Status s = DecodeKeyLengths(request, i, &decoded->key_lengths); !s.ok()) return s;
+      in.key_lengths = decoded->key_lengths;
+      continue;
+    }
+    InputTensor* target = name == "query"       ? &in.query
+                          : name == "key"       ? &in.key
+                          : name == "value"     ? &in.value
+                          : name == "attn_mask" ? &in.attn_mask
+                                                : nullptr;
+    if (target == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("input '", name, "' is not an input of attention; inputs are ", kInputNames));
+    }
+    if (target->present) {
+      return absl::InvalidArgumentError(absl::StrCat("input '", name, "' is given more than once"));
+    }
+    target->present = true;
+    target->shape.assign(tensor.shape().begin(), tensor.shape().end());
+    absl::Status s = TensorDType(tensor, target == &in.attn_mask, &target->dtype);
+    if (s.ok()) s = TensorBytes(request, i, target->dtype, &target->data);
+    target->decode_error = s;
+  }
+
+  if (request.outputs_size() > 0) {
+    decoded->return_output = false;
+    decoded->return_weights = false;
+    for (const auto& out : request.outputs()) {
+      if (out.name() == "output") {
+        decoded->return_output = true;
+      } else if (out.name() == "weights") {
+        decoded->return_weights = true;
+        in.need_weights = true;  // asking for the output is asking for it to be computed
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "requested output '", out.name(), "' is not an output of attention; outputs are "
+            "output, weights"));
+      }
+    }
+  } else {
+    decoded->return_weights = in.need_weights;
+  }
+  return absl::OkStatus();
 }
 
-MutableTensorView AllocateKServeOutput(const KServeInferInputs& decoded,
-                                       inference::ModelInferResponse* response,
-                                       std::string* scratch, OutputName name, DType dtype,
-                                       const Shape& shape) {
+MutableTensorView AllocateKServeOutput(inference::ModelInferResponse* response, OutputName name,
+                                       DType dtype, const Shape& shape) {
+  auto* out = response->add_outputs();
+  out->set_name(name == OutputName::kOutput ? "output" : "weights");
+  out->set_datatype(KServeDatatype(dtype));
+  out->mutable_shape()->Assign(shape.begin(), shape.end());
   MutableTensorView view{dtype, shape, nullptr};
-  const bool returned =
-      name == OutputName::kOutput ? decoded.return_output : decoded.return_weights;
-  std::string* data = scratch;
-  if (returned) {
-    inference::ModelInferResponse::InferOutputTensor* t = response->add_outputs();
-    t->set_name(name == OutputName::kOutput ? "output" : "weights");
-    t->set_datatype(KServeDatatype(dtype));
-    t->mutable_shape()->Assign(shape.begin(), shape.end());
-    // Entries of a repeated bytes field are separate strings: adding the
-    // next one does not move this one's buffer.
-    data = response->add_raw_output_contents();
-  }
+  std::string* data = response->add_raw_output_contents();
   data->resize(view.byte_size());
   view.data = data->data();
   return view;
+}
+
+void KeepRequestedOutputs(const KServeRequest& decoded, inference::ModelInferResponse* response) {
+  for (int i = response->outputs_size() - 1; i >= 0; --i) {
+    const bool keep = response->outputs(i).name() == "output" ? decoded.return_output
+                                                              : decoded.return_weights;
+    if (keep) continue;
+    response->mutable_outputs()->DeleteSubrange(i, 1);
+    response->mutable_raw_output_contents()->DeleteSubrange(i, 1);
+  }
 }
 
 }  // namespace attnserve

@@ -1,9 +1,15 @@
 // The KServe v2 (Open Inference Protocol) front end's translation:
-// ModelInferRequest -> the request path's AttendInputs, and a finished
-// InferenceRequest -> ModelInferResponse. The mapping (input and output names,
-// datatypes, parameters) is the one docs/API.md "Calling it from Triton
-// clients" documents; everything else about a request is shared
-// (server/dispatch).
+// inference.ModelInferRequest -> the request path's AttendInputs, and results
+// -> ModelInferResponse outputs. The mapping (docs/API.md, "KServe v2"):
+//   inputs, by name:  query, key, value (FP32 | FP16 | BF16), attn_mask (BOOL
+//                     or the query's float type), key_lengths (INT32 | INT64)
+//                     -- the shapes and rules of attnserve.v1's Attend;
+//   parameters:       causal (bool), scale (double), need_weights (bool),
+//                     average_weights (bool), session_id (string);
+//   outputs:          output and, when weights are asked for, weights, as
+//                     raw_output_contents.
+// Everything else about a request (validation, batching, deadlines, metrics,
+// shutdown) is the shared request path's.
 #ifndef ATTNSERVE_SERVER_TRANSPORT_KSERVE_CODEC_H_
 #define ATTNSERVE_SERVER_TRANSPORT_KSERVE_CODEC_H_
 
@@ -13,7 +19,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "absl/time/time.h"
+#include "engine/dtype.h"
 #include "engine/tensor.h"
 #include "inference/grpc_service.pb.h"
 #include "server/dispatch/request_dispatcher.h"
@@ -21,54 +27,43 @@
 
 namespace attnserve {
 
-// The one model version attnserve serves; requests may also leave it empty.
-inline constexpr char kKServeModelVersion[] = "1";
-
-// NotFound unless `version` is "" or "1" (attnserve keeps one version of each
-// model), naming the model and the version asked for.
-absl::Status CheckModelVersion(absl::string_view model, absl::string_view version);
-
-// "FP32", "FP16", "BF16", "BOOL": the protocol's datatype names.
+// "FP32", "FP16", "BF16", "BOOL".
 const char* KServeDatatype(DType dtype);
 
-// One ModelInferRequest decoded. Lives as long as the request it came from
-// (inputs' views point into that message, key_lengths into this object), and
-// must not be moved once decoded.
-struct KServeInferInputs {
+// A decoded ModelInferRequest: the inputs, plus what they point to that is
+// not in the message itself (key_lengths widened to int64).
+struct KServeRequest {
   AttendInputs inputs;
-  // key_lengths widened to int64 (INT32 on the wire, or unaligned raw bytes).
   std::vector<int64_t> key_lengths;
-  // Which outputs the response carries: requested_outputs, or when none are
-  // named, "output" and ("weights" when need_weights).
+  // Which outputs to return: requested_outputs, or every output the request
+  // produces when it names none.
   bool return_output = true;
   bool return_weights = false;
-  // Triton's "timeout" request parameter (queue timeout); InfiniteDuration =
-  // none.
-  absl::Duration timeout = absl::InfiniteDuration();
-  // Triton's "triton_enable_empty_final_response": stream responses are then
-  // flagged "triton_final_response" (each request has exactly one).
-  bool flag_final_response = false;
+  // Triton's `timeout` parameter, in microseconds; 0 = none (the call's gRPC
+  // deadline still applies).
+  int64_t timeout_us = 0;
 };
 
-// Decodes `request` into `out` without copying tensor bytes (key_lengths
-// aside). Nothing is refused here: a request the protocol mapping cannot
-// express (an unknown input or parameter, a datatype attnserve does not take,
-// contents in the wrong field) becomes out->inputs.decode_error, or the
-// tensor's decode_error, naming what is wrong and the rule, so the shared
-// request path reports it after the model lookup (an unknown model is still
-// NOT_FOUND) and counts it like every other answer.
+// Decodes `request` into `decoded`. Errors that concern the request as a
+// whole (an unknown input or parameter, a parameter of the wrong type, raw
+// contents that do not match the inputs, an unknown requested output, a
+// model version other than "" or "1") are returned as INVALID_ARGUMENT
+// naming the field; errors of one tensor (an unsupported datatype) become its
+// decode_error, so that validation reports them in its usual order.
 //
-// Lifetime: out->inputs points into `request` and into out->key_lengths.
-void DecodeModelInferRequest(const inference::ModelInferRequest& request, KServeInferInputs* out);
+// Lifetime: `decoded.inputs` points into `request` and into `decoded`; both
+// must outlive it (and must not move).
+absl::Status DecodeModelInferRequest(const inference::ModelInferRequest& request,
+                                     KServeRequest* decoded);
 
-// The RequestDispatcher::OutputAllocator of a KServe response: a returned
-// output gets an InferOutputTensor (name, datatype, shape) and its bytes in
-// raw_output_contents; an output the client did not ask for (the attention
-// output when only weights were requested) is written to `scratch`.
-MutableTensorView AllocateKServeOutput(const KServeInferInputs& decoded,
-                                       inference::ModelInferResponse* response,
-                                       std::string* scratch, OutputName name, DType dtype,
-                                       const Shape& shape);
+// Adds the output tensor `name` to `response` (its entry in outputs and its
+// raw_output_contents bytes) and returns a writable view of those bytes.
+MutableTensorView AllocateKServeOutput(inference::ModelInferResponse* response, OutputName name,
+                                       DType dtype, const Shape& shape);
+
+// Removes the outputs the client did not ask for (after the engine wrote
+// them), keeping outputs and raw_output_contents in step.
+void KeepRequestedOutputs(const KServeRequest& decoded, inference::ModelInferResponse* response);
 
 }  // namespace attnserve
 

@@ -1,24 +1,14 @@
-// GRPCInferenceService handlers: health, metadata, config, statistics,
-// repository index, unary ModelInfer, and the call bookkeeping that graceful
-// shutdown waits on. ModelStreamInfer's reactor is kserve_stream_reactor.cc.
+// GRPCInferenceService handlers: inference through the shared request path,
+// and the registry- and metrics-backed RPCs Triton's clients call.
 #include "server/transport/kserve_service.h"
 
-#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "attnserve/v1/model_config.pb.h"
-#include "google/protobuf/descriptor.h"
-#include "google/protobuf/reflection.h"
-#include "google/protobuf/text_format.h"
-#include "server/models/model_config_codec.h"
-#include "server/transport/attend_codec.h"
-#include "server/transport/call_deadline.h"
-#include "server/transport/kserve_stream_reactor.h"
-#include "server/transport/protobuf_log.h"
+#include "server/transport/message_codec.h"
+#include "server/transport/server_deadline.h"
 #include "server/transport/status_util.h"
 
 #ifndef ATTNSERVE_VERSION
@@ -28,279 +18,72 @@
 namespace attnserve {
 namespace {
 
-// Triton's name for the model platform field; the engine is in `backend`.
-constexpr char kPlatform[] = "attnserve";
-
-// One input or output as ModelMetadata and ModelConfig describe it.
-struct TensorSpec {
-  const char* name;
-  const char* datatype;
-  inference::DataType type;
-  Shape dims;  // -1 = any size
-  bool optional = false;
-};
-
-int64_t DimOrAny(int64_t d) { return d > 0 ? d : -1; }
-
-// Float inputs are reported as FP32 (the type perf_analyzer generates); FP16
-// and BF16 are accepted too, and the outputs follow the query's type.
-std::vector<TensorSpec> InputSpecs(const LayerConfig& c) {
-  const Shape any4 = {-1, -1, -1, -1};
-  if (!c.has_projections) {
-    return {{"query", "FP32", inference::TYPE_FP32, any4},
-            {"key", "FP32", inference::TYPE_FP32, any4},
-            {"value", "FP32", inference::TYPE_FP32, any4},
-            {"attn_mask", "BOOL", inference::TYPE_BOOL, any4, true},
-            {"key_lengths", "INT64", inference::TYPE_INT64, {-1}, true}};
-  }
-  // Key and value may be left out for self-attention when widths allow.
-  const bool self = c.key_dim == c.query_dim && c.value_dim == c.query_dim;
-  return {{"query", "FP32", inference::TYPE_FP32, {-1, -1, DimOrAny(c.query_dim)}},
-          {"key", "FP32", inference::TYPE_FP32, {-1, -1, DimOrAny(c.key_dim)}, self},
-          {"value", "FP32", inference::TYPE_FP32, {-1, -1, DimOrAny(c.value_dim)}, self},
-          {"attn_mask", "BOOL", inference::TYPE_BOOL, any4, true},
-          {"key_lengths", "INT64", inference::TYPE_INT64, {-1}, true}};
-}
-
-// `weights` is [B, Hq, Lq, Lk] ([B, Lq, Lk] with average_weights).
-std::vector<TensorSpec> OutputSpecs(const LayerConfig& c) {
-  const Shape any4 = {-1, -1, -1, -1};
-  if (!c.has_projections) {
-    return {{"output", "FP32", inference::TYPE_FP32, any4},
-            {"weights", "FP32", inference::TYPE_FP32, any4}};
-  }
-  return {{"output", "FP32", inference::TYPE_FP32, {-1, -1, DimOrAny(c.out_dim)}},
-          {"weights", "FP32", inference::TYPE_FP32, {-1, DimOrAny(c.num_heads), -1, -1}}};
-}
-
-// attnserve's own config fields, as text: "kind", "num_heads",
-// "batching.max_queue_delay_us", ... (set fields only).
-void AddConfigParameters(const google::protobuf::Message& message, const std::string& prefix,
-                         inference::ModelConfig* config) {
-  const google::protobuf::Reflection* reflection = message.GetReflection();
-  std::vector<const google::protobuf::FieldDescriptor*> fields;
-  reflection->ListFields(message, &fields);
-  for (const google::protobuf::FieldDescriptor* field : fields) {
-    const std::string name = prefix + field->name();
-    // Maps (tensor_names) are weight-file details; the name is the config's own.
-    if (field->is_repeated() || name == "name") continue;
-    if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE) {
-      AddConfigParameters(reflection->GetMessage(message, field), name + ".", config);
-      continue;
-    }
-    std::string text;
-    google::protobuf::TextFormat::PrintFieldValueToString(message, field, -1, &text);
-    if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_STRING &&
-        text.size() >= 2) {
-      text = text.substr(1, text.size() - 2);  // unquote
-    }
-    (*config->mutable_parameters())[name].set_string_value(text);
-  }
-}
-
-grpc::ServerUnaryReactor* FinishWith(grpc::CallbackServerContext* context,
-                                     const absl::Status& status) {
+grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const absl::Status& status) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
 
-// The model a metadata call names (empty = the default model) at a version
-// attnserve serves.
-absl::StatusOr<std::shared_ptr<const ServedModel>> FindModel(const ModelRegistry& registry,
-                                                             const std::string& name,
-                                                             const std::string& version) {
-  absl::StatusOr<std::shared_ptr<const ServedModel>> model = registry.Find(name);
-  if (!model.ok()) return model.status();
-  if (absl::Status s = CheckModelVersion((*model)->name, version); !s.ok()) return s;
-  return model;
+// A model's version as the protocol names it: "" or "1".
+absl::Status CheckVersion(const std::string& model, const std::string& version) {
+  if (version.empty() || version == "1") return absl::OkStatus();
+  return absl::NotFoundError(absl::StrCat("model '", model, "' has no version \"", version,
+                                          "\"; attnserve serves version \"1\" of each model"));
 }
 
-void FillStatistics(const ServedModel& model, Metrics* metrics, inference::ModelStatistics* out) {
-  out->set_name(model.name);
-  out->set_version(kKServeModelVersion);
-  if (metrics == nullptr) return;
-  const ModelStatisticsSnapshot s = metrics->ForModel(model.name)->Statistics();
-  out->set_last_inference(s.last_inference_ms);
-  out->set_inference_count(s.inference_count);
-  out->set_execution_count(s.execution_count);
-  inference::InferStatistics* stats = out->mutable_inference_stats();
-  auto set = [](const ModelStatisticsSnapshot::Duration& d, inference::StatisticDuration* to) {
-    to->set_count(d.count);
-    to->set_ns(d.ns);
-  };
-  set(s.success, stats->mutable_success());
-  set(s.fail, stats->mutable_fail());
-  set(s.queue, stats->mutable_queue());
-  set(s.compute, stats->mutable_compute_infer());
-  // Inputs are read in place and outputs written in place: no separate
-  // input/output stages. Their counts follow compute_infer's so that clients
-  // that divide by them see 0 ns, not a division by zero.
-  stats->mutable_compute_input()->set_count(s.compute.count);
-  stats->mutable_compute_output()->set_count(s.compute.count);
+void AddTensor(google::protobuf::RepeatedPtrField<inference::ModelMetadataResponse::TensorMetadata>* to,
+               const char* name, const char* datatype, std::initializer_list<int64_t> shape) {
+  auto* t = to->Add();
+  t->set_name(name);
+  t->set_datatype(datatype);
+  for (int64_t d : shape) t->add_shape(d);
+}
+
+// Inputs and outputs as ModelMetadata reports them: -1 for every dim a
+// request chooses. The float inputs accept FP32, FP16 and BF16 alike; the
+// metadata names FP32.
+void DescribeTensors(const LayerConfig& layer, inference::ModelMetadataResponse* m) {
+  if (layer.has_projections) {
+    AddTensor(m->mutable_inputs(), "query", "FP32", {-1, -1, layer.query_dim});
+    AddTensor(m->mutable_inputs(), "key", "FP32", {-1, -1, layer.key_dim});
+    AddTensor(m->mutable_inputs(), "value", "FP32", {-1, -1, layer.value_dim});
+    AddTensor(m->mutable_outputs(), "output", "FP32", {-1, -1, layer.out_dim});
+  } else {
+    AddTensor(m->mutable_inputs(), "query", "FP32", {-1, -1, -1, -1});
+    AddTensor(m->mutable_inputs(), "key", "FP32", {-1, -1, -1, -1});
+    AddTensor(m->mutable_inputs(), "value", "FP32", {-1, -1, -1, -1});
+    AddTensor(m->mutable_outputs(), "output", "FP32", {-1, -1, -1, -1});
+  }
+  AddTensor(m->mutable_inputs(), "attn_mask", "BOOL", {-1, -1, -1, -1});
+  AddTensor(m->mutable_inputs(), "key_lengths", "INT64", {-1});
+  AddTensor(m->mutable_outputs(), "weights", "FP32", {-1, -1, -1, -1});
+}
+
+inference::DataType ConfigDataType(const std::string& datatype) {
+  if (datatype == "BOOL") return inference::TYPE_BOOL;
+  if (datatype == "INT64") return inference::TYPE_INT64;
+  return inference::TYPE_FP32;
+}
+
+void SetDuration(inference::StatisticDuration* d, uint64_t count, uint64_t ns) {
+  d->set_count(count);
+  d->set_ns(ns);
 }
 
 }  // namespace
 
 KServeServiceImpl::KServeServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
-                                     Metrics* metrics, KServeServiceOptions options)
+                                     const Metrics* metrics, size_t max_stream_backlog)
     : registry_(registry),
       dispatcher_(dispatcher),
       metrics_(metrics),
-      options_(std::move(options)) {
-  InstallProtobufLogHandler();
-}
+      max_stream_backlog_(max_stream_backlog) {}
 
-// ---------------------------------------------------------------- health
+// ------------------------------------------------------------- inference
 
-grpc::ServerUnaryReactor* KServeServiceImpl::ServerLive(grpc::CallbackServerContext* context,
-                                                        const inference::ServerLiveRequest*,
-                                                        inference::ServerLiveResponse* response) {
-  response->set_live(true);
-  return FinishWith(context, absl::OkStatus());
-}
-
-grpc::ServerUnaryReactor* KServeServiceImpl::ServerReady(
-    grpc::CallbackServerContext* context, const inference::ServerReadyRequest*,
-    inference::ServerReadyResponse* response) {
-  response->set_ready(!shutting_down_.load());
-  return FinishWith(context, absl::OkStatus());
-}
-
-grpc::ServerUnaryReactor* KServeServiceImpl::ModelReady(grpc::CallbackServerContext* context,
-                                                        const inference::ModelReadyRequest* request,
-                                                        inference::ModelReadyResponse* response) {
-  // Unknown model or version: not ready, not an error (Triton's answer).
-  absl::StatusOr<std::shared_ptr<const ServedModel>> model =
-      FindModel(*registry_, request->name(), request->version());
-  response->set_ready(model.ok() && (*model)->ready() && !shutting_down_.load());
-  return FinishWith(context, absl::OkStatus());
-}
-
-// ---------------------------------------------------------------- metadata
-
-grpc::ServerUnaryReactor* KServeServiceImpl::ServerMetadata(
-    grpc::CallbackServerContext* context, const inference::ServerMetadataRequest*,
-    inference::ServerMetadataResponse* response) {
-  response->set_name("attnserve");
-  response->set_version(options_.server_version.empty() ? ATTNSERVE_VERSION
-                                                        : options_.server_version);
-  for (const char* extension : {"model_configuration", "statistics", "parameters"}) {
-    response->add_extensions(extension);
-  }
-  return FinishWith(context, absl::OkStatus());
-}
-
-grpc::ServerUnaryReactor* KServeServiceImpl::ModelMetadata(
-    grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
-    inference::ModelMetadataResponse* response) {
-  absl::StatusOr<std::shared_ptr<const ServedModel>> model =
-      FindModel(*registry_, request->name(), request->version());
-  if (!model.ok()) return FinishWith(context, model.status());
-  const LayerConfig layer = ToLayerConfig(*(*model)->config);
-  response->set_name((*model)->name);
-  response->add_versions(kKServeModelVersion);
-  response->set_platform(kPlatform);
-  for (const TensorSpec& spec : InputSpecs(layer)) {
-    auto* t = response->add_inputs();
-    t->set_name(spec.name);
-    t->set_datatype(spec.datatype);
-    t->mutable_shape()->Assign(spec.dims.begin(), spec.dims.end());
-  }
-  for (const TensorSpec& spec : OutputSpecs(layer)) {
-    auto* t = response->add_outputs();
-    t->set_name(spec.name);
-    t->set_datatype(spec.datatype);
-    t->mutable_shape()->Assign(spec.dims.begin(), spec.dims.end());
-  }
-  return FinishWith(context, absl::OkStatus());
-}
-
-grpc::ServerUnaryReactor* KServeServiceImpl::ModelConfig(
-    grpc::CallbackServerContext* context, const inference::ModelConfigRequest* request,
-    inference::ModelConfigResponse* response) {
-  absl::StatusOr<std::shared_ptr<const ServedModel>> model =
-      FindModel(*registry_, request->name(), request->version());
-  if (!model.ok()) return FinishWith(context, model.status());
-  const ServedModel& served = **model;
-  const LayerConfig layer = ToLayerConfig(*served.config);
-  inference::ModelConfig* config = response->mutable_config();
-  config->set_name(served.name);
-  config->set_platform(kPlatform);
-  if (served.engine != nullptr) config->set_backend(std::string(served.engine->name()));
-  // Inputs carry their own batch dimension; the server batches requests.
-  config->set_max_batch_size(0);
-  for (const TensorSpec& spec : InputSpecs(layer)) {
-    auto* t = config->add_input();
-    t->set_name(spec.name);
-    t->set_data_type(spec.type);
-    t->mutable_dims()->Assign(spec.dims.begin(), spec.dims.end());
-    t->set_optional(spec.optional);
-  }
-  for (const TensorSpec& spec : OutputSpecs(layer)) {
-    auto* t = config->add_output();
-    t->set_name(spec.name);
-    t->set_data_type(spec.type);
-    t->mutable_dims()->Assign(spec.dims.begin(), spec.dims.end());
-  }
-  AddConfigParameters(*served.config, "", config);
-  return FinishWith(context, absl::OkStatus());
-}
-
-grpc::ServerUnaryReactor* KServeServiceImpl::ModelStatistics(
-    grpc::CallbackServerContext* context, const inference::ModelStatisticsRequest* request,
-    inference::ModelStatisticsResponse* response) {
-  if (request->name().empty()) {
-    // Every model (Triton: "if not given returns statistics for all models").
-    for (const auto& model : registry_->List()) {
-      FillStatistics(*model, metrics_, response->add_model_stats());
-    }
-    return FinishWith(context, absl::OkStatus());
-  }
-  absl::StatusOr<std::shared_ptr<const ServedModel>> model =
-      FindModel(*registry_, request->name(), request->version());
-  if (!model.ok()) return FinishWith(context, model.status());
-  FillStatistics(**model, metrics_, response->add_model_stats());
-  return FinishWith(context, absl::OkStatus());
-}
-
-grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryIndex(
-    grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest* request,
-    inference::RepositoryIndexResponse* response) {
-  for (const auto& model : registry_->List()) {
-    if (request->ready() && !model->ready()) continue;
-    auto* entry = response->add_models();
-    entry->set_name(model->name);
-    entry->set_version(kKServeModelVersion);
-    entry->set_state(model->ready() ? "READY" : "UNAVAILABLE");
-    entry->set_reason(model->reason);
-  }
-  return FinishWith(context, absl::OkStatus());
-}
-
-grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelLoad(
-    grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest*,
-    inference::RepositoryModelLoadResponse*) {
-  return FinishWith(context, absl::UnimplementedError(
-                                 "RepositoryModelLoad: attnserve loads its models once, at "
-                                 "startup (--model-repository); restart it to change them"));
-}
-
-grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelUnload(
-    grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest*,
-    inference::RepositoryModelUnloadResponse*) {
-  return FinishWith(context, absl::UnimplementedError(
-                                 "RepositoryModelUnload: attnserve loads its models once, at "
-                                 "startup (--model-repository); restart it to change them"));
-}
-
-// ---------------------------------------------------------------- inference
-
-void KServeServiceImpl::StartInfer(grpc::CallbackServerContext* context,
-                                   const absl::Status& parsed,
+void KServeServiceImpl::StartInfer(grpc::CallbackServerContext* context, const absl::Status& parsed,
                                    const inference::ModelInferRequest& request,
-                                   KServeInferInputs* decoded,
-                                   inference::ModelInferResponse* response, std::string* scratch,
+                                   KServeRequest* decoded, inference::ModelInferResponse* response,
                                    absl::AnyInvocable<void(absl::Status)> done) {
   Clock* const clock = dispatcher_->clock();
   auto r = std::make_unique<InferenceRequest>();
@@ -310,53 +93,56 @@ void KServeServiceImpl::StartInfer(grpc::CallbackServerContext* context,
   r->is_cancelled = [context] { return context->IsCancelled(); };
   response->set_id(request.id());
   response->set_model_name(request.model_name());
-  r->done = [done = std::move(done), response](absl::Status status,
-                                                const InferenceRequest& r) mutable {
-    // The model that ran (the default model's name when none was named).
-    if (r.model != nullptr) response->set_model_name(r.model->name);
-    if (status.ok()) response->set_model_version(kKServeModelVersion);
+  response->set_model_version("1");
+  r->done = [done = std::move(done), response, decoded](absl::Status status,
+                                                        const InferenceRequest& r) mutable {
+    if (status.ok()) {
+      KeepRequestedOutputs(*decoded, response);
+      if (!r.session_id.empty()) {
+        (*response->mutable_parameters())["session_length"].set_int64_param(r.session_length);
+      }
+      if (response->model_name().empty() && r.model != nullptr) {
+        response->set_model_name(r.model->name);
+      }
+    }
     done(std::move(status));
   };
-  if (shutting_down_.load()) {
+  if (calls_.shutting_down()) {
     dispatcher_->Reject(std::move(r),
                         absl::UnavailableError("server is shutting down; not accepting requests"));
     return;
   }
-  if (!parsed.ok()) {
-    dispatcher_->Reject(std::move(r), parsed);
+  absl::Status s = parsed;
+  if (s.ok()) s = DecodeModelInferRequest(request, decoded);
+  if (!s.ok()) {
+    dispatcher_->Reject(std::move(r), s);
     return;
   }
-  DecodeModelInferRequest(request, decoded);
-  if (decoded->timeout != absl::InfiniteDuration()) {
-    r->deadline = std::min(r->deadline, r->received + decoded->timeout);
+  if (decoded->timeout_us > 0) {
+    r->deadline = std::min(r->deadline, r->received + absl::Microseconds(decoded->timeout_us));
   }
   dispatcher_->Submit(std::move(r), decoded->inputs,
-                      [decoded, response, scratch](OutputName name, DType dtype,
-                                                   const Shape& shape) {
-                        return AllocateKServeOutput(*decoded, response, scratch, name, dtype,
-                                                    shape);
+                      [response](OutputName name, DType dtype, const Shape& shape) {
+                        return AllocateKServeOutput(response, name, dtype, shape);
                       });
 }
 
-// Finishes from the request's completion; OnCancel asks the dispatcher to
-// drop the queued request at once.
-class KServeServiceImpl::InferReactor final : public grpc::ServerUnaryReactor {
+// Finishes from the request's completion, as AttentionServiceImpl's.
+class KServeServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
  public:
-  InferReactor(KServeServiceImpl* service, const grpc::ByteBuffer* request_bytes)
+  UnaryReactor(KServeServiceImpl* service, const grpc::ByteBuffer* request_bytes)
       : service_(service),
-        // gRPC owns the buffer until OnDone; releasing it now keeps one copy
-        // of the inputs, not two.
-        parsed_(ParseMessage(const_cast<grpc::ByteBuffer*>(request_bytes), "request", 0,
-                             &request_)),
+        // gRPC frees the buffer only at OnDone; releasing it now keeps one
+        // copy of the inputs, not two.
+        parsed_(ParseRequestMessage(const_cast<grpc::ByteBuffer*>(request_bytes), "request", 0,
+                                    &request_)),
         model_(request_.model_name()),
-        counted_(service->CallStarted()) {}
+        counted_(service->calls_.CallStarted()) {}
 
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
-    service_->StartInfer(context, parsed_, request_, &decoded_, &response_, &scratch_,
+    service_->StartInfer(context, parsed_, request_, &decoded_, &response_,
                          [this, response_bytes](absl::Status status) {
-                           if (status.ok()) {
-                             status = SerializeMessage(response_, response_bytes);
-                           }
+                           if (status.ok()) status = SerializeMessage(response_, response_bytes);
                            Finish(ToGrpcStatus(status));
                          });
   }
@@ -366,15 +152,14 @@ class KServeServiceImpl::InferReactor final : public grpc::ServerUnaryReactor {
     KServeServiceImpl* service = service_;
     const bool counted = counted_;
     delete this;
-    if (counted) service->CallDone();
+    if (counted) service->calls_.CallDone();
   }
 
  private:
   KServeServiceImpl* const service_;
   inference::ModelInferRequest request_;
-  KServeInferInputs decoded_;
+  KServeRequest decoded_;
   inference::ModelInferResponse response_;
-  std::string scratch_;
   const absl::Status parsed_;
   const std::string model_;
   const bool counted_;
@@ -383,54 +168,247 @@ class KServeServiceImpl::InferReactor final : public grpc::ServerUnaryReactor {
 grpc::ServerUnaryReactor* KServeServiceImpl::ModelInfer(grpc::CallbackServerContext* context,
                                                         const grpc::ByteBuffer* request,
                                                         grpc::ByteBuffer* response) {
-  auto* reactor = new InferReactor(this, request);
+  auto* reactor = new UnaryReactor(this, request);
   reactor->Start(context, response);
   return reactor;
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KServeServiceImpl::ModelStreamInfer(
     grpc::CallbackServerContext* context) {
-  return new KServeStreamReactor(this, context);
+  return new StreamReactor(&calls_, this, context, max_stream_backlog_);
 }
 
-// ------------------------------------------------------ call bookkeeping
-
-void KServeServiceImpl::AddStream(KServeStreamReactor* stream) {
-  absl::MutexLock lock(&streams_mu_);
-  streams_.insert(stream);
-  if (shutting_down_.load()) stream->ServerShutdown();
+void KServeServiceImpl::StartStreamMessage(grpc::CallbackServerContext* context,
+                                           grpc::ByteBuffer* bytes, int64_t number,
+                                           AnswerFn answer) {
+  struct Message {
+    inference::ModelInferRequest request;
+    KServeRequest decoded;
+    inference::ModelStreamInferResponse answer;
+  };
+  auto* message = new Message;
+  const absl::Status parsed =
+      ParseRequestMessage(bytes, "ModelStreamInfer message", number, &message->request);
+  inference::ModelInferResponse* response = message->answer.mutable_infer_response();
+  StartInfer(context, parsed, message->request, &message->decoded, response,
+             [message, answer = std::move(answer)](absl::Status status) mutable {
+               std::unique_ptr<Message> owned(message);
+               owned->request.Clear();  // inputs no longer needed; free them now
+               inference::ModelInferResponse* response = owned->answer.mutable_infer_response();
+               if (!status.ok()) {
+                 // As Triton: the error in the stream, with the request's id.
+                 response->clear_outputs();
+                 response->clear_raw_output_contents();
+                 response->clear_parameters();
+                 owned->answer.set_error_message(ToGrpcStatus(status).error_message());
+               }
+               grpc::ByteBuffer bytes;
+               if (absl::Status s = SerializeMessage(owned->answer, &bytes); !s.ok()) {
+                 response->clear_outputs();
+                 response->clear_raw_output_contents();
+                 owned->answer.set_error_message(ToGrpcStatus(s).error_message());
+                 SerializeMessage(owned->answer, &bytes).IgnoreError();
+               }
+               answer(std::move(bytes));
+             });
 }
 
-void KServeServiceImpl::RemoveStream(KServeStreamReactor* stream) {
-  absl::MutexLock lock(&streams_mu_);
-  streams_.erase(stream);
-}
+void KServeServiceImpl::StreamCancelled() { dispatcher_->CancelledOnAnyModel(); }
 
-bool KServeServiceImpl::CallStarted() {
-  absl::MutexLock lock(&calls_mu_);
-  if (shutting_down_.load()) return false;
-  ++open_calls_;
-  return true;
-}
+// ------------------------------------------------------------- shutdown
 
-void KServeServiceImpl::CallDone() {
-  absl::MutexLock lock(&calls_mu_);
-  --open_calls_;
-}
+void KServeServiceImpl::BeginShutdown() { calls_.BeginShutdown(); }
 
 bool KServeServiceImpl::WaitForNoCalls(absl::Duration timeout) {
-  absl::MutexLock lock(&calls_mu_);
-  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return open_calls_ == 0; };
-  return calls_mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+  return calls_.WaitForNoCalls(timeout);
 }
 
-void KServeServiceImpl::BeginShutdown() {
-  {
-    absl::MutexLock lock(&calls_mu_);
-    shutting_down_.store(true);
+// ------------------------------------------------------- server, models
+
+grpc::ServerUnaryReactor* KServeServiceImpl::ServerLive(grpc::CallbackServerContext* context,
+                                                        const inference::ServerLiveRequest*,
+                                                        inference::ServerLiveResponse* response) {
+  response->set_live(true);
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::ServerReady(grpc::CallbackServerContext* context,
+                                                         const inference::ServerReadyRequest*,
+                                                         inference::ServerReadyResponse* response) {
+  // As the health service: serving until shutdown begins.
+  response->set_ready(!calls_.shutting_down());
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::ModelReady(grpc::CallbackServerContext* context,
+                                                        const inference::ModelReadyRequest* request,
+                                                        inference::ModelReadyResponse* response) {
+  auto model = registry_->Find(request->name());
+  response->set_ready(model.ok() && (*model)->ready() &&
+                      CheckVersion(request->name(), request->version()).ok() &&
+                      !calls_.shutting_down());
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::ServerMetadata(
+    grpc::CallbackServerContext* context, const inference::ServerMetadataRequest*,
+    inference::ServerMetadataResponse* response) {
+  response->set_name("attnserve");
+  response->set_version(ATTNSERVE_VERSION);
+  for (const char* e : {"model_configuration", "parameters", "statistics"}) {
+    response->add_extensions(e);
   }
-  absl::MutexLock lock(&streams_mu_);
-  for (KServeStreamReactor* stream : streams_) stream->ServerShutdown();
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::ModelMetadata(
+    grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
+    inference::ModelMetadataResponse* response) {
+  auto model = registry_->Find(request->name());
+  if (!model.ok()) return Answer(context, model.status());
+  if (absl::Status s = CheckVersion((*model)->name, request->version()); !s.ok()) {
+    return Answer(context, s);
+  }
+  if (!(*model)->ready()) {
+    return Answer(context, absl::UnavailableError(absl::StrCat(
+                               "model '", (*model)->name, "' is not ready: ", (*model)->reason)));
+  }
+  response->set_name((*model)->name);
+  response->add_versions("1");
+  response->set_platform("attnserve");
+  DescribeTensors((*model)->layer->config, response);
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::ModelConfig(grpc::CallbackServerContext* context,
+                                                         const inference::ModelConfigRequest* request,
+                                                         inference::ModelConfigResponse* response) {
+  auto model = registry_->Find(request->name());
+  if (!model.ok()) return Answer(context, model.status());
+  if (absl::Status s = CheckVersion((*model)->name, request->version()); !s.ok()) {
+    return Answer(context, s);
+  }
+  if (!(*model)->ready()) {
+    return Answer(context, absl::UnavailableError(absl::StrCat(
+                               "model '", (*model)->name, "' is not ready: ", (*model)->reason)));
+  }
+  const LayerConfig& layer = (*model)->layer->config;
+  inference::ModelConfig* c = response->mutable_config();
+  c->set_name((*model)->name);
+  c->set_platform("attnserve");
+  c->set_backend(std::string((*model)->engine->name()));
+  // 0: the batch dimension is part of each input's shape (B), not Triton's
+  // implicit one; the server batches whole requests on its own.
+  c->set_max_batch_size(0);
+  inference::ModelMetadataResponse m;
+  DescribeTensors(layer, &m);
+  for (const auto& t : m.inputs()) {
+    auto* in = c->add_input();
+    in->set_name(t.name());
+    in->set_data_type(ConfigDataType(t.datatype()));
+    in->mutable_dims()->CopyFrom(t.shape());
+    in->set_optional(t.name() != "query");
+  }
+  for (const auto& t : m.outputs()) {
+    auto* out = c->add_output();
+    out->set_name(t.name());
+    out->set_data_type(ConfigDataType(t.datatype()));
+    out->mutable_dims()->CopyFrom(t.shape());
+  }
+  c->mutable_dynamic_batching()->set_max_queue_delay_microseconds(
+      static_cast<uint64_t>(std::max<int64_t>(0, (*model)->batching.max_queue_delay_us)));
+  auto& params = *c->mutable_parameters();
+  params["kind"].set_string_value(layer.has_projections ? "projection" : "sdpa");
+  if (layer.has_projections) {
+    params["num_heads"].set_string_value(absl::StrCat(layer.num_heads));
+    params["num_kv_heads"].set_string_value(absl::StrCat(layer.num_kv_heads));
+    params["head_dim"].set_string_value(absl::StrCat(layer.head_dim));
+  }
+  params["causal"].set_string_value(layer.causal ? "true" : "false");
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::ModelStatistics(
+    grpc::CallbackServerContext* context, const inference::ModelStatisticsRequest* request,
+    inference::ModelStatisticsResponse* response) {
+  std::vector<std::shared_ptr<const ServedModel>> models;
+  if (request->name().empty()) {
+    models = registry_->List();
+  } else {
+    auto model = registry_->Find(request->name());
+    if (!model.ok()) return Answer(context, model.status());
+    if (absl::Status s = CheckVersion((*model)->name, request->version()); !s.ok()) {
+      return Answer(context, s);
+    }
+    models.push_back(*model);
+  }
+  for (const auto& model : models) {
+    inference::ModelStatistics* st = response->add_model_stats();
+    st->set_name(model->name);
+    st->set_version("1");
+    const ModelMetrics* mm = metrics_ != nullptr ? metrics_->FindModel(model->name) : nullptr;
+    const ModelStatsSnapshot s = mm != nullptr ? mm->Stats() : ModelStatsSnapshot{};
+    st->set_last_inference(s.last_inference_ms);
+    st->set_inference_count(s.inference_count);
+    st->set_execution_count(s.execution_count);
+    inference::InferStatistics* is = st->mutable_inference_stats();
+    SetDuration(is->mutable_success(), s.success_count, s.success_ns);
+    SetDuration(is->mutable_fail(), s.fail_count, s.fail_ns);
+    SetDuration(is->mutable_queue(), s.queue_count, s.queue_ns);
+    // As Triton: compute_* per computed request (each request's batch's
+    // engine time). attnserve decodes inputs before queueing and writes
+    // outputs in place, so there is no separate input or output step: 0 ns.
+    SetDuration(is->mutable_compute_input(), s.inference_count, 0);
+    SetDuration(is->mutable_compute_infer(), s.inference_count, s.compute_request_ns);
+    SetDuration(is->mutable_compute_output(), s.inference_count, 0);
+  }
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryIndex(
+    grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest* request,
+    inference::RepositoryIndexResponse* response) {
+  for (const auto& model : registry_->List()) {
+    if (request->ready() && !model->ready()) continue;
+    auto* m = response->add_models();
+    m->set_name(model->name);
+    m->set_version("1");
+    m->set_state(model->ready() ? "READY" : "UNAVAILABLE");
+    m->set_reason(model->reason);
+  }
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelLoad(
+    grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest*,
+    inference::RepositoryModelLoadResponse*) {
+  return Answer(context, absl::UnimplementedError(
+                             "RepositoryModelLoad: attnserve loads its models at startup "
+                             "(--model-repository); restart the server to change them"));
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelUnload(
+    grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest*,
+    inference::RepositoryModelUnloadResponse*) {
+  return Answer(context, absl::UnimplementedError(
+                             "RepositoryModelUnload: attnserve loads its models at startup "
+                             "(--model-repository); restart the server to change them"));
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::SystemSharedMemoryStatus(
+    grpc::CallbackServerContext* context, const inference::SystemSharedMemoryStatusRequest*,
+    inference::SystemSharedMemoryStatusResponse*) {
+  return Answer(context, absl::UnimplementedError(
+                             "SystemSharedMemoryStatus: attnserve has no shared-memory "
+                             "extension; send tensors in the request (raw_input_contents)"));
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::CudaSharedMemoryStatus(
+    grpc::CallbackServerContext* context, const inference::CudaSharedMemoryStatusRequest*,
+    inference::CudaSharedMemoryStatusResponse*) {
+  return Answer(context, absl::UnimplementedError(
+                             "CudaSharedMemoryStatus: attnserve has no shared-memory "
+                             "extension; send tensors in the request (raw_input_contents)"));
 }
 
 }  // namespace attnserve

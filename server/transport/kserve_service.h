@@ -1,75 +1,63 @@
 // inference.GRPCInferenceService (KServe v2 / Open Inference Protocol, as
-// Triton serves it) on gRPC's callback API: the second front end. ModelInfer
-// and each ModelStreamInfer message are parsed, translated (kserve_codec.h)
-// and handed to the same RequestDispatcher as Attend; health, metadata,
-// config, statistics and the repository index are answered from the model
-// registry and the metrics.
+// Triton serves it) on gRPC's callback API: the second front end, on the same
+// port as attnserve.v1. ModelInfer and each ModelStreamInfer message are
+// parsed here (message_codec.h), translated (kserve_codec.h) and handed to
+// the shared RequestDispatcher: the same validation, batching, deadlines,
+// queue bounds, sessions, metrics and shutdown as Attend. The rest answers
+// from the model registry (readiness, metadata, config) and the metrics
+// (statistics).
 #ifndef ATTNSERVE_SERVER_TRANSPORT_KSERVE_SERVICE_H_
 #define ATTNSERVE_SERVER_TRANSPORT_KSERVE_SERVICE_H_
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <set>
-#include <string>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/dispatch/request_dispatcher.h"
 #include "server/metrics/metrics.h"
 #include "server/models/model_registry.h"
+#include "server/transport/call_tracker.h"
 #include "server/transport/kserve_codec.h"
+#include "server/transport/stream_reactor.h"
 
 namespace attnserve {
 
-class KServeStreamReactor;
+// ModelInfer and ModelStreamInfer take gRPC's raw bytes and parse them here
+// (a message that does not parse is answered INVALID_ARGUMENT and counted).
+namespace kserve_internal {
+using S = inference::GRPCInferenceService;
+using Base = S::WithRawCallbackMethod_ModelInfer<S::WithRawCallbackMethod_ModelStreamInfer<
+    S::WithCallbackMethod_ServerLive<S::WithCallbackMethod_ServerReady<
+        S::WithCallbackMethod_ModelReady<S::WithCallbackMethod_ServerMetadata<
+            S::WithCallbackMethod_ModelMetadata<S::WithCallbackMethod_ModelConfig<
+                S::WithCallbackMethod_ModelStatistics<S::WithCallbackMethod_RepositoryIndex<
+                    S::WithCallbackMethod_RepositoryModelLoad<
+                        S::WithCallbackMethod_RepositoryModelUnload<
+                            S::WithCallbackMethod_SystemSharedMemoryStatus<
+                                S::WithCallbackMethod_CudaSharedMemoryStatus<
+                                    S::Service>>>>>>>>>>>>>>;
+}  // namespace kserve_internal
+using KServeServiceBase = kserve_internal::Base;
 
-struct KServeServiceOptions {
-  // ModelStreamInfer flow control: most responses one stream may owe at once
-  // (as AttentionServiceOptions::max_stream_backlog). Default: 64.
-  size_t max_stream_backlog = 64;
-  // ServerMetadata's version. Default: attnserve's version.
-  std::string server_version;
-};
-
-// ModelInfer and ModelStreamInfer take gRPC's raw bytes and parse them here,
-// so that a message that is not a valid ModelInferRequest is answered like
-// any other bad request (INVALID_ARGUMENT, counted in the metrics).
-using KServeServiceBase = inference::GRPCInferenceService::WithCallbackMethod_ServerLive<
-    inference::GRPCInferenceService::WithCallbackMethod_ServerReady<
-        inference::GRPCInferenceService::WithCallbackMethod_ModelReady<
-            inference::GRPCInferenceService::WithCallbackMethod_ServerMetadata<
-                inference::GRPCInferenceService::WithCallbackMethod_ModelMetadata<
-                    inference::GRPCInferenceService::WithRawCallbackMethod_ModelInfer<
-                        inference::GRPCInferenceService::WithRawCallbackMethod_ModelStreamInfer<
-                            inference::GRPCInferenceService::WithCallbackMethod_ModelConfig<
-                                inference::GRPCInferenceService::WithCallbackMethod_ModelStatistics<
-                                    inference::GRPCInferenceService::
-                                        WithCallbackMethod_RepositoryIndex<
-                                            inference::GRPCInferenceService::
-                                                WithCallbackMethod_RepositoryModelLoad<
-                                                    inference::GRPCInferenceService::
-                                                        WithCallbackMethod_RepositoryModelUnload<
-                                                            inference::GRPCInferenceService::
-                                                                Service>>>>>>>>>>>>;
-
-// Thread-safe (gRPC calls handlers concurrently). Does not own the registry,
-// the dispatcher or the metrics (nullable: ModelStatistics then reports
-// zeros); all must outlive the grpc::Server this is registered with.
+// Thread-safe. Does not own the registry, the dispatcher or the metrics
+// (nullable); all must outlive the grpc::Server this is registered with.
 //
-// Every inference request gets exactly one answer: the unary status, or one
-// ModelStreamInferResponse per stream message (error_message set when it
-// failed; the stream goes on). Its metrics are those of Attend (no protocol
-// label: a request counts the same whichever front end brought it).
-class KServeServiceImpl final : public KServeServiceBase {
+// Answers as Triton does: a ModelStreamInfer message that fails is answered
+// in the stream (error_message, with the request's id) and the stream goes
+// on; ModelReady of an unknown model is `ready: false`; the RPCs attnserve
+// does not serve (model load/unload, shared memory) are UNIMPLEMENTED with a
+// message saying why. Requests are counted in the metrics like Attend's (the
+// request counters have no protocol label).
+class KServeServiceImpl final : public KServeServiceBase, private StreamHandler {
  public:
+  // max_stream_backlog: ModelStreamInfer flow control, as
+  // AttentionServiceOptions::max_stream_backlog.
   KServeServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
-                    Metrics* metrics, KServeServiceOptions options = {});
+                    const Metrics* metrics, size_t max_stream_backlog);
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
@@ -86,13 +74,6 @@ class KServeServiceImpl final : public KServeServiceBase {
   grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* context,
                                           const inference::ModelMetadataRequest* request,
                                           inference::ModelMetadataResponse* response) override;
-  // `request` holds a serialized ModelInferRequest; `response` receives the
-  // serialized ModelInferResponse.
-  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
-                                       const grpc::ByteBuffer* request,
-                                       grpc::ByteBuffer* response) override;
-  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ModelStreamInfer(
-      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* ModelConfig(grpc::CallbackServerContext* context,
                                         const inference::ModelConfigRequest* request,
                                         inference::ModelConfigResponse* response) override;
@@ -108,45 +89,47 @@ class KServeServiceImpl final : public KServeServiceBase {
   grpc::ServerUnaryReactor* RepositoryModelUnload(
       grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
       inference::RepositoryModelUnloadResponse* response) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryStatus(
+      grpc::CallbackServerContext* context,
+      const inference::SystemSharedMemoryStatusRequest* request,
+      inference::SystemSharedMemoryStatusResponse* response) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryStatus(
+      grpc::CallbackServerContext* context, const inference::CudaSharedMemoryStatusRequest* request,
+      inference::CudaSharedMemoryStatusResponse* response) override;
 
-  // As AttentionServiceImpl::BeginShutdown: new inference requests get
-  // UNAVAILABLE, ServerReady and ModelReady turn false, open streams end
-  // once every request they accepted is answered. Idempotent.
+  // `request` holds a serialized ModelInferRequest; `response` receives the
+  // serialized ModelInferResponse.
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ModelStreamInfer(
+      grpc::CallbackServerContext* context) override;
+
+  // As AttentionServiceImpl's: new requests are refused (UNAVAILABLE), open
+  // streams end once what they accepted is answered; ServerReady turns false.
   void BeginShutdown();
-  // As AttentionServiceImpl::WaitForNoCalls.
   bool WaitForNoCalls(absl::Duration timeout);
 
  private:
-  friend class KServeStreamReactor;
-  class InferReactor;
+  class UnaryReactor;
 
-  // Decodes one ModelInferRequest into `decoded` and submits it; `parsed` is
-  // what ParseMessage said of its bytes (not OK: refused with that status
-  // through the dispatcher, counted, not run). `done` runs exactly once with
-  // the final status (the response's model_name, model_version and id set),
-  // from this thread or a batcher worker. Everything passed must stay valid
-  // until it has run; `decoded` must not move.
+  // One inference: `parsed` is what ParseRequestMessage said of `request`
+  // (not OK: refused through the dispatcher, counted). `done` runs exactly
+  // once with the final status, `response` filled when OK.
   void StartInfer(grpc::CallbackServerContext* context, const absl::Status& parsed,
-                  const inference::ModelInferRequest& request, KServeInferInputs* decoded,
-                  inference::ModelInferResponse* response, std::string* scratch,
+                  const inference::ModelInferRequest& request, KServeRequest* decoded,
+                  inference::ModelInferResponse* response,
                   absl::AnyInvocable<void(absl::Status)> done);
 
-  void AddStream(KServeStreamReactor* stream);
-  void RemoveStream(KServeStreamReactor* stream);
-  bool CallStarted();
-  void CallDone();
+  void StartStreamMessage(grpc::CallbackServerContext* context, grpc::ByteBuffer* bytes,
+                          int64_t number, AnswerFn answer) override;
+  void StreamCancelled() override;
 
   const ModelRegistry* const registry_;
   RequestDispatcher* const dispatcher_;
-  Metrics* const metrics_;
-  const KServeServiceOptions options_;
-
-  std::atomic<bool> shutting_down_{false};
-  absl::Mutex streams_mu_;
-  std::set<KServeStreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
-  absl::Mutex calls_mu_;
-  // ModelInfer + ModelStreamInfer calls opened before shutdown, not yet done.
-  int64_t open_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
+  const Metrics* const metrics_;
+  const size_t max_stream_backlog_;
+  CallTracker calls_;
 };
 
 }  // namespace attnserve
