@@ -563,6 +563,7 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
                                                       const LayerConfig& layer,
                                                       const ValidationOptions& options,
                                                       const LayerWeightBounds* weight_bounds) {
+  if (!request.decode_error.ok()) return request.decode_error;
   // Presence.
   if (!request.query.present) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -17,7 +17,7 @@ using inference::ModelInferRequest;
 
 constexpr const char* kInputNames = "query, key, value, attn_mask, key_lengths";
 constexpr const char* kParameterNames =
-    "causal, scale, need_weights, average_weights, session_id, timeout";
+    "causal, scale, need_weights, average_weights, session_id, timeout, priority";
 
 // The datatype of a float or mask input; anything else is the tensor's
 // decode_error (reported by validation in its usual order).
@@ -159,6 +159,10 @@ absl::Status DecodeParameters(const ModelInferRequest& request, KServeRequest* d
       // non-decoupled models do, which also ignore it.
       bool unused;
       s = BoolParameter(name, p, &unused);
+    } else if (name == "priority") {
+      // Triton's request priority (tritonclient's `priority=`): accepted and
+      // without effect, as on a Triton model without priority levels;
+      // attnserve's queues have one level.
     } else if (name == "timeout") {
       // Triton's request timeout, in microseconds.
       if (p.parameter_choice_case() == InferParameter::kInt64Param && p.int64_param() >= 0) {
@@ -195,7 +199,8 @@ absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeReq
   AttendInputs& in = decoded->inputs;
   in.model = request.model_name();
   if (!request.model_version().empty() && request.model_version() != "1") {
-    return absl::InvalidArgumentError(absl::StrCat(
+    // NOT_FOUND, as ModelReady/ModelMetadata answer an unknown version.
+    return absl::NotFoundError(absl::StrCat(
         "model_version: model '", request.model_name(), "' has only version \"1\" (or \"\"), got \"",
         request.model_version(), "\""));
   }

@@ -46,10 +46,12 @@ struct KServeRequest {
 
 // Decodes `request` into `decoded`. Errors that concern the request as a
 // whole (an unknown input or parameter, a parameter of the wrong type, raw
-// contents that do not match the inputs, an unknown requested output, a
-// model version other than "" or "1") are returned as INVALID_ARGUMENT
-// naming the field; errors of one tensor (an unsupported datatype) become its
-// decode_error, so that validation reports them in its usual order.
+// contents that do not match the inputs, an unknown requested output) are
+// returned as INVALID_ARGUMENT naming the field, a model version other than
+// "" or "1" as NOT_FOUND; the caller hands them to the request path as
+// decoded->inputs.decode_error, so that the model lookup answers first.
+// Errors of one tensor (an unsupported datatype) become its decode_error, so
+// that validation reports them in its usual order.
 //
 // Lifetime: `decoded.inputs` points into `request` and into `decoded`; both
 // must outlive it (and must not move).

@@ -112,12 +112,14 @@ void KServeServiceImpl::StartInfer(grpc::CallbackServerContext* context, const a
                         absl::UnavailableError("server is shutting down; not accepting requests"));
     return;
   }
-  absl::Status s = parsed;
-  if (s.ok()) s = DecodeModelInferRequest(request, decoded);
-  if (!s.ok()) {
-    dispatcher_->Reject(std::move(r), s);
+  if (!parsed.ok()) {
+    dispatcher_->Reject(std::move(r), parsed);
     return;
   }
+  // A request the mapping cannot express goes through the request path all
+  // the same: the model lookup answers first (an unknown model is NOT_FOUND
+  // whatever else is wrong, as Triton answers), then validation reports it.
+  decoded->inputs.decode_error = DecodeModelInferRequest(request, decoded);
   if (decoded->timeout_us > 0) {
     r->deadline = std::min(r->deadline, r->received + absl::Microseconds(decoded->timeout_us));
   }

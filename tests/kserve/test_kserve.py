@@ -297,6 +297,45 @@ def test_errors_have_exact_codes_and_messages(client, server):
         assert e.value.details().startswith("request could not be parsed as inference.ModelInferRequest")
 
 
+def test_model_lookup_comes_first_and_refusals_count_under_the_model(client, server):
+    """As Triton: an unknown model is NOT_FOUND whatever else is wrong; a request
+    the mapping cannot express is refused by validation after the lookup, so it
+    is counted under the model it named, not as "(unknown)"."""
+    import re
+    q, k, v = qkv()
+    good = [make_input("query", q), make_input("key", k), make_input("value", v)]
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("no-such-model", good + [make_input("bias", q)], parameters={"casual": True})
+    assert e.value.status() == "StatusCode.NOT_FOUND"
+    assert e.value.message().startswith("model: unknown model 'no-such-model'; available: ")
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("sdpa", good, model_version="2")
+    assert e.value.status() == "StatusCode.NOT_FOUND"
+    assert e.value.message() == (
+        "model_version: model 'sdpa' has only version \"1\" (or \"\"), got \"2\"")
+
+    metrics = re.search(r"metrics on (127\.0\.0\.1:\d+)", server.log()).group(1)
+
+    def invalid_on_sdpa():
+        text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+        return sum(float(l.split()[-1]) for l in text.splitlines()
+                   if l.startswith("attnserve_requests_total") and 'model="sdpa"' in l
+                   and 'code="INVALID_ARGUMENT"' in l)
+    before = invalid_on_sdpa()
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("sdpa", good + [make_input("bias", q)])
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert invalid_on_sdpa() == before + 1
+
+
+def test_priority_is_accepted_and_ignored(client):
+    """tritonclient's priority= (Triton's reserved `priority` parameter)."""
+    q, k, v = qkv()
+    r = client.infer("sdpa", [make_input("query", q), make_input("key", k),
+                              make_input("value", v)], priority=3)
+    np.testing.assert_allclose(r.as_numpy("output"), reference(q, k, v), rtol=1e-5, atol=1e-5)
+
+
 def test_counted_in_metrics_and_statistics_like_attend(client, server):
     stats = client.get_inference_statistics("sdpa", as_json=True)["model_stats"][0]
     before = int(stats["inference_stats"]["success"].get("count", 0))
