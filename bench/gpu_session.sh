@@ -13,16 +13,22 @@
 # bench (bench/cuda_bench.py: kernel vs torch SDPA backends, projections vs
 # cuBLAS), serve (attn_bench through the server, 1.5 and 12 MiB requests,
 # concurrency 1 and 32, batching on and off, next to cudaMemcpy bandwidth).
-# Logs go to $OUT (the device tool brings them back), else ./gpu-out.
+# BUNDLE names another bundle (default .gpu/bundle.tar.xz), TAG names its
+# logs. Logs go to $OUT/logs-TAG.tar.gz (the device tool brings back few
+# files), else ./gpu-out.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-out=${OUT:-$root/gpu-out}
-mkdir -p "$out"
-as=/tmp/attnserve-gpu
+bundle=${BUNDLE:-$root/.gpu/bundle.tar.xz}
+tag=${TAG:-$(basename "$bundle" .tar.xz)}
+final=${OUT:-$root/gpu-out}
+out=/tmp/attnserve-gpu-logs/$tag
+mkdir -p "$out" "$final"
+as=/tmp/attnserve-gpu-$tag
 phases=("$@")
 [[ ${#phases[@]} -gt 0 ]] || phases=(info test sanitize server bench serve)
+trap 'tar -C "$out" -czf "$final/logs-$tag.tar.gz" .' EXIT
 
-rm -rf "$as" && mkdir -p "$as" && tar -C "$as" -xJf "$root/.gpu/bundle.tar.xz" || exit 1
+rm -rf "$as" && mkdir -p "$as" && tar -C "$as" -xJf "$bundle" || exit 1
 # CUDA's own libraries from the machine: the toolkit's, else PyTorch's wheels.
 cudalibs=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublasLt.so.13' 2>/dev/null |
            xargs -r -n1 dirname | sort -u | paste -sd:)
@@ -45,13 +51,13 @@ for phase in "${phases[@]}"; do
       ;;
     test)
       step "cuda_engine_test"
-      "$as/bin/cuda_engine_test" --gtest_output="xml:$out/cuda_engine_test.xml" 2>&1 |
+      "$as/bin/cuda_engine_test" 2>&1 |
         tee "$out/cuda_engine_test.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED)|OK \]|Failure|Expected|Which is|rel|error" | head -150
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       ;;
     sanitize)
       step "compute-sanitizer memcheck"
-      timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$as/bin/cuda_engine_test" \
+      timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$as/bin/cuda_engine_test" \
         --gtest_filter='CudaEngineTest.FusedKernelShapes*:CudaEngineTest.FullyMasked*:CudaEngineTest.RunProjection*:CudaEngineTest.RaggedBatches*' \
         > "$out/memcheck.log" 2>&1
       rc=$?; echo "memcheck exit $rc"; grep -E "ERROR SUMMARY|Invalid|FAILED" "$out/memcheck.log" | head -20
