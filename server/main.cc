@@ -75,7 +75,9 @@ ABSL_FLAG(std::string, default_model, kDefaults.default_model,
           "model for requests that name none (built-ins: demo-mha, sdpa)");
 ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
           "largest request message in bytes; larger requests get RESOURCE_EXHAUSTED");
-ABSL_FLAG(std::string, backend, kDefaults.backend, "engine backend: auto, cpu, reference");
+ABSL_FLAG(std::string, backend, kDefaults.backend,
+          "engine backend: auto (cuda when its module loads and a GPU is usable, else cpu), cpu, "
+          "reference, cuda (exits with UNAVAILABLE and the reason when it cannot load)");
 ABSL_FLAG(std::string, model_repository, kDefaults.model_repository,
           "directory with one folder per model (config.pbtxt + weights.safetensors)");
 ABSL_FLAG(int, max_batch_requests, kDefaults.batching.max_batch_requests,
