@@ -79,6 +79,14 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   metrics_options.threads = options.metrics_threads;
   metrics_options.request_timeout = options.metrics_request_timeout;
   metrics_options.connections_shed = &ConnectionsShedForFds;
+  if (!options.metrics_auth_file.empty()) {
+    auto users = ReadBasicAuthFile(options.metrics_auth_file);
+    if (!users.ok()) {
+      return absl::Status(users.status().code(),
+                          absl::StrCat("--metrics-auth-file: ", users.status().message()));
+    }
+    metrics_options.basic_auth = *std::move(users);
+  }
   metrics_options.build_labels = {{"backend", options.backend},
                                   {"grpc_version", grpc::Version()}};
   absl::StatusOr<std::unique_ptr<Metrics>> metrics = Metrics::Create(metrics_options);

@@ -183,6 +183,10 @@ ABSL_FLAG(absl::Duration, max_connection_age_grace,
           absl::FromChrono(kDefaults.connections.max_connection_age_grace),
           "after --max-connection-age, how long open calls may take before the connection "
           "is closed");
+ABSL_FLAG(std::string, metrics_auth_file, kDefaults.metrics_auth_file,
+          "file of 'user:password' lines; set: /metrics needs HTTP basic authentication "
+          "(401 without). Plaintext HTTP: keep the port on loopback or behind a TLS side-car "
+          "(default: open)");
 ABSL_FLAG(int64_t, max_queue_bytes, kDefaults.batching.max_queue_bytes,
           "most bytes of requests (inputs plus allocated outputs) waiting in one model's "
           "queue; requests past it get RESOURCE_EXHAUSTED at once (a request into an empty "
@@ -231,7 +235,7 @@ int main(int argc, char** argv) {
       "[--nonfinite-inputs=reject] [--kv-cache-bytes=1073741824] [--kv-block-tokens=16] "
       "[--session-ttl=10m] [--session-max-tokens=32768] [--max-sessions=65536] "
       "[--tls-cert-file=PEM --tls-key-file=PEM "
-      "[--tls-client-ca-file=PEM] [--tls-reload-interval=60s]] [--auth-token-file=FILE] "
+      "[--tls-client-ca-file=PEM] [--tls-reload-interval=60s]] [--auth-token-file=FILE] [--metrics-auth-file=FILE] "
       "[--reflection=true] [--max-concurrent-streams=100] [--keepalive-time=2h] "
       "[--keepalive-timeout=20s] [--max-connection-idle=0] [--max-connection-age=0] "
       "[--max-connection-age-grace=30s] [--max-queue-bytes=1073741824] "
@@ -312,6 +316,7 @@ int main(int argc, char** argv) {
   options.tls.reload_interval = std::chrono::seconds(
       absl::ToInt64Seconds(absl::GetFlag(FLAGS_tls_reload_interval)));
   options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  options.metrics_auth_file = absl::GetFlag(FLAGS_metrics_auth_file);
   options.reflection = absl::GetFlag(FLAGS_reflection);
   options.connections.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   options.connections.keepalive_time =

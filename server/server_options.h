@@ -82,6 +82,11 @@ struct ServerOptions {
   // for a response write to progress) before it drops the connection; bounds
   // how long a slow client holds a metrics thread. Default: 5 s.
   std::chrono::milliseconds metrics_request_timeout{5000};
+  // HTTP basic authentication of /metrics (--metrics-auth-file): a file of
+  // `user:password` lines (ReadBasicAuthFile). Read once at startup.
+  // Default: none = the endpoint is open (keep it on loopback or behind a
+  // side-car; docs/SECURITY.md).
+  std::string metrics_auth_file;
   // How often freed heap memory is handed back to the OS (malloc_trim; see
   // server/memory_trim.h); 0 = never. Default: 10 s.
   std::chrono::milliseconds malloc_trim_interval{10000};

@@ -11,6 +11,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -50,7 +52,20 @@ struct MetricsOptions {
   // descriptor (see KeepAcceptingWhenOutOfFds). Thread-safe, cheap.
   // Default: none (the family is absent).
   std::function<int64_t()> connections_shed = nullptr;
+  // HTTP basic authentication of /metrics: accepted (user, password) pairs.
+  // Set: a scrape without one of them gets 401. Passwords travel in clear
+  // unless a TLS side-car or the network protects the port
+  // (docs/SECURITY.md). Default: none = open.
+  std::vector<std::pair<std::string, std::string>> basic_auth;
 };
+
+// The (user, password) pairs of a --metrics-auth-file: one `user:password`
+// per line (the password is everything after the first ':'), blank lines and
+// '#' comments ignored. InvalidArgument naming the file and line (never the
+// password) for a line without ':' or with an empty user or password, or a
+// file with no pair; NotFound when it cannot be read.
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadBasicAuthFile(
+    const std::string& path);
 
 // Cumulative totals of one model since the server started, for the KServe v2
 // ModelStatistics RPC (Triton's per-model statistics). Durations in ns.

@@ -190,6 +190,8 @@ def pki(tmp_path_factory):
     # The files the server watches: copies, so that rotation can replace them.
     shutil.copyfile(p.path("server_a.pem"), p.path("live.pem"))
     shutil.copyfile(p.path("server_a.key"), p.path("live.key"))
+    with open(p.path("metrics_users"), "w") as f:
+        f.write("# scrapers\nprometheus:s3cret:with-colon\n")
     with open(p.path("tokens"), "w") as f:
         f.write("# test tokens\n\n"
                 f"{TOKEN_ALL}\n"
@@ -458,7 +460,7 @@ def mtls_server(pki):
     server = harness.ServerProcess(
         "--tls-cert-file", pki.path("live.pem"), "--tls-key-file", pki.path("live.key"),
         "--tls-client-ca-file", pki.path("ca_a.pem"), "--tls-reload-interval=1s",
-        "--backend=reference")
+        "--metrics-auth-file", pki.path("metrics_users"), "--backend=reference")
     yield server
     assert server.stop() == 0, server.log()
 
@@ -477,6 +479,29 @@ def test_mtls_no_cert_other_ca_right_cert(mtls_server, pki, pb):
                          private_key=pki.path("client_a.key"),
                          certificate_chain=pki.path("client_a.pem"), timeout=15) as c:
         assert c.health() == "SERVING"
+
+
+def test_metrics_basic_auth(mtls_server):
+    import base64
+    import urllib.error
+    url = f"http://127.0.0.1:{su.metrics_port(mtls_server)}/metrics"
+
+    def status(user_password):
+        req = urllib.request.Request(url)
+        if user_password is not None:
+            req.add_header("Authorization",
+                           "Basic " + base64.b64encode(user_password.encode()).decode())
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, ""
+    assert status(None)[0] == 401
+    assert status("prometheus:wrong")[0] == 401
+    assert status("prometheus:s3cret")[0] == 401  # the password runs to the end of the line
+    code, text = status("prometheus:s3cret:with-colon")
+    assert code == 200 and "attnserve_build_info" in text
+    assert "s3cret" not in mtls_server.log()
 
 
 def test_certificate_rotation_without_restart(mtls_server, pki, pb):
