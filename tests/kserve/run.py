@@ -1,7 +1,8 @@
 """ctest entry for the KServe v2 tests: a venv under the build dir (cached;
 --system-site-packages so Debian's numpy and torch are visible) with Triton's
 own Python client, tritonclient[grpc] (and ml_dtypes for BF16) from PyPI,
-then pytest on test_kserve.py with that venv's Python."""
+then pytest on test_kserve.py and test_kserve_security.py with that venv's
+Python."""
 
 import os
 import subprocess
@@ -23,7 +24,7 @@ def main():
         subprocess.check_call([PY, "-m", "pip", "install", "-q", *REQUIREMENTS], env=env)
         open(stamp, "w").close()
     os.execv(PY, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(HERE, "test_kserve.py"),
-                  *sys.argv[1:]])
+                  os.path.join(HERE, "test_kserve_security.py"), *sys.argv[1:]])
 
 
 if __name__ == "__main__":
