@@ -434,6 +434,12 @@ def test_attn_client_tls_and_token_flags(tls_server, pki):
     assert denied.returncode == 2 and "PERMISSION_DENIED" in denied.stderr, denied.stderr
     anonymous = subprocess.run(base, capture_output=True, text=True, timeout=60)
     assert anonymous.returncode == 2 and "UNAUTHENTICATED" in anonymous.stderr, anonymous.stderr
+    # Health over TLS needs no token (the probe docs/SECURITY.md gives Docker and Kubernetes).
+    health = subprocess.run(
+        [harness.client_bin(), "health", "--target", f"localhost:{tls_server.port}",
+         "--tls-ca-file", pki.path("ca_a.pem"), "--timeout-ms=3000"],
+        capture_output=True, text=True, timeout=60)
+    assert health.returncode == 0, health.stderr
     # Not trusting the server's CA: the handshake fails.
     untrusted = subprocess.run(base[:-1] + [pki.path("ca_b.pem"), "--token", TOKEN_SDPA],
                                capture_output=True, text=True, timeout=60)
