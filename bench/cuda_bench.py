@@ -4,19 +4,24 @@
 Runs attnserve_cuda_bench (engine/cuda/cuda_bench.cc: our fused attention
 kernel, our cuBLASLt projections, plain cuBLAS GEMMs and a large square GEMM
 as the ceiling), then times torch.nn.functional.scaled_dot_product_attention
-on the same attention shapes, and prints one Markdown table per part, ready
-for docs/PERFORMANCE.md.
+on the same attention shapes with each of PyTorch's backends (flash, cuDNN,
+memory-efficient), and prints one Markdown table per part, ready for
+docs/CUDA.md.
 
   python3 bench/cuda_bench.py [--bench build/engine/cuda/attnserve_cuda_bench] [--quick]
+                              [--json FILE]
 
 Needs a GPU, the benchmark binary (built with -DATTNSERVE_BUILD_BENCH=ON and
-CUDA) and a CUDA build of PyTorch (without one the SDPA column says so).
+CUDA) and a CUDA build of PyTorch (without one the torch columns say n/a).
 """
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+
+BACKENDS = ("flash", "cudnn", "efficient")
 
 
 def run_ours(binary, quick):
@@ -25,31 +30,54 @@ def run_ours(binary, quick):
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def torch_sdpa_tflops(row, iters=20):
-    """TFLOP/s of PyTorch SDPA on the shape of one of our attention rows."""
+def flops_of(row):
+    b, h, l, d = row["batch"], row["heads"], row["seq"], row["head_dim"]
+    return 4.0 * b * h * l * l * d * (0.5 if row["causal"] else 1.0)
+
+
+def torch_sdpa_tflops(row, backend, iters=10, reps=5):
+    """TFLOP/s (median of `reps` timings of `iters` calls) of PyTorch's SDPA
+    with one backend forced, on the shape of one of our attention rows; None
+    when that backend refuses the shape or is missing."""
     try:
         import torch
         import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
-        return None, "no torch"
+        return None
     if not torch.cuda.is_available():
-        return None, "torch without CUDA"
+        return None
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[row["dtype"]]
     b, h, l, d = row["batch"], row["heads"], row["seq"], row["head_dim"]
     q, k, v = (torch.randn(b, h, l, d, device="cuda", dtype=dtype) for _ in range(3))
-    for _ in range(3):
-        F.scaled_dot_product_attention(q, k, v, is_causal=row["causal"])
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        F.scaled_dot_product_attention(q, k, v, is_causal=row["causal"])
-    stop.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(stop) / iters
-    flops = 4.0 * b * h * l * l * d * (0.5 if row["causal"] else 1.0)
-    backend = "flash" if torch.backends.cuda.flash_sdp_enabled() else "default"
-    return flops / (ms * 1e-3) / 1e12, f"torch {torch.__version__} ({backend})"
+    try:
+        with sdpa_kernel([which]):
+            for _ in range(3):
+                F.scaled_dot_product_attention(q, k, v, is_causal=row["causal"])
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(reps):
+                start = torch.cuda.Event(enable_timing=True)
+                stop = torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=row["causal"])
+                stop.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(stop) / iters)
+    except RuntimeError:
+        return None
+    return flops_of(row) / (statistics.median(times) * 1e-3) / 1e12
+
+
+def fmt(x):
+    return f"{x:.1f}" if x else "n/a"
+
+
+def ratio(a, b):
+    return f"{a / b:.2f}" if a and b else "n/a"
 
 
 def main():
@@ -58,34 +86,45 @@ def main():
     parser.add_argument("--bench", default=os.path.join(root, "build", "engine", "cuda",
                                                         "attnserve_cuda_bench"))
     parser.add_argument("--quick", action="store_true", help="one sequence length only")
+    parser.add_argument("--json", help="also write every row (ours and torch's) to this file")
     args = parser.parse_args()
 
     rows = run_ours(args.bench, args.quick)
     device = next((r for r in rows if r["kind"] == "device"), {"name": "?", "sm": "?"})
-    print(f"Device: {device['name']} (sm_{device['sm']}); command: "
-          f"python3 bench/cuda_bench.py --bench {args.bench}{' --quick' if args.quick else ''}\n")
+    try:
+        import torch
+        torch_note = f"torch {torch.__version__}, CUDA {torch.version.cuda}, " \
+                     f"cuDNN {torch.backends.cudnn.version()}"
+    except ImportError:
+        torch_note = "torch not installed"
+    print(f"Device: {device['name']} (sm_{device['sm']}); {torch_note}; command: "
+          f"python3 bench/cuda_bench.py{' --quick' if args.quick else ''}\n")
 
     print("| dtype | B | H | L | D | causal | attnserve kernel | attnserve TFLOP/s "
-          "| torch SDPA TFLOP/s | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    torch_note = ""
+          "| torch flash | torch cuDNN | torch efficient | vs flash | vs cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in (r for r in rows if r["kind"] == "attention"):
-        theirs, torch_note = torch_sdpa_tflops(r)
-        theirs_s = f"{theirs:.1f}" if theirs else "n/a"
-        ratio = f"{r['tflops'] / theirs:.2f}" if theirs else "n/a"
+        for backend in BACKENDS:
+            r["torch_" + backend] = torch_sdpa_tflops(r, backend)
         print(f"| {r['dtype']} | {r['batch']} | {r['heads']} | {r['seq']} | {r['head_dim']} "
-              f"| {r['causal']} | {r['kernel']} | {r['tflops']:.1f} | {theirs_s} | {ratio} |")
-    print(f"\nPyTorch: {torch_note}\n")
+              f"| {r['causal']} | {r['kernel']} | {r['tflops']:.1f} | {fmt(r['torch_flash'])} "
+              f"| {fmt(r['torch_cudnn'])} | {fmt(r['torch_efficient'])} "
+              f"| {ratio(r['tflops'], r['torch_flash'])} | {ratio(r['tflops'], r['torch_cudnn'])} |",
+              flush=True)
 
     ceilings = {r["dtype"]: r["tflops"] for r in rows if r["kind"] == "gemm_ceiling"}
-    print("| dtype | rows x in -> out | projection TFLOP/s (bias fused) | cuBLAS same shape "
-          "| cuBLAS ceiling | projection / ceiling |")
-    print("|---|---|---|---|---|---|")
+    print("\n| dtype | rows x in -> out | projection TFLOP/s (bias fused) | cuBLAS same shape "
+          "| cuBLAS ceiling | projection / same shape | projection / ceiling |")
+    print("|---|---|---|---|---|---|---|")
     for r in (r for r in rows if r["kind"] == "projection"):
         ceiling = ceilings.get(r["dtype"])
-        ratio = f"{r['tflops'] / ceiling:.2f}" if ceiling else "n/a"
         print(f"| {r['dtype']} | {r['rows']} x {r['in']} -> {r['out']} | {r['tflops']:.1f} "
-              f"| {r['cublas_same_shape_tflops']:.1f} | {ceiling or 0:.1f} | {ratio} |")
+              f"| {r['cublas_same_shape_tflops']:.1f} | {fmt(ceiling)} "
+              f"| {ratio(r['tflops'], r['cublas_same_shape_tflops'])} "
+              f"| {ratio(r['tflops'], ceiling)} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     return 0
 
 

@@ -1,7 +1,9 @@
 // attn_bench: load generator for attnserve (and for anything serving the same
 // Attend RPC, e.g. bench/echo_server). Closed loop (--concurrency) or open loop
 // (--rate), unary or --stream, over one or many channels; reports throughput,
-// latency percentiles and errors by status code, as text or --json.
+// latency percentiles and errors by status code, as text or --json. --session:
+// token-by-token decode through server-side sessions (--concurrency sessions,
+// each prefilled with --context tokens, then --decode-steps one-token steps).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -57,9 +59,27 @@ ABSL_FLAG(int64_t, warmup_requests, 0,
           "Requests sent (closed loop, same concurrency) before measuring; not reported.");
 ABSL_FLAG(bool, stream, false, "Use AttendStream: one stream per channel, messages matched by id.");
 ABSL_FLAG(int, channels, 1, "gRPC channels (separate TCP connections); load is spread round-robin.");
+ABSL_FLAG(std::string, lb_policy, "",
+          "gRPC load-balancing policy of each channel: round_robin spreads RPCs over every "
+          "address the target resolves to (dns:///headless-service:50051, or "
+          "ipv4:127.0.0.1:50061,127.0.0.1:50062); pick_first uses one. Default: gRPC's "
+          "(pick_first).");
+ABSL_FLAG(std::string, health_check_service, "",
+          "Client-side health checking: the grpc.health.v1 service name each address is "
+          "watched for (attnserve.v1.AttentionService); an address that reports NOT_SERVING, "
+          "e.g. a replica shutting down, gets no new RPCs. Needs --lb-policy=round_robin. "
+          "Default: none.");
 ABSL_FLAG(int64_t, timeout_ms, 30000, "Deadline of each unary RPC, and of each stream as a whole.");
 ABSL_FLAG(bool, json, false, "Print one JSON object instead of text.");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the random inputs.");
+ABSL_FLAG(bool, session, false,
+          "Session decode mode: --concurrency sessions (OpenSession), each prefilled with "
+          "--context tokens in one request, then --decode-steps requests of one token each "
+          "(query, key and value rows of that token only), run concurrently; reports decode "
+          "steps/s and bytes on the wire per step. The stateless peer is the default mode "
+          "with --seq=1 --kv-seq=CONTEXT --causal (K/V re-sent every step).");
+ABSL_FLAG(int64_t, context, 4096, "--session: tokens prefilled into each session.");
+ABSL_FLAG(int64_t, decode_steps, 32, "--session: one-token decode steps per session.");
 
 namespace attnserve::bench {
 namespace {
@@ -307,9 +327,13 @@ class StreamClient : public grpc::ClientBidiReactor<pb::AttendRequest, pb::Atten
 };
 
 // The request every RPC sends, shaped for the model.
-absl::StatusOr<pb::AttendRequest> BuildBenchRequest(pb::AttentionService::Stub& stub) {
+// seq / kv_seq >= 0 override --seq / --kv-seq (session prefill and decode).
+absl::StatusOr<pb::AttendRequest> BuildBenchRequest(pb::AttentionService::Stub& stub,
+                                                    int64_t seq = -1, int64_t kv_seq = -1) {
   absl::StatusOr<client::RequestSpec> spec = client::RequestSpecFromFlags();
   if (!spec.ok()) return spec.status();
+  if (seq >= 0) spec->seq = seq;
+  if (kv_seq >= 0) spec->kv_seq = kv_seq;
   const std::string layout_flag = absl::GetFlag(FLAGS_layout);
   client::InputLayout layout;
   if (layout_flag == "auto") {
@@ -429,10 +453,128 @@ double RunPhase(const std::vector<std::unique_ptr<pb::AttentionService::Stub>>& 
   return seconds;
 }
 
+// --session: decode through server-side sessions. One thread per session,
+// blocking unary calls; sessions spread round-robin over the channels.
+int RunSessions(const std::vector<std::unique_ptr<pb::AttentionService::Stub>>& stubs,
+                int sessions) {
+  const int64_t context = absl::GetFlag(FLAGS_context);
+  const int64_t steps = absl::GetFlag(FLAGS_decode_steps);
+  if (context < 1 || steps < 1) {
+    std::fprintf(stderr, "attn_bench: --context and --decode-steps must be >= 1\n");
+    return 1;
+  }
+  // Each step carries its token's query, key and value rows (projection
+  // models: hidden states, projected on the server).
+  absl::StatusOr<pb::AttendRequest> prefill = BuildBenchRequest(*stubs[0], context, context);
+  absl::StatusOr<pb::AttendRequest> decode = BuildBenchRequest(*stubs[0], 1, 1);
+  if (!prefill.ok() || !decode.ok()) {
+    const absl::Status& s = !prefill.ok() ? prefill.status() : decode.status();
+    std::fprintf(stderr, "attn_bench: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  const auto deadline = [] {
+    return std::chrono::system_clock::now() +
+           std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms));
+  };
+  std::vector<std::string> ids(sessions);
+  for (int i = 0; i < sessions; ++i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(deadline());
+    pb::OpenSessionRequest req;
+    req.set_model(absl::GetFlag(FLAGS_model));
+    req.set_max_tokens(context + steps);
+    pb::OpenSessionResponse resp;
+    grpc::Status s = stubs[i % stubs.size()]->OpenSession(&ctx, req, &resp);
+    if (!s.ok()) {
+      std::fprintf(stderr, "attn_bench: OpenSession: %s: %s\n", CodeName(s.error_code()).c_str(),
+                   s.error_message().c_str());
+      return 1;
+    }
+    ids[i] = resp.session_id();
+  }
+  // Runs `n` requests like `base` on every session concurrently; returns the
+  // wall time. Response bytes are summed into *response_bytes.
+  std::atomic<int64_t> failures{0}, response_bytes{0};
+  auto run = [&](const pb::AttendRequest& base, int64_t n, Stats* stats) {
+    const Clock::time_point start = Clock::now();
+    std::vector<std::thread> threads;
+    for (int i = 0; i < sessions; ++i) {
+      threads.emplace_back([&, i] {
+        pb::AttendRequest req = base;
+        req.set_session_id(ids[i]);
+        for (int64_t k = 0; k < n; ++k) {
+          grpc::ClientContext ctx;
+          ctx.set_deadline(deadline());
+          pb::AttendResponse resp;
+          const Clock::time_point t0 = Clock::now();
+          grpc::Status s = stubs[i % stubs.size()]->Attend(&ctx, req, &resp);
+          stats->Record(s.error_code(), Clock::now() - t0, s.ok() ? &resp.timing() : nullptr);
+          if (!s.ok()) {
+            if (failures.fetch_add(1) == 0) {
+              std::fprintf(stderr, "attn_bench: Attend: %s: %s\n",
+                           CodeName(s.error_code()).c_str(), s.error_message().c_str());
+            }
+            return;
+          }
+          response_bytes += static_cast<int64_t>(resp.ByteSizeLong());
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  Stats prefill_stats, decode_stats;
+  const double prefill_s = run(*prefill, 1, &prefill_stats);
+  response_bytes = 0;
+  const double decode_s = run(*decode, steps, &decode_stats);
+  for (int i = 0; i < sessions; ++i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(deadline());
+    pb::CloseSessionRequest req;
+    req.set_session_id(ids[i]);
+    pb::CloseSessionResponse resp;
+    stubs[i % stubs.size()]->CloseSession(&ctx, req, &resp);
+  }
+  nlohmann::json out = decode_stats.Summary(decode_s);
+  const int64_t total_steps = sessions * steps;
+  out["mode"] = "session";
+  out["sessions"] = sessions;
+  out["context"] = context;
+  out["decode_steps"] = steps;
+  out["prefill_seconds"] = prefill_s;
+  out["prefill_request_bytes"] = prefill->ByteSizeLong();
+  out["decode_steps_per_s"] = static_cast<double>(total_steps) / decode_s;
+  out["request_bytes_per_step"] = decode->ByteSizeLong();
+  out["response_bytes_per_step"] =
+      static_cast<double>(response_bytes.load()) / static_cast<double>(total_steps);
+  out["failures"] = failures.load();
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s\n", out.dump().c_str());
+  } else {
+    std::printf("attn_bench: session decode, %d sessions, context %lld, %lld steps each\n",
+                sessions, static_cast<long long>(context), static_cast<long long>(steps));
+    std::printf("prefill: %.3f s (request %zu bytes per session)\n", prefill_s,
+                prefill->ByteSizeLong());
+    std::printf("decode: %lld steps in %.3f s: %.1f steps/s; per step: request %zu bytes, "
+                "response %.0f bytes\n",
+                static_cast<long long>(total_steps), decode_s,
+                out["decode_steps_per_s"].get<double>(), decode->ByteSizeLong(),
+                out["response_bytes_per_step"].get<double>());
+    const auto& l = out["latency_us"];
+    std::printf("latency us: p50 %.1f  p99 %.1f  mean %.1f\n", l["p50"].get<double>(),
+                l["p99"].get<double>(), l["mean"].get<double>());
+    const auto& t = out["server_timing"];
+    std::printf("server: batch_requests mean %.2f, compute_us mean %.1f\n",
+                t["batch_requests_mean"].get<double>(), t["compute_us_mean"].get<double>());
+  }
+  return failures.load() == 0 ? 0 : 1;
+}
+
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "attn_bench --target=HOST:PORT [--model=M] [--concurrency=N | --rate=R] "
-      "[--duration=S | --requests=N] [--stream] [--channels=N] [--json]\n"
+      "[--duration=S | --requests=N] [--stream] [--channels=N] [--lb-policy=round_robin] "
+      "[--json]\n"
       "Flags may be spelled with dashes or underscores.");
   const std::vector<std::string> rest = client::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
@@ -447,6 +589,18 @@ int Main(int argc, char** argv) {
   if (duration <= 0 && requests <= 0) requests = 1000;
   if (concurrency < 1 || n_channels < 1) {
     std::fprintf(stderr, "attn_bench: --concurrency and --channels must be >= 1\n");
+    return 1;
+  }
+  // gRPC falls back to pick_first on a name it does not know, silently here.
+  if (const std::string lb = absl::GetFlag(FLAGS_lb_policy);
+      !lb.empty() && lb != "pick_first" && lb != "round_robin") {
+    std::fprintf(stderr, "attn_bench: --lb-policy must be pick_first or round_robin, got '%s'\n",
+                 lb.c_str());
+    return 1;
+  }
+  if (!absl::GetFlag(FLAGS_health_check_service).empty() &&
+      absl::GetFlag(FLAGS_lb_policy) != "round_robin") {
+    std::fprintf(stderr, "attn_bench: --health-check-service needs --lb-policy=round_robin\n");
     return 1;
   }
 
@@ -468,9 +622,16 @@ int Main(int argc, char** argv) {
     // Distinct args and a local pool: each channel gets its own connection.
     args.SetInt("attn_bench.channel", c);
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    if (const std::string lb = absl::GetFlag(FLAGS_lb_policy); !lb.empty()) {
+      args.SetLoadBalancingPolicyName(lb);
+    }
+    if (const std::string health = absl::GetFlag(FLAGS_health_check_service); !health.empty()) {
+      args.SetServiceConfigJSON(nlohmann::json{{"healthCheckConfig", {{"serviceName", health}}}}.dump());
+    }
     stubs.push_back(pb::AttentionService::NewStub(grpc::CreateCustomChannel(
         absl::GetFlag(FLAGS_target), *credentials, args)));
   }
+  if (absl::GetFlag(FLAGS_session)) return RunSessions(stubs, concurrency);
   absl::StatusOr<pb::AttendRequest> request = BuildBenchRequest(*stubs[0]);
   if (!request.ok()) {
     std::fprintf(stderr, "attn_bench: %s\n", std::string(request.status().message()).c_str());

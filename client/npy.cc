@@ -75,6 +75,10 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return ParseNpy(bytes, path);
+}
+
+absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes, const std::string& path) {
   auto bad = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", why));
   };
@@ -123,17 +127,30 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
   if (!shape.ok()) return bad(shape.status().message());
   array.shape = *std::move(shape);
 
-  const size_t item = static_cast<size_t>(NpyItemSize(array.descr));
-  size_t want = item;
+  // The element count must fit in int64 however the dims are multiplied
+  // (num_elements() goes left to right): the product of the nonzero dims
+  // bounds every partial product, also when a later dim is 0 (fuzzing
+  // found (2^56, 200, 0) accepted as empty and overflowing num_elements()).
+  const int64_t item = NpyItemSize(array.descr);
+  int64_t nonzero_bytes = item;
+  bool empty = false;
   for (int64_t d : array.shape) {
-    if (d != 0 && want > std::numeric_limits<size_t>::max() / static_cast<size_t>(d)) return bad("shape overflows");
-    want *= static_cast<size_t>(d);
+    if (d == 0) {
+      empty = true;
+      continue;
+    }
+    if (nonzero_bytes > std::numeric_limits<int64_t>::max() / d) {
+      return bad(absl::StrCat("shape (", absl::StrJoin(array.shape, ", "),
+                              ") has more bytes than fit in int64"));
+    }
+    nonzero_bytes *= d;
   }
+  const size_t want = empty ? 0 : static_cast<size_t>(nonzero_bytes);
   const size_t data_at = offset + header_len;
   if (bytes.size() - data_at < want) {
     return bad(absl::StrCat("data holds ", bytes.size() - data_at, " bytes, shape needs ", want));
   }
-  array.data = bytes.substr(data_at, want);
+  array.data = std::string(bytes.substr(data_at, want));
   return array;
 }
 

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace attnserve::client {
 
@@ -29,6 +30,9 @@ int NpyItemSize(const std::string& descr);
 // Errors: NotFound (cannot open), InvalidArgument (not an .npy file, Fortran
 // order, big-endian or unsupported type, truncated data).
 absl::StatusOr<NpyArray> ReadNpy(const std::string& path);
+// ReadNpy's parse of a file's bytes already in memory; `path` only labels
+// the messages.
+absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes, const std::string& path);
 absl::Status WriteNpy(const std::string& path, const NpyArray& array);
 
 }  // namespace attnserve::client

@@ -39,6 +39,10 @@ class AttentionEngine {
   // no output should be trusted.
   virtual absl::Status Run(const AttentionLayer& layer,
                            absl::Span<const AttentionTask> tasks) = 0;
+
+  // Whether Run accepts tasks with a paged K/V cache (AttentionTask::paged,
+  // server-side sessions). Others answer such a task Unimplemented.
+  virtual bool SupportsSessions() const { return false; }
 };
 
 struct EngineOptions {

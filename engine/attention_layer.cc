@@ -2,6 +2,7 @@
 // so that the engines can trust dims and weight shapes afterwards.
 #include "engine/attention_layer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -97,6 +98,38 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
     }
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+// `w` is [out, in] FLOAT32 (or empty), `b` [out] (or empty); shapes were
+// checked by ValidateLayer or are checked there before any request runs.
+ProjectionBound MeasureProjection(const Tensor& w, const Tensor& b) {
+  ProjectionBound bound;
+  if (w.byte_size() != 0 && w.shape().size() == 2) {
+    const int64_t rows = w.shape()[0], cols = w.shape()[1];
+    const float* data = w.data_as<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      double sum = 0;
+      for (int64_t c = 0; c < cols; ++c) sum += std::fabs(static_cast<double>(data[r * cols + c]));
+      // NaN compares false: a NaN weight makes the bound infinite.
+      bound.gain = std::isnan(sum) ? INFINITY : std::max(bound.gain, sum);
+      if (std::isinf(bound.gain)) break;
+    }
+  }
+  const float* bias = b.data_as<float>();
+  for (size_t i = 0; i < b.byte_size() / sizeof(float); ++i) {
+    const double a = std::fabs(static_cast<double>(bias[i]));
+    bound.bias = std::isnan(a) ? INFINITY : std::max(bound.bias, a);
+  }
+  return bound;
+}
+
+}  // namespace
+
+LayerWeightBounds MeasureWeightBounds(const LayerWeights& w) {
+  return {MeasureProjection(w.wq, w.bq), MeasureProjection(w.wk, w.bk),
+          MeasureProjection(w.wv, w.bv), MeasureProjection(w.wo, w.bo)};
 }
 
 }  // namespace attnserve

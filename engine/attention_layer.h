@@ -67,6 +67,24 @@ struct AttentionLayer {
   LayerWeights weights;
 };
 
+// How much one projection y = W x + b can grow a value: every |y_i| <=
+// gain * max|x| + bias, with gain = max over rows of sum_j |W[i, j]| (W's
+// infinity norm) and bias = max |b|; the same bounds every partial sum of
+// the product. +inf when a weight is not finite. Zero when absent.
+struct ProjectionBound {
+  double gain = 0;
+  double bias = 0;
+  double Apply(double max_abs_x) const { return gain * max_abs_x + bias; }
+};
+
+// The four projections' bounds: what validation needs to bound a projection
+// model's scores before compute (server/request/validation.h). Measured
+// once per layer (one pass over the weights).
+struct LayerWeightBounds {
+  ProjectionBound q, k, v, o;
+};
+LayerWeightBounds MeasureWeightBounds(const LayerWeights& weights);
+
 // Checks dims and weight shapes against each other (names the tensor and the
 // expected vs actual shape on failure).
 absl::Status ValidateLayer(const AttentionLayer& layer);

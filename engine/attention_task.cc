@@ -77,6 +77,9 @@ absl::Status CheckView(const char* field, const TensorView& v, const Shape* expe
 }  // namespace
 
 absl::Status CheckTask(const LayerConfig& layer, const AttentionTask& task) {
+  if (task.paged.enabled() && (task.query.rank() < 1 || task.query.shape[0] != 1)) {
+    return absl::InvalidArgumentError("query: a session task must have batch 1");
+  }
   const TensorView& q = task.query;
   const bool self_attention =
       layer.has_projections && task.key.empty() && task.value.empty();

@@ -9,6 +9,7 @@
 #include "absl/types/span.h"
 #include "engine/attention_layer.h"
 #include "engine/attention_params.h"
+#include "engine/paged_kv.h"
 #include "engine/tensor.h"
 
 namespace attnserve {
@@ -33,6 +34,15 @@ struct AttentionTask {
   MutableTensorView output;
   MutableTensorView weights;
   bool average_weights = false;
+
+  // A server-side session (enabled() = block_tokens > 0): key and value (or,
+  // for self-attention projection layers, the query's tokens) are the NEW
+  // rows only. The engine appends them, projected, into the cache at
+  // [cached_len, cached_len + Lk) and attends the query over all
+  // cached_len + Lk tokens. B == 1, no key_lengths, no mask, no weights
+  // (validated by the server; CheckPagedKv guards the engine). Only engines
+  // whose SupportsSessions() is true accept it.
+  PagedKv paged;
 };
 
 // Dims of a task, derived from its shapes and the layer. `batch` is B, the

@@ -2,19 +2,27 @@
 # Installs the Debian 12 packages attnserve builds, runs and tests with.
 # Idempotent: installs only what is missing. Uses sudo when not root.
 #   scripts/install-deps.sh               build + test packages
-#   scripts/install-deps.sh --build-only  what the build needs (the Docker build stage)
+#   scripts/install-deps.sh --build-only  what building attnserve and attn_client needs
+#                                         (the Docker build stage; no tests, no benchmarks)
 set -euo pipefail
 
 BUILD_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libdnnl-dev ocl-icd-opencl-dev prometheus-cpp-dev nlohmann-json3-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
 )
 TEST_PACKAGES=(
+  # The unit tests and the engine benchmarks
+  libgtest-dev libgmock-dev libbenchmark-dev
   # Python client, PyTorch/NumPy oracles, a real Prometheus, an optimised BLAS for the peers
-  python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy
+  python3 python3-venv python3-grpcio python3-grpc-tools python3-protobuf python3-numpy openssl
   python3-torch python3-pytest python3-yaml prometheus libopenblas0
+  # The gRPC load balancers of the scale-out test, and compose (deploy/docker-compose.yml)
+  nginx haproxy docker-compose
+  # The container test: a Docker engine and the tool that makes its debian:bookworm base
+  docker.io debootstrap
+  # libFuzzer + ASan/UBSan for scripts/fuzz.sh (ctest's fuzz.short)
+  clang-14 libfuzzer-14-dev libclang-rt-14-dev
 )
 
 PACKAGES=("${BUILD_PACKAGES[@]}")

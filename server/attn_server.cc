@@ -97,9 +97,11 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
                                 server->clock_);
   if (!scheduler.ok()) return scheduler.status();
   server->scheduler_ = *std::move(scheduler);
+  server->sessions_ =
+      std::make_unique<SessionManager>(options.sessions, server->clock_, server->metrics_.get());
   server->dispatcher_ = std::make_unique<RequestDispatcher>(
       &server->registry_, server->scheduler_.get(), server->metrics_.get(), server->clock_,
-      options.validation);
+      options.validation, server->sessions_.get());
   AttentionServiceOptions service_options;
   if (!options.auth_token_file.empty()) {
     absl::StatusOr<BearerTokens> tokens = BearerTokens::FromFile(options.auth_token_file);
@@ -122,7 +124,12 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
       MakeServerCredentials(options.tls);
   if (!credentials.ok()) return credentials.status();
   server->service_ = std::make_unique<AttentionServiceImpl>(
-      &server->registry_, server->dispatcher_.get(), service_options);
+      &server->registry_, server->dispatcher_.get(), server->metrics_.get(), service_options);
+  // The KServe v2 / Open Inference Protocol front end, on the same port,
+  // behind the same tokens.
+  server->kserve_ = std::make_unique<KServeServiceImpl>(
+      &server->registry_, server->dispatcher_.get(), server->metrics_.get(),
+      service_options.max_stream_backlog, service_options.tokens);
 
   // A process-wide switch read by ServerBuilder; it must be set before
   // BuildAndStart. Health is never behind the tokens: probes need it.
@@ -156,6 +163,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   }
   builder.SetOption(std::make_unique<ReflectionOption>(options.reflection));
   builder.RegisterService(server->service_.get());
+  builder.RegisterService(server->kserve_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     server->server_.reset();
@@ -164,9 +172,18 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
         "--address: cannot listen on ", options.address, " (in use or not a local address?)"));
   }
   server->server_->GetHealthCheckService()->SetServingStatus(kAttentionServiceName, true);
+  server->sweeper_ = std::thread([s = server.get()] {
+    while (!s->stop_sweeper_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
+      s->sessions_->Sweep();
+    }
+  });
 
   const size_t colon = options.address.rfind(':');
   server->address_ = absl::StrCat(options.address.substr(0, colon), ":", server->port_);
+  if (options.malloc_trim_interval.count() > 0) {
+    server->trimmer_ =
+        std::make_unique<MemoryTrimmer>(absl::FromChrono(options.malloc_trim_interval));
+  }
   return server;
 }
 
@@ -179,6 +196,7 @@ void AttnServer::Shutdown() {
   server_->GetHealthCheckService()->SetServingStatus(false);
   // 2. Refuse new requests (UNAVAILABLE) and stop reading open streams.
   service_->BeginShutdown();
+  kserve_->BeginShutdown();
   // 3. Every accepted request is computed (batches close at once, no
   //    max_queue_delay wait) or, past the grace, answered UNAVAILABLE. When
   //    this returns every accepted request has its answer.
@@ -189,13 +207,22 @@ void AttnServer::Shutdown() {
   //    slowly included -- for what is left of the grace.
   const absl::Duration left =
       absl::FromChrono(options_.shutdown_grace) - (clock_->Now() - start);
-  const bool idle = service_->WaitForNoCalls(std::max(left, absl::ZeroDuration()));
-  // 5. Stop gRPC. When idle, only calls that arrived in the last instant can
-  //    be open: give their UNAVAILABLE a moment to go out. Otherwise the
-  //    grace is spent and what is still open is cancelled now.
-  server_->Shutdown(std::chrono::system_clock::now() +
-                    (idle ? std::chrono::milliseconds(200) : std::chrono::milliseconds(0)));
+  service_->WaitForNoCalls(std::max(left, absl::ZeroDuration()));
+  kserve_->WaitForNoCalls(
+      std::max(absl::FromChrono(options_.shutdown_grace) - (clock_->Now() - start),
+               absl::ZeroDuration()));
+  // 5. Stop gRPC. Every accepted call has been answered (or the grace is
+  //    spent), but the last answers may still sit in gRPC's write path: a
+  //    deadline of "now" closed the connections under them, and a client
+  //    that was still sending got a reset instead of its answer (seen under
+  //    load behind a balancer: 2 of ~900 accepted requests lost). So gRPC
+  //    gets kFlushAnswers to send GOAWAY and flush; clients that stay idle
+  //    are then cut off, which bounds what every stop pays.
+  constexpr auto kFlushAnswers = std::chrono::milliseconds(250);
+  server_->Shutdown(std::chrono::system_clock::now() + kFlushAnswers);
   server_->Wait();
+  stop_sweeper_.Notify();
+  if (sweeper_.joinable()) sweeper_.join();
 }
 
 }  // namespace attnserve

@@ -6,18 +6,23 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "grpcpp/server.h"
 #include "server/batching/batching_scheduler.h"
 #include "server/dispatch/request_dispatcher.h"
+#include "server/memory_trim.h"
 #include "server/metrics/metrics.h"
 #include "server/models/model_registry.h"
 #include "server/server_options.h"
+#include "server/sessions/session_manager.h"
 #include "server/transport/attention_service.h"
 #include "server/transport/bearer_tokens.h"
+#include "server/transport/kserve_service.h"
 
 namespace attnserve {
 
@@ -46,6 +51,7 @@ class AttnServer {
   const std::string& metrics_address() const { return metrics_->address(); }
   const Metrics& metrics() const { return *metrics_; }
   const ModelRegistry& registry() const { return registry_; }
+  const SessionManager& sessions() const { return *sessions_; }
 
   // Health turns NOT_SERVING; new requests (unary and stream messages) get
   // UNAVAILABLE; every accepted request is computed and answered within
@@ -64,12 +70,20 @@ class AttnServer {
   // metrics all of them update.
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<BatchingScheduler> scheduler_;
+  std::unique_ptr<SessionManager> sessions_;
   std::unique_ptr<RequestDispatcher> dispatcher_;
   std::unique_ptr<BearerTokens> tokens_;  // null: no authentication
   std::unique_ptr<AttentionServiceImpl> service_;
+  std::unique_ptr<KServeServiceImpl> kserve_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<MemoryTrimmer> trimmer_;  // null when the interval is 0
   std::string address_;
   int port_ = 0;
+
+  // Closes expired sessions once a second (they are also closed lazily when
+  // memory is needed), so that their memory and the metrics follow the TTL.
+  std::thread sweeper_;
+  absl::Notification stop_sweeper_;
 
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;

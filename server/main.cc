@@ -1,11 +1,15 @@
 // attnserve: the gRPC attention server. Parses flags, starts an AttnServer,
-// and shuts it down cleanly (exit code 0) on SIGTERM or SIGINT.
+// and shuts it down cleanly (exit code 0) on SIGTERM or SIGINT; a second
+// signal exits at once (code 128 + signal).
 #include <csignal>
 #include <cstdio>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include "absl/flags/flag.h"
@@ -15,7 +19,9 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
+#include "grpc/grpc.h"
 #include "server/attn_server.h"
+#include "server/cpu_limit.h"
 #include "server/fd_limit.h"
 #include "server/server_options.h"
 
@@ -35,6 +41,25 @@ void DefaultToPassiveOpenMpWaits(char** argv) {
   execv("/proc/self/exe", argv);
   // exec failed (no /proc?): run on with libgomp's default policy.
 }
+// --threads 0: one engine thread per CPU the process may use. OpenMP counts
+// the CPUs of the affinity mask, which in a container is the node's; a
+// cgroup CPU quota (docker --cpus, Kubernetes limits.cpu) is the real
+// budget. 0 (OpenMP's count) when there is no quota.
+int ThreadsForContainer() {
+  absl::StatusOr<std::optional<attnserve::CpuLimit>> limit = attnserve::ReadCpuLimit();
+  if (!limit.ok()) {
+    std::fprintf(stderr, "attnserve: warning: cannot read the cgroup CPU limit (%s); --threads 0 "
+                 "uses one thread per CPU\n", std::string(limit.status().message()).c_str());
+    return 0;
+  }
+  if (!limit->has_value()) return 0;
+  cpu_set_t cpus;
+  const int available = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
+  const int threads = attnserve::ThreadsForCpuLimit((*limit)->cpus, available);
+  std::fprintf(stderr, "attnserve: engine threads %d (CPU limit %.2f from %s)\n", threads,
+               (*limit)->cpus, (*limit)->source.c_str());
+  return threads;
+}
 }  // namespace
 
 ABSL_FLAG(std::string, address, kDefaults.address,
@@ -44,12 +69,15 @@ ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
           "Prometheus metrics endpoint host:port, path /metrics; port 0 picks a free port "
           "(the log line 'attnserve metrics on HOST:PORT' shows it)");
 ABSL_FLAG(int, threads, kDefaults.engine_threads,
-          "threads inside one engine call; 0 = one per core");
+          "threads inside one engine call; 0 = one per CPU the process may use (the cgroup "
+          "CPU quota when one is set, e.g. docker --cpus or Kubernetes limits.cpu)");
 ABSL_FLAG(std::string, default_model, kDefaults.default_model,
           "model for requests that name none (built-ins: demo-mha, sdpa)");
 ABSL_FLAG(int64_t, max_message_bytes, kDefaults.max_message_bytes,
           "largest request message in bytes; larger requests get RESOURCE_EXHAUSTED");
-ABSL_FLAG(std::string, backend, kDefaults.backend, "engine backend: auto, cpu, reference");
+ABSL_FLAG(std::string, backend, kDefaults.backend,
+          "engine backend: auto (cuda when its module loads and a GPU is usable, else cpu), cpu, "
+          "reference, cuda (exits with UNAVAILABLE and the reason when it cannot load)");
 ABSL_FLAG(std::string, model_repository, kDefaults.model_repository,
           "directory with one folder per model (config.pbtxt + weights.safetensors)");
 ABSL_FLAG(int, max_batch_requests, kDefaults.batching.max_batch_requests,
@@ -79,9 +107,15 @@ ABSL_FLAG(int64_t, max_attention_scores, kDefaults.validation.max_attention_scor
           "most attention scores (B x Hq x Lq x Lk) one request may ask for; larger requests "
           "get RESOURCE_EXHAUSTED before any compute (the default is about 1 s of a core at "
           "head_dim 64)");
+ABSL_FLAG(absl::Duration, malloc_trim_interval,
+          absl::FromChrono(kDefaults.malloc_trim_interval),
+          "how often freed heap memory is returned to the OS with malloc_trim (e.g. 10s; 0 = "
+          "never): glibc's per-thread arenas otherwise keep it, and RSS creeps up under "
+          "mixed request sizes");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::FromChrono(kDefaults.shutdown_grace),
-          "on SIGTERM/SIGINT, how long accepted requests may take to complete (e.g. 30s, "
-          "500ms); requests still queued after it get UNAVAILABLE");
+          "on SIGTERM/SIGINT, how long accepted requests may take to complete (e.g. 8s, "
+          "500ms); requests still queued after it get UNAVAILABLE; the default fits inside "
+          "docker stop's 10 s; a second signal exits at once");
 ABSL_FLAG(bool, strict_model_loading, kDefaults.strict_model_loading,
           "true: exit non-zero if any repository model fails to load; false: serve the "
           "others and report the bad one FAILED in ListModels/GetModel");
@@ -145,6 +179,20 @@ ABSL_FLAG(int64_t, max_tensor_elements, kDefaults.validation.max_input_elements,
 ABSL_FLAG(int64_t, max_returned_weights, kDefaults.validation.max_returned_weights,
           "most attention weights (B x Hq x Lq x Lk, or B x Lq x Lk averaged) one request may "
           "ask to get back with need_weights; larger requests get RESOURCE_EXHAUSTED");
+// Server-side attention sessions (issue 17, docs/API.md "Sessions").
+ABSL_FLAG(int64_t, kv_cache_bytes, kDefaults.sessions.kv_cache_bytes,
+          "bytes of session KV cache per model (blocks of K and V); when full, the least "
+          "recently used idle session is evicted (its next request gets ABORTED)");
+ABSL_FLAG(int64_t, kv_block_tokens, kDefaults.sessions.block_tokens,
+          "tokens per KV-cache block, a multiple of 16: a session grows by one block at a time");
+ABSL_FLAG(absl::Duration, session_ttl, kDefaults.sessions.ttl,
+          "idle time after which a session is closed (e.g. 10m, 30s); OpenSession may ask "
+          "for another TTL up to 24h");
+ABSL_FLAG(int64_t, session_max_tokens, kDefaults.sessions.max_tokens,
+          "most tokens one session may cache; OpenSession may ask for fewer");
+ABSL_FLAG(int64_t, max_sessions, kDefaults.sessions.max_sessions,
+          "most sessions open at once, all models together; 0 = no sessions (OpenSession "
+          "gets RESOURCE_EXHAUSTED)");
 
 int main(int argc, char** argv) {
   DefaultToPassiveOpenMpWaits(argv);
@@ -178,14 +226,16 @@ int main(int argc, char** argv) {
       "[--backend=auto|cpu|reference] [--model-repository=DIR] [--strict-model-loading=true] "
       "[--max-batch-requests=N] [--max-batch-tokens=N] [--max-queue-delay-us=N] "
       "[--max-queue-size=N] [--instances=N] [--idle-spin-us=200] [--metrics-threads=8] "
-      "[--metrics-request-timeout=5s] [--shutdown-grace=30s] "
+      "[--metrics-request-timeout=5s] [--shutdown-grace=8s] "
       "[--max-attention-scores=268435456] [--max-multiply-adds=34359738368] "
       "[--nonfinite-inputs=reject] [--tls-cert-file=PEM --tls-key-file=PEM "
       "[--tls-client-ca-file=PEM] [--tls-reload-interval=60s]] [--auth-token-file=FILE] "
       "[--reflection=true] [--max-concurrent-streams=100] [--keepalive-time=2h] "
       "[--keepalive-timeout=20s] [--max-connection-idle=0] [--max-connection-age=0] "
       "[--max-connection-age-grace=30s] [--max-queue-bytes=1073741824] "
-      "[--max-tensor-elements=1073741824] [--max-returned-weights=67108864]\n"
+      "[--max-tensor-elements=1073741824] [--max-returned-weights=67108864] "
+      "[--kv-cache-bytes=1073741824] [--kv-block-tokens=16] "
+      "[--session-ttl=10m] [--session-max-tokens=32768] [--max-sessions=65536]\n"
       "Flags may be written with dashes or underscores.");
   std::vector<std::string> args =
       attnserve::NormalizeFlagNames(std::vector<std::string>(argv, argv + argc));
@@ -218,6 +268,14 @@ int main(int argc, char** argv) {
                  "descriptors will stop the gRPC listener for good\n");
   }
 
+  // gRPC's library teardown (grpc_shutdown, run by the last grpc::Server's
+  // destructor) joins its executor threads, and one of them can sit in a
+  // ~10 s poll while an idle client keeps its connection open after every
+  // call is answered: `docker stop` then ran into its SIGKILL. This
+  // reference keeps that teardown from running; the process exits with
+  // _exit below once every answer has been sent.
+  grpc_init();
+
   attnserve::ServerOptions options;
   options.address = absl::GetFlag(FLAGS_address);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
@@ -238,6 +296,8 @@ int main(int argc, char** argv) {
   options.metrics_request_timeout =
       absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_metrics_request_timeout));
   options.shutdown_grace = absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_shutdown_grace));
+  options.malloc_trim_interval =
+      absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_malloc_trim_interval));
   options.validation.max_multiply_adds = absl::GetFlag(FLAGS_max_multiply_adds);
   absl::StatusOr<attnserve::NonfiniteInputs> nonfinite =
       attnserve::ParseNonfiniteInputs(absl::GetFlag(FLAGS_nonfinite_inputs));
@@ -267,6 +327,13 @@ int main(int argc, char** argv) {
   options.batching.max_queue_bytes = absl::GetFlag(FLAGS_max_queue_bytes);
   options.validation.max_input_elements = absl::GetFlag(FLAGS_max_tensor_elements);
   options.validation.max_returned_weights = absl::GetFlag(FLAGS_max_returned_weights);
+  options.sessions.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  options.sessions.block_tokens = absl::GetFlag(FLAGS_kv_block_tokens);
+  options.sessions.ttl = absl::GetFlag(FLAGS_session_ttl);
+  options.sessions.max_tokens = absl::GetFlag(FLAGS_session_max_tokens);
+  options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+
+  if (options.engine_threads == 0) options.engine_threads = ThreadsForContainer();
 
   absl::StatusOr<std::unique_ptr<attnserve::AttnServer>> server =
       attnserve::AttnServer::Start(options);
@@ -288,9 +355,30 @@ int main(int argc, char** argv) {
   int signal_number = 0;
   while (sigwait(&stop_signals, &signal_number) != 0) {
   }
-  std::fprintf(stderr, "attnserve: signal %d, shutting down\n", signal_number);
+  std::fprintf(stderr, "attnserve: signal %d, shutting down (a second signal exits at once)\n",
+               signal_number);
+  std::fflush(stderr);
+  // An operator who presses Ctrl-C twice, or an orchestrator that gives up
+  // early, wants the process gone now: the drain below may wait up to
+  // --shutdown-grace. The signals stay blocked, so this thread is the only
+  // receiver; 128 + signal is the shell's code for "ended by that signal".
+  std::thread([stop_signals] {
+    int second = 0;
+    while (sigwait(&stop_signals, &second) != 0) {
+    }
+    std::fprintf(stderr, "attnserve: second signal %d, exiting without waiting for open requests\n",
+                 second);
+    std::fflush(stderr);
+    _exit(128 + second);
+  }).detach();
+  // Returns once every accepted request has been answered and its answer
+  // handed to the kernel; then our own parts stop (metrics endpoint, batch
+  // workers, engine).
   (*server)->Shutdown();
   server->reset();
   std::fprintf(stderr, "attnserve: stopped\n");
-  return 0;
+  std::fflush(stderr);
+  // gRPC's threads still run (see grpc_init above): skip static destructors
+  // they could race with. The kernel closes the idle connections.
+  _exit(0);
 }

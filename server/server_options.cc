@@ -41,6 +41,11 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
         absl::StrCat("--metrics-request-timeout: must be >= 1ms, got ",
                      options.metrics_request_timeout.count(), " ms"));
   }
+  if (options.malloc_trim_interval.count() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--malloc-trim-interval: must be >= 0 (0 = never), got ",
+                     options.malloc_trim_interval.count(), " ms"));
+  }
   if (options.validation.max_attention_scores < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max-attention-scores: must be >= 1, got ",
@@ -101,6 +106,7 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
         "--keepalive-time must be >= 1s and --keepalive-timeout >= 1ms");
   }
   if (absl::Status s = CheckTlsOptions(options.tls); !s.ok()) return s;
+  if (absl::Status s = CheckSessionOptions(options.sessions); !s.ok()) return s;
   if (absl::Status s = ValidateBatcherOptions(options.batching); !s.ok()) {
     // The option names match the flags, spelled with dashes.
     std::string message(s.message());

@@ -14,6 +14,7 @@
 #include "server/request/clock.h"
 #include "server/request/validation.h"
 #include "server/transport/tls_credentials.h"
+#include "server/sessions/session_options.h"
 
 namespace attnserve {
 
@@ -52,7 +53,8 @@ struct ServerOptions {
   // Engine backend: "auto" (cuda when usable, else cpu), "cpu", "reference",
   // "cuda". Default: auto.
   std::string backend = "auto";
-  // Threads inside one engine call; 0 = one per core. Default: 0.
+  // Threads inside one engine call; 0 = one per core (OpenMP's count; main()
+  // first turns 0 into the cgroup CPU quota when one is set). Default: 0.
   int engine_threads = 0;
   // Model for requests that name none. Default: demo-mha.
   std::string default_model = "demo-mha";
@@ -66,8 +68,9 @@ struct ServerOptions {
   // from gRPC before any parsing. Default: 64 MiB.
   int64_t max_message_bytes = int64_t{64} << 20;
   // How long Shutdown() lets accepted requests finish; requests still queued
-  // after it are answered UNAVAILABLE. Default: 30 s.
-  std::chrono::milliseconds shutdown_grace{30000};
+  // after it are answered UNAVAILABLE. Fits inside `docker stop`'s default
+  // 10 s before SIGKILL, with room for the exit itself. Default: 8 s.
+  std::chrono::milliseconds shutdown_grace{8000};
   // Dynamic batching of every model: one queue per model, `instances`
   // engine workers each. A repository model's config.pbtxt (batching,
   // instances) overrides these field by field. Default: BatcherOptions{}.
@@ -79,6 +82,9 @@ struct ServerOptions {
   // for a response write to progress) before it drops the connection; bounds
   // how long a slow client holds a metrics thread. Default: 5 s.
   std::chrono::milliseconds metrics_request_timeout{5000};
+  // How often freed heap memory is handed back to the OS (malloc_trim; see
+  // server/memory_trim.h); 0 = never. Default: 10 s.
+  std::chrono::milliseconds malloc_trim_interval{10000};
   // Per-request size and work limits (--max-attention-scores,
   // --max-multiply-adds) and what is done with non-finite inputs
   // (--nonfinite-inputs). Default: ValidationOptions{}.
@@ -96,6 +102,11 @@ struct ServerOptions {
   // Default: true.
   bool reflection = true;
   ConnectionLimits connections;
+  // Server-side attention sessions: KV cache per model, block size, idle
+  // TTL, per-session token limit, session count (--kv-cache-bytes,
+  // --kv-block-tokens, --session-ttl, --session-max-tokens, --max-sessions).
+  // Default: SessionOptions{}.
+  SessionOptions sessions;
   // The time source of every timing rule (deadlines, batching, shutdown
   // grace); must outlive the server. Tests inject a FakeClock. Default:
   // nullptr = MonotonicClock.

@@ -46,8 +46,10 @@ class CpuEngine final : public AttentionEngine {
       }
       if (params.empty()) return absl::OkStatus();
       if (!layer.config.has_projections) {
-        for (const AttentionParams& p : params) {
-          absl::Status s = cpu::FlashAttention({&p, 1}, FlashOptionsFor(&layer.config));
+        for (size_t i = 0; i < params.size(); ++i) {
+          AttentionParams& p = params[i];
+          if (absl::Status s = UseSessionCache(batch[i], &p); !s.ok()) return s;
+          absl::Status s = RunCore({&p, 1}, FlashOptionsFor(&layer.config));
           if (!s.ok()) return s;
         }
         return absl::OkStatus();
@@ -55,6 +57,8 @@ class CpuEngine final : public AttentionEngine {
       return RunProjected(layer, batch, params);
     });
   }
+
+  bool SupportsSessions() const override { return true; }
 
  private:
   // Sets the thread count and turns anything thrown inside (oneDNN errors,
@@ -93,6 +97,34 @@ class CpuEngine final : public AttentionEngine {
                       ? cpu::FlashPrecision::kBFloat16
                       : cpu::FlashPrecision::kFloat32;
     return o;
+  }
+
+  // A session task: appends the new K/V rows `p` reads (the request's, or
+  // the projected ones) into its cache and points `p` at the whole cache.
+  static absl::Status UseSessionCache(const AttentionTask& task, AttentionParams* p) {
+    if (!task.paged.enabled()) return absl::OkStatus();
+    if (p->dtype != task.paged.dtype) {
+      // bf16 activations (bf16 layers on CPUs with bf16 matmuls) against the
+      // FLOAT32 cache of projection models.
+      return absl::UnimplementedError(absl::StrCat(
+          "cpu engine: session cache holds ", std::string(DTypeName(task.paged.dtype)),
+          ", the attention core computes in ", std::string(DTypeName(p->dtype))));
+    }
+    if (absl::Status s = CheckPagedKv(task.paged, *p); !s.ok()) return s;
+    AppendPagedRows(task.paged, *p);
+    PointAtPagedKv(task.paged, p);
+    return absl::OkStatus();
+  }
+
+  // The attention core of every request in `params`. The one place the core
+  // is called: paged params (sessions) are gathered into contiguous scratch
+  // here until the flash kernel reads blocks natively, at which point this
+  // becomes a plain FlashAttention call.
+  static absl::Status RunCore(absl::Span<AttentionParams> params,
+                              const cpu::FlashOptions& options) {
+    std::vector<std::vector<char>> scratch(params.size());
+    for (size_t i = 0; i < params.size(); ++i) GatherPagedKv(&params[i], &scratch[i]);
+    return cpu::FlashAttention(params, options);
   }
 
   // nn.MultiheadAttention (batch first) over the whole batch:
@@ -219,7 +251,10 @@ class CpuEngine final : public AttentionEngine {
     if (o_layout.total > covered) {
       std::memset(at(core, covered, qf, 0), 0, (o_layout.total - covered) * qf * act_size);
     }
-    if (absl::Status s = cpu::FlashAttention(params, FlashOptionsFor(&c)); !s.ok()) return s;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (absl::Status s = UseSessionCache(batch[i], &params[i]); !s.ok()) return s;
+    }
+    if (absl::Status s = RunCore(absl::MakeSpan(params), FlashOptionsFor(&c)); !s.ok()) return s;
 
     // 3. Output projection, scattered into each task's output.
     LinearJob out_job;

@@ -57,8 +57,26 @@ absl::Status CheckRequest(const AttentionParams& p, size_t index) {
     return bad("num_heads (", p.num_heads, ") must be a multiple of num_kv_heads (",
                p.num_kv_heads, ")");
   }
-  if (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.out == nullptr) {
-    return bad("q, k, v and out must be set");
+  const bool paged = p.k_blocks != nullptr || p.v_blocks != nullptr;
+  if (p.q == nullptr || p.out == nullptr || (!paged && (p.k == nullptr || p.v == nullptr))) {
+    return bad("q, k, v (or k_blocks and v_blocks) and out must be set");
+  }
+  if (paged) {
+    if (p.k_blocks == nullptr || p.v_blocks == nullptr) {
+      return bad("paged K/V needs both k_blocks and v_blocks");
+    }
+    if (p.block_tokens < kPagedBlockTokensMultiple || p.block_tokens % kPagedBlockTokensMultiple != 0) {
+      return bad("block_tokens (", p.block_tokens, ") must be a positive multiple of ",
+                 kPagedBlockTokensMultiple);
+    }
+    if (p.batch != 1) return bad("paged K/V holds one sequence: batch must be 1 (got ", p.batch, ")");
+    const int64_t blocks = (p.kv_len + p.block_tokens - 1) / p.block_tokens;
+    for (int64_t i = 0; i < blocks; ++i) {
+      if (p.k_blocks[i] == nullptr || p.v_blocks[i] == nullptr) {
+        return bad("k_blocks[", i, "] and v_blocks[", i, "] must be set (kv_len ", p.kv_len,
+                   " needs ", blocks, " blocks of ", p.block_tokens, " tokens)");
+      }
+    }
   }
   if (!IsFloat(p.dtype) || !IsFloat(p.out_dtype) || (p.weights != nullptr && !IsFloat(p.weights_dtype))) {
     return bad("inputs, output and weights must be FLOAT32, FLOAT16 or BFLOAT16 (got ",

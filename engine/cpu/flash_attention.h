@@ -58,6 +58,11 @@ struct FlashOptions {
 // lengths and options; see AttentionParams). Inputs may be FLOAT32, FLOAT16
 // or BFLOAT16; the output and weights any of those.
 //
+// Paged K/V (AttentionParams::k_blocks, a session's KV cache) is read in
+// place, block by block, without gathering it: a paged request's output
+// and weights are bitwise equal to those of the same request with the same
+// K/V laid out contiguously, for every variant and block size.
+//
 // Guarantees:
 //  - Each output row is computed by one fixed sequence of operations that
 //    depends only on its own request and the variant chosen: results are
@@ -70,7 +75,9 @@ struct FlashOptions {
 //    one [64, Lk] fp32 row block per thread.
 //
 // Errors: InvalidArgument when a request fails the kernel's own guard
-// checks (null pointers, dims < 1, Hq % Hkv != 0, non-float dtypes);
+// checks (null pointers, dims < 1, Hq % Hkv != 0, non-float dtypes; paged:
+// both block tables and every block they need set, block_tokens a multiple
+// of kPagedBlockTokensMultiple, batch 1);
 // FailedPrecondition for a forced variant this CPU lacks or an unknown
 // ATTNSERVE_CPU_ISA value. Nothing is written on error.
 //

@@ -12,6 +12,9 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
+#if defined(__clang__)  // clang ignores GCC's target pragma (the fuzz build)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq"))), apply_to = function)
+#endif
 #define ATTNSERVE_FLASH_KERNEL_FILE 1
 
 namespace attnserve::cpu::flash {
@@ -26,5 +29,8 @@ namespace {
 bool RunItemAvx512(const WorkItem& item) { return Kernel::Run(item); }
 
 }  // namespace attnserve::cpu::flash
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
 #pragma GCC diagnostic pop
 #pragma GCC pop_options

@@ -219,7 +219,7 @@ int Main(int argc, char** argv) {
               prop.minor);
 
   const std::vector<int64_t> lens =
-      quick ? std::vector<int64_t>{2048} : std::vector<int64_t>{512, 1024, 2048, 4096, 8192};
+      quick ? std::vector<int64_t>{2048} : std::vector<int64_t>{512, 1024, 2048, 4096, 8192, 16384};
   for (DType t : {DType::kBFloat16, DType::kFloat16}) {
     for (int64_t dim : {64, 128}) {
       for (bool causal : {false, true}) {

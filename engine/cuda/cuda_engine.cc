@@ -41,6 +41,10 @@ class CudaEngine final : public AttentionEngine {
     const LayerConfig& config = layer.config;
     for (const AttentionTask& task : batch) {
       ATTNSERVE_CUDA_RETURN_IF_ERROR(CheckTask(config, task));
+      if (task.paged.enabled()) {
+        return absl::UnimplementedError(
+            "cuda engine: sessions (a paged K/V cache) are served by the cpu engine for now");
+      }
     }
     ATTNSERVE_CUDA_CALL(cudaSetDevice(device_));
     absl::StatusOr<Lease> ws = Acquire();

@@ -1,13 +1,19 @@
 // The fused attention kernel for FLOAT16/BFLOAT16 with head dims 64 and 128:
 // flash-attention's forward pass (online softmax over key tiles, nothing of
 // size Lq x Lk ever written to memory) on mma.sync.m16n8k16 tensor-core
-// instructions with fp32 accumulation, sm_80 and newer.
+// instructions with fp32 accumulation, sm_80 and newer. Written here (no
+// maintained library offers a fused kernel with this masking contract).
 //
-// Kept deliberately plain: one 64-row query tile per block, four warps of 16
-// rows each, 64-key tiles loaded into shared memory with 16-byte loads, and
-// fragments read from shared memory with ordinary 32-bit loads. No cp.async
-// pipelining, no ldmatrix, no wgmma: those are the next steps for speed, once
-// this version has been checked on a GPU.
+// One block per 128-row query tile, eight warps of 16 rows each. K and V
+// arrive in 64-key tiles through cp.async into two shared-memory stages, so
+// tile j+1 loads while tile j computes; fragments come from shared memory
+// through ldmatrix (.trans for V); Q's fragments are read once and stay in
+// registers; P never leaves registers (the accumulator of S = Q K^T over two
+// adjacent 8-key tiles is exactly the A fragment of P for P V). Scores are
+// kept in the log2 domain (exp2). Masks are evaluated only on tiles that
+// need them (a mask tensor, or keys past some row's visible end); a warp
+// skips tiles none of its rows can see (the causal diagonal), and causal
+// grids start with the heaviest tiles.
 //
 // Fragment layouts are the ones the PTX ISA documents for
 // mma.m16n8k16 with .f16/.bf16 inputs (g = lane / 4, t = lane % 4):
@@ -15,8 +21,9 @@
 //       {a2,a3} = A[g+8][2t..2t+1], {a4,a5} = A[g][2t+8..], {a6,a7} = A[g+8][2t+8..]
 //   B (16x8, column major), 2 x b32: {b0,b1} = B[2t..2t+1][g], {b2,b3} = B[2t+8..2t+9][g]
 //   C/D (16x8, fp32), 4 x f32: c0,c1 = C[g][2t..2t+1], c2,c3 = C[g+8][2t..2t+1]
-// The accumulator of S = Q K^T over two adjacent 8-key tiles is therefore
-// exactly the A fragment of P for P V, so P never leaves registers.
+// ldmatrix.x4 gives lane l the 32-bit word (row l/4, cols 2(l%4)..) of each
+// of four 8x8 matrices whose row addresses lanes 8m..8m+7 supply (.trans:
+// rows and columns exchanged), which is each of those fragments in turn.
 #include <cstdint>
 
 #include "engine/cuda/attention_kernels.h"
@@ -26,11 +33,12 @@
 namespace attnserve::cuda {
 namespace {
 
-constexpr int kBlockM = 64;  // query rows per block
-constexpr int kBlockN = 64;  // keys per tile
-constexpr int kWarps = 4;    // each owns 16 query rows
+constexpr int kWarps = 8;               // each owns 16 query rows
+constexpr int kBlockM = 16 * kWarps;    // query rows per block
+constexpr int kBlockN = 64;             // keys per tile
 constexpr int kThreads = kWarps * 32;
 constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kLog2e = 1.4426950408889634f;
 
 template <typename T>
 struct Mma;
@@ -68,52 +76,71 @@ struct Mma<__nv_bfloat16> {
   }
 };
 
-// Two adjacent 16-bit elements as one 32-bit register (lower address = low half).
-template <typename T>
-__device__ __forceinline__ uint32_t Load2(const T* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-template <typename T>
-__device__ __forceinline__ uint32_t Bits(const T* p) {
-  return *reinterpret_cast<const uint16_t*>(p);
+// Four 8x8 matrices of 16-bit elements from shared memory (see the top).
+__device__ __forceinline__ void LoadMatrices(uint32_t (&r)[4], const void* row_address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SharedAddress(row_address)));
+}
+__device__ __forceinline__ void LoadMatricesTransposed(uint32_t (&r)[4], const void* row_address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SharedAddress(row_address)));
 }
 
-// Copies rows [row0, row0 + 64) of a [rows, D] view (row stride in elements)
-// into shared memory with row pitch kLd; rows at or past `rows` become zeros,
-// so that padding keys contribute 0 * 0 rather than 0 * garbage.
-template <typename T, int D, int kLd>
-__device__ __forceinline__ void LoadTile(T* dst, const T* src, int64_t stride_row, int64_t row0,
+// 16 bytes global -> shared without passing through registers; when !valid
+// the 16 bytes become zeros and nothing is read.
+__device__ __forceinline__ void CopyAsync16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SharedAddress(dst)),
+               "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void WaitCopies() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+// Starts copying rows [row0, row0 + kRows) of a [rows, D] view (row stride in
+// elements) into shared memory with row pitch D + 8; rows at or past `rows`
+// become zeros, so that padding keys contribute 0 * 0 rather than 0 * garbage.
+// The 16 bytes of padding per row shift consecutive rows by 4 banks: the
+// eight row addresses of one ldmatrix hit distinct banks.
+template <typename T, int D, int kRows>
+__device__ __forceinline__ void CopyTile(T* dst, const T* src, int64_t stride_row, int64_t row0,
                                          int64_t rows) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  for (int c = static_cast<int>(threadIdx.x); c < kBlockM * kChunks; c += kThreads) {
+  static_assert(kRows * kChunks % kThreads == 0, "whole rounds of chunks");
+#pragma unroll
+  for (int round = 0; round < kRows * kChunks / kThreads; ++round) {
+    const int c = static_cast<int>(threadIdx.x) + round * kThreads;
     const int r = c / kChunks;
     const int col = (c % kChunks) * 8;
-    uint4 value = make_uint4(0, 0, 0, 0);
-    if (row0 + r < rows)
-      value = *reinterpret_cast<const uint4*>(src + (row0 + r) * stride_row + col);
-    *reinterpret_cast<uint4*>(dst + r * kLd + col) = value;
+    const bool valid = row0 + r < rows;
+    CopyAsync16(dst + r * (D + 8) + col, valid ? src + (row0 + r) * stride_row + col : src, valid);
   }
 }
 
 template <typename T, int D>
 constexpr int SharedBytes() {
-  return 3 * kBlockM * (D + 8) * static_cast<int>(sizeof(T));
+  // Q, then two stages of K, then two stages of V.
+  return (kBlockM + 4 * kBlockN) * (D + 8) * static_cast<int>(sizeof(T));
 }
 
-// Grid: one block per (b, h, 64-row query tile), flattened into blockIdx.x.
+// Grid: one block per (b, h, 128-row query tile), flattened into blockIdx.x
+// with the tile fastest (neighbouring blocks share K/V in L2).
 template <typename T, int D, bool kCausal>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     FlashAttentionKernel(AttentionParams a, int64_t q_tiles) {
-  static_assert(kBlockM == kBlockN, "LoadTile copies kBlockM rows");
-  constexpr int kLd = D + 8;  // row pitch: 16 bytes of padding shift each row by 4 banks
+  constexpr int kLd = D + 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* q_tile = reinterpret_cast<T*>(smem_raw);
-  T* k_tile = q_tile + kBlockM * kLd;
-  T* v_tile = k_tile + kBlockN * kLd;
+  T* k_stages = q_tile + kBlockM * kLd;
+  T* v_stages = k_stages + 2 * kBlockN * kLd;
 
   int64_t block = blockIdx.x;
-  const int64_t tile = block % q_tiles;
+  // Causal: the last query tiles see the most keys; start them first.
+  const int64_t tile = kCausal ? q_tiles - 1 - block % q_tiles : block % q_tiles;
   block /= q_tiles;
   const int64_t h = block % a.num_heads;
   const int64_t b = block / a.num_heads;
@@ -136,6 +163,13 @@ __global__ void __launch_bounds__(kThreads)
   row[0] = i0 + warp * 16 + g;
   row[1] = row[0] + 8;
   for (int r = 0; r < 2; ++r) row_end[r] = row[r] < a.q_len ? RowKeyEnd(a, b, row[r]) : 0;
+  // Keys before this are visible to both rows: no per-element test needed.
+  const int64_t both_see = min(row_end[0], row_end[1]);
+  const bool has_mask = a.mask.kind != MaskParams::Kind::kNone;
+  // Keys any row of this warp may see (RowKeyEnd grows with the row).
+  const int64_t warp_first = i0 + warp * 16;
+  const int64_t warp_last = min(warp_first + 15, a.q_len - 1);
+  const int64_t warp_end = warp_first <= warp_last ? RowKeyEnd(a, b, warp_last) : 0;
 
   // Keys any row of the block may see.
   int64_t block_end = a.kv_len;
@@ -144,48 +178,80 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t last_row = min(i0 + kBlockM, a.q_len) - 1;
     block_end = min(block_end, last_row + (a.kv_len - a.q_len) + 1);
   }
+  const int64_t n_tiles = block_end > 0 ? (block_end + kBlockN - 1) / kBlockN : 0;
 
-  LoadTile<T, D, kLd>(q_tile, q, a.q_stride_row, i0, a.q_len);
+  CopyTile<T, D, kBlockM>(q_tile, q, a.q_stride_row, i0, a.q_len);
+  if (n_tiles > 0) {
+    CopyTile<T, D, kBlockN>(k_stages, k, a.k_stride_row, 0, a.kv_len);
+    CopyTile<T, D, kBlockN>(v_stages, v, a.v_stride_row, 0, a.kv_len);
+  }
+  CommitCopies();
 
+  uint32_t q_frag[D / 16][4];
   float o[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  float m[2] = {-INFINITY, -INFINITY};  // running row maxima (scaled, masked scores)
+  float m[2] = {-INFINITY, -INFINITY};  // running row maxima (log2 domain)
   float l[2] = {0.0f, 0.0f};            // this thread's part of the row sums
+  const float scale_log2 = a.scale * kLog2e;
 
-  for (int64_t j0 = 0; j0 < block_end; j0 += kBlockN) {
-    __syncthreads();  // the previous tile's K/V are no longer read
-    LoadTile<T, D, kLd>(k_tile, k, a.k_stride_row, j0, a.kv_len);
-    LoadTile<T, D, kLd>(v_tile, v, a.v_stride_row, j0, a.kv_len);
-    __syncthreads();  // Q (first time), K and V are in shared memory
+  for (int64_t it = 0; it < n_tiles; ++it) {
+    // Tile `it` has landed for every thread, and every warp is done with the
+    // stage the next copy overwrites (the one tile it - 1 used).
+    WaitCopies();
+    __syncthreads();
+    if (it == 0) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        LoadMatrices(q_frag[kk], q_tile + (warp * 16 + (lane & 15)) * kLd + kk * 16 + (lane >> 4) * 8);
+      }
+    }
+    if (it + 1 < n_tiles) {
+      const int next = static_cast<int>((it + 1) & 1);
+      CopyTile<T, D, kBlockN>(k_stages + next * kBlockN * kLd, k, a.k_stride_row,
+                              (it + 1) * kBlockN, a.kv_len);
+      CopyTile<T, D, kBlockN>(v_stages + next * kBlockN * kLd, v, a.v_stride_row,
+                              (it + 1) * kBlockN, a.kv_len);
+    }
+    CommitCopies();
+    const int64_t j0 = it * kBlockN;
+    if (j0 >= warp_end) continue;  // no row of this warp sees these keys (nor later ones)
+    const T* k_tile = k_stages + (it & 1) * kBlockN * kLd;
+    const T* v_tile = v_stages + (it & 1) * kBlockN * kLd;
 
     // S = Q K^T for this warp's 16 rows and the tile's 64 keys: 8 n-tiles.
+    // B[kk*16 + x][n*8 + y] = K[n*8 + y][kk*16 + x]: rows of K are columns of
+    // B, so plain ldmatrix of K's rows gives B's fragments, two n-tiles at once.
     float s[kBlockN / 8][4];
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      const T* qa = q_tile + (warp * 16 + g) * kLd + kk * 16 + 2 * t;
-      const uint32_t a_frag[4] = {Load2(qa), Load2(qa + 8 * kLd), Load2(qa + 8),
-                                  Load2(qa + 8 * kLd + 8)};
 #pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n) {
-        // B[kk*16 + x][n*8 + y] = K[n*8 + y][kk*16 + x]: a row of K is a column of B.
-        const T* kb = k_tile + (n * 8 + g) * kLd + kk * 16 + 2 * t;
-        Mma<T>::Run(s[n], a_frag, Load2(kb), Load2(kb + 8));
+      for (int n = 0; n < kBlockN / 8; n += 2) {
+        uint32_t kb[4];
+        LoadMatrices(kb, k_tile + (n * 8 + (lane >> 4) * 8 + (lane & 7)) * kLd + kk * 16 +
+                             ((lane >> 3) & 1) * 8);
+        Mma<T>::Run(s[n], q_frag[kk], kb[0], kb[1]);
+        Mma<T>::Run(s[n + 1], q_frag[kk], kb[2], kb[3]);
       }
     }
 
-    // Scale and mask; the new row maxima (reduced over the 4 threads of a row).
+    // Scale (and mask where needed) into the log2 domain; the new row maxima
+    // (reduced over the 4 threads of a row).
+    const bool needs_mask = has_mask || j0 + kBlockN > both_see;
     float tile_max[2] = {m[0], m[1]};
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
-        const int64_t j = j0 + n * 8 + 2 * t + (e & 1);
-        float x = -INFINITY;
-        if (j < row_end[r]) x = ApplyMask(a.mask, b, h, row[r], j, s[n][e] * a.scale);
+        float x = s[n][e] * scale_log2;
+        if (needs_mask) {
+          const int64_t j = j0 + n * 8 + 2 * t + (e & 1);
+          x = j < row_end[r] ? ApplyMask(a.mask, b, h, row[r], j, s[n][e] * a.scale) * kLog2e
+                             : -INFINITY;
+        }
         s[n][e] = x;
         tile_max[r] = fmaxf(tile_max[r], x);
       }
@@ -197,9 +263,9 @@ __global__ void __launch_bounds__(kThreads)
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 1));
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 2));
       // A row with nothing visible yet keeps max -inf; shift by 0 then so that
-      // exp(-inf - shift) is 0 rather than NaN.
+      // exp2(-inf - shift) is 0 rather than NaN.
       shift[r] = tile_max[r] == -INFINITY ? 0.0f : tile_max[r];
-      alpha[r] = expf(m[r] - shift[r]);  // 0 when m was -inf
+      alpha[r] = exp2f(m[r] - shift[r]);  // 0 when m was -inf
       m[r] = tile_max[r];
       l[r] *= alpha[r];
     }
@@ -208,7 +274,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
-        const float p = expf(s[n][e] - shift[r]);
+        const float p = exp2f(s[n][e] - shift[r]);
         s[n][e] = p;
         l[r] += p;
       }
@@ -222,6 +288,7 @@ __global__ void __launch_bounds__(kThreads)
     }
 
     // O += P V, 16 keys per step; P's A fragment comes from S tiles 2kk, 2kk+1.
+    // B[x][y] = V[kk*16 + x][n*8 + y]: ldmatrix.trans of V's rows.
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const uint32_t p_frag[4] = {Mma<T>::Pack(s[2 * kk][0], s[2 * kk][1]),
@@ -229,15 +296,16 @@ __global__ void __launch_bounds__(kThreads)
                                   Mma<T>::Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                   Mma<T>::Pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        // B[x][y] = V[kk*16 + x][n*8 + y]: two keys' values for one dim per register.
-        const T* vb = v_tile + (kk * 16 + 2 * t) * kLd + n * 8 + g;
-        const uint32_t b0 = Bits(vb) | (Bits(vb + kLd) << 16);
-        const uint32_t b1 = Bits(vb + 8 * kLd) | (Bits(vb + 9 * kLd) << 16);
-        Mma<T>::Run(o[n], p_frag, b0, b1);
+      for (int n = 0; n < D / 8; n += 2) {
+        uint32_t vb[4];
+        LoadMatricesTransposed(vb, v_tile + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * kLd +
+                                       n * 8 + (lane >> 4) * 8);
+        Mma<T>::Run(o[n], p_frag, vb[0], vb[1]);
+        Mma<T>::Run(o[n + 1], p_frag, vb[2], vb[3]);
       }
     }
   }
+  WaitCopies();  // with no key tile, Q's copy is still in flight
 
   // Normalise and store. l == 0 only for rows that saw no key: zeros.
   float inv_l[2];
@@ -247,16 +315,25 @@ __global__ void __launch_bounds__(kThreads)
     l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
     inv_l[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
   }
+  // Two adjacent outputs as one 32-bit store when the output is T and every
+  // pair is 4-byte aligned; element by element otherwise.
+  const bool paired = a.out_dtype == a.dtype && reinterpret_cast<uintptr_t>(a.out) % 4 == 0 &&
+                      a.o_stride_b % 2 == 0 && a.o_stride_h % 2 == 0 && a.o_stride_row % 2 == 0;
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
+  for (int r = 0; r < 2; ++r) {
+    if (row[r] >= a.q_len) continue;
+    const int64_t base = b * a.o_stride_b + h * a.o_stride_h + row[r] * a.o_stride_row;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = e >> 1;
-      if (row[r] >= a.q_len) continue;
-      const int64_t col = n * 8 + 2 * t + (e & 1);
-      StoreElement(a.out, a.out_dtype,
-                   b * a.o_stride_b + h * a.o_stride_h + row[r] * a.o_stride_row + col,
-                   o[n][e] * inv_l[r]);
+    for (int n = 0; n < D / 8; ++n) {
+      const int64_t col = n * 8 + 2 * t;
+      const float lo = o[n][2 * r] * inv_l[r];
+      const float hi = o[n][2 * r + 1] * inv_l[r];
+      if (paired) {
+        *reinterpret_cast<uint32_t*>(static_cast<T*>(a.out) + base + col) = Mma<T>::Pack(lo, hi);
+      } else {
+        StoreElement(a.out, a.out_dtype, base + col, lo);
+        StoreElement(a.out, a.out_dtype, base + col + 1, hi);
+      }
     }
   }
 }

@@ -361,6 +361,10 @@ class ReferenceEngine final : public AttentionEngine {
         if (absl::Status s = ValidateLayer(layer); !s.ok()) return s;
       }
       for (const AttentionTask& task : batch) {
+        if (task.paged.enabled()) {
+          return absl::UnimplementedError("reference engine: sessions (a paged K/V cache) are "
+                                          "served by the cpu engine");
+        }
         absl::StatusOr<Dims> dims = CheckInputs(layer.config, task);
         if (!dims.ok()) return dims.status();
         if (absl::Status s = CheckRest(layer.config, task, *dims); !s.ok()) return s;

@@ -66,10 +66,14 @@ absl::StatusOr<std::unique_ptr<BatchingScheduler>> BatchingScheduler::Create(
   for (const std::shared_ptr<const ServedModel>& model : registry.List()) {
     if (!model->ready()) continue;
     ModelMetrics* mm = metrics != nullptr ? metrics->ForModel(model->name) : nullptr;
+    const BatcherOptions options = ModelBatcherOptions(defaults, model->batching);
     DynamicBatcher::QueueDepthFn depth;
-    if (mm != nullptr) depth = [mm](int64_t d) { mm->SetQueueDepth(d); };
+    if (mm != nullptr) {
+      depth = [mm](int64_t d) { mm->SetQueueDepth(d); };
+      mm->SetQueueCapacity(options.max_queue_size);
+    }
     absl::StatusOr<std::unique_ptr<DynamicBatcher>> batcher = DynamicBatcher::Create(
-        model->name, ModelBatcherOptions(defaults, model->batching),
+        model->name, options,
         [model, clock, mm](Batch& batch) { ProcessBatch(*model, clock, mm, batch); }, clock,
         std::move(depth));
     if (!batcher.ok()) return batcher.status();

@@ -30,12 +30,14 @@ int64_t RequestBytes(const AttendInputs& inputs, const AttentionTask& task) {
 }  // namespace
 
 RequestDispatcher::RequestDispatcher(const ModelRegistry* registry, BatchingScheduler* scheduler,
-                                     Metrics* metrics, Clock* clock, ValidationOptions validation)
+                                     Metrics* metrics, Clock* clock, ValidationOptions validation,
+                                     SessionManager* sessions)
     : registry_(registry),
       scheduler_(scheduler),
       metrics_(metrics),
       clock_(clock),
-      validation_(std::move(validation)) {}
+      validation_(std::move(validation)),
+      sessions_(sessions) {}
 
 void RequestDispatcher::CountAnswer(InferenceRequest& request) {
   // Every answer, whoever gives it, is counted here: the metrics wrap the
@@ -62,12 +64,22 @@ void RequestDispatcher::Submit(std::unique_ptr<InferenceRequest> request,
 
 absl::Status RequestDispatcher::Start(std::unique_ptr<InferenceRequest>& request,
                                       const AttendInputs& inputs, OutputAllocator allocate) {
+  // A session request that names no model runs on the session's model (and
+  // an unknown, closed, expired or evicted session is its first error).
+  std::string session_model;
+  if (!inputs.session_id.empty() && inputs.model.empty() && sessions_ != nullptr) {
+    absl::StatusOr<std::string> m = sessions_->ModelOf(inputs.session_id);
+    if (!m.ok()) return m.status();
+    session_model = *std::move(m);
+  }
+  const absl::string_view requested = session_model.empty() ? inputs.model : session_model;
+  // The caller's credentials are checked on the name, before the lookup.
   if (absl::Status s =
-          request->access.Check(inputs.model, [this] { return registry_->default_model(); });
+          request->access.Check(requested, [this] { return registry_->default_model(); });
       !s.ok()) {
     return s;
   }
-  absl::StatusOr<std::shared_ptr<const ServedModel>> model = registry_->Find(inputs.model);
+  absl::StatusOr<std::shared_ptr<const ServedModel>> model = registry_->Find(requested);
   if (!model.ok()) return model.status();
   request->model = *std::move(model);
   const ServedModel& served = *request->model;
@@ -76,7 +88,7 @@ absl::Status RequestDispatcher::Start(std::unique_ptr<InferenceRequest>& request
         absl::StrCat("model: '", served.name, "' is not ready: ", served.reason));
   }
   absl::StatusOr<ValidatedRequest> validated =
-      ValidateAttendInputs(inputs, served.layer->config, validation_);
+      ValidateAttendInputs(inputs, served.layer->config, validation_, &served.weight_bounds);
   if (!validated.ok()) return validated.status();
 
   request->task = std::move(validated->task);
@@ -90,14 +102,99 @@ absl::Status RequestDispatcher::Start(std::unique_ptr<InferenceRequest>& request
         allocate(OutputName::kWeights, validated->output_dtype, validated->weights_shape);
   }
   request->bytes = RequestBytes(inputs, request->task);
+  if (!inputs.session_id.empty()) {
+    if (sessions_ == nullptr) {
+      return absl::UnimplementedError("session_id: this server does not serve sessions");
+    }
+    request->session_id = std::string(inputs.session_id);
+    // On error the request is still ours (and not bound: its answer does
+    // not touch the session).
+    if (absl::Status s = sessions_->Submit(&request); !s.ok()) return s;
+    if (request == nullptr) return absl::OkStatus();  // queued behind the session's request
+    WrapSessionDone(*request);
+  }
+  return Schedule(request);
+}
+
+absl::Status RequestDispatcher::Schedule(std::unique_ptr<InferenceRequest>& request) {
   // Counted before Schedule, so that a fast completion never takes the gauge
   // below zero; RecordAnswer takes it back for every request the scheduler
   // accepted (enqueued set).
-  ModelMetrics* mm = metrics_ != nullptr ? metrics_->ForModel(served.name) : nullptr;
+  ModelMetrics* mm = metrics_ != nullptr ? metrics_->ForModel(request->model->name) : nullptr;
   if (mm != nullptr) mm->InflightAdd(1);
   absl::Status status = scheduler_->Schedule(&request);
   if (!status.ok() && mm != nullptr) mm->InflightAdd(-1);
   return status;
+}
+
+void RequestDispatcher::WrapSessionDone(InferenceRequest& request) {
+  request.done = [this, done = std::move(request.done)](absl::Status status,
+                                                        const InferenceRequest& r) mutable {
+    SessionManager::Next next = sessions_->Finished(r, status);
+    done(std::move(status), r);  // r may be gone from here on
+    StartSessionRequests(std::move(next));
+  };
+}
+
+void RequestDispatcher::StartSessionRequests(SessionManager::Next next) {
+  for (auto& [request, status] : next.failed) request->Complete(std::move(status));
+  if (next.bound == nullptr) return;
+  WrapSessionDone(*next.bound);
+  // A refusal answers it, and its answer starts the session's next request.
+  if (absl::Status s = Schedule(next.bound); !s.ok()) next.bound->Complete(std::move(s));
+}
+
+absl::StatusOr<OpenedSession> RequestDispatcher::OpenSession(absl::string_view model,
+                                                             absl::Duration ttl,
+                                                             int64_t max_tokens) {
+  if (sessions_ == nullptr) {
+    return absl::UnimplementedError("OpenSession: this server does not serve sessions");
+  }
+  absl::StatusOr<std::shared_ptr<const ServedModel>> found = registry_->Find(model);
+  if (!found.ok()) return found.status();
+  const ServedModel& served = **found;
+  if (!served.ready()) {
+    return absl::UnavailableError(
+        absl::StrCat("model: '", served.name, "' is not ready: ", served.reason));
+  }
+  if (!served.engine->SupportsSessions()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model: '", served.name, "' is served by the ", std::string(served.engine->name()),
+        " engine, which does not serve sessions (the cpu engine does)"));
+  }
+  std::optional<SessionShape> fixed;
+  const LayerConfig& layer = served.layer->config;
+  if (layer.has_projections) {
+    // The cache holds the projected K/V in FLOAT32 whatever the inputs.
+    SessionShape shape;
+    shape.cache_dtype = DType::kFloat32;
+    shape.num_heads = layer.num_heads;
+    shape.num_kv_heads = layer.num_kv_heads;
+    shape.head_dim = layer.head_dim;
+    shape.head_dim_v = layer.head_dim;
+    fixed = shape;
+  }
+  return sessions_->Open(served.name, fixed, ttl, max_tokens);
+}
+
+absl::StatusOr<std::string> RequestDispatcher::SessionModel(absl::string_view session_id) {
+  if (sessions_ == nullptr) {
+    return absl::UnimplementedError("this server does not serve sessions");
+  }
+  return sessions_->ModelOf(session_id);
+}
+
+absl::StatusOr<int64_t> RequestDispatcher::CloseSession(absl::string_view session_id) {
+  if (sessions_ == nullptr) {
+    return absl::UnimplementedError("CloseSession: this server does not serve sessions");
+  }
+  std::vector<std::unique_ptr<InferenceRequest>> orphans;
+  absl::StatusOr<int64_t> released = sessions_->Close(session_id, &orphans);
+  for (auto& r : orphans) {
+    r->Complete(absl::NotFoundError(absl::StrCat(
+        "session_id: session '", session_id, "' was closed before this request ran")));
+  }
+  return released;
 }
 
 void RequestDispatcher::Cancelled(absl::string_view model) {

@@ -17,6 +17,7 @@
 #include "server/request/clock.h"
 #include "server/request/inference_request.h"
 #include "server/request/validation.h"
+#include "server/sessions/session_manager.h"
 
 namespace attnserve {
 
@@ -24,8 +25,16 @@ namespace attnserve {
 enum class OutputName { kOutput, kWeights };
 
 // Thread-safe: Submit may be called concurrently from any thread. Does not
-// own the registry, the scheduler, the metrics (nullable) or the clock; all
-// must outlive it.
+// own the registry, the scheduler, the sessions (nullable: no sessions), the
+// metrics (nullable) or the clock; all must outlive it.
+//
+// Session requests (AttendInputs::session_id) take the same path: lookup
+// (a request that names no model runs on the session's), validation, output
+// binding, then the session manager, which binds the request to the
+// session's cache or queues it behind the session's request in flight; a
+// bound request is scheduled like any other and, once answered, hands its
+// session to the next queued one. So a session's requests run one at a
+// time, in arrival order, while different sessions batch together.
 class RequestDispatcher {
  public:
   // Allocates a result tensor where the front end's response will carry it
@@ -35,7 +44,8 @@ class RequestDispatcher {
       absl::FunctionRef<MutableTensorView(OutputName name, DType dtype, const Shape& shape)>;
 
   RequestDispatcher(const ModelRegistry* registry, BatchingScheduler* scheduler, Metrics* metrics,
-                    Clock* clock, ValidationOptions validation);
+                    Clock* clock, ValidationOptions validation,
+                    SessionManager* sessions = nullptr);
 
   // Runs `request`, whose id, received, deadline, is_cancelled and done the
   // front end has set, on the model `inputs.model` names (empty = the
@@ -59,6 +69,19 @@ class RequestDispatcher {
   void Cancelled(absl::string_view model);
   void CancelledOnAnyModel();
 
+  // OpenSession on `model` (empty = the default model): the model must be
+  // ready and served by an engine that supports sessions (FailedPrecondition
+  // otherwise). Errors of SessionManager::Open; Unimplemented without
+  // sessions.
+  absl::StatusOr<OpenedSession> OpenSession(absl::string_view model, absl::Duration ttl,
+                                            int64_t max_tokens);
+  // CloseSession: the tokens the session held. Requests queued behind its
+  // request in flight are answered NOT_FOUND (closed).
+  absl::StatusOr<int64_t> CloseSession(absl::string_view session_id);
+  // The model a session was opened on (NOT_FOUND when it is unknown,
+  // closed, expired or evicted; Unimplemented without sessions).
+  absl::StatusOr<std::string> SessionModel(absl::string_view session_id);
+
   // The server's clock: front ends stamp `received` and deadlines with it.
   Clock* clock() const { return clock_; }
 
@@ -68,6 +91,13 @@ class RequestDispatcher {
   // Everything up to handing the request over; on error the caller answers.
   absl::Status Start(std::unique_ptr<InferenceRequest>& request, const AttendInputs& inputs,
                      OutputAllocator allocate);
+  // Puts the session hand-over (SessionManager::Finished) in front of the
+  // answer of a session request.
+  void WrapSessionDone(InferenceRequest& request);
+  // Schedules what Finished handed back and answers what it refused.
+  void StartSessionRequests(SessionManager::Next next);
+  // Hands the request to the scheduler, counted in the inflight gauge.
+  absl::Status Schedule(std::unique_ptr<InferenceRequest>& request);
   // The metrics of one answered request.
   void RecordAnswer(const InferenceRequest& request, const absl::Status& status);
 
@@ -76,6 +106,7 @@ class RequestDispatcher {
   Metrics* const metrics_;
   Clock* const clock_;
   const ValidationOptions validation_;
+  SessionManager* const sessions_;
 };
 
 }  // namespace attnserve

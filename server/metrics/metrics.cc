@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "prometheus/exposer.h"
 #include "prometheus/text_serializer.h"
 
@@ -96,11 +97,26 @@ const char* StatusCodeLabel(absl::StatusCode code) {
   }
 }
 
+namespace {
+uint64_t Nanos(double seconds) { return seconds > 0 ? static_cast<uint64_t>(seconds * 1e9) : 0; }
+}  // namespace
+
 void ModelMetrics::RequestDone(absl::StatusCode code, double total_seconds) {
   int index = static_cast<int>(code);
   if (index < 0 || index >= kNumCodes) index = static_cast<int>(absl::StatusCode::kUnknown);
   requests_[index]->Increment();
   request_duration_->Observe(total_seconds);
+  const bool ok = code == absl::StatusCode::kOk;
+  (ok ? success_count_ : fail_count_).fetch_add(1, std::memory_order_relaxed);
+  (ok ? success_ns_ : fail_ns_).fetch_add(Nanos(total_seconds), std::memory_order_relaxed);
+  last_inference_ms_.store(static_cast<uint64_t>(absl::ToUnixMillis(absl::Now())),
+                           std::memory_order_relaxed);
+}
+
+void ModelMetrics::Queued(double queue_seconds) {
+  queue_duration_->Observe(queue_seconds);
+  queue_count_.fetch_add(1, std::memory_order_relaxed);
+  queue_ns_.fetch_add(Nanos(queue_seconds), std::memory_order_relaxed);
 }
 
 void ModelMetrics::BatchDone(int64_t requests, int64_t tokens, double compute_seconds) {
@@ -108,6 +124,33 @@ void ModelMetrics::BatchDone(int64_t requests, int64_t tokens, double compute_se
   batch_tokens_->Observe(static_cast<double>(tokens));
   compute_duration_->Observe(compute_seconds);
   tokens_->Increment(static_cast<double>(tokens));
+  execution_count_.fetch_add(1, std::memory_order_relaxed);
+  inference_count_.fetch_add(static_cast<uint64_t>(requests), std::memory_order_relaxed);
+  compute_ns_.fetch_add(Nanos(compute_seconds), std::memory_order_relaxed);
+  compute_request_ns_.fetch_add(Nanos(compute_seconds) * static_cast<uint64_t>(requests),
+                                std::memory_order_relaxed);
+}
+
+ModelStatsSnapshot ModelMetrics::Stats() const {
+  ModelStatsSnapshot s;
+  s.success_count = success_count_.load(std::memory_order_relaxed);
+  s.success_ns = success_ns_.load(std::memory_order_relaxed);
+  s.fail_count = fail_count_.load(std::memory_order_relaxed);
+  s.fail_ns = fail_ns_.load(std::memory_order_relaxed);
+  s.queue_count = queue_count_.load(std::memory_order_relaxed);
+  s.queue_ns = queue_ns_.load(std::memory_order_relaxed);
+  s.execution_count = execution_count_.load(std::memory_order_relaxed);
+  s.compute_ns = compute_ns_.load(std::memory_order_relaxed);
+  s.inference_count = inference_count_.load(std::memory_order_relaxed);
+  s.compute_request_ns = compute_request_ns_.load(std::memory_order_relaxed);
+  s.last_inference_ms = last_inference_ms_.load(std::memory_order_relaxed);
+  return s;
+}
+
+const ModelMetrics* Metrics::FindModel(const std::string& model) const {
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(model);
+  return it == models_.end() ? nullptr : it->second.get();
 }
 
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& options) {
@@ -157,6 +200,11 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                          .Name("attnserve_queue_depth")
                          .Help("Requests waiting in the model's queue (not yet in a batch)")
                          .Register(r);
+  m->queue_capacity_ = &prometheus::BuildGauge()
+                            .Name("attnserve_queue_capacity")
+                            .Help("Most requests the model's queue holds (max_queue_size); "
+                                  "beyond it requests get RESOURCE_EXHAUSTED")
+                            .Register(r);
   m->inflight_ = &prometheus::BuildGauge()
                       .Name("attnserve_inflight_requests")
                       .Help("Requests accepted and not yet answered (queued or computing)")
@@ -171,6 +219,40 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                          .Help("1 when the model is loaded and serving, 0 when it failed to "
                                "load; labelled with the backend that serves it")
                          .Register(r);
+  m->unparseable_ = &prometheus::BuildCounter()
+                         .Name("attnserve_unparseable_messages_total")
+                         .Help("Request messages that were not a valid protobuf encoding of "
+                               "their type, answered INVALID_ARGUMENT, by RPC method")
+                         .Register(r);
+  m->sessions_open_ = &prometheus::BuildGauge()
+                           .Name("attnserve_sessions_open")
+                           .Help("Attention sessions open (OpenSession, not yet closed, expired "
+                                 "or evicted)")
+                           .Register(r);
+  m->kv_blocks_ = &prometheus::BuildGauge()
+                       .Name("attnserve_kv_cache_blocks")
+                       .Help("KV-cache blocks of the model's session pool: state=used (held by "
+                             "sessions) or free (allocated, on the free list)")
+                       .Register(r);
+  m->kv_bytes_ = &prometheus::BuildGauge()
+                      .Name("attnserve_kv_cache_bytes")
+                      .Help("KV-cache bytes of the model's session pool: state=held (in blocks, "
+                            "used or free) or capacity (--kv-cache-bytes)")
+                      .Register(r);
+  m->session_appends_ = &prometheus::BuildCounter()
+                             .Name("attnserve_session_appends_total")
+                             .Help("Session requests whose K/V rows were appended to the cache "
+                                   "(one per successful session request)")
+                             .Register(r);
+  m->session_evictions_ = &prometheus::BuildCounter()
+                               .Name("attnserve_session_evictions_total")
+                               .Help("Idle sessions evicted (least recently used first) to make "
+                                     "room in a full KV cache")
+                               .Register(r);
+  m->session_expiries_ = &prometheus::BuildCounter()
+                              .Name("attnserve_session_expiries_total")
+                              .Help("Sessions closed by the server after their idle TTL")
+                              .Register(r);
   std::map<std::string, std::string> build = options.build_labels;
   build["version"] = ATTNSERVE_VERSION;
   prometheus::BuildGauge()
@@ -260,8 +342,23 @@ Metrics::~Metrics() {
   stopper.join();
 }
 
+void ModelMetrics::SetSessionCache(int64_t sessions_open, int64_t blocks_used,
+                                   int64_t blocks_free, int64_t bytes_held,
+                                   int64_t bytes_capacity) {
+  sessions_open_->Set(static_cast<double>(sessions_open));
+  kv_blocks_used_->Set(static_cast<double>(blocks_used));
+  kv_blocks_free_->Set(static_cast<double>(blocks_free));
+  kv_bytes_held_->Set(static_cast<double>(bytes_held));
+  kv_bytes_capacity_->Set(static_cast<double>(bytes_capacity));
+}
+
 void Metrics::SetModelReady(const std::string& model, const std::string& backend, bool ready) {
   model_ready_->Add({{"model", model}, {"backend", backend}}).Set(ready ? 1.0 : 0.0);
+}
+
+void Metrics::UnparseableMessage(absl::string_view method) {
+  // Family::Add finds the existing series under the family's own lock.
+  unparseable_->Add({{"method", std::string(method)}}).Increment();
 }
 
 ModelMetrics* Metrics::ForModel(const std::string& model) {
@@ -281,8 +378,17 @@ ModelMetrics* Metrics::ForModel(const std::string& model) {
   mm->batch_requests_ = &batch_requests_->Add(labels, RequestBuckets());
   mm->batch_tokens_ = &batch_tokens_->Add(labels, TokenBuckets());
   mm->queue_depth_ = &queue_depth_->Add(labels);
+  mm->queue_capacity_ = &queue_capacity_->Add(labels);
   mm->inflight_ = &inflight_->Add(labels);
   mm->tokens_ = &tokens_->Add(labels);
+  mm->sessions_open_ = &sessions_open_->Add(labels);
+  mm->kv_blocks_used_ = &kv_blocks_->Add({{"model", model}, {"state", "used"}});
+  mm->kv_blocks_free_ = &kv_blocks_->Add({{"model", model}, {"state", "free"}});
+  mm->kv_bytes_held_ = &kv_bytes_->Add({{"model", model}, {"state", "held"}});
+  mm->kv_bytes_capacity_ = &kv_bytes_->Add({{"model", model}, {"state", "capacity"}});
+  mm->session_appends_ = &session_appends_->Add(labels);
+  mm->session_evictions_ = &session_evictions_->Add(labels);
+  mm->session_expiries_ = &session_expiries_->Add(labels);
   ModelMetrics* raw = mm.get();
   models_.emplace(model, std::move(mm));
   return raw;

@@ -4,6 +4,7 @@
 #define ATTNSERVE_SERVER_METRICS_METRICS_H_
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -14,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -50,6 +52,20 @@ struct MetricsOptions {
   std::function<int64_t()> connections_shed = nullptr;
 };
 
+// Cumulative totals of one model since the server started, for the KServe v2
+// ModelStatistics RPC (Triton's per-model statistics). Durations in ns.
+struct ModelStatsSnapshot {
+  uint64_t success_count = 0, success_ns = 0;  // answered OK: count, receipt -> answer
+  uint64_t fail_count = 0, fail_ns = 0;        // answered with an error
+  uint64_t queue_count = 0, queue_ns = 0;      // requests that reached a batch: time queued
+  uint64_t execution_count = 0, compute_ns = 0;  // engine calls (batches) and their time
+  uint64_t inference_count = 0;                // requests computed (summed batch sizes)
+  // Each computed request's share of time: its batch's engine time, summed
+  // over requests (as Triton reports compute_infer per request).
+  uint64_t compute_request_ns = 0;
+  uint64_t last_inference_ms = 0;              // wall time of the last answer, ms since epoch
+};
+
 // The metrics of one served model. Every method is thread-safe and cheap
 // (atomics, or a short per-histogram lock); none allocates once created.
 class ModelMetrics {
@@ -58,13 +74,30 @@ class ModelMetrics {
   // numbering) and the server-side time from receipt to response.
   void RequestDone(absl::StatusCode code, double total_seconds);
   // A request that reached its batch: time from queued to its batch closing.
-  void Queued(double queue_seconds) { queue_duration_->Observe(queue_seconds); }
+  void Queued(double queue_seconds);
   // One executed batch: its size in requests and query tokens, and the time
   // its engine call took.
   void BatchDone(int64_t requests, int64_t tokens, double compute_seconds);
   void SetQueueDepth(int64_t depth) { queue_depth_->Set(static_cast<double>(depth)); }
+  // The most requests the model's queue holds (its max_queue_size), so that
+  // dashboards and alerts can show depth as a fraction of it.
+  void SetQueueCapacity(int64_t capacity) {
+    queue_capacity_->Set(static_cast<double>(capacity));
+  }
   // Accepted requests not yet answered (queued or computing).
   void InflightAdd(int64_t delta) { inflight_->Increment(static_cast<double>(delta)); }
+
+  // Sessions (server/sessions): the model's KV cache now.
+  void SetSessionCache(int64_t sessions_open, int64_t blocks_used, int64_t blocks_free,
+                       int64_t bytes_held, int64_t bytes_capacity);
+  // One session request's rows appended (a committed request).
+  void SessionAppended() { session_appends_->Increment(); }
+  // One idle session evicted to make room, or expired past its TTL.
+  void SessionEvicted() { session_evictions_->Increment(); }
+  void SessionExpired() { session_expiries_->Increment(); }
+
+  // The totals so far (each field read atomically; fields read one by one).
+  ModelStatsSnapshot Stats() const;
 
  private:
   friend class Metrics;
@@ -78,8 +111,21 @@ class ModelMetrics {
   prometheus::Histogram* batch_requests_ = nullptr;
   prometheus::Histogram* batch_tokens_ = nullptr;
   prometheus::Gauge* queue_depth_ = nullptr;
+  prometheus::Gauge* queue_capacity_ = nullptr;
   prometheus::Gauge* inflight_ = nullptr;
   prometheus::Counter* tokens_ = nullptr;
+  prometheus::Gauge* sessions_open_ = nullptr;
+  prometheus::Gauge* kv_blocks_used_ = nullptr;
+  prometheus::Gauge* kv_blocks_free_ = nullptr;
+  prometheus::Gauge* kv_bytes_held_ = nullptr;
+  prometheus::Gauge* kv_bytes_capacity_ = nullptr;
+  prometheus::Counter* session_appends_ = nullptr;
+  prometheus::Counter* session_evictions_ = nullptr;
+  prometheus::Counter* session_expiries_ = nullptr;
+  // Stats(): the histograms' sums are not readable per status code.
+  std::atomic<uint64_t> success_count_{0}, success_ns_{0}, fail_count_{0}, fail_ns_{0};
+  std::atomic<uint64_t> queue_count_{0}, queue_ns_{0}, execution_count_{0}, compute_ns_{0};
+  std::atomic<uint64_t> inference_count_{0}, compute_request_ns_{0}, last_inference_ms_{0};
 };
 
 // Thread-safe. Owns the registry and, when an address is given, the HTTP
@@ -99,12 +145,22 @@ class Metrics {
   // for the life of this object. Pass only names of served models: every
   // name becomes a set of time series.
   ModelMetrics* ForModel(const std::string& model);
+  // The handle for `model` if it exists, else null (creates nothing).
+  const ModelMetrics* FindModel(const std::string& model) const;
 
   // attnserve_model_ready{model,backend}: 1 when the model is READY, 0 when
   // it failed to load (so a bad model in a non-strict repository shows up in
   // dashboards and alerts, not only in GetModel). `backend` names the engine
   // serving it ("cpu", "cuda", "reference"; empty when it has none).
   void SetModelReady(const std::string& model, const std::string& backend, bool ready);
+
+  // attnserve_unparseable_messages_total{method}: one request message (of
+  // any attnserve.v1 RPC: "Attend", "GetModel", ...) that was not
+  // a valid protobuf encoding of its type and was answered INVALID_ARGUMENT.
+  // Attend's and AttendStream's are also in attnserve_requests_total under
+  // model="(unknown)". Pass only the service's method names (each name is a
+  // time series).
+  void UnparseableMessage(absl::string_view method);
 
   // The endpoint's port (the one picked when options.address had port 0);
   // 0 when there is no endpoint.
@@ -131,11 +187,19 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>* batch_requests_ = nullptr;
   prometheus::Family<prometheus::Histogram>* batch_tokens_ = nullptr;
   prometheus::Family<prometheus::Gauge>* queue_depth_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* queue_capacity_ = nullptr;
   prometheus::Family<prometheus::Gauge>* inflight_ = nullptr;
   prometheus::Family<prometheus::Counter>* tokens_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_ready_ = nullptr;
+  prometheus::Family<prometheus::Counter>* unparseable_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* sessions_open_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* kv_blocks_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* kv_bytes_ = nullptr;
+  prometheus::Family<prometheus::Counter>* session_appends_ = nullptr;
+  prometheus::Family<prometheus::Counter>* session_evictions_ = nullptr;
+  prometheus::Family<prometheus::Counter>* session_expiries_ = nullptr;
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<ModelMetrics>> models_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -26,6 +26,7 @@ std::shared_ptr<const ServedModel> MakeServedModel(std::shared_ptr<const Attenti
     model->reason = "no engine";
   } else {
     model->state = ModelState::kReady;
+    model->weight_bounds = MeasureWeightBounds(layer->weights);
   }
   model->layer = std::move(layer);
   model->engine = std::move(engine);

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -13,6 +15,9 @@
 #include <system_error>
 #include <utility>
 
+#include <unistd.h>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
@@ -60,6 +65,16 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
   std::ostringstream text;
   text << in.rdbuf();
   return text.str();
+}
+
+// Appended to errors that say "Permission denied": in a container the files
+// are often owned by the host user and the server runs as another uid, so
+// the error names the uid and gid the process runs as.
+std::string WithAccessHint(absl::string_view message) {
+  if (!absl::StrContains(message, std::strerror(EACCES))) return std::string(message);
+  return absl::StrCat(message, " (attnserve runs as uid ", getuid(), ", gid ", getgid(),
+                      ": every folder of the repository must be readable and searchable by it "
+                      "and every file readable, e.g. chmod -R a+rX on the host)");
 }
 
 bool OneOf(const std::string& value, std::initializer_list<const char*> allowed) {
@@ -298,8 +313,8 @@ absl::StatusOr<std::vector<RepositoryModel>> LoadModelRepository(const std::stri
     folders.push_back(it->path().string());
   }
   if (ec) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--model-repository ", dir, ": cannot list: ", ec.message()));
+    return absl::InvalidArgumentError(WithAccessHint(
+        absl::StrCat("--model-repository ", dir, ": cannot list: ", ec.message())));
   }
   std::sort(folders.begin(), folders.end());
 
@@ -307,6 +322,9 @@ absl::StatusOr<std::vector<RepositoryModel>> LoadModelRepository(const std::stri
   std::map<std::string, std::string> folder_of;  // model name -> folder
   for (const std::string& folder : folders) {
     RepositoryModel model = LoadModelFolder(folder);
+    if (!model.status.ok()) {
+      model.status = absl::Status(model.status.code(), WithAccessHint(model.status.message()));
+    }
     auto [it, inserted] = folder_of.emplace(model.name, folder);
     if (!inserted && model.status.ok()) {
       model.status = absl::InvalidArgumentError(
@@ -360,6 +378,7 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
     }
     if (status.ok()) {
       model->layer = m.layer;
+      model->weight_bounds = MeasureWeightBounds(m.layer->weights);
       model->state = ModelState::kReady;
     } else {
       model->state = ModelState::kFailed;

@@ -36,6 +36,9 @@ struct ServedModel {
   // Both set when kReady; either may be null when kFailed.
   std::shared_ptr<const AttentionLayer> layer;
   std::shared_ptr<AttentionEngine> engine;
+  // The layer's weights measured once (when kReady): validation bounds a
+  // projection model's scores with them before compute.
+  LayerWeightBounds weight_bounds;
   ModelBatching batching;
   // The config as ListModels/GetModel report it (every default resolved).
   // Never null.

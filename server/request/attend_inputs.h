@@ -34,6 +34,12 @@ struct InputTensor {
 struct AttendInputs {
   // Empty = the server's default model.
   absl::string_view model;
+  // A decoding failure of the request as a whole (an unknown input or
+  // parameter, contents that do not match the inputs): validation reports it
+  // first, after the model lookup, so that an unknown model is NOT_FOUND
+  // whatever else is wrong (as Triton answers) and the refusal is counted
+  // under the model, like a tensor's own decode_error.
+  absl::Status decode_error;
   InputTensor query, key, value, attn_mask;
   // Empty = none.
   absl::Span<const int64_t> key_lengths;
@@ -46,6 +52,10 @@ struct AttendInputs {
   std::optional<DType> output_dtype;
   // Like InputTensor::decode_error, for output_dtype.
   absl::Status output_dtype_error;
+  // Empty = stateless. Otherwise the session (OpenSession) whose cache the
+  // key/value rows are appended to and the query attends over; B must be 1
+  // and attn_mask, key_lengths and need_weights are refused (validation.h).
+  absl::string_view session_id;
 };
 
 }  // namespace attnserve

@@ -45,6 +45,13 @@ class InferenceRequest {
 
   // The client's request id (echoed in the answer; used in messages).
   std::string id;
+  // The session the request attends in (AttendRequest.session_id); empty =
+  // stateless. Set by the front end.
+  std::string session_id;
+  // Session requests: tokens the session holds once this request's rows are
+  // appended (set when the request is bound to the session's cache; reported
+  // in the answer when it succeeds).
+  int64_t session_length = 0;
   // Resolved by the dispatcher; keeps the layer and engine alive while the
   // request exists. Null until then (and in batcher tests).
   std::shared_ptr<const ServedModel> model;

@@ -380,11 +380,90 @@ absl::StatusOr<double> MaskMaxPositive(const TensorView& mask) {
   return BitsValue(mask.dtype, scan.max_positive_bits);
 }
 
+// The largest finite value an engine computing in `precision` may hold.
+double PrecisionMax(Precision precision) {
+  switch (precision) {
+    case Precision::kFloat16: return 65504.0;
+    case Precision::kBFloat16: return 3.3895313892515355e38;
+    case Precision::kFloat32: break;
+  }
+  return FLT_MAX;
+}
+
+const char* PrecisionName(Precision precision) {
+  switch (precision) {
+    case Precision::kFloat16: return "float16";
+    case Precision::kBFloat16: return "bfloat16";
+    case Precision::kFloat32: break;
+  }
+  return "float32";
+}
+
+constexpr char kRefusedSuffix[] = "; such inputs are refused (--nonfinite-inputs=reject)";
+
+// Bounds of a projection model's intermediate values against its precision
+// (validation.h): projected Q, K, V, scores, weighted sums, output.
+absl::Status CheckProjectedBounds(const AttentionTask& task, const TaskDims& dims,
+                                  const LayerConfig& layer, const LayerWeightBounds& bounds,
+                                  double max_q, double max_k, double max_v, double mask_max) {
+  const double limit = PrecisionMax(layer.precision);
+  const char* precision = PrecisionName(layer.precision);
+  struct Projected {
+    const char* field;
+    double input;
+    const ProjectionBound& bound;
+  };
+  const Projected projected[] = {{"query", max_q, bounds.q},
+                                 {"key", max_k, bounds.k},
+                                 {"value", max_v, bounds.v}};
+  double values[3];
+  for (int i = 0; i < 3; ++i) {
+    const Projected& p = projected[i];
+    values[i] = p.bound.Apply(p.input);
+    if (!(values[i] <= limit)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s.data: its projection may overflow %s: max|%s| %g * the weights' largest row sum "
+          "%g + largest bias %g = %g exceeds %g%s",
+          p.field, precision, p.field, p.input, p.bound.gain, p.bound.bias, values[i], limit,
+          kRefusedSuffix));
+    }
+  }
+  const double scale = std::max(1.0, static_cast<double>(task.scale));
+  const double score_bound = values[0] * values[1] * static_cast<double>(dims.head_dim) * scale +
+                             mask_max;
+  if (!(score_bound <= limit)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "query/key/scale: scores may overflow %s: max|projected query| %g * max|projected key| "
+        "%g * head_dim %d * max(1, scale %g)%s = %g exceeds %g%s",
+        precision, values[0], values[1], dims.head_dim, static_cast<double>(task.scale),
+        mask_max > 0 ? absl::StrFormat(" + max attn_mask %g", mask_max) : "", score_bound, limit,
+        kRefusedSuffix));
+  }
+  const double sum_bound = values[2] * static_cast<double>(dims.kv_len);
+  if (!(sum_bound <= limit)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "value.data: weighted sums may overflow %s: max|projected value| %g * Lk %d = %g "
+        "exceeds %g%s",
+        precision, values[2], dims.kv_len, sum_bound, limit, kRefusedSuffix));
+  }
+  // Each head's output is a convex combination of projected values.
+  const double out_bound = bounds.o.Apply(values[2]);
+  if (!(out_bound <= limit)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "value.data: the output projection may overflow %s: max|projected value| %g * the "
+        "output weights' largest row sum %g + largest bias %g = %g exceeds %g%s",
+        precision, values[2], bounds.o.gain, bounds.o.bias, out_bound, limit, kRefusedSuffix));
+  }
+  return absl::OkStatus();
+}
+
 // The values rules of ValidateAttendInputs (see validation.h).
-absl::Status CheckValues(const AttentionTask& task, const TaskDims& dims, bool head_layout) {
+absl::Status CheckValues(const AttentionTask& task, const TaskDims& dims, const LayerConfig& layer,
+                         const LayerWeightBounds* weight_bounds) {
   absl::StatusOr<double> max_q = FiniteMaxAbs("query", task.query);
   if (!max_q.ok()) return max_q.status();
-  double max_k = 0, max_v = 0;
+  // Self-attention (projection models, no key/value sent): key = value = query.
+  double max_k = *max_q, max_v = *max_q;
   if (!task.key.empty()) {
     absl::StatusOr<double> k = FiniteMaxAbs("key", task.key);
     if (!k.ok()) return k.status();
@@ -399,7 +478,11 @@ absl::Status CheckValues(const AttentionTask& task, const TaskDims& dims, bool h
     if (!m.ok()) return m.status();
     mask_max = *m;
   }
-  if (!head_layout) return absl::OkStatus();
+  if (layer.has_projections) {
+    if (weight_bounds == nullptr) return absl::OkStatus();
+    return CheckProjectedBounds(task, dims, layer, *weight_bounds, *max_q, max_k, max_v,
+                                mask_max);
+  }
   const double scale = std::max(1.0, static_cast<double>(task.scale));
   const double score_bound =
       *max_q * max_k * static_cast<double>(dims.head_dim) * scale + mask_max;
@@ -448,9 +531,40 @@ Work RequestWork(const LayerConfig& layer, const TaskDims& d) {
 
 }  // namespace
 
+namespace {
+
+// What a session request may not carry: the cache holds one sequence, and
+// masks, lengths and weights would span tokens the client no longer sends.
+absl::Status CheckSessionRules(const AttendInputs& request, const TaskDims& dims) {
+  if (dims.batch != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "query.shape: dim 0 (batch) must be 1 with session_id (a session holds one sequence; "
+        "batch sessions by sending concurrent requests), got ", dims.batch));
+  }
+  if (request.attn_mask.present) {
+    return absl::InvalidArgumentError(
+        "attn_mask: not supported with session_id (the query attends causally over every "
+        "cached token)");
+  }
+  if (!request.key_lengths.empty()) {
+    return absl::InvalidArgumentError(
+        "key_lengths: not supported with session_id (every appended row is a token)");
+  }
+  if (request.need_weights) {
+    return absl::InvalidArgumentError(
+        "need_weights: not supported with session_id (the weights would span the whole cache; "
+        "send the sequence statelessly to get them)");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& request,
                                                       const LayerConfig& layer,
-                                                      const ValidationOptions& options) {
+                                                      const ValidationOptions& options,
+                                                      const LayerWeightBounds* weight_bounds) {
+  if (!request.decode_error.ok()) return request.decode_error;
   // Presence.
   if (!request.query.present) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -502,6 +616,9 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
                              has_key ? &task.value : nullptr, &dims)
           : CheckHeadLayout(layer, task.query, task.key, task.value, &dims);
   if (!layout.ok()) return layout;
+  if (!request.session_id.empty()) {
+    if (absl::Status s = CheckSessionRules(request, dims); !s.ok()) return s;
+  }
 
   // Masking.
   if (request.attn_mask.present) {
@@ -511,7 +628,8 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
   }
   if (absl::Status s = CheckKeyLengths(request.key_lengths, dims); !s.ok()) return s;
   task.key_lengths = request.key_lengths;
-  task.causal = request.causal || layer.causal;
+  // A session's query attends causally over everything cached.
+  task.causal = request.causal || layer.causal || !request.session_id.empty();
 
   // Options.
   const float scale = request.scale;
@@ -578,7 +696,7 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
 
   // Values: the one pass over the data, last.
   if (options.nonfinite_inputs == NonfiniteInputs::kReject) {
-    if (absl::Status s = CheckValues(task, dims, !layer.has_projections); !s.ok()) return s;
+    if (absl::Status s = CheckValues(task, dims, layer, weight_bounds); !s.ok()) return s;
   }
   return out;
 }

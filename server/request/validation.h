@@ -96,6 +96,12 @@ absl::StatusOr<TensorView> ViewInput(const InputTensor& tensor, absl::string_vie
 // "key_lengths[1]", ...), states the rule and the values seen; or
 // ResourceExhausted for a request over one of `options`' limits.
 //
+// Session requests (request.session_id set): B must be 1, and attn_mask,
+// key_lengths and need_weights are refused (InvalidArgument naming the
+// field); the task is causal (bottom-right over the whole cache). Dims and
+// limits are those of the request's own rows; the session manager checks
+// them against the session (shape, dtype, token limit).
+//
 // Values (options.nonfinite_inputs == kReject), checked last because they are
 // the one check that reads the data (one pass over each input):
 //   - query, key, value: no NaN or +-Inf, fp16/bf16 included;
@@ -106,14 +112,23 @@ absl::StatusOr<TensorView> ViewInput(const InputTensor& tensor, absl::string_vie
 //     scaling), and max|value| * Lk must not exceed FLT_MAX (engines sum up
 //     to Lk weighted values before normalising). Conservative: a request
 //     refused here might not have overflowed, but an accepted one cannot.
-//     Projection models get only the NaN/Inf rules: their scores depend on
-//     the weights.
+//   - projection models, given `weight_bounds` (the layer's weights
+//     measured once, MeasureWeightBounds): the same rules on the projected
+//     values, against the largest value of the layer's precision (FLT_MAX;
+//     65504 for float16): each of query, key, value projected,
+//       gain * max|input| + max|bias| (gain = the weight's largest row sum
+//       of |w|; key = value = query for self-attention),
+//     the scores from the projected query and key as above, max|projected
+//     value| * Lk, and the output projection of max|projected value|.
+//     Without `weight_bounds`, projection models get only the NaN/Inf rules.
 //
 // Lifetime: the returned task's views (tensors, key_lengths) point where
 // `request`'s do (the front end's message), which must outlive them.
 absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& request,
                                                       const LayerConfig& layer,
-                                                      const ValidationOptions& options = {});
+                                                      const ValidationOptions& options = {},
+                                                      const LayerWeightBounds* weight_bounds =
+                                                          nullptr);
 
 }  // namespace attnserve
 

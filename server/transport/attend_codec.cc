@@ -3,54 +3,10 @@
 
 #include <string>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-// SerializationTraits for protobuf messages: the (de)serializers gRPC's
-// generated handlers use.
-#include "grpcpp/impl/codegen/proto_utils.h"
-#include "server/transport/protobuf_log.h"
 #include "server/transport/tensor_codec.h"
 
 namespace attnserve {
-
-absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
-                                v1::AttendRequest* request) {
-  const size_t size = bytes->Length();
-  grpc::Status parsed;
-  std::string reason;
-  {
-    // What protobuf would log about these bytes (invalid UTF-8 in a string
-    // field) is the client's answer, not a line in the server's log.
-    ScopedProtobufLogCapture capture;
-    parsed = grpc::SerializationTraits<v1::AttendRequest>::Deserialize(bytes, request);
-    reason = capture.captured();
-  }
-  if (parsed.ok()) return absl::OkStatus();
-  request->Clear();  // a failed parse leaves the fields read before the fault
-  // Protobuf's advice to the proto's author is no help to the client.
-  if (size_t advice = reason.find(" Use the 'bytes' type"); advice != std::string::npos) {
-    reason.erase(advice);
-  }
-  absl::StripTrailingAsciiWhitespace(&reason);
-  if (reason.empty()) {
-    reason = absl::StrCat("not a valid protobuf encoding of that message (", size, " bytes)");
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat(what, number > 0 ? absl::StrCat(" ", number) : "",
-                   " could not be parsed as attnserve.v1.AttendRequest: ", reason));
-}
-
-absl::Status SerializeMessage(const google::protobuf::MessageLite& message,
-                              grpc::ByteBuffer* bytes) {
-  bool own_buffer = false;
-  const grpc::Status status =
-      grpc::SerializationTraits<google::protobuf::MessageLite>::Serialize(message, bytes,
-                                                                         &own_buffer);
-  if (status.ok()) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("could not serialize the ", message.GetTypeName(),
-                                          " answer (", message.ByteSizeLong(),
-                                          " bytes): ", status.error_message()));
-}
 
 AttendInputs DecodeAttendRequest(const v1::AttendRequest& request) {
   AttendInputs in;
@@ -65,6 +21,7 @@ AttendInputs DecodeAttendRequest(const v1::AttendRequest& request) {
   in.scale = request.scale();
   in.need_weights = request.need_weights();
   in.average_weights = request.average_weights();
+  in.session_id = request.session_id();
   if (request.output_dtype() != v1::DATA_TYPE_UNSPECIFIED) {
     absl::StatusOr<DType> dtype = DTypeFromProto(request.output_dtype(), "output_dtype");
     if (dtype.ok()) {

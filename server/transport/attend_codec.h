@@ -9,30 +9,12 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.pb.h"
-#include "google/protobuf/message_lite.h"
-#include "grpcpp/support/byte_buffer.h"
 #include "server/dispatch/request_dispatcher.h"
 #include "server/request/attend_inputs.h"
 #include "server/request/inference_request.h"
+#include "server/transport/message_codec.h"
 
 namespace attnserve {
-
-// Parses one AttendRequest as gRPC's generated handlers would (the same
-// deserializer: the tensor bytes are copied once, from gRPC's slices into
-// `request`; invalid UTF-8 in a string field is refused) and releases
-// `bytes`. Not parseable: INVALID_ARGUMENT "<what> could not be parsed as
-// attnserve.v1.AttendRequest: <reason>", `request` left empty, and nothing
-// logged (protobuf's own complaint becomes the reason; see protobuf_log.h).
-// `what` names the message for the client ("request", or "AttendStream
-// message" with `number` 3: "AttendStream message 3"; 0 = no number); it is
-// formatted only when the parse fails.
-absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
-                                v1::AttendRequest* request);
-
-// Serializes `message` into `bytes` as gRPC's generated handlers would.
-// Fails (INTERNAL) only for a message over protobuf's 2 GiB limit.
-absl::Status SerializeMessage(const google::protobuf::MessageLite& message,
-                              grpc::ByteBuffer* bytes);
 
 // Lifetime: the result points into `request`, which must outlive it.
 AttendInputs DecodeAttendRequest(const v1::AttendRequest& request);

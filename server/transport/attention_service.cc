@@ -1,31 +1,21 @@
 // AttentionService handlers: unary Attend, model listing, and the call
-// bookkeeping that graceful shutdown waits on. AttendStream's reactor is in
-// attend_stream_reactor.cc.
+// AttendStream's messages; the stream's reads, writes and flow control are
+// stream_reactor.cc, the shutdown bookkeeping call_tracker.cc.
 #include "server/transport/attention_service.h"
 
-#include <chrono>
 #include <memory>
 #include <string>
 #include <utility>
 
 #include "attnserve/v1/model_config.pb.h"
 #include "server/transport/attend_codec.h"
-#include "server/transport/attend_stream_reactor.h"
+#include "server/transport/message_codec.h"
 #include "server/transport/protobuf_log.h"
+#include "server/transport/server_deadline.h"
 #include "server/transport/status_util.h"
 
 namespace attnserve {
 namespace {
-
-// The call's deadline on the server's clock; InfiniteFuture when there is
-// none (gRPC reports "none" as a far-future wall time). gRPC states
-// deadlines in wall time: this is the one place that reads it.
-absl::Time ServerDeadline(const grpc::CallbackServerContext& context, const Clock& clock) {
-  const auto wall_deadline = context.deadline();
-  const auto wall_now = std::chrono::system_clock::now();
-  if (wall_deadline >= wall_now + std::chrono::hours(24 * 365)) return absl::InfiniteFuture();
-  return clock.Now() + absl::FromChrono(wall_deadline - wall_now);
-}
 
 v1::ModelStatus ToModelStatus(const ServedModel& model, const std::string& default_name) {
   v1::ModelStatus status;
@@ -41,9 +31,12 @@ v1::ModelStatus ToModelStatus(const ServedModel& model, const std::string& defau
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(const ModelRegistry* registry,
-                                           RequestDispatcher* dispatcher,
+                                           RequestDispatcher* dispatcher, Metrics* metrics,
                                            AttentionServiceOptions options)
-    : registry_(registry), dispatcher_(dispatcher), options_(std::move(options)) {
+    : registry_(registry),
+      dispatcher_(dispatcher),
+      metrics_(metrics),
+      options_(std::move(options)) {
   InstallProtobufLogHandler();
 }
 
@@ -62,10 +55,13 @@ void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
   response->set_id(request.id());
   r->done = [done = std::move(done), response, clock](absl::Status status,
                                                       const InferenceRequest& r) mutable {
-    if (status.ok()) SetTiming(r, clock->Now(), response);
+    if (status.ok()) {
+      SetTiming(r, clock->Now(), response);
+      if (!r.session_id.empty()) response->set_session_length(r.session_length);
+    }
     done(std::move(status));
   };
-  if (shutting_down_.load()) {
+  if (calls_.shutting_down()) {
     dispatcher_->Reject(std::move(r),
                         absl::UnavailableError("server is shutting down; not accepting requests"));
     return;
@@ -95,16 +91,18 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
         access_(CallAccess(service->options_.tokens, context)),
         // gRPC owns the (non-const) buffer until OnDone and only frees it
         // then; releasing it now keeps one copy of the inputs, not two.
-        parsed_(access_.ok() ? ParseAttendRequest(const_cast<grpc::ByteBuffer*>(request_bytes),
-                                                  "request", 0, &request_)
+        parsed_(access_.ok() ? ParseRequestMessage(const_cast<grpc::ByteBuffer*>(request_bytes),
+                                                   "request", 0, &request_)
                              : access_.status()),
         model_(request_.model()),
-        counted_(service->CallStarted()) {}
+        counted_(service->calls_.CallStarted()) {
+    if (access_.ok() && !parsed_.ok()) service_->CountUnparseable("Attend");
+  }
 
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
     // request_, response_, context and response_bytes stay valid until
     // OnDone: gRPC frees its part only after the reactor is done.
-    service_->StartAttend(context, parsed_, access_.ok() ? *access_ : ModelAccess::All(),
+    service_->StartAttend(context, parsed_, access_.ok() ? *access_ : ModelAccess::None(),
                           request_, &response_,
                           [this, response_bytes](absl::Status status) {
                             // request_ and response_ are freed in OnDone, as
@@ -120,7 +118,7 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
     AttentionServiceImpl* service = service_;
     const bool counted = counted_;
     delete this;
-    if (counted) service->CallDone();
+    if (counted) service->calls_.CallDone();
   }
 
  private:
@@ -141,94 +139,206 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   return reactor;
 }
 
-grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(grpc::CallbackServerContext* context) {
-  return new AttendStreamReactor(this, context);
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
+    grpc::CallbackServerContext* context) {
+  // An unauthenticated stream ends before its first read.
+  if (absl::StatusOr<ModelAccess> access = CallAccess(options_.tokens, *context); !access.ok()) {
+    return FinishedStream(ToGrpcStatus(access.status()));
+  }
+  return new StreamReactor(&calls_, this, context, options_.max_stream_backlog);
 }
 
-// ------------------------------------------------------ call bookkeeping
+// ---------------------------------------------------------- AttendStream
 
-void AttentionServiceImpl::AddStream(AttendStreamReactor* stream) {
-  absl::MutexLock lock(&streams_mu_);
-  streams_.insert(stream);
-  // A stream opened after shutdown began: drain (and so end) it at once.
-  if (shutting_down_.load()) stream->ServerShutdown();
+void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* context,
+                                              grpc::ByteBuffer* bytes, int64_t number,
+                                              AnswerFn answer) {
+  // The message's tensors must outlive its request: parse it into its own
+  // state (the one copy of the bytes, as gRPC's own parse made), which the
+  // completion owns (it may even run before StartAttend returns).
+  struct Message {
+    v1::AttendRequest request;
+    v1::AttendStreamResponse answer;
+  };
+  auto* message = new Message;
+  const absl::Status parsed =
+      ParseRequestMessage(bytes, "AttendStream message", number, &message->request);
+  if (!parsed.ok()) CountUnparseable("AttendStream");
+  message->answer.set_id(message->request.id());
+  // The stream was authenticated when it opened (AttendStream); its access
+  // is the same for every message.
+  absl::StatusOr<ModelAccess> access = CallAccess(options_.tokens, *context);
+  StartAttend(context, access.ok() ? parsed : access.status(),
+              access.ok() ? *access : ModelAccess::None(), message->request, message->answer.mutable_response(),
+              [message, answer = std::move(answer)](absl::Status status) mutable {
+                std::unique_ptr<Message> owned(message);
+                owned->request.Clear();  // inputs no longer needed; free them now
+                if (!status.ok()) {
+                  owned->answer.clear_response();
+                  owned->answer.set_code(static_cast<int>(status.code()));
+                  owned->answer.set_message(ToGrpcStatus(status).error_message());
+                }
+                grpc::ByteBuffer bytes;
+                if (absl::Status s = SerializeMessage(owned->answer, &bytes); !s.ok()) {
+                  // Over protobuf's size limit: answer the error instead.
+                  owned->answer.clear_response();
+                  owned->answer.set_code(static_cast<int>(s.code()));
+                  owned->answer.set_message(ToGrpcStatus(s).error_message());
+                  SerializeMessage(owned->answer, &bytes).IgnoreError();
+                }
+                answer(std::move(bytes));
+              });
 }
 
-void AttentionServiceImpl::RemoveStream(AttendStreamReactor* stream) {
-  absl::MutexLock lock(&streams_mu_);
-  streams_.erase(stream);
-}
+void AttentionServiceImpl::StreamCancelled() { dispatcher_->CancelledOnAnyModel(); }
 
-bool AttentionServiceImpl::CallStarted() {
-  absl::MutexLock lock(&calls_mu_);
-  if (shutting_down_.load()) return false;
-  ++open_calls_;
-  return true;
-}
-
-void AttentionServiceImpl::CallDone() {
-  absl::MutexLock lock(&calls_mu_);
-  --open_calls_;
-}
+// ------------------------------------------------------------- shutdown
 
 bool AttentionServiceImpl::WaitForNoCalls(absl::Duration timeout) {
-  absl::MutexLock lock(&calls_mu_);
-  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return open_calls_ == 0; };
-  return calls_mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+  return calls_.WaitForNoCalls(timeout);
 }
 
-void AttentionServiceImpl::BeginShutdown() {
-  {
-    // Under calls_mu_: a call is either counted or sees the flag.
-    absl::MutexLock lock(&calls_mu_);
-    shutting_down_.store(true);
-  }
-  absl::MutexLock lock(&streams_mu_);
-  for (AttendStreamReactor* stream : streams_) stream->ServerShutdown();
-}
+void AttentionServiceImpl::BeginShutdown() { calls_.BeginShutdown(); }
 
 // ---------------------------------------------------------------- models
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* context,
-                                                           const v1::ListModelsRequest* request,
-                                                           v1::ListModelsResponse* response) {
+void AttentionServiceImpl::CountUnparseable(absl::string_view method) {
+  if (metrics_ != nullptr) metrics_->UnparseableMessage(method);
+}
+
+// The unary RPCs besides Attend take raw bytes too. The call is
+// authenticated first (UNAUTHENTICATED, its bytes never parsed); then
+// `handle` runs on the parsed request; an unparseable one is answered
+// INVALID_ARGUMENT ("request could not be parsed as
+// attnserve.v1.GetModelRequest: ..."), counted under `method` and never
+// logged, where gRPC's own parse answered UNIMPLEMENTED with no message and
+// wrote a libprotobuf ERROR line.
+template <typename Request, typename Response, typename Handle>
+grpc::ServerUnaryReactor* AttentionServiceImpl::RawUnary(grpc::CallbackServerContext* context,
+                                                         absl::string_view method,
+                                                         const grpc::ByteBuffer* request_bytes,
+                                                         grpc::ByteBuffer* response_bytes,
+                                                         Handle handle) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::StatusOr<ModelAccess> access = CallAccess(options_.tokens, *context);
   if (!access.ok()) {
     reactor->Finish(ToGrpcStatus(access.status()));
     return reactor;
   }
-  const std::string default_name = registry_->default_model();
-  for (const auto& model : registry_->List()) {
-    if (access->Allows(model->name)) *response->add_models() = ToModelStatus(*model, default_name);
+  Request request;
+  // gRPC owns the buffer until the call is done; parsing releases its
+  // slices early, as for Attend.
+  absl::Status status = ParseRequestMessage(const_cast<grpc::ByteBuffer*>(request_bytes),
+                                            "request", 0, &request);
+  if (!status.ok()) {
+    CountUnparseable(method);
+    reactor->Finish(ToGrpcStatus(status));
+    return reactor;
   }
-  reactor->Finish(grpc::Status::OK);
+  Response response;
+  status = handle(*access, request, &response);
+  if (status.ok()) status = SerializeMessage(response, response_bytes);
+  reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
 
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* context,
+                                                           const grpc::ByteBuffer* request,
+                                                           grpc::ByteBuffer* response) {
+  return RawUnary<v1::ListModelsRequest, v1::ListModelsResponse>(
+      context, "ListModels", request, response,
+      [this](const ModelAccess& access, const v1::ListModelsRequest&,
+             v1::ListModelsResponse* out) {
+        // A restricted token sees only the models it may use.
+        const std::string default_name = registry_->default_model();
+        for (const auto& model : registry_->List()) {
+          if (access.Allows(model->name)) *out->add_models() = ToModelStatus(*model, default_name);
+        }
+        return absl::OkStatus();
+      });
+}
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* context,
-                                                         const v1::GetModelRequest* request,
-                                                         v1::ModelStatus* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<ModelAccess> access = CallAccess(options_.tokens, *context);
-  if (!access.ok()) {
-    reactor->Finish(ToGrpcStatus(access.status()));
-    return reactor;
-  }
-  if (absl::Status s =
-          access->Check(request->name(), [this] { return registry_->default_model(); });
-      !s.ok()) {
-    reactor->Finish(ToGrpcStatus(s));
-    return reactor;
-  }
-  absl::StatusOr<std::shared_ptr<const ServedModel>> model = registry_->Find(request->name());
-  if (!model.ok()) {
-    reactor->Finish(ToGrpcStatus(model.status()));
-  } else {
-    *response = ToModelStatus(**model, registry_->default_model());
-    reactor->Finish(grpc::Status::OK);
-  }
-  return reactor;
+                                                         const grpc::ByteBuffer* request,
+                                                         grpc::ByteBuffer* response) {
+  return RawUnary<v1::GetModelRequest, v1::ModelStatus>(
+      context, "GetModel", request, response,
+      [this](const ModelAccess& access, const v1::GetModelRequest& in,
+             v1::ModelStatus* out) -> absl::Status {
+        // Checked on the name first: PERMISSION_DENIED whether or not the
+        // model exists, so a restricted token cannot probe for names.
+        if (absl::Status s = access.Check(in.name(), [this] { return registry_->default_model(); });
+            !s.ok()) {
+          return s;
+        }
+        absl::StatusOr<std::shared_ptr<const ServedModel>> model = registry_->Find(in.name());
+        if (!model.ok()) return model.status();
+        *out = ToModelStatus(**model, registry_->default_model());
+        return absl::OkStatus();
+      });
+}
+
+// -------------------------------------------------------------- sessions
+
+namespace {
+
+absl::Duration FromProto(const google::protobuf::Duration& d) {
+  return absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
+}
+
+void ToProto(absl::Duration d, google::protobuf::Duration* out) {
+  const int64_t seconds = absl::IDivDuration(d, absl::Seconds(1), &d);
+  out->set_seconds(seconds);
+  out->set_nanos(static_cast<int32_t>(absl::ToInt64Nanoseconds(d)));
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServerContext* context,
+                                                            const grpc::ByteBuffer* request,
+                                                            grpc::ByteBuffer* response) {
+  return RawUnary<v1::OpenSessionRequest, v1::OpenSessionResponse>(
+      context, "OpenSession", request, response,
+      [this](const ModelAccess& access, const v1::OpenSessionRequest& in,
+             v1::OpenSessionResponse* out) -> absl::Status {
+        if (calls_.shutting_down()) return absl::UnavailableError("server is shutting down");
+        if (absl::Status s =
+                access.Check(in.model(), [this] { return registry_->default_model(); });
+            !s.ok()) {
+          return s;
+        }
+        absl::StatusOr<OpenedSession> opened =
+            dispatcher_->OpenSession(in.model(), FromProto(in.ttl()), in.max_tokens());
+        if (!opened.ok()) return opened.status();
+        out->set_session_id(opened->id);
+        out->set_model(opened->model);
+        ToProto(opened->ttl, out->mutable_ttl());
+        out->set_max_tokens(opened->max_tokens);
+        out->set_block_tokens(opened->block_tokens);
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServerContext* context,
+                                                             const grpc::ByteBuffer* request,
+                                                             grpc::ByteBuffer* response) {
+  return RawUnary<v1::CloseSessionRequest, v1::CloseSessionResponse>(
+      context, "CloseSession", request, response,
+      [this](const ModelAccess& access, const v1::CloseSessionRequest& in,
+             v1::CloseSessionResponse* out) -> absl::Status {
+        // A restricted token may close only sessions of models it may use.
+        if (access.restricted()) {
+          absl::StatusOr<std::string> model = dispatcher_->SessionModel(in.session_id());
+          if (!model.ok()) return model.status();
+          if (absl::Status s = access.Check(*model, [] { return std::string(); }); !s.ok()) {
+            return s;
+          }
+        }
+        absl::StatusOr<int64_t> released = dispatcher_->CloseSession(in.session_id());
+        if (!released.ok()) return released.status();
+        out->set_released_tokens(*released);
+        return absl::OkStatus();
+      });
 }
 
 }  // namespace attnserve

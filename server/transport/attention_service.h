@@ -1,30 +1,28 @@
 // attnserve.v1.AttentionService on gRPC's callback API: the attnserve.v1
 // front end. Handlers return at once: Attend (and each AttendStream message,
-// see attend_stream_reactor.h) is parsed and translated (attend_codec.h) and
+// see stream_reactor.h) is parsed and translated (attend_codec.h) and
 // handed to the shared RequestDispatcher, whose completion sends the answer.
 #ifndef ATTNSERVE_SERVER_TRANSPORT_ATTENTION_SERVICE_H_
 #define ATTNSERVE_SERVER_TRANSPORT_ATTENTION_SERVICE_H_
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <set>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "server/dispatch/request_dispatcher.h"
+#include "server/metrics/metrics.h"
 #include "server/models/model_registry.h"
 #include "server/request/model_access.h"
 #include "server/transport/bearer_tokens.h"
+#include "server/transport/call_tracker.h"
+#include "server/transport/stream_reactor.h"
 
 namespace attnserve {
-
-class AttendStreamReactor;
 
 struct AttentionServiceOptions {
   // AttendStream flow control: most responses one stream may owe at once
@@ -41,10 +39,14 @@ struct AttentionServiceOptions {
 // a message that is not a valid AttendRequest is answered like any other bad
 // request (INVALID_ARGUMENT, counted in the metrics) instead of by gRPC
 // (UNIMPLEMENTED for a unary call, a silent end of the stream with OK).
+// The other unary RPCs take raw bytes for the same reason.
 using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attend<
     v1::AttentionService::WithRawCallbackMethod_AttendStream<
-        v1::AttentionService::WithCallbackMethod_ListModels<
-            v1::AttentionService::WithCallbackMethod_GetModel<v1::AttentionService::Service>>>>;
+        v1::AttentionService::WithRawCallbackMethod_ListModels<
+            v1::AttentionService::WithRawCallbackMethod_GetModel<
+                v1::AttentionService::WithRawCallbackMethod_OpenSession<
+                    v1::AttentionService::WithRawCallbackMethod_CloseSession<
+                        v1::AttentionService::Service>>>>>>;
 
 // Thread-safe (gRPC calls handlers concurrently). Does not own the registry
 // or the dispatcher; both must outlive the grpc::Server this is registered
@@ -55,7 +57,11 @@ using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attend<
 // own status (a failed message does not end the stream). A message that
 // cannot be parsed is answered INVALID_ARGUMENT naming it ("request", or
 // "AttendStream message N", counting from 1; its answer's id is empty) and
-// never reaches the dispatcher's model lookup or validation.
+// never reaches the dispatcher's model lookup or validation. An unparseable
+// ListModels, GetModel, OpenSession or CloseSession request is answered
+// INVALID_ARGUMENT ("request could not be parsed as
+// attnserve.v1.GetModelRequest: ..."). Every unparseable message is counted
+// in attnserve_unparseable_messages_total{method} and logs nothing.
 //
 // Authentication (options.tokens set): every call's `authorization` header is
 // checked first (CallAccess). A unary call without a valid token is answered
@@ -69,10 +75,12 @@ using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attend<
 //
 // Constructing one installs the process's protobuf log handler
 // (protobuf_log.h), so that clients' bytes cannot flood the log.
-class AttentionServiceImpl final : public AttentionServiceBase {
+class AttentionServiceImpl final : public AttentionServiceBase, private StreamHandler {
  public:
+  // `metrics` (nullable, not owned, must outlive this) receives the
+  // unparseable-message counts.
   AttentionServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
-                       AttentionServiceOptions options = {});
+                       Metrics* metrics, AttentionServiceOptions options = {});
 
   // `request` holds a serialized AttendRequest; `response` receives the
   // serialized AttendResponse.
@@ -82,12 +90,22 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   // Reads serialized AttendRequests, writes serialized AttendStreamResponses.
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendStream(
       grpc::CallbackServerContext* context) override;
+  // Serialized ListModelsRequest -> serialized ListModelsResponse.
   grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
-                                       const v1::ListModelsRequest* request,
-                                       v1::ListModelsResponse* response) override;
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+  // Serialized GetModelRequest -> serialized ModelStatus.
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context,
-                                     const v1::GetModelRequest* request,
-                                     v1::ModelStatus* response) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
+  // Sessions (RequestDispatcher::OpenSession / CloseSession), serialized
+  // Open/CloseSessionRequest -> Response; UNAVAILABLE once shutdown has begun.
+  grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* context,
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
 
   // From now on new requests (unary or stream messages) are answered
   // UNAVAILABLE; open streams stop reading and end (UNAVAILABLE) once every
@@ -103,11 +121,29 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   bool WaitForNoCalls(absl::Duration timeout);
 
  private:
-  friend class AttendStreamReactor;
   class UnaryReactor;
 
+  // StreamHandler: one AttendStream message, answered with its
+  // AttendStreamResponse (the response, or its code and message).
+  void StartStreamMessage(grpc::CallbackServerContext* context, grpc::ByteBuffer* bytes,
+                          int64_t number, AnswerFn answer) override;
+  void StreamCancelled() override;
+
+  // Counts one message of `method` that could not be parsed.
+  void CountUnparseable(absl::string_view method);
+  // A unary RPC on raw bytes: authenticates the call (UNAUTHENTICATED
+  // before any parsing), parses a Request (unparseable: counted,
+  // INVALID_ARGUMENT), runs `handle(const ModelAccess&, const Request&,
+  // Response*)` -> absl::Status and answers the serialized Response when it
+  // is OK.
+  template <typename Request, typename Response, typename Handle>
+  grpc::ServerUnaryReactor* RawUnary(grpc::CallbackServerContext* context,
+                                     absl::string_view method,
+                                     const grpc::ByteBuffer* request_bytes,
+                                     grpc::ByteBuffer* response_bytes, Handle handle);
+
   // Translates one AttendRequest and submits it; `parsed` is what
-  // ParseAttendRequest said of it (or the authentication failure): not OK,
+  // ParseRequestMessage said of it (or the authentication failure): not OK,
   // the request (empty) is refused with that status through the dispatcher
   // (counted, not run). `access`: the models the caller may use. `done` runs
   // exactly once with the final status (response->timing filled in when OK),
@@ -117,23 +153,12 @@ class AttentionServiceImpl final : public AttentionServiceBase {
                    const ModelAccess& access, const v1::AttendRequest& request, v1::AttendResponse* response,
                    absl::AnyInvocable<void(absl::Status)> done);
 
-  void AddStream(AttendStreamReactor* stream);
-  void RemoveStream(AttendStreamReactor* stream);
-  // Counts a call opened before BeginShutdown (returns true) so that
-  // shutdown waits for it; calls opened later are refused and not waited for.
-  bool CallStarted();
-  void CallDone();
-
   const ModelRegistry* const registry_;
   RequestDispatcher* const dispatcher_;
+  Metrics* const metrics_;
   const AttentionServiceOptions options_;
 
-  std::atomic<bool> shutting_down_{false};
-  absl::Mutex streams_mu_;
-  std::set<AttendStreamReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
-  absl::Mutex calls_mu_;
-  // Attend + AttendStream calls opened before shutdown and not yet done.
-  int64_t open_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
+  CallTracker calls_;
 };
 
 }  // namespace attnserve

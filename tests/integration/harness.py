@@ -47,9 +47,10 @@ class ServerProcess:
     """One attnserve process. Its combined stdout/stderr is drained by a thread
     (so a chatty server never blocks on a full pipe) and kept for diagnostics."""
 
-    def __init__(self, *extra_args, startup_timeout=60.0, preexec_fn=None):
-        """`preexec_fn` runs in the child before exec (e.g. to set rlimits)."""
-        self.args = [server_bin(), "--address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
+    def __init__(self, *extra_args, startup_timeout=60.0, preexec_fn=None, wrapper=()):
+        """`preexec_fn` runs in the child before exec (e.g. to set rlimits);
+        `wrapper` is a command line the server runs under (e.g. unshare)."""
+        self.args = [*wrapper, server_bin(), "--address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
                      *extra_args]
         self.lines = []
         self.port = None
@@ -86,6 +87,18 @@ class ServerProcess:
 
     def alive(self):
         return self.proc.poll() is None
+
+    def wait(self, timeout=30.0):
+        """Waits for an exit already under way (after a signal the test sent:
+        a second signal would end the drain at once) and returns the exit code."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"attnserve did not exit within {timeout}s:\n{self.log()}")
+        self._reader.join(5)
+        return self.proc.returncode
 
     def stop(self, sig=signal.SIGTERM, timeout=30.0):
         """Sends `sig` and returns the exit code (fails if it does not exit)."""

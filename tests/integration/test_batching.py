@@ -338,7 +338,7 @@ def test_sigterm_completes_every_accepted_request_and_exits_zero():
                     ids.append(resp.id)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
             assert sorted(ids) == sorted(f"s{i}" for i in range(streamed))
-            code = srv.stop(timeout=120)
+            code = srv.wait(timeout=120)
             assert code == 0, f"exit code {code}:\n{srv.log()}"
     finally:
         release.set()

@@ -49,9 +49,12 @@ def _dockerfile():
         return f.read()
 
 
-def test_kubernetes_args_start_the_server_and_grace_fits_the_pod():
+def test_kubernetes_args_start_the_server_and_grace_fits_the_pod(tmp_path):
     deployment, container, _ = _deployment_container()
     args = container["args"]
+    # The manifest's model volume, here an empty repository.
+    mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
+    args = [str(tmp_path) if a in mounts else a for a in args]
     server = harness.ServerProcess(*_without_addresses(args))
     try:
         from attnserve_client import AttentionClient
@@ -72,7 +75,7 @@ def test_ports_agree_everywhere():
     assert ports == {"grpc": 50051, "metrics": 9464}
     args = " ".join(container["args"])
     assert "0.0.0.0:50051" in args and "0.0.0.0:9464" in args
-    (service,) = [d for d in docs if d["kind"] == "Service"]
+    (service,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "attnserve"]
     assert {p["targetPort"] for p in service["spec"]["ports"]} == {"grpc", "metrics"}
     annotations = _load_all("deploy/kubernetes/attnserve.yaml")[0]["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "9464"
@@ -82,7 +85,10 @@ def test_ports_agree_everywhere():
     assert "--address=0.0.0.0:50051" in dockerfile and "--metrics-address=0.0.0.0:9464" in dockerfile
 
     (compose,) = _load_all("deploy/docker-compose.yml")
-    assert set(compose["services"]["attnserve"]["ports"]) == {"50051:50051", "9464:9464"}
+    # Loopback by default; the host port can move, the container port cannot.
+    ports = compose["services"]["attnserve"]["ports"]
+    assert [p.rsplit(":", 1)[1] for p in ports] == ["50051", "9464"]
+    assert all(p.startswith("${ATTNSERVE_BIND:-127.0.0.1}:") for p in ports), ports
     (prom,) = _load_all("deploy/prometheus/prometheus.yml")
     targets = prom["scrape_configs"][0]["static_configs"][0]["targets"]
     assert targets == ["attnserve:9464"]

@@ -1,7 +1,9 @@
 """Messages that are not a valid AttendRequest, sent as raw bytes to the real
 server (identity serializers): a unary Attend is answered INVALID_ARGUMENT
 with a message, an AttendStream answers the message in its place and goes on,
-each is counted in attnserve_requests_total{model="(unknown)"}, and none
+each is counted in attnserve_requests_total{model="(unknown)"} (and, like
+unparseable ListModels/GetModel requests, in
+attnserve_unparseable_messages_total{method}), and none
 writes a line to the server's log (protobuf's complaint goes to the client)."""
 
 import time
@@ -163,18 +165,70 @@ def test_unparseable_messages_do_not_flood_the_log(client, channel, server):
     assert pb.AttendResponse.FromString(raw).id == "after"
 
 
-def test_other_protobuf_log_lines_are_rate_limited(channel, server):
-    """GetModel keeps gRPC's own parse, whose protobuf complaint is a log line:
-    it stays visible, but 200 of them write one line (at most one per 10 s)."""
-    get_model = channel.unary_unary(GET_MODEL, request_serializer=_identity,
-                                    response_deserializer=_identity)
-    bad_name = pb.GetModelRequest(name="sdpa").SerializeToString().replace(b"sdpa", b"sd\xffa")
+SERVICE = "/attnserve.v1.AttentionService/"
+LIST_MODELS = SERVICE + "ListModels"
+
+
+def _unparseable_count(server, method):
+    return su.metric(su.scrape(server), "attnserve_unparseable_messages_total", method=method)
+
+
+@pytest.mark.parametrize("method, type_name, payload, words", [
+    (GET_MODEL, "GetModelRequest", b"\xff\xff\xff", ["not a valid protobuf encoding", "3 bytes"]),
+    (GET_MODEL, "GetModelRequest",
+     pb.GetModelRequest(name="sdpa").SerializeToString().replace(b"sdpa", b"sd\xffa"),
+     ["'attnserve.v1.GetModelRequest.name'", "invalid UTF-8"]),
+    (LIST_MODELS, "ListModelsRequest", b"\x0a\x05ab", ["not a valid protobuf encoding"]),
+    (SERVICE + "OpenSession", "OpenSessionRequest", b"\xff\xff\xff",
+     ["not a valid protobuf encoding"]),
+    (SERVICE + "CloseSession", "CloseSessionRequest",
+     pb.CloseSessionRequest(session_id="abcd").SerializeToString().replace(b"abcd", b"ab\xffd"),
+     ["'attnserve.v1.CloseSessionRequest.session_id'", "invalid UTF-8"]),
+], ids=["getmodel-garbage", "getmodel-utf8", "listmodels-truncated", "opensession-garbage",
+        "closesession-utf8"])
+def test_model_rpcs_unparseable_is_invalid_argument_counted_and_not_logged(
+        channel, server, method, type_name, payload, words):
+    """ListModels/GetModel (and the session RPCs) answered UNIMPLEMENTED with an
+    empty message (gRPC's own parse) and logged a libprotobuf ERROR line per call."""
+    rpc = channel.unary_unary(method, request_serializer=_identity,
+                              response_deserializer=_identity)
+    name = method.rsplit("/", 1)[1]
+    before = _unparseable_count(server, name)
 
     def send():
-        for _ in range(200):
-            with pytest.raises(grpc.RpcError):
-                get_model(bad_name, timeout=30)
+        for _ in range(50):
+            with pytest.raises(grpc.RpcError) as err:
+                rpc(payload, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            details = err.value.details()
+            assert details.startswith(
+                f"request could not be parsed as attnserve.v1.{type_name}: "), details
+            for w in words:
+                assert w in details, details
 
-    lines = [l for l in _log_lines_after(server, send) if "libprotobuf" in l]
-    assert 1 <= len(lines) <= 2, "".join(lines)
-    assert "invalid UTF-8" in lines[0]
+    assert _log_lines_after(server, send) == []
+    assert _unparseable_count(server, name) == before + 50
+
+
+def test_model_rpcs_still_answer_valid_bytes(channel):
+    get_model = channel.unary_unary(GET_MODEL, request_serializer=_identity,
+                                    response_deserializer=_identity)
+    status = pb.ModelStatus.FromString(
+        get_model(pb.GetModelRequest(name="sdpa").SerializeToString(), timeout=30))
+    assert status.name == "sdpa" and status.state == pb.ModelStatus.READY
+    with pytest.raises(grpc.RpcError) as err:
+        get_model(pb.GetModelRequest(name="nope").SerializeToString(), timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    list_models = channel.unary_unary(LIST_MODELS, request_serializer=_identity,
+                                      response_deserializer=_identity)
+    listed = pb.ListModelsResponse.FromString(list_models(b"", timeout=30))
+    assert "sdpa" in [m.name for m in listed.models]
+
+
+def test_attend_unparseable_counted_by_method(client, channel, server):
+    before = (_unparseable_count(server, "Attend"), _unparseable_count(server, "AttendStream"))
+    with pytest.raises(grpc.RpcError):
+        _unary(channel, b"\xff\xff\xff")
+    _stream(channel, [b"\xff\xff\xff", b"\xff", _valid(client, "fine")])
+    assert _unparseable_count(server, "Attend") == before[0] + 1
+    assert _unparseable_count(server, "AttendStream") == before[1] + 2

@@ -5,20 +5,11 @@ HTTP API must then agree with what attn_bench measured (request count exactly,
 p99 within a stated factor). Everything runs on 127.0.0.1 and stops by itself."""
 
 import json
-import os
-import signal
-import socket
 import subprocess
-import time
-import urllib.parse
-import urllib.request
-
-import pytest
 
 import harness
 import serving_util as su
-
-PROMETHEUS = "/usr/bin/prometheus"
+from prometheus_util import Prometheus, have_prometheus
 
 # histogram_quantile interpolates linearly inside a bucket (ours grow 1.78x
 # per bucket), and the server's duration excludes the client and network
@@ -26,64 +17,7 @@ PROMETHEUS = "/usr/bin/prometheus"
 P99_FACTOR = 3.0
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Prometheus:
-    def __init__(self, tmp_path, scrape_target):
-        self.port = _free_port()
-        config = tmp_path / "prometheus.yml"
-        config.write_text(
-            "global:\n"
-            "  scrape_interval: 1s\n"
-            "  evaluation_interval: 1s\n"
-            "scrape_configs:\n"
-            "  - job_name: attnserve\n"
-            f"    static_configs: [{{targets: ['{scrape_target}']}}]\n")
-        self.log_path = tmp_path / "prometheus.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        su.wait_for(self._ready, 60, "Prometheus to be ready", interval=0.2)
-
-    def _ready(self):
-        if self.proc.poll() is not None:
-            pytest.fail(f"prometheus exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def query(self, expr):
-        """Instant query; the value of the single result, or None."""
-        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-        with urllib.request.urlopen(url, timeout=10) as r:
-            body = json.load(r)
-        assert body["status"] == "success", body
-        result = body["data"]["result"]
-        if not result:
-            return None
-        assert len(result) == 1, result
-        return float(result[0]["value"][1])
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-@pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK), reason="Debian package prometheus not installed")
+@have_prometheus
 def test_prometheus_agrees_with_attn_bench(tmp_path):
     srv = harness.ServerProcess()
     prom = None

@@ -413,3 +413,129 @@ def test_queue_bytes_refuses_at_once_and_serves_the_queued(limits_server, pb):
         assert "--max-queue-bytes" in e.value.details()
         assert time.monotonic() - start < 1.5
         assert first.result() is not None  # the queued request is served
+
+
+# ------------------------------------- the same tokens on every front end
+
+KSERVE = "/inference.GRPCInferenceService/"
+OPEN_SESSION = "/attnserve.v1.AttentionService/OpenSession"
+CLOSE_SESSION = "/attnserve.v1.AttentionService/CloseSession"
+
+
+@pytest.fixture(scope="module")
+def kpb(tmp_path_factory):
+    """grpc_service_pb2 (KServe v2), compiled here from proto/inference."""
+    from grpc_tools import protoc
+    out = str(tmp_path_factory.mktemp("kpb"))
+    root = os.path.join(os.environ.get("ATTNSERVE_SOURCE_DIR") or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", ".."), "proto")
+    assert protoc.main(["protoc", f"-I{root}", f"--python_out={out}",
+                        "inference/grpc_service.proto"]) == 0
+    sys.path.insert(0, out)
+    from inference import grpc_service_pb2
+    yield grpc_service_pb2
+    sys.path.remove(out)
+
+
+def _kserve(channel, kpb, method, request, response_type, token=None):
+    call = channel.unary_unary(KSERVE + method, request_serializer=_identity,
+                               response_deserializer=response_type.FromString)
+    return call(request.SerializeToString(), metadata=_meta(token), timeout=15)
+
+
+def _infer_request(kpb, model):
+    rng = np.random.default_rng(1)
+    req = kpb.ModelInferRequest(model_name=model, id="k")
+    for name in ("query", "key", "value"):
+        t = req.inputs.add(name=name, datatype="FP32", shape=[1, 2, 4, 8])
+        req.raw_input_contents.append(rng.standard_normal((1, 2, 4, 8)).astype("<f4").tobytes())
+        del t
+    return req
+
+
+def test_kserve_front_end_enforces_the_same_tokens(tls_server, pki, kpb):
+    """KServe v2 on the same port: health open, everything else behind the
+    tokens, restricted tokens see and use only their models."""
+    U, P, OK = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                grpc.StatusCode.OK)
+    with _tls_channel(pki, tls_server.port, "ca_a", tag=7) as ch:
+        live = _kserve(ch, kpb, "ServerLive", kpb.ServerLiveRequest(), kpb.ServerLiveResponse)
+        ready = _kserve(ch, kpb, "ServerReady", kpb.ServerReadyRequest(), kpb.ServerReadyResponse)
+        assert live.live and ready.ready  # no token: probes need them
+
+        def infer(model, token):
+            return _code(lambda: _kserve(ch, kpb, "ModelInfer", _infer_request(kpb, model),
+                                         kpb.ModelInferResponse, token))
+        assert [infer("sdpa", None), infer("sdpa", TOKEN_WRONG), infer("sdpa", TOKEN_SDPA),
+                infer("demo-mha", TOKEN_SDPA), infer("sdpa", TOKEN_ALL)] == [U, U, OK, P, OK]
+
+        def meta(model, token):
+            return _code(lambda: _kserve(ch, kpb, "ModelMetadata",
+                                         kpb.ModelMetadataRequest(name=model),
+                                         kpb.ModelMetadataResponse, token))
+        assert [meta("sdpa", None), meta("sdpa", TOKEN_SDPA), meta("demo-mha", TOKEN_SDPA),
+                meta("nope", TOKEN_SDPA), meta("nope", TOKEN_ALL)] == \
+            [U, OK, P, P, grpc.StatusCode.NOT_FOUND]
+        for method, req, resp in (("ModelConfig", kpb.ModelConfigRequest(name="demo-mha"),
+                                   kpb.ModelConfigResponse),
+                                  ("ModelReady", kpb.ModelReadyRequest(name="demo-mha"),
+                                   kpb.ModelReadyResponse),
+                                  ("ModelStatistics", kpb.ModelStatisticsRequest(name="demo-mha"),
+                                   kpb.ModelStatisticsResponse)):
+            assert _code(lambda: _kserve(ch, kpb, method, req, resp, TOKEN_SDPA)) == P, method
+            assert _code(lambda: _kserve(ch, kpb, method, req, resp)) == U, method
+        assert _code(lambda: _kserve(ch, kpb, "ServerMetadata", kpb.ServerMetadataRequest(),
+                                     kpb.ServerMetadataResponse)) == U
+        index = _kserve(ch, kpb, "RepositoryIndex", kpb.RepositoryIndexRequest(),
+                        kpb.RepositoryIndexResponse, TOKEN_SDPA)
+        assert [m.name for m in index.models] == ["sdpa"]
+        stats = _kserve(ch, kpb, "ModelStatistics", kpb.ModelStatisticsRequest(),
+                        kpb.ModelStatisticsResponse, TOKEN_SDPA)
+        assert [s.name for s in stats.model_stats] == ["sdpa"]
+
+        stream = ch.stream_stream(KSERVE + "ModelStreamInfer", request_serializer=_identity,
+                                  response_deserializer=kpb.ModelStreamInferResponse.FromString)
+        msgs = [_infer_request(kpb, m).SerializeToString() for m in ("sdpa", "demo-mha")]
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream(iter(msgs), timeout=30))
+        assert e.value.code() == U
+        answers = list(stream(iter(msgs), timeout=30, metadata=_meta(TOKEN_SDPA)))
+        assert answers[0].error_message == ""
+        assert "PERMISSION_DENIED" in answers[1].error_message or \
+            "do not allow" in answers[1].error_message
+
+
+def test_sessions_follow_the_tokens(tls_server, pki, pb):
+    with _tls_channel(pki, tls_server.port, "ca_a", tag=8) as ch:
+        open_session = ch.unary_unary(OPEN_SESSION, request_serializer=_identity,
+                                      response_deserializer=_identity)
+        close_session = ch.unary_unary(CLOSE_SESSION, request_serializer=_identity,
+                                       response_deserializer=_identity)
+        req = pb.OpenSessionRequest(model="demo-mha").SerializeToString()
+        assert _code(lambda: open_session(req, timeout=15)) == grpc.StatusCode.UNAUTHENTICATED
+        assert _code(lambda: open_session(req, timeout=15, metadata=_meta(TOKEN_SDPA))) == \
+            grpc.StatusCode.PERMISSION_DENIED
+        close = pb.CloseSessionRequest(session_id="no-such-session").SerializeToString()
+        assert _code(lambda: close_session(close, timeout=15)) == grpc.StatusCode.UNAUTHENTICATED
+        assert _code(lambda: close_session(close, timeout=15, metadata=_meta(TOKEN_SDPA))) == \
+            grpc.StatusCode.NOT_FOUND
+
+
+def test_python_client_tls_and_token_options(tls_server, pki):
+    """The package's own options (root_certificates=, token=) against this
+    server: what a user of attnserve_client writes."""
+    harness.use_python_client()
+    from attnserve_client import AttentionClient, PermissionDeniedError, UnauthenticatedError
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 2, 5, 8)).astype(np.float32)
+    ca = pki.path("ca_a.pem")
+    with AttentionClient(tls_server.target, root_certificates=ca, token=TOKEN_SDPA,
+                         server_name_override="localhost") as c:
+        out = c.attend(q, q, q, model="sdpa").output
+        ref, _ = harness.reference_attention(q, q, q)
+        assert np.allclose(out, ref, atol=1e-5)
+        with pytest.raises(PermissionDeniedError):
+            c.attend(q, q, q, model="demo-mha")
+    with AttentionClient(tls_server.target, root_certificates=ca) as c:
+        with pytest.raises(UnauthenticatedError):
+            c.attend(q, q, q, model="sdpa")

@@ -366,6 +366,27 @@ def test_max_attention_scores_bounds_the_work_of_one_request():
         server.stop()
 
 
+def test_projection_model_overflow_refused_before_compute(client):
+    # demo-mha's scores come from projected inputs: the bounds use its weights
+    # (largest row sum of |W| and bias), so inputs whose projections or
+    # scores could overflow float32 are refused instead of answered with
+    # rows the engine re-weighted over the finite keys.
+    x = np.zeros((1, 4, 512), np.float32)
+    x[0, 1, 3] = 1e38
+    with pytest.raises(grpc.RpcError) as e:
+        client.attend(x, model="demo-mha")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "query.data: its projection may overflow float32: max|query| 1e+38" in e.value.details()
+    x[0, 1, 3] = 1e19  # projects to about 1e20: fine alone, its scores are not
+    with pytest.raises(grpc.RpcError) as e:
+        client.attend(x, model="demo-mha")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "query/key/scale: scores may overflow float32: max|projected query|" in e.value.details()
+    x[0, 1, 3] = 3.0
+    out = client.attend(x, model="demo-mha").output
+    assert out.shape == (1, 4, 512) and np.isfinite(out).all()
+
+
 def test_nonfinite_inputs_are_refused_and_minus_inf_masks_answered(client):
     # PyTorch would return NaN rows for these; attnserve refuses them rather than answering
     # with silently different (finite) rows.

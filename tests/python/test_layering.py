@@ -57,7 +57,7 @@ class LayeringTest(unittest.TestCase):
         self.check("engine")
 
     def test_request_path_below_transport_has_no_generated_code(self):
-        self.check("server/request", "server/batching", "server/dispatch")
+        self.check("server/request", "server/batching", "server/dispatch", "server/sessions")
 
     def test_the_check_sees_a_forbidden_include(self):
         # The transport does include generated code: the walk must notice.

@@ -1,203 +1,230 @@
-"""AttentionClient: wraps the generated AttentionService stub with numpy
-conversions (fp32, fp16, bf16 and bool tensors) plus health and model listing."""
+"""AttentionClient: the blocking client. numpy arrays in, numpy arrays out
+(fp32, fp16, bf16 and bool tensors), errors as AttnServeError, plus sessions,
+AttendStream in request order, health and model listing."""
 
-import dataclasses
 import types
-from typing import Optional
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
-import numpy as np
 
-from . import codegen
-
-codegen.ensure_stubs()
-from attnserve.v1 import attention_pb2, attention_pb2_grpc  # noqa: E402  (generated)
-from attnserve.grpc_ext.health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from . import _common
+from ._common import AttendResult, Metadata, PemSource, build_request, decode_response
+from ._stubs import attention_pb2, attention_pb2_grpc, health_pb2, health_pb2_grpc
+from .errors import NotFoundError, from_rpc_error
+from .tensors import DTypeLike
 
 # The generated modules, for callers that build requests by hand.
 stubs = types.SimpleNamespace(attention_pb2=attention_pb2, attention_pb2_grpc=attention_pb2_grpc,
                               health_pb2=health_pb2, health_pb2_grpc=health_pb2_grpc)
 
-_DTYPE_NAMES = {
-    "fp32": attention_pb2.FLOAT32, "float32": attention_pb2.FLOAT32,
-    "fp16": attention_pb2.FLOAT16, "float16": attention_pb2.FLOAT16,
-    "bf16": attention_pb2.BFLOAT16, "bfloat16": attention_pb2.BFLOAT16,
-}
 
+class Session:
+    """A server-side KV-cache session (OpenSession), bound to one model.
 
-def _dtype_enum(dtype):
-    if dtype is None:
-        return None
-    if isinstance(dtype, int):
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
-        return _DTYPE_NAMES[dtype.lower()]
-    np_dtype = np.dtype(dtype)
-    if np_dtype == np.float32:
-        return attention_pb2.FLOAT32
-    if np_dtype == np.float16:
-        return attention_pb2.FLOAT16
-    raise ValueError(f"dtype must be fp32, fp16 or bf16, got {dtype!r}")
-
-
-def float_to_bf16_bits(x):
-    """float array -> uint16 bfloat16 bits, rounded to nearest even (NaN stays NaN)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    rounded = np.where(nan, (u >> 16) | 0x40, rounded)
-    return rounded.astype(np.uint16)
-
-
-def bf16_bits_to_float(bits):
-    """uint16 bfloat16 bits -> float32 (exact)."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def encode_tensor(array, dtype=None):
-    """numpy array -> attnserve.v1.Tensor.
-
-    The wire dtype follows the array unless `dtype` ("fp32", "fp16", "bf16")
-    says otherwise: float32 -> FLOAT32, float16 -> FLOAT16, bool -> BOOL,
-    uint16 -> BFLOAT16 (raw bits), float64 -> FLOAT32.
+    Each attend() appends the request's key/value rows (projection models: the
+    new hidden states) to the server's cache and attends over everything cached.
+    Use it as a context manager, or call close(); an idle session expires after
+    `ttl` seconds on the server.
     """
-    a = np.asarray(array)
-    want = _dtype_enum(dtype)
-    if a.dtype == np.bool_:
-        if want is not None:
-            raise ValueError("a bool array cannot be sent as a float dtype")
-        wire, data = attention_pb2.BOOL, a.astype(np.uint8)
-    elif a.dtype == np.uint16:
-        if want not in (None, attention_pb2.BFLOAT16):
-            raise ValueError("uint16 arrays are bfloat16 bits; convert them yourself for another dtype")
-        wire, data = attention_pb2.BFLOAT16, a
-    elif a.dtype.kind == "f":
-        if want is None:
-            want = attention_pb2.FLOAT16 if a.dtype == np.float16 else attention_pb2.FLOAT32
-        wire = want
-        if want == attention_pb2.FLOAT32:
-            data = a.astype("<f4")
-        elif want == attention_pb2.FLOAT16:
-            data = a.astype("<f2")
-        else:
-            data = float_to_bf16_bits(a)
-    else:
-        raise TypeError(f"cannot send a {a.dtype} array (want float32, float16, bool or uint16 bf16 bits)")
-    return attention_pb2.Tensor(dtype=wire, shape=list(a.shape),
-                                data=np.ascontiguousarray(data).astype(data.dtype.newbyteorder("<")).tobytes())
 
+    def __init__(self, client: "AttentionClient", resp: "attention_pb2.OpenSessionResponse"):
+        self._client = client
+        self.id: str = resp.session_id
+        self.model: str = resp.model
+        self.ttl: float = resp.ttl.seconds + resp.ttl.nanos * 1e-9
+        self.max_tokens: int = resp.max_tokens
+        self.block_tokens: int = resp.block_tokens
+        self.length: int = 0  # tokens cached, as of the last attend()
+        self.closed: bool = False
 
-def decode_tensor(tensor, bf16_bits=False):
-    """attnserve.v1.Tensor -> numpy array. BFLOAT16 becomes float32 (exact), or
-    the raw uint16 bits when bf16_bits."""
-    shape = tuple(tensor.shape)
-    if tensor.dtype == attention_pb2.FLOAT32:
-        return np.frombuffer(tensor.data, dtype="<f4").reshape(shape).astype(np.float32)
-    if tensor.dtype == attention_pb2.FLOAT16:
-        return np.frombuffer(tensor.data, dtype="<f2").reshape(shape).astype(np.float16)
-    if tensor.dtype == attention_pb2.BFLOAT16:
-        bits = np.frombuffer(tensor.data, dtype="<u2").reshape(shape).astype(np.uint16)
-        return bits if bf16_bits else bf16_bits_to_float(bits)
-    if tensor.dtype == attention_pb2.BOOL:
-        return np.frombuffer(tensor.data, dtype=np.uint8).reshape(shape) != 0
-    raise ValueError(f"tensor has unknown dtype {tensor.dtype}")
+    def attend(self, query: Any, key: Any = None, value: Any = None, **kwargs: Any) -> AttendResult:
+        """AttentionClient.attend within this session (same arguments, no model)."""
+        result = self._client.attend(query, key, value, session=self, **kwargs)
+        self.length = result.session_length
+        return result
 
+    def close(self, timeout: Optional[float] = None) -> int:
+        """Closes the session; returns the tokens it released. Idempotent."""
+        if self.closed:
+            return 0
+        released = self._client.close_session(self, timeout=timeout)
+        self.closed = True
+        return released
 
-@dataclasses.dataclass
-class AttendResult:
-    output: np.ndarray
-    weights: Optional[np.ndarray]  # None unless need_weights
-    timing: "attention_pb2.Timing"
-    id: str
-    response: "attention_pb2.AttendResponse"  # the raw message (wire dtypes)
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.close()
+        except NotFoundError:
+            pass  # already expired on the server: nothing left to release
+
+    def __repr__(self) -> str:
+        return f"Session(id={self.id!r}, model={self.model!r}, length={self.length})"
 
 
 class AttentionClient:
-    """One channel to an attnserve server. Thread-safe like the gRPC stub it wraps.
+    """One channel to an attnserve server. Thread-safe, like the gRPC stub it wraps.
 
-    RPC failures raise grpc.RpcError (e.code(), e.details()).
+    target: "host:port". TLS: give root_certificates (PEM bytes or a file path;
+    tls=True alone trusts the system roots), and for mutual TLS private_key and
+    certificate_chain. token: sent as `authorization: Bearer <token>` on every
+    call. timeout: default seconds per call. Failed calls raise AttnServeError
+    (.status_code, .message; subclasses such as InvalidArgumentError).
     """
 
-    def __init__(self, target="127.0.0.1:50051", *, timeout=60.0, max_message_bytes=1 << 30,
-                 channel=None):
-        # gRPC's 4 MiB default receive limit would refuse ordinary outputs.
-        self._channel = channel or grpc.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ])
+    def __init__(self, target: str = _common.DEFAULT_TARGET, *, timeout: float = 60.0,
+                 max_message_bytes: int = 1 << 30, tls: Optional[bool] = None,
+                 root_certificates: PemSource = None, private_key: PemSource = None,
+                 certificate_chain: PemSource = None, token: Optional[str] = None,
+                 server_name_override: Optional[str] = None,
+                 options: Sequence[Tuple[str, Any]] = (), channel: Optional[grpc.Channel] = None):
+        self.target = target
         self.timeout = timeout
-        self.stub = attention_pb2_grpc.AttentionServiceStub(self._channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self._channel)
+        self.metadata: List[Tuple[str, str]] = _common.auth_metadata(token)
+        creds = _common.channel_credentials(tls=tls, root_certificates=root_certificates,
+                                            private_key=private_key, certificate_chain=certificate_chain)
+        self.tls = creds is not None
+        if channel is None:
+            opts = _common.channel_options(max_message_bytes, server_name_override, options)
+            channel = (grpc.secure_channel(target, creds, options=opts) if creds
+                       else grpc.insecure_channel(target, options=opts))
+        self._channel = channel
+        self.stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        self.health_stub = health_pb2_grpc.HealthStub(channel)
 
-    def close(self):
+    # -- lifecycle --------------------------------------------------------
+
+    def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "AttentionClient":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
     @property
-    def channel(self):
+    def channel(self) -> grpc.Channel:
         return self._channel
 
-    def build_request(self, query, key=None, value=None, *, model="", causal=False, key_lengths=None,
-                      attn_mask=None, scale=0.0, need_weights=False, average_weights=False,
-                      output_dtype=None, input_dtype=None, request_id=""):
-        """The AttendRequest attend() would send. `input_dtype` converts float
-        query/key/value (e.g. "bf16"); masks keep their own dtype."""
-        req = attention_pb2.AttendRequest(
-            model=model, id=request_id, causal=causal, scale=scale,
-            need_weights=need_weights or average_weights, average_weights=average_weights)
-        req.query.CopyFrom(encode_tensor(query, input_dtype))
-        if key is not None:
-            req.key.CopyFrom(encode_tensor(key, input_dtype))
-        if value is not None:
-            req.value.CopyFrom(encode_tensor(value, input_dtype))
-        if key_lengths is not None:
-            req.key_lengths.extend(int(n) for n in np.asarray(key_lengths).reshape(-1))
-        if attn_mask is not None:
-            req.attn_mask.CopyFrom(encode_tensor(attn_mask))
-        if output_dtype is not None:
-            req.output_dtype = _dtype_enum(output_dtype)
-        return req
+    def _kw(self, timeout: Optional[float], metadata: Optional[Metadata]) -> dict:
+        return {"timeout": timeout or self.timeout,
+                "metadata": _common.merge_metadata(self.metadata, metadata)}
 
-    def attend_request(self, request, *, timeout=None, bf16_bits=False):
+    def _call(self, method: Any, request: Any, timeout: Optional[float],
+              metadata: Optional[Metadata]) -> Any:
+        try:
+            return method(request, **self._kw(timeout, metadata))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    # -- Attend -----------------------------------------------------------
+
+    @staticmethod
+    def build_request(query: Any, key: Any = None, value: Any = None, **kwargs: Any
+                      ) -> "attention_pb2.AttendRequest":
+        """The AttendRequest attend() would send (same keyword arguments, plus
+        session_id)."""
+        return build_request(query, key, value, **kwargs)
+
+    def attend_request(self, request: "attention_pb2.AttendRequest", *, timeout: Optional[float] = None,
+                       bf16_bits: bool = False, metadata: Optional[Metadata] = None) -> AttendResult:
         """Sends a prepared AttendRequest; returns an AttendResult."""
-        resp = self.stub.Attend(request, timeout=timeout or self.timeout)
-        weights = decode_tensor(resp.weights, bf16_bits) if resp.HasField("weights") else None
-        return AttendResult(output=decode_tensor(resp.output, bf16_bits), weights=weights,
-                            timing=resp.timing, id=resp.id, response=resp)
+        return decode_response(self._call(self.stub.Attend, request, timeout, metadata), bf16_bits)
 
-    def attend(self, query, key=None, value=None, *, model="", causal=False, key_lengths=None,
-               attn_mask=None, scale=0.0, need_weights=False, average_weights=False,
-               output_dtype=None, input_dtype=None, request_id="", timeout=None, bf16_bits=False):
+    def attend(self, query: Any, key: Any = None, value: Any = None, *, model: str = "",
+               causal: bool = False, key_lengths: Any = None, attn_mask: Any = None,
+               scale: float = 0.0, need_weights: bool = False, average_weights: bool = False,
+               output_dtype: DTypeLike = None, input_dtype: DTypeLike = None, request_id: str = "",
+               session: Any = None, timeout: Optional[float] = None, bf16_bits: bool = False,
+               metadata: Optional[Metadata] = None) -> AttendResult:
         """softmax(Q K^T * scale + mask) V on the server.
 
         Layouts: model "sdpa": query [B, Hq, Lq, Dk], key [B, Hkv, Lk, Dk],
         value [B, Hkv, Lk, Dv]. Projection models: query [B, Lq, query_dim];
         key/value may be omitted for self-attention. attn_mask: bool (True =
-        may attend) or float (added to the scores). BFLOAT16 outputs come back
-        as float32, or as uint16 bits when bf16_bits.
+        may attend) or float (added to the scores), broadcastable to
+        [B, Hq, Lq, Lk]. session: a Session (or its id) whose cache the
+        request appends to and attends over. BFLOAT16 outputs come back as
+        float32, or as uint16 bits when bf16_bits.
         """
-        req = self.build_request(query, key, value, model=model, causal=causal, key_lengths=key_lengths,
-                                 attn_mask=attn_mask, scale=scale, need_weights=need_weights,
-                                 average_weights=average_weights, output_dtype=output_dtype,
-                                 input_dtype=input_dtype, request_id=request_id)
-        return self.attend_request(req, timeout=timeout, bf16_bits=bf16_bits)
+        req = build_request(query, key, value, model=model, causal=causal, key_lengths=key_lengths,
+                            attn_mask=attn_mask, scale=scale, need_weights=need_weights,
+                            average_weights=average_weights, output_dtype=output_dtype,
+                            input_dtype=input_dtype, request_id=request_id,
+                            session_id=_common.session_id_of(session))
+        return self.attend_request(req, timeout=timeout, bf16_bits=bf16_bits, metadata=metadata)
 
-    def list_models(self, timeout=None):
+    def attend_stream(self, requests: Iterable[Any], *, timeout: Optional[float] = None,
+                      bf16_bits: bool = False, return_exceptions: bool = False,
+                      metadata: Optional[Metadata] = None) -> Iterator[Any]:
+        """AttendStream: an iterable of requests in (AttendRequest messages, or
+        dicts of attend()'s keyword arguments plus query/key/value), one
+        AttendResult per request out, in request order, while later requests
+        are still being sent. Requests without an id get a unique one.
+
+        A failed request raises its AttnServeError (with .request_id) at its
+        place in the order, ending the stream; with return_exceptions=True it
+        is yielded instead and the stream goes on. `timeout` bounds the whole
+        stream (default: none).
+        """
+        order = _common.StreamOrder(return_exceptions)
+        call = self.stub.AttendStream(order.wrap(requests), timeout=timeout,
+                                      metadata=_common.merge_metadata(self.metadata, metadata))
+        try:
+            for msg in call:
+                order.received(msg, bf16_bits)
+                for result in order.ready():
+                    yield order.emit(result)
+        except grpc.RpcError as e:
+            if order.send_error is not None:  # a bad request item ended the stream
+                raise order.send_error from None
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()  # no-op once finished; stops the stream if the caller stops early
+        if order.outstanding():
+            raise _common.unanswered(order.outstanding())
+
+    # -- sessions ---------------------------------------------------------
+
+    def open_session(self, model: str = "", *, ttl: Optional[float] = None, max_tokens: int = 0,
+                     timeout: Optional[float] = None, metadata: Optional[Metadata] = None) -> Session:
+        """Opens a KV-cache session on `model` (empty = the default model).
+        ttl: idle seconds before the server closes it (None = the server's
+        --session-ttl); max_tokens: cache limit (0 = the server's)."""
+        req = attention_pb2.OpenSessionRequest(model=model, max_tokens=max_tokens)
+        if ttl is not None:
+            req.ttl.FromNanoseconds(int(round(ttl * 1e9)))
+        return Session(self, self._call(self.stub.OpenSession, req, timeout, metadata))
+
+    def close_session(self, session: Any, *, timeout: Optional[float] = None,
+                      metadata: Optional[Metadata] = None) -> int:
+        """Closes a session (a Session or its id); returns the tokens it released."""
+        req = attention_pb2.CloseSessionRequest(session_id=_common.session_id_of(session))
+        resp = self._call(self.stub.CloseSession, req, timeout, metadata)
+        if isinstance(session, Session):
+            session.closed = True
+        return resp.released_tokens
+
+    # -- models and health ------------------------------------------------
+
+    def list_models(self, timeout: Optional[float] = None,
+                    metadata: Optional[Metadata] = None) -> List["attention_pb2.ModelStatus"]:
         """[attnserve.v1.ModelStatus] of every served model."""
-        return list(self.stub.ListModels(attention_pb2.ListModelsRequest(),
-                                         timeout=timeout or self.timeout).models)
+        return list(self._call(self.stub.ListModels, attention_pb2.ListModelsRequest(),
+                               timeout, metadata).models)
 
-    def get_model(self, name="", timeout=None):
-        """attnserve.v1.ModelStatus of one model (NOT_FOUND if unknown)."""
-        return self.stub.GetModel(attention_pb2.GetModelRequest(name=name), timeout=timeout or self.timeout)
+    def get_model(self, name: str = "", timeout: Optional[float] = None,
+                  metadata: Optional[Metadata] = None) -> "attention_pb2.ModelStatus":
+        """attnserve.v1.ModelStatus of one model (NotFoundError if unknown)."""
+        return self._call(self.stub.GetModel, attention_pb2.GetModelRequest(name=name), timeout, metadata)
 
-    def health(self, service="", timeout=None):
+    def health(self, service: str = "", timeout: Optional[float] = None,
+               metadata: Optional[Metadata] = None) -> str:
         """grpc.health.v1 status name: "SERVING", "NOT_SERVING", ..."""
-        resp = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
-                                      timeout=timeout or self.timeout)
+        resp = self._call(self.health_stub.Check, health_pb2.HealthCheckRequest(service=service),
+                          timeout, metadata)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+

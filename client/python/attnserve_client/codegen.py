@@ -1,39 +1,53 @@
-"""Generates the Python gRPC stubs of the attnserve API (plus grpc.health.v1 and
-grpc.reflection.v1alpha) with grpc_tools.protoc, so no generated code lives in git.
+"""Generates the Python gRPC stubs of the attnserve API with grpc_tools.protoc.
 
-    python3 -m attnserve_client.codegen OUTDIR    # write the stubs into OUTDIR
+Two users, one list of protos:
+  * the package build (setup.py's build_py) writes them into the wheel as
+    `attnserve_client._proto`, imports rewritten to that package, so an
+    installed client never generates code and never needs the source tree;
+  * a source checkout without an installed wheel (the repository's own tests,
+    `sys.path.insert(0, "client/python")`) generates them on first import into
+    a cache keyed by the protos' contents, as top-level `attnserve.*` modules.
 
-On import, attnserve_client calls ensure_stubs(), which generates them once into
-a cache directory keyed by the protos' contents and puts it on sys.path.
+    python3 -m attnserve_client.codegen OUTDIR    # top-level stubs into OUTDIR
+
+This file imports nothing from its package, so setup.py can load it by path.
 """
 
 import hashlib
 import os
+import re
 import shutil
 import sys
 import tempfile
 
-# The health and reflection protos are staged under this prefix: their own file
-# paths (grpc/health/v1/...) would make the generated modules live in a package
-# named `grpc`, shadowed by grpcio itself. Their proto packages, and so the
-# method names on the wire, stay grpc.health.v1 and grpc.reflection.v1alpha.
+# The health proto is staged under this prefix: its usual path
+# (grpc/health/v1/...) would make the generated modules live in a package named
+# `grpc`, shadowed by grpcio itself. The proto package, and so the method names
+# on the wire, stay grpc.health.v1 (and grpc.reflection.v1alpha).
 EXT_PREFIX = "attnserve/grpc_ext"
 
-_API_PROTOS = ("attnserve/v1/model_config.proto", "attnserve/v1/attention.proto")
-_EXT_PROTOS = {
-    # staged path: path under the grpc-proto root
-    EXT_PREFIX + "/health/v1/health.proto": "grpc/health/v1/health.proto",
+# Compiled into the wheel (paths under a proto root).
+API_PROTOS = ("attnserve/v1/model_config.proto", "attnserve/v1/attention.proto",
+              EXT_PREFIX + "/health/v1/health.proto")
+# Checkout only (tests call server reflection): staged path -> path under
+# Debian's grpc-proto root. Skipped when that package is absent.
+_DEV_PROTOS = {
     EXT_PREFIX + "/reflection/v1alpha/reflection.proto": "grpc/reflection/v1alpha/reflection.proto",
 }
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
-def proto_root():
-    """proto/ of the source tree (or $ATTNSERVE_PROTO_DIR)."""
-    env = os.environ.get("ATTNSERVE_PROTO_DIR")
-    if env:
-        return env
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.normpath(os.path.join(here, "..", "..", "..", "proto"))
+
+def proto_roots():
+    """Where API_PROTOS are looked up, in order: $ATTNSERVE_PROTO_DIR; the
+    package's own proto/ (health; in an sdist, everything); the repository's
+    proto/ (a checkout)."""
+    roots = []
+    if os.environ.get("ATTNSERVE_PROTO_DIR"):
+        roots.append(os.environ["ATTNSERVE_PROTO_DIR"])
+    roots.append(os.path.normpath(os.path.join(_HERE, "..", "proto")))
+    roots.append(os.path.normpath(os.path.join(_HERE, "..", "..", "..", "proto")))
+    return roots
 
 
 def grpc_proto_root():
@@ -41,24 +55,46 @@ def grpc_proto_root():
     return os.environ.get("GRPC_PROTO_DIR", "/usr/share/grpc-proto")
 
 
-def _sources():
-    """(staged path, absolute source path) of every proto to compile."""
-    srcs = [(p, os.path.join(proto_root(), p)) for p in _API_PROTOS]
-    srcs += [(staged, os.path.join(grpc_proto_root(), orig)) for staged, orig in _EXT_PROTOS.items()]
-    for _, path in srcs:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"attnserve_client.codegen: {path} not found (set ATTNSERVE_PROTO_DIR / "
-                "GRPC_PROTO_DIR, or install Debian's grpc-proto)")
+def find_proto(path, roots=None):
+    """Absolute path of `path` under the first root that has it."""
+    roots = roots or proto_roots()
+    for root in roots:
+        candidate = os.path.join(root, path)
+        if os.path.isfile(candidate):
+            return candidate
+    raise FileNotFoundError(f"attnserve_client.codegen: {path} not found under {roots} "
+                            "(set ATTNSERVE_PROTO_DIR to the repository's proto/)")
+
+
+def sources(with_dev=False):
+    """[(staged path, absolute source path)] of every proto to compile."""
+    srcs = [(p, find_proto(p)) for p in API_PROTOS]
+    if with_dev:
+        for staged, orig in _DEV_PROTOS.items():
+            path = os.path.join(grpc_proto_root(), orig)
+            if os.path.isfile(path):
+                srcs.append((staged, path))
     return srcs
 
 
-def generate(outdir):
-    """Writes the *_pb2.py and *_pb2_grpc.py modules under outdir."""
+_IMPORT = re.compile(r"^(from|import) attnserve\.", re.MULTILINE)
+_GENCODE_PROTOBUF = re.compile(r"^# Protobuf Python Version: (\S+)$", re.MULTILINE)
+_GENCODE_GRPC = re.compile(r"^GRPC_GENERATED_VERSION = '([^']+)'$", re.MULTILINE)
+
+
+def generate(outdir, package=None, with_dev=False):
+    """Writes the *_pb2.py and *_pb2_grpc.py modules under outdir.
+
+    package: None = top-level `attnserve.*` modules (put outdir on sys.path);
+    a dotted name (e.g. "attnserve_client._proto") = outdir is that package:
+    the generated absolute imports are rewritten to it and __init__.py files
+    are written. Returns {"protobuf": v, "grpc": v}, the runtime versions the
+    generated code declares it needs (None where it declares none).
+    """
     from grpc_tools import protoc
     import grpc_tools
 
-    srcs = _sources()
+    srcs = sources(with_dev)
     os.makedirs(outdir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="attnserve-protos-") as stage:
         for staged, path in srcs:
@@ -72,6 +108,28 @@ def generate(outdir):
         if protoc.main(args) != 0:
             raise RuntimeError(f"grpc_tools.protoc failed: {' '.join(args)}")
 
+    versions = {"protobuf": None, "grpc": None}
+    for dirpath, _, files in os.walk(outdir):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            with open(path) as f:
+                text = f.read()
+            for key, pattern in (("protobuf", _GENCODE_PROTOBUF), ("grpc", _GENCODE_GRPC)):
+                m = pattern.search(text)
+                if m:
+                    versions[key] = m.group(1)
+            if package:
+                text = _IMPORT.sub(lambda m: f"{m.group(1)} {package}.attnserve.", text)
+                with open(path, "w") as f:
+                    f.write(text)
+        if package:
+            init = os.path.join(dirpath, "__init__.py")
+            if not os.path.exists(init):
+                open(init, "w").close()
+    return versions
+
 
 def _cache_key():
     h = hashlib.sha256()
@@ -81,7 +139,7 @@ def _cache_key():
         h.update(os.path.dirname(grpc_tools.__file__).encode())
     except ImportError:
         pass
-    for staged, path in _sources():
+    for staged, path in sources(with_dev=True):
         h.update(staged.encode())
         with open(path, "rb") as f:
             h.update(f.read())
@@ -98,7 +156,8 @@ def cache_base():
 
 
 def ensure_stubs():
-    """Generates the stubs unless the cache has them; puts them on sys.path.
+    """Checkout mode: generates the top-level stubs unless the cache has them;
+    puts them on sys.path.
 
     Safe when several processes race: each generates into its own directory and
     renames it into place; a loser uses the winner's copy.
@@ -108,7 +167,7 @@ def ensure_stubs():
         os.makedirs(cache_base(), exist_ok=True)
         work = tempfile.mkdtemp(prefix="gen-", dir=cache_base())
         try:
-            generate(work)
+            generate(work, with_dev=True)
             open(os.path.join(work, ".complete"), "w").close()
             try:
                 os.rename(work, final)
@@ -126,7 +185,7 @@ def main(argv):
     if len(argv) != 2:
         print("usage: python3 -m attnserve_client.codegen OUTDIR", file=sys.stderr)
         return 2
-    generate(argv[1])
+    generate(argv[1], with_dev=True)
     print(f"wrote attnserve stubs to {argv[1]}; add it to PYTHONPATH")
     return 0
 

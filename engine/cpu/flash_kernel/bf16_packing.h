@@ -34,10 +34,10 @@ struct Bf16Packing {
   // K and V are always packed (AMX and vdpbf16ps both want pair layouts).
   static bool UseDirectK(int64_t, int64_t, DType) { return false; }
   static bool UseDirectV(int64_t, int64_t, int64_t) { return false; }
-  static void PVDirect(float*, int64_t, const float*, const uint16_t*, int64_t, const void*, DType,
-                       int64_t, int64_t, int64_t, int64_t) {}
-  static void QKDirect(float*, int64_t, const uint16_t*, int64_t, const void*, DType, int64_t,
+  static void PVDirect(float*, int64_t, const float*, const uint16_t*, int64_t, const void* const*, DType,
                        int64_t, int64_t, int64_t) {}
+  static void QKDirect(float*, int64_t, const uint16_t*, int64_t, const void* const*, DType, int64_t,
+                       int64_t, int64_t, const RowPrefetch&) {}
 
   // dst[0, n) = bf16(src[0, n)), dst[n, npad) = 0.
   static void RowToBf16(uint16_t* dst, const void* src, DType dt, int64_t n, int64_t npad) {
@@ -60,7 +60,11 @@ struct Bf16Packing {
     std::memset(q + r_count * ldq, 0, static_cast<size_t>((r_pad - r_count) * ldq) * 2);
   }
 
-  static void PackK(uint32_t* k2, const void* kbase, DType dt, int64_t ld, int64_t n, int64_t npad,
+  // Keys [0, n) into columns [0, RoundUp(n, 16)) of k2 (`ldk` u32 apart),
+  // zero past n; PadK zeroes the rest of the tile. A paged tile is packed
+  // run by run at column offsets; every run but the last is a multiple of
+  // 16 keys (AttentionParams::block_tokens), so runs never overlap.
+  static void PackK(uint32_t* k2, int64_t ldk, const void* kbase, DType dt, int64_t ld, int64_t n,
                     int64_t d, float* conv_f) {
     const int64_t dpad = QStride(d);
     const int64_t pairs = dpad / 2;
@@ -82,19 +86,27 @@ struct Bf16Packing {
         Transpose16x16(r);
 #pragma GCC unroll 16
         for (int pp = 0; pp < 16; ++pp)
-          _mm512_storeu_ps(reinterpret_cast<float*>(k2 + (p0 + pp) * npad + j0), r[pp]);
+          _mm512_storeu_ps(reinterpret_cast<float*>(k2 + (p0 + pp) * ldk + j0), r[pp]);
       }
     }
-    if (nfull < npad)
-      for (int64_t p = 0; p < pairs; ++p)
-        std::memset(k2 + p * npad + nfull, 0, static_cast<size_t>(npad - nfull) * 4);
+  }
+
+  // Columns [n, npad) of every pair row = 0.
+  static void PadK(uint32_t* k2, int64_t ldk, int64_t n, int64_t npad, int64_t d) {
+    if (n >= npad) return;
+    for (int64_t p = 0; p < QStride(d) / 2; ++p)
+      std::memset(k2 + p * ldk + n, 0, static_cast<size_t>(npad - n) * 4);
   }
 
   // Pairs of V rows interleaved; key pairs up to RoundUp(n, 32) / 2 are
-  // written (zeros past n), which covers every product loop.
+  // written (zeros past n), which covers every product loop. A paged tile
+  // is packed run by run in key order, run j0 (even) at v2 + VOffset(j0):
+  // a run's zeros past its end are overwritten by the next run, the last
+  // may write up to 31 keys past the tile (GetBuffers allows for them), and
+  // PadV then zeroes the pairs the products read past the tile's n keys.
   static const uint32_t* PackV(uint32_t* v2, const void* vbase, DType dt, int64_t ld, int64_t n,
-                               int64_t npad, int64_t dv, int64_t dv_pad, float* conv_f,
-                               int64_t* ldv) {
+                               int64_t dv, int64_t dv_pad, float* conv_f, int64_t* ldv,
+                               bool /*may_alias: always packed*/) {
     *ldv = dv_pad;
     uint16_t* a = reinterpret_cast<uint16_t*>(conv_f);
     uint16_t* b = a + dv_pad;
@@ -119,6 +131,14 @@ struct Bf16Packing {
       }
     }
     return v2;
+  }
+
+  static int64_t VOffset(int64_t j, int64_t dv_pad) { return j / 2 * dv_pad; }
+  // Zero pairs from key n (rounded up to a pair; an odd n's last pair was
+  // completed by PackV) up to RoundUp(n, 32) / 2.
+  static void PadV(uint32_t* v2, int64_t n, int64_t dv_pad) {
+    const int64_t q0 = (n + 1) / 2, q1 = RoundUp(n, 32) / 2;
+    if (q1 > q0) std::memset(v2 + q0 * dv_pad, 0, static_cast<size_t>((q1 - q0) * dv_pad) * 4);
   }
 
   static void StoreP(uint16_t* dst, V p) {

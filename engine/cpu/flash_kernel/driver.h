@@ -9,6 +9,15 @@
 // O = alpha * O + P V.
 // Keys beyond a row's causal/key_lengths limit are -inf; whole blocks beyond
 // every row's limit are never visited. The output is O / l (0 when l == 0).
+//
+// Paged K/V (AttentionParams::k_blocks): the 256-key blocks are the same as
+// for contiguous K/V; a block that spans several cache blocks is read as
+// "runs" of rows `head_dim` apart, one per cache block, packed run by run
+// into the same packed block. Decode reads K and V rows in place through a
+// table of row pointers built per block (from the block table when paged),
+// which also drives its prefetching. Every value and every operation is the
+// one the contiguous layout gives, so a paged request is bitwise equal to
+// the same request with contiguous K/V.
 
 #if !defined(ATTNSERVE_FLASH_KERNEL_FILE)
 #error "engine/cpu/flash_kernel/ is included only by engine/cpu/flash_kernel_<isa>.cc"
@@ -165,7 +174,9 @@ class Kernel {
     const int64_t dmax = std::max(p.head_dim, plan.dv_pad);
     bufs->q = sc.q.Get<QElem>(static_cast<size_t>(r_pad * Products::QStride(p.head_dim)));
     bufs->k = sc.k.Get<KElem>(Products::KElems(p.head_dim, kBlockKeys));
-    bufs->v = sc.v.Get<VElem>(Products::VElems(kBlockKeys, plan.dv_pad));
+    // + kKeyAlign: paged bf16 packing may write up to 31 zero keys past the
+    // block (bf16_packing.h, PackV).
+    bufs->v = sc.v.Get<VElem>(Products::VElems(kBlockKeys + kKeyAlign, plan.dv_pad));
     bufs->s = sc.s.Get<float>(static_cast<size_t>(kBlockRows * kBlockKeys));
     bufs->p = Products::kPInScores ? reinterpret_cast<PElem*>(bufs->s)
                                    : sc.p.Get<PElem>(static_cast<size_t>(kBlockRows * kBlockKeys));
@@ -193,13 +204,42 @@ class Kernel {
     return b * p.mask.stride_b + h * p.mask.stride_h + i * p.mask.stride_q;
   }
 
-  // Where key (value) row kb of kv head `hkv` starts in the input.
+  // Where key (value) row kb of kv head `hkv` starts in the input, and the
+  // stride of the rows that follow it in the same run (RunKeys).
   static const void* KBlock(const AttentionParams& p, int64_t b, int64_t hkv, int64_t kb) {
+    if (p.k_blocks != nullptr) {
+      const int64_t bt = p.block_tokens;
+      return ElemPtr(p.k_blocks[kb / bt], p.dtype, (hkv * bt + kb % bt) * p.head_dim);
+    }
     return ElemPtr(p.k, p.dtype, b * p.k_stride_b + hkv * p.k_stride_h + kb * p.k_stride_row);
   }
 
   static const void* VBlock(const AttentionParams& p, int64_t b, int64_t hkv, int64_t kb) {
+    if (p.v_blocks != nullptr) {
+      const int64_t bt = p.block_tokens;
+      return ElemPtr(p.v_blocks[kb / bt], p.dtype, (hkv * bt + kb % bt) * p.head_dim_v);
+    }
     return ElemPtr(p.v, p.dtype, b * p.v_stride_b + hkv * p.v_stride_h + kb * p.v_stride_row);
+  }
+  static int64_t KLd(const AttentionParams& p) { return p.k_blocks != nullptr ? p.head_dim : p.k_stride_row; }
+  static int64_t VLd(const AttentionParams& p) { return p.v_blocks != nullptr ? p.head_dim_v : p.v_stride_row; }
+
+  // Of keys [kb, kb + n), how many from kb lie in one run (rows KLd/VLd
+  // apart): all when contiguous, up to the end of kb's cache block when
+  // paged (a multiple of 16 keys unless it ends the block at kb + n).
+  static int64_t RunKeys(const AttentionParams& p, int64_t kb, int64_t n) {
+    return p.k_blocks != nullptr ? std::min(n, p.block_tokens - kb % p.block_tokens) : n;
+  }
+
+  // dst[j] = the row of key key0 + j (K, or V when `value`) for j < count.
+  static void RowPointers(const AttentionParams& p, int64_t b, int64_t hkv, int64_t key0, int64_t count,
+                          bool value, const void** dst) {
+    for (int64_t j = 0, run = 0; j < count; j += run) {
+      run = RunKeys(p, key0 + j, count - j);
+      const void* base = value ? VBlock(p, b, hkv, key0 + j) : KBlock(p, b, hkv, key0 + j);
+      const int64_t ld = value ? VLd(p) : KLd(p);
+      for (int64_t t = 0; t < run; ++t) dst[j + t] = ElemPtr(base, p.dtype, t * ld);
+    }
   }
 
   // Packs K (unless `direct_k`: QKDirect reads it in place) and, when
@@ -207,11 +247,27 @@ class Kernel {
   static void PackKV(const AttentionParams& p, const RequestPlan& plan, int64_t b, int64_t hkv,
                      int64_t kb, int64_t n, int64_t npad, const Buffers& bf, bool with_v,
                      const VElem** v, int64_t* ldv, bool direct_k = false) {
-    if (!direct_k) Products::PackK(bf.k, KBlock(p, b, hkv, kb), p.dtype, p.k_stride_row, n, npad, p.head_dim, bf.conv);
+    if (!direct_k) {
+      for (int64_t j = 0, run = 0; j < n; j += run) {
+        run = RunKeys(p, kb + j, n - j);
+        Products::PackK(bf.k + j, npad, KBlock(p, b, hkv, kb + j), p.dtype, KLd(p), run, p.head_dim,
+                        bf.conv);
+      }
+      Products::PadK(bf.k, npad, n, npad, p.head_dim);
+    }
     if (!with_v) return;
-    const void* vbase = VBlock(p, b, hkv, kb);
-    *v = Products::PackV(bf.v, vbase, p.dtype, p.v_stride_row, n, npad, p.head_dim_v, plan.dv_pad,
-                         bf.conv, ldv);
+    if (RunKeys(p, kb, n) == n) {  // one run: V may be read in place
+      *v = Products::PackV(bf.v, VBlock(p, b, hkv, kb), p.dtype, VLd(p), n, p.head_dim_v, plan.dv_pad,
+                           bf.conv, ldv, /*may_alias=*/true);
+      return;
+    }
+    for (int64_t j = 0, run = 0; j < n; j += run) {
+      run = RunKeys(p, kb + j, n - j);
+      Products::PackV(bf.v + Products::VOffset(j, plan.dv_pad), VBlock(p, b, hkv, kb + j), p.dtype,
+                      VLd(p), run, p.head_dim_v, plan.dv_pad, bf.conv, ldv, /*may_alias=*/false);
+    }
+    Products::PadV(bf.v, n, plan.dv_pad);
+    *v = bf.v;
   }
 
  public:
@@ -259,20 +315,39 @@ class Kernel {
     Products::Begin();
     const int64_t ldq = Products::QStride(p.head_dim);
     Products::PackQ(bf.q, qrows, rows, r_pad, p.dtype, p.head_dim);
+    // Decode: the K and V rows of a block's keys and of the next
+    // kPrefetchRows keys (prefetched; null past the item's keys), through
+    // the block table when paged.
+    const void* k_rows[kBlockKeys + kPrefetchRows];
+    const void* v_rows[kBlockKeys + kPrefetchRows];
+    RowPrefetch pf;
+    if (direct_k) {
+      pf.k_ahead = k_rows + kPrefetchRows;
+      pf.k_bytes = p.head_dim * ElemSize(p.dtype);
+    }
     for (int64_t kb = item.key0; kb < kend; kb += kBlockKeys) {
       const int64_t n = std::min(kBlockKeys, kend - kb);
       const int64_t npad = RoundUp(n, Products::kKeyAlign);
       const VElem* v = nullptr;
       int64_t ldv = 0;
       PackKV(p, plan, b, hkv, kb, n, npad, bf, !direct_v, &v, &ldv, direct_k);
+      const int64_t with_next = std::min(n + kPrefetchRows, kend - kb);
+      if (direct_k) {
+        RowPointers(p, b, hkv, kb, with_next, false, k_rows);
+        std::fill(k_rows + with_next, k_rows + n + kPrefetchRows, nullptr);
+      }
+      if (direct_v) {
+        RowPointers(p, b, hkv, kb, with_next, true, v_rows);
+        std::fill(v_rows + with_next, v_rows + n + kPrefetchRows, nullptr);
+      }
       for (int64_t sb = 0; sb < subs; ++sb) {
         if (sub_end[sb] <= kb) continue;  // every row of it is past its limit
         const int64_t r0 = sb * kBlockRows;
         const int64_t sr = std::min(kBlockRows, rows - r0);
         const int64_t sr_pad = std::min(kBlockRows, r_pad - r0);
         if (direct_k) {
-          Products::QKDirect(bf.s, npad, bf.q + r0 * ldq, ldq, KBlock(p, b, hkv, kb), p.dtype,
-                             p.k_stride_row, sr_pad, n, p.head_dim);
+          Products::QKDirect(bf.s, npad, bf.q + r0 * ldq, ldq, k_rows, p.dtype, sr_pad, n, p.head_dim,
+                             sb == 0 ? pf : RowPrefetch{});
         } else {
           Products::QK(bf.s, npad, bf.q + r0 * ldq, ldq, bf.k, npad, sr_pad, npad, p.head_dim);
         }
@@ -282,8 +357,7 @@ class Kernel {
         if (sr_pad > sr)
           std::memset(bf.p + sr * npad, 0, static_cast<size_t>((sr_pad - sr) * npad) * sizeof(PElem));
         if (direct_v) {
-          Products::PVDirect(bf.o + r0 * dvp, dvp, bf.alpha + r0, bf.p, npad, VBlock(p, b, hkv, kb), p.dtype,
-                             p.v_stride_row, sr_pad, n, dvp);
+          Products::PVDirect(bf.o + r0 * dvp, dvp, bf.alpha + r0, bf.p, npad, v_rows, p.dtype, sr_pad, n, dvp);
         } else {
           Products::PV(bf.o + r0 * dvp, dvp, bf.alpha + r0, bf.p, npad, v, ldv, sr_pad, n, dvp, bf.tmp);
         }

@@ -38,9 +38,12 @@ struct Products {
     for (int64_t r = r_count; r < r_pad; ++r) FillRow(q + r * d, d, 0.0f);
   }
 
-  // kt[k][j] = K[j][k] for j < n, 0 for n <= j < npad. `kbase` points at
-  // key 0 of the block, rows `ld` elements apart; conv: 16 * d floats.
-  static void PackK(float* kt, const void* kbase, DType dt, int64_t ld, int64_t n, int64_t npad,
+  // kt[k][j] = K[j][k] for j < n (columns `ldk` apart; PadK zeroes the
+  // rest). `kbase` points at key 0, rows `ld` elements apart; conv: 16 * d
+  // floats. A paged tile is packed run by run (engine/cpu/flash_kernel/
+  // driver.h), each at its column offset: the values are the same as for
+  // one contiguous run.
+  static void PackK(float* kt, int64_t ldk, const void* kbase, DType dt, int64_t ld, int64_t n,
                     int64_t d, float* conv) {
     int64_t j0 = 0;
     if constexpr (Vec::kT > 0) {
@@ -55,51 +58,120 @@ struct Products {
           lds = d;
         }
         int64_t k0 = 0;
-        for (; k0 + T <= d; k0 += T) Vec::Transpose(rows + k0, lds, kt + k0 * npad + j0, npad);
+        for (; k0 + T <= d; k0 += T) Vec::Transpose(rows + k0, lds, kt + k0 * ldk + j0, ldk);
         for (int64_t k = k0; k < d; ++k)
-          for (int jj = 0; jj < T; ++jj) kt[k * npad + j0 + jj] = rows[jj * lds + k];
+          for (int jj = 0; jj < T; ++jj) kt[k * ldk + j0 + jj] = rows[jj * lds + k];
       }
     }
     for (int64_t j = j0; j < n; ++j) {
       ConvertRow(ElemPtr(kbase, dt, j * ld), dt, d, conv);
-      for (int64_t k = 0; k < d; ++k) kt[k * npad + j] = conv[k];
+      for (int64_t k = 0; k < d; ++k) kt[k * ldk + j] = conv[k];
     }
-    for (int64_t k = 0; k < d; ++k) FillRow(kt + k * npad + n, npad - n, 0.0f);
   }
 
-  // Few rows (decode): Q K^T as dot products straight from the K rows, W
-  // keys at a time reduced across lanes, instead of transposing K for a
-  // broadcast GEMM that would use one row of it. Needs d % W == 0 and fp32
-  // K rows (conv is not used).
+  // kt[k][j] = 0 for n <= j < npad.
+  static void PadK(float* kt, int64_t ldk, int64_t n, int64_t npad, int64_t d) {
+    for (int64_t k = 0; k < d; ++k) FillRow(kt + k * ldk + n, npad - n, 0.0f);
+  }
+
+  // Few rows (decode): Q K^T as dot products straight from the K rows
+  // (krows[j]: key j's row, wherever it lives: contiguous or a paged
+  // cache's blocks), W keys at a time reduced across lanes, instead of
+  // transposing K for a broadcast GEMM that would use one row of it. Needs
+  // d % W == 0 (conv is not used). `pf` says what to prefetch per key.
   static bool UseDirectK(int64_t rows, int64_t d, DType dt) { return rows <= 4 && d % W == 0; }
-  static void QKDirect(float* s, int64_t lds, const float* q, int64_t ldq, const void* kbase,
-                       DType dt, int64_t ld, int64_t rows, int64_t n, int64_t d) {
-    for (int64_t j0 = 0; j0 < n; j0 += W) {
-      const int64_t nk = std::min<int64_t>(W, n - j0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* qr = q + r * ldq;
-        V acc[W];
+  static void QKDirect(float* s, int64_t lds, const float* q, int64_t ldq, const void* const* krows,
+                       DType dt, int64_t rows, int64_t n, int64_t d, const RowPrefetch& pf) {
+    switch (dt) {
+      case DType::kFloat16: return QKDirectRows<DType::kFloat16>(s, lds, q, ldq, krows, rows, n, d, pf);
+      case DType::kBFloat16: return QKDirectRows<DType::kBFloat16>(s, lds, q, ldq, krows, rows, n, d, pf);
+      default: return QKDirectRows<DType::kFloat32>(s, lds, q, ldq, krows, rows, n, d, pf);
+    }
+  }
+  template <DType kDt>
+  static void QKDirectRows(float* s, int64_t lds, const float* q, int64_t ldq, const void* const* krows,
+                           int64_t rows, int64_t n, int64_t d, const RowPrefetch& pf) {
+    switch (rows) {
+      case 1: return QKDirectTile<1, kDt>(s, lds, q, ldq, krows, n, d, pf);
+      case 2: return QKDirectTile<2, kDt>(s, lds, q, ldq, krows, n, d, pf);
+      case 3: return QKDirectTile<3, kDt>(s, lds, q, ldq, krows, n, d, pf);
+      default: return QKDirectTile<4, kDt>(s, lds, q, ldq, krows, n, d, pf);
+    }
+  }
+
+  // Keys whose dot products with R rows run side by side: R x K
+  // accumulators in about half the vector registers (a power of two <= W).
+  static constexpr int DirectKeys(int rows) {
+    int k = 1;
+    while (2 * k <= W && 2 * k * rows <= (W >= 16 ? 16 : 8)) k *= 2;
+    return k;
+  }
+
+  // acc[r][k] += q[r] . K row kr[k] over d, one vector of columns at a
+  // time: each K vector is widened once for all R rows.
+  // (Each Q vector is loaded once for all K keys.)
+  template <int R, int K, DType kDt>
+  __attribute__((always_inline)) static void DotKeys(const float* q, int64_t ldq, const void* const* kr,
+                                                     int64_t d, V (*acc)[K]) {
+    for (int64_t c = 0; c < d; c += W) {
+      V qv[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) qv[r] = Vec::Load(q + r * ldq + c);
 #pragma GCC unroll 16
-        for (int jj = 0; jj < W; ++jj) {
-          acc[jj] = Vec::Zero();
-          if (jj < nk) {
-            const void* kr = ElemPtr(kbase, dt, (j0 + jj) * ld);
-            if (r == 0) PrefetchRow(ElemPtr(kr, dt, kPrefetchRows * ld), d * ElemSize(dt));
-            for (int64_t c = 0; c < d; c += W)
-              acc[jj] = Vec::Fma(Vec::Load(qr + c), Vec::LoadConvert(kr, dt, c), acc[jj]);
-          }
-        }
-        Vec::Store(s + r * lds + j0, Vec::ReduceLanes(acc));
+      for (int k = 0; k < K; ++k) {
+        const V kv = Vec::LoadConvert(kr[k], kDt, c);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r][k] = Vec::Fma(qv[r], kv, acc[r][k]);
       }
     }
   }
 
-  // Returns V rows (and their stride): in place when possible, else
-  // converted into vb [n][dv_pad] with zero columns past dv.
+  // s[r][j] for R rows and keys [0, n): per (row, key) one c-ordered FMA
+  // chain, then the lane reduction of W keys (lanes of missing keys are 0).
+  template <int R, DType kDt>
+  static void QKDirectTile(float* s, int64_t lds, const float* q, int64_t ldq, const void* const* krows,
+                           int64_t n, int64_t d, const RowPrefetch& pf) {
+    constexpr int K = DirectKeys(R);
+    V part[R][W];  // the W keys' accumulators of each row
+    for (int64_t j0 = 0; j0 < n; j0 += W) {
+      for (int k0 = 0; k0 < W; k0 += K) {
+        const int64_t key0 = j0 + k0;
+        V acc[R][K];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+          for (int k = 0; k < K; ++k) acc[r][k] = Vec::Zero();
+        if (key0 + K <= n) {
+#pragma GCC unroll 16
+          for (int k = 0; k < K; ++k) pf.At(key0 + k);
+          DotKeys<R, K, kDt>(q, ldq, krows + key0, d, acc);
+        } else {
+          for (int k = 0; k < K && key0 + k < n; ++k) {  // the last keys, one at a time
+            pf.At(key0 + k);
+            V a[R][1];
+            for (int r = 0; r < R; ++r) a[r][0] = Vec::Zero();
+            DotKeys<R, 1, kDt>(q, ldq, krows + key0 + k, d, a);
+            for (int r = 0; r < R; ++r) acc[r][k] = a[r][0];
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+          for (int k = 0; k < K; ++k) part[r][k0 + k] = acc[r][k];
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) Vec::Store(s + r * lds + j0, Vec::ReduceLanes(part[r]));
+    }
+  }
+
+  // Returns V rows (and their stride): in place when possible and
+  // `may_alias`, else converted into vb [n][dv_pad] with zero columns past
+  // dv. A paged tile is packed run by run (may_alias false), run j0 at
+  // vb + VOffset(j0, dv_pad).
   static const float* PackV(float* vb, const void* vbase, DType dt, int64_t ld, int64_t n,
-                            int64_t npad, int64_t dv, int64_t dv_pad, float* /*conv*/,
-                            int64_t* ldv) {
-    if (dt == DType::kFloat32 && dv == dv_pad) {
+                            int64_t dv, int64_t dv_pad, float* /*conv*/, int64_t* ldv,
+                            bool may_alias) {
+    if (may_alias && dt == DType::kFloat32 && dv == dv_pad) {
       *ldv = ld;
       return static_cast<const float*>(vbase);
     }
@@ -110,6 +182,9 @@ struct Products {
     *ldv = dv_pad;
     return vb;
   }
+  static int64_t VOffset(int64_t j, int64_t dv_pad) { return j * dv_pad; }
+  // P V reads rows j < n only: nothing to pad.
+  static void PadV(float*, int64_t, int64_t) {}
 
   template <int M, int N>
   static void QkTile(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t d,
@@ -182,15 +257,6 @@ struct Products {
     void Prefetch(int64_t j, int64_t cols) const { PrefetchRow(v + j * ld, cols * 4); }
     Fp32VRows Columns(int64_t c0) const { return {v + c0, ld}; }
   };
-  struct InputVRows {
-    const void* v;
-    DType dt;
-    int64_t ld, c0;
-    V Load(int64_t j, int64_t c) const { return Vec::LoadConvert(ElemPtr(v, dt, j * ld), dt, c0 + c); }
-    void Prefetch(int64_t j, int64_t cols) const { PrefetchRow(ElemPtr(v, dt, j * ld + c0), cols * ElemSize(dt)); }
-    InputVRows Columns(int64_t c) const { return {v, dt, ld, c0 + c}; }
-  };
-
   template <int M, int N, typename VRows>
   static void PvTile(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
                      const VRows& vr, int64_t n) {
@@ -261,11 +327,79 @@ struct Products {
     PvColumns(o, ldo, alpha, p, ldp, Fp32VRows{v, ldv}, rows, n, dv_pad);
   }
 
-  // Decode: V rows read in place whatever their dtype (dv must equal dv_pad).
+  // Decode: o[r] = alpha[r] * o[r] + sum_{j < n} p[r][j] V[j] for r < rows
+  // (<= 4), V rows read in place through vrows[j] (contiguous or in a paged
+  // cache's blocks; null for the kPrefetchRows entries past the item's
+  // keys), whatever their dtype (dv must equal dv_pad). Each output element
+  // is the j-ordered FMA chain of PV; the column passes are as wide as the
+  // registers allow, and the first prefetches whole rows ahead.
   static bool UseDirectV(int64_t rows, int64_t dv, int64_t dv_pad) { return rows <= 4 && dv == dv_pad; }
   static void PVDirect(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
-                       const void* vbase, DType dt, int64_t ldv, int64_t rows, int64_t n, int64_t dv_pad) {
-    PvColumns(o, ldo, alpha, p, ldp, InputVRows{vbase, dt, ldv, 0}, rows, n, dv_pad);
+                       const void* const* vrows, DType dt, int64_t rows, int64_t n, int64_t dv_pad) {
+    switch (dt) {
+      case DType::kFloat16: return PvDirectRows<DType::kFloat16>(o, ldo, alpha, p, ldp, vrows, rows, n, dv_pad);
+      case DType::kBFloat16: return PvDirectRows<DType::kBFloat16>(o, ldo, alpha, p, ldp, vrows, rows, n, dv_pad);
+      default: return PvDirectRows<DType::kFloat32>(o, ldo, alpha, p, ldp, vrows, rows, n, dv_pad);
+    }
+  }
+  template <DType kDt>
+  static void PvDirectRows(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                           const void* const* vrows, int64_t rows, int64_t n, int64_t dv_pad) {
+    switch (rows) {
+      case 1: return PvDirectColumns<1, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
+      case 2: return PvDirectColumns<2, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
+      case 3: return PvDirectColumns<3, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
+      default: return PvDirectColumns<4, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
+    }
+  }
+  // Vectors of columns per pass for M rows: M x N accumulators, M
+  // broadcasts of P and one V vector in the registers.
+  static constexpr int DirectColumns(int rows) {
+    const int regs = W >= 16 ? 30 : 14;
+    int n = 1;
+    while (2 * n <= 8 && rows * 2 * n + rows + 1 <= regs) n *= 2;
+    return n;
+  }
+  template <int M, DType kDt>
+  static void PvDirectColumns(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                              const void* const* vrows, int64_t n, int64_t dv_pad) {
+    constexpr int N = DirectColumns(M);
+    const int64_t vecs = dv_pad / W;
+    const int64_t row_bytes = dv_pad * ElemSize(kDt);
+    int64_t c = 0;
+    for (; c + N <= vecs; c += N)
+      PvDirectTile<M, N, kDt>(o + c * W, ldo, alpha, p, ldp, vrows, n, c * W, c == 0, row_bytes);
+    for (; c < vecs; ++c)
+      PvDirectTile<M, 1, kDt>(o + c * W, ldo, alpha, p, ldp, vrows, n, c * W, c == 0, row_bytes);
+  }
+  template <int M, int N, DType kDt>
+  static void PvDirectTile(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                           const void* const* vrows, int64_t n, int64_t c0, bool prefetch,
+                           int64_t row_bytes) {
+    V acc[M][N];
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      const V a = Vec::Set1(alpha[m]);
+#pragma GCC unroll 8
+      for (int c = 0; c < N; ++c) acc[m][c] = Vec::Mul(Vec::Load(o + m * ldo + c * W), a);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if (prefetch && vrows[j + kPrefetchRows] != nullptr) PrefetchRow(vrows[j + kPrefetchRows], row_bytes);
+      const void* vr = ElemPtr(vrows[j], kDt, c0);
+      V pb[M];
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) pb[m] = Vec::Set1(p[m * ldp + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < N; ++c) {
+        const V vv = Vec::LoadConvert(vr, kDt, c * W);
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) acc[m][c] = Vec::Fma(pb[m], vv, acc[m][c]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+      for (int c = 0; c < N; ++c) Vec::Store(o + m * ldo + c * W, acc[m][c]);
   }
 
   static void StoreP(float* dst, V p) { Vec::Store(dst, p); }

@@ -82,6 +82,7 @@ TEST(MetricsTest, ExposesEveryFamilyLabelledByModel) {
   mm->Queued(0.0005);
   mm->BatchDone(2, 32, 0.001);
   mm->SetQueueDepth(3);
+  mm->SetQueueCapacity(1024);
   mm->InflightAdd(2);
   mm->InflightAdd(-1);
   const std::string text = (*m)->Serialize();
@@ -94,6 +95,7 @@ TEST(MetricsTest, ExposesEveryFamilyLabelledByModel) {
   EXPECT_THAT(text, HasSubstr("attnserve_batch_requests_sum{model=\"demo-mha\"} 2"));
   EXPECT_THAT(text, HasSubstr("attnserve_batch_tokens_sum{model=\"demo-mha\"} 32"));
   EXPECT_THAT(text, HasSubstr("attnserve_queue_depth{model=\"demo-mha\"} 3"));
+  EXPECT_THAT(text, HasSubstr("attnserve_queue_capacity{model=\"demo-mha\"} 1024"));
   EXPECT_THAT(text, HasSubstr("attnserve_inflight_requests{model=\"demo-mha\"} 1"));
   EXPECT_THAT(text, HasSubstr("attnserve_tokens_total{model=\"demo-mha\"} 32"));
   EXPECT_THAT(text, HasSubstr("attnserve_build_info{backend=\"cpu\",version="));

@@ -41,6 +41,9 @@ TEST(ServerOptionsTest, RejectsBadValuesNamingTheFlag) {
   o.metrics_request_timeout = std::chrono::milliseconds(0);
   EXPECT_THAT(message(o), HasSubstr("--metrics-request-timeout"));
   o = {};
+  o.malloc_trim_interval = std::chrono::milliseconds(-1);
+  EXPECT_THAT(message(o), HasSubstr("--malloc-trim-interval: must be >= 0"));
+  o = {};
   o.validation.max_attention_scores = 0;
   EXPECT_THAT(message(o), HasSubstr("--max-attention-scores"));
   o = {};

@@ -593,11 +593,97 @@ TEST(ValidationTest, LargeFiniteInputsUnderTheOverflowBoundPass) {
   SetFloat(one_key.mutable_value(), 0, 3e38f);
   EXPECT_TRUE(ValidateAttendRequest(one_key, SdpaLayer()).ok());
 
-  // Projection models: only NaN/Inf are refused (their scores depend on the
-  // weights).
+  // Projection models without their weights' bounds: only NaN/Inf are
+  // refused (ProjectionModelScoresAreBoundedByTheirWeights has the rest).
   v1::AttendRequest mha = ValidMha();
   SetFloat(mha.mutable_query(), 7, 3e38f);
   EXPECT_TRUE(ValidateAttendRequest(mha, MhaLayer()).ok());
+}
+
+TEST(ValidationTest, WeightBoundsAreTheLargestRowSumAndBias) {
+  // wq [2, 3]: rows sum |w| to 6 and 7.5; bq max |b| 4; no K/V/O.
+  LayerWeights w;
+  w.wq = Tensor(DType::kFloat32, {2, 3});
+  const float wq[] = {1, -2, 3, 0.5f, -7, 0};
+  std::memcpy(w.wq.data(), wq, sizeof wq);
+  w.bq = Tensor(DType::kFloat32, {2});
+  const float bq[] = {-4, 2};
+  std::memcpy(w.bq.data(), bq, sizeof bq);
+  LayerWeightBounds b = MeasureWeightBounds(w);
+  EXPECT_DOUBLE_EQ(b.q.gain, 7.5);
+  EXPECT_DOUBLE_EQ(b.q.bias, 4);
+  EXPECT_DOUBLE_EQ(b.q.Apply(2), 19);
+  EXPECT_EQ(b.k.gain, 0);
+  EXPECT_EQ(b.o.bias, 0);
+  // A non-finite weight makes its bound infinite: every request refused.
+  w.wq.data_as<float>()[4] = kNaN;
+  w.bq.data_as<float>()[1] = kInf;
+  b = MeasureWeightBounds(w);
+  EXPECT_TRUE(std::isinf(b.q.gain));
+  EXPECT_TRUE(std::isinf(b.q.bias));
+}
+
+// Projection models: the score and sum bounds of sdpa, applied to the
+// projected values (gain * max|x| + bias per projection, validation.h).
+TEST(ValidationTest, ProjectionModelScoresAreBoundedByTheirWeights) {
+  static const auto layer = MakeDemoMhaLayer();
+  const LayerWeightBounds bounds = MeasureWeightBounds(layer->weights);
+  ASSERT_GT(bounds.q.gain, 0);
+  ASSERT_GT(bounds.o.gain, 0);
+  auto validate = [&](const v1::AttendRequest& r, const LayerConfig& config) {
+    return ValidateAttendInputs(DecodeAttendRequest(r), config, {}, &bounds);
+  };
+  const ::testing::Matcher<const std::string&> refused =
+      HasSubstr("such inputs are refused (--nonfinite-inputs=reject)");
+
+  // Typical inputs pass.
+  v1::AttendRequest ok = ValidMhaCross();
+  SetFloat(ok.mutable_query(), 3, 100.0f);
+  SetFloat(ok.mutable_key(), 5, -100.0f);
+  EXPECT_TRUE(validate(ok, layer->config).ok()) << validate(ok, layer->config).status();
+
+  // 3e38 in the query: its projection overflows before any score.
+  v1::AttendRequest huge = ValidMha();
+  SetFloat(huge.mutable_query(), 7, 3e38f);
+  absl::StatusOr<ValidatedRequest> v = validate(huge, layer->config);
+  ASSERT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument) << v.status();
+  EXPECT_THAT(std::string(v.status().message()),
+              HasSubstr("query.data: its projection may overflow float32: max|query| 3e+38"));
+  EXPECT_THAT(std::string(v.status().message()), refused);
+
+  // Projected values of about 1e20 each: fine alone, but their scores
+  // (1e40 * head_dim) overflow. Self-attention: key = query.
+  v1::AttendRequest scores = ValidMha();
+  SetFloat(scores.mutable_query(), 0, static_cast<float>(1e20 / bounds.q.gain));
+  v = validate(scores, layer->config);
+  ASSERT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument) << v.status();
+  EXPECT_THAT(std::string(v.status().message()),
+              HasSubstr("query/key/scale: scores may overflow float32: max|projected query|"));
+  // The same request against sdpa-style rules alone (no bounds) passed.
+  EXPECT_TRUE(ValidateAttendRequest(scores, layer->config).ok());
+
+  // Cross attention: a large value (key small) overflows the weighted sums
+  // over Lk = 7 only.
+  v1::AttendRequest sums = ValidMhaCross();
+  const double projected_v = 1e38;  // * Lk 7 > FLT_MAX
+  SetFloat(sums.mutable_value(), 11,
+           static_cast<float>((projected_v - bounds.v.bias) / bounds.v.gain));
+  v = validate(sums, layer->config);
+  ASSERT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument) << v.status();
+  EXPECT_THAT(std::string(v.status().message()),
+              HasSubstr("value.data: weighted sums may overflow float32"));
+
+  // A float16 layer is bounded by 65504, not FLT_MAX.
+  LayerConfig half = layer->config;
+  half.precision = Precision::kFloat16;
+  v1::AttendRequest big = ValidMhaCross();
+  SetFloat(big.mutable_key(), 0, static_cast<float>(70000.0 / bounds.k.gain + 1));
+  EXPECT_TRUE(validate(big, layer->config).ok());
+  v = validate(big, half);
+  ASSERT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument) << v.status();
+  EXPECT_THAT(std::string(v.status().message()),
+              HasSubstr("key.data: its projection may overflow float16"));
+  EXPECT_THAT(std::string(v.status().message()), HasSubstr("exceeds 65504"));
 }
 
 TEST(ValidationTest, DefaultLimitsAdmitTypicalRequests) {

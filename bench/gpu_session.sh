@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# One GPU lease's worth of checks and measurements of the CUDA backend, run on
+# the device machine from the repository root with the bundle that
+# scripts/gpu_bundle.sh made here (the device machine has CUDA, PyTorch,
+# pytest, grpcio and protobuf, but none of Debian's libraries).
+#
+#   bench/gpu_session.sh [PHASE...]   # default: info test sanitize server bench serve
+#
+# Phases: info (GPU, driver, toolkit, torch), test (cuda_engine_test: every
+# CUDA unit test, 200 random cases against the reference engine), sanitize
+# (compute-sanitizer memcheck over the fused-kernel tests), server
+# (tests/integration/test_cuda_server.py against attnserve --backend cuda),
+# bench (bench/cuda_bench.py: kernel vs torch SDPA backends, projections vs
+# cuBLAS), serve (attn_bench through the server, 1.5 and 12 MiB requests,
+# concurrency 1 and 32, batching on and off, next to cudaMemcpy bandwidth).
+# BUNDLE names another bundle (default .gpu/bundle.tar.xz), TAG names its
+# logs. Logs go to $OUT/logs-TAG.tar.gz (the device tool brings back few
+# files), else ./gpu-out.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+bundle=${BUNDLE:-$root/.gpu/bundle.tar.xz}
+tag=${TAG:-$(basename "$bundle" .tar.xz)}
+final=${OUT:-$root/gpu-out}
+out=/tmp/attnserve-gpu-logs/$tag
+mkdir -p "$out" "$final"
+as=/tmp/attnserve-gpu-$tag
+phases=("$@")
+[[ ${#phases[@]} -gt 0 ]] || phases=(info test sanitize server bench serve)
+trap 'tar -C "$out" -czf "$final/logs-$tag.tar.gz" .' EXIT
+
+rm -rf "$as" && mkdir -p "$as" && tar -C "$as" -xJf "$bundle" || exit 1
+# CUDA's own libraries from the machine: the toolkit's, else PyTorch's wheels.
+cudalibs=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublasLt.so.13' 2>/dev/null |
+           xargs -r -n1 dirname | sort -u | paste -sd:)
+export LD_LIBRARY_PATH="$as/lib:${cudalibs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export ATTNSERVE_CUDA_MODULE="$as/bin/libattnserve_cuda.so"
+export ATTNSERVE_BIN="$as/bin/attnserve" ATTN_CLIENT_BIN="$as/bin/attn_client"
+export ATTNSERVE_SOURCE_DIR="$root" ATTNSERVE_PY_STUBS_DIR="$as/stubs" PYTHONUNBUFFERED=1
+status=0
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+for phase in "${phases[@]}"; do
+  case $phase in
+    info)
+      step info
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+      nvcc --version | tail -2
+      python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), torch.cuda.get_device_name())'
+      echo "CUDA libraries from: $cudalibs"
+      ldd "$as/bin/libattnserve_cuda.so" | grep -E "cuda|cublas"
+      ;;
+    test)
+      step "cuda_engine_test"
+      "$as/bin/cuda_engine_test" 2>&1 |
+        tee "$out/cuda_engine_test.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED)|OK \]|Failure|Expected|Which is|rel|error" | head -150
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      ;;
+    sanitize)
+      step "compute-sanitizer memcheck"
+      timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$as/bin/cuda_engine_test" \
+        --gtest_filter='CudaEngineTest.FusedKernelShapes*:CudaEngineTest.FullyMasked*:CudaEngineTest.RunProjection*:CudaEngineTest.RaggedBatches*' \
+        > "$out/memcheck.log" 2>&1
+      rc=$?; echo "memcheck exit $rc"; grep -E "ERROR SUMMARY|Invalid|FAILED" "$out/memcheck.log" | head -20
+      [[ $rc -eq 0 ]] || status=1
+      ;;
+    server)
+      step "server on the GPU: tests/integration/test_cuda_server.py"
+      ATTNSERVE_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider -x \
+        "$root/tests/integration/test_cuda_server.py" 2>&1 | tee "$out/server_test.log" | tail -40
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      ;;
+    bench)
+      step "bench/cuda_bench.py"
+      python3 "$root/bench/cuda_bench.py" --bench "$as/bin/attnserve_cuda_bench" \
+        --json "$out/cuda_bench.json" 2>&1 | tee "$out/cuda_bench.md"
+      ;;
+    serve)
+      step "served: attn_bench through attnserve --backend cuda"
+      python3 "$root/bench/gpu_copy_bandwidth.py" 2>&1 | tee "$out/copy_bandwidth.txt"
+      for batching in 16 1; do
+        log="$out/serve_server_b$batching.log"
+        "$as/bin/attnserve" --backend cuda --address 127.0.0.1:0 --metrics-address 127.0.0.1:0 \
+          --max-batch-requests "$batching" --max-batch-tokens 0 > "$log" 2>&1 &
+        pid=$!
+        for _ in $(seq 100); do grep -q "listening on" "$log" && break; sleep 0.1; done
+        target=$(grep -oE "listening on [0-9.:]+" "$log" | awk '{print $3}')
+        # 1.5 MiB (16 heads x 256 x 64 fp16, x3) and 12 MiB (16 x 1024 x 128 fp16, x3).
+        for shape in "256 64" "1024 128"; do
+          set -- $shape
+          for conc in 1 32; do
+            echo "batching=$batching seq=$1 head_dim=$2 concurrency=$conc"
+            "$as/bin/attn_bench" --target "$target" --model sdpa --dtype fp16 --heads 16 \
+              --seq "$1" --head_dim "$2" --concurrency "$conc" --duration 6 \
+              --warmup_requests 20 --json | tee -a "$out/serve.jsonl"
+          done
+        done
+        kill "$pid"; wait "$pid"
+      done
+      ;;
+    *) echo "unknown phase $phase"; status=2 ;;
+  esac
+done
+exit $status

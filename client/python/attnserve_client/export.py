@@ -1,0 +1,452 @@
+"""Exports a PyTorch attention layer as an attnserve model folder
+(config.pbtxt + weights.safetensors), so `attnserve --model-repository` serves it.
+
+Recognised modules:
+  * torch.nn.MultiheadAttention (layout TORCH_MHA; with or without bias,
+    kdim/vdim != embed_dim). add_bias_kv / add_zero_attn are refused.
+  * Hugging Face style: q_proj, k_proj, v_proj and o_proj (or out_proj / dense)
+    nn.Linear children (layout SEPARATE_QKV; grouped-query heads).
+  * One fused linear: `query_key_value` + `dense` (GPT-NeoX / Bloom, output laid
+    out per head: layout FUSED_QKV_PER_HEAD), or `qkv` + `proj`/`out_proj` with
+    qkv_layout="per_head" (reshape [B, L, H, 3*hd]) or "packed" ([q | k | v],
+    as timm does: exported as TORCH_MHA).
+
+attnserve is batch first: inputs are [B, L, dim]. A module built with
+batch_first=False computes the same function on transposed inputs.
+
+From Python:
+    from attnserve_client.export import export_module
+    export_module(model, "repo/my-layer", submodule="encoder.layers.0.self_attn", causal=False)
+
+From the shell (`python3 -m attnserve_client.export`, or tools/export_torch.py in a
+checkout; the checkpoint is a whole pickled module, torch.save(model), or a
+state_dict together with --factory building the module it belongs to):
+    python3 -m attnserve_client.export repo/my-layer --checkpoint model.pt --module encoder.layers.0.self_attn
+    python3 -m attnserve_client.export repo/my-layer --checkpoint sd.pt --factory mypkg.models:build --module attn
+"""
+
+import argparse
+import importlib
+import json
+import math
+import os
+import struct
+import sys
+
+import numpy as np
+
+try:
+    import torch
+except ImportError:  # write_safetensors still works with numpy arrays
+    torch = None
+
+__all__ = ["export_module", "describe_module", "write_safetensors", "read_safetensors",
+           "write_model_folder", "config_text", "ExportError"]
+
+
+class ExportError(ValueError):
+    """The module cannot be exported as an attnserve layer (the message says why)."""
+
+
+# ---------------------------------------------------------------------------
+# safetensors: 8-byte little-endian header length, JSON header, raw bytes.
+
+_NP_DTYPES = {np.dtype("float32"): "F32", np.dtype("float16"): "F16"}
+
+
+def _tensor_bytes(value):
+    """(dtype name, shape, little-endian bytes) of a torch tensor or numpy array."""
+    if torch is not None and isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        if t.dtype == torch.bfloat16:
+            # numpy has no bfloat16: the raw 16-bit patterns carry it.
+            return "BF16", list(t.shape), t.view(torch.int16).numpy().astype("<i2").tobytes()
+        value = t.numpy()
+    a = np.ascontiguousarray(value)
+    if a.dtype not in _NP_DTYPES:
+        raise ExportError(f"cannot store dtype {a.dtype} (use float32, float16 or bfloat16)")
+    return _NP_DTYPES[a.dtype], list(a.shape), a.astype(a.dtype.newbyteorder("<")).tobytes()
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Writes {name: tensor or array} to `path` (F32, F16 or BF16)."""
+    header, chunks, offset = {}, [], 0
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    for name in sorted(tensors):
+        dtype, shape, data = _tensor_bytes(tensors[name])
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(len(blob) + 8) % 8)  # data starts 8-aligned, as other writers do
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for chunk in chunks:
+            f.write(chunk)
+
+
+def read_safetensors(path):
+    """{name: float32 numpy array} of a file written by write_safetensors."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        chunk = data[begin:end]
+        if info["dtype"] == "F32":
+            a = np.frombuffer(chunk, "<f4")
+        elif info["dtype"] == "F16":
+            a = np.frombuffer(chunk, "<f2").astype(np.float32)
+        elif info["dtype"] == "BF16":
+            a = (np.frombuffer(chunk, "<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            raise ExportError(f"{path}: tensor {name!r}: dtype {info['dtype']} not supported")
+        out[name] = a.reshape(info["shape"]).astype(np.float32)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# config.pbtxt (text format of attnserve.v1.ModelConfig)
+
+_ENUM_FIELDS = {"weight_layout"}
+_FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_dim", "query_dim",
+                "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias", "out_bias",
+                "weight_layout", "tensor_prefix", "tensor_names", "scale", "causal", "precision",
+                "batching", "instances", "backend"]
+
+
+def _scalar(field, value):
+    if field in _ENUM_FIELDS:
+        return str(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        # Shortest text that reads back as the same float32 (`scale` is a float).
+        return str(np.float32(value)) if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(str(value))  # a valid text-format string literal for plain text
+
+
+def config_text(config):
+    """A ModelConfig dict -> text format. Only non-default fields are written."""
+    lines = ["# attnserve model config (attnserve.v1.ModelConfig, text format); see docs/MODELS.md"]
+    unknown = set(config) - set(_FIELD_ORDER)
+    if unknown:
+        raise ExportError(f"unknown ModelConfig fields {sorted(unknown)}")
+    for field in _FIELD_ORDER:
+        value = config.get(field)
+        if value is None or value == "" or value == {} or (value is False and field != "causal"):
+            continue
+        if field == "tensor_names":
+            for role in sorted(value):
+                lines.append(f"tensor_names {{ key: {json.dumps(role)} value: {json.dumps(value[role])} }}")
+        elif field == "batching":
+            inner = " ".join(f"{k}: {int(v)}" for k, v in sorted(value.items()) if v)
+            if inner:
+                lines.append(f"batching {{ {inner} }}")
+        else:
+            lines.append(f"{field}: {_scalar(field, value)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_model_folder(folder, config, tensors, metadata=None):
+    """Writes folder/config.pbtxt and folder/weights.safetensors."""
+    os.makedirs(folder, exist_ok=True)
+    write_safetensors(os.path.join(folder, "weights.safetensors"), tensors, metadata)
+    with open(os.path.join(folder, "config.pbtxt"), "w") as f:
+        f.write(config_text(config))
+
+
+# ---------------------------------------------------------------------------
+# Module -> (config, tensors)
+
+def _first_attr(module, names):
+    for n in names:
+        v = getattr(module, n, None)
+        if v is not None:
+            return v
+    cfg = getattr(module, "config", None)  # Hugging Face modules keep a config
+    for n in names:
+        v = getattr(cfg, n, None) if cfg is not None else None
+        if v is not None:
+            return v
+    return None
+
+
+def _linear(module, name):
+    child = getattr(module, name, None)
+    if child is not None and isinstance(child, torch.nn.Linear):
+        return child
+    return None
+
+
+def _describe_mha(m):
+    if m.bias_k is not None or m.bias_v is not None:
+        raise ExportError("nn.MultiheadAttention(add_bias_kv=True) appends learned key/value "
+                          "rows; attnserve does not serve that")
+    if m.add_zero_attn:
+        raise ExportError("nn.MultiheadAttention(add_zero_attn=True) is not supported by attnserve")
+    tensors = {}
+    if m._qkv_same_embed_dim:
+        tensors["in_proj_weight"] = m.in_proj_weight
+    else:
+        tensors["q_proj_weight"] = m.q_proj_weight
+        tensors["k_proj_weight"] = m.k_proj_weight
+        tensors["v_proj_weight"] = m.v_proj_weight
+    has_in_bias = m.in_proj_bias is not None
+    if has_in_bias:
+        tensors["in_proj_bias"] = m.in_proj_bias
+    tensors["out_proj.weight"] = m.out_proj.weight
+    has_out_bias = m.out_proj.bias is not None
+    if has_out_bias:
+        tensors["out_proj.bias"] = m.out_proj.bias
+    config = dict(kind="mha", embed_dim=m.embed_dim, num_heads=m.num_heads,
+                  head_dim=m.head_dim, query_dim=m.embed_dim, key_dim=m.kdim, value_dim=m.vdim,
+                  out_dim=m.embed_dim, q_bias=has_in_bias, k_bias=has_in_bias, v_bias=has_in_bias,
+                  out_bias=has_out_bias, weight_layout="TORCH_MHA")
+    return config, tensors
+
+
+def _heads(module, num_heads, num_kv_heads, head_dim, q_out):
+    """Resolves (heads, kv heads, head_dim) from arguments, then the module's
+    attributes (and its Hugging Face config)."""
+    h = num_heads or _first_attr(module, ["num_heads", "n_heads", "num_attention_heads", "n_head"])
+    hd = head_dim or _first_attr(module, ["head_dim", "head_size", "attention_head_size"])
+    if h is None and hd:
+        h = q_out // hd
+    if h is None:
+        raise ExportError("cannot tell the number of heads: pass num_heads=")
+    h = int(h)
+    hd = int(hd) if hd else q_out // h
+    if h * hd != q_out:
+        raise ExportError(f"num_heads {h} * head_dim {hd} != query projection width {q_out}")
+    hkv = num_kv_heads or _first_attr(module, ["num_key_value_heads", "num_kv_heads", "n_kv_heads"])
+    return h, (int(hkv) if hkv else None), hd
+
+
+def _scale_of(module, head_dim):
+    """A module's own softmax scale when it differs from 1/sqrt(head_dim)."""
+    s = _first_attr(module, ["scaling", "scale", "softmax_scale"])
+    if isinstance(s, (float, int)) and not isinstance(s, bool) and s > 0:
+        if not math.isclose(float(s), 1.0 / math.sqrt(head_dim), rel_tol=1e-7):
+            return float(s)
+    return None
+
+
+def _describe_separate(m, q, k, v, o, out_name, num_heads, num_kv_heads, head_dim):
+    h, hkv, hd = _heads(m, num_heads, num_kv_heads, head_dim, q.out_features)
+    if hkv is None:
+        hkv = k.out_features // hd
+    if k.out_features != hkv * hd or v.out_features != hkv * hd:
+        raise ExportError(f"k_proj/v_proj widths {k.out_features}/{v.out_features} != "
+                          f"num_kv_heads {hkv} * head_dim {hd}")
+    tensors = {"q_proj.weight": q.weight, "k_proj.weight": k.weight, "v_proj.weight": v.weight,
+               f"{out_name}.weight": o.weight}
+    for prefix, lin in (("q_proj", q), ("k_proj", k), ("v_proj", v), (out_name, o)):
+        if lin.bias is not None:
+            tensors[f"{prefix}.bias"] = lin.bias
+    names = {}
+    if out_name != "o_proj":
+        names = {"out_weight": f"{out_name}.weight", "out_bias": f"{out_name}.bias"}
+    config = dict(kind="mha", embed_dim=q.in_features, num_heads=h, num_kv_heads=hkv, head_dim=hd,
+                  query_dim=q.in_features, key_dim=k.in_features, value_dim=v.in_features,
+                  out_dim=o.out_features, q_bias=q.bias is not None, k_bias=k.bias is not None,
+                  v_bias=v.bias is not None, out_bias=o.bias is not None,
+                  weight_layout="SEPARATE_QKV", tensor_names=names)
+    return config, tensors
+
+
+def _describe_fused(m, qkv, qkv_name, o, out_name, per_head, num_heads, head_dim):
+    if qkv.out_features % 3:
+        raise ExportError(f"{qkv_name} has {qkv.out_features} outputs, not a multiple of 3")
+    h, hkv, hd = _heads(m, num_heads, None, head_dim, qkv.out_features // 3)
+    if hkv not in (None, h):
+        raise ExportError("a fused QKV linear with grouped-query heads is not supported")
+    tensors = {f"{qkv_name}.weight": qkv.weight, f"{out_name}.weight": o.weight}
+    if qkv.bias is not None:
+        tensors[f"{qkv_name}.bias"] = qkv.bias
+    if o.bias is not None:
+        tensors[f"{out_name}.bias"] = o.bias
+    has_bias = qkv.bias is not None
+    config = dict(kind="mha", embed_dim=qkv.in_features, num_heads=h, head_dim=hd,
+                  query_dim=qkv.in_features, key_dim=qkv.in_features, value_dim=qkv.in_features,
+                  out_dim=o.out_features, q_bias=has_bias, k_bias=has_bias, v_bias=has_bias,
+                  out_bias=o.bias is not None)
+    if per_head:
+        config["weight_layout"] = "FUSED_QKV_PER_HEAD"
+        config["tensor_names"] = {"qkv_weight": f"{qkv_name}.weight", "qkv_bias": f"{qkv_name}.bias",
+                                  "out_weight": f"{out_name}.weight", "out_bias": f"{out_name}.bias"}
+    else:
+        # [q | k | v] blocks: exactly nn.MultiheadAttention's packed in_proj.
+        config["weight_layout"] = "TORCH_MHA"
+        config["tensor_names"] = {"in_proj_weight": f"{qkv_name}.weight",
+                                  "in_proj_bias": f"{qkv_name}.bias",
+                                  "out_weight": f"{out_name}.weight", "out_bias": f"{out_name}.bias"}
+    return config, tensors
+
+
+def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None, qkv_layout=None):
+    """(config dict, {local tensor name: tensor}) of one attention module."""
+    if torch is None:
+        raise ExportError("PyTorch is not importable")
+    if isinstance(module, torch.nn.MultiheadAttention):
+        return _describe_mha(module)
+    q, k, v = (_linear(module, n) for n in ("q_proj", "k_proj", "v_proj"))
+    if q is not None and k is not None and v is not None:
+        for out_name in ("o_proj", "out_proj", "dense", "proj"):
+            o = _linear(module, out_name)
+            if o is not None:
+                return _describe_separate(module, q, k, v, o, out_name, num_heads, num_kv_heads,
+                                          head_dim)
+        raise ExportError("module has q_proj/k_proj/v_proj but no o_proj, out_proj or dense linear")
+    qkv = _linear(module, "query_key_value")
+    if qkv is not None:
+        o = _linear(module, "dense")
+        if o is None:
+            raise ExportError("module has query_key_value but no dense output linear")
+        if qkv_layout not in (None, "per_head"):
+            raise ExportError("query_key_value (GPT-NeoX/Bloom style) is laid out per head")
+        return _describe_fused(module, qkv, "query_key_value", o, "dense", True, num_heads, head_dim)
+    qkv = _linear(module, "qkv")
+    if qkv is not None:
+        o = _linear(module, "proj") or _linear(module, "out_proj")
+        if o is None:
+            raise ExportError("module has qkv but no proj or out_proj output linear")
+        if qkv_layout not in ("per_head", "packed"):
+            raise ExportError("a `qkv` linear is laid out either per head ([q_h | k_h | v_h], "
+                              "reshape [B, L, H, 3*hd]) or packed ([q | k | v], reshape "
+                              "[B, L, 3, H, hd] as timm does): pass qkv_layout='per_head' or 'packed'")
+        out_name = "proj" if _linear(module, "proj") is not None else "out_proj"
+        return _describe_fused(module, qkv, "qkv", o, out_name, qkv_layout == "per_head",
+                               num_heads, head_dim)
+    raise ExportError(f"{type(module).__name__} is not a recognised attention module "
+                      "(nn.MultiheadAttention, q_proj/k_proj/v_proj/o_proj, query_key_value/dense, "
+                      "qkv/proj)")
+
+
+_PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def export_module(model, folder, *, submodule=None, name=None, causal=None, scale=None,
+                  precision="fp32", storage_dtype=None, full_state_dict=False, num_heads=None,
+                  num_kv_heads=None, head_dim=None, qkv_layout=None, batching=None, instances=0,
+                  backend=""):
+    """Writes an attnserve model folder for `model` (or its attention child named
+    by the dotted `submodule`). Returns the config dict written.
+
+    causal: None = the module's own `is_causal` attribute if any, else False.
+    scale: None = the module's own `scaling`/`scale` when it differs from
+      1/sqrt(head_dim), else attnserve's default.
+    precision: "fp32", "bf16" or "fp16" (weights and compute on the server).
+    storage_dtype: dtype of the stored tensors ("float32", "bfloat16",
+      "float16"); default: that of `precision`.
+    full_state_dict: store the whole model's state_dict and point
+      tensor_prefix at the submodule (as a many-layer checkpoint would be).
+    """
+    if torch is None:
+        raise ExportError("PyTorch is not importable")
+    if precision not in _PRECISION_DTYPES:
+        raise ExportError(f"precision must be one of {sorted(_PRECISION_DTYPES)}, got {precision!r}")
+    module = model.get_submodule(submodule) if submodule else model
+    config, tensors = describe_module(module, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                      head_dim=head_dim, qkv_layout=qkv_layout)
+    config["name"] = name or os.path.basename(os.path.normpath(folder))
+    if causal is None:
+        causal = bool(getattr(module, "is_causal", False))
+    config["causal"] = bool(causal)
+    if scale is None:
+        scale = _scale_of(module, config["head_dim"])
+    if scale:
+        config["scale"] = float(scale)
+    config["precision"] = precision
+    if batching:
+        config["batching"] = dict(batching)
+    if instances:
+        config["instances"] = int(instances)
+    if backend:
+        config["backend"] = backend
+    dtype = getattr(torch, storage_dtype or _PRECISION_DTYPES[precision])
+
+    if full_state_dict and submodule:
+        config["tensor_prefix"] = submodule + "."
+        tensors = dict(model.state_dict())
+    tensors = {n: t.detach().to(dtype) for n, t in tensors.items() if torch.is_floating_point(t)}
+    metadata = {"format": "pt", "producer": "attnserve_client.export",
+                "module": type(module).__name__}
+    write_model_folder(folder, config, tensors, metadata)
+    return config
+
+
+# ---------------------------------------------------------------------------
+# CLI
+
+def _load_model(checkpoint, factory):
+    if factory:
+        mod_name, _, fn_name = factory.partition(":")
+        if not fn_name:
+            raise ExportError(f"--factory must be module:callable, got {factory!r}")
+        model = getattr(importlib.import_module(mod_name), fn_name)()
+        if checkpoint:
+            state = torch.load(checkpoint, map_location="cpu")
+            if isinstance(state, dict) and "state_dict" in state:
+                state = state["state_dict"]
+            model.load_state_dict(state)
+        return model
+    if not checkpoint:
+        raise ExportError("give --checkpoint (a pickled module) and/or --factory")
+    obj = torch.load(checkpoint, map_location="cpu")
+    if isinstance(obj, torch.nn.Module):
+        return obj
+    raise ExportError(f"{checkpoint} holds a {type(obj).__name__}, not a module: a state_dict has "
+                      "no structure to export; add --factory module:callable that builds the model")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", help="model folder to write (its name is the model name by default)")
+    p.add_argument("--checkpoint", help="torch.save()d module, or a state_dict with --factory")
+    p.add_argument("--factory", help="module:callable returning the model (for a state_dict)")
+    p.add_argument("--module", default="", help="dotted name of the attention submodule")
+    p.add_argument("--name", help="model name (default: the folder name)")
+    causal = p.add_mutually_exclusive_group()
+    causal.add_argument("--causal", dest="causal", action="store_true", default=None)
+    causal.add_argument("--no-causal", dest="causal", action="store_false")
+    p.add_argument("--scale", type=float, help="softmax scale (default: the module's, else 1/sqrt(head_dim))")
+    p.add_argument("--precision", default="fp32", choices=sorted(_PRECISION_DTYPES))
+    p.add_argument("--storage-dtype", choices=sorted(set(_PRECISION_DTYPES.values())))
+    p.add_argument("--full-state-dict", action="store_true",
+                   help="store the whole state_dict and set tensor_prefix to --module")
+    p.add_argument("--num-heads", type=int)
+    p.add_argument("--num-kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--qkv-layout", choices=["per_head", "packed"])
+    p.add_argument("--backend", default="", choices=["", "auto", "cpu", "cuda", "reference"])
+    args = p.parse_args(argv)
+    try:
+        model = _load_model(args.checkpoint, args.factory)
+        model.eval()
+        config = export_module(model, args.folder, submodule=args.module or None, name=args.name,
+                               causal=args.causal, scale=args.scale, precision=args.precision,
+                               storage_dtype=args.storage_dtype, full_state_dict=args.full_state_dict,
+                               num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                               head_dim=args.head_dim, qkv_layout=args.qkv_layout,
+                               backend=args.backend)
+    except (ExportError, AttributeError, OSError, RuntimeError) as e:
+        print(f"export_torch: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.folder}/config.pbtxt and weights.safetensors "
+          f"({config['weight_layout']}, {config['num_heads']} heads, precision {config['precision']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

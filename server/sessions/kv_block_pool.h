@@ -1,0 +1,57 @@
+// The memory of one model's KV cache: fixed-size blocks recycled through free
+// lists under a byte budget (--kv-cache-bytes), so that a session grows by
+// whole blocks and a decode step allocates nothing.
+//
+// Hand-written: no maintained C++ library does a paged KV cache (vLLM's
+// block manager is Python over its own CUDA allocator); what is needed here
+// is a budgeted free list.
+#ifndef ATTNSERVE_SERVER_SESSIONS_KV_BLOCK_POOL_H_
+#define ATTNSERVE_SERVER_SESSIONS_KV_BLOCK_POOL_H_
+
+#include <cstdint>
+#include <map>
+#include <vector>
+
+namespace attnserve {
+
+// Blocks are sized by the caller: a session's block holds block_tokens
+// tokens of K and V for its geometry (Hkv, Dk, Dv, dtype), and every session
+// of a projection model has the same one; sdpa sessions take theirs from
+// their first request, so a pool may hold a few sizes, each with its own
+// free list.
+//
+// Thread-compatible: the SessionManager's lock guards it.
+class KvBlockPool {
+ public:
+  // `capacity_bytes`: most bytes held in blocks, used or free (> 0).
+  explicit KvBlockPool(int64_t capacity_bytes);
+  ~KvBlockPool();
+  KvBlockPool(const KvBlockPool&) = delete;
+  KvBlockPool& operator=(const KvBlockPool&) = delete;
+
+  // A block of `bytes` (> 0), 64-byte aligned, contents unspecified: a free
+  // one of that size, else a new one if the budget allows (free blocks of
+  // other sizes are released to make room). nullptr when the budget is
+  // spent on blocks in use: the caller evicts a session and retries.
+  void* Allocate(int64_t bytes);
+  // Returns a block from Allocate(bytes) to its free list.
+  void Free(void* block, int64_t bytes);
+
+  int64_t capacity_bytes() const { return capacity_; }
+  // Bytes held in blocks (used + free).
+  int64_t held_bytes() const { return held_; }
+  int64_t blocks_used() const { return used_blocks_; }
+  // Blocks on the free lists.
+  int64_t blocks_free() const { return free_blocks_; }
+
+ private:
+  const int64_t capacity_;
+  int64_t held_ = 0;
+  int64_t used_blocks_ = 0;
+  int64_t free_blocks_ = 0;
+  std::map<int64_t, std::vector<void*>> free_;  // by block size in bytes
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_SESSIONS_KV_BLOCK_POOL_H_

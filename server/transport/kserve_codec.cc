@@ -1,0 +1,291 @@
+// ModelInferRequest -> AttendInputs, and outputs -> ModelInferResponse.
+#include "server/transport/kserve_codec.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace attnserve {
+namespace {
+
+using inference::InferParameter;
+using inference::ModelInferRequest;
+
+constexpr const char* kInputNames = "query, key, value, attn_mask, key_lengths";
+constexpr const char* kParameterNames =
+    "causal, scale, need_weights, average_weights, session_id, timeout, priority";
+
+// The datatype of a float or mask input; anything else is the tensor's
+// decode_error (reported by validation in its usual order).
+absl::Status TensorDType(const ModelInferRequest::InferInputTensor& tensor, bool mask,
+                         DType* dtype) {
+  const std::string& t = tensor.datatype();
+  if (t == "FP32") {
+    *dtype = DType::kFloat32;
+  } else if (t == "FP16") {
+    *dtype = DType::kFloat16;
+  } else if (t == "BF16") {
+    *dtype = DType::kBFloat16;
+  } else if (t == "BOOL" && mask) {
+    *dtype = DType::kBool;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "input '", tensor.name(), "': datatype must be ",
+        mask ? "BOOL, FP32, FP16 or BF16" : "FP32, FP16 or BF16", ", got '", t, "'"));
+  }
+  return absl::OkStatus();
+}
+
+// The bytes of input `index`: its raw_input_contents entry, or its typed
+// contents where they are laid out as the raw bytes would be (fp32, bool).
+absl::Status TensorBytes(const ModelInferRequest& request, int index, DType dtype,
+                         absl::string_view* data) {
+  const auto& tensor = request.inputs(index);
+  if (request.raw_input_contents_size() > 0) {
+    if (tensor.has_contents()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", tensor.name(), "': contents and raw_input_contents are both set; send one"));
+    }
+    *data = request.raw_input_contents(index);
+    return absl::OkStatus();
+  }
+  const inference::InferTensorContents& c = tensor.contents();
+  switch (dtype) {
+    case DType::kFloat32:
+      *data = absl::string_view(reinterpret_cast<const char*>(c.fp32_contents().data()),
+                                c.fp32_contents_size() * sizeof(float));
+      return absl::OkStatus();
+    case DType::kBool:
+      static_assert(sizeof(bool) == 1);
+      *data = absl::string_view(reinterpret_cast<const char*>(c.bool_contents().data()),
+                                c.bool_contents_size());
+      return absl::OkStatus();
+    default:  // as Triton: FP16 and BF16 have no typed contents
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", tensor.name(), "': ", KServeDatatype(dtype),
+          " data must be sent in raw_input_contents (the protocol has no typed contents for it)"));
+  }
+}
+
+absl::Status DecodeKeyLengths(const ModelInferRequest& request, int index,
+                              std::vector<int64_t>* out) {
+  const auto& tensor = request.inputs(index);
+  const std::string& t = tensor.datatype();
+  if (t != "INT32" && t != "INT64") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "input 'key_lengths': datatype must be INT32 or INT64, got '", t, "'"));
+  }
+  if (tensor.shape_size() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "input 'key_lengths': shape must be [B] (one length per batch element), got rank ",
+        tensor.shape_size()));
+  }
+  const bool wide = t == "INT64";
+  if (request.raw_input_contents_size() > 0) {
+    const std::string& raw = request.raw_input_contents(index);
+    const size_t width = wide ? 8 : 4;
+    const int64_t n = tensor.shape(0);
+    if (n < 0 || raw.size() != static_cast<size_t>(n) * width) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input 'key_lengths': expected ", n, " x ", width, " bytes for shape [", n, "] ", t,
+          ", got ", raw.size()));
+    }
+    out->resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      if (wide) {
+        std::memcpy(&(*out)[i], raw.data() + 8 * i, 8);
+      } else {
+        int32_t v;
+        std::memcpy(&v, raw.data() + 4 * i, 4);
+        (*out)[i] = v;
+      }
+    }
+  } else if (wide) {
+    out->assign(tensor.contents().int64_contents().begin(),
+                tensor.contents().int64_contents().end());
+  } else {
+    out->assign(tensor.contents().int_contents().begin(), tensor.contents().int_contents().end());
+  }
+  if (static_cast<int64_t>(out->size()) != tensor.shape(0)) {
+    return absl::InvalidArgumentError(absl::StrCat("input 'key_lengths': shape [",
+                                                   tensor.shape(0), "] but ", out->size(),
+                                                   " values"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BoolParameter(const std::string& name, const InferParameter& p, bool* out) {
+  if (p.parameter_choice_case() != InferParameter::kBoolParam) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter '", name, "': must be a bool (bool_param)"));
+  }
+  *out = p.bool_param();
+  return absl::OkStatus();
+}
+
+absl::Status DecodeParameters(const ModelInferRequest& request, KServeRequest* decoded) {
+  AttendInputs& in = decoded->inputs;
+  for (const auto& [name, p] : request.parameters()) {
+    absl::Status s;
+    if (name == "causal") {
+      s = BoolParameter(name, p, &in.causal);
+    } else if (name == "need_weights") {
+      s = BoolParameter(name, p, &in.need_weights);
+    } else if (name == "average_weights") {
+      s = BoolParameter(name, p, &in.average_weights);
+    } else if (name == "scale") {
+      if (p.parameter_choice_case() == InferParameter::kDoubleParam) {
+        in.scale = static_cast<float>(p.double_param());
+      } else if (p.parameter_choice_case() == InferParameter::kInt64Param) {
+        in.scale = static_cast<float>(p.int64_param());
+      } else {
+        s = absl::InvalidArgumentError(
+            "parameter 'scale': must be a number (double_param or int64_param)");
+      }
+    } else if (name == "session_id") {
+      if (p.parameter_choice_case() != InferParameter::kStringParam) {
+        s = absl::InvalidArgumentError("parameter 'session_id': must be a string (string_param)");
+      } else {
+        in.session_id = p.string_param();
+      }
+    } else if (name == "triton_enable_empty_final_response") {
+      // Triton's directive for decoupled models (a final empty response on a
+      // stream); perf_analyzer sends it on every request. Every attnserve
+      // model answers each request with exactly one response, as Triton's
+      // non-decoupled models do, which also ignore it.
+      bool unused;
+      s = BoolParameter(name, p, &unused);
+    } else if (name == "priority") {
+      // Triton's request priority (tritonclient's `priority=`): accepted and
+      // without effect, as on a Triton model without priority levels;
+      // attnserve's queues have one level.
+    } else if (name == "timeout") {
+      // Triton's request timeout, in microseconds.
+      if (p.parameter_choice_case() == InferParameter::kInt64Param && p.int64_param() >= 0) {
+        decoded->timeout_us = p.int64_param();
+      } else if (p.parameter_choice_case() == InferParameter::kUint64Param) {
+        decoded->timeout_us = static_cast<int64_t>(std::min<uint64_t>(p.uint64_param(), INT64_MAX));
+      } else {
+        s = absl::InvalidArgumentError(
+            "parameter 'timeout': must be a non-negative integer (microseconds)");
+      }
+    } else {
+      s = absl::InvalidArgumentError(absl::StrCat("parameter '", name,
+                                                  "' is not supported; parameters are ",
+                                                  kParameterNames));
+    }
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+const char* KServeDatatype(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "FP32";
+    case DType::kFloat16: return "FP16";
+    case DType::kBFloat16: return "BF16";
+    case DType::kBool: return "BOOL";
+  }
+  return "FP32";
+}
+
+absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeRequest* decoded) {
+  AttendInputs& in = decoded->inputs;
+  in.model = request.model_name();
+  if (!request.model_version().empty() && request.model_version() != "1") {
+    // NOT_FOUND, as ModelReady/ModelMetadata answer an unknown version.
+    return absl::NotFoundError(absl::StrCat(
+        "model_version: model '", request.model_name(), "' has only version \"1\" (or \"\"), got \"",
+        request.model_version(), "\""));
+  }
+  if (request.raw_input_contents_size() > 0 &&
+      request.raw_input_contents_size() != request.inputs_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "raw_input_contents: expected one entry per input (", request.inputs_size(), "), got ",
+        request.raw_input_contents_size()));
+  }
+  if (absl::Status s = DecodeParameters(request, decoded); !s.ok()) return s;
+
+  bool seen_key_lengths = false;
+  for (int i = 0; i < request.inputs_size(); ++i) {
+    const auto& tensor = request.inputs(i);
+    const std::string& name = tensor.name();
+    if (name == "key_lengths") {
+      if (seen_key_lengths) {
+        return absl::InvalidArgumentError("input 'key_lengths' is given more than once");
+      }
+      seen_key_lengths = true;
+      if (absl::Status s = DecodeKeyLengths(request, i, &decoded->key_lengths); !s.ok()) return s;
+      in.key_lengths = decoded->key_lengths;
+      continue;
+    }
+    InputTensor* target = name == "query"       ? &in.query
+                          : name == "key"       ? &in.key
+                          : name == "value"     ? &in.value
+                          : name == "attn_mask" ? &in.attn_mask
+                                                : nullptr;
+    if (target == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("input '", name, "' is not an input of attention; inputs are ", kInputNames));
+    }
+    if (target->present) {
+      return absl::InvalidArgumentError(absl::StrCat("input '", name, "' is given more than once"));
+    }
+    target->present = true;
+    target->shape.assign(tensor.shape().begin(), tensor.shape().end());
+    absl::Status s = TensorDType(tensor, target == &in.attn_mask, &target->dtype);
+    if (s.ok()) s = TensorBytes(request, i, target->dtype, &target->data);
+    target->decode_error = s;
+  }
+
+  if (request.outputs_size() > 0) {
+    decoded->return_output = false;
+    decoded->return_weights = false;
+    for (const auto& out : request.outputs()) {
+      if (out.name() == "output") {
+        decoded->return_output = true;
+      } else if (out.name() == "weights") {
+        decoded->return_weights = true;
+        in.need_weights = true;  // asking for the output is asking for it to be computed
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "requested output '", out.name(), "' is not an output of attention; outputs are "
+            "output, weights"));
+      }
+    }
+  } else {
+    decoded->return_weights = in.need_weights;
+  }
+  return absl::OkStatus();
+}
+
+MutableTensorView AllocateKServeOutput(inference::ModelInferResponse* response, OutputName name,
+                                       DType dtype, const Shape& shape) {
+  auto* out = response->add_outputs();
+  out->set_name(name == OutputName::kOutput ? "output" : "weights");
+  out->set_datatype(KServeDatatype(dtype));
+  out->mutable_shape()->Assign(shape.begin(), shape.end());
+  MutableTensorView view{dtype, shape, nullptr};
+  std::string* data = response->add_raw_output_contents();
+  data->resize(view.byte_size());
+  view.data = data->data();
+  return view;
+}
+
+void KeepRequestedOutputs(const KServeRequest& decoded, inference::ModelInferResponse* response) {
+  for (int i = response->outputs_size() - 1; i >= 0; --i) {
+    const bool keep = response->outputs(i).name() == "output" ? decoded.return_output
+                                                              : decoded.return_weights;
+    if (keep) continue;
+    response->mutable_outputs()->DeleteSubrange(i, 1);
+    response->mutable_raw_output_contents()->DeleteSubrange(i, 1);
+  }
+}
+
+}  // namespace attnserve

@@ -1,0 +1,72 @@
+// The KServe v2 (Open Inference Protocol) front end's translation:
+// inference.ModelInferRequest -> the request path's AttendInputs, and results
+// -> ModelInferResponse outputs. The mapping (docs/API.md, "KServe v2"):
+//   inputs, by name:  query, key, value (FP32 | FP16 | BF16), attn_mask (BOOL
+//                     or the query's float type), key_lengths (INT32 | INT64)
+//                     -- the shapes and rules of attnserve.v1's Attend;
+//   parameters:       causal (bool), scale (double), need_weights (bool),
+//                     average_weights (bool), session_id (string);
+//   outputs:          output and, when weights are asked for, weights, as
+//                     raw_output_contents.
+// Everything else about a request (validation, batching, deadlines, metrics,
+// shutdown) is the shared request path's.
+#ifndef ATTNSERVE_SERVER_TRANSPORT_KSERVE_CODEC_H_
+#define ATTNSERVE_SERVER_TRANSPORT_KSERVE_CODEC_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "engine/dtype.h"
+#include "engine/tensor.h"
+#include "inference/grpc_service.pb.h"
+#include "server/dispatch/request_dispatcher.h"
+#include "server/request/attend_inputs.h"
+
+namespace attnserve {
+
+// "FP32", "FP16", "BF16", "BOOL".
+const char* KServeDatatype(DType dtype);
+
+// A decoded ModelInferRequest: the inputs, plus what they point to that is
+// not in the message itself (key_lengths widened to int64).
+struct KServeRequest {
+  AttendInputs inputs;
+  std::vector<int64_t> key_lengths;
+  // Which outputs to return: requested_outputs, or every output the request
+  // produces when it names none.
+  bool return_output = true;
+  bool return_weights = false;
+  // Triton's `timeout` parameter, in microseconds; 0 = none (the call's gRPC
+  // deadline still applies).
+  int64_t timeout_us = 0;
+};
+
+// Decodes `request` into `decoded`. Errors that concern the request as a
+// whole (an unknown input or parameter, a parameter of the wrong type, raw
+// contents that do not match the inputs, an unknown requested output) are
+// returned as INVALID_ARGUMENT naming the field, a model version other than
+// "" or "1" as NOT_FOUND; the caller hands them to the request path as
+// decoded->inputs.decode_error, so that the model lookup answers first.
+// Errors of one tensor (an unsupported datatype) become its decode_error, so
+// that validation reports them in its usual order.
+//
+// Lifetime: `decoded.inputs` points into `request` and into `decoded`; both
+// must outlive it (and must not move).
+absl::Status DecodeModelInferRequest(const inference::ModelInferRequest& request,
+                                     KServeRequest* decoded);
+
+// Adds the output tensor `name` to `response` (its entry in outputs and its
+// raw_output_contents bytes) and returns a writable view of those bytes.
+MutableTensorView AllocateKServeOutput(inference::ModelInferResponse* response, OutputName name,
+                                       DType dtype, const Shape& shape);
+
+// Removes the outputs the client did not ask for (after the engine wrote
+// them), keeping outputs and raw_output_contents in step.
+void KeepRequestedOutputs(const KServeRequest& decoded, inference::ModelInferResponse* response);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_TRANSPORT_KSERVE_CODEC_H_

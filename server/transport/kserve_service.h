@@ -1,0 +1,154 @@
+// inference.GRPCInferenceService (KServe v2 / Open Inference Protocol, as
+// Triton serves it) on gRPC's callback API: the second front end, on the same
+// port as attnserve.v1. ModelInfer and each ModelStreamInfer message are
+// parsed here (message_codec.h), translated (kserve_codec.h) and handed to
+// the shared RequestDispatcher: the same validation, batching, deadlines,
+// queue bounds, sessions, metrics and shutdown as Attend. The rest answers
+// from the model registry (readiness, metadata, config) and the metrics
+// (statistics).
+#ifndef ATTNSERVE_SERVER_TRANSPORT_KSERVE_SERVICE_H_
+#define ATTNSERVE_SERVER_TRANSPORT_KSERVE_SERVICE_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "inference/grpc_service.grpc.pb.h"
+#include "server/dispatch/request_dispatcher.h"
+#include "server/metrics/metrics.h"
+#include "server/models/model_registry.h"
+#include "server/request/model_access.h"
+#include "server/transport/bearer_tokens.h"
+#include "server/transport/call_tracker.h"
+#include "server/transport/kserve_codec.h"
+#include "server/transport/stream_reactor.h"
+
+namespace attnserve {
+
+// ModelInfer and ModelStreamInfer take gRPC's raw bytes and parse them here
+// (a message that does not parse is answered INVALID_ARGUMENT and counted).
+namespace kserve_internal {
+using S = inference::GRPCInferenceService;
+using Base = S::WithRawCallbackMethod_ModelInfer<S::WithRawCallbackMethod_ModelStreamInfer<
+    S::WithCallbackMethod_ServerLive<S::WithCallbackMethod_ServerReady<
+        S::WithCallbackMethod_ModelReady<S::WithCallbackMethod_ServerMetadata<
+            S::WithCallbackMethod_ModelMetadata<S::WithCallbackMethod_ModelConfig<
+                S::WithCallbackMethod_ModelStatistics<S::WithCallbackMethod_RepositoryIndex<
+                    S::WithCallbackMethod_RepositoryModelLoad<
+                        S::WithCallbackMethod_RepositoryModelUnload<
+                            S::WithCallbackMethod_SystemSharedMemoryStatus<
+                                S::WithCallbackMethod_CudaSharedMemoryStatus<
+                                    S::Service>>>>>>>>>>>>>>;
+}  // namespace kserve_internal
+using KServeServiceBase = kserve_internal::Base;
+
+// Thread-safe. Does not own the registry, the dispatcher or the metrics
+// (nullable); all must outlive the grpc::Server this is registered with.
+//
+// Answers as Triton does: a ModelStreamInfer message that fails is answered
+// in the stream (error_message, with the request's id) and the stream goes
+// on; ModelReady of an unknown model is `ready: false`; the RPCs attnserve
+// does not serve (model load/unload, shared memory) are UNIMPLEMENTED with a
+// message saying why. With --auth-token-file every RPC but ServerLive and
+// ServerReady (health: probes need them) needs a valid bearer token
+// (UNAUTHENTICATED); a restricted token gets PERMISSION_DENIED for other
+// models, and sees only its models in RepositoryIndex and ModelStatistics.
+// Requests are counted in the metrics like Attend's (the
+// request counters have no protocol label).
+class KServeServiceImpl final : public KServeServiceBase, private StreamHandler {
+ public:
+  // max_stream_backlog: ModelStreamInfer flow control, as
+  // AttentionServiceOptions::max_stream_backlog. tokens (nullable, not
+  // owned): the bearer tokens of --auth-token-file, as for attnserve.v1.
+  KServeServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
+                    const Metrics* metrics, size_t max_stream_backlog,
+                    const BearerTokens* tokens = nullptr);
+
+  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
+                                       const inference::ServerLiveRequest* request,
+                                       inference::ServerLiveResponse* response) override;
+  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* context,
+                                        const inference::ServerReadyRequest* request,
+                                        inference::ServerReadyResponse* response) override;
+  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* context,
+                                       const inference::ModelReadyRequest* request,
+                                       inference::ModelReadyResponse* response) override;
+  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* context,
+                                           const inference::ServerMetadataRequest* request,
+                                           inference::ServerMetadataResponse* response) override;
+  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* context,
+                                          const inference::ModelMetadataRequest* request,
+                                          inference::ModelMetadataResponse* response) override;
+  grpc::ServerUnaryReactor* ModelConfig(grpc::CallbackServerContext* context,
+                                        const inference::ModelConfigRequest* request,
+                                        inference::ModelConfigResponse* response) override;
+  grpc::ServerUnaryReactor* ModelStatistics(grpc::CallbackServerContext* context,
+                                            const inference::ModelStatisticsRequest* request,
+                                            inference::ModelStatisticsResponse* response) override;
+  grpc::ServerUnaryReactor* RepositoryIndex(grpc::CallbackServerContext* context,
+                                            const inference::RepositoryIndexRequest* request,
+                                            inference::RepositoryIndexResponse* response) override;
+  grpc::ServerUnaryReactor* RepositoryModelLoad(
+      grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
+      inference::RepositoryModelLoadResponse* response) override;
+  grpc::ServerUnaryReactor* RepositoryModelUnload(
+      grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
+      inference::RepositoryModelUnloadResponse* response) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryStatus(
+      grpc::CallbackServerContext* context,
+      const inference::SystemSharedMemoryStatusRequest* request,
+      inference::SystemSharedMemoryStatusResponse* response) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryStatus(
+      grpc::CallbackServerContext* context, const inference::CudaSharedMemoryStatusRequest* request,
+      inference::CudaSharedMemoryStatusResponse* response) override;
+
+  // `request` holds a serialized ModelInferRequest; `response` receives the
+  // serialized ModelInferResponse.
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ModelStreamInfer(
+      grpc::CallbackServerContext* context) override;
+
+  // As AttentionServiceImpl's: new requests are refused (UNAVAILABLE), open
+  // streams end once what they accepted is answered; ServerReady turns false.
+  void BeginShutdown();
+  bool WaitForNoCalls(absl::Duration timeout);
+
+ private:
+  class UnaryReactor;
+
+  // One inference: `parsed` is what ParseRequestMessage said of `request`
+  // (not OK: refused through the dispatcher, counted). `done` runs exactly
+  // once with the final status, `response` filled when OK.
+  // `access`: the models the caller may use.
+  void StartInfer(grpc::CallbackServerContext* context, const absl::Status& parsed,
+                  const ModelAccess& access, const inference::ModelInferRequest& request,
+                  KServeRequest* decoded,
+                  inference::ModelInferResponse* response,
+                  absl::AnyInvocable<void(absl::Status)> done);
+
+  void StartStreamMessage(grpc::CallbackServerContext* context, grpc::ByteBuffer* bytes,
+                          int64_t number, AnswerFn answer) override;
+  void StreamCancelled() override;
+
+  // OK when the call's credentials allow model `name` (empty: any model the
+  // call may use; authentication only); UNAUTHENTICATED or
+  // PERMISSION_DENIED otherwise. `access` (nullable) receives the access.
+  absl::Status Authorize(const grpc::CallbackServerContext& context, absl::string_view name,
+                         ModelAccess* access = nullptr) const;
+
+  const ModelRegistry* const registry_;
+  RequestDispatcher* const dispatcher_;
+  const Metrics* const metrics_;
+  const size_t max_stream_backlog_;
+  const BearerTokens* const tokens_;  // null: no authentication
+  CallTracker calls_;
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_TRANSPORT_KSERVE_SERVICE_H_

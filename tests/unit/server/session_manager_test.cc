@@ -1,0 +1,313 @@
+// SessionManager and KvBlockPool: ids, shape rules, the per-session FIFO,
+// token limits, TTL expiry on a FakeClock, LRU eviction, and blocks returned
+// on close.
+#include "server/sessions/session_manager.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/request/fake_clock.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+// sdpa, fp32, Hkv=2, Dk=Dv=8, 16-token blocks: 16 * 2 * 16 * 4 = 2048 bytes.
+constexpr int64_t kBlockBytes = 2048;
+
+std::shared_ptr<const ServedModel> Model(const std::string& name) {
+  auto m = std::make_shared<ServedModel>();
+  m->name = name;
+  m->state = ModelState::kReady;
+  return m;
+}
+
+class SessionManagerTest : public ::testing::Test {
+ protected:
+  SessionOptions Options(int64_t blocks = 8) {
+    SessionOptions o;
+    o.kv_cache_bytes = blocks * kBlockBytes;
+    o.block_tokens = 16;
+    o.ttl = absl::Seconds(10);
+    o.max_tokens = 1000;
+    o.max_queued_per_session = 2;
+    return o;
+  }
+
+  std::unique_ptr<InferenceRequest> Request(const std::string& sid, int64_t new_rows,
+                                            int64_t hq = 4, DType dtype = DType::kFloat32) {
+    auto r = std::make_unique<InferenceRequest>();
+    r->session_id = sid;
+    r->model = sdpa_;
+    r->task.query.dtype = dtype;
+    r->dims = {1, 1, new_rows, hq, 2, 8, 8};
+    return r;
+  }
+
+  std::string Open(SessionManager& m, absl::Duration ttl = absl::ZeroDuration(),
+                   int64_t max_tokens = 0) {
+    absl::StatusOr<OpenedSession> s = m.Open("sdpa", std::nullopt, ttl, max_tokens);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? s->id : "";
+  }
+
+  // Submits, expects it bound, and finishes it with `status`.
+  void Run(SessionManager& m, const std::string& sid, int64_t rows,
+           absl::Status status = absl::OkStatus()) {
+    std::unique_ptr<InferenceRequest> r = Request(sid, rows);
+    ASSERT_TRUE(m.Submit(&r).ok());
+    ASSERT_NE(r, nullptr);
+    SessionManager::Next next = m.Finished(*r, status);
+    EXPECT_EQ(next.bound, nullptr);
+  }
+
+  FakeClock clock_;
+  std::shared_ptr<const ServedModel> sdpa_ = Model("sdpa");
+};
+
+TEST_F(SessionManagerTest, BindsBlocksAndCommitsOnSuccessOnly) {
+  SessionManager m(Options(), &clock_, nullptr);
+  const std::string sid = Open(m);
+  std::unique_ptr<InferenceRequest> r = Request(sid, 20);
+  ASSERT_TRUE(m.Submit(&r).ok());
+  ASSERT_NE(r, nullptr);
+  EXPECT_TRUE(r->task.paged.enabled());
+  EXPECT_EQ(r->task.paged.cached_len, 0);
+  EXPECT_EQ(r->task.paged.k_blocks.size(), 2u);  // 20 tokens, 16 a block
+  EXPECT_EQ(static_cast<char*>(r->task.paged.v_blocks[0]) -
+                static_cast<char*>(r->task.paged.k_blocks[0]),
+            16 * 2 * 8 * 4);
+  EXPECT_EQ(r->session_length, 20);
+  m.Finished(*r, absl::OkStatus());
+  EXPECT_EQ(m.Stats("sdpa").blocks_used, 2);
+  EXPECT_EQ(m.Stats("sdpa").appends, 1);
+
+  // A failed request leaves the length (and frees the blocks it took).
+  r = Request(sid, 20);
+  ASSERT_TRUE(m.Submit(&r).ok());
+  EXPECT_EQ(r->task.paged.cached_len, 20);
+  EXPECT_EQ(m.Stats("sdpa").blocks_used, 3);
+  m.Finished(*r, absl::DeadlineExceededError("late"));
+  EXPECT_EQ(m.Stats("sdpa").blocks_used, 2);
+  r = Request(sid, 1);
+  ASSERT_TRUE(m.Submit(&r).ok());
+  EXPECT_EQ(r->task.paged.cached_len, 20);
+  EXPECT_EQ(r->session_length, 21);
+  m.Finished(*r, absl::OkStatus());
+}
+
+TEST_F(SessionManagerTest, ShapeAndModelMustMatchTheFirstRequest) {
+  SessionManager m(Options(), &clock_, nullptr);
+  const std::string sid = Open(m);
+  Run(m, sid, 3);
+  std::unique_ptr<InferenceRequest> r = Request(sid, 1, /*hq=*/2);
+  absl::Status s = m.Submit(&r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("Hq=4"));
+  EXPECT_NE(r, nullptr);  // still the caller's
+  r = Request(sid, 1, 4, DType::kFloat16);
+  EXPECT_EQ(m.Submit(&r).code(), absl::StatusCode::kInvalidArgument);
+  r = Request(sid, 1);
+  r->model = Model("other");
+  s = m.Submit(&r);
+  EXPECT_THAT(s.message(), HasSubstr("bound to model 'sdpa'"));
+}
+
+TEST_F(SessionManagerTest, RequestsOfOneSessionRunOneAtATimeInArrivalOrder) {
+  SessionManager m(Options(), &clock_, nullptr);
+  const std::string sid = Open(m);
+  std::unique_ptr<InferenceRequest> first = Request(sid, 1);
+  ASSERT_TRUE(m.Submit(&first).ok());
+  ASSERT_NE(first, nullptr);
+  std::unique_ptr<InferenceRequest> second = Request(sid, 2), third = Request(sid, 3);
+  second->id = "second";
+  third->id = "third";
+  ASSERT_TRUE(m.Submit(&second).ok());
+  ASSERT_TRUE(m.Submit(&third).ok());
+  EXPECT_EQ(second, nullptr);  // queued
+  EXPECT_EQ(third, nullptr);
+  std::unique_ptr<InferenceRequest> fourth = Request(sid, 1);
+  EXPECT_EQ(m.Submit(&fourth).code(), absl::StatusCode::kResourceExhausted);  // queue limit 2
+
+  SessionManager::Next next = m.Finished(*first, absl::OkStatus());
+  ASSERT_NE(next.bound, nullptr);
+  EXPECT_EQ(next.bound->id, "second");
+  EXPECT_EQ(next.bound->task.paged.cached_len, 1);
+  next = m.Finished(*next.bound, absl::OkStatus());
+  ASSERT_NE(next.bound, nullptr);
+  EXPECT_EQ(next.bound->id, "third");
+  EXPECT_EQ(next.bound->task.paged.cached_len, 3);
+  EXPECT_EQ(next.bound->session_length, 6);
+  next = m.Finished(*next.bound, absl::OkStatus());
+  EXPECT_EQ(next.bound, nullptr);
+  EXPECT_TRUE(next.failed.empty());
+}
+
+TEST_F(SessionManagerTest, TokenLimit) {
+  SessionManager m(Options(), &clock_, nullptr);
+  const std::string sid = Open(m, absl::ZeroDuration(), /*max_tokens=*/10);
+  Run(m, sid, 8);
+  std::unique_ptr<InferenceRequest> r = Request(sid, 3);
+  absl::Status s = m.Submit(&r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("limit of 10"));
+  Run(m, sid, 2);  // exactly at the limit
+  EXPECT_EQ(m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 1001).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(SessionManagerTest, IdleSessionsExpireAfterTheirTtl) {
+  SessionManager m(Options(), &clock_, nullptr);
+  const std::string short_lived = Open(m);  // 10 s
+  const std::string long_lived = Open(m, absl::Seconds(60));
+  Run(m, short_lived, 17);
+  EXPECT_EQ(m.Stats("sdpa").blocks_used, 2);
+  clock_.Advance(absl::Seconds(9));
+  Run(m, short_lived, 1);  // use restarts the TTL
+  clock_.Advance(absl::Seconds(9));
+  m.Sweep();
+  EXPECT_EQ(m.Stats("sdpa").sessions_open, 2);
+  clock_.Advance(absl::Seconds(2));
+  m.Sweep();
+  EXPECT_EQ(m.Stats("sdpa").sessions_open, 1);
+  EXPECT_EQ(m.Stats("sdpa").expiries, 1);
+  EXPECT_EQ(m.Stats("sdpa").blocks_used, 0);
+  EXPECT_EQ(m.Stats("sdpa").blocks_free, 2);  // back on the free list
+  std::unique_ptr<InferenceRequest> r = Request(short_lived, 1);
+  absl::Status s = m.Submit(&r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(s.message(), HasSubstr("expired"));
+  EXPECT_THAT(s.message(), HasSubstr(short_lived));
+  Run(m, long_lived, 1);
+}
+
+TEST_F(SessionManagerTest, BusySessionsDoNotExpire) {
+  SessionManager m(Options(), &clock_, nullptr);
+  const std::string sid = Open(m);
+  std::unique_ptr<InferenceRequest> r = Request(sid, 1);
+  ASSERT_TRUE(m.Submit(&r).ok());
+  clock_.Advance(absl::Minutes(5));
+  m.Sweep();
+  EXPECT_EQ(m.Stats("sdpa").sessions_open, 1);
+  m.Finished(*r, absl::OkStatus());
+  EXPECT_EQ(m.Stats("sdpa").sessions_open, 1);  // idle from now on
+}
+
+TEST_F(SessionManagerTest, FullCacheEvictsTheLeastRecentlyUsedIdleSession) {
+  SessionManager m(Options(/*blocks=*/3), &clock_, nullptr);
+  const std::string a = Open(m), b = Open(m), c = Open(m);
+  Run(m, a, 16);
+  Run(m, b, 16);
+  Run(m, c, 16);
+  Run(m, a, 1);  // a: 2 blocks; evicts b (least recently used), not c
+  EXPECT_EQ(m.Stats("sdpa").evictions, 1);
+  std::unique_ptr<InferenceRequest> r = Request(b, 1);
+  absl::Status s = m.Submit(&r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(s.message(), HasSubstr("resend the prefix"));
+  Run(m, c, 1);  // c is intact; needs a block: evicts a
+
+  // Sessions with a request in flight are never evicted: the cache is full
+  // of them and the newcomer is refused.
+  const std::string d = Open(m), e = Open(m);
+  std::unique_ptr<InferenceRequest> rc = Request(c, 1);
+  ASSERT_TRUE(m.Submit(&rc).ok());  // c: 18 tokens, its 2 blocks
+  std::unique_ptr<InferenceRequest> rd = Request(d, 16);
+  ASSERT_TRUE(m.Submit(&rd).ok());  // evicts nothing: one block is free
+  const int64_t evicted = m.Stats("sdpa").evictions;
+  std::unique_ptr<InferenceRequest> re = Request(e, 16);
+  s = m.Submit(&re);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(), HasSubstr("requests in flight"));
+  EXPECT_EQ(m.Stats("sdpa").evictions, evicted);
+  m.Finished(*rc, absl::OkStatus());
+  m.Finished(*rd, absl::OkStatus());
+  // A session that alone needs more than the whole cache: refused, nothing
+  // evicted for it.
+  const int64_t evictions = m.Stats("sdpa").evictions;
+  re = Request(e, 16 * 3 + 1);
+  s = m.Submit(&re);
+  EXPECT_THAT(s.message(), HasSubstr("more than the whole KV cache"));
+  EXPECT_EQ(m.Stats("sdpa").evictions, evictions);
+}
+
+TEST_F(SessionManagerTest, CloseReturnsBlocksAndAnswersQueuedRequests) {
+  SessionManager m(Options(), &clock_, nullptr);
+  const std::string sid = Open(m);
+  Run(m, sid, 40);
+  EXPECT_EQ(m.Stats("sdpa").blocks_used, 3);
+  std::vector<std::unique_ptr<InferenceRequest>> orphans;
+  absl::StatusOr<int64_t> released = m.Close(sid, &orphans);
+  ASSERT_TRUE(released.ok());
+  EXPECT_EQ(*released, 40);
+  EXPECT_EQ(m.Stats("sdpa").blocks_used, 0);
+  EXPECT_EQ(m.Stats("sdpa").blocks_free, 3);
+  EXPECT_EQ(m.Stats("sdpa").sessions_open, 0);
+  EXPECT_EQ(m.Close(sid, &orphans).status().code(), absl::StatusCode::kNotFound);
+
+  // Closed while busy: queued requests come back, blocks are freed when the
+  // request in flight finishes.
+  const std::string busy = Open(m);
+  std::unique_ptr<InferenceRequest> r = Request(busy, 20), queued = Request(busy, 1);
+  ASSERT_TRUE(m.Submit(&r).ok());
+  ASSERT_TRUE(m.Submit(&queued).ok());
+  ASSERT_TRUE(m.Close(busy, &orphans).ok());
+  EXPECT_EQ(orphans.size(), 1u);
+  EXPECT_EQ(m.Stats("sdpa").blocks_used, 2);
+  SessionManager::Next next = m.Finished(*r, absl::OkStatus());
+  EXPECT_EQ(next.bound, nullptr);
+  EXPECT_EQ(m.Stats("sdpa").blocks_used, 0);
+  std::unique_ptr<InferenceRequest> late = Request(busy, 1);
+  EXPECT_THAT(m.Submit(&late).message(), HasSubstr("closed"));
+}
+
+TEST_F(SessionManagerTest, IdsOfAnotherInstanceSayTheServerRestarted) {
+  SessionManager first(Options(), &clock_, nullptr), second(Options(), &clock_, nullptr);
+  const std::string sid = Open(first);
+  std::unique_ptr<InferenceRequest> r = Request(sid, 1);
+  absl::Status s = second.Submit(&r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(s.message(), HasSubstr("do not survive a server restart"));
+  r = Request("made-up", 1);
+  s = second.Submit(&r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(s.message(), HasSubstr("unknown session 'made-up'"));
+}
+
+TEST_F(SessionManagerTest, SessionLimit) {
+  SessionOptions o = Options();
+  o.max_sessions = 1;
+  SessionManager m(o, &clock_, nullptr);
+  Open(m);
+  EXPECT_EQ(m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0).status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
+TEST(KvBlockPoolTest, RecyclesBlocksUnderItsBudget) {
+  KvBlockPool pool(3 * 100);
+  void* a = pool.Allocate(100);
+  void* b = pool.Allocate(100);
+  void* c = pool.Allocate(100);
+  ASSERT_TRUE(a && b && c);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % 64, 0u);
+  EXPECT_EQ(pool.Allocate(100), nullptr);
+  pool.Free(b, 100);
+  EXPECT_EQ(pool.blocks_used(), 2);
+  EXPECT_EQ(pool.blocks_free(), 1);
+  EXPECT_EQ(pool.Allocate(100), b);  // reused, not reallocated
+  pool.Free(a, 100);
+  pool.Free(b, 100);
+  // Another size: free blocks of the first are released to make room.
+  void* d = pool.Allocate(200);
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(pool.held_bytes(), 300);
+  pool.Free(c, 100);
+  pool.Free(d, 200);
+}
+
+}  // namespace
+}  // namespace attnserve
