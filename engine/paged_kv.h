@@ -1,8 +1,9 @@
 // A session's paged K/V cache as one engine task sees it (server-side
 // sessions, server/sessions/), and the engine-side helpers every backend
 // shares: append a task's new K/V rows into the cache's blocks, point the
-// attention params at the blocks, and, for kernels that do not read blocks
-// natively yet, gather them into contiguous scratch.
+// attention params at the blocks, and, for a kernel that reads only
+// contiguous K/V (and as the tests' oracle), gather them into scratch. The
+// cpu flash kernel reads the blocks in place.
 #ifndef ATTNSERVE_ENGINE_PAGED_KV_H_
 #define ATTNSERVE_ENGINE_PAGED_KV_H_
 

@@ -130,20 +130,6 @@ ABSL_FLAG(std::string, nonfinite_inputs, "reject",
           "scores could overflow float32: reject (INVALID_ARGUMENT naming the tensor and "
           "element; the only mode implemented)");
 
-// Server-side attention sessions (issue 17, docs/API.md "Sessions").
-ABSL_FLAG(int64_t, kv_cache_bytes, kDefaults.sessions.kv_cache_bytes,
-          "bytes of session KV cache per model (blocks of K and V); when full, the least "
-          "recently used idle session is evicted (its next request gets ABORTED)");
-ABSL_FLAG(int64_t, kv_block_tokens, kDefaults.sessions.block_tokens,
-          "tokens per KV-cache block, a multiple of 16: a session grows by one block at a time");
-ABSL_FLAG(absl::Duration, session_ttl, kDefaults.sessions.ttl,
-          "idle time after which a session is closed (e.g. 10m, 30s); OpenSession may ask "
-          "for another TTL up to 24h");
-ABSL_FLAG(int64_t, session_max_tokens, kDefaults.sessions.max_tokens,
-          "most tokens one session may cache; OpenSession may ask for fewer");
-ABSL_FLAG(int64_t, max_sessions, kDefaults.sessions.max_sessions,
-          "most sessions open at once, all models together; 0 = no sessions (OpenSession "
-          "gets RESOURCE_EXHAUSTED)");
 // Security (issue 15): transport security, authentication, and the limits
 // that bound what one client can hold. docs/SECURITY.md has the threat model.
 ABSL_FLAG(std::string, tls_cert_file, "",
@@ -197,6 +183,20 @@ ABSL_FLAG(int64_t, max_tensor_elements, kDefaults.validation.max_input_elements,
 ABSL_FLAG(int64_t, max_returned_weights, kDefaults.validation.max_returned_weights,
           "most attention weights (B x Hq x Lq x Lk, or B x Lq x Lk averaged) one request may "
           "ask to get back with need_weights; larger requests get RESOURCE_EXHAUSTED");
+// Server-side attention sessions (issue 17, docs/API.md "Sessions").
+ABSL_FLAG(int64_t, kv_cache_bytes, kDefaults.sessions.kv_cache_bytes,
+          "bytes of session KV cache per model (blocks of K and V); when full, the least "
+          "recently used idle session is evicted (its next request gets ABORTED)");
+ABSL_FLAG(int64_t, kv_block_tokens, kDefaults.sessions.block_tokens,
+          "tokens per KV-cache block, a multiple of 16: a session grows by one block at a time");
+ABSL_FLAG(absl::Duration, session_ttl, kDefaults.sessions.ttl,
+          "idle time after which a session is closed (e.g. 10m, 30s); OpenSession may ask "
+          "for another TTL up to 24h");
+ABSL_FLAG(int64_t, session_max_tokens, kDefaults.sessions.max_tokens,
+          "most tokens one session may cache; OpenSession may ask for fewer");
+ABSL_FLAG(int64_t, max_sessions, kDefaults.sessions.max_sessions,
+          "most sessions open at once, all models together; 0 = no sessions (OpenSession "
+          "gets RESOURCE_EXHAUSTED)");
 
 int main(int argc, char** argv) {
   DefaultToPassiveOpenMpWaits(argv);
@@ -232,14 +232,15 @@ int main(int argc, char** argv) {
       "[--max-queue-size=N] [--instances=N] [--idle-spin-us=200] [--metrics-threads=8] "
       "[--metrics-request-timeout=5s] [--shutdown-grace=8s] "
       "[--max-attention-scores=268435456] [--max-multiply-adds=34359738368] "
-      "[--nonfinite-inputs=reject] [--kv-cache-bytes=1073741824] [--kv-block-tokens=16] "
-      "[--session-ttl=10m] [--session-max-tokens=32768] [--max-sessions=65536] "
-      "[--tls-cert-file=PEM --tls-key-file=PEM "
-      "[--tls-client-ca-file=PEM] [--tls-reload-interval=60s]] [--auth-token-file=FILE] [--metrics-auth-file=FILE] "
+      "[--nonfinite-inputs=reject] [--tls-cert-file=PEM --tls-key-file=PEM "
+      "[--tls-client-ca-file=PEM] [--tls-reload-interval=60s]] [--auth-token-file=FILE] "
+      "[--metrics-auth-file=FILE] "
       "[--reflection=true] [--max-concurrent-streams=100] [--keepalive-time=2h] "
       "[--keepalive-timeout=20s] [--max-connection-idle=0] [--max-connection-age=0] "
       "[--max-connection-age-grace=30s] [--max-queue-bytes=1073741824] "
-      "[--max-tensor-elements=1073741824] [--max-returned-weights=67108864]\n"
+      "[--max-tensor-elements=1073741824] [--max-returned-weights=67108864] "
+      "[--kv-cache-bytes=1073741824] [--kv-block-tokens=16] "
+      "[--session-ttl=10m] [--session-max-tokens=32768] [--max-sessions=65536]\n"
       "Flags may be written with dashes or underscores.");
   std::vector<std::string> args =
       attnserve::NormalizeFlagNames(std::vector<std::string>(argv, argv + argc));

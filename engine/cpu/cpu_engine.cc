@@ -116,14 +116,11 @@ class CpuEngine final : public AttentionEngine {
     return absl::OkStatus();
   }
 
-  // The attention core of every request in `params`. The one place the core
-  // is called: paged params (sessions) are gathered into contiguous scratch
-  // here until the flash kernel reads blocks natively, at which point this
-  // becomes a plain FlashAttention call.
+  // The attention core of every request in `params`: the one place the core
+  // is called. Paged params (sessions) are read in place, block by block
+  // (cpu::FlashAttention), with no gather into contiguous scratch.
   static absl::Status RunCore(absl::Span<AttentionParams> params,
                               const cpu::FlashOptions& options) {
-    std::vector<std::vector<char>> scratch(params.size());
-    for (size_t i = 0; i < params.size(); ++i) GatherPagedKv(&params[i], &scratch[i]);
     return cpu::FlashAttention(params, options);
   }
 

@@ -73,8 +73,7 @@ absl::Status RequestDispatcher::Start(std::unique_ptr<InferenceRequest>& request
     session_model = *std::move(m);
   }
   const absl::string_view requested = session_model.empty() ? inputs.model : session_model;
-  // On the name, before the lookup (ModelAccess::Check: a restricted caller
-  // cannot probe for model names).
+  // The caller's credentials are checked on the name, before the lookup.
   if (absl::Status s =
           request->access.Check(requested, [this] { return registry_->default_model(); });
       !s.ok()) {
@@ -147,12 +146,7 @@ void RequestDispatcher::StartSessionRequests(SessionManager::Next next) {
 
 absl::StatusOr<OpenedSession> RequestDispatcher::OpenSession(absl::string_view model,
                                                              absl::Duration ttl,
-                                                             int64_t max_tokens,
-                                                             const ModelAccess& access) {
-  if (absl::Status s = access.Check(model, [this] { return registry_->default_model(); });
-      !s.ok()) {
-    return s;
-  }
+                                                             int64_t max_tokens) {
   if (sessions_ == nullptr) {
     return absl::UnimplementedError("OpenSession: this server does not serve sessions");
   }
@@ -183,15 +177,16 @@ absl::StatusOr<OpenedSession> RequestDispatcher::OpenSession(absl::string_view m
   return sessions_->Open(served.name, fixed, ttl, max_tokens);
 }
 
-absl::StatusOr<int64_t> RequestDispatcher::CloseSession(absl::string_view session_id,
-                                                        const ModelAccess& access) {
+absl::StatusOr<std::string> RequestDispatcher::SessionModel(absl::string_view session_id) {
+  if (sessions_ == nullptr) {
+    return absl::UnimplementedError("this server does not serve sessions");
+  }
+  return sessions_->ModelOf(session_id);
+}
+
+absl::StatusOr<int64_t> RequestDispatcher::CloseSession(absl::string_view session_id) {
   if (sessions_ == nullptr) {
     return absl::UnimplementedError("CloseSession: this server does not serve sessions");
-  }
-  if (access.restricted()) {
-    absl::StatusOr<std::string> model = sessions_->ModelOf(session_id);
-    if (!model.ok()) return model.status();
-    if (absl::Status s = access.Check(*model, [] { return std::string(); }); !s.ok()) return s;
   }
   std::vector<std::unique_ptr<InferenceRequest>> orphans;
   absl::StatusOr<int64_t> released = sessions_->Close(session_id, &orphans);

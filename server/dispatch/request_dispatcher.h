@@ -16,7 +16,6 @@
 #include "server/request/attend_inputs.h"
 #include "server/request/clock.h"
 #include "server/request/inference_request.h"
-#include "server/request/model_access.h"
 #include "server/request/validation.h"
 #include "server/sessions/session_manager.h"
 
@@ -73,16 +72,15 @@ class RequestDispatcher {
   // OpenSession on `model` (empty = the default model): the model must be
   // ready and served by an engine that supports sessions (FailedPrecondition
   // otherwise). Errors of SessionManager::Open; Unimplemented without
-  // sessions. PermissionDenied first when `access` (the caller's models)
-  // does not allow the model, as for a request.
+  // sessions.
   absl::StatusOr<OpenedSession> OpenSession(absl::string_view model, absl::Duration ttl,
-                                            int64_t max_tokens,
-                                            const ModelAccess& access = ModelAccess::All());
+                                            int64_t max_tokens);
   // CloseSession: the tokens the session held. Requests queued behind its
-  // request in flight are answered NOT_FOUND (closed). PermissionDenied when
-  // `access` does not allow the session's model.
-  absl::StatusOr<int64_t> CloseSession(absl::string_view session_id,
-                                       const ModelAccess& access = ModelAccess::All());
+  // request in flight are answered NOT_FOUND (closed).
+  absl::StatusOr<int64_t> CloseSession(absl::string_view session_id);
+  // The model a session was opened on (NOT_FOUND when it is unknown,
+  // closed, expired or evicted; Unimplemented without sessions).
+  absl::StatusOr<std::string> SessionModel(absl::string_view session_id);
 
   // The server's clock: front ends stamp `received` and deadlines with it.
   Clock* clock() const { return clock_; }

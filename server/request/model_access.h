@@ -31,6 +31,9 @@ class ModelAccess {
     return access;
   }
 
+  // No model at all (a call whose credentials failed).
+  static ModelAccess None() { return Only({}); }
+
   bool restricted() const { return only_ != nullptr; }
   bool Allows(absl::string_view model) const {
     return only_ == nullptr || only_->contains(model);

@@ -102,7 +102,7 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
     // request_, response_, context and response_bytes stay valid until
     // OnDone: gRPC frees its part only after the reactor is done.
-    service_->StartAttend(context, parsed_, access_.ok() ? *access_ : ModelAccess::All(),
+    service_->StartAttend(context, parsed_, access_.ok() ? *access_ : ModelAccess::None(),
                           request_, &response_,
                           [this, response_bytes](absl::Status status) {
                             // request_ and response_ are freed in OnDone, as
@@ -141,15 +141,18 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
     grpc::CallbackServerContext* context) {
-  return new StreamReactor(&calls_, this, context, options_.max_stream_backlog,
-                           CallAccess(options_.tokens, *context));
+  // An unauthenticated stream ends before its first read.
+  if (absl::StatusOr<ModelAccess> access = CallAccess(options_.tokens, *context); !access.ok()) {
+    return FinishedStream(ToGrpcStatus(access.status()));
+  }
+  return new StreamReactor(&calls_, this, context, options_.max_stream_backlog);
 }
 
 // ---------------------------------------------------------- AttendStream
 
 void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* context,
                                               grpc::ByteBuffer* bytes, int64_t number,
-                                              const ModelAccess& access, AnswerFn answer) {
+                                              AnswerFn answer) {
   // The message's tensors must outlive its request: parse it into its own
   // state (the one copy of the bytes, as gRPC's own parse made), which the
   // completion owns (it may even run before StartAttend returns).
@@ -162,7 +165,11 @@ void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* conte
       ParseRequestMessage(bytes, "AttendStream message", number, &message->request);
   if (!parsed.ok()) CountUnparseable("AttendStream");
   message->answer.set_id(message->request.id());
-  StartAttend(context, parsed, access, message->request, message->answer.mutable_response(),
+  // The stream was authenticated when it opened (AttendStream); its access
+  // is the same for every message.
+  absl::StatusOr<ModelAccess> access = CallAccess(options_.tokens, *context);
+  StartAttend(context, access.ok() ? parsed : access.status(),
+              access.ok() ? *access : ModelAccess::None(), message->request, message->answer.mutable_response(),
               [message, answer = std::move(answer)](absl::Status status) mutable {
                 std::unique_ptr<Message> owned(message);
                 owned->request.Clear();  // inputs no longer needed; free them now
@@ -199,12 +206,13 @@ void AttentionServiceImpl::CountUnparseable(absl::string_view method) {
   if (metrics_ != nullptr) metrics_->UnparseableMessage(method);
 }
 
-// The unary RPCs besides Attend take raw bytes too: the call is
-// authenticated, then `handle(access, request, response)` runs on the parsed
-// request; an unparseable one is answered INVALID_ARGUMENT ("request
-// could not be parsed as attnserve.v1.GetModelRequest: ..."), counted under
-// `method` and never logged, where gRPC's own parse answered UNIMPLEMENTED
-// with no message and wrote a libprotobuf ERROR line.
+// The unary RPCs besides Attend take raw bytes too. The call is
+// authenticated first (UNAUTHENTICATED, its bytes never parsed); then
+// `handle` runs on the parsed request; an unparseable one is answered
+// INVALID_ARGUMENT ("request could not be parsed as
+// attnserve.v1.GetModelRequest: ..."), counted under `method` and never
+// logged, where gRPC's own parse answered UNIMPLEMENTED with no message and
+// wrote a libprotobuf ERROR line.
 template <typename Request, typename Response, typename Handle>
 grpc::ServerUnaryReactor* AttentionServiceImpl::RawUnary(grpc::CallbackServerContext* context,
                                                          absl::string_view method,
@@ -212,7 +220,6 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RawUnary(grpc::CallbackServerCon
                                                          grpc::ByteBuffer* response_bytes,
                                                          Handle handle) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  // Credentials first: an unauthenticated caller's bytes are never parsed.
   absl::StatusOr<ModelAccess> access = CallAccess(options_.tokens, *context);
   if (!access.ok()) {
     reactor->Finish(ToGrpcStatus(access.status()));
@@ -242,9 +249,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerC
       context, "ListModels", request, response,
       [this](const ModelAccess& access, const v1::ListModelsRequest&,
              v1::ListModelsResponse* out) {
+        // A restricted token sees only the models it may use.
         const std::string default_name = registry_->default_model();
         for (const auto& model : registry_->List()) {
-          // A restricted token sees only its models.
           if (access.Allows(model->name)) *out->add_models() = ToModelStatus(*model, default_name);
         }
         return absl::OkStatus();
@@ -258,10 +265,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerCon
       context, "GetModel", request, response,
       [this](const ModelAccess& access, const v1::GetModelRequest& in,
              v1::ModelStatus* out) -> absl::Status {
-        // On the name, before the lookup: a restricted token cannot probe
-        // for model names.
-        if (absl::Status s =
-                access.Check(in.name(), [this] { return registry_->default_model(); });
+        // Checked on the name first: PERMISSION_DENIED whether or not the
+        // model exists, so a restricted token cannot probe for names.
+        if (absl::Status s = access.Check(in.name(), [this] { return registry_->default_model(); });
             !s.ok()) {
           return s;
         }
@@ -296,8 +302,13 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServer
       [this](const ModelAccess& access, const v1::OpenSessionRequest& in,
              v1::OpenSessionResponse* out) -> absl::Status {
         if (calls_.shutting_down()) return absl::UnavailableError("server is shutting down");
+        if (absl::Status s =
+                access.Check(in.model(), [this] { return registry_->default_model(); });
+            !s.ok()) {
+          return s;
+        }
         absl::StatusOr<OpenedSession> opened =
-            dispatcher_->OpenSession(in.model(), FromProto(in.ttl()), in.max_tokens(), access);
+            dispatcher_->OpenSession(in.model(), FromProto(in.ttl()), in.max_tokens());
         if (!opened.ok()) return opened.status();
         out->set_session_id(opened->id);
         out->set_model(opened->model);
@@ -315,7 +326,15 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServe
       context, "CloseSession", request, response,
       [this](const ModelAccess& access, const v1::CloseSessionRequest& in,
              v1::CloseSessionResponse* out) -> absl::Status {
-        absl::StatusOr<int64_t> released = dispatcher_->CloseSession(in.session_id(), access);
+        // A restricted token may close only sessions of models it may use.
+        if (access.restricted()) {
+          absl::StatusOr<std::string> model = dispatcher_->SessionModel(in.session_id());
+          if (!model.ok()) return model.status();
+          if (absl::Status s = access.Check(*model, [] { return std::string(); }); !s.ok()) {
+            return s;
+          }
+        }
+        absl::StatusOr<int64_t> released = dispatcher_->CloseSession(in.session_id());
         if (!released.ok()) return released.status();
         out->set_released_tokens(*released);
         return absl::OkStatus();

@@ -71,8 +71,7 @@ using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attend<
 // PERMISSION_DENIED for a model outside it, per request and per stream
 // message. ListModels lists only the models the token may use, and GetModel
 // of any other name is PERMISSION_DENIED (existing or not, so a restricted
-// token cannot probe for names); OpenSession and CloseSession are
-// PERMISSION_DENIED for a session on a model outside it.
+// token cannot probe for names).
 //
 // Constructing one installs the process's protobuf log handler
 // (protobuf_log.h), so that clients' bytes cannot flood the log.
@@ -127,13 +126,13 @@ class AttentionServiceImpl final : public AttentionServiceBase, private StreamHa
   // StreamHandler: one AttendStream message, answered with its
   // AttendStreamResponse (the response, or its code and message).
   void StartStreamMessage(grpc::CallbackServerContext* context, grpc::ByteBuffer* bytes,
-                          int64_t number, const ModelAccess& access, AnswerFn answer) override;
+                          int64_t number, AnswerFn answer) override;
   void StreamCancelled() override;
 
   // Counts one message of `method` that could not be parsed.
   void CountUnparseable(absl::string_view method);
   // A unary RPC on raw bytes: authenticates the call (UNAUTHENTICATED
-  // before any parse), parses a Request (unparseable: counted,
+  // before any parsing), parses a Request (unparseable: counted,
   // INVALID_ARGUMENT), runs `handle(const ModelAccess&, const Request&,
   // Response*)` -> absl::Status and answers the serialized Response when it
   // is OK.
@@ -151,8 +150,7 @@ class AttentionServiceImpl final : public AttentionServiceBase, private StreamHa
   // from this thread or a batcher worker. request, response and context must
   // stay valid until it has run.
   void StartAttend(grpc::CallbackServerContext* context, const absl::Status& parsed,
-                   const ModelAccess& access, const v1::AttendRequest& request,
-                   v1::AttendResponse* response,
+                   const ModelAccess& access, const v1::AttendRequest& request, v1::AttendResponse* response,
                    absl::AnyInvocable<void(absl::Status)> done);
 
   const ModelRegistry* const registry_;

@@ -81,16 +81,15 @@ KServeServiceImpl::KServeServiceImpl(const ModelRegistry* registry, RequestDispa
       max_stream_backlog_(max_stream_backlog),
       tokens_(tokens) {}
 
-absl::StatusOr<ModelAccess> KServeServiceImpl::Access(
-    const grpc::CallbackServerContext& context) const {
-  return CallAccess(tokens_, context);
-}
-
-absl::Status KServeServiceImpl::CheckModel(const grpc::CallbackServerContext& context,
-                                           const std::string& model) const {
-  absl::StatusOr<ModelAccess> access = Access(context);
-  if (!access.ok()) return access.status();
-  return access->Check(model, [this] { return registry_->default_model(); });
+absl::Status KServeServiceImpl::Authorize(const grpc::CallbackServerContext& context,
+                                          absl::string_view name, ModelAccess* access) const {
+  absl::StatusOr<ModelAccess> a = CallAccess(tokens_, context);
+  if (!a.ok()) return a.status();
+  if (!name.empty()) {
+    if (absl::Status s = a->Check(name, [] { return std::string(); }); !s.ok()) return s;
+  }
+  if (access != nullptr) *access = *std::move(a);
+  return absl::OkStatus();
 }
 
 // ------------------------------------------------------------- inference
@@ -148,23 +147,23 @@ void KServeServiceImpl::StartInfer(grpc::CallbackServerContext* context, const a
 // Finishes from the request's completion, as AttentionServiceImpl's.
 class KServeServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
  public:
-  // Authenticates the call, then parses `request_bytes`; an
-  // unauthenticated call's bytes are never parsed.
+  // Authenticates the call, then parses `request_bytes` (an
+  // unauthenticated call's bytes are never parsed).
   UnaryReactor(KServeServiceImpl* service, const grpc::CallbackServerContext& context,
                const grpc::ByteBuffer* request_bytes)
       : service_(service),
-        access_(service->Access(context)),
+        authorized_(service->Authorize(context, "", &access_)),
         // gRPC frees the buffer only at OnDone; releasing it now keeps one
         // copy of the inputs, not two.
-        parsed_(access_.ok() ? ParseRequestMessage(const_cast<grpc::ByteBuffer*>(request_bytes),
-                                                   "request", 0, &request_)
-                             : access_.status()),
+        parsed_(authorized_.ok()
+                    ? ParseRequestMessage(const_cast<grpc::ByteBuffer*>(request_bytes), "request",
+                                          0, &request_)
+                    : authorized_),
         model_(request_.model_name()),
         counted_(service->calls_.CallStarted()) {}
 
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
-    service_->StartInfer(context, parsed_, access_.ok() ? *access_ : ModelAccess::All(), request_,
-                         &decoded_, &response_,
+    service_->StartInfer(context, parsed_, access_, request_, &decoded_, &response_,
                          [this, response_bytes](absl::Status status) {
                            if (status.ok()) status = SerializeMessage(response_, response_bytes);
                            Finish(ToGrpcStatus(status));
@@ -181,7 +180,8 @@ class KServeServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
 
  private:
   KServeServiceImpl* const service_;
-  const absl::StatusOr<ModelAccess> access_;  // not OK: refused, never parsed
+  ModelAccess access_ = ModelAccess::None();
+  const absl::Status authorized_;
   inference::ModelInferRequest request_;
   KServeRequest decoded_;
   inference::ModelInferResponse response_;
@@ -200,12 +200,14 @@ grpc::ServerUnaryReactor* KServeServiceImpl::ModelInfer(grpc::CallbackServerCont
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KServeServiceImpl::ModelStreamInfer(
     grpc::CallbackServerContext* context) {
-  return new StreamReactor(&calls_, this, context, max_stream_backlog_, Access(*context));
+  // An unauthenticated stream ends before its first read.
+  if (absl::Status s = Authorize(*context, ""); !s.ok()) return FinishedStream(ToGrpcStatus(s));
+  return new StreamReactor(&calls_, this, context, max_stream_backlog_);
 }
 
 void KServeServiceImpl::StartStreamMessage(grpc::CallbackServerContext* context,
                                            grpc::ByteBuffer* bytes, int64_t number,
-                                           const ModelAccess& access, AnswerFn answer) {
+                                           AnswerFn answer) {
   struct Message {
     inference::ModelInferRequest request;
     KServeRequest decoded;
@@ -215,7 +217,10 @@ void KServeServiceImpl::StartStreamMessage(grpc::CallbackServerContext* context,
   const absl::Status parsed =
       ParseRequestMessage(bytes, "ModelStreamInfer message", number, &message->request);
   inference::ModelInferResponse* response = message->answer.mutable_infer_response();
-  StartInfer(context, parsed, access, message->request, &message->decoded, response,
+  // Authenticated when the stream opened; the same access for every message.
+  ModelAccess access = ModelAccess::None();
+  const absl::Status authorized = Authorize(*context, "", &access);
+  StartInfer(context, authorized.ok() ? parsed : authorized, access, message->request, &message->decoded, response,
              [message, answer = std::move(answer)](absl::Status status) mutable {
                std::unique_ptr<Message> owned(message);
                owned->request.Clear();  // inputs no longer needed; free them now
@@ -268,7 +273,7 @@ grpc::ServerUnaryReactor* KServeServiceImpl::ServerReady(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* KServeServiceImpl::ModelReady(grpc::CallbackServerContext* context,
                                                         const inference::ModelReadyRequest* request,
                                                         inference::ModelReadyResponse* response) {
-  if (absl::Status s = CheckModel(*context, request->name()); !s.ok()) return Answer(context, s);
+  if (absl::Status s = Authorize(*context, request->name()); !s.ok()) return Answer(context, s);
   auto model = registry_->Find(request->name());
   response->set_ready(model.ok() && (*model)->ready() &&
                       CheckVersion(request->name(), request->version()).ok() &&
@@ -279,10 +284,7 @@ grpc::ServerUnaryReactor* KServeServiceImpl::ModelReady(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* KServeServiceImpl::ServerMetadata(
     grpc::CallbackServerContext* context, const inference::ServerMetadataRequest*,
     inference::ServerMetadataResponse* response) {
-  // Behind the tokens: the version tells an attacker which bugs to try.
-  if (absl::StatusOr<ModelAccess> a = Access(*context); !a.ok()) {
-    return Answer(context, a.status());
-  }
+  if (absl::Status s = Authorize(*context, ""); !s.ok()) return Answer(context, s);
   response->set_name("attnserve");
   response->set_version(ATTNSERVE_VERSION);
   for (const char* e : {"model_configuration", "parameters", "statistics"}) {
@@ -294,7 +296,7 @@ grpc::ServerUnaryReactor* KServeServiceImpl::ServerMetadata(
 grpc::ServerUnaryReactor* KServeServiceImpl::ModelMetadata(
     grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
     inference::ModelMetadataResponse* response) {
-  if (absl::Status s = CheckModel(*context, request->name()); !s.ok()) return Answer(context, s);
+  if (absl::Status s = Authorize(*context, request->name()); !s.ok()) return Answer(context, s);
   auto model = registry_->Find(request->name());
   if (!model.ok()) return Answer(context, model.status());
   if (absl::Status s = CheckVersion((*model)->name, request->version()); !s.ok()) {
@@ -314,7 +316,7 @@ grpc::ServerUnaryReactor* KServeServiceImpl::ModelMetadata(
 grpc::ServerUnaryReactor* KServeServiceImpl::ModelConfig(grpc::CallbackServerContext* context,
                                                          const inference::ModelConfigRequest* request,
                                                          inference::ModelConfigResponse* response) {
-  if (absl::Status s = CheckModel(*context, request->name()); !s.ok()) return Answer(context, s);
+  if (absl::Status s = Authorize(*context, request->name()); !s.ok()) return Answer(context, s);
   auto model = registry_->Find(request->name());
   if (!model.ok()) return Answer(context, model.status());
   if (absl::Status s = CheckVersion((*model)->name, request->version()); !s.ok()) {
@@ -363,18 +365,16 @@ grpc::ServerUnaryReactor* KServeServiceImpl::ModelConfig(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* KServeServiceImpl::ModelStatistics(
     grpc::CallbackServerContext* context, const inference::ModelStatisticsRequest* request,
     inference::ModelStatisticsResponse* response) {
-  absl::StatusOr<ModelAccess> access = Access(*context);
-  if (!access.ok()) return Answer(context, access.status());
+  ModelAccess access;
+  if (absl::Status s = Authorize(*context, request->name(), &access); !s.ok()) {
+    return Answer(context, s);
+  }
   std::vector<std::shared_ptr<const ServedModel>> models;
   if (request->name().empty()) {
-    // Every model the caller may use.
     for (auto& model : registry_->List()) {
-      if (access->Allows(model->name)) models.push_back(std::move(model));
+      if (access.Allows(model->name)) models.push_back(std::move(model));
     }
   } else {
-    if (absl::Status s = access->Check(request->name(), [] { return std::string(); }); !s.ok()) {
-      return Answer(context, s);
-    }
     auto model = registry_->Find(request->name());
     if (!model.ok()) return Answer(context, model.status());
     if (absl::Status s = CheckVersion((*model)->name, request->version()); !s.ok()) {
@@ -408,11 +408,11 @@ grpc::ServerUnaryReactor* KServeServiceImpl::ModelStatistics(
 grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryIndex(
     grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest* request,
     inference::RepositoryIndexResponse* response) {
-  absl::StatusOr<ModelAccess> access = Access(*context);
-  if (!access.ok()) return Answer(context, access.status());
+  ModelAccess access;
+  if (absl::Status s = Authorize(*context, "", &access); !s.ok()) return Answer(context, s);
   for (const auto& model : registry_->List()) {
     if (request->ready() && !model->ready()) continue;
-    if (!access->Allows(model->name)) continue;
+    if (!access.Allows(model->name)) continue;
     auto* m = response->add_models();
     m->set_name(model->name);
     m->set_version("1");
@@ -425,9 +425,6 @@ grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryIndex(
 grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelLoad(
     grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest*,
     inference::RepositoryModelLoadResponse*) {
-  if (absl::StatusOr<ModelAccess> a = Access(*context); !a.ok()) {
-    return Answer(context, a.status());
-  }
   return Answer(context, absl::UnimplementedError(
                              "RepositoryModelLoad: attnserve loads its models at startup "
                              "(--model-repository); restart the server to change them"));
@@ -436,9 +433,6 @@ grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelLoad(
 grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelUnload(
     grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest*,
     inference::RepositoryModelUnloadResponse*) {
-  if (absl::StatusOr<ModelAccess> a = Access(*context); !a.ok()) {
-    return Answer(context, a.status());
-  }
   return Answer(context, absl::UnimplementedError(
                              "RepositoryModelUnload: attnserve loads its models at startup "
                              "(--model-repository); restart the server to change them"));
@@ -447,9 +441,6 @@ grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelUnload(
 grpc::ServerUnaryReactor* KServeServiceImpl::SystemSharedMemoryStatus(
     grpc::CallbackServerContext* context, const inference::SystemSharedMemoryStatusRequest*,
     inference::SystemSharedMemoryStatusResponse*) {
-  if (absl::StatusOr<ModelAccess> a = Access(*context); !a.ok()) {
-    return Answer(context, a.status());
-  }
   return Answer(context, absl::UnimplementedError(
                              "SystemSharedMemoryStatus: attnserve has no shared-memory "
                              "extension; send tensors in the request (raw_input_contents)"));
@@ -458,9 +449,6 @@ grpc::ServerUnaryReactor* KServeServiceImpl::SystemSharedMemoryStatus(
 grpc::ServerUnaryReactor* KServeServiceImpl::CudaSharedMemoryStatus(
     grpc::CallbackServerContext* context, const inference::CudaSharedMemoryStatusRequest*,
     inference::CudaSharedMemoryStatusResponse*) {
-  if (absl::StatusOr<ModelAccess> a = Access(*context); !a.ok()) {
-    return Answer(context, a.status());
-  }
   return Answer(context, absl::UnimplementedError(
                              "CudaSharedMemoryStatus: attnserve has no shared-memory "
                              "extension; send tensors in the request (raw_input_contents)"));

@@ -52,22 +52,17 @@ using KServeServiceBase = kserve_internal::Base;
 // in the stream (error_message, with the request's id) and the stream goes
 // on; ModelReady of an unknown model is `ready: false`; the RPCs attnserve
 // does not serve (model load/unload, shared memory) are UNIMPLEMENTED with a
-// message saying why. Requests are counted in the metrics like Attend's (the
+// message saying why. With --auth-token-file every RPC but ServerLive and
+// ServerReady (health: probes need them) needs a valid bearer token
+// (UNAUTHENTICATED); a restricted token gets PERMISSION_DENIED for other
+// models, and sees only its models in RepositoryIndex and ModelStatistics.
+// Requests are counted in the metrics like Attend's (the
 // request counters have no protocol label).
-//
-// Authentication (`tokens` set), as attnserve.v1's: every RPC but ServerLive
-// and ServerReady (probes, like grpc.health) needs a valid bearer token,
-// UNAUTHENTICATED before anything is parsed or looked up (ModelInfer's
-// bytes are never parsed; ModelStreamInfer ends before its first read). A
-// token restricted to some models gets PERMISSION_DENIED for any other name
-// (ModelInfer, each stream message, ModelReady, ModelMetadata, ModelConfig,
-// ModelStatistics of a name), existing or not; RepositoryIndex and
-// ModelStatistics of every model list only its models.
 class KServeServiceImpl final : public KServeServiceBase, private StreamHandler {
  public:
   // max_stream_backlog: ModelStreamInfer flow control, as
-  // AttentionServiceOptions::max_stream_backlog. `tokens` (nullable: no
-  // authentication; not owned) as AttentionServiceOptions::tokens.
+  // AttentionServiceOptions::max_stream_backlog. tokens (nullable, not
+  // owned): the bearer tokens of --auth-token-file, as for attnserve.v1.
   KServeServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
                     const Metrics* metrics, size_t max_stream_backlog,
                     const BearerTokens* tokens = nullptr);
@@ -129,6 +124,7 @@ class KServeServiceImpl final : public KServeServiceBase, private StreamHandler 
   // One inference: `parsed` is what ParseRequestMessage said of `request`
   // (not OK: refused through the dispatcher, counted). `done` runs exactly
   // once with the final status, `response` filled when OK.
+  // `access`: the models the caller may use.
   void StartInfer(grpc::CallbackServerContext* context, const absl::Status& parsed,
                   const ModelAccess& access, const inference::ModelInferRequest& request,
                   KServeRequest* decoded,
@@ -136,20 +132,20 @@ class KServeServiceImpl final : public KServeServiceBase, private StreamHandler 
                   absl::AnyInvocable<void(absl::Status)> done);
 
   void StartStreamMessage(grpc::CallbackServerContext* context, grpc::ByteBuffer* bytes,
-                          int64_t number, const ModelAccess& access, AnswerFn answer) override;
-
-  // The caller's models (CallAccess), or UNAUTHENTICATED.
-  absl::StatusOr<ModelAccess> Access(const grpc::CallbackServerContext& context) const;
-  // Access(), then ModelAccess::Check of `model` (empty: the default model).
-  absl::Status CheckModel(const grpc::CallbackServerContext& context,
-                          const std::string& model) const;
+                          int64_t number, AnswerFn answer) override;
   void StreamCancelled() override;
+
+  // OK when the call's credentials allow model `name` (empty: any model the
+  // call may use; authentication only); UNAUTHENTICATED or
+  // PERMISSION_DENIED otherwise. `access` (nullable) receives the access.
+  absl::Status Authorize(const grpc::CallbackServerContext& context, absl::string_view name,
+                         ModelAccess* access = nullptr) const;
 
   const ModelRegistry* const registry_;
   RequestDispatcher* const dispatcher_;
   const Metrics* const metrics_;
   const size_t max_stream_backlog_;
-  const BearerTokens* const tokens_;
+  const BearerTokens* const tokens_;  // null: no authentication
   CallTracker calls_;
 };
 

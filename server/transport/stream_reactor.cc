@@ -4,33 +4,20 @@
 #include <optional>
 #include <utility>
 
-#include "server/transport/status_util.h"
-
 namespace attnserve {
 
 StreamReactor::StreamReactor(CallTracker* calls, StreamHandler* handler,
-                             grpc::CallbackServerContext* context, size_t max_backlog,
-                             absl::StatusOr<ModelAccess> access)
+                             grpc::CallbackServerContext* context, size_t max_backlog)
     : calls_(calls),
       handler_(handler),
       context_(context),
       max_backlog_(max_backlog),
-      counted_(calls->CallStarted()),
-      access_(std::move(access)) {
+      counted_(calls->CallStarted()) {
   calls_->AddStream(this);
-  {
-    absl::MutexLock lock(&mu_);
-    if (finished_) return;  // opened during shutdown: already ended
-    if (access_.ok()) {
-      reading_ = true;
-      StartRead(&read_bytes_);
-      return;
-    }
-    // Credentials are per call: nothing this stream could send is served.
-    finished_ = true;
-  }
-  // Outside mu_, as the last touch of this reactor (see MaybeFinishLocked).
-  Finish(ToGrpcStatus(access_.status()));
+  absl::MutexLock lock(&mu_);
+  if (finished_) return;  // opened during shutdown: already ended
+  reading_ = true;
+  StartRead(&read_bytes_);
 }
 
 void StreamReactor::OnReadDone(bool ok) {
@@ -52,7 +39,7 @@ void StreamReactor::OnReadDone(bool ok) {
     ++owed_;
   }
   // The answer may come back before StartStreamMessage returns.
-  handler_->StartStreamMessage(context_, &read_bytes_, ++messages_read_, *access_,
+  handler_->StartStreamMessage(context_, &read_bytes_, ++messages_read_,
                                [this](grpc::ByteBuffer answer) { Answer(std::move(answer)); });
   absl::MutexLock lock(&mu_);
   paused_ = true;
@@ -144,6 +131,21 @@ std::optional<grpc::Status> StreamReactor::MaybeFinishLocked() {
                         "server is shutting down; every request read was answered");
   }
   return std::nullopt;
+}
+
+namespace {
+
+class FinishedStreamReactor final
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  explicit FinishedStreamReactor(grpc::Status status) { Finish(std::move(status)); }
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* FinishedStream(grpc::Status status) {
+  return new FinishedStreamReactor(std::move(status));
 }
 
 }  // namespace attnserve

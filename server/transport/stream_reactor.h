@@ -14,12 +14,10 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
-#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
 #include "grpcpp/support/status.h"
-#include "server/request/model_access.h"
 #include "server/transport/call_tracker.h"
 
 namespace attnserve {
@@ -34,12 +32,9 @@ class StreamHandler {
   // may release them) and starts it. Every message gets exactly one answer,
   // a response or an error in the protocol's form (a message that cannot be
   // parsed too), through `answer`, from this thread or a batcher worker,
-  // possibly before this returns. `context` outlives the answer. `access`:
-  // the models the stream's caller may use (its credentials are checked once,
-  // when the stream opens).
+  // possibly before this returns. `context` outlives the answer.
   virtual void StartStreamMessage(grpc::CallbackServerContext* context, grpc::ByteBuffer* bytes,
-                                  int64_t number, const ModelAccess& access,
-                                  AnswerFn answer) = 0;
+                                  int64_t number, AnswerFn answer) = 0;
   // The client went away: queued requests of the stream should leave the
   // queues now (their is_cancelled() reads the context).
   virtual void StreamCancelled() = 0;
@@ -54,9 +49,7 @@ class StreamHandler {
 // message is read as usual (gRPC's framing is intact), as Triton's streaming
 // API does. The stream ends OK after the client half-closes and every answer
 // is written; CANCELLED when a write fails (client gone); UNAVAILABLE when
-// the server shuts down, once everything accepted has been answered. A
-// stream whose credentials were refused (`access` not OK: UNAUTHENTICATED)
-// ends with that status before its first read: no message of it is parsed.
+// the server shuts down, once everything accepted has been answered.
 //
 // Lifetime: created by a service's stream handler method, deletes itself in
 // OnDone. The stream finishes only when nothing is owed (no request in the
@@ -66,10 +59,8 @@ class StreamHandler {
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   // `calls` and `handler` outlive the stream (the service owns both).
-  // `access`: what the service's authentication said of the caller
-  // (CallAccess in bearer_tokens.h).
   StreamReactor(CallTracker* calls, StreamHandler* handler, grpc::CallbackServerContext* context,
-                size_t max_backlog, absl::StatusOr<ModelAccess> access);
+                size_t max_backlog);
 
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
@@ -98,8 +89,6 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   grpc::CallbackServerContext* const context_;
   const size_t max_backlog_;
   const bool counted_;  // opened before shutdown: shutdown waits for it
-  // Not OK: the stream was refused when it opened and reads nothing.
-  const absl::StatusOr<ModelAccess> access_;
 
   // Read buffer and the number of messages read; touched only by the read in
   // flight (reads never overlap).
@@ -118,6 +107,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
+
+// A stream answered `status` at once, before any read (an unauthenticated
+// call); deletes itself when gRPC is done with it.
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* FinishedStream(grpc::Status status);
 
 }  // namespace attnserve
 

@@ -1,10 +1,8 @@
 """Security of the real server (issue 15), with raw Python gRPC clients:
 the credentials matrix (server TLS, mutual TLS, bearer tokens) with each
-case's exact status code, on both front ends (attnserve.v1 and KServe v2),
-certificates made by `openssl` here; the Python client and attn_client with
-their TLS/token options; rotation of the server certificate without a
-restart; and requests larger than every limit refused without the server's
-memory growing by their declared size.
+case's exact status code, certificates made by `openssl` here; rotation of
+the server certificate without a restart; and requests larger than every
+limit refused without the server's memory growing by their declared size.
 
 Transport failures (handshake refused either way) reach a gRPC client as
 UNAVAILABLE: that is the exact code gRPC gives for them."""
@@ -27,9 +25,6 @@ ATTEND = "/attnserve.v1.AttentionService/Attend"
 ATTEND_STREAM = "/attnserve.v1.AttentionService/AttendStream"
 LIST_MODELS = "/attnserve.v1.AttentionService/ListModels"
 GET_MODEL = "/attnserve.v1.AttentionService/GetModel"
-OPEN_SESSION = "/attnserve.v1.AttentionService/OpenSession"
-CLOSE_SESSION = "/attnserve.v1.AttentionService/CloseSession"
-KSERVE = "/inference.GRPCInferenceService/"
 HEALTH = "/grpc.health.v1.Health/Check"
 REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 SERVING = b"\x08\x01"  # grpc.health.v1.HealthCheckResponse{status: SERVING}
@@ -62,30 +57,6 @@ def pb(tmp_path_factory):
     from attnserve.v1 import attention_pb2
     yield attention_pb2
     sys.path.remove(out)
-
-
-@pytest.fixture(scope="module")
-def kpb(tmp_path_factory):
-    """grpc_service_pb2 (KServe v2, package inference), compiled from proto/."""
-    from grpc_tools import protoc
-    out = str(tmp_path_factory.mktemp("kpb"))
-    root = os.path.join(os.environ.get("ATTNSERVE_SOURCE_DIR") or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "..", ".."), "proto")
-    assert protoc.main(["protoc", f"-I{root}", f"--python_out={out}",
-                        "inference/grpc_service.proto"]) == 0
-    sys.path.insert(0, out)
-    from inference import grpc_service_pb2
-    yield grpc_service_pb2
-    sys.path.remove(out)
-
-
-def _infer_request(kpb, model, ident="k", shape=(1, 2, 4, 8)):
-    rng = np.random.default_rng(1)
-    req = kpb.ModelInferRequest(model_name=model, id=ident)
-    for name in ("query", "key", "value"):
-        req.inputs.add(name=name, datatype="FP32", shape=list(shape))
-        req.raw_input_contents.append(rng.standard_normal(shape).astype(np.float32).tobytes())
-    return req
 
 
 def _tensor(pb, array):
@@ -301,151 +272,6 @@ def test_stream_checks_token_per_call_and_model_per_message(tls_server, pki, pb)
         assert answers == {"sdpa": 0, "demo-mha": grpc.StatusCode.PERMISSION_DENIED.value[0]}
 
 
-def test_sessions_need_a_token_for_their_model(tls_server, pki, pb):
-    with _tls_channel(pki, tls_server.port, "ca_a") as ch:
-        open_session = ch.unary_unary(OPEN_SESSION, request_serializer=_identity,
-                                      response_deserializer=_identity)
-        close_session = ch.unary_unary(CLOSE_SESSION, request_serializer=_identity,
-                                       response_deserializer=_identity)
-
-        def opened(model, token):
-            req = pb.OpenSessionRequest(model=model).SerializeToString()
-            return _code(lambda: open_session(req, metadata=_meta(token), timeout=15))
-
-        def closed(ident, token):
-            req = pb.CloseSessionRequest(session_id=ident).SerializeToString()
-            return _code(lambda: close_session(req, metadata=_meta(token), timeout=15))
-        assert opened("sdpa", None) == grpc.StatusCode.UNAUTHENTICATED
-        assert opened("sdpa", TOKEN_WRONG) == grpc.StatusCode.UNAUTHENTICATED
-        assert opened("demo-mha", TOKEN_SDPA) == grpc.StatusCode.PERMISSION_DENIED
-        assert opened("", TOKEN_SDPA) == grpc.StatusCode.PERMISSION_DENIED  # the default
-        # Allowed: past the check, the reference engine serves no sessions.
-        assert opened("sdpa", TOKEN_SDPA) == grpc.StatusCode.FAILED_PRECONDITION
-        assert closed("no-such-session", None) == grpc.StatusCode.UNAUTHENTICATED
-        assert closed("no-such-session", TOKEN_ALL) == grpc.StatusCode.NOT_FOUND
-        # Unparseable bytes without a token are never parsed.
-        assert _code(lambda: open_session(b"\xff\xff", timeout=15)) == \
-            grpc.StatusCode.UNAUTHENTICATED
-        assert _code(lambda: open_session(b"\xff\xff", metadata=_meta(TOKEN_ALL),
-                                          timeout=15)) == grpc.StatusCode.INVALID_ARGUMENT
-
-
-def test_kserve_tokens_every_rpc(tls_server, pki, kpb):
-    """KServe v2 on the same port: the same tokens, the same codes; ServerLive,
-    ServerReady and grpc.health stay open (probes)."""
-    OK, UNAUTH, DENIED = (grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED,
-                          grpc.StatusCode.PERMISSION_DENIED)
-    with _tls_channel(pki, tls_server.port, "ca_a") as ch:
-        def unary(method, request, token, parse=None):
-            call = ch.unary_unary(KSERVE + method, request_serializer=_identity,
-                                  response_deserializer=parse or _identity)
-            raw = request if isinstance(request, bytes) else request.SerializeToString()
-            return call(raw, metadata=_meta(token), timeout=15)
-
-        def code(method, request, token):
-            return _code(lambda: unary(method, request, token))
-        assert code("ServerLive", kpb.ServerLiveRequest(), None) == OK
-        assert unary("ServerReady", kpb.ServerReadyRequest(), None,
-                     kpb.ServerReadyResponse.FromString).ready
-        assert _health(ch) == SERVING
-        per_model = {
-            "ModelInfer": lambda m: _infer_request(kpb, m),
-            "ModelReady": lambda m: kpb.ModelReadyRequest(name=m),
-            "ModelMetadata": lambda m: kpb.ModelMetadataRequest(name=m),
-            "ModelConfig": lambda m: kpb.ModelConfigRequest(name=m),
-            "ModelStatistics": lambda m: kpb.ModelStatisticsRequest(name=m),
-        }
-        cases = [(None, "sdpa", UNAUTH), (TOKEN_WRONG, "sdpa", UNAUTH),
-                 (TOKEN_SDPA, "sdpa", OK), (TOKEN_SDPA, "demo-mha", DENIED),
-                 (TOKEN_SDPA, "no-such-model", DENIED), (TOKEN_ALL, "sdpa", OK)]
-        expected = [(method, t, m, c) for method in per_model for t, m, c in cases]
-        got = [(method, t, m, code(method, make(m), t))
-               for method, make in per_model.items() for t, m, _ in cases]
-        assert got == expected
-        for method, request in (("RepositoryIndex", kpb.RepositoryIndexRequest()),
-                                ("ServerMetadata", kpb.ServerMetadataRequest())):
-            assert [code(method, request, t) for t in (None, TOKEN_WRONG, TOKEN_SDPA)] == \
-                [UNAUTH, UNAUTH, OK], method
-        # A restricted token sees only its models.
-        index = unary("RepositoryIndex", kpb.RepositoryIndexRequest(), TOKEN_SDPA,
-                      kpb.RepositoryIndexResponse.FromString)
-        assert [m.name for m in index.models] == ["sdpa"]
-        everyone = unary("RepositoryIndex", kpb.RepositoryIndexRequest(), TOKEN_ALL,
-                         kpb.RepositoryIndexResponse.FromString)
-        assert {"sdpa", "demo-mha"} <= {m.name for m in everyone.models}
-        stats = unary("ModelStatistics", kpb.ModelStatisticsRequest(), TOKEN_SDPA,
-                      kpb.ModelStatisticsResponse.FromString)
-        assert [s.name for s in stats.model_stats] == ["sdpa"]
-        # ModelInfer's bytes are not parsed before the token is checked.
-        assert code("ModelInfer", b"\xff\xff", None) == UNAUTH
-        assert code("ModelInfer", b"\xff\xff", TOKEN_ALL) == grpc.StatusCode.INVALID_ARGUMENT
-
-        stream = ch.stream_stream(KSERVE + "ModelStreamInfer", request_serializer=_identity,
-                                  response_deserializer=kpb.ModelStreamInferResponse.FromString)
-        msgs = [_infer_request(kpb, m, ident=m).SerializeToString()
-                for m in ("sdpa", "demo-mha")]
-        with pytest.raises(grpc.RpcError) as e:
-            list(stream(iter(msgs), timeout=30))
-        assert e.value.code() == UNAUTH
-        call = stream(iter(msgs), timeout=30, metadata=_meta(TOKEN_SDPA))
-        answers = {a.infer_response.id: a.error_message for a in call}
-        assert call.code() == OK
-        assert answers["sdpa"] == ""
-        assert "credentials do not allow model 'demo-mha'" in answers["demo-mha"]
-
-
-def _reference(q, k, v):
-    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
-    w = np.exp(s - s.max(-1, keepdims=True))
-    return (w / w.sum(-1, keepdims=True)) @ v
-
-
-def test_python_client_tls_and_token(tls_server, pki):
-    from attnserve_client import AttentionClient
-    from attnserve_client.errors import PermissionDeniedError, UnauthenticatedError
-    rng = np.random.default_rng(3)
-    q, k, v = (rng.standard_normal((1, 2, 5, 8)).astype(np.float32) for _ in range(3))
-    target = f"localhost:{tls_server.port}"
-    with AttentionClient(target, root_certificates=pki.path("ca_a.pem"),
-                         token=TOKEN_SDPA, timeout=15) as c:
-        assert c.tls and c.health() == "SERVING"
-        out = c.attend(q, k, v, model="sdpa").output
-        np.testing.assert_allclose(out, _reference(q, k, v), rtol=1e-4, atol=1e-5)
-        assert [m.name for m in c.list_models()] == ["sdpa"]
-        with pytest.raises(PermissionDeniedError):
-            c.attend(q, k, v, model="demo-mha")
-    with AttentionClient(target, root_certificates=pki.path("ca_a.pem"), timeout=15) as c:
-        with pytest.raises(UnauthenticatedError):
-            c.attend(q, k, v, model="sdpa")
-
-
-def test_attn_client_tls_and_token_flags(tls_server, pki):
-    base = [harness.client_bin(), "--target", f"localhost:{tls_server.port}", "--model", "sdpa",
-            "--seq", "4", "--heads", "2", "--head-dim", "8",
-            "--tls-ca-file", pki.path("ca_a.pem")]
-    token_file = pki.path("client_token")
-    with open(token_file, "w") as f:
-        f.write(TOKEN_SDPA + "\n")
-    ok = subprocess.run(base + ["--token-file", token_file], capture_output=True, text=True,
-                        timeout=60)
-    assert ok.returncode == 0, ok.stderr
-    denied = subprocess.run(base + ["--token", TOKEN_SDPA, "--model", "demo-mha"],
-                            capture_output=True, text=True, timeout=60)
-    assert denied.returncode == 2 and "PERMISSION_DENIED" in denied.stderr, denied.stderr
-    anonymous = subprocess.run(base, capture_output=True, text=True, timeout=60)
-    assert anonymous.returncode == 2 and "UNAUTHENTICATED" in anonymous.stderr, anonymous.stderr
-    # Health over TLS needs no token (the probe docs/SECURITY.md gives Docker and Kubernetes).
-    health = subprocess.run(
-        [harness.client_bin(), "health", "--target", f"localhost:{tls_server.port}",
-         "--tls-ca-file", pki.path("ca_a.pem"), "--timeout-ms=3000"],
-        capture_output=True, text=True, timeout=60)
-    assert health.returncode == 0, health.stderr
-    # Not trusting the server's CA: the handshake fails.
-    untrusted = subprocess.run(base[:-1] + [pki.path("ca_b.pem"), "--token", TOKEN_SDPA],
-                               capture_output=True, text=True, timeout=60)
-    assert untrusted.returncode != 0 and "UNAVAILABLE" in untrusted.stderr, untrusted.stderr
-
-
 def test_token_never_in_log_or_metrics(tls_server, pki, pb):
     with _tls_channel(pki, tls_server.port, "ca_a") as ch:
         for t in (TOKEN_WRONG, TOKEN_SDPA):
@@ -479,12 +305,6 @@ def test_mtls_no_cert_other_ca_right_cert(mtls_server, pki, pb):
     with _tls_channel(pki, mtls_server.port, "ca_a", "client_a", tag=3) as ch:
         assert _code(lambda: _attend(ch, pb)) == grpc.StatusCode.OK
         assert _health(ch) == SERVING
-    # The Python client's mutual TLS options.
-    from attnserve_client import AttentionClient
-    with AttentionClient(f"localhost:{mtls_server.port}", root_certificates=pki.path("ca_a.pem"),
-                         private_key=pki.path("client_a.key"),
-                         certificate_chain=pki.path("client_a.pem"), timeout=15) as c:
-        assert c.health() == "SERVING"
 
 
 def test_metrics_basic_auth(mtls_server):
@@ -570,7 +390,7 @@ def _peak_rss_bytes(pid):
     return _status_bytes(pid, "VmHWM")
 
 
-def test_requests_over_every_limit_do_not_grow_memory(limits_server, pb, kpb):
+def test_requests_over_every_limit_do_not_grow_memory(limits_server, pb):
     pid = limits_server.proc.pid
     with grpc.insecure_channel(limits_server.target,
                                options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
@@ -601,18 +421,6 @@ def test_requests_over_every_limit_do_not_grow_memory(limits_server, pb, kpb):
         oversized = _request(pb, shape=(1, 1, 1 << 15, 16)).SerializeToString()  # 6 MiB
         assert len(oversized) > 4 << 20
         assert _code(lambda: call(oversized, timeout=30)) == grpc.StatusCode.RESOURCE_EXHAUSTED
-        # 4. The same 16 GiB tensors through KServe v2's ModelInfer.
-        infer = ch.unary_unary(KSERVE + "ModelInfer", request_serializer=_identity,
-                               response_deserializer=_identity)
-        kreq = kpb.ModelInferRequest(model_name="sdpa")
-        for name in ("query", "key", "value"):
-            kreq.inputs.add(name=name, datatype="FP32", shape=[1, 1, 1 << 16, 1 << 16])
-            kreq.raw_input_contents.append(b"\0" * 16)
-        with pytest.raises(grpc.RpcError) as e:
-            infer(kreq.SerializeToString(), timeout=30)
-        assert e.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  grpc.StatusCode.INVALID_ARGUMENT), e.value
-        assert "query" in e.value.details(), e.value.details()
         growth = _peak_rss_bytes(pid) - before
         rss_growth = _status_bytes(pid, "VmRSS") - rss_before
         assert growth < 64 << 20, (growth, declared)
@@ -638,3 +446,175 @@ def test_queue_bytes_refuses_at_once_and_serves_the_queued(limits_server, pb):
         assert "--max-queue-bytes" in e.value.details()
         assert time.monotonic() - start < 1.5
         assert first.result() is not None  # the queued request is served
+
+
+# ------------------------------------- the same tokens on every front end
+
+KSERVE = "/inference.GRPCInferenceService/"
+OPEN_SESSION = "/attnserve.v1.AttentionService/OpenSession"
+CLOSE_SESSION = "/attnserve.v1.AttentionService/CloseSession"
+
+
+@pytest.fixture(scope="module")
+def kpb(tmp_path_factory):
+    """grpc_service_pb2 (KServe v2), compiled here from proto/inference."""
+    from grpc_tools import protoc
+    out = str(tmp_path_factory.mktemp("kpb"))
+    root = os.path.join(os.environ.get("ATTNSERVE_SOURCE_DIR") or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", ".."), "proto")
+    assert protoc.main(["protoc", f"-I{root}", f"--python_out={out}",
+                        "inference/grpc_service.proto"]) == 0
+    sys.path.insert(0, out)
+    from inference import grpc_service_pb2
+    yield grpc_service_pb2
+    sys.path.remove(out)
+
+
+def _kserve(channel, kpb, method, request, response_type, token=None):
+    call = channel.unary_unary(KSERVE + method, request_serializer=_identity,
+                               response_deserializer=response_type.FromString)
+    return call(request.SerializeToString(), metadata=_meta(token), timeout=15)
+
+
+def _infer_request(kpb, model):
+    rng = np.random.default_rng(1)
+    req = kpb.ModelInferRequest(model_name=model, id="k")
+    for name in ("query", "key", "value"):
+        t = req.inputs.add(name=name, datatype="FP32", shape=[1, 2, 4, 8])
+        req.raw_input_contents.append(rng.standard_normal((1, 2, 4, 8)).astype("<f4").tobytes())
+        del t
+    return req
+
+
+def test_kserve_front_end_enforces_the_same_tokens(tls_server, pki, kpb):
+    """KServe v2 on the same port: health open, everything else behind the
+    tokens, restricted tokens see and use only their models."""
+    U, P, OK = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                grpc.StatusCode.OK)
+    with _tls_channel(pki, tls_server.port, "ca_a", tag=7) as ch:
+        live = _kserve(ch, kpb, "ServerLive", kpb.ServerLiveRequest(), kpb.ServerLiveResponse)
+        ready = _kserve(ch, kpb, "ServerReady", kpb.ServerReadyRequest(), kpb.ServerReadyResponse)
+        assert live.live and ready.ready  # no token: probes need them
+
+        def infer(model, token):
+            return _code(lambda: _kserve(ch, kpb, "ModelInfer", _infer_request(kpb, model),
+                                         kpb.ModelInferResponse, token))
+        assert [infer("sdpa", None), infer("sdpa", TOKEN_WRONG), infer("sdpa", TOKEN_SDPA),
+                infer("demo-mha", TOKEN_SDPA), infer("sdpa", TOKEN_ALL)] == [U, U, OK, P, OK]
+
+        def meta(model, token):
+            return _code(lambda: _kserve(ch, kpb, "ModelMetadata",
+                                         kpb.ModelMetadataRequest(name=model),
+                                         kpb.ModelMetadataResponse, token))
+        assert [meta("sdpa", None), meta("sdpa", TOKEN_SDPA), meta("demo-mha", TOKEN_SDPA),
+                meta("nope", TOKEN_SDPA), meta("nope", TOKEN_ALL)] == \
+            [U, OK, P, P, grpc.StatusCode.NOT_FOUND]
+        for method, req, resp in (("ModelConfig", kpb.ModelConfigRequest(name="demo-mha"),
+                                   kpb.ModelConfigResponse),
+                                  ("ModelReady", kpb.ModelReadyRequest(name="demo-mha"),
+                                   kpb.ModelReadyResponse),
+                                  ("ModelStatistics", kpb.ModelStatisticsRequest(name="demo-mha"),
+                                   kpb.ModelStatisticsResponse)):
+            assert _code(lambda: _kserve(ch, kpb, method, req, resp, TOKEN_SDPA)) == P, method
+            assert _code(lambda: _kserve(ch, kpb, method, req, resp)) == U, method
+        assert _code(lambda: _kserve(ch, kpb, "ServerMetadata", kpb.ServerMetadataRequest(),
+                                     kpb.ServerMetadataResponse)) == U
+        index = _kserve(ch, kpb, "RepositoryIndex", kpb.RepositoryIndexRequest(),
+                        kpb.RepositoryIndexResponse, TOKEN_SDPA)
+        assert [m.name for m in index.models] == ["sdpa"]
+        stats = _kserve(ch, kpb, "ModelStatistics", kpb.ModelStatisticsRequest(),
+                        kpb.ModelStatisticsResponse, TOKEN_SDPA)
+        assert [s.name for s in stats.model_stats] == ["sdpa"]
+
+        stream = ch.stream_stream(KSERVE + "ModelStreamInfer", request_serializer=_identity,
+                                  response_deserializer=kpb.ModelStreamInferResponse.FromString)
+        msgs = [_infer_request(kpb, m).SerializeToString() for m in ("sdpa", "demo-mha")]
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream(iter(msgs), timeout=30))
+        assert e.value.code() == U
+        answers = list(stream(iter(msgs), timeout=30, metadata=_meta(TOKEN_SDPA)))
+        assert answers[0].error_message == ""
+        assert "PERMISSION_DENIED" in answers[1].error_message or \
+            "do not allow" in answers[1].error_message
+
+
+def test_sessions_follow_the_tokens(tls_server, pki, pb):
+    with _tls_channel(pki, tls_server.port, "ca_a", tag=8) as ch:
+        open_session = ch.unary_unary(OPEN_SESSION, request_serializer=_identity,
+                                      response_deserializer=_identity)
+        close_session = ch.unary_unary(CLOSE_SESSION, request_serializer=_identity,
+                                       response_deserializer=_identity)
+        req = pb.OpenSessionRequest(model="demo-mha").SerializeToString()
+        assert _code(lambda: open_session(req, timeout=15)) == grpc.StatusCode.UNAUTHENTICATED
+        assert _code(lambda: open_session(req, timeout=15, metadata=_meta(TOKEN_SDPA))) == \
+            grpc.StatusCode.PERMISSION_DENIED
+        close = pb.CloseSessionRequest(session_id="no-such-session").SerializeToString()
+        assert _code(lambda: close_session(close, timeout=15)) == grpc.StatusCode.UNAUTHENTICATED
+        assert _code(lambda: close_session(close, timeout=15, metadata=_meta(TOKEN_SDPA))) == \
+            grpc.StatusCode.NOT_FOUND
+
+
+def test_python_client_tls_and_token_options(tls_server, pki):
+    """The package's own options (root_certificates=, token=) against this
+    server: what a user of attnserve_client writes."""
+    harness.use_python_client()
+    from attnserve_client import AttentionClient, PermissionDeniedError, UnauthenticatedError
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 2, 5, 8)).astype(np.float32)
+    ca = pki.path("ca_a.pem")
+    with AttentionClient(tls_server.target, root_certificates=ca, token=TOKEN_SDPA,
+                         server_name_override="localhost") as c:
+        out = c.attend(q, q, q, model="sdpa").output
+        ref, _ = harness.reference_attention(q, q, q)
+        assert np.allclose(out, ref, atol=1e-5)
+        with pytest.raises(PermissionDeniedError):
+            c.attend(q, q, q, model="demo-mha")
+    with AttentionClient(tls_server.target, root_certificates=ca) as c:
+        with pytest.raises(UnauthenticatedError):
+            c.attend(q, q, q, model="sdpa")
+
+
+def test_kserve_request_over_the_limits_does_not_grow_memory(limits_server, kpb):
+    """16 GiB of declared tensors through ModelInfer: refused, RSS flat."""
+    pid = limits_server.proc.pid
+    with grpc.insecure_channel(limits_server.target) as ch:
+        infer = ch.unary_unary(KSERVE + "ModelInfer", request_serializer=_identity,
+                               response_deserializer=_identity)
+        req = kpb.ModelInferRequest(model_name="sdpa")
+        for name in ("query", "key", "value"):
+            req.inputs.add(name=name, datatype="FP32", shape=[1, 1, 1 << 16, 1 << 16])
+            req.raw_input_contents.append(b"\0" * 16)
+        peak, rss = _peak_rss_bytes(pid), _status_bytes(pid, "VmRSS")
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as e:
+                infer(req.SerializeToString(), timeout=30)
+            assert e.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      grpc.StatusCode.INVALID_ARGUMENT), e.value
+            assert "query" in e.value.details(), e.value.details()
+        assert _peak_rss_bytes(pid) - peak < 64 << 20
+        assert _status_bytes(pid, "VmRSS") - rss < 64 << 20
+
+
+def test_attn_client_tls_and_token_flags(tls_server, pki):
+    base = [harness.client_bin(), "--target", f"localhost:{tls_server.port}", "--model", "sdpa",
+            "--seq", "4", "--heads", "2", "--head-dim", "8",
+            "--tls-ca-file", pki.path("ca_a.pem")]
+    token_file = pki.path("client_token")
+    with open(token_file, "w") as f:
+        f.write(TOKEN_SDPA + "\n")
+
+    def run(args):
+        return subprocess.run(args, capture_output=True, text=True, timeout=60)
+    ok = run(base + ["--token-file", token_file])
+    assert ok.returncode == 0, ok.stderr
+    denied = run(base + ["--token", TOKEN_SDPA, "--model", "demo-mha"])
+    assert denied.returncode == 2 and "PERMISSION_DENIED" in denied.stderr, denied.stderr
+    anonymous = run(base)
+    assert anonymous.returncode == 2 and "UNAUTHENTICATED" in anonymous.stderr, anonymous.stderr
+    # Health over TLS needs no token (the probe docs/SECURITY.md gives Docker and Kubernetes).
+    health = run([harness.client_bin(), "health", "--target", f"localhost:{tls_server.port}",
+                  "--tls-ca-file", pki.path("ca_a.pem"), "--timeout-ms=3000"])
+    assert health.returncode == 0, health.stderr
+    # Not trusting the server's CA: the handshake fails.
+    untrusted = run(base[:-1] + [pki.path("ca_b.pem"), "--token", TOKEN_SDPA])
+    assert untrusted.returncode != 0 and "UNAVAILABLE" in untrusted.stderr, untrusted.stderr
