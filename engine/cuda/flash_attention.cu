@@ -203,7 +203,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (it == 0) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        LoadMatrices(q_frag[kk], q_tile + (warp * 16 + (lane & 15)) * kLd + kk * 16 + (lane >> 4) * 8);
+        LoadMatrices(q_frag[kk],
+                     q_tile + (warp * 16 + (lane & 15)) * kLd + kk * 16 + (lane >> 4) * 8);
       }
     }
     if (it + 1 < n_tiles) {

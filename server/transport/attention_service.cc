@@ -169,7 +169,8 @@ void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* conte
   // is the same for every message.
   absl::StatusOr<ModelAccess> access = CallAccess(options_.tokens, *context);
   StartAttend(context, access.ok() ? parsed : access.status(),
-              access.ok() ? *access : ModelAccess::None(), message->request, message->answer.mutable_response(),
+              access.ok() ? *access : ModelAccess::None(), message->request,
+              message->answer.mutable_response(),
               [message, answer = std::move(answer)](absl::Status status) mutable {
                 std::unique_ptr<Message> owned(message);
                 owned->request.Clear();  // inputs no longer needed; free them now

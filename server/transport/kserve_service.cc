@@ -220,7 +220,8 @@ void KServeServiceImpl::StartStreamMessage(grpc::CallbackServerContext* context,
   // Authenticated when the stream opened; the same access for every message.
   ModelAccess access = ModelAccess::None();
   const absl::Status authorized = Authorize(*context, "", &access);
-  StartInfer(context, authorized.ok() ? parsed : authorized, access, message->request, &message->decoded, response,
+  StartInfer(context, authorized.ok() ? parsed : authorized, access, message->request,
+             &message->decoded, response,
              [message, answer = std::move(answer)](absl::Status status) mutable {
                std::unique_ptr<Message> owned(message);
                owned->request.Clear();  // inputs no longer needed; free them now
