@@ -10,7 +10,8 @@
 // alive and unmodified (inputs) / untouched (outputs) until the call
 // returns. The engine keeps no pointer into them after returning. The layer
 // must outlive every call that uses it; an engine may cache per-layer state
-// (converted or device-resident weights) keyed by the layer's address.
+// (converted or device-resident weights) keyed by the layer's address and
+// checked against its LayerId (an address can be reused; an id cannot).
 #ifndef ATTNSERVE_ENGINE_ATTENTION_ENGINE_H_
 #define ATTNSERVE_ENGINE_ATTENTION_ENGINE_H_
 

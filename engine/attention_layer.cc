@@ -3,6 +3,7 @@
 #include "engine/attention_layer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -130,6 +131,16 @@ ProjectionBound MeasureProjection(const Tensor& w, const Tensor& b) {
 LayerWeightBounds MeasureWeightBounds(const LayerWeights& w) {
   return {MeasureProjection(w.wq, w.bq), MeasureProjection(w.wk, w.bk),
           MeasureProjection(w.wv, w.bv), MeasureProjection(w.wo, w.bo)};
+}
+
+LayerId::LayerId() {
+  static std::atomic<uint64_t> next{1};
+  value_ = next.fetch_add(1, std::memory_order_relaxed);
+}
+
+LayerId& LayerId::operator=(const LayerId&) {
+  value_ = LayerId().value_;
+  return *this;
 }
 
 }  // namespace attnserve

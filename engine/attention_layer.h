@@ -61,10 +61,27 @@ struct LayerWeights {
   Tensor wo, bo;  // [out_dim, num_heads * head_dim], [out_dim]
 };
 
+// A number no other layer object of this process ever gets: engines that keep
+// a converted copy of a layer's weights (the CUDA engine's device copy) key it
+// on this, because a layer's address, and its weights' addresses, can be
+// reused by a later layer once it is gone. A copy or a move is another layer
+// object and gets its own id.
+class LayerId {
+ public:
+  LayerId();
+  LayerId(const LayerId&) : LayerId() {}
+  LayerId& operator=(const LayerId&);
+  uint64_t value() const { return value_; }
+
+ private:
+  uint64_t value_;
+};
+
 // Immutable once built; shared by every engine instance that serves it.
 struct AttentionLayer {
   LayerConfig config;
   LayerWeights weights;
+  LayerId id;
 };
 
 // How much one projection y = W x + b can grow a value: every |y_i| <=

@@ -27,9 +27,8 @@ namespace attnserve {
 // fp32 on weights and biases rounded to fp16 values (inputs not rounded).
 //
 // Per-layer state (prepacked weights, primitives) is built on the first call
-// that needs it and cached by the layer's address, with a fingerprint of its
-// weights that catches a new layer at a freed layer's address; later calls
-// create no primitive.
+// that needs it and cached by the layer's address and LayerId (a new layer at
+// a freed layer's address has another id); later calls create no primitive.
 //
 // Threads: OpenMP; options.num_threads > 0 sets the OpenMP thread count of
 // each calling thread, 0 uses OpenMP's default (every core).

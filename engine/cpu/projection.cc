@@ -207,37 +207,6 @@ void RunPanelOf(const LinearJob& job, int64_t chunk, int64_t panel, const void* 
   }
 }
 
-uint64_t Mix(uint64_t h, uint64_t v) {
-  h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
-  return h;
-}
-
-// What identifies a layer's weights beyond its address: dims, precision,
-// weight addresses and sizes, and 16 values sampled from each tensor. Cheap
-// (about 130 loads) and computed on every call.
-uint64_t Fingerprint(const AttentionLayer& layer) {
-  const LayerConfig& c = layer.config;
-  uint64_t h = 0;
-  for (int64_t v : {c.num_heads, c.num_kv_heads, c.head_dim, c.query_dim, c.key_dim,
-                    c.value_dim, c.out_dim, static_cast<int64_t>(c.precision)}) {
-    h = Mix(h, static_cast<uint64_t>(v));
-  }
-  const LayerWeights& w = layer.weights;
-  for (const Tensor* t : {&w.wq, &w.bq, &w.wk, &w.bk, &w.wv, &w.bv, &w.wo, &w.bo}) {
-    h = Mix(h, reinterpret_cast<uintptr_t>(t->data()));
-    h = Mix(h, t->byte_size());
-    const size_t words = t->byte_size() / sizeof(uint32_t);
-    if (words == 0) continue;
-    const auto* u = static_cast<const unsigned char*>(t->data());
-    for (size_t i = 0; i < 16; ++i) {
-      uint32_t word;
-      std::memcpy(&word, u + (i * (words - 1) / 15) * sizeof word, sizeof word);
-      h = Mix(h, word);
-    }
-  }
-  return h;
-}
-
 }  // namespace
 
 bool HasBf16Matmuls() {
@@ -599,12 +568,11 @@ absl::StatusOr<const ChunkedLinear*> LayerProjections::Get(Which which,
 }
 
 std::shared_ptr<LayerProjections> ProjectionCache::Get(const AttentionLayer& layer) {
-  const uint64_t fingerprint = Fingerprint(layer);
   absl::MutexLock lock(&mu_);
   Entry& entry = entries_[&layer];
   entry.last_use = ++clock_;
-  if (entry.projections == nullptr || entry.fingerprint != fingerprint) {
-    entry.fingerprint = fingerprint;
+  if (entry.projections == nullptr || entry.layer_id != layer.id.value()) {
+    entry.layer_id = layer.id.value();
     entry.projections = std::make_shared<LayerProjections>(engine_, layer.config.precision,
                                                            HasBf16Matmuls());
   }

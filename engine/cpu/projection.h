@@ -237,10 +237,9 @@ class LayerProjections {
 };
 
 // LayerProjections by layer address (AttentionEngine's contract lets an
-// engine key per-layer state so). An entry also records a fingerprint of the
-// layer (dims, precision, weight pointers and a sample of weight values), so
-// a new layer built at a freed layer's address gets a fresh entry instead of
-// the old weights.
+// engine key per-layer state so). An entry also records the layer's LayerId,
+// so a new layer built at a freed layer's address gets a fresh entry instead
+// of the old weights.
 //
 // Thread safety: thread-safe. Entries are shared_ptrs: one replaced or
 // evicted while a call uses it stays alive until that call ends.
@@ -255,7 +254,7 @@ class ProjectionCache {
 
  private:
   struct Entry {
-    uint64_t fingerprint = 0;
+    uint64_t layer_id = 0;
     uint64_t last_use = 0;
     std::shared_ptr<LayerProjections> projections;
   };

@@ -116,7 +116,9 @@ class CudaEngine final : public AttentionEngine {
   absl::StatusOr<const DeviceLayer*> GetDeviceLayer(const AttentionLayer& layer, Workspace& ws) {
     std::lock_guard<std::mutex> lock(layers_mutex_);
     std::unique_ptr<DeviceLayer>& slot = layers_[&layer];
-    if (slot != nullptr && slot->source == layer.weights.wq.data() &&
+    // A layer at the address of one that is gone has another id: the slot
+    // is replaced (and the old device copy freed), never reused.
+    if (slot != nullptr && slot->layer_id == layer.id.value() &&
         slot->precision == layer.config.precision) {
       return slot.get();
     }

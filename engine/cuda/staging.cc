@@ -170,7 +170,7 @@ absl::StatusOr<DeviceBuffer> UploadWeight(const Tensor& host, DType type, cudaSt
 absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(const AttentionLayer& layer,
                                                          cudaStream_t stream) {
   auto uploaded = std::make_unique<DeviceLayer>();
-  uploaded->source = layer.weights.wq.data();
+  uploaded->layer_id = layer.id.value();
   uploaded->precision = layer.config.precision;
   uploaded->type = PrecisionDType(layer.config.precision);
   const LayerWeights& w = layer.weights;

@@ -102,7 +102,7 @@ DType PrecisionDType(Precision precision);
 // A layer's weights on the device, in the layer's precision. Biases are null
 // when the layer has none. Immutable once made; shared by concurrent calls.
 struct DeviceLayer {
-  const void* source = nullptr;  // the host wq it was made from (detects address reuse)
+  uint64_t layer_id = 0;  // LayerId of the layer it was made from
   Precision precision = Precision::kFloat32;
   DType type = DType::kFloat32;  // PrecisionDType(precision)
   DeviceBuffer wq, bq, wk, bk, wv, bv, wo, bo;

@@ -812,6 +812,27 @@ TEST_F(StackedProjectionTest, ANewLayerAtAFreedLayersAddressGetsItsOwnWeights) {
   }
 }
 
+TEST_F(StackedProjectionTest, ALayerRebuiltInPlaceWithANewIdGetsItsNewWeights) {
+  // The strongest reuse: the same layer object and the same weight buffers,
+  // every output weight changed, as a layer rebuilt in place would be. Only
+  // the new LayerId tells the engine; with the old id it would keep serving
+  // the weights it prepacked first.
+  AttentionLayer built = *MakeProjectionLayer(54, 24, 3, 1, 8, 10, Precision::kFloat32);
+  const std::shared_ptr<const AttentionLayer> layer(&built, [](const AttentionLayer*) {});
+  for (uint32_t round = 0; round < 2; ++round) {
+    const std::vector<Case> pool = Pool(layer, 60 + round, 2);
+    for (size_t i = 0; i < pool.size(); ++i) {
+      const auto got = RunBatch(*cpu_, pool, {i});
+      CheckAccuracy(pool[i], got[i].first, got[i].second);
+    }
+    float* wo = built.weights.wo.data_as<float>();
+    for (int64_t k = 0; k < built.weights.wo.num_elements(); ++k) wo[k] = 0.5f - 2.0f * wo[k];
+    const uint64_t old_id = built.id.value();
+    built.id = LayerId();
+    ASSERT_NE(built.id.value(), old_id);
+  }
+}
+
 TEST(ChunkedLinearTest, RowsAreIndependentOfTheirPositionInAChunk) {
   // Not required for correctness (the engine falls back to chunk-aligned
   // tasks), but expected of oneDNN's kernels on x86; a failure here means the

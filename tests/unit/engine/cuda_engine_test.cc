@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "engine/attention_engine.h"
 #include "engine/attention_layer.h"
 #include "engine/attention_task.h"
@@ -732,7 +733,10 @@ TEST(CudaEngineTest, RunProjectionLayersMatchReference) {
   };
   const Variant variants[] = {
       {128, 4, 4, 128, 128, true, Precision::kFloat32, {1e-4, 1e-4}},    // general kernel, fp32
-      {96, 4, 2, 80, 48, false, Precision::kFloat32, {1e-4, 1e-4}},      // GQA, kdim != vdim
+      {96, 4, 4, 96, 96, false, Precision::kFloat32, {1e-4, 1e-4}},      // no biases
+      {96, 4, 2, 96, 96, true, Precision::kFloat32, {1e-4, 1e-4}},       // GQA, general kernel
+      {96, 4, 4, 80, 48, true, Precision::kFloat32, {1e-4, 1e-4}},       // kdim != vdim != embed
+      {96, 4, 2, 80, 48, false, Precision::kFloat32, {1e-4, 1e-4}},      // all three at once
       {256, 4, 4, 256, 256, true, Precision::kBFloat16, {6e-2, 6e-2}},   // fused, head_dim 64
       {512, 4, 2, 512, 512, true, Precision::kFloat16, {1.5e-2, 2e-2}},  // fused, head_dim 128, GQA
       {120, 5, 5, 120, 120, true, Precision::kBFloat16, {6e-2, 6e-2}},   // general kernel, bf16
@@ -741,7 +745,9 @@ TEST(CudaEngineTest, RunProjectionLayersMatchReference) {
     AttentionLayer layer =
         ProjectionLayer(v.embed, v.heads, v.kv_heads, v.kdim, v.vdim, v.biases, v.precision, rng);
     ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
-    SCOPED_TRACE("embed " + std::to_string(v.embed) + " heads " + std::to_string(v.heads));
+    SCOPED_TRACE(absl::StrCat("embed ", v.embed, " heads ", v.heads, " kv_heads ", v.kv_heads,
+                              " kdim ", v.kdim, " vdim ", v.vdim, v.biases ? " biases" : "",
+                              " precision ", static_cast<int>(v.precision)));
     for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
       const bool self_ok = v.kdim == v.embed && v.vdim == v.embed;
       std::vector<std::unique_ptr<TaskBuffers>> tasks;
