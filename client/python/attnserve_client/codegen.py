@@ -131,19 +131,51 @@ def generate(outdir, package=None, with_dev=False):
     return versions
 
 
-def _cache_key():
+def _api_key():
+    """Hash of the API's .proto files (those every client needs)."""
     h = hashlib.sha256()
+    for staged, path in sources():
+        h.update(staged.encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _cache_key():
+    """<hash of the API's .proto files>-<hash of the development protos found
+    here and of the grpc_tools that compiles them all>."""
+    h = hashlib.sha256()
+    for staged, path in sources(with_dev=True)[len(API_PROTOS):]:
+        h.update(staged.encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
     try:
         import grpc_tools
         h.update(getattr(grpc_tools, "__version__", "").encode())
         h.update(os.path.dirname(grpc_tools.__file__).encode())
     except ImportError:
+        h.update(b"no grpc_tools")
+    return f"{_api_key()}-{h.hexdigest()[:8]}"
+
+
+def _prebuilt(base):
+    """Stubs of the same .proto files that another grpc_tools generated: used
+    where this Python has no grpc_tools (a machine given the stubs of a build
+    machine through $ATTNSERVE_PY_STUBS_DIR)."""
+    try:
+        import grpc_tools  # noqa: F401
+        return None
+    except ImportError:
         pass
-    for staged, path in sources(with_dev=True):
-        h.update(staged.encode())
-        with open(path, "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()[:16]
+    prefix = _api_key() + "-"
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return None
+    for name in names:
+        if name.startswith(prefix) and os.path.isfile(os.path.join(base, name, ".complete")):
+            return os.path.join(base, name)
+    return None
 
 
 def cache_base():
@@ -163,6 +195,8 @@ def ensure_stubs():
     renames it into place; a loser uses the winner's copy.
     """
     final = os.path.join(cache_base(), _cache_key())
+    if not os.path.isfile(os.path.join(final, ".complete")):
+        final = _prebuilt(cache_base()) or final
     if not os.path.isfile(os.path.join(final, ".complete")):
         os.makedirs(cache_base(), exist_ok=True)
         work = tempfile.mkdtemp(prefix="gen-", dir=cache_base())
