@@ -23,6 +23,7 @@
 #include "server/attn_server.h"
 #include "server/cpu_limit.h"
 #include "server/fd_limit.h"
+#include "server/memory_trim.h"
 #include "server/server_options.h"
 
 namespace {
@@ -112,6 +113,13 @@ ABSL_FLAG(absl::Duration, malloc_trim_interval,
           "how often freed heap memory is returned to the OS with malloc_trim (e.g. 10s; 0 = "
           "never): glibc's per-thread arenas otherwise keep it, and RSS creeps up under "
           "mixed request sizes");
+ABSL_FLAG(int, malloc_arena_max, kDefaults.malloc_arena_max,
+          "most glibc malloc arenas (0 = glibc's default, 8 per core): fewer arenas hold less "
+          "freed memory under requests of mixed sizes on many threads");
+ABSL_FLAG(int64_t, malloc_mmap_threshold, kDefaults.malloc_mmap_threshold,
+          "blocks of at least this many bytes are mmapped and go back to the OS when freed "
+          "(0 = glibc's default, which rises up to 32 MiB as large blocks are freed); at most "
+          "33554432");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::FromChrono(kDefaults.shutdown_grace),
           "on SIGTERM/SIGINT, how long accepted requests may take to complete (e.g. 8s, "
           "500ms); requests still queued after it get UNAVAILABLE; the default fits inside "
@@ -303,6 +311,8 @@ int main(int argc, char** argv) {
   options.shutdown_grace = absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_shutdown_grace));
   options.malloc_trim_interval =
       absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_malloc_trim_interval));
+  options.malloc_arena_max = absl::GetFlag(FLAGS_malloc_arena_max);
+  options.malloc_mmap_threshold = absl::GetFlag(FLAGS_malloc_mmap_threshold);
   options.validation.max_multiply_adds = absl::GetFlag(FLAGS_max_multiply_adds);
   absl::StatusOr<attnserve::NonfiniteInputs> nonfinite =
       attnserve::ParseNonfiniteInputs(absl::GetFlag(FLAGS_nonfinite_inputs));
@@ -340,6 +350,18 @@ int main(int argc, char** argv) {
   options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
 
   if (options.engine_threads == 0) options.engine_threads = ThreadsForContainer();
+  // Process-wide, before the server's threads exist; the values are checked
+  // first so that a bad flag gets the flag's own message.
+  if (absl::Status checked = attnserve::CheckServerOptions(options); !checked.ok()) {
+    std::fprintf(stderr, "attnserve: %s\n", checked.ToString().c_str());
+    return 1;
+  }
+  if (absl::Status malloc_set = attnserve::ConfigureMalloc(options.malloc_arena_max,
+                                                           options.malloc_mmap_threshold);
+      !malloc_set.ok()) {
+    std::fprintf(stderr, "attnserve: %s\n", malloc_set.ToString().c_str());
+    return 1;
+  }
 
   absl::StatusOr<std::unique_ptr<attnserve::AttnServer>> server =
       attnserve::AttnServer::Start(options);

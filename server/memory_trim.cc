@@ -5,7 +5,26 @@
 #include <malloc.h>
 #endif
 
+#include "absl/strings/str_cat.h"
+
 namespace attnserve {
+
+absl::Status ConfigureMalloc(int arena_max, int64_t mmap_threshold) {
+#if defined(__GLIBC__)
+  if (arena_max > 0 && mallopt(M_ARENA_MAX, arena_max) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--malloc-arena-max: glibc refused ", arena_max));
+  }
+  if (mmap_threshold > 0 && mallopt(M_MMAP_THRESHOLD, static_cast<int>(mmap_threshold)) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--malloc-mmap-threshold: glibc refused ", mmap_threshold));
+  }
+#else
+  (void)arena_max;
+  (void)mmap_threshold;
+#endif
+  return absl::OkStatus();
+}
 
 MemoryTrimmer::MemoryTrimmer(absl::Duration interval)
     : interval_(interval), thread_([this] { Loop(); }) {}

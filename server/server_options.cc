@@ -46,6 +46,16 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
         absl::StrCat("--malloc-trim-interval: must be >= 0 (0 = never), got ",
                      options.malloc_trim_interval.count(), " ms"));
   }
+  if (options.malloc_arena_max < 0 || options.malloc_arena_max > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--malloc-arena-max: must be in [0, 1024] (0 = glibc's default), got ",
+                     options.malloc_arena_max));
+  }
+  if (options.malloc_mmap_threshold < 0 || options.malloc_mmap_threshold > (int64_t{32} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--malloc-mmap-threshold: must be in [0, 33554432] bytes (0 = glibc's default), got ",
+        options.malloc_mmap_threshold));
+  }
   if (options.validation.max_attention_scores < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max-attention-scores: must be >= 1, got ",

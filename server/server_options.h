@@ -90,6 +90,13 @@ struct ServerOptions {
   // How often freed heap memory is handed back to the OS (malloc_trim; see
   // server/memory_trim.h); 0 = never. Default: 10 s.
   std::chrono::milliseconds malloc_trim_interval{10000};
+  // glibc's allocator (ConfigureMalloc in server/memory_trim.h): at most this
+  // many arenas (0 = glibc's default, 8 per core). Default: 2.
+  int malloc_arena_max = 2;
+  // Blocks of at least this many bytes are mmapped, so a freed tensor goes
+  // back to the OS at once (0 = glibc's default: a threshold that rises to
+  // 32 MiB as large blocks are freed). At most 32 MiB. Default: 1 MiB.
+  int64_t malloc_mmap_threshold = int64_t{1} << 20;
   // Per-request size and work limits (--max-attention-scores,
   // --max-multiply-adds) and what is done with non-finite inputs
   // (--nonfinite-inputs). Default: ValidationOptions{}.

@@ -44,6 +44,12 @@ TEST(ServerOptionsTest, RejectsBadValuesNamingTheFlag) {
   o.malloc_trim_interval = std::chrono::milliseconds(-1);
   EXPECT_THAT(message(o), HasSubstr("--malloc-trim-interval: must be >= 0"));
   o = {};
+  o.malloc_arena_max = -1;
+  EXPECT_THAT(message(o), HasSubstr("--malloc-arena-max: must be in [0, 1024]"));
+  o = {};
+  o.malloc_mmap_threshold = int64_t{64} << 20;
+  EXPECT_THAT(message(o), HasSubstr("--malloc-mmap-threshold: must be in [0, 33554432]"));
+  o = {};
   o.validation.max_attention_scores = 0;
   EXPECT_THAT(message(o), HasSubstr("--max-attention-scores"));
   o = {};
