@@ -118,8 +118,7 @@ class CudaEngine final : public AttentionEngine {
     std::unique_ptr<DeviceLayer>& slot = layers_[&layer];
     // A layer at the address of one that is gone has another id: the slot
     // is replaced (and the old device copy freed), never reused.
-    if (slot != nullptr && slot->layer_id == layer.id.value() &&
-        slot->precision == layer.config.precision) {
+    if (slot != nullptr && slot->layer_id == layer.id.value()) {
       return slot.get();
     }
     absl::StatusOr<std::unique_ptr<DeviceLayer>> uploaded = UploadLayer(layer, ws.stream);

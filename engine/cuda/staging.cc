@@ -171,7 +171,6 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(const AttentionLayer& l
                                                          cudaStream_t stream) {
   auto uploaded = std::make_unique<DeviceLayer>();
   uploaded->layer_id = layer.id.value();
-  uploaded->precision = layer.config.precision;
   uploaded->type = PrecisionDType(layer.config.precision);
   const LayerWeights& w = layer.weights;
   const std::pair<const Tensor*, DeviceBuffer*> parts[] = {

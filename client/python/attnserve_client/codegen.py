@@ -131,13 +131,17 @@ def generate(outdir, package=None, with_dev=False):
     return versions
 
 
-def _api_key():
-    """Hash of the API's .proto files (those every client needs)."""
-    h = hashlib.sha256()
-    for staged, path in sources():
+def _hash_protos(h, srcs):
+    for staged, path in srcs:
         h.update(staged.encode())
         with open(path, "rb") as f:
             h.update(f.read())
+
+
+def _api_key():
+    """Hash of the API's .proto files (those every client needs)."""
+    h = hashlib.sha256()
+    _hash_protos(h, sources())
     return h.hexdigest()[:16]
 
 
@@ -145,10 +149,7 @@ def _cache_key():
     """<hash of the API's .proto files>-<hash of the development protos found
     here and of the grpc_tools that compiles them all>."""
     h = hashlib.sha256()
-    for staged, path in sources(with_dev=True)[len(API_PROTOS):]:
-        h.update(staged.encode())
-        with open(path, "rb") as f:
-            h.update(f.read())
+    _hash_protos(h, sources(with_dev=True)[len(API_PROTOS):])
     try:
         import grpc_tools
         h.update(getattr(grpc_tools, "__version__", "").encode())
