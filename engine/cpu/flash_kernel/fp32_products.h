@@ -108,20 +108,40 @@ struct Products {
   }
 
   // acc[r][k] += q[r] . K row kr[k] over d, one vector of columns at a
-  // time: each K vector is widened once for all R rows.
-  // (Each Q vector is loaded once for all K keys.)
+  // time: each K vector is widened once for all R rows. Every acc[r][k] is
+  // the same c-ordered FMA chain in either loop order:
+  // - key by key, each K row read front to back, the Q vectors from L1 again
+  //   for every key: for one or two rows (MHA decode), whose arithmetic is
+  //   short next to the read, this is the order the hardware prefetcher
+  //   follows; reading the K rows side by side left about a third of the
+  //   memory bandwidth unused (docs/PERFORMANCE.md, "Paged decode");
+  // - vector by vector, each Q vector loaded once for all K keys: for more
+  //   rows (GQA), where the arithmetic is as long as the read and the loads
+  //   of Q would be the bottleneck.
   template <int R, int K, DType kDt>
   __attribute__((always_inline)) static void DotKeys(const float* q, int64_t ldq, const void* const* kr,
                                                      int64_t d, V (*acc)[K]) {
-    for (int64_t c = 0; c < d; c += W) {
-      V qv[R];
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) qv[r] = Vec::Load(q + r * ldq + c);
+    if constexpr (R <= 2) {
 #pragma GCC unroll 16
       for (int k = 0; k < K; ++k) {
-        const V kv = Vec::LoadConvert(kr[k], kDt, c);
+        const void* row = kr[k];
+        for (int64_t c = 0; c < d; c += W) {
+          const V kv = Vec::LoadConvert(row, kDt, c);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) acc[r][k] = Vec::Fma(qv[r], kv, acc[r][k]);
+          for (int r = 0; r < R; ++r) acc[r][k] = Vec::Fma(Vec::Load(q + r * ldq + c), kv, acc[r][k]);
+        }
+      }
+    } else {
+      for (int64_t c = 0; c < d; c += W) {
+        V qv[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) qv[r] = Vec::Load(q + r * ldq + c);
+#pragma GCC unroll 16
+        for (int k = 0; k < K; ++k) {
+          const V kv = Vec::LoadConvert(kr[k], kDt, c);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) acc[r][k] = Vec::Fma(qv[r], kv, acc[r][k]);
+        }
       }
     }
   }
@@ -353,8 +373,13 @@ struct Products {
     }
   }
   // Vectors of columns per pass for M rows: M x N accumulators, M
-  // broadcasts of P and one V vector in the registers.
+  // broadcasts of P and one V vector in the registers. One row (MHA
+  // decode) takes a whole V row of up to 16 vectors per pass, so each V row
+  // is read once, front to back, as the hardware prefetcher follows best
+  // (with 16 ymm that spills a register or two, and is still faster than two
+  // passes over rows read half at a time).
   static constexpr int DirectColumns(int rows) {
+    if (rows == 1) return 16;
     const int regs = W >= 16 ? 30 : 14;
     int n = 1;
     while (2 * n <= 8 && rows * 2 * n + rows + 1 <= regs) n *= 2;
@@ -363,14 +388,19 @@ struct Products {
   template <int M, DType kDt>
   static void PvDirectColumns(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
                               const void* const* vrows, int64_t n, int64_t dv_pad) {
-    constexpr int N = DirectColumns(M);
-    const int64_t vecs = dv_pad / W;
-    const int64_t row_bytes = dv_pad * ElemSize(kDt);
-    int64_t c = 0;
+    PvDirectPasses<M, DirectColumns(M), kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad / W, 0);
+  }
+  // Passes of N vectors over columns [c, vecs) while they fill them, then
+  // of N / 2, ...
+  template <int M, int N, DType kDt>
+  static void PvDirectPasses(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
+                             const void* const* vrows, int64_t n, int64_t vecs, int64_t c) {
+    const int64_t row_bytes = vecs * W * ElemSize(kDt);
     for (; c + N <= vecs; c += N)
       PvDirectTile<M, N, kDt>(o + c * W, ldo, alpha, p, ldp, vrows, n, c * W, c == 0, row_bytes);
-    for (; c < vecs; ++c)
-      PvDirectTile<M, 1, kDt>(o + c * W, ldo, alpha, p, ldp, vrows, n, c * W, c == 0, row_bytes);
+    if constexpr (N > 1) {
+      if (c < vecs) PvDirectPasses<M, N / 2, kDt>(o, ldo, alpha, p, ldp, vrows, n, vecs, c);
+    }
   }
   template <int M, int N, DType kDt>
   static void PvDirectTile(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
@@ -380,7 +410,7 @@ struct Products {
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) {
       const V a = Vec::Set1(alpha[m]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int c = 0; c < N; ++c) acc[m][c] = Vec::Mul(Vec::Load(o + m * ldo + c * W), a);
     }
     for (int64_t j = 0; j < n; ++j) {
@@ -389,7 +419,7 @@ struct Products {
       V pb[M];
 #pragma GCC unroll 4
       for (int m = 0; m < M; ++m) pb[m] = Vec::Set1(p[m * ldp + j]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int c = 0; c < N; ++c) {
         const V vv = Vec::LoadConvert(vr, kDt, c * W);
 #pragma GCC unroll 4
@@ -398,7 +428,7 @@ struct Products {
     }
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int c = 0; c < N; ++c) Vec::Store(o + m * ldo + c * W, acc[m][c]);
   }
 
