@@ -237,8 +237,9 @@ class Kernel {
     for (int64_t j = 0, run = 0; j < count; j += run) {
       run = RunKeys(p, key0 + j, count - j);
       const void* base = value ? VBlock(p, b, hkv, key0 + j) : KBlock(p, b, hkv, key0 + j);
-      const int64_t ld = value ? VLd(p) : KLd(p);
-      for (int64_t t = 0; t < run; ++t) dst[j + t] = ElemPtr(base, p.dtype, t * ld);
+      const int64_t row_bytes = (value ? VLd(p) : KLd(p)) * ElemSize(p.dtype);
+      const char* row = static_cast<const char*>(base);
+      for (int64_t t = 0; t < run; ++t, row += row_bytes) dst[j + t] = row;
     }
   }
 
