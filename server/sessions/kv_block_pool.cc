@@ -9,7 +9,7 @@
 namespace attnserve {
 namespace {
 
-constexpr int64_t kAlignment = 64;           // a cache line: kernels load rows with vector loads
+constexpr int64_t kAlignment = 64;  // a cache line: kernels load rows with vector loads
 constexpr int64_t kSlabBytes = int64_t{2} << 20;  // one x86-64 huge page
 
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -45,7 +45,6 @@ KvBlockPool::Slab* KvBlockPool::NewSlab(int64_t bytes) {
   Slab& slab = slabs_[reinterpret_cast<uintptr_t>(base)];
   slab.base = base;
   slab.bytes = slab_bytes;
-  slab.block_bytes = bytes;
   return &slab;
 }
 
@@ -97,7 +96,9 @@ void KvBlockPool::ReleaseFreeSlabs(int64_t keep, int64_t need) {
       if (n != slab.carved) continue;  // some block of it is in use
       const char* lo = slab.base;
       const char* hi = slab.base + slab.bytes;
-      std::erase_if(size.free, [&](void* b) { return static_cast<char*>(b) >= lo && static_cast<char*>(b) < hi; });
+      std::erase_if(size.free, [&](void* b) {
+        return static_cast<const char*>(b) >= lo && static_cast<const char*>(b) < hi;
+      });
       free_blocks_ -= n;
       held_ -= n * bytes;
       if (size.carving == &slab) size.carving = nullptr;

@@ -30,6 +30,7 @@ namespace attnserve {
 // room (so a free block of another size makes room only once the rest of
 // its slab is free too), and when the pool is destroyed.
 //
+// Thread-compatible: the SessionManager's lock guards it.
 class KvBlockPool {
  public:
   // `capacity_bytes`: most bytes held in blocks, used or free (> 0).
@@ -56,9 +57,8 @@ class KvBlockPool {
  private:
   struct Slab {
     char* base = nullptr;
-    int64_t bytes = 0;        // mapped
-    int64_t block_bytes = 0;  // the size carved from it
-    int64_t carved = 0;       // blocks handed out so far (used or free)
+    int64_t bytes = 0;   // mapped
+    int64_t carved = 0;  // blocks handed out so far (used or free)
   };
   struct SizeClass {
     std::vector<void*> free;

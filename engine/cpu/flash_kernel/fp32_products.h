@@ -113,8 +113,8 @@ struct Products {
   // - key by key, each K row read front to back, the Q vectors from L1 again
   //   for every key: for one or two rows (MHA decode), whose arithmetic is
   //   short next to the read, this is the order the hardware prefetcher
-  //   follows; reading the K rows side by side left about a third of the
-  //   memory bandwidth unused (docs/PERFORMANCE.md, "Paged decode");
+  //   follows; reading the K rows side by side left a third to half of
+  //   the memory bandwidth unused (docs/PERFORMANCE.md, "Paged decode");
   // - vector by vector, each Q vector loaded once for all K keys: for more
   //   rows (GQA), where the arithmetic is as long as the read and the loads
   //   of Q would be the bottleneck.
