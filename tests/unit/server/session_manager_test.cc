@@ -1,9 +1,8 @@
-// SessionManager and KvBlockPool: ids, shape rules, the per-session FIFO,
+// SessionManager: ids, shape rules, the per-session FIFO,
 // token limits, TTL expiry on a FakeClock, LRU eviction, and blocks returned
 // on close.
 #include "server/sessions/session_manager.h"
 
-#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -286,65 +285,6 @@ TEST_F(SessionManagerTest, SessionLimit) {
   Open(m);
   EXPECT_EQ(m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0).status().code(),
             absl::StatusCode::kResourceExhausted);
-}
-
-TEST(KvBlockPoolTest, RecyclesBlocksUnderItsBudget) {
-  KvBlockPool pool(3 * 100);
-  void* a = pool.Allocate(100);
-  void* b = pool.Allocate(100);
-  void* c = pool.Allocate(100);
-  ASSERT_TRUE(a && b && c);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % 64, 0u);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(b) % 64, 0u);
-  EXPECT_EQ(pool.Allocate(100), nullptr);
-  pool.Free(b, 100);
-  EXPECT_EQ(pool.blocks_used(), 2);
-  EXPECT_EQ(pool.blocks_free(), 1);
-  EXPECT_EQ(pool.Allocate(100), b);  // reused, not reallocated
-  pool.Free(a, 100);
-  pool.Free(b, 100);
-  // Another size: the free blocks of the first share their slab with c,
-  // which is in use, so they cannot make room yet.
-  EXPECT_EQ(pool.Allocate(200), nullptr);
-  EXPECT_EQ(pool.held_bytes(), 300);
-  pool.Free(c, 100);
-  // Now the whole slab is free: it is given back and the new size fits.
-  void* d = pool.Allocate(200);
-  ASSERT_NE(d, nullptr);
-  EXPECT_EQ(pool.held_bytes(), 200);
-  EXPECT_EQ(pool.blocks_free(), 0);
-  EXPECT_EQ(pool.blocks_used(), 1);
-  std::memset(d, 1, 200);
-  pool.Free(d, 200);
-}
-
-// Blocks come from 2 MiB-aligned slabs (transparent huge pages), packed at
-// 64-byte strides; a block bigger than a slab gets a slab of its own size.
-TEST(KvBlockPoolTest, CarvesBlocksFromHugePageSlabs) {
-  constexpr int64_t kSlab = int64_t{2} << 20;
-  constexpr int64_t kBlock = 64 * 1024 + 8;  // rounded up to a 64-byte stride
-  KvBlockPool pool(int64_t{64} << 20);
-  std::vector<char*> blocks;
-  for (int i = 0; i < 40; ++i) {
-    blocks.push_back(static_cast<char*>(pool.Allocate(kBlock)));
-    ASSERT_NE(blocks.back(), nullptr);
-    std::memset(blocks.back(), i, kBlock);  // every byte writable
-  }
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(blocks[0]) % kSlab, 0u);
-  const int64_t stride = (kBlock + 63) / 64 * 64;
-  const int64_t per_slab = kSlab / stride;  // 31
-  for (int64_t i = 1; i < per_slab; ++i) EXPECT_EQ(blocks[i] - blocks[i - 1], stride) << i;
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(blocks[per_slab]) % kSlab, 0u);  // the next slab
-  for (int i = 0; i < 40; ++i) EXPECT_EQ(blocks[i][kBlock - 1], static_cast<char>(i));
-  EXPECT_EQ(pool.held_bytes(), 40 * kBlock);
-
-  void* big = pool.Allocate(3 * kSlab + 5);
-  ASSERT_NE(big, nullptr);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(big) % kSlab, 0u);
-  std::memset(big, 7, 3 * kSlab + 5);
-  pool.Free(big, 3 * kSlab + 5);
-  for (char* b : blocks) pool.Free(b, kBlock);
-  EXPECT_EQ(pool.blocks_used(), 0);
 }
 
 }  // namespace
