@@ -257,9 +257,6 @@ void RegisterAll() {
       {32, 4096, 32, 32, 128, 16, DType::kFloat16}, {32, 4096, 32, 8, 128, 256, DType::kFloat16},
       // MHA with 8 heads: what bench/session_decode.sh asks of the server.
       {32, 4096, 8, 8, 128, 16, DType::kFloat16},
-      // The arithmetic alone: 2 sessions at 1024 (8 MiB of K/V), read from
-      // the last-level cache.
-      {2, 1024, 32, 8, 128, 16, DType::kFloat16},
   };
   for (const DecodeShape& s : shapes) {
     const std::string name =

@@ -103,7 +103,7 @@ DType PrecisionDType(Precision precision);
 // when the layer has none. Immutable once made; shared by concurrent calls.
 struct DeviceLayer {
   uint64_t layer_id = 0;  // LayerId of the layer it was made from
-  DType type = DType::kFloat32;  // PrecisionDType(precision)
+  DType type = DType::kFloat32;  // PrecisionDType(layer.config.precision)
   DeviceBuffer wq, bq, wk, bk, wv, bv, wo, bo;
 };
 

@@ -59,7 +59,7 @@ void* KvBlockPool::Allocate(int64_t bytes) {
   }
   // Make room by giving back free slabs of other sizes (a model whose sdpa
   // sessions changed geometry).
-  if (held_ + bytes > capacity_) ReleaseFreeSlabs(bytes, bytes);
+  if (held_ + bytes > capacity_) ReleaseFreeSlabs(bytes);
   if (held_ + bytes > capacity_) return nullptr;
   const int64_t stride = RoundUp(bytes, kAlignment);
   Slab* slab = size.carving;
@@ -81,9 +81,9 @@ void KvBlockPool::Free(void* block, int64_t bytes) {
   ++free_blocks_;
 }
 
-void KvBlockPool::ReleaseFreeSlabs(int64_t keep, int64_t need) {
-  for (auto& [bytes, size] : sizes_) {
-    if (bytes == keep || size.free.empty()) continue;
+void KvBlockPool::ReleaseFreeSlabs(int64_t bytes) {
+  for (auto& [other, size] : sizes_) {
+    if (other == bytes || size.free.empty()) continue;
     // Free blocks per slab of this size.
     std::map<uintptr_t, int64_t> free_in;
     for (void* b : size.free) {
@@ -91,7 +91,7 @@ void KvBlockPool::ReleaseFreeSlabs(int64_t keep, int64_t need) {
       ++free_in[it->first];
     }
     for (const auto& [base, n] : free_in) {
-      if (held_ + need <= capacity_) return;
+      if (held_ + bytes <= capacity_) return;
       Slab& slab = slabs_.at(base);
       if (n != slab.carved) continue;  // some block of it is in use
       const char* lo = slab.base;
@@ -100,7 +100,7 @@ void KvBlockPool::ReleaseFreeSlabs(int64_t keep, int64_t need) {
         return static_cast<const char*>(b) >= lo && static_cast<const char*>(b) < hi;
       });
       free_blocks_ -= n;
-      held_ -= n * bytes;
+      held_ -= n * other;
       if (size.carving == &slab) size.carving = nullptr;
       munmap(slab.base, static_cast<size_t>(slab.bytes));
       slabs_.erase(base);

@@ -66,9 +66,9 @@ class KvBlockPool {
   };
   // Maps a slab for blocks of `bytes`; nullptr when the OS refuses.
   Slab* NewSlab(int64_t bytes);
-  // Unmaps the slabs of sizes other than `keep` whose blocks are all free,
-  // until `held_ + need <= capacity_` or none is left.
-  void ReleaseFreeSlabs(int64_t keep, int64_t need);
+  // Unmaps the slabs of sizes other than `bytes` whose blocks are all free,
+  // until a block of `bytes` fits the budget or none is left.
+  void ReleaseFreeSlabs(int64_t bytes);
 
   const int64_t capacity_;
   int64_t held_ = 0;
