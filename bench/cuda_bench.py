@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The CUDA backend's kernels against PyTorch on the same GPU, in one run.
 
-Runs attnserve_cuda_bench (engine/cuda/cuda_bench.cc: our fused attention
-kernel, our cuBLASLt projections, plain cuBLAS GEMMs and a large square GEMM
-as the ceiling), then times torch.nn.functional.scaled_dot_product_attention
+Runs attnserve_cuda_bench (engine/cuda/cuda_bench.cc: the attention core as
+the engine runs it, cuDNN's SDPA through the cuDNN frontend where cuDNN
+loads, and the fused kernel written here; our cuBLASLt projections, plain
+cuBLAS GEMMs and a large square GEMM as the ceiling), then times torch.nn.functional.scaled_dot_product_attention
 on the same attention shapes with each of PyTorch's backends (flash, cuDNN,
 memory-efficient), and prints one Markdown table per part, ready for
 docs/CUDA.md.
@@ -100,14 +101,28 @@ def main():
     print(f"Device: {device['name']} (sm_{device['sm']}); {torch_note}; command: "
           f"python3 bench/cuda_bench.py{' --quick' if args.quick else ''}\n")
 
-    print("| dtype | B | H | L | D | causal | attnserve kernel | attnserve TFLOP/s "
-          "| torch flash | torch cuDNN | torch efficient | vs flash | vs cuDNN |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    # One line per shape: what the engine runs there (cuDNN where it has a
+    # row, else the kernel written here), the kernel written here beside it,
+    # and the first call's time (cuDNN's plan build) for a new shape.
+    print("| dtype | B | H | L | D | causal | attnserve path | attnserve TFLOP/s "
+          "| own kernel TFLOP/s | first call ms | torch flash | torch cuDNN | torch efficient "
+          "| vs flash | vs cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    shapes = {}
     for r in (r for r in rows if r["kind"] == "attention"):
+        key = (r["dtype"], r["batch"], r["heads"], r["seq"], r["head_dim"], r["causal"])
+        shapes.setdefault(key, {})["cudnn" if r["kernel"] == "cudnn" else "own"] = r
+    for pair in shapes.values():
+        own = pair.get("own")
+        r = pair.get("cudnn", own)
         for backend in BACKENDS:
             r["torch_" + backend] = torch_sdpa_tflops(r, backend)
+        path = r["kernel"] + (f" (bucket {r['bucket']})" if r["kernel"] == "cudnn"
+                              and r.get("bucket", r["seq"]) != r["seq"] else "")
+        first = f"{r['first_call_ms']:.1f}" if r["kernel"] == "cudnn" else "n/a"
         print(f"| {r['dtype']} | {r['batch']} | {r['heads']} | {r['seq']} | {r['head_dim']} "
-              f"| {r['causal']} | {r['kernel']} | {r['tflops']:.1f} | {fmt(r['torch_flash'])} "
+              f"| {r['causal']} | {path} | {r['tflops']:.1f} "
+              f"| {fmt(own['tflops'] if own else None)} | {first} | {fmt(r['torch_flash'])} "
               f"| {fmt(r['torch_cudnn'])} | {fmt(r['torch_efficient'])} "
               f"| {ratio(r['tflops'], r['torch_flash'])} | {ratio(r['tflops'], r['torch_cudnn'])} |",
               flush=True)

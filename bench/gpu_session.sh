@@ -29,9 +29,10 @@ phases=("$@")
 trap 'tar -C "$out" -czf "$final/logs-$tag.tar.gz" .' EXIT
 
 rm -rf "$as" && mkdir -p "$as" && tar -C "$as" -xJf "$bundle" || exit 1
-# CUDA's own libraries from the machine: the toolkit's, else PyTorch's wheels.
-cudalibs=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublasLt.so.13' 2>/dev/null |
-           xargs -r -n1 dirname | sort -u | paste -sd:)
+# CUDA's own libraries from the machine: the toolkit's, else PyTorch's wheels;
+# cuDNN (dlopened by the module) from PyTorch's wheel.
+cudalibs=$(find /usr/local/cuda*/ /opt /usr/lib \( -name 'libcublasLt.so.13' -o -name 'libcudnn.so.9' \) \
+           2>/dev/null | xargs -r -n1 dirname | sort -u | paste -sd:)
 export LD_LIBRARY_PATH="$as/lib:${cudalibs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export ATTNSERVE_CUDA_MODULE="$as/bin/libattnserve_cuda.so"
 export ATTNSERVE_BIN="$as/bin/attnserve" ATTN_CLIENT_BIN="$as/bin/attn_client"
@@ -51,8 +52,10 @@ for phase in "${phases[@]}"; do
       ;;
     test)
       step "cuda_engine_test"
-      "$as/bin/cuda_engine_test" 2>&1 |
-        tee "$out/cuda_engine_test.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED)|OK \]|Failure|Expected|Which is|rel|error" | head -150
+      "$as/bin/cudnn_sdpa_test" 2>&1 | tee "$out/cudnn_sdpa_test.log" | tail -3
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      ATTNSERVE_REQUIRE_CUDNN=1 "$as/bin/cuda_engine_test" 2>&1 |
+        tee "$out/cuda_engine_test.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED)|OK \]|Failure|Expected|Which is|rel|error|declined" | head -150
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       ;;
     sanitize)
@@ -61,6 +64,13 @@ for phase in "${phases[@]}"; do
         --gtest_filter='CudaEngineTest.FusedKernelShapes*:CudaEngineTest.FullyMasked*:CudaEngineTest.RunProjection*:CudaEngineTest.RaggedBatches*' \
         > "$out/memcheck.log" 2>&1
       rc=$?; echo "memcheck exit $rc"; grep -E "ERROR SUMMARY|Invalid|FAILED" "$out/memcheck.log" | head -20
+      [[ $rc -eq 0 ]] || status=1
+      # The cuDNN path: our padding copies, the expanded mask, cuDNN's kernels.
+      ATTNSERVE_REQUIRE_CUDNN=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        "$as/bin/cuda_engine_test" --gtest_filter='CudaEngineTest.CudnnServes*' \
+        > "$out/memcheck_cudnn.log" 2>&1
+      rc=$?; echo "memcheck (cuDNN) exit $rc"
+      grep -E "ERROR SUMMARY|Invalid|FAILED" "$out/memcheck_cudnn.log" | head -20
       [[ $rc -eq 0 ]] || status=1
       ;;
     server)

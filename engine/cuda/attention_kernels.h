@@ -43,6 +43,15 @@ cudaError_t LaunchAddBias(void* y, const void* bias, DType type, int64_t rows, i
 cudaError_t LaunchAverageHeads(const float* probs, int64_t batch, int64_t heads, int64_t per_head,
                                void* out, DType out_type, cudaStream_t stream);
 
+// out[b, h, i, j] for b < batch, h < heads, i < q_pad, j < kv_pad
+// (contiguous, `out_type`): the mask's additive value at (b, h, i, j) read
+// through its broadcast strides (a bool mask gives 0 or -inf), or 0 where
+// i >= q_len or j >= kv_len. Pass batch 1 (heads 1) for a mask that
+// broadcasts over that dim.
+cudaError_t LaunchExpandMask(const MaskParams& mask, int64_t batch, int64_t heads, int64_t q_len,
+                             int64_t kv_len, int64_t q_pad, int64_t kv_pad, void* out,
+                             DType out_type, cudaStream_t stream);
+
 }  // namespace attnserve::cuda
 
 #endif  // ATTNSERVE_ENGINE_CUDA_ATTENTION_KERNELS_H_

@@ -1,5 +1,7 @@
 // GPU throughput of the CUDA backend's pieces, device-resident (no host
-// copies): the attention kernels in TFLOP/s, and the projection GEMM (bias
+// copies): the attention core in TFLOP/s, both cuDNN's SDPA as the engine
+// calls it (cudnn_sdpa.h, with the first call's plan build timed apart) and
+// the kernels written here, and the projection GEMM (bias
 // fused) against plain cuBLAS GEMMs of the same shape and against a large
 // square GEMM (the ceiling). Prints one JSON object per line, which
 // bench/cuda_bench.py turns into a table next to PyTorch's SDPA.
@@ -9,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +22,7 @@
 
 #include "engine/cuda/attention_kernels.h"
 #include "engine/cuda/cuda_status.h"
+#include "engine/cuda/cudnn_sdpa.h"
 #include "engine/cuda/device_memory.h"
 #include "engine/cuda/projection_gemm.h"
 
@@ -82,6 +86,9 @@ void Check(cudaError_t err, const char* what) {
   }
 }
 
+// One attention shape: the kernel written here (flash, or the general one
+// where flash does not apply) and, when cuDNN loads, cuDNN's SDPA through
+// CudnnSdpa. `len` is the exact length; cuDNN plans at its bucket.
 void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t dim, bool causal,
                     int iters) {
   const int64_t n = batch * heads * len * dim;
@@ -99,11 +106,23 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
   a.k = k.data();
   a.v = v.data();
   a.out = out->data();
-  a.q_stride_row = a.k_stride_row = a.v_stride_row = a.o_stride_row = dim;
-  a.q_stride_h = a.k_stride_h = a.v_stride_h = a.o_stride_h = len * dim;
-  a.q_stride_b = a.k_stride_b = a.v_stride_b = a.o_stride_b = heads * len * dim;
+  SetContiguousStrides(&a, HeadLayoutStrides);
   a.causal = causal;
   a.scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  // 2 GEMMs of 2*L*L*D flops each per (b, h); causal does about half.
+  const double flops = 4.0 * batch * heads * len * len * dim * (causal ? 0.5 : 1.0);
+  auto print = [&](const char* kernel, double ms, double first_ms) {
+    std::printf(
+        "{\"kind\": \"attention\", \"kernel\": \"%s\", \"dtype\": \"%s\", \"batch\": %ld, "
+        "\"heads\": %ld, \"seq\": %ld, \"bucket\": %ld, \"head_dim\": %ld, \"causal\": %s, "
+        "\"ms\": %.4f, \"first_call_ms\": %.2f, \"tflops\": %.2f}\n",
+        kernel, TypeName(t), static_cast<long>(batch), static_cast<long>(heads),
+        static_cast<long>(len), static_cast<long>(SdpaBucketLength(len)),
+        static_cast<long>(dim), causal ? "true" : "false", ms, first_ms,
+        flops / (ms * 1e-3) / 1e12);
+    std::fflush(stdout);
+  };
+
   const bool flash = FlashAttentionSupports(a);
   const double ms = TimeMs(
       [&] {
@@ -112,16 +131,63 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
       },
       iters);
   Check(cudaDeviceSynchronize(), "attention");
-  // 2 GEMMs of 2*L*L*D flops each per (b, h); causal does about half.
-  const double flops = 4.0 * batch * heads * len * len * dim * (causal ? 0.5 : 1.0);
-  std::printf(
-      "{\"kind\": \"attention\", \"kernel\": \"%s\", \"dtype\": \"%s\", \"batch\": %ld, "
-      "\"heads\": %ld, \"seq\": %ld, \"head_dim\": %ld, \"causal\": %s, \"ms\": %.4f, "
-      "\"tflops\": %.2f}\n",
-      flash ? "flash" : "general", TypeName(t), static_cast<long>(batch), static_cast<long>(heads),
-      static_cast<long>(len), static_cast<long>(dim), causal ? "true" : "false", ms,
-      flops / (ms * 1e-3) / 1e12);
-  std::fflush(stdout);
+  print(flash ? "flash" : "general", ms, 0.0);
+
+  if (t == DType::kFloat32) return;
+  static CudnnSdpa* sdpa = [] {
+    absl::StatusOr<std::unique_ptr<CudnnSdpa>> made = CudnnSdpa::Create(64);
+    if (!made.ok()) {
+      std::fprintf(stderr, "no cuDNN rows: %s\n", std::string(made.status().message()).c_str());
+      return static_cast<CudnnSdpa*>(nullptr);
+    }
+    return made->release();
+  }();
+  if (sdpa == nullptr) return;
+  SdpaArgs args;
+  SdpaShape& s = args.shape;
+  s.dtype = t;
+  s.batch = batch;
+  s.heads = s.kv_heads = heads;
+  s.head_dim = s.head_dim_v = dim;
+  s.q_len = s.kv_len = len;
+  s.causal = causal;
+  args.q = q.data();
+  args.k = k.data();
+  args.v = v.data();
+  args.out = out->data();
+  args.scale = a.scale;
+  DeviceBuffer lens;
+  if (CudnnSdpa::NeedsSequenceLengths(s)) {
+    std::vector<int32_t> host(static_cast<size_t>(batch), static_cast<int32_t>(len));
+    absl::StatusOr<DeviceBuffer> buf = DeviceBuffer::Allocate(host.size() * sizeof(int32_t));
+    if (!buf.ok()) std::exit(1);
+    lens = std::move(*buf);
+    cudaMemcpy(lens.data(), host.data(), host.size() * sizeof(int32_t), cudaMemcpyHostToDevice);
+    args.seq_len_q = args.seq_len_kv = static_cast<const int32_t*>(lens.data());
+  }
+  Arena scratch{Arena::Kind::kDevice};
+  auto call = [&] {
+    scratch.Reset();  // one stream: the next call reuses the memory in order
+    absl::Status st = sdpa->Enqueue(
+        args, [&scratch](size_t bytes) { return scratch.Allocate(bytes); }, nullptr);
+    if (!st.ok()) {
+      std::fprintf(stderr, "cuDNN SDPA (%s B%ld H%ld L%ld D%ld%s): %s\n", TypeName(t),
+                   static_cast<long>(batch), static_cast<long>(heads), static_cast<long>(len),
+                   static_cast<long>(dim), causal ? " causal" : "",
+                   std::string(st.message()).c_str());
+      return false;
+    }
+    return true;
+  };
+  // The first call builds the plan: timed on the host, to the end of the work.
+  const auto start = std::chrono::steady_clock::now();
+  if (!call()) return;
+  Check(cudaDeviceSynchronize(), "cudnn first call");
+  const double first_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  const double cudnn_ms = TimeMs([&] { call(); }, iters);
+  Check(cudaDeviceSynchronize(), "cudnn");
+  print("cudnn", cudnn_ms, first_ms);
 }
 
 // Plain cublasGemmEx, no bias: the same GEMM as Linear without the epilogue.
@@ -230,6 +296,11 @@ int Main(int argc, char** argv) {
         }
       }
     }
+  }
+  // Lengths off a bucket boundary: cuDNN pads them (cudnn_sdpa.h); the
+  // exact-length rows above are the comparison.
+  for (int64_t len : quick ? std::vector<int64_t>{2000} : std::vector<int64_t>{1000, 2000, 4000}) {
+    BenchAttention(DType::kBFloat16, std::max<int64_t>(1, 16384 / len), 16, len, 128, true, iters);
   }
   BenchAttention(DType::kFloat32, 4, 16, 2048, 128, false, quick ? 3 : iters);  // general kernel
   for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {

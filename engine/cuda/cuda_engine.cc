@@ -1,5 +1,6 @@
 // The CUDA engine: the AttentionEngine over a pool of workspaces and the
-// device-resident layers. A whole batch is enqueued before the one
+// device-resident layers; fused attention from cuDNN where it takes the
+// request, else from the kernels written here ($ATTNSERVE_CUDA_ATTENTION). A whole batch is enqueued before the one
 // synchronisation at its end: uploads go on a copy stream and compute waits
 // for each request's uploads through an event, so while the GPU computes
 // request n the host packs request n+1 and the copy engine uploads it
@@ -9,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -19,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "engine/attention_task.h"
+#include "engine/cuda/cudnn_sdpa.h"
 #include "engine/cuda/cuda_status.h"
 #include "engine/cuda/dispatch.h"
 #include "engine/cuda/staging.h"
@@ -28,7 +31,7 @@ namespace {
 
 class CudaEngine final : public AttentionEngine {
  public:
-  explicit CudaEngine(int device) : device_(device) {}
+  CudaEngine(int device, AttentionSource source) : device_(device), source_(source) {}
   ~CudaEngine() override {
     (void)cudaSetDevice(device_);
     idle_.clear();
@@ -101,7 +104,7 @@ class CudaEngine final : public AttentionEngine {
       }
     }
     // A new concurrent caller: one more workspace.
-    absl::StatusOr<std::unique_ptr<Workspace>> ws = Workspace::Create();
+    absl::StatusOr<std::unique_ptr<Workspace>> ws = Workspace::Create(source_);
     if (!ws.ok()) return ws.status();
     return Lease(this, std::move(*ws));
   }
@@ -128,6 +131,7 @@ class CudaEngine final : public AttentionEngine {
   }
 
   const int device_;
+  const AttentionSource source_;
 
   std::mutex mutex_;  // guards idle_
   std::vector<std::unique_ptr<Workspace>> idle_;
@@ -176,7 +180,19 @@ absl::StatusOr<std::unique_ptr<AttentionEngine>> NewCudaEngine(const EngineOptio
     return absl::UnavailableError(
         absl::StrCat("no usable CUDA device: context creation: ", cudaGetErrorString(err)));
   }
-  return std::unique_ptr<AttentionEngine>(new CudaEngine(kDevice));
+  // Where fused attention comes from (cudnn_sdpa.h): cuDNN where it takes a
+  // request unless the environment says otherwise.
+  const char* source_name = std::getenv("ATTNSERVE_CUDA_ATTENTION");
+  absl::StatusOr<AttentionSource> source =
+      ParseAttentionSource(source_name != nullptr ? source_name : "");
+  if (!source.ok()) return source.status();
+  if (*source == AttentionSource::kCudnn) {
+    if (absl::Status cudnn = CudnnAvailable(); !cudnn.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("ATTNSERVE_CUDA_ATTENTION=cudnn: ", cudnn.message()));
+    }
+  }
+  return std::unique_ptr<AttentionEngine>(new CudaEngine(kDevice, *source));
 }
 
 }  // namespace attnserve::cuda

@@ -1,10 +1,15 @@
 // Per-request dispatch of the CUDA engine: device-side AttentionParams built
-// from the host-side ones, the fused or the general attention kernel, the
+// from the host-side ones, the attention core (cuDNN's SDPA where it takes
+// the request, else the fused or the general kernel written here), the
 // cuBLASLt projections around it, dtype conversions and the head average of
 // the weights.
 #include "engine/cuda/dispatch.h"
 
 #include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 
 #include "engine/cuda/attention_kernels.h"
 #include "engine/cuda/cuda_status.h"
@@ -39,9 +44,107 @@ AttentionParams DeviceParams(const AttentionParams& p) {
   return a;
 }
 
+// A request's way to cuDNN, decided from host-side params before the
+// request's uploads complete (the sequence lengths cuDNN reads are uploaded
+// with them).
+struct SdpaRoute {
+  bool use = false;
+  SdpaShape shape;
+  const int32_t* seq_len_q = nullptr;  // device, when the plan pads
+  const int32_t* seq_len_kv = nullptr;
+};
+
+// The route for host-side `p` computed in `compute` over contiguous Q/K/V/O
+// in the token layout or the head layout. Unimplemented, naming the reason,
+// when the engine must use cuDNN (ATTNSERVE_CUDA_ATTENTION=cudnn) and cannot.
+absl::StatusOr<SdpaRoute> RouteSdpa(Call& call, const AttentionParams& p, DType compute,
+                                    bool token_layout) {
+  SdpaRoute route;
+  if (call.attention_source() == AttentionSource::kKernels || call.sdpa() == nullptr) {
+    return route;
+  }
+  if (std::optional<std::string> why = SdpaRefusal(p, compute); why.has_value()) {
+    if (call.attention_source() == AttentionSource::kCudnn) {
+      return absl::UnimplementedError(absl::StrCat(
+          "cuda engine (ATTNSERVE_CUDA_ATTENTION=cudnn): cuDNN cannot serve this request: ", *why));
+    }
+    return route;
+  }
+  SdpaShape& s = route.shape;
+  s.dtype = compute;
+  s.batch = p.batch;
+  s.heads = p.num_heads;
+  s.kv_heads = p.num_kv_heads;
+  s.head_dim = p.head_dim;
+  s.head_dim_v = p.head_dim_v;
+  s.q_len = p.q_len;
+  s.kv_len = p.kv_len;
+  s.token_layout = token_layout;
+  s.causal = p.causal;
+  s.has_key_lengths = p.key_lengths != nullptr;
+  s.mask = p.mask.kind;
+  s.mask_dtype = p.mask.dtype;
+  s.mask_per_batch = p.mask.stride_b != 0;
+  s.mask_per_head = p.mask.stride_h != 0;
+  if (CudnnSdpa::NeedsSequenceLengths(s)) {
+    std::vector<int32_t> q_lens(static_cast<size_t>(p.batch), static_cast<int32_t>(p.q_len));
+    std::vector<int32_t> kv_lens(static_cast<size_t>(p.batch), static_cast<int32_t>(p.kv_len));
+    if (p.key_lengths != nullptr) {
+      for (int64_t b = 0; b < p.batch; ++b) kv_lens[b] = static_cast<int32_t>(p.key_lengths[b]);
+    }
+    absl::StatusOr<void*> q = call.Upload(q_lens.data(), q_lens.size() * sizeof(int32_t));
+    if (!q.ok()) return q.status();
+    absl::StatusOr<void*> kv = call.Upload(kv_lens.data(), kv_lens.size() * sizeof(int32_t));
+    if (!kv.ok()) return kv.status();
+    route.seq_len_q = static_cast<const int32_t*>(*q);
+    route.seq_len_kv = static_cast<const int32_t*>(*kv);
+  }
+  route.use = true;
+  return route;
+}
+
+// cuDNN's SDPA for device-side `a` along `route`. Unimplemented when cuDNN
+// declines the shape (nothing enqueued).
+absl::Status RunCudnn(Call& call, const AttentionParams& a, const SdpaRoute& route) {
+  SdpaArgs args;
+  args.shape = route.shape;
+  args.q = a.q;
+  args.k = a.k;
+  args.v = a.v;
+  args.seq_len_q = route.seq_len_q;
+  args.seq_len_kv = route.seq_len_kv;
+  args.mask = a.mask;
+  args.scale = a.scale;
+  args.out = a.out;
+  const int64_t out_n = a.batch * a.num_heads * a.q_len * a.head_dim_v;
+  if (a.out_dtype != a.dtype) {  // cuDNN writes the inputs' dtype; convert after
+    absl::StatusOr<void*> out = call.DeviceAlloc(static_cast<size_t>(out_n) * DTypeSize(a.dtype));
+    if (!out.ok()) return out.status();
+    args.out = *out;
+  }
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(call.sdpa()->Enqueue(
+      args, [&call](size_t bytes) { return call.DeviceAlloc(bytes); }, call.stream()));
+  if (args.out != a.out) {
+    ATTNSERVE_CUDA_CALL(LaunchConvert(args.out, a.dtype, a.out, a.out_dtype, out_n, call.stream()));
+  }
+  return absl::OkStatus();
+}
+
 // Runs the attention core for device-side `a` (inputs, output, mask already
 // set) and, when `p` asks for weights, downloads them into p.weights.
-absl::Status RunCore(Call& call, AttentionParams& a, const AttentionParams& p) {
+absl::Status RunCore(Call& call, AttentionParams& a, const AttentionParams& p,
+                     const SdpaRoute& route) {
+  if (route.use) {
+    const absl::Status cudnn = RunCudnn(call, a, route);
+    if (cudnn.ok()) return absl::OkStatus();
+    if (!absl::IsUnimplemented(cudnn)) return cudnn;
+    if (call.attention_source() == AttentionSource::kCudnn) {
+      return absl::UnimplementedError(absl::StrCat(
+          "cuda engine (ATTNSERVE_CUDA_ATTENTION=cudnn): cuDNN declines this shape: ",
+          cudnn.message()));
+    }
+    // cuDNN declined this shape (cached): the kernels below serve it.
+  }
   void* weights = nullptr;  // final device weights, in p.weights_dtype
   size_t weights_bytes = 0;
   if (p.weights != nullptr) {
@@ -104,6 +207,8 @@ absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType co
 
   AttentionParams a = DeviceParams(p);
   ATTNSERVE_CUDA_RETURN_IF_ERROR(StageMaskAndLengths(call, p, a));
+  absl::StatusOr<SdpaRoute> route = RouteSdpa(call, p, compute, /*token_layout=*/false);
+  if (!route.ok()) return route.status();
   ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
   a.dtype = compute;
   absl::StatusOr<const void*> qc =
@@ -128,7 +233,7 @@ absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType co
   if (!out.ok()) return out.status();
   a.out = *out;
   SetContiguousStrides(&a, HeadLayoutStrides);
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, a, p));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, a, p, *route));
 
   return call.Download(a.out, out_bytes, [p, out_size](const char* pinned) {
     const size_t row_bytes = static_cast<size_t>(p.head_dim_v) * out_size;
@@ -171,6 +276,8 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
     if (!raw_v.ok()) return raw_v.status();
   }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(StageMaskAndLengths(call, p, a));
+  absl::StatusOr<SdpaRoute> route = RouteSdpa(call, p, ct, /*token_layout=*/true);
+  if (!route.ok()) return route.status();
   ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
 
   // Inputs in the compute type (self-attention converts once).
@@ -213,7 +320,7 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
   a.out_dtype = ct;
   a.out = *attn;
   SetContiguousStrides(&a, TokenLayoutStrides);
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, a, p));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, a, p, *route));
 
   // Out-projection, then the output dtype, then home.
   absl::StatusOr<void*> y =

@@ -1,6 +1,6 @@
 // Small element-wise kernels around the GEMMs and the attention core: dtype
-// conversion, bias addition (for the plain cuBLAS fallback GEMM) and the mean
-// of the probabilities over heads.
+// conversion, bias addition (for the plain cuBLAS fallback GEMM), the mean
+// of the probabilities over heads, and a mask expanded into cuDNN's bias.
 #include <algorithm>
 #include <cstdint>
 
@@ -50,7 +50,38 @@ __global__ void AverageHeadsKernel(const float* probs, int64_t batch, int64_t he
   }
 }
 
+__global__ void ExpandMaskKernel(MaskParams m, int64_t heads, int64_t q_len, int64_t kv_len,
+                                 int64_t q_pad, int64_t kv_pad, int64_t n, void* out,
+                                 DType out_type) {
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < n;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t j = idx % kv_pad;
+    const int64_t i = (idx / kv_pad) % q_pad;
+    const int64_t bh = idx / (kv_pad * q_pad);
+    const int64_t h = bh % heads;
+    const int64_t b = bh / heads;
+    float value = 0.0f;  // the padding: masked by cuDNN's sequence lengths
+    if (i < q_len && j < kv_len) {
+      const int64_t at = b * m.stride_b + h * m.stride_h + i * m.stride_q + j * m.stride_k;
+      value = m.kind == MaskParams::Kind::kBool
+                  ? (static_cast<const uint8_t*>(m.data)[at] != 0 ? 0.0f : -INFINITY)
+                  : LoadElement(m.data, m.dtype, at);
+    }
+    StoreElement(out, out_type, idx, value);
+  }
+}
+
 }  // namespace
+
+cudaError_t LaunchExpandMask(const MaskParams& mask, int64_t batch, int64_t heads, int64_t q_len,
+                             int64_t kv_len, int64_t q_pad, int64_t kv_pad, void* out,
+                             DType out_type, cudaStream_t stream) {
+  const int64_t n = batch * heads * q_pad * kv_pad;
+  if (n <= 0) return cudaSuccess;
+  ExpandMaskKernel<<<GridFor(n), kThreads, 0, stream>>>(mask, heads, q_len, kv_len, q_pad, kv_pad,
+                                                        n, out, out_type);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchConvert(const void* src, DType src_type, void* dst, DType dst_type,
                           int64_t n, cudaStream_t stream) {

@@ -13,14 +13,26 @@
 
 namespace attnserve::cuda {
 
-absl::StatusOr<std::unique_ptr<Workspace>> Workspace::Create() {
+absl::StatusOr<std::unique_ptr<Workspace>> Workspace::Create(AttentionSource source) {
   auto ws = std::make_unique<Workspace>();
+  ws->source = source;
   ATTNSERVE_CUDA_CALL(cudaStreamCreateWithFlags(&ws->stream, cudaStreamNonBlocking));
   ATTNSERVE_CUDA_CALL(cudaStreamCreateWithFlags(&ws->copy_stream, cudaStreamNonBlocking));
   ATTNSERVE_CUDA_CALL(cudaEventCreateWithFlags(&ws->uploaded, cudaEventDisableTiming));
   absl::StatusOr<std::unique_ptr<ProjectionGemm>> gemm = ProjectionGemm::Create(ws->stream);
   if (!gemm.ok()) return gemm.status();
   ws->gemm = std::move(*gemm);
+  if (source != AttentionSource::kKernels) {
+    // Plans per workspace: a cuDNN handle and its plans serve one call at a
+    // time, as a workspace does.
+    constexpr size_t kMaxPlans = 256;
+    absl::StatusOr<std::unique_ptr<CudnnSdpa>> sdpa = CudnnSdpa::Create(kMaxPlans);
+    if (sdpa.ok()) {
+      ws->sdpa = std::move(*sdpa);
+    } else if (source == AttentionSource::kCudnn) {
+      return sdpa.status();
+    }
+  }
   return ws;
 }
 
@@ -28,6 +40,7 @@ Workspace::~Workspace() {
   if (copy_stream != nullptr) (void)cudaStreamSynchronize(copy_stream);
   if (stream != nullptr) (void)cudaStreamSynchronize(stream);
   gemm.reset();
+  sdpa.reset();
   if (uploaded != nullptr) (void)cudaEventDestroy(uploaded);
   if (copy_stream != nullptr) (void)cudaStreamDestroy(copy_stream);
   if (stream != nullptr) (void)cudaStreamDestroy(stream);

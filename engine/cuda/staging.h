@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "engine/attention_layer.h"
 #include "engine/attention_params.h"
+#include "engine/cuda/cudnn_sdpa.h"
 #include "engine/cuda/device_memory.h"
 #include "engine/cuda/projection_gemm.h"
 #include "engine/dtype.h"
@@ -28,14 +29,17 @@ namespace attnserve::cuda {
 // engine's device current.
 struct Workspace {
   // Non-blocking streams, so that they never synchronise implicitly with
-  // the legacy default stream.
-  static absl::StatusOr<std::unique_ptr<Workspace>> Create();
+  // the legacy default stream. A workspace of source kAuto or kCudnn gets a
+  // cuDNN handle when cuDNN is available (kCudnn requires it).
+  static absl::StatusOr<std::unique_ptr<Workspace>> Create(AttentionSource source);
   ~Workspace();  // waits for both streams
 
   cudaStream_t stream = nullptr;       // compute and downloads
   cudaStream_t copy_stream = nullptr;  // uploads
   cudaEvent_t uploaded = nullptr;      // recorded on copy_stream after a request's uploads
   std::unique_ptr<ProjectionGemm> gemm;
+  AttentionSource source = AttentionSource::kAuto;
+  std::unique_ptr<CudnnSdpa> sdpa;  // null: our kernels only
   Arena device{Arena::Kind::kDevice};
   Arena pinned{Arena::Kind::kPinnedHost};
 };
@@ -58,6 +62,8 @@ class Call {
 
   cudaStream_t stream() const { return ws_.stream; }
   ProjectionGemm& gemm() { return *ws_.gemm; }
+  AttentionSource attention_source() const { return ws_.source; }
+  CudnnSdpa* sdpa() { return ws_.sdpa.get(); }
 
   // Device memory valid until Finish (or the call's end).
   absl::StatusOr<void*> DeviceAlloc(size_t bytes) { return ws_.device.Allocate(bytes); }

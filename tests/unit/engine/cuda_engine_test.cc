@@ -15,7 +15,9 @@
 // weights and activations as well: 6e-2 + 6e-2 and 1.5e-2 + 2e-2.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <limits>
 #include <map>
 #include <memory>
@@ -76,6 +78,26 @@ AttentionEngine& Reference() {
     return engine->release();
   }();
   return *reference;
+}
+
+// An engine whose fused attention comes from one source (cudnn_sdpa.h:
+// "cudnn" = cuDNN only, "kernels" = the kernels written here), loaded once;
+// null when it cannot be made (no cuDNN), with the reason in *why.
+AttentionEngine* EngineFrom(const std::string& source, std::string* why = nullptr) {
+  static auto* engines = new std::map<std::string, std::pair<AttentionEngine*, std::string>>;
+  auto [it, inserted] = engines->try_emplace(source);
+  if (inserted) {
+    setenv("ATTNSERVE_CUDA_ATTENTION", source.c_str(), 1);
+    absl::StatusOr<std::unique_ptr<AttentionEngine>> engine = LoadCudaEngine();
+    unsetenv("ATTNSERVE_CUDA_ATTENTION");
+    if (engine.ok()) {
+      it->second.first = engine->release();
+    } else {
+      it->second.second = std::string(engine.status().message());
+    }
+  }
+  if (why != nullptr) *why = it->second.second;
+  return it->second.first;
 }
 
 #define REQUIRE_GPU()                                                                  \
@@ -391,8 +413,9 @@ Tolerance CaseTolerance(const AttendCase& c, DType result_dtype) {
   return {std::max(a.atol, b.atol), std::max(a.rtol, b.rtol)};
 }
 
-// Runs `c` on the reference and on CUDA, and compares output and weights.
-void CompareWithReference(AttendCase& c) {
+// Runs `c` on the reference and on CUDA (the default engine, or `engine`),
+// and compares output and weights.
+void CompareWithReference(AttendCase& c, AttentionEngine* engine = nullptr) {
   SCOPED_TRACE(c.Describe());
   Tensor ref_out(c.out.dtype(), c.out.shape());
   Tensor ref_weights = c.need_weights ? Tensor(c.weights.dtype(), c.weights.shape()) : Tensor();
@@ -400,7 +423,7 @@ void CompareWithReference(AttendCase& c) {
   const absl::Status ref_status = Reference().Run(*c.layer, {&ref, 1});
   ASSERT_TRUE(ref_status.ok()) << ref_status;
   const AttentionTask gpu = c.Task();
-  const absl::Status status = Cuda().engine->Run(*c.layer, {&gpu, 1});
+  const absl::Status status = (engine != nullptr ? engine : Cuda().engine)->Run(*c.layer, {&gpu, 1});
   ASSERT_TRUE(status.ok()) << status;
   ExpectClose(c.out, ref_out, CaseTolerance(c, c.out_dtype), "output");
   if (c.need_weights)
@@ -418,6 +441,181 @@ TEST(CudaEngineTest, RandomCasesMatchReference) {
     CompareWithReference(c);
     if (HasFatalFailure()) return;
   }
+}
+
+// The same kind of cases on the kernels written here alone (the default
+// engine serves what cuDNN takes with cuDNN).
+TEST(CudaEngineTest, RandomCasesMatchReferenceOnOwnKernels) {
+  REQUIRE_GPU();
+  std::string why;
+  AttentionEngine* kernels = EngineFrom("kernels", &why);
+  ASSERT_NE(kernels, nullptr) << why;
+  std::mt19937 rng(20240612);
+  for (int i = 0; i < 120; ++i) {
+    AttendCase c = RandomCase(rng);
+    SCOPED_TRACE("case " + std::to_string(i));
+    CompareWithReference(c, kernels);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// The engine made with cuDNN only (ATTNSERVE_CUDA_ATTENTION=cudnn): where
+// cuDNN is not there, skipped (a failure under ATTNSERVE_REQUIRE_CUDNN=1).
+AttentionEngine* CudnnOnlyOrSkip(std::string* skip) {
+  std::string why;
+  AttentionEngine* engine = EngineFrom("cudnn", &why);
+  if (engine == nullptr) {
+    const char* required = std::getenv("ATTNSERVE_REQUIRE_CUDNN");
+    if (required != nullptr && std::string(required) == "1") {
+      ADD_FAILURE() << "ATTNSERVE_REQUIRE_CUDNN=1 but: " << why;
+    }
+    *skip = why;
+  }
+  return engine;
+}
+
+// Every key column 0 visible, so that no row of a random mask sees nothing
+// (those rows go to our kernels).
+void OpenFirstKey(AttendCase& c) {
+  if (c.mask_choice == MaskChoice::kNone) return;
+  const int64_t lk = c.mask_shape.back();
+  for (int64_t at = 0; at < c.mask.num_elements(); at += lk) {
+    if (c.mask_choice == MaskChoice::kBool) {
+      c.mask.data_as<uint8_t>()[at] = 1;
+    } else {
+      StoreFromFloat(c.mask.dtype(), c.mask.data(), at, 0.5f);
+    }
+  }
+}
+
+// cuDNN's SDPA computes exactly what the reference does on what it takes:
+// both dtypes, head dims 64/128, causal (bottom-right; with a mask or key
+// lengths, the shifted top-left diagonal), GQA, Lq != Lk, a decode row,
+// lengths off the buckets (padded, with cuDNN's sequence lengths), key
+// lengths, bool and additive masks broadcast several ways, the token layout,
+// another output dtype. Cases marked optional may be declined by cuDNN
+// (other head dims, Dv != Dk, fp32 bias): each is reported, and when served
+// must be right.
+TEST(CudaEngineTest, CudnnServesItsCasesExactly) {
+  REQUIRE_GPU();
+  std::string skip;
+  AttentionEngine* cudnn = CudnnOnlyOrSkip(&skip);
+  if (cudnn == nullptr) GTEST_SKIP() << skip;
+  std::mt19937 rng(41);
+  struct Case {
+    AttendCase c;
+    bool optional = false;
+  };
+  std::vector<Case> cases;
+  auto base = [](DType dtype, int64_t dim, bool causal, int64_t lq, int64_t lk) {
+    AttendCase c;
+    c.dtype = c.out_dtype = dtype;
+    c.dk = c.dv = dim;
+    c.batch = 2;
+    c.heads = 4;
+    c.kv_heads = 2;
+    c.q_len = lq;
+    c.kv_len = lk;
+    c.causal = causal;
+    c.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
+    return c;
+  };
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16})
+    for (int64_t dim : {64, 128})
+      for (bool causal : {false, true})
+        for (auto [lq, lk] : {std::pair<int64_t, int64_t>{128, 128},
+                              {100, 100},
+                              {1, 300},
+                              {64, 200},
+                              {333, 1000}}) {
+          cases.push_back({base(dtype, dim, causal, lq, lk)});
+        }
+  for (bool causal : {false, true}) {
+    const DType bf16 = DType::kBFloat16;
+    AttendCase lengths = base(bf16, 128, causal, 100, 300);
+    lengths.with_lengths = true;
+    cases.push_back({lengths});
+    for (Shape shape : {Shape{2, 1, 100, 300}, Shape{100, 300}, Shape{2, 4, 100, 300},
+                        Shape{2, 1, 1, 300}}) {
+      AttendCase bool_mask = base(bf16, 128, causal, 100, 300);
+      bool_mask.mask_choice = MaskChoice::kBool;
+      bool_mask.mask_shape = shape;
+      bool_mask.with_lengths = shape.size() == 2;
+      cases.push_back({bool_mask});
+      AttendCase additive = bool_mask;
+      additive.mask_choice = MaskChoice::kAdditive;  // random dtype: fp32 ones optional
+      cases.push_back({additive, true});
+    }
+    AttendCase token = base(DType::kFloat16, 64, causal, 100, 100);
+    token.token_layout = true;
+    cases.push_back({token});
+    AttendCase fp32_out = base(bf16, 64, causal, 70, 70);
+    fp32_out.out_dtype = DType::kFloat32;
+    cases.push_back({fp32_out});
+    AttendCase dv = base(bf16, 128, causal, 64, 64);
+    dv.dv = 64;
+    cases.push_back({dv, true});
+    for (int64_t dim : {32, 96, 256}) cases.push_back({base(bf16, dim, causal, 200, 200), true});
+  }
+  std::vector<std::string> declined;
+  for (size_t n = 0; n < cases.size(); ++n) {
+    AttendCase& c = cases[n].c;
+    c.Fill(rng);
+    OpenFirstKey(c);
+    if (c.with_lengths) c.lengths = {c.kv_len, c.kv_len / 2 + 1};
+    SCOPED_TRACE(c.Describe());
+    if (cases[n].optional) {
+      const AttentionTask probe = c.Task();
+      const absl::Status status = cudnn->Run(*c.layer, {&probe, 1});
+      if (absl::IsUnimplemented(status)) {
+        declined.push_back(c.Describe() + " (mask dtype " +
+                           std::string(DTypeName(c.mask.dtype())) + "): " +
+                           std::string(status.message()));
+        continue;
+      }
+    }
+    CompareWithReference(c, cudnn);
+    if (HasFatalFailure()) return;
+  }
+  for (const std::string& d : declined) std::cout << "cuDNN declined: " << d << "\n";
+  RecordProperty("cudnn_declined", static_cast<int>(declined.size()));
+}
+
+// What cuDNN cannot compute exactly is named, on the cuDNN-only engine (the
+// default engine serves these on the kernels written here: see
+// FullyMaskedRowsAreZeros and the random cases).
+TEST(CudaEngineTest, CudnnOnlyNamesWhatCudnnCannotServe) {
+  REQUIRE_GPU();
+  std::string skip;
+  AttentionEngine* cudnn = CudnnOnlyOrSkip(&skip);
+  if (cudnn == nullptr) GTEST_SKIP() << skip;
+  std::mt19937 rng(43);
+  auto expect_refused = [&](AttendCase c, const std::string& reason) {
+    c.Fill(rng);
+    if (c.with_lengths) c.lengths = {0, c.kv_len};
+    const AttentionTask task = c.Task();
+    const absl::Status status = cudnn->Run(*c.layer, {&task, 1});
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << c.Describe() << ": " << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(reason)) << c.Describe();
+  };
+  AttendCase fp32;
+  fp32.batch = 2;
+  fp32.heads = fp32.kv_heads = 2;
+  fp32.q_len = fp32.kv_len = 64;
+  expect_refused(fp32, "fp16/bf16");
+  AttendCase weights = fp32;
+  weights.dtype = weights.out_dtype = DType::kFloat16;
+  weights.need_weights = true;
+  expect_refused(weights, "need_weights");
+  AttendCase empty = fp32;
+  empty.dtype = empty.out_dtype = DType::kBFloat16;
+  empty.with_lengths = true;
+  expect_refused(empty, "sees no key");
+  AttendCase short_keys = empty;
+  short_keys.with_lengths = false;
+  short_keys.causal = true;
+  short_keys.q_len = 80;
+  expect_refused(short_keys, "sees no key");
 }
 
 // The fused kernel's own grid: both dtypes, both head dims, causal or not,
