@@ -88,10 +88,12 @@ void Check(cudaError_t err, const char* what) {
 
 // One attention shape: the kernel written here (flash, or the general one
 // where flash does not apply) and, when cuDNN loads, cuDNN's SDPA through
-// CudnnSdpa. `len` is the exact length; cuDNN plans at its bucket.
+// CudnnSdpa. `len` is the exact length; the buffers have the rows of its
+// bucket, as the engine lays them out for cuDNN (cudnn_sdpa.h).
 void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t dim, bool causal,
                     int iters) {
-  const int64_t n = batch * heads * len * dim;
+  const int64_t rows = SdpaBucketLength(len);
+  const int64_t n = batch * heads * rows * dim;
   DeviceBuffer q = Random(t, n, 1), k = Random(t, n, 2), v = Random(t, n, 3);
   absl::StatusOr<DeviceBuffer> out =
       DeviceBuffer::Allocate(static_cast<size_t>(n) * DTypeSize(t));
@@ -106,7 +108,10 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
   a.k = k.data();
   a.v = v.data();
   a.out = out->data();
-  SetContiguousStrides(&a, HeadLayoutStrides);
+  HeadLayoutStrides(heads, rows, dim, &a.q_stride_b, &a.q_stride_h, &a.q_stride_row);
+  HeadLayoutStrides(heads, rows, dim, &a.k_stride_b, &a.k_stride_h, &a.k_stride_row);
+  HeadLayoutStrides(heads, rows, dim, &a.v_stride_b, &a.v_stride_h, &a.v_stride_row);
+  HeadLayoutStrides(heads, rows, dim, &a.o_stride_b, &a.o_stride_h, &a.o_stride_row);
   a.causal = causal;
   a.scale = 1.0f / std::sqrt(static_cast<float>(dim));
   // 2 GEMMs of 2*L*L*D flops each per (b, h); causal does about half.
@@ -117,7 +122,7 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
         "\"heads\": %ld, \"seq\": %ld, \"bucket\": %ld, \"head_dim\": %ld, \"causal\": %s, "
         "\"ms\": %.4f, \"first_call_ms\": %.2f, \"tflops\": %.2f}\n",
         kernel, TypeName(t), static_cast<long>(batch), static_cast<long>(heads),
-        static_cast<long>(len), static_cast<long>(SdpaBucketLength(len)),
+        static_cast<long>(len), static_cast<long>(rows),
         static_cast<long>(dim), causal ? "true" : "false", ms, first_ms,
         flops / (ms * 1e-3) / 1e12);
     std::fflush(stdout);
@@ -150,6 +155,7 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
   s.heads = s.kv_heads = heads;
   s.head_dim = s.head_dim_v = dim;
   s.q_len = s.kv_len = len;
+  s.q_rows = s.kv_rows = rows;
   s.causal = causal;
   args.q = q.data();
   args.k = k.data();

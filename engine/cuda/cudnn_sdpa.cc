@@ -1,8 +1,8 @@
 // cuDNN's SDPA through the cuDNN frontend (header-only, built with its
 // dynamic loading: libcudnn.so.9 is dlopened here, never linked). A plan per
 // shape bucket, built on first use and kept in a bounded LRU cache per
-// workspace; inputs padded to the bucket on the device, exact lengths passed
-// as cuDNN's sequence lengths.
+// workspace; the caller lays the data out at the bucket's rows, and the
+// exact lengths reach cuDNN as its sequence lengths.
 #include "engine/cuda/cudnn_sdpa.h"
 
 #include <dlfcn.h>
@@ -62,7 +62,7 @@ enum class CausalMode : int64_t { kNone, kBottomRight, kShifted };
 // A plan's identity: everything the graph is built from.
 struct PlanKey {
   DType dtype;
-  int64_t batch, heads, kv_heads, head_dim, head_dim_v, q_bucket, kv_bucket;
+  int64_t batch, heads, kv_heads, head_dim, head_dim_v, q_rows, kv_rows;
   bool token_layout, padded;
   CausalMode causal;
   int64_t shift;  // kShifted: Lk - Lq
@@ -72,7 +72,7 @@ struct PlanKey {
 
   std::array<int64_t, 16> Tuple() const {
     return {static_cast<int64_t>(dtype), batch,  heads,     kv_heads,
-            head_dim,                    head_dim_v, q_bucket, kv_bucket,
+            head_dim,                    head_dim_v, q_rows, kv_rows,
             token_layout,                padded, static_cast<int64_t>(causal), shift,
             static_cast<int64_t>(mask),  static_cast<int64_t>(bias_dtype), mask_per_batch,
             mask_per_head};
@@ -88,8 +88,8 @@ PlanKey KeyFor(const SdpaShape& s) {
   k.kv_heads = s.kv_heads;
   k.head_dim = s.head_dim;
   k.head_dim_v = s.head_dim_v;
-  k.q_bucket = SdpaBucketLength(s.q_len);
-  k.kv_bucket = SdpaBucketLength(s.kv_len);
+  k.q_rows = s.q_rows;
+  k.kv_rows = s.kv_rows;
   k.token_layout = s.token_layout;
   k.padded = CudnnSdpa::NeedsSequenceLengths(s);
   k.mask = s.mask;
@@ -135,9 +135,9 @@ absl::StatusOr<std::shared_ptr<fe::graph::Graph>> BuildGraph(const PlanKey& k,
                              .set_dim({k.batch, heads, len, dim})
                              .set_stride(Strides(k.token_layout, heads, len, dim)));
   };
-  auto q = tensor("Q", kUidQ, k.heads, k.q_bucket, k.head_dim);
-  auto key = tensor("K", kUidK, k.kv_heads, k.kv_bucket, k.head_dim);
-  auto v = tensor("V", kUidV, k.kv_heads, k.kv_bucket, k.head_dim_v);
+  auto q = tensor("Q", kUidQ, k.heads, k.q_rows, k.head_dim);
+  auto key = tensor("K", kUidK, k.kv_heads, k.kv_rows, k.head_dim);
+  auto v = tensor("V", kUidV, k.kv_heads, k.kv_rows, k.head_dim_v);
   auto scale = graph->tensor(fe::graph::Tensor_attributes()
                                  .set_name("scale")
                                  .set_uid(kUidScale)
@@ -162,9 +162,9 @@ absl::StatusOr<std::shared_ptr<fe::graph::Graph>> BuildGraph(const PlanKey& k,
                                   .set_name("bias")
                                   .set_uid(kUidBias)
                                   .set_data_type(FeType(k.bias_dtype))
-                                  .set_dim({mb, mh, k.q_bucket, k.kv_bucket})
-                                  .set_stride({mh * k.q_bucket * k.kv_bucket,
-                                               k.q_bucket * k.kv_bucket, k.kv_bucket, 1}));
+                                  .set_dim({mb, mh, k.q_rows, k.kv_rows})
+                                  .set_stride({mh * k.q_rows * k.kv_rows,
+                                               k.q_rows * k.kv_rows, k.kv_rows, 1}));
     options.set_bias(bias);
   }
   if (k.padded) {
@@ -184,8 +184,8 @@ absl::StatusOr<std::shared_ptr<fe::graph::Graph>> BuildGraph(const PlanKey& k,
   (void)stats;
   o->set_output(true)
       .set_uid(kUidO)
-      .set_dim({k.batch, k.heads, k.q_bucket, k.head_dim_v})
-      .set_stride(Strides(k.token_layout, k.heads, k.q_bucket, k.head_dim_v));
+      .set_dim({k.batch, k.heads, k.q_rows, k.head_dim_v})
+      .set_stride(Strides(k.token_layout, k.heads, k.q_rows, k.head_dim_v));
 
   // Any step's failure is cuDNN declining this graph: the caller falls back.
   fe::error_t e = graph->validate();
@@ -195,27 +195,6 @@ absl::StatusOr<std::shared_ptr<fe::graph::Graph>> BuildGraph(const PlanKey& k,
   if (e.is_good()) e = graph->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
   if (!e.is_good()) return absl::UnimplementedError(FeMessage(e));
   return graph;
-}
-
-// Copies `outer` rows of `len * per` elements into rows of `pad * per`
-// (zero-filling the tail of each), or back when `unpad`.
-absl::Status PadRows(const void* src, void* dst, size_t elem, int64_t outer, int64_t len,
-                     int64_t pad, int64_t per, bool unpad, cudaStream_t stream) {
-  const size_t exact = static_cast<size_t>(len * per) * elem;
-  const size_t padded = static_cast<size_t>(pad * per) * elem;
-  if (unpad) {
-    ATTNSERVE_CUDA_CALL(cudaMemcpy2DAsync(dst, exact, src, padded, exact,
-                                          static_cast<size_t>(outer), cudaMemcpyDeviceToDevice,
-                                          stream));
-    return absl::OkStatus();
-  }
-  ATTNSERVE_CUDA_CALL(cudaMemcpy2DAsync(dst, padded, src, exact, exact, static_cast<size_t>(outer),
-                                        cudaMemcpyDeviceToDevice, stream));
-  if (padded > exact) {
-    ATTNSERVE_CUDA_CALL(cudaMemset2DAsync(static_cast<char*>(dst) + exact, padded, 0,
-                                          padded - exact, static_cast<size_t>(outer), stream));
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -328,8 +307,7 @@ std::optional<std::string> SdpaRefusal(const AttentionParams& p, DType compute) 
 }
 
 bool CudnnSdpa::NeedsSequenceLengths(const SdpaShape& s) {
-  return s.has_key_lengths || SdpaBucketLength(s.q_len) != s.q_len ||
-         SdpaBucketLength(s.kv_len) != s.kv_len;
+  return s.has_key_lengths || s.q_rows != s.q_len || s.kv_rows != s.kv_len;
 }
 
 struct CudnnSdpa::Impl {
@@ -415,49 +393,23 @@ absl::Status CudnnSdpa::Enqueue(const SdpaArgs& args, DeviceAllocator alloc,
     return absl::InternalError("cuDNN SDPA: a padded plan without sequence lengths");
   }
 
-  // Inputs padded to the bucket (a no-op at an exact fit).
-  const size_t elem = DTypeSize(s.dtype);
-  auto pad = [&](const void* src, int64_t heads, int64_t len, int64_t bucket,
-                 int64_t dim) -> absl::StatusOr<const void*> {
-    if (len == bucket) return src;
-    const int64_t outer = s.token_layout ? s.batch : s.batch * heads;
-    const int64_t per = s.token_layout ? heads * dim : dim;
-    absl::StatusOr<void*> dst = alloc(static_cast<size_t>(outer * bucket * per) * elem);
-    if (!dst.ok()) return dst.status();
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(
-        PadRows(src, *dst, elem, outer, len, bucket, per, /*unpad=*/false, stream));
-    return static_cast<const void*>(*dst);
-  };
-  absl::StatusOr<const void*> q = pad(args.q, s.heads, s.q_len, key.q_bucket, s.head_dim);
-  if (!q.ok()) return q.status();
-  absl::StatusOr<const void*> k = pad(args.k, s.kv_heads, s.kv_len, key.kv_bucket, s.head_dim);
-  if (!k.ok()) return k.status();
-  absl::StatusOr<const void*> v = pad(args.v, s.kv_heads, s.kv_len, key.kv_bucket, s.head_dim_v);
-  if (!v.ok()) return v.status();
-  void* out = args.out;
-  const int64_t out_outer = s.token_layout ? s.batch : s.batch * s.heads;
-  const int64_t out_per = s.token_layout ? s.heads * s.head_dim_v : s.head_dim_v;
-  if (key.q_bucket != s.q_len) {
-    absl::StatusOr<void*> padded_out =
-        alloc(static_cast<size_t>(out_outer * key.q_bucket * out_per) * elem);
-    if (!padded_out.ok()) return padded_out.status();
-    out = *padded_out;
+  if (s.q_rows < s.q_len || s.kv_rows < s.kv_len) {
+    return absl::InternalError("cuDNN SDPA: buffers shorter than the sequences");
   }
-
   float scale = args.scale;
-  std::unordered_map<int64_t, void*> pack = {{kUidQ, const_cast<void*>(*q)},
-                                             {kUidK, const_cast<void*>(*k)},
-                                             {kUidV, const_cast<void*>(*v)},
-                                             {kUidO, out},
+  std::unordered_map<int64_t, void*> pack = {{kUidQ, const_cast<void*>(args.q)},
+                                             {kUidK, const_cast<void*>(args.k)},
+                                             {kUidV, const_cast<void*>(args.v)},
+                                             {kUidO, args.out},
                                              {kUidScale, &scale}};
   if (key.mask != MaskParams::Kind::kNone) {
     const int64_t mb = key.mask_per_batch ? s.batch : 1;
     const int64_t mh = key.mask_per_head ? s.heads : 1;
-    absl::StatusOr<void*> bias = alloc(static_cast<size_t>(mb * mh * key.q_bucket * key.kv_bucket) *
+    absl::StatusOr<void*> bias = alloc(static_cast<size_t>(mb * mh * key.q_rows * key.kv_rows) *
                                        DTypeSize(key.bias_dtype));
     if (!bias.ok()) return bias.status();
-    ATTNSERVE_CUDA_CALL(LaunchExpandMask(args.mask, mb, mh, s.q_len, s.kv_len, key.q_bucket,
-                                         key.kv_bucket, *bias, key.bias_dtype, stream));
+    ATTNSERVE_CUDA_CALL(LaunchExpandMask(args.mask, mb, mh, s.q_len, s.kv_len, key.q_rows,
+                                         key.kv_rows, *bias, key.bias_dtype, stream));
     pack[kUidBias] = *bias;
   }
   if (key.padded) {
@@ -481,10 +433,6 @@ absl::Status CudnnSdpa::Enqueue(const SdpaArgs& args, DeviceAllocator alloc,
     }
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("cuDNN SDPA execute: ", e.what()));
-  }
-  if (out != args.out) {
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(PadRows(out, args.out, elem, out_outer, s.q_len, key.q_bucket,
-                                           out_per, /*unpad=*/true, stream));
   }
   return absl::OkStatus();
 }

@@ -11,10 +11,11 @@
 // (unsupported head dim, bias type, ...): the refusal is cached with its
 // shape and the engine's kernels serve it.
 //
-// Plans are keyed by a shape bucket: the sequence lengths round up to
-// SdpaBucketLength, the inputs are zero-padded to it on the device, and the
-// exact lengths reach cuDNN as sequence lengths (its padding mask). So a
-// server that sees many lengths builds few plans.
+// Plans are keyed by a shape bucket: the caller lays the data out with
+// SdpaBucketLength rows per sequence (uploading into that layout, so no
+// extra pass over the data) and the exact lengths reach cuDNN as sequence
+// lengths (its padding mask). So a server that sees many lengths builds few
+// plans.
 #ifndef ATTNSERVE_ENGINE_CUDA_CUDNN_SDPA_H_
 #define ATTNSERVE_ENGINE_CUDA_CUDNN_SDPA_H_
 
@@ -66,8 +67,9 @@ bool SomeRowSeesNoKey(const AttentionParams& p);
 struct SdpaShape {
   DType dtype = DType::kFloat16;  // Q, K, V and O
   int64_t batch = 0, heads = 0, kv_heads = 0, head_dim = 0, head_dim_v = 0;
-  int64_t q_len = 0, kv_len = 0;  // exact
-  bool token_layout = false;      // [B, L, H * D] (else [B, H, L, D]), contiguous
+  int64_t q_len = 0, kv_len = 0;    // exact
+  int64_t q_rows = 0, kv_rows = 0;  // rows per sequence in the buffers (>= the lengths)
+  bool token_layout = false;        // [B, rows, H * D] (else [B, H, rows, D]), contiguous
   bool causal = false;
   bool has_key_lengths = false;
   MaskParams::Kind mask = MaskParams::Kind::kNone;
@@ -76,8 +78,11 @@ struct SdpaShape {
 };
 
 // One request for CudnnSdpa::Enqueue, all pointers on the device. Q, K, V
-// and O are contiguous in `shape`'s layout with exact lengths; `mask` has
-// the broadcast strides of attention_params.h.
+// and O are contiguous in `shape`'s layout with q_rows / kv_rows rows per
+// sequence; the rows past q_len / kv_len of K and V hold finite values
+// (zeros: a masked score still multiplies its V row by 0), O's are written
+// with values to ignore. `mask` has the broadcast strides of
+// attention_params.h over the exact lengths.
 struct SdpaArgs {
   SdpaShape shape;
   const void* q = nullptr;
@@ -100,13 +105,13 @@ class CudnnSdpa {
   static absl::StatusOr<std::unique_ptr<CudnnSdpa>> Create(size_t max_plans);
   ~CudnnSdpa();
 
-  // Whether a plan for this request pads its inputs, so that the caller
-  // stages SdpaArgs::seq_len_q/kv (before its uploads complete).
+  // Whether the plan for this request masks padding (rows past the lengths,
+  // or key lengths), so that the caller stages SdpaArgs::seq_len_q/kv.
   static bool NeedsSequenceLengths(const SdpaShape& shape);
 
-  // Enqueues the request on `stream`. Device scratch (padded copies, the
-  // expanded mask, cuDNN's workspace) comes from `alloc`, valid until the
-  // stream has run. Returns:
+  // Enqueues the request on `stream`. Device scratch (the expanded mask,
+  // cuDNN's workspace) comes from `alloc`, valid until the stream has run.
+  // Returns:
   //   OK            enqueued;
   //   Unimplemented cuDNN refuses this shape (message: its reason); nothing
   //                 was enqueued, the caller computes it another way;

@@ -55,8 +55,10 @@ struct SdpaRoute {
 };
 
 // The route for host-side `p` computed in `compute` over contiguous Q/K/V/O
-// in the token layout or the head layout. Unimplemented, naming the reason,
-// when the engine must use cuDNN (ATTNSERVE_CUDA_ATTENTION=cudnn) and cannot.
+// in the token layout or the head layout, with the rows per sequence its
+// buffers must have (route.shape.q_rows / kv_rows). Unimplemented, naming
+// the reason, when the engine must use cuDNN (ATTNSERVE_CUDA_ATTENTION=cudnn)
+// and cannot.
 absl::StatusOr<SdpaRoute> RouteSdpa(Call& call, const AttentionParams& p, DType compute,
                                     bool token_layout) {
   SdpaRoute route;
@@ -79,6 +81,13 @@ absl::StatusOr<SdpaRoute> RouteSdpa(Call& call, const AttentionParams& p, DType 
   s.head_dim_v = p.head_dim_v;
   s.q_len = p.q_len;
   s.kv_len = p.kv_len;
+  // Bucketed rows where the layout allows them in place: the head layout
+  // ([B, H, rows, D], padded on upload), and the token layout of one
+  // sequence (rows past its length at the end of the buffer). A token layout
+  // of several sequences has each start where the previous ends: exact.
+  const bool bucketed = !token_layout || p.batch == 1;
+  s.q_rows = bucketed ? SdpaBucketLength(p.q_len) : p.q_len;
+  s.kv_rows = bucketed ? SdpaBucketLength(p.kv_len) : p.kv_len;
   s.token_layout = token_layout;
   s.causal = p.causal;
   s.has_key_lengths = p.key_lengths != nullptr;
@@ -116,7 +125,7 @@ absl::Status RunCudnn(Call& call, const AttentionParams& a, const SdpaRoute& rou
   args.mask = a.mask;
   args.scale = a.scale;
   args.out = a.out;
-  const int64_t out_n = a.batch * a.num_heads * a.q_len * a.head_dim_v;
+  const int64_t out_n = a.batch * a.num_heads * route.shape.q_rows * a.head_dim_v;
   if (a.out_dtype != a.dtype) {  // cuDNN writes the inputs' dtype; convert after
     absl::StatusOr<void*> out = call.DeviceAlloc(static_cast<size_t>(out_n) * DTypeSize(a.dtype));
     if (!out.ok()) return out.status();
@@ -190,63 +199,81 @@ absl::Status RunCore(Call& call, AttentionParams& a, const AttentionParams& p,
 }  // namespace
 
 absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType compute) {
+  // cuDNN or not is decided first: its plans want Q, K, V and O with the
+  // rows of the lengths' buckets, and the uploads write that layout.
+  absl::StatusOr<SdpaRoute> route = RouteSdpa(call, p, compute, /*token_layout=*/false);
+  if (!route.ok()) return route.status();
+  const int64_t q_rows = route->use ? route->shape.q_rows : p.q_len;
+  const int64_t kv_rows = route->use ? route->shape.kv_rows : p.kv_len;
+
   const DType in_type = p.dtype;
   const size_t in_size = DTypeSize(in_type);
   absl::StatusOr<void*> q =
       call.UploadHeads(p.q, in_size, p.batch, p.num_heads, p.q_len, p.head_dim, p.q_stride_b,
-                       p.q_stride_h, p.q_stride_row);
+                       p.q_stride_h, p.q_stride_row, q_rows);
   if (!q.ok()) return q.status();
   absl::StatusOr<void*> k =
       call.UploadHeads(p.k, in_size, p.batch, p.num_kv_heads, p.kv_len, p.head_dim, p.k_stride_b,
-                       p.k_stride_h, p.k_stride_row);
+                       p.k_stride_h, p.k_stride_row, kv_rows);
   if (!k.ok()) return k.status();
   absl::StatusOr<void*> v =
       call.UploadHeads(p.v, in_size, p.batch, p.num_kv_heads, p.kv_len, p.head_dim_v,
-                       p.v_stride_b, p.v_stride_h, p.v_stride_row);
+                       p.v_stride_b, p.v_stride_h, p.v_stride_row, kv_rows);
   if (!v.ok()) return v.status();
 
   AttentionParams a = DeviceParams(p);
   ATTNSERVE_CUDA_RETURN_IF_ERROR(StageMaskAndLengths(call, p, a));
-  absl::StatusOr<SdpaRoute> route = RouteSdpa(call, p, compute, /*token_layout=*/false);
-  if (!route.ok()) return route.status();
   ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
   a.dtype = compute;
   absl::StatusOr<const void*> qc =
-      ConvertOnDevice(call, *q, in_type, compute, p.batch * p.num_heads * p.q_len * p.head_dim);
+      ConvertOnDevice(call, *q, in_type, compute, p.batch * p.num_heads * q_rows * p.head_dim);
   if (!qc.ok()) return qc.status();
   absl::StatusOr<const void*> kc = ConvertOnDevice(
-      call, *k, in_type, compute, p.batch * p.num_kv_heads * p.kv_len * p.head_dim);
+      call, *k, in_type, compute, p.batch * p.num_kv_heads * kv_rows * p.head_dim);
   if (!kc.ok()) return kc.status();
   absl::StatusOr<const void*> vc = ConvertOnDevice(
-      call, *v, in_type, compute, p.batch * p.num_kv_heads * p.kv_len * p.head_dim_v);
+      call, *v, in_type, compute, p.batch * p.num_kv_heads * kv_rows * p.head_dim_v);
   if (!vc.ok()) return vc.status();
   a.q = *qc;
   a.k = *kc;
   a.v = *vc;
 
-  // The output comes back contiguous and is scattered into p.out's strides.
+  // [B, H, rows, D] buffers; the kernels read them through these strides.
+  HeadLayoutStrides(p.num_heads, q_rows, p.head_dim, &a.q_stride_b, &a.q_stride_h,
+                    &a.q_stride_row);
+  HeadLayoutStrides(p.num_kv_heads, kv_rows, p.head_dim, &a.k_stride_b, &a.k_stride_h,
+                    &a.k_stride_row);
+  HeadLayoutStrides(p.num_kv_heads, kv_rows, p.head_dim_v, &a.v_stride_b, &a.v_stride_h,
+                    &a.v_stride_row);
+  HeadLayoutStrides(p.num_heads, q_rows, p.head_dim_v, &a.o_stride_b, &a.o_stride_h,
+                    &a.o_stride_row);
+
+  // The output comes back without its padding rows and is scattered into
+  // p.out's strides.
   a.out_dtype = p.out_dtype;
   const size_t out_size = DTypeSize(a.out_dtype);
-  const size_t out_bytes =
-      static_cast<size_t>(p.batch * p.num_heads * p.q_len * p.head_dim_v) * out_size;
-  absl::StatusOr<void*> out = call.DeviceAlloc(out_bytes);
+  absl::StatusOr<void*> out = call.DeviceAlloc(
+      static_cast<size_t>(p.batch * p.num_heads * q_rows * p.head_dim_v) * out_size);
   if (!out.ok()) return out.status();
   a.out = *out;
-  SetContiguousStrides(&a, HeadLayoutStrides);
   ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, a, p, *route));
 
-  return call.Download(a.out, out_bytes, [p, out_size](const char* pinned) {
-    const size_t row_bytes = static_cast<size_t>(p.head_dim_v) * out_size;
-    char* host = static_cast<char*>(p.out);
-    for (int64_t b = 0; b < p.batch; ++b)
-      for (int64_t h = 0; h < p.num_heads; ++h)
-        for (int64_t i = 0; i < p.q_len; ++i) {
-          std::memcpy(host + (b * p.o_stride_b + h * p.o_stride_h + i * p.o_stride_row) *
-                                 static_cast<int64_t>(out_size),
-                      pinned, row_bytes);
-          pinned += row_bytes;
-        }
-  });
+  const size_t block = static_cast<size_t>(p.q_len * p.head_dim_v) * out_size;
+  const size_t pitch = static_cast<size_t>(q_rows * p.head_dim_v) * out_size;
+  return call.DownloadRows(
+      a.out, block, pitch, static_cast<size_t>(p.batch * p.num_heads),
+      [p, out_size](const char* pinned) {
+        const size_t row_bytes = static_cast<size_t>(p.head_dim_v) * out_size;
+        char* host = static_cast<char*>(p.out);
+        for (int64_t b = 0; b < p.batch; ++b)
+          for (int64_t h = 0; h < p.num_heads; ++h)
+            for (int64_t i = 0; i < p.q_len; ++i) {
+              std::memcpy(host + (b * p.o_stride_b + h * p.o_stride_h + i * p.o_stride_row) *
+                                     static_cast<int64_t>(out_size),
+                          pinned, row_bytes);
+              pinned += row_bytes;
+            }
+      });
 }
 
 absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const DeviceLayer& w,
@@ -293,14 +320,27 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
     if (!xv.ok()) return xv.status();
   }
 
+  // The projections write B * L rows; a cuDNN plan of one sequence wants
+  // its bucket's rows, the tail zeroed (RouteSdpa).
+  const int64_t q_buffer_rows = route->use ? p.batch * route->shape.q_rows : q_rows;
+  const int64_t kv_buffer_rows = route->use ? p.batch * route->shape.kv_rows : kv_rows;
   const int64_t q_features = p.num_heads * p.head_dim;
   const int64_t kv_features = p.num_kv_heads * p.head_dim;
   const int64_t v_features = p.num_kv_heads * p.head_dim_v;
-  absl::StatusOr<void*> q = call.DeviceAlloc(static_cast<size_t>(q_rows * q_features) * ct_size);
+  auto projected = [&](int64_t rows, int64_t buffer_rows, int64_t features) -> absl::StatusOr<void*> {
+    absl::StatusOr<void*> buffer =
+        call.DeviceAlloc(static_cast<size_t>(buffer_rows * features) * ct_size);
+    if (!buffer.ok() || buffer_rows == rows) return buffer;
+    ATTNSERVE_CUDA_CALL(cudaMemsetAsync(
+        static_cast<char*>(*buffer) + static_cast<size_t>(rows * features) * ct_size, 0,
+        static_cast<size_t>((buffer_rows - rows) * features) * ct_size, call.stream()));
+    return buffer;
+  };
+  absl::StatusOr<void*> q = projected(q_rows, q_buffer_rows, q_features);
   if (!q.ok()) return q.status();
-  absl::StatusOr<void*> k = call.DeviceAlloc(static_cast<size_t>(kv_rows * kv_features) * ct_size);
+  absl::StatusOr<void*> k = projected(kv_rows, kv_buffer_rows, kv_features);
   if (!k.ok()) return k.status();
-  absl::StatusOr<void*> v = call.DeviceAlloc(static_cast<size_t>(kv_rows * v_features) * ct_size);
+  absl::StatusOr<void*> v = projected(kv_rows, kv_buffer_rows, v_features);
   if (!v.ok()) return v.status();
   ATTNSERVE_CUDA_RETURN_IF_ERROR(call.gemm().Linear(ct, *xq, q_rows, config.query_dim,
                                                     w.wq.data(), w.bq.data(), q_features, *q));
@@ -309,9 +349,11 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
   ATTNSERVE_CUDA_RETURN_IF_ERROR(
       call.gemm().Linear(ct, *xv, kv_rows, value_dim, w.wv.data(), w.bv.data(), v_features, *v));
 
-  // Attention over the token layout [B, L, H*D], written in the same layout.
+  // Attention over the token layout [B, L, H*D], written in the same layout
+  // (the out-projection reads the first B * Lq rows).
   const int64_t o_features = p.num_heads * p.head_dim_v;
-  absl::StatusOr<void*> attn = call.DeviceAlloc(static_cast<size_t>(q_rows * o_features) * ct_size);
+  absl::StatusOr<void*> attn =
+      call.DeviceAlloc(static_cast<size_t>(q_buffer_rows * o_features) * ct_size);
   if (!attn.ok()) return attn.status();
   a.dtype = ct;
   a.q = *q;

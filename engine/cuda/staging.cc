@@ -65,7 +65,7 @@ absl::StatusOr<void*> Call::Upload(const void* host, size_t bytes) {
 
 absl::StatusOr<void*> Call::UploadHeads(const void* host, size_t elem_size, int64_t batch,
                                         int64_t heads, int64_t len, int64_t dim, int64_t stride_b,
-                                        int64_t stride_h, int64_t stride_row) {
+                                        int64_t stride_h, int64_t stride_row, int64_t rows) {
   const size_t bytes = static_cast<size_t>(batch * heads * len * dim) * elem_size;
   absl::StatusOr<void*> staging = ws_.pinned.Allocate(bytes);
   if (!staging.ok()) return staging.status();
@@ -85,7 +85,18 @@ absl::StatusOr<void*> Call::UploadHeads(const void* host, size_t elem_size, int6
           dst += row_bytes;
         }
   }
-  return UploadStaged(*staging, bytes);
+  if (rows == len) return UploadStaged(*staging, bytes);
+  // Each (b, h) block of len * dim lands at the start of rows * dim.
+  const size_t block = static_cast<size_t>(len * dim) * elem_size;
+  const size_t pitch = static_cast<size_t>(rows * dim) * elem_size;
+  const size_t blocks = static_cast<size_t>(batch * heads);
+  absl::StatusOr<void*> device = ws_.device.Allocate(pitch * blocks);
+  if (!device.ok()) return device.status();
+  ATTNSERVE_CUDA_CALL(cudaMemcpy2DAsync(*device, pitch, *staging, block, block, blocks,
+                                        cudaMemcpyHostToDevice, ws_.copy_stream));
+  ATTNSERVE_CUDA_CALL(cudaMemset2DAsync(static_cast<char*>(*device) + block, pitch, 0,
+                                        pitch - block, blocks, ws_.copy_stream));
+  return *device;
 }
 
 absl::Status Call::UploadsDone() {
@@ -100,6 +111,18 @@ absl::Status Call::Download(const void* device, size_t bytes,
   if (!staging.ok()) return staging.status();
   ATTNSERVE_CUDA_CALL(
       cudaMemcpyAsync(*staging, device, bytes, cudaMemcpyDeviceToHost, ws_.stream));
+  const char* pinned = static_cast<const char*>(*staging);
+  deliveries_.push_back([pinned, deliver = std::move(deliver)] { deliver(pinned); });
+  return absl::OkStatus();
+}
+
+absl::Status Call::DownloadRows(const void* device, size_t row_bytes, size_t pitch,
+                                size_t count, std::function<void(const char* pinned)> deliver) {
+  if (pitch == row_bytes) return Download(device, row_bytes * count, std::move(deliver));
+  absl::StatusOr<void*> staging = ws_.pinned.Allocate(row_bytes * count);
+  if (!staging.ok()) return staging.status();
+  ATTNSERVE_CUDA_CALL(cudaMemcpy2DAsync(*staging, row_bytes, device, pitch, row_bytes, count,
+                                        cudaMemcpyDeviceToHost, ws_.stream));
   const char* pinned = static_cast<const char*>(*staging);
   deliveries_.push_back([pinned, deliver = std::move(deliver)] { deliver(pinned); });
   return absl::OkStatus();

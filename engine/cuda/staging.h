@@ -73,10 +73,11 @@ class Call {
   absl::StatusOr<void*> Upload(const void* host, size_t bytes);
 
   // Packs a strided [B, H, L, D] view (element strides, last dim contiguous)
-  // into a contiguous device copy.
+  // into a contiguous device copy [B, H, rows, D], rows >= L: the rows past
+  // L are zeros (the layout of a cuDNN plan's bucket; no extra pass).
   absl::StatusOr<void*> UploadHeads(const void* host, size_t elem_size, int64_t batch,
                                     int64_t heads, int64_t len, int64_t dim, int64_t stride_b,
-                                    int64_t stride_h, int64_t stride_row);
+                                    int64_t stride_h, int64_t stride_row, int64_t rows);
 
   // Makes work enqueued on stream() from now on wait for every upload so far.
   absl::Status UploadsDone();
@@ -85,6 +86,11 @@ class Call {
   // pinned copy after the stream has finished (in Finish).
   absl::Status Download(const void* device, size_t bytes,
                         std::function<void(const char* pinned)> deliver);
+
+  // Download of `count` rows of `row_bytes` that lie `pitch` bytes apart on
+  // the device; `deliver` gets them packed.
+  absl::Status DownloadRows(const void* device, size_t row_bytes, size_t pitch, size_t count,
+                            std::function<void(const char* pinned)> deliver);
 
   // Waits for the streams, then hands every result to its caller-owned buffer.
   absl::Status Finish();

@@ -492,8 +492,9 @@ void OpenFirstKey(AttendCase& c) {
 // both dtypes, head dims 64/128, causal (bottom-right; with a mask or key
 // lengths, the shifted top-left diagonal), GQA, Lq != Lk, a decode row,
 // lengths off the buckets (padded, with cuDNN's sequence lengths), key
-// lengths, bool and additive masks broadcast several ways, the token layout,
-// another output dtype. Cases marked optional may be declined by cuDNN
+// lengths, bool and additive masks broadcast several ways, the token layout
+// (one sequence at its bucket's rows, several at exact rows), another output
+// dtype. Cases marked optional may be declined by cuDNN
 // (other head dims, Dv != Dk, fp32 bias): each is reported, and when served
 // must be right.
 TEST(CudaEngineTest, CudnnServesItsCasesExactly) {
@@ -548,7 +549,14 @@ TEST(CudaEngineTest, CudnnServesItsCasesExactly) {
     }
     AttendCase token = base(DType::kFloat16, 64, causal, 100, 100);
     token.token_layout = true;
-    cases.push_back({token});
+    cases.push_back({token});  // two sequences: exact rows
+    AttendCase token_one = token;
+    token_one.batch = 1;
+    cases.push_back({token_one});  // one sequence: the bucket's rows, tail zeroed
+    AttendCase token_lengths = base(DType::kBFloat16, 128, causal, 1, 77);
+    token_lengths.token_layout = true;
+    token_lengths.with_lengths = true;
+    cases.push_back({token_lengths});
     AttendCase fp32_out = base(bf16, 64, causal, 70, 70);
     fp32_out.out_dtype = DType::kFloat32;
     cases.push_back({fp32_out});

@@ -157,17 +157,17 @@ TEST(SdpaRefusalTest, TakesFp16AndBf16AndNamesWhatItRefuses) {
   EXPECT_EQ(SdpaRefusal(short_keys, DType::kFloat16), std::nullopt);
 }
 
-TEST(CudnnSdpaTest, SequenceLengthsOnlyWhenThePlanPads) {
+TEST(CudnnSdpaTest, SequenceLengthsOnlyWhenThePlanMasksPadding) {
   SdpaShape s;
-  s.q_len = s.kv_len = 1024;
+  s.q_len = s.kv_len = s.q_rows = s.kv_rows = 1024;
   EXPECT_FALSE(CudnnSdpa::NeedsSequenceLengths(s));
   s.has_key_lengths = true;
   EXPECT_TRUE(CudnnSdpa::NeedsSequenceLengths(s));
   s.has_key_lengths = false;
-  s.kv_len = 1000;
+  s.kv_len = 1000;  // rows 1000..1023 of K and V are padding
   EXPECT_TRUE(CudnnSdpa::NeedsSequenceLengths(s));
   s.kv_len = 1024;
-  s.q_len = 1;  // a decode row: its own bucket
+  s.q_len = s.q_rows = 1;  // a decode row: its own bucket
   EXPECT_FALSE(CudnnSdpa::NeedsSequenceLengths(s));
 }
 
