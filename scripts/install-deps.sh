@@ -23,6 +23,9 @@ TEST_PACKAGES=(
   docker.io debootstrap
   # libFuzzer + ASan/UBSan for scripts/fuzz.sh (ctest's fuzz.short)
   clang-14 libfuzzer-14-dev libclang-rt-14-dev
+  # scripts/sanitize.sh (run by .ci/run): its instrumented abseil comes from Debian's source
+  # package (dpkg-dev unpacks it); ccache keeps repeated sanitizer builds short
+  dpkg-dev ccache
 )
 
 PACKAGES=("${BUILD_PACKAGES[@]}")

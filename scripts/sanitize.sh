@@ -7,21 +7,26 @@
 #       except the soak and the fuzzers (own builds, own bounds).
 #       Default BUILD_DIR: build-asan.
 #   scripts/sanitize.sh tsan [BUILD_DIR]   ThreadSanitizer: builds and runs the
-#       batching, scheduler and server tests (dynamic_batcher_test,
-#       batching_scheduler_test, attn_server_test). Default BUILD_DIR: build-tsan.
+#       batching, scheduler, sessions and server tests (dynamic_batcher_test,
+#       batching_scheduler_test, session_manager_test, kv_block_pool_test,
+#       attn_server_test). Default BUILD_DIR: build-tsan.
 #
 # Debian's abseil is not instrumented, so TSan cannot see its Mutex (thousands
 # of false races). The tsan mode builds abseil from Debian's own source
 # package (the same version and inline namespace, shared libraries with the
 # same SONAMEs) with -fsanitize=thread, once, into BUILD_DIR/abseil-tsan, and
 # runs the tests with LD_LIBRARY_PATH pointing there: every abseil call, ours
-# and gRPC's, goes through the instrumented copy. The source comes through a
+# and gRPC's, goes through the instrumented copy. That build is kept outside
+# the build folder too, in ${ATTNSERVE_CACHE:-~/.cache/attnserve}, keyed by
+# abseil's version, so that later runs (CI's clean clones) reuse it. The source comes through a
 # private apt state under BUILD_DIR (deb-src lines only; the system's apt
 # configuration is not touched). gRPC itself stays uninstrumented; races
 # whose every frame is inside it are suppressed (scripts/tsan.supp).
 #
 # Exit status: 0 clean, 1 a test failed or a sanitizer reported. Not part
-# of ctest: too slow for the suite (tens of minutes on 2 cores).
+# of ctest (too slow for the suite: tens of minutes on 2 cores); .ci/run runs
+# both after the suite. Object files go through ccache where it is installed
+# (scripts/install-deps.sh installs it), so repeated runs rebuild little.
 #   Env: JOBS (build jobs, default 2), CTEST_ARGS (extra ctest args, asan)
 set -euo pipefail
 
@@ -41,9 +46,15 @@ configure() {  # BUILD_DIR FLAGS
 # Builds Debian's abseil with -fsanitize=thread into $1/abseil-tsan/lib
 # (skipped when already there).
 instrumented_abseil() {
-  local dir=$1/abseil-tsan apt=$1/abseil-tsan/apt version
+  local dir=$1/abseil-tsan apt=$1/abseil-tsan/apt version cache
   if [[ -e $dir/lib/libabsl_synchronization.so.20220623 ]]; then return; fi
   version=$(dpkg-query -W -f='${source:Version}' libabsl-dev)
+  cache=${ATTNSERVE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/attnserve}/abseil-tsan-$version
+  if [[ -e $cache/lib/libabsl_synchronization.so.20220623 ]]; then
+    echo "sanitize.sh: instrumented abseil $version from $cache"
+    mkdir -p "$dir" && cp -a "$cache/lib" "$dir/"
+    return
+  fi
   mkdir -p "$apt/lists/partial" "$apt/cache/archives/partial" "$dir/src"
   printf 'deb-src http://deb.debian.org/debian bookworm main\n%s\n' \
     'deb-src http://deb.debian.org/debian-security bookworm-security main' >"$apt/sources.list"
@@ -63,6 +74,7 @@ instrumented_abseil() {
     { cat "$dir/configure.log"; exit 1; }
   cmake --build "$dir/build" -j"$jobs" >"$dir/build.log" 2>&1 || { tail -50 "$dir/build.log"; exit 1; }
   cmake --install "$dir/build" >/dev/null
+  mkdir -p "$cache" && cp -a "$dir/lib" "$cache/" || true  # a cache only: never fatal
 }
 
 case "$mode" in
@@ -84,7 +96,8 @@ case "$mode" in
     build=$(cd "$build" && pwd)
     instrumented_abseil "$build"
     configure "$build" "-fsanitize=thread"
-    tests=(dynamic_batcher_test batching_scheduler_test attn_server_test)
+    tests=(dynamic_batcher_test batching_scheduler_test session_manager_test kv_block_pool_test
+           attn_server_test)
     cmake --build "$build" -j"$jobs" --target "${tests[@]}"
     export LD_LIBRARY_PATH=$build/abseil-tsan/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=0:second_deadlock_stack=1:history_size=4:suppressions=$root/scripts/tsan.supp}

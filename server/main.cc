@@ -356,11 +356,17 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "attnserve: %s\n", checked.ToString().c_str());
     return 1;
   }
-  if (absl::Status malloc_set = attnserve::ConfigureMalloc(options.malloc_arena_max,
-                                                           options.malloc_mmap_threshold);
-      !malloc_set.ok()) {
-    std::fprintf(stderr, "attnserve: %s\n", malloc_set.ToString().c_str());
+  absl::StatusOr<attnserve::MallocConfigured> malloc_set = attnserve::ConfigureMalloc(
+      options.malloc_arena_max, options.malloc_mmap_threshold);
+  if (!malloc_set.ok()) {
+    std::fprintf(stderr, "attnserve: %s\n", malloc_set.status().ToString().c_str());
     return 1;
+  }
+  if (!malloc_set->applied) {
+    std::fprintf(stderr,
+                 "attnserve: --malloc-arena-max=%d --malloc-mmap-threshold=%lld not applied: %s\n",
+                 options.malloc_arena_max, static_cast<long long>(options.malloc_mmap_threshold),
+                 malloc_set->reason.c_str());
   }
 
   absl::StatusOr<std::unique_ptr<attnserve::AttnServer>> server =

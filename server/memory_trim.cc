@@ -1,7 +1,9 @@
-// MemoryTrimmer: the thread that calls malloc_trim.
+// The allocator settings (mallopt where malloc is glibc's) and
+// MemoryTrimmer, the thread that calls malloc_trim.
 #include "server/memory_trim.h"
 
 #if defined(__GLIBC__)
+#include <dlfcn.h>
 #include <malloc.h>
 #endif
 
@@ -9,21 +11,56 @@
 
 namespace attnserve {
 
-absl::Status ConfigureMalloc(int arena_max, int64_t mmap_threshold) {
+bool MallocIsGlibcs() {
 #if defined(__GLIBC__)
-  if (arena_max > 0 && mallopt(M_ARENA_MAX, arena_max) != 1) {
+  // The malloc every call in the process reaches against libc's own: an
+  // allocator linked in or preloaded (ASan's runtime, tcmalloc) comes first.
+  void* libc = dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD);
+  if (libc == nullptr) return false;
+  const void* reached = dlsym(RTLD_DEFAULT, "malloc");
+  const void* glibcs = dlsym(libc, "malloc");
+  dlclose(libc);
+  return reached != nullptr && reached == glibcs;
+#else
+  return false;
+#endif
+}
+
+absl::StatusOr<MallocConfigured> ConfigureMallocWith(const MallocControl& control, int arena_max,
+                                                     int64_t mmap_threshold) {
+  MallocConfigured done;
+  if (arena_max <= 0 && mmap_threshold <= 0) {
+    done.applied = true;  // nothing asked
+    return done;
+  }
+  if (!control.is_glibc || control.mallopt == nullptr) {
+    done.reason =
+        "malloc is not glibc's (a sanitizer or another allocator replaces it and ignores "
+        "mallopt); its own defaults apply";
+    return done;
+  }
+  if (arena_max > 0 && control.mallopt(control.arena_max_param, arena_max) != 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--malloc-arena-max: glibc refused ", arena_max));
   }
-  if (mmap_threshold > 0 && mallopt(M_MMAP_THRESHOLD, static_cast<int>(mmap_threshold)) != 1) {
+  if (mmap_threshold > 0 &&
+      control.mallopt(control.mmap_threshold_param, static_cast<int>(mmap_threshold)) != 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--malloc-mmap-threshold: glibc refused ", mmap_threshold));
   }
-#else
-  (void)arena_max;
-  (void)mmap_threshold;
+  done.applied = true;
+  return done;
+}
+
+absl::StatusOr<MallocConfigured> ConfigureMalloc(int arena_max, int64_t mmap_threshold) {
+  MallocControl control;
+#if defined(__GLIBC__)
+  control.is_glibc = MallocIsGlibcs();
+  control.mallopt = &mallopt;
+  control.arena_max_param = M_ARENA_MAX;
+  control.mmap_threshold_param = M_MMAP_THRESHOLD;
 #endif
-  return absl::OkStatus();
+  return ConfigureMallocWith(control, arena_max, mmap_threshold);
 }
 
 MemoryTrimmer::MemoryTrimmer(absl::Duration interval)

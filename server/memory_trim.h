@@ -7,23 +7,48 @@
 #define ATTNSERVE_SERVER_MEMORY_TRIM_H_
 
 #include <cstdint>
+#include <string>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 namespace attnserve {
+
+// What ConfigureMalloc did.
+struct MallocConfigured {
+  bool applied = false;
+  // When not applied: why (malloc is not glibc's: a sanitizer or another
+  // allocator replaces it, and such allocators ignore mallopt).
+  std::string reason;
+};
 
 // Sets glibc's allocator for such a load, before the server starts its
 // threads: at most `arena_max` arenas (0 leaves glibc's default, 8 per core:
 // with many threads each freed block stays in the arena that made it), and
 // every block of at least `mmap_threshold` bytes mmapped (0 leaves glibc's
 // default, which rises to the size of each large block freed, up to 32 MiB,
-// after which tensors come from the arenas and their pages stay there). A
-// no-op without glibc. Error naming the setting glibc refused.
-absl::Status ConfigureMalloc(int arena_max, int64_t mmap_threshold);
+// after which tensors come from the arenas and their pages stay there).
+// Best effort where malloc is not glibc's own (AddressSanitizer, tcmalloc,
+// jemalloc, or no glibc): nothing is set and the result says why. An error,
+// naming the flag and the value, only where glibc's own malloc refuses one.
+absl::StatusOr<MallocConfigured> ConfigureMalloc(int arena_max, int64_t mmap_threshold);
+
+// True when the process's malloc is glibc's own, not one interposed by a
+// sanitizer or another allocator.
+bool MallocIsGlibcs();
+
+// ConfigureMalloc over an injected allocator interface (tests).
+struct MallocControl {
+  bool is_glibc = false;
+  int (*mallopt)(int param, int value) = nullptr;  // glibc's contract: 1 = set
+  int arena_max_param = 0, mmap_threshold_param = 0;
+};
+absl::StatusOr<MallocConfigured> ConfigureMallocWith(const MallocControl& control, int arena_max,
+                                                     int64_t mmap_threshold);
 
 // One background thread that calls malloc_trim(0) every `interval` (a no-op
 // where the C library has none). Each call walks every arena under its lock

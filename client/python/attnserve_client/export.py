@@ -40,8 +40,8 @@ try:
 except ImportError:  # write_safetensors still works with numpy arrays
     torch = None
 
-__all__ = ["export_module", "describe_module", "write_safetensors", "read_safetensors",
-           "write_model_folder", "config_text", "ExportError"]
+__all__ = ["export_module", "describe_module", "unsupported_features", "write_safetensors",
+           "read_safetensors", "write_model_folder", "config_text", "ExportError"]
 
 
 class ExportError(ValueError):
@@ -293,12 +293,59 @@ def _describe_fused(m, qkv, qkv_name, o, out_name, per_head, num_heads, head_dim
     return config, tensors
 
 
+def _config_value(config, name):
+    """A Hugging Face config's field, or None (transformers 5.x keeps RoPE's
+    settings in `rope_parameters`; 4.x in `rope_theta`/`rope_scaling`)."""
+    return getattr(config, name, None) if config is not None else None
+
+
+def unsupported_features(module):
+    """What `module` computes that attnserve does not (yet): rotary position
+    embeddings, sliding windows, QK-norm, logit softcapping, attention sinks.
+    Read from the module's children and parameters and its Hugging Face
+    `config`. Empty when attnserve computes the module exactly."""
+    found = []
+    config = getattr(module, "config", None)
+    rope = {n: _config_value(config, n) for n in (
+        "rope_theta", "rope_scaling", "rope_parameters", "rotary_pct", "rotary_dim",
+        "partial_rotary_factor", "rotary_emb_base")}
+    rope = {n: v for n, v in rope.items() if v is not None}
+    if getattr(module, "rotary_emb", None) is not None or rope or \
+            _config_value(config, "position_embedding_type") == "rotary":
+        detail = ", ".join(f"config.{n}={v!r}" for n, v in sorted(rope.items()))
+        found.append("rotary position embeddings" + (f" ({detail})" if detail else ""))
+    window = getattr(module, "sliding_window", None)
+    if window is None and _config_value(config, "sliding_window") is not None:
+        # Qwen2 carries a window it only uses with use_sliding_window.
+        if _config_value(config, "use_sliding_window") is not False:
+            window = _config_value(config, "sliding_window")
+    if window:
+        found.append(f"a sliding window of {window} tokens")
+    norms = [n for n in ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+             if getattr(module, n, None) is not None]
+    if norms:
+        found.append(f"QK-norm ({', '.join(norms)})")
+    softcap = getattr(module, "attn_logit_softcapping", None) or \
+        _config_value(config, "attn_logit_softcapping")
+    if softcap:
+        found.append(f"logit softcapping at {softcap}")
+    if getattr(module, "sinks", None) is not None:
+        found.append("attention sinks (a learned logit per head)")
+    return found
+
+
 def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None, qkv_layout=None):
     """(config dict, {local tensor name: tensor}) of one attention module."""
     if torch is None:
         raise ExportError("PyTorch is not importable")
     if isinstance(module, torch.nn.MultiheadAttention):
         return _describe_mha(module)
+    missing = unsupported_features(module)
+    if missing:
+        # Served without them, the layer would answer with other numbers.
+        raise ExportError(f"{type(module).__name__} uses {'; '.join(missing)}, which attnserve "
+                          "does not compute yet: refused rather than served with different "
+                          "numbers (docs/MODELS.md)")
     q, k, v = (_linear(module, n) for n in ("q_proj", "k_proj", "v_proj"))
     if q is not None and k is not None and v is not None:
         for out_name in ("o_proj", "out_proj", "dense", "proj"):

@@ -1,17 +1,22 @@
 // MemoryTrimmer: trims on its interval and stops at once when destroyed,
 // whatever the interval (a server shutting down never waits for it).
-// ConfigureMalloc: a fixed mmap threshold keeps tensor-sized blocks mmapped.
+// ConfigureMalloc: a fixed mmap threshold keeps tensor-sized blocks mmapped
+// under glibc's malloc; under another allocator (ASan's, in the sanitizer
+// suite) the settings are skipped with the reason; a value glibc's own
+// malloc refuses is an error naming the flag.
 #include "server/memory_trim.h"
 
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace attnserve {
@@ -33,13 +38,79 @@ TEST(MemoryTrimmerTest, TrimsWhileOtherThreadsAllocate) {
   }
 }
 
+using ::testing::HasSubstr;
+
+// Records what it was asked and answers `answer` (glibc's contract: 1 = set).
+struct FakeMallopt {
+  static inline int answer = 1;
+  static inline std::vector<std::pair<int, int>> calls;
+  static int Call(int param, int value) {
+    calls.emplace_back(param, value);
+    return answer;
+  }
+};
+
+MallocControl Fake(bool is_glibc, int answer) {
+  FakeMallopt::answer = answer;
+  FakeMallopt::calls.clear();
+  MallocControl c;
+  c.is_glibc = is_glibc;
+  c.mallopt = &FakeMallopt::Call;
+  c.arena_max_param = 101;
+  c.mmap_threshold_param = 102;
+  return c;
+}
+
+TEST(ConfigureMallocTest, SetsBothUnderGlibcsMalloc) {
+  absl::StatusOr<MallocConfigured> done = ConfigureMallocWith(Fake(true, 1), 2, 1 << 20);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_TRUE(done->applied);
+  EXPECT_EQ(FakeMallopt::calls,
+            (std::vector<std::pair<int, int>>{{101, 2}, {102, 1 << 20}}));
+}
+
+TEST(ConfigureMallocTest, AnotherAllocatorIsSkippedWithTheReasonNotAnError) {
+  // ASan's mallopt answers 0 to everything: never called, never fatal.
+  absl::StatusOr<MallocConfigured> done = ConfigureMallocWith(Fake(false, 0), 2, 1 << 20);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_FALSE(done->applied);
+  EXPECT_THAT(done->reason, HasSubstr("not glibc's"));
+  EXPECT_TRUE(FakeMallopt::calls.empty());
+}
+
+TEST(ConfigureMallocTest, GlibcRefusingAValueIsAnErrorNamingTheFlag) {
+  absl::StatusOr<MallocConfigured> done = ConfigureMallocWith(Fake(true, 0), 2, 1 << 20);
+  ASSERT_FALSE(done.ok());
+  EXPECT_EQ(done.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(done.status().message(), HasSubstr("--malloc-arena-max: glibc refused 2"));
+  done = ConfigureMallocWith(Fake(true, 1), 0, 1 << 20);  // 0 = glibc's default arenas
+  ASSERT_TRUE(done.ok());
+  EXPECT_EQ(FakeMallopt::calls, (std::vector<std::pair<int, int>>{{102, 1 << 20}}));
+}
+
+TEST(ConfigureMallocTest, ThisProcessGetsAnAnswerNeverAnError) {
+  // The real allocator: applied under glibc's malloc, skipped with a reason
+  // under a sanitizer's.
+  absl::StatusOr<MallocConfigured> done = ConfigureMalloc(2, int64_t{1} << 20);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->applied, MallocIsGlibcs()) << done->reason;
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  EXPECT_FALSE(MallocIsGlibcs()) << "a sanitizer's malloc replaces glibc's";
+#endif
+}
+
 #if defined(__GLIBC__)
 // glibc's default threshold rises to the size of an mmapped block when it is
 // freed, so the next block of that size comes from an arena. With the
 // threshold fixed (the server's default), every 4 MiB block is mmapped (and
 // returned to the OS when freed), however many were freed before it.
 TEST(ConfigureMallocTest, FixedThresholdKeepsEveryLargeBlockMmapped) {
-  ASSERT_TRUE(ConfigureMalloc(2, int64_t{1} << 20).ok());
+  if (!MallocIsGlibcs()) {
+    GTEST_SKIP() << "malloc is not glibc's (a sanitizer's replaces it): glibc's mmap threshold "
+                    "and mallinfo2 do not describe its blocks";
+  }
+  absl::StatusOr<MallocConfigured> done = ConfigureMalloc(2, int64_t{1} << 20);
+  ASSERT_TRUE(done.ok() && done->applied) << done.status();
   const size_t before = mallinfo2().hblks;
   for (int round = 0; round < 4; ++round) {
     void* block = std::malloc(size_t{4} << 20);
