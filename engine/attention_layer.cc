@@ -2,11 +2,13 @@
 // so that the engines can trust dims and weight shapes afterwards.
 #include "engine/attention_layer.h"
 
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "engine/rope.h"
 
 namespace attnserve {
 namespace {
@@ -46,7 +48,14 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
             "layer '", c.name, "': a layer without projections must carry no weights"));
       }
     }
+    if (c.rope.type != RopeConfig::Type::kNone) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer '", c.name, "': rope: rotary embeddings apply to projection layers only"));
+    }
     return absl::OkStatus();
+  }
+  if (absl::Status rope = ValidateRope(c.rope, c.head_dim); !rope.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("layer '", c.name, "': ", rope.message()));
   }
 
   struct Dim {

@@ -25,6 +25,28 @@ inline float RoundTo(Precision precision, float v) {
   return v;
 }
 
+// Rotary position embeddings (RoPE) of a projection layer, applied to the
+// projected Q and K of every head as Hugging Face transformers applies them
+// (engine/rope.h): the first `rotary_dim` features of a head rotate by
+// position * inv_freq[i], in pairs (i, i + rotary_dim / 2) ("rotate half":
+// Llama, Mistral, Qwen, Gemma, Phi, GPT-NeoX) or (2i, 2i + 1) when
+// `interleaved` (GPT-J). The scaling types change inv_freq (and, for YaRN,
+// scale cos and sin by attention_factor); fields a type does not use are 0.
+struct RopeConfig {
+  enum class Type : uint8_t { kNone, kDefault, kLinear, kLlama3, kYarn };
+  Type type = Type::kNone;
+  double theta = 10000.0;  // the base of the frequencies
+  int64_t rotary_dim = 0;  // even, 0 < rotary_dim <= head_dim
+  bool interleaved = false;
+  double factor = 0.0;            // linear, llama3, yarn: > 0
+  double low_freq_factor = 0.0;   // llama3
+  double high_freq_factor = 0.0;  // llama3: > low_freq_factor
+  int64_t original_max_position_embeddings = 0;  // llama3, yarn
+  double beta_fast = 0.0, beta_slow = 0.0;       // yarn
+  double attention_factor = 0.0;                 // yarn: > 0
+  bool truncate = true;                          // yarn: round the correction range outwards
+};
+
 struct LayerConfig {
   std::string name;
   // false: bare scaled-dot-product attention ("sdpa"); inputs are in head
@@ -50,6 +72,10 @@ struct LayerConfig {
   bool causal = false;
   // Weight and compute precision of the projections and attention core.
   Precision precision = Precision::kFloat32;
+  // Projection layers only. Positions: a request's keys sit at 0..Lk-1 (in a
+  // session, continuing after its cached tokens) and its queries at
+  // Lk-Lq..Lk-1, the bottom-right rule of `causal`.
+  RopeConfig rope;
 };
 
 // Weights in PyTorch Linear layout ([out_features, in_features]), FLOAT32.

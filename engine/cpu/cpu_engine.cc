@@ -14,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "engine/cpu/flash_attention.h"
 #include "engine/cpu/projection.h"
+#include "engine/cpu/rotary.h"
+#include "engine/rope.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -114,6 +116,30 @@ class CpuEngine final : public AttentionEngine {
     AppendPagedRows(task.paged, *p);
     PointAtPagedKv(task.paged, p);
     return absl::OkStatus();
+  }
+
+  // RoPE on every task's projected Q and K, in place, before a session
+  // appends its keys (the cache holds rotated keys). A sequence's keys sit at
+  // cached_len + j and its queries at the bottom-right positions
+  // kv_total - Lq + i, kv_total = cached_len + Lk.
+  void RotateQk(const LayerConfig& c, absl::Span<const AttentionTask> batch,
+                absl::Span<const AttentionParams> params) {
+    const RopeFrequencies freq = ComputeRopeFrequencies(c.rope);
+    for (size_t t = 0; t < params.size(); ++t) {
+      const AttentionParams& p = params[t];
+      const int64_t cached = batch[t].paged.enabled() ? batch[t].paged.cached_len : 0;
+      const int64_t first_query = cached + p.kv_len - p.q_len;
+      const size_t size = DTypeSize(p.dtype);
+      for (int64_t b = 0; b < p.batch; ++b) {
+        // const_cast: q and k point into this call's own projection buffers.
+        char* q = static_cast<char*>(const_cast<void*>(p.q)) + b * p.q_stride_b * size;
+        char* k = static_cast<char*>(const_cast<void*>(p.k)) + b * p.k_stride_b * size;
+        cpu::RotateRows(c.rope, freq, p.dtype, q, p.q_len, p.q_stride_row, p.num_heads,
+                        p.head_dim, first_query, options_.num_threads);
+        cpu::RotateRows(c.rope, freq, p.dtype, k, p.kv_len, p.k_stride_row, p.num_kv_heads,
+                        p.head_dim, cached, options_.num_threads);
+      }
+    }
   }
 
   // The attention core of every request in `params`: the one place the core
@@ -248,6 +274,7 @@ class CpuEngine final : public AttentionEngine {
     if (o_layout.total > covered) {
       std::memset(at(core, covered, qf, 0), 0, (o_layout.total - covered) * qf * act_size);
     }
+    if (c.rope.type != RopeConfig::Type::kNone) RotateQk(c, batch, params);
     for (size_t i = 0; i < params.size(); ++i) {
       if (absl::Status s = UseSessionCache(batch[i], &params[i]); !s.ok()) return s;
     }

@@ -4,6 +4,7 @@
 // engines it is the oracle of.
 #include "engine/reference/reference_engine.h"
 
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -14,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "engine/attention_task.h"
+#include "engine/rope.h"
 
 namespace attnserve {
 namespace {
@@ -339,9 +341,31 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
   const std::vector<double> xk = self_attention ? xq : LoadAll(t.key);
   const std::vector<double> xv = self_attention ? xq : LoadAll(t.value);
   const int64_t q_rows = d.batch * d.q_len, kv_rows = d.batch * d.kv_len;
-  const Rows q{Linear(xq, q_rows, c.query_dim, w.wq, w.bq), d.heads, d.q_len, d.head_dim, false};
-  const Rows k{Linear(xk, kv_rows, self_attention ? c.query_dim : c.key_dim, w.wk, w.bk),
-               d.kv_heads, d.kv_len, d.head_dim, false};
+  Rows q{Linear(xq, q_rows, c.query_dim, w.wq, w.bq), d.heads, d.q_len, d.head_dim, false};
+  Rows k{Linear(xk, kv_rows, self_attention ? c.query_dim : c.key_dim, w.wk, w.bk),
+         d.kv_heads, d.kv_len, d.head_dim, false};
+  if (c.rope.type != RopeConfig::Type::kNone) {
+    // Queries at the bottom-right positions Lk - Lq + i, keys at j; the
+    // angles in float64, never rounded.
+    const RopeFrequencies f = ComputeRopeFrequencies(c.rope);
+    std::vector<double> cos_v(f.inv_freq.size()), sin_v(f.inv_freq.size());
+    for (int64_t b = 0; b < d.batch; ++b) {
+      for (int64_t i = 0; i < d.q_len; ++i) {
+        RopeAngles(f, d.kv_len - d.q_len + i, cos_v.data(), sin_v.data());
+        for (int64_t h = 0; h < d.heads; ++h) {
+          RotateHead(q.row(b, h, i), cos_v.data(), sin_v.data(), c.rope.rotary_dim,
+                     c.rope.interleaved);
+        }
+      }
+      for (int64_t j = 0; j < d.kv_len; ++j) {
+        RopeAngles(f, j, cos_v.data(), sin_v.data());
+        for (int64_t g = 0; g < d.kv_heads; ++g) {
+          RotateHead(k.row(b, g, j), cos_v.data(), sin_v.data(), c.rope.rotary_dim,
+                     c.rope.interleaved);
+        }
+      }
+    }
+  }
   const Rows v{Linear(xv, kv_rows, self_attention ? c.query_dim : c.value_dim, w.wv, w.bv),
                d.kv_heads, d.kv_len, d.head_dim_v, false};
   Rows merged{std::vector<double>(static_cast<size_t>(q_rows * d.heads * d.head_dim_v)), d.heads,

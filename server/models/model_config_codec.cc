@@ -1,6 +1,10 @@
 // ModelConfig proto <-> LayerConfig, WeightSpec and ModelBatching.
 #include "server/models/model_config_codec.h"
 
+#include <string>
+
+#include "engine/rope.h"
+
 namespace attnserve {
 namespace {
 
@@ -36,7 +40,44 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
   config.set_scale(c.scale);
   config.set_causal(c.causal);
   config.set_precision(PrecisionName(c.precision));
+  if (c.has_projections) *config.mutable_rope() = FromRopeConfig(c.rope);
   return config;
+}
+
+RopeConfig ToRopeConfig(const v1::RotaryEmbedding& r) {
+  RopeConfig rope;
+  absl::StatusOr<RopeConfig::Type> type = ParseRopeType(r.type().empty() ? "none" : r.type());
+  rope.type = type.ok() ? *type : RopeConfig::Type::kNone;
+  rope.theta = r.theta();
+  rope.rotary_dim = r.rotary_dim();
+  rope.interleaved = r.interleaved();
+  rope.factor = r.factor();
+  rope.low_freq_factor = r.low_freq_factor();
+  rope.high_freq_factor = r.high_freq_factor();
+  rope.original_max_position_embeddings = r.original_max_position_embeddings();
+  rope.beta_fast = r.beta_fast();
+  rope.beta_slow = r.beta_slow();
+  rope.attention_factor = r.attention_factor();
+  rope.truncate = !r.no_truncate();
+  return rope;
+}
+
+v1::RotaryEmbedding FromRopeConfig(const RopeConfig& rope) {
+  v1::RotaryEmbedding r;
+  r.set_type(RopeTypeName(rope.type));
+  if (rope.type == RopeConfig::Type::kNone) return r;
+  r.set_theta(rope.theta);
+  r.set_rotary_dim(rope.rotary_dim);
+  r.set_interleaved(rope.interleaved);
+  r.set_factor(rope.factor);
+  r.set_low_freq_factor(rope.low_freq_factor);
+  r.set_high_freq_factor(rope.high_freq_factor);
+  r.set_original_max_position_embeddings(rope.original_max_position_embeddings);
+  r.set_beta_fast(rope.beta_fast);
+  r.set_beta_slow(rope.beta_slow);
+  r.set_attention_factor(rope.attention_factor);
+  r.set_no_truncate(!rope.truncate);
+  return r;
 }
 
 LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
@@ -56,6 +97,7 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
   layer.precision = c.precision() == "bf16"   ? Precision::kBFloat16
                     : c.precision() == "fp16" ? Precision::kFloat16
                                               : Precision::kFloat32;
+  if (layer.has_projections) layer.rope = ToRopeConfig(c.rope());
   return layer;
 }
 

@@ -23,6 +23,11 @@ WeightSpec ToWeightSpec(const v1::ModelConfig& config);
 WeightLayout ToWeightLayout(v1::ModelConfig::WeightLayout layout);
 ModelBatching ToModelBatching(const v1::ModelConfig& config);
 
+// RoPE settings both ways. ToRopeConfig reads an unknown type as kNone: call
+// it on resolved configs (ResolveModelConfig refuses unknown types by name).
+RopeConfig ToRopeConfig(const v1::RotaryEmbedding& rope);
+v1::RotaryEmbedding FromRopeConfig(const RopeConfig& rope);
+
 }  // namespace attnserve
 
 #endif  // ATTNSERVE_SERVER_MODELS_MODEL_CONFIG_CODEC_H_

@@ -22,6 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "engine/model/safetensors.h"
+#include "engine/rope.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 #include "server/models/model_config_codec.h"
@@ -175,7 +176,8 @@ absl::Status CheckNoProjectionFields(const std::string& path, const v1::ModelCon
   const google::protobuf::Reflection* r = c.GetReflection();
   for (const char* field : {"embed_dim", "num_heads", "num_kv_heads", "head_dim", "query_dim",
                             "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias",
-                            "out_bias", "weight_layout", "tensor_prefix", "tensor_names"}) {
+                            "out_bias", "weight_layout", "tensor_prefix", "tensor_names",
+                            "rope"}) {
     const google::protobuf::FieldDescriptor* f = d->FindFieldByName(field);
     bool set = f->is_repeated() ? r->FieldSize(c, f) > 0 : r->HasField(c, f);
     if (set) {
@@ -183,6 +185,44 @@ absl::Status CheckNoProjectionFields(const std::string& path, const v1::ModelCon
                          "not allowed for kind \"sdpa\" (no projections, no weights); remove it "
                          "or use kind \"mha\"");
     }
+  }
+  return absl::OkStatus();
+}
+
+// Fills the defaults of `rope` (docs in model_config.proto) and checks it
+// against the head dim, with the engine's rules (engine/rope.h).
+absl::Status ResolveRope(const std::string& path, v1::ModelConfig* c) {
+  v1::RotaryEmbedding* r = c->mutable_rope();
+  if (r->type().empty()) r->set_type("none");
+  absl::StatusOr<RopeConfig::Type> type = ParseRopeType(r->type());
+  if (!type.ok()) {  // the message names rope.type
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", type.status().message()));
+  }
+  if (*type == RopeConfig::Type::kNone) {
+    v1::RotaryEmbedding only_type;
+    only_type.set_type("none");
+    if (r->SerializeAsString() != only_type.SerializeAsString()) {
+      return ConfigError(path, "rope", "fields are set but rope.type is \"none\": set the type");
+    }
+    return absl::OkStatus();
+  }
+  if (r->theta() == 0) r->set_theta(10000.0);
+  if (r->rotary_dim() == 0) r->set_rotary_dim(c->head_dim());
+  if (*type == RopeConfig::Type::kLlama3) {
+    if (r->low_freq_factor() == 0) r->set_low_freq_factor(1.0);
+    if (r->high_freq_factor() == 0) r->set_high_freq_factor(4.0);
+  }
+  if (*type == RopeConfig::Type::kYarn) {
+    if (r->beta_fast() == 0) r->set_beta_fast(32.0);
+    if (r->beta_slow() == 0) r->set_beta_slow(1.0);
+    if (r->attention_factor() == 0 && r->factor() > 0) {
+      r->set_attention_factor(r->factor() <= 1 ? 1.0 : 0.1 * std::log(r->factor()) + 1.0);
+    }
+  }
+  const RopeConfig rope = ToRopeConfig(*r);
+  if (absl::Status s = ValidateRope(rope, c->head_dim()); !s.ok()) {
+    // ValidateRope names the field as "rope.<field>: rule".
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", s.message()));
   }
   return absl::OkStatus();
 }
@@ -213,6 +253,7 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
   if (c->kind().empty()) c->set_kind("mha");
   if (c->kind() == "mha") {
     if (absl::Status s = ResolveProjectionDims(path, c); !s.ok()) return s;
+    if (absl::Status s = ResolveRope(path, c); !s.ok()) return s;
   } else if (c->kind() == "sdpa") {
     if (absl::Status s = CheckNoProjectionFields(path, *c); !s.ok()) return s;
   } else {

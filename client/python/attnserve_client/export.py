@@ -119,7 +119,7 @@ _ENUM_FIELDS = {"weight_layout"}
 _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_dim", "query_dim",
                 "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias", "out_bias",
                 "weight_layout", "tensor_prefix", "tensor_names", "scale", "causal", "precision",
-                "batching", "instances", "backend"]
+                "batching", "instances", "backend", "rope"]
 
 
 def _scalar(field, value):
@@ -133,6 +133,12 @@ def _scalar(field, value):
     if isinstance(value, int):
         return str(value)
     return json.dumps(str(value))  # a valid text-format string literal for plain text
+
+
+def _rope_scalar(value):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
 
 
 def config_text(config):
@@ -152,6 +158,11 @@ def config_text(config):
             inner = " ".join(f"{k}: {int(v)}" for k, v in sorted(value.items()) if v)
             if inner:
                 lines.append(f"batching {{ {inner} }}")
+        elif field == "rope":
+            # Floats as repr (shortest round-trip double): theta and factors are doubles.
+            inner = " ".join(f"{k}: {json.dumps(v) if isinstance(v, str) else _rope_scalar(v)}"
+                             for k, v in value.items() if v is not None)
+            lines.append(f"rope {{ {inner} }}")
         else:
             lines.append(f"{field}: {_scalar(field, value)}")
     return "\n".join(lines) + "\n"
@@ -294,26 +305,100 @@ def _describe_fused(m, qkv, qkv_name, o, out_name, per_head, num_heads, head_dim
 
 
 def _config_value(config, name):
-    """A Hugging Face config's field, or None (transformers 5.x keeps RoPE's
-    settings in `rope_parameters`; 4.x in `rope_theta`/`rope_scaling`)."""
+    """A Hugging Face config's field, or None."""
     return getattr(config, name, None) if config is not None else None
 
 
+# Model types whose attention rotates Q and K as attnserve does: rotate-half
+# pairs (i, i + d/2), except GPT-J style interleaved pairs (2i, 2i+1). A
+# module with rotary embeddings from any other model type is refused.
+_ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2": False,
+                     "qwen3": False, "gemma": False, "gemma2": False, "gemma3": False,
+                     "gemma3_text": False, "phi3": False, "gpt_neox": False, "olmo": False,
+                     "olmo2": False, "starcoder2": False, "gpt_oss": False, "gptj": True,
+                     "codegen": True}
+_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+
+
+def _has_rope(module, config):
+    return (getattr(module, "rotary_emb", None) is not None or
+            any(_config_value(config, n) is not None for n in (
+                "rope_theta", "rope_scaling", "rope_parameters", "rotary_pct", "rotary_dim",
+                "partial_rotary_factor", "rotary_emb_base")) or
+            _config_value(config, "position_embedding_type") == "rotary")
+
+
+def rope_config(module, head_dim):
+    """The `rope` of an attnserve ModelConfig for `module`'s rotary position
+    embeddings, read from its Hugging Face config as transformers' rope
+    utilities read it (4.x: rope_theta/rope_scaling/partial_rotary_factor or
+    rotary_pct; 5.x: rope_parameters); None when it has none. ExportError
+    naming what attnserve cannot compute (a scaling type, a model type whose
+    rotation layout is unknown)."""
+    config = getattr(module, "config", None)
+    if not _has_rope(module, config):
+        return None
+    model_type = _config_value(config, "model_type")
+    if model_type not in _ROPE_INTERLEAVED:
+        raise ExportError(f"rotary position embeddings of model type {model_type!r}, whose "
+                          "feature pairing attnserve does not know (known: "
+                          f"{', '.join(sorted(_ROPE_INTERLEAVED))})")
+    params = dict(_config_value(config, "rope_parameters") or {})
+    scaling = dict(_config_value(config, "rope_scaling") or {})
+    params.update({k: v for k, v in scaling.items() if k not in params})
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in _ROPE_TYPES:
+        raise ExportError(f"RoPE scaling type {kind!r} (attnserve computes "
+                          f"{', '.join(sorted(_ROPE_TYPES))})")
+    theta = params.get("rope_theta") or _config_value(config, "rope_theta") or \
+        _config_value(config, "rotary_emb_base") or 10000.0
+    partial = params.get("partial_rotary_factor") or _config_value(config, "partial_rotary_factor") \
+        or _config_value(config, "rotary_pct") or 1.0
+    rotary_dim = _config_value(config, "rotary_dim") if model_type in ("gptj", "codegen") else None
+    rope = dict(type=kind, theta=float(theta),
+                rotary_dim=int(rotary_dim or int(head_dim * partial)),
+                interleaved=_ROPE_INTERLEAVED[model_type])
+    max_positions = _config_value(config, "max_position_embeddings")
+    if kind in ("linear", "llama3", "yarn"):
+        rope["factor"] = float(params["factor"])
+    if kind == "llama3":
+        rope["low_freq_factor"] = float(params.get("low_freq_factor", 1.0))
+        rope["high_freq_factor"] = float(params.get("high_freq_factor", 4.0))
+        rope["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    if kind == "yarn":
+        factor = rope["factor"]
+        rope["original_max_position_embeddings"] = int(
+            params.get("original_max_position_embeddings") or max_positions)
+        rope["beta_fast"] = float(params.get("beta_fast") or 32)
+        rope["beta_slow"] = float(params.get("beta_slow") or 1)
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            if params.get("mscale") and params.get("mscale_all_dim"):
+                attention_factor = mscale(factor, params["mscale"]) / \
+                    mscale(factor, params["mscale_all_dim"])
+            else:
+                attention_factor = mscale(factor)
+        rope["attention_factor"] = float(attention_factor)
+        if params.get("truncate") is False:
+            rope["no_truncate"] = True
+    return rope
+
+
 def unsupported_features(module):
-    """What `module` computes that attnserve does not (yet): rotary position
-    embeddings, sliding windows, QK-norm, logit softcapping, attention sinks.
-    Read from the module's children and parameters and its Hugging Face
-    `config`. Empty when attnserve computes the module exactly."""
+    """What `module` computes that attnserve does not (yet): sliding windows,
+    QK-norm, logit softcapping, attention sinks, and rotary embeddings of a
+    kind attnserve does not compute (rope_config says which). Read from the
+    module's children and parameters and its Hugging Face `config`. Empty
+    when attnserve computes the module exactly."""
     found = []
     config = getattr(module, "config", None)
-    rope = {n: _config_value(config, n) for n in (
-        "rope_theta", "rope_scaling", "rope_parameters", "rotary_pct", "rotary_dim",
-        "partial_rotary_factor", "rotary_emb_base")}
-    rope = {n: v for n, v in rope.items() if v is not None}
-    if getattr(module, "rotary_emb", None) is not None or rope or \
-            _config_value(config, "position_embedding_type") == "rotary":
-        detail = ", ".join(f"config.{n}={v!r}" for n, v in sorted(rope.items()))
-        found.append("rotary position embeddings" + (f" ({detail})" if detail else ""))
+    try:
+        rope_config(module, getattr(module, "head_dim", None) or 1)
+    except ExportError as e:
+        found.append(str(e))
     window = getattr(module, "sliding_window", None)
     if window is None and _config_value(config, "sliding_window") is not None:
         # Qwen2 carries a window it only uses with use_sliding_window.
@@ -346,6 +431,14 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
         raise ExportError(f"{type(module).__name__} uses {'; '.join(missing)}, which attnserve "
                           "does not compute yet: refused rather than served with different "
                           "numbers (docs/MODELS.md)")
+    config, tensors = _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
+    rope = rope_config(module, config["head_dim"])
+    if rope is not None:
+        config["rope"] = rope
+    return config, tensors
+
+
+def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout):
     q, k, v = (_linear(module, n) for n in ("q_proj", "k_proj", "v_proj"))
     if q is not None and k is not None and v is not None:
         for out_name in ("o_proj", "out_proj", "dense", "proj"):
@@ -354,6 +447,9 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
                 return _describe_separate(module, q, k, v, o, out_name, num_heads, num_kv_heads,
                                           head_dim)
         raise ExportError("module has q_proj/k_proj/v_proj but no o_proj, out_proj or dense linear")
+    if _linear(module, "qkv_proj") is not None:
+        raise ExportError(f"{type(module).__name__} packs Q, K and V in one qkv_proj linear with "
+                          "grouped-query widths (Phi-3): attnserve does not read that layout yet")
     qkv = _linear(module, "query_key_value")
     if qkv is not None:
         o = _linear(module, "dense")

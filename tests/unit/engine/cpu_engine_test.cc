@@ -32,6 +32,7 @@
 #include "engine/cpu/projection.h"
 #include "engine/model/builtin_models.h"
 #include "engine/reference/reference_engine.h"
+#include "engine/rope.h"
 #include "gtest/gtest.h"
 #include "tests/unit/engine/test_rng.h"
 
@@ -136,7 +137,23 @@ std::shared_ptr<const AttentionLayer> RandomProjectionLayer(Rng& rng, bool self_
   w.bv = bias(kvf);
   w.wo = weight(c.out_dim, qf);
   w.bo = bias(c.out_dim);
-  EXPECT_TRUE(ValidateLayer(*layer).ok());
+  // Half the layers rotate Q and K (RoPE), each scaling type, either pairing,
+  // whole or partial heads: the reference rotates in float64 on its own.
+  if (rng.Chance(0.5)) {
+    RopeConfig& r = c.rope;
+    r.type = rng.Pick<RopeConfig::Type>({RopeConfig::Type::kDefault, RopeConfig::Type::kLinear,
+                                         RopeConfig::Type::kLlama3, RopeConfig::Type::kYarn});
+    r.theta = rng.Pick<double>({10000.0, 500000.0, 10.0});
+    r.rotary_dim = rng.Chance(0.5) ? c.head_dim : 2;
+    r.interleaved = rng.Chance(0.3);
+    r.factor = rng.Pick<double>({2.0, 8.0});
+    r.low_freq_factor = 1.0;
+    r.high_freq_factor = 4.0;
+    r.original_max_position_embeddings = rng.Pick<int64_t>({4, 16});
+    r.beta_fast = 32.0;
+    r.beta_slow = 1.0;
+  }
+  EXPECT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
   return layer;
 }
 
@@ -251,7 +268,12 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
   c.average_weights = c.need_weights && rng.Chance(0.5);
 
   c.label = absl::StrCat(
-      "case ", i, ": layer ", lc.name, self_attention ? " (self-attention)" : "", ", query ",
+      "case ", i, ": layer ", lc.name, self_attention ? " (self-attention)" : "",
+      lc.rope.type != RopeConfig::Type::kNone
+          ? absl::StrCat(" rope ", RopeTypeName(lc.rope.type), "/", lc.rope.rotary_dim,
+                         lc.rope.interleaved ? " interleaved" : "")
+          : "",
+      ", query ",
       ShapeString(c.q.shape()), c.k.byte_size() ? ", key " + ShapeString(c.k.shape()) : "",
       c.v.byte_size() ? ", value " + ShapeString(c.v.shape()) : "", ", in ", DT(in_dtype),
       ", out ", DT(c.out_dtype), ", mask ", mask_label,

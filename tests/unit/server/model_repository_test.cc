@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -139,6 +140,61 @@ TEST(ModelConfigTest, EachRuleHasItsMessage) {
     EXPECT_THAT(s.message(), HasSubstr("m/config.pbtxt")) << c.text;
     for (const char* w : c.words) EXPECT_THAT(s.message(), HasSubstr(w)) << c.text;
   }
+}
+
+TEST(ModelConfigTest, RopeDefaultsResolveAndReachTheLayer) {
+  v1::ModelConfig c = Resolved("embed_dim: 64 num_heads: 4 rope { type: \"default\" }");
+  EXPECT_EQ(c.rope().theta(), 10000.0);
+  EXPECT_EQ(c.rope().rotary_dim(), 16);  // head_dim
+  LayerConfig layer = ToLayerConfig(c);
+  EXPECT_EQ(layer.rope.type, RopeConfig::Type::kDefault);
+  EXPECT_EQ(layer.rope.rotary_dim, 16);
+
+  c = Resolved("embed_dim: 64 num_heads: 4 rope { type: \"yarn\" factor: 4 "
+               "original_max_position_embeddings: 4096 }");
+  EXPECT_EQ(c.rope().beta_fast(), 32.0);
+  EXPECT_EQ(c.rope().beta_slow(), 1.0);
+  EXPECT_DOUBLE_EQ(c.rope().attention_factor(), 0.1 * std::log(4.0) + 1.0);
+  EXPECT_TRUE(ToLayerConfig(c).rope.truncate);
+
+  c = Resolved("embed_dim: 64 num_heads: 4 rope { type: \"llama3\" factor: 8 "
+               "original_max_position_embeddings: 8192 rotary_dim: 8 }");
+  EXPECT_EQ(c.rope().low_freq_factor(), 1.0);
+  EXPECT_EQ(c.rope().high_freq_factor(), 4.0);
+  EXPECT_EQ(c.rope().rotary_dim(), 8);  // partial rotary kept
+
+  c = Resolved("embed_dim: 64 num_heads: 4");  // no rope: "none", nothing else
+  EXPECT_EQ(c.rope().type(), "none");
+  EXPECT_EQ(ToLayerConfig(c).rope.type, RopeConfig::Type::kNone);
+}
+
+TEST(ModelConfigTest, RopeRulesNameTheField) {
+  struct Case {
+    const char* text;
+    std::vector<const char*> words;
+  };
+  const Case cases[] = {
+      {"rope { type: \"dynamic\" factor: 2 }", {"rope.type", "\"dynamic\"", "yarn"}},
+      {"rope { type: \"longrope\" }", {"rope.type", "\"longrope\""}},
+      {"rope { type: \"default\" rotary_dim: 7 }", {"rope.rotary_dim", "even", "7"}},
+      {"rope { type: \"default\" rotary_dim: 32 }", {"rope.rotary_dim", "head_dim 16", "32"}},
+      {"rope { type: \"default\" theta: -1 }", {"rope.theta", "> 0"}},
+      {"rope { type: \"linear\" }", {"rope.factor", "linear"}},
+      {"rope { type: \"llama3\" factor: 8 }", {"rope.original_max_position_embeddings"}},
+      {"rope { type: \"llama3\" factor: 8 original_max_position_embeddings: 10 "
+       "low_freq_factor: 4 high_freq_factor: 2 }",
+       {"rope.high_freq_factor", "low_freq_factor"}},
+      {"rope { type: \"yarn\" factor: 4 }", {"rope.original_max_position_embeddings", "yarn"}},
+      {"rope { theta: 500000 }", {"rope", "\"none\""}},
+  };
+  for (const Case& c : cases) {
+    absl::Status s = ResolveError(absl::StrCat("embed_dim: 64 num_heads: 4 ", c.text));
+    EXPECT_THAT(s.message(), HasSubstr("m/config.pbtxt")) << c.text;
+    for (const char* w : c.words) EXPECT_THAT(s.message(), HasSubstr(w)) << c.text;
+  }
+  absl::Status sdpa = ResolveError("kind: \"sdpa\" rope { type: \"default\" }");
+  EXPECT_THAT(sdpa.message(), HasSubstr("rope"));
+  EXPECT_THAT(sdpa.message(), HasSubstr("not allowed for kind \"sdpa\""));
 }
 
 TEST(ModelConfigTest, SdpaNeedsNoDims) {

@@ -1,0 +1,51 @@
+// RotateRows: float64 angles per row, float rotation of every head.
+#include "engine/cpu/rotary.h"
+
+#include <vector>
+
+#include "engine/tensor.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace attnserve::cpu {
+
+void RotateRows(const RopeConfig& rope, const RopeFrequencies& freq, DType dtype, void* data,
+                int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
+                int64_t first_position, int threads) {
+  const int64_t half = rope.rotary_dim / 2;
+#ifdef _OPENMP
+  const int n = threads > 0 ? threads : omp_get_max_threads();
+#pragma omp parallel num_threads(n) if (rows > 16)
+#endif
+  {
+    std::vector<double> cos_d(static_cast<size_t>(half)), sin_d(static_cast<size_t>(half));
+    std::vector<float> cos_f(static_cast<size_t>(half)), sin_f(static_cast<size_t>(half));
+    std::vector<float> head(static_cast<size_t>(rope.rotary_dim));
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t r = 0; r < rows; ++r) {
+      RopeAngles(freq, first_position + r, cos_d.data(), sin_d.data());
+      for (int64_t i = 0; i < half; ++i) {
+        cos_f[i] = static_cast<float>(cos_d[i]);
+        sin_f[i] = static_cast<float>(sin_d[i]);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t at = r * row_stride + h * head_dim;
+        if (dtype == DType::kFloat32) {
+          RotateHead(static_cast<float*>(data) + at, cos_f.data(), sin_f.data(), rope.rotary_dim,
+                     rope.interleaved);
+        } else {
+          uint16_t* x = static_cast<uint16_t*>(data) + at;
+          for (int64_t d = 0; d < rope.rotary_dim; ++d) head[d] = BFloat16ToFloat(x[d]);
+          RotateHead(head.data(), cos_f.data(), sin_f.data(), rope.rotary_dim, rope.interleaved);
+          for (int64_t d = 0; d < rope.rotary_dim; ++d) x[d] = FloatToBFloat16(head[d]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace attnserve::cpu
