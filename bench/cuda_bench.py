@@ -111,10 +111,11 @@ def main():
     shapes = {}
     for r in (r for r in rows if r["kind"] == "attention"):
         key = (r["dtype"], r["batch"], r["heads"], r["seq"], r["head_dim"], r["causal"])
-        shapes.setdefault(key, {})["cudnn" if r["kernel"] == "cudnn" else "own"] = r
+        path = r["kernel"] in ("cudnn", "unfused")  # the engine's path; else our kernel
+        shapes.setdefault(key, {})["path" if path else "own"] = r
     for pair in shapes.values():
         own = pair.get("own")
-        r = pair.get("cudnn", own)
+        r = pair.get("path", own)
         for backend in BACKENDS:
             r["torch_" + backend] = torch_sdpa_tflops(r, backend)
         path = r["kernel"] + (f" (bucket {r['bucket']})" if r["kernel"] == "cudnn"

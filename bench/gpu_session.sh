@@ -11,8 +11,9 @@
 # (compute-sanitizer memcheck over the fused-kernel tests), server
 # (tests/integration/test_cuda_server.py against attnserve --backend cuda),
 # bench (bench/cuda_bench.py: kernel vs torch SDPA backends, projections vs
-# cuBLAS), serve (attn_bench through the server, 1.5 and 12 MiB requests,
-# concurrency 1 and 32, batching on and off, next to cudaMemcpy bandwidth).
+# cuBLAS), quickbench (the same at L 2048 only), serve (attn_bench through
+# the server, 1.5 and 12 MiB requests, concurrency 1 and 32, batching on and
+# off, next to cudaMemcpy bandwidth).
 # BUNDLE names another bundle (default .gpu/bundle.tar.xz), TAG names its
 # logs. Logs go to $OUT/logs-TAG.tar.gz (the device tool brings back few
 # files), else ./gpu-out.
@@ -81,9 +82,10 @@ for phase in "${phases[@]}"; do
         "$root/tests/integration/test_cuda_server.py" 2>&1 | tee "$out/server_test.log" | tail -40
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       ;;
-    bench)
-      step "bench/cuda_bench.py"
-      python3 "$root/bench/cuda_bench.py" --bench "$as/bin/attnserve_cuda_bench" \
+    bench|quickbench)
+      quick=(); [[ $phase == quickbench ]] && quick=(--quick)
+      step "bench/cuda_bench.py ${quick[*]}"
+      python3 "$root/bench/cuda_bench.py" --bench "$as/bin/attnserve_cuda_bench" "${quick[@]}" \
         --json "$out/cuda_bench.json" 2>&1 | tee "$out/cuda_bench.md"
       ;;
     serve)

@@ -30,6 +30,25 @@ cudaError_t LaunchFlashAttention(const AttentionParams& args, cudaStream_t strea
 // writes weights when asked. Slower; one warp per query row.
 cudaError_t LaunchAttentionGeneral(const AttentionParams& args, cudaStream_t stream);
 
+// The unfused path (unfused_attention.h), over FLOAT32 q/k/v, for the
+// (b, h) pairs [p0, p0 + count) of `a` (pair = b * num_heads + h):
+//  - LaunchPairPointers: the batched GEMMs' pointer arrays (count each): Q,
+//    K (kv head h / group) and V rows of each pair, its score block
+//    s + n * q_len * kv_len, its output block o + n * q_len * head_dim_v;
+//  - LaunchSoftmaxRows: each score row in place -> probabilities (scale,
+//    causal, key_lengths, mask; zeros for a row that sees no key), and into
+//    a.weights (per head, weights_dtype) when set;
+//  - LaunchScatterOutput: o [count, q_len, head_dim_v] into a.out's strides
+//    and out_dtype.
+cudaError_t LaunchPairPointers(const AttentionParams& a, int64_t p0, int64_t count,
+                               const float* s, float* o, const void** q_ptrs,
+                               const void** k_ptrs, const void** v_ptrs, void** s_ptrs,
+                               void** o_ptrs, cudaStream_t stream);
+cudaError_t LaunchSoftmaxRows(const AttentionParams& a, int64_t p0, int64_t count, float* s,
+                              cudaStream_t stream);
+cudaError_t LaunchScatterOutput(const AttentionParams& a, int64_t p0, int64_t count,
+                                const float* o, cudaStream_t stream);
+
 // dst[i] = (dst_type) src[i] for i < n (float dtypes only).
 cudaError_t LaunchConvert(const void* src, DType src_type, void* dst, DType dst_type, int64_t n,
                           cudaStream_t stream);

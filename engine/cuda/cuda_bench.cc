@@ -1,7 +1,8 @@
 // GPU throughput of the CUDA backend's pieces, device-resident (no host
-// copies): the attention core in TFLOP/s, both cuDNN's SDPA as the engine
-// calls it (cudnn_sdpa.h, with the first call's plan build timed apart) and
-// the kernels written here, and the projection GEMM (bias
+// copies): the attention core in TFLOP/s, as the engine runs it (cuDNN's
+// SDPA through cudnn_sdpa.h, with the first call's plan build timed apart;
+// fp32 on the unfused path of unfused_attention.h) next to the kernels
+// written here, and the projection GEMM (bias
 // fused) against plain cuBLAS GEMMs of the same shape and against a large
 // square GEMM (the ceiling). Prints one JSON object per line, which
 // bench/cuda_bench.py turns into a table next to PyTorch's SDPA.
@@ -25,6 +26,7 @@
 #include "engine/cuda/cudnn_sdpa.h"
 #include "engine/cuda/device_memory.h"
 #include "engine/cuda/projection_gemm.h"
+#include "engine/cuda/unfused_attention.h"
 
 namespace attnserve::cuda {
 namespace {
@@ -138,7 +140,29 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
   Check(cudaDeviceSynchronize(), "attention");
   print(flash ? "flash" : "general", ms, 0.0);
 
-  if (t == DType::kFloat32) return;
+  if (t == DType::kFloat32) {
+    // fp32: the engine's unfused path (cuBLAS fp32 GEMMs around a softmax).
+    static UnfusedAttention* unfused = [] {
+      absl::StatusOr<std::unique_ptr<UnfusedAttention>> made = UnfusedAttention::Create(nullptr);
+      if (!made.ok()) std::exit(1);
+      return made->release();
+    }();
+    Arena scratch{Arena::Kind::kDevice};
+    const double unfused_ms = TimeMs(
+        [&] {
+          scratch.Reset();
+          absl::Status st = unfused->Enqueue(
+              a, [&scratch](size_t bytes) { return scratch.Allocate(bytes); }, nullptr);
+          if (!st.ok()) {
+            std::fprintf(stderr, "unfused: %s\n", std::string(st.message()).c_str());
+            std::exit(1);
+          }
+        },
+        iters);
+    Check(cudaDeviceSynchronize(), "unfused");
+    print("unfused", unfused_ms, 0.0);
+    return;
+  }
   static CudnnSdpa* sdpa = [] {
     absl::StatusOr<std::unique_ptr<CudnnSdpa>> made = CudnnSdpa::Create(64);
     if (!made.ok()) {
@@ -308,7 +332,13 @@ int Main(int argc, char** argv) {
   for (int64_t len : quick ? std::vector<int64_t>{2000} : std::vector<int64_t>{1000, 2000, 4000}) {
     BenchAttention(DType::kBFloat16, std::max<int64_t>(1, 16384 / len), 16, len, 128, true, iters);
   }
-  BenchAttention(DType::kFloat32, 4, 16, 2048, 128, false, quick ? 3 : iters);  // general kernel
+  // fp32: the unfused path against the general kernel (few iterations: the
+  // general kernel takes a quarter second a call here).
+  BenchAttention(DType::kFloat32, 4, 16, 2048, 128, false, 3);
+  if (!quick) {
+    BenchAttention(DType::kFloat32, 4, 16, 2048, 128, true, 3);
+    BenchAttention(DType::kFloat32, 8, 32, 1024, 64, false, 3);
+  }
   for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     BenchCeiling(t, iters);
     for (int64_t rows : {4096, 16384}) {

@@ -13,6 +13,7 @@
 
 #include "engine/cuda/attention_kernels.h"
 #include "engine/cuda/cuda_status.h"
+#include "engine/cuda/unfused_attention.h"
 
 namespace attnserve::cuda {
 namespace {
@@ -139,6 +140,44 @@ absl::Status RunCudnn(Call& call, const AttentionParams& a, const SdpaRoute& rou
   return absl::OkStatus();
 }
 
+// Elements a strided [B, H, L, D] view spans from its first element.
+int64_t Extent(int64_t batch, int64_t heads, int64_t len, int64_t dim, int64_t stride_b,
+               int64_t stride_h, int64_t stride_row) {
+  if (batch == 0 || heads == 0 || len == 0) return 0;
+  return (batch - 1) * stride_b + (heads - 1) * stride_h + (len - 1) * stride_row + dim;
+}
+
+// The unfused path (unfused_attention.h) for what the fused kernel does not
+// take: fp32 inputs as they are, fp16/bf16 ones widened to fp32 first (same
+// strides), so the result is exact and weights come from the same pass.
+// False when it does not fit (one head's scores over its memory bound): the
+// general kernel serves those.
+absl::StatusOr<bool> RunUnfused(Call& call, const AttentionParams& a) {
+  AttentionParams f = a;
+  f.dtype = DType::kFloat32;
+  if (!UnfusedAttention::Supports(f)) return false;
+  if (a.dtype != DType::kFloat32) {
+    struct Input {
+      const void** data;
+      int64_t heads, len, dim, sb, sh, sr;
+    };
+    for (const Input& in : {Input{&f.q, a.num_heads, a.q_len, a.head_dim, a.q_stride_b,
+                                  a.q_stride_h, a.q_stride_row},
+                            Input{&f.k, a.num_kv_heads, a.kv_len, a.head_dim, a.k_stride_b,
+                                  a.k_stride_h, a.k_stride_row},
+                            Input{&f.v, a.num_kv_heads, a.kv_len, a.head_dim_v, a.v_stride_b,
+                                  a.v_stride_h, a.v_stride_row}}) {
+      const int64_t n = Extent(a.batch, in.heads, in.len, in.dim, in.sb, in.sh, in.sr);
+      absl::StatusOr<const void*> wide = ConvertOnDevice(call, *in.data, a.dtype, f.dtype, n);
+      if (!wide.ok()) return wide.status();
+      *in.data = *wide;
+    }
+  }
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(call.unfused().Enqueue(
+      f, [&call](size_t bytes) { return call.DeviceAlloc(bytes); }, call.stream()));
+  return true;
+}
+
 // Runs the attention core for device-side `a` (inputs, output, mask already
 // set) and, when `p` asks for weights, downloads them into p.weights.
 absl::Status RunCore(Call& call, AttentionParams& a, const AttentionParams& p,
@@ -180,7 +219,9 @@ absl::Status RunCore(Call& call, AttentionParams& a, const AttentionParams& p,
 
   if (FlashAttentionSupports(a)) {
     ATTNSERVE_CUDA_CALL(LaunchFlashAttention(a, call.stream()));
-  } else {
+  } else if (absl::StatusOr<bool> unfused = RunUnfused(call, a); !unfused.ok()) {
+    return unfused.status();
+  } else if (!*unfused) {
     ATTNSERVE_CUDA_CALL(LaunchAttentionGeneral(a, call.stream()));
   }
 

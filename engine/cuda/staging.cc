@@ -22,6 +22,9 @@ absl::StatusOr<std::unique_ptr<Workspace>> Workspace::Create(AttentionSource sou
   absl::StatusOr<std::unique_ptr<ProjectionGemm>> gemm = ProjectionGemm::Create(ws->stream);
   if (!gemm.ok()) return gemm.status();
   ws->gemm = std::move(*gemm);
+  absl::StatusOr<std::unique_ptr<UnfusedAttention>> unfused = UnfusedAttention::Create(ws->stream);
+  if (!unfused.ok()) return unfused.status();
+  ws->unfused = std::move(*unfused);
   if (source != AttentionSource::kKernels) {
     // Plans per workspace: a cuDNN handle and its plans serve one call at a
     // time, as a workspace does.
@@ -40,6 +43,7 @@ Workspace::~Workspace() {
   if (copy_stream != nullptr) (void)cudaStreamSynchronize(copy_stream);
   if (stream != nullptr) (void)cudaStreamSynchronize(stream);
   gemm.reset();
+  unfused.reset();
   sdpa.reset();
   if (uploaded != nullptr) (void)cudaEventDestroy(uploaded);
   if (copy_stream != nullptr) (void)cudaStreamDestroy(copy_stream);

@@ -20,6 +20,7 @@
 #include "engine/cuda/cudnn_sdpa.h"
 #include "engine/cuda/device_memory.h"
 #include "engine/cuda/projection_gemm.h"
+#include "engine/cuda/unfused_attention.h"
 #include "engine/dtype.h"
 
 namespace attnserve::cuda {
@@ -40,6 +41,7 @@ struct Workspace {
   std::unique_ptr<ProjectionGemm> gemm;
   AttentionSource source = AttentionSource::kAuto;
   std::unique_ptr<CudnnSdpa> sdpa;  // null: our kernels only
+  std::unique_ptr<UnfusedAttention> unfused;
   Arena device{Arena::Kind::kDevice};
   Arena pinned{Arena::Kind::kPinnedHost};
 };
@@ -64,6 +66,7 @@ class Call {
   ProjectionGemm& gemm() { return *ws_.gemm; }
   AttentionSource attention_source() const { return ws_.source; }
   CudnnSdpa* sdpa() { return ws_.sdpa.get(); }
+  UnfusedAttention& unfused() { return *ws_.unfused; }
 
   // Device memory valid until Finish (or the call's end).
   absl::StatusOr<void*> DeviceAlloc(size_t bytes) { return ws_.device.Allocate(bytes); }

@@ -1,0 +1,126 @@
+// The kernels of the unfused attention path (unfused_attention.h): the
+// pointer arrays of its batched GEMMs, the softmax over materialised score
+// rows with every rule of attention_params.h, and the output's scatter into
+// its strides and dtype.
+#include <algorithm>
+#include <cstdint>
+
+#include "engine/cuda/attention_kernels.h"
+#include "engine/cuda/device_utils.cuh"
+
+namespace attnserve::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Pair n of a chunk starting at pair p0 is (b, h) = divmod(p0 + n, Hq).
+__global__ void PairPointersKernel(AttentionParams a, int64_t p0, int64_t count, const float* s,
+                                   float* o, const void** q_ptrs, const void** k_ptrs,
+                                   const void** v_ptrs, void** s_ptrs, void** o_ptrs) {
+  const int64_t n = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (n >= count) return;
+  const int64_t pair = p0 + n;
+  const int64_t b = pair / a.num_heads, h = pair % a.num_heads;
+  const int64_t g = h / (a.num_heads / a.num_kv_heads);
+  q_ptrs[n] = static_cast<const float*>(a.q) + b * a.q_stride_b + h * a.q_stride_h;
+  k_ptrs[n] = static_cast<const float*>(a.k) + b * a.k_stride_b + g * a.k_stride_h;
+  v_ptrs[n] = static_cast<const float*>(a.v) + b * a.v_stride_b + g * a.v_stride_h;
+  s_ptrs[n] = const_cast<float*>(s) + n * a.q_len * a.kv_len;
+  o_ptrs[n] = o + n * a.q_len * a.head_dim_v;
+}
+
+__device__ __forceinline__ float BlockReduce(float v, float* shared, bool is_max) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float other = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = is_max ? fmaxf(v, other) : v + other;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // `shared` may still be read by the previous reduction
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float r = is_max ? -INFINITY : 0.0f;
+  for (int w = 0; w < kThreads / 32; ++w) r = is_max ? fmaxf(r, shared[w]) : r + shared[w];
+  return r;
+}
+
+// One block per score row of the chunk: t = mask(s * scale) for the keys the
+// row sees (-inf elsewhere), P = exp(t - max) / sum in place, and the
+// probabilities into `weights` when set. A row that sees no key is zeros.
+__global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s) {
+  __shared__ float shared[kThreads / 32];
+  const int64_t row = blockIdx.x;  // within the chunk: n * q_len + i
+  const int64_t n = row / a.q_len, i = row % a.q_len;
+  const int64_t pair = p0 + n;
+  const int64_t b = pair / a.num_heads, h = pair % a.num_heads;
+  float* srow = s + row * a.kv_len;
+  const int64_t end = RowKeyEnd(a, b, i);
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < a.kv_len; j += kThreads) {
+    const float t = j < end ? ApplyMask(a.mask, b, h, i, j, srow[j] * a.scale) : -INFINITY;
+    srow[j] = t;
+    mx = fmaxf(mx, t);
+  }
+  mx = BlockReduce(mx, shared, true);
+  float sum = 0.0f;
+  if (mx != -INFINITY) {
+    for (int64_t j = threadIdx.x; j < a.kv_len; j += kThreads) {
+      const float e = expf(srow[j] - mx);
+      srow[j] = e;
+      sum += e;
+    }
+  }
+  sum = BlockReduce(sum, shared, false);
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const int64_t weights_row = ((b * a.num_heads + h) * a.q_len + i) * a.kv_len;
+  for (int64_t j = threadIdx.x; j < a.kv_len; j += kThreads) {
+    const float pj = mx != -INFINITY ? srow[j] * inv : 0.0f;
+    srow[j] = pj;
+    if (a.weights != nullptr) StoreElement(a.weights, a.weights_dtype, weights_row + j, pj);
+  }
+}
+
+// o [count, q_len, head_dim_v] fp32 -> a.out at its strides and dtype.
+__global__ void ScatterOutputKernel(AttentionParams a, int64_t p0, int64_t count, const float* o) {
+  const int64_t total = count * a.q_len * a.head_dim_v;
+  for (int64_t x = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; x < total;
+       x += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t c = x % a.head_dim_v;
+    const int64_t i = (x / a.head_dim_v) % a.q_len;
+    const int64_t pair = p0 + x / (a.head_dim_v * a.q_len);
+    const int64_t b = pair / a.num_heads, h = pair % a.num_heads;
+    StoreElement(a.out, a.out_dtype, b * a.o_stride_b + h * a.o_stride_h + i * a.o_stride_row + c,
+                 o[x]);
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchPairPointers(const AttentionParams& a, int64_t p0, int64_t count,
+                               const float* s, float* o, const void** q_ptrs,
+                               const void** k_ptrs, const void** v_ptrs, void** s_ptrs,
+                               void** o_ptrs, cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>((count + kThreads - 1) / kThreads);
+  PairPointersKernel<<<blocks, kThreads, 0, stream>>>(a, p0, count, s, o, q_ptrs, k_ptrs, v_ptrs,
+                                                      s_ptrs, o_ptrs);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSoftmaxRows(const AttentionParams& a, int64_t p0, int64_t count, float* s,
+                              cudaStream_t stream) {
+  const int64_t rows = count * a.q_len;
+  if (rows <= 0) return cudaSuccess;
+  SoftmaxRowsKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(a, p0, s);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchScatterOutput(const AttentionParams& a, int64_t p0, int64_t count,
+                                const float* o, cudaStream_t stream) {
+  const int64_t total = count * a.q_len * a.head_dim_v;
+  if (total <= 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65535 * 8);
+  ScatterOutputKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a, p0, count, o);
+  return cudaGetLastError();
+}
+
+}  // namespace attnserve::cuda
