@@ -417,6 +417,30 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
       }
       if (status.ok()) model->engine = it->second;
     }
+    if (status.ok() && model->engine->name() == "cuda" &&
+        m.layer->config.rope.type != RopeConfig::Type::kNone) {
+      // The GPU does not rotate Q and K yet: an "auto" model goes to the cpu
+      // engine rather than failing each request; an explicit "cuda" fails
+      // its load, naming why.
+      if (m.config.backend() == "cuda") {
+        status = absl::InvalidArgumentError(absl::StrCat(
+            m.directory, ": backend \"cuda\" does not compute rotary position embeddings (rope) "
+            "yet; use backend \"cpu\" or \"auto\""));
+      } else {
+        auto cpu = engines.find("cpu");
+        if (cpu == engines.end()) {
+          absl::StatusOr<std::unique_ptr<AttentionEngine>> engine =
+              CreateEngine("cpu", engine_options);
+          if (!engine.ok()) return engine.status();
+          cpu = engines.emplace("cpu", std::shared_ptr<AttentionEngine>(*std::move(engine))).first;
+        }
+        model->engine = cpu->second;
+        std::fprintf(stderr,
+                     "attnserve: model '%s': rotary position embeddings are not computed on the "
+                     "GPU yet; served by the cpu engine\n",
+                     m.name.c_str());
+      }
+    }
     if (status.ok()) {
       model->layer = m.layer;
       model->weight_bounds = MeasureWeightBounds(m.layer->weights);

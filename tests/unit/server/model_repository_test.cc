@@ -306,6 +306,41 @@ TEST_F(RepositoryTest, NonStrictAddsTheBadOneAsFailed) {
   EXPECT_THAT((*bad)->reason, ::testing::Not(HasSubstr(dir_)));
 }
 
+// Stands in for the CUDA engine (no GPU here): its name is what the
+// repository decides by. Never run.
+class NamedCudaEngine final : public AttentionEngine {
+ public:
+  std::string_view name() const override { return "cuda"; }
+  absl::Status Run(const AttentionLayer&, absl::Span<const AttentionTask>) override {
+    return absl::InternalError("not to be run");
+  }
+};
+
+// The GPU does not rotate Q and K yet: on a server whose engine is cuda, a
+// RoPE model of backend "auto" is served by the cpu engine (never failing
+// its requests), one that asks for "cuda" fails its load naming why, and a
+// model without RoPE stays on the GPU.
+TEST_F(RepositoryTest, RopeModelsLeaveTheGpuForTheCpuEngine) {
+  WriteMha("plain", 8);
+  WriteMha("rope-auto", 8, "rope { type: \"default\" }\n");
+  WriteMha("rope-cuda", 8, "rope { type: \"default\" }\nbackend: \"cuda\"\n");
+  auto gpu = std::make_shared<NamedCudaEngine>();
+  ModelRegistry registry;
+  ASSERT_TRUE(AddRepositoryModels(dir_, /*strict=*/false, gpu, {}, &registry).ok());
+  auto plain = registry.Find("plain");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ((*plain)->engine, gpu);
+  auto rope_auto = registry.Find("rope-auto");
+  ASSERT_TRUE(rope_auto.ok());
+  ASSERT_TRUE((*rope_auto)->ready());
+  EXPECT_EQ((*rope_auto)->engine->name(), "cpu");
+  auto rope_cuda = registry.Find("rope-cuda");
+  ASSERT_TRUE(rope_cuda.ok());
+  EXPECT_EQ((*rope_cuda)->state, ModelState::kFailed);
+  EXPECT_THAT((*rope_cuda)->reason,
+              AllOf(HasSubstr("rotary position embeddings"), HasSubstr("\"cpu\"")));
+}
+
 // A failed model's reason reaches any client (GetModel, ListModels, Attend
 // errors): it names files relative to the repository, never the server's
 // full path; the operator's startup error/log keeps the full path.
