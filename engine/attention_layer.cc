@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "engine/rope.h"
@@ -31,6 +32,14 @@ absl::Status CheckWeight(const std::string& layer, const char* name, const Tenso
 
 }  // namespace
 
+std::string CudaMissingFeatures(const LayerConfig& config) {
+  std::string missing;
+  auto add = [&](const char* what) { absl::StrAppend(&missing, missing.empty() ? "" : ", ", what); };
+  if (config.rope.type != RopeConfig::Type::kNone) add("rotary position embeddings");
+  if (config.qk_norm.enabled) add("QK-norm");
+  return missing;
+}
+
 absl::Status ValidateLayer(const AttentionLayer& layer) {
   const LayerConfig& c = layer.config;
   if (c.name.empty()) return absl::InvalidArgumentError("layer: name must not be empty");
@@ -48,14 +57,34 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
             "layer '", c.name, "': a layer without projections must carry no weights"));
       }
     }
-    if (c.rope.type != RopeConfig::Type::kNone) {
+    if (c.rope.type != RopeConfig::Type::kNone || c.qk_norm.enabled) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "layer '", c.name, "': rope: rotary embeddings apply to projection layers only"));
+          "layer '", c.name, "': rope and qk_norm apply to projection layers only"));
     }
     return absl::OkStatus();
   }
   if (absl::Status rope = ValidateRope(c.rope, c.head_dim); !rope.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("layer '", c.name, "': ", rope.message()));
+  }
+  {
+    const LayerWeights& w = layer.weights;
+    if (c.qk_norm.enabled) {
+      if (!std::isfinite(c.qk_norm.eps) || c.qk_norm.eps <= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer '", c.name, "': qk_norm.eps must be > 0, got ", c.qk_norm.eps));
+      }
+      for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"q_norm", &w.q_norm},
+                                    {"k_norm", &w.k_norm}}) {
+        if (t->dtype() != DType::kFloat32 || t->shape() != Shape{c.head_dim}) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "layer '", c.name, "': ", name, " weight must be FLOAT32 [", c.head_dim,
+              "] (head_dim), got ", ShapeString(t->shape())));
+        }
+      }
+    } else if (w.q_norm.byte_size() != 0 || w.k_norm.byte_size() != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer '", c.name, "': q_norm/k_norm weights without qk_norm in the config"));
+    }
   }
 
   struct Dim {

@@ -47,6 +47,15 @@ struct RopeConfig {
   bool truncate = true;                          // yarn: round the correction range outwards
 };
 
+// QK-norm (Qwen3, Gemma3, OLMo-style per-head): RMSNorm over each head of
+// the projected Q and K, before RoPE, with a learned weight per feature:
+// x / sqrt(mean(x^2) + eps) * w, or * (1 + w) with weight_offset (Gemma).
+struct QkNormConfig {
+  bool enabled = false;
+  double eps = 1e-6;  // > 0
+  bool weight_offset = false;
+};
+
 struct LayerConfig {
   std::string name;
   // false: bare scaled-dot-product attention ("sdpa"); inputs are in head
@@ -76,6 +85,8 @@ struct LayerConfig {
   // session, continuing after its cached tokens) and its queries at
   // Lk-Lq..Lk-1, the bottom-right rule of `causal`.
   RopeConfig rope;
+  // Projection layers only; its weights are LayerWeights::q_norm / k_norm.
+  QkNormConfig qk_norm;
 };
 
 // Weights in PyTorch Linear layout ([out_features, in_features]), FLOAT32.
@@ -85,6 +96,9 @@ struct LayerWeights {
   Tensor wk, bk;  // [num_kv_heads * head_dim, key_dim], [num_kv_heads * head_dim]
   Tensor wv, bv;  // [num_kv_heads * head_dim, value_dim], [num_kv_heads * head_dim]
   Tensor wo, bo;  // [out_dim, num_heads * head_dim], [out_dim]
+  // QK-norm weights, [head_dim] each, when LayerConfig::qk_norm.enabled;
+  // empty otherwise.
+  Tensor q_norm, k_norm;
 };
 
 // A number no other layer object of this process ever gets: engines that keep
@@ -127,6 +141,11 @@ struct LayerWeightBounds {
   ProjectionBound q, k, v, o;
 };
 LayerWeightBounds MeasureWeightBounds(const LayerWeights& weights);
+
+// What a layer computes that the CUDA engine does not (yet), as words for a
+// message ("rotary position embeddings, QK-norm"); empty when nothing.
+// Plain C++, so that the server decides without loading the engine.
+std::string CudaMissingFeatures(const LayerConfig& config);
 
 // Checks dims and weight shapes against each other (names the tensor and the
 // expected vs actual shape on failure).

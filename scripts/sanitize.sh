@@ -4,7 +4,10 @@
 #   scripts/sanitize.sh asan [BUILD_DIR]   AddressSanitizer + UndefinedBehaviorSanitizer:
 #       builds the test suite (GCC, -fsanitize=address,undefined) and runs all
 #       of it under ctest (the Python tests drive the instrumented server),
-#       except the soak and the fuzzers (own builds, own bounds).
+#       except the soak and the fuzzers (own builds, own bounds) and the image
+#       tests (test_container, test_compose: they put the build's binaries in
+#       the runtime image, which has no sanitizer runtime; the ordinary suite
+#       runs them).
 #       Default BUILD_DIR: build-asan.
 #   scripts/sanitize.sh tsan [BUILD_DIR]   ThreadSanitizer: builds and runs the
 #       batching, scheduler, sessions and server tests (dynamic_batcher_test,
@@ -85,9 +88,12 @@ case "$mode" in
     # Leaks too; a UBSan report fails its test. The fd-limit test raises
     # its own limits: keep ASan from reserving a huge shadow per fd.
     export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1}
+    # Leaks inside uninstrumented third-party libraries (scripts/lsan.supp).
+    export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/scripts/lsan.supp:print_suppressions=0}
     export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
     # shellcheck disable=SC2086
-    ctest --test-dir "$build" --output-on-failure --timeout 1800 -E '^(soak|fuzz\.short)' \
+    ctest --test-dir "$build" --output-on-failure --timeout 1800 \
+      -E '^(soak|fuzz\.short|integration\.test_(container|compose))' \
       ${CTEST_ARGS:-}
     ;;
   tsan)

@@ -118,12 +118,14 @@ class CpuEngine final : public AttentionEngine {
     return absl::OkStatus();
   }
 
-  // RoPE on every task's projected Q and K, in place, before a session
-  // appends its keys (the cache holds rotated keys). A sequence's keys sit at
-  // cached_len + j and its queries at the bottom-right positions
-  // kv_total - Lq + i, kv_total = cached_len + Lk.
-  void RotateQk(const LayerConfig& c, absl::Span<const AttentionTask> batch,
-                absl::Span<const AttentionParams> params) {
+  // QK-norm then RoPE on every task's projected Q and K, in place, before a
+  // session appends its keys (the cache holds normalised, rotated keys). A
+  // sequence's keys sit at cached_len + j and its queries at the bottom-right
+  // positions kv_total - Lq + i, kv_total = cached_len + Lk.
+  void PrepareQk(const AttentionLayer& layer, absl::Span<const AttentionTask> batch,
+                 absl::Span<const AttentionParams> params) {
+    const LayerConfig& c = layer.config;
+    const bool rope = c.rope.type != RopeConfig::Type::kNone;
     const RopeFrequencies freq = ComputeRopeFrequencies(c.rope);
     for (size_t t = 0; t < params.size(); ++t) {
       const AttentionParams& p = params[t];
@@ -134,6 +136,15 @@ class CpuEngine final : public AttentionEngine {
         // const_cast: q and k point into this call's own projection buffers.
         char* q = static_cast<char*>(const_cast<void*>(p.q)) + b * p.q_stride_b * size;
         char* k = static_cast<char*>(const_cast<void*>(p.k)) + b * p.k_stride_b * size;
+        if (c.qk_norm.enabled) {
+          cpu::NormalizeRows(c.qk_norm, layer.weights.q_norm.data_as<float>(), p.dtype, q,
+                             p.q_len, p.q_stride_row, p.num_heads, p.head_dim,
+                             options_.num_threads);
+          cpu::NormalizeRows(c.qk_norm, layer.weights.k_norm.data_as<float>(), p.dtype, k,
+                             p.kv_len, p.k_stride_row, p.num_kv_heads, p.head_dim,
+                             options_.num_threads);
+        }
+        if (!rope) continue;
         cpu::RotateRows(c.rope, freq, p.dtype, q, p.q_len, p.q_stride_row, p.num_heads,
                         p.head_dim, first_query, options_.num_threads);
         cpu::RotateRows(c.rope, freq, p.dtype, k, p.kv_len, p.k_stride_row, p.num_kv_heads,
@@ -274,7 +285,9 @@ class CpuEngine final : public AttentionEngine {
     if (o_layout.total > covered) {
       std::memset(at(core, covered, qf, 0), 0, (o_layout.total - covered) * qf * act_size);
     }
-    if (c.rope.type != RopeConfig::Type::kNone) RotateQk(c, batch, params);
+    if (c.qk_norm.enabled || c.rope.type != RopeConfig::Type::kNone) {
+      PrepareQk(layer, batch, params);
+    }
     for (size_t i = 0; i < params.size(); ++i) {
       if (absl::Status s = UseSessionCache(batch[i], &params[i]); !s.ok()) return s;
     }

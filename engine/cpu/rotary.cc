@@ -1,4 +1,5 @@
 // RotateRows: float64 angles per row, float rotation of every head.
+// NormalizeRows: RMSNorm of every head, float64 mean.
 #include "engine/cpu/rotary.h"
 
 #include <vector>
@@ -42,6 +43,34 @@ void RotateRows(const RopeConfig& rope, const RopeFrequencies& freq, DType dtype
           for (int64_t d = 0; d < rope.rotary_dim; ++d) head[d] = BFloat16ToFloat(x[d]);
           RotateHead(head.data(), cos_f.data(), sin_f.data(), rope.rotary_dim, rope.interleaved);
           for (int64_t d = 0; d < rope.rotary_dim; ++d) x[d] = FloatToBFloat16(head[d]);
+        }
+      }
+    }
+  }
+}
+
+void NormalizeRows(const QkNormConfig& norm, const float* w, DType dtype, void* data,
+                   int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
+                   int threads) {
+#ifdef _OPENMP
+  const int n = threads > 0 ? threads : omp_get_max_threads();
+#pragma omp parallel num_threads(n) if (rows > 16)
+#endif
+  {
+    std::vector<float> head(static_cast<size_t>(head_dim));
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t at = r * row_stride + h * head_dim;
+        if (dtype == DType::kFloat32) {
+          NormalizeHead(static_cast<float*>(data) + at, w, head_dim, norm);
+        } else {
+          uint16_t* x = static_cast<uint16_t*>(data) + at;
+          for (int64_t d = 0; d < head_dim; ++d) head[d] = BFloat16ToFloat(x[d]);
+          NormalizeHead(head.data(), w, head_dim, norm);
+          for (int64_t d = 0; d < head_dim; ++d) x[d] = FloatToBFloat16(head[d]);
         }
       }
     }

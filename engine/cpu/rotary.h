@@ -1,6 +1,6 @@
-// RoPE on the cpu engine's projected activations: rotates Q and K rows in
-// place between the projections and the attention core (engine/rope.h has
-// the frequencies). Internal to engine/cpu.
+// What happens to the cpu engine's projected Q and K rows, in place,
+// between the projections and the attention core: QK-norm (engine/qk_norm.h)
+// and then RoPE (engine/rope.h has the frequencies). Internal to engine/cpu.
 #ifndef ATTNSERVE_ENGINE_CPU_ROTARY_H_
 #define ATTNSERVE_ENGINE_CPU_ROTARY_H_
 
@@ -8,6 +8,7 @@
 
 #include "engine/attention_layer.h"
 #include "engine/dtype.h"
+#include "engine/qk_norm.h"
 #include "engine/rope.h"
 
 namespace attnserve::cpu {
@@ -20,6 +21,12 @@ namespace attnserve::cpu {
 void RotateRows(const RopeConfig& rope, const RopeFrequencies& freq, DType dtype, void* data,
                 int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                 int64_t first_position, int threads);
+
+// QK-norm of every head of rows r < `rows` (same layout as RotateRows) with
+// the weights w[head_dim].
+void NormalizeRows(const QkNormConfig& norm, const float* w, DType dtype, void* data,
+                   int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
+                   int threads);
 
 }  // namespace attnserve::cpu
 

@@ -42,11 +42,10 @@ class CudaEngine final : public AttentionEngine {
 
   absl::Status Run(const AttentionLayer& layer, absl::Span<const AttentionTask> batch) override {
     const LayerConfig& config = layer.config;
-    if (config.rope.type != RopeConfig::Type::kNone) {
+    if (std::string missing = CudaMissingFeatures(config); !missing.empty()) {
       return absl::UnimplementedError(absl::StrCat(
-          "cuda engine: layer '", config.name,
-          "' uses rotary position embeddings, which the GPU does not compute yet; serve it "
-          "with backend \"cpu\""));
+          "cuda engine: layer '", config.name, "' uses ", missing,
+          ", which the GPU does not compute yet; serve it with backend \"cpu\""));
     }
     for (const AttentionTask& task : batch) {
       ATTNSERVE_CUDA_RETURN_IF_ERROR(CheckTask(config, task));

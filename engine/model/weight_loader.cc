@@ -25,24 +25,30 @@ constexpr RoleDefault kTorchMhaNames[] = {
     {"q_weight", "q_proj_weight"},       {"k_weight", "k_proj_weight"},
     {"v_weight", "v_proj_weight"},       {"out_weight", "out_proj.weight"},
     {"out_bias", "out_proj.bias"},
+    {"q_norm_weight", "q_norm.weight"},
+    {"k_norm_weight", "k_norm.weight"},
 };
 constexpr RoleDefault kSeparateQkvNames[] = {
     {"q_weight", "q_proj.weight"}, {"q_bias", "q_proj.bias"},
     {"k_weight", "k_proj.weight"}, {"k_bias", "k_proj.bias"},
     {"v_weight", "v_proj.weight"}, {"v_bias", "v_proj.bias"},
     {"out_weight", "o_proj.weight"}, {"out_bias", "o_proj.bias"},
+    {"q_norm_weight", "q_norm.weight"}, {"k_norm_weight", "k_norm.weight"},
 };
 constexpr RoleDefault kFusedNames[] = {
     {"qkv_weight", "qkv.weight"},
     {"qkv_bias", "qkv.bias"},
     {"out_weight", "out_proj.weight"},
     {"out_bias", "out_proj.bias"},
+    {"q_norm_weight", "q_norm.weight"},
+    {"k_norm_weight", "k_norm.weight"},
 };
 constexpr RoleDefault kKerasNames[] = {
     {"q_weight", "query/kernel"},   {"q_bias", "query/bias"},
     {"k_weight", "key/kernel"},     {"k_bias", "key/bias"},
     {"v_weight", "value/kernel"},   {"v_bias", "value/bias"},
     {"out_weight", "attention_output/kernel"}, {"out_bias", "attention_output/bias"},
+    {"q_norm_weight", "q_norm.weight"}, {"k_norm_weight", "k_norm.weight"},
 };
 
 absl::Span<const RoleDefault> RoleTable(WeightLayout layout) {
@@ -78,6 +84,15 @@ class Reader {
 
   // A bias the file holds for this layer but the config turns off is almost
   // always a forgotten flag: refuse rather than drop it silently.
+  // A tensor of this layer in the file that the config does not use.
+  absl::Status CheckUnused(const std::string& role, bool used, const char* why) const {
+    if (used || !Has(role)) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        file_.path(), ": tensor '", NameOf(role), "' (", role, " of layout ",
+        WeightLayoutName(spec_.layout), ") is in the file but ", why,
+        "; configure it, or remove the tensor"));
+  }
+
   absl::Status CheckUnusedBias(const std::string& role, bool used, const char* flags) const {
     if (used || !Has(role)) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat(
@@ -354,6 +369,12 @@ std::string DefaultTensorName(WeightLayout layout, const std::string& role) {
   return "";
 }
 
+namespace {
+// The projections' weights and biases of `spec.layout`.
+absl::StatusOr<LayerWeights> LoadProjections(const Reader& reader, const SafetensorsFile& file,
+                                             const LayerConfig& config, const WeightSpec& spec);
+}  // namespace
+
 absl::StatusOr<LayerWeights> LoadLayerWeights(const SafetensorsFile& file,
                                               const LayerConfig& config,
                                               const WeightSpec& spec) {
@@ -375,6 +396,29 @@ absl::StatusOr<LayerWeights> LoadLayerWeights(const SafetensorsFile& file,
     }
   }
   Reader reader(file, spec, config.precision);
+  absl::StatusOr<LayerWeights> weights = LoadProjections(reader, file, config, spec);
+  if (!weights.ok()) return weights.status();
+  for (const char* role : {"q_norm_weight", "k_norm_weight"}) {
+    if (absl::Status s = reader.CheckUnused(role, spec.qk_norm, "the config has no qk_norm");
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (spec.qk_norm) {
+    absl::StatusOr<std::vector<float>> qn = reader.Read("q_norm_weight", {{config.head_dim}});
+    if (!qn.ok()) return qn.status();
+    absl::StatusOr<std::vector<float>> kn = reader.Read("k_norm_weight", {{config.head_dim}});
+    if (!kn.ok()) return kn.status();
+    weights->q_norm = MakeTensor({config.head_dim}, qn->data());
+    weights->k_norm = MakeTensor({config.head_dim}, kn->data());
+  }
+  return weights;
+}
+
+namespace {
+
+absl::StatusOr<LayerWeights> LoadProjections(const Reader& reader, const SafetensorsFile& file,
+                                             const LayerConfig& config, const WeightSpec& spec) {
   switch (spec.layout) {
     case WeightLayout::kTorchMha:
       return LoadTorchMha(reader, config, spec);
@@ -394,5 +438,7 @@ absl::StatusOr<LayerWeights> LoadLayerWeights(const SafetensorsFile& file,
   }
   return absl::InvalidArgumentError("unknown weight layout");
 }
+
+}  // namespace
 
 }  // namespace attnserve

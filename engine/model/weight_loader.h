@@ -45,6 +45,7 @@ const char* WeightLayoutName(WeightLayout layout);
 //   q_weight k_weight v_weight out_weight q_bias k_bias v_bias out_bias
 //   in_proj_weight in_proj_bias   (kTorchMha)
 //   qkv_weight qkv_bias           (kFusedQkvPerHead)
+//   q_norm_weight k_norm_weight   (every layout, with qk_norm)
 struct WeightSpec {
   WeightLayout layout = WeightLayout::kTorchMha;
   // Prepended to every tensor name (e.g. "encoder.layers.3.self_attn.").
@@ -57,6 +58,9 @@ struct WeightSpec {
   bool k_bias = true;
   bool v_bias = true;
   bool out_bias = true;
+  // QK-norm weights ([head_dim] each) are read when set; a file holding this
+  // layer's q_norm/k_norm weights without it is an error (as for biases).
+  bool qk_norm = false;
 };
 
 // The roles a layout reads (valid keys of WeightSpec::tensor_names).

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "engine/attention_task.h"
+#include "engine/qk_norm.h"
 #include "engine/rope.h"
 
 namespace attnserve {
@@ -344,6 +345,21 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
   Rows q{Linear(xq, q_rows, c.query_dim, w.wq, w.bq), d.heads, d.q_len, d.head_dim, false};
   Rows k{Linear(xk, kv_rows, self_attention ? c.query_dim : c.key_dim, w.wk, w.bk),
          d.kv_heads, d.kv_len, d.head_dim, false};
+  if (c.qk_norm.enabled) {
+    // RMSNorm of every head of Q and K (before RoPE), in float64.
+    for (int64_t b = 0; b < d.batch; ++b) {
+      for (int64_t i = 0; i < d.q_len; ++i) {
+        for (int64_t h = 0; h < d.heads; ++h) {
+          NormalizeHead(q.row(b, h, i), w.q_norm.data_as<float>(), d.head_dim, c.qk_norm);
+        }
+      }
+      for (int64_t j = 0; j < d.kv_len; ++j) {
+        for (int64_t g = 0; g < d.kv_heads; ++g) {
+          NormalizeHead(k.row(b, g, j), w.k_norm.data_as<float>(), d.head_dim, c.qk_norm);
+        }
+      }
+    }
+  }
   if (c.rope.type != RopeConfig::Type::kNone) {
     // Queries at the bottom-right positions Lk - Lq + i, keys at j; the
     // angles in float64, never rounded.

@@ -41,6 +41,10 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
   config.set_causal(c.causal);
   config.set_precision(PrecisionName(c.precision));
   if (c.has_projections) *config.mutable_rope() = FromRopeConfig(c.rope);
+  if (c.qk_norm.enabled) {
+    config.mutable_qk_norm()->set_eps(c.qk_norm.eps);
+    config.mutable_qk_norm()->set_weight_offset(c.qk_norm.weight_offset);
+  }
   return config;
 }
 
@@ -98,6 +102,11 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
                     : c.precision() == "fp16" ? Precision::kFloat16
                                               : Precision::kFloat32;
   if (layer.has_projections) layer.rope = ToRopeConfig(c.rope());
+  if (layer.has_projections && c.has_qk_norm()) {
+    layer.qk_norm.enabled = true;
+    layer.qk_norm.eps = c.qk_norm().eps();
+    layer.qk_norm.weight_offset = c.qk_norm().weight_offset();
+  }
   return layer;
 }
 
@@ -112,6 +121,7 @@ WeightLayout ToWeightLayout(v1::ModelConfig::WeightLayout layout) {
 
 WeightSpec ToWeightSpec(const v1::ModelConfig& c) {
   WeightSpec spec;
+  spec.qk_norm = c.has_qk_norm();
   spec.layout = ToWeightLayout(c.weight_layout());
   spec.tensor_prefix = c.tensor_prefix();
   spec.tensor_names.insert(c.tensor_names().begin(), c.tensor_names().end());

@@ -177,7 +177,7 @@ absl::Status CheckNoProjectionFields(const std::string& path, const v1::ModelCon
   for (const char* field : {"embed_dim", "num_heads", "num_kv_heads", "head_dim", "query_dim",
                             "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias",
                             "out_bias", "weight_layout", "tensor_prefix", "tensor_names",
-                            "rope"}) {
+                            "rope", "qk_norm"}) {
     const google::protobuf::FieldDescriptor* f = d->FindFieldByName(field);
     bool set = f->is_repeated() ? r->FieldSize(c, f) > 0 : r->HasField(c, f);
     if (set) {
@@ -254,6 +254,13 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
   if (c->kind() == "mha") {
     if (absl::Status s = ResolveProjectionDims(path, c); !s.ok()) return s;
     if (absl::Status s = ResolveRope(path, c); !s.ok()) return s;
+    if (c->has_qk_norm()) {
+      if (c->qk_norm().eps() == 0) c->mutable_qk_norm()->set_eps(1e-6);
+      if (!std::isfinite(c->qk_norm().eps()) || c->qk_norm().eps() < 0) {
+        return ConfigError(path, "qk_norm.eps",
+                           absl::StrCat("must be > 0, got ", c->qk_norm().eps()));
+      }
+    }
   } else if (c->kind() == "sdpa") {
     if (absl::Status s = CheckNoProjectionFields(path, *c); !s.ok()) return s;
   } else {
@@ -417,15 +424,16 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
       }
       if (status.ok()) model->engine = it->second;
     }
-    if (status.ok() && model->engine->name() == "cuda" &&
-        m.layer->config.rope.type != RopeConfig::Type::kNone) {
-      // The GPU does not rotate Q and K yet: an "auto" model goes to the cpu
+    const std::string gpu_missing =
+        status.ok() ? CudaMissingFeatures(m.layer->config) : std::string();
+    if (status.ok() && model->engine->name() == "cuda" && !gpu_missing.empty()) {
+      // The GPU does not compute these yet: an "auto" model goes to the cpu
       // engine rather than failing each request; an explicit "cuda" fails
       // its load, naming why.
       if (m.config.backend() == "cuda") {
         status = absl::InvalidArgumentError(absl::StrCat(
-            m.directory, ": backend \"cuda\" does not compute rotary position embeddings (rope) "
-            "yet; use backend \"cpu\" or \"auto\""));
+            m.directory, ": backend \"cuda\" does not compute ", gpu_missing,
+            " yet; use backend \"cpu\" or \"auto\""));
       } else {
         auto cpu = engines.find("cpu");
         if (cpu == engines.end()) {
@@ -436,9 +444,9 @@ absl::Status AddRepositoryModels(const std::string& dir, bool strict,
         }
         model->engine = cpu->second;
         std::fprintf(stderr,
-                     "attnserve: model '%s': rotary position embeddings are not computed on the "
-                     "GPU yet; served by the cpu engine\n",
-                     m.name.c_str());
+                     "attnserve: model '%s': %s not computed on the GPU yet; served by the cpu "
+                     "engine\n",
+                     m.name.c_str(), gpu_missing.c_str());
       }
     }
     if (status.ok()) {

@@ -8,8 +8,9 @@ sequences, where transformers' fp32 angles are exact enough) and with an
 independent NumPy float64 implementation of transformers' RoPE formulas at
 positions in the thousands (within 2e-5). A session's prefill then one token
 a step equals one causal request. Whatever else a layer computes that
-attnserve does not (sliding windows, QK-norm, softcapping, sinks, other RoPE
-scalings or layouts) is refused at export by name. transformers 4.45.2 is the
+attnserve does not (sliding windows, softcapping, sinks, other RoPE scalings
+or layouts, other norms) is refused at export by name. QK-norm (Qwen3, and
+Gemma3's 1 + w) is served exactly as well. transformers 4.45.2 is the
 newest that imports with Debian's torch 1.13: families that need a newer one
 (Qwen3, Gemma3, gpt-oss) are stood in for by modules with their attributes."""
 
@@ -58,6 +59,8 @@ def _served_module(family):
         from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
         m = GPTNeoXAttention(GPTNeoXConfig(hidden_size=64, num_attention_heads=4,
                                            intermediate_size=128, rotary_pct=0.5), layer_idx=0)
+    elif family in ("qwen3", "gemma3"):
+        m = _QkNormAttention(gemma=family == "gemma3")
     else:
         raise AssertionError(family)
     with torch.no_grad():  # biases (Qwen2, NeoX) away from zero, so that they count
@@ -67,7 +70,45 @@ def _served_module(family):
 
 
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "qwen2",
-            "gpt-neox"]
+            "gpt-neox", "qwen3", "gemma3"]
+
+
+class _QkNormAttention(nn.Module):
+    """Qwen3's attention (Gemma3's with gemma=True) as transformers 5.x writes
+    it, built from transformers' own parts (4.45.2 has no Qwen3/Gemma3):
+    q/k/v/o projections, RMSNorm over each head of Q and K (LlamaRMSNorm is
+    Qwen3RMSNorm; GemmaRMSNorm multiplies by 1 + w, as Gemma3RMSNorm does),
+    then RoPE, grouped-query eager attention."""
+
+    def __init__(self, gemma=False):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+        self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, 16
+        self.config = LlamaConfig(**COMMON, rope_theta=1e6, rms_norm_eps=1e-6)
+        self.config.model_type = "gemma3" if gemma else "qwen3"
+        self.q_proj, self.k_proj = nn.Linear(64, 64, bias=False), nn.Linear(64, 32, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(64, 32, bias=False), nn.Linear(64, 64, bias=False)
+        norm = GemmaRMSNorm if gemma else LlamaRMSNorm
+        self.q_norm, self.k_norm = norm(16, eps=1e-6), norm(16, eps=1e-6)
+        with torch.no_grad():
+            self.q_norm.weight.uniform_(0.5, 1.5)
+            self.k_norm.weight.uniform_(0.5, 1.5)
+        self.rotary = LlamaRotaryEmbedding(config=self.config)
+
+    def forward(self, x, attention_mask=None, position_ids=None):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+        b, length, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, length, 4, 16)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, length, 2, 16)).transpose(1, 2)
+        v = self.v_proj(x).view(b, length, 2, 16).transpose(1, 2)
+        cos, sin = self.rotary(v, position_ids)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = repeat_kv(k, 2), repeat_kv(v, 2)
+        s = q @ k.transpose(2, 3) / math.sqrt(16) + attention_mask
+        out = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, length, 64)
+        return (self.o_proj(out),)
 
 
 def _module_forward(m, x):
@@ -149,6 +190,11 @@ def _np_layer(x, weights, config):
         k = lin("k_proj", x).reshape(bsz, length, hkv, hd)
         v = lin("v_proj", x).reshape(bsz, length, hkv, hd)
         out_name = "o_proj"
+    if "qk_norm" in config:
+        def rms(t, w):
+            w = w.astype(np.float64) + (1.0 if config["qk_norm"]["weight_offset"] else 0.0)
+            return t / np.sqrt((t * t).mean(-1, keepdims=True) + config["qk_norm"]["eps"]) * w
+        q, k = rms(q, weights["q_norm.weight"]), rms(k, weights["k_norm.weight"])
     pos = np.arange(length)
     q, k = _np_rotate(q, pos, config["rope"]), _np_rotate(k, pos, config["rope"])
     k, v = np.repeat(k, h // hkv, axis=2), np.repeat(v, h // hkv, axis=2)
@@ -195,7 +241,8 @@ def test_rope_layers_are_served_as_the_module_computes_them(served, family):
     assert _rel(got, want) < 2e-5, f"{family}: {_rel(got, want)}"
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "llama-yarn", "gpt-neox"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "llama-yarn", "gpt-neox", "qwen3",
+                                    "gemma3"])
 def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family):
     client, _, configs, weights = served
     x = np.random.default_rng(2).uniform(-1, 1, (1, 3000, 64)).astype(np.float32)
@@ -207,18 +254,29 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
     assert _rel(got, want) < 2e-5
 
 
-def test_a_session_continues_its_positions(served):
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_a_session_continues_its_positions(served, family):
     """Prefill 24 tokens, then 40 single-token steps: every step equals the
     matching row of one causal request over the whole sequence."""
     client, _, _, _ = served
     x = np.random.default_rng(3).uniform(-1, 1, (1, 64, 64)).astype(np.float32)
-    whole = client.attend(x, model="llama3", causal=True).output
-    with client.open_session("llama3") as session:
+    whole = client.attend(x, model=family, causal=True).output
+    with client.open_session(family) as session:
         prefill = session.attend(x[:, :24], causal=True).output
         assert _rel(prefill, whole[:, :24]) < 1e-5
         for t in range(24, 64):
             step = session.attend(x[:, t:t + 1], causal=True).output
             assert _rel(step, whole[:, t:t + 1]) < 1e-5, f"step {t}"
+
+
+def test_qk_norm_is_exported_and_reported(served):
+    client, _, configs, _ = served
+    assert configs["qwen3"]["qk_norm"] == {"eps": 1e-6, "weight_offset": False}
+    assert configs["gemma3"]["qk_norm"]["weight_offset"] is True
+    reported = client.get_model("gemma3").config
+    assert reported.HasField("qk_norm") and reported.qk_norm.weight_offset
+    assert reported.qk_norm.eps == 1e-6
+    assert not client.get_model("llama").config.HasField("qk_norm")
 
 
 def test_get_model_reports_the_resolved_rope(served):
@@ -277,7 +335,10 @@ class _StandIn(nn.Module):
         self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, 16
         if config is not None:
             self.config = config
-        if qk_norm:
+        if qk_norm == "whole":
+            from transformers.models.llama.modeling_llama import LlamaRMSNorm
+            self.q_norm, self.k_norm = LlamaRMSNorm(64), LlamaRMSNorm(32)
+        elif qk_norm == "layernorm":
             self.q_norm, self.k_norm = nn.LayerNorm(16), nn.LayerNorm(16)
         if sinks:
             self.sinks = nn.Parameter(torch.zeros(4))
@@ -289,10 +350,12 @@ class _Config:
 
 
 @pytest.mark.parametrize("module,words", [
-    # Qwen3: QK-norm (its RoPE, in transformers 5.x's rope_parameters, is served).
-    (lambda: _StandIn(_Config(model_type="qwen3",
-                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-                      qk_norm=True), ["QK-norm (q_norm, k_norm)"]),
+    # OLMo-2: QK-norm over the whole projection, not per head.
+    (lambda: _StandIn(_Config(model_type="olmo2", rope_theta=1e4), qk_norm="whole"),
+     ["not per head", "OLMo-2"]),
+    # A LayerNorm (not RMSNorm) over Q and K.
+    (lambda: _StandIn(_Config(model_type="qwen3", rope_theta=1e4), qk_norm="layernorm"),
+     ["QK-norm of kind", "RMSNorm"]),
     # gpt-oss: sinks and a sliding window.
     (lambda: _StandIn(_Config(model_type="gpt_oss", sliding_window=128,
                               rope_scaling={"rope_type": "yarn", "factor": 32.0},

@@ -119,7 +119,7 @@ _ENUM_FIELDS = {"weight_layout"}
 _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_dim", "query_dim",
                 "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias", "out_bias",
                 "weight_layout", "tensor_prefix", "tensor_names", "scale", "causal", "precision",
-                "batching", "instances", "backend", "rope"]
+                "batching", "instances", "backend", "rope", "qk_norm"]
 
 
 def _scalar(field, value):
@@ -158,11 +158,11 @@ def config_text(config):
             inner = " ".join(f"{k}: {int(v)}" for k, v in sorted(value.items()) if v)
             if inner:
                 lines.append(f"batching {{ {inner} }}")
-        elif field == "rope":
+        elif field in ("rope", "qk_norm"):
             # Floats as repr (shortest round-trip double): theta and factors are doubles.
             inner = " ".join(f"{k}: {json.dumps(v) if isinstance(v, str) else _rope_scalar(v)}"
                              for k, v in value.items() if v is not None)
-            lines.append(f"rope {{ {inner} }}")
+            lines.append(f"{field} {{ {inner} }}")
         else:
             lines.append(f"{field}: {_scalar(field, value)}")
     return "\n".join(lines) + "\n"
@@ -387,6 +387,30 @@ def rope_config(module, head_dim):
     return rope
 
 
+def qk_norm_config(module, head_dim):
+    """The `qk_norm` of an attnserve ModelConfig for a module with per-head
+    RMSNorm children `q_norm` and `k_norm` (Qwen3; Gemma3's adds 1 to its
+    weight), or None without them. ExportError for a norm attnserve does not
+    compute: another kind, or one over the whole projection (OLMo-2)."""
+    q, k = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    if q is None and k is None:
+        return None
+    if q is None or k is None:
+        raise ExportError("QK-norm on only one of Q and K")
+    kinds = {type(q).__name__, type(k).__name__}
+    if not all("RMSNorm" in kind for kind in kinds):
+        raise ExportError(f"QK-norm of kind {sorted(kinds)} (attnserve computes RMSNorm)")
+    for name, norm in (("q_norm", q), ("k_norm", k)):
+        weight = getattr(norm, "weight", None)
+        if weight is None or tuple(weight.shape) != (head_dim,):
+            shape = None if weight is None else tuple(weight.shape)
+            raise ExportError(f"QK-norm {name} with weight {shape}, not per head ({head_dim},): "
+                              "a norm over the whole projection (OLMo-2 style)")
+    eps = getattr(q, "variance_epsilon", None) or getattr(q, "eps", None) or \
+        _config_value(getattr(module, "config", None), "rms_norm_eps") or 1e-6
+    return dict(eps=float(eps), weight_offset=all("Gemma" in kind for kind in kinds))
+
+
 def unsupported_features(module):
     """What `module` computes that attnserve does not (yet): sliding windows,
     QK-norm, logit softcapping, attention sinks, and rotary embeddings of a
@@ -406,10 +430,13 @@ def unsupported_features(module):
             window = _config_value(config, "sliding_window")
     if window:
         found.append(f"a sliding window of {window} tokens")
-    norms = [n for n in ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
-             if getattr(module, n, None) is not None]
+    norms = [n for n in ("q_layernorm", "k_layernorm") if getattr(module, n, None) is not None]
     if norms:
-        found.append(f"QK-norm ({', '.join(norms)})")
+        found.append(f"QK LayerNorm ({', '.join(norms)})")
+    try:
+        qk_norm_config(module, getattr(module, "head_dim", None) or 0)
+    except ExportError as e:
+        found.append(str(e))
     softcap = getattr(module, "attn_logit_softcapping", None) or \
         _config_value(config, "attn_logit_softcapping")
     if softcap:
@@ -435,6 +462,11 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
     rope = rope_config(module, config["head_dim"])
     if rope is not None:
         config["rope"] = rope
+    qk_norm = qk_norm_config(module, config["head_dim"])
+    if qk_norm is not None:
+        config["qk_norm"] = qk_norm
+        tensors["q_norm.weight"] = module.q_norm.weight
+        tensors["k_norm.weight"] = module.k_norm.weight
     return config, tensors
 
 

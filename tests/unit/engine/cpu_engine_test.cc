@@ -153,6 +153,14 @@ std::shared_ptr<const AttentionLayer> RandomProjectionLayer(Rng& rng, bool self_
     r.beta_fast = 32.0;
     r.beta_slow = 1.0;
   }
+  // A third normalise each head of Q and K first (QK-norm, either weight form).
+  if (rng.Chance(0.33)) {
+    c.qk_norm.enabled = true;
+    c.qk_norm.eps = rng.Pick<double>({1e-6, 1e-2});
+    c.qk_norm.weight_offset = rng.Chance(0.5);
+    w.q_norm = RandomTensor(rng, DType::kFloat32, {c.head_dim}, 1.0f);
+    w.k_norm = RandomTensor(rng, DType::kFloat32, {c.head_dim}, 1.0f);
+  }
   EXPECT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
   return layer;
 }
@@ -273,6 +281,7 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
           ? absl::StrCat(" rope ", RopeTypeName(lc.rope.type), "/", lc.rope.rotary_dim,
                          lc.rope.interleaved ? " interleaved" : "")
           : "",
+      lc.qk_norm.enabled ? (lc.qk_norm.weight_offset ? " qk-norm(1+w)" : " qk-norm") : "",
       ", query ",
       ShapeString(c.q.shape()), c.k.byte_size() ? ", key " + ShapeString(c.k.shape()) : "",
       c.v.byte_size() ? ", value " + ShapeString(c.v.shape()) : "", ", in ", DT(in_dtype),

@@ -249,6 +249,50 @@ TEST(WeightLoaderTest, BiasInFileWithFlagOffIsAnError) {
       LoadLayerWeights(*hf, Config(4, 2, 2, 2), Spec(WeightLayout::kSeparateQkv, false, true)).ok());
 }
 
+// QK-norm weights: read ([head_dim] each) when the spec asks, named when
+// missing or misshapen, and an error when in the file without qk_norm.
+TEST(WeightLoaderTest, QkNormWeightsAreReadOnlyWhenConfigured) {
+  const std::string p = "model.layers.2.self_attn.";
+  auto projections = [&] {
+    return std::vector<NamedTensor>{T(p + "q_proj.weight", {8, 6}, 1.0f),
+                                    T(p + "k_proj.weight", {4, 6}, 2.0f),
+                                    T(p + "v_proj.weight", {4, 6}, 3.0f),
+                                    T(p + "o_proj.weight", {6, 8}, 4.0f)};
+  };
+  std::vector<NamedTensor> with_norms = projections();
+  with_norms.push_back(T(p + "q_norm.weight", {2}, 6.0f));
+  with_norms.push_back(T(p + "k_norm.weight", {2}, 7.0f));
+  auto file = MakeFile(with_norms);
+  LayerConfig c = Config(6, 4, 2, 2);
+  WeightSpec spec = Spec(WeightLayout::kSeparateQkv, false, false);
+  spec.tensor_prefix = p;
+  spec.qk_norm = true;
+  auto w = LoadLayerWeights(*file, c, spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(Values(w->q_norm), with_norms[4].values);
+  EXPECT_EQ(Values(w->k_norm), with_norms[5].values);
+
+  spec.qk_norm = false;  // in the file, not configured: a forgotten qk_norm
+  w = LoadLayerWeights(*file, c, spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(),
+              AllOf(HasSubstr("'" + p + "q_norm.weight'"), HasSubstr("no qk_norm")));
+
+  spec.qk_norm = true;  // configured, missing
+  auto bare = MakeFile(projections());
+  w = LoadLayerWeights(*bare, c, spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(), HasSubstr("q_norm.weight' is missing"));
+
+  std::vector<NamedTensor> wide = projections();  // a norm over the whole projection
+  wide.push_back(T(p + "q_norm.weight", {8}, 6.0f));
+  wide.push_back(T(p + "k_norm.weight", {4}, 7.0f));
+  auto wide_file = MakeFile(wide);
+  w = LoadLayerWeights(*wide_file, c, spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(), AllOf(HasSubstr("q_norm.weight"), HasSubstr("[8]")));
+}
+
 TEST(WeightLoaderTest, Bf16PrecisionRoundsWeights) {
   NamedTensor q = T("q_proj.weight", {2, 2}, 1.01f);
   auto file = MakeFile({q, T("k_proj.weight", {2, 2}, 0.0f), T("v_proj.weight", {2, 2}, 0.0f),

@@ -192,6 +192,13 @@ TEST(ModelConfigTest, RopeRulesNameTheField) {
     EXPECT_THAT(s.message(), HasSubstr("m/config.pbtxt")) << c.text;
     for (const char* w : c.words) EXPECT_THAT(s.message(), HasSubstr(w)) << c.text;
   }
+  absl::Status eps = ResolveError("embed_dim: 64 num_heads: 4 qk_norm { eps: -1 }");
+  EXPECT_THAT(eps.message(), AllOf(HasSubstr("qk_norm.eps"), HasSubstr("> 0")));
+  v1::ModelConfig norm = Resolved("embed_dim: 64 num_heads: 4 qk_norm { }");
+  EXPECT_EQ(norm.qk_norm().eps(), 1e-6);  // present, defaults filled
+  EXPECT_TRUE(ToLayerConfig(norm).qk_norm.enabled);
+  EXPECT_TRUE(ToWeightSpec(norm).qk_norm);
+  EXPECT_FALSE(ToLayerConfig(Resolved("embed_dim: 64 num_heads: 4")).qk_norm.enabled);
   absl::Status sdpa = ResolveError("kind: \"sdpa\" rope { type: \"default\" }");
   EXPECT_THAT(sdpa.message(), HasSubstr("rope"));
   EXPECT_THAT(sdpa.message(), HasSubstr("not allowed for kind \"sdpa\""));
