@@ -338,6 +338,9 @@ class _StandIn(nn.Module):
         if qk_norm == "whole":
             from transformers.models.llama.modeling_llama import LlamaRMSNorm
             self.q_norm, self.k_norm = LlamaRMSNorm(64), LlamaRMSNorm(32)
+        elif qk_norm == "gemma":
+            from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+            self.q_norm, self.k_norm = GemmaRMSNorm(16), GemmaRMSNorm(16)
         elif qk_norm == "layernorm":
             self.q_norm, self.k_norm = nn.LayerNorm(16), nn.LayerNorm(16)
         if sinks:
@@ -363,6 +366,11 @@ class _Config:
      ["attention sinks", "sliding window of 128"]),
     # RoPE of a model type whose pairing attnserve does not know.
     (lambda: _StandIn(_Config(model_type="mystery", rope_theta=1e4)), ["'mystery'"]),
+    # Gemma3 in transformers 5.x: RoPE parameters per layer type.
+    (lambda: _StandIn(_Config(model_type="gemma3_text", rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}), qk_norm="gemma"),
+     ["per layer type", "full_attention"]),
 ])
 def test_transformers_5_features_are_refused_too(tmp_path, module, words):
     with pytest.raises(ExportError) as refused:
@@ -375,6 +383,12 @@ def test_a_window_that_qwen2_does_not_use_is_not_a_feature(tmp_path):
     from attnserve_client.export import unsupported_features
     module = _StandIn(_Config(sliding_window=4096, use_sliding_window=False))
     assert unsupported_features(module) == []
+    # A full-attention layer of a model that mixes both says so itself.
+    full = _StandIn(_Config(sliding_window=4096))
+    full.sliding_window = None
+    assert unsupported_features(full) == []
+    sliding = _StandIn(_Config(sliding_window=4096))
+    assert unsupported_features(sliding) == ["a sliding window of 4096 tokens"]
 
 
 # --- what has no position embeddings inside the module is served as is ---

@@ -344,6 +344,9 @@ def rope_config(module, head_dim):
                           "feature pairing attnserve does not know (known: "
                           f"{', '.join(sorted(_ROPE_INTERLEAVED))})")
     params = dict(_config_value(config, "rope_parameters") or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ExportError("RoPE parameters per layer type (transformers 5.x rope_parameters "
+                          f"keyed by {sorted(k for k, v in params.items() if isinstance(v, dict))})")
     scaling = dict(_config_value(config, "rope_scaling") or {})
     params.update({k: v for k, v in scaling.items() if k not in params})
     kind = params.get("rope_type") or params.get("type") or "default"
@@ -423,9 +426,11 @@ def unsupported_features(module):
         rope_config(module, getattr(module, "head_dim", None) or 1)
     except ExportError as e:
         found.append(str(e))
+    # A module that says its own window (None on the full-attention layers of
+    # models that mix both) is believed; else the config's, which Qwen2 only
+    # uses with use_sliding_window.
     window = getattr(module, "sliding_window", None)
-    if window is None and _config_value(config, "sliding_window") is not None:
-        # Qwen2 carries a window it only uses with use_sliding_window.
+    if not hasattr(module, "sliding_window") and _config_value(config, "sliding_window"):
         if _config_value(config, "use_sliding_window") is not False:
             window = _config_value(config, "sliding_window")
     if window:
