@@ -37,7 +37,11 @@ mode=${1:?usage: scripts/sanitize.sh asan|tsan [BUILD_DIR]}
 root=$(cd "$(dirname "$0")/.." && pwd)
 jobs=${JOBS:-2}
 launcher=()
-command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+if command -v ccache >/dev/null; then
+  # Paths below the checkout hash relative to it: a clone elsewhere hits too.
+  export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$root}
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+fi
 
 configure() {  # BUILD_DIR FLAGS
   cmake -S "$root" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" \
