@@ -37,6 +37,7 @@ std::string CudaMissingFeatures(const LayerConfig& config) {
   auto add = [&](const char* what) { absl::StrAppend(&missing, missing.empty() ? "" : ", ", what); };
   if (config.rope.type != RopeConfig::Type::kNone) add("rotary position embeddings");
   if (config.qk_norm.enabled) add("QK-norm");
+  if (config.sliding_window > 0) add("a sliding window");
   return missing;
 }
 
@@ -47,6 +48,10 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer '", c.name, "': scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got ",
         c.scale));
+  }
+  if (c.sliding_window < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer '", c.name, "': sliding_window must be >= 0 (0 = none), got ", c.sliding_window));
   }
   if (!c.has_projections) {
     // Head layout: dims come from each request, and there is nothing to weigh.

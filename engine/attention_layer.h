@@ -87,6 +87,9 @@ struct LayerConfig {
   RopeConfig rope;
   // Projection layers only; its weights are LayerWeights::q_norm / k_norm.
   QkNormConfig qk_norm;
+  // > 0: sliding-window attention, Hugging Face's rule: the query at position
+  // p sees keys p - sliding_window + 1 .. p (with causal; positions as above).
+  int64_t sliding_window = 0;
 };
 
 // Weights in PyTorch Linear layout ([out_features, in_features]), FLOAT32.

@@ -68,12 +68,15 @@ struct AttentionParams {
   void* out = nullptr;
   int64_t o_stride_b = 0, o_stride_h = 0, o_stride_row = 0;
 
-  // Masking. Query i sees key j iff all hold:
-  //   causal => j <= i + (kv_len - q_len)        (bottom-right aligned)
+  // Masking. Query i sits at position i + (kv_len - q_len) (bottom-right
+  // aligned) and sees key j iff all hold:
+  //   causal => j <= i + (kv_len - q_len)
+  //   window > 0 => j >= i + (kv_len - q_len) - window + 1   (sliding window)
   //   key_lengths != nullptr => j < key_lengths[b]
   //   mask is kBool => mask(b, h, i, j) != 0
   // A row that sees no key yields zeros (output and weights), never NaN.
   bool causal = false;
+  int64_t window = 0;
   const int64_t* key_lengths = nullptr;  // [batch], values in [0, kv_len]
   MaskParams mask;
 

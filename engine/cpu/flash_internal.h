@@ -98,6 +98,13 @@ inline int64_t VisibleKeys(const RequestPlan& plan, int64_t b, int64_t i) {
   return std::max<int64_t>(end, 0);
 }
 
+// Keys before WindowStart are outside query row i's sliding window.
+inline int64_t WindowStart(const RequestPlan& plan, int64_t i) {
+  const AttentionParams& p = *plan.p;
+  if (p.window <= 0) return 0;
+  return std::max<int64_t>(i + plan.causal_offset - p.window + 1, 0);
+}
+
 // Scratch memory owned by one thread, grown on demand and reused by later
 // calls (OpenMP keeps its worker threads), 64-byte aligned. Get returns
 // nullptr when memory runs out (no exceptions inside OpenMP regions).

@@ -243,11 +243,12 @@ void StoreAll(const std::vector<double>& values, const MutableTensorView& to) {
 // softmax(Q K^T * scale + mask) V per head, into `out` (rows of Dv, zeroed
 // by the caller), and the probabilities into t.weights when wanted.
 // Query head h reads key/value head h / (Hq / Hkv). Query i sees key j iff
-// causal => j <= i + (Lk - Lq), j < key_lengths[b], and a bool mask is
-// nonzero there; a float mask is added to the scaled score. A row that sees
-// no key, or only keys at -inf, is zeros (output and weights), not NaN.
-void AttendHeads(const AttentionTask& t, const Dims& d, const Rows& q, const Rows& k,
-                 const Rows& v, Rows& out) {
+// causal => j <= i + (Lk - Lq), window > 0 => j >= i + (Lk - Lq) - window + 1,
+// j < key_lengths[b], and a bool mask is nonzero there; a float mask is added
+// to the scaled score. A row that sees no key, or only keys at -inf, is zeros
+// (output and weights), not NaN.
+void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, const Rows& q,
+                 const Rows& k, const Rows& v, Rows& out) {
   const int64_t group = d.heads / d.kv_heads;
   const double neg_inf = -std::numeric_limits<double>::infinity();
   const TensorView& mask = t.attn_mask;
@@ -255,6 +256,7 @@ void AttendHeads(const AttentionTask& t, const Dims& d, const Rows& q, const Row
   const bool float_mask = !mask.empty() && mask.dtype != DType::kBool;
   auto sees = [&](int64_t b, int64_t h, int64_t i, int64_t j) {
     if (t.causal && j > i + (d.kv_len - d.q_len)) return false;
+    if (window > 0 && j < i + (d.kv_len - d.q_len) - window + 1) return false;
     if (!t.key_lengths.empty() && j >= t.key_lengths[b]) return false;
     if (bool_mask) {
       return static_cast<const uint8_t*>(mask.data)[MaskIndex(mask.shape, b, h, i, j)] != 0;
@@ -321,13 +323,13 @@ void AttendHeads(const AttentionTask& t, const Dims& d, const Rows& q, const Row
 }
 
 // One task of a layer without projections: inputs and output in head layout.
-void RunBare(const AttentionTask& t, const Dims& d) {
+void RunBare(const LayerConfig& c, const AttentionTask& t, const Dims& d) {
   const Rows q{LoadAll(t.query), d.heads, d.q_len, d.head_dim};
   const Rows k{LoadAll(t.key), d.kv_heads, d.kv_len, d.head_dim};
   const Rows v{LoadAll(t.value), d.kv_heads, d.kv_len, d.head_dim_v};
   Rows out{std::vector<double>(static_cast<size_t>(d.batch * d.heads * d.q_len * d.head_dim_v)),
            d.heads, d.q_len, d.head_dim_v};
-  AttendHeads(t, d, q, k, v, out);
+  AttendHeads(t, d, c.sliding_window, q, k, v, out);
   StoreAll(out.data, t.output);
 }
 
@@ -386,7 +388,7 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
                d.kv_heads, d.kv_len, d.head_dim_v, false};
   Rows merged{std::vector<double>(static_cast<size_t>(q_rows * d.heads * d.head_dim_v)), d.heads,
               d.q_len, d.head_dim_v, false};
-  AttendHeads(t, d, q, k, v, merged);
+  AttendHeads(t, d, c.sliding_window, q, k, v, merged);
   StoreAll(Linear(merged.data, q_rows, d.heads * d.head_dim_v, w.wo, w.bo), t.output);
 }
 
@@ -411,7 +413,7 @@ class ReferenceEngine final : public AttentionEngine {
         if (layer.config.has_projections) {
           RunProjected(layer, task, *dims);
         } else {
-          RunBare(task, *dims);
+          RunBare(layer.config, task, *dims);
         }
       }
       return absl::OkStatus();

@@ -283,6 +283,10 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
                        absl::StrCat("\"", c->backend(), "\" is not one of auto, cpu, cuda, "
                                     "reference"));
   }
+  if (c->sliding_window() < 0) {
+    return ConfigError(path, "sliding_window",
+                       absl::StrCat("must be >= 0 (0 = none), got ", c->sliding_window()));
+  }
   if (c->instances() < 0) {
     return ConfigError(path, "instances", absl::StrCat("must be >= 0, got ", c->instances()));
   }

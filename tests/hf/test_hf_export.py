@@ -46,10 +46,11 @@ def _served_module(family):
                  "llama-yarn": dict(rope_scaling=dict(rope_type="yarn", factor=4.0),
                                     max_position_embeddings=512)}[family]
         m = LlamaAttention(LlamaConfig(**COMMON, **extra), layer_idx=0)
-    elif family == "mistral-no-window":
+    elif family in ("mistral-no-window", "mistral"):
         from transformers import MistralConfig
         from transformers.models.mistral.modeling_mistral import MistralAttention
-        m = MistralAttention(MistralConfig(**COMMON, sliding_window=None), layer_idx=0)
+        window = None if family == "mistral-no-window" else WINDOW
+        m = MistralAttention(MistralConfig(**COMMON, sliding_window=window), layer_idx=0)
     elif family == "qwen2":
         from transformers import Qwen2Config
         from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
@@ -69,8 +70,9 @@ def _served_module(family):
     return m.eval()
 
 
-FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "qwen2",
-            "gpt-neox", "qwen3", "gemma3"]
+WINDOW = 16  # Mistral's sliding window in these tests (its real one is 4096)
+FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
+            "qwen2", "gpt-neox", "qwen3", "gemma3"]
 
 
 class _QkNormAttention(nn.Module):
@@ -111,11 +113,16 @@ class _QkNormAttention(nn.Module):
         return (self.o_proj(out),)
 
 
-def _module_forward(m, x):
-    """The module's own causal forward in float64 (positions 0..L-1)."""
+def _module_forward(m, x, window=None):
+    """The module's own causal forward in float64 (positions 0..L-1), with
+    the mask transformers' models build for it: causal, and with a sliding
+    window, keys p - window + 1 .. p (modeling_mistral's _update_causal_mask)."""
     m = m.double()
     b, length, _ = x.shape
     mask = torch.full((length, length), float("-inf"), dtype=torch.float64).triu(1)
+    if window:
+        mask = mask.masked_fill(torch.ones(length, length, dtype=torch.bool).tril(-window),
+                                float("-inf"))
     mask = mask.expand(b, 1, length, length)
     positions = torch.arange(length)[None].expand(b, length)
     with torch.no_grad():
@@ -200,6 +207,8 @@ def _np_layer(x, weights, config):
     k, v = np.repeat(k, h // hkv, axis=2), np.repeat(v, h // hkv, axis=2)
     s = np.einsum("blhd,bmhd->bhlm", q, k) / math.sqrt(hd)
     s = s + np.triu(np.full((length, length), -np.inf), 1)
+    if config.get("sliding_window"):
+        s = s + np.tril(np.full((length, length), -np.inf), -config["sliding_window"])
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     o = np.einsum("bhlm,bmhd->blhd", p, v).reshape(bsz, length, h * hd)
@@ -236,13 +245,13 @@ def test_rope_layers_are_served_as_the_module_computes_them(served, family):
     client, modules, configs, _ = served
     assert configs[family]["rope"]["type"] in ("default", "linear", "llama3", "yarn")
     x = np.random.default_rng(1).uniform(-1, 1, (2, 40, 64)).astype(np.float32)
-    want = _module_forward(modules[family], x)
+    want = _module_forward(modules[family], x, configs[family].get("sliding_window"))
     got = client.attend(x, model=family, causal=True).output
     assert _rel(got, want) < 2e-5, f"{family}: {_rel(got, want)}"
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "llama-yarn", "gpt-neox", "qwen3",
-                                    "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "llama-yarn", "mistral", "gpt-neox",
+                                    "qwen3", "gemma3"])
 def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family):
     client, _, configs, weights = served
     x = np.random.default_rng(2).uniform(-1, 1, (1, 3000, 64)).astype(np.float32)
@@ -254,7 +263,7 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
     assert _rel(got, want) < 2e-5
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "mistral"])
 def test_a_session_continues_its_positions(served, family):
     """Prefill 24 tokens, then 40 single-token steps: every step equals the
     matching row of one causal request over the whole sequence."""
@@ -293,11 +302,11 @@ def test_get_model_reports_the_resolved_rope(served):
 # --- refused by name ---
 
 def _refused_module(family):
-    if family == "mistral":
-        from transformers import MistralConfig
-        from transformers.models.mistral.modeling_mistral import MistralAttention
-        return (MistralAttention(MistralConfig(**COMMON, sliding_window=256), layer_idx=0),
-                ["sliding window of 256"])
+    if family == "qwen2-windowed":
+        from transformers import Qwen2Config
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+        config = Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=256)
+        return Qwen2Attention(config, layer_idx=0), ["sliding window of 256", "'qwen2'"]
     if family == "gemma2":
         from transformers import Gemma2Config
         from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
@@ -315,7 +324,7 @@ def _refused_module(family):
     raise AssertionError(family)
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2", "phi3", "llama-dynamic"])
+@pytest.mark.parametrize("family", ["qwen2-windowed", "gemma2", "phi3", "llama-dynamic"])
 def test_what_attnserve_cannot_compute_is_refused_by_name(tmp_path, family):
     module, words = _refused_module(family)
     with pytest.raises(ExportError) as refused:
@@ -359,11 +368,11 @@ class _Config:
     # A LayerNorm (not RMSNorm) over Q and K.
     (lambda: _StandIn(_Config(model_type="qwen3", rope_theta=1e4), qk_norm="layernorm"),
      ["QK-norm of kind", "RMSNorm"]),
-    # gpt-oss: sinks and a sliding window.
+    # gpt-oss: sinks and a sliding window (on alternate layers).
     (lambda: _StandIn(_Config(model_type="gpt_oss", sliding_window=128,
                               rope_scaling={"rope_type": "yarn", "factor": 32.0},
                               max_position_embeddings=4096), sinks=True),
-     ["attention sinks", "sliding window of 128"]),
+     ["attention sinks", "sliding window of 128 tokens in a model of type 'gpt_oss'"]),
     # RoPE of a model type whose pairing attnserve does not know.
     (lambda: _StandIn(_Config(model_type="mystery", rope_theta=1e4)), ["'mystery'"]),
     # Gemma3 in transformers 5.x: RoPE parameters per layer type.
@@ -384,11 +393,11 @@ def test_a_window_that_qwen2_does_not_use_is_not_a_feature(tmp_path):
     module = _StandIn(_Config(sliding_window=4096, use_sliding_window=False))
     assert unsupported_features(module) == []
     # A full-attention layer of a model that mixes both says so itself.
-    full = _StandIn(_Config(sliding_window=4096))
+    full = _StandIn(_Config(model_type="gemma2", sliding_window=4096))
     full.sliding_window = None
     assert unsupported_features(full) == []
-    sliding = _StandIn(_Config(sliding_window=4096))
-    assert unsupported_features(sliding) == ["a sliding window of 4096 tokens"]
+    sliding = _StandIn(_Config(model_type="gemma2", sliding_window=4096))
+    assert "a sliding window of 4096 tokens" in unsupported_features(sliding)[0]
 
 
 # --- what has no position embeddings inside the module is served as is ---

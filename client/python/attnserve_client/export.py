@@ -119,7 +119,7 @@ _ENUM_FIELDS = {"weight_layout"}
 _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_dim", "query_dim",
                 "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias", "out_bias",
                 "weight_layout", "tensor_prefix", "tensor_names", "scale", "causal", "precision",
-                "batching", "instances", "backend", "rope", "qk_norm"]
+                "batching", "instances", "backend", "rope", "qk_norm", "sliding_window"]
 
 
 def _scalar(field, value):
@@ -414,10 +414,41 @@ def qk_norm_config(module, head_dim):
     return dict(eps=float(eps), weight_offset=all("Gemma" in kind for kind in kinds))
 
 
+# Model types whose sliding window is the whole story: every layer slides
+# over the last `sliding_window` keys (p - W + 1 .. p), the rule attnserve
+# computes. Others mix windowed and full layers by rules of their own.
+_WINDOW_TYPES = {"mistral", "mixtral", "starcoder2"}
+
+
+def sliding_window_of(module):
+    """The `sliding_window` of an attnserve ModelConfig for `module`, or None
+    when it attends to every key. A module that says its own window (None on
+    the full-attention layers of models that mix both) is believed; else its
+    config's, which Qwen2 uses only with use_sliding_window. ExportError for
+    a window attnserve cannot place (model types that choose windowed layers
+    by rules of their own)."""
+    config = getattr(module, "config", None)
+    if hasattr(module, "sliding_window"):
+        window = module.sliding_window
+    elif _config_value(config, "use_sliding_window") is False:
+        window = None
+    else:
+        window = _config_value(config, "sliding_window")
+    if not window:
+        return None
+    model_type = _config_value(config, "model_type")
+    if model_type not in _WINDOW_TYPES:
+        raise ExportError(f"a sliding window of {window} tokens in a model of type "
+                          f"{model_type!r}, whose windowed layers attnserve cannot place "
+                          f"(served: {', '.join(sorted(_WINDOW_TYPES))})")
+    return int(window)
+
+
 def unsupported_features(module):
-    """What `module` computes that attnserve does not (yet): sliding windows,
-    QK-norm, logit softcapping, attention sinks, and rotary embeddings of a
-    kind attnserve does not compute (rope_config says which). Read from the
+    """What `module` computes that attnserve does not (yet): logit softcapping,
+    attention sinks, and rotary embeddings, sliding windows and QK-norms of a
+    kind attnserve does not compute (rope_config, sliding_window_of and
+    qk_norm_config say which). Read from the
     module's children and parameters and its Hugging Face `config`. Empty
     when attnserve computes the module exactly."""
     found = []
@@ -426,15 +457,10 @@ def unsupported_features(module):
         rope_config(module, getattr(module, "head_dim", None) or 1)
     except ExportError as e:
         found.append(str(e))
-    # A module that says its own window (None on the full-attention layers of
-    # models that mix both) is believed; else the config's, which Qwen2 only
-    # uses with use_sliding_window.
-    window = getattr(module, "sliding_window", None)
-    if not hasattr(module, "sliding_window") and _config_value(config, "sliding_window"):
-        if _config_value(config, "use_sliding_window") is not False:
-            window = _config_value(config, "sliding_window")
-    if window:
-        found.append(f"a sliding window of {window} tokens")
+    try:
+        sliding_window_of(module)
+    except ExportError as e:
+        found.append(str(e))
     norms = [n for n in ("q_layernorm", "k_layernorm") if getattr(module, n, None) is not None]
     if norms:
         found.append(f"QK LayerNorm ({', '.join(norms)})")
@@ -467,6 +493,9 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
     rope = rope_config(module, config["head_dim"])
     if rope is not None:
         config["rope"] = rope
+    window = sliding_window_of(module)
+    if window is not None:
+        config["sliding_window"] = window
     qk_norm = qk_norm_config(module, config["head_dim"])
     if qk_norm is not None:
         config["qk_norm"] = qk_norm

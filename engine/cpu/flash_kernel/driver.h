@@ -33,7 +33,8 @@ class Kernel {
 
   struct Row {
     int64_t i = 0, h = 0;
-    int64_t limit = 0;  // keys [0, limit) may be visible (also <= item key1)
+    int64_t start = 0;  // keys before it are outside the sliding window
+    int64_t limit = 0;  // keys [start, limit) may be visible (also <= item key1)
     int64_t mask_offset = 0;
     void* out = nullptr;
   };
@@ -62,7 +63,8 @@ class Kernel {
                            float* alpha) {
     const AttentionParams& p = *plan.p;
     const int64_t visible = std::min(row.limit - kb, n);
-    if (visible <= 0) {
+    const int64_t before = std::max<int64_t>(row.start - kb, 0);  // outside the window
+    if (visible <= 0 || before >= visible) {
       *alpha = 1.0f;
       if constexpr (kMode != Mode::kStats) std::memset(prow, 0, static_cast<size_t>(npad) * sizeof(PElem));
       if constexpr (kMode == Mode::kFinal) FillRow(s, n, 0.0f);
@@ -70,6 +72,7 @@ class Kernel {
     }
     const int64_t jv = RoundUp(visible, W);
     FillRow(s + visible, jv - visible, kNegInf);
+    FillRow(s, before, kNegInf);
     // Without a mask the scores stay raw and the scale folds into the
     // exponent's FMA (2^(s*c - m)); with one, t = s*c + bias is stored.
     const bool masked = p.mask.kind != MaskParams::Kind::kNone;
@@ -291,12 +294,15 @@ class Kernel {
     int64_t sub_end[kMaxSub];  // keys a sub-block may see: max of its rows' limits
     const int64_t subs = (rows + kBlockRows - 1) / kBlockRows;
     int64_t kend = item.key0;
+    int64_t kfirst = item.key1;  // no row sees a key before it
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t v = item.row0 + r;
       Row& rw = row[r];
       rw.i = v / g;
       rw.h = hkv * g + v % g;
       rw.limit = std::min(VisibleKeys(plan, b, rw.i), item.key1);
+      rw.start = WindowStart(plan, rw.i);
+      kfirst = std::min(kfirst, rw.start);
       rw.mask_offset = MaskOffset(p, b, rw.h, rw.i);
       rw.out = ORow(p, b, rw.h, rw.i);
       qrows[r] = QRow(p, b, rw.h, rw.i);
@@ -326,7 +332,11 @@ class Kernel {
       pf.k_ahead = k_rows + kPrefetchRows;
       pf.k_bytes = p.head_dim * ElemSize(p.dtype);
     }
-    for (int64_t kb = item.key0; kb < kend; kb += kBlockKeys) {
+    // Blocks wholly before every row's sliding window are skipped (they would
+    // leave m, l and O exactly as they are); the block grid stays aligned.
+    const int64_t kskip =
+        kfirst > item.key0 ? (kfirst - item.key0) / kBlockKeys * kBlockKeys : 0;
+    for (int64_t kb = item.key0 + kskip; kb < kend; kb += kBlockKeys) {
       const int64_t n = std::min(kBlockKeys, kend - kb);
       const int64_t npad = RoundUp(n, Products::kKeyAlign);
       const VElem* v = nullptr;
@@ -413,6 +423,7 @@ class Kernel {
         rw.i = item.row0 + r;
         rw.h = h;
         rw.limit = VisibleKeys(plan, b, rw.i);
+        rw.start = WindowStart(plan, rw.i);
         rw.mask_offset = MaskOffset(p, b, h, rw.i);
         rw.out = ORow(p, b, h, rw.i);
         qrows[r] = QRow(p, b, h, rw.i);

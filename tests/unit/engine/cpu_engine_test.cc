@@ -153,6 +153,8 @@ std::shared_ptr<const AttentionLayer> RandomProjectionLayer(Rng& rng, bool self_
     r.beta_fast = 32.0;
     r.beta_slow = 1.0;
   }
+  // Some slide a window over the keys.
+  if (rng.Chance(0.3)) c.sliding_window = rng.Int(1, 6);
   // A third normalise each head of Q and K first (QK-norm, either weight form).
   if (rng.Chance(0.33)) {
     c.qk_norm.enabled = true;
@@ -201,8 +203,14 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
   c.out_dtype = dtypes[rng.Int(0, 2)];
   c.weights_dtype = dtypes[rng.Int(0, 2)];
   const bool self_attention = layer_kind >= 3 && rng.Chance(0.5);
-  if (layer_kind < 3) {
+  if (layer_kind < 2) {
     c.layer = sdpa;
+  } else if (layer_kind == 2) {
+    // Bare attention with a sliding window over the keys.
+    auto windowed = std::make_shared<AttentionLayer>(*sdpa);
+    windowed->config.name = "sdpa-window";
+    windowed->config.sliding_window = rng.Int(1, 5);
+    c.layer = windowed;
   } else if (layer_kind == 3) {
     c.layer = RandomProjectionLayer(rng, self_attention);
   } else {
@@ -282,6 +290,7 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
                          lc.rope.interleaved ? " interleaved" : "")
           : "",
       lc.qk_norm.enabled ? (lc.qk_norm.weight_offset ? " qk-norm(1+w)" : " qk-norm") : "",
+      lc.sliding_window > 0 ? absl::StrCat(" window ", lc.sliding_window) : "",
       ", query ",
       ShapeString(c.q.shape()), c.k.byte_size() ? ", key " + ShapeString(c.k.shape()) : "",
       c.v.byte_size() ? ", value " + ShapeString(c.v.shape()) : "", ", in ", DT(in_dtype),
@@ -348,6 +357,34 @@ TEST_F(CpuEngineTest, MatchesReferenceOnRandomCases) {
   for (int i = 0; i < kNumRandomCases; ++i) {
     CheckAgainstReference(RandomCase(i, sdpa_, demo_));
     if (HasFatalFailure()) return;
+  }
+}
+
+// A sliding window over sequences long enough that whole 256-key blocks fall
+// before every row's window (skipped) and that decode splits its keys into
+// chunks: prefill, prefill with cross lengths, a decode row, with weights.
+TEST_F(CpuEngineTest, SlidingWindowOverLongSequences) {
+  Rng rng(78);
+  auto windowed = std::make_shared<AttentionLayer>(*sdpa_);
+  windowed->config.name = "sdpa-window-100";
+  windowed->config.sliding_window = 100;
+  struct Shape2 {
+    int64_t lq, lk;
+    bool causal, weights;
+  };
+  for (const Shape2 s : {Shape2{700, 700, true, false}, Shape2{300, 900, true, false},
+                         Shape2{1, 2000, true, false}, Shape2{600, 600, false, true}}) {
+    Case c;
+    c.layer = windowed;
+    c.q = RandomTensor(rng, DType::kFloat32, {1, 4, s.lq, 32}, 1.0f);
+    c.k = RandomTensor(rng, DType::kFloat32, {1, 2, s.lk, 32}, 1.0f);
+    c.v = RandomTensor(rng, DType::kFloat32, {1, 2, s.lk, 32}, 1.0f);
+    c.causal = s.causal;
+    c.need_weights = s.weights;
+    c.scale = ResolveScale(windowed->config, 0.0f, 32);
+    c.label = absl::StrCat("window 100, Lq ", s.lq, " Lk ", s.lk, s.causal ? " causal" : "",
+                           s.weights ? " weights" : "");
+    CheckAgainstReference(c);
   }
 }
 

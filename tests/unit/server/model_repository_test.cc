@@ -126,6 +126,7 @@ TEST(ModelConfigTest, EachRuleHasItsMessage) {
       {"embed_dim: 8 num_heads: 2 scale: -1", {"scale", ">= 0"}},
       {"embed_dim: 8 num_heads: 2 scale: inf", {"scale", "finite"}},
       {"embed_dim: 8 num_heads: 2 instances: -1", {"instances"}},
+      {"embed_dim: 8 num_heads: 2 sliding_window: -4", {"sliding_window", ">= 0", "-4"}},
       {"embed_dim: 8 num_heads: 2 batching { max_queue_size: -1 }", {"batching.max_queue_size"}},
       {"embed_dim: 8 num_heads: 2 name: \"a b\"", {"name", "\"a b\""}},
       {"embed_dim: 4194304 num_heads: 2", {"embed_dim", "<="}},
@@ -205,10 +206,11 @@ TEST(ModelConfigTest, RopeRulesNameTheField) {
 }
 
 TEST(ModelConfigTest, SdpaNeedsNoDims) {
-  v1::ModelConfig c = Resolved("kind: \"sdpa\" causal: true scale: 0.5");
+  v1::ModelConfig c = Resolved("kind: \"sdpa\" causal: true scale: 0.5 sliding_window: 128");
   LayerConfig layer = ToLayerConfig(c);
   EXPECT_FALSE(layer.has_projections);
   EXPECT_TRUE(layer.causal);
+  EXPECT_EQ(layer.sliding_window, 128);  // a window applies to bare attention too
 }
 
 // A repository written by the test: safetensors bytes built by hand.
