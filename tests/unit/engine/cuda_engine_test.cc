@@ -778,6 +778,36 @@ TEST(CudaEngineTest, ConcurrentCallsGiveTheSameResults) {
   }
 }
 
+// A layer the GPU does not compute exactly yet (RoPE, QK-norm, a sliding
+// window) is refused naming the feature, never computed without it.
+TEST(CudaEngineTest, RefusesLayersItDoesNotComputeByName) {
+  REQUIRE_GPU();
+  std::mt19937 rng(5);
+  AttendCase c;
+  c.dtype = c.out_dtype = DType::kFloat16;
+  c.heads = c.kv_heads = 2;
+  c.dk = c.dv = 64;
+  c.q_len = c.kv_len = 8;
+  c.Fill(rng);
+  auto windowed = std::make_shared<AttentionLayer>(SdpaLayer());
+  windowed->config.sliding_window = 4;
+  const AttentionTask task = c.Task();
+  const absl::Status window = Cuda().engine->Run(*windowed, {&task, 1});
+  EXPECT_EQ(window.code(), absl::StatusCode::kUnimplemented) << window;
+  EXPECT_THAT(std::string(window.message()), HasSubstr("sliding window"));
+
+  AttendCase t = c;
+  t.token_layout = true;
+  t.Fill(rng);
+  auto rope = std::make_shared<AttentionLayer>(*t.layer);
+  rope->config.rope.type = RopeConfig::Type::kDefault;
+  rope->config.rope.rotary_dim = 64;
+  const AttentionTask rope_task = t.Task();
+  const absl::Status rotary = Cuda().engine->Run(*rope, {&rope_task, 1});
+  EXPECT_EQ(rotary.code(), absl::StatusCode::kUnimplemented) << rotary;
+  EXPECT_THAT(std::string(rotary.message()), HasSubstr("rotary position embeddings"));
+}
+
 // The engine refuses an invalid task before touching any memory, and with it
 // the whole batch.
 TEST(CudaEngineTest, RejectsInvalidTasks) {
