@@ -38,6 +38,7 @@ std::string CudaMissingFeatures(const LayerConfig& config) {
   if (config.rope.type != RopeConfig::Type::kNone) add("rotary position embeddings");
   if (config.qk_norm.enabled) add("QK-norm");
   if (config.sliding_window > 0) add("a sliding window");
+  if (config.softcap > 0) add("logit softcapping");
   return missing;
 }
 
@@ -48,6 +49,10 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer '", c.name, "': scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got ",
         c.scale));
+  }
+  if (!std::isfinite(c.softcap) || c.softcap < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer '", c.name, "': softcap must be finite and >= 0 (0 = none), got ", c.softcap));
   }
   if (c.sliding_window < 0) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -90,6 +90,9 @@ struct LayerConfig {
   // > 0: sliding-window attention, Hugging Face's rule: the query at position
   // p sees keys p - sliding_window + 1 .. p (with causal; positions as above).
   int64_t sliding_window = 0;
+  // > 0: logit softcapping: scores = softcap * tanh(scores / softcap) after
+  // the scale, before the masks (Gemma 2's attn_logit_softcapping).
+  float softcap = 0.0f;
 };
 
 // Weights in PyTorch Linear layout ([out_features, in_features]), FLOAT32.

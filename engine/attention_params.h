@@ -82,6 +82,9 @@ struct AttentionParams {
 
   // Multiplies Q K^T; already resolved (finite, > 0).
   float scale = 1.0f;
+  // > 0: logit softcapping (Gemma 2): each scaled score s becomes
+  // softcap * tanh(s / softcap), before the masks are added.
+  float softcap = 0.0f;
 
   // Optional softmax probabilities in `weights_dtype`, contiguous:
   // [batch, num_heads, q_len, kv_len], or [batch, q_len, kv_len] averaged

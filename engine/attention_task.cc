@@ -210,6 +210,7 @@ absl::StatusOr<AttentionParams> MakeCoreParams(const LayerConfig& layer,
   p.dtype = task.query.dtype;
   p.causal = task.causal;
   p.window = layer.sliding_window;
+  p.softcap = layer.softcap;
   p.key_lengths = task.key_lengths.empty() ? nullptr : task.key_lengths.data();
   absl::StatusOr<MaskParams> mask =
       MakeMaskParams(task.attn_mask, d.batch, d.num_heads, d.q_len, d.kv_len);

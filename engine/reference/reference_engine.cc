@@ -245,10 +245,11 @@ void StoreAll(const std::vector<double>& values, const MutableTensorView& to) {
 // Query head h reads key/value head h / (Hq / Hkv). Query i sees key j iff
 // causal => j <= i + (Lk - Lq), window > 0 => j >= i + (Lk - Lq) - window + 1,
 // j < key_lengths[b], and a bool mask is nonzero there; a float mask is added
-// to the scaled score. A row that sees no key, or only keys at -inf, is zeros
-// (output and weights), not NaN.
-void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, const Rows& q,
-                 const Rows& k, const Rows& v, Rows& out) {
+// to the scaled score (after softcap * tanh(score / softcap) when softcap >
+// 0). A row that sees no key, or only keys at -inf, is zeros (output and
+// weights), not NaN.
+void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, double softcap,
+                 const Rows& q, const Rows& k, const Rows& v, Rows& out) {
   const int64_t group = d.heads / d.kv_heads;
   const double neg_inf = -std::numeric_limits<double>::infinity();
   const TensorView& mask = t.attn_mask;
@@ -285,7 +286,9 @@ void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, const Ro
           const double* kj = k.row(b, g, j);
           double dot = 0.0;
           for (int64_t c = 0; c < d.head_dim; ++c) dot += qi[c] * kj[c];
-          scores[j] = dot * static_cast<double>(t.scale) + added(b, h, i, j);
+          double scaled = dot * static_cast<double>(t.scale);
+          if (softcap > 0) scaled = softcap * std::tanh(scaled / softcap);
+          scores[j] = scaled + added(b, h, i, j);
           row_max = std::max(row_max, scores[j]);
         }
         std::fill(p.begin(), p.end(), 0.0);
@@ -329,7 +332,7 @@ void RunBare(const LayerConfig& c, const AttentionTask& t, const Dims& d) {
   const Rows v{LoadAll(t.value), d.kv_heads, d.kv_len, d.head_dim_v};
   Rows out{std::vector<double>(static_cast<size_t>(d.batch * d.heads * d.q_len * d.head_dim_v)),
            d.heads, d.q_len, d.head_dim_v};
-  AttendHeads(t, d, c.sliding_window, q, k, v, out);
+  AttendHeads(t, d, c.sliding_window, c.softcap, q, k, v, out);
   StoreAll(out.data, t.output);
 }
 
@@ -388,7 +391,7 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
                d.kv_heads, d.kv_len, d.head_dim_v, false};
   Rows merged{std::vector<double>(static_cast<size_t>(q_rows * d.heads * d.head_dim_v)), d.heads,
               d.q_len, d.head_dim_v, false};
-  AttendHeads(t, d, c.sliding_window, q, k, v, merged);
+  AttendHeads(t, d, c.sliding_window, c.softcap, q, k, v, merged);
   StoreAll(Linear(merged.data, q_rows, d.heads * d.head_dim_v, w.wo, w.bo), t.output);
 }
 

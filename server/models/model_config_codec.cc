@@ -41,6 +41,7 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
   config.set_causal(c.causal);
   config.set_precision(PrecisionName(c.precision));
   config.set_sliding_window(c.sliding_window);
+  config.set_softcap(c.softcap);
   if (c.has_projections) *config.mutable_rope() = FromRopeConfig(c.rope);
   if (c.qk_norm.enabled) {
     config.mutable_qk_norm()->set_eps(c.qk_norm.eps);
@@ -103,6 +104,7 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
                     : c.precision() == "fp16" ? Precision::kFloat16
                                               : Precision::kFloat32;
   layer.sliding_window = c.sliding_window();
+  layer.softcap = c.softcap();
   if (layer.has_projections) layer.rope = ToRopeConfig(c.rope());
   if (layer.has_projections && c.has_qk_norm()) {
     layer.qk_norm.enabled = true;

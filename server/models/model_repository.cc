@@ -283,6 +283,10 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
                        absl::StrCat("\"", c->backend(), "\" is not one of auto, cpu, cuda, "
                                     "reference"));
   }
+  if (!std::isfinite(c->softcap()) || c->softcap() < 0) {
+    return ConfigError(path, "softcap",
+                       absl::StrCat("must be finite and >= 0 (0 = none), got ", c->softcap()));
+  }
   if (c->sliding_window() < 0) {
     return ConfigError(path, "sliding_window",
                        absl::StrCat("must be >= 0 (0 = none), got ", c->sliding_window()));

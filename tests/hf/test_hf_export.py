@@ -8,9 +8,10 @@ sequences, where transformers' fp32 angles are exact enough) and with an
 independent NumPy float64 implementation of transformers' RoPE formulas at
 positions in the thousands (within 2e-5). A session's prefill then one token
 a step equals one causal request. Whatever else a layer computes that
-attnserve does not (sliding windows, softcapping, sinks, other RoPE scalings
-or layouts, other norms) is refused at export by name. QK-norm (Qwen3, and
-Gemma3's 1 + w) is served exactly as well. transformers 4.45.2 is the
+attnserve does not (sinks, windows placed by a model's own layer rule,
+other RoPE scalings or layouts, other norms) is refused at export by name.
+QK-norm (Qwen3, and Gemma3's 1 + w), sliding windows (Mistral; Gemma2's
+every other layer) and logit softcapping (Gemma2) are served exactly too. transformers 4.45.2 is the
 newest that imports with Debian's torch 1.13: families that need a newer one
 (Qwen3, Gemma3, gpt-oss) are stood in for by modules with their attributes."""
 
@@ -60,6 +61,13 @@ def _served_module(family):
         from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
         m = GPTNeoXAttention(GPTNeoXConfig(hidden_size=64, num_attention_heads=4,
                                            intermediate_size=128, rotary_pct=0.5), layer_idx=0)
+    elif family.startswith("gemma2"):
+        from transformers import Gemma2Config
+        from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
+        config = Gemma2Config(**COMMON, head_dim=16, query_pre_attn_scalar=24,
+                              sliding_window=WINDOW, attn_logit_softcapping=5.0)
+        # Layer 0 slides over WINDOW keys, layer 1 attends to all.
+        m = Gemma2Attention(config, layer_idx=0 if family == "gemma2-sliding" else 1)
     elif family in ("qwen3", "gemma3"):
         m = _QkNormAttention(gemma=family == "gemma3")
     else:
@@ -72,7 +80,7 @@ def _served_module(family):
 
 WINDOW = 16  # Mistral's sliding window in these tests (its real one is 4096)
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
-            "qwen2", "gpt-neox", "qwen3", "gemma3"]
+            "qwen2", "gpt-neox", "qwen3", "gemma3", "gemma2-sliding", "gemma2-full"]
 
 
 class _QkNormAttention(nn.Module):
@@ -205,7 +213,9 @@ def _np_layer(x, weights, config):
     pos = np.arange(length)
     q, k = _np_rotate(q, pos, config["rope"]), _np_rotate(k, pos, config["rope"])
     k, v = np.repeat(k, h // hkv, axis=2), np.repeat(v, h // hkv, axis=2)
-    s = np.einsum("blhd,bmhd->bhlm", q, k) / math.sqrt(hd)
+    s = np.einsum("blhd,bmhd->bhlm", q, k) * (config.get("scale") or 1 / math.sqrt(hd))
+    if config.get("softcap"):
+        s = config["softcap"] * np.tanh(s / config["softcap"])
     s = s + np.triu(np.full((length, length), -np.inf), 1)
     if config.get("sliding_window"):
         s = s + np.tril(np.full((length, length), -np.inf), -config["sliding_window"])
@@ -251,7 +261,7 @@ def test_rope_layers_are_served_as_the_module_computes_them(served, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama3", "llama-yarn", "mistral", "gpt-neox",
-                                    "qwen3", "gemma3"])
+                                    "qwen3", "gemma3", "gemma2-sliding", "gemma2-full"])
 def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family):
     client, _, configs, weights = served
     x = np.random.default_rng(2).uniform(-1, 1, (1, 3000, 64)).astype(np.float32)
@@ -263,7 +273,7 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
     assert _rel(got, want) < 2e-5
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "mistral", "gemma2-sliding"])
 def test_a_session_continues_its_positions(served, family):
     """Prefill 24 tokens, then 40 single-token steps: every step equals the
     matching row of one causal request over the whole sequence."""
@@ -276,6 +286,16 @@ def test_a_session_continues_its_positions(served, family):
         for t in range(24, 64):
             step = session.attend(x[:, t:t + 1], causal=True).output
             assert _rel(step, whole[:, t:t + 1]) < 1e-5, f"step {t}"
+
+
+def test_gemma2_exports_its_window_softcap_and_scale(served):
+    client, _, configs, _ = served
+    sliding, full = configs["gemma2-sliding"], configs["gemma2-full"]
+    assert sliding["sliding_window"] == WINDOW and "sliding_window" not in full
+    assert sliding["softcap"] == 5.0 and full["softcap"] == 5.0
+    assert abs(sliding["scale"] - 24 ** -0.5) < 1e-7  # query_pre_attn_scalar, not head_dim
+    reported = client.get_model("gemma2-sliding").config
+    assert reported.sliding_window == WINDOW and reported.softcap == 5.0
 
 
 def test_qk_norm_is_exported_and_reported(served):
@@ -307,11 +327,6 @@ def _refused_module(family):
         from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
         config = Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=256)
         return Qwen2Attention(config, layer_idx=0), ["sliding window of 256", "'qwen2'"]
-    if family == "gemma2":
-        from transformers import Gemma2Config
-        from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
-        return (Gemma2Attention(Gemma2Config(**COMMON, head_dim=16), layer_idx=0),
-                ["softcapping at 50", "sliding window"])
     if family == "phi3":
         from transformers import Phi3Config
         from transformers.models.phi3.modeling_phi3 import Phi3Attention
@@ -324,7 +339,7 @@ def _refused_module(family):
     raise AssertionError(family)
 
 
-@pytest.mark.parametrize("family", ["qwen2-windowed", "gemma2", "phi3", "llama-dynamic"])
+@pytest.mark.parametrize("family", ["qwen2-windowed", "phi3", "llama-dynamic"])
 def test_what_attnserve_cannot_compute_is_refused_by_name(tmp_path, family):
     module, words = _refused_module(family)
     with pytest.raises(ExportError) as refused:

@@ -119,7 +119,7 @@ _ENUM_FIELDS = {"weight_layout"}
 _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_dim", "query_dim",
                 "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias", "out_bias",
                 "weight_layout", "tensor_prefix", "tensor_names", "scale", "causal", "precision",
-                "batching", "instances", "backend", "rope", "qk_norm", "sliding_window"]
+                "batching", "instances", "backend", "rope", "qk_norm", "sliding_window", "softcap"]
 
 
 def _scalar(field, value):
@@ -429,11 +429,11 @@ def sliding_window_of(module):
     by rules of their own)."""
     config = getattr(module, "config", None)
     if hasattr(module, "sliding_window"):
-        window = module.sliding_window
-    elif _config_value(config, "use_sliding_window") is False:
-        window = None
-    else:
-        window = _config_value(config, "sliding_window")
+        # The module's own word on its layer (Gemma 2: every other layer).
+        return int(module.sliding_window) if module.sliding_window else None
+    if _config_value(config, "use_sliding_window") is False:
+        return None
+    window = _config_value(config, "sliding_window")
     if not window:
         return None
     model_type = _config_value(config, "model_type")
@@ -445,9 +445,9 @@ def sliding_window_of(module):
 
 
 def unsupported_features(module):
-    """What `module` computes that attnserve does not (yet): logit softcapping,
-    attention sinks, and rotary embeddings, sliding windows and QK-norms of a
-    kind attnserve does not compute (rope_config, sliding_window_of and
+    """What `module` computes that attnserve does not (yet): attention sinks,
+    and rotary embeddings, sliding windows and QK-norms of a kind attnserve
+    does not compute (rope_config, sliding_window_of and
     qk_norm_config say which). Read from the
     module's children and parameters and its Hugging Face `config`. Empty
     when attnserve computes the module exactly."""
@@ -468,10 +468,6 @@ def unsupported_features(module):
         qk_norm_config(module, getattr(module, "head_dim", None) or 0)
     except ExportError as e:
         found.append(str(e))
-    softcap = getattr(module, "attn_logit_softcapping", None) or \
-        _config_value(config, "attn_logit_softcapping")
-    if softcap:
-        found.append(f"logit softcapping at {softcap}")
     if getattr(module, "sinks", None) is not None:
         found.append("attention sinks (a learned logit per head)")
     return found
@@ -496,6 +492,10 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
     window = sliding_window_of(module)
     if window is not None:
         config["sliding_window"] = window
+    softcap = getattr(module, "attn_logit_softcapping", None) or \
+        _config_value(getattr(module, "config", None), "attn_logit_softcapping")
+    if softcap:
+        config["softcap"] = float(softcap)
     qk_norm = qk_norm_config(module, config["head_dim"])
     if qk_norm is not None:
         config["qk_norm"] = qk_norm

@@ -73,6 +73,12 @@ class Kernel {
     const int64_t jv = RoundUp(visible, W);
     FillRow(s + visible, jv - visible, kNegInf);
     FillRow(s, before, kNegInf);
+    if (p.softcap > 0) {
+      // s -> softcap * tanh(s * scale / softcap) / scale: what follows scales
+      // it back, so the capped score is what the exponent and the mask see.
+      const float cap = p.softcap, scale = p.scale;
+      for (int64_t j = before; j < visible; ++j) s[j] = cap * std::tanh(s[j] * scale / cap) / scale;
+    }
     // Without a mask the scores stay raw and the scale folds into the
     // exponent's FMA (2^(s*c - m)); with one, t = s*c + bias is stored.
     const bool masked = p.mask.kind != MaskParams::Kind::kNone;

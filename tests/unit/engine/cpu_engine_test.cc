@@ -153,8 +153,9 @@ std::shared_ptr<const AttentionLayer> RandomProjectionLayer(Rng& rng, bool self_
     r.beta_fast = 32.0;
     r.beta_slow = 1.0;
   }
-  // Some slide a window over the keys.
+  // Some slide a window over the keys, some cap their logits.
   if (rng.Chance(0.3)) c.sliding_window = rng.Int(1, 6);
+  if (rng.Chance(0.3)) c.softcap = rng.Pick<float>({0.5f, 5.0f, 50.0f});
   // A third normalise each head of Q and K first (QK-norm, either weight form).
   if (rng.Chance(0.33)) {
     c.qk_norm.enabled = true;
@@ -210,6 +211,7 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
     auto windowed = std::make_shared<AttentionLayer>(*sdpa);
     windowed->config.name = "sdpa-window";
     windowed->config.sliding_window = rng.Int(1, 5);
+    if (rng.Chance(0.5)) windowed->config.softcap = rng.Pick<float>({0.3f, 3.0f});
     c.layer = windowed;
   } else if (layer_kind == 3) {
     c.layer = RandomProjectionLayer(rng, self_attention);
@@ -291,6 +293,7 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
           : "",
       lc.qk_norm.enabled ? (lc.qk_norm.weight_offset ? " qk-norm(1+w)" : " qk-norm") : "",
       lc.sliding_window > 0 ? absl::StrCat(" window ", lc.sliding_window) : "",
+      lc.softcap > 0 ? absl::StrCat(" softcap ", lc.softcap) : "",
       ", query ",
       ShapeString(c.q.shape()), c.k.byte_size() ? ", key " + ShapeString(c.k.shape()) : "",
       c.v.byte_size() ? ", value " + ShapeString(c.v.shape()) : "", ", in ", DT(in_dtype),

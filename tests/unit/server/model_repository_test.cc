@@ -127,6 +127,8 @@ TEST(ModelConfigTest, EachRuleHasItsMessage) {
       {"embed_dim: 8 num_heads: 2 scale: inf", {"scale", "finite"}},
       {"embed_dim: 8 num_heads: 2 instances: -1", {"instances"}},
       {"embed_dim: 8 num_heads: 2 sliding_window: -4", {"sliding_window", ">= 0", "-4"}},
+      {"embed_dim: 8 num_heads: 2 softcap: -1", {"softcap", ">= 0"}},
+      {"embed_dim: 8 num_heads: 2 softcap: nan", {"softcap", "finite"}},
       {"embed_dim: 8 num_heads: 2 batching { max_queue_size: -1 }", {"batching.max_queue_size"}},
       {"embed_dim: 8 num_heads: 2 name: \"a b\"", {"name", "\"a b\""}},
       {"embed_dim: 4194304 num_heads: 2", {"embed_dim", "<="}},
