@@ -39,6 +39,7 @@ std::string CudaMissingFeatures(const LayerConfig& config) {
   if (config.qk_norm.enabled) add("QK-norm");
   if (config.sliding_window > 0) add("a sliding window");
   if (config.softcap > 0) add("logit softcapping");
+  if (config.sinks) add("attention sinks");
   return missing;
 }
 
@@ -67,9 +68,9 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
             "layer '", c.name, "': a layer without projections must carry no weights"));
       }
     }
-    if (c.rope.type != RopeConfig::Type::kNone || c.qk_norm.enabled) {
+    if (c.rope.type != RopeConfig::Type::kNone || c.qk_norm.enabled || c.sinks) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "layer '", c.name, "': rope and qk_norm apply to projection layers only"));
+          "layer '", c.name, "': rope, qk_norm and sinks apply to projection layers only"));
     }
     return absl::OkStatus();
   }
@@ -94,6 +95,12 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
     } else if (w.q_norm.byte_size() != 0 || w.k_norm.byte_size() != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer '", c.name, "': q_norm/k_norm weights without qk_norm in the config"));
+    }
+    if (c.sinks != (w.sinks.byte_size() != 0) ||
+        (c.sinks && (w.sinks.dtype() != DType::kFloat32 || w.sinks.shape() != Shape{c.num_heads}))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer '", c.name, "': sinks ", c.sinks ? "must be" : "without the config flag are",
+          " FLOAT32 [", c.num_heads, "] (num_heads), got ", ShapeString(w.sinks.shape())));
     }
   }
 

@@ -93,6 +93,10 @@ struct LayerConfig {
   // > 0: logit softcapping: scores = softcap * tanh(scores / softcap) after
   // the scale, before the masks (Gemma 2's attn_logit_softcapping).
   float softcap = 0.0f;
+  // Attention sinks (gpt-oss): LayerWeights::sinks holds one logit per query
+  // head that joins each row's softmax denominator with no value row.
+  // Projection layers only.
+  bool sinks = false;
 };
 
 // Weights in PyTorch Linear layout ([out_features, in_features]), FLOAT32.
@@ -105,6 +109,8 @@ struct LayerWeights {
   // QK-norm weights, [head_dim] each, when LayerConfig::qk_norm.enabled;
   // empty otherwise.
   Tensor q_norm, k_norm;
+  // [num_heads] when LayerConfig::sinks; empty otherwise.
+  Tensor sinks;
 };
 
 // A number no other layer object of this process ever gets: engines that keep

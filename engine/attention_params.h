@@ -85,6 +85,10 @@ struct AttentionParams {
   // > 0: logit softcapping (Gemma 2): each scaled score s becomes
   // softcap * tanh(s / softcap), before the masks are added.
   float softcap = 0.0f;
+  // Attention sinks (gpt-oss): [num_heads] logits, one per query head, that
+  // join each row's softmax denominator as a key with no value row (the
+  // probabilities of the real keys then sum to less than 1). nullptr: none.
+  const float* sinks = nullptr;
 
   // Optional softmax probabilities in `weights_dtype`, contiguous:
   // [batch, num_heads, q_len, kv_len], or [batch, q_len, kv_len] averaged

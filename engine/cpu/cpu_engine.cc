@@ -44,6 +44,7 @@ class CpuEngine final : public AttentionEngine {
         if (absl::Status s = CheckTask(layer.config, task); !s.ok()) return s;
         absl::StatusOr<AttentionParams> p = MakeCoreParams(layer.config, task);
         if (!p.ok()) return p.status();
+        if (layer.config.sinks) p->sinks = layer.weights.sinks.data_as<float>();
         params.push_back(*p);
       }
       if (params.empty()) return absl::OkStatus();

@@ -110,10 +110,16 @@ void CombineSplit(const SplitGroup& sg, std::vector<float>& acc) {
   const int64_t dv = p.head_dim_v;
   acc.resize(static_cast<size_t>(dv));
   for (int64_t v = 0; v < sg.rows; ++v) {
+    const int64_t i = v / plan.group, h = sg.hkv * plan.group + v % plan.group;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c < sg.chunks; ++c) m = std::max(m, sg.partial[(c * sg.rows + v) * stride]);
+    // The sink joins once, here: a key of its own logit with no value row.
+    constexpr float kLog2e = 1.44269504088896340736f;  // the kernels' base-2 units
+    const float sink = p.sinks != nullptr ? p.sinks[h] * kLog2e
+                                          : -std::numeric_limits<float>::infinity();
+    m = std::max(m, sink);
     std::fill(acc.begin(), acc.end(), 0.0f);
-    float l = 0.0f;
+    float l = p.sinks != nullptr ? std::exp2(sink - m) : 0.0f;
     if (m != -std::numeric_limits<float>::infinity()) {
       for (int64_t c = 0; c < sg.chunks; ++c) {
         const float* part = sg.partial + (c * sg.rows + v) * stride;
@@ -125,7 +131,6 @@ void CombineSplit(const SplitGroup& sg, std::vector<float>& acc) {
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     for (float& x : acc) x *= inv;
-    const int64_t i = v / plan.group, h = sg.hkv * plan.group + v % plan.group;
     void* out = static_cast<char*>(p.out) +
                 (sg.b * p.o_stride_b + h * p.o_stride_h + i * p.o_stride_row) *
                     static_cast<int64_t>(DTypeSize(p.out_dtype));

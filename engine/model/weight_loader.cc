@@ -27,6 +27,7 @@ constexpr RoleDefault kTorchMhaNames[] = {
     {"out_bias", "out_proj.bias"},
     {"q_norm_weight", "q_norm.weight"},
     {"k_norm_weight", "k_norm.weight"},
+    {"sinks", "sinks"},
 };
 constexpr RoleDefault kSeparateQkvNames[] = {
     {"q_weight", "q_proj.weight"}, {"q_bias", "q_proj.bias"},
@@ -34,6 +35,7 @@ constexpr RoleDefault kSeparateQkvNames[] = {
     {"v_weight", "v_proj.weight"}, {"v_bias", "v_proj.bias"},
     {"out_weight", "o_proj.weight"}, {"out_bias", "o_proj.bias"},
     {"q_norm_weight", "q_norm.weight"}, {"k_norm_weight", "k_norm.weight"},
+    {"sinks", "sinks"},
 };
 constexpr RoleDefault kFusedNames[] = {
     {"qkv_weight", "qkv.weight"},
@@ -42,6 +44,7 @@ constexpr RoleDefault kFusedNames[] = {
     {"out_bias", "out_proj.bias"},
     {"q_norm_weight", "q_norm.weight"},
     {"k_norm_weight", "k_norm.weight"},
+    {"sinks", "sinks"},
 };
 constexpr RoleDefault kKerasNames[] = {
     {"q_weight", "query/kernel"},   {"q_bias", "query/bias"},
@@ -49,6 +52,7 @@ constexpr RoleDefault kKerasNames[] = {
     {"v_weight", "value/kernel"},   {"v_bias", "value/bias"},
     {"out_weight", "attention_output/kernel"}, {"out_bias", "attention_output/bias"},
     {"q_norm_weight", "q_norm.weight"}, {"k_norm_weight", "k_norm.weight"},
+    {"sinks", "sinks"},
 };
 
 absl::Span<const RoleDefault> RoleTable(WeightLayout layout) {
@@ -403,6 +407,15 @@ absl::StatusOr<LayerWeights> LoadLayerWeights(const SafetensorsFile& file,
         !s.ok()) {
       return s;
     }
+  }
+  if (absl::Status s = reader.CheckUnused("sinks", spec.sinks, "the config has no sinks");
+      !s.ok()) {
+    return s;
+  }
+  if (spec.sinks) {
+    absl::StatusOr<std::vector<float>> sinks = reader.Read("sinks", {{config.num_heads}});
+    if (!sinks.ok()) return sinks.status();
+    weights->sinks = MakeTensor({config.num_heads}, sinks->data());
   }
   if (spec.qk_norm) {
     absl::StatusOr<std::vector<float>> qn = reader.Read("q_norm_weight", {{config.head_dim}});

@@ -46,6 +46,7 @@ const char* WeightLayoutName(WeightLayout layout);
 //   in_proj_weight in_proj_bias   (kTorchMha)
 //   qkv_weight qkv_bias           (kFusedQkvPerHead)
 //   q_norm_weight k_norm_weight   (every layout, with qk_norm)
+//   sinks                         (every layout, with sinks)
 struct WeightSpec {
   WeightLayout layout = WeightLayout::kTorchMha;
   // Prepended to every tensor name (e.g. "encoder.layers.3.self_attn.").
@@ -61,6 +62,9 @@ struct WeightSpec {
   // QK-norm weights ([head_dim] each) are read when set; a file holding this
   // layer's q_norm/k_norm weights without it is an error (as for biases).
   bool qk_norm = false;
+  // Attention sinks ([num_heads]) are read when set; likewise an error when
+  // in the file without it.
+  bool sinks = false;
 };
 
 // The roles a layout reads (valid keys of WeightSpec::tensor_names).

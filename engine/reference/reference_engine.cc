@@ -246,10 +246,10 @@ void StoreAll(const std::vector<double>& values, const MutableTensorView& to) {
 // causal => j <= i + (Lk - Lq), window > 0 => j >= i + (Lk - Lq) - window + 1,
 // j < key_lengths[b], and a bool mask is nonzero there; a float mask is added
 // to the scaled score (after softcap * tanh(score / softcap) when softcap >
-// 0). A row that sees no key, or only keys at -inf, is zeros (output and
-// weights), not NaN.
+// 0); sinks[h], when given, joins the softmax denominator. A row that sees
+// no key, or only keys at -inf, is zeros (output and weights), not NaN.
 void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, double softcap,
-                 const Rows& q, const Rows& k, const Rows& v, Rows& out) {
+                 const float* sinks, const Rows& q, const Rows& k, const Rows& v, Rows& out) {
   const int64_t group = d.heads / d.kv_heads;
   const double neg_inf = -std::numeric_limits<double>::infinity();
   const TensorView& mask = t.attn_mask;
@@ -292,8 +292,11 @@ void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, double s
           row_max = std::max(row_max, scores[j]);
         }
         std::fill(p.begin(), p.end(), 0.0);
+        // A sink is one more logit in the denominator, with no value row.
+        const double sink = sinks != nullptr ? static_cast<double>(sinks[h]) : neg_inf;
         if (row_max != neg_inf) {
-          double sum = 0.0;
+          row_max = std::max(row_max, sink);
+          double sum = sinks != nullptr ? std::exp(sink - row_max) : 0.0;
           for (int64_t j = 0; j < d.kv_len; ++j) {
             p[j] = visible[j] ? std::exp(scores[j] - row_max) : 0.0;
             sum += p[j];
@@ -332,7 +335,7 @@ void RunBare(const LayerConfig& c, const AttentionTask& t, const Dims& d) {
   const Rows v{LoadAll(t.value), d.kv_heads, d.kv_len, d.head_dim_v};
   Rows out{std::vector<double>(static_cast<size_t>(d.batch * d.heads * d.q_len * d.head_dim_v)),
            d.heads, d.q_len, d.head_dim_v};
-  AttendHeads(t, d, c.sliding_window, c.softcap, q, k, v, out);
+  AttendHeads(t, d, c.sliding_window, c.softcap, nullptr, q, k, v, out);
   StoreAll(out.data, t.output);
 }
 
@@ -391,7 +394,8 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
                d.kv_heads, d.kv_len, d.head_dim_v, false};
   Rows merged{std::vector<double>(static_cast<size_t>(q_rows * d.heads * d.head_dim_v)), d.heads,
               d.q_len, d.head_dim_v, false};
-  AttendHeads(t, d, c.sliding_window, c.softcap, q, k, v, merged);
+  AttendHeads(t, d, c.sliding_window, c.softcap,
+              c.sinks ? w.sinks.data_as<float>() : nullptr, q, k, v, merged);
   StoreAll(Linear(merged.data, q_rows, d.heads * d.head_dim_v, w.wo, w.bo), t.output);
 }
 

@@ -42,6 +42,7 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
   config.set_precision(PrecisionName(c.precision));
   config.set_sliding_window(c.sliding_window);
   config.set_softcap(c.softcap);
+  config.set_sinks(c.sinks);
   if (c.has_projections) *config.mutable_rope() = FromRopeConfig(c.rope);
   if (c.qk_norm.enabled) {
     config.mutable_qk_norm()->set_eps(c.qk_norm.eps);
@@ -105,6 +106,7 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
                                               : Precision::kFloat32;
   layer.sliding_window = c.sliding_window();
   layer.softcap = c.softcap();
+  layer.sinks = layer.has_projections && c.sinks();
   if (layer.has_projections) layer.rope = ToRopeConfig(c.rope());
   if (layer.has_projections && c.has_qk_norm()) {
     layer.qk_norm.enabled = true;
@@ -126,6 +128,7 @@ WeightLayout ToWeightLayout(v1::ModelConfig::WeightLayout layout) {
 WeightSpec ToWeightSpec(const v1::ModelConfig& c) {
   WeightSpec spec;
   spec.qk_norm = c.has_qk_norm();
+  spec.sinks = c.sinks();
   spec.layout = ToWeightLayout(c.weight_layout());
   spec.tensor_prefix = c.tensor_prefix();
   spec.tensor_names.insert(c.tensor_names().begin(), c.tensor_names().end());

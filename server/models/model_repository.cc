@@ -177,7 +177,7 @@ absl::Status CheckNoProjectionFields(const std::string& path, const v1::ModelCon
   for (const char* field : {"embed_dim", "num_heads", "num_kv_heads", "head_dim", "query_dim",
                             "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias",
                             "out_bias", "weight_layout", "tensor_prefix", "tensor_names",
-                            "rope", "qk_norm"}) {
+                            "rope", "qk_norm", "sinks"}) {
     const google::protobuf::FieldDescriptor* f = d->FindFieldByName(field);
     bool set = f->is_repeated() ? r->FieldSize(c, f) > 0 : r->HasField(c, f);
     if (set) {

@@ -8,10 +8,11 @@ sequences, where transformers' fp32 angles are exact enough) and with an
 independent NumPy float64 implementation of transformers' RoPE formulas at
 positions in the thousands (within 2e-5). A session's prefill then one token
 a step equals one causal request. Whatever else a layer computes that
-attnserve does not (sinks, windows placed by a model's own layer rule,
-other RoPE scalings or layouts, other norms) is refused at export by name.
-QK-norm (Qwen3, and Gemma3's 1 + w), sliding windows (Mistral; Gemma2's
-every other layer) and logit softcapping (Gemma2) are served exactly too. transformers 4.45.2 is the
+attnserve does not (windows placed by a model's own layer rule, other
+RoPE scalings or layouts, other norms, sinks not one per head) is refused at
+export by name. QK-norm (Qwen3, and Gemma3's 1 + w), sliding windows
+(Mistral; Gemma2's and gpt-oss's every other layer), logit softcapping
+(Gemma2) and attention sinks (gpt-oss) are served exactly too. transformers 4.45.2 is the
 newest that imports with Debian's torch 1.13: families that need a newer one
 (Qwen3, Gemma3, gpt-oss) are stood in for by modules with their attributes."""
 
@@ -70,6 +71,8 @@ def _served_module(family):
         m = Gemma2Attention(config, layer_idx=0 if family == "gemma2-sliding" else 1)
     elif family in ("qwen3", "gemma3"):
         m = _QkNormAttention(gemma=family == "gemma3")
+    elif family.startswith("gpt-oss"):
+        m = _GptOssAttention(sliding=family == "gpt-oss-sliding")
     else:
         raise AssertionError(family)
     with torch.no_grad():  # biases (Qwen2, NeoX) away from zero, so that they count
@@ -80,7 +83,48 @@ def _served_module(family):
 
 WINDOW = 16  # Mistral's sliding window in these tests (its real one is 4096)
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
-            "qwen2", "gpt-neox", "qwen3", "gemma3", "gemma2-sliding", "gemma2-full"]
+            "qwen2", "gpt-neox", "qwen3", "gemma3", "gemma2-sliding", "gemma2-full",
+            "gpt-oss-sliding", "gpt-oss-full"]
+
+
+class _GptOssAttention(nn.Module):
+    """gpt-oss's attention as transformers 5.x writes it, from transformers'
+    own parts (4.45.2 has no gpt-oss): biased q/k/v/o projections, YaRN RoPE,
+    a sliding window on alternate layers (the module's own sliding_window),
+    and a learned sink logit per head appended to each row of scores before
+    the softmax and dropped after it (eager_attention_forward)."""
+
+    def __init__(self, sliding):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, 16
+        self.config = LlamaConfig(**COMMON, rope_theta=150000.0, max_position_embeddings=512,
+                                  rope_scaling=dict(rope_type="yarn", factor=4.0, beta_fast=32.0,
+                                                    beta_slow=1.0))
+        self.config.model_type = "gpt_oss"
+        self.sliding_window = WINDOW if sliding else None
+        self.q_proj, self.k_proj = nn.Linear(64, 64), nn.Linear(64, 32)
+        self.v_proj, self.o_proj = nn.Linear(64, 32), nn.Linear(64, 64)
+        self.sinks = nn.Parameter(torch.randn(4))
+        self.rotary = LlamaRotaryEmbedding(config=self.config)
+
+    def forward(self, x, attention_mask=None, position_ids=None):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+        b, length, _ = x.shape
+        q = self.q_proj(x).view(b, length, 4, 16).transpose(1, 2)
+        k = self.k_proj(x).view(b, length, 2, 16).transpose(1, 2)
+        v = self.v_proj(x).view(b, length, 2, 16).transpose(1, 2)
+        cos, sin = self.rotary(v, position_ids)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = repeat_kv(k, 2), repeat_kv(v, 2)
+        s = q @ k.transpose(2, 3) * 16 ** -0.5 + attention_mask
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, length, -1)
+        combined = torch.cat([s, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = combined.softmax(dim=-1)[..., :-1]
+        out = (probs @ v).transpose(1, 2).reshape(b, length, 64)
+        return (self.o_proj(out),)
 
 
 class _QkNormAttention(nn.Module):
@@ -219,8 +263,11 @@ def _np_layer(x, weights, config):
     s = s + np.triu(np.full((length, length), -np.inf), 1)
     if config.get("sliding_window"):
         s = s + np.tril(np.full((length, length), -np.inf), -config["sliding_window"])
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
+    sink = weights["sinks"].astype(np.float64)[None, :, None, None] if config.get("sinks") \
+        else np.full((1, h, 1, 1), -np.inf)
+    top = np.maximum(s.max(-1, keepdims=True), sink)
+    p = np.exp(s - top)
+    p /= p.sum(-1, keepdims=True) + np.exp(sink - top)
     o = np.einsum("bhlm,bmhd->blhd", p, v).reshape(bsz, length, h * hd)
     return lin(out_name, o)
 
@@ -261,7 +308,8 @@ def test_rope_layers_are_served_as_the_module_computes_them(served, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama3", "llama-yarn", "mistral", "gpt-neox",
-                                    "qwen3", "gemma3", "gemma2-sliding", "gemma2-full"])
+                                    "qwen3", "gemma3", "gemma2-sliding", "gemma2-full",
+                                    "gpt-oss-sliding", "gpt-oss-full"])
 def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family):
     client, _, configs, weights = served
     x = np.random.default_rng(2).uniform(-1, 1, (1, 3000, 64)).astype(np.float32)
@@ -273,7 +321,8 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
     assert _rel(got, want) < 2e-5
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "mistral", "gemma2-sliding"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "mistral", "gemma2-sliding",
+                                    "gpt-oss-sliding"])
 def test_a_session_continues_its_positions(served, family):
     """Prefill 24 tokens, then 40 single-token steps: every step equals the
     matching row of one causal request over the whole sequence."""
@@ -368,7 +417,7 @@ class _StandIn(nn.Module):
         elif qk_norm == "layernorm":
             self.q_norm, self.k_norm = nn.LayerNorm(16), nn.LayerNorm(16)
         if sinks:
-            self.sinks = nn.Parameter(torch.zeros(4))
+            self.sinks = nn.Parameter(torch.zeros(2 if sinks == "wrong" else 4))
 
 
 class _Config:
@@ -383,11 +432,12 @@ class _Config:
     # A LayerNorm (not RMSNorm) over Q and K.
     (lambda: _StandIn(_Config(model_type="qwen3", rope_theta=1e4), qk_norm="layernorm"),
      ["QK-norm of kind", "RMSNorm"]),
-    # gpt-oss: sinks and a sliding window (on alternate layers).
-    (lambda: _StandIn(_Config(model_type="gpt_oss", sliding_window=128,
-                              rope_scaling={"rope_type": "yarn", "factor": 32.0},
-                              max_position_embeddings=4096), sinks=True),
-     ["attention sinks", "sliding window of 128 tokens in a model of type 'gpt_oss'"]),
+    # Sinks that are not one per query head.
+    (lambda: _StandIn(_Config(model_type="llama", rope_theta=1e4), sinks="wrong"),
+     ["attention sinks of shape (2,)"]),
+    # A window from the config of a model that places its windowed layers itself.
+    (lambda: _StandIn(_Config(model_type="gpt_oss", sliding_window=128, rope_theta=1e4)),
+     ["sliding window of 128 tokens in a model of type 'gpt_oss'"]),
     # RoPE of a model type whose pairing attnserve does not know.
     (lambda: _StandIn(_Config(model_type="mystery", rope_theta=1e4)), ["'mystery'"]),
     # Gemma3 in transformers 5.x: RoPE parameters per layer type.

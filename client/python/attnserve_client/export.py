@@ -119,7 +119,8 @@ _ENUM_FIELDS = {"weight_layout"}
 _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_dim", "query_dim",
                 "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias", "out_bias",
                 "weight_layout", "tensor_prefix", "tensor_names", "scale", "causal", "precision",
-                "batching", "instances", "backend", "rope", "qk_norm", "sliding_window", "softcap"]
+                "batching", "instances", "backend", "rope", "qk_norm", "sliding_window", "softcap",
+                "sinks"]
 
 
 def _scalar(field, value):
@@ -445,9 +446,9 @@ def sliding_window_of(module):
 
 
 def unsupported_features(module):
-    """What `module` computes that attnserve does not (yet): attention sinks,
-    and rotary embeddings, sliding windows and QK-norms of a kind attnserve
-    does not compute (rope_config, sliding_window_of and
+    """What `module` computes that attnserve does not (yet): rotary
+    embeddings, sliding windows, QK-norms and attention sinks of a kind
+    attnserve does not compute (rope_config, sliding_window_of and
     qk_norm_config say which). Read from the
     module's children and parameters and its Hugging Face `config`. Empty
     when attnserve computes the module exactly."""
@@ -468,8 +469,12 @@ def unsupported_features(module):
         qk_norm_config(module, getattr(module, "head_dim", None) or 0)
     except ExportError as e:
         found.append(str(e))
-    if getattr(module, "sinks", None) is not None:
-        found.append("attention sinks (a learned logit per head)")
+    sinks = getattr(module, "sinks", None)
+    heads = getattr(module, "num_heads", None) or getattr(module, "num_attention_heads", None) or \
+        _config_value(config, "num_attention_heads")
+    if sinks is not None and (getattr(sinks, "ndim", 0) != 1 or sinks.shape[0] != heads):
+        found.append(f"attention sinks of shape {tuple(getattr(sinks, 'shape', ()))}, not one "
+                     f"per query head ({heads},)")
     return found
 
 
@@ -492,6 +497,9 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
     window = sliding_window_of(module)
     if window is not None:
         config["sliding_window"] = window
+    if getattr(module, "sinks", None) is not None:
+        config["sinks"] = True
+        tensors["sinks"] = module.sinks
     softcap = getattr(module, "attn_logit_softcapping", None) or \
         _config_value(getattr(module, "config", None), "attn_logit_softcapping")
     if softcap:

@@ -203,6 +203,16 @@ class Kernel {
     return true;
   }
 
+  // m = the sink's logit (base 2), l = 1: the softmax state after a key of
+  // score `sink` whose value row is zero.
+  static void StartWithSinks(const AttentionParams& p, const Row* row, int64_t rows,
+                             const Buffers& bf) {
+    for (int64_t r = 0; r < rows; ++r) {
+      bf.m[r] = p.sinks[row[r].h] * kLog2e;
+      bf.l[r] = 1.0f;
+    }
+  }
+
   static const void* QRow(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
     return ElemPtr(p.q, p.dtype, b * p.q_stride_b + h * p.q_stride_h + i * p.q_stride_row);
   }
@@ -320,6 +330,9 @@ class Kernel {
     FillRow(bf.l, r_pad, 0.0f);
     FillRow(bf.alpha, r_pad, 1.0f);
     FillRow(bf.o, r_pad * dvp, 0.0f);
+    // A sink starts each row's softmax as a key of its own with no value;
+    // a key-split row gets it once, where its chunks are combined.
+    if (p.sinks != nullptr && item.kind != ItemKind::kSplit) StartWithSinks(p, row, rows, bf);
 
     // Decided per request (not per item), so every row of it is computed
     // the same way however rows are grouped.
@@ -440,6 +453,7 @@ class Kernel {
       FillRow(bf.l, r_pad, 0.0f);
       FillRow(bf.alpha, r_pad, 1.0f);
       FillRow(bf.o, r_pad * dvp, 0.0f);
+      if (p.sinks != nullptr) StartWithSinks(p, row, rows, bf);
 
       for (int64_t kb = 0; kb < kend; kb += kBlockKeys) {  // pass 1: row max and sum
         const int64_t n = std::min(kBlockKeys, kend - kb);

@@ -156,6 +156,11 @@ std::shared_ptr<const AttentionLayer> RandomProjectionLayer(Rng& rng, bool self_
   // Some slide a window over the keys, some cap their logits.
   if (rng.Chance(0.3)) c.sliding_window = rng.Int(1, 6);
   if (rng.Chance(0.3)) c.softcap = rng.Pick<float>({0.5f, 5.0f, 50.0f});
+  // Some add a sink logit per head to the softmax denominator.
+  if (rng.Chance(0.3)) {
+    c.sinks = true;
+    w.sinks = RandomTensor(rng, DType::kFloat32, {c.num_heads}, 3.0f);
+  }
   // A third normalise each head of Q and K first (QK-norm, either weight form).
   if (rng.Chance(0.33)) {
     c.qk_norm.enabled = true;
@@ -294,6 +299,7 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
       lc.qk_norm.enabled ? (lc.qk_norm.weight_offset ? " qk-norm(1+w)" : " qk-norm") : "",
       lc.sliding_window > 0 ? absl::StrCat(" window ", lc.sliding_window) : "",
       lc.softcap > 0 ? absl::StrCat(" softcap ", lc.softcap) : "",
+      lc.sinks ? " sinks" : "",
       ", query ",
       ShapeString(c.q.shape()), c.k.byte_size() ? ", key " + ShapeString(c.k.shape()) : "",
       c.v.byte_size() ? ", value " + ShapeString(c.v.shape()) : "", ", in ", DT(in_dtype),
@@ -387,6 +393,37 @@ TEST_F(CpuEngineTest, SlidingWindowOverLongSequences) {
     c.scale = ResolveScale(windowed->config, 0.0f, 32);
     c.label = absl::StrCat("window 100, Lq ", s.lq, " Lk ", s.lk, s.causal ? " causal" : "",
                            s.weights ? " weights" : "");
+    CheckAgainstReference(c);
+  }
+}
+
+// Sinks join each row's softmax once: in a prefill, in a decode row whose
+// keys are split across threads in chunks (the sink joins where the chunks
+// are combined), and in the weights pass.
+TEST_F(CpuEngineTest, SinksOverLongSequences) {
+  Rng rng(79);
+  std::shared_ptr<const AttentionLayer> base = RandomProjectionLayer(rng, false);
+  auto layer = std::make_shared<AttentionLayer>(*base);
+  layer->config.name = "sinks";
+  layer->config.sinks = true;
+  layer->config.sliding_window = 0;
+  layer->weights.sinks = RandomTensor(rng, DType::kFloat32, {layer->config.num_heads}, 3.0f);
+  ASSERT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
+  const LayerConfig& lc = layer->config;
+  struct Shape2 {
+    int64_t lq, lk;
+    bool weights;
+  };
+  for (const Shape2 s : {Shape2{300, 300, false}, Shape2{1, 3000, false}, Shape2{40, 600, true}}) {
+    Case c;
+    c.layer = layer;
+    c.q = RandomTensor(rng, DType::kFloat32, {1, s.lq, lc.query_dim}, 1.0f);
+    c.k = RandomTensor(rng, DType::kFloat32, {1, s.lk, lc.key_dim}, 1.0f);
+    c.v = RandomTensor(rng, DType::kFloat32, {1, s.lk, lc.value_dim}, 1.0f);
+    c.causal = true;
+    c.need_weights = s.weights;
+    c.scale = ResolveScale(lc, 0.0f, lc.head_dim);
+    c.label = absl::StrCat("sinks, Lq ", s.lq, " Lk ", s.lk, s.weights ? " weights" : "");
     CheckAgainstReference(c);
   }
 }

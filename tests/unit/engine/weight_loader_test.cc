@@ -293,6 +293,23 @@ TEST(WeightLoaderTest, QkNormWeightsAreReadOnlyWhenConfigured) {
   EXPECT_THAT(w.status().message(), AllOf(HasSubstr("q_norm.weight"), HasSubstr("[8]")));
 }
 
+// Sinks: [num_heads], read when configured, an error in the file without.
+TEST(WeightLoaderTest, SinksAreReadOnlyWhenConfigured) {
+  std::vector<NamedTensor> tensors = {T("q_proj.weight", {8, 6}, 1.0f), T("k_proj.weight", {4, 6}, 2.0f),
+                                      T("v_proj.weight", {4, 6}, 3.0f), T("o_proj.weight", {6, 8}, 4.0f),
+                                      T("sinks", {4}, 5.0f)};
+  auto file = MakeFile(tensors);
+  WeightSpec spec = Spec(WeightLayout::kSeparateQkv, false, false);
+  spec.sinks = true;
+  auto w = LoadLayerWeights(*file, Config(6, 4, 2, 2), spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(Values(w->sinks), tensors[4].values);
+  spec.sinks = false;
+  w = LoadLayerWeights(*file, Config(6, 4, 2, 2), spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(), AllOf(HasSubstr("'sinks'"), HasSubstr("no sinks")));
+}
+
 TEST(WeightLoaderTest, Bf16PrecisionRoundsWeights) {
   NamedTensor q = T("q_proj.weight", {2, 2}, 1.01f);
   auto file = MakeFile({q, T("k_proj.weight", {2, 2}, 0.0f), T("v_proj.weight", {2, 2}, 0.0f),

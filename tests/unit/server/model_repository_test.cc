@@ -202,6 +202,8 @@ TEST(ModelConfigTest, RopeRulesNameTheField) {
   EXPECT_TRUE(ToLayerConfig(norm).qk_norm.enabled);
   EXPECT_TRUE(ToWeightSpec(norm).qk_norm);
   EXPECT_FALSE(ToLayerConfig(Resolved("embed_dim: 64 num_heads: 4")).qk_norm.enabled);
+  absl::Status sdpa_sinks = ResolveError("kind: \"sdpa\" sinks: true");
+  EXPECT_THAT(sdpa_sinks.message(), HasSubstr("sinks"));
   absl::Status sdpa = ResolveError("kind: \"sdpa\" rope { type: \"default\" }");
   EXPECT_THAT(sdpa.message(), HasSubstr("rope"));
   EXPECT_THAT(sdpa.message(), HasSubstr("not allowed for kind \"sdpa\""));
