@@ -301,7 +301,7 @@ std::optional<std::string> SdpaRefusal(const AttentionParams& p, DType compute) 
   }
   if (SomeRowSeesNoKey(p)) {
     return std::string("a query row that sees no key (answered with zeros, which cuDNN does not "
-                       "give)");
+                       "promise)");
   }
   return std::nullopt;
 }

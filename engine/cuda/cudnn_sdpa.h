@@ -5,11 +5,11 @@
 //
 // Which requests cuDNN serves is decided in two steps. SdpaRefusal (host
 // side, no GPU) rules out what cuDNN cannot compute exactly as
-// attention_params.h defines it: rows that see no key (cuDNN's answer for
-// them is not zeros), need_weights, fp32, head dims that are not multiples
-// of 8, causal with Lq > Lk. Then cuDNN itself may refuse the graph
-// (unsupported head dim, bias type, ...): the refusal is cached with its
-// shape and the engine's kernels serve it.
+// attention_params.h defines it: rows that see no key (answered with zeros
+// here, which cuDNN does not promise), need_weights, fp32, head dims that
+// are not multiples of 8, causal with Lq > Lk. Then cuDNN itself may refuse
+// the graph (unsupported head dim, bias type, ...): the refusal is cached
+// with its shape and the engine's kernels serve it.
 //
 // Plans are keyed by a shape bucket: the caller lays the data out with
 // SdpaBucketLength rows per sequence (uploading into that layout, so no
