@@ -174,7 +174,10 @@ std::unique_ptr<AttentionEngine> CpuEngineOrSkip(benchmark::State& state, int th
 
 // nn.MultiheadAttention forward (batch first, self-attention, biases,
 // need_weights=False) through the cpu engine: projections + fused core.
-void BM_Layer(benchmark::State& state, BenchShape s, Precision precision, int threads) {
+// `modern`: the same layer with RoPE (default, whole heads) and QK-norm, as a
+// Llama/Qwen3 layer computes them, to measure what they add.
+void BM_Layer(benchmark::State& state, BenchShape s, Precision precision, int threads,
+              bool modern) {
   const int64_t e = s.heads * s.head_dim;
   auto layer = std::make_shared<AttentionLayer>();
   LayerConfig& c = layer->config;
@@ -194,6 +197,14 @@ void BM_Layer(benchmark::State& state, BenchShape s, Precision precision, int th
   w.bk = SeededUniformTensor({e}, 16, bound);
   w.bv = SeededUniformTensor({e}, 17, bound);
   w.bo = SeededUniformTensor({e}, 18, bound);
+  if (modern) {
+    c.rope.type = RopeConfig::Type::kDefault;
+    c.rope.theta = 10000.0;
+    c.rope.rotary_dim = s.head_dim;
+    c.qk_norm.enabled = true;
+    w.q_norm = SeededUniformTensor({s.head_dim}, 19, 1.0f);
+    w.k_norm = SeededUniformTensor({s.head_dim}, 20, 1.0f);
+  }
   std::unique_ptr<AttentionEngine> engine = CpuEngineOrSkip(state, threads);
   if (engine == nullptr) return;
   const DType dtype = precision == Precision::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
@@ -404,11 +415,15 @@ void RegisterAll() {
       }
       if (s.layer) {
         benchmark::RegisterBenchmark(absl::StrCat("Layer/", s.name, "/fp32", suffix).c_str(), BM_Layer, s,
-                                     Precision::kFloat32, t)
+                                     Precision::kFloat32, t, false)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
         benchmark::RegisterBenchmark(absl::StrCat("Layer/", s.name, "/bf16", suffix).c_str(), BM_Layer, s,
-                                     Precision::kBFloat16, t)
+                                     Precision::kBFloat16, t, false)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+        benchmark::RegisterBenchmark(absl::StrCat("LayerRopeQkNorm/", s.name, "/fp32", suffix).c_str(),
+                                     BM_Layer, s, Precision::kFloat32, t, true)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
         benchmark::RegisterBenchmark(absl::StrCat("LayerGemmCeiling/", s.name, "/fp32", suffix).c_str(),
