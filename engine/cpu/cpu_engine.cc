@@ -146,6 +146,13 @@ class CpuEngine final : public AttentionEngine {
                              options_.num_threads);
         }
         if (!rope) continue;
+        if (first_query == cached && p.q_len == p.kv_len) {
+          // Self-attention: row r of Q and of K share position cached + r.
+          cpu::RotateRowPairs(c.rope, freq, p.dtype, q, p.q_stride_row, p.num_heads, k,
+                              p.k_stride_row, p.num_kv_heads, p.q_len, p.head_dim, cached,
+                              options_.num_threads);
+          continue;
+        }
         cpu::RotateRows(c.rope, freq, p.dtype, q, p.q_len, p.q_stride_row, p.num_heads,
                         p.head_dim, first_query, options_.num_threads);
         cpu::RotateRows(c.rope, freq, p.dtype, k, p.kv_len, p.k_stride_row, p.num_kv_heads,

@@ -12,9 +12,32 @@
 
 namespace attnserve::cpu {
 
-void RotateRows(const RopeConfig& rope, const RopeFrequencies& freq, DType dtype, void* data,
-                int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
-                int64_t first_position, int threads) {
+namespace {
+
+// Rotates every head of one row at the cos/sin given (float, or bf16 values
+// through `scratch`).
+void RotateRow(const RopeConfig& rope, DType dtype, void* data, int64_t at, int64_t heads,
+               int64_t head_dim, const float* cos_f, const float* sin_f, float* scratch) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const int64_t offset = at + h * head_dim;
+    if (dtype == DType::kFloat32) {
+      RotateHead(static_cast<float*>(data) + offset, cos_f, sin_f, rope.rotary_dim,
+                 rope.interleaved);
+    } else {
+      uint16_t* x = static_cast<uint16_t*>(data) + offset;
+      for (int64_t d = 0; d < rope.rotary_dim; ++d) scratch[d] = BFloat16ToFloat(x[d]);
+      RotateHead(scratch, cos_f, sin_f, rope.rotary_dim, rope.interleaved);
+      for (int64_t d = 0; d < rope.rotary_dim; ++d) x[d] = FloatToBFloat16(scratch[d]);
+    }
+  }
+}
+
+}  // namespace
+
+void RotateRowPairs(const RopeConfig& rope, const RopeFrequencies& freq, DType dtype, void* a,
+                    int64_t a_stride, int64_t a_heads, void* b, int64_t b_stride,
+                    int64_t b_heads, int64_t rows, int64_t head_dim, int64_t first_position,
+                    int threads) {
   const int64_t half = rope.rotary_dim / 2;
 #ifdef _OPENMP
   const int n = threads > 0 ? threads : omp_get_max_threads();
@@ -23,7 +46,7 @@ void RotateRows(const RopeConfig& rope, const RopeFrequencies& freq, DType dtype
   {
     std::vector<double> cos_d(static_cast<size_t>(half)), sin_d(static_cast<size_t>(half));
     std::vector<float> cos_f(static_cast<size_t>(half)), sin_f(static_cast<size_t>(half));
-    std::vector<float> head(static_cast<size_t>(rope.rotary_dim));
+    std::vector<float> scratch(static_cast<size_t>(rope.rotary_dim));
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -33,20 +56,21 @@ void RotateRows(const RopeConfig& rope, const RopeFrequencies& freq, DType dtype
         cos_f[i] = static_cast<float>(cos_d[i]);
         sin_f[i] = static_cast<float>(sin_d[i]);
       }
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t at = r * row_stride + h * head_dim;
-        if (dtype == DType::kFloat32) {
-          RotateHead(static_cast<float*>(data) + at, cos_f.data(), sin_f.data(), rope.rotary_dim,
-                     rope.interleaved);
-        } else {
-          uint16_t* x = static_cast<uint16_t*>(data) + at;
-          for (int64_t d = 0; d < rope.rotary_dim; ++d) head[d] = BFloat16ToFloat(x[d]);
-          RotateHead(head.data(), cos_f.data(), sin_f.data(), rope.rotary_dim, rope.interleaved);
-          for (int64_t d = 0; d < rope.rotary_dim; ++d) x[d] = FloatToBFloat16(head[d]);
-        }
+      RotateRow(rope, dtype, a, r * a_stride, a_heads, head_dim, cos_f.data(), sin_f.data(),
+                scratch.data());
+      if (b != nullptr) {
+        RotateRow(rope, dtype, b, r * b_stride, b_heads, head_dim, cos_f.data(), sin_f.data(),
+                  scratch.data());
       }
     }
   }
+}
+
+void RotateRows(const RopeConfig& rope, const RopeFrequencies& freq, DType dtype, void* data,
+                int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
+                int64_t first_position, int threads) {
+  RotateRowPairs(rope, freq, dtype, data, row_stride, heads, nullptr, 0, 0, rows, head_dim,
+                 first_position, threads);
 }
 
 void NormalizeRows(const QkNormConfig& norm, const float* w, DType dtype, void* data,

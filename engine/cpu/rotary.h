@@ -22,6 +22,13 @@ void RotateRows(const RopeConfig& rope, const RopeFrequencies& freq, DType dtype
                 int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                 int64_t first_position, int threads);
 
+// The same for two matrices whose row r sits at the same position (the Q
+// and K of self-attention), the angles computed once per row for both.
+void RotateRowPairs(const RopeConfig& rope, const RopeFrequencies& freq, DType dtype, void* a,
+                    int64_t a_stride, int64_t a_heads, void* b, int64_t b_stride,
+                    int64_t b_heads, int64_t rows, int64_t head_dim, int64_t first_position,
+                    int threads);
+
 // QK-norm of every head of rows r < `rows` (same layout as RotateRows) with
 // the weights w[head_dim].
 void NormalizeRows(const QkNormConfig& norm, const float* w, DType dtype, void* data,
