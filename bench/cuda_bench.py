@@ -4,8 +4,8 @@
 Runs attnserve_cuda_bench (engine/cuda/cuda_bench.cc: the attention core as
 the engine runs it, cuDNN's SDPA through the cuDNN frontend where cuDNN
 loads, and the fused kernel written here; our cuBLASLt projections, plain
-cuBLAS GEMMs and a large square GEMM as the ceiling), then times torch.nn.functional.scaled_dot_product_attention
-on the same attention shapes with each of PyTorch's backends (flash, cuDNN,
+cuBLAS GEMMs and a large square GEMM as the ceiling), then times
+torch.nn.functional.scaled_dot_product_attention on the same attention shapes with each of PyTorch's backends (flash, cuDNN,
 memory-efficient), and prints one Markdown table per part, ready for
 docs/CUDA.md.
 

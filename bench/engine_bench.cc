@@ -422,8 +422,9 @@ void RegisterAll() {
                                      Precision::kBFloat16, t, false)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
-        benchmark::RegisterBenchmark(absl::StrCat("LayerRopeQkNorm/", s.name, "/fp32", suffix).c_str(),
-                                     BM_Layer, s, Precision::kFloat32, t, true)
+        benchmark::RegisterBenchmark(
+            absl::StrCat("LayerRopeQkNorm/", s.name, "/fp32", suffix).c_str(), BM_Layer, s,
+            Precision::kFloat32, t, true)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
         benchmark::RegisterBenchmark(absl::StrCat("LayerGemmCeiling/", s.name, "/fp32", suffix).c_str(),

@@ -2,7 +2,6 @@
 // so that the engines can trust dims and weight shapes afterwards.
 #include "engine/attention_layer.h"
 
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -34,7 +33,9 @@ absl::Status CheckWeight(const std::string& layer, const char* name, const Tenso
 
 std::string CudaMissingFeatures(const LayerConfig& config) {
   std::string missing;
-  auto add = [&](const char* what) { absl::StrAppend(&missing, missing.empty() ? "" : ", ", what); };
+  auto add = [&](const char* what) {
+    absl::StrAppend(&missing, missing.empty() ? "" : ", ", what);
+  };
   if (config.rope.type != RopeConfig::Type::kNone) add("rotary position embeddings");
   if (config.qk_norm.enabled) add("QK-norm");
   if (config.sliding_window > 0) add("a sliding window");
@@ -96,8 +97,8 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer '", c.name, "': q_norm/k_norm weights without qk_norm in the config"));
     }
-    if (c.sinks != (w.sinks.byte_size() != 0) ||
-        (c.sinks && (w.sinks.dtype() != DType::kFloat32 || w.sinks.shape() != Shape{c.num_heads}))) {
+    const bool sinks_ok = w.sinks.dtype() == DType::kFloat32 && w.sinks.shape() == Shape{c.num_heads};
+    if (c.sinks != (w.sinks.byte_size() != 0) || (c.sinks && !sinks_ok)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer '", c.name, "': sinks ", c.sinks ? "must be" : "without the config flag are",
           " FLOAT32 [", c.num_heads, "] (num_heads), got ", ShapeString(w.sinks.shape())));

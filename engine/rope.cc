@@ -40,9 +40,10 @@ absl::StatusOr<RopeConfig::Type> ParseRopeType(std::string_view name) {
                              RopeConfig::Type::kYarn}) {
     if (name == RopeTypeName(t)) return t;
   }
-  return RopeError("type", absl::StrCat("\"", std::string(name), "\" is not supported (supported: none, "
-                                        "default, linear, llama3, yarn); a layer whose "
-                                        "positions attnserve cannot compute is refused"));
+  return RopeError("type", absl::StrCat("\"", std::string(name),
+                                        "\" is not supported (supported: none, default, "
+                                        "linear, llama3, yarn); a layer whose positions "
+                                        "attnserve cannot compute is refused"));
 }
 
 absl::Status ValidateRope(const RopeConfig& r, int64_t head_dim) {

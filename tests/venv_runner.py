@@ -17,8 +17,8 @@ def run_pytest_in_venv(name, requirements, tests, args):
     python = os.path.join(venv, "bin", "python")
     stamp = os.path.join(venv, ".installed-" + "-".join(requirements).replace("/", "_"))
     if not os.path.exists(stamp):
-        subprocess.check_call(["/usr/bin/python3", "-m", "venv", "--clear", "--system-site-packages",
-                               venv])
+        subprocess.check_call(["/usr/bin/python3", "-m", "venv", "--clear",
+                               "--system-site-packages", venv])
         env = dict(os.environ, PIP_CACHE_DIR=os.path.join(build, "pip-cache"),
                    PIP_DISABLE_PIP_VERSION_CHECK="1")
         subprocess.check_call([python, "-m", "pip", "install", "-q", *requirements], env=env)

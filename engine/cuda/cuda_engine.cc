@@ -1,6 +1,7 @@
 // The CUDA engine: the AttentionEngine over a pool of workspaces and the
 // device-resident layers; fused attention from cuDNN where it takes the
-// request, else from the kernels written here ($ATTNSERVE_CUDA_ATTENTION). A whole batch is enqueued before the one
+// request, else from the kernels written here
+// ($ATTNSERVE_CUDA_ATTENTION). A whole batch is enqueued before the one
 // synchronisation at its end: uploads go on a copy stream and compute waits
 // for each request's uploads through an event, so while the GPU computes
 // request n the host packs request n+1 and the copy engine uploads it

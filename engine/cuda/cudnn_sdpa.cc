@@ -293,7 +293,8 @@ std::optional<std::string> SdpaRefusal(const AttentionParams& p, DType compute) 
   if (p.weights != nullptr) return std::string("need_weights (cuDNN returns no probabilities)");
   if (p.k_blocks != nullptr) return std::string("paged K/V");
   if (p.head_dim % 8 != 0 || p.head_dim_v % 8 != 0) {
-    return absl::StrCat("head dims ", p.head_dim, "/", p.head_dim_v, " (cuDNN needs multiples of 8)");
+    return absl::StrCat("head dims ", p.head_dim, "/", p.head_dim_v,
+                        " (cuDNN needs multiples of 8)");
   }
   if (p.q_len > std::numeric_limits<int32_t>::max() ||
       p.kv_len > std::numeric_limits<int32_t>::max()) {

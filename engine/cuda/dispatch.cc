@@ -368,7 +368,8 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
   const int64_t q_features = p.num_heads * p.head_dim;
   const int64_t kv_features = p.num_kv_heads * p.head_dim;
   const int64_t v_features = p.num_kv_heads * p.head_dim_v;
-  auto projected = [&](int64_t rows, int64_t buffer_rows, int64_t features) -> absl::StatusOr<void*> {
+  auto projected = [&](int64_t rows, int64_t buffer_rows,
+                       int64_t features) -> absl::StatusOr<void*> {
     absl::StatusOr<void*> buffer =
         call.DeviceAlloc(static_cast<size_t>(buffer_rows * features) * ct_size);
     if (!buffer.ok() || buffer_rows == rows) return buffer;

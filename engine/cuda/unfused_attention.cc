@@ -38,9 +38,9 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
   const int64_t pairs = a.batch * a.num_heads;
   if (pairs == 0 || a.q_len == 0) return absl::OkStatus();
   const int64_t scores = a.q_len * a.kv_len;
-  const int64_t chunk = std::clamp<int64_t>(
-      static_cast<int64_t>(kMaxChunkScoreBytes / (static_cast<size_t>(std::max<int64_t>(scores, 1)) * 4)),
-      1, pairs);
+  const size_t pair_bytes = static_cast<size_t>(std::max<int64_t>(scores, 1)) * 4;
+  const int64_t chunk =
+      std::clamp<int64_t>(static_cast<int64_t>(kMaxChunkScoreBytes / pair_bytes), 1, pairs);
   absl::StatusOr<void*> s = alloc(static_cast<size_t>(chunk * std::max<int64_t>(scores, 1)) * 4);
   if (!s.ok()) return s.status();
   absl::StatusOr<void*> o = alloc(static_cast<size_t>(chunk * a.q_len * a.head_dim_v) * 4);

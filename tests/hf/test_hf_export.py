@@ -43,7 +43,8 @@ def _served_module(family):
     if family.startswith("llama"):
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaAttention
-        extra = {"llama": {}, "llama-linear": dict(rope_scaling=dict(rope_type="linear", factor=4.0)),
+        extra = {"llama": {},
+                 "llama-linear": dict(rope_scaling=dict(rope_type="linear", factor=4.0)),
                  "llama3": dict(rope_scaling=LLAMA3, max_position_embeddings=4096, rope_theta=5e5),
                  "llama-yarn": dict(rope_scaling=dict(rope_type="yarn", factor=4.0),
                                     max_position_embeddings=512)}[family]

@@ -346,8 +346,9 @@ def rope_config(module, head_dim):
                           f"{', '.join(sorted(_ROPE_INTERLEAVED))})")
     params = dict(_config_value(config, "rope_parameters") or {})
     if any(isinstance(v, dict) for v in params.values()):
+        per_type = sorted(k for k, v in params.items() if isinstance(v, dict))
         raise ExportError("RoPE parameters per layer type (transformers 5.x rope_parameters "
-                          f"keyed by {sorted(k for k, v in params.items() if isinstance(v, dict))})")
+                          f"keyed by {per_type})")
     scaling = dict(_config_value(config, "rope_scaling") or {})
     params.update({k: v for k, v in scaling.items() if k not in params})
     kind = params.get("rope_type") or params.get("type") or "default"
@@ -356,8 +357,9 @@ def rope_config(module, head_dim):
                           f"{', '.join(sorted(_ROPE_TYPES))})")
     theta = params.get("rope_theta") or _config_value(config, "rope_theta") or \
         _config_value(config, "rotary_emb_base") or 10000.0
-    partial = params.get("partial_rotary_factor") or _config_value(config, "partial_rotary_factor") \
-        or _config_value(config, "rotary_pct") or 1.0
+    partial = (params.get("partial_rotary_factor") or
+               _config_value(config, "partial_rotary_factor") or
+               _config_value(config, "rotary_pct") or 1.0)
     rotary_dim = _config_value(config, "rotary_dim") if model_type in ("gptj", "codegen") else None
     rope = dict(type=kind, theta=float(theta),
                 rotary_dim=int(rotary_dim or int(head_dim * partial)),

@@ -423,7 +423,8 @@ void CompareWithReference(AttendCase& c, AttentionEngine* engine = nullptr) {
   const absl::Status ref_status = Reference().Run(*c.layer, {&ref, 1});
   ASSERT_TRUE(ref_status.ok()) << ref_status;
   const AttentionTask gpu = c.Task();
-  const absl::Status status = (engine != nullptr ? engine : Cuda().engine)->Run(*c.layer, {&gpu, 1});
+  AttentionEngine* run_on = engine != nullptr ? engine : Cuda().engine;
+  const absl::Status status = run_on->Run(*c.layer, {&gpu, 1});
   ASSERT_TRUE(status.ok()) << status;
   ExpectClose(c.out, ref_out, CaseTolerance(c, c.out_dtype), "output");
   if (c.need_weights)

@@ -295,9 +295,10 @@ TEST(WeightLoaderTest, QkNormWeightsAreReadOnlyWhenConfigured) {
 
 // Sinks: [num_heads], read when configured, an error in the file without.
 TEST(WeightLoaderTest, SinksAreReadOnlyWhenConfigured) {
-  std::vector<NamedTensor> tensors = {T("q_proj.weight", {8, 6}, 1.0f), T("k_proj.weight", {4, 6}, 2.0f),
-                                      T("v_proj.weight", {4, 6}, 3.0f), T("o_proj.weight", {6, 8}, 4.0f),
-                                      T("sinks", {4}, 5.0f)};
+  std::vector<NamedTensor> tensors = {T("q_proj.weight", {8, 6}, 1.0f),
+                                      T("k_proj.weight", {4, 6}, 2.0f),
+                                      T("v_proj.weight", {4, 6}, 3.0f),
+                                      T("o_proj.weight", {6, 8}, 4.0f), T("sinks", {4}, 5.0f)};
   auto file = MakeFile(tensors);
   WeightSpec spec = Spec(WeightLayout::kSeparateQkv, false, false);
   spec.sinks = true;
