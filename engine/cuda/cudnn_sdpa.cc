@@ -110,10 +110,12 @@ PlanKey KeyFor(const SdpaShape& s) {
   return k;
 }
 
-// Element strides of [B, H, L, D] data in the key's layout at length `len`.
+// Element strides [b, h, row, d] of contiguous data in the key's layout at
+// length `len` (attention_params.h's layouts).
 std::vector<int64_t> Strides(bool token_layout, int64_t heads, int64_t len, int64_t dim) {
-  if (token_layout) return {len * heads * dim, dim, heads * dim, 1};
-  return {heads * len * dim, len * dim, dim, 1};
+  int64_t b = 0, h = 0, row = 0;
+  (token_layout ? TokenLayoutStrides : HeadLayoutStrides)(heads, len, dim, &b, &h, &row);
+  return {b, h, row, 1};
 }
 
 std::string FeMessage(fe::error_t e) {
@@ -349,8 +351,6 @@ absl::StatusOr<std::unique_ptr<CudnnSdpa>> CudnnSdpa::Create(size_t max_plans) {
   return std::unique_ptr<CudnnSdpa>(new CudnnSdpa(std::move(impl)));
 }
 
-size_t CudnnSdpa::cached() const { return impl_->entries.size(); }
-
 absl::Status CudnnSdpa::Enqueue(const SdpaArgs& args, DeviceAllocator alloc,
                                 cudaStream_t stream) {
   const SdpaShape& s = args.shape;
@@ -369,7 +369,6 @@ absl::Status CudnnSdpa::Enqueue(const SdpaArgs& args, DeviceAllocator alloc,
             !e.is_good()) {
           return absl::InternalError(absl::StrCat("cuDNN workspace size: ", FeMessage(e)));
         }
-        ++plans_built_;
       } else if (absl::IsUnimplemented(graph.status())) {
         entry.refusal = std::string(graph.status().message());
       } else {

@@ -27,10 +27,10 @@
 #include <optional>
 #include <string>
 
-#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/attention_params.h"
+#include "engine/cuda/device_memory.h"
 #include "engine/dtype.h"
 
 namespace attnserve::cuda {
@@ -116,18 +116,12 @@ class CudnnSdpa {
   //   Unimplemented cuDNN refuses this shape (message: its reason); nothing
   //                 was enqueued, the caller computes it another way;
   //   other         a CUDA or cuDNN failure.
-  using DeviceAllocator = absl::FunctionRef<absl::StatusOr<void*>(size_t bytes)>;
   absl::Status Enqueue(const SdpaArgs& args, DeviceAllocator alloc, cudaStream_t stream);
-
-  // Plans built so far and refusals cached (for tests and logs).
-  size_t plans_built() const { return plans_built_; }
-  size_t cached() const;
 
  private:
   struct Impl;
   explicit CudnnSdpa(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
-  size_t plans_built_ = 0;
 };
 
 }  // namespace attnserve::cuda

@@ -7,9 +7,14 @@
 #include <cstddef>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 
 namespace attnserve::cuda {
+
+// Where a component enqueuing GPU work takes its scratch: device memory that
+// stays valid until the stream has run it (a call's arena, in the engine).
+using DeviceAllocator = absl::FunctionRef<absl::StatusOr<void*>(size_t bytes)>;
 
 // A bump allocator over chunks of device or pinned host memory. A call takes
 // what it needs with Allocate and gives it all back with Reset once its work

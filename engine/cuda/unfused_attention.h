@@ -13,10 +13,10 @@
 #include <cstddef>
 #include <memory>
 
-#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/attention_params.h"
+#include "engine/cuda/device_memory.h"
 
 namespace attnserve::cuda {
 
@@ -38,7 +38,6 @@ class UnfusedAttention {
   // Enqueues attention for device-side `a`: q, k, v FLOAT32 at their
   // strides; out at its strides in out_dtype; weights (optional) per head,
   // contiguous [B, Hq, Lq, Lk] in weights_dtype. Scratch from `alloc`.
-  using DeviceAllocator = absl::FunctionRef<absl::StatusOr<void*>(size_t bytes)>;
   absl::Status Enqueue(const AttentionParams& a, DeviceAllocator alloc, cudaStream_t stream);
 
  private:

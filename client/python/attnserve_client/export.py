@@ -447,17 +447,19 @@ def sliding_window_of(module):
     return int(window)
 
 
-def unsupported_features(module):
+def unsupported_features(module, head_dim=None, num_heads=None):
     """What `module` computes that attnserve does not (yet): rotary
     embeddings, sliding windows, QK-norms and attention sinks of a kind
     attnserve does not compute (rope_config, sliding_window_of and
-    qk_norm_config say which). Read from the
-    module's children and parameters and its Hugging Face `config`. Empty
-    when attnserve computes the module exactly."""
+    qk_norm_config say which). Read from the module's children and
+    parameters and its Hugging Face `config`; head_dim and num_heads default
+    to the module's own attributes. Empty when attnserve computes the module
+    exactly."""
     found = []
     config = getattr(module, "config", None)
+    head_dim = head_dim or getattr(module, "head_dim", None) or 0
     try:
-        rope_config(module, getattr(module, "head_dim", None) or 1)
+        rope_config(module, head_dim)
     except ExportError as e:
         found.append(str(e))
     try:
@@ -468,12 +470,12 @@ def unsupported_features(module):
     if norms:
         found.append(f"QK LayerNorm ({', '.join(norms)})")
     try:
-        qk_norm_config(module, getattr(module, "head_dim", None) or 0)
+        qk_norm_config(module, head_dim)
     except ExportError as e:
         found.append(str(e))
     sinks = getattr(module, "sinks", None)
-    heads = getattr(module, "num_heads", None) or getattr(module, "num_attention_heads", None) or \
-        _config_value(config, "num_attention_heads")
+    heads = num_heads or getattr(module, "num_heads", None) or \
+        getattr(module, "num_attention_heads", None) or _config_value(config, "num_attention_heads")
     if sinks is not None and (getattr(sinks, "ndim", 0) != 1 or sinks.shape[0] != heads):
         found.append(f"attention sinks of shape {tuple(getattr(sinks, 'shape', ()))}, not one "
                      f"per query head ({heads},)")
@@ -486,13 +488,13 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
         raise ExportError("PyTorch is not importable")
     if isinstance(module, torch.nn.MultiheadAttention):
         return _describe_mha(module)
-    missing = unsupported_features(module)
+    config, tensors = _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
+    missing = unsupported_features(module, config["head_dim"], config["num_heads"])
     if missing:
         # Served without them, the layer would answer with other numbers.
         raise ExportError(f"{type(module).__name__} uses {'; '.join(missing)}, which attnserve "
                           "does not compute yet: refused rather than served with different "
                           "numbers (docs/MODELS.md)")
-    config, tensors = _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
     rope = rope_config(module, config["head_dim"])
     if rope is not None:
         config["rope"] = rope
