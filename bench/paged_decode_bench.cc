@@ -40,6 +40,9 @@ namespace {
 struct DecodeShape {
   int64_t sessions, context, hq, hkv, d, block_tokens;
   DType dtype;
+  // > 0: a sliding window; the blocks before FirstWindowKey are released
+  // (null, never allocated), as a session of a windowed model leaves them.
+  int64_t window = 0;
 };
 
 struct FreeDeleter {
@@ -83,20 +86,23 @@ void FillValues(void* dst, DType dt, int64_t n, int threads) {
 // optionally the same K/V contiguous, one query token each.
 struct DecodeStep {
   DecodeShape s;
-  int64_t block_elems_k, blocks_per_session;
+  int64_t block_elems_k, blocks_per_session, first_block;
   Bytes pool, contiguous, q, out;
   std::vector<std::vector<const void*>> k_blocks, v_blocks;
   std::vector<AttentionParams> paged_params, contiguous_params;
 
+  // The K/V bytes a step reads: the blocks it holds.
   int64_t KvBytes() const {
-    return s.sessions * 2 * s.hkv * s.context * s.d * static_cast<int64_t>(DTypeSize(s.dtype));
+    return s.sessions * 2 * (blocks_per_session - first_block) * block_elems_k *
+           static_cast<int64_t>(DTypeSize(s.dtype));
   }
 
   DecodeStep(const DecodeShape& shape, bool with_contiguous, int threads) : s(shape) {
     const int64_t es = static_cast<int64_t>(DTypeSize(s.dtype));
     blocks_per_session = (s.context + s.block_tokens - 1) / s.block_tokens;
+    first_block = FirstWindowKey(s.context - 1, s.window) / s.block_tokens;
     block_elems_k = s.hkv * s.block_tokens * s.d;
-    const int64_t blocks = 2 * s.sessions * blocks_per_session;  // K and V
+    const int64_t blocks = 2 * s.sessions * (blocks_per_session - first_block);  // K and V
     const int64_t pool_elems = blocks * block_elems_k;
     pool = AllocBytes(static_cast<size_t>(pool_elems * es));
     FillValues(pool.get(), s.dtype, pool_elems, threads);
@@ -108,6 +114,11 @@ struct DecodeStep {
     v_blocks.resize(static_cast<size_t>(s.sessions));
     for (int64_t i = 0; i < s.sessions; ++i)
       for (int64_t b = 0; b < blocks_per_session; ++b) {
+        if (b < first_block) {  // released: outside the window
+          k_blocks[static_cast<size_t>(i)].push_back(nullptr);
+          v_blocks[static_cast<size_t>(i)].push_back(nullptr);
+          continue;
+        }
         k_blocks[static_cast<size_t>(i)].push_back(pool.get() + slot[next++] * block_elems_k * es);
         v_blocks[static_cast<size_t>(i)].push_back(pool.get() + slot[next++] * block_elems_k * es);
       }
@@ -146,6 +157,7 @@ struct DecodeStep {
       p.q = q.get() + i * s.hq * s.d * es;
       p.out = out.get() + i * s.hq * s.d * 4;
       p.causal = true;
+      p.window = s.window;
       p.scale = 1.0f / std::sqrt(static_cast<float>(s.d));
       AttentionParams paged = p;
       paged.k_blocks = k_blocks[static_cast<size_t>(i)].data();
@@ -213,8 +225,12 @@ void BM_ReadKv(benchmark::State& state, DecodeShape s, int threads) {
   const int64_t block_bytes = step.block_elems_k * static_cast<int64_t>(DTypeSize(s.dtype));
   std::vector<const void*> blocks;
   for (int64_t i = 0; i < s.sessions; ++i) {
-    for (const void* b : step.k_blocks[static_cast<size_t>(i)]) blocks.push_back(b);
-    for (const void* b : step.v_blocks[static_cast<size_t>(i)]) blocks.push_back(b);
+    for (const void* b : step.k_blocks[static_cast<size_t>(i)]) {
+      if (b != nullptr) blocks.push_back(b);
+    }
+    for (const void* b : step.v_blocks[static_cast<size_t>(i)]) {
+      if (b != nullptr) blocks.push_back(b);
+    }
   }
   const bool avx2 = __builtin_cpu_supports("avx2");
   const int64_t n = static_cast<int64_t>(blocks.size());
@@ -257,10 +273,14 @@ void RegisterAll() {
       {32, 4096, 32, 32, 128, 16, DType::kFloat16}, {32, 4096, 32, 8, 128, 256, DType::kFloat16},
       // MHA with 8 heads: what bench/session_decode.sh asks of the server.
       {32, 4096, 8, 8, 128, 16, DType::kFloat16},
+      // The same at context 32768 with a 4096-token sliding window: the
+      // session holds (and the step reads) about the window.
+      {32, 32768, 8, 8, 128, 16, DType::kFloat16, 4096},
   };
   for (const DecodeShape& s : shapes) {
     const std::string name =
-        absl::StrCat("S", s.sessions, "_Lk", s.context, "_H", s.hq, "_KV", s.hkv, "_D", s.d, "/",
+        absl::StrCat("S", s.sessions, "_Lk", s.context, s.window > 0 ? absl::StrCat("_W", s.window) : "",
+                     "_H", s.hq, "_KV", s.hkv, "_D", s.d, "/",
                      s.dtype == DType::kFloat16 ? "fp16" : "fp32", "/block:", s.block_tokens);
     for (int t : thread_counts) {
       const std::string suffix = absl::StrCat("/threads:", t);
@@ -272,7 +292,7 @@ void RegisterAll() {
           ->Unit(benchmark::kMillisecond)
           ->MeasureProcessCPUTime()
           ->UseRealTime();
-      if (s.block_tokens == 16) {  // the contiguous step does not depend on the block size
+      if (s.block_tokens == 16 && s.window == 0) {  // the contiguous step does not depend on the block size
         benchmark::RegisterBenchmark(absl::StrCat("ContiguousDecode/", name, suffix).c_str(), BM_Decode, s,
                                      false, t)
             ->Unit(benchmark::kMillisecond)

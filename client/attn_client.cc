@@ -49,6 +49,11 @@ ABSL_FLAG(std::vector<std::string>, key_lengths, {},
           "Comma-separated valid key lengths, one per batch element.");
 ABSL_FLAG(bool, causal, false, "Causal mask, aligned bottom-right.");
 ABSL_FLAG(double, scale, 0, "Score scale. Default 0: 1/sqrt(head_dim).");
+ABSL_FLAG(int64_t, window, 0,
+          "sdpa: sliding window, query i sees keys i + Lk - Lq - window + 1 onwards. 0: none.");
+ABSL_FLAG(double, softcap, 0, "sdpa: logit softcapping, scores c * tanh(s / c). 0: none.");
+ABSL_FLAG(std::vector<std::string>, sinks, {},
+          "sdpa: comma-separated attention-sink logits, one per query head.");
 ABSL_FLAG(std::string, dtype, "",
           "Input dtype: fp32, fp16 or bf16. Default: the query .npy's dtype, else fp32. "
           "Inputs are converted to it.");
@@ -325,6 +330,13 @@ int RunAttend(const std::shared_ptr<grpc::Channel>& channel, pb::AttentionServic
   req.set_need_weights(absl::GetFlag(FLAGS_need_weights) || absl::GetFlag(FLAGS_average_weights));
   req.set_average_weights(absl::GetFlag(FLAGS_average_weights));
   req.set_scale(static_cast<float>(absl::GetFlag(FLAGS_scale)));
+  req.set_window(absl::GetFlag(FLAGS_window));
+  req.set_softcap(static_cast<float>(absl::GetFlag(FLAGS_softcap)));
+  for (const std::string& text : absl::GetFlag(FLAGS_sinks)) {
+    float sink;
+    if (!absl::SimpleAtof(text, &sink)) return UsageError(absl::StrCat("--sinks: '", text, "' is not a number"));
+    req.add_sinks(sink);
+  }
   for (int64_t len : key_lengths) req.add_key_lengths(len);
   if (output_dtype.has_value()) req.set_output_dtype(*output_dtype);
   if (!absl::GetFlag(FLAGS_mask_npy).empty()) {

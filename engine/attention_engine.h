@@ -44,6 +44,16 @@ class AttentionEngine {
   // Whether Run accepts tasks with a paged K/V cache (AttentionTask::paged,
   // server-side sessions). Others answer such a task Unimplemented.
   virtual bool SupportsSessions() const { return false; }
+
+  // Whether Run computes `task` (already valid for `layer`): an engine that
+  // lacks one of its options answers Unimplemented naming it, so that a
+  // server refuses that one request before it is batched with others.
+  // Default: every valid task.
+  virtual absl::Status Accepts(const LayerConfig& layer, const AttentionTask& task) const {
+    (void)layer;
+    (void)task;
+    return absl::OkStatus();
+  }
 };
 
 struct EngineOptions {

@@ -58,7 +58,8 @@ struct AttentionParams {
   // (one sequence per params: a batch of sessions is a span of params).
   // block_tokens is a multiple of kPagedBlockTokensMultiple: a kernel whose
   // key tiles are min(its tile, block_tokens) keys, aligned to the block,
-  // never has a tile straddle two blocks.
+  // never has a tile straddle two blocks. With a sliding window, the blocks
+  // before FirstWindowKey (below) may be null.
   const void* const* k_blocks = nullptr;
   const void* const* v_blocks = nullptr;
   int64_t block_tokens = 0;
@@ -100,6 +101,20 @@ struct AttentionParams {
 
 // Paged K/V blocks hold a multiple of this many tokens (see AttentionParams).
 inline constexpr int64_t kPagedBlockTokensMultiple = 16;
+
+// Sliding windows over paged K/V. A kernel may read keys from the start of
+// the kWindowGrainTokens-aligned run that holds a row's window start (the cpu
+// kernel's key blocks are aligned so, which keeps a paged request bitwise
+// equal to the contiguous one), never earlier. So the blocks wholly before
+// FirstWindowKey(first query position, window) may be null (a session
+// releases them): with window > 0, no weights, the first query row at
+// position kv_len - q_len.
+inline constexpr int64_t kWindowGrainTokens = 256;
+inline int64_t FirstWindowKey(int64_t first_query_position, int64_t window) {
+  if (window <= 0) return 0;
+  const int64_t start = first_query_position - window + 1;
+  return start <= 0 ? 0 : start / kWindowGrainTokens * kWindowGrainTokens;
+}
 
 // Strides for a contiguous [B, H, L, D] tensor.
 inline void HeadLayoutStrides(int64_t heads, int64_t len, int64_t dim,

@@ -74,6 +74,61 @@ absl::Status CheckView(const char* field, const TensorView& v, const Shape* expe
   return absl::OkStatus();
 }
 
+// Per-request window, softcap, sinks and positions (attention_task.h).
+absl::Status CheckTaskOptions(const LayerConfig& layer, const AttentionTask& task,
+                              const TaskDims& d) {
+  if (layer.has_projections && (task.window != 0 || task.softcap != 0.0f || !task.sinks.empty())) {
+    return absl::InvalidArgumentError(
+        "window, softcap, sinks: per request only for layers without projections (a projection "
+        "layer has them in its config)");
+  }
+  if (task.window < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("window: must be >= 0 (0 = none), got ", task.window));
+  }
+  if (!std::isfinite(task.softcap) || task.softcap < 0.0f) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("softcap: must be finite and >= 0 (0 = none), got ", task.softcap));
+  }
+  if (!task.sinks.empty()) {
+    if (static_cast<int64_t>(task.sinks.size()) != d.num_heads) {
+      return absl::InvalidArgumentError(absl::StrCat("sinks: must have one value per query head (",
+                                                     d.num_heads, "), got ", task.sinks.size()));
+    }
+    for (size_t h = 0; h < task.sinks.size(); ++h) {
+      if (!std::isfinite(task.sinks[h])) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sinks[", h, "]: must be finite, got ", task.sinks[h]));
+      }
+    }
+  }
+  if (!task.positions.empty()) {
+    if (layer.rope.type == RopeConfig::Type::kNone) {
+      return absl::InvalidArgumentError("positions: the layer has no rotary embedding");
+    }
+    if (static_cast<int64_t>(task.positions.size()) != d.batch * d.kv_len) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("positions: must hold B * Lk = ", d.batch * d.kv_len, " values, got ",
+                       task.positions.size()));
+    }
+    if (task.paged.enabled()) {
+      return absl::InvalidArgumentError("positions: a session numbers its tokens itself");
+    }
+    if (d.q_len > d.kv_len) {
+      return absl::InvalidArgumentError(
+          "positions: need Lq <= Lk (the queries are the last Lq key tokens)");
+    }
+    for (size_t i = 0; i < task.positions.size(); ++i) {
+      if (task.positions[i] < 0 || task.positions[i] > kMaxRotaryPosition) {
+        return absl::InvalidArgumentError(absl::StrCat("positions[", i, "]: must be in [0, ",
+                                                       kMaxRotaryPosition, "], got ",
+                                                       task.positions[i]));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CheckTask(const LayerConfig& layer, const AttentionTask& task) {
@@ -184,6 +239,7 @@ absl::Status CheckTask(const LayerConfig& layer, const AttentionTask& task) {
       }
     }
   }
+  if (absl::Status s = CheckTaskOptions(layer, task, d); !s.ok()) return s;
   if (!task.attn_mask.empty()) {
     absl::StatusOr<int64_t> n = NumElements(task.attn_mask.shape);
     if (!n.ok()) {
@@ -209,8 +265,9 @@ absl::StatusOr<AttentionParams> MakeCoreParams(const LayerConfig& layer,
   p.kv_len = d.kv_len;
   p.dtype = task.query.dtype;
   p.causal = task.causal;
-  p.window = layer.sliding_window;
-  p.softcap = layer.softcap;
+  p.window = task.window > 0 ? task.window : layer.sliding_window;
+  p.softcap = task.softcap > 0.0f ? task.softcap : layer.softcap;
+  p.sinks = task.sinks.empty() ? nullptr : task.sinks.data();
   p.key_lengths = task.key_lengths.empty() ? nullptr : task.key_lengths.data();
   absl::StatusOr<MaskParams> mask =
       MakeMaskParams(task.attn_mask, d.batch, d.num_heads, d.q_len, d.kv_len);

@@ -28,6 +28,22 @@ struct AttentionTask {
   absl::Span<const int64_t> key_lengths;  // empty, or [B] values in [0, Lk]
   TensorView attn_mask;  // empty, or broadcastable to [B, Hq, Lq, Lk]
 
+  // Per-request options of a layer WITHOUT projections (bare sdpa); a
+  // projection layer takes them from its config only (CheckTask refuses them
+  // there). 0 / empty = the layer's own (LayerConfig::sliding_window,
+  // softcap; no sinks).
+  int64_t window = 0;    // > 0: sliding window (AttentionParams::window)
+  float softcap = 0.0f;  // > 0: logit softcapping (AttentionParams::softcap)
+  absl::Span<const float> sinks;  // empty, or [Hq] finite sink logits
+
+  // Explicit rotary positions (projection layers with RoPE only): empty =
+  // the implicit ones (keys 0..Lk-1, queries the last Lq of them); else
+  // [B, Lk] row-major, the position of every key token of each sequence,
+  // the queries at the last Lq of them (the same tokens in self-attention;
+  // so Lq <= Lk).
+  // Values in [0, kMaxRotaryPosition]. Masks (causal, window) stay by index.
+  absl::Span<const int64_t> positions;
+
   // Written by the engine. output: [B, Hq, Lq, Dv] (no projections) or
   // [B, Lq, out_dim]; weights: empty (not wanted), [B, Hq, Lq, Lk], or
   // [B, Lq, Lk] when average_weights. Any float dtype.
@@ -44,6 +60,11 @@ struct AttentionTask {
   // whose SupportsSessions() is true accept it.
   PagedKv paged;
 };
+
+// Largest explicit rotary position a task may carry (2^31 - 1): far past
+// every context length in use, and position * inv_freq stays exact enough in
+// float64.
+inline constexpr int64_t kMaxRotaryPosition = (int64_t{1} << 31) - 1;
 
 // Dims of a task, derived from its shapes and the layer. `batch` is B, the
 // sequences of ONE request (a group of requests is a "batch" only in
@@ -71,7 +92,9 @@ float ResolveScale(const LayerConfig& layer, float request_scale, int64_t head_d
 // reference engine has its own checks, to stay an independent oracle.
 absl::Status CheckTask(const LayerConfig& layer, const AttentionTask& task);
 
-// The attention-core params of a checked task: dims, masks, scale, weights.
+// The attention-core params of a checked task: dims, masks, scale, weights;
+// window and softcap the task's when set, else the layer's; sinks the
+// task's (a projection layer's learned sinks are the engine's to point at).
 // For a layer without projections q/k/v/out point into the task's views
 // (head layout, task dtypes). For a layer with projections they are left
 // null for the engine to point at its projected buffers.

@@ -57,9 +57,13 @@ absl::Status CheckPagedKv(const PagedKv& cache, const AttentionParams& p) {
       static_cast<int64_t>(cache.v_blocks.size()) < blocks) {
     return fail(total, " tokens need ", blocks, " blocks, the table has ", cache.k_blocks.size());
   }
-  for (int64_t i = 0; i < blocks; ++i) {
+  // Blocks wholly before the first query's window may have been released.
+  const int64_t first = FirstWindowKey(cache.cached_len + p.kv_len - p.q_len, p.window) /
+                        cache.block_tokens;
+  for (int64_t i = first; i < blocks; ++i) {
     if (cache.k_blocks[i] == nullptr || cache.v_blocks[i] == nullptr) {
-      return fail("block ", i, " is null");
+      return fail("block ", i, " is null (the first ", first,
+                  " may be: released outside the sliding window)");
     }
   }
   return absl::OkStatus();
@@ -114,9 +118,13 @@ void GatherPagedKv(AttentionParams* p, std::vector<char>* scratch) {
     for (int64_t h = 0; h < hkv; ++h) {
       for (int64_t start = 0; start < len; start += bt) {
         const int64_t rows = std::min(bt, len - start);
+        char* dst = c.dst + (h * len + start) * row_bytes;
+        if (c.blocks[start / bt] == nullptr) {  // released: outside every window
+          std::memset(dst, 0, static_cast<size_t>(rows * row_bytes));
+          continue;
+        }
         const char* src = static_cast<const char*>(c.blocks[start / bt]) + h * bt * row_bytes;
-        std::memcpy(c.dst + (h * len + start) * row_bytes, src,
-                    static_cast<size_t>(rows * row_bytes));
+        std::memcpy(dst, src, static_cast<size_t>(rows * row_bytes));
       }
     }
   }

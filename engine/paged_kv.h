@@ -46,7 +46,8 @@ struct PagedKv {
 // task's own key/value, already projected): geometry and dtype agree with
 // `p` (the core params over the new rows), batch == 1, no key_lengths, no
 // mask, no weights, and the tables hold enough blocks for
-// cached_len + p.kv_len tokens. InvalidArgument naming the rule.
+// cached_len + p.kv_len tokens, none null but those wholly before the first
+// query's sliding window (FirstWindowKey). InvalidArgument naming the rule.
 absl::Status CheckPagedKv(const PagedKv& cache, const AttentionParams& p);
 
 // Copies `p`'s K/V rows (batch 0, p.kv_len rows, read through p's pointers
@@ -63,7 +64,7 @@ void PointAtPagedKv(const PagedKv& cache, AttentionParams* p);
 // Gather fallback for kernels that read only contiguous K/V: when
 // p->k_blocks is set, copies the blocks into `scratch` as contiguous head
 // layout [1, Hkv, kv_len, D] and rewrites `p` to read from there (k_blocks
-// cleared). No-op otherwise. `scratch` must outlive the use of `p`.
+// cleared); released (null) blocks read as zeros. No-op otherwise. `scratch` must outlive the use of `p`.
 void GatherPagedKv(AttentionParams* p, std::vector<char>* scratch);
 
 }  // namespace attnserve

@@ -122,7 +122,9 @@ class CpuEngine final : public AttentionEngine {
   // QK-norm then RoPE on every task's projected Q and K, in place, before a
   // session appends its keys (the cache holds normalised, rotated keys). A
   // sequence's keys sit at cached_len + j and its queries at the bottom-right
-  // positions kv_total - Lq + i, kv_total = cached_len + Lk.
+  // positions kv_total - Lq + i, kv_total = cached_len + Lk; or, with
+  // explicit positions, key j at positions[b][j] and query i at
+  // positions[b][Lk - Lq + i].
   void PrepareQk(const AttentionLayer& layer, absl::Span<const AttentionTask> batch,
                  absl::Span<const AttentionParams> params) {
     const LayerConfig& c = layer.config;
@@ -146,17 +148,21 @@ class CpuEngine final : public AttentionEngine {
                              options_.num_threads);
         }
         if (!rope) continue;
+        const int64_t* key_positions =
+            batch[t].positions.empty() ? nullptr : batch[t].positions.data() + b * p.kv_len;
+        const int64_t* query_positions =
+            key_positions != nullptr ? key_positions + (p.kv_len - p.q_len) : nullptr;
         if (first_query == cached && p.q_len == p.kv_len) {
           // Self-attention: row r of Q and of K share position cached + r.
           cpu::RotateRowPairs(c.rope, freq, p.dtype, q, p.q_stride_row, p.num_heads, k,
                               p.k_stride_row, p.num_kv_heads, p.q_len, p.head_dim, cached,
-                              options_.num_threads);
+                              key_positions, options_.num_threads);
           continue;
         }
         cpu::RotateRows(c.rope, freq, p.dtype, q, p.q_len, p.q_stride_row, p.num_heads,
-                        p.head_dim, first_query, options_.num_threads);
+                        p.head_dim, first_query, query_positions, options_.num_threads);
         cpu::RotateRows(c.rope, freq, p.dtype, k, p.kv_len, p.k_stride_row, p.num_kv_heads,
-                        p.head_dim, cached, options_.num_threads);
+                        p.head_dim, cached, key_positions, options_.num_threads);
       }
     }
   }

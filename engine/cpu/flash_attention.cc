@@ -71,7 +71,10 @@ absl::Status CheckRequest(const AttentionParams& p, size_t index) {
     }
     if (p.batch != 1) return bad("paged K/V holds one sequence: batch must be 1 (got ", p.batch, ")");
     const int64_t blocks = (p.kv_len + p.block_tokens - 1) / p.block_tokens;
-    for (int64_t i = 0; i < blocks; ++i) {
+    // Blocks wholly outside every row's window may have been released.
+    const int64_t first =
+        p.weights != nullptr ? 0 : FirstWindowKey(p.kv_len - p.q_len, p.window) / p.block_tokens;
+    for (int64_t i = first; i < blocks; ++i) {
       if (p.k_blocks[i] == nullptr || p.v_blocks[i] == nullptr) {
         return bad("k_blocks[", i, "] and v_blocks[", i, "] must be set (kv_len ", p.kv_len,
                    " needs ", blocks, " blocks of ", p.block_tokens, " tokens)");

@@ -43,6 +43,9 @@ inline constexpr int64_t kKeyAlign = 64;
 // A constant, so chunk boundaries depend only on the request's own Lk.
 inline constexpr int64_t kSplitChunkKeys = 512;
 static_assert(kBlockKeys % kKeyAlign == 0 && kSplitChunkKeys % kBlockKeys == 0);
+// Key blocks start at multiples of kBlockKeys, so a row's first block starts
+// at or after FirstWindowKey (attention_params.h).
+static_assert(kWindowGrainTokens % kBlockKeys == 0);
 
 // Per-request constants, computed once by the dispatcher.
 //

@@ -37,7 +37,7 @@ void RotateRow(const RopeConfig& rope, DType dtype, void* data, int64_t at, int6
 void RotateRowPairs(const RopeConfig& rope, const RopeFrequencies& freq, DType dtype, void* a,
                     int64_t a_stride, int64_t a_heads, void* b, int64_t b_stride,
                     int64_t b_heads, int64_t rows, int64_t head_dim, int64_t first_position,
-                    int threads) {
+                    const int64_t* positions, int threads) {
   const int64_t half = rope.rotary_dim / 2;
 #ifdef _OPENMP
   const int n = threads > 0 ? threads : omp_get_max_threads();
@@ -51,7 +51,8 @@ void RotateRowPairs(const RopeConfig& rope, const RopeFrequencies& freq, DType d
 #pragma omp for schedule(static)
 #endif
     for (int64_t r = 0; r < rows; ++r) {
-      RopeAngles(freq, first_position + r, cos_d.data(), sin_d.data());
+      RopeAngles(freq, positions != nullptr ? positions[r] : first_position + r, cos_d.data(),
+                 sin_d.data());
       for (int64_t i = 0; i < half; ++i) {
         cos_f[i] = static_cast<float>(cos_d[i]);
         sin_f[i] = static_cast<float>(sin_d[i]);
@@ -68,9 +69,9 @@ void RotateRowPairs(const RopeConfig& rope, const RopeFrequencies& freq, DType d
 
 void RotateRows(const RopeConfig& rope, const RopeFrequencies& freq, DType dtype, void* data,
                 int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
-                int64_t first_position, int threads) {
+                int64_t first_position, const int64_t* positions, int threads) {
   RotateRowPairs(rope, freq, dtype, data, row_stride, heads, nullptr, 0, 0, rows, head_dim,
-                 first_position, threads);
+                 first_position, positions, threads);
 }
 
 void NormalizeRows(const QkNormConfig& norm, const float* w, DType dtype, void* data,

@@ -15,19 +15,20 @@ namespace attnserve::cpu {
 
 // Rows r < `rows` of a [rows, heads * head_dim] matrix of `dtype` (FLOAT32 or
 // BFLOAT16) at data + r * row_stride elements: every head of row r rotates
-// at position first_position + r. cos and sin are computed in float64 once
+// at position first_position + r, or positions[r] when `positions` is not
+// null. cos and sin are computed in float64 once
 // per row and rounded to float; bf16 values rotate in float and round back.
 // Runs on up to `threads` OpenMP threads (0 = the default).
 void RotateRows(const RopeConfig& rope, const RopeFrequencies& freq, DType dtype, void* data,
                 int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
-                int64_t first_position, int threads);
+                int64_t first_position, const int64_t* positions, int threads);
 
 // The same for two matrices whose row r sits at the same position (the Q
 // and K of self-attention), the angles computed once per row for both.
 void RotateRowPairs(const RopeConfig& rope, const RopeFrequencies& freq, DType dtype, void* a,
                     int64_t a_stride, int64_t a_heads, void* b, int64_t b_stride,
                     int64_t b_heads, int64_t rows, int64_t head_dim, int64_t first_position,
-                    int threads);
+                    const int64_t* positions, int threads);
 
 // QK-norm of every head of rows r < `rows` (same layout as RotateRows) with
 // the weights w[head_dim].

@@ -148,6 +148,31 @@ absl::Status CheckRest(const LayerConfig& c, const AttentionTask& t, const Dims&
   if (!std::isfinite(t.scale) || t.scale <= 0.0f) {
     return Invalid("scale", absl::StrCat("must be finite and > 0, got ", t.scale));
   }
+  if (t.window < 0) return Invalid("window", absl::StrCat("must be >= 0, got ", t.window));
+  if (!std::isfinite(t.softcap) || t.softcap < 0.0f) {
+    return Invalid("softcap", absl::StrCat("must be finite and >= 0, got ", t.softcap));
+  }
+  if (c.has_projections && (t.window != 0 || t.softcap != 0.0f || !t.sinks.empty())) {
+    return Invalid("window", "window, softcap and sinks per request need a layer without "
+                             "projections");
+  }
+  if (!t.sinks.empty() && static_cast<int64_t>(t.sinks.size()) != d.heads) {
+    return Invalid("sinks", absl::StrCat("must hold one value per query head (", d.heads,
+                                         "), got ", t.sinks.size()));
+  }
+  if (!t.positions.empty()) {
+    if (c.rope.type == RopeConfig::Type::kNone) {
+      return Invalid("positions", "the layer has no rotary embedding");
+    }
+    if (static_cast<int64_t>(t.positions.size()) != d.batch * d.kv_len) {
+      return Invalid("positions", absl::StrCat("must hold B * Lk = ", d.batch * d.kv_len,
+                                               " values, got ", t.positions.size()));
+    }
+    if (d.q_len > d.kv_len) return Invalid("positions", "need Lq <= Lk");
+    for (const int64_t pos : t.positions) {
+      if (pos < 0) return Invalid("positions", absl::StrCat("must be >= 0, got ", pos));
+    }
+  }
   if (!t.key_lengths.empty()) {
     if (static_cast<int64_t>(t.key_lengths.size()) != d.batch) {
       return Invalid("key_lengths", absl::StrCat("must have one entry per batch element (",
@@ -335,7 +360,9 @@ void RunBare(const LayerConfig& c, const AttentionTask& t, const Dims& d) {
   const Rows v{LoadAll(t.value), d.kv_heads, d.kv_len, d.head_dim_v};
   Rows out{std::vector<double>(static_cast<size_t>(d.batch * d.heads * d.q_len * d.head_dim_v)),
            d.heads, d.q_len, d.head_dim_v};
-  AttendHeads(t, d, c.sliding_window, c.softcap, nullptr, q, k, v, out);
+  AttendHeads(t, d, t.window > 0 ? t.window : c.sliding_window,
+              t.softcap > 0.0f ? t.softcap : c.softcap,
+              t.sinks.empty() ? nullptr : t.sinks.data(), q, k, v, out);
   StoreAll(out.data, t.output);
 }
 
@@ -369,20 +396,23 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
     }
   }
   if (c.rope.type != RopeConfig::Type::kNone) {
-    // Queries at the bottom-right positions Lk - Lq + i, keys at j; the
-    // angles in float64, never rounded.
+    // Keys at positions j (or the task's positions[b][j]) and queries at the
+    // last Lq of them; the angles in float64, never rounded.
     const RopeFrequencies f = ComputeRopeFrequencies(c.rope);
     std::vector<double> cos_v(f.inv_freq.size()), sin_v(f.inv_freq.size());
+    auto position = [&](int64_t b, int64_t j) {
+      return t.positions.empty() ? j : t.positions[static_cast<size_t>(b * d.kv_len + j)];
+    };
     for (int64_t b = 0; b < d.batch; ++b) {
       for (int64_t i = 0; i < d.q_len; ++i) {
-        RopeAngles(f, d.kv_len - d.q_len + i, cos_v.data(), sin_v.data());
+        RopeAngles(f, position(b, d.kv_len - d.q_len + i), cos_v.data(), sin_v.data());
         for (int64_t h = 0; h < d.heads; ++h) {
           RotateHead(q.row(b, h, i), cos_v.data(), sin_v.data(), c.rope.rotary_dim,
                      c.rope.interleaved);
         }
       }
       for (int64_t j = 0; j < d.kv_len; ++j) {
-        RopeAngles(f, j, cos_v.data(), sin_v.data());
+        RopeAngles(f, position(b, j), cos_v.data(), sin_v.data());
         for (int64_t g = 0; g < d.kv_heads; ++g) {
           RotateHead(k.row(b, g, j), cos_v.data(), sin_v.data(), c.rope.rotary_dim,
                      c.rope.interleaved);

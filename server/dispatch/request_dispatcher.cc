@@ -17,10 +17,12 @@ constexpr char kUnknownModelLabel[] = "(unknown)";
 // the outputs allocated for it (BatcherOptions::max_queue_bytes).
 int64_t RequestBytes(const AttendInputs& inputs, const AttentionTask& task) {
   int64_t bytes = 0;
-  for (const InputTensor* t : {&inputs.query, &inputs.key, &inputs.value, &inputs.attn_mask}) {
+  for (const InputTensor* t :
+       {&inputs.query, &inputs.key, &inputs.value, &inputs.attn_mask, &inputs.sinks}) {
     bytes += static_cast<int64_t>(t->data.size());
   }
-  bytes += static_cast<int64_t>(inputs.key_lengths.size() * sizeof(int64_t));
+  bytes += static_cast<int64_t>((inputs.key_lengths.size() + inputs.positions.size()) *
+                                sizeof(int64_t));
   for (const MutableTensorView* out : {&task.output, &task.weights}) {
     if (!out->shape.empty()) bytes += static_cast<int64_t>(out->byte_size());
   }
@@ -90,6 +92,9 @@ absl::Status RequestDispatcher::Start(std::unique_ptr<InferenceRequest>& request
   absl::StatusOr<ValidatedRequest> validated =
       ValidateAttendInputs(inputs, served.layer->config, validation_, &served.weight_bounds);
   if (!validated.ok()) return validated.status();
+  if (absl::Status s = served.engine->Accepts(served.layer->config, validated->task); !s.ok()) {
+    return s;
+  }
 
   request->task = std::move(validated->task);
   request->dims = validated->dims;
@@ -174,7 +179,7 @@ absl::StatusOr<OpenedSession> RequestDispatcher::OpenSession(absl::string_view m
     shape.head_dim_v = layer.head_dim;
     fixed = shape;
   }
-  return sessions_->Open(served.name, fixed, ttl, max_tokens);
+  return sessions_->Open(served.name, fixed, ttl, max_tokens, layer.sliding_window);
 }
 
 absl::StatusOr<std::string> RequestDispatcher::SessionModel(absl::string_view session_id) {

@@ -52,6 +52,15 @@ struct AttendInputs {
   std::optional<DType> output_dtype;
   // Like InputTensor::decode_error, for output_dtype.
   absl::Status output_dtype_error;
+  // Explicit rotary positions of the key tokens, [B, Lk] row-major; empty =
+  // the implicit ones. Only for models with rotary embeddings.
+  absl::Span<const int64_t> positions;
+  // Models without projections only: a sliding window (> 0), logit
+  // softcapping (> 0) and per-head attention sinks ([Hq] FLOAT32); 0 / not
+  // present = the model's own (none, unless its config sets them).
+  int64_t window = 0;
+  float softcap = 0.0f;
+  InputTensor sinks;
   // Empty = stateless. Otherwise the session (OpenSession) whose cache the
   // key/value rows are appended to and the query attends over; B must be 1
   // and attn_mask, key_lengths and need_weights are refused (validation.h).

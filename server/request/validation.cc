@@ -558,6 +558,97 @@ absl::Status CheckSessionRules(const AttendInputs& request, const TaskDims& dims
   return absl::OkStatus();
 }
 
+// positions, window, softcap and sinks (attend_inputs.h), into the task.
+absl::Status CheckLayerOptions(const AttendInputs& request, const LayerConfig& layer,
+                               const TaskDims& dims, const ValidationOptions& options,
+                               AttentionTask* task) {
+  const std::string model = absl::StrCat("model '", layer.name, "'");
+  if (!request.positions.empty()) {
+    if (layer.rope.type == RopeConfig::Type::kNone) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "positions: ", model, " has no rotary embedding, so positions would change nothing; "
+          "leave them out"));
+    }
+    if (!request.session_id.empty()) {
+      return absl::InvalidArgumentError(
+          "positions: not supported with session_id (a session numbers its tokens itself: "
+          "prefill at 0..L-1, then each appended token at the next position)");
+    }
+    if (dims.q_len > dims.kv_len) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "positions: need Lq <= Lk: the queries are the last Lq of the Lk key tokens, got Lq ",
+          dims.q_len, " and Lk ", dims.kv_len));
+    }
+    const int64_t expected = dims.batch * dims.kv_len;
+    if (static_cast<int64_t>(request.positions.size()) != expected) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "positions: must hold one position per key token, [B, Lk] = [", dims.batch, ", ",
+          dims.kv_len, "] = ", expected, " values (the queries are the last Lq of them), got ",
+          request.positions.size()));
+    }
+    for (size_t i = 0; i < request.positions.size(); ++i) {
+      const int64_t pos = request.positions[i];
+      if (pos < 0 || pos > kMaxRotaryPosition) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "positions[", i / static_cast<size_t>(dims.kv_len), ", ",
+            i % static_cast<size_t>(dims.kv_len), "]: must be in [0, ", kMaxRotaryPosition,
+            "], got ", pos));
+      }
+    }
+    task->positions = request.positions;
+  }
+  const bool per_request = request.window != 0 || request.softcap != 0.0f ||
+                           request.sinks.present;
+  if (per_request && layer.has_projections) {
+    const char* field = request.window != 0 ? "window" : request.softcap != 0.0f ? "softcap"
+                                                                                 : "sinks";
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": per request only for models without projections; ", model,
+        " has projections, and its config fixes sliding_window, softcap and sinks"));
+  }
+  if (request.window < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "window: must be >= 0 (0 = the model's, ", layer.sliding_window, "), got ",
+        request.window));
+  }
+  if (request.window != 0 && !request.session_id.empty() && layer.sliding_window > 0 &&
+      request.window != layer.sliding_window) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "window: ", model, " has sliding_window ", layer.sliding_window,
+        ", and its sessions release the keys outside it; a session request may not ask for ",
+        request.window));
+  }
+  task->window = request.window;
+  if (!std::isfinite(request.softcap) || request.softcap < 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "softcap: must be finite and >= 0 (0 = the model's), got ", request.softcap));
+  }
+  task->softcap = request.softcap;
+  if (request.sinks.present) {
+    absl::StatusOr<TensorView> sinks = ViewInput(request.sinks, "sinks", options.max_input_elements);
+    if (!sinks.ok()) return sinks.status();
+    if (sinks->dtype != DType::kFloat32) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sinks.dtype: must be FLOAT32 (one logit per query head), got ",
+          DTypeLabel(sinks->dtype)));
+    }
+    if (sinks->shape != Shape{dims.num_heads}) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sinks.shape: must be [Hq] = [", dims.num_heads, "], got ", ShapeString(sinks->shape)));
+    }
+    const float* values = static_cast<const float*>(sinks->data);
+    for (int64_t h = 0; h < dims.num_heads; ++h) {
+      if (!std::isfinite(values[h])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sinks.data: must be finite, got ", values[h], " at head ", h,
+            "; non-finite inputs are refused (--nonfinite-inputs=reject)"));
+      }
+    }
+    task->sinks = absl::MakeConstSpan(values, static_cast<size_t>(dims.num_heads));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& request,
@@ -639,6 +730,7 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
         scale));
   }
   task.scale = ResolveScale(layer, scale, dims.head_dim);
+  if (absl::Status s = CheckLayerOptions(request, layer, dims, options, &task); !s.ok()) return s;
   if (!request.output_dtype_error.ok()) return request.output_dtype_error;
   if (!request.output_dtype.has_value()) {
     out.output_dtype = task.query.dtype;

@@ -102,6 +102,12 @@ absl::StatusOr<TensorView> ViewInput(const InputTensor& tensor, absl::string_vie
 // limits are those of the request's own rows; the session manager checks
 // them against the session (shape, dtype, token limit).
 //
+// Per-request layer options: positions only for models with rotary
+// embeddings, [B, Lk] values in [0, kMaxRotaryPosition], never with
+// session_id; window (>= 0), softcap (finite, >= 0) and sinks (FLOAT32 [Hq],
+// finite) only for models without projections, and a session request's
+// window only equal to the model's sliding_window when it has one.
+//
 // Values (options.nonfinite_inputs == kReject), checked last because they are
 // the one check that reads the data (one pass over each input):
 //   - query, key, value: no NaN or +-Inf, fp16/bf16 included;

@@ -2,12 +2,14 @@
 // eviction.
 #include "server/sessions/session_manager.h"
 
+#include <algorithm>
 #include <random>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "engine/attention_params.h"
 #include "engine/tensor.h"
 
 namespace attnserve {
@@ -46,8 +48,11 @@ struct SessionManager::Session {
   absl::Duration ttl;
   int64_t max_tokens = 0;
   int64_t length = 0;  // tokens committed
-  // One pool block per block_tokens tokens: K part, then V part.
+  int64_t window = 0;  // the model's sliding window; 0 = none
+  // One pool block per block_tokens tokens: K part, then V part. The first
+  // `released` are null: freed, outside every later query's window.
   std::vector<void*> k_blocks, v_blocks;
+  size_t released = 0;
   int64_t block_bytes = 0;
   bool busy = false;     // a request bound and not yet Finished
   bool closing = false;  // closed while busy: freed at Finished
@@ -66,7 +71,9 @@ SessionManager::SessionManager(SessionOptions options, Clock* clock, Metrics* me
 SessionManager::~SessionManager() {
   absl::MutexLock lock(&mu_);
   for (auto& [id, s] : sessions_) {
-    for (void* b : s->k_blocks) s->cache->pool.Free(b, s->block_bytes);
+    for (void* b : s->k_blocks) {
+      if (b != nullptr) s->cache->pool.Free(b, s->block_bytes);
+    }
   }
 }
 
@@ -87,7 +94,8 @@ void SessionManager::Publish(ModelCache& cache) {
 
 absl::StatusOr<OpenedSession> SessionManager::Open(const std::string& model,
                                                    std::optional<SessionShape> fixed,
-                                                   absl::Duration ttl, int64_t max_tokens) {
+                                                   absl::Duration ttl, int64_t max_tokens,
+                                                   int64_t window) {
   if (ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("ttl: must be >= 0 (0 = the server's ", absl::FormatDuration(options_.ttl),
@@ -118,6 +126,7 @@ absl::StatusOr<OpenedSession> SessionManager::Open(const std::string& model,
   s->shape = fixed;
   s->ttl = ttl == absl::ZeroDuration() ? options_.ttl : ttl;
   s->max_tokens = max_tokens == 0 ? options_.max_tokens : max_tokens;
+  s->window = std::max<int64_t>(window, 0);
   OpenedSession opened{s->id, model, s->ttl, s->max_tokens, options_.block_tokens};
   Session* raw = s.get();
   sessions_.emplace(raw->id, std::move(s));
@@ -245,20 +254,23 @@ absl::Status SessionManager::Submit(std::unique_ptr<InferenceRequest>* request) 
 absl::Status SessionManager::Bind(Session& s, InferenceRequest& r) {
   const int64_t new_rows = r.dims.kv_len;
   const int64_t total = s.length + new_rows;
-  if (total > s.max_tokens) {
+  const int64_t bt = options_.block_tokens;
+  // Tokens the cache holds: those of released blocks are gone.
+  const int64_t held = s.length - static_cast<int64_t>(s.released) * bt;
+  if (held + new_rows > s.max_tokens) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "session_id: session '", s.id, "' holds ", s.length, " tokens; ", new_rows,
+        "session_id: session '", s.id, "' holds ", held, " tokens; ", new_rows,
         " more would exceed its limit of ", s.max_tokens,
         " (OpenSession max_tokens, --session-max-tokens)"));
   }
-  const int64_t bt = options_.block_tokens;
   const size_t needed = static_cast<size_t>((total + bt - 1) / bt);
   ModelCache& cache = *s.cache;
-  if (static_cast<int64_t>(needed) * s.block_bytes > cache.pool.capacity_bytes()) {
+  if (static_cast<int64_t>(needed - s.released) * s.block_bytes > cache.pool.capacity_bytes()) {
     // Refused before evicting anyone for it.
     return absl::ResourceExhaustedError(absl::StrCat(
-        "session_id: session '", s.id, "' would hold ", total, " tokens in ", needed, " blocks of ",
-        s.block_bytes, " bytes, more than the whole KV cache of model '", cache.model, "' (",
+        "session_id: session '", s.id, "' would hold ", held + new_rows, " tokens in ",
+        needed - s.released, " blocks of ", s.block_bytes,
+        " bytes, more than the whole KV cache of model '", cache.model, "' (",
         cache.pool.capacity_bytes(), " bytes, --kv-cache-bytes)"));
   }
   while (s.k_blocks.size() < needed) {
@@ -306,9 +318,23 @@ void SessionManager::Trim(Session& s, int64_t tokens) {
   const int64_t bt = options_.block_tokens;
   const size_t keep = static_cast<size_t>((tokens + bt - 1) / bt);
   while (s.k_blocks.size() > keep) {
-    s.cache->pool.Free(s.k_blocks.back(), s.block_bytes);
+    if (s.k_blocks.back() != nullptr) s.cache->pool.Free(s.k_blocks.back(), s.block_bytes);
     s.k_blocks.pop_back();
     s.v_blocks.pop_back();
+  }
+  s.released = std::min(s.released, s.k_blocks.size());
+}
+
+void SessionManager::ReleaseOutsideWindow(Session& s) {
+  if (s.window <= 0) return;
+  // The next query sits at position `length`: it and every later one see no
+  // key before FirstWindowKey(length, window).
+  const size_t dead =
+      static_cast<size_t>(FirstWindowKey(s.length, s.window) / options_.block_tokens);
+  for (; s.released < std::min(dead, s.k_blocks.size()); ++s.released) {
+    s.cache->pool.Free(s.k_blocks[s.released], s.block_bytes);
+    s.k_blocks[s.released] = nullptr;
+    s.v_blocks[s.released] = nullptr;
   }
 }
 
@@ -354,6 +380,7 @@ SessionManager::Next SessionManager::Finished(const InferenceRequest& request,
   ModelCache& cache = *s.cache;
   if (status.ok()) {
     s.length = request.session_length;
+    ReleaseOutsideWindow(s);
     ++cache.counters.appends;
     if (cache.metrics != nullptr) cache.metrics->SessionAppended();
   } else {

@@ -77,11 +77,15 @@ class SessionManager {
 
   // Opens a session on `model`. `fixed`: the cache geometry when the model
   // fixes it (projection models); nullopt = taken from the first request
-  // (sdpa). ttl <= 0 / max_tokens <= 0: the server's defaults.
+  // (sdpa). ttl <= 0 / max_tokens <= 0: the server's defaults. `window`:
+  // the model's sliding window (0 = none); after each request the blocks
+  // wholly before every later query's window (FirstWindowKey) are released,
+  // so the session holds about window + 256 tokens plus a block whatever
+  // its length, and max_tokens bounds the tokens it holds, not its length.
   // InvalidArgument for a TTL over max_ttl or max_tokens over the limit;
   // ResourceExhausted at max_sessions.
   absl::StatusOr<OpenedSession> Open(const std::string& model, std::optional<SessionShape> fixed,
-                                     absl::Duration ttl, int64_t max_tokens);
+                                     absl::Duration ttl, int64_t max_tokens, int64_t window = 0);
 
   // Closes session `id`: its blocks return to the pool (after its request in
   // flight, if any, finishes). Returns the tokens it held; requests queued
@@ -142,6 +146,8 @@ class SessionManager {
   absl::Status Bind(Session& s, InferenceRequest& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Frees the session's blocks past `tokens`.
   void Trim(Session& s, int64_t tokens) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees the blocks no later query of a windowed session can see.
+  void ReleaseOutsideWindow(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MakeIdle(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MakeBusy(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Frees an idle (or finishing) session and remembers why it is gone.

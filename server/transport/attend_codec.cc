@@ -22,6 +22,17 @@ AttendInputs DecodeAttendRequest(const v1::AttendRequest& request) {
   in.need_weights = request.need_weights();
   in.average_weights = request.average_weights();
   in.session_id = request.session_id();
+  in.positions = absl::MakeConstSpan(request.positions().data(),
+                                     static_cast<size_t>(request.positions_size()));
+  in.window = request.window();
+  in.softcap = request.softcap();
+  if (request.sinks_size() > 0) {
+    in.sinks.present = true;
+    in.sinks.dtype = DType::kFloat32;
+    in.sinks.shape = {request.sinks_size()};
+    in.sinks.data = absl::string_view(reinterpret_cast<const char*>(request.sinks().data()),
+                                      request.sinks_size() * sizeof(float));
+  }
   if (request.output_dtype() != v1::DATA_TYPE_UNSPECIFIED) {
     absl::StatusOr<DType> dtype = DTypeFromProto(request.output_dtype(), "output_dtype");
     if (dtype.ok()) {

@@ -15,9 +15,11 @@ namespace {
 using inference::InferParameter;
 using inference::ModelInferRequest;
 
-constexpr const char* kInputNames = "query, key, value, attn_mask, key_lengths";
+constexpr const char* kInputNames =
+    "query, key, value, attn_mask, key_lengths, positions, sinks";
 constexpr const char* kParameterNames =
-    "causal, scale, need_weights, average_weights, session_id, timeout, priority";
+    "causal, scale, window, softcap, need_weights, average_weights, session_id, timeout, "
+    "priority";
 
 // The datatype of a float or mask input; anything else is the tensor's
 // decode_error (reported by validation in its usual order).
@@ -71,28 +73,38 @@ absl::Status TensorBytes(const ModelInferRequest& request, int index, DType dtyp
   }
 }
 
-absl::Status DecodeKeyLengths(const ModelInferRequest& request, int index,
-                              std::vector<int64_t>* out) {
+// An integer input (key_lengths [B], positions [B, Lk]) of rank `rank`,
+// widened to int64.
+absl::Status DecodeIntegers(const ModelInferRequest& request, int index, int rank,
+                            const char* layout, std::vector<int64_t>* out) {
   const auto& tensor = request.inputs(index);
+  const std::string& name = tensor.name();
   const std::string& t = tensor.datatype();
   if (t != "INT32" && t != "INT64") {
     return absl::InvalidArgumentError(absl::StrCat(
-        "input 'key_lengths': datatype must be INT32 or INT64, got '", t, "'"));
+        "input '", name, "': datatype must be INT32 or INT64, got '", t, "'"));
   }
-  if (tensor.shape_size() != 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "input 'key_lengths': shape must be [B] (one length per batch element), got rank ",
-        tensor.shape_size()));
+  if (tensor.shape_size() != rank) {
+    return absl::InvalidArgumentError(absl::StrCat("input '", name, "': shape must be ", layout,
+                                                   ", got rank ", tensor.shape_size()));
+  }
+  int64_t n = 1;
+  for (int64_t d : tensor.shape()) {
+    if (d < 0 || (d > 0 && n > INT64_MAX / 8 / d)) {
+      return absl::InvalidArgumentError(absl::StrCat("input '", name, "': shape [",
+                                                     absl::StrJoin(tensor.shape(), ", "),
+                                                     "] is not a valid size"));
+    }
+    n *= d;
   }
   const bool wide = t == "INT64";
   if (request.raw_input_contents_size() > 0) {
     const std::string& raw = request.raw_input_contents(index);
     const size_t width = wide ? 8 : 4;
-    const int64_t n = tensor.shape(0);
-    if (n < 0 || raw.size() != static_cast<size_t>(n) * width) {
+    if (raw.size() != static_cast<size_t>(n) * width) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "input 'key_lengths': expected ", n, " x ", width, " bytes for shape [", n, "] ", t,
-          ", got ", raw.size()));
+          "input '", name, "': expected ", n, " x ", width, " bytes for shape [",
+          absl::StrJoin(tensor.shape(), ", "), "] ", t, ", got ", raw.size()));
     }
     out->resize(n);
     for (int64_t i = 0; i < n; ++i) {
@@ -110,10 +122,10 @@ absl::Status DecodeKeyLengths(const ModelInferRequest& request, int index,
   } else {
     out->assign(tensor.contents().int_contents().begin(), tensor.contents().int_contents().end());
   }
-  if (static_cast<int64_t>(out->size()) != tensor.shape(0)) {
-    return absl::InvalidArgumentError(absl::StrCat("input 'key_lengths': shape [",
-                                                   tensor.shape(0), "] but ", out->size(),
-                                                   " values"));
+  if (static_cast<int64_t>(out->size()) != n) {
+    return absl::InvalidArgumentError(absl::StrCat("input '", name, "': shape [",
+                                                   absl::StrJoin(tensor.shape(), ", "), "] but ",
+                                                   out->size(), " values"));
   }
   return absl::OkStatus();
 }
@@ -145,6 +157,23 @@ absl::Status DecodeParameters(const ModelInferRequest& request, KServeRequest* d
       } else {
         s = absl::InvalidArgumentError(
             "parameter 'scale': must be a number (double_param or int64_param)");
+      }
+    } else if (name == "window") {
+      if (p.parameter_choice_case() == InferParameter::kInt64Param) {
+        in.window = p.int64_param();
+      } else if (p.parameter_choice_case() == InferParameter::kUint64Param) {
+        in.window = static_cast<int64_t>(std::min<uint64_t>(p.uint64_param(), INT64_MAX));
+      } else {
+        s = absl::InvalidArgumentError("parameter 'window': must be an integer (int64_param)");
+      }
+    } else if (name == "softcap") {
+      if (p.parameter_choice_case() == InferParameter::kDoubleParam) {
+        in.softcap = static_cast<float>(p.double_param());
+      } else if (p.parameter_choice_case() == InferParameter::kInt64Param) {
+        in.softcap = static_cast<float>(p.int64_param());
+      } else {
+        s = absl::InvalidArgumentError(
+            "parameter 'softcap': must be a number (double_param or int64_param)");
       }
     } else if (name == "session_id") {
       if (p.parameter_choice_case() != InferParameter::kStringParam) {
@@ -212,23 +241,33 @@ absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeReq
   }
   if (absl::Status s = DecodeParameters(request, decoded); !s.ok()) return s;
 
-  bool seen_key_lengths = false;
+  bool seen_key_lengths = false, seen_positions = false;
   for (int i = 0; i < request.inputs_size(); ++i) {
     const auto& tensor = request.inputs(i);
     const std::string& name = tensor.name();
-    if (name == "key_lengths") {
-      if (seen_key_lengths) {
-        return absl::InvalidArgumentError("input 'key_lengths' is given more than once");
+    if (name == "key_lengths" || name == "positions") {
+      const bool lengths = name == "key_lengths";
+      bool& seen = lengths ? seen_key_lengths : seen_positions;
+      if (seen) {
+        return absl::InvalidArgumentError(absl::StrCat("input '", name,
+                                                       "' is given more than once"));
       }
-      seen_key_lengths = true;
-      if (absl::Status s = DecodeKeyLengths(request, i, &decoded->key_lengths); !s.ok()) return s;
-      in.key_lengths = decoded->key_lengths;
+      seen = true;
+      std::vector<int64_t>& values = lengths ? decoded->key_lengths : decoded->positions;
+      absl::Status s = lengths ? DecodeIntegers(request, i, 1, "[B] (one length per batch element)",
+                                                &values)
+                               : DecodeIntegers(request, i, 2,
+                                                "[B, Lk] (the position of every key token)",
+                                                &values);
+      if (!s.ok()) return s;
+      (lengths ? in.key_lengths : in.positions) = values;
       continue;
     }
     InputTensor* target = name == "query"       ? &in.query
                           : name == "key"       ? &in.key
                           : name == "value"     ? &in.value
                           : name == "attn_mask" ? &in.attn_mask
+                          : name == "sinks"     ? &in.sinks
                                                 : nullptr;
     if (target == nullptr) {
       return absl::InvalidArgumentError(

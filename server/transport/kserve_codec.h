@@ -2,10 +2,12 @@
 // inference.ModelInferRequest -> the request path's AttendInputs, and results
 // -> ModelInferResponse outputs. The mapping (docs/API.md, "KServe v2"):
 //   inputs, by name:  query, key, value (FP32 | FP16 | BF16), attn_mask (BOOL
-//                     or the query's float type), key_lengths (INT32 | INT64)
+//                     or the query's float type), key_lengths (INT32 | INT64),
+//                     positions (INT32 | INT64, [B, Lk]), sinks (FP32, [Hq])
 //                     -- the shapes and rules of attnserve.v1's Attend;
-//   parameters:       causal (bool), scale (double), need_weights (bool),
-//                     average_weights (bool), session_id (string);
+//   parameters:       causal (bool), scale (double), window (int64), softcap
+//                     (double), need_weights (bool), average_weights (bool),
+//                     session_id (string);
 //   outputs:          output and, when weights are asked for, weights, as
 //                     raw_output_contents.
 // Everything else about a request (validation, batching, deadlines, metrics,
@@ -31,10 +33,11 @@ namespace attnserve {
 const char* KServeDatatype(DType dtype);
 
 // A decoded ModelInferRequest: the inputs, plus what they point to that is
-// not in the message itself (key_lengths widened to int64).
+// not in the message itself (key_lengths and positions widened to int64).
 struct KServeRequest {
   AttendInputs inputs;
   std::vector<int64_t> key_lengths;
+  std::vector<int64_t> positions;
   // Which outputs to return: requested_outputs, or every output the request
   // produces when it names none.
   bool return_output = true;

@@ -56,6 +56,10 @@ void DescribeTensors(const LayerConfig& layer, inference::ModelMetadataResponse*
   }
   AddTensor(m->mutable_inputs(), "attn_mask", "BOOL", {-1, -1, -1, -1});
   AddTensor(m->mutable_inputs(), "key_lengths", "INT64", {-1});
+  if (layer.rope.type != RopeConfig::Type::kNone) {
+    AddTensor(m->mutable_inputs(), "positions", "INT64", {-1, -1});
+  }
+  if (!layer.has_projections) AddTensor(m->mutable_inputs(), "sinks", "FP32", {-1});
   AddTensor(m->mutable_outputs(), "weights", "FP32", {-1, -1, -1, -1});
 }
 

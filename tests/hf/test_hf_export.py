@@ -54,6 +54,10 @@ def _served_module(family):
         from transformers.models.mistral.modeling_mistral import MistralAttention
         window = None if family == "mistral-no-window" else WINDOW
         m = MistralAttention(MistralConfig(**COMMON, sliding_window=window), layer_idx=0)
+    elif family == "phi3":
+        from transformers import Phi3Config
+        from transformers.models.phi3.modeling_phi3 import Phi3Attention
+        m = Phi3Attention(Phi3Config(**COMMON), layer_idx=0)  # one qkv_proj, GQA widths
     elif family == "qwen2":
         from transformers import Qwen2Config
         from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
@@ -84,7 +88,7 @@ def _served_module(family):
 
 WINDOW = 16  # Mistral's sliding window in these tests (its real one is 4096)
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
-            "qwen2", "gpt-neox", "qwen3", "gemma3", "gemma2-sliding", "gemma2-full",
+            "qwen2", "phi3", "gpt-neox", "qwen3", "gemma3", "gemma2-sliding", "gemma2-full",
             "gpt-oss-sliding", "gpt-oss-full"]
 
 
@@ -338,6 +342,66 @@ def test_a_session_continues_its_positions(served, family):
             assert _rel(step, whole[:, t:t + 1]) < 1e-5, f"step {t}"
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "gpt-neox", "gemma2-full", "gpt-oss-full"])
+def test_left_padded_batches_with_explicit_positions(served, family):
+    """A batch as generate() builds it: sequences left-padded to one length,
+    an attention mask over the pads and position_ids = cumsum(mask) - 1 (pads
+    at 1). Served with the same mask and positions, every real token's row
+    equals the module's own forward with those position_ids (float64)."""
+    client, modules, _, _ = served
+    lengths, length = [40, 23, 31], 40
+    x = np.random.default_rng(4).uniform(-1, 1, (3, length, 64)).astype(np.float32)
+    keep = np.arange(length)[None, :] >= (length - np.array(lengths))[:, None]  # [B, L]
+    positions = np.where(keep, np.cumsum(keep, axis=1) - 1, 1)
+    causal = np.tril(np.ones((length, length), bool))
+    allowed = causal[None] & keep[:, None, :]  # [B, Lq, Lk]
+    mask = torch.from_numpy(np.where(allowed, 0.0, float("-inf")))[:, None]
+    m = modules[family].double()
+    with torch.no_grad():
+        want = m(torch.from_numpy(x).double(), attention_mask=mask,
+                 position_ids=torch.from_numpy(positions))[0].numpy()
+    m.float()
+    got = client.attend(x, model=family, causal=True, attn_mask=keep[:, None, None, :],
+                        positions=positions).output
+    for b, n in enumerate(lengths):
+        real = slice(length - n, length)
+        assert _rel(got[b, real], want[b, real]) < 2e-5, f"sequence {b}: {_rel(got[b, real], want[b, real])}"
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-yarn", "qwen3", "gpt-oss-full"])
+def test_explicit_positions_with_gaps_match_the_module(served, family):
+    """Positions that are no shift of 0..L-1 (RoPE is relative, so a shift
+    changes nothing): increasing with random gaps, per sequence, in the
+    thousands. Equal to the module's forward with those position_ids, and
+    not to the answer without them."""
+    client, modules, _, _ = served
+    rng = np.random.default_rng(5)
+    x = rng.uniform(-1, 1, (2, 24, 64)).astype(np.float32)
+    positions = np.cumsum(rng.integers(1, 200, (2, 24)), axis=1)
+    mask = torch.full((24, 24), float("-inf"), dtype=torch.float64).triu(1).expand(2, 1, 24, 24)
+    m = modules[family].double()
+    with torch.no_grad():
+        want = m(torch.from_numpy(x).double(), attention_mask=mask,
+                 position_ids=torch.from_numpy(positions))[0].numpy()
+    m.float()
+    got = client.attend(x, model=family, causal=True, positions=positions).output
+    assert _rel(got, want) < 2e-5, _rel(got, want)
+    plain = client.attend(x, model=family, causal=True).output
+    assert _rel(plain, want) > 1e-3
+
+
+def test_positions_are_refused_where_they_would_change_nothing(served):
+    client, _, _, _ = served
+    x = np.zeros((1, 4, 64), np.float32)
+    with pytest.raises(Exception) as e:
+        client.attend(x, model="llama", positions=[[0, 1, 2]])
+    assert "positions: must hold one position per key token, [B, Lk] = [1, 4]" in str(e.value)
+    with client.open_session("llama") as session:
+        with pytest.raises(Exception) as e:
+            session.attend(x, causal=True, positions=[[0, 1, 2, 3]])
+        assert "positions: not supported with session_id" in str(e.value)
+
+
 def test_gemma2_exports_its_window_softcap_and_scale(served):
     client, _, configs, _ = served
     sliding, full = configs["gemma2-sliding"], configs["gemma2-full"]
@@ -377,10 +441,13 @@ def _refused_module(family):
         from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
         config = Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=256)
         return Qwen2Attention(config, layer_idx=0), ["sliding window of 256", "'qwen2'"]
-    if family == "phi3":
+    if family == "phi3-windowed":
+        # Phi-3-mini-4k's window of 2047: transformers applies it in some
+        # attention paths and not others, so attnserve does not place it.
         from transformers import Phi3Config
         from transformers.models.phi3.modeling_phi3 import Phi3Attention
-        return Phi3Attention(Phi3Config(**COMMON), layer_idx=0), ["qkv_proj"]
+        config = Phi3Config(**COMMON, sliding_window=2047)
+        return Phi3Attention(config, layer_idx=0), ["sliding window of 2047", "'phi3'"]
     if family == "llama-dynamic":
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaAttention
@@ -389,7 +456,7 @@ def _refused_module(family):
     raise AssertionError(family)
 
 
-@pytest.mark.parametrize("family", ["qwen2-windowed", "phi3", "llama-dynamic"])
+@pytest.mark.parametrize("family", ["qwen2-windowed", "phi3-windowed", "llama-dynamic"])
 def test_what_attnserve_cannot_compute_is_refused_by_name(tmp_path, family):
     module, words = _refused_module(family)
     with pytest.raises(ExportError) as refused:

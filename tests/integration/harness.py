@@ -123,9 +123,13 @@ def server_fixture():
     assert code == 0, f"attnserve exited with {code} after SIGTERM:\n{server.log()}"
 
 
-def reference_attention(q, k, v, *, causal=False, key_lengths=None, mask=None, scale=0.0):
+def reference_attention(q, k, v, *, causal=False, key_lengths=None, mask=None, scale=0.0,
+                        window=0, softcap=0.0, sinks=None):
     """NumPy float64 oracle of the sdpa model: (output [B,Hq,Lq,Dv], weights
-    [B,Hq,Lq,Lk]). Rows with no visible key give zeros, as DESIGN.md says."""
+    [B,Hq,Lq,Lk]). Rows with no visible key give zeros, as DESIGN.md says.
+    window: query i sees key j only if j >= i + Lk - Lq - window + 1;
+    softcap: scores c * tanh(s / c) before the mask; sinks [Hq]: one more
+    logit per head in each row's softmax denominator, with no value."""
     import numpy as np
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     hq, hkv = q.shape[1], k.shape[1]
@@ -134,9 +138,13 @@ def reference_attention(q, k, v, *, causal=False, key_lengths=None, mask=None, s
     lq, lk = q.shape[2], k.shape[2]
     s = scale if scale else 1.0 / np.sqrt(q.shape[-1])
     scores = np.einsum("bhid,bhjd->bhij", q, k) * s
+    if softcap:
+        scores = softcap * np.tanh(scores / softcap)
     allowed = np.ones(scores.shape, dtype=bool)
     if causal:
         allowed &= np.tril(np.ones((lq, lk), dtype=bool), k=lk - lq)
+    if window:
+        allowed &= np.triu(np.ones((lq, lk), dtype=bool), k=lk - lq - window + 1)
     if key_lengths is not None:
         allowed &= np.arange(lk)[None, None, None, :] < np.asarray(key_lengths)[:, None, None, None]
     if mask is not None:
@@ -147,8 +155,14 @@ def reference_attention(q, k, v, *, causal=False, key_lengths=None, mask=None, s
             scores = scores + mask.astype(np.float64)
     scores = np.where(allowed, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
+    sink = None
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=np.float64)[None, :, None, None]
+        row_max = np.maximum(row_max, sink)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     p = np.exp(scores - row_max)
     denom = p.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + np.exp(sink - row_max)
     p = np.where(denom > 0, p / np.where(denom > 0, denom, 1.0), 0.0)
     return p @ v, p

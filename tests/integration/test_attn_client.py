@@ -153,6 +153,21 @@ def test_npy_inputs_and_outputs_match_numpy(server, tmp_path):
     assert a == pytest.approx(np.abs(out.astype(np.float64)).sum(), rel=1e-6)
 
 
+def test_window_softcap_and_sinks_flags_match_numpy(server, tmp_path):
+    rng = np.random.default_rng(22)
+    q, k, v = _save_inputs(tmp_path, rng)
+    out_path = tmp_path / "out.npy"
+    r = run_client("--model", "sdpa", *_npy_args(tmp_path), "--causal", "--window", "3",
+                   "--softcap", "1.5", "--sinks", "0.5,-1,2,0", "--output-npy", str(out_path),
+                   target=server.target)
+    assert r.returncode == 0, r.stderr
+    want, _ = harness.reference_attention(q, k, v, causal=True, window=3, softcap=1.5,
+                                          sinks=[0.5, -1, 2, 0])
+    np.testing.assert_allclose(np.load(out_path), want, rtol=1e-5, atol=1e-5)
+    r = run_client("--model", "sdpa", *_npy_args(tmp_path), "--sinks", "1,x", target=server.target)
+    assert r.returncode == 1 and "--sinks: 'x' is not a number" in r.stderr
+
+
 def test_npy_fp16_stays_fp16(server, tmp_path):
     q, k, v = _save_inputs(tmp_path, np.random.default_rng(22), dtype=np.float16)
     r = run_client("--model", "sdpa", *_npy_args(tmp_path), "--output-npy", str(tmp_path / "o.npy"),

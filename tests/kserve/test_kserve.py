@@ -182,6 +182,27 @@ def test_infer_sdpa_matches_numpy_with_masks_lengths_scale_and_weights(client):
     # INT64 key lengths, typed (non-raw) contents are tested through the stream below
 
 
+def test_per_request_window_softcap_and_sinks_match_numpy(client):
+    """The sdpa options of today's layers as KServe parameters (window,
+    softcap) and input (sinks), against the NumPy float64 oracle."""
+    q, k, v = qkv(lq=6, lk=40)
+    sinks = rng.uniform(-2, 2, 4).astype(np.float32)
+    inputs = [make_input("query", q), make_input("key", k), make_input("value", v),
+              make_input("sinks", sinks)]
+    r = client.infer("sdpa", inputs, parameters={"causal": True, "window": 9, "softcap": 2.5})
+    want = reference(q, k, v, causal=True, window=9, softcap=2.5, sinks=sinks)
+    np.testing.assert_allclose(r.as_numpy("output"), want, rtol=1e-5, atol=1e-5)
+    # Each option changes the answer (the test would see it ignored).
+    for dropped in ({"window": 0}, {"softcap": 0.0}, {"sinks": None}):
+        options = dict(causal=True, window=9, softcap=2.5, sinks=sinks)
+        options.update(dropped)
+        assert not np.allclose(reference(q, k, v, **options), want, atol=1e-4), dropped
+    with pytest.raises(InferenceServerException, match="sinks.shape: must be \\[Hq\\] = \\[4\\]"):
+        client.infer("sdpa", inputs[:3] + [make_input("sinks", sinks[:3])])
+    with pytest.raises(InferenceServerException, match="window: must be >= 0"):
+        client.infer("sdpa", inputs, parameters={"window": -1})
+
+
 @pytest.mark.parametrize("dtype", ["FP16", "BF16"])
 def test_infer_fp16_and_bf16(client, dtype):
     q, k, v = qkv()

@@ -249,3 +249,56 @@ def test_larger_shapes(client, shape, dtype):
                 v=torch.randn(b, hkv, lk, dv, generator=g).to(TORCH_DTYPE[dtype]))
     res, want, want_w = run_case(client, case)
     check(res, want, want_w, case, dtype)
+
+
+def torch_modern_oracle(q, k, v, *, scale, window, softcap, sinks):
+    """float64 causal attention with a sliding window, softcapping and sinks
+    as Hugging Face's eager paths compute them (Mistral's window mask,
+    Gemma 2's tanh cap before the mask, gpt-oss's sink column appended to the
+    scores and dropped after the softmax)."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    lq, lk = q.shape[2], k.shape[2]
+    s = q @ k.transpose(-1, -2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(lq)[:, None] + (lk - lq)
+    j = torch.arange(lk)[None, :]
+    allowed = (j <= i) & (j > i - window if window else True)
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        col = torch.tensor(sinks, dtype=torch.float64).reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)
+        p = torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return (p @ v).numpy(), p.numpy()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("options", ["window", "softcap", "sinks", "all"])
+def test_per_request_window_softcap_and_sinks(client, dtype, options):
+    """attnserve.v1's window, softcap and sinks on the bare sdpa model, with
+    weights (which sum to less than 1 with a sink), prefill and decode rows."""
+    g = torch.Generator().manual_seed(len(options) + DTYPES.index(dtype))
+    for lq, lk in ((7, 300), (1, 700)):
+        q = (torch.randn(2, 4, lq, 32, generator=g) * 2).to(TORCH_DTYPE[dtype])
+        k = torch.randn(2, 2, lk, 32, generator=g).to(TORCH_DTYPE[dtype])
+        v = torch.randn(2, 2, lk, 24, generator=g).to(TORCH_DTYPE[dtype])
+        window = 37 if options in ("window", "all") else 0
+        softcap = 1.5 if options in ("softcap", "all") else 0.0
+        sinks = ([4.0, -1.0, 8.0, 0.0] if options in ("sinks", "all") else None)
+        res = client.attend(to_wire(q, dtype), to_wire(k, dtype), to_wire(v, dtype), model="sdpa",
+                            causal=True, need_weights=True, window=window, softcap=softcap,
+                            sinks=sinks)
+        want, want_w = torch_modern_oracle(q, k, v, scale=32 ** -0.5, window=window,
+                                           softcap=softcap, sinks=sinks)
+        tol = TOL[dtype]
+        got = res.output.astype(np.float64)
+        assert (np.abs(got - want) - tol * np.abs(want)).max() <= tol, (lq, lk)
+        got_w = res.weights.astype(np.float64)
+        assert (np.abs(got_w - want_w) - tol * np.abs(want_w)).max() <= WEIGHT_ATOL[dtype]
+        if window:
+            assert np.all(got_w[..., : lk - lq - window + 1] == 0)
+        if sinks is not None:
+            assert got_w.sum(-1).min() < 0.99  # the sink took its share

@@ -36,13 +36,21 @@ def build_request(query: Any, key: Any = None, value: Any = None, *, model: str 
                   causal: bool = False, key_lengths: Any = None, attn_mask: Any = None,
                   scale: float = 0.0, need_weights: bool = False, average_weights: bool = False,
                   output_dtype: DTypeLike = None, input_dtype: DTypeLike = None,
-                  request_id: str = "", session_id: str = "") -> "attention_pb2.AttendRequest":
+                  request_id: str = "", session_id: str = "", positions: Any = None,
+                  window: int = 0, softcap: float = 0.0,
+                  sinks: Any = None) -> "attention_pb2.AttendRequest":
     """The AttendRequest that attend() sends. `input_dtype` converts float
-    query/key/value (e.g. "bf16"); masks keep their own dtype."""
+    query/key/value (e.g. "bf16"); masks keep their own dtype. positions:
+    integers [B, Lk] (RoPE models); window, softcap, sinks [Hq]: per request
+    on models without projections."""
     req = attention_pb2.AttendRequest(
         model=model, id=request_id, causal=causal, scale=scale,
         need_weights=need_weights or average_weights, average_weights=average_weights,
-        session_id=session_id)
+        session_id=session_id, window=int(window), softcap=float(softcap))
+    if positions is not None:
+        req.positions.extend(int(p) for p in np.asarray(positions).reshape(-1))
+    if sinks is not None:
+        req.sinks.extend(float(x) for x in np.asarray(sinks, dtype=np.float32).reshape(-1))
     req.query.CopyFrom(encode_tensor(query, input_dtype))
     if key is not None:
         req.key.CopyFrom(encode_tensor(key, input_dtype))

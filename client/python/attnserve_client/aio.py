@@ -109,13 +109,16 @@ class AsyncAttentionClient:
                      scale: float = 0.0, need_weights: bool = False, average_weights: bool = False,
                      output_dtype: DTypeLike = None, input_dtype: DTypeLike = None,
                      request_id: str = "", session: Any = None, timeout: Optional[float] = None,
-                     bf16_bits: bool = False, metadata: Optional[Metadata] = None) -> AttendResult:
+                     bf16_bits: bool = False, metadata: Optional[Metadata] = None,
+                     positions: Any = None, window: int = 0, softcap: float = 0.0,
+                     sinks: Any = None) -> AttendResult:
         """See AttentionClient.attend."""
         req = build_request(query, key, value, model=model, causal=causal, key_lengths=key_lengths,
                             attn_mask=attn_mask, scale=scale, need_weights=need_weights,
                             average_weights=average_weights, output_dtype=output_dtype,
                             input_dtype=input_dtype, request_id=request_id,
-                            session_id=_common.session_id_of(session))
+                            session_id=_common.session_id_of(session), positions=positions,
+                            window=window, softcap=softcap, sinks=sinks)
         return await self.attend_request(req, timeout=timeout, bf16_bits=bf16_bits, metadata=metadata)
 
     async def attend_stream(self, requests: Any, *, timeout: Optional[float] = None,

@@ -139,7 +139,8 @@ class AttentionClient:
                scale: float = 0.0, need_weights: bool = False, average_weights: bool = False,
                output_dtype: DTypeLike = None, input_dtype: DTypeLike = None, request_id: str = "",
                session: Any = None, timeout: Optional[float] = None, bf16_bits: bool = False,
-               metadata: Optional[Metadata] = None) -> AttendResult:
+               metadata: Optional[Metadata] = None, positions: Any = None, window: int = 0,
+               softcap: float = 0.0, sinks: Any = None) -> AttendResult:
         """softmax(Q K^T * scale + mask) V on the server.
 
         Layouts: model "sdpa": query [B, Hq, Lq, Dk], key [B, Hkv, Lk, Dk],
@@ -148,13 +149,18 @@ class AttentionClient:
         may attend) or float (added to the scores), broadcastable to
         [B, Hq, Lq, Lk]. session: a Session (or its id) whose cache the
         request appends to and attends over. BFLOAT16 outputs come back as
-        float32, or as uint16 bits when bf16_bits.
+        float32, or as uint16 bits when bf16_bits. positions: the rotary
+        position of every key token [B, Lk] (RoPE models; left padding,
+        chunked prefill). window, softcap, sinks ([Hq] logits): sliding
+        window, logit softcapping and attention sinks per request, on
+        models without projections.
         """
         req = build_request(query, key, value, model=model, causal=causal, key_lengths=key_lengths,
                             attn_mask=attn_mask, scale=scale, need_weights=need_weights,
                             average_weights=average_weights, output_dtype=output_dtype,
                             input_dtype=input_dtype, request_id=request_id,
-                            session_id=_common.session_id_of(session))
+                            session_id=_common.session_id_of(session), positions=positions,
+                            window=window, softcap=softcap, sinks=sinks)
         return self.attend_request(req, timeout=timeout, bf16_bits=bf16_bits, metadata=metadata)
 
     def attend_stream(self, requests: Iterable[Any], *, timeout: Optional[float] = None,

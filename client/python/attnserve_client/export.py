@@ -253,6 +253,16 @@ def _scale_of(module, head_dim):
     return None
 
 
+class _Rows:
+    """Rows [start, stop) of a linear that packs several projections, as a
+    Linear of its own (weight, bias, in_features, out_features)."""
+
+    def __init__(self, linear, start, stop):
+        self.weight = linear.weight[start:stop]
+        self.bias = linear.bias[start:stop] if linear.bias is not None else None
+        self.in_features, self.out_features = linear.in_features, stop - start
+
+
 def _describe_separate(m, q, k, v, o, out_name, num_heads, num_kv_heads, head_dim):
     h, hkv, hd = _heads(m, num_heads, num_kv_heads, head_dim, q.out_features)
     if hkv is None:
@@ -525,9 +535,22 @@ def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
                 return _describe_separate(module, q, k, v, o, out_name, num_heads, num_kv_heads,
                                           head_dim)
         raise ExportError("module has q_proj/k_proj/v_proj but no o_proj, out_proj or dense linear")
-    if _linear(module, "qkv_proj") is not None:
-        raise ExportError(f"{type(module).__name__} packs Q, K and V in one qkv_proj linear with "
-                          "grouped-query widths (Phi-3): attnserve does not read that layout yet")
+    qkv = _linear(module, "qkv_proj")
+    if qkv is not None:
+        # Phi-3: rows [q (H*hd) | k (Hkv*hd) | v (Hkv*hd)], served as the
+        # three projections they are.
+        o = _linear(module, "o_proj")
+        if o is None:
+            raise ExportError("module has qkv_proj but no o_proj output linear")
+        h, hkv, hd = _heads(module, num_heads, num_kv_heads, head_dim, o.in_features)
+        hkv = hkv or h
+        q_rows, kv_rows = h * hd, hkv * hd
+        if qkv.out_features != q_rows + 2 * kv_rows:
+            raise ExportError(f"qkv_proj has {qkv.out_features} outputs, not num_heads {h} * "
+                              f"head_dim {hd} + 2 * num_kv_heads {hkv} * head_dim")
+        q, k, v = (_Rows(qkv, a, b) for a, b in ((0, q_rows), (q_rows, q_rows + kv_rows),
+                                                   (q_rows + kv_rows, q_rows + 2 * kv_rows)))
+        return _describe_separate(module, q, k, v, o, "o_proj", h, hkv, hd)
     qkv = _linear(module, "query_key_value")
     if qkv is not None:
         o = _linear(module, "dense")

@@ -79,6 +79,11 @@ struct Case {
   float scale = 1.0f;
   bool need_weights = false, average_weights = false;
   DType out_dtype = DType::kFloat32, weights_dtype = DType::kFloat32;
+  // Per-request options (bare sdpa) and explicit rotary positions.
+  int64_t window = 0;
+  float softcap = 0.0f;
+  std::vector<float> sinks;
+  std::vector<int64_t> positions;
 };
 
 // Outputs of one run of a case, and the task pointing at them.
@@ -96,6 +101,10 @@ struct CaseRun {
     task.scale = c.scale;
     task.key_lengths = c.key_lengths;
     if (c.mask.byte_size() != 0) task.attn_mask = c.mask.view();
+    task.window = c.window;
+    task.softcap = c.softcap;
+    task.sinks = c.sinks;
+    task.positions = c.positions;
     const TaskDims d = GetTaskDims(c.layer->config, task);
     out = Tensor(out_dtype, OutputShape(c.layer->config, d));
     task.output = out.mutable_view();
@@ -290,6 +299,25 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
   c.need_weights = rng.Chance(0.6);
   c.average_weights = c.need_weights && rng.Chance(0.5);
 
+  // Per-request options of bare sdpa (over the layer's own, if any), and
+  // explicit positions (arbitrary, repeated, out of order) for RoPE layers;
+  // drawn from a generator of their own so the cases above stay as they were.
+  Rng extra(static_cast<uint32_t>(0xFEED0000 + i));
+  std::string options_label;
+  if (!lc.has_projections) {
+    if (extra.Chance(0.3)) c.window = extra.Int(1, 6);
+    if (extra.Chance(0.3)) c.softcap = extra.Pick<float>({0.4f, 4.0f});
+    if (extra.Chance(0.3)) {
+      for (int64_t h = 0; h < hq; ++h) c.sinks.push_back(extra.Uniform(-3.0f, 3.0f));
+    }
+    options_label = absl::StrCat(c.window > 0 ? absl::StrCat(" request window ", c.window) : "",
+                                 c.softcap > 0 ? absl::StrCat(" request softcap ", c.softcap) : "",
+                                 c.sinks.empty() ? "" : " request sinks");
+  } else if (lc.rope.type != RopeConfig::Type::kNone && lq <= lk && extra.Chance(0.5)) {
+    for (int64_t j = 0; j < batch * lk; ++j) c.positions.push_back(extra.Int(0, 5000));
+    options_label = " explicit positions";
+  }
+
   c.label = absl::StrCat(
       "case ", i, ": layer ", lc.name, self_attention ? " (self-attention)" : "",
       lc.rope.type != RopeConfig::Type::kNone
@@ -299,7 +327,7 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
       lc.qk_norm.enabled ? (lc.qk_norm.weight_offset ? " qk-norm(1+w)" : " qk-norm") : "",
       lc.sliding_window > 0 ? absl::StrCat(" window ", lc.sliding_window) : "",
       lc.softcap > 0 ? absl::StrCat(" softcap ", lc.softcap) : "",
-      lc.sinks ? " sinks" : "",
+      lc.sinks ? " sinks" : "", options_label,
       ", query ",
       ShapeString(c.q.shape()), c.k.byte_size() ? ", key " + ShapeString(c.k.shape()) : "",
       c.v.byte_size() ? ", value " + ShapeString(c.v.shape()) : "", ", in ", DT(in_dtype),
@@ -426,6 +454,63 @@ TEST_F(CpuEngineTest, SinksOverLongSequences) {
     c.label = absl::StrCat("sinks, Lq ", s.lq, " Lk ", s.lk, s.weights ? " weights" : "");
     CheckAgainstReference(c);
   }
+}
+
+// Explicit positions as a left-padded batch uses them: sequence B (4
+// tokens) padded on the left to sequence A's 6, its pads masked out of the
+// keys and its tokens at positions 0..3, gives B's rows exactly as B alone
+// with implicit positions (to float rounding), and A's rows as A alone.
+// Explicit positions 0..L-1 are bitwise the implicit ones.
+TEST_F(CpuEngineTest, ExplicitPositionsServeLeftPaddedBatches) {
+  Rng rng(31);
+  auto layer = std::make_shared<AttentionLayer>(*RandomProjectionLayer(rng, true));
+  LayerConfig& lc = layer->config;
+  lc.name = "rope-left-padded";
+  lc.rope = RopeConfig();
+  lc.rope.type = RopeConfig::Type::kDefault;
+  lc.rope.theta = 10000.0;
+  lc.rope.rotary_dim = lc.head_dim;
+  lc.sliding_window = 0;
+  ASSERT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
+  const int64_t la = 6, lb = 4, pad = la - lb, dim = lc.query_dim;
+  const Tensor a = RandomTensor(rng, DType::kFloat32, {1, la, dim}, 1.0f);
+  const Tensor b = RandomTensor(rng, DType::kFloat32, {1, lb, dim}, 1.0f);
+  const float scale = ResolveScale(lc, 0.0f, lc.head_dim);
+
+  auto run = [&](Case c) {
+    c.layer = layer;
+    c.causal = true;
+    c.scale = scale;
+    CaseRun r(c, DType::kFloat32, DType::kFloat32);
+    const absl::Status st = cpu_->Run(*layer, {&r.task, 1});
+    EXPECT_TRUE(st.ok()) << st;
+    return AsFloats(r.out);
+  };
+  Case alone_a, alone_b;
+  alone_a.q = a;
+  alone_b.q = b;
+  const std::vector<float> out_a = run(alone_a), out_b = run(alone_b);
+
+  Case padded;
+  padded.q = Tensor(DType::kFloat32, {2, la, dim});
+  std::memcpy(padded.q.data(), a.data(), a.byte_size());
+  float* qb = padded.q.data_as<float>() + la * dim;
+  for (int64_t i = 0; i < pad * dim; ++i) qb[i] = rng.Uniform(-1.0f, 1.0f);  // pad tokens
+  std::memcpy(qb + pad * dim, b.data(), b.byte_size());
+  padded.mask = Tensor(DType::kBool, {2, 1, 1, la});
+  for (int64_t j = 0; j < 2 * la; ++j) padded.mask.data_as<uint8_t>()[j] = j >= la + pad || j < la;
+  padded.positions = {0, 1, 2, 3, 4, 5, /*pads*/ 1, 1, 0, 1, 2, 3};
+  const std::vector<float> out = run(padded);
+  const int64_t out_dim = lc.out_dim;
+  const std::vector<float> got_a(out.begin(), out.begin() + la * out_dim);
+  const std::vector<float> got_b(out.begin() + (la + pad) * out_dim, out.end());
+  EXPECT_EQ(Compare("sequence A", got_a, out_a, DType::kFloat32), "");
+  EXPECT_EQ(Compare("sequence B", got_b, out_b, DType::kFloat32), "");
+
+  Case implicit, explicit_positions;
+  implicit.q = explicit_positions.q = a;
+  explicit_positions.positions = {0, 1, 2, 3, 4, 5};
+  EXPECT_EQ(run(explicit_positions), run(implicit));
 }
 
 TEST_F(CpuEngineTest, LongerSequences) {

@@ -293,6 +293,49 @@ TEST_P(PagedFlashTest, EqualsContiguousBitwiseAndMatchesReference) {
   }
 }
 
+// A sliding window over paged K/V whose blocks wholly before FirstWindowKey
+// are released (null, as a session leaves them): the kernel never reads
+// them, and the result is bitwise the contiguous one with the same window
+// and within tolerance of the reference.
+TEST_P(PagedFlashTest, SlidingWindowNeverReadsReleasedBlocks) {
+  const CpuIsa isa = GetParam();
+  using D = DType;
+  const struct {
+    Case c;
+    int64_t window;
+  } cases[] = {
+      {{8, 2, 64, 64, 1, 3000, 16, D::kFloat32, true}, 700},   // decode, split keys
+      {{8, 2, 64, 64, 1, 1337, 48, D::kFloat16, true}, 100},   // blocks straddle the grain
+      {{4, 2, 32, 32, 3, 2100, 16, D::kFloat32, true}, 256},   // a few rows
+      {{4, 2, 64, 64, 40, 1500, 32, D::kBFloat16, true}, 300},  // prefill chunk
+      {{2, 1, 64, 64, 1, 600, 512, D::kFloat32, true}, 50},    // one block per grain
+  };
+  Rng rng(77);
+  for (const auto& [c, window] : cases) {
+    SCOPED_TRACE(absl::StrCat(c.Label(), " window ", window));
+    std::unique_ptr<Session> s = MakeSession(c, rng);
+    const int64_t first = FirstWindowKey(c.lk - c.lq, window) / c.block_tokens;
+    ASSERT_GT(first, 0) << "the case must release blocks";
+    for (int64_t b = 0; b < first; ++b) s->k_blocks[b] = s->v_blocks[b] = nullptr;
+    FlashOptions opt;
+    opt.isa = isa;
+    for (int threads : {1, 2}) {
+      opt.num_threads = threads;
+      AttentionParams contiguous = s->Contiguous(), paged = s->Paged();
+      contiguous.window = paged.window = window;
+      ASSERT_TRUE(FlashAttention({&contiguous, 1}, opt).ok());
+      const absl::Status st = FlashAttention({&paged, 1}, opt);
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_EQ(s->out_paged, s->out_contiguous) << threads << " threads";
+    }
+    // One block more released than allowed is refused, not read.
+    s->k_blocks[first] = s->v_blocks[first] = nullptr;
+    AttentionParams paged = s->Paged();
+    paged.window = window;
+    EXPECT_EQ(FlashAttention({&paged, 1}, opt).code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
 // 12 decode/prefill sessions of one model (one pool, blocks interleaved),
 // lengths 1..2000: each result alone (1 thread) is the baseline; inside the
 // span, in rotated orders and with 1..3 threads, every byte is the same;

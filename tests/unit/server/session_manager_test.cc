@@ -3,12 +3,14 @@
 // on close.
 #include "server/sessions/session_manager.h"
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "engine/attention_params.h"
 #include "server/request/fake_clock.h"
 
 namespace attnserve {
@@ -285,6 +287,54 @@ TEST_F(SessionManagerTest, SessionLimit) {
   Open(m);
   EXPECT_EQ(m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0).status().code(),
             absl::StatusCode::kResourceExhausted);
+}
+
+// A sliding-window session releases the blocks wholly before the first key
+// any later query's window reaches (FirstWindowKey: 256-token aligned), so
+// it holds about window + 256 tokens plus a block however long it grows; the
+// token limit counts what it holds; closing frees the rest.
+TEST_F(SessionManagerTest, SlidingWindowSessionsReleaseBlocksOutsideTheWindow) {
+  SessionOptions o = Options(/*blocks=*/64);
+  o.max_tokens = 600;
+  SessionManager m(o, &clock_, nullptr);
+  absl::StatusOr<OpenedSession> opened =
+      m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, /*window=*/100);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string sid = opened->id;
+  Run(m, sid, 300);  // prefill: every block still needed by the next query
+  EXPECT_EQ(m.Stats("sdpa").blocks_used, 19);  // ceil(300 / 16)
+  int64_t most = 0;
+  for (int64_t len = 300; len < 2000; ++len) {
+    std::unique_ptr<InferenceRequest> r = Request(sid, 1);
+    ASSERT_TRUE(m.Submit(&r).ok()) << "at length " << len;  // past max_tokens = 600
+    const PagedKv& p = r->task.paged;
+    // The blocks the next query's window reaches are all there.
+    const int64_t first = FirstWindowKey(len, 100) / 16;
+    for (int64_t b = 0; b < static_cast<int64_t>(p.k_blocks.size()); ++b) {
+      EXPECT_EQ(p.k_blocks[b] == nullptr, b < first) << "block " << b << " at length " << len;
+    }
+    m.Finished(*r, absl::OkStatus());
+    most = std::max(most, m.Stats("sdpa").blocks_used);
+  }
+  // window 100 + the 256-token grain + a partial block at each end.
+  EXPECT_LE(most, (100 + 256) / 16 + 2);
+  EXPECT_GE(most, 100 / 16);
+  std::vector<std::unique_ptr<InferenceRequest>> orphans;
+  absl::StatusOr<int64_t> released = m.Close(sid, &orphans);
+  ASSERT_TRUE(released.ok());
+  EXPECT_EQ(*released, 2000);
+  EXPECT_EQ(m.Stats("sdpa").blocks_used, 0);
+}
+
+// Without a window nothing is released, and the limit is on the length.
+TEST_F(SessionManagerTest, SessionsWithoutAWindowKeepEveryBlock) {
+  SessionManager m(Options(/*blocks=*/64), &clock_, nullptr);
+  const std::string sid = Open(m, absl::ZeroDuration(), 400);
+  Run(m, sid, 390);
+  for (int i = 0; i < 10; ++i) Run(m, sid, 1);
+  EXPECT_EQ(m.Stats("sdpa").blocks_used, 25);  // ceil(400 / 16)
+  std::unique_ptr<InferenceRequest> r = Request(sid, 1);
+  EXPECT_EQ(m.Submit(&r).code(), absl::StatusCode::kResourceExhausted);
 }
 
 }  // namespace

@@ -451,6 +451,33 @@ std::vector<Case> Cases() {
                  SetFloat(r.mutable_attn_mask(), 1, 3.4e38f);
                }),
                kInvalid, {"query/key/scale", "+ max attn_mask 3.4e+38", "exceeds FLT_MAX"}});
+  // Per-request window, softcap and sinks (models without projections).
+  c.push_back({"WindowNegative", Sdpa([](auto& r) { r.set_window(-3); }), kInvalid,
+               {"window: must be >= 0", "got -3"}});
+  c.push_back({"SoftcapNaN", Sdpa([](auto& r) { r.set_softcap(kNaN); }), kInvalid,
+               {"softcap: must be finite and >= 0", "nan"}});
+  c.push_back({"SoftcapNegative", Sdpa([](auto& r) { r.set_softcap(-1.0f); }), kInvalid,
+               {"softcap: must be finite and >= 0", "got -1"}});
+  c.push_back({"SinksNotOnePerHead", Sdpa([](auto& r) {
+                 for (int h = 0; h < 3; ++h) r.add_sinks(0.5f);
+               }),
+               kInvalid, {"sinks.shape: must be [Hq] = [4], got [3]"}});
+  c.push_back({"SinksInfinite", Sdpa([](auto& r) {
+                 for (int h = 0; h < 4; ++h) r.add_sinks(h == 2 ? -kInf : 0.0f);
+               }),
+               kInvalid, {"sinks.data: must be finite", "-inf at head 2"}});
+  c.push_back({"WindowOnAProjectionModel", Mha([](auto& r) { r.set_window(16); }), kInvalid,
+               {"window: per request only for models without projections",
+                "model 'demo-mha' has projections"},
+               /*mha=*/true});
+  c.push_back({"SinksOnAProjectionModel", Mha([](auto& r) { r.add_sinks(1.0f); }), kInvalid,
+               {"sinks: per request only for models without projections"}, /*mha=*/true});
+  c.push_back({"PositionsWithoutRope", Mha([](auto& r) {
+                 for (int i = 0; i < 10; ++i) r.add_positions(i);
+               }),
+               kInvalid, {"positions: model 'demo-mha' has no rotary embedding"}, /*mha=*/true});
+  c.push_back({"PositionsOnSdpa", Sdpa([](auto& r) { r.add_positions(0); }), kInvalid,
+               {"positions: model 'sdpa' has no rotary embedding"}});
   c.push_back({"ValueSumsOverflow", Sdpa([](auto& r) { SetFloat(r.mutable_value(), 5, 3e38f); }),
                kInvalid, {"value.data: weighted sums may overflow", "max|value| 3e+38", "Lk 7"}});
   return c;
@@ -526,6 +553,73 @@ TEST(ValidationTest, SdpaOptionsResolved) {
   EXPECT_TRUE(v->task.causal);
   EXPECT_TRUE(v->task.average_weights);
   EXPECT_EQ(v->weights_shape, (Shape{2, 5, 7}));
+}
+
+TEST(ValidationTest, SdpaPerRequestWindowSoftcapAndSinks) {
+  v1::AttendRequest r = ValidSdpa();
+  r.set_window(3);
+  r.set_softcap(30.0f);
+  for (int h = 0; h < 4; ++h) r.add_sinks(0.25f * h);
+  absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, SdpaLayer());
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->task.window, 3);
+  EXPECT_FLOAT_EQ(v->task.softcap, 30.0f);
+  ASSERT_EQ(v->task.sinks.size(), 4u);
+  EXPECT_EQ(v->task.sinks.data(), r.sinks().data());  // not copied
+  // A session request may not change a windowed model's window.
+  LayerConfig windowed = SdpaLayer();
+  windowed.sliding_window = 8;
+  r.clear_sinks();
+  r.set_session_id("s1");
+  *r.mutable_query() = MakeTensor(v1::FLOAT32, {1, 4, 1, 8});
+  *r.mutable_key() = MakeTensor(v1::FLOAT32, {1, 2, 1, 8});
+  *r.mutable_value() = MakeTensor(v1::FLOAT32, {1, 2, 1, 6});
+  absl::StatusOr<ValidatedRequest> s = ValidateAttendRequest(r, windowed);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("window: model 'sdpa' has sliding_window 8"));
+  r.set_window(8);
+  EXPECT_TRUE(ValidateAttendRequest(r, windowed).ok());
+}
+
+// Explicit rotary positions on a RoPE projection model: [B, Lk] values in
+// range, Lq <= Lk, never with a session; the task points at the request's.
+TEST(ValidationTest, ExplicitPositionsOnARopeModel) {
+  LayerConfig rope = MhaLayer();
+  rope.name = "rope-mha";
+  rope.rope.type = RopeConfig::Type::kDefault;
+  rope.rope.theta = 10000.0;
+  rope.rope.rotary_dim = rope.head_dim;
+  v1::AttendRequest r = ValidMhaCross();  // B 2, Lq 5, Lk 7
+  for (int64_t i = 0; i < 14; ++i) r.add_positions(i % 7 + 100);
+  absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, rope);
+  ASSERT_TRUE(v.ok()) << v.status();
+  ASSERT_EQ(v->task.positions.size(), 14u);
+  EXPECT_EQ(v->task.positions.data(), r.positions().data());
+
+  auto refused = [&](const v1::AttendRequest& bad, const std::string& words) {
+    absl::StatusOr<ValidatedRequest> got = ValidateAttendRequest(bad, rope);
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << words;
+    EXPECT_THAT(std::string(got.status().message()), HasSubstr(words));
+  };
+  v1::AttendRequest short_positions = r;
+  short_positions.mutable_positions()->RemoveLast();
+  refused(short_positions, "positions: must hold one position per key token, [B, Lk] = [2, 7]");
+  v1::AttendRequest negative = r;
+  negative.set_positions(8, -1);
+  refused(negative, "positions[1, 1]: must be in [0, 2147483647], got -1");
+  v1::AttendRequest huge = r;
+  huge.set_positions(0, int64_t{1} << 40);
+  refused(huge, "positions[0, 0]: must be in [0, 2147483647]");
+  v1::AttendRequest more_queries = r;
+  *more_queries.mutable_query() = MakeTensor(v1::FLOAT32, {2, 9, 512});
+  refused(more_queries, "positions: need Lq <= Lk");
+  v1::AttendRequest session = ValidMha();
+  *session.mutable_query() = MakeTensor(v1::FLOAT32, {1, 2, 512});
+  session.add_positions(4);
+  session.add_positions(5);
+  session.set_session_id("s1");
+  refused(session, "positions: not supported with session_id");
 }
 
 TEST(ValidationTest, EveryAcceptedMaskShapeBroadcasts) {
