@@ -250,11 +250,19 @@ absl::Status FlashAttention(absl::Span<const AttentionParams> batch, const Flash
     const AttentionParams& p = *plan.p;
     return p.weights == nullptr && plan.group * p.q_len <= kBlockRows && p.kv_len > kSplitChunkKeys;
   };
+  // The key chunks of a split request: from the one that holds the first
+  // key its first row's window reaches (chunks before it would see no key).
+  auto first_chunk = [](const AttentionParams& p) {
+    return FirstWindowKey(p.kv_len - p.q_len, p.window) / kSplitChunkKeys;
+  };
+  auto split_chunks = [&](const AttentionParams& p) {
+    return (p.kv_len + kSplitChunkKeys - 1) / kSplitChunkKeys - first_chunk(p);
+  };
   size_t partial_floats = 0;
   for (const RequestPlan& plan : plans) {
     if (!is_split(plan)) continue;
     const AttentionParams& p = *plan.p;
-    const int64_t chunks = (p.kv_len + kSplitChunkKeys - 1) / kSplitChunkKeys;
+    const int64_t chunks = split_chunks(p);
     partial_floats += static_cast<size_t>(p.batch * p.num_kv_heads * chunks * plan.group *
                                           p.q_len * flash::PartialStride(plan));
   }
@@ -296,7 +304,8 @@ absl::Status FlashAttention(absl::Span<const AttentionParams> batch, const Flash
     }
     const int64_t vrows = plan.group * p.q_len;
     if (is_split(plan)) {
-      const int64_t chunks = (p.kv_len + kSplitChunkKeys - 1) / kSplitChunkKeys;
+      const int64_t chunks = split_chunks(p);
+      const int64_t chunk0 = first_chunk(p);
       const int64_t chunk_floats = vrows * flash::PartialStride(plan);
       it.kind = ItemKind::kSplit;
       it.row0 = 0;
@@ -305,7 +314,7 @@ absl::Status FlashAttention(absl::Span<const AttentionParams> batch, const Flash
         for (it.head = 0; it.head < p.num_kv_heads; ++it.head) {
           splits.push_back(SplitGroup{&plan, it.b, it.head, vrows, chunks, next_partial});
           for (int64_t c = 0; c < chunks; ++c) {
-            it.key0 = c * kSplitChunkKeys;
+            it.key0 = (chunk0 + c) * kSplitChunkKeys;
             it.key1 = std::min(p.kv_len, it.key0 + kSplitChunkKeys);
             it.partial = next_partial + c * chunk_floats;
             add(r, it);

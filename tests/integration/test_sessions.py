@@ -308,3 +308,36 @@ def test_restarted_server_says_sessions_do_not_survive():
             assert sid in e.details() and "do not survive a server restart" in e.details()
     finally:
         assert second.stop() == 0, second.log()
+
+
+def test_sliding_window_session_holds_about_the_window(tmp_path):
+    """A session of a model with a sliding window of 64: 1500 tokens, one step
+    at a time, every step equal to the NumPy oracle over the whole sequence,
+    while the blocks the session holds (attnserve_kv_cache_blocks) stay about
+    the window + 256 tokens plus a block, and its token limit counts those."""
+    (tmp_path / "sdpa-window").mkdir()
+    (tmp_path / "sdpa-window" / "config.pbtxt").write_text(
+        'kind: "sdpa"\ncausal: true\nsliding_window: 64\n')
+    s = harness.ServerProcess("--model-repository", str(tmp_path), "--kv-block-tokens", "16",
+                              "--session-max-tokens", "512")
+    try:
+        with AttentionClient(s.target, timeout=60) as c:
+            rng = np.random.default_rng(13)
+            q, k, v = _sdpa_seq(rng, length=1500)
+            sid = _open(c, model="sdpa-window").session_id
+            most = 0
+            for t in range(0, 1500, 50):
+                r = _step(c, sid, q[:, :, t:t + 50], k[:, :, t:t + 50], v[:, :, t:t + 50])
+                assert r.response.session_length == t + 50
+                want, _ = harness.reference_attention(q[:, :, t:t + 50], k[:, :, :t + 50],
+                                                      v[:, :, :t + 50], causal=True, window=64)
+                _assert_close(r.output, want, f"tokens {t}..{t + 49}")
+                used = serving_util.metric(serving_util.scrape(s), "attnserve_kv_cache_blocks",
+                                           model="sdpa-window", state="used")
+                most = max(most, used)
+            # 1500 tokens would be 94 blocks; the window keeps (64 + 256) / 16 + 2.
+            assert 4 <= most <= (64 + 256) // 16 + 2 + 4, most
+            # Past --session-max-tokens 512 in length: the limit counts held tokens.
+            assert _close(c, sid).released_tokens == 1500
+    finally:
+        assert s.stop() == 0, s.log()
