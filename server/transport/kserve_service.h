@@ -24,6 +24,7 @@
 #include "server/transport/bearer_tokens.h"
 #include "server/transport/call_tracker.h"
 #include "server/transport/kserve_codec.h"
+#include "server/transport/kserve_core.h"
 #include "server/transport/stream_reactor.h"
 
 namespace attnserve {
@@ -146,6 +147,7 @@ class KServeServiceImpl final : public KServeServiceBase, private StreamHandler 
   const Metrics* const metrics_;
   const size_t max_stream_backlog_;
   const BearerTokens* const tokens_;  // null: no authentication
+  const KServeCore core_;
   CallTracker calls_;
 };
 

@@ -1,0 +1,95 @@
+// The KServe v2 (Open Inference Protocol) operations, whatever carries them:
+// readiness, metadata, config, statistics, the repository index and
+// inference through the shared request path. The gRPC service
+// (kserve_service.h) and the HTTP/REST endpoint (kserve_http.h) are thin
+// adapters over one KServeCore, so both answer with the same values, the
+// same errors and the same messages.
+#ifndef ATTNSERVE_SERVER_TRANSPORT_KSERVE_CORE_H_
+#define ATTNSERVE_SERVER_TRANSPORT_KSERVE_CORE_H_
+
+#include <functional>
+#include <string>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "inference/grpc_service.pb.h"
+#include "server/dispatch/request_dispatcher.h"
+#include "server/metrics/metrics.h"
+#include "server/models/model_registry.h"
+#include "server/request/model_access.h"
+#include "server/transport/kserve_codec.h"
+
+namespace attnserve {
+
+// Thread-safe. Does not own the registry, the dispatcher or the metrics
+// (nullable); all must outlive it.
+class KServeCore {
+ public:
+  KServeCore(const ModelRegistry* registry, RequestDispatcher* dispatcher, const Metrics* metrics);
+
+  RequestDispatcher* dispatcher() const { return dispatcher_; }
+
+  // A model's version as the protocol names it: "" or "1"; NotFound for
+  // any other.
+  static absl::Status CheckVersion(const std::string& model, const std::string& version);
+
+  // Whether model `name` (version "" or "1") is known and ready.
+  bool ModelReady(const std::string& name, const std::string& version) const;
+
+  // name, version, extensions.
+  void ServerMetadata(inference::ServerMetadataResponse* response) const;
+
+  // Every input and output with its datatype and shape (-1 for dims a
+  // request chooses). NotFound (unknown model or version), Unavailable
+  // (not ready).
+  absl::Status ModelMetadata(const std::string& name, const std::string& version,
+                             inference::ModelMetadataResponse* response) const;
+
+  // Triton's ModelConfig of the model; errors as ModelMetadata.
+  absl::Status ModelConfig(const std::string& name, const std::string& version,
+                           inference::ModelConfigResponse* response) const;
+
+  // Statistics of model `name`, or of every model `access` allows when
+  // `name` is empty. NotFound as ModelMetadata.
+  absl::Status ModelStatistics(const std::string& name, const std::string& version,
+                               const ModelAccess& access,
+                               inference::ModelStatisticsResponse* response) const;
+
+  // Every model `access` allows (only the ready ones when `ready_only`),
+  // READY or UNAVAILABLE with its reason.
+  void RepositoryIndex(bool ready_only, const ModelAccess& access,
+                       inference::RepositoryIndexResponse* response) const;
+
+  // How one inference call arrived.
+  struct Call {
+    // The transport's own deadline (InfiniteFuture: none); the request's
+    // `timeout` parameter may shorten it.
+    absl::Time deadline = absl::InfiniteFuture();
+    // Optional: true once the caller has gone.
+    std::function<bool()> is_cancelled;
+    ModelAccess access;
+    // The front end is shutting down: refused UNAVAILABLE, counted.
+    bool shutting_down = false;
+  };
+
+  // One inference: `parsed` says whether `request` could be read (not OK:
+  // refused through the dispatcher, counted under the model it names).
+  // `done` runs exactly once with the final status, `response` filled when
+  // OK (the outputs the client asked for; session_length for session
+  // requests). `request`, `decoded` and `response` must stay valid until
+  // `done` has run.
+  void StartInfer(const Call& call, const absl::Status& parsed,
+                  const inference::ModelInferRequest& request, KServeRequest* decoded,
+                  inference::ModelInferResponse* response,
+                  absl::AnyInvocable<void(absl::Status)> done) const;
+
+ private:
+  const ModelRegistry* const registry_;
+  RequestDispatcher* const dispatcher_;
+  const Metrics* const metrics_;
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_TRANSPORT_KSERVE_CORE_H_
