@@ -188,6 +188,20 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
 
   const size_t colon = options.address.rfind(':');
   server->address_ = absl::StrCat(options.address.substr(0, colon), ":", server->port_);
+  // KServe v2 over HTTP/REST: the same operations, the same tokens.
+  if (!options.http.address.empty()) {
+    server->kserve_core_ = std::make_unique<KServeCore>(
+        &server->registry_, server->dispatcher_.get(), server->metrics_.get());
+    absl::StatusOr<std::unique_ptr<KServeHttpServer>> http = KServeHttpServer::Start(
+        options.http, server->kserve_core_.get(), service_options.tokens);
+    if (!http.ok()) {
+      server->server_->Shutdown();
+      server->server_.reset();
+      server->scheduler_->Shutdown(absl::ZeroDuration());
+      return http.status();
+    }
+    server->http_ = *std::move(http);
+  }
   if (options.malloc_trim_interval.count() > 0) {
     server->trimmer_ =
         std::make_unique<MemoryTrimmer>(absl::FromChrono(options.malloc_trim_interval));
@@ -205,6 +219,7 @@ void AttnServer::Shutdown() {
   // 2. Refuse new requests (UNAVAILABLE) and stop reading open streams.
   service_->BeginShutdown();
   kserve_->BeginShutdown();
+  if (http_ != nullptr) http_->BeginShutdown();
   // 3. Every accepted request is computed (batches close at once, no
   //    max_queue_delay wait) or, past the grace, answered UNAVAILABLE. When
   //    this returns every accepted request has its answer.
@@ -219,6 +234,14 @@ void AttnServer::Shutdown() {
   kserve_->WaitForNoCalls(
       std::max(absl::FromChrono(options_.shutdown_grace) - (clock_->Now() - start),
                absl::ZeroDuration()));
+  if (http_ != nullptr) {
+    http_->WaitForNoCalls(
+        std::max(absl::FromChrono(options_.shutdown_grace) - (clock_->Now() - start),
+                 absl::ZeroDuration()));
+    // Answers are written by the worker that read the request before it
+    // counts the call done: stopping now loses none.
+    http_->Stop();
+  }
   // 5. Stop gRPC. Every accepted call has been answered (or the grace is
   //    spent), but the last answers may still sit in gRPC's write path: a
   //    deadline of "now" closed the connections under them, and a client

@@ -22,6 +22,8 @@
 #include "server/sessions/session_manager.h"
 #include "server/transport/attention_service.h"
 #include "server/transport/bearer_tokens.h"
+#include "server/transport/kserve_core.h"
+#include "server/transport/kserve_http.h"
 #include "server/transport/kserve_service.h"
 
 namespace attnserve {
@@ -49,6 +51,9 @@ class AttnServer {
   // The metrics endpoint actually bound (port 0 resolved), e.g.
   // "127.0.0.1:40124".
   const std::string& metrics_address() const { return metrics_->address(); }
+  // The KServe v2 HTTP endpoint actually bound (port 0 resolved); empty
+  // when it is off.
+  std::string http_address() const { return http_ != nullptr ? http_->address() : ""; }
   const Metrics& metrics() const { return *metrics_; }
   const ModelRegistry& registry() const { return registry_; }
   const SessionManager& sessions() const { return *sessions_; }
@@ -76,6 +81,10 @@ class AttnServer {
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<KServeServiceImpl> kserve_;
   std::unique_ptr<grpc::Server> server_;
+  // KServe v2 over HTTP (null without --http-address); stopped before the
+  // scheduler and dispatcher it hands requests to.
+  std::unique_ptr<KServeCore> kserve_core_;
+  std::unique_ptr<KServeHttpServer> http_;
   std::unique_ptr<MemoryTrimmer> trimmer_;  // null when the interval is 0
   std::string address_;
   int port_ = 0;

@@ -69,6 +69,18 @@ ABSL_FLAG(std::string, address, kDefaults.address,
 ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
           "Prometheus metrics endpoint host:port, path /metrics; port 0 picks a free port "
           "(the log line 'attnserve metrics on HOST:PORT' shows it)");
+ABSL_FLAG(std::string, http_address, "127.0.0.1:8000",
+          "KServe v2 HTTP/REST endpoint host:port (Triton's port 8000); empty turns it off; "
+          "port 0 picks a free port (the log line 'attnserve http on HOST:PORT' shows it)");
+ABSL_FLAG(int, http_threads, kDefaults.http.threads,
+          "HTTP connections served at once (each holds a worker thread while open, "
+          "keep-alive included); more wait in the listen queue");
+ABSL_FLAG(int64_t, http_max_body_bytes, kDefaults.http.max_body_bytes,
+          "largest HTTP request body; a larger Content-Length is answered 413 unread");
+ABSL_FLAG(int64_t, http_max_header_bytes, kDefaults.http.max_header_bytes,
+          "largest HTTP request line plus headers");
+ABSL_FLAG(absl::Duration, http_request_timeout, kDefaults.http.request_timeout,
+          "an HTTP client that takes longer to send its request is disconnected");
 ABSL_FLAG(int, threads, kDefaults.engine_threads,
           "threads inside one engine call; 0 = one per CPU the process may use (the cgroup "
           "CPU quota when one is set, e.g. docker --cpus or Kubernetes limits.cpu)");
@@ -292,6 +304,11 @@ int main(int argc, char** argv) {
   attnserve::ServerOptions options;
   options.address = absl::GetFlag(FLAGS_address);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  options.http.address = absl::GetFlag(FLAGS_http_address);
+  options.http.threads = absl::GetFlag(FLAGS_http_threads);
+  options.http.max_body_bytes = absl::GetFlag(FLAGS_http_max_body_bytes);
+  options.http.max_header_bytes = absl::GetFlag(FLAGS_http_max_header_bytes);
+  options.http.request_timeout = absl::GetFlag(FLAGS_http_request_timeout);
   options.engine_threads = absl::GetFlag(FLAGS_threads);
   options.default_model = absl::GetFlag(FLAGS_default_model);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
@@ -383,6 +400,9 @@ int main(int argc, char** argv) {
                                                : "bearer tokens required (--auth-token-file)");
   // Integration tests parse this exact line to learn the port.
   std::fprintf(stderr, "attnserve metrics on %s\n", (*server)->metrics_address().c_str());
+  if (!(*server)->http_address().empty()) {
+    std::fprintf(stderr, "attnserve http on %s\n", (*server)->http_address().c_str());
+  }
   std::fprintf(stderr, "attnserve listening on %s\n", (*server)->address().c_str());
   std::fflush(stderr);
 

@@ -29,6 +29,9 @@ absl::Status CheckHostPort(const std::string& flag, const std::string& address) 
 
 absl::Status CheckServerOptions(const ServerOptions& options) {
   if (absl::Status s = CheckHostPort("address", options.address); !s.ok()) return s;
+  if (!options.http.address.empty()) {
+    if (absl::Status s = CheckHostPort("http-address", options.http.address); !s.ok()) return s;
+  }
   if (absl::Status s = CheckHostPort("metrics-address", options.metrics_address); !s.ok()) {
     return s;
   }

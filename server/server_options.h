@@ -13,6 +13,7 @@
 #include "server/batching/batcher_options.h"
 #include "server/request/clock.h"
 #include "server/request/validation.h"
+#include "server/transport/kserve_http.h"
 #include "server/transport/tls_credentials.h"
 #include "server/sessions/session_options.h"
 
@@ -105,6 +106,10 @@ struct ServerOptions {
   // --tls-key-file), mutual TLS (--tls-client-ca-file), reloaded every
   // --tls-reload-interval. Default: plaintext.
   TlsOptions tls;
+  // KServe v2 over HTTP/REST (--http-address and the --http-* limits).
+  // Default: off (address ""); the attnserve binary's flag defaults to
+  // 127.0.0.1:8000, Triton's port.
+  HttpOptions http;
   // Bearer tokens every call except health must present
   // (--auth-token-file; format in server/transport/bearer_tokens.h). Read
   // once at startup. Default: none = no authentication.

@@ -13,6 +13,7 @@ import time
 import pytest
 
 LISTENING = re.compile(r"attnserve listening on (127\.0\.0\.1):(\d+)")
+HTTP = re.compile(r"attnserve http on (\S+)")
 
 
 def _env_path(name):
@@ -51,9 +52,10 @@ class ServerProcess:
         """`preexec_fn` runs in the child before exec (e.g. to set rlimits);
         `wrapper` is a command line the server runs under (e.g. unshare)."""
         self.args = [*wrapper, server_bin(), "--address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
-                     *extra_args]
+                     "--http-address", "127.0.0.1:0", *extra_args]
         self.lines = []
         self.port = None
+        self.http_target = None  # "127.0.0.1:PORT" of the KServe HTTP endpoint, when on
         self._listening = threading.Event()
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, errors="replace",
@@ -73,6 +75,9 @@ class ServerProcess:
     def _drain(self):
         for line in self.proc.stdout:
             self.lines.append(line)
+            h = HTTP.search(line)
+            if h and self.http_target is None:
+                self.http_target = h.group(1)
             m = LISTENING.search(line)
             if m and self.port is None:
                 self.port = int(m.group(2))

@@ -1,0 +1,323 @@
+// civetweb request handler: routes, authentication, body limits, and the
+// one inference path through KServeCore.
+#include "server/transport/kserve_http.h"
+
+#include <civetweb.h>
+
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "server/transport/kserve_json.h"
+
+namespace attnserve {
+namespace {
+
+constexpr char kJson[] = "application/json";
+
+// Sends `body` with `status` (keep-alive as the client asked).
+int Reply(mg_connection* conn, int status, absl::string_view body,
+          const char* content_type = kJson, int64_t json_length = -1, bool close = false) {
+  mg_response_header_start(conn, status);
+  mg_response_header_add(conn, "Content-Type", content_type, -1);
+  const std::string length = absl::StrCat(body.size());
+  mg_response_header_add(conn, "Content-Length", length.c_str(), -1);
+  if (json_length >= 0) {
+    const std::string header = absl::StrCat(json_length);
+    mg_response_header_add(conn, "Inference-Header-Content-Length", header.c_str(), -1);
+  }
+  if (close) mg_response_header_add(conn, "Connection", "close", -1);
+  mg_response_header_send(conn);
+  if (!body.empty()) mg_write(conn, body.data(), body.size());
+  return status;
+}
+
+int ReplyError(mg_connection* conn, const absl::Status& status, bool close = false) {
+  return Reply(conn, HttpStatusOf(status.code()), ErrorJson(status.message()), kJson, -1, close);
+}
+
+// A body that could not be read: 413 when it is over the limit (the
+// connection closes: the rest of it is never read).
+int ReplyBodyError(mg_connection* conn, const absl::Status& status) {
+  if (status.code() == absl::StatusCode::kResourceExhausted) {
+    return Reply(conn, 413, ErrorJson(status.message()), kJson, -1, /*close=*/true);
+  }
+  return ReplyError(conn, status, /*close=*/true);
+}
+
+// The request body, at most `limit` bytes (Content-Length checked before
+// reading; chunked bodies as they arrive).
+absl::StatusOr<std::string> ReadBody(mg_connection* conn, const mg_request_info* info,
+                                     int64_t limit) {
+  std::string body;
+  if (info->content_length > limit) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request body: Content-Length ", info->content_length, " is over the server's limit of ",
+        limit, " bytes (--http-max-body-bytes)"));
+  }
+  if (info->content_length >= 0) {
+    body.resize(static_cast<size_t>(info->content_length));
+    size_t got = 0;
+    while (got < body.size()) {
+      const int n = mg_read(conn, body.data() + got, body.size() - got);
+      if (n <= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "request body: the connection ended after ", got, " of the ", body.size(),
+            " bytes Content-Length announced"));
+      }
+      got += static_cast<size_t>(n);
+    }
+    return body;
+  }
+  char chunk[16384];
+  for (;;) {
+    const int n = mg_read(conn, chunk, sizeof chunk);
+    if (n <= 0) break;
+    if (static_cast<int64_t>(body.size()) + n > limit) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "request body: more than the server's limit of ", limit,
+          " bytes (--http-max-body-bytes)"));
+    }
+    body.append(chunk, static_cast<size_t>(n));
+  }
+  return body;
+}
+
+}  // namespace
+
+int HttpStatusOf(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kOk: return 200;
+    case absl::StatusCode::kUnauthenticated: return 401;
+    case absl::StatusCode::kPermissionDenied: return 403;
+    case absl::StatusCode::kNotFound: return 404;
+    case absl::StatusCode::kAborted: return 409;
+    case absl::StatusCode::kResourceExhausted: return 429;
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kDataLoss: return 500;
+    case absl::StatusCode::kUnimplemented: return 501;
+    case absl::StatusCode::kUnavailable: return 503;
+    case absl::StatusCode::kDeadlineExceeded: return 504;
+    default: return 400;
+  }
+}
+
+KServeHttpServer::KServeHttpServer(const HttpOptions& options, const KServeCore* core,
+                                   const BearerTokens* tokens)
+    : options_(options), core_(core), tokens_(tokens) {}
+
+KServeHttpServer::~KServeHttpServer() { Stop(); }
+
+absl::StatusOr<std::unique_ptr<KServeHttpServer>> KServeHttpServer::Start(
+    const HttpOptions& options, const KServeCore* core, const BearerTokens* tokens) {
+  if (options.threads < 1 || options.max_body_bytes < 1 || options.max_header_bytes < 1024 ||
+      options.request_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--http-threads must be >= 1, --http-max-body-bytes >= 1, --http-max-header-bytes >= "
+        "1024 and --http-request-timeout > 0; got ", options.threads, ", ",
+        options.max_body_bytes, ", ", options.max_header_bytes, ", ",
+        absl::FormatDuration(options.request_timeout)));
+  }
+  const size_t colon = options.address.rfind(':');
+  if (colon == std::string::npos || colon == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--http-address: expected host:port (IPv6 as [::1]:port), got '", options.address, "'"));
+  }
+  std::unique_ptr<KServeHttpServer> server(new KServeHttpServer(options, core, tokens));
+  const std::string threads = absl::StrCat(options.threads);
+  const std::string timeout = absl::StrCat(absl::ToInt64Milliseconds(options.request_timeout));
+  const std::string keep_alive = absl::StrCat(absl::ToInt64Milliseconds(options.keep_alive_timeout));
+  const std::string header_bytes = absl::StrCat(options.max_header_bytes);
+  const char* mg_options[] = {"listening_ports", options.address.c_str(),
+                              "num_threads", threads.c_str(),
+                              "request_timeout_ms", timeout.c_str(),
+                              "keep_alive_timeout_ms", keep_alive.c_str(),
+                              "enable_keep_alive", "yes",
+                              "max_request_size", header_bytes.c_str(),
+                              nullptr};
+  mg_callbacks callbacks{};
+  // civetweb logs every failure to stderr by itself; the status says it.
+  callbacks.log_message = [](const mg_connection*, const char*) { return 1; };
+  server->context_ = mg_start(&callbacks, nullptr, mg_options);
+  if (server->context_ == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("--http-address: cannot listen on ", options.address));
+  }
+  mg_set_request_handler(server->context_, "/v2", &KServeHttpServer::Handle, server.get());
+  mg_server_port port{};
+  if (mg_get_server_ports(server->context_, 1, &port) < 1) {
+    return absl::UnavailableError(absl::StrCat("--http-address: no port bound for ", options.address));
+  }
+  server->address_ = absl::StrCat(options.address.substr(0, colon), ":", port.port);
+  return server;
+}
+
+void KServeHttpServer::Stop() {
+  if (context_ != nullptr) {
+    mg_stop(context_);
+    context_ = nullptr;
+  }
+}
+
+int KServeHttpServer::Handle(mg_connection* conn, void* self) {
+  return static_cast<KServeHttpServer*>(self)->Serve(conn);
+}
+
+int KServeHttpServer::Serve(mg_connection* conn) {
+  const mg_request_info* info = mg_get_request_info(conn);
+  const std::string method = info->request_method != nullptr ? info->request_method : "";
+  const std::vector<std::string> path =
+      absl::StrSplit(info->local_uri != nullptr ? info->local_uri : "", '/', absl::SkipEmpty());
+  // path[0] == "v2" (the handler's prefix).
+  const bool get = method == "GET", post = method == "POST";
+  auto method_not_allowed = [&](const char* allowed) {
+    return Reply(conn, 405,
+                 ErrorJson(absl::StrCat("method ", method, " not allowed here; use ", allowed)));
+  };
+
+  // Health needs no token: probes call it (as the gRPC health service).
+  if (path.size() == 3 && path[1] == "health") {
+    if (!get) return method_not_allowed("GET");
+    if (path[2] == "live") return Reply(conn, 200, "");
+    if (path[2] == "ready") return Reply(conn, calls_.shutting_down() ? 400 : 200, "");
+    return ReplyError(conn, absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
+  }
+
+  ModelAccess access;
+  if (tokens_ != nullptr) {
+    const char* header = mg_get_header(conn, "Authorization");
+    absl::StatusOr<ModelAccess> a = tokens_->Authenticate(header != nullptr ? header : "");
+    if (!a.ok()) return ReplyError(conn, a.status());
+    access = *std::move(a);
+  }
+
+  if (path.size() == 1) {  // GET /v2
+    if (!get) return method_not_allowed("GET");
+    inference::ServerMetadataResponse m;
+    core_->ServerMetadata(&m);
+    return Reply(conn, 200, ServerMetadataJson(m));
+  }
+  if (path.size() == 3 && path[1] == "repository" && path[2] == "index") {
+    if (!post) return method_not_allowed("POST");
+    absl::StatusOr<std::string> body = ReadBody(conn, info, options_.max_body_bytes);
+    if (!body.ok()) return ReplyBodyError(conn, body.status());
+    bool ready_only = body->find("\"ready\"") != std::string::npos &&
+                      body->find("true") != std::string::npos;
+    inference::RepositoryIndexResponse index;
+    core_->RepositoryIndex(ready_only, access, &index);
+    return Reply(conn, 200, RepositoryIndexJson(index));
+  }
+  if (path.size() == 3 && path[1] == "models" && path[2] == "stats") {  // every model
+    if (!get) return method_not_allowed("GET");
+    inference::ModelStatisticsResponse stats;
+    if (absl::Status s = core_->ModelStatistics("", "", access, &stats); !s.ok()) {
+      return ReplyError(conn, s);
+    }
+    return Reply(conn, 200, ModelStatisticsJson(stats));
+  }
+  if (path.size() < 3 || path[1] != "models") {
+    return ReplyError(conn, absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
+  }
+
+  // /v2/models/{model}[/versions/{version}][/{action}]
+  const std::string& model = path[2];
+  size_t next = 3;
+  std::string version;
+  if (path.size() >= 5 && path[3] == "versions") {
+    version = path[4];
+    next = 5;
+  }
+  if (path.size() > next + 1) {
+    return ReplyError(conn, absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
+  }
+  const std::string action = path.size() == next + 1 ? path[next] : "";
+  if (absl::Status s = access.Check(model, [] { return std::string(); }); !s.ok()) {
+    return ReplyError(conn, s);
+  }
+  if (action.empty()) {
+    if (!get) return method_not_allowed("GET");
+    inference::ModelMetadataResponse m;
+    if (absl::Status s = core_->ModelMetadata(model, version, &m); !s.ok()) return ReplyError(conn, s);
+    return Reply(conn, 200, ModelMetadataJson(m));
+  }
+  if (action == "ready") {
+    if (!get) return method_not_allowed("GET");
+    const bool ready = core_->ModelReady(model, version) && !calls_.shutting_down();
+    return Reply(conn, ready ? 200 : 400, "");
+  }
+  if (action == "config") {
+    if (!get) return method_not_allowed("GET");
+    inference::ModelConfigResponse c;
+    if (absl::Status s = core_->ModelConfig(model, version, &c); !s.ok()) return ReplyError(conn, s);
+    return Reply(conn, 200, ModelConfigJson(c));
+  }
+  if (action == "stats") {
+    if (!get) return method_not_allowed("GET");
+    inference::ModelStatisticsResponse stats;
+    if (absl::Status s = core_->ModelStatistics(model, version, access, &stats); !s.ok()) {
+      return ReplyError(conn, s);
+    }
+    return Reply(conn, 200, ModelStatisticsJson(stats));
+  }
+  if (action != "infer") {
+    return ReplyError(conn, absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
+  }
+  if (!post) return method_not_allowed("POST");
+
+  // Inference: counted for graceful shutdown from here to its answer.
+  const bool counted = calls_.CallStarted();
+  absl::StatusOr<std::string> body = ReadBody(conn, info, options_.max_body_bytes);
+  if (!body.ok()) {
+    if (counted) calls_.CallDone();
+    return ReplyBodyError(conn, body.status());
+  }
+  int64_t header_length = -1;
+  if (const char* h = mg_get_header(conn, "Inference-Header-Content-Length"); h != nullptr) {
+    if (!absl::SimpleAtoi(h, &header_length) || header_length < 0) {
+      if (counted) calls_.CallDone();
+      return ReplyError(conn, absl::InvalidArgumentError(absl::StrCat(
+                                  "Inference-Header-Content-Length: must be a byte count, got '",
+                                  h, "'")));
+    }
+  }
+  JsonInferRequest request;
+  const absl::Status parsed =
+      DecodeJsonInferRequest(*body, header_length, model, version, &request);
+  body->clear();
+  body->shrink_to_fit();  // the inputs are in the request now
+  KServeRequest decoded;
+  inference::ModelInferResponse response;
+  KServeCore::Call call;
+  call.access = access;
+  call.shutting_down = !counted;
+  absl::Notification answered;
+  absl::Status result;
+  core_->StartInfer(call, parsed, request.request, &decoded, &response,
+                    [&](absl::Status status) {
+                      result = std::move(status);
+                      answered.Notify();
+                    });
+  answered.WaitForNotification();
+  request.request.Clear();  // free the inputs before writing the answer
+  int status;
+  if (!result.ok()) {
+    status = ReplyError(conn, result);
+  } else {
+    std::string out;
+    size_t json_length = 0;
+    EncodeJsonInferResponse(response, request, &out, &json_length);
+    const bool binary = json_length < out.size();
+    status = Reply(conn, 200, out, binary ? "application/octet-stream" : kJson,
+                   binary ? static_cast<int64_t>(json_length) : -1);
+  }
+  if (counted) calls_.CallDone();
+  return status;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,70 @@
+// KServe v2's REST form (JSON, with Triton's binary tensor data extension)
+// <-> the protocol's messages (inference.ModelInferRequest and friends),
+// so that the HTTP endpoint takes the same request path as the gRPC one.
+//
+// An infer request body is a JSON header, optionally followed by binary
+// tensor data: the header's length is the `Inference-Header-Content-Length`
+// HTTP header (absent = the whole body is JSON). An input carries its
+// values in "data" (nested or flat JSON arrays; FP32, BOOL, INT32, INT64)
+// or, with "parameters": {"binary_data_size": n}, as the next n bytes of the
+// binary part (any datatype; FP16 and BF16 only so, as in Triton). JSON
+// values are parsed straight into the request's raw_input_contents bytes
+// (RapidJSON's SAX reader: no document, no intermediate array of values).
+#ifndef ATTNSERVE_SERVER_TRANSPORT_KSERVE_JSON_H_
+#define ATTNSERVE_SERVER_TRANSPORT_KSERVE_JSON_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "inference/grpc_service.pb.h"
+
+namespace attnserve {
+
+// A decoded HTTP infer request.
+struct JsonInferRequest {
+  // Every input as raw_input_contents (in input order), the parameters, the
+  // requested outputs; model_name and model_version from the URL.
+  inference::ModelInferRequest request;
+  // Outputs to return as binary data: the request's "binary_data_output"
+  // parameter, overridden per output by its "binary_data" parameter.
+  bool binary_by_default = false;
+  std::map<std::string, bool> binary_output;
+};
+
+// Decodes `body` (its first `header_length` bytes JSON, the rest binary
+// tensor data; header_length < 0: all JSON). InvalidArgument naming the
+// field and the rule: malformed JSON (with its offset), an unknown key, a
+// value of the wrong type, data that does not match its shape, binary sizes
+// that do not add up to the binary part.
+absl::Status DecodeJsonInferRequest(absl::string_view body, int64_t header_length,
+                                    const std::string& model, const std::string& version,
+                                    JsonInferRequest* out);
+
+// The HTTP body of a successful inference: JSON, then the binary outputs
+// in output order. *json_length: the JSON part's length (the
+// `Inference-Header-Content-Length` to send when the body holds binary
+// data); equal to body->size() when it holds none. FP16 and BF16 outputs
+// are always binary (JSON has no such numbers; as Triton).
+void EncodeJsonInferResponse(const inference::ModelInferResponse& response,
+                             const JsonInferRequest& request, std::string* body,
+                             size_t* json_length);
+
+// {"error": message}
+std::string ErrorJson(absl::string_view message);
+
+// GET /v2, /v2/models/{m}, POST /v2/repository/index, GET .../stats, as
+// Triton writes them (numbers as JSON numbers).
+std::string ServerMetadataJson(const inference::ServerMetadataResponse& m);
+std::string ModelMetadataJson(const inference::ModelMetadataResponse& m);
+std::string RepositoryIndexJson(const inference::RepositoryIndexResponse& index);
+std::string ModelStatisticsJson(const inference::ModelStatisticsResponse& stats);
+// GET .../config: the ModelConfig message in protobuf's JSON mapping, as
+// Triton returns it.
+std::string ModelConfigJson(const inference::ModelConfigResponse& config);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_TRANSPORT_KSERVE_JSON_H_
