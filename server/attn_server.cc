@@ -179,17 +179,16 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
     return absl::UnavailableError(absl::StrCat(
         "--address: cannot listen on ", options.address, " (in use or not a local address?)"));
   }
-  server->server_->GetHealthCheckService()->SetServingStatus(kAttentionServiceName, true);
-  server->sweeper_ = std::thread([s = server.get()] {
-    while (!s->stop_sweeper_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
-      s->sessions_->Sweep();
-    }
-  });
-
-  const size_t colon = options.address.rfind(':');
-  server->address_ = absl::StrCat(options.address.substr(0, colon), ":", server->port_);
-  // KServe v2 over HTTP/REST: the same operations, the same tokens.
-  if (!options.http.address.empty()) {
+  // KServe v2 over HTTP/REST: the same operations, the same tokens. Not
+  // beside a TLS gRPC port: Debian 12's civetweb (1.15) loads OpenSSL at run
+  // time by OpenSSL 1.1 symbol names that OpenSSL 3 no longer exports, so it
+  // cannot serve HTTPS, and plain HTTP next to TLS would undo the TLS.
+  if (!options.http.address.empty() && options.tls.enabled()) {
+    server->http_off_reason_ =
+        "HTTP endpoint off: --tls-cert-file is set and HTTPS is not available (Debian 12's "
+        "civetweb 1.15 cannot load OpenSSL 3); put a TLS proxy in front of a plain "
+        "--http-address, or use the TLS gRPC port";
+  } else if (!options.http.address.empty()) {
     server->kserve_core_ = std::make_unique<KServeCore>(
         &server->registry_, server->dispatcher_.get(), server->metrics_.get());
     absl::StatusOr<std::unique_ptr<KServeHttpServer>> http = KServeHttpServer::Start(
@@ -202,6 +201,15 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
     }
     server->http_ = *std::move(http);
   }
+  server->server_->GetHealthCheckService()->SetServingStatus(kAttentionServiceName, true);
+  server->sweeper_ = std::thread([s = server.get()] {
+    while (!s->stop_sweeper_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
+      s->sessions_->Sweep();
+    }
+  });
+
+  const size_t colon = options.address.rfind(':');
+  server->address_ = absl::StrCat(options.address.substr(0, colon), ":", server->port_);
   if (options.malloc_trim_interval.count() > 0) {
     server->trimmer_ =
         std::make_unique<MemoryTrimmer>(absl::FromChrono(options.malloc_trim_interval));

@@ -54,6 +54,9 @@ class AttnServer {
   // The KServe v2 HTTP endpoint actually bound (port 0 resolved); empty
   // when it is off.
   std::string http_address() const { return http_ != nullptr ? http_->address() : ""; }
+  // Why the HTTP endpoint is off although an address was given; empty when
+  // it is on (or was not asked for).
+  const std::string& http_off_reason() const { return http_off_reason_; }
   const Metrics& metrics() const { return *metrics_; }
   const ModelRegistry& registry() const { return registry_; }
   const SessionManager& sessions() const { return *sessions_; }
@@ -85,6 +88,7 @@ class AttnServer {
   // scheduler and dispatcher it hands requests to.
   std::unique_ptr<KServeCore> kserve_core_;
   std::unique_ptr<KServeHttpServer> http_;
+  std::string http_off_reason_;
   std::unique_ptr<MemoryTrimmer> trimmer_;  // null when the interval is 0
   std::string address_;
   int port_ = 0;

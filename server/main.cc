@@ -403,6 +403,9 @@ int main(int argc, char** argv) {
   if (!(*server)->http_address().empty()) {
     std::fprintf(stderr, "attnserve http on %s\n", (*server)->http_address().c_str());
   }
+  if (!(*server)->http_off_reason().empty()) {
+    std::fprintf(stderr, "attnserve: %s\n", (*server)->http_off_reason().c_str());
+  }
   std::fprintf(stderr, "attnserve listening on %s\n", (*server)->address().c_str());
   std::fflush(stderr);
 

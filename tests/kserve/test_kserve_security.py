@@ -82,3 +82,43 @@ def test_tritonclient_tls_and_tokens(server):
     s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(8)
     w = np.exp(s - s.max(-1, keepdims=True))
     np.testing.assert_allclose(out, (w / w.sum(-1, keepdims=True)) @ v, rtol=1e-4, atol=1e-5)
+
+
+def test_no_plain_http_beside_a_tls_port(server):
+    """HTTPS is blocked (Debian 12's civetweb cannot load OpenSSL 3): with
+    --tls-cert-file the HTTP endpoint stays off, saying why, rather than
+    serving plaintext beside the TLS port."""
+    assert server.http_target is None
+    assert "HTTP endpoint off: --tls-cert-file is set and HTTPS is not available" in server.log()
+
+
+def test_tritonclient_http_with_tokens():
+    """The HTTP endpoint behind the same bearer tokens: 401 without a token,
+    403 for a model the token does not allow, health open to probes."""
+    import tempfile
+    import tritonclient.http as th
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "tokens"), "w") as f:
+            f.write(f"{TOKEN_ALL}\n{TOKEN_SDPA} sdpa\n")
+        s = harness.ServerProcess("--auth-token-file", os.path.join(d, "tokens"))
+    try:
+        q = np.random.default_rng(0).standard_normal((1, 2, 3, 4), dtype=np.float32)
+        inputs = []
+        for name in ("query", "key", "value"):
+            t = th.InferInput(name, list(q.shape), "FP32")
+            t.set_data_from_numpy(q)
+            inputs.append(t)
+        c = th.InferenceServerClient(s.http_target)
+        assert c.is_server_live() and c.is_server_ready()  # no token: probes
+        with pytest.raises(InferenceServerException) as e:
+            c.infer("sdpa", inputs)
+        assert e.value.status() == "401"
+        r = c.infer("sdpa", inputs, headers={"Authorization": f"Bearer {TOKEN_SDPA}"})
+        assert r.as_numpy("output").shape == (1, 2, 3, 4)
+        with pytest.raises(InferenceServerException) as e:
+            c.get_model_metadata("demo-mha", headers={"Authorization": f"Bearer {TOKEN_SDPA}"})
+        assert e.value.status() == "403"
+        assert c.get_model_metadata("demo-mha", headers={"Authorization": f"Bearer {TOKEN_ALL}"})
+        c.close()
+    finally:
+        assert s.stop() == 0, s.log()
