@@ -53,14 +53,14 @@ LABEL org.opencontainers.image.title="attnserve" \
       org.opencontainers.image.source="${SOURCE}" \
       org.opencontainers.image.base.name="debian:bookworm"
 USER 10001:10001
-EXPOSE 50051 9464
+EXPOSE 50051 9464 8000
 # attnserve runs as PID 1 without an init: it handles SIGTERM/SIGINT itself
 # (drain, then exit 0; a second signal exits at once) and starts no children
 # to reap. The default --shutdown-grace (8s) fits docker stop's 10 s.
 # The listen addresses sit in the entrypoint so that arguments given to
 # `docker run` or a compose `command:` add to them instead of replacing them
 # (later flags win, so --address can still be overridden).
-ENTRYPOINT ["/usr/local/bin/attnserve", "--address=0.0.0.0:50051", "--metrics-address=0.0.0.0:9464"]
+ENTRYPOINT ["/usr/local/bin/attnserve", "--address=0.0.0.0:50051", "--metrics-address=0.0.0.0:9464", "--http-address=0.0.0.0:8000"]
 CMD []
 # grpc.health.v1 through the bundled sample client: exit 0 when SERVING, else
 # non-zero, which Docker counts as a failed check. No shell in between, so a

@@ -22,7 +22,7 @@ measure() {  # NAME SERVER-FLAGS...
   local name=$1; shift
   local target delay
   bench_start target "$tmp/$name.log" "$attnserve" --address=127.0.0.1:0 \
-    --metrics-address=127.0.0.1:0 ${ATTNSERVE_ARGS:-} "$@"
+    --metrics-address=127.0.0.1:0 --http-address=127.0.0.1:0 ${ATTNSERVE_ARGS:-} "$@"
   delay=$(printf '%s\n' "$@" | sed -n 's/^--max-queue-delay-us=//p'); delay=${delay:-0}
   "$bench" --target="$target" --model=demo-mha --batch=1 --seq=16 --concurrency=32 \
     --duration="$duration" --warmup-requests=200 --json >"$tmp/$name.json"

@@ -93,7 +93,7 @@ for phase in "${phases[@]}"; do
       python3 "$root/bench/gpu_copy_bandwidth.py" 2>&1 | tee "$out/copy_bandwidth.txt"
       for batching in 16 1; do
         log="$out/serve_server_b$batching.log"
-        "$as/bin/attnserve" --backend cuda --address 127.0.0.1:0 --metrics-address 127.0.0.1:0 \
+        "$as/bin/attnserve" --backend cuda --address 127.0.0.1:0 --metrics-address 127.0.0.1:0 --http-address 127.0.0.1:0 \
           --max-batch-requests "$batching" --max-batch-tokens 0 > "$log" 2>&1 &
         pid=$!
         for _ in $(seq 100); do grep -q "listening on" "$log" && break; sleep 0.1; done

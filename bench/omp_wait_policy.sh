@@ -16,7 +16,7 @@ bench_track $!
 for ((r = 0; r < ROUNDS; r++)); do
   for policy in active passive; do
     OMP_WAIT_POLICY=$policy "$BUILD/server/attnserve" --address "127.0.0.1:$PORT" \
-      --metrics-address 127.0.0.1:0 2>/dev/null &
+      --metrics-address 127.0.0.1:0 --http-address 127.0.0.1:0 2>/dev/null &
     server=$!
     bench_track "$server"
     sleep 1.5

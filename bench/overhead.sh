@@ -23,7 +23,7 @@ done
 source "$(dirname "$0")/lib.sh"  # stops both servers however this script exits
 
 bench_start server "$bench_tmp/attnserve.log" "$attnserve" --address=127.0.0.1:0 \
-  --metrics-address=127.0.0.1:0 ${ATTNSERVE_ARGS:-}
+  --metrics-address=127.0.0.1:0 --http-address=127.0.0.1:0 ${ATTNSERVE_ARGS:-}
 bench_start floor "$bench_tmp/echo.log" "$echo_server" --address=127.0.0.1:0
 
 # run NAME REQUESTS attn_bench-shape-flags... : one line per target.

@@ -44,7 +44,7 @@ PY
 fi
 
 bench_start TARGET "$bench_tmp/server.log" "$BUILD/server/attnserve" \
-  --address 127.0.0.1:0 --metrics-address 127.0.0.1:0
+  --address 127.0.0.1:0 --metrics-address 127.0.0.1:0 --http-address 127.0.0.1:0
 echo "== attnserve on $TARGET; sdpa, query [$SHAPE_Q], key/value [$SHAPE_KV], fp32, concurrency $CONCURRENCY"
 
 # perf_analyzer sends every input the model lists; the optional ones

@@ -28,7 +28,7 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 targets=()
 for ((i = 0; i < replicas; i++)); do
   bench_start addr "$bench_tmp/attnserve$i.log" "$attnserve" --address=127.0.0.1:0 \
-    --metrics-address=127.0.0.1:0 ${ATTNSERVE_ARGS:-}
+    --metrics-address=127.0.0.1:0 --http-address=127.0.0.1:0 ${ATTNSERVE_ARGS:-}
   targets+=("$addr")
 done
 

@@ -15,7 +15,7 @@ source "$root/bench/lib.sh"
 context=${CONTEXT:-4096} sessions=${SESSIONS:-32} steps=${STEPS:-16}
 heads=${HEADS:-8} head_dim=${HEAD_DIM:-128} rounds=${ROUNDS:-2}
 bench_start target "$bench_tmp/server.log" "${SERVER_BIN:-$build/server/attnserve}" --address 127.0.0.1:0 \
-  --metrics-address 127.0.0.1:0 ${ATTNSERVE_ARGS:-}
+  --metrics-address 127.0.0.1:0 --http-address 127.0.0.1:0 ${ATTNSERVE_ARGS:-}
 common=(--target "$target" --model sdpa --concurrency "$sessions" --heads "$heads"
         --head_dim "$head_dim" --dtype fp16 --timeout_ms 600000 --json)
 field() { /usr/bin/python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d$2)" "$1"; }

@@ -18,7 +18,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 source "$here/lib.sh"  # stops the server however this script exits
 
 bench_start target "$bench_tmp/server.log" "$build/server/attnserve" --address=127.0.0.1:0 \
-  --metrics-address=127.0.0.1:0 ${ATTNSERVE_ARGS:-}
+  --metrics-address=127.0.0.1:0 --http-address=127.0.0.1:0 ${ATTNSERVE_ARGS:-}
 pid=$bench_last_pid
 echo "soak: attnserve pid $pid on $target for ${duration} s"
 status=0

@@ -13,7 +13,7 @@ import yaml
 import harness
 
 ROOT = os.environ.get("ATTNSERVE_SOURCE_DIR") or os.path.join(os.path.dirname(__file__), "..", "..")
-ADDRESS_FLAGS = ("--address", "--metrics-address")
+ADDRESS_FLAGS = ("--address", "--metrics-address", "--http-address")
 
 
 def _load_all(path):
@@ -72,22 +72,23 @@ def test_kubernetes_args_start_the_server_and_grace_fits_the_pod(tmp_path):
 def test_ports_agree_everywhere():
     _, container, docs = _deployment_container()
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": 50051, "metrics": 9464}
+    assert ports == {"grpc": 50051, "metrics": 9464, "http": 8000}
     args = " ".join(container["args"])
-    assert "0.0.0.0:50051" in args and "0.0.0.0:9464" in args
+    assert "0.0.0.0:50051" in args and "0.0.0.0:9464" in args and "0.0.0.0:8000" in args
     (service,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "attnserve"]
-    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"grpc", "metrics"}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"grpc", "metrics", "http"}
     annotations = _load_all("deploy/kubernetes/attnserve.yaml")[0]["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "9464"
 
     dockerfile = _dockerfile()
-    assert re.search(r"^EXPOSE 50051 9464$", dockerfile, re.M)
+    assert re.search(r"^EXPOSE 50051 9464 8000$", dockerfile, re.M)
     assert "--address=0.0.0.0:50051" in dockerfile and "--metrics-address=0.0.0.0:9464" in dockerfile
+    assert "--http-address=0.0.0.0:8000" in dockerfile
 
     (compose,) = _load_all("deploy/docker-compose.yml")
     # Loopback by default; the host port can move, the container port cannot.
     ports = compose["services"]["attnserve"]["ports"]
-    assert [p.rsplit(":", 1)[1] for p in ports] == ["50051", "9464"]
+    assert [p.rsplit(":", 1)[1] for p in ports] == ["50051", "9464", "8000"]
     assert all(p.startswith("${ATTNSERVE_BIND:-127.0.0.1}:") for p in ports), ports
     (prom,) = _load_all("deploy/prometheus/prometheus.yml")
     targets = prom["scrape_configs"][0]["static_configs"][0]["targets"]

@@ -282,8 +282,8 @@ def test_work_per_request_is_bounded():
 
 def test_nonfinite_propagate_is_refused_at_startup():
     import subprocess
-    proc = subprocess.run([harness.server_bin(), "--address", "127.0.0.1:0", "--metrics-address",
-                           "127.0.0.1:0", "--nonfinite-inputs=propagate"],
+    proc = subprocess.run([harness.server_bin(), "--address", "127.0.0.1:0", "--http-address",
+                           "127.0.0.1:0", "--metrics-address", "127.0.0.1:0", "--nonfinite-inputs=propagate"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "--nonfinite-inputs: 'propagate'" in proc.stderr and "not implemented" in proc.stderr, proc.stderr

@@ -536,8 +536,8 @@ BAD_MODELS = [
 
 
 def _run_server_expecting_failure(repo, *extra):
-    proc = subprocess.run([harness.server_bin(), "--address", "127.0.0.1:0", "--metrics-address",
-                           "127.0.0.1:0", "--model-repository", str(repo), *extra],
+    proc = subprocess.run([harness.server_bin(), "--address", "127.0.0.1:0", "--http-address",
+                           "127.0.0.1:0", "--metrics-address", "127.0.0.1:0", "--model-repository", str(repo), *extra],
                           capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stdout + proc.stderr
 
