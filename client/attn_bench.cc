@@ -47,6 +47,8 @@ ABSL_FLAG(int64_t, kv_heads, 0, "sdpa: key/value heads. Default 0: --heads.");
 ABSL_FLAG(int64_t, head_dim, 64, "sdpa: head dim of query, key and value.");
 ABSL_FLAG(std::string, dtype, "fp32", "Input dtype: fp32, fp16 or bf16.");
 ABSL_FLAG(bool, causal, false, "Causal mask.");
+ABSL_FLAG(int64_t, window, 0, "sdpa: sliding window of every request. 0: none.");
+ABSL_FLAG(double, softcap, 0, "sdpa: logit softcapping of every request. 0: none.");
 ABSL_FLAG(int, concurrency, 1, "Closed loop: requests kept in flight.");
 ABSL_FLAG(double, rate, 0, "Open loop: requests per second (evenly spaced). 0 = closed loop.");
 ABSL_FLAG(int64_t, max_outstanding, 10000,
@@ -363,7 +365,12 @@ absl::StatusOr<pb::AttendRequest> BuildBenchRequest(pb::AttentionService::Stub& 
   } else {
     return absl::InvalidArgumentError(absl::StrCat("--layout must be auto, sdpa or mha, got ", layout_flag));
   }
-  return client::BuildRequest(*spec, layout);
+  absl::StatusOr<pb::AttendRequest> request = client::BuildRequest(*spec, layout);
+  if (request.ok()) {
+    request->set_window(absl::GetFlag(FLAGS_window));
+    request->set_softcap(static_cast<float>(absl::GetFlag(FLAGS_softcap)));
+  }
+  return request;
 }
 
 // Runs one phase (warm-up or measured) and returns its wall time in seconds.

@@ -243,11 +243,11 @@ void AttnServer::Shutdown() {
       std::max(absl::FromChrono(options_.shutdown_grace) - (clock_->Now() - start),
                absl::ZeroDuration()));
   if (http_ != nullptr) {
+    // Answers are written by the worker that read the request before it
+    // counts the call done: stopping once this returns loses none.
     http_->WaitForNoCalls(
         std::max(absl::FromChrono(options_.shutdown_grace) - (clock_->Now() - start),
                  absl::ZeroDuration()));
-    // Answers are written by the worker that read the request before it
-    // counts the call done: stopping now loses none.
     http_->Stop();
   }
   // 5. Stop gRPC. Every accepted call has been answered (or the grace is

@@ -586,13 +586,19 @@ absl::Status CheckLayerOptions(const AttendInputs& request, const LayerConfig& l
           dims.kv_len, "] = ", expected, " values (the queries are the last Lq of them), got ",
           request.positions.size()));
     }
+    const size_t lk = static_cast<size_t>(dims.kv_len);
     for (size_t i = 0; i < request.positions.size(); ++i) {
       const int64_t pos = request.positions[i];
       if (pos < 0 || pos > kMaxRotaryPosition) {
+        return absl::InvalidArgumentError(absl::StrCat("positions[", i / lk, ", ", i % lk,
+                                                       "]: must be in [0, ", kMaxRotaryPosition,
+                                                       "], got ", pos));
+      }
+      if (i % lk != 0 && pos < request.positions[i - 1]) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "positions[", i / static_cast<size_t>(dims.kv_len), ", ",
-            i % static_cast<size_t>(dims.kv_len), "]: must be in [0, ", kMaxRotaryPosition,
-            "], got ", pos));
+            "positions[", i / lk, ", ", i % lk, "]: ", pos, " after ", request.positions[i - 1],
+            ": positions must not decrease along a sequence (the pads of a left-padded sequence "
+            "may all be 0)"));
       }
     }
     task->positions = request.positions;

@@ -103,7 +103,8 @@ absl::StatusOr<TensorView> ViewInput(const InputTensor& tensor, absl::string_vie
 // them against the session (shape, dtype, token limit).
 //
 // Per-request layer options: positions only for models with rotary
-// embeddings, [B, Lk] values in [0, kMaxRotaryPosition], never with
+// embeddings, [B, Lk] values in [0, kMaxRotaryPosition] that do not
+// decrease along a sequence, never with
 // session_id; window (>= 0), softcap (finite, >= 0) and sinks (FLOAT32 [Hq],
 // finite) only for models without projections, and a session request's
 // window only equal to the model's sliding_window when it has one.

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "engine/rope.h"
 
 #ifndef ATTNSERVE_VERSION
 #define ATTNSERVE_VERSION "unknown"
@@ -142,6 +143,17 @@ absl::Status KServeCore::ModelConfig(const std::string& name, const std::string&
     params["head_dim"].set_string_value(absl::StrCat(layer.head_dim));
   }
   params["causal"].set_string_value(layer.causal ? "true" : "false");
+  if (layer.rope.type != RopeConfig::Type::kNone) {
+    params["rope_type"].set_string_value(RopeTypeName(layer.rope.type));
+    params["rope_theta"].set_string_value(absl::StrCat(layer.rope.theta));
+    params["rotary_dim"].set_string_value(absl::StrCat(layer.rope.rotary_dim));
+  }
+  if (layer.sliding_window > 0) {
+    params["sliding_window"].set_string_value(absl::StrCat(layer.sliding_window));
+  }
+  if (layer.softcap > 0) params["softcap"].set_string_value(absl::StrCat(layer.softcap));
+  if (layer.qk_norm.enabled) params["qk_norm"].set_string_value("true");
+  if (layer.sinks) params["sinks"].set_string_value("true");
   return absl::OkStatus();
 }
 

@@ -346,13 +346,15 @@ def test_a_session_continues_its_positions(served, family):
 def test_left_padded_batches_with_explicit_positions(served, family):
     """A batch as generate() builds it: sequences left-padded to one length,
     an attention mask over the pads and position_ids = cumsum(mask) - 1 (pads
-    at 1). Served with the same mask and positions, every real token's row
-    equals the module's own forward with those position_ids (float64)."""
+    at 0: attnserve asks that positions not decrease along a sequence, where
+    generate() puts 1 on pads, which only masked keys carry). Served with the
+    same mask and positions, every real token's row equals the module's own
+    forward with those position_ids (float64)."""
     client, modules, _, _ = served
     lengths, length = [40, 23, 31], 40
     x = np.random.default_rng(4).uniform(-1, 1, (3, length, 64)).astype(np.float32)
     keep = np.arange(length)[None, :] >= (length - np.array(lengths))[:, None]  # [B, L]
-    positions = np.where(keep, np.cumsum(keep, axis=1) - 1, 1)
+    positions = np.where(keep, np.cumsum(keep, axis=1) - 1, 0)
     causal = np.tril(np.ones((length, length), bool))
     allowed = causal[None] & keep[:, None, :]  # [B, Lq, Lk]
     mask = torch.from_numpy(np.where(allowed, 0.0, float("-inf")))[:, None]

@@ -1,0 +1,52 @@
+// Fuzz target: bytes as a KServe v2 HTTP infer request body through
+// DecodeJsonInferRequest (the JSON header, Triton's binary data split), then
+// the KServe decoding the gRPC front end also runs. The first two bytes
+// choose the Inference-Header-Content-Length (0xFFFF: none, all JSON).
+// Aborts on a crash or sanitizer report, an error without a message, or an
+// accepted request whose inputs and raw contents disagree.
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "absl/strings/string_view.h"
+#include "server/transport/kserve_codec.h"
+#include "server/transport/kserve_json.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 2) return 0;
+  const int64_t chosen = static_cast<int64_t>(data[0]) | (static_cast<int64_t>(data[1]) << 8);
+  const absl::string_view body(reinterpret_cast<const char*>(data) + 2, size - 2);
+  const int64_t header_length = chosen == 0xFFFF ? -1 : chosen;
+  attnserve::JsonInferRequest request;
+  const absl::Status s =
+      attnserve::DecodeJsonInferRequest(body, header_length, "sdpa", "", &request);
+  if (!s.ok()) {
+    if (s.message().empty()) {
+      std::fprintf(stderr, "kserve_http_fuzzer: refused without a message\n");
+      std::abort();
+    }
+    return 0;
+  }
+  const auto& r = request.request;
+  if (r.raw_input_contents_size() != r.inputs_size()) {
+    std::fprintf(stderr, "kserve_http_fuzzer: %d inputs but %d raw contents\n", r.inputs_size(),
+                 r.raw_input_contents_size());
+    std::abort();
+  }
+  size_t total = 0;
+  for (const std::string& raw : r.raw_input_contents()) total += raw.size();
+  // JSON values take at least one byte each and widen to at most 8.
+  if (total > 8 * body.size()) {
+    std::fprintf(stderr, "kserve_http_fuzzer: %zu input bytes from a %zu-byte body\n", total,
+                 body.size());
+    std::abort();
+  }
+  attnserve::KServeRequest decoded;
+  const absl::Status d = attnserve::DecodeModelInferRequest(r, &decoded);
+  if (!d.ok() && d.message().empty()) {
+    std::fprintf(stderr, "kserve_http_fuzzer: decoding refused without a message\n");
+    std::abort();
+  }
+  return 0;
+}
