@@ -323,7 +323,7 @@ int KServeHttpServer::Serve(mg_connection* conn) {
   }
   JsonInferRequest request;
   const absl::Status parsed =
-      DecodeJsonInferRequest(*body, header_length, model, version, &request);
+      DecodeJsonInferRequest(&*body, header_length, model, version, &request);
   body->clear();
   body->shrink_to_fit();  // the inputs are in the request now
   KServeRequest decoded;

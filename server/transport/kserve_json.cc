@@ -2,6 +2,8 @@
 // part's split among the inputs, and RapidJSON writers for the answers.
 #include "server/transport/kserve_json.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -64,6 +66,7 @@ enum class At {
 class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> {
  public:
   ModelInferRequest* request = nullptr;
+  size_t json_bytes = 0;  // the JSON header's size
   std::vector<Input> inputs;
   std::vector<Output> outputs;
   bool binary_by_default = false;
@@ -94,6 +97,7 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
   bool EndObject(rapidjson::SizeType) { return Pop(); }
 
   bool StartArray() {
+    if (stack_.empty()) return Fail("request body: must be a JSON object, got an array");
     switch (Top()) {
       case At::kTop:
         if (key_ == "inputs") return Push(At::kInputs);
@@ -141,6 +145,16 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
         if (key_ == "name" || key_ == "parameters") return true;
         return Fail(absl::StrCat("outputs: \"", key_,
                                  "\" is not a field of an output; fields are name, parameters"));
+      case At::kInputParams:
+        if (key_ == "binary_data_size") return true;
+        return Fail(InputField(absl::StrCat("parameter '", key_,
+                                            "' is not supported; the one input parameter is "
+                                            "binary_data_size (no shared memory)")));
+      case At::kOutputParams:
+        if (key_ == "binary_data") return true;
+        return Fail(absl::StrCat("outputs: parameter '", key_,
+                                 "' is not supported; the one output parameter is binary_data "
+                                 "(no classification, no shared memory)"));
       default:
         return true;
     }
@@ -240,9 +254,15 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
  private:
   At Top() const { return stack_.empty() ? At::kTop : stack_.back(); }
   bool Push(At at) {
+    // RapidJSON recurses per level: deep nesting would exhaust the stack.
+    if (stack_.size() >= kMaxDepth) {
+      return Fail(absl::StrCat("request body: JSON nested deeper than ", kMaxDepth,
+                               " levels (a tensor's \"data\" nests once per dim)"));
+    }
     stack_.push_back(at);
     return true;
   }
+  static constexpr size_t kMaxDepth = 40;
   bool Pop() {
     stack_.pop_back();
     return true;
@@ -308,6 +328,9 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
       if (d < 0 || (d > 0 && n > (int64_t{1} << 40) / d)) return;  // validation reports it
       n *= d;
     }
+    // A shape may claim more values than the JSON can hold (two bytes each,
+    // a digit and a comma): never reserve for more than that.
+    n = std::min<int64_t>(n, static_cast<int64_t>(json_bytes / 2 + 1));
     in.raw.reserve(static_cast<size_t>(n) * size);
   }
 
@@ -339,6 +362,9 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
   bool Append(Input& in, double d, bool integral, int64_t exact) {
     ++in.count;
     if (in.datatype == "FP32") {
+      if (!(std::fabs(d) <= std::numeric_limits<float>::max())) {
+        return Fail(InputField(absl::StrCat("data value ", d, " is beyond FP32's range")));
+      }
       const float f = static_cast<float>(d);
       in.raw.append(reinterpret_cast<const char*>(&f), sizeof f);
       return true;
@@ -382,8 +408,16 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
         ++in.count;
         continue;
       }
-      const bool integral = d == static_cast<double>(static_cast<int64_t>(d));
-      if (!Append(in, d, integral, static_cast<int64_t>(d))) return false;
+      // Kept as doubles: integers are exact only up to 2^53.
+      constexpr double kExact = 9007199254740992.0;
+      const bool integral = std::isfinite(d) && std::trunc(d) == d;
+      if (integral && std::fabs(d) > kExact && in.datatype.rfind("INT", 0) == 0) {
+        return Fail(InputField(absl::StrCat(
+            "data value ", d, " came before \"datatype\" and is beyond 2^53, where it may "
+            "have been rounded: give \"datatype\" before \"data\"")));
+      }
+      const int64_t exact = integral && std::fabs(d) <= kExact ? static_cast<int64_t>(d) : 0;
+      if (!Append(in, d, integral && std::fabs(d) <= kExact, exact)) return false;
     }
     return true;
   }
@@ -418,36 +452,53 @@ void WriteValues(rapidjson::Writer<rapidjson::StringBuffer>& w, const std::strin
 
 }  // namespace
 
-absl::Status DecodeJsonInferRequest(absl::string_view body, int64_t header_length,
+absl::Status DecodeJsonInferRequest(std::string* body_text, int64_t header_length,
                                     const std::string& model, const std::string& version,
                                     JsonInferRequest* out) {
+  std::string& body = *body_text;
   if (header_length > static_cast<int64_t>(body.size())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "Inference-Header-Content-Length: ", header_length, " is more than the body's ",
         body.size(), " bytes"));
   }
-  const absl::string_view json = header_length < 0 ? body : body.substr(0, header_length);
-  const absl::string_view binary =
-      header_length < 0 ? absl::string_view() : body.substr(static_cast<size_t>(header_length));
+  const size_t json_size = header_length < 0 ? body.size() : static_cast<size_t>(header_length);
+  if (body.find('\0') < json_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request body: a NUL byte at offset ", body.find('\0'), " of the JSON header",
+        header_length < 0 ? " (binary data needs the Inference-Header-Content-Length header)"
+                          : ""));
+  }
   ModelInferRequest& request = out->request;
   request.set_model_name(model);
   request.set_model_version(version);
 
+  // In situ: strings are decoded in the body's own bytes, so RapidJSON
+  // needs no stack of its own (1.1.0's first push does pointer arithmetic on
+  // null, which UBSan reports). The JSON part ends with a NUL for the
+  // parse: the byte after it is set aside and put back.
+  const char after = body[json_size];  // '\0' past the end of a std::string
+  body[json_size] = '\0';
   Handler handler;
   handler.request = &request;
+  handler.json_bytes = json_size;
   rapidjson::Reader reader;
-  rapidjson::MemoryStream stream(json.data(), json.size());
+  rapidjson::InsituStringStream stream(body.data());
   const rapidjson::ParseResult parsed =
-      reader.Parse<rapidjson::kParseStopWhenDoneFlag>(stream, handler);
+      reader.Parse<rapidjson::kParseInsituFlag | rapidjson::kParseStopWhenDoneFlag>(stream,
+                                                                                      handler);
+  const size_t consumed = stream.Tell();
+  body[json_size] = after;
+  const absl::string_view json(body.data(), json_size);
+  const absl::string_view binary = absl::string_view(body).substr(json_size);
   if (!handler.error.ok()) return handler.error;
   if (parsed.IsError()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "request body: malformed JSON at offset ", parsed.Offset(), ": ",
         rapidjson::GetParseError_En(parsed.Code())));
   }
-  if (stream.Tell() < json.size()) {
+  if (consumed < json.size()) {
     // Whitespace may follow the object; anything else is not JSON.
-    for (size_t i = stream.Tell(); i < json.size(); ++i) {
+    for (size_t i = consumed; i < json.size(); ++i) {
       const char c = json[i];
       if (c != ' ' && c != '\n' && c != '\r' && c != '\t') {
         return absl::InvalidArgumentError(absl::StrCat(

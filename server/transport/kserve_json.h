@@ -35,11 +35,12 @@ struct JsonInferRequest {
 };
 
 // Decodes `body` (its first `header_length` bytes JSON, the rest binary
-// tensor data; header_length < 0: all JSON). InvalidArgument naming the
-// field and the rule: malformed JSON (with its offset), an unknown key, a
-// value of the wrong type, data that does not match its shape, binary sizes
-// that do not add up to the binary part.
-absl::Status DecodeJsonInferRequest(absl::string_view body, int64_t header_length,
+// tensor data; header_length < 0: all JSON). The JSON part is parsed in
+// place: its bytes are changed (strings unescaped); the binary part is not.
+// InvalidArgument naming the field and the rule: malformed JSON (with its
+// offset), an unknown key, a value of the wrong type, data that does not
+// match its shape, binary sizes that do not add up to the binary part.
+absl::Status DecodeJsonInferRequest(std::string* body, int64_t header_length,
                                     const std::string& model, const std::string& version,
                                     JsonInferRequest* out);
 

@@ -16,11 +16,11 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 2) return 0;
   const int64_t chosen = static_cast<int64_t>(data[0]) | (static_cast<int64_t>(data[1]) << 8);
-  const absl::string_view body(reinterpret_cast<const char*>(data) + 2, size - 2);
+  std::string body(reinterpret_cast<const char*>(data) + 2, size - 2);
   const int64_t header_length = chosen == 0xFFFF ? -1 : chosen;
   attnserve::JsonInferRequest request;
   const absl::Status s =
-      attnserve::DecodeJsonInferRequest(body, header_length, "sdpa", "", &request);
+      attnserve::DecodeJsonInferRequest(&body, header_length, "sdpa", "", &request);
   if (!s.ok()) {
     if (s.message().empty()) {
       std::fprintf(stderr, "kserve_http_fuzzer: refused without a message\n");
