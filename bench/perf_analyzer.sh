@@ -86,6 +86,12 @@ print(f"server per request: total {d['total'] / n / 1e3:.0f} us = queue {d['queu
 PY
 }
 stats "$bench_tmp/stats.json"
+HTTP_TARGET=$(grep -o -m1 "http on [0-9.]*:[0-9]*" "$bench_tmp/server.log" | awk '{print $3}')
+echo "== perf_analyzer $PA_VERSION -> KServe v2 over HTTP/REST (its default protocol)"
+docker run --rm --network host --memory 10g -v "$bench_tmp/data.json:/data.json:ro" "$IMAGE" -m sdpa \
+  -u "$HTTP_TARGET" --input-data /data.json --concurrency-range "$CONCURRENCY" \
+  --measurement-interval $((SECONDS_EACH * 1000)) --stability-percentage 50 --max-trials 10 2>&1 | tee "$bench_tmp/pa_http.txt"
+stats "$bench_tmp/stats.json"
 echo "== perf_analyzer $PA_VERSION -> KServe v2 ModelInfer"
 docker run --rm --network host --memory 10g -v "$bench_tmp/data.json:/data.json:ro" "$IMAGE" -m sdpa -i grpc \
   -u "$TARGET" --input-data /data.json --concurrency-range "$CONCURRENCY" \

@@ -356,9 +356,17 @@ def rope_config(module, head_dim):
                           f"{', '.join(sorted(_ROPE_INTERLEAVED))})")
     params = dict(_config_value(config, "rope_parameters") or {})
     if any(isinstance(v, dict) for v in params.values()):
+        # transformers 5.x (Gemma3): one set per layer type; the module's
+        # layer (layer_idx in config.layer_types) picks its own.
         per_type = sorted(k for k, v in params.items() if isinstance(v, dict))
-        raise ExportError("RoPE parameters per layer type (transformers 5.x rope_parameters "
-                          f"keyed by {per_type})")
+        layer = getattr(module, "layer_idx", None)
+        types = _config_value(config, "layer_types")
+        if layer is None or not types or layer >= len(types) or \
+                not isinstance(params.get(types[layer]), dict):
+            raise ExportError("RoPE parameters per layer type (transformers 5.x rope_parameters "
+                              f"keyed by {per_type}) for a module that does not say its layer "
+                              "type (layer_idx into config.layer_types)")
+        params = dict(params[types[layer]])
     scaling = dict(_config_value(config, "rope_scaling") or {})
     params.update({k: v for k, v in scaling.items() if k not in params})
     kind = params.get("rope_type") or params.get("type") or "default"

@@ -609,8 +609,8 @@ TEST(ValidationTest, ExplicitPositionsOnARopeModel) {
   negative.set_positions(8, -1);
   refused(negative, "positions[1, 1]: must be in [0, 2147483647], got -1");
   v1::AttendRequest backwards = r;
-  backwards.set_positions(10, 3);  // sequence 1: 101, 102, 103, 3
-  refused(backwards, "positions[1, 3]: 3 after 103: positions must not decrease along a sequence");
+  backwards.set_positions(10, 3);  // sequence 1: 100, 101, 102, 3
+  refused(backwards, "positions[1, 3]: 3 after 102: positions must not decrease along a sequence");
   v1::AttendRequest huge = r;
   huge.set_positions(0, int64_t{1} << 40);
   refused(huge, "positions[0, 0]: must be in [0, 2147483647]");

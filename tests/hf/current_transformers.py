@@ -1,0 +1,201 @@
+"""Every family of issue 24 against current transformers (5.x) with PyTorch 2
+from PyPI: the real attention classes (not the suite's stand-ins), random
+weights, exported with attnserve_client.export, served by the real server,
+called over the KServe HTTP endpoint, and compared with the module's own
+forward in float64 (eager attention, the position embeddings of the
+family's own rotary class, the causal or sliding mask transformers' rule
+gives the layer). A family attnserve cannot compute must be refused at
+export, naming what is missing.
+
+About 6 GB of wheels (torch's CUDA build and its nvidia-* packages); not part
+of the suite. Run with tests/hf/current_transformers.sh, which makes the
+venv; docs/MODELS.md records the result.
+"""
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+spec = importlib.util.spec_from_file_location(
+    "attnserve_export", os.path.join(ROOT, "client", "python", "attnserve_client", "export.py"))
+export = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(export)
+
+COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+              num_hidden_layers=2, head_dim=16)
+WINDOW = 16
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, rope_theta=150000.0)
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=256, rope_theta=500000.0)
+
+# name: (model module, class prefix, config overrides, layer index, expected outcome)
+# outcome: "served", or a word the ExportError must contain.
+FAMILIES = {
+    "llama": ("llama", "Llama", {}, 0, "served"),
+    "llama3": ("llama", "Llama", dict(rope_parameters=LLAMA3, max_position_embeddings=4096), 0,
+               "served"),
+    "llama-yarn": ("llama", "Llama", dict(rope_parameters=YARN, max_position_embeddings=512), 0,
+                   "served"),
+    "mistral": ("mistral", "Mistral", dict(sliding_window=WINDOW), 0, "served"),
+    "qwen2": ("qwen2", "Qwen2", {}, 0, "served"),
+    "qwen3": ("qwen3", "Qwen3", {}, 0, "served"),
+    "gemma2-sliding": ("gemma2", "Gemma2", dict(sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                                 attn_logit_softcapping=5.0), 0, "served"),
+    "gemma2-full": ("gemma2", "Gemma2", dict(sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                              attn_logit_softcapping=5.0), 1, "served"),
+    # Layer types from the default pattern (five sliding, then one full),
+    # each with its own RoPE parameters.
+    "gemma3-sliding": ("gemma3", "Gemma3Text", dict(sliding_window=WINDOW, num_hidden_layers=6),
+                       0, "served"),
+    "gemma3-full": ("gemma3", "Gemma3Text", dict(sliding_window=WINDOW, num_hidden_layers=6), 5,
+                    "served"),
+    "phi3": ("phi3", "Phi3", {}, 0, "served"),
+    "gpt-neox": ("gpt_neox", "GPTNeoX", dict(rotary_pct=0.5), 0, "served"),
+    "gpt-oss-sliding": ("gpt_oss", "GptOss", dict(sliding_window=WINDOW, rope_parameters=YARN,
+                                                   num_local_experts=2, num_experts_per_tok=1), 0,
+                        "served"),
+    "gpt-oss-full": ("gpt_oss", "GptOss", dict(sliding_window=WINDOW, rope_parameters=YARN,
+                                                num_local_experts=2, num_experts_per_tok=1), 1,
+                     "served"),
+}
+
+
+def build(family):
+    module_name, prefix, overrides, layer, outcome = FAMILIES[family]
+    mod = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    cfg_mod = importlib.import_module(
+        f"transformers.models.{module_name}.configuration_{module_name}")
+    config_class = getattr(cfg_mod, f"{prefix}Config")
+    kwargs = dict(COMMON)
+    if family == "gpt-neox":
+        kwargs = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                      num_hidden_layers=2)
+    kwargs.update(overrides)
+    config = config_class(**kwargs)
+    config._attn_implementation = "eager"
+    attention = getattr(mod, f"{prefix.replace('Text', '')}Attention")
+    m = attention(config, layer_idx=layer)
+    rotary_class = getattr(mod, f"{prefix}RotaryEmbedding", None) or \
+        getattr(mod, f"{prefix.replace('Text', '')}RotaryEmbedding")
+    rotary = rotary_class(config=config)
+    torch.manual_seed(sum(map(ord, family)))
+    with torch.no_grad():  # biases and norm weights away from their defaults, so they count
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return m.eval(), rotary, config, layer, outcome
+
+
+def window_of(config, layer):
+    """transformers' rule: the layer's type from config.layer_types when
+    the family mixes them, else every layer slides when sliding_window is
+    set (Mistral); None = full attention."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return config.sliding_window if types[layer] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def module_forward(m, rotary, config, layer, x):
+    b, length, _ = x.shape
+    mask = torch.full((length, length), float("-inf"), dtype=torch.float64).triu(1)
+    window = window_of(config, layer)
+    if window:
+        mask = mask.masked_fill(torch.ones(length, length, dtype=torch.bool).tril(-window),
+                                float("-inf"))
+    mask = mask.expand(b, 1, length, length)
+    positions = torch.arange(length)[None].expand(b, length)
+    m, rotary = m.double(), rotary.double()
+    xt = torch.from_numpy(x).double()
+    with torch.no_grad():
+        try:
+            cos, sin = rotary(xt, positions)
+        except TypeError:  # families whose rotary class takes a layer type
+            cos, sin = rotary(xt, positions, config.layer_types[layer])
+        out = m(hidden_states=xt, position_embeddings=(cos, sin), attention_mask=mask)[0]
+    return out.numpy()
+
+
+def infer(http, model, x):
+    header = json.dumps({"parameters": {"causal": True, "binary_data_output": True},
+                         "inputs": [{"name": "query", "shape": list(x.shape), "datatype": "FP32",
+                                     "parameters": {"binary_data_size": x.nbytes}}]}).encode()
+    req = urllib.request.Request(f"http://{http}/v2/models/{model}/infer", data=header + x.tobytes(),
+                                 headers={"Inference-Header-Content-Length": str(len(header))})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        body = r.read()
+        json_length = int(r.headers["Inference-Header-Content-Length"])
+    answer = json.loads(body[:json_length])
+    shape = answer["outputs"][0]["shape"]
+    return np.frombuffer(body[json_length:], np.float32).reshape(shape)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--server", default=os.path.join(ROOT, "build", "server", "attnserve"))
+    args = p.parse_args()
+    import transformers
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    repo = tempfile.mkdtemp(prefix="attnserve-hf5-")
+    built, results = {}, {}
+    for family in FAMILIES:
+        try:
+            m, rotary, config, layer, outcome = build(family)
+        except Exception as e:  # a family this transformers lacks
+            results[family] = f"NOT BUILT ({type(e).__name__}: {e})"
+            continue
+        try:
+            export.export_module(m, os.path.join(repo, family))
+            built[family] = (m, rotary, config, layer)
+            if outcome != "served":
+                results[family] = f"FAIL: exported, expected a refusal naming {outcome!r}"
+        except export.ExportError as e:
+            if outcome != "served" and outcome in str(e):
+                results[family] = f"refused as expected: {e}"
+            else:
+                results[family] = f"FAIL: refused: {e}"
+    server = subprocess.Popen([args.server, "--address", "127.0.0.1:0", "--metrics-address",
+                               "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--backend", "cpu",
+                               "--model-repository", repo],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    http = None
+    deadline = time.monotonic() + 120
+    for line in server.stdout:
+        m = re.search(r"attnserve http on (\S+)", line)
+        if m:
+            http = m.group(1)
+        if "listening on" in line or time.monotonic() > deadline:
+            break
+    try:
+        rng = np.random.default_rng(1)
+        for family, (m, rotary, config, layer) in built.items():
+            x = rng.uniform(-1, 1, (2, 48, 64)).astype(np.float32)
+            want = module_forward(m, rotary, config, layer, x)
+            got = infer(http, family, x)
+            rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            ok = rel < 2e-5
+            results[family] = f"{'ok' if ok else 'FAIL'}: relative error {rel:.2e}"
+    finally:
+        server.terminate()
+        server.wait(30)
+    width = max(map(len, results))
+    for family in FAMILIES:
+        print(f"{family:<{width}}  {results.get(family, 'FAIL: not run')}")
+    return 0 if all(not r.startswith(("FAIL", "NOT")) for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
