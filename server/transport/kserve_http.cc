@@ -12,6 +12,7 @@
 #include <thread>
 
 #include <cstdlib>
+#include <ctime>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +22,17 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "server/transport/kserve_json.h"
+
+// civetweb 1.15 as Debian builds it formats every response's Date header
+// with gmtime(), whose result lives in one static buffer: two workers (or a
+// worker and the /metrics endpoint, also civetweb) answering at once race on
+// it (ThreadSanitizer saw it). This definition preempts libc's for the whole
+// process (the executable's symbols come first in the dynamic lookup) and
+// gives each thread its own buffer, as gmtime_r does.
+extern "C" struct tm* gmtime(const time_t* t) {
+  thread_local struct tm result;
+  return gmtime_r(t, &result);
+}
 
 namespace attnserve {
 namespace {

@@ -329,15 +329,15 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "mistral", "gemma2-sliding",
                                     "gpt-oss-sliding"])
 def test_a_session_continues_its_positions(served, family):
-    """Prefill 24 tokens, then 40 single-token steps: every step equals the
+    """Prefill 24 tokens, then 100 single-token steps: every step equals the
     matching row of one causal request over the whole sequence."""
     client, _, _, _ = served
-    x = np.random.default_rng(3).uniform(-1, 1, (1, 64, 64)).astype(np.float32)
+    x = np.random.default_rng(3).uniform(-1, 1, (1, 124, 64)).astype(np.float32)
     whole = client.attend(x, model=family, causal=True).output
     with client.open_session(family) as session:
         prefill = session.attend(x[:, :24], causal=True).output
         assert _rel(prefill, whole[:, :24]) < 1e-5
-        for t in range(24, 64):
+        for t in range(24, 124):
             step = session.attend(x[:, t:t + 1], causal=True).output
             assert _rel(step, whole[:, t:t + 1]) < 1e-5, f"step {t}"
 
@@ -402,6 +402,39 @@ def test_positions_are_refused_where_they_would_change_nothing(served):
         with pytest.raises(Exception) as e:
             session.attend(x, causal=True, positions=[[0, 1, 2, 3]])
         assert "positions: not supported with session_id" in str(e.value)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ragged_batches_with_key_lengths(served, family):
+    """Three sequences of 40, 23 and 31 tokens right-padded to 40, with
+    key_lengths: each sequence's real rows equal the module's forward on
+    that sequence alone (float64)."""
+    client, modules, configs, _ = served
+    lengths = [40, 23, 31]
+    x = np.random.default_rng(6).uniform(-1, 1, (3, 40, 64)).astype(np.float32)
+    got = client.attend(x, model=family, causal=True, key_lengths=lengths).output
+    for b, n in enumerate(lengths):
+        want = _module_forward(modules[family], x[b:b + 1, :n], configs[family].get("sliding_window"))
+        assert _rel(got[b:b + 1, :n], want) < 2e-5, f"sequence {b}: {_rel(got[b:b + 1, :n], want)}"
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "gemma2-sliding", "gpt-oss-sliding"])
+def test_bf16_layers_within_bf16_tolerance(tmp_path, family):
+    """The same modules exported with precision bf16 (weights and products in
+    bfloat16): within bf16's tolerance of the float64 forward."""
+    import harness
+    from attnserve_client import AttentionClient
+    module = _served_module(family)
+    config = export_module(module, str(tmp_path / family), precision="bf16")
+    x = np.random.default_rng(7).uniform(-1, 1, (2, 40, 64)).astype(np.float32)
+    want = _module_forward(module, x, config.get("sliding_window"))
+    server = harness.ServerProcess("--model-repository", str(tmp_path), "--backend", "cpu")
+    try:
+        with AttentionClient(server.target, timeout=120) as client:
+            got = client.attend(x, model=family, causal=True).output
+    finally:
+        assert server.stop() == 0, server.log()
+    assert _rel(got, want) < 2e-2, _rel(got, want)
 
 
 def test_gemma2_exports_its_window_softcap_and_scale(served):

@@ -4,6 +4,11 @@
 // and serving on after bad requests.
 #include "server/attn_server.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -436,6 +441,60 @@ TEST(AttnServerStartTest, PortInUseFailsAndShutdownRefusesNewCalls) {
   v1::ListModelsResponse list;
   EXPECT_EQ(stub->ListModels(&context, v1::ListModelsRequest(), &list).error_code(),
             grpc::StatusCode::UNAVAILABLE);
+}
+
+// One HTTP/1.1 request on a fresh connection; the whole answer (the server
+// closes: "Connection: close").
+std::string HttpRequest(int port, const std::string& request) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+  std::string answer;
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof to) == 0) {
+    (void)!write(fd, request.data(), request.size());
+    char buf[4096];
+    for (ssize_t n; (n = read(fd, buf, sizeof buf)) > 0;) answer.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  return answer;
+}
+
+// The KServe HTTP endpoint in process (what the sanitizers see of it):
+// concurrent JSON inferences through the batcher, each answered 200 with the
+// values one key gives (softmax over one key is 1: the output is its value
+// row), then a graceful shutdown.
+TEST(AttnServerHttpTest, ConcurrentJsonInferencesThenShutdown) {
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.metrics_address = "127.0.0.1:0";
+  options.http.address = "127.0.0.1:0";
+  options.backend = "cpu";
+  absl::StatusOr<std::unique_ptr<AttnServer>> server = AttnServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = (*server)->http_address();
+  ASSERT_FALSE(address.empty());
+  const int port = std::stoi(address.substr(address.rfind(':') + 1));
+  // One key: each query row's output is that key's value row exactly.
+  const std::string body =
+      R"({"inputs": [{"name": "query", "shape": [1, 1, 2, 2], "datatype": "FP32", "data": [1, 2, 3, 4]},
+                     {"name": "key", "shape": [1, 1, 1, 2], "datatype": "FP32", "data": [0.5, 0.5]},
+                     {"name": "value", "shape": [1, 1, 1, 2], "datatype": "FP32", "data": [7, -3]}]})";
+  const std::string request = absl::StrCat(
+      "POST /v2/models/sdpa/infer HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: ",
+      body.size(), "\r\n\r\n", body);
+  std::vector<std::future<std::string>> answers;
+  for (int i = 0; i < 8; ++i) {
+    answers.push_back(std::async(std::launch::async, [&] { return HttpRequest(port, request); }));
+  }
+  for (auto& a : answers) {
+    const std::string answer = a.get();
+    EXPECT_THAT(answer, HasSubstr("HTTP/1.1 200"));
+    EXPECT_THAT(answer, HasSubstr(R"("data":[7.0,-3.0,7.0,-3.0])"));
+  }
+  (*server)->Shutdown();
+  server->reset();
 }
 
 }  // namespace
