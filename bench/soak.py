@@ -14,7 +14,9 @@ Mix (each client thread draws one per iteration): unary and stream; valid
 small (sdpa, B1 H2 L8 D16, every 50th checked against NumPy) and large (sdpa
 B1 H8 L256 D64, demo-mha 128 tokens); invalid (shape mismatch, NaN, scores
 over the work bound, unknown model, unparseable bytes on every RPC); cancelled
-in flight; deadlines of 1 ms. RSS growth is the median of the last 10% of
+in flight; deadlines of 1 ms; with SOAK_HTTP, KServe v2 over HTTP (JSON and binary inferences,
+malformed JSON, an unknown model, a Content-Length over the limit, a body cut
+short). RSS growth is the median of the last 10% of
 samples minus the median of the first 10% after warm-up (a leak moves both the
 trend and the peak; transient large requests move only the peak, which is
 reported too).
@@ -133,6 +135,77 @@ class Load:
             raise AssertionError(f"bad large output {out.shape}")
         self.record("large", C.OK, ALLOWED["large"])
 
+    def do_http(self, client, raw, stream, rng, n):
+        """KServe v2 over HTTP, valid and hostile, each with the status the
+        API gives it: JSON and binary inferences (every 10th checked against
+        NumPy), malformed JSON 400, an unknown model 404, a Content-Length
+        over the limit 413, and a body cut short (the client leaves)."""
+        import socket
+        import urllib.error
+        import urllib.request
+        http = os.environ["SOAK_HTTP"]
+        host, port = http.rsplit(":", 1)
+        case = n % 6
+
+        def post(path, body, headers=None):
+            req = urllib.request.Request(f"http://{http}{path}", data=body, headers=headers or {})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, r.read(), r.headers
+            except urllib.error.HTTPError as e:
+                return e.code, e.read(), e.headers
+
+        q = rng.standard_normal((1, 2, 8, 16)).astype(np.float32)
+        k = rng.standard_normal((1, 2, 12, 16)).astype(np.float32)
+        v = rng.standard_normal((1, 2, 12, 16)).astype(np.float32)
+        arrays = (("query", q), ("key", k), ("value", v))
+        if case in (0, 1):
+            if case == 0:
+                body = json.dumps({"inputs": [{"name": name, "shape": list(a.shape),
+                                               "datatype": "FP32", "data": a.ravel().tolist()}
+                                              for name, a in arrays]}).encode()
+                status, out, _ = post("/v2/models/sdpa/infer", body)
+                got = np.array(json.loads(out)["outputs"][0]["data"], np.float32) \
+                    if status == 200 else None
+            else:
+                header = json.dumps({
+                    "inputs": [{"name": name, "shape": list(a.shape), "datatype": "FP32",
+                                "parameters": {"binary_data_size": a.nbytes}}
+                               for name, a in arrays],
+                    "parameters": {"binary_data_output": True}}).encode()
+                status, out, headers = post(
+                    "/v2/models/sdpa/infer", header + b"".join(a.tobytes() for _, a in arrays),
+                    {"Inference-Header-Content-Length": str(len(header))})
+                got = None
+                if status == 200:
+                    split = int(headers["Inference-Header-Content-Length"])
+                    got = np.frombuffer(out[split:], np.float32)
+            if status != 200:
+                raise AssertionError(f"HTTP infer answered {status}: {out[:200]!r}")
+            if n % 10 == 0 and not np.allclose(got.reshape(1, 2, 8, 16), reference(q, k, v),
+                                                rtol=1e-4, atol=1e-5):
+                raise AssertionError("HTTP output differs from the NumPy reference")
+        elif case == 2:
+            status, out, _ = post("/v2/models/sdpa/infer", b'{"inputs": [{"name": ')
+            if status != 400 or b"malformed JSON" not in out:
+                raise AssertionError(f"malformed JSON answered {status}: {out[:200]!r}")
+        elif case == 3:
+            status, out, _ = post("/v2/models/no-such-model/infer", b'{"inputs": []}')
+            if status != 404:
+                raise AssertionError(f"unknown model answered {status}: {out[:200]!r}")
+        elif case == 4:
+            with socket.create_connection((host, int(port)), timeout=30) as sock:
+                sock.sendall(b"POST /v2/models/sdpa/infer HTTP/1.1\r\nHost: x\r\n"
+                             b"Content-Length: 1099511627776\r\n\r\n")
+                answer = sock.recv(4096)
+            if not answer.startswith(b"HTTP/1.1 413"):
+                raise AssertionError(f"oversize Content-Length answered {answer[:100]!r}")
+        else:
+            with socket.create_connection((host, int(port)), timeout=30) as sock:
+                sock.sendall(b"POST /v2/models/sdpa/infer HTTP/1.1\r\nHost: x\r\n"
+                             b"Content-Length: 5000\r\n\r\n{\"inputs\"")
+        self.record("http", C.OK, ALLOWED["http"])
+
     def do_invalid(self, client, raw, stream, rng, n):
         """Each case has the one code the API documents for it."""
         case = n % 5
@@ -217,7 +290,11 @@ class Load:
 
 
 WEIGHTS = {"small": 10, "large": 2, "invalid": 5, "stream": 2, "cancel": 2, "deadline": 2}
+if os.environ.get("SOAK_HTTP"):  # the KServe HTTP endpoint's host:port
+    WEIGHTS["http"] = 4
 ALLOWED = {
+    # do_http checks each case's own status; OK means it got it.
+    "http": {C.OK},
     "small": {C.OK},
     "large": {C.OK},
     # Each case is checked against its own code in do_invalid; these are the

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Soak: a real attnserve under mixed load (unary and stream, valid and
-# invalid, small and large, cancellations, 1 ms deadlines) for DURATION
+# invalid, small and large, cancellations, 1 ms deadlines, KServe v2 over
+# HTTP valid and hostile) for DURATION
 # seconds, its RSS and open file descriptors sampled; fails on RSS growth
 # after warm-up over SOAK_RSS_BOUND_MB, on descriptors left open, or on any
 # status a request's kind does not allow (bench/soak.py has the mix).
@@ -18,16 +19,18 @@ here=$(cd "$(dirname "$0")" && pwd)
 source "$here/lib.sh"  # stops the server however this script exits
 
 bench_start target "$bench_tmp/server.log" "$build/server/attnserve" --address=127.0.0.1:0 \
-  --metrics-address=127.0.0.1:0 --http-address=127.0.0.1:0 ${ATTNSERVE_ARGS:-}
+  --metrics-address=127.0.0.1:0 --http-address=127.0.0.1:0 --http-request-timeout=2s \
+  ${ATTNSERVE_ARGS:-}
 pid=$bench_last_pid
-echo "soak: attnserve pid $pid on $target for ${duration} s"
+http=$(grep -o -m1 "http on [0-9.]*:[0-9]*" "$bench_tmp/server.log" | awk '{print $3}')
+echo "soak: attnserve pid $pid on $target (HTTP $http) for ${duration} s"
 status=0
-/usr/bin/python3 "$here/soak.py" "$target" "$pid" "$duration" || status=$?
+SOAK_HTTP=$http /usr/bin/python3 "$here/soak.py" "$target" "$pid" "$duration" || status=$?
 if ! kill -0 "$pid" 2>/dev/null; then
   echo "soak: FAILED: the server died" >&2
   cat "$bench_tmp/server.log" >&2
   exit 1
 fi
 # Log lines other than startup: a hostile mix must not write any.
-grep -v -e "listening on" -e "metrics on" -e "^attnserve: " "$bench_tmp/server.log" | head -20 || true
+grep -v -e "listening on" -e "metrics on" -e "http on" -e "^attnserve: " "$bench_tmp/server.log" | head -20 || true
 exit "$status"
