@@ -64,7 +64,8 @@ void PointAtPagedKv(const PagedKv& cache, AttentionParams* p);
 // Gather fallback for kernels that read only contiguous K/V: when
 // p->k_blocks is set, copies the blocks into `scratch` as contiguous head
 // layout [1, Hkv, kv_len, D] and rewrites `p` to read from there (k_blocks
-// cleared); released (null) blocks read as zeros. No-op otherwise. `scratch` must outlive the use of `p`.
+// cleared); released (null) blocks read as zeros. No-op otherwise.
+// `scratch` must outlive the use of `p`.
 void GatherPagedKv(AttentionParams* p, std::vector<char>* scratch);
 
 }  // namespace attnserve

@@ -44,7 +44,9 @@ class CudaEngine final : public AttentionEngine {
   absl::Status Accepts(const LayerConfig& layer, const AttentionTask& task) const override {
     (void)layer;
     std::string missing;
-    auto add = [&](const char* what) { absl::StrAppend(&missing, missing.empty() ? "" : ", ", what); };
+    auto add = [&](const char* what) {
+      absl::StrAppend(&missing, missing.empty() ? "" : ", ", what);
+    };
     if (task.window > 0) add("window");
     if (task.softcap > 0.0f) add("softcap");
     if (!task.sinks.empty()) add("sinks");

@@ -631,7 +631,8 @@ absl::Status CheckLayerOptions(const AttendInputs& request, const LayerConfig& l
   }
   task->softcap = request.softcap;
   if (request.sinks.present) {
-    absl::StatusOr<TensorView> sinks = ViewInput(request.sinks, "sinks", options.max_input_elements);
+    absl::StatusOr<TensorView> sinks =
+        ViewInput(request.sinks, "sinks", options.max_input_elements);
     if (!sinks.ok()) return sinks.status();
     if (sinks->dtype != DType::kFloat32) {
       return absl::InvalidArgumentError(absl::StrCat(

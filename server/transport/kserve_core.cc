@@ -18,8 +18,9 @@
 namespace attnserve {
 namespace {
 
-void AddTensor(google::protobuf::RepeatedPtrField<inference::ModelMetadataResponse::TensorMetadata>* to,
-               const char* name, const char* datatype, std::initializer_list<int64_t> shape) {
+void AddTensor(
+    google::protobuf::RepeatedPtrField<inference::ModelMetadataResponse::TensorMetadata>* to,
+    const char* name, const char* datatype, std::initializer_list<int64_t> shape) {
   auto* t = to->Add();
   t->set_name(name);
   t->set_datatype(datatype);

@@ -9,11 +9,10 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <thread>
-
 #include <cstdlib>
 #include <ctime>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -40,8 +39,8 @@ namespace {
 constexpr char kJson[] = "application/json";
 
 // Sends `body` with `status` (keep-alive as the client asked).
-int Reply(mg_connection* conn, int status, absl::string_view body,
-          const char* content_type = kJson, int64_t json_length = -1, bool close = false) {
+int Reply(mg_connection* conn, int status, absl::string_view body, const char* content_type = kJson,
+          int64_t json_length = -1, bool close = false) {
   mg_response_header_start(conn, status);
   mg_response_header_add(conn, "Content-Type", content_type, -1);
   const std::string length = absl::StrCat(body.size());
@@ -75,9 +74,9 @@ absl::StatusOr<std::string> ReadBody(mg_connection* conn, const mg_request_info*
                                      int64_t limit) {
   std::string body;
   if (info->content_length > limit) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "request body: Content-Length ", info->content_length, " is over the server's limit of ",
-        limit, " bytes (--http-max-body-bytes)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request body: Content-Length ", info->content_length,
+                     " is over the server's limit of ", limit, " bytes (--http-max-body-bytes)"));
   }
   if (info->content_length >= 0) {
     body.resize(static_cast<size_t>(info->content_length));
@@ -85,9 +84,9 @@ absl::StatusOr<std::string> ReadBody(mg_connection* conn, const mg_request_info*
     while (got < body.size()) {
       const int n = mg_read(conn, body.data() + got, body.size() - got);
       if (n <= 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "request body: the connection ended after ", got, " of the ", body.size(),
-            " bytes Content-Length announced"));
+        return absl::InvalidArgumentError(absl::StrCat("request body: the connection ended after ",
+                                                       got, " of the ", body.size(),
+                                                       " bytes Content-Length announced"));
       }
       got += static_cast<size_t>(n);
     }
@@ -98,9 +97,9 @@ absl::StatusOr<std::string> ReadBody(mg_connection* conn, const mg_request_info*
     const int n = mg_read(conn, chunk, sizeof chunk);
     if (n <= 0) break;
     if (static_cast<int64_t>(body.size()) + n > limit) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "request body: more than the server's limit of ", limit,
-          " bytes (--http-max-body-bytes)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("request body: more than the server's limit of ", limit,
+                       " bytes (--http-max-body-bytes)"));
     }
     body.append(chunk, static_cast<size_t>(n));
   }
@@ -111,19 +110,30 @@ absl::StatusOr<std::string> ReadBody(mg_connection* conn, const mg_request_info*
 
 int HttpStatusOf(absl::StatusCode code) {
   switch (code) {
-    case absl::StatusCode::kOk: return 200;
-    case absl::StatusCode::kUnauthenticated: return 401;
-    case absl::StatusCode::kPermissionDenied: return 403;
-    case absl::StatusCode::kNotFound: return 404;
-    case absl::StatusCode::kAborted: return 409;
-    case absl::StatusCode::kResourceExhausted: return 429;
+    case absl::StatusCode::kOk:
+      return 200;
+    case absl::StatusCode::kUnauthenticated:
+      return 401;
+    case absl::StatusCode::kPermissionDenied:
+      return 403;
+    case absl::StatusCode::kNotFound:
+      return 404;
+    case absl::StatusCode::kAborted:
+      return 409;
+    case absl::StatusCode::kResourceExhausted:
+      return 429;
     case absl::StatusCode::kInternal:
     case absl::StatusCode::kUnknown:
-    case absl::StatusCode::kDataLoss: return 500;
-    case absl::StatusCode::kUnimplemented: return 501;
-    case absl::StatusCode::kUnavailable: return 503;
-    case absl::StatusCode::kDeadlineExceeded: return 504;
-    default: return 400;
+    case absl::StatusCode::kDataLoss:
+      return 500;
+    case absl::StatusCode::kUnimplemented:
+      return 501;
+    case absl::StatusCode::kUnavailable:
+      return 503;
+    case absl::StatusCode::kDeadlineExceeded:
+      return 504;
+    default:
+      return 400;
   }
 }
 
@@ -139,8 +149,8 @@ absl::StatusOr<std::unique_ptr<KServeHttpServer>> KServeHttpServer::Start(
       options.request_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--http-threads must be >= 1, --http-max-body-bytes >= 1, --http-max-header-bytes >= "
-        "1024 and --http-request-timeout > 0; got ", options.threads, ", ",
-        options.max_body_bytes, ", ", options.max_header_bytes, ", ",
+        "1024 and --http-request-timeout > 0; got ",
+        options.threads, ", ", options.max_body_bytes, ", ", options.max_header_bytes, ", ",
         absl::FormatDuration(options.request_timeout)));
   }
   const size_t colon = options.address.rfind(':');
@@ -151,19 +161,17 @@ absl::StatusOr<std::unique_ptr<KServeHttpServer>> KServeHttpServer::Start(
   std::unique_ptr<KServeHttpServer> server(new KServeHttpServer(options, core, tokens));
   const std::string threads = absl::StrCat(options.threads);
   const std::string timeout = absl::StrCat(absl::ToInt64Milliseconds(options.request_timeout));
-  const std::string keep_alive = absl::StrCat(absl::ToInt64Milliseconds(options.keep_alive_timeout));
+  const std::string keep_alive =
+      absl::StrCat(absl::ToInt64Milliseconds(options.keep_alive_timeout));
   const std::string header_bytes = absl::StrCat(options.max_header_bytes);
-  const char* mg_options[] = {"listening_ports", options.address.c_str(),
-                              "num_threads", threads.c_str(),
-                              "request_timeout_ms", timeout.c_str(),
-                              "keep_alive_timeout_ms", keep_alive.c_str(),
-                              "enable_keep_alive", "yes",
-                              "max_request_size", header_bytes.c_str(),
+  const char* mg_options[] = {"listening_ports", options.address.c_str(), "num_threads",
+                              threads.c_str(), "request_timeout_ms", timeout.c_str(),
+                              "keep_alive_timeout_ms", keep_alive.c_str(), "enable_keep_alive",
+                              "yes", "max_request_size", header_bytes.c_str(),
                               // Headers and body are two writes: without it
                               // Nagle holds the body for the client's
                               // delayed ACK (40 ms a small answer).
-                              "tcp_nodelay", "1",
-                              nullptr};
+                              "tcp_nodelay", "1", nullptr};
   mg_callbacks callbacks{};
   // civetweb logs every failure to stderr by itself; the status says it.
   callbacks.log_message = [](const mg_connection*, const char*) { return 1; };
@@ -175,7 +183,8 @@ absl::StatusOr<std::unique_ptr<KServeHttpServer>> KServeHttpServer::Start(
   mg_set_request_handler(server->context_, "/v2", &KServeHttpServer::Handle, server.get());
   mg_server_port port{};
   if (mg_get_server_ports(server->context_, 1, &port) < 1) {
-    return absl::UnavailableError(absl::StrCat("--http-address: no port bound for ", options.address));
+    return absl::UnavailableError(
+        absl::StrCat("--http-address: no port bound for ", options.address));
   }
   server->address_ = absl::StrCat(options.address.substr(0, colon), ":", port.port);
   return server;
@@ -233,7 +242,8 @@ int KServeHttpServer::Serve(mg_connection* conn) {
     if (!get) return method_not_allowed("GET");
     if (path[2] == "live") return Reply(conn, 200, "");
     if (path[2] == "ready") return Reply(conn, calls_.shutting_down() ? 400 : 200, "");
-    return ReplyError(conn, absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
+    return ReplyError(conn,
+                      absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
   }
 
   ModelAccess access;
@@ -254,8 +264,8 @@ int KServeHttpServer::Serve(mg_connection* conn) {
     if (!post) return method_not_allowed("POST");
     absl::StatusOr<std::string> body = ReadBody(conn, info, options_.max_body_bytes);
     if (!body.ok()) return ReplyBodyError(conn, body.status());
-    bool ready_only = body->find("\"ready\"") != std::string::npos &&
-                      body->find("true") != std::string::npos;
+    bool ready_only =
+        body->find("\"ready\"") != std::string::npos && body->find("true") != std::string::npos;
     inference::RepositoryIndexResponse index;
     core_->RepositoryIndex(ready_only, access, &index);
     return Reply(conn, 200, RepositoryIndexJson(index));
@@ -269,7 +279,8 @@ int KServeHttpServer::Serve(mg_connection* conn) {
     return Reply(conn, 200, ModelStatisticsJson(stats));
   }
   if (path.size() < 3 || path[1] != "models") {
-    return ReplyError(conn, absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
+    return ReplyError(conn,
+                      absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
   }
 
   // /v2/models/{model}[/versions/{version}][/{action}]
@@ -281,7 +292,8 @@ int KServeHttpServer::Serve(mg_connection* conn) {
     next = 5;
   }
   if (path.size() > next + 1) {
-    return ReplyError(conn, absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
+    return ReplyError(conn,
+                      absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
   }
   const std::string action = path.size() == next + 1 ? path[next] : "";
   if (absl::Status s = access.Check(model, [] { return std::string(); }); !s.ok()) {
@@ -290,7 +302,8 @@ int KServeHttpServer::Serve(mg_connection* conn) {
   if (action.empty()) {
     if (!get) return method_not_allowed("GET");
     inference::ModelMetadataResponse m;
-    if (absl::Status s = core_->ModelMetadata(model, version, &m); !s.ok()) return ReplyError(conn, s);
+    if (absl::Status s = core_->ModelMetadata(model, version, &m); !s.ok())
+      return ReplyError(conn, s);
     return Reply(conn, 200, ModelMetadataJson(m));
   }
   if (action == "ready") {
@@ -301,7 +314,8 @@ int KServeHttpServer::Serve(mg_connection* conn) {
   if (action == "config") {
     if (!get) return method_not_allowed("GET");
     inference::ModelConfigResponse c;
-    if (absl::Status s = core_->ModelConfig(model, version, &c); !s.ok()) return ReplyError(conn, s);
+    if (absl::Status s = core_->ModelConfig(model, version, &c); !s.ok())
+      return ReplyError(conn, s);
     return Reply(conn, 200, ModelConfigJson(c));
   }
   if (action == "stats") {
@@ -313,7 +327,8 @@ int KServeHttpServer::Serve(mg_connection* conn) {
     return Reply(conn, 200, ModelStatisticsJson(stats));
   }
   if (action != "infer") {
-    return ReplyError(conn, absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
+    return ReplyError(conn,
+                      absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
   }
   if (!post) return method_not_allowed("POST");
 
@@ -328,9 +343,9 @@ int KServeHttpServer::Serve(mg_connection* conn) {
   if (const char* h = mg_get_header(conn, "Inference-Header-Content-Length"); h != nullptr) {
     if (!absl::SimpleAtoi(h, &header_length) || header_length < 0) {
       if (counted) calls_.CallDone();
-      return ReplyError(conn, absl::InvalidArgumentError(absl::StrCat(
-                                  "Inference-Header-Content-Length: must be a byte count, got '",
-                                  h, "'")));
+      return ReplyError(
+          conn, absl::InvalidArgumentError(absl::StrCat(
+                    "Inference-Header-Content-Length: must be a byte count, got '", h, "'")));
     }
   }
   JsonInferRequest request;
@@ -345,11 +360,10 @@ int KServeHttpServer::Serve(mg_connection* conn) {
   call.shutting_down = !counted;
   absl::Notification answered;
   absl::Status result;
-  core_->StartInfer(call, parsed, request.request, &decoded, &response,
-                    [&](absl::Status status) {
-                      result = std::move(status);
-                      answered.Notify();
-                    });
+  core_->StartInfer(call, parsed, request.request, &decoded, &response, [&](absl::Status status) {
+    result = std::move(status);
+    answered.Notify();
+  });
   answered.WaitForNotification();
   request.request.Clear();  // free the inputs before writing the answer
   int status;

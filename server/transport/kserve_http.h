@@ -63,8 +63,8 @@ class KServeHttpServer {
   // (nullable: no authentication) must outlive the server. Unavailable when
   // the address cannot be bound; InvalidArgument for bad options.
   static absl::StatusOr<std::unique_ptr<KServeHttpServer>> Start(const HttpOptions& options,
-                                                                  const KServeCore* core,
-                                                                  const BearerTokens* tokens);
+                                                                 const KServeCore* core,
+                                                                 const BearerTokens* tokens);
   ~KServeHttpServer();
   KServeHttpServer(const KServeHttpServer&) = delete;
   KServeHttpServer& operator=(const KServeHttpServer&) = delete;

@@ -37,7 +37,7 @@ struct Input {
   bool has_shape = false;
   int64_t binary_size = -1;  // >= 0: its bytes are in the binary part
   bool has_data = false;
-  std::string raw;  // the values, little-endian, as raw_input_contents holds them
+  std::string raw;    // the values, little-endian, as raw_input_contents holds them
   int64_t count = 0;  // values read from "data"
   // "data" read before "datatype": kept as numbers until it is known.
   std::vector<double> pending;
@@ -282,14 +282,20 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
   }
   std::string Where(absl::string_view what) {
     switch (Top()) {
-      case At::kParameters: return absl::StrCat("parameter '", key_, "': ", what);
+      case At::kParameters:
+        return absl::StrCat("parameter '", key_, "': ", what);
       case At::kInput:
-      case At::kInputParams: return InputField(absl::StrCat("\"", key_, "\" ", what));
-      case At::kShape: return InputField(absl::StrCat("shape ", what));
-      case At::kData: return InputField(absl::StrCat("data ", what));
+      case At::kInputParams:
+        return InputField(absl::StrCat("\"", key_, "\" ", what));
+      case At::kShape:
+        return InputField(absl::StrCat("shape ", what));
+      case At::kData:
+        return InputField(absl::StrCat("data ", what));
       case At::kOutput:
-      case At::kOutputParams: return absl::StrCat("outputs: \"", key_, "\" ", what);
-      default: return absl::StrCat("\"", key_, "\" ", what);
+      case At::kOutputParams:
+        return absl::StrCat("outputs: \"", key_, "\" ", what);
+      default:
+        return absl::StrCat("\"", key_, "\" ", what);
     }
   }
 
@@ -303,7 +309,8 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
         return true;
       case At::kInputParams:
         if (key_ == "binary_data_size") {
-          if (i < 0) return Fail(InputField(absl::StrCat("binary_data_size must be >= 0, got ", i)));
+          if (i < 0)
+            return Fail(InputField(absl::StrCat("binary_data_size must be >= 0, got ", i)));
           Current().binary_size = i;
           return true;
         }
@@ -371,8 +378,8 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
     }
     if (in.datatype == "INT32" || in.datatype == "INT64") {
       if (!integral) {
-        return Fail(InputField(absl::StrCat("data must hold integers for ", in.datatype,
-                                            ", got ", d)));
+        return Fail(
+            InputField(absl::StrCat("data must hold integers for ", in.datatype, ", got ", d)));
       }
       if (in.datatype == "INT32") {
         if (exact < std::numeric_limits<int32_t>::min() ||
@@ -395,8 +402,10 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
                                           "(\"parameters\": {\"binary_data_size\": n}), as in "
                                           "Triton: JSON has no such numbers")));
     }
-    return Fail(InputField(absl::StrCat("datatype must be FP32, FP16, BF16, BOOL, INT32 or "
-                                        "INT64, got '", in.datatype, "'")));
+    return Fail(
+        InputField(absl::StrCat("datatype must be FP32, FP16, BF16, BOOL, INT32 or "
+                                "INT64, got '",
+                                in.datatype, "'")));
   }
 
   bool WritePending(Input& in) {
@@ -412,9 +421,10 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
       constexpr double kExact = 9007199254740992.0;
       const bool integral = std::isfinite(d) && std::trunc(d) == d;
       if (integral && std::fabs(d) > kExact && in.datatype.rfind("INT", 0) == 0) {
-        return Fail(InputField(absl::StrCat(
-            "data value ", d, " came before \"datatype\" and is beyond 2^53, where it may "
-            "have been rounded: give \"datatype\" before \"data\"")));
+        return Fail(
+            InputField(absl::StrCat("data value ", d,
+                                    " came before \"datatype\" and is beyond 2^53, where it may "
+                                    "have been rounded: give \"datatype\" before \"data\"")));
       }
       const int64_t exact = integral && std::fabs(d) <= kExact ? static_cast<int64_t>(d) : 0;
       if (!Append(in, d, integral && std::fabs(d) <= kExact, exact)) return false;
@@ -457,9 +467,9 @@ absl::Status DecodeJsonInferRequest(std::string* body_text, int64_t header_lengt
                                     JsonInferRequest* out) {
   std::string& body = *body_text;
   if (header_length > static_cast<int64_t>(body.size())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Inference-Header-Content-Length: ", header_length, " is more than the body's ",
-        body.size(), " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Inference-Header-Content-Length: ", header_length,
+                     " is more than the body's ", body.size(), " bytes"));
   }
   const size_t json_size = header_length < 0 ? body.size() : static_cast<size_t>(header_length);
   if (body.find('\0') < json_size) {
@@ -485,16 +495,16 @@ absl::Status DecodeJsonInferRequest(std::string* body_text, int64_t header_lengt
   rapidjson::InsituStringStream stream(body.data());
   const rapidjson::ParseResult parsed =
       reader.Parse<rapidjson::kParseInsituFlag | rapidjson::kParseStopWhenDoneFlag>(stream,
-                                                                                      handler);
+                                                                                    handler);
   const size_t consumed = stream.Tell();
   body[json_size] = after;
   const absl::string_view json(body.data(), json_size);
   const absl::string_view binary = absl::string_view(body).substr(json_size);
   if (!handler.error.ok()) return handler.error;
   if (parsed.IsError()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "request body: malformed JSON at offset ", parsed.Offset(), ": ",
-        rapidjson::GetParseError_En(parsed.Code())));
+    return absl::InvalidArgumentError(absl::StrCat("request body: malformed JSON at offset ",
+                                                   parsed.Offset(), ": ",
+                                                   rapidjson::GetParseError_En(parsed.Code())));
   }
   if (consumed < json.size()) {
     // Whitespace may follow the object; anything else is not JSON.
@@ -512,13 +522,14 @@ absl::Status DecodeJsonInferRequest(std::string* body_text, int64_t header_lengt
 
   size_t offset = 0;
   for (Input& in : handler.inputs) {
-    const std::string who =
-        in.name.empty() ? std::string("an input without a name") : absl::StrCat("input '", in.name, "'");
+    const std::string who = in.name.empty() ? std::string("an input without a name")
+                                            : absl::StrCat("input '", in.name, "'");
     if (in.name.empty()) return absl::InvalidArgumentError("inputs: every input needs a \"name\"");
     if (in.datatype.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(who, ": \"datatype\" is required"));
     }
-    if (!in.has_shape) return absl::InvalidArgumentError(absl::StrCat(who, ": \"shape\" is required"));
+    if (!in.has_shape)
+      return absl::InvalidArgumentError(absl::StrCat(who, ": \"shape\" is required"));
     auto* tensor = request.add_inputs();
     tensor->set_name(in.name);
     tensor->set_datatype(in.datatype);
@@ -529,9 +540,9 @@ absl::Status DecodeJsonInferRequest(std::string* body_text, int64_t header_lengt
             absl::StrCat(who, ": both \"data\" and binary_data_size are given; send one"));
       }
       if (offset + static_cast<uint64_t>(in.binary_size) > binary.size()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            who, ": binary_data_size ", in.binary_size, " runs past the binary data (",
-            binary.size() - offset, " bytes left of ", binary.size(), ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(who, ": binary_data_size ", in.binary_size, " runs past the binary data (",
+                         binary.size() - offset, " bytes left of ", binary.size(), ")"));
       }
       request.add_raw_input_contents()->assign(binary.data() + offset,
                                                static_cast<size_t>(in.binary_size));
@@ -539,8 +550,8 @@ absl::Status DecodeJsonInferRequest(std::string* body_text, int64_t header_lengt
       continue;
     }
     if (!in.has_data) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(who, ": no values: give \"data\" or \"parameters\": {\"binary_data_size\": n}"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, ": no values: give \"data\" or \"parameters\": {\"binary_data_size\": n}"));
     }
     int64_t elements = 1;
     bool valid = true;
@@ -549,15 +560,15 @@ absl::Status DecodeJsonInferRequest(std::string* body_text, int64_t header_lengt
       if (valid) elements *= d;
     }
     if (valid && elements != in.count) {
-      return absl::InvalidArgumentError(absl::StrCat(who, ": shape holds ", elements,
-                                                     " elements, \"data\" has ", in.count));
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, ": shape holds ", elements, " elements, \"data\" has ", in.count));
     }
     *request.add_raw_input_contents() = std::move(in.raw);
   }
   if (offset != binary.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "binary data: the inputs' binary_data_size add up to ", offset, " bytes, the body has ",
-        binary.size(), " after the JSON header"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("binary data: the inputs' binary_data_size add up to ", offset,
+                     " bytes, the body has ", binary.size(), " after the JSON header"));
   }
   out->binary_by_default = handler.binary_by_default;
   for (const Output& o : handler.outputs) {
@@ -588,11 +599,21 @@ void EncodeJsonInferResponse(const inference::ModelInferResponse& response,
     for (const auto& [name, p] : response.parameters()) {
       w.Key(name.c_str());
       switch (p.parameter_choice_case()) {
-        case InferParameter::kBoolParam: w.Bool(p.bool_param()); break;
-        case InferParameter::kInt64Param: w.Int64(p.int64_param()); break;
-        case InferParameter::kDoubleParam: w.Double(p.double_param()); break;
-        case InferParameter::kUint64Param: w.Uint64(p.uint64_param()); break;
-        default: w.String(p.string_param().c_str()); break;
+        case InferParameter::kBoolParam:
+          w.Bool(p.bool_param());
+          break;
+        case InferParameter::kInt64Param:
+          w.Int64(p.int64_param());
+          break;
+        case InferParameter::kDoubleParam:
+          w.Double(p.double_param());
+          break;
+        case InferParameter::kUint64Param:
+          w.Uint64(p.uint64_param());
+          break;
+        default:
+          w.String(p.string_param().c_str());
+          break;
       }
     }
     w.EndObject();
@@ -654,9 +675,10 @@ std::string ErrorJson(absl::string_view message) {
 
 namespace {
 
-void WriteTensors(rapidjson::Writer<rapidjson::StringBuffer>& w, const char* key,
-                  const google::protobuf::RepeatedPtrField<
-                      inference::ModelMetadataResponse::TensorMetadata>& tensors) {
+void WriteTensors(
+    rapidjson::Writer<rapidjson::StringBuffer>& w, const char* key,
+    const google::protobuf::RepeatedPtrField<inference::ModelMetadataResponse::TensorMetadata>&
+        tensors) {
   w.Key(key);
   w.StartArray();
   for (const auto& t : tensors) {

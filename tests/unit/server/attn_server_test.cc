@@ -455,7 +455,9 @@ std::string HttpRequest(int port, const std::string& request) {
   if (connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof to) == 0) {
     (void)!write(fd, request.data(), request.size());
     char buf[4096];
-    for (ssize_t n; (n = read(fd, buf, sizeof buf)) > 0;) answer.append(buf, static_cast<size_t>(n));
+    for (ssize_t n; (n = read(fd, buf, sizeof buf)) > 0;) {
+      answer.append(buf, static_cast<size_t>(n));
+    }
   }
   close(fd);
   return answer;

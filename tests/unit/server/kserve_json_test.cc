@@ -145,7 +145,8 @@ TEST(KServeJsonTest, AnswersCarryJsonOrBinaryOutputsAsAsked) {
   const std::string json = body.substr(0, json_length);
   EXPECT_THAT(json, HasSubstr(R"("model_name":"sdpa","model_version":"1","id":"r")"));
   EXPECT_THAT(json, HasSubstr(R"("parameters":{"session_length":5})"));
-  EXPECT_THAT(json, HasSubstr(R"({"name":"output","datatype":"FP32","shape":[2],"data":[0.5,-1.0]})"));
+  EXPECT_THAT(json,
+              HasSubstr(R"({"name":"output","datatype":"FP32","shape":[2],"data":[0.5,-1.0]})"));
   // FP16 is binary whatever was asked: JSON has no such numbers.
   EXPECT_THAT(json, HasSubstr(R"("parameters":{"binary_data_size":2})"));
   EXPECT_EQ(body.substr(json_length), std::string("\x00\x3c", 2));
