@@ -15,6 +15,7 @@
 #include "grpcpp/server_builder.h"
 #include "server/fd_limit.h"
 #include "server/models/model_repository.h"
+#include "server/models/warmup.h"
 #include "server/transport/tls_credentials.h"
 
 namespace attnserve {
@@ -72,6 +73,22 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   }
   if (absl::Status s = server->registry_.SetDefaultModel(options.default_model); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("--default-model: ", s.message()));
+  }
+  // Before any port opens: the first client request finds the models warm.
+  if (options.model_warmup) {
+    absl::Duration total;
+    int warmed = 0;
+    for (const auto& model : server->registry_.List()) {
+      if (!model->ready()) continue;
+      absl::StatusOr<absl::Duration> took = WarmUpModel(*model);
+      if (!took.ok()) return took.status();
+      total += *took;
+      ++warmed;
+    }
+    server->warmup_summary_ =
+        absl::StrCat("warmed up ", warmed, " models in ",
+                     absl::FormatDuration(absl::Trunc(total, absl::Milliseconds(1))),
+                     " (--model-warmup)");
   }
 
   MetricsOptions metrics_options;

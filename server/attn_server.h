@@ -57,6 +57,8 @@ class AttnServer {
   // Why the HTTP endpoint is off although an address was given; empty when
   // it is on (or was not asked for).
   const std::string& http_off_reason() const { return http_off_reason_; }
+  // "warmed up N models in T (--model-warmup)"; empty without warm-up.
+  const std::string& warmup_summary() const { return warmup_summary_; }
   const Metrics& metrics() const { return *metrics_; }
   const ModelRegistry& registry() const { return registry_; }
   const SessionManager& sessions() const { return *sessions_; }
@@ -89,6 +91,7 @@ class AttnServer {
   std::unique_ptr<KServeCore> kserve_core_;
   std::unique_ptr<KServeHttpServer> http_;
   std::string http_off_reason_;
+  std::string warmup_summary_;
   std::unique_ptr<MemoryTrimmer> trimmer_;  // null when the interval is 0
   std::string address_;
   int port_ = 0;

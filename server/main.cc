@@ -81,6 +81,9 @@ ABSL_FLAG(int64_t, http_max_header_bytes, kDefaults.http.max_header_bytes,
           "largest HTTP request line plus headers");
 ABSL_FLAG(absl::Duration, http_request_timeout, kDefaults.http.request_timeout,
           "an HTTP client that takes longer to send its request is disconnected");
+ABSL_FLAG(bool, model_warmup, kDefaults.model_warmup,
+          "compute a warm-up batch on every model before serving, so that no client request "
+          "pays the engine's first-call costs");
 ABSL_FLAG(int, threads, kDefaults.engine_threads,
           "threads inside one engine call; 0 = one per CPU the process may use (the cgroup "
           "CPU quota when one is set, e.g. docker --cpus or Kubernetes limits.cpu)");
@@ -304,6 +307,7 @@ int main(int argc, char** argv) {
   attnserve::ServerOptions options;
   options.address = absl::GetFlag(FLAGS_address);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  options.model_warmup = absl::GetFlag(FLAGS_model_warmup);
   options.http.address = absl::GetFlag(FLAGS_http_address);
   options.http.threads = absl::GetFlag(FLAGS_http_threads);
   options.http.max_body_bytes = absl::GetFlag(FLAGS_http_max_body_bytes);
@@ -402,6 +406,9 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "attnserve metrics on %s\n", (*server)->metrics_address().c_str());
   if (!(*server)->http_address().empty()) {
     std::fprintf(stderr, "attnserve http on %s\n", (*server)->http_address().c_str());
+  }
+  if (!(*server)->warmup_summary().empty()) {
+    std::fprintf(stderr, "attnserve: %s\n", (*server)->warmup_summary().c_str());
   }
   if (!(*server)->http_off_reason().empty()) {
     std::fprintf(stderr, "attnserve: %s\n", (*server)->http_off_reason().c_str());

@@ -110,6 +110,10 @@ struct ServerOptions {
   // Default: off (address ""); the attnserve binary's flag defaults to
   // 127.0.0.1:8000, Triton's port.
   HttpOptions http;
+  // Compute a warm-up batch on every ready model before serving
+  // (--model-warmup; server/models/warmup.h), so that no client request is
+  // the engine's first. Default: true.
+  bool model_warmup = true;
   // Bearer tokens every call except health must present
   // (--auth-token-file; format in server/transport/bearer_tokens.h). Read
   // once at startup. Default: none = no authentication.
