@@ -264,10 +264,10 @@ int KServeHttpServer::Serve(mg_connection* conn) {
     if (!post) return method_not_allowed("POST");
     absl::StatusOr<std::string> body = ReadBody(conn, info, options_.max_body_bytes);
     if (!body.ok()) return ReplyBodyError(conn, body.status());
-    bool ready_only =
-        body->find("\"ready\"") != std::string::npos && body->find("true") != std::string::npos;
+    absl::StatusOr<bool> ready_only = DecodeIndexRequest(&*body);
+    if (!ready_only.ok()) return ReplyError(conn, ready_only.status());
     inference::RepositoryIndexResponse index;
-    core_->RepositoryIndex(ready_only, access, &index);
+    core_->RepositoryIndex(*ready_only, access, &index);
     return Reply(conn, 200, RepositoryIndexJson(index));
   }
   if (path.size() == 3 && path[1] == "models" && path[2] == "stats") {  // every model

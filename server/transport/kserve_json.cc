@@ -663,6 +663,48 @@ void EncodeJsonInferResponse(const inference::ModelInferResponse& response,
   for (int i : binary) body->append(response.raw_output_contents(i));
 }
 
+namespace {
+
+// {"ready": bool}: the one field of a repository index request.
+struct IndexHandler : rapidjson::BaseReaderHandler<rapidjson::UTF8<>, IndexHandler> {
+  bool ready = false;
+  int depth = 0;
+  std::string key, error;
+  bool Default() {
+    error = "must be {\"ready\": true|false}";
+    return false;
+  }
+  bool StartObject() { return ++depth == 1 || Default(); }
+  bool EndObject(rapidjson::SizeType) { return --depth >= 0; }
+  bool Key(const char* str, rapidjson::SizeType length, bool) {
+    key.assign(str, length);
+    return key == "ready" || Default();
+  }
+  bool Bool(bool b) {
+    ready = b;
+    return true;
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<bool> DecodeIndexRequest(std::string* body) {
+  if (body->find_first_not_of(" \t\r\n") == std::string::npos) return false;
+  IndexHandler handler;
+  rapidjson::Reader reader;
+  rapidjson::InsituStringStream stream(body->data());  // std::string ends with a NUL
+  const rapidjson::ParseResult parsed = reader.Parse<rapidjson::kParseInsituFlag>(stream, handler);
+  if (!handler.error.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("request body: ", handler.error));
+  }
+  if (parsed.IsError()) {
+    return absl::InvalidArgumentError(absl::StrCat("request body: malformed JSON at offset ",
+                                                   parsed.Offset(), ": ",
+                                                   rapidjson::GetParseError_En(parsed.Code())));
+  }
+  return handler.ready;
+}
+
 std::string ErrorJson(absl::string_view message) {
   rapidjson::StringBuffer buffer;
   rapidjson::Writer<rapidjson::StringBuffer> w(buffer);

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "inference/grpc_service.pb.h"
 
@@ -52,6 +53,10 @@ absl::Status DecodeJsonInferRequest(std::string* body, int64_t header_length,
 void EncodeJsonInferResponse(const inference::ModelInferResponse& response,
                              const JsonInferRequest& request, std::string* body,
                              size_t* json_length);
+
+// The body of POST /v2/repository/index: {"ready": bool} (empty = {}),
+// parsed in place. InvalidArgument for anything else.
+absl::StatusOr<bool> DecodeIndexRequest(std::string* body);
 
 // {"error": message}
 std::string ErrorJson(absl::string_view message);

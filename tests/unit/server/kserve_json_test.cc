@@ -123,6 +123,21 @@ TEST(KServeJsonTest, RefusalsNameTheFieldAndTheRule) {
   }
 }
 
+TEST(KServeJsonTest, IndexRequestsSayWhetherOnlyReadyModels) {
+  for (const auto& [body, ready] : {std::pair<std::string, bool>{"", false},
+                                    {"{}", false},
+                                    {R"({"ready": true})", true},
+                                    {R"( {"ready": false} )", false}}) {
+    std::string text = body;
+    absl::StatusOr<bool> got = DecodeIndexRequest(&text);
+    ASSERT_TRUE(got.ok()) << body << ": " << got.status();
+    EXPECT_EQ(*got, ready) << body;
+  }
+  for (std::string bad : {R"({"ready": "yes"})", R"({"colour": true})", "[true]", "{"}) {
+    EXPECT_EQ(DecodeIndexRequest(&bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
 TEST(KServeJsonTest, AnswersCarryJsonOrBinaryOutputsAsAsked) {
   inference::ModelInferResponse response;
   response.set_model_name("sdpa");
