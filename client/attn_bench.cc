@@ -13,6 +13,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "attnserve/v1/attention.grpc.pb.h"
@@ -34,6 +36,10 @@
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address, host:port.");
+
+// The metadata that carries a session's id on each of its calls (what a load
+// balancer hashes on; docs/OPERATIONS.md).
+constexpr char kSessionHeader[] = "x-attnserve-session";
 ABSL_FLAG(std::string, model, "", "Model name. Default: the server's default model.");
 ABSL_FLAG(std::string, layout, "auto",
           "Input layout: sdpa ([B,H,L,D] query/key/value), mha ([B,L,query_dim], "
@@ -483,13 +489,20 @@ int RunSessions(const std::vector<std::unique_ptr<pb::AttentionService::Stub>>& 
     return std::chrono::system_clock::now() +
            std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   };
+  // Each session's id is chosen here (random) and sent as
+  // x-attnserve-session metadata on every call of it, OpenSession included:
+  // a balancer hashing on it keeps the session on one replica.
   std::vector<std::string> ids(sessions);
+  std::random_device random;
   for (int i = 0; i < sessions; ++i) {
+    ids[i] = absl::StrFormat("b%08x%08x%08x%08x", random(), random(), random(), random());
     grpc::ClientContext ctx;
     ctx.set_deadline(deadline());
+    ctx.AddMetadata(kSessionHeader, ids[i]);
     pb::OpenSessionRequest req;
     req.set_model(absl::GetFlag(FLAGS_model));
     req.set_max_tokens(context + steps);
+    req.set_session_id(ids[i]);
     pb::OpenSessionResponse resp;
     grpc::Status s = stubs[i % stubs.size()]->OpenSession(&ctx, req, &resp);
     if (!s.ok()) {
@@ -497,7 +510,6 @@ int RunSessions(const std::vector<std::unique_ptr<pb::AttentionService::Stub>>& 
                    s.error_message().c_str());
       return 1;
     }
-    ids[i] = resp.session_id();
   }
   // Runs `n` requests like `base` on every session concurrently; returns the
   // wall time. Response bytes are summed into *response_bytes.
@@ -512,6 +524,7 @@ int RunSessions(const std::vector<std::unique_ptr<pb::AttentionService::Stub>>& 
         for (int64_t k = 0; k < n; ++k) {
           grpc::ClientContext ctx;
           ctx.set_deadline(deadline());
+          ctx.AddMetadata(kSessionHeader, ids[i]);
           pb::AttendResponse resp;
           const Clock::time_point t0 = Clock::now();
           grpc::Status s = stubs[i % stubs.size()]->Attend(&ctx, req, &resp);
@@ -537,6 +550,7 @@ int RunSessions(const std::vector<std::unique_ptr<pb::AttentionService::Stub>>& 
   for (int i = 0; i < sessions; ++i) {
     grpc::ClientContext ctx;
     ctx.set_deadline(deadline());
+    ctx.AddMetadata(kSessionHeader, ids[i]);
     pb::CloseSessionRequest req;
     req.set_session_id(ids[i]);
     pb::CloseSessionResponse resp;

@@ -151,7 +151,8 @@ void RequestDispatcher::StartSessionRequests(SessionManager::Next next) {
 
 absl::StatusOr<OpenedSession> RequestDispatcher::OpenSession(absl::string_view model,
                                                              absl::Duration ttl,
-                                                             int64_t max_tokens) {
+                                                             int64_t max_tokens,
+                                                             absl::string_view session_id) {
   if (sessions_ == nullptr) {
     return absl::UnimplementedError("OpenSession: this server does not serve sessions");
   }
@@ -179,7 +180,8 @@ absl::StatusOr<OpenedSession> RequestDispatcher::OpenSession(absl::string_view m
     shape.head_dim_v = layer.head_dim;
     fixed = shape;
   }
-  return sessions_->Open(served.name, fixed, ttl, max_tokens, layer.sliding_window);
+  return sessions_->Open(served.name, fixed, ttl, max_tokens, layer.sliding_window,
+                         std::string(session_id));
 }
 
 absl::StatusOr<std::string> RequestDispatcher::SessionModel(absl::string_view session_id) {

@@ -74,7 +74,8 @@ class RequestDispatcher {
   // otherwise). Errors of SessionManager::Open; Unimplemented without
   // sessions.
   absl::StatusOr<OpenedSession> OpenSession(absl::string_view model, absl::Duration ttl,
-                                            int64_t max_tokens);
+                                            int64_t max_tokens,
+                                            absl::string_view session_id = "");
   // CloseSession: the tokens the session held. Requests queued behind its
   // request in flight are answered NOT_FOUND (closed).
   absl::StatusOr<int64_t> CloseSession(absl::string_view session_id);

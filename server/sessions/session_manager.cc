@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <random>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -95,7 +96,20 @@ void SessionManager::Publish(ModelCache& cache) {
 absl::StatusOr<OpenedSession> SessionManager::Open(const std::string& model,
                                                    std::optional<SessionShape> fixed,
                                                    absl::Duration ttl, int64_t max_tokens,
-                                                   int64_t window) {
+                                                   int64_t window, const std::string& id) {
+  if (!id.empty()) {
+    const bool well_formed =
+        id.size() >= 16 && id.size() <= 128 &&
+        std::all_of(id.begin(), id.end(), [](char c) {
+          return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' ||
+                 c == '.';
+        });
+    if (!well_formed) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "session_id: a chosen id must be 16 to 128 characters of A-Z a-z 0-9 - _ . (make it "
+          "random), got ", id.size(), " characters"));
+    }
+  }
   if (ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("ttl: must be >= 0 (0 = the server's ", absl::FormatDuration(options_.ttl),
@@ -118,10 +132,14 @@ absl::StatusOr<OpenedSession> SessionManager::Open(const std::string& model,
         "sessions: ", sessions_.size(), " open, the server's limit (--max-sessions); close "
         "sessions you no longer use"));
   }
+  if (!id.empty() && (sessions_.contains(id) || gone_.contains(id))) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("session_id: session '", id, "' exists or was used recently; choose another"));
+  }
   auto s = std::make_unique<Session>();
   // "s<epoch>-<serial>-<random>": the epoch tells a restarted server's ids
   // apart, the random part makes ids hard to guess.
-  s->id = absl::StrFormat("s%s-%d-%016x", epoch_hex_, next_serial_++, RandomU64());
+  s->id = !id.empty() ? id : absl::StrFormat("s%s-%d-%016x", epoch_hex_, next_serial_++, RandomU64());
   s->cache = &CacheFor(model);
   s->shape = fixed;
   s->ttl = ttl == absl::ZeroDuration() ? options_.ttl : ttl;

@@ -84,8 +84,12 @@ class SessionManager {
   // its length, and max_tokens bounds the tokens it holds, not its length.
   // InvalidArgument for a TTL over max_ttl or max_tokens over the limit;
   // ResourceExhausted at max_sessions.
+  // `id`: the client's choice (OpenSessionRequest.session_id: 16 to 128
+  // characters of A-Z a-z 0-9 - _ .; AlreadyExists when open or recently
+  // gone), or empty for one made here.
   absl::StatusOr<OpenedSession> Open(const std::string& model, std::optional<SessionShape> fixed,
-                                     absl::Duration ttl, int64_t max_tokens, int64_t window = 0);
+                                     absl::Duration ttl, int64_t max_tokens, int64_t window = 0,
+                                     const std::string& id = "");
 
   // Closes session `id`: its blocks return to the pool (after its request in
   // flight, if any, finishes). Returns the tokens it held; requests queued

@@ -309,7 +309,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServer
           return s;
         }
         absl::StatusOr<OpenedSession> opened =
-            dispatcher_->OpenSession(in.model(), FromProto(in.ttl()), in.max_tokens());
+            dispatcher_->OpenSession(in.model(), FromProto(in.ttl()), in.max_tokens(),
+                                     in.session_id());
         if (!opened.ok()) return opened.status();
         out->set_session_id(opened->id);
         out->set_model(opened->model);

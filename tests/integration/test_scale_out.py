@@ -16,6 +16,7 @@ import subprocess
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import harness
@@ -235,3 +236,51 @@ def test_attn_bench_rejects_an_unknown_lb_policy():
     out = subprocess.run([su.attn_bench_bin(), "--target=127.0.0.1:1", "--health-check-service=x"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "needs --lb-policy=round_robin" in out.stderr
+
+
+def test_sessions_behind_nginx_stay_on_their_replica(tmp_path, replicas):
+    """32 sessions x 64 decode steps through nginx (hashing on the
+    x-attnserve-session metadata our client sends on every call of a
+    session): every step equals the NumPy oracle over the session's whole
+    sequence, none is NOT_FOUND, and the sessions spread over the replicas.
+    Then one replica stops: its sessions end with a status naming the
+    session (NOT_FOUND where nginx sends the call to another replica), the
+    others go on."""
+    import grpc
+    from attnserve_client import AttentionClient
+    lb = Nginx(tmp_path, [r.target for r in replicas])
+    rng = np.random.default_rng(12)
+    steps, n_sessions = 64, 32
+    try:
+        with AttentionClient(lb.target, timeout=60) as client:
+            sessions = [client.open_session("sdpa") for _ in range(n_sessions)]
+            q, k, v = (rng.standard_normal((n_sessions, 1, 2, steps + 1, 16)).astype(np.float32)
+                       for _ in range(3))
+            for t in range(steps):
+                for i, s in enumerate(sessions):
+                    sl = slice(t, t + 1)
+                    out = s.attend(q[i][:, :, sl], k[i][:, :, sl], v[i][:, :, sl]).output
+                    want, _ = harness.reference_attention(q[i][:, :, sl], k[i][:, :, :t + 1],
+                                                          v[i][:, :, :t + 1], causal=True)
+                    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+            held = [su.metric(su.scrape(r), "attnserve_sessions_open", model="sdpa")
+                    for r in replicas]
+            assert sum(held) == n_sessions and all(h > 0 for h in held), held
+            # One replica stops: only its sessions end, each with a clear status.
+            assert replicas[0].stop() == 0
+            lost, kept = [], 0
+            for i, s in enumerate(sessions):
+                sl = slice(steps, steps + 1)
+                try:
+                    out = s.attend(q[i][:, :, sl], k[i][:, :, sl], v[i][:, :, sl]).output
+                    want, _ = harness.reference_attention(q[i][:, :, sl], k[i], v[i], causal=True)
+                    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+                    kept += 1
+                except grpc.RpcError as e:
+                    lost.append((e.code(), e.details()))
+            assert len(lost) == held[0] and kept == n_sessions - held[0], (lost, kept, held)
+            for code, message in lost:
+                assert code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE), lost
+                assert code != grpc.StatusCode.NOT_FOUND or "session" in message, lost
+    finally:
+        lb.stop()

@@ -93,6 +93,25 @@ def session_id_of(session: Any) -> str:
     return sid
 
 
+# The gRPC metadata (and HTTP header) that carries a session's id on every
+# call of the session, OpenSession included: a load balancer that hashes on
+# it keeps a session on one replica (deploy/loadbalancer/nginx.conf).
+SESSION_HEADER = "x-attnserve-session"
+
+
+def new_session_id() -> str:
+    """A random session id (128 bits) for OpenSessionRequest.session_id."""
+    import secrets
+    return "c" + secrets.token_hex(16)
+
+
+def session_metadata(session_id: str, extra: Optional[Metadata]) -> Optional[Metadata]:
+    """`extra` plus the session's routing header (none without a session)."""
+    if not session_id:
+        return extra
+    return [*(extra or ()), (SESSION_HEADER, session_id)]
+
+
 def decode_response(resp: "attention_pb2.AttendResponse", bf16_bits: bool = False) -> AttendResult:
     weights = decode_tensor(resp.weights, bf16_bits) if resp.HasField("weights") else None
     return AttendResult(output=decode_tensor(resp.output, bf16_bits), weights=weights,

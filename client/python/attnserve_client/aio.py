@@ -119,7 +119,8 @@ class AsyncAttentionClient:
                             input_dtype=input_dtype, request_id=request_id,
                             session_id=_common.session_id_of(session), positions=positions,
                             window=window, softcap=softcap, sinks=sinks)
-        return await self.attend_request(req, timeout=timeout, bf16_bits=bf16_bits, metadata=metadata)
+        return await self.attend_request(req, timeout=timeout, bf16_bits=bf16_bits,
+                                         metadata=_common.session_metadata(req.session_id, metadata))
 
     async def attend_stream(self, requests: Any, *, timeout: Optional[float] = None,
                             bf16_bits: bool = False, return_exceptions: bool = False,
@@ -146,15 +147,19 @@ class AsyncAttentionClient:
                            timeout: Optional[float] = None,
                            metadata: Optional[Metadata] = None) -> AsyncSession:
         """See AttentionClient.open_session."""
-        req = attention_pb2.OpenSessionRequest(model=model, max_tokens=max_tokens)
+        sid = _common.new_session_id()
+        req = attention_pb2.OpenSessionRequest(model=model, max_tokens=max_tokens, session_id=sid)
         if ttl is not None:
             req.ttl.FromNanoseconds(int(round(ttl * 1e9)))
-        return AsyncSession(self, await self._call(self.stub.OpenSession, req, timeout, metadata))
+        return AsyncSession(self, await self._call(self.stub.OpenSession, req, timeout,
+                                                   _common.session_metadata(sid, metadata)))
 
     async def close_session(self, session: Any, *, timeout: Optional[float] = None,
                             metadata: Optional[Metadata] = None) -> int:
-        req = attention_pb2.CloseSessionRequest(session_id=_common.session_id_of(session))
-        resp = await self._call(self.stub.CloseSession, req, timeout, metadata)
+        sid = _common.session_id_of(session)
+        req = attention_pb2.CloseSessionRequest(session_id=sid)
+        resp = await self._call(self.stub.CloseSession, req, timeout,
+                                _common.session_metadata(sid, metadata))
         if isinstance(session, AsyncSession):
             session.closed = True
         return resp.released_tokens

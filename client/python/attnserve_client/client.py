@@ -161,7 +161,8 @@ class AttentionClient:
                             input_dtype=input_dtype, request_id=request_id,
                             session_id=_common.session_id_of(session), positions=positions,
                             window=window, softcap=softcap, sinks=sinks)
-        return self.attend_request(req, timeout=timeout, bf16_bits=bf16_bits, metadata=metadata)
+        return self.attend_request(req, timeout=timeout, bf16_bits=bf16_bits,
+                                   metadata=_common.session_metadata(req.session_id, metadata))
 
     def attend_stream(self, requests: Iterable[Any], *, timeout: Optional[float] = None,
                       bf16_bits: bool = False, return_exceptions: bool = False,
@@ -200,16 +201,19 @@ class AttentionClient:
         """Opens a KV-cache session on `model` (empty = the default model).
         ttl: idle seconds before the server closes it (None = the server's
         --session-ttl); max_tokens: cache limit (0 = the server's)."""
-        req = attention_pb2.OpenSessionRequest(model=model, max_tokens=max_tokens)
+        sid = _common.new_session_id()
+        req = attention_pb2.OpenSessionRequest(model=model, max_tokens=max_tokens, session_id=sid)
         if ttl is not None:
             req.ttl.FromNanoseconds(int(round(ttl * 1e9)))
-        return Session(self, self._call(self.stub.OpenSession, req, timeout, metadata))
+        return Session(self, self._call(self.stub.OpenSession, req, timeout,
+                                        _common.session_metadata(sid, metadata)))
 
     def close_session(self, session: Any, *, timeout: Optional[float] = None,
                       metadata: Optional[Metadata] = None) -> int:
         """Closes a session (a Session or its id); returns the tokens it released."""
-        req = attention_pb2.CloseSessionRequest(session_id=_common.session_id_of(session))
-        resp = self._call(self.stub.CloseSession, req, timeout, metadata)
+        sid = _common.session_id_of(session)
+        req = attention_pb2.CloseSessionRequest(session_id=sid)
+        resp = self._call(self.stub.CloseSession, req, timeout, _common.session_metadata(sid, metadata))
         if isinstance(session, Session):
             session.closed = True
         return resp.released_tokens

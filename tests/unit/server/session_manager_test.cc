@@ -337,5 +337,29 @@ TEST_F(SessionManagerTest, SessionsWithoutAWindowKeepEveryBlock) {
   EXPECT_EQ(m.Submit(&r).code(), absl::StatusCode::kResourceExhausted);
 }
 
+// A client-chosen id (OpenSessionRequest.session_id): used as given, well
+// formed or refused naming the rule, and never twice.
+TEST_F(SessionManagerTest, ChosenIdsAreUsedOnceAndMustBeWellFormed) {
+  SessionManager m(Options(), &clock_, nullptr);
+  const std::string id = "c0123456789abcdef0123456789abcdef";
+  absl::StatusOr<OpenedSession> s = m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, 0, id);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->id, id);
+  Run(m, id, 3);
+  EXPECT_EQ(m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, 0, id).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  std::vector<std::unique_ptr<InferenceRequest>> orphans;
+  ASSERT_TRUE(m.Close(id, &orphans).ok());
+  // Closed: still taken (its next call says closed, not unknown).
+  EXPECT_EQ(m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, 0, id).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  for (const std::string& bad :
+       {std::string("short"), std::string(129, 'a'), std::string("bad id with spaces")}) {
+    absl::Status st = m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, 0, bad).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(st.message(), HasSubstr("16 to 128 characters")) << bad;
+  }
+}
+
 }  // namespace
 }  // namespace attnserve
