@@ -139,7 +139,8 @@ absl::StatusOr<OpenedSession> SessionManager::Open(const std::string& model,
   auto s = std::make_unique<Session>();
   // "s<epoch>-<serial>-<random>": the epoch tells a restarted server's ids
   // apart, the random part makes ids hard to guess.
-  s->id = !id.empty() ? id : absl::StrFormat("s%s-%d-%016x", epoch_hex_, next_serial_++, RandomU64());
+  s->id = !id.empty() ? id
+                      : absl::StrFormat("s%s-%d-%016x", epoch_hex_, next_serial_++, RandomU64());
   s->cache = &CacheFor(model);
   s->shape = fixed;
   s->ttl = ttl == absl::ZeroDuration() ? options_.ttl : ttl;
