@@ -3,8 +3,10 @@ and checked for what an operator needs: a pinned image pulled only when absent,
 gRPC startup/readiness/liveness probes, CPU and memory requests and limits
 (the CPU limit is what --threads 0 follows), a hardened securityContext that
 matches the image's user, models from a read-only volume, a stop budget that
-covers preStop + --shutdown-grace, and a PodDisruptionBudget, an autoscaler and
-a headless Service that select the Deployment's pods."""
+covers preStop + --shutdown-grace, and a PodDisruptionBudget, an autoscaler on
+queue depth (through deploy/kubernetes/prometheus-adapter.yaml's rule, on a
+series a real server exports) and a headless Service that select the
+Deployment's pods."""
 
 import os
 import re
@@ -160,3 +162,32 @@ def test_disruption_budget_autoscaler_and_services_select_the_pods(docs, deploym
 def test_rolling_update_keeps_capacity(deployment):
     ru = deployment["spec"]["strategy"]["rollingUpdate"]
     assert ru["maxUnavailable"] == 0 and ru["maxSurge"] >= 1
+
+
+def test_autoscaler_scales_on_queue_depth_that_the_server_exports(docs):
+    """The HPA's Pods metric is what the prometheus-adapter rule serves, and
+    the rule's series is one a real server exports (with the model label the
+    rule sums over), scraped from a running attnserve."""
+    import harness
+    import serving_util as su
+    hpa = _one(docs, "HorizontalPodAutoscaler")
+    pods = [m["pods"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+    assert pods, "scale on queue depth, not CPU alone"
+    metric = pods[0]["metric"]["name"]
+    assert pods[0]["target"]["type"] == "AverageValue" and float(pods[0]["target"]["averageValue"]) > 0
+    with open(os.path.join(ROOT, "deploy", "kubernetes", "prometheus-adapter.yaml")) as f:
+        (adapter,) = [d for d in yaml.safe_load_all(f) if d]
+    rules = yaml.safe_load(adapter["data"]["config.yaml"])["rules"]
+    (rule,) = [r for r in rules if r["name"]["as"] == metric]
+    series = re.match(r"(\w+)\{", rule["seriesQuery"]).group(1)
+    assert rule["resources"]["overrides"]["pod"]["resource"] == "pod"
+    assert "sum(<<.Series>>" in rule["metricsQuery"] and "by (<<.GroupBy>>)" in rule["metricsQuery"]
+    server = harness.ServerProcess()
+    try:
+        samples = su.scrape(server)
+    finally:
+        assert server.stop() == 0
+    exported = [labels for name, labels in samples if name == series]
+    assert any(("model", "demo-mha") in labels for labels in exported), \
+        f"{series} with a model label is not among the server's metrics"
+    assert su.metric(samples, series, model="demo-mha") == 0  # idle: nothing queued
