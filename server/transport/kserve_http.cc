@@ -156,7 +156,8 @@ absl::StatusOr<std::unique_ptr<KServeHttpServer>> KServeHttpServer::Start(
   const size_t colon = options.address.rfind(':');
   if (colon == std::string::npos || colon == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--http-address: expected host:port (IPv6 as [::1]:port), got '", options.address, "'"));
+        "--http-address: expected host:port (IPv4: this civetweb has no IPv6), got '",
+        options.address, "'"));
   }
   std::unique_ptr<KServeHttpServer> server(new KServeHttpServer(options, core, tokens));
   const std::string threads = absl::StrCat(options.threads);

@@ -30,8 +30,8 @@ struct mg_connection;
 namespace attnserve {
 
 struct HttpOptions {
-  // host:port (IPv6 as [::1]:port); port 0 picks a free port. Empty: no
-  // HTTP endpoint.
+  // host:port, IPv4 (Debian's civetweb is built without IPv6); port 0 picks
+  // a free port. Empty: no HTTP endpoint.
   std::string address;
   // Connections served at once (each holds a worker thread while open,
   // keep-alive included); more wait in the listen queue. Default: 64.
