@@ -139,6 +139,19 @@ absl::Status BoolParameter(const std::string& name, const InferParameter& p, boo
   return absl::OkStatus();
 }
 
+// A float parameter (scale, softcap): double_param or int64_param.
+absl::Status NumberParameter(const std::string& name, const InferParameter& p, float* out) {
+  if (p.parameter_choice_case() == InferParameter::kDoubleParam) {
+    *out = static_cast<float>(p.double_param());
+  } else if (p.parameter_choice_case() == InferParameter::kInt64Param) {
+    *out = static_cast<float>(p.int64_param());
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter '", name, "': must be a number (double_param or int64_param)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status DecodeParameters(const ModelInferRequest& request, KServeRequest* decoded) {
   AttendInputs& in = decoded->inputs;
   for (const auto& [name, p] : request.parameters()) {
@@ -150,14 +163,7 @@ absl::Status DecodeParameters(const ModelInferRequest& request, KServeRequest* d
     } else if (name == "average_weights") {
       s = BoolParameter(name, p, &in.average_weights);
     } else if (name == "scale") {
-      if (p.parameter_choice_case() == InferParameter::kDoubleParam) {
-        in.scale = static_cast<float>(p.double_param());
-      } else if (p.parameter_choice_case() == InferParameter::kInt64Param) {
-        in.scale = static_cast<float>(p.int64_param());
-      } else {
-        s = absl::InvalidArgumentError(
-            "parameter 'scale': must be a number (double_param or int64_param)");
-      }
+      s = NumberParameter(name, p, &in.scale);
     } else if (name == "window") {
       if (p.parameter_choice_case() == InferParameter::kInt64Param) {
         in.window = p.int64_param();
@@ -167,14 +173,7 @@ absl::Status DecodeParameters(const ModelInferRequest& request, KServeRequest* d
         s = absl::InvalidArgumentError("parameter 'window': must be an integer (int64_param)");
       }
     } else if (name == "softcap") {
-      if (p.parameter_choice_case() == InferParameter::kDoubleParam) {
-        in.softcap = static_cast<float>(p.double_param());
-      } else if (p.parameter_choice_case() == InferParameter::kInt64Param) {
-        in.softcap = static_cast<float>(p.int64_param());
-      } else {
-        s = absl::InvalidArgumentError(
-            "parameter 'softcap': must be a number (double_param or int64_param)");
-      }
+      s = NumberParameter(name, p, &in.softcap);
     } else if (name == "session_id") {
       if (p.parameter_choice_case() != InferParameter::kStringParam) {
         s = absl::InvalidArgumentError("parameter 'session_id': must be a string (string_param)");

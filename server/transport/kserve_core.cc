@@ -62,10 +62,6 @@ void SetDuration(inference::StatisticDuration* d, uint64_t count, uint64_t ns) {
   d->set_ns(ns);
 }
 
-absl::Status NotReady(const ServedModel& model) {
-  return absl::UnavailableError(
-      absl::StrCat("model '", model.name, "' is not ready: ", model.reason));
-}
 
 }  // namespace
 
@@ -79,9 +75,20 @@ absl::Status KServeCore::CheckVersion(const std::string& model, const std::strin
                                           "\"; attnserve serves version \"1\" of each model"));
 }
 
+absl::StatusOr<std::shared_ptr<const ServedModel>> KServeCore::FindReady(
+    const std::string& name, const std::string& version) const {
+  absl::StatusOr<std::shared_ptr<const ServedModel>> model = registry_->Find(name);
+  if (!model.ok()) return model.status();
+  if (absl::Status s = CheckVersion((*model)->name, version); !s.ok()) return s;
+  if (!(*model)->ready()) {
+    return absl::UnavailableError(
+        absl::StrCat("model '", (*model)->name, "' is not ready: ", (*model)->reason));
+  }
+  return model;
+}
+
 bool KServeCore::ModelReady(const std::string& name, const std::string& version) const {
-  auto model = registry_->Find(name);
-  return model.ok() && (*model)->ready() && CheckVersion(name, version).ok();
+  return FindReady(name, version).ok();
 }
 
 void KServeCore::ServerMetadata(inference::ServerMetadataResponse* response) const {
@@ -94,10 +101,8 @@ void KServeCore::ServerMetadata(inference::ServerMetadataResponse* response) con
 
 absl::Status KServeCore::ModelMetadata(const std::string& name, const std::string& version,
                                        inference::ModelMetadataResponse* response) const {
-  auto model = registry_->Find(name);
+  absl::StatusOr<std::shared_ptr<const ServedModel>> model = FindReady(name, version);
   if (!model.ok()) return model.status();
-  if (absl::Status s = CheckVersion((*model)->name, version); !s.ok()) return s;
-  if (!(*model)->ready()) return NotReady(**model);
   response->set_name((*model)->name);
   response->add_versions("1");
   response->set_platform("attnserve");
@@ -107,10 +112,8 @@ absl::Status KServeCore::ModelMetadata(const std::string& name, const std::strin
 
 absl::Status KServeCore::ModelConfig(const std::string& name, const std::string& version,
                                      inference::ModelConfigResponse* response) const {
-  auto model = registry_->Find(name);
+  absl::StatusOr<std::shared_ptr<const ServedModel>> model = FindReady(name, version);
   if (!model.ok()) return model.status();
-  if (absl::Status s = CheckVersion((*model)->name, version); !s.ok()) return s;
-  if (!(*model)->ready()) return NotReady(**model);
   const LayerConfig& layer = (*model)->layer->config;
   inference::ModelConfig* c = response->mutable_config();
   c->set_name((*model)->name);

@@ -8,10 +8,12 @@
 #define ATTNSERVE_SERVER_TRANSPORT_KSERVE_CORE_H_
 
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "inference/grpc_service.pb.h"
 #include "server/dispatch/request_dispatcher.h"
@@ -33,6 +35,11 @@ class KServeCore {
   // A model's version as the protocol names it: "" or "1"; NotFound for
   // any other.
   static absl::Status CheckVersion(const std::string& model, const std::string& version);
+
+  // Model `name` at `version` when known and ready: NotFound (unknown model
+  // or version) or Unavailable (not ready, with its reason) otherwise.
+  absl::StatusOr<std::shared_ptr<const ServedModel>> FindReady(const std::string& name,
+                                                               const std::string& version) const;
 
   // Whether model `name` (version "" or "1") is known and ready.
   bool ModelReady(const std::string& name, const std::string& version) const;

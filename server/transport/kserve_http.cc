@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
+#include "absl/types/span.h"
 #include "server/transport/kserve_json.h"
 
 // civetweb 1.15 as Debian builds it formats every response's Date header
@@ -38,32 +39,39 @@ namespace {
 
 constexpr char kJson[] = "application/json";
 
-// Sends `body` with `status` (keep-alive as the client asked).
+// Sends `body` with `status` (keep-alive as the client asked), followed by
+// `binary` (an infer answer's binary outputs, written from where they lie;
+// Inference-Header-Content-Length then gives the size of `body`).
 int Reply(mg_connection* conn, int status, absl::string_view body, const char* content_type = kJson,
-          int64_t json_length = -1, bool close = false) {
+          bool close = false, absl::Span<const absl::string_view> binary = {}) {
+  size_t total = body.size();
+  for (absl::string_view part : binary) total += part.size();
   mg_response_header_start(conn, status);
   mg_response_header_add(conn, "Content-Type", content_type, -1);
-  const std::string length = absl::StrCat(body.size());
+  const std::string length = absl::StrCat(total);
   mg_response_header_add(conn, "Content-Length", length.c_str(), -1);
-  if (json_length >= 0) {
-    const std::string header = absl::StrCat(json_length);
+  if (!binary.empty()) {
+    const std::string header = absl::StrCat(body.size());
     mg_response_header_add(conn, "Inference-Header-Content-Length", header.c_str(), -1);
   }
   if (close) mg_response_header_add(conn, "Connection", "close", -1);
   mg_response_header_send(conn);
   if (!body.empty()) mg_write(conn, body.data(), body.size());
+  for (absl::string_view part : binary) {
+    if (!part.empty()) mg_write(conn, part.data(), part.size());
+  }
   return status;
 }
 
 int ReplyError(mg_connection* conn, const absl::Status& status, bool close = false) {
-  return Reply(conn, HttpStatusOf(status.code()), ErrorJson(status.message()), kJson, -1, close);
+  return Reply(conn, HttpStatusOf(status.code()), ErrorJson(status.message()), kJson, close);
 }
 
 // A body that could not be read: 413 when it is over the limit (the
 // connection closes: the rest of it is never read).
 int ReplyBodyError(mg_connection* conn, const absl::Status& status) {
   if (status.code() == absl::StatusCode::kResourceExhausted) {
-    return Reply(conn, 413, ErrorJson(status.message()), kJson, -1, /*close=*/true);
+    return Reply(conn, 413, ErrorJson(status.message()), kJson, /*close=*/true);
   }
   return ReplyError(conn, status, /*close=*/true);
 }
@@ -233,6 +241,10 @@ int KServeHttpServer::Serve(mg_connection* conn) {
       absl::StrSplit(info->local_uri != nullptr ? info->local_uri : "", '/', absl::SkipEmpty());
   // path[0] == "v2" (the handler's prefix).
   const bool get = method == "GET", post = method == "POST";
+  auto no_such_endpoint = [&] {
+    return ReplyError(conn,
+                      absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
+  };
   auto method_not_allowed = [&](const char* allowed) {
     return Reply(conn, 405,
                  ErrorJson(absl::StrCat("method ", method, " not allowed here; use ", allowed)));
@@ -243,8 +255,7 @@ int KServeHttpServer::Serve(mg_connection* conn) {
     if (!get) return method_not_allowed("GET");
     if (path[2] == "live") return Reply(conn, 200, "");
     if (path[2] == "ready") return Reply(conn, calls_.shutting_down() ? 400 : 200, "");
-    return ReplyError(conn,
-                      absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
+    return no_such_endpoint();
   }
 
   ModelAccess access;
@@ -280,8 +291,7 @@ int KServeHttpServer::Serve(mg_connection* conn) {
     return Reply(conn, 200, ModelStatisticsJson(stats));
   }
   if (path.size() < 3 || path[1] != "models") {
-    return ReplyError(conn,
-                      absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
+    return no_such_endpoint();
   }
 
   // /v2/models/{model}[/versions/{version}][/{action}]
@@ -293,8 +303,7 @@ int KServeHttpServer::Serve(mg_connection* conn) {
     next = 5;
   }
   if (path.size() > next + 1) {
-    return ReplyError(conn,
-                      absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
+    return no_such_endpoint();
   }
   const std::string action = path.size() == next + 1 ? path[next] : "";
   if (absl::Status s = access.Check(model, [] { return std::string(); }); !s.ok()) {
@@ -328,8 +337,7 @@ int KServeHttpServer::Serve(mg_connection* conn) {
     return Reply(conn, 200, ModelStatisticsJson(stats));
   }
   if (action != "infer") {
-    return ReplyError(conn,
-                      absl::NotFoundError(absl::StrCat("no such endpoint: ", info->local_uri)));
+    return no_such_endpoint();
   }
   if (!post) return method_not_allowed("POST");
 
@@ -371,12 +379,10 @@ int KServeHttpServer::Serve(mg_connection* conn) {
   if (!result.ok()) {
     status = ReplyError(conn, result);
   } else {
-    std::string out;
-    size_t json_length = 0;
-    EncodeJsonInferResponse(response, request, &out, &json_length);
-    const bool binary = json_length < out.size();
-    status = Reply(conn, 200, out, binary ? "application/octet-stream" : kJson,
-                   binary ? static_cast<int64_t>(json_length) : -1);
+    std::vector<absl::string_view> binary;
+    const std::string json = EncodeJsonInferResponse(response, request, &binary);
+    status = Reply(conn, 200, json, binary.empty() ? kJson : "application/octet-stream",
+                   /*close=*/false, binary);
   }
   if (counted) calls_.CallDone();
   return status;

@@ -203,14 +203,10 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
           (*request->mutable_parameters())[key_].set_bool_param(b);
         }
         return true;
-      case At::kOutputParams:
-        if (key_ == "binary_data") {
-          outputs.back().binary = b;
-          outputs.back().has_binary = true;
-          return true;
-        }
-        return Fail(absl::StrCat("outputs: parameter \"", key_,
-                                 "\" is not supported; the one output parameter is binary_data"));
+      case At::kOutputParams:  // binary_data: Key() refuses every other key
+        outputs.back().binary = b;
+        outputs.back().has_binary = true;
+        return true;
       case At::kData:
         return DataBool(b);
       default:
@@ -244,9 +240,7 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
   // After the parse: every input's datatype known, pending data converted.
   bool Finish() {
     for (Input& in : inputs) {
-      if (!in.pending.empty() || (in.has_data && in.raw.empty() && in.count == 0)) {
-        if (!WritePending(in)) return false;
-      }
+      if (!in.pending.empty() && !WritePending(in)) return false;
     }
     return true;
   }
@@ -307,16 +301,12 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
       case At::kShape:
         Current().shape.push_back(i);
         return true;
-      case At::kInputParams:
-        if (key_ == "binary_data_size") {
-          if (i < 0)
-            return Fail(InputField(absl::StrCat("binary_data_size must be >= 0, got ", i)));
-          Current().binary_size = i;
-          return true;
+      case At::kInputParams:  // binary_data_size: Key() refuses every other key
+        if (i < 0) {
+          return Fail(InputField(absl::StrCat("binary_data_size must be >= 0, got ", i)));
         }
-        return Fail(InputField(absl::StrCat("parameter \"", key_,
-                                            "\" is not supported; the one input parameter is "
-                                            "binary_data_size (no shared memory)")));
+        Current().binary_size = i;
+        return true;
       case At::kData:
         return DataNumber(static_cast<double>(i), true, i);
       default:
@@ -436,6 +426,13 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
   std::string key_;
 };
 
+// "key": value, for a string field.
+void Field(rapidjson::Writer<rapidjson::StringBuffer>& w, const char* key,
+           const std::string& value) {
+  w.Key(key);
+  w.String(value.data(), static_cast<rapidjson::SizeType>(value.size()));
+}
+
 void WriteShape(rapidjson::Writer<rapidjson::StringBuffer>& w,
                 const google::protobuf::RepeatedField<int64_t>& shape) {
   w.Key("shape");
@@ -522,9 +519,8 @@ absl::Status DecodeJsonInferRequest(std::string* body_text, int64_t header_lengt
 
   size_t offset = 0;
   for (Input& in : handler.inputs) {
-    const std::string who = in.name.empty() ? std::string("an input without a name")
-                                            : absl::StrCat("input '", in.name, "'");
     if (in.name.empty()) return absl::InvalidArgumentError("inputs: every input needs a \"name\"");
+    const std::string who = absl::StrCat("input '", in.name, "'");
     if (in.datatype.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(who, ": \"datatype\" is required"));
     }
@@ -579,19 +575,16 @@ absl::Status DecodeJsonInferRequest(std::string* body_text, int64_t header_lengt
   return absl::OkStatus();
 }
 
-void EncodeJsonInferResponse(const inference::ModelInferResponse& response,
-                             const JsonInferRequest& request, std::string* body,
-                             size_t* json_length) {
+std::string EncodeJsonInferResponse(const inference::ModelInferResponse& response,
+                                    const JsonInferRequest& request,
+                                    std::vector<absl::string_view>* binary_outputs) {
   rapidjson::StringBuffer buffer;
   rapidjson::Writer<rapidjson::StringBuffer> w(buffer);
   w.StartObject();
-  w.Key("model_name");
-  w.String(response.model_name().c_str());
-  w.Key("model_version");
-  w.String(response.model_version().c_str());
+  Field(w, "model_name", response.model_name());
+  Field(w, "model_version", response.model_version());
   if (!response.id().empty()) {
-    w.Key("id");
-    w.String(response.id().c_str());
+    Field(w, "id", response.id());
   }
   if (response.parameters_size() > 0) {
     w.Key("parameters");
@@ -629,10 +622,8 @@ void EncodeJsonInferResponse(const inference::ModelInferResponse& response,
         chosen != request.binary_output.end() ? chosen->second : request.binary_by_default;
     if (o.datatype() == "FP16" || o.datatype() == "BF16") as_binary = true;
     w.StartObject();
-    w.Key("name");
-    w.String(o.name().c_str());
-    w.Key("datatype");
-    w.String(o.datatype().c_str());
+    Field(w, "name", o.name());
+    Field(w, "datatype", o.datatype());
     WriteShape(w, o.shape());
     if (as_binary) {
       w.Key("parameters");
@@ -654,13 +645,9 @@ void EncodeJsonInferResponse(const inference::ModelInferResponse& response,
   }
   w.EndArray();
   w.EndObject();
-  *json_length = buffer.GetSize();
-  size_t total = buffer.GetSize();
-  for (int i : binary) total += response.raw_output_contents(i).size();
-  body->clear();
-  body->reserve(total);
-  body->append(buffer.GetString(), buffer.GetSize());
-  for (int i : binary) body->append(response.raw_output_contents(i));
+  binary_outputs->clear();
+  for (int i : binary) binary_outputs->push_back(response.raw_output_contents(i));
+  return std::string(buffer.GetString(), buffer.GetSize());
 }
 
 namespace {
@@ -725,10 +712,8 @@ void WriteTensors(
   w.StartArray();
   for (const auto& t : tensors) {
     w.StartObject();
-    w.Key("name");
-    w.String(t.name().c_str());
-    w.Key("datatype");
-    w.String(t.datatype().c_str());
+    Field(w, "name", t.name());
+    Field(w, "datatype", t.datatype());
     WriteShape(w, t.shape());
     w.EndObject();
   }
@@ -756,10 +741,8 @@ std::string ServerMetadataJson(const inference::ServerMetadataResponse& m) {
   rapidjson::StringBuffer buffer;
   rapidjson::Writer<rapidjson::StringBuffer> w(buffer);
   w.StartObject();
-  w.Key("name");
-  w.String(m.name().c_str());
-  w.Key("version");
-  w.String(m.version().c_str());
+  Field(w, "name", m.name());
+  Field(w, "version", m.version());
   w.Key("extensions");
   w.StartArray();
   for (const auto& e : m.extensions()) w.String(e.c_str());
@@ -772,14 +755,12 @@ std::string ModelMetadataJson(const inference::ModelMetadataResponse& m) {
   rapidjson::StringBuffer buffer;
   rapidjson::Writer<rapidjson::StringBuffer> w(buffer);
   w.StartObject();
-  w.Key("name");
-  w.String(m.name().c_str());
+  Field(w, "name", m.name());
   w.Key("versions");
   w.StartArray();
   for (const auto& v : m.versions()) w.String(v.c_str());
   w.EndArray();
-  w.Key("platform");
-  w.String(m.platform().c_str());
+  Field(w, "platform", m.platform());
   WriteTensors(w, "inputs", m.inputs());
   WriteTensors(w, "outputs", m.outputs());
   w.EndObject();
@@ -792,14 +773,10 @@ std::string RepositoryIndexJson(const inference::RepositoryIndexResponse& index)
   w.StartArray();
   for (const auto& m : index.models()) {
     w.StartObject();
-    w.Key("name");
-    w.String(m.name().c_str());
-    w.Key("version");
-    w.String(m.version().c_str());
-    w.Key("state");
-    w.String(m.state().c_str());
-    w.Key("reason");
-    w.String(m.reason().c_str());
+    Field(w, "name", m.name());
+    Field(w, "version", m.version());
+    Field(w, "state", m.state());
+    Field(w, "reason", m.reason());
     w.EndObject();
   }
   w.EndArray();
@@ -814,10 +791,8 @@ std::string ModelStatisticsJson(const inference::ModelStatisticsResponse& stats)
   w.StartArray();
   for (const auto& s : stats.model_stats()) {
     w.StartObject();
-    w.Key("name");
-    w.String(s.name().c_str());
-    w.Key("version");
-    w.String(s.version().c_str());
+    Field(w, "name", s.name());
+    Field(w, "version", s.version());
     w.Key("last_inference");
     w.Uint64(s.last_inference());
     w.Key("inference_count");

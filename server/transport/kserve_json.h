@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -45,14 +46,14 @@ absl::Status DecodeJsonInferRequest(std::string* body, int64_t header_length,
                                     const std::string& model, const std::string& version,
                                     JsonInferRequest* out);
 
-// The HTTP body of a successful inference: JSON, then the binary outputs
-// in output order. *json_length: the JSON part's length (the
-// `Inference-Header-Content-Length` to send when the body holds binary
-// data); equal to body->size() when it holds none. FP16 and BF16 outputs
-// are always binary (JSON has no such numbers; as Triton).
-void EncodeJsonInferResponse(const inference::ModelInferResponse& response,
-                             const JsonInferRequest& request, std::string* body,
-                             size_t* json_length);
+// The HTTP body of a successful inference: the JSON header returned, then
+// the outputs asked for as binary data, in output order, as views of
+// `response`'s raw_output_contents (sent as they are: no copy of the tensor
+// bytes). FP16 and BF16 outputs are always binary (JSON has no such numbers;
+// as Triton).
+std::string EncodeJsonInferResponse(const inference::ModelInferResponse& response,
+                                    const JsonInferRequest& request,
+                                    std::vector<absl::string_view>* binary_outputs);
 
 // The body of POST /v2/repository/index: {"ready": bool} (empty = {}),
 // parsed in place. InvalidArgument for anything else.

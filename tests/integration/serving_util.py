@@ -43,6 +43,17 @@ def metric(samples, name, **labels):
     return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
 
 
+def flag_value(args, name):
+    """The value of --name in a server's argument list ("--name", "v" or
+    "--name=v"); None when absent."""
+    for i, a in enumerate(args):
+        if a == name:
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def wait_for(predicate, timeout, what, interval=0.02):
     """Polls `predicate` until it returns a truthy value (returned)."""
     deadline = time.monotonic() + timeout

@@ -13,6 +13,7 @@ import urllib.request
 import yaml
 
 import harness
+import serving_util as su
 
 ROOT = os.environ.get("ATTNSERVE_SOURCE_DIR") or os.path.join(os.path.dirname(__file__), "..", "..")
 
@@ -21,15 +22,6 @@ def _load(name):
     with open(os.path.join(ROOT, "deploy", "kserve", name)) as f:
         (doc,) = [d for d in yaml.safe_load_all(f) if d]
     return doc
-
-
-def _flag(args, name):
-    for i, a in enumerate(args):
-        if a == name:
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
 
 
 def test_runtime_and_inference_service_agree():
@@ -45,14 +37,14 @@ def test_runtime_and_inference_service_agree():
     (c,) = rt["spec"]["containers"]
     assert c["name"] == "kserve-container"  # the name KServe injects the storage into
     args = c["args"]
-    assert _flag(args, "--model-repository") == "/mnt/models"
-    assert _flag(args, "--http-address") == "0.0.0.0:8080"
-    assert _flag(args, "--address") == "0.0.0.0:9000"
+    assert su.flag_value(args, "--model-repository") == "/mnt/models"
+    assert su.flag_value(args, "--http-address") == "0.0.0.0:8080"
+    assert su.flag_value(args, "--address") == "0.0.0.0:9000"
     assert c["ports"][0]["containerPort"] == 8080
     assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": 8080}
     assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": 8080}
     assert rt["spec"]["annotations"]["prometheus.kserve.io/port"] == \
-        _flag(args, "--metrics-address").rsplit(":", 1)[1]
+        su.flag_value(args, "--metrics-address").rsplit(":", 1)[1]
     image = c["image"]
     with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
         version = re.search(r"project\(attnserve VERSION (\S+)", f.read()).group(1)

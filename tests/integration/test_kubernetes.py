@@ -14,6 +14,9 @@ import re
 import pytest
 import yaml
 
+import harness
+import serving_util as su
+
 ROOT = os.environ.get("ATTNSERVE_SOURCE_DIR") or os.path.join(os.path.dirname(__file__), "..", "..")
 MANIFEST = os.path.join(ROOT, "deploy", "kubernetes", "attnserve.yaml")
 
@@ -44,16 +47,6 @@ def pod(deployment):
 def container(pod):
     (c,) = pod["containers"]
     return c
-
-
-def _flag(args, name):
-    """The value of --name in an args list ("--name", "v" or "--name=v"); None if absent."""
-    for i, a in enumerate(args):
-        if a == name:
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
 
 
 def _seconds(duration):
@@ -93,7 +86,7 @@ def test_requests_and_limits_and_threads_follow_the_cpu_limit(container):
         assert {"cpu", "memory"} <= set(res[kind]), f"{kind} needs cpu and memory: {res}"
     assert _cpus(res["limits"]["cpu"]) >= _cpus(res["requests"]["cpu"])
     # --threads 0 (the default) reads the CPU limit from the cgroup.
-    assert (_flag(container["args"], "--threads") or "0") == "0"
+    assert (su.flag_value(container["args"], "--threads") or "0") == "0"
     assert _cpus(res["limits"]["cpu"]) >= 1, "below one CPU the engine still runs one thread"
 
 
@@ -113,7 +106,7 @@ def test_security_context(pod, container):
 
 
 def test_models_come_from_a_read_only_volume(pod, container):
-    repo = _flag(container["args"], "--model-repository")
+    repo = su.flag_value(container["args"], "--model-repository")
     assert repo, "the manifest should serve a model repository"
     (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == repo]
     assert mount["readOnly"] is True
@@ -122,7 +115,7 @@ def test_models_come_from_a_read_only_volume(pod, container):
 
 
 def test_stop_budget_covers_prestop_and_the_drain(pod, container):
-    grace = _seconds(_flag(container["args"], "--shutdown-grace"))
+    grace = _seconds(su.flag_value(container["args"], "--shutdown-grace"))
     command = container["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] in ("/bin/sleep", "sleep")
     pre_stop = float(command[1])
@@ -168,8 +161,6 @@ def test_autoscaler_scales_on_queue_depth_that_the_server_exports(docs):
     """The HPA's Pods metric is what the prometheus-adapter rule serves, and
     the rule's series is one a real server exports (with the model label the
     rule sums over), scraped from a running attnserve."""
-    import harness
-    import serving_util as su
     hpa = _one(docs, "HorizontalPodAutoscaler")
     pods = [m["pods"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
     assert pods, "scale on queue depth, not CPU alone"

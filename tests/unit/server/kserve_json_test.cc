@@ -154,20 +154,23 @@ TEST(KServeJsonTest, AnswersCarryJsonOrBinaryOutputsAsAsked) {
   add("output", "FP32", Bytes<float>({0.5f, -1.0f}));
   add("weights", "FP16", std::string("\x00\x3c", 2));
   JsonInferRequest request;
-  std::string body;
-  size_t json_length = 0;
-  EncodeJsonInferResponse(response, request, &body, &json_length);
-  const std::string json = body.substr(0, json_length);
+  std::vector<absl::string_view> binary;
+  const std::string json = EncodeJsonInferResponse(response, request, &binary);
   EXPECT_THAT(json, HasSubstr(R"("model_name":"sdpa","model_version":"1","id":"r")"));
   EXPECT_THAT(json, HasSubstr(R"("parameters":{"session_length":5})"));
   EXPECT_THAT(json,
               HasSubstr(R"({"name":"output","datatype":"FP32","shape":[2],"data":[0.5,-1.0]})"));
   // FP16 is binary whatever was asked: JSON has no such numbers.
   EXPECT_THAT(json, HasSubstr(R"("parameters":{"binary_data_size":2})"));
-  EXPECT_EQ(body.substr(json_length), std::string("\x00\x3c", 2));
+  ASSERT_EQ(binary.size(), 1u);
+  EXPECT_EQ(binary[0], std::string("\x00\x3c", 2));
+  // Views of the response's own bytes: nothing copied.
+  EXPECT_EQ(binary[0].data(), response.raw_output_contents(1).data());
   request.binary_by_default = true;
-  EncodeJsonInferResponse(response, request, &body, &json_length);
-  EXPECT_EQ(body.substr(json_length), Bytes<float>({0.5f, -1.0f}) + std::string("\x00\x3c", 2));
+  EncodeJsonInferResponse(response, request, &binary);
+  ASSERT_EQ(binary.size(), 2u);
+  EXPECT_EQ(std::string(binary[0]) + std::string(binary[1]),
+            Bytes<float>({0.5f, -1.0f}) + std::string("\x00\x3c", 2));
   EXPECT_EQ(ErrorJson("a \"quoted\" word"), R"({"error":"a \"quoted\" word"})");
 }
 
