@@ -64,12 +64,21 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   }
   std::shared_ptr<AttentionEngine> shared_engine = *std::move(engine);
   if (absl::Status s = AddBuiltinModels(shared_engine, &server->registry_); !s.ok()) return s;
-  if (!options.model_repository.empty()) {
-    if (absl::Status s = AddRepositoryModels(options.model_repository, options.strict_model_loading,
-                                             shared_engine, engine_options, &server->registry_);
-        !s.ok()) {
-      return s;
-    }
+  if (!options.model_repository.empty() || options.model_control_mode != ModelControlMode::kNone ||
+      !options.load_models.empty()) {
+    ModelControlOptions control;
+    control.mode = options.model_control_mode;
+    control.repository = options.model_repository;
+    control.strict = options.strict_model_loading;
+    control.poll_interval = absl::FromChrono(options.repository_poll_interval);
+    control.load_models = options.load_models;
+    control.warmup = options.model_warmup;
+    control.drain_grace = absl::FromChrono(options.shutdown_grace);
+    absl::StatusOr<std::unique_ptr<ModelManager>> models = ModelManager::Create(
+        std::move(control), std::make_shared<BackendEngines>(shared_engine, engine_options),
+        &server->registry_);
+    if (!models.ok()) return models.status();
+    server->models_ = *std::move(models);
   }
   if (absl::Status s = server->registry_.SetDefaultModel(options.default_model); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("--default-model: ", s.message()));
@@ -127,6 +136,12 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   server->dispatcher_ = std::make_unique<RequestDispatcher>(
       &server->registry_, server->scheduler_.get(), server->metrics_.get(), server->clock_,
       options.validation, server->sessions_.get());
+  // Changes start once the queues, sessions and metrics exist; the first
+  // poll comes one interval after startup.
+  if (server->models_ != nullptr) {
+    server->models_->Start(server->scheduler_.get(), server->sessions_.get(),
+                           server->metrics_.get());
+  }
   AttentionServiceOptions service_options;
   if (!options.auth_token_file.empty()) {
     absl::StatusOr<BearerTokens> tokens = BearerTokens::FromFile(options.auth_token_file);
@@ -154,7 +169,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   // behind the same tokens.
   server->kserve_ = std::make_unique<KServeServiceImpl>(
       &server->registry_, server->dispatcher_.get(), server->metrics_.get(),
-      service_options.max_stream_backlog, service_options.tokens);
+      service_options.max_stream_backlog, service_options.tokens, server->models_.get());
 
   // A process-wide switch read by ServerBuilder; it must be set before
   // BuildAndStart. Health is never behind the tokens: probes need it.
@@ -192,6 +207,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     server->server_.reset();
+    if (server->models_ != nullptr) server->models_->Stop();
     server->scheduler_->Shutdown(absl::ZeroDuration());
     return absl::UnavailableError(absl::StrCat(
         "--address: cannot listen on ", options.address, " (in use or not a local address?)"));
@@ -207,12 +223,14 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
         "--http-address, or use the TLS gRPC port";
   } else if (!options.http.address.empty()) {
     server->kserve_core_ = std::make_unique<KServeCore>(
-        &server->registry_, server->dispatcher_.get(), server->metrics_.get());
+        &server->registry_, server->dispatcher_.get(), server->metrics_.get(),
+        server->models_.get());
     absl::StatusOr<std::unique_ptr<KServeHttpServer>> http = KServeHttpServer::Start(
         options.http, server->kserve_core_.get(), service_options.tokens);
     if (!http.ok()) {
       server->server_->Shutdown();
       server->server_.reset();
+      if (server->models_ != nullptr) server->models_->Stop();
       server->scheduler_->Shutdown(absl::ZeroDuration());
       return http.status();
     }
@@ -239,8 +257,10 @@ void AttnServer::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
   if (server_ == nullptr) return;
-  // 1. Tell load balancers first.
+  // 1. Tell load balancers first; no model changes from here on (a load in
+  //    progress finishes, queued ones are refused).
   server_->GetHealthCheckService()->SetServingStatus(false);
+  if (models_ != nullptr) models_->Stop();
   // 2. Refuse new requests (UNAVAILABLE) and stop reading open streams.
   service_->BeginShutdown();
   kserve_->BeginShutdown();

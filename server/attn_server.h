@@ -17,6 +17,7 @@
 #include "server/dispatch/request_dispatcher.h"
 #include "server/memory_trim.h"
 #include "server/metrics/metrics.h"
+#include "server/models/model_manager.h"
 #include "server/models/model_registry.h"
 #include "server/server_options.h"
 #include "server/sessions/session_manager.h"
@@ -61,6 +62,8 @@ class AttnServer {
   const std::string& warmup_summary() const { return warmup_summary_; }
   const Metrics& metrics() const { return *metrics_; }
   const ModelRegistry& registry() const { return registry_; }
+  // Model control; null when the server has no model repository.
+  ModelManager* models() const { return models_.get(); }
   const SessionManager& sessions() const { return *sessions_; }
 
   // Health turns NOT_SERVING; new requests (unary and stream messages) get
@@ -81,6 +84,9 @@ class AttnServer {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<BatchingScheduler> scheduler_;
   std::unique_ptr<SessionManager> sessions_;
+  // Model control (null without a repository); stopped before the
+  // scheduler and sessions it changes.
+  std::unique_ptr<ModelManager> models_;
   std::unique_ptr<RequestDispatcher> dispatcher_;
   std::unique_ptr<BearerTokens> tokens_;  // null: no authentication
   std::unique_ptr<AttentionServiceImpl> service_;

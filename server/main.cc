@@ -1,6 +1,7 @@
 // attnserve: the gRPC attention server. Parses flags, starts an AttnServer,
 // and shuts it down cleanly (exit code 0) on SIGTERM or SIGINT; a second
 // signal exits at once (code 128 + signal).
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <optional>
@@ -96,6 +97,15 @@ ABSL_FLAG(std::string, backend, kDefaults.backend,
           "reference, cuda (exits with UNAVAILABLE and the reason when it cannot load)");
 ABSL_FLAG(std::string, model_repository, kDefaults.model_repository,
           "directory with one folder per model (config.pbtxt + weights.safetensors)");
+ABSL_FLAG(std::string, model_control_mode, "none",
+          "none: the repository is read once at startup; poll: re-read every "
+          "--repository-poll-secs (new models loaded, changed ones reloaded without downtime, "
+          "removed ones unloaded); explicit: RepositoryModelLoad/Unload (gRPC and HTTP), "
+          "--load-model at startup");
+ABSL_FLAG(int, repository_poll_secs, 15,
+          "poll mode: seconds between two reads of the model repository");
+ABSL_FLAG(std::vector<std::string>, load_model, {},
+          "explicit mode: a model to load at startup (repeatable; '*' = every model)");
 ABSL_FLAG(int, max_batch_requests, kDefaults.batching.max_batch_requests,
           "most requests in one batch (1 = batching off); default for every model, "
           "config.pbtxt batching overrides");
@@ -319,6 +329,17 @@ int main(int argc, char** argv) {
   options.backend = absl::GetFlag(FLAGS_backend);
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.strict_model_loading = absl::GetFlag(FLAGS_strict_model_loading);
+  {
+    absl::StatusOr<attnserve::ModelControlMode> mode =
+        attnserve::ParseModelControlMode(absl::GetFlag(FLAGS_model_control_mode));
+    if (!mode.ok()) {
+      std::fprintf(stderr, "attnserve: %s\n", std::string(mode.status().message()).c_str());
+      return 2;
+    }
+    options.model_control_mode = *mode;
+  }
+  options.repository_poll_interval = std::chrono::seconds(absl::GetFlag(FLAGS_repository_poll_secs));
+  options.load_models = attnserve::RepeatedFlagValues(args, "load_model");
   options.batching.max_batch_requests = absl::GetFlag(FLAGS_max_batch_requests);
   options.batching.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.batching.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
@@ -149,6 +150,32 @@ std::vector<std::string> NormalizeFlagNames(const std::vector<std::string>& args
     out.push_back(std::move(arg));
   }
   return out;
+}
+
+std::vector<std::string> RepeatedFlagValues(const std::vector<std::string>& args,
+                                            const std::string& name) {
+  std::vector<std::string> values;
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg == "--") break;
+    for (const std::string& prefix : {"--" + name, "-" + name}) {
+      if (arg == prefix && i + 1 < args.size()) {
+        for (absl::string_view v : absl::StrSplit(args[++i], ',', absl::SkipEmpty())) {
+          values.emplace_back(v);
+        }
+        break;
+      }
+      if (absl::StartsWith(arg, prefix + "=")) {
+        for (absl::string_view v :
+             absl::StrSplit(absl::string_view(arg).substr(prefix.size() + 1), ',',
+                            absl::SkipEmpty())) {
+          values.emplace_back(v);
+        }
+        break;
+      }
+    }
+  }
+  return values;
 }
 
 absl::StatusOr<NonfiniteInputs> ParseNonfiniteInputs(const std::string& value) {

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "server/batching/batcher_options.h"
+#include "server/models/model_manager.h"
 #include "server/request/clock.h"
 #include "server/request/validation.h"
 #include "server/transport/kserve_http.h"
@@ -65,6 +66,14 @@ struct ServerOptions {
   // true: any bad model in the repository stops startup with its error.
   // false: the others serve, the bad one is listed FAILED. Default: true.
   bool strict_model_loading = true;
+  // Model control, as Triton's (server/models/model_manager.h):
+  // --model-control-mode none (the repository is read once), poll (re-read
+  // every --repository-poll-secs; changed models reloaded without
+  // downtime) or explicit (RepositoryModelLoad/Unload; --load-model NAME,
+  // repeatable, "*" = all, at startup). Defaults: none, 15 s, none.
+  ModelControlMode model_control_mode = ModelControlMode::kNone;
+  std::chrono::seconds repository_poll_interval{15};
+  std::vector<std::string> load_models;
   // Largest request message in bytes; larger ones get RESOURCE_EXHAUSTED
   // from gRPC before any parsing. Default: 64 MiB.
   int64_t max_message_bytes = int64_t{64} << 20;
@@ -143,6 +152,13 @@ absl::Status CheckServerOptions(const ServerOptions& options);
 // every "--name[=value]" argument before the first bare "--"; values and
 // positional arguments are untouched.
 std::vector<std::string> NormalizeFlagNames(const std::vector<std::string>& args);
+
+// Every value of a flag that may be repeated (--load-model a --load-model
+// b, or --load-model=a,b), in order, from arguments NormalizeFlagNames has
+// rewritten; `name` as an identifier (load_model). absl keeps only the last
+// occurrence of a repeated flag.
+std::vector<std::string> RepeatedFlagValues(const std::vector<std::string>& args,
+                                            const std::string& name);
 
 // --nonfinite-inputs: "reject" (the only mode implemented; see
 // NonfiniteInputs). Anything else is InvalidArgument naming the flag;

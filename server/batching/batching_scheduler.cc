@@ -62,63 +62,116 @@ absl::StatusOr<std::unique_ptr<BatchingScheduler>> BatchingScheduler::Create(
     const ModelRegistry& registry, const BatcherOptions& defaults, Metrics* metrics,
     Clock* clock) {
   if (clock == nullptr) clock = MonotonicClock::Get();
-  std::unique_ptr<BatchingScheduler> s(new BatchingScheduler);
-  for (const std::shared_ptr<const ServedModel>& model : registry.List()) {
+  std::unique_ptr<BatchingScheduler> s(new BatchingScheduler(defaults, metrics, clock));
+  for (std::shared_ptr<const ServedModel>& model : registry.List()) {
     if (!model->ready()) continue;
-    ModelMetrics* mm = metrics != nullptr ? metrics->ForModel(model->name) : nullptr;
-    const BatcherOptions options = ModelBatcherOptions(defaults, model->batching);
-    DynamicBatcher::QueueDepthFn depth;
-    if (mm != nullptr) {
-      depth = [mm](int64_t d) { mm->SetQueueDepth(d); };
-      mm->SetQueueCapacity(options.max_queue_size);
-    }
-    absl::StatusOr<std::unique_ptr<DynamicBatcher>> batcher = DynamicBatcher::Create(
-        model->name, options,
-        [model, clock, mm](Batch& batch) { ProcessBatch(*model, clock, mm, batch); }, clock,
-        std::move(depth));
+    absl::StatusOr<std::unique_ptr<DynamicBatcher>> batcher = s->MakeBatcher(model);
     if (!batcher.ok()) return batcher.status();
-    s->batchers_.emplace(model->name, *std::move(batcher));
+    absl::MutexLock lock(&s->mu_);
+    const std::string name = model->name;
+    s->queues_[name] = Queue{std::move(model), *std::move(batcher)};
   }
   return s;
+}
+
+absl::StatusOr<std::unique_ptr<DynamicBatcher>> BatchingScheduler::MakeBatcher(
+    std::shared_ptr<const ServedModel> model) const {
+  ModelMetrics* mm = metrics_ != nullptr ? metrics_->ForModel(model->name) : nullptr;
+  const BatcherOptions options = ModelBatcherOptions(defaults_, model->batching);
+  DynamicBatcher::QueueDepthFn depth;
+  if (mm != nullptr) {
+    depth = [mm](int64_t d) { mm->SetQueueDepth(d); };
+    mm->SetQueueCapacity(options.max_queue_size);
+  }
+  Clock* const clock = clock_;
+  const std::string name = model->name;
+  return DynamicBatcher::Create(
+      name, options,
+      [model = std::move(model), clock, mm](Batch& batch) { ProcessBatch(*model, clock, mm, batch); },
+      clock, std::move(depth));
+}
+
+absl::StatusOr<std::unique_ptr<DynamicBatcher>> BatchingScheduler::Replace(
+    std::shared_ptr<const ServedModel> model, std::unique_ptr<DynamicBatcher> batcher) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!shut_down_) {
+      Queue& q = queues_[model->name];
+      std::unique_ptr<DynamicBatcher> old = std::move(q.batcher);
+      q = Queue{std::move(model), std::move(batcher)};
+      return old;
+    }
+  }
+  batcher->Shutdown(absl::ZeroDuration());  // outside the lock: it joins workers
+  return absl::UnavailableError(
+      absl::StrCat("model ", model->name, ": the server is shutting down"));
+}
+
+std::unique_ptr<DynamicBatcher> BatchingScheduler::Remove(absl::string_view name) {
+  absl::MutexLock lock(&mu_);
+  auto it = queues_.find(name);
+  // After Shutdown began the queue stays: Shutdown drains it.
+  if (shut_down_ || it == queues_.end()) return nullptr;
+  std::unique_ptr<DynamicBatcher> old = std::move(it->second.batcher);
+  queues_.erase(it);
+  return old;
 }
 
 BatchingScheduler::~BatchingScheduler() { Shutdown(absl::ZeroDuration()); }
 
 absl::Status BatchingScheduler::Schedule(std::unique_ptr<InferenceRequest>* request) {
-  const std::string& model = (*request)->model->name;
-  auto it = batchers_.find(model);
-  if (it == batchers_.end()) {
+  const ServedModel* model = (*request)->model.get();
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = queues_.find(model->name);
+  if (it == queues_.end()) {
     return absl::UnavailableError(
-        absl::StrCat("model ", model, " has no request queue (it was not ready at startup)"));
+        absl::StrCat("model: '", model->name, "' has no request queue (not loaded)"));
   }
-  return it->second->Schedule(request);
+  if (it->second.model.get() != model) {
+    // Only a session's queued request can get here (the request path holds
+    // the registry's serving lock from lookup to queueing); the change that
+    // replaced its version ended the session.
+    return absl::UnavailableError(absl::StrCat(
+        "model: '", model->name, "' was reloaded after this request was validated; send it again"));
+  }
+  return it->second.batcher->Schedule(request);
 }
 
 void BatchingScheduler::Wake(absl::string_view model) {
-  auto it = batchers_.find(model);
-  if (it != batchers_.end()) it->second->Wake();
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = queues_.find(model);
+  if (it != queues_.end()) it->second.batcher->Wake();
 }
 
 void BatchingScheduler::WakeAll() {
-  for (auto& [name, batcher] : batchers_) batcher->Wake();
+  absl::ReaderMutexLock lock(&mu_);
+  for (auto& [name, q] : queues_) q.batcher->Wake();
 }
 
 void BatchingScheduler::Shutdown(absl::Duration grace) {
-  absl::MutexLock lock(&shutdown_mu_);
-  if (shut_down_) return;
-  shut_down_ = true;
+  absl::MutexLock serial(&shutdown_mu_);
+  std::vector<DynamicBatcher*> batchers;
+  {
+    absl::MutexLock lock(&mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+    for (auto& [name, q] : queues_) batchers.push_back(q.batcher.get());
+  }
   // Concurrently: a batcher still accepting while another drains would let
-  // new requests in after shutdown began.
+  // new requests in after shutdown began. The queues stay in the map (no
+  // Replace or Remove after shut_down_), so the pointers stay valid.
   std::vector<std::thread> threads;
-  for (auto& [name, batcher] : batchers_) {
-    threads.emplace_back([b = batcher.get(), grace] { b->Shutdown(grace); });
+  for (DynamicBatcher* b : batchers) {
+    threads.emplace_back([b, grace] { b->Shutdown(grace); });
   }
   for (auto& t : threads) t.join();
 }
 
-const BatcherOptions* BatchingScheduler::options(absl::string_view model) const {
-  auto it = batchers_.find(model);
-  return it == batchers_.end() ? nullptr : &it->second->options();
+std::optional<BatcherOptions> BatchingScheduler::options(absl::string_view model) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = queues_.find(model);
+  if (it == queues_.end()) return std::nullopt;
+  return it->second.batcher->options();
 }
 
 }  // namespace attnserve

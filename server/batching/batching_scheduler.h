@@ -6,6 +6,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -27,14 +28,19 @@ namespace attnserve {
 // field of the model's own settings taking precedence.
 BatcherOptions ModelBatcherOptions(const BatcherOptions& defaults, const ModelBatching& model);
 
-// Thread safety: Schedule, Wake, WakeAll and Shutdown may be called
-// concurrently. Completion: every request accepted by Schedule is completed
-// exactly once, from a batcher worker (or from the thread that calls
-// Shutdown, for requests failed UNAVAILABLE when the grace runs out).
+// Thread safety: every method may be called concurrently. Completion: every
+// request accepted by Schedule is completed exactly once, from a batcher
+// worker (or from the thread that shuts its batcher down, for requests failed
+// UNAVAILABLE when the grace runs out).
+//
+// Models come and go while requests run (ModelManager): MakeBatcher builds a
+// model version's queue beside the running one, Replace swaps it in and
+// hands the old one back to be drained (DynamicBatcher::Shutdown) by the
+// caller, so that requests queued on the old version finish on it.
 class BatchingScheduler final {
  public:
-  // One batcher per READY model of `registry` (as it is now; models added
-  // later are refused with UNAVAILABLE). metrics may be null; otherwise it
+  // One batcher per READY model of `registry` as it is now (later models
+  // come through MakeBatcher + Replace). metrics may be null; otherwise it
   // must outlive this object. clock: nullptr = MonotonicClock; must outlive
   // this object. InvalidArgument names the model and option when a model's
   // batching options are out of range.
@@ -47,11 +53,30 @@ class BatchingScheduler final {
   BatchingScheduler(const BatchingScheduler&) = delete;
   BatchingScheduler& operator=(const BatchingScheduler&) = delete;
 
+  // The queue of `model` (ready), started but not yet receiving requests:
+  // its batches run `model`'s layer on `model`'s engine. InvalidArgument
+  // names the model and option when its batching options are out of range.
+  absl::StatusOr<std::unique_ptr<DynamicBatcher>> MakeBatcher(
+      std::shared_ptr<const ServedModel> model) const;
+
+  // Makes `batcher` (MakeBatcher(model)) the queue of model->name and
+  // returns the queue it replaces (null if none), still running: the caller
+  // shuts it down, which drains it. After Shutdown began: Unavailable, and
+  // `batcher` is shut down and dropped.
+  absl::StatusOr<std::unique_ptr<DynamicBatcher>> Replace(
+      std::shared_ptr<const ServedModel> model, std::unique_ptr<DynamicBatcher> batcher);
+
+  // Takes model `name`'s queue out (later requests for it get UNAVAILABLE)
+  // and returns it, still running, for the caller to shut down; null if it
+  // had none or Shutdown began (which drains it).
+  std::unique_ptr<DynamicBatcher> Remove(absl::string_view name);
+
   // Non-blocking. Precondition: request->model is set. On OK the scheduler
   // owns the request (*request is null) and completes it exactly once. On
   // error the caller keeps it and must answer it: RESOURCE_EXHAUSTED (the
-  // model's queue is full), UNAVAILABLE (shutting down, or a model without
-  // a queue).
+  // model's queue is full), UNAVAILABLE (shutting down, a model without a
+  // queue, or a request validated against a version that has since been
+  // replaced).
   absl::Status Schedule(std::unique_ptr<InferenceRequest>* request);
 
   // Makes the batcher of `model` (WakeAll: of every model) look at its queue
@@ -65,17 +90,31 @@ class BatchingScheduler final {
   // when every accepted request is completed. Idempotent.
   void Shutdown(absl::Duration grace);
 
-  // The options the model's batcher runs with; null for an unknown model.
-  const BatcherOptions* options(absl::string_view model) const;
+  // The options the model's batcher runs with; nullopt for a model without
+  // a queue.
+  std::optional<BatcherOptions> options(absl::string_view model) const;
 
  private:
-  BatchingScheduler() = default;
+  BatchingScheduler(const BatcherOptions& defaults, Metrics* metrics, Clock* clock)
+      : defaults_(defaults), metrics_(metrics), clock_(clock) {}
 
-  // One batcher per model name. Built by Create, then only read: lookups
-  // need no lock.
-  std::map<std::string, std::unique_ptr<DynamicBatcher>, std::less<>> batchers_;
+  struct Queue {
+    // The version the batcher computes: a request validated against another
+    // one is refused rather than run on the wrong layer.
+    std::shared_ptr<const ServedModel> model;
+    std::unique_ptr<DynamicBatcher> batcher;
+  };
+
+  const BatcherOptions defaults_;
+  Metrics* const metrics_;
+  Clock* const clock_;
+  // Shared by Schedule and Wake (a lookup, then the batcher's own lock),
+  // exclusive for Replace and Shutdown.
+  mutable absl::Mutex mu_;
+  std::map<std::string, Queue, std::less<>> queues_ ABSL_GUARDED_BY(mu_);
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  // Serializes Shutdown calls: a second waits for the first.
   absl::Mutex shutdown_mu_;
-  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };
 
 }  // namespace attnserve

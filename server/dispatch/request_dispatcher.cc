@@ -66,6 +66,10 @@ void RequestDispatcher::Submit(std::unique_ptr<InferenceRequest> request,
 
 absl::Status RequestDispatcher::Start(std::unique_ptr<InferenceRequest>& request,
                                       const AttendInputs& inputs, OutputAllocator allocate) {
+  // From the lookup until the request is queued, the model cannot change
+  // (ModelRegistry::serving_mu): it is queued on the version it is
+  // validated against.
+  absl::ReaderMutexLock serving(&registry_->serving_mu());
   // A session request that names no model runs on the session's model (and
   // an unknown, closed, expired or evicted session is its first error).
   std::string session_model;
@@ -156,6 +160,8 @@ absl::StatusOr<OpenedSession> RequestDispatcher::OpenSession(absl::string_view m
   if (sessions_ == nullptr) {
     return absl::UnimplementedError("OpenSession: this server does not serve sessions");
   }
+  // A session is opened on the version serving now: a later reload ends it.
+  absl::ReaderMutexLock serving(&registry_->serving_mu());
   absl::StatusOr<std::shared_ptr<const ServedModel>> found = registry_->Find(model);
   if (!found.ok()) return found.status();
   const ServedModel& served = **found;

@@ -257,6 +257,16 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                          .Help("1 when the model is loaded and serving, 0 when it failed to "
                                "load; labelled with the backend that serves it")
                          .Register(r);
+  m->model_loads_ = &prometheus::BuildCounter()
+                         .Name("attnserve_model_loads_total")
+                         .Help("Model loads and reloads after startup (model control), by "
+                               "result: success (the new version serves) or failure (the "
+                               "previous version, if any, still serves)")
+                         .Register(r);
+  m->model_unloads_ = &prometheus::BuildCounter()
+                           .Name("attnserve_model_unloads_total")
+                           .Help("Models taken out of service by model control")
+                           .Register(r);
   m->unparseable_ = &prometheus::BuildCounter()
                          .Name("attnserve_unparseable_messages_total")
                          .Help("Request messages that were not a valid protobuf encoding of "
@@ -404,6 +414,14 @@ void ModelMetrics::SetSessionCache(int64_t sessions_open, int64_t blocks_used,
 
 void Metrics::SetModelReady(const std::string& model, const std::string& backend, bool ready) {
   model_ready_->Add({{"model", model}, {"backend", backend}}).Set(ready ? 1.0 : 0.0);
+}
+
+void Metrics::ModelLoadFinished(const std::string& model, bool success) {
+  model_loads_->Add({{"model", model}, {"result", success ? "success" : "failure"}}).Increment();
+}
+
+void Metrics::ModelUnloaded(const std::string& model) {
+  model_unloads_->Add({{"model", model}}).Increment();
 }
 
 void Metrics::UnparseableMessage(absl::string_view method) {

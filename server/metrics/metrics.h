@@ -169,6 +169,12 @@ class Metrics {
   // serving it ("cpu", "cuda", "reference"; empty when it has none).
   void SetModelReady(const std::string& model, const std::string& backend, bool ready);
 
+  // attnserve_model_loads_total{model,result="success"|"failure"}: loads
+  // and reloads by model control (ModelManager), after startup.
+  void ModelLoadFinished(const std::string& model, bool success);
+  // attnserve_model_unloads_total{model}.
+  void ModelUnloaded(const std::string& model);
+
   // attnserve_unparseable_messages_total{method}: one request message (of
   // any attnserve.v1 RPC: "Attend", "GetModel", ...) that was not
   // a valid protobuf encoding of its type and was answered INVALID_ARGUMENT.
@@ -206,6 +212,8 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* inflight_ = nullptr;
   prometheus::Family<prometheus::Counter>* tokens_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_ready_ = nullptr;
+  prometheus::Family<prometheus::Counter>* model_loads_ = nullptr;
+  prometheus::Family<prometheus::Counter>* model_unloads_ = nullptr;
   prometheus::Family<prometheus::Counter>* unparseable_ = nullptr;
   prometheus::Family<prometheus::Gauge>* sessions_open_ = nullptr;
   prometheus::Family<prometheus::Gauge>* kv_blocks_ = nullptr;

@@ -44,6 +44,28 @@ absl::Status ModelRegistry::Add(std::shared_ptr<const ServedModel> model) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::shared_ptr<const ServedModel>> ModelRegistry::Put(
+    std::shared_ptr<const ServedModel> model) {
+  if (model->name.empty()) return absl::InvalidArgumentError("model name: must not be empty");
+  absl::MutexLock lock(&mu_);
+  std::shared_ptr<const ServedModel>& slot = models_[model->name];
+  load_errors_.erase(model->name);
+  std::shared_ptr<const ServedModel> old = std::move(slot);
+  slot = std::move(model);
+  return old;
+}
+
+void ModelRegistry::SetLoadError(absl::string_view name, std::string reason) {
+  absl::MutexLock lock(&mu_);
+  load_errors_[std::string(name)] = std::move(reason);
+}
+
+std::string ModelRegistry::LoadError(absl::string_view name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = load_errors_.find(name);
+  return it == load_errors_.end() ? std::string() : it->second;
+}
+
 absl::Status ModelRegistry::SetDefaultModel(absl::string_view name) {
   absl::MutexLock lock(&mu_);
   if (models_.find(name) == models_.end()) {

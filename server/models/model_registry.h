@@ -29,6 +29,13 @@ std::shared_ptr<const ServedModel> MakeServedModel(std::shared_ptr<const Attenti
                                                    std::shared_ptr<AttentionEngine> engine);
 
 // Thread-safe: every method may be called concurrently.
+//
+// Models change while requests run (server/models/model_manager.h): a
+// change holds serving_mu() exclusively while it swaps the registry entry,
+// the model's batcher and its sessions, and the request path holds it
+// shared from a model's lookup until the request is queued on that model's
+// batcher. So a request is always queued on the version it was validated
+// against, and no request falls between two versions.
 class ModelRegistry {
  public:
   ModelRegistry() = default;
@@ -37,6 +44,20 @@ class ModelRegistry {
 
   // AlreadyExists if the name is taken, InvalidArgument if it is empty.
   absl::Status Add(std::shared_ptr<const ServedModel> model);
+
+  // Registers `model` under its name, replacing the model registered there
+  // (returned; null when the name is new), and clears the name's load
+  // error. InvalidArgument if the name is empty.
+  absl::StatusOr<std::shared_ptr<const ServedModel>> Put(std::shared_ptr<const ServedModel> model);
+
+  // Why the latest load of `name` failed while an earlier version kept
+  // serving (shown in the repository index next to READY); cleared by Put.
+  void SetLoadError(absl::string_view name, std::string reason);
+  std::string LoadError(absl::string_view name) const;
+
+  // See the class comment: exclusive for a change of the served models,
+  // shared from lookup to queueing on the request path.
+  absl::Mutex& serving_mu() const { return serving_mu_; }
 
   // The model that requests naming no model get. NotFound (listing the
   // available names) if `name` is not registered.
@@ -54,7 +75,9 @@ class ModelRegistry {
  private:
   std::string AvailableNamesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  mutable absl::Mutex serving_mu_;
   mutable absl::Mutex mu_;
+  std::map<std::string, std::string, std::less<>> load_errors_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<const ServedModel>, std::less<>> models_
       ABSL_GUARDED_BY(mu_);
   std::string default_model_ ABSL_GUARDED_BY(mu_);

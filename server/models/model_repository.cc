@@ -354,7 +354,7 @@ RepositoryModel LoadModelFolder(const std::string& directory) {
   return model;
 }
 
-absl::StatusOr<std::vector<RepositoryModel>> LoadModelRepository(const std::string& dir) {
+absl::StatusOr<std::vector<std::string>> ListModelFolders(const std::string& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
     return absl::InvalidArgumentError(
@@ -373,10 +373,25 @@ absl::StatusOr<std::vector<RepositoryModel>> LoadModelRepository(const std::stri
         absl::StrCat("--model-repository ", dir, ": cannot list: ", ec.message())));
   }
   std::sort(folders.begin(), folders.end());
+  return folders;
+}
 
+std::string ModelNameOfFolder(const std::string& directory) {
+  const std::string folder = fs::path(directory).filename().string();
+  const std::string config_path = (fs::path(directory) / kModelConfigFile).string();
+  absl::StatusOr<std::string> text = ReadFile(config_path);
+  if (!text.ok()) return folder;
+  absl::StatusOr<v1::ModelConfig> config = ParseModelConfig(*text, config_path);
+  if (!config.ok() || config->name().empty()) return folder;
+  return config->name();
+}
+
+absl::StatusOr<std::vector<RepositoryModel>> LoadModelRepository(const std::string& dir) {
+  absl::StatusOr<std::vector<std::string>> folders = ListModelFolders(dir);
+  if (!folders.ok()) return folders.status();
   std::vector<RepositoryModel> models;
   std::map<std::string, std::string> folder_of;  // model name -> folder
-  for (const std::string& folder : folders) {
+  for (const std::string& folder : *folders) {
     RepositoryModel model = LoadModelFolder(folder);
     if (!model.status.ok()) {
       model.status = absl::Status(model.status.code(), WithAccessHint(model.status.message()));
@@ -392,84 +407,98 @@ absl::StatusOr<std::vector<RepositoryModel>> LoadModelRepository(const std::stri
   return models;
 }
 
-absl::Status AddRepositoryModels(const std::string& dir, bool strict,
-                                 std::shared_ptr<AttentionEngine> default_engine,
-                                 const EngineOptions& engine_options, ModelRegistry* registry) {
-  absl::StatusOr<std::vector<RepositoryModel>> models = LoadModelRepository(dir);
-  if (!models.ok()) return models.status();
+BackendEngines::BackendEngines(std::shared_ptr<AttentionEngine> default_engine,
+                               EngineOptions engine_options)
+    : engine_options_(std::move(engine_options)) {
+  engines_["auto"] = default_engine;
+  if (default_engine != nullptr) engines_[std::string(default_engine->name())] = default_engine;
+}
 
-  // One engine per backend, shared by the models that ask for it.
-  std::map<std::string, std::shared_ptr<AttentionEngine>> engines;
-  engines["auto"] = default_engine;
-  if (default_engine != nullptr) engines[std::string(default_engine->name())] = default_engine;
+absl::StatusOr<std::shared_ptr<AttentionEngine>> BackendEngines::For(const std::string& backend) {
+  absl::MutexLock lock(&mu_);
+  auto it = engines_.find(backend);
+  if (it != engines_.end()) return it->second;
+  absl::StatusOr<std::unique_ptr<AttentionEngine>> engine = CreateEngine(backend, engine_options_);
+  if (!engine.ok()) return engine.status();
+  return engines_.emplace(backend, std::shared_ptr<AttentionEngine>(*std::move(engine)))
+      .first->second;
+}
 
-  std::vector<std::shared_ptr<ServedModel>> served;
-  std::vector<std::string> failures;
-  for (RepositoryModel& m : *models) {
-    auto model = std::make_shared<ServedModel>();
-    model->name = m.name;
-    model->batching = ToModelBatching(m.config);
-    auto config = std::make_shared<v1::ModelConfig>(m.config);
-    if (config->name().empty()) config->set_name(m.name);
-    model->config = std::move(config);
-    absl::Status status = m.status;
-    if (status.ok() && registry->Find(m.name).ok()) {
-      status = absl::AlreadyExistsError(absl::StrCat(
-          m.directory, ": model name '", m.name, "' is already taken (a built-in model)"));
+std::shared_ptr<ServedModel> MakeRepositoryServedModel(const RepositoryModel& m,
+                                                       const std::string& dir,
+                                                       BackendEngines* engines,
+                                                       std::string* failure) {
+  auto model = std::make_shared<ServedModel>();
+  model->name = m.name;
+  model->batching = ToModelBatching(m.config);
+  auto config = std::make_shared<v1::ModelConfig>(m.config);
+  if (config->name().empty()) config->set_name(m.name);
+  model->config = std::move(config);
+  absl::Status status = m.status;
+  if (status.ok()) {
+    const std::string& backend = m.config.backend();
+    absl::StatusOr<std::shared_ptr<AttentionEngine>> engine = engines->For(backend);
+    if (engine.ok()) {
+      model->engine = *std::move(engine);
+    } else {
+      status = absl::InvalidArgumentError(absl::StrCat(
+          m.directory, ": backend \"", backend, "\" is unavailable: ", engine.status().message()));
     }
-    if (status.ok()) {
-      const std::string& backend = m.config.backend();
-      auto it = engines.find(backend);
-      if (it == engines.end()) {
-        absl::StatusOr<std::unique_ptr<AttentionEngine>> engine =
-            CreateEngine(backend, engine_options);
-        if (engine.ok()) {
-          it = engines.emplace(backend, std::shared_ptr<AttentionEngine>(*std::move(engine))).first;
-        } else {
-          status = absl::InvalidArgumentError(absl::StrCat(
-              m.directory, ": backend \"", backend, "\" is unavailable: ", engine.status().message()));
-        }
-      }
-      if (status.ok()) model->engine = it->second;
-    }
-    const std::string gpu_missing =
-        status.ok() ? CudaMissingFeatures(m.layer->config) : std::string();
-    if (status.ok() && model->engine->name() == "cuda" && !gpu_missing.empty()) {
-      // The GPU does not compute these yet: an "auto" model goes to the cpu
-      // engine rather than failing each request; an explicit "cuda" fails
-      // its load, naming why.
-      if (m.config.backend() == "cuda") {
-        status = absl::InvalidArgumentError(absl::StrCat(
-            m.directory, ": backend \"cuda\" does not compute ", gpu_missing,
-            " yet; use backend \"cpu\" or \"auto\""));
-      } else {
-        auto cpu = engines.find("cpu");
-        if (cpu == engines.end()) {
-          absl::StatusOr<std::unique_ptr<AttentionEngine>> engine =
-              CreateEngine("cpu", engine_options);
-          if (!engine.ok()) return engine.status();
-          cpu = engines.emplace("cpu", std::shared_ptr<AttentionEngine>(*std::move(engine))).first;
-        }
-        model->engine = cpu->second;
+  }
+  const std::string gpu_missing =
+      status.ok() ? CudaMissingFeatures(m.layer->config) : std::string();
+  if (status.ok() && model->engine->name() == "cuda" && !gpu_missing.empty()) {
+    // The GPU does not compute these yet: an "auto" model goes to the cpu
+    // engine rather than failing each request; an explicit "cuda" fails
+    // its load, naming why.
+    if (m.config.backend() == "cuda") {
+      status = absl::InvalidArgumentError(absl::StrCat(
+          m.directory, ": backend \"cuda\" does not compute ", gpu_missing,
+          " yet; use backend \"cpu\" or \"auto\""));
+    } else {
+      absl::StatusOr<std::shared_ptr<AttentionEngine>> cpu = engines->For("cpu");
+      if (cpu.ok()) {
+        model->engine = *std::move(cpu);
         std::fprintf(stderr,
                      "attnserve: model '%s': %s not computed on the GPU yet; served by the cpu "
                      "engine\n",
                      m.name.c_str(), gpu_missing.c_str());
+      } else {
+        status = cpu.status();
       }
     }
-    if (status.ok()) {
-      model->layer = m.layer;
-      model->weight_bounds = MeasureWeightBounds(m.layer->weights);
-      model->state = ModelState::kReady;
-    } else {
-      model->state = ModelState::kFailed;
-      // Callers see the reason (GetModel, ListModels, Attend errors): name
-      // files relative to the repository, not by the server's own paths.
-      // The operator's log line below keeps the full paths.
-      model->reason = RelativeToRepository(status.message(), dir);
-      failures.push_back(absl::StrCat("model '", m.name, "': ", status.message()));
+  }
+  if (status.ok()) {
+    model->layer = m.layer;
+    model->weight_bounds = MeasureWeightBounds(m.layer->weights);
+    model->state = ModelState::kReady;
+  } else {
+    model->state = ModelState::kFailed;
+    model->engine.reset();
+    // Callers see the reason (GetModel, ListModels, Attend errors): name
+    // files relative to the repository, not by the server's own paths.
+    // The operator's log line keeps the full paths (`failure`).
+    model->reason = RelativeToRepository(status.message(), dir);
+    if (failure != nullptr) *failure = std::string(status.message());
+  }
+  return model;
+}
+
+absl::Status AddRepositoryModels(const std::string& dir, bool strict, BackendEngines* engines,
+                                 ModelRegistry* registry) {
+  absl::StatusOr<std::vector<RepositoryModel>> models = LoadModelRepository(dir);
+  if (!models.ok()) return models.status();
+
+  std::vector<std::shared_ptr<ServedModel>> served;
+  std::vector<std::string> failures;
+  for (RepositoryModel& m : *models) {
+    if (m.status.ok() && registry->Find(m.name).ok()) {
+      m.status = absl::AlreadyExistsError(absl::StrCat(
+          m.directory, ": model name '", m.name, "' is already taken (a built-in model)"));
     }
-    served.push_back(std::move(model));
+    std::string failure;
+    served.push_back(MakeRepositoryServedModel(m, dir, engines, &failure));
+    if (!failure.empty()) failures.push_back(absl::StrCat("model '", m.name, "': ", failure));
   }
 
   if (strict && !failures.empty()) {

@@ -27,13 +27,16 @@ struct ModelBatching {
   int instances = 0;
 };
 
-enum class ModelState { kReady, kFailed };
+// kUnloaded: taken out of service (RepositoryModelUnload, or its folder
+// left a polled repository), or in the repository but not loaded yet
+// (--model-control-mode=explicit).
+enum class ModelState { kReady, kFailed, kUnloaded };
 
 // Immutable once built; shared (shared_ptr) with the requests running on it,
 // so an unload or reload never pulls a layer from under a running request.
 struct ServedModel {
   std::string name;
-  // Both set when kReady; either may be null when kFailed.
+  // Both set when kReady; either may be null otherwise.
   std::shared_ptr<const AttentionLayer> layer;
   std::shared_ptr<AttentionEngine> engine;
   // The layer's weights measured once (when kReady): validation bounds a

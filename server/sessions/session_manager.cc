@@ -40,6 +40,9 @@ struct SessionManager::ModelCache {
   int64_t sessions = 0;
   SessionStats counters;  // appends, evictions, expiries
   ModelMetrics* metrics = nullptr;
+  // The model was unloaded: the cache is destroyed (its memory returned)
+  // when its last session is freed.
+  bool unloaded = false;
 };
 
 struct SessionManager::Session {
@@ -57,6 +60,7 @@ struct SessionManager::Session {
   int64_t block_bytes = 0;
   bool busy = false;     // a request bound and not yet Finished
   bool closing = false;  // closed while busy: freed at Finished
+  Gone close_reason = Gone::kClosed;  // when closing
   std::deque<std::unique_ptr<InferenceRequest>> queued;
   absl::Time expires = absl::InfiniteFuture();
   std::list<Session*>::iterator lru_it;
@@ -80,6 +84,7 @@ SessionManager::~SessionManager() {
 
 SessionManager::ModelCache& SessionManager::CacheFor(const std::string& model) {
   std::unique_ptr<ModelCache>& cache = caches_[model];
+  if (cache != nullptr) cache->unloaded = false;  // loaded again
   if (cache == nullptr) {
     cache = std::make_unique<ModelCache>(model, options_.kv_cache_bytes);
     if (metrics_ != nullptr) cache->metrics = metrics_->ForModel(model);
@@ -160,8 +165,10 @@ absl::StatusOr<SessionManager::Session*> SessionManager::Find(absl::string_view 
   if (it != sessions_.end() && !it->second->closing) return it->second.get();
   auto gone = gone_.find(id);
   if (gone != gone_.end() || (it != sessions_.end() && it->second->closing)) {
-    const Gone why = gone != gone_.end() ? gone->second : Gone::kClosed;
-    switch (why) {
+    const GoneRecord why = gone != gone_.end()
+                               ? gone->second
+                               : GoneRecord{it->second->close_reason, it->second->cache->model};
+    switch (why.why) {
       case Gone::kClosed:
         return absl::NotFoundError(absl::StrCat("session_id: session '", id, "' is closed"));
       case Gone::kExpired:
@@ -171,6 +178,9 @@ absl::StatusOr<SessionManager::Session*> SessionManager::Find(absl::string_view 
         return absl::AbortedError(absl::StrCat(
             "session_id: session '", id, "' was evicted to free KV-cache memory; open a new "
             "session and resend the prefix"));
+      case Gone::kModelReloaded:
+      case Gone::kModelUnloaded:
+        return ModelChangedStatus(id, why.model, why.why == Gone::kModelUnloaded);
     }
   }
   // "s<16 hex>-..." from another epoch: an earlier instance of this server.
@@ -200,6 +210,46 @@ absl::StatusOr<int64_t> SessionManager::Close(
     Remove(s, Gone::kClosed);
   }
   return tokens;
+}
+
+absl::Status SessionManager::ModelChangedStatus(absl::string_view session_id,
+                                                absl::string_view model, bool unloaded) {
+  if (unloaded) {
+    return absl::AbortedError(absl::StrCat("session_id: session '", session_id,
+                                           "' ended: its model '", model, "' was unloaded"));
+  }
+  return absl::AbortedError(absl::StrCat(
+      "session_id: session '", session_id, "' ended: its model '", model,
+      "' was reloaded (new weights or config); open a new session and resend the prefix"));
+}
+
+int SessionManager::CloseModel(const std::string& model, bool unloaded,
+                               std::vector<std::unique_ptr<InferenceRequest>>* orphans) {
+  absl::MutexLock lock(&mu_);
+  auto cache = caches_.find(model);
+  if (cache == caches_.end()) return 0;
+  const Gone why = unloaded ? Gone::kModelUnloaded : Gone::kModelReloaded;
+  std::vector<Session*> ending;
+  for (auto& [id, s] : sessions_) {
+    if (s->cache == cache->second.get() && !s->closing) ending.push_back(s.get());
+  }
+  for (Session* s : ending) {
+    while (!s->queued.empty()) {
+      orphans->push_back(std::move(s->queued.front()));
+      s->queued.pop_front();
+    }
+    if (s->busy) {
+      s->closing = true;  // Finished frees it
+      s->close_reason = why;
+    } else {
+      Remove(s, why);
+    }
+  }
+  if (unloaded) {
+    cache->second->unloaded = true;
+    if (cache->second->sessions == 0) caches_.erase(cache);
+  }
+  return static_cast<int>(ending.size());
 }
 
 absl::Status SessionManager::CheckShape(Session& s, const InferenceRequest& r) {
@@ -383,10 +433,14 @@ void SessionManager::Remove(Session* s, Gone why) {
     gone_.erase(gone_order_.front());
     gone_order_.pop_front();
   }
-  gone_[s->id] = why;
+  gone_[s->id] = GoneRecord{why, cache.model};
   gone_order_.push_back(s->id);
   sessions_.erase(s->id);  // destroys *s
   Publish(cache);
+  if (cache.unloaded && cache.sessions == 0) {
+    const std::string model = cache.model;
+    caches_.erase(model);  // destroys cache: its pool unmaps its slabs
+  }
 }
 
 SessionManager::Next SessionManager::Finished(const InferenceRequest& request,
@@ -406,7 +460,7 @@ SessionManager::Next SessionManager::Finished(const InferenceRequest& request,
     Trim(s, s.length);  // the rows were not committed
   }
   if (s.closing) {
-    Remove(&s, Gone::kClosed);
+    Remove(&s, s.close_reason);
     return next;
   }
   while (!s.queued.empty()) {

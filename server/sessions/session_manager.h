@@ -133,6 +133,20 @@ class SessionManager {
   // callbacks take.
   Next Finished(const InferenceRequest& request, const absl::Status& status);
 
+  // Model `model` was reloaded (`unloaded` false) or unloaded: each of its
+  // sessions ends as Close ends it (a request in flight finishes first), and
+  // later requests naming one are ABORTED saying why ("open a new session
+  // and resend the prefix"): a cache filled by one version of the weights
+  // is never extended by another. Queued requests move to `orphans`, to be
+  // answered with the returned status. After an unload the model's cache
+  // memory is returned once its last session is freed. Returns how many
+  // sessions ended.
+  int CloseModel(const std::string& model, bool unloaded,
+                 std::vector<std::unique_ptr<InferenceRequest>>* orphans);
+  // The status of requests orphaned by CloseModel.
+  static absl::Status ModelChangedStatus(absl::string_view session_id, absl::string_view model,
+                                         bool unloaded);
+
   // Closes every idle session whose TTL has passed (also done lazily by
   // Open, Submit and allocation). Cheap when nothing expired.
   void Sweep();
@@ -142,7 +156,11 @@ class SessionManager {
  private:
   struct Session;
   struct ModelCache;
-  enum class Gone { kClosed, kExpired, kEvicted };
+  enum class Gone { kClosed, kExpired, kEvicted, kModelReloaded, kModelUnloaded };
+  struct GoneRecord {
+    Gone why;
+    std::string model;
+  };
 
   absl::StatusOr<Session*> Find(absl::string_view id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckShape(Session& s, const InferenceRequest& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -174,7 +192,7 @@ class SessionManager {
   // Idle sessions by expiry time.
   std::set<std::pair<absl::Time, Session*>> expiry_ ABSL_GUARDED_BY(mu_);
   // Why recent sessions are gone, bounded (oldest forgotten first).
-  absl::flat_hash_map<std::string, Gone> gone_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, GoneRecord> gone_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> gone_order_ ABSL_GUARDED_BY(mu_);
   uint64_t next_serial_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -66,8 +66,8 @@ void SetDuration(inference::StatisticDuration* d, uint64_t count, uint64_t ns) {
 }  // namespace
 
 KServeCore::KServeCore(const ModelRegistry* registry, RequestDispatcher* dispatcher,
-                       const Metrics* metrics)
-    : registry_(registry), dispatcher_(dispatcher), metrics_(metrics) {}
+                       const Metrics* metrics, ModelManager* models)
+    : registry_(registry), dispatcher_(dispatcher), metrics_(metrics), models_(models) {}
 
 absl::Status KServeCore::CheckVersion(const std::string& model, const std::string& version) {
   if (version.empty() || version == "1") return absl::OkStatus();
@@ -207,7 +207,47 @@ void KServeCore::RepositoryIndex(bool ready_only, const ModelAccess& access,
     m->set_name(model->name);
     m->set_version("1");
     m->set_state(model->ready() ? "READY" : "UNAVAILABLE");
-    m->set_reason(model->reason);
+    // A ready model's reason: its latest load failed, this version serves.
+    m->set_reason(model->ready() ? registry_->LoadError(model->name) : model->reason);
+  }
+}
+
+namespace {
+
+// Repository control changes what every caller is served: not for
+// credentials restricted to some models.
+absl::Status CheckRepositoryControl(const char* op, const ModelAccess& access) {
+  if (!access.restricted()) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      op, ": the caller's credentials are restricted to some models; loading and unloading "
+      "models needs a token without a model list"));
+}
+
+}  // namespace
+
+void KServeCore::LoadModel(const std::string& name, const ModelAccess& access,
+                           absl::AnyInvocable<void(absl::Status)> done) const {
+  if (absl::Status s = CheckRepositoryControl("RepositoryModelLoad", access); !s.ok()) {
+    done(std::move(s));
+  } else if (models_ == nullptr) {
+    done(absl::FailedPreconditionError(
+        "RepositoryModelLoad: this server has no model control; start it with "
+        "--model-repository DIR --model-control-mode=explicit"));
+  } else {
+    models_->Load(name, std::move(done));
+  }
+}
+
+void KServeCore::UnloadModel(const std::string& name, const ModelAccess& access,
+                             absl::AnyInvocable<void(absl::Status)> done) const {
+  if (absl::Status s = CheckRepositoryControl("RepositoryModelUnload", access); !s.ok()) {
+    done(std::move(s));
+  } else if (models_ == nullptr) {
+    done(absl::FailedPreconditionError(
+        "RepositoryModelUnload: this server has no model control; start it with "
+        "--model-repository DIR --model-control-mode=explicit"));
+  } else {
+    models_->Unload(name, std::move(done));
   }
 }
 

@@ -18,17 +18,20 @@
 #include "inference/grpc_service.pb.h"
 #include "server/dispatch/request_dispatcher.h"
 #include "server/metrics/metrics.h"
+#include "server/models/model_manager.h"
 #include "server/models/model_registry.h"
 #include "server/request/model_access.h"
 #include "server/transport/kserve_codec.h"
 
 namespace attnserve {
 
-// Thread-safe. Does not own the registry, the dispatcher or the metrics
-// (nullable); all must outlive it.
+// Thread-safe. Does not own the registry, the dispatcher, the metrics
+// (nullable) or the model manager (nullable: no model control); all must
+// outlive it.
 class KServeCore {
  public:
-  KServeCore(const ModelRegistry* registry, RequestDispatcher* dispatcher, const Metrics* metrics);
+  KServeCore(const ModelRegistry* registry, RequestDispatcher* dispatcher, const Metrics* metrics,
+             ModelManager* models = nullptr);
 
   RequestDispatcher* dispatcher() const { return dispatcher_; }
 
@@ -68,6 +71,16 @@ class KServeCore {
   void RepositoryIndex(bool ready_only, const ModelAccess& access,
                        inference::RepositoryIndexResponse* response) const;
 
+  // RepositoryModelLoad / RepositoryModelUnload (ModelManager::Load,
+  // Unload): `done` runs once, when the change is made or refused. Only a
+  // caller whose credentials are not restricted to some models may change
+  // the repository (PermissionDenied); FailedPrecondition without model
+  // control.
+  void LoadModel(const std::string& name, const ModelAccess& access,
+                 absl::AnyInvocable<void(absl::Status)> done) const;
+  void UnloadModel(const std::string& name, const ModelAccess& access,
+                   absl::AnyInvocable<void(absl::Status)> done) const;
+
   // How one inference call arrived.
   struct Call {
     // The transport's own deadline (InfiniteFuture: none); the request's
@@ -95,6 +108,7 @@ class KServeCore {
   const ModelRegistry* const registry_;
   RequestDispatcher* const dispatcher_;
   const Metrics* const metrics_;
+  ModelManager* const models_;
 };
 
 }  // namespace attnserve

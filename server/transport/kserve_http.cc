@@ -282,6 +282,31 @@ int KServeHttpServer::Serve(mg_connection* conn) {
     core_->RepositoryIndex(*ready_only, access, &index);
     return Reply(conn, 200, RepositoryIndexJson(index));
   }
+  // POST /v2/repository/models/{model}/load | unload (Triton's model
+  // repository extension); answered once the change is made.
+  if (path.size() == 5 && path[1] == "repository" && path[2] == "models" &&
+      (path[4] == "load" || path[4] == "unload")) {
+    if (!post) return method_not_allowed("POST");
+    // Triton's optional body ({"parameters": ...}: config overrides) is not
+    // supported; reading it keeps the connection usable.
+    absl::StatusOr<std::string> body = ReadBody(conn, info, options_.max_body_bytes);
+    if (!body.ok()) return ReplyBodyError(conn, body.status());
+    if (absl::Status s = DecodeModelLoadRequest(&*body); !s.ok()) return ReplyError(conn, s);
+    absl::Notification finished;
+    absl::Status result;
+    auto done = [&](absl::Status s) {
+      result = std::move(s);
+      finished.Notify();
+    };
+    if (path[4] == "load") {
+      core_->LoadModel(path[3], access, done);
+    } else {
+      core_->UnloadModel(path[3], access, done);
+    }
+    finished.WaitForNotification();
+    if (!result.ok()) return ReplyError(conn, result);
+    return Reply(conn, 200, "");
+  }
   if (path.size() == 3 && path[1] == "models" && path[2] == "stats") {  // every model
     if (!get) return method_not_allowed("GET");
     inference::ModelStatisticsResponse stats;

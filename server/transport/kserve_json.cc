@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/util/json_util.h"
+#include "rapidjson/document.h"
 #include "rapidjson/error/en.h"
 #include "rapidjson/reader.h"
 #include "rapidjson/stringbuffer.h"
@@ -690,6 +691,35 @@ absl::StatusOr<bool> DecodeIndexRequest(std::string* body) {
                                                    rapidjson::GetParseError_En(parsed.Code())));
   }
   return handler.ready;
+}
+
+absl::Status DecodeModelLoadRequest(std::string* body) {
+  if (body->find_first_not_of(" \t\r\n") == std::string::npos) return absl::OkStatus();
+  rapidjson::Document doc;
+  doc.ParseInsitu(body->data());  // std::string ends with a NUL
+  if (doc.HasParseError()) {
+    return absl::InvalidArgumentError(absl::StrCat("request body: malformed JSON at offset ",
+                                                   doc.GetErrorOffset(), ": ",
+                                                   rapidjson::GetParseError_En(doc.GetParseError())));
+  }
+  if (!doc.IsObject()) return absl::InvalidArgumentError("request body: must be a JSON object");
+  for (const auto& member : doc.GetObject()) {
+    const std::string key(member.name.GetString(), member.name.GetStringLength());
+    if (key != "parameters") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request body: unknown field \"", key, "\" (only \"parameters\")"));
+    }
+    if (!member.value.IsObject()) {
+      return absl::InvalidArgumentError("parameters: must be a JSON object");
+    }
+    for (const auto& p : member.value.GetObject()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameters: \"", std::string(p.name.GetString(), p.name.GetStringLength()),
+          "\" is not supported: attnserve loads a model from the repository's files as they "
+          "are (change config.pbtxt and weights.safetensors there)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::string ErrorJson(absl::string_view message) {

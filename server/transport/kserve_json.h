@@ -59,6 +59,12 @@ std::string EncodeJsonInferResponse(const inference::ModelInferResponse& respons
 // parsed in place. InvalidArgument for anything else.
 absl::StatusOr<bool> DecodeIndexRequest(std::string* body);
 
+// The body of POST /v2/repository/models/{model}/load: empty, {} or
+// {"parameters": {}}, parsed in place. Triton's parameters (a config
+// override, file contents) are refused InvalidArgument naming them: a model
+// is loaded from the repository's files as they are.
+absl::Status DecodeModelLoadRequest(std::string* body);
+
 // {"error": message}
 std::string ErrorJson(absl::string_view message);
 

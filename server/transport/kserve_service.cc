@@ -20,17 +20,26 @@ grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const abs
   return reactor;
 }
 
+// attnserve has one model repository: a request naming another is refused
+// rather than served from this one.
+absl::Status CheckRepositoryName(const std::string& name) {
+  if (name.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "repository_name: \"", name, "\" is not a repository of this server; it has one "
+      "(--model-repository): leave repository_name empty"));
+}
+
 }  // namespace
 
 KServeServiceImpl::KServeServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
                                      const Metrics* metrics, size_t max_stream_backlog,
-                                     const BearerTokens* tokens)
+                                     const BearerTokens* tokens, ModelManager* models)
     : registry_(registry),
       dispatcher_(dispatcher),
       metrics_(metrics),
       max_stream_backlog_(max_stream_backlog),
       tokens_(tokens),
-      core_(registry, dispatcher, metrics) {}
+      core_(registry, dispatcher, metrics, models) {}
 
 absl::Status KServeServiceImpl::Authorize(const grpc::CallbackServerContext& context,
                                           absl::string_view name, ModelAccess* access) const {
@@ -237,19 +246,40 @@ grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryIndex(
 }
 
 grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelLoad(
-    grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest*,
+    grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
     inference::RepositoryModelLoadResponse*) {
-  return Answer(context, absl::UnimplementedError(
-                             "RepositoryModelLoad: attnserve loads its models at startup "
-                             "(--model-repository); restart the server to change them"));
+  ModelAccess access;
+  if (absl::Status s = Authorize(*context, "", &access); !s.ok()) return Answer(context, s);
+  if (absl::Status s = CheckRepositoryName(request->repository_name()); !s.ok()) {
+    return Answer(context, s);
+  }
+  if (!request->parameters().empty()) {
+    return Answer(context, absl::InvalidArgumentError(absl::StrCat(
+                               "parameters: \"", request->parameters().begin()->first,
+                               "\" is not supported: attnserve loads a model from the "
+                               "repository's files as they are (change config.pbtxt and "
+                               "weights.safetensors there)")));
+  }
+  // Answered when the model serves (a load reads weights and warms up): the
+  // reactor finishes from the model manager's thread.
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  core_.LoadModel(request->model_name(), access,
+                  [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelUnload(
-    grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest*,
+    grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
     inference::RepositoryModelUnloadResponse*) {
-  return Answer(context, absl::UnimplementedError(
-                             "RepositoryModelUnload: attnserve loads its models at startup "
-                             "(--model-repository); restart the server to change them"));
+  ModelAccess access;
+  if (absl::Status s = Authorize(*context, "", &access); !s.ok()) return Answer(context, s);
+  if (absl::Status s = CheckRepositoryName(request->repository_name()); !s.ok()) {
+    return Answer(context, s);
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  core_.UnloadModel(request->model_name(), access,
+                    [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* KServeServiceImpl::SystemSharedMemoryStatus(

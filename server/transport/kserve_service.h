@@ -64,9 +64,10 @@ class KServeServiceImpl final : public KServeServiceBase, private StreamHandler 
   // max_stream_backlog: ModelStreamInfer flow control, as
   // AttentionServiceOptions::max_stream_backlog. tokens (nullable, not
   // owned): the bearer tokens of --auth-token-file, as for attnserve.v1.
+  // `models`: model control (RepositoryModelLoad/Unload); null = none.
   KServeServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
                     const Metrics* metrics, size_t max_stream_backlog,
-                    const BearerTokens* tokens = nullptr);
+                    const BearerTokens* tokens = nullptr, ModelManager* models = nullptr);
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,

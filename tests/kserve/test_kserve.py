@@ -156,7 +156,9 @@ def test_readiness_metadata_config_and_index(client):
     assert "unknown model 'no-such-model'" in e.value.message()
     with pytest.raises(InferenceServerException) as e:
         client.load_model("sdpa")
-    assert e.value.status() == "StatusCode.UNIMPLEMENTED" and "startup" in e.value.message()
+    # The default model control mode reads the repository once.
+    assert e.value.status() == "StatusCode.FAILED_PRECONDITION"
+    assert "--model-control-mode=explicit" in e.value.message()
 
 
 def test_infer_sdpa_matches_numpy_with_masks_lengths_scale_and_weights(client):

@@ -21,6 +21,14 @@ namespace attnserve {
 namespace {
 
 namespace fs = std::filesystem;
+
+// The engines of one AddRepositoryModels call, kept for the test's life.
+BackendEngines* Engines(std::shared_ptr<AttentionEngine> default_engine) {
+  static std::vector<std::unique_ptr<BackendEngines>>* kept =
+      new std::vector<std::unique_ptr<BackendEngines>>;
+  kept->push_back(std::make_unique<BackendEngines>(std::move(default_engine), EngineOptions{}));
+  return kept->back().get();
+}
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -290,7 +298,7 @@ TEST_F(RepositoryTest, StrictRefusesAndAddsNothing) {
   ASSERT_TRUE(engine.ok()) << engine.status();
   std::shared_ptr<AttentionEngine> shared = *std::move(engine);
   ModelRegistry registry;
-  absl::Status s = AddRepositoryModels(dir_, /*strict=*/true, shared, {}, &registry);
+  absl::Status s = AddRepositoryModels(dir_, /*strict=*/true, Engines(shared), &registry);
   EXPECT_THAT(s.message(), AllOf(HasSubstr("1 model(s) failed"), HasSubstr("model 'bad'"),
                                  HasSubstr("in_proj_weight")));
   EXPECT_TRUE(registry.List().empty());
@@ -303,7 +311,7 @@ TEST_F(RepositoryTest, NonStrictAddsTheBadOneAsFailed) {
   ASSERT_TRUE(engine.ok()) << engine.status();
   std::shared_ptr<AttentionEngine> shared = *std::move(engine);
   ModelRegistry registry;
-  ASSERT_TRUE(AddRepositoryModels(dir_, /*strict=*/false, shared, {}, &registry).ok());
+  ASSERT_TRUE(AddRepositoryModels(dir_, /*strict=*/false, Engines(shared), &registry).ok());
   auto good = registry.Find("good");
   ASSERT_TRUE(good.ok());
   EXPECT_TRUE((*good)->ready());
@@ -339,7 +347,7 @@ TEST_F(RepositoryTest, RopeModelsLeaveTheGpuForTheCpuEngine) {
   WriteMha("rope-cuda", 8, "rope { type: \"default\" }\nbackend: \"cuda\"\n");
   auto gpu = std::make_shared<NamedCudaEngine>();
   ModelRegistry registry;
-  ASSERT_TRUE(AddRepositoryModels(dir_, /*strict=*/false, gpu, {}, &registry).ok());
+  ASSERT_TRUE(AddRepositoryModels(dir_, /*strict=*/false, Engines(gpu), &registry).ok());
   auto plain = registry.Find("plain");
   ASSERT_TRUE(plain.ok());
   EXPECT_EQ((*plain)->engine, gpu);
@@ -376,7 +384,7 @@ TEST_F(RepositoryTest, ReasonsNameFilesRelativeToTheRepository) {
   builtin->name = "taken";
   builtin->config = std::make_shared<v1::ModelConfig>();
   ASSERT_TRUE(registry.Add(builtin).ok());
-  ASSERT_TRUE(AddRepositoryModels(dir_ + "/", /*strict=*/false, shared, {}, &registry).ok());
+  ASSERT_TRUE(AddRepositoryModels(dir_ + "/", /*strict=*/false, Engines(shared), &registry).ok());
 
   const std::vector<std::pair<std::string, std::string>> expected = {
       {"no-weights", "no-weights/weights.safetensors: cannot open"},
@@ -398,7 +406,7 @@ TEST_F(RepositoryTest, ReasonsNameFilesRelativeToTheRepository) {
 
   // Strict: the startup error is the operator's and names the full path.
   ModelRegistry strict_registry;
-  absl::Status s = AddRepositoryModels(dir_, /*strict=*/true, shared, {}, &strict_registry);
+  absl::Status s = AddRepositoryModels(dir_, /*strict=*/true, Engines(shared), &strict_registry);
   EXPECT_THAT(s.message(),
               HasSubstr(absl::StrCat("model 'no-weights': ", dir_,
                                      "/no-weights/weights.safetensors: cannot open")));
