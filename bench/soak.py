@@ -16,7 +16,8 @@ B1 H8 L256 D64, demo-mha 128 tokens); invalid (shape mismatch, NaN, scores
 over the work bound, unknown model, unparseable bytes on every RPC); cancelled
 in flight; deadlines of 1 ms; with SOAK_HTTP, KServe v2 over HTTP (JSON and binary inferences,
 malformed JSON, an unknown model, a Content-Length over the limit, a body cut
-short). RSS growth is the median of the last 10% of
+short); with SOAK_MODEL (a repository model, explicit model control), that
+model inferred, unloaded and loaded again over HTTP. RSS growth is the median of the last 10% of
 samples minus the median of the first 10% after warm-up (a leak moves both the
 trend and the peak; transient large requests move only the peak, which is
 reported too).
@@ -206,6 +207,35 @@ class Load:
                              b"Content-Length: 5000\r\n\r\n{\"inputs\"")
         self.record("http", C.OK, ALLOWED["http"])
 
+    def do_model(self, client, raw, stream, rng, n):
+        """Model control under load: SOAK_MODEL (nn.MultiheadAttention,
+        embed 256) inferred over gRPC -- OK, or UNAVAILABLE naming it while
+        unloaded -- and every 4th draw unloaded or loaded again over HTTP
+        (each 200): its weights come and go while the rest of the mix runs."""
+        import urllib.request
+        model = os.environ["SOAK_MODEL"]
+        if n % 4 == 0:
+            action = "unload" if (n // 4) % 2 else "load"
+            req = urllib.request.Request(
+                f"http://{os.environ['SOAK_HTTP']}/v2/repository/models/{model}/{action}",
+                data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=60) as r:
+                if r.status != 200:
+                    raise AssertionError(f"{action} answered {r.status}")
+            self.record("model", C.OK, ALLOWED["model"])
+            return
+        x = rng.standard_normal((1, 16, 256)).astype(np.float32)
+        try:
+            out = client.attend(x, model=model).output
+        except grpc.RpcError as e:
+            if e.code() == C.UNAVAILABLE and f"'{model}'" in (e.details() or ""):
+                self.record("model", C.UNAVAILABLE, ALLOWED["model"])
+                return
+            raise
+        if out.shape != (1, 16, 256) or not np.isfinite(out).all():
+            raise AssertionError(f"bad {model} output {out.shape}")
+        self.record("model", C.OK, ALLOWED["model"])
+
     def do_invalid(self, client, raw, stream, rng, n):
         """Each case has the one code the API documents for it."""
         case = n % 5
@@ -292,7 +322,11 @@ class Load:
 WEIGHTS = {"small": 10, "large": 2, "invalid": 5, "stream": 2, "cancel": 2, "deadline": 2}
 if os.environ.get("SOAK_HTTP"):  # the KServe HTTP endpoint's host:port
     WEIGHTS["http"] = 4
+if os.environ.get("SOAK_MODEL") and os.environ.get("SOAK_HTTP"):
+    WEIGHTS["model"] = 2
 ALLOWED = {
+    # UNAVAILABLE only while the model is unloaded (do_model checks it names it).
+    "model": {C.OK, C.UNAVAILABLE},
     # do_http checks each case's own status; OK means it got it.
     "http": {C.OK},
     "small": {C.OK},

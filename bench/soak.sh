@@ -2,7 +2,9 @@
 # Soak: a real attnserve under mixed load (unary and stream, valid and
 # invalid, small and large, cancellations, 1 ms deadlines, KServe v2 over
 # HTTP valid and hostile) for DURATION
-# seconds, its RSS and open file descriptors sampled; fails on RSS growth
+# seconds, with a repository model unloaded and loaded again over HTTP all
+# along (explicit model control), its RSS and open file descriptors sampled;
+# fails on RSS growth
 # after warm-up over SOAK_RSS_BOUND_MB, on descriptors left open, or on any
 # status a request's kind does not allow (bench/soak.py has the mix).
 #
@@ -23,15 +25,20 @@ build=${2:-build}
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/lib.sh"  # stops the server however this script exits
 
+# The model that comes and goes: nn.MultiheadAttention(256, 4), 1 MiB of
+# weights, so that a load or unload that kept its memory would show.
+/usr/bin/python3 "$here/../tests/integration/serving_util.py" write-mha-model \
+  "$bench_tmp/repository/soakm" 256 4
 bench_start target "$bench_tmp/server.log" "$build/server/attnserve" --address=127.0.0.1:0 \
   --metrics-address=127.0.0.1:0 --http-address=127.0.0.1:0 --http-request-timeout=2s \
-  --http-threads=8 \
+  --http-threads=8 --model-repository="$bench_tmp/repository" --model-control-mode=explicit \
+  --load-model=soakm \
   ${ATTNSERVE_ARGS:-}
 pid=$bench_last_pid
 http=$(grep -o -m1 "http on [0-9.]*:[0-9]*" "$bench_tmp/server.log" | awk '{print $3}')
 echo "soak: attnserve pid $pid on $target (HTTP $http) for ${duration} s"
 status=0
-SOAK_HTTP=$http /usr/bin/python3 "$here/soak.py" "$target" "$pid" "$duration" || status=$?
+SOAK_HTTP=$http SOAK_MODEL=soakm /usr/bin/python3 "$here/soak.py" "$target" "$pid" "$duration" || status=$?
 if ! kill -0 "$pid" 2>/dev/null; then
   echo "soak: FAILED: the server died" >&2
   cat "$bench_tmp/server.log" >&2

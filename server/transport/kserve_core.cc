@@ -212,18 +212,14 @@ void KServeCore::RepositoryIndex(bool ready_only, const ModelAccess& access,
   }
 }
 
-namespace {
-
 // Repository control changes what every caller is served: not for
 // credentials restricted to some models.
-absl::Status CheckRepositoryControl(const char* op, const ModelAccess& access) {
+absl::Status KServeCore::CheckRepositoryControl(const char* op, const ModelAccess& access) {
   if (!access.restricted()) return absl::OkStatus();
   return absl::PermissionDeniedError(absl::StrCat(
       op, ": the caller's credentials are restricted to some models; loading and unloading "
       "models needs a token without a model list"));
 }
-
-}  // namespace
 
 void KServeCore::LoadModel(const std::string& name, const ModelAccess& access,
                            absl::AnyInvocable<void(absl::Status)> done) const {

@@ -76,6 +76,8 @@ class KServeCore {
   // caller whose credentials are not restricted to some models may change
   // the repository (PermissionDenied); FailedPrecondition without model
   // control.
+  // PermissionDenied (naming `op`) when `access` is restricted to models.
+  static absl::Status CheckRepositoryControl(const char* op, const ModelAccess& access);
   void LoadModel(const std::string& name, const ModelAccess& access,
                  absl::AnyInvocable<void(absl::Status)> done) const;
   void UnloadModel(const std::string& name, const ModelAccess& access,

@@ -287,18 +287,26 @@ int KServeHttpServer::Serve(mg_connection* conn) {
   if (path.size() == 5 && path[1] == "repository" && path[2] == "models" &&
       (path[4] == "load" || path[4] == "unload")) {
     if (!post) return method_not_allowed("POST");
-    // Triton's optional body ({"parameters": ...}: config overrides) is not
-    // supported; reading it keeps the connection usable.
+    const bool unload = path[4] == "unload";
+    // The body is read whatever the answer, so that the connection stays
+    // usable; the caller's right to change the repository is checked first.
     absl::StatusOr<std::string> body = ReadBody(conn, info, options_.max_body_bytes);
     if (!body.ok()) return ReplyBodyError(conn, body.status());
-    if (absl::Status s = DecodeModelLoadRequest(&*body); !s.ok()) return ReplyError(conn, s);
+    if (absl::Status s = KServeCore::CheckRepositoryControl(
+            unload ? "RepositoryModelUnload" : "RepositoryModelLoad", access);
+        !s.ok()) {
+      return ReplyError(conn, s);
+    }
+    if (absl::Status s = DecodeModelRepositoryRequest(&*body, unload); !s.ok()) {
+      return ReplyError(conn, s);
+    }
     absl::Notification finished;
     absl::Status result;
     auto done = [&](absl::Status s) {
       result = std::move(s);
       finished.Notify();
     };
-    if (path[4] == "load") {
+    if (!unload) {
       core_->LoadModel(path[3], access, done);
     } else {
       core_->UnloadModel(path[3], access, done);

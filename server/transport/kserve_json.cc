@@ -693,7 +693,7 @@ absl::StatusOr<bool> DecodeIndexRequest(std::string* body) {
   return handler.ready;
 }
 
-absl::Status DecodeModelLoadRequest(std::string* body) {
+absl::Status DecodeModelRepositoryRequest(std::string* body, bool unload) {
   if (body->find_first_not_of(" \t\r\n") == std::string::npos) return absl::OkStatus();
   rapidjson::Document doc;
   doc.ParseInsitu(body->data());  // std::string ends with a NUL
@@ -713,13 +713,28 @@ absl::Status DecodeModelLoadRequest(std::string* body) {
       return absl::InvalidArgumentError("parameters: must be a JSON object");
     }
     for (const auto& p : member.value.GetObject()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "parameters: \"", std::string(p.name.GetString(), p.name.GetStringLength()),
-          "\" is not supported: attnserve loads a model from the repository's files as they "
-          "are (change config.pbtxt and weights.safetensors there)"));
+      const std::string name(p.name.GetString(), p.name.GetStringLength());
+      if (absl::Status s = CheckModelRepositoryParameter(name, p.value.IsBool(), unload);
+          !s.ok()) {
+        return s;
+      }
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckModelRepositoryParameter(const std::string& name, bool is_bool, bool unload) {
+  if (unload && name == "unload_dependents") {
+    if (is_bool) return absl::OkStatus();
+    return absl::InvalidArgumentError("parameters: \"unload_dependents\" must be a bool");
+  }
+  if (unload) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parameters: \"", name, "\" is not supported by unload (only \"unload_dependents\")"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "parameters: \"", name, "\" is not supported: attnserve loads a model from the "
+      "repository's files as they are (change config.pbtxt and weights.safetensors there)"));
 }
 
 std::string ErrorJson(absl::string_view message) {

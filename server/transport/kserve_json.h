@@ -59,11 +59,17 @@ std::string EncodeJsonInferResponse(const inference::ModelInferResponse& respons
 // parsed in place. InvalidArgument for anything else.
 absl::StatusOr<bool> DecodeIndexRequest(std::string* body);
 
-// The body of POST /v2/repository/models/{model}/load: empty, {} or
-// {"parameters": {}}, parsed in place. Triton's parameters (a config
-// override, file contents) are refused InvalidArgument naming them: a model
-// is loaded from the repository's files as they are.
-absl::Status DecodeModelLoadRequest(std::string* body);
+// The body of POST /v2/repository/models/{model}/load or /unload (`unload`):
+// empty, {} or {"parameters": {...}}, parsed in place. Unload accepts
+// Triton's "unload_dependents" (a bool; attnserve has no dependent models,
+// so either value unloads just the model). Any other parameter -- load's
+// config override and file contents included -- is refused InvalidArgument
+// naming it: a model is loaded from the repository's files as they are.
+absl::Status DecodeModelRepositoryRequest(std::string* body, bool unload);
+
+// One parameter of a load (`unload` false) or unload request, as above; the
+// gRPC front end checks RepositoryModelLoad/UnloadRequest.parameters with it.
+absl::Status CheckModelRepositoryParameter(const std::string& name, bool is_bool, bool unload);
 
 // {"error": message}
 std::string ErrorJson(absl::string_view message);

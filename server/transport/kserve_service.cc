@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/transport/kserve_json.h"
 #include "server/transport/message_codec.h"
 #include "server/transport/server_deadline.h"
 #include "server/transport/status_util.h"
@@ -27,6 +28,18 @@ absl::Status CheckRepositoryName(const std::string& name) {
   return absl::InvalidArgumentError(absl::StrCat(
       "repository_name: \"", name, "\" is not a repository of this server; it has one "
       "(--model-repository): leave repository_name empty"));
+}
+
+// Load's and unload's parameters, as the HTTP front end checks them.
+absl::Status CheckParameters(
+    const google::protobuf::Map<std::string, inference::ModelRepositoryParameter>& parameters,
+    bool unload) {
+  for (const auto& [name, value] : parameters) {
+    const bool is_bool =
+        value.parameter_choice_case() == inference::ModelRepositoryParameter::kBoolParam;
+    if (absl::Status s = CheckModelRepositoryParameter(name, is_bool, unload); !s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -250,15 +263,15 @@ grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelLoad(
     inference::RepositoryModelLoadResponse*) {
   ModelAccess access;
   if (absl::Status s = Authorize(*context, "", &access); !s.ok()) return Answer(context, s);
+  if (absl::Status s = KServeCore::CheckRepositoryControl("RepositoryModelLoad", access);
+      !s.ok()) {
+    return Answer(context, s);
+  }
   if (absl::Status s = CheckRepositoryName(request->repository_name()); !s.ok()) {
     return Answer(context, s);
   }
-  if (!request->parameters().empty()) {
-    return Answer(context, absl::InvalidArgumentError(absl::StrCat(
-                               "parameters: \"", request->parameters().begin()->first,
-                               "\" is not supported: attnserve loads a model from the "
-                               "repository's files as they are (change config.pbtxt and "
-                               "weights.safetensors there)")));
+  if (absl::Status s = CheckParameters(request->parameters(), /*unload=*/false); !s.ok()) {
+    return Answer(context, s);
   }
   // Answered when the model serves (a load reads weights and warms up): the
   // reactor finishes from the model manager's thread.
@@ -273,7 +286,14 @@ grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelUnload(
     inference::RepositoryModelUnloadResponse*) {
   ModelAccess access;
   if (absl::Status s = Authorize(*context, "", &access); !s.ok()) return Answer(context, s);
+  if (absl::Status s = KServeCore::CheckRepositoryControl("RepositoryModelUnload", access);
+      !s.ok()) {
+    return Answer(context, s);
+  }
   if (absl::Status s = CheckRepositoryName(request->repository_name()); !s.ok()) {
+    return Answer(context, s);
+  }
+  if (absl::Status s = CheckParameters(request->parameters(), /*unload=*/true); !s.ok()) {
     return Answer(context, s);
   }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();

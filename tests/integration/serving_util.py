@@ -74,3 +74,28 @@ def attn_bench_bin():
     if not os.access(path, os.X_OK):
         pytest.fail(f"{path} is not an executable file (build the attn_bench target)")
     return path
+
+
+def write_mha_model(folder, embed, heads, seed=0, scale=1.0):
+    """A model folder for nn.MultiheadAttention(embed, heads, bias=False):
+    random weights (normal, std 1/sqrt(embed), times `scale`) written by the
+    Python client's own exporter. Returns the weights (in_proj, out_proj)."""
+    import sys
+    import numpy as np
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "client", "python"))
+    from attnserve_client.export import write_model_folder
+    rng = np.random.default_rng(seed)
+    std = scale / np.sqrt(embed)
+    in_proj = (rng.standard_normal((3 * embed, embed)) * std).astype(np.float32)
+    out_proj = (rng.standard_normal((embed, embed)) * std).astype(np.float32)
+    write_model_folder(folder, {"embed_dim": embed, "num_heads": heads},
+                       {"in_proj_weight": in_proj, "out_proj.weight": out_proj})
+    return in_proj, out_proj
+
+
+if __name__ == "__main__":  # bench/soak.sh: write-mha-model FOLDER EMBED HEADS
+    import sys
+    if len(sys.argv) != 5 or sys.argv[1] != "write-mha-model":
+        sys.exit("usage: serving_util.py write-mha-model FOLDER EMBED HEADS")
+    write_mha_model(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

@@ -1,8 +1,8 @@
 """ctest entry for the KServe v2 tests: a venv under the build dir (cached;
 --system-site-packages so Debian's numpy and torch are visible) with Triton's
 own Python client, tritonclient[grpc,http] (and ml_dtypes for BF16) from PyPI,
-then pytest on test_kserve.py, test_kserve_http.py and test_kserve_security.py with that venv's
-Python."""
+then pytest on test_kserve.py, test_kserve_http.py, test_kserve_security.py and
+test_model_control.py with that venv's Python."""
 
 import os
 import sys
@@ -17,4 +17,5 @@ if __name__ == "__main__":
     run_pytest_in_venv("kserve-venv", REQUIREMENTS,
                        [os.path.join(HERE, "test_kserve.py"),
                         os.path.join(HERE, "test_kserve_http.py"),
-                        os.path.join(HERE, "test_kserve_security.py")], sys.argv[1:])
+                        os.path.join(HERE, "test_kserve_security.py"),
+                        os.path.join(HERE, "test_model_control.py")], sys.argv[1:])

@@ -138,6 +138,36 @@ TEST(KServeJsonTest, IndexRequestsSayWhetherOnlyReadyModels) {
   }
 }
 
+TEST(KServeJsonTest, ModelLoadAndUnloadBodies) {
+  // What tritonclient.http sends: load {} (or config/file parameters),
+  // unload {"parameters": {"unload_dependents": false}}.
+  for (std::string ok : {"", " ", "{}", R"({"parameters": {}})"}) {
+    EXPECT_TRUE(DecodeModelRepositoryRequest(&ok, /*unload=*/false).ok()) << ok;
+  }
+  for (std::string ok : {R"({"parameters": {"unload_dependents": false}})",
+                         R"({"parameters": {"unload_dependents": true}})", "{}"}) {
+    EXPECT_TRUE(DecodeModelRepositoryRequest(&ok, /*unload=*/true).ok()) << ok;
+  }
+  struct Bad {
+    std::string body;
+    bool unload;
+    const char* message;
+  };
+  for (Bad bad : {Bad{R"({"parameters": {"config": "{}"}})", false, "\"config\" is not supported"},
+                  Bad{R"({"parameters": {"unload_dependents": true}})", false,
+                      "\"unload_dependents\" is not supported"},
+                  Bad{R"({"parameters": {"unload_dependents": 1}})", true, "must be a bool"},
+                  Bad{R"({"parameters": {"file:1/x": "AA=="}})", true, "only \"unload_dependents\""},
+                  Bad{R"({"colour": 1})", false, "unknown field \"colour\""},
+                  Bad{R"({"parameters": []})", false, "must be a JSON object"},
+                  Bad{"[1]", true, "must be a JSON object"},
+                  Bad{"{", false, "malformed JSON"}}) {
+    absl::Status s = DecodeModelRepositoryRequest(&bad.body, bad.unload);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad.body;
+    EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr(bad.message)) << bad.body;
+  }
+}
+
 TEST(KServeJsonTest, AnswersCarryJsonOrBinaryOutputsAsAsked) {
   inference::ModelInferResponse response;
   response.set_model_name("sdpa");
