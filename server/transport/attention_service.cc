@@ -21,7 +21,11 @@ v1::ModelStatus ToModelStatus(const ServedModel& model, const std::string& defau
   v1::ModelStatus status;
   status.set_name(model.name);
   *status.mutable_config() = *model.config;
-  status.set_state(model.ready() ? v1::ModelStatus::READY : v1::ModelStatus::FAILED);
+  switch (model.state) {
+    case ModelState::kReady: status.set_state(v1::ModelStatus::READY); break;
+    case ModelState::kFailed: status.set_state(v1::ModelStatus::FAILED); break;
+    case ModelState::kUnloaded: status.set_state(v1::ModelStatus::UNLOADED); break;
+  }
   status.set_reason(model.reason);
   if (model.engine != nullptr) status.set_backend(std::string(model.engine->name()));
   status.set_is_default(model.name == default_name);

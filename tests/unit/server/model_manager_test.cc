@@ -199,6 +199,15 @@ TEST_F(ModelManagerTest, ExplicitModeLoadsReloadsAndUnloads) {
   grpc::Status s = Attend("b", nullptr);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(s.error_message(), HasSubstr("'b' is not ready: not loaded"));
+  {
+    grpc::ClientContext context;
+    v1::GetModelRequest get;
+    get.set_name("b");
+    v1::ModelStatus status;
+    ASSERT_TRUE(stub_->GetModel(&context, get, &status).ok());
+    EXPECT_EQ(status.state(), v1::ModelStatus::UNLOADED);
+    EXPECT_THAT(status.reason(), HasSubstr("RepositoryModelLoad"));
+  }
 
   ASSERT_TRUE(models->LoadAndWait("b").ok());
   std::vector<float> out;
@@ -359,16 +368,20 @@ TEST_F(ModelManagerTest, UnloadUnderLoadAnswersEveryRequest) {
   WriteModel("a", 1.0f);
   StartServer(ModelControlMode::kExplicit, {"*"});
   const std::vector<float> a1 = Expected("a");
-  std::atomic<bool> stop{false};
-  std::atomic<int> ok{0}, unavailable{0}, other{0}, wrong{0};
+  std::atomic<bool> stop{false}, unloaded{false};
+  std::atomic<int> ok{0}, ok_after_unload{0}, unavailable{0}, other{0}, wrong{0};
   std::vector<std::thread> clients;
   for (int c = 0; c < 4; ++c) {
     clients.emplace_back([&] {
       while (!stop.load()) {
+        // Judged by when the request was sent: an answer already on its way
+        // when the unload returned is not one that came after it.
+        const bool sent_after_unload = unloaded.load();
         std::vector<float> out;
         grpc::Status s = Attend("a", &out);
         if (s.ok()) {
           ++ok;
+          if (sent_after_unload) ++ok_after_unload;
           if (VersionOf(out, {a1}) != 0) ++wrong;
         } else if (s.error_code() == grpc::StatusCode::UNAVAILABLE &&
                    s.error_message().find("'a'") != std::string::npos) {
@@ -382,12 +395,12 @@ TEST_F(ModelManagerTest, UnloadUnderLoadAnswersEveryRequest) {
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   ASSERT_TRUE(server_->models()->UnloadAndWait("a").ok());
-  const int ok_at_unload = ok.load();
+  unloaded.store(true);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   stop.store(true);
   for (auto& t : clients) t.join();
-  EXPECT_GT(ok_at_unload, 0);
-  EXPECT_EQ(ok.load(), ok_at_unload) << "answered by a model that was unloaded";
+  EXPECT_GT(ok.load(), 0);
+  EXPECT_EQ(ok_after_unload.load(), 0) << "answered by a model that was unloaded";
   EXPECT_GT(unavailable.load(), 0);
   EXPECT_EQ(other.load(), 0);
   EXPECT_EQ(wrong.load(), 0);
