@@ -17,13 +17,15 @@ COPY . .
 # install -s: the runtime image needs no debug symbols.
 RUN if [ -n "$PREBUILT" ]; then \
       install -D -m 0755 "$PREBUILT/attnserve" /out/attnserve \
-   && install -D -m 0755 "$PREBUILT/attn_client" /out/attn_client; \
+   && install -D -m 0755 "$PREBUILT/attn_client" /out/attn_client \
+   && install -D -m 0644 -t /out/lib/attnserve/civetweb-tls "$PREBUILT"/civetweb-tls/*.so; \
     else \
       cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
           -DATTNSERVE_BUILD_TESTS=OFF -DATTNSERVE_BUILD_BENCH=OFF \
    && cmake --build build --target attnserve attn_client -j "$(nproc)" \
    && install -D -s -m 0755 build/server/attnserve /out/attnserve \
-   && install -D -s -m 0755 build/client/attn_client /out/attn_client; \
+   && install -D -s -m 0755 build/client/attn_client /out/attn_client \
+   && install -D -s -m 0644 -t /out/lib/attnserve/civetweb-tls build/lib/civetweb-tls/*.so; \
     fi
 
 FROM debian:bookworm
@@ -38,8 +40,12 @@ RUN apt-get update \
 RUN groupadd --system --gid 10001 attnserve \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin attnserve
 COPY --from=build /out/attnserve /out/attn_client /usr/local/bin/
+# HTTPS's OpenSSL 3 libraries for civetweb (server/transport/civetweb_tls.h),
+# where attnserve looks for them: ../lib/attnserve next to its bin/.
+COPY --from=build /out/lib/attnserve /usr/local/lib/attnserve
 # Fail the image build, not the first start, if a runtime library is missing.
-RUN ! ldd /usr/local/bin/attnserve /usr/local/bin/attn_client | grep "not found"
+RUN ! ldd /usr/local/bin/attnserve /usr/local/bin/attn_client \
+        /usr/local/lib/attnserve/civetweb-tls/*.so | grep "not found"
 # OCI annotations. VERSION follows project(VERSION) in CMakeLists.txt (a test
 # checks); pass --build-arg REVISION=$(git rev-parse HEAD) and
 # --build-arg SOURCE=<repository URL> when publishing (the test suite passes both).

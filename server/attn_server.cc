@@ -212,21 +212,16 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
     return absl::UnavailableError(absl::StrCat(
         "--address: cannot listen on ", options.address, " (in use or not a local address?)"));
   }
-  // KServe v2 over HTTP/REST: the same operations, the same tokens. Not
-  // beside a TLS gRPC port: Debian 12's civetweb (1.15) loads OpenSSL at run
-  // time by OpenSSL 1.1 symbol names that OpenSSL 3 no longer exports, so it
-  // cannot serve HTTPS, and plain HTTP next to TLS would undo the TLS.
-  if (!options.http.address.empty() && options.tls.enabled()) {
-    server->http_off_reason_ =
-        "HTTP endpoint off: --tls-cert-file is set and HTTPS is not available (Debian 12's "
-        "civetweb 1.15 cannot load OpenSSL 3); put a TLS proxy in front of a plain "
-        "--http-address, or use the TLS gRPC port";
-  } else if (!options.http.address.empty()) {
+  // KServe v2 over HTTP/REST: the same operations, the same tokens, and
+  // with --tls-cert-file HTTPS with the same certificate.
+  if (!options.http.address.empty()) {
     server->kserve_core_ = std::make_unique<KServeCore>(
         &server->registry_, server->dispatcher_.get(), server->metrics_.get(),
         server->models_.get());
+    HttpOptions http_options = options.http;
+    http_options.tls = options.tls;
     absl::StatusOr<std::unique_ptr<KServeHttpServer>> http = KServeHttpServer::Start(
-        options.http, server->kserve_core_.get(), service_options.tokens);
+        http_options, server->kserve_core_.get(), service_options.tokens);
     if (!http.ok()) {
       server->server_->Shutdown();
       server->server_.reset();

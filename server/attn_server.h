@@ -55,9 +55,6 @@ class AttnServer {
   // The KServe v2 HTTP endpoint actually bound (port 0 resolved); empty
   // when it is off.
   std::string http_address() const { return http_ != nullptr ? http_->address() : ""; }
-  // Why the HTTP endpoint is off although an address was given; empty when
-  // it is on (or was not asked for).
-  const std::string& http_off_reason() const { return http_off_reason_; }
   // "warmed up N models in T (--model-warmup)"; empty without warm-up.
   const std::string& warmup_summary() const { return warmup_summary_; }
   const Metrics& metrics() const { return *metrics_; }
@@ -96,7 +93,6 @@ class AttnServer {
   // scheduler and dispatcher it hands requests to.
   std::unique_ptr<KServeCore> kserve_core_;
   std::unique_ptr<KServeHttpServer> http_;
-  std::string http_off_reason_;
   std::string warmup_summary_;
   std::unique_ptr<MemoryTrimmer> trimmer_;  // null when the interval is 0
   std::string address_;

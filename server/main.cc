@@ -426,13 +426,11 @@ int main(int argc, char** argv) {
   // Integration tests parse this exact line to learn the port.
   std::fprintf(stderr, "attnserve metrics on %s\n", (*server)->metrics_address().c_str());
   if (!(*server)->http_address().empty()) {
-    std::fprintf(stderr, "attnserve http on %s\n", (*server)->http_address().c_str());
+    std::fprintf(stderr, "attnserve http on %s%s\n", (*server)->http_address().c_str(),
+                 options.tls.enabled() ? " (HTTPS)" : "");
   }
   if (!(*server)->warmup_summary().empty()) {
     std::fprintf(stderr, "attnserve: %s\n", (*server)->warmup_summary().c_str());
-  }
-  if (!(*server)->http_off_reason().empty()) {
-    std::fprintf(stderr, "attnserve: %s\n", (*server)->http_off_reason().c_str());
   }
   std::fprintf(stderr, "attnserve listening on %s\n", (*server)->address().c_str());
   std::fflush(stderr);

@@ -168,12 +168,20 @@ absl::StatusOr<std::unique_ptr<KServeHttpServer>> KServeHttpServer::Start(
         options.address, "'"));
   }
   std::unique_ptr<KServeHttpServer> server(new KServeHttpServer(options, core, tokens));
+  std::string listening = options.address;
+  if (options.tls.enabled()) {
+    if (absl::Status s = LoadCivetwebTls(); !s.ok()) return s;
+    absl::StatusOr<std::unique_ptr<HttpTls>> tls = HttpTls::Create(options.tls);
+    if (!tls.ok()) return tls.status();
+    server->tls_ = *std::move(tls);
+    listening += "s";  // civetweb: an HTTPS port
+  }
   const std::string threads = absl::StrCat(options.threads);
   const std::string timeout = absl::StrCat(absl::ToInt64Milliseconds(options.request_timeout));
   const std::string keep_alive =
       absl::StrCat(absl::ToInt64Milliseconds(options.keep_alive_timeout));
   const std::string header_bytes = absl::StrCat(options.max_header_bytes);
-  const char* mg_options[] = {"listening_ports", options.address.c_str(), "num_threads",
+  const char* mg_options[] = {"listening_ports", listening.c_str(), "num_threads",
                               threads.c_str(), "request_timeout_ms", timeout.c_str(),
                               "keep_alive_timeout_ms", keep_alive.c_str(), "enable_keep_alive",
                               "yes", "max_request_size", header_bytes.c_str(),
@@ -184,7 +192,13 @@ absl::StatusOr<std::unique_ptr<KServeHttpServer>> KServeHttpServer::Start(
   mg_callbacks callbacks{};
   // civetweb logs every failure to stderr by itself; the status says it.
   callbacks.log_message = [](const mg_connection*, const char*) { return 1; };
-  server->context_ = mg_start(&callbacks, nullptr, mg_options);
+  // HTTPS: the context civetweb creates is set up here, from the flags'
+  // files (civetweb then loads no certificate itself).
+  callbacks.init_ssl = [](void* ssl_ctx, void* self) {
+    HttpTls* tls = static_cast<KServeHttpServer*>(self)->tls_.get();
+    return tls != nullptr ? tls->SetUpCivetwebContext(static_cast<SSL_CTX*>(ssl_ctx)) : 0;
+  };
+  server->context_ = mg_start(&callbacks, server.get(), mg_options);
   if (server->context_ == nullptr) {
     return absl::UnavailableError(
         absl::StrCat("--http-address: cannot listen on ", options.address));

@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "server/transport/bearer_tokens.h"
 #include "server/transport/call_tracker.h"
+#include "server/transport/civetweb_tls.h"
 #include "server/transport/kserve_core.h"
 
 struct mg_context;
@@ -47,6 +48,10 @@ struct HttpOptions {
   // Default: 30 s.
   absl::Duration request_timeout = absl::Seconds(30);
   absl::Duration keep_alive_timeout = absl::Seconds(5);
+  // HTTPS with the gRPC port's certificate flags (--tls-cert-file,
+  // --tls-key-file, --tls-client-ca-file for mutual TLS,
+  // --tls-reload-interval): civetweb_tls.h. Default: plain HTTP.
+  TlsOptions tls;
 };
 
 // The HTTP status of a request-path status, as Triton maps its errors:
@@ -87,6 +92,7 @@ class KServeHttpServer {
   const HttpOptions options_;
   const KServeCore* const core_;
   const BearerTokens* const tokens_;
+  std::unique_ptr<HttpTls> tls_;  // null: plain HTTP
   CallTracker calls_;
   mg_context* context_ = nullptr;
   std::string address_;

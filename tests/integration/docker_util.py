@@ -131,6 +131,12 @@ def image(docker):
         os.makedirs(os.path.join(ctx, "prebuilt"))
         for b in (harness.server_bin(), harness.client_bin()):
             run(["strip", "-o", os.path.join(ctx, "prebuilt", os.path.basename(b)), b])
+        # HTTPS's compatibility libraries (server/transport/civetweb_tls.h).
+        tls_libs = os.path.join(os.path.dirname(os.path.dirname(harness.server_bin())), "lib",
+                                "civetweb-tls")
+        os.makedirs(os.path.join(ctx, "prebuilt", "civetweb-tls"))
+        for lib in ("libssl.so", "libcrypto.so"):
+            shutil.copy(os.path.join(tls_libs, lib), os.path.join(ctx, "prebuilt", "civetweb-tls"))
         # One tag per checkout, so that concurrent checkouts do not overwrite each other.
         tag = f"attnserve-test:{uuid.uuid5(uuid.NAMESPACE_URL, os.path.abspath(ROOT)).hex[:12]}"
         docker("build", "-q", "-t", tag, "--build-arg", "PREBUILT=prebuilt", "--build-arg",

@@ -7,11 +7,14 @@ limit refused without the server's memory growing by their declared size.
 Transport failures (handshake refused either way) reach a gRPC client as
 UNAVAILABLE: that is the exact code gRPC gives for them."""
 
+import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -229,6 +232,60 @@ def test_tokens_none_wrong_restricted_right(tls_server, pki, pb):
             grpc.StatusCode.OK
 
 
+def _https(server, pki, path, ca, client=None, token=None, body=None, timeout=10):
+    """(status, body) of one HTTPS request to the KServe HTTP endpoint, or
+    ("no TLS", reason) when no TLS session could be used."""
+    ctx = ssl.create_default_context(cafile=pki.path(f"{ca}.pem"))
+    if client:
+        ctx.load_cert_chain(pki.path(f"{client}.pem"), pki.path(f"{client}.key"))
+    req = urllib.request.Request(f"https://{server.http_target}{path}", data=body)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (urllib.error.URLError, ssl.SSLError, ConnectionError) as e:
+        return "no TLS", str(e)
+
+
+def _sdpa_json():
+    a = [[[[1.0, 0.0], [0.0, 1.0]]]]
+    return json.dumps({"inputs": [{"name": n, "shape": [1, 1, 2, 2], "datatype": "FP32",
+                                   "data": a} for n in ("query", "key", "value")]}).encode()
+
+
+def test_https_with_the_grpc_certificate_and_the_same_tokens(tls_server, pki):
+    """The KServe HTTP endpoint serves HTTPS with --tls-cert-file/--tls-key-file
+    (Debian's civetweb on OpenSSL 3: server/transport/civetweb_tls.h), behind the
+    same bearer tokens as the gRPC port."""
+    assert "(HTTPS)" in tls_server.log()
+    assert _https(tls_server, pki, "/v2/health/ready", "ca_a")[0] == 200  # probes: no token
+    assert _https(tls_server, pki, "/v2", "ca_a")[0] == 401
+    code, body = _https(tls_server, pki, "/v2", "ca_a", token=TOKEN_ALL)
+    assert code == 200 and json.loads(body)["name"] == "attnserve"
+    code, body = _https(tls_server, pki, "/v2/models/sdpa/infer", "ca_a", token=TOKEN_SDPA,
+                        body=_sdpa_json())
+    assert code == 200, body
+    out = np.array(json.loads(body)["outputs"][0]["data"], np.float64).reshape(2, 2)
+    p = np.exp(np.eye(2) / np.sqrt(2))
+    np.testing.assert_allclose(out, (p / p.sum(-1, keepdims=True)) @ np.eye(2), rtol=1e-6)
+    code, body = _https(tls_server, pki, "/v2/models/demo-mha/infer", "ca_a", token=TOKEN_SDPA,
+                        body=_sdpa_json())
+    assert code == 403 and b"not allow model 'demo-mha'" in body
+    # A client that does not trust the server's CA gets no TLS session.
+    assert _https(tls_server, pki, "/v2/health/ready", "ca_b")[0] == "no TLS"
+    # Nor does plain HTTP reach the endpoint.
+    try:
+        with urllib.request.urlopen(f"http://{tls_server.http_target}/v2/health/ready",
+                                    timeout=10) as r:
+            plain = r.status
+    except (urllib.error.URLError, ConnectionError) as e:
+        plain = type(e).__name__
+    assert plain != 200
+
+
 def test_health_open_models_filtered_reflection_off(tls_server, pki, pb):
     with _tls_channel(pki, tls_server.port, "ca_a") as ch:
         assert _health(ch) == SERVING  # no token: probes need it
@@ -307,6 +364,12 @@ def test_mtls_no_cert_other_ca_right_cert(mtls_server, pki, pb):
         assert _health(ch) == SERVING
 
 
+def test_https_mutual_tls(mtls_server, pki):
+    assert _https(mtls_server, pki, "/v2/health/ready", "ca_a")[0] == "no TLS"  # no certificate
+    assert _https(mtls_server, pki, "/v2/health/ready", "ca_a", "client_b")[0] == "no TLS"
+    assert _https(mtls_server, pki, "/v2/health/ready", "ca_a", "client_a")[0] == 200
+
+
 def test_metrics_basic_auth(mtls_server):
     import base64
     import urllib.error
@@ -355,6 +418,12 @@ def test_certificate_rotation_without_restart(mtls_server, pki, pb):
         # New connections trusting only A now fail: the old certificate is gone...
         with _tls_channel(pki, mtls_server.port, "ca_a", "client_a", tag=tag + 1) as ch:
             assert _code(lambda: _attend(ch, pb, timeout=5)) == grpc.StatusCode.UNAVAILABLE
+        # ...on the HTTPS endpoint too, which re-reads the files on the same
+        # interval (at a handshake).
+        while _https(mtls_server, pki, "/v2/health/ready", "ca_c", "client_a")[0] != 200:
+            assert time.monotonic() < deadline + 10, "HTTPS never served the rotated certificate"
+            time.sleep(0.2)
+        assert _https(mtls_server, pki, "/v2/health/ready", "ca_a", "client_a")[0] == "no TLS"
         # ...while the connection made before the rotation keeps working.
         for _ in range(3):
             assert _code(lambda: _attend(old, pb)) == grpc.StatusCode.OK

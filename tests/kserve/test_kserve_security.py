@@ -84,12 +84,37 @@ def test_tritonclient_tls_and_tokens(server):
     np.testing.assert_allclose(out, (w / w.sum(-1, keepdims=True)) @ v, rtol=1e-4, atol=1e-5)
 
 
-def test_no_plain_http_beside_a_tls_port(server):
-    """HTTPS is blocked (Debian 12's civetweb cannot load OpenSSL 3): with
-    --tls-cert-file the HTTP endpoint stays off, saying why, rather than
-    serving plaintext beside the TLS port."""
-    assert server.http_target is None
-    assert "HTTP endpoint off: --tls-cert-file is set and HTTPS is not available" in server.log()
+def test_tritonclient_http_over_https_with_tokens(server):
+    """With --tls-cert-file the KServe HTTP endpoint serves HTTPS with the same
+    certificate (Debian's civetweb on OpenSSL 3: server/transport/civetweb_tls.h),
+    and tritonclient.http with ssl=True and the CA reaches it, behind the
+    same tokens; a client that does not trust the CA does not."""
+    import tritonclient.http as th
+    assert server.http_target is not None and "(HTTPS)" in server.log()
+    port = server.http_target.rsplit(":", 1)[1]
+    auth = {"Authorization": f"Bearer {TOKEN_ALL}"}
+    c = th.InferenceServerClient(f"localhost:{port}", ssl=True,
+                                 ssl_options={"ca_certs": server.ca})
+    assert c.is_server_live() and c.is_server_ready()  # probes: no token
+    with pytest.raises(InferenceServerException) as e:
+        c.get_model_metadata("sdpa")
+    assert e.value.status() == "401"
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, 3, 8)).astype(np.float32) for _ in range(3))
+    inputs = []
+    for name, array in (("query", q), ("key", k), ("value", v)):
+        t = th.InferInput(name, list(array.shape), "FP32")
+        t.set_data_from_numpy(array, binary_data=True)
+        inputs.append(t)
+    out = c.infer("sdpa", inputs, headers=auth).as_numpy("output")
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(8)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(out, (w / w.sum(-1, keepdims=True)) @ v, rtol=1e-4, atol=1e-5)
+    c.close()
+    # Without the CA the certificate is not trusted: no answer.
+    untrusting = th.InferenceServerClient(f"localhost:{port}", ssl=True)
+    with pytest.raises(Exception):
+        untrusting.is_server_live()
 
 
 def test_tritonclient_http_with_tokens():
