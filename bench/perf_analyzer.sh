@@ -5,7 +5,12 @@
 # PyPI wheel needs glibc >= 2.38) with --network host, on 127.0.0.1.
 #
 #   bench/perf_analyzer.sh [BUILD_DIR]     (default: build)
-#   SHAPE_Q=1,8,16,64 SHAPE_KV=1,8,128,64 CONCURRENCY=4 SECONDS_EACH=10 ...
+#   SHAPE_Q=1,8,16,64 SHAPE_KV=1,8,128,64 CONCURRENCY=4 SECONDS_EACH=10 RATE=200 ...
+# perf_analyzer 2.60 keeps what it sends and receives for every request: its
+# memory grows ~0.4 GB/s at ~1,000 requests/s (the 10 GB cap killed it within
+# seconds on a 2-vCPU Xeon). Its phases therefore run at a fixed request rate
+# (RATE per second, --request-rate-range), which bounds that; RATE=0 runs them
+# closed loop at CONCURRENCY instead, as attn_bench's phase always does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
@@ -15,6 +20,12 @@ IMAGE=attnserve-perf-analyzer:$PA_VERSION
 SHAPE_Q=${SHAPE_Q:-1,8,16,64}
 SHAPE_KV=${SHAPE_KV:-1,8,128,64}
 CONCURRENCY=${CONCURRENCY:-4}
+RATE=${RATE:-200}
+if ((RATE > 0)); then
+  PA_LOAD=(--request-rate-range "$RATE")
+else
+  PA_LOAD=(--concurrency-range "$CONCURRENCY")
+fi
 SECONDS_EACH=${SECONDS_EACH:-10}
 
 docker info > /dev/null 2>&1 || { echo "perf_analyzer.sh: no Docker engine answers (start dockerd)" >&2; exit 1; }
@@ -89,12 +100,12 @@ stats "$bench_tmp/stats.json"
 HTTP_TARGET=$(grep -o -m1 "http on [0-9.]*:[0-9]*" "$bench_tmp/server.log" | awk '{print $3}')
 echo "== perf_analyzer $PA_VERSION -> KServe v2 over HTTP/REST (its default protocol)"
 docker run --rm --network host --memory 10g -v "$bench_tmp/data.json:/data.json:ro" "$IMAGE" -m sdpa \
-  -u "$HTTP_TARGET" --input-data /data.json --concurrency-range "$CONCURRENCY" \
+  -u "$HTTP_TARGET" --input-data /data.json "${PA_LOAD[@]}" \
   --measurement-interval $((SECONDS_EACH * 1000)) --stability-percentage 50 --max-trials 10 2>&1 | tee "$bench_tmp/pa_http.txt"
 stats "$bench_tmp/stats.json"
 echo "== perf_analyzer $PA_VERSION -> KServe v2 ModelInfer"
 docker run --rm --network host --memory 10g -v "$bench_tmp/data.json:/data.json:ro" "$IMAGE" -m sdpa -i grpc \
-  -u "$TARGET" --input-data /data.json --concurrency-range "$CONCURRENCY" \
+  -u "$TARGET" --input-data /data.json "${PA_LOAD[@]}" \
   --measurement-interval $((SECONDS_EACH * 1000)) --stability-percentage 50 --max-trials 10 2>&1 | tee "$bench_tmp/pa.txt"
 stats "$bench_tmp/stats.json"
 

@@ -46,7 +46,7 @@ class Container:
         cmd = ["run", "--name", self.name, "--read-only", "--cap-drop", "ALL",
                "--security-opt", "no-new-privileges", "--cpus", "1.5",
                "--health-interval", health_interval,
-               "-p", "127.0.0.1::50051", "-p", "127.0.0.1::9464"]
+               "-p", "127.0.0.1::50051", "-p", "127.0.0.1::9464", "-p", "127.0.0.1::8000"]
         for v in volumes:
             cmd += ["-v", v]
         if detach:
@@ -180,6 +180,44 @@ def test_unreadable_model_folder_names_the_path_and_the_uid(docker, image, torch
             c.remove()
     finally:
         shutil.rmtree(host, ignore_errors=True)
+
+
+def test_https_in_the_image(docker, image, tmp_path):
+    """The image serves the KServe HTTP endpoint over HTTPS with the gRPC
+    port's certificate: its OpenSSL 3 compatibility libraries for civetweb
+    (server/transport/civetweb_tls.h) are installed beside the binary."""
+    import subprocess
+    import urllib.request
+    import ssl
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", "server.key", "-out",
+                    "server.pem", "-days", "1", "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=IP:127.0.0.1"], cwd=certs, check=True, capture_output=True)
+    for f in certs.iterdir():
+        os.chmod(f, 0o644)
+    os.chmod(certs, 0o755)
+    c = Container(docker, image, "--tls-cert-file=/certs/server.pem",
+                  "--tls-key-file=/certs/server.key", volumes=[f"{certs}:/certs:ro"],
+                  name_hint="https")
+    try:
+        assert c.out.returncode == 0, c.out.stderr
+        url = f"https://127.0.0.1:{c.port(8000)}/v2/health/ready"
+        ctx = ssl.create_default_context(cafile=str(certs / "server.pem"))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(url, context=ctx, timeout=5) as r:
+                    assert r.status == 200
+                    break
+            except (OSError, ssl.SSLError):
+                assert c.state()["Running"], c.logs()
+                assert time.monotonic() < deadline, c.logs()
+                time.sleep(0.3)
+        assert "(HTTPS)" in c.logs()
+    finally:
+        c.remove()
 
 
 def test_docker_stop_with_requests_in_flight(docker, image):
