@@ -29,30 +29,7 @@ fi
 SECONDS_EACH=${SECONDS_EACH:-10}
 
 docker info > /dev/null 2>&1 || { echo "perf_analyzer.sh: no Docker engine answers (start dockerd)" >&2; exit 1; }
-if ! docker image inspect debian:trixie > /dev/null 2>&1; then
-  echo "== making debian:trixie with debootstrap (once)"
-  root="$bench_tmp/trixie"
-  debootstrap --variant=minbase trixie "$root" http://deb.debian.org/debian > "$bench_tmp/debootstrap.log"
-  rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
-  tar -C "$root" -c . | docker import - debian:trixie > /dev/null
-fi
-if ! docker image inspect "$IMAGE" > /dev/null 2>&1; then
-  echo "== building $IMAGE (perf_analyzer from its PyPI wheel)"
-  ctx="$bench_tmp/pa"
-  mkdir -p "$ctx"
-  python3 -m pip download -q --no-deps -d "$ctx" --platform manylinux_2_38_x86_64 \
-    --only-binary=:all: "perf-analyzer==$PA_VERSION"
-  python3 - "$ctx" <<'PY'
-import glob, os, sys, zipfile
-ctx = sys.argv[1]
-wheel = glob.glob(os.path.join(ctx, "perf_analyzer-*.whl"))[0]
-with zipfile.ZipFile(wheel) as z, open(os.path.join(ctx, "perf_analyzer"), "wb") as f:
-    f.write(z.read("perf_analyzer/bin/perf_analyzer"))
-os.chmod(os.path.join(ctx, "perf_analyzer"), 0o755)
-PY
-  cp bench/perf_analyzer/Dockerfile "$ctx/"
-  DOCKER_BUILDKIT=0 docker build -q -t "$IMAGE" "$ctx" > /dev/null
-fi
+bench/perf_analyzer/build_image.sh "$IMAGE" "$PA_VERSION"
 
 bench_start TARGET "$bench_tmp/server.log" "$BUILD/server/attnserve" \
   --address 127.0.0.1:0 --metrics-address 127.0.0.1:0 --http-address 127.0.0.1:0
