@@ -68,7 +68,8 @@ absl::Status LoadOnce() {
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "HTTPS needs attnserve's OpenSSL 3 compatibility libraries for civetweb (libssl.so, "
-      "libcrypto.so), installed with the binary: ", absl::StrJoin(errors, "; ")));
+      "libcrypto.so), installed with the binary (or turn the HTTP endpoint off: "
+      "--http-address=): ", absl::StrJoin(errors, "; ")));
 }
 
 }  // namespace

@@ -106,5 +106,24 @@ TEST(ServerOptionsTest, NormalizesFlagNamesOnly) {
               ElementsAre("/path/to/attn-serve", "--address=host-name:1"));
 }
 
+TEST(ServerOptionsTest, RepeatedFlagKeepsEveryValueInOrder) {
+  // As main() sees them: after NormalizeFlagNames. absl alone keeps the last.
+  EXPECT_THAT(RepeatedFlagValues({"attnserve", "--load_model=a", "--threads=2", "--load_model",
+                                  "b,c", "-load_model=d", "--load_modelx=e", "--", "--load_model=f"},
+                                 "load_model"),
+              ElementsAre("a", "b", "c", "d"));
+  EXPECT_THAT(RepeatedFlagValues({"attnserve", "--load_model"}, "load_model"), ElementsAre());
+}
+
+TEST(ServerOptionsTest, ModelControlModes) {
+  EXPECT_EQ(ParseModelControlMode("none").value(), ModelControlMode::kNone);
+  EXPECT_EQ(ParseModelControlMode("poll").value(), ModelControlMode::kPoll);
+  EXPECT_EQ(ParseModelControlMode("explicit").value(), ModelControlMode::kExplicit);
+  absl::StatusOr<ModelControlMode> bad = ParseModelControlMode("POLL");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              HasSubstr("--model-control-mode: \"POLL\" is not one of none, poll, explicit"));
+}
+
 }  // namespace
 }  // namespace attnserve
