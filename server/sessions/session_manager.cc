@@ -247,9 +247,16 @@ int SessionManager::CloseModel(const std::string& model, bool unloaded,
   }
   if (unloaded) {
     cache->second->unloaded = true;
-    if (cache->second->sessions == 0) caches_.erase(cache);
+    if (cache->second->sessions == 0) DropCache(cache->second.get());
   }
   return static_cast<int>(ending.size());
+}
+
+void SessionManager::DropCache(ModelCache* cache) {
+  // The gauges say what is left: nothing.
+  if (cache->metrics != nullptr) cache->metrics->SetSessionCache(0, 0, 0, 0, 0);
+  const std::string model = cache->model;
+  caches_.erase(model);  // destroys *cache: its pool unmaps its slabs
 }
 
 absl::Status SessionManager::CheckShape(Session& s, const InferenceRequest& r) {
@@ -437,10 +444,7 @@ void SessionManager::Remove(Session* s, Gone why) {
   gone_order_.push_back(s->id);
   sessions_.erase(s->id);  // destroys *s
   Publish(cache);
-  if (cache.unloaded && cache.sessions == 0) {
-    const std::string model = cache.model;
-    caches_.erase(model);  // destroys cache: its pool unmaps its slabs
-  }
+  if (cache.unloaded && cache.sessions == 0) DropCache(&cache);
 }
 
 SessionManager::Next SessionManager::Finished(const InferenceRequest& request,

@@ -176,6 +176,8 @@ class SessionManager {
   void Remove(Session* s, Gone why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SweepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Publish(ModelCache& cache) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Destroys the cache of an unloaded model whose last session is gone.
+  void DropCache(ModelCache* cache) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ModelCache& CacheFor(const std::string& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SessionOptions options_;

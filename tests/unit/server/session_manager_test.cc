@@ -237,6 +237,44 @@ TEST_F(SessionManagerTest, FullCacheEvictsTheLeastRecentlyUsedIdleSession) {
   EXPECT_EQ(m.Stats("sdpa").evictions, evictions);
 }
 
+TEST_F(SessionManagerTest, ModelReloadEndsItsSessionsAndUnloadReturnsTheCache) {
+  SessionManager m(Options(), &clock_, nullptr);
+  const std::string idle = Open(m), busy = Open(m);
+  Run(m, idle, 20);
+  std::unique_ptr<InferenceRequest> in_flight = Request(busy, 3);
+  ASSERT_TRUE(m.Submit(&in_flight).ok());
+  ASSERT_NE(in_flight, nullptr);
+  std::unique_ptr<InferenceRequest> queued = Request(busy, 1);
+  ASSERT_TRUE(m.Submit(&queued).ok());
+  ASSERT_EQ(queued, nullptr);
+
+  std::vector<std::unique_ptr<InferenceRequest>> orphans;
+  EXPECT_EQ(m.CloseModel("sdpa", /*unloaded=*/false, &orphans), 2);
+  ASSERT_EQ(orphans.size(), 1u);  // the queued one, for the caller to answer
+  std::unique_ptr<InferenceRequest> r = Request(idle, 1);
+  absl::Status s = m.Submit(&r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(s.message(), HasSubstr("its model 'sdpa' was reloaded"));
+  // The request in flight finishes; its session is then gone, for the same reason.
+  SessionManager::Next next = m.Finished(*in_flight, absl::OkStatus());
+  EXPECT_EQ(next.bound, nullptr);
+  r = Request(busy, 1);
+  EXPECT_THAT(m.Submit(&r).message(), HasSubstr("was reloaded"));
+  EXPECT_EQ(m.Stats("sdpa").sessions_open, 0);
+  EXPECT_EQ(m.Stats("sdpa").blocks_used, 0);
+  EXPECT_GT(m.Stats("sdpa").bytes_held, 0);  // a reload keeps the pool for the new version
+
+  // An unload returns the pool itself once its last session is freed.
+  const std::string again = Open(m);
+  Run(m, again, 5);
+  EXPECT_EQ(m.CloseModel("sdpa", /*unloaded=*/true, &orphans), 1);
+  r = Request(again, 1);
+  EXPECT_THAT(m.Submit(&r).message(), HasSubstr("its model 'sdpa' was unloaded"));
+  EXPECT_EQ(m.Stats("sdpa").bytes_held, 0);
+  EXPECT_EQ(m.Stats("sdpa").bytes_capacity, 0);  // no cache at all
+  EXPECT_EQ(m.CloseModel("sdpa", true, &orphans), 0);
+}
+
 TEST_F(SessionManagerTest, CloseReturnsBlocksAndAnswersQueuedRequests) {
   SessionManager m(Options(), &clock_, nullptr);
   const std::string sid = Open(m);
