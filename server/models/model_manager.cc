@@ -124,7 +124,14 @@ absl::StatusOr<std::unique_ptr<ModelManager>> ModelManager::Create(
   absl::StatusOr<std::vector<std::string>> folders = ListModelFolders(o.repository);
   if (!folders.ok()) return folders.status();
   std::map<std::string, std::string> folder_of;  // name -> folder
-  for (const std::string& folder : *folders) folder_of.emplace(ModelNameOfFolder(folder), folder);
+  std::vector<std::string> failures;
+  for (const std::string& folder : *folders) {
+    auto [it, inserted] = folder_of.emplace(ModelNameOfFolder(folder), folder);
+    if (!inserted) {
+      failures.push_back(absl::StrCat(folder, ": model name '", it->first, "' is already used by ",
+                                      it->second));
+    }
+  }
   const bool all = std::find(o.load_models.begin(), o.load_models.end(), "*") != o.load_models.end();
   for (const std::string& name : o.load_models) {
     if (name != "*" && !folder_of.contains(name)) {
@@ -135,7 +142,6 @@ absl::StatusOr<std::unique_ptr<ModelManager>> ModelManager::Create(
           " (its models: ", names.empty() ? "(none)" : absl::StrJoin(names, ", "), ")"));
     }
   }
-  std::vector<std::string> failures;
   for (const auto& [name, folder] : folder_of) {
     if (m->builtin_.contains(name)) {
       failures.push_back(absl::StrCat(folder, ": model name '", name,
