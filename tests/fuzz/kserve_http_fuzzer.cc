@@ -1,7 +1,9 @@
 // Fuzz target: bytes as a KServe v2 HTTP infer request body through
 // DecodeJsonInferRequest (the JSON header, Triton's binary data split), then
 // the KServe decoding the gRPC front end also runs. The first two bytes
-// choose the Inference-Header-Content-Length (0xFFFF: none, all JSON).
+// choose the Inference-Header-Content-Length (0xFFFF: none, all JSON). The
+// same body also goes through the other JSON bodies a client sends: the
+// repository index request and the model load and unload requests.
 // Aborts on a crash or sanitizer report, an error without a message, or an
 // accepted request whose inputs and raw contents disagree.
 #include <cstdint>
@@ -18,6 +20,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int64_t chosen = static_cast<int64_t>(data[0]) | (static_cast<int64_t>(data[1]) << 8);
   std::string body(reinterpret_cast<const char*>(data) + 2, size - 2);
   const int64_t header_length = chosen == 0xFFFF ? -1 : chosen;
+  for (bool unload : {false, true}) {
+    std::string copy = body;  // parsed in place
+    const absl::Status s = attnserve::DecodeModelRepositoryRequest(&copy, unload);
+    if (!s.ok() && s.message().empty()) {
+      std::fprintf(stderr, "kserve_http_fuzzer: load/unload body refused without a message\n");
+      std::abort();
+    }
+  }
+  {
+    std::string copy = body;
+    const absl::StatusOr<bool> ready = attnserve::DecodeIndexRequest(&copy);
+    if (!ready.ok() && ready.status().message().empty()) {
+      std::fprintf(stderr, "kserve_http_fuzzer: index body refused without a message\n");
+      std::abort();
+    }
+  }
   attnserve::JsonInferRequest request;
   const absl::Status s =
       attnserve::DecodeJsonInferRequest(&body, header_length, "sdpa", "", &request);
