@@ -11,7 +11,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/util/json_util.h"
-#include "rapidjson/document.h"
 #include "rapidjson/error/en.h"
 #include "rapidjson/reader.h"
 #include "rapidjson/stringbuffer.h"
@@ -674,6 +673,49 @@ struct IndexHandler : rapidjson::BaseReaderHandler<rapidjson::UTF8<>, IndexHandl
   }
 };
 
+// The body of a model load or unload request, {"parameters": {NAME: VALUE}},
+// read as SAX events in place (a DOM would use RapidJSON's value stack,
+// whose first push offsets a null pointer). Each parameter goes through
+// CheckModelRepositoryParameter.
+struct RepositoryHandler : rapidjson::BaseReaderHandler<rapidjson::UTF8<>, RepositoryHandler> {
+  explicit RepositoryHandler(bool unload) : unload(unload) {}
+  const bool unload;
+  int depth = 0;  // 1: in the body object; 2: in "parameters"
+  std::string key;
+  absl::Status error;
+
+  bool Fail(absl::Status s) {
+    error = std::move(s);
+    return false;
+  }
+  // A value that is not an object where one is read: at depth 0 the body, at
+  // depth 1 "parameters"; at depth 2 a parameter's value (is_bool: a bool).
+  bool Value(bool is_bool) {
+    if (depth == 0) return Fail(absl::InvalidArgumentError("request body: must be a JSON object"));
+    if (depth == 1) return Fail(absl::InvalidArgumentError("parameters: must be a JSON object"));
+    absl::Status s = CheckModelRepositoryParameter(key, is_bool, unload);
+    return s.ok() || Fail(std::move(s));
+  }
+  bool Default() { return Value(false); }
+  bool Bool(bool) { return Value(true); }
+  bool StartObject() {
+    if (depth == 0 || depth == 1) {  // the body, or "parameters" (the only key allowed)
+      ++depth;
+      return true;
+    }
+    return Value(false);
+  }
+  bool EndObject(rapidjson::SizeType) { return --depth >= 0; }
+  bool Key(const char* str, rapidjson::SizeType length, bool) {
+    key.assign(str, length);
+    if (depth == 1 && key != "parameters") {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "request body: unknown field \"", key, "\" (only \"parameters\")")));
+    }
+    return true;
+  }
+};
+
 }  // namespace
 
 absl::StatusOr<bool> DecodeIndexRequest(std::string* body) {
@@ -695,30 +737,15 @@ absl::StatusOr<bool> DecodeIndexRequest(std::string* body) {
 
 absl::Status DecodeModelRepositoryRequest(std::string* body, bool unload) {
   if (body->find_first_not_of(" \t\r\n") == std::string::npos) return absl::OkStatus();
-  rapidjson::Document doc;
-  doc.ParseInsitu(body->data());  // std::string ends with a NUL
-  if (doc.HasParseError()) {
+  RepositoryHandler handler(unload);
+  rapidjson::Reader reader;
+  rapidjson::InsituStringStream stream(body->data());  // std::string ends with a NUL
+  const rapidjson::ParseResult parsed = reader.Parse<rapidjson::kParseInsituFlag>(stream, handler);
+  if (!handler.error.ok()) return handler.error;
+  if (parsed.IsError()) {
     return absl::InvalidArgumentError(absl::StrCat("request body: malformed JSON at offset ",
-                                                   doc.GetErrorOffset(), ": ",
-                                                   rapidjson::GetParseError_En(doc.GetParseError())));
-  }
-  if (!doc.IsObject()) return absl::InvalidArgumentError("request body: must be a JSON object");
-  for (const auto& member : doc.GetObject()) {
-    const std::string key(member.name.GetString(), member.name.GetStringLength());
-    if (key != "parameters") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("request body: unknown field \"", key, "\" (only \"parameters\")"));
-    }
-    if (!member.value.IsObject()) {
-      return absl::InvalidArgumentError("parameters: must be a JSON object");
-    }
-    for (const auto& p : member.value.GetObject()) {
-      const std::string name(p.name.GetString(), p.name.GetStringLength());
-      if (absl::Status s = CheckModelRepositoryParameter(name, p.value.IsBool(), unload);
-          !s.ok()) {
-        return s;
-      }
-    }
+                                                   parsed.Offset(), ": ",
+                                                   rapidjson::GetParseError_En(parsed.Code())));
   }
   return absl::OkStatus();
 }
