@@ -320,6 +320,15 @@ absl::Status ModelManager::UnloadAndWait(const std::string& name) {
   return result;
 }
 
+std::vector<std::string> ModelManager::RepositoryModelNames() const {
+  std::vector<std::string> names;
+  if (options_.mode != ModelControlMode::kExplicit) return names;
+  absl::StatusOr<std::vector<std::string>> folders = ListModelFolders(options_.repository);
+  if (!folders.ok()) return names;
+  for (const std::string& folder : *folders) names.push_back(ModelNameOfFolder(folder));
+  return names;
+}
+
 absl::StatusOr<std::string> ModelManager::FolderOf(const std::string& name) const {
   absl::StatusOr<std::vector<std::string>> folders = ListModelFolders(options_.repository);
   if (!folders.ok()) return folders.status();

@@ -125,6 +125,12 @@ class ModelManager {
   absl::Status LoadAndWait(const std::string& name);
   absl::Status UnloadAndWait(const std::string& name);
 
+  // Explicit mode: the names the repository's folders serve now (a folder
+  // added after startup included), for the repository index to list the ones
+  // the registry does not know as not loaded. Empty in other modes (their
+  // registry follows the repository) or when it cannot be listed.
+  std::vector<std::string> RepositoryModelNames() const;
+
   // Poll mode: one pass over the repository now, on the caller's thread
   // (the poll thread calls it every poll_interval). Error only when the
   // repository cannot be listed.

@@ -3,6 +3,7 @@
 #include "server/transport/kserve_core.h"
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -200,16 +201,30 @@ absl::Status KServeCore::ModelStatistics(const std::string& name, const std::str
 
 void KServeCore::RepositoryIndex(bool ready_only, const ModelAccess& access,
                                  inference::RepositoryIndexResponse* response) const {
+  std::map<std::string, inference::RepositoryIndexResponse::ModelIndex> index;
   for (const auto& model : registry_->List()) {
     if (ready_only && !model->ready()) continue;
     if (!access.Allows(model->name)) continue;
-    auto* m = response->add_models();
-    m->set_name(model->name);
-    m->set_version("1");
-    m->set_state(model->ready() ? "READY" : "UNAVAILABLE");
+    auto& m = index[model->name];
+    m.set_name(model->name);
+    m.set_version("1");
+    m.set_state(model->ready() ? "READY" : "UNAVAILABLE");
     // A ready model's reason: its latest load failed, this version serves.
-    m->set_reason(model->ready() ? registry_->LoadError(model->name) : model->reason);
+    m.set_reason(model->ready() ? registry_->LoadError(model->name) : model->reason);
   }
+  // Explicit model control: folders added to the repository since startup
+  // are listed too, as Triton lists every model its repository holds.
+  if (!ready_only && models_ != nullptr) {
+    for (const std::string& name : models_->RepositoryModelNames()) {
+      if (index.contains(name) || !access.Allows(name) || registry_->Find(name).ok()) continue;
+      auto& m = index[name];
+      m.set_name(name);
+      m.set_version("1");
+      m.set_state("UNAVAILABLE");
+      m.set_reason("not loaded (--model-control-mode=explicit: load it with RepositoryModelLoad)");
+    }
+  }
+  for (auto& [name, m] : index) *response->add_models() = std::move(m);
 }
 
 // Repository control changes what every caller is served: not for

@@ -316,6 +316,15 @@ def test_explicit_mode_load_and_unload_over_grpc_http_and_curl(tmp_path, start_s
     assert status == UNAVAILABLE and "'b' is not ready" in message, (status, message)
     assert not g.is_model_ready("b")
 
+    # A folder added after startup is listed (not loaded) and loads by name.
+    wc = make_weights(13)
+    write_model(repo, "c", wc)
+    index = index_of(g)
+    assert index["c"][0] == "UNAVAILABLE" and "not loaded" in index["c"][1], index
+    g.load_model("c")
+    status, out = infer_grpc(g, "c", 0)
+    assert status == "OK" and matches(out, expected(wc)[0]), (status, out)
+
     # gRPC load: b serves, correctly.
     g.load_model("b")
     assert g.is_model_ready("b") and index_of(g)["b"] == ("READY", ""), index_of(g)["b"]
