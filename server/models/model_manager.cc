@@ -299,20 +299,17 @@ void ModelManager::Unload(const std::string& name, absl::AnyInvocable<void(absl:
 }
 
 absl::Status ModelManager::LoadAndWait(const std::string& name) {
-  absl::Notification finished;
-  absl::Status result;
-  Load(name, [&](absl::Status s) {
-    result = std::move(s);
-    finished.Notify();
-  });
-  finished.WaitForNotification();
-  return result;
+  return Wait(&ModelManager::Load, name);
 }
 
 absl::Status ModelManager::UnloadAndWait(const std::string& name) {
+  return Wait(&ModelManager::Unload, name);
+}
+
+absl::Status ModelManager::Wait(ChangeFn change, const std::string& name) {
   absl::Notification finished;
   absl::Status result;
-  Unload(name, [&](absl::Status s) {
+  (this->*change)(name, [&](absl::Status s) {
     result = std::move(s);
     finished.Notify();
   });

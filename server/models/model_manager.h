@@ -147,6 +147,11 @@ class ModelManager {
     std::string fingerprint;
   };
 
+  // Load or Unload, waited for.
+  using ChangeFn = void (ModelManager::*)(const std::string&,
+                                          absl::AnyInvocable<void(absl::Status)>);
+  absl::Status Wait(ChangeFn change, const std::string& name);
+
   // The manager's thread: changes, in order, and in poll mode a poll every
   // poll_interval.
   void Run();

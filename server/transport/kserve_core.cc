@@ -238,27 +238,27 @@ absl::Status KServeCore::CheckRepositoryControl(const char* op, const ModelAcces
 
 void KServeCore::LoadModel(const std::string& name, const ModelAccess& access,
                            absl::AnyInvocable<void(absl::Status)> done) const {
-  if (absl::Status s = CheckRepositoryControl("RepositoryModelLoad", access); !s.ok()) {
-    done(std::move(s));
-  } else if (models_ == nullptr) {
-    done(absl::FailedPreconditionError(
-        "RepositoryModelLoad: this server has no model control; start it with "
-        "--model-repository DIR --model-control-mode=explicit"));
-  } else {
-    models_->Load(name, std::move(done));
-  }
+  ChangeModel("RepositoryModelLoad", &ModelManager::Load, name, access, std::move(done));
 }
 
 void KServeCore::UnloadModel(const std::string& name, const ModelAccess& access,
                              absl::AnyInvocable<void(absl::Status)> done) const {
-  if (absl::Status s = CheckRepositoryControl("RepositoryModelUnload", access); !s.ok()) {
+  ChangeModel("RepositoryModelUnload", &ModelManager::Unload, name, access, std::move(done));
+}
+
+void KServeCore::ChangeModel(
+    const char* op,
+    void (ModelManager::*change)(const std::string&, absl::AnyInvocable<void(absl::Status)>),
+    const std::string& name, const ModelAccess& access,
+    absl::AnyInvocable<void(absl::Status)> done) const {
+  if (absl::Status s = CheckRepositoryControl(op, access); !s.ok()) {
     done(std::move(s));
   } else if (models_ == nullptr) {
     done(absl::FailedPreconditionError(
-        "RepositoryModelUnload: this server has no model control; start it with "
-        "--model-repository DIR --model-control-mode=explicit"));
+        absl::StrCat(op, ": this server has no model control; start it with "
+                         "--model-repository DIR --model-control-mode=explicit")));
   } else {
-    models_->Unload(name, std::move(done));
+    (models_->*change)(name, std::move(done));
   }
 }
 

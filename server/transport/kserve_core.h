@@ -107,6 +107,13 @@ class KServeCore {
                   absl::AnyInvocable<void(absl::Status)> done) const;
 
  private:
+  // LoadModel and UnloadModel: the caller's rights, then `change`.
+  void ChangeModel(
+      const char* op,
+      void (ModelManager::*change)(const std::string&, absl::AnyInvocable<void(absl::Status)>),
+      const std::string& name, const ModelAccess& access,
+      absl::AnyInvocable<void(absl::Status)> done) const;
+
   const ModelRegistry* const registry_;
   RequestDispatcher* const dispatcher_;
   const Metrics* const metrics_;
