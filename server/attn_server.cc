@@ -122,6 +122,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   }
   server->metrics_ = *std::move(metrics);
   for (const auto& model : server->registry_.List()) {
+    if (model->state == ModelState::kUnloaded) continue;  // not loaded on purpose: no series
     server->metrics_->SetModelReady(
         model->name, model->engine != nullptr ? std::string(model->engine->name()) : "",
         model->ready());

@@ -416,6 +416,11 @@ void Metrics::SetModelReady(const std::string& model, const std::string& backend
   model_ready_->Add({{"model", model}, {"backend", backend}}).Set(ready ? 1.0 : 0.0);
 }
 
+void Metrics::RemoveModelReady(const std::string& model, const std::string& backend) {
+  prometheus::Gauge& g = model_ready_->Add({{"model", model}, {"backend", backend}});
+  model_ready_->Remove(&g);
+}
+
 void Metrics::ModelLoadFinished(const std::string& model, bool success) {
   model_loads_->Add({{"model", model}, {"result", success ? "success" : "failure"}}).Increment();
 }

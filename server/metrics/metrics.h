@@ -168,6 +168,10 @@ class Metrics {
   // dashboards and alerts, not only in GetModel). `backend` names the engine
   // serving it ("cpu", "cuda", "reference"; empty when it has none).
   void SetModelReady(const std::string& model, const std::string& backend, bool ready);
+  // Removes that series: a model taken out of service on purpose (unloaded,
+  // or not loaded yet under explicit model control) has none, so that an
+  // alert on attnserve_model_ready == 0 sees only models that failed.
+  void RemoveModelReady(const std::string& model, const std::string& backend);
 
   // attnserve_model_loads_total{model,result="success"|"failure"}: loads
   // and reloads by model control (ModelManager), after startup.

@@ -434,10 +434,13 @@ void ModelManager::Swap(std::shared_ptr<const ServedModel> next,
     r->Complete(SessionManager::ModelChangedStatus(id, name, unloading));
   }
   if (metrics_ != nullptr) {
-    if (old != nullptr && old->ready() && BackendOf(*old) != BackendOf(*next)) {
-      metrics_->SetModelReady(name, BackendOf(*old), false);
+    // attnserve_model_ready: 1 serving, 0 failed, no series when unloaded.
+    const bool unloaded = next->state == ModelState::kUnloaded;
+    if (old != nullptr && old->state != ModelState::kUnloaded &&
+        (unloaded || BackendOf(*old) != BackendOf(*next))) {
+      metrics_->RemoveModelReady(name, BackendOf(*old));
     }
-    metrics_->SetModelReady(name, BackendOf(*next), next->ready());
+    if (!unloaded) metrics_->SetModelReady(name, BackendOf(*next), next->ready());
   }
   // Requests queued on the old version are computed on it; its layer is
   // freed with the last of them.

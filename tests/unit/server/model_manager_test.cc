@@ -23,6 +23,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "engine/attention_engine.h"
 #include "gmock/gmock.h"
@@ -39,6 +40,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr int64_t kEmbed = 16;
 constexpr int64_t kTokens = 5;
@@ -196,6 +198,7 @@ TEST_F(ModelManagerTest, ExplicitModeLoadsReloadsAndUnloads) {
 
   // b is listed but not loaded: refused UNAVAILABLE, naming it and why.
   EXPECT_EQ(State("b"), ModelState::kUnloaded);
+  EXPECT_THAT(server_->metrics().Serialize(), Not(HasSubstr("model=\"b\"")));
   grpc::Status s = Attend("b", nullptr);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(s.error_message(), HasSubstr("'b' is not ready: not loaded"));
@@ -235,8 +238,24 @@ TEST_F(ModelManagerTest, ExplicitModeLoadsReloadsAndUnloads) {
   ASSERT_TRUE(Attend("a", &out).ok());
   EXPECT_EQ(VersionOf(out, {a1, a2}), 1);
 
+  // attnserve_model_ready: 1 while a serves (0 would page: the alert
+  // AttnserveModelNotReady watches it), no series for b... until loaded.
+  auto ready_series = [&](const std::string& model) {
+    const std::string text = server_->metrics().Serialize();
+    const std::string key = absl::StrCat("model=\"", model, "\"");
+    for (absl::string_view line : absl::StrSplit(text, '\n')) {
+      if (absl::StartsWith(line, "attnserve_model_ready{") && absl::StrContains(line, key)) {
+        return std::string(line.substr(line.rfind(' ') + 1));
+      }
+    }
+    return std::string("(none)");
+  };
+  EXPECT_EQ(ready_series("a"), "1");
+  EXPECT_EQ(ready_series("b"), "1");
+
   // Unloaded: later requests are refused UNAVAILABLE naming it.
   ASSERT_TRUE(models->UnloadAndWait("a").ok());
+  EXPECT_EQ(ready_series("a"), "(none)");
   s = Attend("a", nullptr);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(s.error_message(), HasSubstr("'a' is not ready: unloaded"));
