@@ -216,7 +216,8 @@ void KServeCore::RepositoryIndex(bool ready_only, const ModelAccess& access,
   // are listed too, as Triton lists every model its repository holds.
   if (!ready_only && models_ != nullptr) {
     for (const std::string& name : models_->RepositoryModelNames()) {
-      if (index.contains(name) || !access.Allows(name) || registry_->Find(name).ok()) continue;
+      // A registered name is in `index` already, or left out by `access`.
+      if (index.contains(name) || !access.Allows(name)) continue;
       auto& m = index[name];
       m.set_name(name);
       m.set_version("1");

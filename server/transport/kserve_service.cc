@@ -258,48 +258,44 @@ grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryIndex(
   return Answer(context, absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelLoad(
-    grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
-    inference::RepositoryModelLoadResponse*) {
+template <typename Request>
+grpc::ServerUnaryReactor* KServeServiceImpl::ChangeModel(grpc::CallbackServerContext* context,
+                                                         const Request& request, bool unload) {
   ModelAccess access;
   if (absl::Status s = Authorize(*context, "", &access); !s.ok()) return Answer(context, s);
-  if (absl::Status s = KServeCore::CheckRepositoryControl("RepositoryModelLoad", access);
+  if (absl::Status s = KServeCore::CheckRepositoryControl(
+          unload ? "RepositoryModelUnload" : "RepositoryModelLoad", access);
       !s.ok()) {
     return Answer(context, s);
   }
-  if (absl::Status s = CheckRepositoryName(request->repository_name()); !s.ok()) {
+  if (absl::Status s = CheckRepositoryName(request.repository_name()); !s.ok()) {
     return Answer(context, s);
   }
-  if (absl::Status s = CheckParameters(request->parameters(), /*unload=*/false); !s.ok()) {
+  if (absl::Status s = CheckParameters(request.parameters(), unload); !s.ok()) {
     return Answer(context, s);
   }
-  // Answered when the model serves (a load reads weights and warms up): the
-  // reactor finishes from the model manager's thread.
+  // Answered when the change is made (a load reads weights and warms up):
+  // the reactor finishes from the model manager's thread.
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  core_.LoadModel(request->model_name(), access,
-                  [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); });
+  auto finish = [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); };
+  if (unload) {
+    core_.UnloadModel(request.model_name(), access, finish);
+  } else {
+    core_.LoadModel(request.model_name(), access, finish);
+  }
   return reactor;
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelLoad(
+    grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
+    inference::RepositoryModelLoadResponse*) {
+  return ChangeModel(context, *request, /*unload=*/false);
 }
 
 grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelUnload(
     grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
     inference::RepositoryModelUnloadResponse*) {
-  ModelAccess access;
-  if (absl::Status s = Authorize(*context, "", &access); !s.ok()) return Answer(context, s);
-  if (absl::Status s = KServeCore::CheckRepositoryControl("RepositoryModelUnload", access);
-      !s.ok()) {
-    return Answer(context, s);
-  }
-  if (absl::Status s = CheckRepositoryName(request->repository_name()); !s.ok()) {
-    return Answer(context, s);
-  }
-  if (absl::Status s = CheckParameters(request->parameters(), /*unload=*/true); !s.ok()) {
-    return Answer(context, s);
-  }
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  core_.UnloadModel(request->model_name(), access,
-                    [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); });
-  return reactor;
+  return ChangeModel(context, *request, /*unload=*/true);
 }
 
 grpc::ServerUnaryReactor* KServeServiceImpl::SystemSharedMemoryStatus(

@@ -143,6 +143,13 @@ class KServeServiceImpl final : public KServeServiceBase, private StreamHandler 
   absl::Status Authorize(const grpc::CallbackServerContext& context, absl::string_view name,
                          ModelAccess* access = nullptr) const;
 
+  // RepositoryModelLoad (`unload` false) or RepositoryModelUnload: the
+  // caller's rights, the repository name and the parameters, then the
+  // change, answered when it is made (from the model manager's thread).
+  template <typename Request>
+  grpc::ServerUnaryReactor* ChangeModel(grpc::CallbackServerContext* context,
+                                        const Request& request, bool unload);
+
   const ModelRegistry* const registry_;
   RequestDispatcher* const dispatcher_;
   const Metrics* const metrics_;
