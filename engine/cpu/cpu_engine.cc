@@ -15,6 +15,7 @@
 #include "engine/cpu/flash_attention.h"
 #include "engine/cpu/projection.h"
 #include "engine/cpu/rotary.h"
+#include "engine/cpu/thread_buffer.h"
 #include "engine/rope.h"
 
 #ifdef _OPENMP
@@ -24,10 +25,11 @@
 namespace attnserve {
 namespace {
 
-using cpu::AlignedBytes;
+using cpu::BufferSlot;
 using cpu::ChunkedLinear;
 using cpu::LinearJob;
 using cpu::RowLayout;
+using cpu::ThreadBuffer;
 
 class CpuEngine final : public AttentionEngine {
  public:
@@ -231,15 +233,16 @@ class CpuEngine final : public AttentionEngine {
     const RowLayout q_layout = layout(wq, cross_q_rows);
     const RowLayout k_layout = layout(wk, cross_kv_rows);
     const RowLayout v_layout = layout(wv, cross_kv_rows);
-    AlignedBytes qkv_buf(self_layout.total * qkv_n * act_size);
-    AlignedBytes q_buf(q_layout.total * qf * act_size);
-    AlignedBytes k_buf(k_layout.total * kvf * act_size);
-    AlignedBytes v_buf(v_layout.total * kvf * act_size);
+    // The calling thread's buffers, kept for its next batch (thread_buffer.h).
+    ThreadBuffer qkv_buf(BufferSlot::kQkvActivations, self_layout.total * qkv_n * act_size);
+    ThreadBuffer q_buf(BufferSlot::kQActivations, q_layout.total * qf * act_size);
+    ThreadBuffer k_buf(BufferSlot::kKActivations, k_layout.total * kvf * act_size);
+    ThreadBuffer v_buf(BufferSlot::kVActivations, v_layout.total * kvf * act_size);
 
     std::vector<LinearJob> jobs;
     auto add_job = [&](const ChunkedLinear* linear, const RowLayout& layout,
                        const std::vector<size_t>& tasks, const std::vector<int64_t>& rows,
-                       TensorView AttentionTask::*input, const AlignedBytes& out) {
+                       TensorView AttentionTask::*input, const ThreadBuffer& out) {
       if (tasks.empty()) return;
       LinearJob job;
       job.linear = linear;
@@ -259,8 +262,8 @@ class CpuEngine final : public AttentionEngine {
 
     // 2. The core over the whole batch, into the stacked core output.
     const RowLayout o_layout = cpu::LayoutRowsFor(*wo, all_q_rows);
-    AlignedBytes core(o_layout.total * qf * act_size);
-    auto at = [&](const AlignedBytes& buf, int64_t row, int64_t row_elems, int64_t col) {
+    ThreadBuffer core(BufferSlot::kCoreOutput, o_layout.total * qf * act_size);
+    auto at = [&](const ThreadBuffer& buf, int64_t row, int64_t row_elems, int64_t col) {
       return buf.data() + (row * row_elems + col) * static_cast<int64_t>(act_size);
     };
     for (size_t t = 0; t < self_tasks.size(); ++t) {

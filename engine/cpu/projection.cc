@@ -10,6 +10,7 @@
 #include <cstring>
 #include <exception>
 #include <new>
+#include <optional>
 #include <random>
 #include <unordered_map>
 
@@ -17,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/cpu/cpu_features.h"
+#include "engine/cpu/thread_buffer.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -425,10 +427,11 @@ absl::Status RunLinearJobs(absl::Span<const LinearJob> jobs, const dnnl::engine&
   };
   std::vector<Item> gathers, items;
   // Chunks of a multi-panel job that are not read in place are gathered once,
-  // into staged[job], instead of once per panel.
-  std::vector<AlignedBytes> staged(jobs.size());
+  // into the staged rows at staged_offset[job], instead of once per panel.
+  std::vector<size_t> staged_offset(jobs.size(), 0);
+  size_t staged_bytes = 0;
   size_t src_bytes = 0, dst_bytes = 0, pad_bytes = 1;
-  try {
+  {
     for (size_t j = 0; j < jobs.size(); ++j) {
       const LinearJob& job = jobs[j];
       if (job.linear == nullptr || job.rows % job.linear->chunk_rows() != 0) {
@@ -445,17 +448,22 @@ absl::Status RunLinearJobs(absl::Span<const LinearJob> jobs, const dnnl::engine&
           if (InPlaceSrc(job, c) == nullptr) gathers.push_back({j, c, 0});
         }
         if (!gathers.empty() && gathers.back().job == j) {
-          staged[j] = AlignedBytes(static_cast<size_t>(chunks) * s_chunk);
+          staged_offset[j] = staged_bytes;
+          staged_bytes += static_cast<size_t>(chunks) * s_chunk;  // a multiple of 64
         }
       }
       for (int64_t p = 0; p < lin.panels(); ++p) {
         for (int64_t c = 0; c < chunks; ++c) items.push_back({j, c, p});
       }
     }
+  }
+  if (items.empty()) return absl::OkStatus();
+  std::optional<ThreadBuffer> staged;
+  try {
+    if (staged_bytes > 0) staged.emplace(BufferSlot::kStagedRows, staged_bytes);
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError("projection: out of memory for staged rows");
   }
-  if (items.empty()) return absl::OkStatus();
   threads = static_cast<int>(std::clamp<size_t>(static_cast<size_t>(std::max(threads, 1)), 1,
                                                 items.size()));
 
@@ -469,7 +477,7 @@ absl::Status RunLinearJobs(absl::Span<const LinearJob> jobs, const dnnl::engine&
   };
   auto staged_chunk = [&](const Item& item) {
     const ChunkedLinear& lin = *jobs[item.job].linear;
-    return staged[item.job].data() +
+    return staged->data() + staged_offset[item.job] +
            item.chunk * lin.chunk_rows() * lin.in_features() * DTypeSize(lin.src_dtype());
   };
   const int64_t n_gathers = static_cast<int64_t>(gathers.size());
@@ -482,12 +490,13 @@ absl::Status RunLinearJobs(absl::Span<const LinearJob> jobs, const dnnl::engine&
     omp_set_num_threads(1);
 #endif
     std::unique_ptr<dnnl::stream> stream;
-    AlignedBytes src, dst, pad;
+    // This worker's buffers, kept for its next call (thread_buffer.h).
+    std::optional<ThreadBuffer> src, dst, pad;
     try {
       stream = std::make_unique<dnnl::stream>(engine);
-      src = AlignedBytes(src_bytes);
-      dst = AlignedBytes(dst_bytes);
-      pad = AlignedBytes(pad_bytes);
+      src.emplace(BufferSlot::kChunkSrc, src_bytes);
+      dst.emplace(BufferSlot::kChunkDst, dst_bytes);
+      pad.emplace(BufferSlot::kChunkScratchpad, pad_bytes);
     } catch (const dnnl::error& e) {
       fail(absl::InternalError(absl::StrCat("projection: oneDNN stream: ", e.what())));
     } catch (const std::bad_alloc&) {
@@ -511,10 +520,10 @@ absl::Status RunLinearJobs(absl::Span<const LinearJob> jobs, const dnnl::engine&
         if (in == nullptr && job.linear->panels() > 1) {
           in = staged_chunk(item);
         } else if (in == nullptr) {
-          GatherChunk(job, item.chunk, src.data());
-          in = src.data();
+          GatherChunk(job, item.chunk, src->data());
+          in = src->data();
         }
-        RunPanelOf(job, item.chunk, item.panel, in, dst.data(), pad.data(), *stream);
+        RunPanelOf(job, item.chunk, item.panel, in, dst->data(), pad->data(), *stream);
       } catch (const dnnl::error& e) {
         fail(absl::InternalError(absl::StrCat("projection: oneDNN matmul failed (status ",
                                               static_cast<int>(e.status), "): ", e.what())));

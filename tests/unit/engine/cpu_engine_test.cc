@@ -30,6 +30,7 @@
 #include "engine/attention_layer.h"
 #include "engine/cpu/flash_attention.h"
 #include "engine/cpu/projection.h"
+#include "engine/cpu/thread_buffer.h"
 #include "engine/model/builtin_models.h"
 #include "engine/reference/reference_engine.h"
 #include "engine/rope.h"
@@ -921,6 +922,46 @@ TEST_F(StackedProjectionTest, TaskAloneEqualsTaskAmongRandomCoTenants) {
         EXPECT_TRUE(BitwiseEqual(alone[i].second, together[i].second))
             << "weights of " << pool[i].label << " at position " << pos;
       }
+    }
+  }
+}
+
+// The engine keeps its activation and chunk buffers per thread from call to
+// call (engine/cpu/thread_buffer.h). Whatever an earlier call left in them --
+// here NaN in every slot of the calling thread and of each OpenMP worker --
+// must never reach a result: every task, alone and in a batch, gives the
+// bits a thread with fresh buffers gives.
+TEST_F(StackedProjectionTest, StaleThreadBuffersNeverReachAResult) {
+  auto poison = [] {
+    for (int s = 0; s < static_cast<int>(cpu::BufferSlot::kCount); ++s) {
+      const size_t bytes = size_t{3} << 20;  // 9 slots x 3 MiB: all kept
+      cpu::ThreadBuffer b(static_cast<cpu::BufferSlot>(s), bytes);
+      std::fill_n(reinterpret_cast<float*>(b.data()), bytes / sizeof(float),
+                  std::numeric_limits<float>::quiet_NaN());
+    }
+  };
+  uint32_t seed = 300;
+  for (const auto& layer : Layers()) {
+    const std::vector<Case> pool = Pool(layer, ++seed, 6);
+    std::vector<size_t> all(pool.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+    std::vector<std::pair<Tensor, Tensor>> fresh;
+    std::thread([&] { fresh = RunBatch(*cpu_, pool, all); }).join();
+    for (size_t i = 0; i < pool.size(); ++i) {
+#pragma omp parallel num_threads(3)
+      poison();
+      poison();
+      const auto alone = RunBatch(*cpu_, pool, {i});
+      EXPECT_TRUE(BitwiseEqual(fresh[i].first, alone[i].first)) << "alone: " << pool[i].label;
+      EXPECT_TRUE(BitwiseEqual(fresh[i].second, alone[i].second)) << "alone: " << pool[i].label;
+    }
+#pragma omp parallel num_threads(3)
+    poison();
+    poison();
+    const auto together = RunBatch(*cpu_, pool, all);
+    for (size_t i = 0; i < pool.size(); ++i) {
+      EXPECT_TRUE(BitwiseEqual(fresh[i].first, together[i].first)) << "batch: " << pool[i].label;
+      EXPECT_TRUE(BitwiseEqual(fresh[i].second, together[i].second)) << "batch: " << pool[i].label;
     }
   }
 }
