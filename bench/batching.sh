@@ -3,7 +3,8 @@
 # small requests (demo-mha, batch 1, 16 tokens) against attnserve with its
 # default batching (plus BATCHING_FLAGS) and with --max-batch-requests=1;
 # prints throughput, p99, the p99 bound 2 x (max_queue_delay + one batch's
-# compute), and the throughput ratio.
+# compute), the server's own p99s (queue wait, and receipt to answer), and the
+# throughput ratio.
 #
 #   bench/batching.sh [BUILD_DIR]      Env: DURATION (s, default 10),
 #                                      ATTNSERVE_ARGS (server flags of both runs),
@@ -37,6 +38,12 @@ print(f"{name:<12} {r['ok_throughput_rps']:9.1f} req/s  p50 {l['p50']:9.1f} us  
       f"batch mean {t['batch_requests_mean']:5.2f}  compute/batch {t['compute_us_mean']:8.1f} us  "
       f"p99 bound 2x(delay+compute) {bound:9.1f} us {'OK' if l['p99'] <= bound else 'EXCEEDED'}  "
       f"errors {r['errors'] or 0}")
+# The server's share: its queue wait, in batches computing ahead of it, and
+# its whole time per request (receipt to answer); the rest of the client's
+# p99 is the transport's and the client's time.
+c = max(t["compute_us_mean"], 1.0)
+print(f"{'':<12} server: queue p99 {t['queue_us_p99']:9.1f} us ({t['queue_us_p99'] / c:4.2f} batches)  "
+      f"total p99 {t['total_us_p99']:9.1f} us  client p99 - server p99 {l['p99'] - t['total_us_p99']:9.1f} us")
 PY
 }
 

@@ -118,6 +118,8 @@ class Stats {
       queue_us_sum_ += timing->queue_us();
       compute_us_sum_ += timing->compute_us();
       server_total_us_sum_ += timing->total_us();
+      queue_us_.push_back(timing->queue_us());
+      server_total_us_.push_back(timing->total_us());
     }
   }
   void RecordNamed(const std::string& name) {
@@ -146,6 +148,15 @@ class Stats {
     for (int64_t v : lat) mean += static_cast<double>(v);
     mean = lat.empty() ? 0 : mean / static_cast<double>(lat.size()) / 1e3;
     const double okd = std::max<double>(1.0, static_cast<double>(ok));
+    // Percentiles of what the server reported per request (its queue wait,
+    // and its whole time from receipt to answer), to tell the server's share
+    // of a latency percentile from the transport's and the client's.
+    auto server_pct = [](std::vector<int64_t> v, double q) -> double {
+      if (v.empty()) return 0;
+      std::sort(v.begin(), v.end());
+      size_t i = static_cast<size_t>(std::ceil(q * static_cast<double>(v.size())));
+      return static_cast<double>(v[std::clamp<size_t>(i, 1, v.size()) - 1]);
+    };
     return {
         {"requests", total},
         {"ok", ok},
@@ -161,7 +172,9 @@ class Stats {
           {"batch_requests_max", batch_requests_max_},
           {"queue_us_mean", static_cast<double>(queue_us_sum_) / okd},
           {"compute_us_mean", static_cast<double>(compute_us_sum_) / okd},
-          {"total_us_mean", static_cast<double>(server_total_us_sum_) / okd}}},
+          {"total_us_mean", static_cast<double>(server_total_us_sum_) / okd},
+          {"queue_us_p99", server_pct(queue_us_, 0.99)},
+          {"total_us_p99", server_pct(server_total_us_, 0.99)}}},
     };
   }
 
@@ -175,6 +188,8 @@ class Stats {
   int64_t queue_us_sum_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t compute_us_sum_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t server_total_us_sum_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<int64_t> queue_us_ ABSL_GUARDED_BY(mu_);         // per OK request with timing
+  std::vector<int64_t> server_total_us_ ABSL_GUARDED_BY(mu_);  // per OK request with timing
 };
 
 // Decides whether another request may start: by count, or by end time.
@@ -695,10 +710,13 @@ int Main(int argc, char** argv) {
               l["p50"].get<double>(), l["p90"].get<double>(), l["p99"].get<double>(),
               l["p999"].get<double>(), l["mean"].get<double>(), l["max"].get<double>());
   const auto& t = out["server_timing"];
-  std::printf("server: batch_requests mean %.2f max %lld, queue_us mean %.1f, compute_us mean %.1f\n",
+  std::printf("server: batch_requests mean %.2f max %lld, queue_us mean %.1f p99 %.0f, "
+              "compute_us mean %.1f, total_us mean %.1f p99 %.0f\n",
               t["batch_requests_mean"].get<double>(),
               static_cast<long long>(t["batch_requests_max"].get<int64_t>()),
-              t["queue_us_mean"].get<double>(), t["compute_us_mean"].get<double>());
+              t["queue_us_mean"].get<double>(), t["queue_us_p99"].get<double>(),
+              t["compute_us_mean"].get<double>(), t["total_us_mean"].get<double>(),
+              t["total_us_p99"].get<double>());
   for (const auto& [name, n] : out["errors"].items()) {
     std::printf("errors %s: %lld\n", name.c_str(), static_cast<long long>(n.get<int64_t>()));
   }
