@@ -122,6 +122,10 @@ ABSL_FLAG(int, instances, kDefaults.batching.instances,
 ABSL_FLAG(int64_t, idle_spin_us, kDefaults.batching.idle_spin_us,
           "after two lone requests in a row, how long (us) a worker polls the empty queue "
           "before sleeping (a sleeping worker's wake-up cost 55-80 us on a VM); 0 = never");
+ABSL_FLAG(int64_t, session_wait_us, kDefaults.batching.session_wait_us,
+          "after a batch that answered session requests (decode steps), how long (us) the next "
+          "batch may wait for those sessions' next steps (at most that batch's own time), so "
+          "that the steps of many sessions compute together; 0 = no wait");
 ABSL_FLAG(int, metrics_threads, kDefaults.metrics_threads,
           "HTTP worker threads of the metrics endpoint, each serving one connection at a "
           "time");
@@ -346,6 +350,7 @@ int main(int argc, char** argv) {
   options.batching.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   options.batching.instances = absl::GetFlag(FLAGS_instances);
   options.batching.idle_spin_us = absl::GetFlag(FLAGS_idle_spin_us);
+  options.batching.session_wait_us = absl::GetFlag(FLAGS_session_wait_us);
   options.validation.max_attention_scores = absl::GetFlag(FLAGS_max_attention_scores);
   options.metrics_threads = absl::GetFlag(FLAGS_metrics_threads);
   options.metrics_request_timeout =

@@ -32,6 +32,10 @@ absl::Status ValidateBatcherOptions(const BatcherOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "idle_spin_us must be in [0, 10000] (0 = never poll), got ", o.idle_spin_us));
   }
+  if (o.session_wait_us < 0 || o.session_wait_us > 1000000) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session_wait_us must be in [0, 1000000] (0 = no wait), got ", o.session_wait_us));
+  }
   if (o.instances < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "instances must be >= 0 (0 = manual mode), got ", o.instances));

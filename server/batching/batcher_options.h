@@ -57,6 +57,17 @@ struct BatcherOptions {
   // the server flag for every model (not in config.pbtxt). 0 = never poll.
   // Must be <= 10000. Default: 200 us.
   int64_t idle_spin_us = 200;
+
+  // After a batch that answered session requests (decode steps), how long
+  // the next batch may wait for those sessions' next requests, in
+  // microseconds; also at most as long as that batch took. A session's next
+  // step is sent when its answer arrives, so without the wait the steps of
+  // many sessions settle into two alternating half-size batches; with it
+  // they compute together. Only requests already queued wait, for at most
+  // this long; a batch that answered no session request makes no one wait.
+  // Set from the server flag for every model (not in config.pbtxt). 0 = no
+  // wait. Must be <= 1000000. Default: 5000 us.
+  int64_t session_wait_us = 5000;
 };
 
 // InvalidArgument naming the field and value when an option is out of range.

@@ -162,10 +162,15 @@ DynamicBatcher::Decision DynamicBatcher::FormBatchLocked(absl::Time now) {
       queue_.front()->enqueued +
       absl::Microseconds(options_.max_queue_delay_us);
   const bool waited_enough = now >= delay_over;
-  if (!full && !waited_enough && state_ == State::kRunning) {
-    d.wake_at = std::min(delay_over, earliest_deadline);
+  // The sessions the last batch answered send their next steps now.
+  const bool sessions_coming = queue_.size() < session_wait_target_ && now < session_wait_until_;
+  if (!full && (!waited_enough || sessions_coming) && state_ == State::kRunning) {
+    absl::Time until = waited_enough ? absl::InfinitePast() : delay_over;
+    if (sessions_coming) until = std::max(until, session_wait_until_);
+    d.wake_at = std::min(until, earliest_deadline);
     return d;
   }
+  session_wait_target_ = 0;
 
   d.batch.requests.reserve(n);
   for (size_t i = 0; i < n; ++i) {
@@ -204,7 +209,11 @@ DynamicBatcher::TakeAllLocked() {
 }
 
 void DynamicBatcher::RunBatch(Batch& batch) {
+  size_t sessions = 0;
+  for (const auto& r : batch.requests) sessions += r->session_id.empty() ? 0 : 1;
+  const absl::Time start = clock_->Now();
   process_(batch);
+  const absl::Duration took = clock_->Now() - start;
   // Exactly-once guarantee even when the process function forgot a
   // request; Complete is a no-op for the ones it did answer.
   for (auto& r : batch.requests) {
@@ -212,12 +221,18 @@ void DynamicBatcher::RunBatch(Batch& batch) {
         "batch finished without answering this request (server bug)"));
   }
   batch.requests.clear();  // destroy the requests before the batch counts as done
-  BatchDone();
+  BatchDone(sessions, took);
 }
 
-void DynamicBatcher::BatchDone() {
+void DynamicBatcher::BatchDone(size_t sessions, absl::Duration took) {
   absl::MutexLock lock(&mu_);
   --running_batches_;
+  if (sessions > 0 && options_.session_wait_us > 0) {
+    session_wait_target_ =
+        std::min(queue_.size() + sessions, static_cast<size_t>(options_.max_batch_requests));
+    session_wait_until_ =
+        clock_->Now() + std::min(took, absl::Microseconds(options_.session_wait_us));
+  }
   drained_cv_.SignalAll();  // Shutdown waits for running_batches_ == 0
 }
 

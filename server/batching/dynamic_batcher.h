@@ -1,6 +1,7 @@
 // DynamicBatcher: one model's request queue. Groups queued requests into
 // batches (by count, by query tokens, or when the oldest has waited long
-// enough) and hands each batch to a worker. No gRPC in here.
+// enough; after a batch of session requests, briefly for those sessions'
+// next steps) and hands each batch to a worker. No gRPC in here.
 #ifndef ATTNSERVE_SERVER_BATCHING_DYNAMIC_BATCHER_H_
 #define ATTNSERVE_SERVER_BATCHING_DYNAMIC_BATCHER_H_
 
@@ -130,7 +131,8 @@ class DynamicBatcher {
   void PollForWorkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs process_ and completes what it left uncompleted. Without the lock.
   void RunBatch(Batch& batch) ABSL_LOCKS_EXCLUDED(mu_);
-  void BatchDone() ABSL_LOCKS_EXCLUDED(mu_);
+  // `sessions`: the batch's session requests; `took`: its process time.
+  void BatchDone(size_t sessions, absl::Duration took) ABSL_LOCKS_EXCLUDED(mu_);
   void PublishDepthLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes every queued request with status UNAVAILABLE (grace ran out).
   std::vector<std::pair<std::unique_ptr<InferenceRequest>, absl::Status>> TakeAllLocked()
@@ -152,6 +154,11 @@ class DynamicBatcher {
   int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   State state_ ABSL_GUARDED_BY(mu_) = State::kRunning;
   int running_batches_ ABSL_GUARDED_BY(mu_) = 0;
+  // BatcherOptions::session_wait_us: a batch that answered session requests
+  // leaves the next one a target (the queue then plus those requests' count,
+  // at most max_batch_requests) to wait for until session_wait_until_.
+  size_t session_wait_target_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time session_wait_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool shutdown_started_ ABSL_GUARDED_BY(mu_) = false;
   bool shutdown_done_ ABSL_GUARDED_BY(mu_) = false;
 

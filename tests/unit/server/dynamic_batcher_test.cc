@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
@@ -331,6 +332,105 @@ TEST_F(ManualBatcherTest, QueueTimeEndsWhenTheBatchCloses) {
   EXPECT_EQ(waited, absl::Microseconds(450));
 }
 
+// BatcherOptions::session_wait_us. Each batch "computes" for 1000 us on the
+// fake clock; requests 100+ belong to sessions, the others are stateless.
+class SessionWaitTest : public ManualBatcherTest {
+ protected:
+  void Make(int64_t session_wait_us, int max_batch_requests = 8) {
+    auto b = DynamicBatcher::Create(
+        "m",
+        {.max_batch_requests = max_batch_requests, .instances = 0,
+         .session_wait_us = session_wait_us},
+        [this](Batch& batch) {
+          clock_.Advance(absl::Microseconds(1000));
+          recorder_.Fn()(batch);
+        },
+        &clock_);
+    ASSERT_TRUE(b.ok()) << b.status();
+    batcher_ = *std::move(b);
+  }
+  void SendSession(int id) {
+    std::unique_ptr<InferenceRequest> task = MakeRequest(id, 1, &records_[id % 64]);
+    task->session_id = absl::StrCat("s", id % 64);
+    ASSERT_TRUE(batcher_->Schedule(&task).ok());
+  }
+};
+
+TEST_F(SessionWaitTest, TheNextBatchWaitsForTheSessionsJustAnswered) {
+  Make(5000);
+  SendSession(101);
+  SendSession(102);
+  SendSession(103);
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // nothing answered yet: no wait
+  // Two sessions send their next step; the third is still on its way.
+  SendSession(111);
+  SendSession(112);
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  clock_.Advance(absl::Microseconds(400));
+  SendSession(113);
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // all three: it closes at once
+  EXPECT_THAT(recorder_.batches(),
+              ElementsAre(ElementsAre(101, 102, 103), ElementsAre(111, 112, 113)));
+}
+
+TEST_F(SessionWaitTest, WaitsAtMostTheLastBatchsTimeAndTheOption) {
+  Make(5000);
+  SendSession(101);
+  SendSession(102);
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // took 1000 us
+  SendSession(111);
+  clock_.Advance(absl::Microseconds(999));
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  clock_.Advance(absl::Microseconds(1));  // one batch's time: it runs alone
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  EXPECT_EQ(records_[111 % 64].GetStatus(), absl::OkStatus());
+
+  // The option bounds it below the batch's time.
+  Make(300);
+  SendSession(121);
+  SendSession(122);
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  SendSession(131);
+  clock_.Advance(absl::Microseconds(299));
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  clock_.Advance(absl::Microseconds(1));
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+}
+
+TEST_F(SessionWaitTest, NoWaitAfterStatelessBatchesOrWhenOff) {
+  Make(5000);
+  ASSERT_TRUE(Send(1, 1).ok());
+  ASSERT_TRUE(Send(2, 1).ok());
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  ASSERT_TRUE(Send(3, 1).ok());
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1) << "stateless answers make no one wait";
+
+  Make(0);
+  SendSession(101);
+  SendSession(102);
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  SendSession(111);
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1) << "session_wait_us = 0: no wait";
+}
+
+TEST_F(SessionWaitTest, AFullBatchAndShutdownDoNotWait) {
+  Make(5000, /*max_batch_requests=*/2);
+  SendSession(101);
+  SendSession(102);
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  // Waits for 2 (the queue was empty, 2 answered, at most 2 per batch).
+  SendSession(111);
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  SendSession(112);
+  SendSession(113);
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1) << "full at 2; 113 waits for its company";
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  batcher_->Shutdown(absl::Seconds(1));  // drains 113 at once, no session wait
+  EXPECT_EQ(records_[113 % 64].GetStatus(), absl::OkStatus());
+  EXPECT_THAT(recorder_.batches(),
+              ElementsAre(ElementsAre(101, 102), ElementsAre(111, 112), ElementsAre(113)));
+}
+
 TEST(BatcherOptionsTest, RejectsOutOfRange) {
   EXPECT_TRUE(ValidateBatcherOptions({}).ok());
   EXPECT_EQ(ValidateBatcherOptions({.max_batch_requests = 0}).code(),
@@ -346,6 +446,11 @@ TEST(BatcherOptionsTest, RejectsOutOfRange) {
   EXPECT_EQ(ValidateBatcherOptions({.idle_spin_us = 10001}).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(ValidateBatcherOptions({.idle_spin_us = 0}).ok());
+  EXPECT_EQ(ValidateBatcherOptions({.session_wait_us = -1}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateBatcherOptions({.session_wait_us = 1000001}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ValidateBatcherOptions({.session_wait_us = 0}).ok());
   auto b = DynamicBatcher::Create("m", {.max_queue_size = 0},
                                   [](Batch&) {});
   EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
