@@ -242,6 +242,40 @@ absl::StatusOr<v1::ModelConfig> ParseModelConfig(const std::string& text, const 
   return config;
 }
 
+// `warmup` entries: kv_len 0 -> q_len, dtype "" -> "fp32"; dims in [1, 2^20]
+// and at most 2^24 tokens (batch x the longer length) per entry, so that a
+// typo cannot make the load allocate gigabytes of zeros.
+static absl::Status ResolveWarmupShapes(const std::string& path, v1::ModelConfig* c) {
+  constexpr int64_t kMaxWarmupDim = int64_t{1} << 20;
+  constexpr int64_t kMaxWarmupTokens = int64_t{1} << 24;
+  for (int i = 0; i < c->warmup_size(); ++i) {
+    v1::WarmupShape* w = c->mutable_warmup(i);
+    const std::string entry = absl::StrCat("warmup[", i, "]");
+    if (w->kv_len() == 0) w->set_kv_len(w->q_len());
+    if (w->dtype().empty()) w->set_dtype("fp32");
+    for (const auto& [name, value] : {std::pair<const char*, int64_t>{"batch", w->batch()},
+                                      {"q_len", w->q_len()},
+                                      {"kv_len", w->kv_len()}}) {
+      if (value < 1 || value > kMaxWarmupDim) {
+        return ConfigError(path, absl::StrCat(entry, ".", name),
+                           absl::StrCat("must be in [1, ", kMaxWarmupDim, "], got ", value));
+      }
+    }
+    if (w->batch() * std::max(w->q_len(), w->kv_len()) > kMaxWarmupTokens) {
+      return ConfigError(path, entry,
+                         absl::StrCat("batch x max(q_len, kv_len) must be <= ", kMaxWarmupTokens,
+                                      " tokens, got ", w->batch(), " x ",
+                                      std::max(w->q_len(), w->kv_len())));
+    }
+    if (!OneOf(w->dtype(), {"fp32", "bf16", "fp16"})) {
+      return ConfigError(path, absl::StrCat(entry, ".dtype"),
+                         absl::StrCat("must be \"fp32\", \"bf16\" or \"fp16\", got \"",
+                                      w->dtype(), "\""));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ResolveModelConfig(const std::string& path, const std::string& default_name,
                                 v1::ModelConfig* c) {
   if (c->name().empty()) c->set_name(default_name);
@@ -305,7 +339,7 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
                          Field{"batching.max_queue_size", b.max_queue_size()}}) {
     if (f.value < 0) return ConfigError(path, f.name, absl::StrCat("must be >= 0, got ", f.value));
   }
-  return absl::OkStatus();
+  return ResolveWarmupShapes(path, c);
 }
 
 RepositoryModel LoadModelFolder(const std::string& directory) {

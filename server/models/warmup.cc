@@ -1,35 +1,42 @@
-// The warm-up task of a model: zeros of default shapes through its engine.
+// The warm-up tasks of a model: zeros of the default shape, then of each of
+// its config's warmup shapes, through its engine.
 #include "server/models/warmup.h"
 
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "engine/attention_task.h"
 #include "engine/tensor.h"
+#include "attnserve/v1/model_config.pb.h"
 
 namespace attnserve {
 
-absl::StatusOr<absl::Duration> WarmUpModel(const ServedModel& model) {
-  if (!model.ready() || model.layer == nullptr || model.engine == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("model '", model.name, "': not ready, nothing to warm up"));
-  }
+namespace {
+
+DType WarmupDType(const std::string& name) {
+  return name == "bf16" ? DType::kBFloat16 : name == "fp16" ? DType::kFloat16 : DType::kFloat32;
+}
+
+// One batch of zeros: `batch` sequences of `q_len` queries over `kv_len`
+// keys (self-attention when the layer allows it and the lengths agree).
+absl::Status RunZeros(const ServedModel& model, int64_t batch, int64_t q_len, int64_t kv_len,
+                      DType dtype, bool causal) {
   const LayerConfig& c = model.layer->config;
-  constexpr int64_t kTokens = 16;
   Tensor query, key, value;
   if (c.has_projections) {
-    query = Tensor(DType::kFloat32, {1, kTokens, c.query_dim});  // zeros
-    if (c.key_dim != c.query_dim || c.value_dim != c.query_dim) {  // no self-attention
-      key = Tensor(DType::kFloat32, {1, kTokens, c.key_dim});
-      value = Tensor(DType::kFloat32, {1, kTokens, c.value_dim});
+    query = Tensor(dtype, {batch, q_len, c.query_dim});  // zeros
+    if (c.key_dim != c.query_dim || c.value_dim != c.query_dim || kv_len != q_len) {
+      key = Tensor(dtype, {batch, kv_len, c.key_dim});
+      value = Tensor(dtype, {batch, kv_len, c.value_dim});
     }
   } else {
     const int64_t heads = c.num_heads > 0 ? c.num_heads : 8;
     const int64_t kv_heads = c.num_kv_heads > 0 ? c.num_kv_heads : heads;
     const int64_t dim = c.head_dim > 0 ? c.head_dim : 64;
-    query = Tensor(DType::kFloat32, {1, heads, kTokens, dim});
-    key = Tensor(DType::kFloat32, {1, kv_heads, kTokens, dim});
-    value = Tensor(DType::kFloat32, {1, kv_heads, kTokens, dim});
+    query = Tensor(dtype, {batch, heads, q_len, dim});
+    key = Tensor(dtype, {batch, kv_heads, kv_len, dim});
+    value = Tensor(dtype, {batch, kv_heads, kv_len, dim});
   }
   AttentionTask task;
   task.query = query.view();
@@ -37,15 +44,39 @@ absl::StatusOr<absl::Duration> WarmUpModel(const ServedModel& model) {
     task.key = key.view();
     task.value = value.view();
   }
-  task.causal = c.causal;
+  task.causal = c.causal || causal;
   const TaskDims dims = GetTaskDims(c, task);
   task.scale = ResolveScale(c, 0.0f, dims.head_dim);
-  Tensor output(DType::kFloat32, OutputShape(c, dims));
+  Tensor output(dtype, OutputShape(c, dims));
   task.output = output.mutable_view();
+  return model.engine->Run(*model.layer, {&task, 1});
+}
+
+}  // namespace
+
+absl::StatusOr<absl::Duration> WarmUpModel(const ServedModel& model) {
+  if (!model.ready() || model.layer == nullptr || model.engine == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("model '", model.name, "': not ready, nothing to warm up"));
+  }
+  constexpr int64_t kTokens = 16;
   const absl::Time start = absl::Now();
-  if (absl::Status s = model.engine->Run(*model.layer, {&task, 1}); !s.ok()) {
+  if (absl::Status s = RunZeros(model, 1, kTokens, kTokens, DType::kFloat32, false); !s.ok()) {
     return absl::Status(s.code(),
                         absl::StrCat("model '", model.name, "': warm-up failed: ", s.message()));
+  }
+  // The config's own shapes (resolved: kv_len and dtype set).
+  const int n = model.config != nullptr ? model.config->warmup_size() : 0;
+  for (int i = 0; i < n; ++i) {
+    const v1::WarmupShape& w = model.config->warmup(i);
+    absl::Status s =
+        RunZeros(model, w.batch(), w.q_len(), w.kv_len(), WarmupDType(w.dtype()), w.causal());
+    if (!s.ok()) {
+      return absl::Status(
+          s.code(), absl::StrCat("model '", model.name, "': warm-up failed at warmup[", i,
+                                 "] (batch ", w.batch(), ", q_len ", w.q_len(), ", kv_len ",
+                                 w.kv_len(), ", ", w.dtype(), "): ", s.message()));
+    }
   }
   return absl::Now() - start;
 }

@@ -145,12 +145,35 @@ TEST(ModelConfigTest, EachRuleHasItsMessage) {
       {"embed_dim: 8 num_heads: 2 tensor_names { key: \"qkv_weight\" value: \"x\" }",
        {"tensor_names", "'qkv_weight'", "TORCH_MHA", "in_proj_weight"}},
       {"kind: \"sdpa\" embed_dim: 8", {"embed_dim", "not allowed for kind \"sdpa\""}},
+      {"embed_dim: 8 num_heads: 2 warmup { q_len: 16 }", {"warmup[0].batch", "[1, 1048576]", "0"}},
+      {"embed_dim: 8 num_heads: 2 warmup { batch: 1 q_len: 16 } warmup { batch: 1 q_len: -3 }",
+       {"warmup[1].q_len", "-3"}},
+      {"embed_dim: 8 num_heads: 2 warmup { batch: 1 q_len: 1 kv_len: 2000000 }",
+       {"warmup[0].kv_len", "2000000"}},
+      {"embed_dim: 8 num_heads: 2 warmup { batch: 64 q_len: 1048576 }",
+       {"warmup[0]", "batch x max(q_len, kv_len)", "16777216", "64 x 1048576"}},
+      {"embed_dim: 8 num_heads: 2 warmup { batch: 1 q_len: 1 dtype: \"int8\" }",
+       {"warmup[0].dtype", "\"int8\""}},
   };
   for (const Case& c : cases) {
     absl::Status s = ResolveError(c.text);
     EXPECT_THAT(s.message(), HasSubstr("m/config.pbtxt")) << c.text;
     for (const char* w : c.words) EXPECT_THAT(s.message(), HasSubstr(w)) << c.text;
   }
+}
+
+TEST(ModelConfigTest, WarmupShapesResolveTheirDefaults) {
+  const v1::ModelConfig c = Resolved(
+      "embed_dim: 8 num_heads: 2 "
+      "warmup { batch: 4 q_len: 128 } "
+      "warmup { batch: 1 q_len: 1 kv_len: 4096 dtype: \"bf16\" causal: true }");
+  ASSERT_EQ(c.warmup_size(), 2);
+  EXPECT_EQ(c.warmup(0).kv_len(), 128) << "kv_len 0 = q_len";
+  EXPECT_EQ(c.warmup(0).dtype(), "fp32");
+  EXPECT_FALSE(c.warmup(0).causal());
+  EXPECT_EQ(c.warmup(1).kv_len(), 4096);
+  EXPECT_EQ(c.warmup(1).dtype(), "bf16");
+  EXPECT_TRUE(c.warmup(1).causal());
 }
 
 TEST(ModelConfigTest, RopeDefaultsResolveAndReachTheLayer) {
