@@ -266,7 +266,7 @@ int main(int argc, char** argv) {
       "[--threads=N] [--default-model=demo-mha] [--max-message-bytes=67108864] "
       "[--backend=auto|cpu|reference] [--model-repository=DIR] [--strict-model-loading=true] "
       "[--max-batch-requests=N] [--max-batch-tokens=N] [--max-queue-delay-us=N] "
-      "[--max-queue-size=N] [--instances=N] [--idle-spin-us=200] [--metrics-threads=8] "
+      "[--max-queue-size=N] [--instances=N] [--idle-spin-us=200] [--session-wait-us=5000] [--metrics-threads=8] "
       "[--metrics-request-timeout=5s] [--shutdown-grace=8s] "
       "[--max-attention-scores=268435456] [--max-multiply-adds=34359738368] "
       "[--nonfinite-inputs=reject] [--tls-cert-file=PEM --tls-key-file=PEM "
