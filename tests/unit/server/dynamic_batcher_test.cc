@@ -333,7 +333,8 @@ TEST_F(ManualBatcherTest, QueueTimeEndsWhenTheBatchCloses) {
 }
 
 // BatcherOptions::session_wait_us. Each batch "computes" for 1000 us on the
-// fake clock; requests 100+ belong to sessions, the others are stateless.
+// fake clock; requests sent with SendSession belong to sessions (ids 40-63), those sent
+// with Send are stateless.
 class SessionWaitTest : public ManualBatcherTest {
  protected:
   void Make(int64_t session_wait_us, int max_batch_requests = 8) {
@@ -350,47 +351,47 @@ class SessionWaitTest : public ManualBatcherTest {
     batcher_ = *std::move(b);
   }
   void SendSession(int id) {
-    std::unique_ptr<InferenceRequest> task = MakeRequest(id, 1, &records_[id % 64]);
-    task->session_id = absl::StrCat("s", id % 64);
+    std::unique_ptr<InferenceRequest> task = MakeRequest(id, 1, &records_[id]);
+    task->session_id = absl::StrCat("s", id);
     ASSERT_TRUE(batcher_->Schedule(&task).ok());
   }
 };
 
 TEST_F(SessionWaitTest, TheNextBatchWaitsForTheSessionsJustAnswered) {
   Make(5000);
-  SendSession(101);
-  SendSession(102);
-  SendSession(103);
+  SendSession(41);
+  SendSession(42);
+  SendSession(43);
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // nothing answered yet: no wait
   // Two sessions send their next step; the third is still on its way.
-  SendSession(111);
-  SendSession(112);
+  SendSession(51);
+  SendSession(52);
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
   clock_.Advance(absl::Microseconds(400));
-  SendSession(113);
+  SendSession(53);
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // all three: it closes at once
   EXPECT_THAT(recorder_.batches(),
-              ElementsAre(ElementsAre(101, 102, 103), ElementsAre(111, 112, 113)));
+              ElementsAre(ElementsAre(41, 42, 43), ElementsAre(51, 52, 53)));
 }
 
 TEST_F(SessionWaitTest, WaitsAtMostTheLastBatchsTimeAndTheOption) {
   Make(5000);
-  SendSession(101);
-  SendSession(102);
+  SendSession(41);
+  SendSession(42);
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // took 1000 us
-  SendSession(111);
+  SendSession(51);
   clock_.Advance(absl::Microseconds(999));
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
   clock_.Advance(absl::Microseconds(1));  // one batch's time: it runs alone
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
-  EXPECT_EQ(records_[111 % 64].GetStatus(), absl::OkStatus());
+  EXPECT_EQ(records_[51].GetStatus(), absl::OkStatus());
 
   // The option bounds it below the batch's time.
   Make(300);
-  SendSession(121);
-  SendSession(122);
+  SendSession(44);
+  SendSession(45);
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
-  SendSession(131);
+  SendSession(54);
   clock_.Advance(absl::Microseconds(299));
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
   clock_.Advance(absl::Microseconds(1));
@@ -406,29 +407,29 @@ TEST_F(SessionWaitTest, NoWaitAfterStatelessBatchesOrWhenOff) {
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 1) << "stateless answers make no one wait";
 
   Make(0);
-  SendSession(101);
-  SendSession(102);
+  SendSession(46);
+  SendSession(47);
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
-  SendSession(111);
+  SendSession(56);
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 1) << "session_wait_us = 0: no wait";
 }
 
 TEST_F(SessionWaitTest, AFullBatchAndShutdownDoNotWait) {
   Make(5000, /*max_batch_requests=*/2);
-  SendSession(101);
-  SendSession(102);
+  SendSession(41);
+  SendSession(42);
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
   // Waits for 2 (the queue was empty, 2 answered, at most 2 per batch).
-  SendSession(111);
+  SendSession(51);
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
-  SendSession(112);
-  SendSession(113);
-  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1) << "full at 2; 113 waits for its company";
+  SendSession(52);
+  SendSession(53);
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1) << "full at 2; 53 waits for its company";
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
-  batcher_->Shutdown(absl::Seconds(1));  // drains 113 at once, no session wait
-  EXPECT_EQ(records_[113 % 64].GetStatus(), absl::OkStatus());
+  batcher_->Shutdown(absl::Seconds(1));  // drains 53 at once, no session wait
+  EXPECT_EQ(records_[53].GetStatus(), absl::OkStatus());
   EXPECT_THAT(recorder_.batches(),
-              ElementsAre(ElementsAre(101, 102), ElementsAre(111, 112), ElementsAre(113)));
+              ElementsAre(ElementsAre(41, 42), ElementsAre(51, 52), ElementsAre(53)));
 }
 
 TEST(BatcherOptionsTest, RejectsOutOfRange) {
