@@ -13,7 +13,9 @@
 # bench (bench/cuda_bench.py: kernel vs torch SDPA backends, projections vs
 # cuBLAS), quickbench (the same at L 2048 only), serve (attn_bench through
 # the server, 1.5 and 12 MiB requests, concurrency 1 and 32, batching on and
-# off, next to cudaMemcpy bandwidth).
+# off, next to cudaMemcpy bandwidth), firstcall (the first request of a
+# cuDNN length bucket with the bucket built at load by config.pbtxt warmup,
+# and without; not in the default list).
 # BUNDLE names another bundle (default .gpu/bundle.tar.xz), TAG names its
 # logs. Logs go to $OUT/logs-TAG.tar.gz (the device tool brings back few
 # files), else ./gpu-out.
@@ -110,6 +112,35 @@ for phase in "${phases[@]}"; do
         done
         kill "$pid"; wait "$pid"
       done
+      ;;
+    firstcall)
+      # The first request of a new cuDNN length bucket, with the bucket
+      # built at load (config.pbtxt warmup) and without: the server's
+      # compute time of the first and of the second request, 3 rounds.
+      step "firstcall: first request of a bucket, warmed at load or not"
+      repo=$(mktemp -d)
+      mkdir -p "$repo/warmed" "$repo/cold"
+      printf 'kind: "sdpa"\nprecision: "bf16"\nwarmup { batch: 1 q_len: 2048 dtype: "bf16" %s }\n' \
+        'num_heads: 16 head_dim: 128' \
+        > "$repo/warmed/config.pbtxt"
+      printf 'kind: "sdpa"\nprecision: "bf16"\n' > "$repo/cold/config.pbtxt"
+      for round in 1 2 3; do
+        for model in cold warmed; do
+          log="$out/firstcall_${model}_${round}.log"
+          "$as/bin/attnserve" --backend cuda --address 127.0.0.1:0 --metrics-address 127.0.0.1:0 \
+            --http-address 127.0.0.1:0 --model-repository "$repo" > "$log" 2>&1 &
+          pid=$!
+          for _ in $(seq 300); do grep -q "listening on" "$log" && break; sleep 0.1; done
+          target=$(grep -oE "listening on [0-9.:]+" "$log" | awk '{print $3}')
+          for call in first second; do
+            us=$("$as/bin/attn_client" --target "$target" --model "$model" --dtype bf16 --heads 16 \
+                   --seq 2048 --head_dim 128 | grep -o "compute [0-9]* us" | awk '{print $2}')
+            echo "round $round model $model $call compute_us $us" | tee -a "$out/firstcall.txt"
+          done
+          kill "$pid"; wait "$pid"
+        done
+      done
+      rm -rf "$repo"
       ;;
     *) echo "unknown phase $phase"; status=2 ;;
   esac

@@ -242,12 +242,15 @@ absl::StatusOr<v1::ModelConfig> ParseModelConfig(const std::string& text, const 
   return config;
 }
 
-// `warmup` entries: kv_len 0 -> q_len, dtype "" -> "fp32"; dims in [1, 2^20]
-// and at most 2^24 tokens (batch x the longer length) per entry, so that a
-// typo cannot make the load allocate gigabytes of zeros.
+// `warmup` entries: kv_len 0 -> q_len, dtype "" -> "fp32", sdpa heads 8 x 64;
+// dims in [1, 2^20], at most 2^24 tokens (batch x the longer length) and 2^28
+// elements per sdpa input, so that a typo cannot make the load allocate
+// gigabytes of zeros.
 static absl::Status ResolveWarmupShapes(const std::string& path, v1::ModelConfig* c) {
   constexpr int64_t kMaxWarmupDim = int64_t{1} << 20;
   constexpr int64_t kMaxWarmupTokens = int64_t{1} << 24;
+  constexpr int64_t kMaxWarmupHeads = 4096;  // heads and head dims
+  constexpr int64_t kMaxWarmupElements = int64_t{1} << 28;  // per input tensor
   for (int i = 0; i < c->warmup_size(); ++i) {
     v1::WarmupShape* w = c->mutable_warmup(i);
     const std::string entry = absl::StrCat("warmup[", i, "]");
@@ -261,11 +264,46 @@ static absl::Status ResolveWarmupShapes(const std::string& path, v1::ModelConfig
                            absl::StrCat("must be in [1, ", kMaxWarmupDim, "], got ", value));
       }
     }
+    if (c->kind() == "sdpa") {
+      if (w->num_heads() == 0) w->set_num_heads(8);
+      if (w->num_kv_heads() == 0) w->set_num_kv_heads(w->num_heads());
+      if (w->head_dim() == 0) w->set_head_dim(64);
+      for (const auto& [name, value] :
+           {std::pair<const char*, int64_t>{"num_heads", w->num_heads()},
+            {"num_kv_heads", w->num_kv_heads()},
+            {"head_dim", w->head_dim()}}) {
+        if (value < 1 || value > kMaxWarmupHeads) {
+          return ConfigError(path, absl::StrCat(entry, ".", name),
+                             absl::StrCat("must be in [1, ", kMaxWarmupHeads, "], got ", value));
+        }
+      }
+      if (w->num_heads() % w->num_kv_heads() != 0) {
+        return ConfigError(path, absl::StrCat(entry, ".num_kv_heads"),
+                           absl::StrCat("must divide num_heads (", w->num_heads(), "), got ",
+                                        w->num_kv_heads()));
+      }
+    } else {
+      for (const auto& [name, value] :
+           {std::pair<const char*, int64_t>{"num_heads", w->num_heads()},
+            {"num_kv_heads", w->num_kv_heads()},
+            {"head_dim", w->head_dim()}}) {
+        if (value != 0) {
+          return ConfigError(path, absl::StrCat(entry, ".", name),
+                             "only for kind \"sdpa\" (an \"mha\" layer has its own heads)");
+        }
+      }
+    }
+    const int64_t heads_x_dim = c->kind() == "sdpa" ? w->num_heads() * w->head_dim() : 1;
     if (w->batch() * std::max(w->q_len(), w->kv_len()) > kMaxWarmupTokens) {
       return ConfigError(path, entry,
                          absl::StrCat("batch x max(q_len, kv_len) must be <= ", kMaxWarmupTokens,
                                       " tokens, got ", w->batch(), " x ",
                                       std::max(w->q_len(), w->kv_len())));
+    }
+    if (w->batch() * std::max(w->q_len(), w->kv_len()) * heads_x_dim > kMaxWarmupElements) {
+      return ConfigError(path, entry,
+                         absl::StrCat("batch x max(q_len, kv_len) x num_heads x head_dim must be "
+                                      "<= ", kMaxWarmupElements, " elements"));
     }
     if (!OneOf(w->dtype(), {"fp32", "bf16", "fp16"})) {
       return ConfigError(path, absl::StrCat(entry, ".dtype"),

@@ -20,8 +20,12 @@ DType WarmupDType(const std::string& name) {
 
 // One batch of zeros: `batch` sequences of `q_len` queries over `kv_len`
 // keys (self-attention when the layer allows it and the lengths agree).
+struct SdpaHeads {
+  int64_t heads = 0, kv_heads = 0, dim = 0;  // 0: the layer's, else 8 heads of 64
+};
+
 absl::Status RunZeros(const ServedModel& model, int64_t batch, int64_t q_len, int64_t kv_len,
-                      DType dtype, bool causal) {
+                      DType dtype, bool causal, SdpaHeads sdpa = {}) {
   const LayerConfig& c = model.layer->config;
   Tensor query, key, value;
   if (c.has_projections) {
@@ -31,9 +35,11 @@ absl::Status RunZeros(const ServedModel& model, int64_t batch, int64_t q_len, in
       value = Tensor(dtype, {batch, kv_len, c.value_dim});
     }
   } else {
-    const int64_t heads = c.num_heads > 0 ? c.num_heads : 8;
-    const int64_t kv_heads = c.num_kv_heads > 0 ? c.num_kv_heads : heads;
-    const int64_t dim = c.head_dim > 0 ? c.head_dim : 64;
+    const int64_t heads = sdpa.heads > 0 ? sdpa.heads : c.num_heads > 0 ? c.num_heads : 8;
+    const int64_t kv_heads = sdpa.kv_heads > 0       ? sdpa.kv_heads
+                             : c.num_kv_heads > 0 ? c.num_kv_heads
+                                                  : heads;
+    const int64_t dim = sdpa.dim > 0 ? sdpa.dim : c.head_dim > 0 ? c.head_dim : 64;
     query = Tensor(dtype, {batch, heads, q_len, dim});
     key = Tensor(dtype, {batch, kv_heads, kv_len, dim});
     value = Tensor(dtype, {batch, kv_heads, kv_len, dim});
@@ -69,13 +75,17 @@ absl::StatusOr<absl::Duration> WarmUpModel(const ServedModel& model) {
   const int n = model.config != nullptr ? model.config->warmup_size() : 0;
   for (int i = 0; i < n; ++i) {
     const v1::WarmupShape& w = model.config->warmup(i);
-    absl::Status s =
-        RunZeros(model, w.batch(), w.q_len(), w.kv_len(), WarmupDType(w.dtype()), w.causal());
+    absl::Status s = RunZeros(model, w.batch(), w.q_len(), w.kv_len(), WarmupDType(w.dtype()),
+                              w.causal(), {w.num_heads(), w.num_kv_heads(), w.head_dim()});
     if (!s.ok()) {
+      const std::string heads =
+          w.num_heads() > 0 ? absl::StrCat(", heads ", w.num_heads(), "/", w.num_kv_heads(),
+                                           " of ", w.head_dim())
+                            : "";
       return absl::Status(
           s.code(), absl::StrCat("model '", model.name, "': warm-up failed at warmup[", i,
                                  "] (batch ", w.batch(), ", q_len ", w.q_len(), ", kv_len ",
-                                 w.kv_len(), ", ", w.dtype(), "): ", s.message()));
+                                 w.kv_len(), heads, ", ", w.dtype(), "): ", s.message()));
     }
   }
   return absl::Now() - start;

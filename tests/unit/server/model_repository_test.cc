@@ -154,6 +154,14 @@ TEST(ModelConfigTest, EachRuleHasItsMessage) {
        {"warmup[0]", "batch x max(q_len, kv_len)", "16777216", "64 x 1048576"}},
       {"embed_dim: 8 num_heads: 2 warmup { batch: 1 q_len: 1 dtype: \"int8\" }",
        {"warmup[0].dtype", "\"int8\""}},
+      {"embed_dim: 8 num_heads: 2 warmup { batch: 1 q_len: 1 num_heads: 4 }",
+       {"warmup[0].num_heads", "only for kind \"sdpa\""}},
+      {"kind: \"sdpa\" warmup { batch: 1 q_len: 1 num_heads: 6 num_kv_heads: 4 }",
+       {"warmup[0].num_kv_heads", "divide num_heads (6)", "4"}},
+      {"kind: \"sdpa\" warmup { batch: 1 q_len: 1 head_dim: 5000 }",
+       {"warmup[0].head_dim", "[1, 4096]", "5000"}},
+      {"kind: \"sdpa\" warmup { batch: 64 q_len: 65536 num_heads: 64 head_dim: 128 }",
+       {"warmup[0]", "num_heads x head_dim", "268435456 elements"}},
   };
   for (const Case& c : cases) {
     absl::Status s = ResolveError(c.text);
@@ -174,6 +182,17 @@ TEST(ModelConfigTest, WarmupShapesResolveTheirDefaults) {
   EXPECT_EQ(c.warmup(1).kv_len(), 4096);
   EXPECT_EQ(c.warmup(1).dtype(), "bf16");
   EXPECT_TRUE(c.warmup(1).causal());
+  EXPECT_EQ(c.warmup(0).num_heads(), 0) << "an mha layer's heads are its own";
+
+  const v1::ModelConfig sdpa = Resolved(
+      "kind: \"sdpa\" warmup { batch: 1 q_len: 8 } "
+      "warmup { batch: 1 q_len: 8 num_heads: 32 num_kv_heads: 8 head_dim: 128 }");
+  EXPECT_EQ(sdpa.warmup(0).num_heads(), 8);
+  EXPECT_EQ(sdpa.warmup(0).num_kv_heads(), 8);
+  EXPECT_EQ(sdpa.warmup(0).head_dim(), 64);
+  EXPECT_EQ(sdpa.warmup(1).num_heads(), 32);
+  EXPECT_EQ(sdpa.warmup(1).num_kv_heads(), 8);
+  EXPECT_EQ(sdpa.warmup(1).head_dim(), 128);
 }
 
 TEST(ModelConfigTest, RopeDefaultsResolveAndReachTheLayer) {

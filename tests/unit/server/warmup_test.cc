@@ -112,6 +112,16 @@ TEST(WarmUpTest, TheConfigsShapesFollowTheDefaultBatch) {
   EXPECT_EQ(engine->queries.back(), (Shape{3, 8, 64, 64}));
   EXPECT_EQ(engine->keys.back(), (Shape{3, 8, 256, 64}));
   EXPECT_EQ(engine->dtypes.back(), DType::kFloat16);
+
+  // An sdpa entry's own heads (grouped-query here) and head dim.
+  v1::WarmupShape gqa = Shape4(1, 2048, 2048, "bf16", true);
+  gqa.set_num_heads(16);
+  gqa.set_num_kv_heads(4);
+  gqa.set_head_dim(128);
+  ASSERT_TRUE(WarmUpModel(*WithWarmup(MakeServedModel(MakeSdpaLayer(), engine), {gqa})).ok());
+  EXPECT_EQ(engine->queries.back(), (Shape{1, 16, 2048, 128}));
+  EXPECT_EQ(engine->keys.back(), (Shape{1, 4, 2048, 128}));
+  EXPECT_TRUE(engine->causal.back());
 }
 
 TEST(WarmUpTest, AShapeTheEngineRefusesFailsNamingTheEntry) {
