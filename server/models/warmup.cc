@@ -6,24 +6,25 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "attnserve/v1/model_config.pb.h"
 #include "engine/attention_task.h"
 #include "engine/tensor.h"
-#include "attnserve/v1/model_config.pb.h"
 
 namespace attnserve {
-
 namespace {
 
 DType WarmupDType(const std::string& name) {
   return name == "bf16" ? DType::kBFloat16 : name == "fp16" ? DType::kFloat16 : DType::kFloat32;
 }
 
-// One batch of zeros: `batch` sequences of `q_len` queries over `kv_len`
-// keys (self-attention when the layer allows it and the lengths agree).
+// A bare sdpa layer's request heads and head dim; 0: the layer's pinned
+// value, else 8 heads of 64.
 struct SdpaHeads {
-  int64_t heads = 0, kv_heads = 0, dim = 0;  // 0: the layer's, else 8 heads of 64
+  int64_t heads = 0, kv_heads = 0, dim = 0;
 };
 
+// One batch of zeros: `batch` sequences of `q_len` queries over `kv_len`
+// keys (self-attention when the layer allows it and the lengths agree).
 absl::Status RunZeros(const ServedModel& model, int64_t batch, int64_t q_len, int64_t kv_len,
                       DType dtype, bool causal, SdpaHeads sdpa = {}) {
   const LayerConfig& c = model.layer->config;
