@@ -243,14 +243,15 @@ absl::StatusOr<v1::ModelConfig> ParseModelConfig(const std::string& text, const 
 }
 
 // `warmup` entries: kv_len 0 -> q_len, dtype "" -> "fp32", sdpa heads 8 x 64;
-// dims in [1, 2^20], at most 2^24 tokens (batch x the longer length) and 2^28
-// elements per sdpa input, so that a typo cannot make the load allocate
-// gigabytes of zeros.
+// dims in [1, 2^20], at most 2^24 tokens (batch x the longer length), 2^28
+// elements per input and 2^32 attention scores, so that a typo cannot make a
+// load allocate gigabytes of zeros or compute for minutes.
 static absl::Status ResolveWarmupShapes(const std::string& path, v1::ModelConfig* c) {
   constexpr int64_t kMaxWarmupDim = int64_t{1} << 20;
   constexpr int64_t kMaxWarmupTokens = int64_t{1} << 24;
   constexpr int64_t kMaxWarmupHeads = 4096;  // heads and head dims
   constexpr int64_t kMaxWarmupElements = int64_t{1} << 28;  // per input tensor
+  constexpr int64_t kMaxWarmupScores = int64_t{1} << 32;    // 16x a request's default limit
   for (int i = 0; i < c->warmup_size(); ++i) {
     v1::WarmupShape* w = c->mutable_warmup(i);
     const std::string entry = absl::StrCat("warmup[", i, "]");
@@ -293,17 +294,29 @@ static absl::Status ResolveWarmupShapes(const std::string& path, v1::ModelConfig
         }
       }
     }
-    const int64_t heads_x_dim = c->kind() == "sdpa" ? w->num_heads() * w->head_dim() : 1;
+    // The widest input or output row, and the query heads.
+    const bool sdpa = c->kind() == "sdpa";
+    const int64_t row = sdpa ? w->num_heads() * w->head_dim()
+                             : std::max({c->query_dim(), c->key_dim(), c->value_dim(),
+                                         c->out_dim()});
+    const int64_t heads = sdpa ? w->num_heads() : c->num_heads();
     if (w->batch() * std::max(w->q_len(), w->kv_len()) > kMaxWarmupTokens) {
       return ConfigError(path, entry,
                          absl::StrCat("batch x max(q_len, kv_len) must be <= ", kMaxWarmupTokens,
                                       " tokens, got ", w->batch(), " x ",
                                       std::max(w->q_len(), w->kv_len())));
     }
-    if (w->batch() * std::max(w->q_len(), w->kv_len()) * heads_x_dim > kMaxWarmupElements) {
+    // Both products fit: batch x length <= 2^24, row and heads <= 2^22.
+    if (w->batch() * std::max(w->q_len(), w->kv_len()) * row > kMaxWarmupElements) {
       return ConfigError(path, entry,
-                         absl::StrCat("batch x max(q_len, kv_len) x num_heads x head_dim must be "
-                                      "<= ", kMaxWarmupElements, " elements"));
+                         absl::StrCat("an input of batch x max(q_len, kv_len) x ", row,
+                                      " elements must be <= ", kMaxWarmupElements));
+    }
+    if (static_cast<double>(w->batch()) * heads * w->q_len() * w->kv_len() >
+        static_cast<double>(kMaxWarmupScores)) {
+      return ConfigError(path, entry,
+                         absl::StrCat("batch x ", heads, " heads x q_len x kv_len attention "
+                                      "scores must be <= ", kMaxWarmupScores));
     }
     if (!OneOf(w->dtype(), {"fp32", "bf16", "fp16"})) {
       return ConfigError(path, absl::StrCat(entry, ".dtype"),

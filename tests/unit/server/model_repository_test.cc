@@ -160,8 +160,14 @@ TEST(ModelConfigTest, EachRuleHasItsMessage) {
        {"warmup[0].num_kv_heads", "divide num_heads (6)", "4"}},
       {"kind: \"sdpa\" warmup { batch: 1 q_len: 1 head_dim: 5000 }",
        {"warmup[0].head_dim", "[1, 4096]", "5000"}},
-      {"kind: \"sdpa\" warmup { batch: 64 q_len: 65536 num_heads: 64 head_dim: 128 }",
-       {"warmup[0]", "num_heads x head_dim", "268435456 elements"}},
+      {"kind: \"sdpa\" warmup { batch: 64 q_len: 1024 num_heads: 64 head_dim: 128 }",
+       {"warmup[0]", "x 8192 elements", "<= 268435456"}},
+      {"embed_dim: 4096 num_heads: 32 warmup { batch: 16 q_len: 8192 }",
+       {"warmup[0]", "x 4096 elements", "<= 268435456"}},
+      {"kind: \"sdpa\" warmup { batch: 1 q_len: 65536 num_heads: 2 head_dim: 8 }",
+       {"warmup[0]", "2 heads", "attention scores", "<= 4294967296"}},
+      {"embed_dim: 64 num_heads: 8 warmup { batch: 2 q_len: 32768 }",
+       {"warmup[0]", "8 heads", "attention scores"}},
   };
   for (const Case& c : cases) {
     absl::Status s = ResolveError(c.text);
