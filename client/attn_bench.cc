@@ -104,6 +104,13 @@ std::string CodeName(int code) {
   return name.empty() ? "UNKNOWN" : name;
 }
 
+// The q-quantile (nearest rank) of `sorted`; 0 when empty.
+double Percentile(const std::vector<int64_t>& sorted, double q) {
+  if (sorted.empty()) return 0;
+  const size_t i = static_cast<size_t>(std::ceil(q * static_cast<double>(sorted.size())));
+  return static_cast<double>(sorted[std::clamp<size_t>(i, 1, sorted.size()) - 1]);
+}
+
 // Everything measured, shared by all callbacks.
 class Stats {
  public:
@@ -131,12 +138,7 @@ class Stats {
     absl::MutexLock lock(&mu_);
     std::vector<int64_t> lat = latencies_ns_;
     std::sort(lat.begin(), lat.end());
-    auto pct = [&](double q) -> double {
-      if (lat.empty()) return 0;
-      size_t i = static_cast<size_t>(std::ceil(q * static_cast<double>(lat.size())));
-      i = std::clamp<size_t>(i, 1, lat.size()) - 1;
-      return static_cast<double>(lat[i]) / 1e3;
-    };
+    auto pct = [&](double q) { return Percentile(lat, q) / 1e3; };
     int64_t total = 0, ok = 0;
     nlohmann::json errors = nlohmann::json::object();
     for (const auto& [code, n] : codes_) {
@@ -151,11 +153,9 @@ class Stats {
     // Percentiles of what the server reported per request (its queue wait,
     // and its whole time from receipt to answer), to tell the server's share
     // of a latency percentile from the transport's and the client's.
-    auto server_pct = [](std::vector<int64_t> v, double q) -> double {
-      if (v.empty()) return 0;
+    auto server_pct = [](std::vector<int64_t> v, double q) {
       std::sort(v.begin(), v.end());
-      size_t i = static_cast<size_t>(std::ceil(q * static_cast<double>(v.size())));
-      return static_cast<double>(v[std::clamp<size_t>(i, 1, v.size()) - 1]);
+      return Percentile(v, q);
     };
     return {
         {"requests", total},
