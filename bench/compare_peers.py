@@ -7,15 +7,21 @@ oneDNN sgemm ceiling on the same GEMM sizes, a STREAM triad (for decode), the
 extra peak RSS of a long sequence, and PyTorch's nn.MultiheadAttention and
 attention core -- Debian's torch 1.13 on OpenBLAS (OPENBLAS_CORETYPE set to the
 best kernel this OpenBLAS has for the CPU) and, when a PyTorch 2.x virtualenv
-is given, its fused scaled_dot_product_attention. Prints markdown tables of
+is given, its fused scaled_dot_product_attention; and, when a python with
+PyPI's `openvino` is given, OpenVINO's CPU ScaledDotProductAttention (one op
+compiled alone, fp32 and bf16 precision hints). Prints markdown tables of
 times and ratios (docs/PERFORMANCE.md records them).
 
   /usr/bin/python3 bench/compare_peers.py --engine-bench build/bench/engine_bench \\
-      [--torch2-python /tmp/venv-torch2/bin/python] [--threads 1,2] [--json out.json]
+      [--torch2-python /tmp/venv-peers/bin/python] \\
+      [--openvino-python /tmp/venv-peers/bin/python] [--threads 1,2] [--json out.json]
+
+  (python3 -m venv /tmp/venv-peers && /tmp/venv-peers/bin/pip install torch numpy openvino)
 
 Runs with Debian's /usr/bin/python3 (python3-torch). The same file is also the
-PyTorch worker (--torch-worker), run in a subprocess per thread count so that
-OMP/OpenBLAS thread counts are set before torch loads.
+PyTorch worker (--torch-worker) and the OpenVINO worker (--openvino-worker),
+run in a subprocess per thread count so that OMP/OpenBLAS thread counts are set
+before torch loads.
 """
 
 import argparse
@@ -113,6 +119,63 @@ def torch_worker(args):
     json.dump(out, sys.stdout)
 
 
+def openvino_worker(args):
+    """OpenVINO's CPU plugin running one ScaledDotProductAttention op.
+
+    The model is the op alone (parameters q, k, v in head layout, non-causal,
+    no mask; scale 1/sqrt(d), the op's default), compiled for latency on
+    `threads` threads with one stream. fp32 rows keep fp32 inference precision
+    (the plugin would otherwise run bf16 on AMX CPUs); bf16 rows feed bf16
+    tensors with bf16 inference precision. Inputs are bound once, so each
+    timed call is one synchronous infer().
+    """
+    import numpy as np
+    import openvino as ov
+    try:
+        from openvino import opset13 as ops
+    except ImportError:
+        from openvino.runtime import opset13 as ops
+
+    threads = int(args.threads)
+    core = ov.Core()
+    out = {"version": ov.get_version(), "threads": threads, "results": {}}
+    rng = np.random.default_rng(0)
+
+    def tensor(shape, type_name):
+        x = rng.standard_normal(shape, dtype=np.float32)
+        if type_name == "f32":
+            return ov.Tensor(x)
+        t = ov.Tensor(ov.Type.bf16, list(shape))
+        # bf16 = the top half of the fp32 bits, rounded to nearest even.
+        bits = x.view(np.uint32)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        t.data.view(np.uint16)[...] = bits.reshape(t.data.shape)
+        return t
+
+    for name, b, lq, lk, h, d, _ in SHAPES:
+        for dtype_name, type_name in (("fp32", "f32"), ("bf16", "bf16")):
+            res = {}
+            try:
+                et = ov.Type.f32 if type_name == "f32" else ov.Type.bf16
+                q = ops.parameter([b, h, lq, d], et, name="q")
+                k = ops.parameter([b, h, lk, d], et, name="k")
+                v = ops.parameter([b, h, lk, d], et, name="v")
+                sdpa = ops.scaled_dot_product_attention(q, k, v, causal=False)
+                model = ov.Model([sdpa], [q, k, v], f"sdpa_{name}")
+                compiled = core.compile_model(model, "CPU", {
+                    "INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1,
+                    "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": type_name})
+                req = compiled.create_infer_request()
+                for i, (shape) in enumerate(((b, h, lq, d), (b, h, lk, d), (b, h, lk, d))):
+                    req.set_input_tensor(i, tensor(shape, type_name))
+                res["core_s"] = time_call(req.infer, args.min_time)
+                res["exec_precision"] = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+            except Exception as e:  # a shape or type this plugin refuses
+                res["core_error"] = str(e).splitlines()[0][:160]
+            out["results"][f"{name}/{dtype_name}"] = res
+    json.dump(out, sys.stdout)
+
+
 # ---------------------------------------------------------------- driver ---
 
 def run_engine_bench(path, threads, min_time, extra_filter=None):
@@ -140,6 +203,15 @@ def run_torch(python, threads, min_time, coretype):
     cmd = [python, os.path.abspath(__file__), "--torch-worker", "--threads", str(threads),
            "--min-time", str(min_time)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+    return json.loads(proc.stdout)
+
+
+def run_openvino(python, threads, min_time):
+    cmd = [python, os.path.abspath(__file__), "--openvino-worker", "--threads", str(threads),
+           "--min-time", str(min_time)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
     return json.loads(proc.stdout)
@@ -225,14 +297,20 @@ def main():
     ap.add_argument("--min-time", type=float, default=0.5, help="seconds per measurement")
     ap.add_argument("--torch-python", default="/usr/bin/python3", help="python with Debian's torch 1.13")
     ap.add_argument("--torch2-python", default=None, help="python of a PyTorch 2.x virtualenv (optional)")
+    ap.add_argument("--openvino-python", default=None,
+                    help="python with PyPI's openvino (optional; OpenVINO's CPU SDPA as a peer)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run everything this many times and keep each figure's best (a shared machine "
                          "only ever makes a measurement slower)")
     ap.add_argument("--json", default=None, help="also write every raw figure here")
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--openvino-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.torch_worker:
         torch_worker(args)
+        return
+    if args.openvino_worker:
+        openvino_worker(args)
         return
 
     if args.engine_bench is None:
@@ -244,14 +322,17 @@ def main():
         sys.exit("engine_bench not found: build it (cmake -DATTNSERVE_BUILD_BENCH=ON) and pass --engine-bench")
     ncpu = os.cpu_count() or 1
     threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, ncpu})
-    if args.torch2_python is None and os.path.exists("/tmp/venv-torch2/bin/python"):
-        args.torch2_python = "/tmp/venv-torch2/bin/python"
+    for venv in ("/tmp/venv-peers", "/tmp/venv-torch2"):
+        if args.torch2_python is None and os.path.exists(f"{venv}/bin/python"):
+            args.torch2_python = f"{venv}/bin/python"
+    if args.openvino_python is None and os.path.exists("/tmp/venv-peers/bin/python"):
+        args.openvino_python = "/tmp/venv-peers/bin/python"
 
     coretype = best_openblas_coretype()
     info = machine_info()
     info["openblas_coretype"] = coretype
     info["command"] = " ".join([sys.executable] + sys.argv)
-    raw = {"machine": info, "engine": {}, "torch1": {}, "torch2": {}}
+    raw = {"machine": info, "engine": {}, "torch1": {}, "torch2": {}, "openvino": {}}
 
     t_start = time.time()
     for rep in range(args.repeat):
@@ -263,6 +344,9 @@ def main():
             if args.torch2_python:
                 print(f"# round {rep + 1}, threads {t}: torch 2.x ...", file=sys.stderr, flush=True)
                 merge_torch(raw["torch2"], t, run_torch(args.torch2_python, t, args.min_time, coretype))
+            if args.openvino_python:
+                print(f"# round {rep + 1}, threads {t}: OpenVINO ...", file=sys.stderr, flush=True)
+                merge_torch(raw["openvino"], t, run_openvino(args.openvino_python, t, args.min_time))
     print("# peak RSS ...", file=sys.stderr, flush=True)
     rss, _ = run_engine_bench(args.engine_bench, 0, args.min_time, extra_filter="PeakRss/")
     raw["peak_rss"] = rss
@@ -277,12 +361,20 @@ def main():
 
     t1v = next((raw["torch1"][t].get("version") for t in threads if "version" in raw["torch1"][t]), None)
     t2v = next((raw["torch2"][t].get("version") for t in threads if "version" in raw["torch2"].get(t, {})), None)
+    ovv = next((raw["openvino"][t].get("version") for t in threads if "version" in raw["openvino"].get(t, {})), None)
+    for t in threads:
+        if "error" in raw["openvino"].get(t, {}):
+            print(f"OpenVINO worker, {t} threads: {raw['openvino'][t]['error']}", file=sys.stderr)
+        for key, r in raw["openvino"].get(t, {}).get("results", {}).items():
+            if "core_error" in r:
+                print(f"OpenVINO {key}, {t} threads: {r['core_error']}", file=sys.stderr)
     print(f"Machine: {info.get('Model name')}, {info.get('CPU(s)')} CPUs ({info.get('Hypervisor vendor', 'bare metal')}), "
           f"{info.get('simd')}; L2 {info.get('L2 cache')}, L3 {info.get('L3 cache')}")
     print(f"Load average at start/end: {info.get('loadavg_start')} / {info.get('loadavg_end')}; "
           f"OpenBLAS core: {coretype}; torch {t1v} (BLAS {raw['torch1'][threads[0]].get('blas')}, "
           f"OpenBLAS {raw['torch1'][threads[0]].get('openblas_core')})"
-          + (f"; torch {t2v} (BLAS {raw['torch2'][threads[0]].get('blas')})" if t2v else "; torch 2.x: not measured"))
+          + (f"; torch {t2v} (BLAS {raw['torch2'][threads[0]].get('blas')})" if t2v else "; torch 2.x: not measured")
+          + (f"; OpenVINO {ovv}" if ovv else "; OpenVINO: not measured"))
     print(f"Command: {info['command']}")
     print()
 
@@ -295,8 +387,9 @@ def main():
     print("Attention core (non-causal, no mask, head_dim 64), milliseconds and ratios:")
     print()
     print("| shape | thr | attnserve fp32 | sgemm ceiling | core/ceiling | attnserve bf16 | bf16 speedup "
-          "| torch 1.13 core | ceiling/torch1.13 | torch 2 sdpa fp32 | torch 2 sdpa bf16 | attnserve vs torch2 (fp32, bf16) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| torch 1.13 core | ceiling/torch1.13 | torch 2 sdpa fp32 | torch 2 sdpa bf16 | attnserve vs torch2 (fp32, bf16) "
+          "| OpenVINO sdpa fp32 | OpenVINO sdpa bf16 | attnserve vs OpenVINO (fp32, bf16) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, *_ in SHAPES:
         for t in threads:
             f = eng(t, "Core", name, "fp32").get("s")
@@ -305,10 +398,13 @@ def main():
             t1 = torch_res("torch1", t, name, "fp32").get("core_s")
             t2 = torch_res("torch2", t, name, "fp32").get("core_s")
             t2b = torch_res("torch2", t, name, "bf16").get("core_s")
+            ov = torch_res("openvino", t, name, "fp32").get("core_s")
+            ovb = torch_res("openvino", t, name, "bf16").get("core_s")
             print(f"| {name} | {t} | {fmt_ms(f)} | {fmt_ms(c)} | {fmt_ratio(ratio(c, f))} | {fmt_ms(bf)} "
                   f"({eng(t, 'Core', name, 'bf16').get('label', '')}) | {fmt_ratio(ratio(f, bf))}x | {fmt_ms(t1)} | "
                   f"{fmt_ratio(ratio(c, t1))} | {fmt_ms(t2)} | {fmt_ms(t2b)} | "
-                  f"{fmt_ratio(ratio(t2, f))}x, {fmt_ratio(ratio(t2b, bf))}x |")
+                  f"{fmt_ratio(ratio(t2, f))}x, {fmt_ratio(ratio(t2b, bf))}x | {fmt_ms(ov)} | {fmt_ms(ovb)} | "
+                  f"{fmt_ratio(ratio(ov, f))}x, {fmt_ratio(ratio(ovb, bf))}x |")
     print()
     print("Layer forward (nn.MultiheadAttention, batch first, self-attention, biases, need_weights=False), ms:")
     print()
@@ -332,8 +428,9 @@ def main():
     print("Decode (B16 Lq1 Lk1024 H16 D64): K/V bytes read per second against a STREAM triad in the same run:")
     print()
     print("| thr | triad 128 MiB GB/s | triad 3 GiB GB/s | attnserve fp32 GB/s | fp32 / triad(128M, 3G) "
-          "| attnserve bf16 GB/s | bf16 / triad(128M, 3G) | torch 1.13 core ms | torch 2 sdpa ms (fp32, bf16) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| attnserve bf16 GB/s | bf16 / triad(128M, 3G) | torch 1.13 core ms | torch 2 sdpa ms (fp32, bf16) "
+          "| OpenVINO sdpa ms (fp32, bf16) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     dname = SHAPES[4][0]
     for t in threads:
         tri_s = raw["engine"][t].get(f"StreamTriad/MiB:128/threads:{t}", {}).get("GBps")
@@ -345,7 +442,9 @@ def main():
               f"| {g(bf)} | {fmt_ratio(ratio(bf, tri_s))}, {fmt_ratio(ratio(bf, tri_l))} | "
               f"{fmt_ms(torch_res('torch1', t, dname, 'fp32').get('core_s'))} | "
               f"{fmt_ms(torch_res('torch2', t, dname, 'fp32').get('core_s'))}, "
-              f"{fmt_ms(torch_res('torch2', t, dname, 'bf16').get('core_s'))} |")
+              f"{fmt_ms(torch_res('torch2', t, dname, 'bf16').get('core_s'))} | "
+              f"{fmt_ms(torch_res('openvino', t, dname, 'fp32').get('core_s'))}, "
+              f"{fmt_ms(torch_res('openvino', t, dname, 'bf16').get('core_s'))} |")
     print()
     print("Memory: extra peak RSS of the core at L=8192 (B1 H16 D64, no weights), beyond inputs and outputs:")
     print()

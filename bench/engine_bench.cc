@@ -91,10 +91,45 @@ struct CoreInputs {
   }
 };
 
+// Inputs of one self-attention request as the cpu engine's fused [Wq; Wk; Wv]
+// projection leaves them: rows [B, L, 3 * H * D] (each token's q, k and v
+// side by side), output rows [B, L, H * D]. The core reads them with row
+// strides of 3E elements (12 KiB at E = 1024), not head_dim.
+struct FusedCoreInputs {
+  Tensor qkv, out;
+  AttentionParams p;
+  FusedCoreInputs(const BenchShape& s, DType dtype) {
+    const int64_t e = s.heads * s.head_dim;
+    qkv = RandomTensor(dtype, {s.batch, s.q_len, 3 * e}, 1);
+    out = Tensor(dtype, {s.batch, s.q_len, e});
+    std::memset(out.data(), 0, out.byte_size());
+    p.batch = s.batch;
+    p.num_heads = p.num_kv_heads = s.heads;
+    p.head_dim = p.head_dim_v = s.head_dim;
+    p.q_len = p.kv_len = s.q_len;
+    p.dtype = p.out_dtype = dtype;
+    const size_t es = DTypeSize(dtype);
+    unsigned char* base = static_cast<unsigned char*>(qkv.data());
+    p.q = base;
+    p.k = base + e * es;
+    p.v = base + 2 * e * es;
+    p.out = out.data();
+    p.q_stride_b = p.k_stride_b = p.v_stride_b = s.q_len * 3 * e;
+    p.q_stride_h = p.k_stride_h = p.v_stride_h = s.head_dim;
+    p.q_stride_row = p.k_stride_row = p.v_stride_row = 3 * e;
+    p.o_stride_b = s.q_len * e;
+    p.o_stride_h = s.head_dim;
+    p.o_stride_row = e;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  }
+};
+
 // The fused attention core (what nn.MultiheadAttention calls between its
-// projections; non-causal, no mask).
+// projections; non-causal, no mask), on inputs in head layout or (`Inputs` =
+// FusedCoreInputs) as the engine's fused projection leaves them.
+template <typename Inputs = CoreInputs>
 void BM_Core(benchmark::State& state, BenchShape s, DType dtype, int threads) {
-  CoreInputs in(s, dtype);
+  Inputs in(s, dtype);
   cpu::FlashOptions opt;
   opt.num_threads = threads;
   if (absl::Status st = cpu::FlashAttention({in.p}, opt); !st.ok()) {
@@ -405,9 +440,15 @@ void RegisterAll() {
       const std::string suffix = absl::StrCat("/threads:", t);
       for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
         const std::string dn = dt == DType::kFloat32 ? "fp32" : "bf16";
-        benchmark::RegisterBenchmark(absl::StrCat("Core/", s.name, "/", dn, suffix).c_str(), BM_Core, s, dt, t)
+        benchmark::RegisterBenchmark(absl::StrCat("Core/", s.name, "/", dn, suffix).c_str(), BM_Core<>, s, dt, t)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
+        if (s.q_len == s.kv_len && s.q_len > 1) {
+          benchmark::RegisterBenchmark(absl::StrCat("CoreFusedQkv/", s.name, "/", dn, suffix).c_str(),
+                                       BM_Core<FusedCoreInputs>, s, dt, t)
+              ->Unit(benchmark::kMillisecond)
+              ->UseRealTime();
+        }
         benchmark::RegisterBenchmark(absl::StrCat("GemmCeiling/", s.name, "/", dn, suffix).c_str(),
                                      BM_GemmCeiling, s, dt, t)
             ->Unit(benchmark::kMillisecond)

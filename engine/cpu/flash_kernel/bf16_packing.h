@@ -24,6 +24,10 @@ struct Bf16Packing {
   using V = Vec::V;
 
   static int64_t QStride(int64_t d) { return RoundUp(d, 32); }
+  // Q is always packed (bf16 pairs, padded rows).
+  static const QElem* InPlaceQ(const void* const*, int64_t, int64_t, DType, int64_t) {
+    return nullptr;
+  }
   static size_t KElems(int64_t d, int64_t npad) { return static_cast<size_t>(RoundUp(d, 32) / 2 * npad); }
   static size_t VElems(int64_t npad, int64_t dv_pad) { return static_cast<size_t>(npad / 2 * dv_pad); }
   // 16 rows of d_pad bf16 (as floats' worth of space) plus a converted row.

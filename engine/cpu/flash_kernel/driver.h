@@ -121,7 +121,9 @@ class Kernel {
         if constexpr (kMode == Mode::kOnline) std::memset(prow, 0, static_cast<size_t>(npad) * sizeof(PElem));
         return;
       }
-      const float a = *m == kNegInf ? 0.0f : std::exp2(*m - m_new);
+      // The rescale factor on the vector unit (degree 5 whatever kDeg: O
+      // and l carry it from block to block), not a libm call per row.
+      const float a = *m == kNegInf ? 0.0f : Vec::First(Vec::template Exp2<5>(Vec::Set1(*m - m_new)));
       const V neg_m = Vec::Set1(-m_new);
       V sum = Vec::Zero();
       for (int64_t j = 0; j < jv; j += W) {
@@ -339,8 +341,14 @@ class Kernel {
     const bool direct_k = Products::UseDirectK(plan.group * p.q_len, p.head_dim, p.dtype);
     const bool direct_v = Products::UseDirectV(plan.group * p.q_len, p.head_dim_v, dvp);
     Products::Begin();
+    // Q rows are read in place where the products take them as they are
+    // (contiguous fp32 rows), else packed once per item.
     const int64_t ldq = Products::QStride(p.head_dim);
-    Products::PackQ(bf.q, qrows, rows, r_pad, p.dtype, p.head_dim);
+    const QElem* q = Products::InPlaceQ(qrows, rows, r_pad, p.dtype, p.head_dim);
+    if (q == nullptr) {
+      Products::PackQ(bf.q, qrows, rows, r_pad, p.dtype, p.head_dim);
+      q = bf.q;
+    }
     // Decode: the K and V rows of a block's keys and of the next
     // kPrefetchRows keys (prefetched; null past the item's keys), through
     // the block table when paged.
@@ -376,10 +384,10 @@ class Kernel {
         const int64_t sr = std::min(kBlockRows, rows - r0);
         const int64_t sr_pad = std::min(kBlockRows, r_pad - r0);
         if (direct_k) {
-          Products::QKDirect(bf.s, npad, bf.q + r0 * ldq, ldq, k_rows, p.dtype, sr_pad, n, p.head_dim,
+          Products::QKDirect(bf.s, npad, q + r0 * ldq, ldq, k_rows, p.dtype, sr_pad, n, p.head_dim,
                              sb == 0 ? pf : RowPrefetch{});
         } else {
-          Products::QK(bf.s, npad, bf.q + r0 * ldq, ldq, bf.k, npad, sr_pad, npad, p.head_dim);
+          Products::QK(bf.s, npad, q + r0 * ldq, ldq, bf.k, npad, sr_pad, npad, p.head_dim);
         }
         for (int64_t r = 0; r < sr; ++r)
           SoftmaxBlock<Mode::kOnline>(plan, row[r0 + r], kb, n, npad, bf.s + r * npad, bf.p + r * npad,

@@ -38,6 +38,22 @@ struct Products {
     for (int64_t r = r_count; r < r_pad; ++r) FillRow(q + r * d, d, 0.0f);
   }
 
+  // Q read in place: fp32 rows, none padded, contiguous (one head's
+  // consecutive positions in head layout), so QStride(d) apart. nullptr
+  // otherwise: the caller packs them. Rows further apart are packed even
+  // when evenly spaced: at the engine's fused-projection stride (3E floats,
+  // a multiple of 4 KiB at E = 1024) a sub-block's rows share a few L1 sets,
+  // and the Q K^T tiles ran 15% slower reading them in place.
+  static const float* InPlaceQ(const void* const* rows, int64_t r_count, int64_t r_pad, DType dt,
+                               int64_t d) {
+    if (dt != DType::kFloat32 || r_count != r_pad || r_count < 1) return nullptr;
+    const float* q0 = static_cast<const float*>(rows[0]);
+    for (int64_t r = 1; r < r_count; ++r) {
+      if (static_cast<const float*>(rows[r]) != q0 + r * d) return nullptr;
+    }
+    return q0;
+  }
+
   // kt[k][j] = K[j][k] for j < n (columns `ldk` apart; PadK zeroes the
   // rest). `kbase` points at key 0, rows `ld` elements apart; conv: 16 * d
   // floats. A paged tile is packed run by run (engine/cpu/flash_kernel/
@@ -188,10 +204,18 @@ struct Products {
   // `may_alias`, else converted into vb [n][dv_pad] with zero columns past
   // dv. A paged tile is packed run by run (may_alias false), run j0 at
   // vb + VOffset(j0, dv_pad).
+  //
+  // In place only when the rows are contiguous (head layout): P V reads the
+  // block's rows again for every tile of rows, and rows far apart (3E floats
+  // in the engine's fused projection: 12 KiB at E = 1024, every row on its
+  // own page and in the same few L1 sets) came from L2 each time. Copying
+  // them, one pass per block, made the fused-layout core 1.13-1.15x faster
+  // at L >= 512 (docs/PERFORMANCE.md, "Attention core in the engine's
+  // layout").
   static const float* PackV(float* vb, const void* vbase, DType dt, int64_t ld, int64_t n,
                             int64_t dv, int64_t dv_pad, float* /*conv*/, int64_t* ldv,
                             bool may_alias) {
-    if (may_alias && dt == DType::kFloat32 && dv == dv_pad) {
+    if (may_alias && dt == DType::kFloat32 && dv == dv_pad && ld == dv_pad) {
       *ldv = ld;
       return static_cast<const float*>(vbase);
     }

@@ -19,6 +19,7 @@ struct Vec {
   static V Add(V a, V b) { return _mm256_add_ps(a, b); }
   static V Sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V Max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float First(V v) { return _mm256_cvtss_f32(v); }  // lane 0
   static float ReduceMax(V v) {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));

@@ -51,6 +51,7 @@ struct Vec {
   static V Add(V a, V b) { return _mm512_add_ps(a, b); }
   static V Sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V Max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float First(V v) { return _mm512_cvtss_f32(v); }  // lane 0
   static float ReduceMax(V v) { return _mm512_reduce_max_ps(v); }
   static float ReduceAdd(V v) { return _mm512_reduce_add_ps(v); }
   template <int kDegree>

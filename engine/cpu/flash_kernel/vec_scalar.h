@@ -19,6 +19,7 @@ struct Vec {
   static V Add(V a, V b) { return a + b; }
   static V Sub(V a, V b) { return a - b; }
   static V Max(V a, V b) { return a > b ? a : b; }
+  static float First(V v) { return v; }  // lane 0
   static float ReduceMax(V v) { return v; }
   static float ReduceAdd(V v) { return v; }
   template <int kDegree>

@@ -2,7 +2,7 @@
 // variant forced in turn, against a float64 reference over seeded random
 // ragged batches: causal with Lq != Lk, GQA, bool and additive masks with
 // broadcast, key_lengths, fully masked rows, decode shapes, Dv != Dk, every
-// dtype, weights; plus determinism, batch and thread-count invariance.
+// dtype, weights; plus determinism, batch, thread-count and layout invariance.
 //
 // Error metric, per tensor (the project's, as in cpu_engine_test):
 // max_i |got_i - ref_i| / max(max_i |ref_i|, 1e-30); no NaN; and where the
@@ -543,6 +543,53 @@ TEST_P(FlashIsaTest, DeterministicBatchAndThreadInvariant) {
     for (size_t k = 0; k < reqs.size(); ++k) {
       EXPECT_EQ(reqs[k]->out, base_out[k]) << "batched, " << threads << " threads: " << reqs[k]->label;
       EXPECT_EQ(reqs[k]->weights, base_w[k]) << reqs[k]->label;
+    }
+  }
+}
+
+// The same values in head layout [B, H, L, D] (Q and V read in place by the
+// fp32 variants) and in token layout [B, L, H * D] (rows H * D apart: packed
+// first): bitwise the same output. Shapes span one and several key blocks,
+// GQA and Dv != Dk.
+TEST_P(FlashIsaTest, LayoutDoesNotChangeTheResult) {
+  Rng rng(7);
+  const Shape4 shapes[] = {{2, 4, 4, 70, 70, 64, 64},
+                           {1, 8, 2, 300, 520, 64, 64},
+                           {1, 2, 2, 33, 260, 32, 48},
+                           {3, 4, 4, 1, 600, 64, 64}};
+  for (const Shape4& s : shapes) {
+    for (bool causal : {false, true}) {
+      Request head;
+      head.s = s;
+      head.causal = causal && s.q_len > 1;
+      Materialize(rng, head);
+      Request token;
+      token.s = s;
+      token.causal = head.causal;
+      token.token_layout = true;
+      Materialize(rng, token);
+      token.p.scale = head.p.scale;
+      // token[b][i][h][d] = head[b][h][i][d] for q, k, v.
+      auto relayout = [&](const std::vector<uint8_t>& src, int64_t heads, int64_t len, int64_t dim,
+                          std::vector<uint8_t>* dst) {
+        const size_t es = DTypeSize(head.dtype);
+        for (int64_t b = 0; b < s.batch; ++b)
+          for (int64_t h = 0; h < heads; ++h)
+            for (int64_t i = 0; i < len; ++i)
+              std::memcpy(dst->data() + (((b * len + i) * heads + h) * dim) * es,
+                          src.data() + (((b * heads + h) * len + i) * dim) * es, dim * es);
+      };
+      relayout(head.q, s.heads, s.q_len, s.dk, &token.q);
+      relayout(head.k, s.kv_heads, s.kv_len, s.dk, &token.k);
+      relayout(head.v, s.kv_heads, s.kv_len, s.dv, &token.v);
+      FlashOptions opt;
+      opt.isa = GetParam();
+      opt.num_threads = 2;
+      ASSERT_TRUE(FlashAttention({head.p}, opt).ok()) << head.label;
+      ASSERT_TRUE(FlashAttention({token.p}, opt).ok()) << token.label;
+      std::vector<uint8_t> expected(token.out.size());
+      relayout(head.out, s.heads, s.q_len, s.dv, &expected);
+      EXPECT_EQ(token.out, expected) << head.label << " vs " << token.label;
     }
   }
 }
