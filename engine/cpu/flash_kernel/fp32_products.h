@@ -205,17 +205,20 @@ struct Products {
   // dv. A paged tile is packed run by run (may_alias false), run j0 at
   // vb + VOffset(j0, dv_pad).
   //
-  // In place only when the rows are contiguous (head layout): P V reads the
-  // block's rows again for every tile of rows, and rows far apart (3E floats
-  // in the engine's fused projection: 12 KiB at E = 1024, every row on its
-  // own page and in the same few L1 sets) came from L2 each time. Copying
-  // them, one pass per block, made the fused-layout core 1.13-1.15x faster
-  // at L >= 512 (docs/PERFORMANCE.md, "Attention core in the engine's
+  // In place when the rows are contiguous (head layout) or the block is
+  // short (<= kInPlaceVKeys keys: it stays in L1 at any stride). Otherwise
+  // P V, which reads the block's rows again for every tile of rows, would
+  // meet rows far apart (3E floats in the engine's fused projection: 12 KiB
+  // at E = 1024, each row on its own page and in the same few L1 sets)
+  // coming from L2 each time. Copying them, one pass per block, made the
+  // fused-layout core 1.13-1.15x faster at L >= 512 and 1.05x at L = 64,
+  // and 2% slower at L = 16 (docs/PERFORMANCE.md, "The core in the engine's
   // layout").
+  static constexpr int64_t kInPlaceVKeys = 32;
   static const float* PackV(float* vb, const void* vbase, DType dt, int64_t ld, int64_t n,
                             int64_t dv, int64_t dv_pad, float* /*conv*/, int64_t* ldv,
                             bool may_alias) {
-    if (may_alias && dt == DType::kFloat32 && dv == dv_pad && ld == dv_pad) {
+    if (may_alias && dt == DType::kFloat32 && dv == dv_pad && (ld == dv_pad || n <= kInPlaceVKeys)) {
       *ldv = ld;
       return static_cast<const float*>(vbase);
     }
