@@ -100,8 +100,13 @@ struct FusedCoreInputs {
   AttentionParams p;
   FusedCoreInputs(const BenchShape& s, DType dtype) {
     const int64_t e = s.heads * s.head_dim;
-    qkv = RandomTensor(dtype, {s.batch, s.q_len, 3 * e}, 1);
-    out = Tensor(dtype, {s.batch, s.q_len, e});
+    // 64-byte aligned starts, as the engine's activation buffers have (a
+    // Tensor's bytes start 16 bytes into a page): a head's 256-byte slice
+    // of an output row then covers whole cache lines, and two threads
+    // writing neighbouring heads never share one.
+    const int64_t slack = 64 / static_cast<int64_t>(DTypeSize(dtype));
+    qkv = RandomTensor(dtype, {s.batch * s.q_len * 3 * e + slack}, 1);
+    out = Tensor(dtype, {s.batch * s.q_len * e + slack});
     std::memset(out.data(), 0, out.byte_size());
     p.batch = s.batch;
     p.num_heads = p.num_kv_heads = s.heads;
@@ -109,11 +114,14 @@ struct FusedCoreInputs {
     p.q_len = p.kv_len = s.q_len;
     p.dtype = p.out_dtype = dtype;
     const size_t es = DTypeSize(dtype);
-    unsigned char* base = static_cast<unsigned char*>(qkv.data());
+    auto align64 = [](void* x) {
+      return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(x) + 63) & ~uintptr_t{63});
+    };
+    unsigned char* base = align64(qkv.data());
     p.q = base;
     p.k = base + e * es;
     p.v = base + 2 * e * es;
-    p.out = out.data();
+    p.out = align64(out.data());
     p.q_stride_b = p.k_stride_b = p.v_stride_b = s.q_len * 3 * e;
     p.q_stride_h = p.k_stride_h = p.v_stride_h = s.head_dim;
     p.q_stride_row = p.k_stride_row = p.v_stride_row = 3 * e;

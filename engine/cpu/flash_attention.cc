@@ -341,12 +341,20 @@ absl::Status FlashAttention(absl::Span<const AttentionParams> batch, const Flash
   }
   if (items.empty()) return absl::OkStatus();
 
-  // Biggest first, then whichever thread is free takes the next.
+  // Biggest first, then whichever thread is free takes the next. Among
+  // items of equal cost, head by head: threads that run at the same time
+  // then work on different rows (other requests or batch entries) instead
+  // of neighbouring heads of the same rows, whose outputs are adjacent
+  // slices of the same output rows (token layout). With neighbouring heads
+  // side by side, two threads ran 20% slower on 32 x 16-token requests
+  // (engine_bench CoreFusedQkv/short_B32_L16_H8_D64, 2 threads).
   std::vector<size_t> order(items.size());
   std::iota(order.begin(), order.end(), size_t{0});
   for (WorkItem& it : items) it.cost = ItemCost(it);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return items[a].cost > items[b].cost; });
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    if (items[a].cost != items[b].cost) return items[a].cost > items[b].cost;
+    return items[a].head < items[b].head;
+  });
 
   // A thread joins only for enough work to pay for waking it (a small
   // request alone, e.g. 16 tokens x 8 heads, runs on the caller's thread).
