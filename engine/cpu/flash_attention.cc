@@ -244,11 +244,13 @@ absl::Status FlashAttention(absl::Span<const AttentionParams> batch, const Flash
   // batch; how rows are grouped into items (here also by thread count)
   // changes no result.
   //
-  // Decode: when all query rows of a kv head fit one item, parallelism (and
-  // bandwidth) has to come from splitting the keys into fixed chunks.
+  // Decode: when all query rows of a kv head fit one item and the request
+  // has few (sequence, kv head) pairs, parallelism (and bandwidth) has to
+  // come from splitting the keys into fixed chunks.
   auto is_split = [&](const RequestPlan& plan) {
     const AttentionParams& p = *plan.p;
-    return p.weights == nullptr && plan.group * p.q_len <= kBlockRows && p.kv_len > kSplitChunkKeys;
+    return p.weights == nullptr && plan.group * p.q_len <= kBlockRows &&
+           p.kv_len > kSplitChunkKeys && p.batch * p.num_kv_heads < flash::kSplitMaxPairs;
   };
   // The key chunks of a split request: from the one that holds the first
   // key its first row's window reaches (chunks before it would see no key).

@@ -433,6 +433,36 @@ TEST_P(FlashIsaTest, DecodeShapesMatchReference) {
   EXPECT_EQ(CheckAgainstReference(GetParam(), reqs, rng), 24);
 }
 
+// Decode requests with many (sequence, kv head) pairs, which are computed
+// as whole rows over several key blocks instead of key chunks
+// (flash::kSplitMaxPairs), and the same shapes just under the limit (split).
+TEST_P(FlashIsaTest, ManyPairDecodeMatchesReference) {
+  Rng rng(31);
+  std::vector<std::unique_ptr<Request>> reqs;
+  const std::vector<Shape4> shapes = {{16, 4, 4, 1, 700, 64, 64},   // 64 pairs: whole rows
+                                      {8, 16, 8, 2, 800, 32, 48},   // 64 pairs, GQA, Dv != Dk
+                                      {21, 3, 3, 1, 600, 64, 64},   // 63 pairs: split
+                                      {32, 2, 2, 3, 1100, 16, 16}};
+  int c = 0;
+  for (const Shape4& s : shapes) {
+    for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+      auto r = std::make_unique<Request>();
+      r->s = s;
+      r->dtype = dt;
+      r->causal = c % 2 == 0;
+      r->token_layout = c % 3 == 0;
+      if (c % 4 == 1) {
+        r->key_lengths.resize(static_cast<size_t>(s.batch));
+        for (auto& l : r->key_lengths) l = rng.Int(1, s.kv_len);
+      }
+      Materialize(rng, *r);
+      reqs.push_back(std::move(r));
+      ++c;
+    }
+  }
+  EXPECT_EQ(CheckAgainstReference(GetParam(), reqs, rng), 8);
+}
+
 // Hand-picked shapes at the edges of the kernel's blocking.
 TEST_P(FlashIsaTest, BlockEdgesMatchReference) {
   Rng rng(7);
