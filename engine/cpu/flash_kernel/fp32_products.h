@@ -211,9 +211,10 @@ struct Products {
   // meet rows far apart (3E floats in the engine's fused projection: 12 KiB
   // at E = 1024, each row on its own page and in the same few L1 sets)
   // coming from L2 each time. Copying them, one pass per block, made the
-  // fused-layout core 1.13-1.15x faster at L >= 512 and 1.05x at L = 64,
-  // and 2% slower at L = 16 (docs/PERFORMANCE.md, "The core in the engine's
-  // layout").
+  // fused-layout core 1.13-1.15x faster at L >= 512 and 1.05x at L = 64;
+  // at L = 16 it cost 2-8%, hence the short-block exception
+  // (docs/PERFORMANCE.md, "The attention core against OpenVINO and
+  // PyTorch 2.15").
   static constexpr int64_t kInPlaceVKeys = 32;
   static const float* PackV(float* vb, const void* vbase, DType dt, int64_t ld, int64_t n,
                             int64_t dv, int64_t dv_pad, float* /*conv*/, int64_t* ldv,
