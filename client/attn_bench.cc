@@ -607,6 +607,12 @@ int RunSessions(const std::vector<std::unique_ptr<pb::AttentionService::Stub>>& 
 }
 
 int Main(int argc, char** argv) {
+  // As in the server (server/main.cc): Debian's abseil leaves absl::Mutex's
+  // deadlock detection on, and gRPC's mutexes then update its global
+  // lock-order graph on every call (GraphCycles: 2% of this client's CPU
+  // under perf at concurrency 32). A load generator that shares the cores
+  // with the server should not spend them there.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage(
       "attn_bench --target=HOST:PORT [--model=M] [--concurrency=N | --rate=R] "
       "[--duration=S | --requests=N] [--stream] [--channels=N] [--lb-policy=round_robin] "
