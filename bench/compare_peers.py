@@ -166,7 +166,7 @@ def openvino_worker(args):
                     "INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1,
                     "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": type_name})
                 req = compiled.create_infer_request()
-                for i, (shape) in enumerate(((b, h, lq, d), (b, h, lk, d), (b, h, lk, d))):
+                for i, shape in enumerate(((b, h, lq, d), (b, h, lk, d), (b, h, lk, d))):
                     req.set_input_tensor(i, tensor(shape, type_name))
                 res["core_s"] = time_call(req.infer, args.min_time)
                 res["exec_precision"] = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
