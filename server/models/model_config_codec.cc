@@ -19,6 +19,12 @@ const char* PrecisionName(Precision precision) {
 
 }  // namespace
 
+DType ToWarmupDType(const v1::WarmupShape& warmup) {
+  return warmup.dtype() == "bf16"   ? DType::kBFloat16
+         : warmup.dtype() == "fp16" ? DType::kFloat16
+                                    : DType::kFloat32;
+}
+
 v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
   const LayerConfig& c = layer.config;
   v1::ModelConfig config;

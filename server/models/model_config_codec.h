@@ -6,6 +6,7 @@
 
 #include "attnserve/v1/model_config.pb.h"
 #include "engine/attention_layer.h"
+#include "engine/dtype.h"
 #include "engine/model/weight_loader.h"
 #include "server/models/served_model.h"
 
@@ -22,6 +23,9 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& config);
 WeightSpec ToWeightSpec(const v1::ModelConfig& config);
 WeightLayout ToWeightLayout(v1::ModelConfig::WeightLayout layout);
 ModelBatching ToModelBatching(const v1::ModelConfig& config);
+
+// A resolved warmup entry's input dtype ("fp32", "bf16" or "fp16").
+DType ToWarmupDType(const v1::WarmupShape& warmup);
 
 // RoPE settings both ways. ToRopeConfig reads an unknown type as kNone: call
 // it on resolved configs (ResolveModelConfig refuses unknown types by name).

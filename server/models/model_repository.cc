@@ -265,37 +265,30 @@ static absl::Status ResolveWarmupShapes(const std::string& path, v1::ModelConfig
                            absl::StrCat("must be in [1, ", kMaxWarmupDim, "], got ", value));
       }
     }
-    if (c->kind() == "sdpa") {
+    const bool sdpa = c->kind() == "sdpa";
+    if (sdpa) {
       if (w->num_heads() == 0) w->set_num_heads(8);
       if (w->num_kv_heads() == 0) w->set_num_kv_heads(w->num_heads());
       if (w->head_dim() == 0) w->set_head_dim(64);
-      for (const auto& [name, value] :
-           {std::pair<const char*, int64_t>{"num_heads", w->num_heads()},
-            {"num_kv_heads", w->num_kv_heads()},
-            {"head_dim", w->head_dim()}}) {
-        if (value < 1 || value > kMaxWarmupHeads) {
-          return ConfigError(path, absl::StrCat(entry, ".", name),
-                             absl::StrCat("must be in [1, ", kMaxWarmupHeads, "], got ", value));
-        }
+    }
+    for (const auto& [name, value] : {std::pair<const char*, int64_t>{"num_heads", w->num_heads()},
+                                      {"num_kv_heads", w->num_kv_heads()},
+                                      {"head_dim", w->head_dim()}}) {
+      if (sdpa && (value < 1 || value > kMaxWarmupHeads)) {
+        return ConfigError(path, absl::StrCat(entry, ".", name),
+                           absl::StrCat("must be in [1, ", kMaxWarmupHeads, "], got ", value));
       }
-      if (w->num_heads() % w->num_kv_heads() != 0) {
-        return ConfigError(path, absl::StrCat(entry, ".num_kv_heads"),
-                           absl::StrCat("must divide num_heads (", w->num_heads(), "), got ",
-                                        w->num_kv_heads()));
-      }
-    } else {
-      for (const auto& [name, value] :
-           {std::pair<const char*, int64_t>{"num_heads", w->num_heads()},
-            {"num_kv_heads", w->num_kv_heads()},
-            {"head_dim", w->head_dim()}}) {
-        if (value != 0) {
-          return ConfigError(path, absl::StrCat(entry, ".", name),
-                             "only for kind \"sdpa\" (an \"mha\" layer has its own heads)");
-        }
+      if (!sdpa && value != 0) {
+        return ConfigError(path, absl::StrCat(entry, ".", name),
+                           "only for kind \"sdpa\" (an \"mha\" layer has its own heads)");
       }
     }
+    if (sdpa && w->num_heads() % w->num_kv_heads() != 0) {
+      return ConfigError(path, absl::StrCat(entry, ".num_kv_heads"),
+                         absl::StrCat("must divide num_heads (", w->num_heads(), "), got ",
+                                      w->num_kv_heads()));
+    }
     // The widest input or output row, and the query heads.
-    const bool sdpa = c->kind() == "sdpa";
     const int64_t row = sdpa ? w->num_heads() * w->head_dim()
                              : std::max({c->query_dim(), c->key_dim(), c->value_dim(),
                                          c->out_dim()});

@@ -45,8 +45,9 @@ absl::StatusOr<v1::ModelConfig> ParseModelConfig(const std::string& text, const 
 
 // Fills defaults in place (name = `default_name`, kind "mha", dims from
 // embed_dim/num_heads, weight_layout TORCH_MHA, precision "fp32", backend
-// "auto", each warmup entry's kv_len = q_len and dtype "fp32") and checks that the dims and options agree. Errors name `path`,
-// the field, the rule and the values.
+// "auto", each warmup entry's kv_len = q_len and dtype "fp32") and checks
+// that the dims and options agree. Errors name `path`, the field, the rule
+// and the values.
 absl::Status ResolveModelConfig(const std::string& path, const std::string& default_name,
                                 v1::ModelConfig* config);
 

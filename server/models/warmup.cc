@@ -9,13 +9,10 @@
 #include "attnserve/v1/model_config.pb.h"
 #include "engine/attention_task.h"
 #include "engine/tensor.h"
+#include "server/models/model_config_codec.h"
 
 namespace attnserve {
 namespace {
-
-DType WarmupDType(const std::string& name) {
-  return name == "bf16" ? DType::kBFloat16 : name == "fp16" ? DType::kFloat16 : DType::kFloat32;
-}
 
 // A bare sdpa layer's request heads and head dim; 0: the layer's pinned
 // value, else 8 heads of 64.
@@ -76,7 +73,7 @@ absl::StatusOr<absl::Duration> WarmUpModel(const ServedModel& model) {
   const int n = model.config != nullptr ? model.config->warmup_size() : 0;
   for (int i = 0; i < n; ++i) {
     const v1::WarmupShape& w = model.config->warmup(i);
-    absl::Status s = RunZeros(model, w.batch(), w.q_len(), w.kv_len(), WarmupDType(w.dtype()),
+    absl::Status s = RunZeros(model, w.batch(), w.q_len(), w.kv_len(), ToWarmupDType(w),
                               w.causal(), {w.num_heads(), w.num_kv_heads(), w.head_dim()});
     if (!s.ok()) {
       const std::string heads =
