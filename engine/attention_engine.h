@@ -15,6 +15,7 @@
 #ifndef ATTNSERVE_ENGINE_ATTENTION_ENGINE_H_
 #define ATTNSERVE_ENGINE_ATTENTION_ENGINE_H_
 
+#include <cstdint>
 #include <memory>
 #include <string_view>
 
@@ -26,6 +27,24 @@
 #include "engine/attention_task.h"
 
 namespace attnserve {
+
+// Where a server keeps the slabs its session KV-cache blocks are carved from
+// (server/sessions/kv_block_pool.h), when the engine reads the blocks from
+// memory of its own (a GPU's). The server never dereferences a block of
+// such memory: it only carves blocks out of a slab by address arithmetic
+// and hands their addresses to the engine (AttentionTask::paged).
+//
+// Thread-safe: Map and Unmap may be called concurrently from any thread.
+class KvSlabMemory {
+ public:
+  virtual ~KvSlabMemory() = default;
+  // `bytes` (> 0) of memory, at least 256-byte aligned, contents
+  // unspecified; nullptr when it cannot be had.
+  virtual void* Map(int64_t bytes) = 0;
+  // Returns a slab from Map(bytes). No task that points into it may be
+  // running.
+  virtual void Unmap(void* base, int64_t bytes) = 0;
+};
 
 class AttentionEngine {
  public:
@@ -44,6 +63,11 @@ class AttentionEngine {
   // Whether Run accepts tasks with a paged K/V cache (AttentionTask::paged,
   // server-side sessions). Others answer such a task Unimplemented.
   virtual bool SupportsSessions() const { return false; }
+
+  // The memory the blocks of this engine's sessions must live in; nullptr
+  // = ordinary host memory (the server maps it itself). Engines that return
+  // one keep it usable for as long as anybody holds the pointer.
+  virtual std::shared_ptr<KvSlabMemory> kv_slab_memory() const { return nullptr; }
 
   // Whether Run computes `task` (already valid for `layer`): an engine that
   // lacks one of its options answers Unimplemented naming it, so that a

@@ -172,7 +172,7 @@ absl::StatusOr<OpenedSession> RequestDispatcher::OpenSession(absl::string_view m
   if (!served.engine->SupportsSessions()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "model: '", served.name, "' is served by the ", std::string(served.engine->name()),
-        " engine, which does not serve sessions (the cpu engine does)"));
+        " engine, which does not serve sessions (the cpu and cuda engines do)"));
   }
   std::optional<SessionShape> fixed;
   const LayerConfig& layer = served.layer->config;
@@ -186,8 +186,9 @@ absl::StatusOr<OpenedSession> RequestDispatcher::OpenSession(absl::string_view m
     shape.head_dim_v = layer.head_dim;
     fixed = shape;
   }
+  // The blocks live where the engine reads them (a GPU's memory for cuda).
   return sessions_->Open(served.name, fixed, ttl, max_tokens, layer.sliding_window,
-                         std::string(session_id));
+                         std::string(session_id), served.engine->kv_slab_memory());
 }
 
 absl::StatusOr<std::string> RequestDispatcher::SessionModel(absl::string_view session_id) {

@@ -1,10 +1,12 @@
-// Budgeted free lists of KV-cache blocks, carved from huge-page slabs.
+// Budgeted free lists of KV-cache blocks, carved from huge-page slabs (or
+// from the engine's slab memory).
 #include "server/sessions/kv_block_pool.h"
 
 #include <sys/mman.h>
 
 #include <algorithm>
 #include <iterator>
+#include <utility>
 
 namespace attnserve {
 namespace {
@@ -32,15 +34,27 @@ char* MapAligned(int64_t bytes) {
 
 }  // namespace
 
-KvBlockPool::KvBlockPool(int64_t capacity_bytes) : capacity_(capacity_bytes) {}
+KvBlockPool::KvBlockPool(int64_t capacity_bytes, std::shared_ptr<KvSlabMemory> memory)
+    : capacity_(capacity_bytes), memory_(std::move(memory)) {}
 
 KvBlockPool::~KvBlockPool() {
-  for (auto& [base, slab] : slabs_) munmap(slab.base, static_cast<size_t>(slab.bytes));
+  for (auto& [base, slab] : slabs_) UnmapSlab(slab);
+}
+
+void KvBlockPool::UnmapSlab(const Slab& slab) {
+  if (memory_ != nullptr) {
+    memory_->Unmap(slab.base, slab.bytes);
+  } else {
+    munmap(slab.base, static_cast<size_t>(slab.bytes));
+  }
 }
 
 KvBlockPool::Slab* KvBlockPool::NewSlab(int64_t bytes) {
   const int64_t slab_bytes = RoundUp(std::max(bytes, kSlabBytes), kSlabBytes);
-  char* base = MapAligned(slab_bytes);
+  // The engine's memory is used as it comes (its alignment is at least the
+  // blocks' kAlignment); host slabs are huge-page aligned.
+  char* base = memory_ != nullptr ? static_cast<char*>(memory_->Map(slab_bytes))
+                                  : MapAligned(slab_bytes);
   if (base == nullptr) return nullptr;
   Slab& slab = slabs_[reinterpret_cast<uintptr_t>(base)];
   slab.base = base;
@@ -102,7 +116,7 @@ void KvBlockPool::ReleaseFreeSlabs(int64_t bytes) {
       free_blocks_ -= n;
       held_ -= n * other;
       if (size.carving == &slab) size.carving = nullptr;
-      munmap(slab.base, static_cast<size_t>(slab.bytes));
+      UnmapSlab(slab);
       slabs_.erase(base);
     }
   }

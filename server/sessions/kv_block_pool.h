@@ -10,7 +10,10 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <vector>
+
+#include "engine/attention_engine.h"
 
 namespace attnserve {
 
@@ -30,14 +33,24 @@ namespace attnserve {
 // room (so a free block of another size makes room only once the rest of
 // its slab is free too), and when the pool is destroyed.
 //
+// With a KvSlabMemory (the engine's: a GPU's memory) the slabs come from its
+// Map and go back through its Unmap instead; sizes, carving, budget and
+// release are the same. The pool never reads or writes a block's contents
+// (nor does the rest of server/), so blocks may be memory the host cannot
+// dereference.
+//
 // Thread-compatible: the SessionManager's lock guards it.
 class KvBlockPool {
  public:
   // `capacity_bytes`: most bytes held in blocks, used or free (> 0).
-  explicit KvBlockPool(int64_t capacity_bytes);
+  // `memory`: where the slabs live; nullptr = host memory mapped here.
+  explicit KvBlockPool(int64_t capacity_bytes, std::shared_ptr<KvSlabMemory> memory = nullptr);
   ~KvBlockPool();
   KvBlockPool(const KvBlockPool&) = delete;
   KvBlockPool& operator=(const KvBlockPool&) = delete;
+
+  // The memory the slabs come from (nullptr: host memory).
+  const std::shared_ptr<KvSlabMemory>& memory() const { return memory_; }
 
   // A block of `bytes` (> 0), 64-byte aligned, contents unspecified: a free
   // one of that size, else a new one if the budget allows (free blocks of
@@ -64,13 +77,17 @@ class KvBlockPool {
     std::vector<void*> free;
     Slab* carving = nullptr;  // the slab new blocks come from, if not full
   };
-  // Maps a slab for blocks of `bytes`; nullptr when the OS refuses.
+  // Maps a slab for blocks of `bytes`; nullptr when the OS (or the slab
+  // memory) refuses.
   Slab* NewSlab(int64_t bytes);
+  // Returns a slab to where it came from.
+  void UnmapSlab(const Slab& slab);
   // Unmaps the slabs of sizes other than `bytes` whose blocks are all free,
   // until a block of `bytes` fits the budget or none is left.
   void ReleaseFreeSlabs(int64_t bytes);
 
   const int64_t capacity_;
+  const std::shared_ptr<KvSlabMemory> memory_;  // null: host mmap
   int64_t held_ = 0;
   int64_t used_blocks_ = 0;
   int64_t free_blocks_ = 0;

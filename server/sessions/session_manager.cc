@@ -32,7 +32,8 @@ std::string ShapeText(const SessionShape& s) {
 }  // namespace
 
 struct SessionManager::ModelCache {
-  explicit ModelCache(std::string name, int64_t bytes) : model(std::move(name)), pool(bytes) {}
+  ModelCache(std::string name, int64_t bytes, std::shared_ptr<KvSlabMemory> memory)
+      : model(std::move(name)), pool(bytes, std::move(memory)) {}
   const std::string model;
   KvBlockPool pool;
   // Idle sessions, least recently used first: eviction candidates.
@@ -82,14 +83,25 @@ SessionManager::~SessionManager() {
   }
 }
 
-SessionManager::ModelCache& SessionManager::CacheFor(const std::string& model) {
+absl::StatusOr<SessionManager::ModelCache*> SessionManager::CacheFor(
+    const std::string& model, std::shared_ptr<KvSlabMemory> memory) {
   std::unique_ptr<ModelCache>& cache = caches_[model];
+  if (cache != nullptr && cache->pool.memory() != memory) {
+    // The model was reloaded onto an engine whose blocks live elsewhere (a
+    // GPU's memory or the host's): the old pool goes once it is empty.
+    if (cache->sessions > 0) {
+      return absl::UnavailableError(absl::StrCat(
+          "model: '", model, "' was reloaded onto another engine and sessions of the previous "
+          "one are still finishing; retry shortly"));
+    }
+    cache.reset();
+  }
   if (cache != nullptr) cache->unloaded = false;  // loaded again
   if (cache == nullptr) {
-    cache = std::make_unique<ModelCache>(model, options_.kv_cache_bytes);
+    cache = std::make_unique<ModelCache>(model, options_.kv_cache_bytes, std::move(memory));
     if (metrics_ != nullptr) cache->metrics = metrics_->ForModel(model);
   }
-  return *cache;
+  return cache.get();
 }
 
 void SessionManager::Publish(ModelCache& cache) {
@@ -101,7 +113,8 @@ void SessionManager::Publish(ModelCache& cache) {
 absl::StatusOr<OpenedSession> SessionManager::Open(const std::string& model,
                                                    std::optional<SessionShape> fixed,
                                                    absl::Duration ttl, int64_t max_tokens,
-                                                   int64_t window, const std::string& id) {
+                                                   int64_t window, const std::string& id,
+                                                   std::shared_ptr<KvSlabMemory> memory) {
   if (!id.empty()) {
     const bool well_formed =
         id.size() >= 16 && id.size() <= 128 &&
@@ -141,12 +154,14 @@ absl::StatusOr<OpenedSession> SessionManager::Open(const std::string& model,
     return absl::AlreadyExistsError(
         absl::StrCat("session_id: session '", id, "' exists or was used recently; choose another"));
   }
+  absl::StatusOr<ModelCache*> cache = CacheFor(model, std::move(memory));
+  if (!cache.ok()) return cache.status();
   auto s = std::make_unique<Session>();
   // "s<epoch>-<serial>-<random>": the epoch tells a restarted server's ids
   // apart, the random part makes ids hard to guess.
   s->id = !id.empty() ? id
                       : absl::StrFormat("s%s-%d-%016x", epoch_hex_, next_serial_++, RandomU64());
-  s->cache = &CacheFor(model);
+  s->cache = *cache;
   s->shape = fixed;
   s->ttl = ttl == absl::ZeroDuration() ? options_.ttl : ttl;
   s->max_tokens = max_tokens == 0 ? options_.max_tokens : max_tokens;

@@ -87,9 +87,15 @@ class SessionManager {
   // `id`: the client's choice (OpenSessionRequest.session_id: 16 to 128
   // characters of A-Z a-z 0-9 - _ .; AlreadyExists when open or recently
   // gone), or empty for one made here.
+  // `memory`: where the model's engine wants the blocks
+  // (AttentionEngine::kv_slab_memory; nullptr = host memory). The model's
+  // pool is made with it; a model whose engine changed memory (a reload onto
+  // another backend) gets a new pool once its old sessions are gone, and
+  // Unavailable until then.
   absl::StatusOr<OpenedSession> Open(const std::string& model, std::optional<SessionShape> fixed,
                                      absl::Duration ttl, int64_t max_tokens, int64_t window = 0,
-                                     const std::string& id = "");
+                                     const std::string& id = "",
+                                     std::shared_ptr<KvSlabMemory> memory = nullptr);
 
   // Closes session `id`: its blocks return to the pool (after its request in
   // flight, if any, finishes). Returns the tokens it held; requests queued
@@ -178,7 +184,12 @@ class SessionManager {
   void Publish(ModelCache& cache) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Destroys the cache of an unloaded model whose last session is gone.
   void DropCache(ModelCache* cache) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  ModelCache& CacheFor(const std::string& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The cache of `model`, made with `memory` if new (or if it held another
+  // memory and no session); Unavailable while sessions of another memory
+  // remain.
+  absl::StatusOr<ModelCache*> CacheFor(const std::string& model,
+                                       std::shared_ptr<KvSlabMemory> memory)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SessionOptions options_;
   Clock* const clock_;

@@ -4,6 +4,8 @@
 #include "server/sessions/session_manager.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -397,6 +399,67 @@ TEST_F(SessionManagerTest, ChosenIdsAreUsedOnceAndMustBeWellFormed) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(st.message(), HasSubstr("16 to 128 characters")) << bad;
   }
+}
+
+// Slabs from an engine's memory (AttentionEngine::kv_slab_memory): recorded,
+// at addresses nobody may touch.
+class RecordingSlabMemory final : public KvSlabMemory {
+ public:
+  void* Map(int64_t bytes) override {
+    const uintptr_t base = next_;
+    next_ += static_cast<uintptr_t>(bytes) + 4096;
+    live[base] = bytes;
+    return reinterpret_cast<void*>(base);
+  }
+  void Unmap(void* base, int64_t bytes) override {
+    EXPECT_EQ(live[reinterpret_cast<uintptr_t>(base)], bytes);
+    live.erase(reinterpret_cast<uintptr_t>(base));
+  }
+  bool Holds(const void* p) const {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    auto it = live.upper_bound(a);
+    if (it == live.begin()) return false;
+    --it;
+    return a < it->first + static_cast<uintptr_t>(it->second);
+  }
+  std::map<uintptr_t, int64_t> live;
+
+ private:
+  uintptr_t next_ = uintptr_t{0x7e0000000000};
+};
+
+TEST_F(SessionManagerTest, BlocksLiveInTheEnginesMemory) {
+  auto memory = std::make_shared<RecordingSlabMemory>();
+  {
+    SessionManager m(Options(), &clock_, nullptr);
+    absl::StatusOr<OpenedSession> opened =
+        m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, 0, "", memory);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    std::unique_ptr<InferenceRequest> r = Request(opened->id, 20);
+    ASSERT_TRUE(m.Submit(&r).ok());
+    ASSERT_NE(r, nullptr);
+    EXPECT_EQ(memory->live.size(), 1u);
+    for (void* b : r->task.paged.k_blocks) EXPECT_TRUE(memory->Holds(b));
+    for (void* b : r->task.paged.v_blocks) EXPECT_TRUE(memory->Holds(b));
+    m.Finished(*r, absl::OkStatus());
+    EXPECT_EQ(m.Stats("sdpa").blocks_used, 2);
+
+    // Another memory for the same model (a reload onto another backend):
+    // refused while a session of the old one is open, a new pool after.
+    auto other = std::make_shared<RecordingSlabMemory>();
+    EXPECT_EQ(m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, 0, "", other).status().code(),
+              absl::StatusCode::kUnavailable);
+    std::vector<std::unique_ptr<InferenceRequest>> orphans;
+    ASSERT_TRUE(m.Close(opened->id, &orphans).ok());
+    opened = m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, 0, "", other);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    EXPECT_TRUE(memory->live.empty()) << "the old pool returned its slabs";
+    r = Request(opened->id, 1);
+    ASSERT_TRUE(m.Submit(&r).ok());
+    EXPECT_TRUE(other->Holds(r->task.paged.k_blocks[0]));
+    m.Finished(*r, absl::OkStatus());
+  }
+  EXPECT_TRUE(memory->live.empty());
 }
 
 }  // namespace
