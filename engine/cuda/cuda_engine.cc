@@ -43,6 +43,10 @@ class CudaEngine final : public AttentionEngine {
 
   absl::Status Accepts(const LayerConfig& layer, const AttentionTask& task) const override {
     (void)layer;
+    // Sessions compute window, softcap and sinks (paged_attention.h). (The
+    // server asks before it binds a request to its session, so it still
+    // refuses them for session requests until the stateless path has them.)
+    if (task.paged.enabled()) return absl::OkStatus();
     std::string missing;
     auto add = [&](const char* what) {
       absl::StrAppend(&missing, missing.empty() ? "" : ", ", what);
@@ -66,10 +70,7 @@ class CudaEngine final : public AttentionEngine {
     for (const AttentionTask& task : batch) {
       ATTNSERVE_CUDA_RETURN_IF_ERROR(CheckTask(config, task));
       ATTNSERVE_CUDA_RETURN_IF_ERROR(Accepts(config, task));
-      if (task.paged.enabled()) {
-        return absl::UnimplementedError(
-            "cuda engine: sessions (a paged K/V cache) are served by the cpu engine for now");
-      }
+      if (task.paged.enabled()) ATTNSERVE_CUDA_RETURN_IF_ERROR(CheckPagedTask(config, task));
     }
     ATTNSERVE_CUDA_CALL(cudaSetDevice(device_));
     absl::StatusOr<Lease> ws = Acquire();
@@ -84,7 +85,10 @@ class CudaEngine final : public AttentionEngine {
     for (const AttentionTask& task : batch) {
       absl::StatusOr<AttentionParams> params = MakeCoreParams(config, task);
       if (!params.ok()) return params.status();
-      if (!config.has_projections) {
+      if (!config.has_projections && task.paged.enabled()) {
+        // A session: the cache's dtype, whatever the layer's precision.
+        ATTNSERVE_CUDA_RETURN_IF_ERROR(EnqueuePagedHostAttention(call, *params, task.paged));
+      } else if (!config.has_projections) {
         // Bare attention computes in the inputs' dtype unless the layer asks
         // for a lower precision.
         const DType compute = config.precision == Precision::kFloat32
@@ -98,7 +102,37 @@ class CudaEngine final : public AttentionEngine {
     return call.Finish();
   }
 
+  bool SupportsSessions() const override { return true; }
+
+  std::shared_ptr<KvSlabMemory> kv_slab_memory() const override { return slab_memory_; }
+
  private:
+  // Session blocks in device memory: one cudaMalloc per slab (the pool
+  // carves 2 MiB slabs, so this is rare), freed with cudaFree.
+  // Thread-safe: the runtime's allocator is; the device is set per call
+  // (it is per thread).
+  class DeviceSlabMemory final : public KvSlabMemory {
+   public:
+    explicit DeviceSlabMemory(int device) : device_(device) {}
+    void* Map(int64_t bytes) override {
+      void* base = nullptr;
+      if (cudaSetDevice(device_) != cudaSuccess ||
+          cudaMalloc(&base, static_cast<size_t>(bytes)) != cudaSuccess) {
+        (void)cudaGetLastError();  // out of memory is the caller's nullptr, not sticky
+        return nullptr;
+      }
+      return base;
+    }
+    void Unmap(void* base, int64_t bytes) override {
+      (void)bytes;
+      (void)cudaSetDevice(device_);
+      (void)cudaFree(base);
+    }
+
+   private:
+    const int device_;
+  };
+
   // A workspace borrowed from the pool; returned on destruction.
   class Lease {
    public:
@@ -154,6 +188,7 @@ class CudaEngine final : public AttentionEngine {
 
   const int device_;
   const AttentionSource source_;
+  const std::shared_ptr<KvSlabMemory> slab_memory_ = std::make_shared<DeviceSlabMemory>(device_);
 
   std::mutex mutex_;  // guards idle_
   std::vector<std::unique_ptr<Workspace>> idle_;

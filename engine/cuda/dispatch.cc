@@ -13,7 +13,9 @@
 
 #include "engine/cuda/attention_kernels.h"
 #include "engine/cuda/cuda_status.h"
+#include "engine/cuda/paged_attention.h"
 #include "engine/cuda/unfused_attention.h"
+#include "engine/paged_kv.h"
 
 namespace attnserve::cuda {
 namespace {
@@ -237,6 +239,112 @@ absl::Status RunCore(Call& call, AttentionParams& a, const AttentionParams& p,
   });
 }
 
+// ------------------------------------------------ sessions (paged K/V)
+// Added with GPU sessions; kept apart from the functions above (and called
+// from two marked places in EnqueueProjected) so that they merge cleanly.
+
+// Whether the split-KV decode (paged_attention.h) serves paged params `c`
+// rather than gather + RunCore: requests of few query rows, and those with a
+// window, softcap or sinks, which the core kernels here do not compute yet.
+// MERGE: once RunCore computes window/softcap/sinks, drop that clause.
+bool UsePagedDecode(const AttentionParams& c) {
+  const bool own_rules = c.window > 0 || c.softcap > 0.0f || c.sinks != nullptr;
+  return PagedDecodeSupports(c) && (c.q_len <= kPagedDecodeMaxQueryRows || own_rules);
+}
+
+// A paged task's attention: appends the new K/V rows device-side `a` reads
+// (a.k / a.v in a.dtype at their strides, batch 0, a.kv_len rows) into
+// `cache` on the device, then attends a's query (a.dtype, its strides) over
+// all cache.cached_len + a.kv_len tokens into a.out (a.out_dtype, its
+// strides). `p`: the task's host-side core params over the new rows (its
+// causal flag, scale, window, softcap and host sinks are used). The block
+// tables (and the sinks) are uploaded through the call, so this makes the
+// stream wait for every upload so far.
+absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams& p,
+                         const AttentionParams& a) {
+  const int64_t total = cache.cached_len + a.kv_len;
+  const int64_t blocks = (total + cache.block_tokens - 1) / cache.block_tokens;
+  const size_t table_bytes = static_cast<size_t>(blocks) * sizeof(void*);
+  absl::StatusOr<void*> k_table = call.Upload(cache.k_blocks.data(), table_bytes);
+  if (!k_table.ok()) return k_table.status();
+  absl::StatusOr<void*> v_table = call.Upload(cache.v_blocks.data(), table_bytes);
+  if (!v_table.ok()) return v_table.status();
+  const float* sinks = nullptr;
+  if (p.sinks != nullptr) {
+    absl::StatusOr<void*> up =
+        call.Upload(p.sinks, static_cast<size_t>(p.num_heads) * sizeof(float));
+    if (!up.ok()) return up.status();
+    sinks = static_cast<const float*>(*up);
+  }
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
+
+  // 1. The new rows into their blocks, in the cache's dtype.
+  PagedCacheArgs dst;
+  dst.dtype = cache.dtype;
+  dst.k_blocks = static_cast<void* const*>(*k_table);
+  dst.v_blocks = static_cast<void* const*>(*v_table);
+  dst.block_tokens = cache.block_tokens;
+  dst.cached_len = cache.cached_len;
+  ATTNSERVE_CUDA_CALL(LaunchPagedAppend(a, dst, call.stream()));
+
+  // 2. Params over the whole cache, the query in the cache's dtype.
+  AttentionParams c = a;
+  c.dtype = cache.dtype;
+  absl::StatusOr<const void*> q = ConvertOnDevice(
+      call, a.q, a.dtype, cache.dtype,
+      Extent(1, a.num_heads, a.q_len, a.head_dim, a.q_stride_b, a.q_stride_h, a.q_stride_row));
+  if (!q.ok()) return q.status();
+  c.q = *q;
+  c.kv_len = total;
+  c.k = c.v = nullptr;
+  c.k_stride_b = c.k_stride_h = c.k_stride_row = 0;
+  c.v_stride_b = c.v_stride_h = c.v_stride_row = 0;
+  c.k_blocks = static_cast<const void* const*>(*k_table);
+  c.v_blocks = static_cast<const void* const*>(*v_table);
+  c.block_tokens = cache.block_tokens;
+  c.causal = p.causal;
+  c.scale = p.scale;
+  c.window = p.window;
+  c.softcap = p.softcap;
+  c.sinks = sinks;
+  c.key_lengths = nullptr;
+  c.mask = MaskParams{};
+  c.weights = nullptr;
+
+  // 3a. Few query rows: the split-KV decode reads the blocks in place.
+  if (UsePagedDecode(c)) {
+    absl::StatusOr<void*> scratch = call.DeviceAlloc(PagedDecodeScratchBytes(c));
+    if (!scratch.ok()) return scratch.status();
+    ATTNSERVE_CUDA_CALL(LaunchPagedDecode(c, *scratch, call.stream()));
+    return absl::OkStatus();
+  }
+  // 3b. Prefills and long appends: the blocks gathered into contiguous
+  // [1, Hkv, kv_len, D] buffers, then the core path of stateless requests
+  // (its own kernels; no cuDNN route, whose plans want bucketed buffers).
+  // Correct and simple; a copy of the cache per request.
+  const size_t elem = DTypeSize(c.dtype);
+  absl::StatusOr<void*> k = call.DeviceAlloc(
+      static_cast<size_t>(c.num_kv_heads * total * c.head_dim) * elem);
+  if (!k.ok()) return k.status();
+  absl::StatusOr<void*> v = call.DeviceAlloc(
+      static_cast<size_t>(c.num_kv_heads * total * c.head_dim_v) * elem);
+  if (!v.ok()) return v.status();
+  ATTNSERVE_CUDA_CALL(LaunchPagedGather(c, *k, *v, call.stream()));
+  AttentionParams g = c;
+  g.k = *k;
+  g.v = *v;
+  g.k_blocks = g.v_blocks = nullptr;
+  g.block_tokens = 0;
+  HeadLayoutStrides(g.num_kv_heads, total, g.head_dim, &g.k_stride_b, &g.k_stride_h,
+                    &g.k_stride_row);
+  HeadLayoutStrides(g.num_kv_heads, total, g.head_dim_v, &g.v_stride_b, &g.v_stride_h,
+                    &g.v_stride_row);
+  AttentionParams host = p;  // RunCore reads it for the weights only: none
+  host.kv_len = total;
+  host.weights = nullptr;
+  return RunCore(call, g, host, SdpaRoute{});
+}
+
 }  // namespace
 
 absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType compute) {
@@ -344,7 +452,9 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
     if (!raw_v.ok()) return raw_v.status();
   }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(StageMaskAndLengths(call, p, a));
-  absl::StatusOr<SdpaRoute> route = RouteSdpa(call, p, ct, /*token_layout=*/true);
+  // Sessions attend over the cache, never through a cuDNN plan of the new rows.
+  absl::StatusOr<SdpaRoute> route =
+      task.paged.enabled() ? SdpaRoute{} : RouteSdpa(call, p, ct, /*token_layout=*/true);
   if (!route.ok()) return route.status();
   ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
 
@@ -404,7 +514,13 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
   a.out_dtype = ct;
   a.out = *attn;
   SetContiguousStrides(&a, TokenLayoutStrides);
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, a, p, *route));
+  if (task.paged.enabled()) {
+    // Sessions: the projected K/V rows go into the cache, the attention
+    // reads the whole cache (AttendPaged).
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(AttendPaged(call, task.paged, p, a));
+  } else {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, a, p, *route));
+  }
 
   // Out-projection, then the output dtype, then home.
   absl::StatusOr<void*> y =
@@ -420,6 +536,71 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
   void* host = task.output.data;
   return call.Download(*result, out_bytes, [host, out_bytes](const char* pinned) {
     std::memcpy(host, pinned, out_bytes);
+  });
+}
+
+absl::Status CheckPagedTask(const LayerConfig& config, const AttentionTask& task) {
+  absl::StatusOr<AttentionParams> p = MakeCoreParams(config, task);
+  if (!p.ok()) return p.status();
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(CheckPagedKv(task.paged, *p));
+  if (task.paged.dtype == DType::kBool) {
+    return absl::InvalidArgumentError("paged kv: the cache must hold a float dtype");
+  }
+  AttentionParams c = *p;
+  c.kv_len = task.paged.cached_len + p->kv_len;
+  c.k_blocks = c.v_blocks = task.paged.k_blocks.data();
+  c.block_tokens = task.paged.block_tokens;
+  const bool own_rules = c.window > 0 || c.softcap > 0.0f || c.sinks != nullptr;
+  if (own_rules && !PagedDecodeSupports(c)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "cuda engine: a session with a window, softcap or sinks needs head dims up to ",
+        kPagedDecodeMaxHeadDim, ", got Dk=", c.head_dim, " Dv=", c.head_dim_v));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EnqueuePagedHostAttention(Call& call, const AttentionParams& p,
+                                       const PagedKv& cache) {
+  const size_t in_size = DTypeSize(p.dtype);
+  absl::StatusOr<void*> q =
+      call.UploadHeads(p.q, in_size, 1, p.num_heads, p.q_len, p.head_dim, p.q_stride_b,
+                       p.q_stride_h, p.q_stride_row, p.q_len);
+  if (!q.ok()) return q.status();
+  absl::StatusOr<void*> k =
+      call.UploadHeads(p.k, in_size, 1, p.num_kv_heads, p.kv_len, p.head_dim, p.k_stride_b,
+                       p.k_stride_h, p.k_stride_row, p.kv_len);
+  if (!k.ok()) return k.status();
+  absl::StatusOr<void*> v =
+      call.UploadHeads(p.v, in_size, 1, p.num_kv_heads, p.kv_len, p.head_dim_v, p.v_stride_b,
+                       p.v_stride_h, p.v_stride_row, p.kv_len);
+  if (!v.ok()) return v.status();
+
+  // The new rows and the query in head layout [1, H, L, D], the request's
+  // dtype; the output [1, Hq, Lq, Dv] in its output dtype.
+  AttentionParams a = DeviceParams(p);
+  a.dtype = p.dtype;
+  a.q = *q;
+  a.k = *k;
+  a.v = *v;
+  a.out_dtype = p.out_dtype;
+  const size_t out_size = DTypeSize(a.out_dtype);
+  absl::StatusOr<void*> out =
+      call.DeviceAlloc(static_cast<size_t>(p.num_heads * p.q_len * p.head_dim_v) * out_size);
+  if (!out.ok()) return out.status();
+  a.out = *out;
+  SetContiguousStrides(&a, HeadLayoutStrides);
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(AttendPaged(call, cache, p, a));
+
+  const size_t bytes = static_cast<size_t>(p.num_heads * p.q_len * p.head_dim_v) * out_size;
+  return call.Download(a.out, bytes, [p, out_size](const char* pinned) {
+    const size_t row_bytes = static_cast<size_t>(p.head_dim_v) * out_size;
+    char* host = static_cast<char*>(p.out);
+    for (int64_t h = 0; h < p.num_heads; ++h)
+      for (int64_t i = 0; i < p.q_len; ++i) {
+        std::memcpy(host + (h * p.o_stride_h + i * p.o_stride_row) * static_cast<int64_t>(out_size),
+                    pinned, row_bytes);
+        pinned += row_bytes;
+      }
   });
 }
 

@@ -11,6 +11,7 @@
 #include "engine/attention_task.h"
 #include "engine/cuda/staging.h"
 #include "engine/dtype.h"
+#include "engine/paged_kv.h"
 
 namespace attnserve::cuda {
 
@@ -26,6 +27,23 @@ absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType co
 // weights at call.Finish. `p` is MakeCoreParams(config, task).
 absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const DeviceLayer& w,
                               const AttentionTask& task, const AttentionParams& p);
+
+// Sessions (AttentionTask::paged enabled; the blocks in device memory, from
+// the engine's kv_slab_memory()).
+//
+// The engine's checks of a paged task that passed CheckTask, before anything
+// is enqueued: CheckPagedKv over its core params, and what the GPU computes.
+// InvalidArgument / Unimplemented naming the rule.
+absl::Status CheckPagedTask(const LayerConfig& config, const AttentionTask& task);
+
+// Bare attention of a checked paged task (host-side `p` = MakeCoreParams,
+// over the new rows): uploads Q and the new K/V rows, appends the rows into
+// `cache` on the device (converted to cache.dtype), attends the query over
+// the whole cache and delivers the output into p.out's strides at
+// call.Finish. Projection layers take EnqueueProjected, which does the same
+// with the projected rows.
+absl::Status EnqueuePagedHostAttention(Call& call, const AttentionParams& p,
+                                       const PagedKv& cache);
 
 }  // namespace attnserve::cuda
 

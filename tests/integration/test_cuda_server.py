@@ -1,6 +1,7 @@
 """The whole server on a GPU: `attnserve --backend cuda` serving `sdpa` and a
 projection model, called by the Python client and compared with PyTorch on the
-same GPU (float64 oracles), plus batch invariance under real batching.
+same GPU (float64 oracles), plus batch invariance under real batching and
+sessions (the paged KV cache in GPU memory) against stateless requests.
 
 Skips without a CUDA build of PyTorch and a GPU (CI has neither). Where a GPU
 must be used (bench/gpu_session.sh on the device machine), ATTNSERVE_REQUIRE_GPU=1
@@ -203,3 +204,58 @@ def test_server_serves_every_model_on_the_cuda_backend(client, server):
     # exits at start (UNAVAILABLE) instead of falling back to the cpu engine.
     names = {m.name for m in client.list_models()}
     assert {"sdpa", "mha-fp32", "mha-bf16"} <= names
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_sdpa_session_on_the_gpu_equals_one_causal_request(client, torch_cuda, dtype, tol):
+    """A session on the cuda backend (its KV blocks in GPU memory): a prefill
+    of 37 tokens, 20 decode steps and a 5-token append, each step equal to
+    the matching rows of one causal request over the whole sequence (torch,
+    float64) and close to the server's own stateless answer."""
+    rng = np.random.default_rng(29)
+    steps = [37] + [1] * 20 + [5]
+    length = sum(steps)
+    q = rng.standard_normal((1, 8, length, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 2, length, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 2, length, 64)).astype(np.float32)
+    rounded = [torch_cuda.as_tensor(x).to(getattr(torch_cuda, dtype)).double().numpy()
+               for x in (q, k, v)]
+    ref = _sdpa_oracle(torch_cuda, *rounded, causal=True)
+    stateless = client.attend(q, k, v, model="sdpa", causal=True, input_dtype=dtype).output
+    assert _rel(stateless, ref) < tol
+    with client.open_session("sdpa") as session:
+        t = 0
+        for n in steps:
+            res = session.attend(q[:, :, t:t + n], k[:, :, t:t + n], v[:, :, t:t + n],
+                                 causal=True, input_dtype=dtype)
+            assert res.session_length == t + n
+            assert _rel(res.output, ref[:, :, t:t + n]) < tol, f"step of {n} at {t}"
+            assert _rel(res.output, stateless[:, :, t:t + n]) < 2 * tol, f"step of {n} at {t}"
+            t += n
+
+
+@pytest.mark.parametrize("model,tol", [("mha-fp32", 1e-5), ("mha-bf16", 2e-2)])
+def test_projection_session_on_the_gpu_equals_one_causal_request(client, repo, torch_cuda,
+                                                                  model, tol):
+    """Self-attention through a projection model's session (K/V projected on
+    the GPU, cached in FLOAT32 there) equals the module over the whole
+    sequence with a causal mask, step by step."""
+    torch = torch_cuda
+    _, mha = repo
+    ref_mod = mha.to("cuda", torch.float64)
+    rng = np.random.default_rng(31)
+    steps = [37] + [1] * 20 + [5]
+    length = sum(steps)
+    x = rng.standard_normal((1, length, 256)).astype(np.float32)
+    xt = torch.as_tensor(x, dtype=torch.float64, device="cuda")
+    future = torch.ones(length, length, dtype=torch.bool, device="cuda").triu(1)
+    with torch.no_grad():
+        ref, _ = ref_mod(xt, xt, xt, attn_mask=future, need_weights=False)
+    ref = ref.cpu().numpy()
+    with client.open_session(model) as session:
+        t = 0
+        for n in steps:
+            res = session.attend(x[:, t:t + n], causal=True)
+            assert res.session_length == t + n
+            assert _rel(res.output, ref[:, t:t + n]) < tol, f"step of {n} at {t}"
+            t += n

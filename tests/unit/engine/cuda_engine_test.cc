@@ -34,6 +34,7 @@
 #include "engine/attention_task.h"
 #include "engine/cuda/cuda_loader.h"
 #include "engine/model/builtin_models.h"
+#include "engine/paged_kv.h"
 #include "engine/tensor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -996,6 +997,292 @@ TEST(CudaEngineTest, RunProjectionLayersMatchReference) {
       if (HasFatalFailure()) return;
     }
   }
+}
+
+// ---------------------------------------------------------------- sessions
+
+// A session's paged K/V cache in the CUDA engine's memory (kv_slab_memory():
+// device memory, never dereferenced here): one slab holding every block,
+// each block its K part then its V part, as the server's pool lays them out.
+class DeviceCache {
+ public:
+  DeviceCache(AttentionEngine& engine, DType dtype, int64_t kv_heads, int64_t dk, int64_t dv,
+              int64_t block_tokens, int64_t max_tokens)
+      : memory_(engine.kv_slab_memory()), dtype_(dtype), kv_heads_(kv_heads), dk_(dk), dv_(dv),
+        block_tokens_(block_tokens) {
+    const int64_t blocks = (max_tokens + block_tokens - 1) / block_tokens;
+    const int64_t k_bytes = block_tokens * kv_heads * dk * static_cast<int64_t>(DTypeSize(dtype));
+    const int64_t block_bytes =
+        k_bytes + block_tokens * kv_heads * dv * static_cast<int64_t>(DTypeSize(dtype));
+    bytes_ = blocks * block_bytes;
+    if (memory_ == nullptr) return;
+    base_ = static_cast<char*>(memory_->Map(bytes_));
+    if (base_ == nullptr) return;
+    for (int64_t i = 0; i < blocks; ++i) {
+      k_blocks_.push_back(base_ + i * block_bytes);
+      v_blocks_.push_back(base_ + i * block_bytes + k_bytes);
+    }
+  }
+  ~DeviceCache() {
+    if (base_ != nullptr) memory_->Unmap(base_, bytes_);
+  }
+  bool ok() const { return base_ != nullptr; }
+
+  // The table for a task whose first new row goes to `cached`.
+  PagedKv At(int64_t cached) const {
+    PagedKv p;
+    p.dtype = dtype_;
+    p.num_kv_heads = kv_heads_;
+    p.head_dim = dk_;
+    p.head_dim_v = dv_;
+    p.block_tokens = block_tokens_;
+    p.cached_len = cached;
+    p.k_blocks = k_blocks_;
+    p.v_blocks = v_blocks_;
+    return p;
+  }
+
+  // Forgets the blocks wholly before token `first` (a session releasing
+  // what its sliding window no longer sees): the engine must not touch them.
+  void Release(int64_t first) {
+    for (int64_t i = 0; i < first / block_tokens_ && i < static_cast<int64_t>(k_blocks_.size());
+         ++i) {
+      k_blocks_[i] = v_blocks_[i] = nullptr;
+    }
+  }
+
+ private:
+  std::shared_ptr<KvSlabMemory> memory_;
+  DType dtype_;
+  int64_t kv_heads_, dk_, dv_, block_tokens_, bytes_ = 0;
+  char* base_ = nullptr;
+  std::vector<void*> k_blocks_, v_blocks_;
+};
+
+// Rows [r0, r0 + n) of axis `axis` (the length axis) of a contiguous tensor.
+Tensor SliceRows(const Tensor& t, int axis, int64_t r0, int64_t n) {
+  Shape shape = t.shape();
+  const int64_t len = shape[axis];
+  int64_t outer = 1, inner = static_cast<int64_t>(DTypeSize(t.dtype()));
+  for (int a = 0; a < axis; ++a) outer *= shape[a];
+  for (size_t a = axis + 1; a < shape.size(); ++a) inner *= shape[a];
+  shape[axis] = n;
+  Tensor out(t.dtype(), shape);
+  for (int64_t o = 0; o < outer; ++o) {
+    std::memcpy(static_cast<char*>(out.data()) + o * n * inner,
+                static_cast<const char*>(t.data()) + (o * len + r0) * inner,
+                static_cast<size_t>(n * inner));
+  }
+  return out;
+}
+
+// What a session's steps run against: one request over the whole sequence.
+struct SessionOptionsForTest {
+  int64_t window = 0;
+  float softcap = 0.0f;
+  bool sinks = false;
+};
+
+// An sdpa session fed `steps` new tokens at a time equals one causal request
+// over all of them, step by step (the reference engine on the full request);
+// with a window, blocks before each step's FirstWindowKey are released
+// (null) first. The last step, run again, gives the same bits.
+void CheckSdpaSession(DType dtype, int64_t hq, int64_t hkv, int64_t dk, int64_t dv,
+                      int64_t block_tokens, const std::vector<int64_t>& steps,
+                      SessionOptionsForTest opt, uint32_t seed) {
+  SCOPED_TRACE(absl::StrCat(DTypeName(dtype).data(), " Hq", hq, " Hkv", hkv, " Dk", dk, " Dv",
+                            dv, " block_tokens ", block_tokens, " window ", opt.window,
+                            " softcap ", opt.softcap, opt.sinks ? " sinks" : ""));
+  std::mt19937 rng(seed);
+  int64_t len = 0;
+  for (int64_t s : steps) len += s;
+  const Tensor q = RandomTensor(dtype, {1, hq, len, dk}, rng, 2.0f);
+  const Tensor k = RandomTensor(dtype, {1, hkv, len, dk}, rng);
+  const Tensor v = RandomTensor(dtype, {1, hkv, len, dv}, rng);
+  std::vector<float> sinks;
+  if (opt.sinks) {
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    for (int64_t h = 0; h < hq; ++h) sinks.push_back(dist(rng));
+  }
+  const AttentionLayer& layer = SdpaLayer();
+
+  Tensor want(DType::kFloat32, {1, hq, len, dv});
+  AttentionTask full;
+  full.query = q.view();
+  full.key = k.view();
+  full.value = v.view();
+  full.causal = true;
+  full.scale = ResolveScale(layer.config, 0.0f, dk);
+  full.window = opt.window;
+  full.softcap = opt.softcap;
+  full.sinks = sinks;
+  full.output = want.mutable_view();
+  ASSERT_TRUE(Reference().Run(layer, {&full, 1}).ok());
+
+  DeviceCache cache(*Cuda().engine, dtype, hkv, dk, dv, block_tokens, len);
+  ASSERT_TRUE(cache.ok()) << "kv_slab_memory() gave no memory";
+  int64_t cached = 0;
+  for (size_t n = 0; n < steps.size(); ++n) {
+    const int64_t step = steps[n];
+    const Tensor qs = SliceRows(q, 2, cached, step);
+    const Tensor ks = SliceRows(k, 2, cached, step);
+    const Tensor vs = SliceRows(v, 2, cached, step);
+    Tensor got(dtype, {1, hq, step, dv});
+    AttentionTask t = full;
+    t.query = qs.view();
+    t.key = ks.view();
+    t.value = vs.view();
+    t.output = got.mutable_view();
+    if (opt.window > 0) cache.Release(FirstWindowKey(cached, opt.window));
+    t.paged = cache.At(cached);
+    const absl::Status status = Cuda().engine->Run(layer, {&t, 1});
+    ASSERT_TRUE(status.ok()) << status << " at " << cached;
+    ExpectClose(got, SliceRows(want, 2, cached, step), ToleranceFor(dtype),
+                absl::StrCat("step of ", step, " at ", cached));
+    if (n + 1 == steps.size()) {
+      Tensor again(dtype, {1, hq, step, dv});
+      t.output = again.mutable_view();
+      ASSERT_TRUE(Cuda().engine->Run(layer, {&t, 1}).ok());
+      ExpectIdentical(got, again, "the last step run again");
+    }
+    if (::testing::Test::HasFailure()) return;
+    cached += step;
+  }
+}
+
+// A prefill of 37 tokens (gathered, then the core kernels), 20 decode steps
+// and a 5-token append (the split-KV decode).
+std::vector<int64_t> SessionSteps() {
+  std::vector<int64_t> steps = {37};
+  for (int i = 0; i < 20; ++i) steps.push_back(1);
+  steps.push_back(5);
+  return steps;
+}
+
+TEST(CudaEngineTest, ServesSessionsInDeviceMemory) {
+  REQUIRE_GPU();
+  EXPECT_TRUE(Cuda().engine->SupportsSessions());
+  std::shared_ptr<KvSlabMemory> memory = Cuda().engine->kv_slab_memory();
+  ASSERT_NE(memory, nullptr);
+  void* slab = memory->Map(int64_t{2} << 20);
+  ASSERT_NE(slab, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(slab) % 256, 0u);
+  memory->Unmap(slab, int64_t{2} << 20);
+}
+
+TEST(CudaEngineTest, SdpaSessionStepsEqualOneCausalRequest) {
+  REQUIRE_GPU();
+  uint32_t seed = 100;
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (int64_t block_tokens : {16, 64}) {
+      for (int64_t d : {64, 128}) {
+        CheckSdpaSession(dtype, 8, 2, d, d, block_tokens, SessionSteps(), {}, ++seed);
+        if (HasFailure()) return;
+      }
+    }
+    CheckSdpaSession(dtype, 4, 4, 40, 24, 16, SessionSteps(), {}, ++seed);  // Dv != Dk, MHA
+    if (HasFailure()) return;
+  }
+}
+
+TEST(CudaEngineTest, SdpaSessionWindowSoftcapSinksEqualOneRequest) {
+  REQUIRE_GPU();
+  uint32_t seed = 200;
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    CheckSdpaSession(dtype, 8, 2, 64, 64, 16, SessionSteps(), {.window = 9}, ++seed);
+    CheckSdpaSession(dtype, 8, 2, 64, 64, 16, SessionSteps(), {.softcap = 0.5f}, ++seed);
+    CheckSdpaSession(dtype, 8, 2, 64, 64, 64, SessionSteps(), {.sinks = true}, ++seed);
+    CheckSdpaSession(dtype, 8, 2, 128, 128, 16, SessionSteps(),
+                     {.window = 20, .softcap = 1.0f, .sinks = true}, ++seed);
+    if (HasFailure()) return;
+  }
+  // Past the 256-token grain of FirstWindowKey: the blocks before each
+  // step's window are null (released) and must never be read or written.
+  std::vector<int64_t> long_steps = {290};
+  for (int i = 0; i < 12; ++i) long_steps.push_back(1);
+  long_steps.push_back(7);
+  CheckSdpaSession(DType::kFloat32, 4, 2, 64, 64, 16, long_steps, {.window = 24}, 300);
+  CheckSdpaSession(DType::kBFloat16, 4, 1, 64, 32, 16, long_steps,
+                   {.window = 30, .softcap = 2.0f, .sinks = true}, 301);
+}
+
+// A projection layer's session (its cache FLOAT32 whatever the precision):
+// self-attention step by step equals one causal request over the sequence.
+TEST(CudaEngineTest, ProjectionSessionStepsEqualOneCausalRequest) {
+  REQUIRE_GPU();
+  std::mt19937 rng(7);
+  struct Variant {
+    int64_t embed, heads, kv_heads;
+    Precision precision;
+    DType dtype;
+    Tolerance tol;
+  };
+  const Variant variants[] = {
+      {96, 4, 2, Precision::kFloat32, DType::kFloat32, {1e-4, 1e-4}},
+      {256, 4, 4, Precision::kFloat32, DType::kFloat32, {1e-4, 1e-4}},
+      {256, 4, 2, Precision::kBFloat16, DType::kBFloat16, {6e-2, 6e-2}},
+  };
+  for (const Variant& var : variants) {
+    AttentionLayer layer = ProjectionLayer(var.embed, var.heads, var.kv_heads, var.embed,
+                                           var.embed, true, var.precision, rng);
+    ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
+    const LayerConfig& c = layer.config;
+    SCOPED_TRACE(absl::StrCat("embed ", var.embed, " heads ", var.heads, " kv_heads ",
+                              var.kv_heads, " ", DTypeName(var.dtype).data()));
+    const std::vector<int64_t> steps = SessionSteps();
+    int64_t len = 0;
+    for (int64_t s : steps) len += s;
+    const Tensor x = RandomTensor(var.dtype, {1, len, c.query_dim}, rng);
+    Tensor want(DType::kFloat32, {1, len, c.out_dim});
+    AttentionTask full;
+    full.query = x.view();
+    full.causal = true;
+    full.scale = ResolveScale(c, 0.0f, c.head_dim);
+    full.output = want.mutable_view();
+    ASSERT_TRUE(Reference().Run(layer, {&full, 1}).ok());
+
+    DeviceCache cache(*Cuda().engine, DType::kFloat32, c.num_kv_heads, c.head_dim, c.head_dim,
+                      16, len);
+    ASSERT_TRUE(cache.ok());
+    int64_t cached = 0;
+    for (int64_t step : steps) {
+      const Tensor xs = SliceRows(x, 1, cached, step);
+      Tensor got(var.dtype, {1, step, c.out_dim});
+      AttentionTask t = full;
+      t.query = xs.view();
+      t.output = got.mutable_view();
+      t.paged = cache.At(cached);
+      const absl::Status status = Cuda().engine->Run(layer, {&t, 1});
+      ASSERT_TRUE(status.ok()) << status << " at " << cached;
+      const Tolerance io = ToleranceFor(var.dtype);
+      ExpectClose(got, SliceRows(want, 1, cached, step),
+                  {std::max(var.tol.atol, io.atol), std::max(var.tol.rtol, io.rtol)},
+                  absl::StrCat("step of ", step, " at ", cached));
+      if (HasFailure()) return;
+      cached += step;
+    }
+  }
+}
+
+TEST(CudaEngineTest, RefusesPagedTasksItsChecksRefuse) {
+  REQUIRE_GPU();
+  std::mt19937 rng(9);
+  const Tensor q = RandomTensor(DType::kFloat32, {1, 2, 1, 64}, rng);
+  const Tensor k = RandomTensor(DType::kFloat32, {1, 2, 1, 64}, rng);
+  Tensor out(DType::kFloat32, {1, 2, 1, 64});
+  DeviceCache cache(*Cuda().engine, DType::kFloat32, 2, 64, 64, 16, 16);
+  ASSERT_TRUE(cache.ok());
+  AttentionTask t;
+  t.query = q.view();
+  t.key = k.view();
+  t.value = k.view();
+  t.scale = 0.125f;
+  t.output = out.mutable_view();
+  t.paged = cache.At(16);  // a 17th token in a one-block table
+  EXPECT_EQ(Cuda().engine->Run(SdpaLayer(), {&t, 1}).code(), absl::StatusCode::kInvalidArgument);
+  t.paged = cache.At(0);
+  t.paged.head_dim = 32;  // the cache's geometry is not the rows'
+  EXPECT_EQ(Cuda().engine->Run(SdpaLayer(), {&t, 1}).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -1,0 +1,85 @@
+// Server-side sessions on the GPU: the kernels over a session's paged K/V
+// cache (engine/paged_kv.h) in device memory. Append writes a request's new
+// K/V rows into the blocks; the split-KV decode reads the blocks in place for
+// requests with few query rows; gather copies them into a contiguous buffer
+// for the engine's other attention kernels (prefills, multi-token appends).
+//
+// Hand-written: no library computes attention over this block layout
+// ([num_kv_heads][block_tokens][head_dim] per block, a table of block
+// pointers per session) with our visibility rules; cuDNN's paged SDPA wants
+// its own page table and layout, and flash-attention's paged decode is a
+// PyTorch extension. Written to be plainly correct (fp32 accumulation, fixed
+// reduction orders) rather than fast.
+//
+// Plain header (no absl), so that the .cu file compiles with nvcc alone.
+// Every pointer the launchers take is a device pointer, the block tables
+// included (arrays of block addresses in device memory).
+#ifndef ATTNSERVE_ENGINE_CUDA_PAGED_ATTENTION_H_
+#define ATTNSERVE_ENGINE_CUDA_PAGED_ATTENTION_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "engine/attention_params.h"
+#include "engine/dtype.h"
+
+namespace attnserve::cuda {
+
+// Where LaunchPagedAppend writes: a session's cache (PagedKv) with its block
+// tables on the device. Null blocks (released outside a sliding window) are
+// never written.
+struct PagedCacheArgs {
+  DType dtype = DType::kFloat32;  // what the blocks hold
+  void* const* k_blocks = nullptr;
+  void* const* v_blocks = nullptr;
+  int64_t block_tokens = 0;
+  int64_t cached_len = 0;  // the new rows go to [cached_len, cached_len + rows)
+};
+
+// Copies the K/V rows `rows` reads (batch 0; rows.kv_len rows of each of
+// rows.num_kv_heads heads, head_dim / head_dim_v wide, rows.dtype, through
+// rows.k / rows.v and their head and row strides) into the cache at token
+// positions [cached_len, cached_len + rows.kv_len), converting to
+// cache.dtype. Key (h, pos, d) goes to
+//   k_blocks[pos / block_tokens][(h * block_tokens + pos % block_tokens) * head_dim + d]
+// and likewise V with head_dim_v.
+cudaError_t LaunchPagedAppend(const AttentionParams& rows, const PagedCacheArgs& cache,
+                              cudaStream_t stream);
+
+// Gathers the paged K/V of `a` (a.k_blocks / a.v_blocks set; a.kv_len
+// tokens, a.dtype) into contiguous head-layout buffers k [Hkv, kv_len,
+// head_dim] and v [Hkv, kv_len, head_dim_v] of a.dtype. Null blocks read as
+// zeros (nothing reads them: they lie before every row's window).
+cudaError_t LaunchPagedGather(const AttentionParams& a, void* k, void* v, cudaStream_t stream);
+
+// The split-KV decode over paged K/V: softmax(Q K^T * scale) V for `a`
+// (batch 1; a.k_blocks / a.v_blocks set, a.kv_len the whole cache; q in
+// a.dtype, the blocks' dtype, at its strides; out in a.out_dtype at its
+// strides). Every visibility rule of a session (attention_params.h):
+// causal bottom-right, sliding window, softcap, sinks (a.sinks a device
+// array of num_heads logits, or null), grouped-query heads. No mask, no
+// key_lengths, no weights. A row that sees no key gives zeros.
+//
+// One CUDA block per (query head, query row, chunk of kPagedDecodeChunkKeys
+// keys) computes the chunk's partial (max, sum, accumulator) in fp32 into
+// `scratch`; a second kernel combines the chunks of each row in chunk order.
+// Deterministic: the result depends on the request alone.
+inline constexpr int64_t kPagedDecodeChunkKeys = 256;
+inline constexpr int64_t kPagedDecodeMaxHeadDim = 256;
+// The engine takes this path for requests with at most this many query rows
+// (decode steps, short appends); longer ones gather and use the engine's
+// other kernels. A first guess, to be measured.
+inline constexpr int64_t kPagedDecodeMaxQueryRows = 16;
+
+// Whether LaunchPagedDecode computes `a`: head dims up to
+// kPagedDecodeMaxHeadDim, batch 1, no mask, key_lengths or weights.
+bool PagedDecodeSupports(const AttentionParams& a);
+// Bytes of device scratch LaunchPagedDecode needs for `a`.
+size_t PagedDecodeScratchBytes(const AttentionParams& a);
+cudaError_t LaunchPagedDecode(const AttentionParams& a, void* scratch, cudaStream_t stream);
+
+}  // namespace attnserve::cuda
+
+#endif  // ATTNSERVE_ENGINE_CUDA_PAGED_ATTENTION_H_
