@@ -26,8 +26,22 @@ constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
 constexpr int kPerLane = static_cast<int>(kPagedDecodeMaxHeadDim) / kWarpSize;  // 8
 constexpr int kCombineThreads = 128;
 
-int64_t Chunks(const AttentionParams& a) {
-  return (a.kv_len + kPagedDecodeChunkKeys - 1) / kPagedDecodeChunkKeys;
+// How the keys of every row are split: `chunks` chunks of `chunk_keys`
+// keys (the last one shorter), none empty.
+struct Split {
+  int64_t chunks = 1;
+  int64_t chunk_keys = 1;
+};
+
+Split SplitFor(const AttentionParams& a) {
+  const int64_t rows = a.num_heads * a.q_len;
+  const int64_t most = (a.kv_len + kPagedDecodeMinChunkKeys - 1) / kPagedDecodeMinChunkKeys;
+  const int64_t wanted = (kPagedDecodeTargetBlocks + rows - 1) / rows;
+  Split split;
+  const int64_t chunks = std::max<int64_t>(1, std::min(most, wanted));
+  split.chunk_keys = (a.kv_len + chunks - 1) / chunks;
+  split.chunks = (a.kv_len + split.chunk_keys - 1) / split.chunk_keys;
+  return split;
 }
 
 // One partial per (row, chunk): max, sum, then head_dim_v accumulators.
@@ -95,7 +109,7 @@ __device__ __forceinline__ const T* PagedRow(const void* const* blocks, int64_t 
 // exp(score - m) and the Dv accumulators sum exp(score - m) * v.
 template <typename T>
 __global__ void __launch_bounds__(kDecodeThreads)
-    PagedDecodeKernel(AttentionParams a, int64_t chunks, float* partial) {
+    PagedDecodeKernel(AttentionParams a, int64_t chunks, int64_t chunk_keys, float* partial) {
   __shared__ float sq[kPagedDecodeMaxHeadDim];
   __shared__ float warp_m[kDecodeWarps];
   __shared__ float warp_l[kDecodeWarps];
@@ -116,8 +130,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   // The keys of this chunk that row i sees (attention_params.h): query i
   // sits at position i + kv_len - q_len.
   const int64_t position = i + a.kv_len - a.q_len;
-  int64_t lo = chunk * kPagedDecodeChunkKeys;
-  int64_t hi = min(a.kv_len, lo + kPagedDecodeChunkKeys);
+  int64_t lo = chunk * chunk_keys;
+  int64_t hi = min(a.kv_len, lo + chunk_keys);
   if (a.causal) hi = min(hi, position + 1);
   if (a.window > 0) lo = max(lo, position - a.window + 1);
 
@@ -223,12 +237,12 @@ __global__ void PagedCombineKernel(AttentionParams a, int64_t chunks, const floa
 
 template <typename T>
 cudaError_t LaunchDecode(const AttentionParams& a, float* partial, cudaStream_t stream) {
-  const int64_t chunks = Chunks(a);
+  const Split split = SplitFor(a);
   const int64_t rows = a.num_heads * a.q_len;
-  PagedDecodeKernel<T>
-      <<<static_cast<unsigned>(rows * chunks), kDecodeThreads, 0, stream>>>(a, chunks, partial);
+  PagedDecodeKernel<T><<<static_cast<unsigned>(rows * split.chunks), kDecodeThreads, 0, stream>>>(
+      a, split.chunks, split.chunk_keys, partial);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  PagedCombineKernel<<<static_cast<unsigned>(rows), kCombineThreads, 0, stream>>>(a, chunks,
+  PagedCombineKernel<<<static_cast<unsigned>(rows), kCombineThreads, 0, stream>>>(a, split.chunks,
                                                                                   partial);
   return cudaGetLastError();
 }
@@ -258,7 +272,8 @@ bool PagedDecodeSupports(const AttentionParams& a) {
 }
 
 size_t PagedDecodeScratchBytes(const AttentionParams& a) {
-  return static_cast<size_t>(a.num_heads * a.q_len * Chunks(a) * PartialFloats(a)) * sizeof(float);
+  return static_cast<size_t>(a.num_heads * a.q_len * SplitFor(a).chunks * PartialFloats(a)) *
+         sizeof(float);
 }
 
 cudaError_t LaunchPagedDecode(const AttentionParams& a, void* scratch, cudaStream_t stream) {
