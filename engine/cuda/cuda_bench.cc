@@ -5,9 +5,13 @@
 // written here, and the projection GEMM (bias
 // fused) against plain cuBLAS GEMMs of the same shape and against a large
 // square GEMM (the ceiling). Prints one JSON object per line, which
-// bench/cuda_bench.py turns into a table next to PyTorch's SDPA.
+// bench/cuda_bench.py turns into a table next to PyTorch's SDPA. --paged
+// measures instead the paged-KV kernels of sessions (paged_attention.h): the
+// split-KV decode reading the blocks in place against gathering them and
+// running the fused kernel, by query rows and cached length (where the
+// engine's kPagedDecodeMaxQueryRows should sit).
 //
-//   attnserve_cuda_bench [--quick] [--iters N]
+//   attnserve_cuda_bench [--quick] [--iters N] [--paged]
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -25,6 +29,7 @@
 #include "engine/cuda/cuda_status.h"
 #include "engine/cuda/cudnn_sdpa.h"
 #include "engine/cuda/device_memory.h"
+#include "engine/cuda/paged_attention.h"
 #include "engine/cuda/projection_gemm.h"
 #include "engine/cuda/unfused_attention.h"
 
@@ -291,16 +296,97 @@ void BenchCeiling(DType t, int iters) {
   std::fflush(stdout);
 }
 
+// A session's cache of `kv_len` tokens in blocks of `block_tokens` laid out
+// in a shuffled order (as a pool hands them out), bf16, Hq 32 over Hkv 8,
+// head dim 128; `q_len` query rows attend causally over it. Prints the
+// split-KV decode's time and the gather + fused kernel's, and the K/V bytes
+// each reads per microsecond (GB/s).
+void BenchPaged(int64_t q_len, int64_t kv_len, int64_t block_tokens, int iters) {
+  const DType t = DType::kBFloat16;
+  const int64_t hq = 32, hkv = 8, dim = 128;
+  const int64_t blocks = (kv_len + block_tokens - 1) / block_tokens;
+  const int64_t block_elems = 2 * hkv * block_tokens * dim;  // K part then V part
+  DeviceBuffer slab = Random(t, blocks * block_elems, 4);
+  DeviceBuffer q = Random(t, hq * q_len * dim, 5);
+  std::vector<int64_t> order(static_cast<size_t>(blocks));
+  for (int64_t i = 0; i < blocks; ++i) order[i] = i;
+  std::shuffle(order.begin(), order.end(), std::mt19937(6));
+  std::vector<const void*> k_table, v_table;
+  const size_t elem = DTypeSize(t);
+  for (int64_t i : order) {
+    const char* block = static_cast<const char*>(slab.data()) + i * block_elems * elem;
+    k_table.push_back(block);
+    v_table.push_back(block + hkv * block_tokens * dim * elem);
+  }
+  absl::StatusOr<DeviceBuffer> tables = DeviceBuffer::Allocate(2 * blocks * sizeof(void*));
+  absl::StatusOr<DeviceBuffer> out = DeviceBuffer::Allocate(hq * q_len * dim * elem);
+  AttentionParams a;
+  a.batch = 1;
+  a.num_heads = hq;
+  a.num_kv_heads = hkv;
+  a.head_dim = a.head_dim_v = dim;
+  a.q_len = q_len;
+  a.kv_len = kv_len;
+  a.dtype = a.out_dtype = t;
+  a.causal = true;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  a.q = q.data();
+  a.block_tokens = block_tokens;
+  absl::StatusOr<DeviceBuffer> scratch = DeviceBuffer::Allocate(PagedDecodeScratchBytes(a));
+  absl::StatusOr<DeviceBuffer> gathered = DeviceBuffer::Allocate(2 * hkv * kv_len * dim * elem);
+  if (!tables.ok() || !out.ok() || !scratch.ok() || !gathered.ok()) {
+    std::fprintf(stderr, "allocation failed\n");
+    std::exit(1);
+  }
+  auto* table = static_cast<const void**>(tables->data());
+  cudaMemcpy(table, k_table.data(), blocks * sizeof(void*), cudaMemcpyHostToDevice);
+  cudaMemcpy(table + blocks, v_table.data(), blocks * sizeof(void*), cudaMemcpyHostToDevice);
+  a.k_blocks = table;
+  a.v_blocks = table + blocks;
+  a.out = out->data();
+  SetContiguousStrides(&a, HeadLayoutStrides);
+  a.k_stride_b = a.k_stride_h = a.k_stride_row = 0;
+  a.v_stride_b = a.v_stride_h = a.v_stride_row = 0;
+  const double decode_ms =
+      TimeMs([&] { Check(LaunchPagedDecode(a, scratch->data(), nullptr), "paged decode"); },
+             iters);
+  AttentionParams g = a;
+  g.k = gathered->data();
+  g.v = static_cast<char*>(gathered->data()) + hkv * kv_len * dim * elem;
+  g.k_blocks = g.v_blocks = nullptr;
+  g.block_tokens = 0;
+  SetContiguousStrides(&g, HeadLayoutStrides);
+  const double gather_ms = TimeMs(
+      [&] {
+        Check(LaunchPagedGather(a, const_cast<void*>(g.k), const_cast<void*>(g.v), nullptr),
+              "paged gather");
+        Check(FlashAttentionSupports(g) ? LaunchFlashAttention(g, nullptr)
+                                        : LaunchAttentionGeneral(g, nullptr),
+              "attention over the gathered cache");
+      },
+      iters);
+  const double kv_bytes = 2.0 * hkv * kv_len * dim * elem;
+  std::printf(
+      "{\"kind\": \"paged\", \"dtype\": \"%s\", \"q_len\": %lld, \"kv_len\": %lld, "
+      "\"block_tokens\": %lld, \"decode_ms\": %.4f, \"gather_flash_ms\": %.4f, "
+      "\"decode_gbps\": %.1f}\n",
+      TypeName(t), static_cast<long long>(q_len), static_cast<long long>(kv_len),
+      static_cast<long long>(block_tokens), decode_ms, gather_ms, kv_bytes / decode_ms / 1e6);
+}
+
 int Main(int argc, char** argv) {
   bool quick = false;
+  bool paged = false;
   int iters = 20;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
+    } else if (std::strcmp(argv[i], "--paged") == 0) {
+      paged = true;
     } else if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
       iters = std::atoi(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--iters N]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--iters N] [--paged]\n", argv[0]);
       return 2;
     }
   }
@@ -313,6 +399,15 @@ int Main(int argc, char** argv) {
   cudaGetDeviceProperties(&prop, 0);
   std::printf("{\"kind\": \"device\", \"name\": \"%s\", \"sm\": %d%d}\n", prop.name, prop.major,
               prop.minor);
+  if (paged) {
+    for (int64_t kv_len : quick ? std::vector<int64_t>{4096}
+                                : std::vector<int64_t>{1024, 4096, 16384, 65536}) {
+      for (int64_t q_len : {1, 4, 16, 32, 64}) {
+        for (int64_t block_tokens : {16, 64}) BenchPaged(q_len, kv_len, block_tokens, iters);
+      }
+    }
+    return 0;
+  }
 
   const std::vector<int64_t> lens =
       quick ? std::vector<int64_t>{2048} : std::vector<int64_t>{512, 1024, 2048, 4096, 8192, 16384};
