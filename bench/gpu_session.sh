@@ -15,7 +15,10 @@
 # the server, 1.5 and 12 MiB requests, concurrency 1 and 32, batching on and
 # off, next to cudaMemcpy bandwidth), firstcall (the first request of a
 # cuDNN length bucket with the bucket built at load by config.pbtxt warmup,
-# and without; not in the default list).
+# and without; not in the default list), sessions (the GPU session tests of
+# cuda_engine_test under compute-sanitizer memcheck, then
+# attnserve_cuda_bench --paged: the split-KV decode against gather + fused
+# kernel; not in the default list).
 # BUNDLE names another bundle (default .gpu/bundle.tar.xz), TAG names its
 # logs. Logs go to $OUT/logs-TAG.tar.gz (the device tool brings back few
 # files), else ./gpu-out.
@@ -141,6 +144,16 @@ for phase in "${phases[@]}"; do
         done
       done
       rm -rf "$repo"
+      ;;
+    sessions)
+      step "sessions: memcheck over the paged-KV tests, then cuda_bench --paged"
+      timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$as/bin/cuda_engine_test" \
+        --gtest_filter='CudaEngineTest.*Session*:CudaEngineTest.RefusesPagedTasks*' \
+        > "$out/memcheck_sessions.log" 2>&1
+      rc=$?; echo "memcheck (sessions) exit $rc"
+      grep -E "ERROR SUMMARY|Invalid|FAILED|Failure" "$out/memcheck_sessions.log" | head -20
+      [[ $rc -eq 0 ]] || status=1
+      "$as/bin/attnserve_cuda_bench" --paged --iters 20 2>&1 | tee "$out/cuda_bench_paged.jsonl"
       ;;
     *) echo "unknown phase $phase"; status=2 ;;
   esac
