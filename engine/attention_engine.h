@@ -72,7 +72,9 @@ class AttentionEngine {
   // Whether Run computes `task` (already valid for `layer`): an engine that
   // lacks one of its options answers Unimplemented naming it, so that a
   // server refuses that one request before it is batched with others.
-  // Default: every valid task.
+  // A session request is asked about as the paged task it will be:
+  // task.paged.enabled(), its block tables not bound yet (empty; not to be
+  // read here). Default: every valid task.
   virtual absl::Status Accepts(const LayerConfig& layer, const AttentionTask& task) const {
     (void)layer;
     (void)task;

@@ -43,9 +43,7 @@ class CudaEngine final : public AttentionEngine {
 
   absl::Status Accepts(const LayerConfig& layer, const AttentionTask& task) const override {
     (void)layer;
-    // Sessions compute window, softcap and sinks (paged_attention.h). (The
-    // server asks before it binds a request to its session, so it still
-    // refuses them for session requests until the stateless path has them.)
+    // Sessions compute window, softcap and sinks (paged_attention.h).
     if (task.paged.enabled()) return absl::OkStatus();
     std::string missing;
     auto add = [&](const char* what) {

@@ -96,9 +96,14 @@ absl::Status RequestDispatcher::Start(std::unique_ptr<InferenceRequest>& request
   absl::StatusOr<ValidatedRequest> validated =
       ValidateAttendInputs(inputs, served.layer->config, validation_, &served.weight_bounds);
   if (!validated.ok()) return validated.status();
-  if (absl::Status s = served.engine->Accepts(served.layer->config, validated->task); !s.ok()) {
-    return s;
-  }
+  // A session request reaches the engine as a paged task, so the engine is
+  // asked about it as one (the cuda engine computes a request's window,
+  // softcap and sinks only there); its cache is bound later, by Submit.
+  const bool session = !inputs.session_id.empty() && sessions_ != nullptr;
+  if (session) validated->task.paged.block_tokens = sessions_->options().block_tokens;
+  const absl::Status accepted = served.engine->Accepts(served.layer->config, validated->task);
+  validated->task.paged = PagedKv{};
+  if (!accepted.ok()) return accepted;
 
   request->task = std::move(validated->task);
   request->dims = validated->dims;
