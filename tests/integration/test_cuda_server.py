@@ -259,3 +259,29 @@ def test_projection_session_on_the_gpu_equals_one_causal_request(client, repo, t
             assert res.session_length == t + n
             assert _rel(res.output, ref[:, t:t + n]) < tol, f"step of {n} at {t}"
             t += n
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_sdpa_session_with_window_softcap_sinks_on_the_gpu(client, torch_cuda, dtype, tol):
+    """A session's requests may carry a sliding window, softcapping and sinks
+    (the split-KV decode computes them; the stateless GPU path does not yet):
+    step by step equal to NumPy's float64 oracle over the whole sequence."""
+    rng = np.random.default_rng(37)
+    steps = [37] + [1] * 10 + [5]
+    length = sum(steps)
+    q = rng.standard_normal((1, 8, length, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 2, length, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 2, length, 64)).astype(np.float32)
+    sinks = rng.standard_normal(8).astype(np.float32)
+    rounded = [torch_cuda.as_tensor(x).to(getattr(torch_cuda, dtype)).double().numpy()
+               for x in (q, k, v)]
+    ref, _ = harness.reference_attention(*rounded, causal=True, window=16, softcap=5.0,
+                                         sinks=sinks)
+    with client.open_session("sdpa") as session:
+        t = 0
+        for n in steps:
+            res = session.attend(q[:, :, t:t + n], k[:, :, t:t + n], v[:, :, t:t + n],
+                                 causal=True, input_dtype=dtype, window=16, softcap=5.0,
+                                 sinks=sinks)
+            assert _rel(res.output, ref[:, :, t:t + n]) < tol, f"step of {n} at {t}"
+            t += n
