@@ -49,6 +49,38 @@ cudaError_t LaunchSoftmaxRows(const AttentionParams& a, int64_t p0, int64_t coun
 cudaError_t LaunchScatterOutput(const AttentionParams& a, int64_t p0, int64_t count,
                                 const float* o, cudaStream_t stream);
 
+// What happens to a projection layer's projected Q and K between the
+// projections and the attention core, in place, as the cpu engine does it
+// (qk_transform.cu; engine/qk_norm.h, engine/rope.h). Both read rows
+// r < rows of a matrix of `type` (FLOAT32, FLOAT16 or BFLOAT16) at
+// x + r * row_stride elements, `heads` heads of head_dim features each, and
+// compute in float with float64 where the cpu engine uses it.
+//
+// QK-norm of every head: x / sqrt(mean(x^2) + eps) * w, or * (1 + w) with
+// weight_offset; the mean in float64; w [head_dim] FLOAT32 on the device.
+cudaError_t LaunchQkNorm(void* x, DType type, int64_t rows, int64_t row_stride, int64_t heads,
+                         int64_t head_dim, const float* w, double eps, bool weight_offset,
+                         cudaStream_t stream);
+
+// RoPE of every head's first rotary_dim features: pairs (i, i + rotary_dim /
+// 2), or (2i, 2i + 1) when interleaved, rotate by position * inv_freq[i];
+// cos and sin in float64 (times attention_factor), rounded to float once.
+// Row r is token t = r % seq_len of sequence b = r / seq_len, at position
+// positions[b * positions_stride + first + t] when `positions` (device) is
+// set, else first + t.
+struct RotaryArgs {
+  const double* inv_freq = nullptr;  // [rotary_dim / 2], device
+  double attention_factor = 1.0;
+  int64_t rotary_dim = 0;
+  bool interleaved = false;
+  const int64_t* positions = nullptr;
+  int64_t positions_stride = 0;
+  int64_t first = 0;
+};
+cudaError_t LaunchRotary(void* x, DType type, int64_t rows, int64_t seq_len, int64_t row_stride,
+                         int64_t heads, int64_t head_dim, const RotaryArgs& rotary,
+                         cudaStream_t stream);
+
 // dst[i] = (dst_type) src[i] for i < n (float dtypes only).
 cudaError_t LaunchConvert(const void* src, DType src_type, void* dst, DType dst_type, int64_t n,
                           cudaStream_t stream);

@@ -294,6 +294,9 @@ std::optional<std::string> SdpaRefusal(const AttentionParams& p, DType compute) 
   }
   if (p.weights != nullptr) return std::string("need_weights (cuDNN returns no probabilities)");
   if (p.k_blocks != nullptr) return std::string("paged K/V");
+  if (p.window > 0) return std::string("a sliding window (served by the kernels written here)");
+  if (p.softcap > 0.0f) return std::string("logit softcapping (served by the kernels written here)");
+  if (p.sinks != nullptr) return std::string("attention sinks (served by the kernels written here)");
   if (p.head_dim % 8 != 0 || p.head_dim_v % 8 != 0) {
     return absl::StrCat("head dims ", p.head_dim, "/", p.head_dim_v,
                         " (cuDNN needs multiples of 8)");

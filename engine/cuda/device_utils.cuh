@@ -57,6 +57,19 @@ __device__ __forceinline__ int64_t RowKeyEnd(const AttentionParams& a, int64_t b
   return end;
 }
 
+// Keys before RowKeyBegin are outside query row i's sliding window (0
+// without a window).
+__device__ __forceinline__ int64_t RowKeyBegin(const AttentionParams& a, int64_t i) {
+  if (a.window <= 0) return 0;
+  return max(int64_t{0}, i + (a.kv_len - a.q_len) - a.window + 1);
+}
+
+// Logit softcapping of a scaled score (attention_params.h): softcap *
+// tanh(s / softcap) when softcap > 0, else s unchanged.
+__device__ __forceinline__ float Softcap(const AttentionParams& a, float scaled_score) {
+  return a.softcap > 0.0f ? a.softcap * tanhf(scaled_score / a.softcap) : scaled_score;
+}
+
 // The scaled score after the mask for a key j < RowKeyEnd: -inf where a bool
 // mask forbids it, plus the additive mask value otherwise.
 __device__ __forceinline__ float ApplyMask(const MaskParams& m, int64_t b, int64_t h, int64_t i,

@@ -29,8 +29,9 @@ absl::StatusOr<const void*> ConvertOnDevice(Call& call, const void* data, DType 
   return static_cast<const void*>(*out);
 }
 
-// The device-side params of host-side `p`: its dims, causal flag and scale.
-// Every pointer, dtype and stride is left for the caller to set.
+// The device-side params of host-side `p`: its dims, causal flag, window,
+// scale and softcap. Every pointer (sinks too), dtype and stride is left for
+// the caller to set.
 AttentionParams DeviceParams(const AttentionParams& p) {
   AttentionParams a;
   a.batch = p.batch;
@@ -41,8 +42,47 @@ AttentionParams DeviceParams(const AttentionParams& p) {
   a.q_len = p.q_len;
   a.kv_len = p.kv_len;
   a.causal = p.causal;
+  a.window = p.window;
   a.scale = p.scale;
+  a.softcap = p.softcap;
   return a;
+}
+
+// QK-norm, then RoPE, on a projection layer's projected Q and K (token
+// layout: rows b * Lq + i and b * Lk + j), in place, as the cpu engine
+// applies them: keys at positions cached_len + j and queries at the
+// bottom-right ones, cached_len + Lk - Lq + i; or, with the task's explicit
+// positions (on the device, [B, Lk]), key j at positions[b][j] and query i
+// at positions[b][Lk - Lq + i].
+absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer& w,
+                       const AttentionParams& p, void* q, void* k, const int64_t* positions,
+                       int64_t cached_len) {
+  const int64_t q_rows = p.batch * p.q_len, kv_rows = p.batch * p.kv_len;
+  const int64_t q_stride = p.num_heads * p.head_dim, k_stride = p.num_kv_heads * p.head_dim;
+  if (config.qk_norm.enabled) {
+    const QkNormConfig& norm = config.qk_norm;
+    ATTNSERVE_CUDA_CALL(LaunchQkNorm(q, w.type, q_rows, q_stride, p.num_heads, p.head_dim,
+                                     static_cast<const float*>(w.q_norm.data()), norm.eps,
+                                     norm.weight_offset, call.stream()));
+    ATTNSERVE_CUDA_CALL(LaunchQkNorm(k, w.type, kv_rows, k_stride, p.num_kv_heads, p.head_dim,
+                                     static_cast<const float*>(w.k_norm.data()), norm.eps,
+                                     norm.weight_offset, call.stream()));
+  }
+  if (config.rope.type == RopeConfig::Type::kNone) return absl::OkStatus();
+  RotaryArgs rotary;
+  rotary.inv_freq = static_cast<const double*>(w.inv_freq.data());
+  rotary.attention_factor = w.attention_factor;
+  rotary.rotary_dim = config.rope.rotary_dim;
+  rotary.interleaved = config.rope.interleaved;
+  rotary.positions = positions;
+  rotary.positions_stride = p.kv_len;
+  rotary.first = (positions != nullptr ? 0 : cached_len) + p.kv_len - p.q_len;
+  ATTNSERVE_CUDA_CALL(LaunchRotary(q, w.type, q_rows, p.q_len, q_stride, p.num_heads,
+                                   p.head_dim, rotary, call.stream()));
+  rotary.first = positions != nullptr ? 0 : cached_len;
+  ATTNSERVE_CUDA_CALL(LaunchRotary(k, w.type, kv_rows, p.kv_len, k_stride, p.num_kv_heads,
+                                   p.head_dim, rotary, call.stream()));
+  return absl::OkStatus();
 }
 
 // A request's way to cuDNN, decided from host-side params before the
@@ -264,6 +304,12 @@ absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType co
 
   AttentionParams a = DeviceParams(p);
   ATTNSERVE_CUDA_RETURN_IF_ERROR(StageMaskAndLengths(call, p, a));
+  if (p.sinks != nullptr) {  // the task's own, on the host
+    absl::StatusOr<void*> sinks =
+        call.Upload(p.sinks, static_cast<size_t>(p.num_heads) * sizeof(float));
+    if (!sinks.ok()) return sinks.status();
+    a.sinks = static_cast<const float*>(*sinks);
+  }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
   a.dtype = compute;
   absl::StatusOr<const void*> qc =
@@ -344,7 +390,17 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
     if (!raw_v.ok()) return raw_v.status();
   }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(StageMaskAndLengths(call, p, a));
-  absl::StatusOr<SdpaRoute> route = RouteSdpa(call, p, ct, /*token_layout=*/true);
+  const int64_t* positions = nullptr;  // device
+  if (!task.positions.empty()) {
+    absl::StatusOr<void*> uploaded =
+        call.Upload(task.positions.data(), task.positions.size() * sizeof(int64_t));
+    if (!uploaded.ok()) return uploaded.status();
+    positions = static_cast<const int64_t*>(*uploaded);
+  }
+  // The layer's sinks (on the device) join the params; the route sees them.
+  AttentionParams routed = p;
+  if (config.sinks) a.sinks = routed.sinks = static_cast<const float*>(w.sinks.data());
+  absl::StatusOr<SdpaRoute> route = RouteSdpa(call, routed, ct, /*token_layout=*/true);
   if (!route.ok()) return route.status();
   ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
 
@@ -390,6 +446,8 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
       call.gemm().Linear(ct, *xk, kv_rows, key_dim, w.wk.data(), w.bk.data(), kv_features, *k));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(
       call.gemm().Linear(ct, *xv, kv_rows, value_dim, w.wv.data(), w.bv.data(), v_features, *v));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(
+      PrepareQk(call, config, w, p, *q, *k, positions, /*cached_len=*/0));
 
   // Attention over the token layout [B, L, H*D], written in the same layout
   // (the out-projection reads the first B * Lq rows).

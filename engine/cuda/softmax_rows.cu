@@ -43,9 +43,12 @@ __device__ __forceinline__ float BlockReduce(float v, float* shared, bool is_max
   return r;
 }
 
-// One block per score row of the chunk: t = mask(s * scale) for the keys the
-// row sees (-inf elsewhere), P = exp(t - max) / sum in place, and the
-// probabilities into `weights` when set. A row that sees no key is zeros.
+// One block per score row of the chunk: t = mask(softcap(s * scale)) for the
+// keys the row sees (-inf elsewhere: outside [RowKeyBegin, RowKeyEnd) or
+// blocked by a bool mask), P = exp(t - max) / sum in place, with the head's
+// sink logit, when there are sinks, in the max and the sum but given no
+// probability; the probabilities also into `weights` when set. A row that
+// sees no key is zeros.
 __global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s) {
   __shared__ float shared[kThreads / 32];
   const int64_t row = blockIdx.x;  // within the chunk: n * q_len + i
@@ -53,14 +56,20 @@ __global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s) {
   const int64_t pair = p0 + n;
   const int64_t b = pair / a.num_heads, h = pair % a.num_heads;
   float* srow = s + row * a.kv_len;
+  const int64_t begin = RowKeyBegin(a, i);
   const int64_t end = RowKeyEnd(a, b, i);
   float mx = -INFINITY;
   for (int64_t j = threadIdx.x; j < a.kv_len; j += kThreads) {
-    const float t = j < end ? ApplyMask(a.mask, b, h, i, j, srow[j] * a.scale) : -INFINITY;
+    const float t = j >= begin && j < end
+                        ? ApplyMask(a.mask, b, h, i, j, Softcap(a, srow[j] * a.scale))
+                        : -INFINITY;
     srow[j] = t;
     mx = fmaxf(mx, t);
   }
   mx = BlockReduce(mx, shared, true);
+  // Only a row that sees a key counts its sink (attention_params.h).
+  const float sink = a.sinks != nullptr && mx != -INFINITY ? a.sinks[h] : -INFINITY;
+  mx = fmaxf(mx, sink);
   float sum = 0.0f;
   if (mx != -INFINITY) {
     for (int64_t j = threadIdx.x; j < a.kv_len; j += kThreads) {
@@ -70,6 +79,7 @@ __global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s) {
     }
   }
   sum = BlockReduce(sum, shared, false);
+  if (sink != -INFINITY) sum += expf(sink - mx);
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
   const int64_t weights_row = ((b * a.num_heads + h) * a.q_len + i) * a.kv_len;
   for (int64_t j = threadIdx.x; j < a.kv_len; j += kThreads) {
