@@ -12,6 +12,9 @@ namespace attnserve::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+// Static shared memory of the softmax kernel (its reductions), kept out of
+// the dynamic part's limit.
+constexpr int kSharedReserve = 1024;
 
 // Pair n of a chunk starting at pair p0 is (b, h) = divmod(p0 + n, Hq).
 __global__ void PairPointersKernel(AttentionParams a, int64_t p0, int64_t count, const float* s,
@@ -48,14 +51,20 @@ __device__ __forceinline__ float BlockReduce(float v, float* shared, bool is_max
 // blocked by a bool mask), P = exp(t - max) / sum in place, with the head's
 // sink logit, when there are sinks, in the max and the sum but given no
 // probability; the probabilities also into `weights` when set. A row that
-// sees no key is zeros.
+// sees no key is zeros. With kRowInShared the row's intermediate values stay
+// in shared memory (kv_len floats of dynamic shared memory), so the scores
+// are read once and the probabilities written once; else they go through
+// the score row itself.
+template <bool kRowInShared>
 __global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s) {
   __shared__ float shared[kThreads / 32];
+  extern __shared__ float row_values[];
   const int64_t row = blockIdx.x;  // within the chunk: n * q_len + i
   const int64_t n = row / a.q_len, i = row % a.q_len;
   const int64_t pair = p0 + n;
   const int64_t b = pair / a.num_heads, h = pair % a.num_heads;
   float* srow = s + row * a.kv_len;
+  float* buf = kRowInShared ? row_values : srow;
   const int64_t begin = RowKeyBegin(a, i);
   const int64_t end = RowKeyEnd(a, b, i);
   float mx = -INFINITY;
@@ -63,7 +72,7 @@ __global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s) {
     const float t = j >= begin && j < end
                         ? ApplyMask(a.mask, b, h, i, j, Softcap(a, srow[j] * a.scale))
                         : -INFINITY;
-    srow[j] = t;
+    buf[j] = t;
     mx = fmaxf(mx, t);
   }
   mx = BlockReduce(mx, shared, true);
@@ -73,8 +82,8 @@ __global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s) {
   float sum = 0.0f;
   if (mx != -INFINITY) {
     for (int64_t j = threadIdx.x; j < a.kv_len; j += kThreads) {
-      const float e = expf(srow[j] - mx);
-      srow[j] = e;
+      const float e = expf(buf[j] - mx);
+      buf[j] = e;
       sum += e;
     }
   }
@@ -83,7 +92,7 @@ __global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s) {
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
   const int64_t weights_row = ((b * a.num_heads + h) * a.q_len + i) * a.kv_len;
   for (int64_t j = threadIdx.x; j < a.kv_len; j += kThreads) {
-    const float pj = mx != -INFINITY ? srow[j] * inv : 0.0f;
+    const float pj = mx != -INFINITY ? buf[j] * inv : 0.0f;
     srow[j] = pj;
     if (a.weights != nullptr) StoreElement(a.weights, a.weights_dtype, weights_row + j, pj);
   }
@@ -120,7 +129,28 @@ cudaError_t LaunchSoftmaxRows(const AttentionParams& a, int64_t p0, int64_t coun
                               cudaStream_t stream) {
   const int64_t rows = count * a.q_len;
   if (rows <= 0) return cudaSuccess;
-  SoftmaxRowsKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(a, p0, s);
+  if (rows > INT32_MAX) return cudaErrorInvalidConfiguration;
+  // The row in shared memory where it fits (opting in past the default
+  // 48 KiB once per process, up to what the device allows).
+  static const int max_shared = [] {
+    int device = 0, bytes = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+            cudaSuccess ||
+        cudaFuncSetAttribute(SoftmaxRowsKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             bytes - kSharedReserve) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 48 * 1024 - kSharedReserve;
+    }
+    return bytes - kSharedReserve;
+  }();
+  const int64_t row_bytes = a.kv_len * int64_t{sizeof(float)};
+  if (row_bytes <= max_shared) {
+    SoftmaxRowsKernel<true><<<static_cast<unsigned>(rows), kThreads, static_cast<size_t>(row_bytes),
+                              stream>>>(a, p0, s);
+  } else {
+    SoftmaxRowsKernel<false><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(a, p0, s);
+  }
   return cudaGetLastError();
 }
 
