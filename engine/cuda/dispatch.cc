@@ -136,6 +136,8 @@ absl::StatusOr<SdpaRoute> RouteSdpa(Call& call, const AttentionParams& p, DType 
   s.mask_dtype = p.mask.dtype;
   s.mask_per_batch = p.mask.stride_b != 0;
   s.mask_per_head = p.mask.stride_h != 0;
+  s.window = p.window;
+  s.sinks = p.sinks != nullptr;
   if (CudnnSdpa::NeedsSequenceLengths(s)) {
     std::vector<int32_t> q_lens(static_cast<size_t>(p.batch), static_cast<int32_t>(p.q_len));
     std::vector<int32_t> kv_lens(static_cast<size_t>(p.batch), static_cast<int32_t>(p.kv_len));
@@ -165,6 +167,7 @@ absl::Status RunCudnn(Call& call, const AttentionParams& a, const SdpaRoute& rou
   args.seq_len_kv = route.seq_len_kv;
   args.mask = a.mask;
   args.scale = a.scale;
+  args.sinks = a.sinks;
   args.out = a.out;
   const int64_t out_n = a.batch * a.num_heads * route.shape.q_rows * a.head_dim_v;
   if (a.out_dtype != a.dtype) {  // cuDNN writes the inputs' dtype; convert after

@@ -505,8 +505,8 @@ void OpenFirstKey(AttendCase& c) {
 // lengths, bool and additive masks broadcast several ways, the token layout
 // (one sequence at its bucket's rows, several at exact rows), another output
 // dtype. Cases marked optional may be declined by cuDNN
-// (other head dims, Dv != Dk, fp32 bias): each is reported, and when served
-// must be right.
+// (other head dims, Dv != Dk, fp32 bias, sliding windows, sinks): each is
+// reported, and when served must be right.
 TEST(CudaEngineTest, CudnnServesItsCasesExactly) {
   REQUIRE_GPU();
   std::string skip;
@@ -574,6 +574,27 @@ TEST(CudaEngineTest, CudnnServesItsCasesExactly) {
     dv.dv = 64;
     cases.push_back({dv, true});
     for (int64_t dim : {32, 96, 256}) cases.push_back({base(bf16, dim, causal, 200, 200), true});
+    // Sinks (cuDNN's sink token, 9.13 and newer), with and without a window.
+    AttendCase sinks = base(bf16, 64, causal, 100, 300);
+    sinks.sinks = {0.5f, -1.0f, 2.0f, 0.0f};
+    cases.push_back({sinks, true});
+    if (causal) {
+      sinks.window = 40;
+      cases.push_back({sinks, true});
+    }
+  }
+  // Sliding windows with bottom-right causal (cuDNN's diagonal band), on and
+  // off the buckets, wider than the keys too.
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    for (auto [lq, lk, window] : {std::tuple<int64_t, int64_t, int64_t>{128, 128, 1},
+                                  {100, 100, 16},
+                                  {1, 300, 50},
+                                  {333, 1000, 256},
+                                  {200, 200, 500}}) {
+      AttendCase w = base(dtype, 128, true, lq, lk);
+      w.window = window;
+      cases.push_back({w, true});
+    }
   }
   std::vector<std::string> declined;
   for (size_t n = 0; n < cases.size(); ++n) {
