@@ -36,18 +36,31 @@ cudaError_t LaunchAttentionGeneral(const AttentionParams& args, cudaStream_t str
 //    K (kv head h / group) and V rows of each pair, its score block
 //    s + n * q_len * kv_len, its output block o + n * q_len * head_dim_v;
 //  - LaunchSoftmaxRows: each score row in place -> probabilities (scale,
-//    causal, key_lengths, mask; zeros for a row that sees no key), and into
-//    a.weights (per head, weights_dtype) when set;
+//    softcap, causal, window, key_lengths, mask, sinks; zeros for a row that
+//    sees no key), and into a.weights (per head, weights_dtype) when set.
+//    With `lo` (same layout as s), s gets each probability's TF32 high part
+//    and lo the rest (3xTF32 products, below);
 //  - LaunchScatterOutput: o [count, q_len, head_dim_v] into a.out's strides
-//    and out_dtype.
+//    and out_dtype; with `split`, o is [count, q_len, 2 * head_dim_v] and
+//    each output is the sum of its two halves.
 cudaError_t LaunchPairPointers(const AttentionParams& a, int64_t p0, int64_t count,
                                const float* s, float* o, const void** q_ptrs,
                                const void** k_ptrs, const void** v_ptrs, void** s_ptrs,
                                void** o_ptrs, cudaStream_t stream);
 cudaError_t LaunchSoftmaxRows(const AttentionParams& a, int64_t p0, int64_t count, float* s,
-                              cudaStream_t stream);
+                              float* lo, cudaStream_t stream);
 cudaError_t LaunchScatterOutput(const AttentionParams& a, int64_t p0, int64_t count,
-                                const float* o, cudaStream_t stream);
+                                const float* o, bool split, cudaStream_t stream);
+
+// 3xTF32 operands (unfused_attention.h): x [batch, heads, len, dim] FLOAT32
+// at strides (stride_b, stride_h, stride_row; the last dim contiguous) ->
+// out contiguous [batch, heads, len, parts * dim], each row the `parts`
+// copies that `pattern` names of its TF32 high part (h) and the rest (l):
+// kHhl = [h | h | l] (Q), kHlh = [h | l | h] (K), kHl = [h | l] (V).
+enum class Tf32Split { kHhl, kHlh, kHl };
+cudaError_t LaunchTf32Split(const float* x, int64_t batch, int64_t heads, int64_t len,
+                            int64_t dim, int64_t stride_b, int64_t stride_h, int64_t stride_row,
+                            Tf32Split pattern, float* out, cudaStream_t stream);
 
 // What happens to a projection layer's projected Q and K between the
 // projections and the attention core, in place, as the cpu engine does it

@@ -56,7 +56,7 @@ __device__ __forceinline__ float BlockReduce(float v, float* shared, bool is_max
 // are read once and the probabilities written once; else they go through
 // the score row itself.
 template <bool kRowInShared>
-__global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s) {
+__global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s, float* lo) {
   __shared__ float shared[kThreads / 32];
   extern __shared__ float row_values[];
   const int64_t row = blockIdx.x;  // within the chunk: n * q_len + i
@@ -93,13 +93,21 @@ __global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s) {
   const int64_t weights_row = ((b * a.num_heads + h) * a.q_len + i) * a.kv_len;
   for (int64_t j = threadIdx.x; j < a.kv_len; j += kThreads) {
     const float pj = mx != -INFINITY ? buf[j] * inv : 0.0f;
-    srow[j] = pj;
+    if (lo != nullptr) {
+      const float hi = Tf32High(pj);
+      srow[j] = hi;
+      lo[row * a.kv_len + j] = pj - hi;
+    } else {
+      srow[j] = pj;
+    }
     if (a.weights != nullptr) StoreElement(a.weights, a.weights_dtype, weights_row + j, pj);
   }
 }
 
-// o [count, q_len, head_dim_v] fp32 -> a.out at its strides and dtype.
-__global__ void ScatterOutputKernel(AttentionParams a, int64_t p0, int64_t count, const float* o) {
+// o [count, q_len, head_dim_v] fp32 (or, split, [count, q_len, 2 *
+// head_dim_v], summed by halves) -> a.out at its strides and dtype.
+__global__ void ScatterOutputKernel(AttentionParams a, int64_t p0, int64_t count, const float* o,
+                                    bool split) {
   const int64_t total = count * a.q_len * a.head_dim_v;
   for (int64_t x = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; x < total;
        x += int64_t{gridDim.x} * blockDim.x) {
@@ -107,12 +115,42 @@ __global__ void ScatterOutputKernel(AttentionParams a, int64_t p0, int64_t count
     const int64_t i = (x / a.head_dim_v) % a.q_len;
     const int64_t pair = p0 + x / (a.head_dim_v * a.q_len);
     const int64_t b = pair / a.num_heads, h = pair % a.num_heads;
+    const float value = split ? o[2 * (x - c) + c] + o[2 * (x - c) + a.head_dim_v + c] : o[x];
     StoreElement(a.out, a.out_dtype, b * a.o_stride_b + h * a.o_stride_h + i * a.o_stride_row + c,
-                 o[x]);
+                 value);
+  }
+}
+
+__global__ void Tf32SplitKernel(const float* x, int64_t heads, int64_t len, int64_t dim,
+                                int64_t stride_b, int64_t stride_h, int64_t stride_row,
+                                Tf32Split pattern, float* out, int64_t total) {
+  const int parts = pattern == Tf32Split::kHl ? 2 : 3;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t d = e % dim;
+    const int64_t row = e / dim;  // (b * heads + h) * len + r
+    const int64_t r = row % len, bh = row / len;
+    const float v = x[(bh / heads) * stride_b + (bh % heads) * stride_h + r * stride_row + d];
+    const float hi = Tf32High(v), lo = v - hi;
+    float* o = out + row * parts * dim + d;
+    o[0] = hi;
+    o[dim] = pattern == Tf32Split::kHhl ? hi : lo;
+    if (parts == 3) o[2 * dim] = pattern == Tf32Split::kHhl ? lo : hi;
   }
 }
 
 }  // namespace
+
+cudaError_t LaunchTf32Split(const float* x, int64_t batch, int64_t heads, int64_t len,
+                            int64_t dim, int64_t stride_b, int64_t stride_h, int64_t stride_row,
+                            Tf32Split pattern, float* out, cudaStream_t stream) {
+  const int64_t total = batch * heads * len * dim;
+  if (total <= 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65535 * 8);
+  Tf32SplitKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      x, heads, len, dim, stride_b, stride_h, stride_row, pattern, out, total);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchPairPointers(const AttentionParams& a, int64_t p0, int64_t count,
                                const float* s, float* o, const void** q_ptrs,
@@ -126,7 +164,7 @@ cudaError_t LaunchPairPointers(const AttentionParams& a, int64_t p0, int64_t cou
 }
 
 cudaError_t LaunchSoftmaxRows(const AttentionParams& a, int64_t p0, int64_t count, float* s,
-                              cudaStream_t stream) {
+                              float* lo, cudaStream_t stream) {
   const int64_t rows = count * a.q_len;
   if (rows <= 0) return cudaSuccess;
   if (rows > INT32_MAX) return cudaErrorInvalidConfiguration;
@@ -147,19 +185,20 @@ cudaError_t LaunchSoftmaxRows(const AttentionParams& a, int64_t p0, int64_t coun
   const int64_t row_bytes = a.kv_len * int64_t{sizeof(float)};
   if (row_bytes <= max_shared) {
     SoftmaxRowsKernel<true><<<static_cast<unsigned>(rows), kThreads, static_cast<size_t>(row_bytes),
-                              stream>>>(a, p0, s);
+                              stream>>>(a, p0, s, lo);
   } else {
-    SoftmaxRowsKernel<false><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(a, p0, s);
+    SoftmaxRowsKernel<false><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(a, p0, s, lo);
   }
   return cudaGetLastError();
 }
 
 cudaError_t LaunchScatterOutput(const AttentionParams& a, int64_t p0, int64_t count,
-                                const float* o, cudaStream_t stream) {
+                                const float* o, bool split, cudaStream_t stream) {
   const int64_t total = count * a.q_len * a.head_dim_v;
   if (total <= 0) return cudaSuccess;
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65535 * 8);
-  ScatterOutputKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a, p0, count, o);
+  ScatterOutputKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a, p0, count, o,
+                                                                              split);
   return cudaGetLastError();
 }
 

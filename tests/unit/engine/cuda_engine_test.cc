@@ -809,6 +809,42 @@ TEST(CudaEngineTest, ConcurrentCallsGiveTheSameResults) {
   }
 }
 
+// fp32 inputs run on the unfused path's 3xTF32 GEMMs (unfused_attention.h):
+// exact, within 1e-5 of the float64 reference in absolute terms, output and
+// weights, at lengths where K = 3 D and K = Lk sums are long.
+TEST(CudaEngineTest, Fp32IsWithinOneInOneHundredThousandOfFloat64) {
+  REQUIRE_GPU();
+  std::mt19937 rng(99);
+  for (bool causal : {false, true}) {
+    for (auto [lq, lk, dim] : {std::tuple<int64_t, int64_t, int64_t>{300, 700, 128},
+                               {1, 2048, 64},
+                               {513, 513, 80}}) {
+      AttendCase c;
+      c.dtype = c.out_dtype = c.weights_dtype = DType::kFloat32;
+      c.batch = 2;
+      c.heads = 4;
+      c.kv_heads = 2;
+      c.q_len = lq;
+      c.kv_len = lk;
+      c.dk = c.dv = dim;
+      c.causal = causal;
+      c.need_weights = true;
+      c.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
+      c.Fill(rng);
+      SCOPED_TRACE(c.Describe());
+      Tensor ref_out(c.out.dtype(), c.out.shape());
+      Tensor ref_weights(c.weights.dtype(), c.weights.shape());
+      const AttentionTask ref = c.Task(ref_out, &ref_weights);
+      ASSERT_TRUE(Reference().Run(*c.layer, {&ref, 1}).ok());
+      const AttentionTask gpu = c.Task();
+      const absl::Status status = Cuda().engine->Run(*c.layer, {&gpu, 1});
+      ASSERT_TRUE(status.ok()) << status;
+      ExpectClose(c.out, ref_out, {1e-5, 0.0}, "output");
+      ExpectClose(c.weights, ref_weights, {1e-5, 0.0}, "weights");
+    }
+  }
+}
+
 // Sliding windows, logit softcapping and sinks, per request on the sdpa
 // layer: neither cuDNN nor the fused kernel takes them, so they run on the
 // unfused path (its weights too), in every dtype, against the reference.
