@@ -128,6 +128,19 @@ def main():
               f"| {ratio(r['tflops'], r['torch_flash'])} | {ratio(r['tflops'], r['torch_cudnn'])} |",
               flush=True)
 
+    print("\nfp32 rows: the attnserve path is the unfused path with 3xTF32 GEMMs (exact fp32 "
+          "products on TF32 tensor cores); the own-kernel column is the same path with full-fp32 "
+          "cuBLAS GEMMs. Against torch's efficient backend (the issue's fp32 peer):")
+    for pair in shapes.values():
+        r, own = pair.get("path"), pair.get("own")
+        if r is None or r["dtype"] != "fp32":
+            continue
+        print(f"- B {r['batch']} H {r['heads']} L {r['seq']} D {r['head_dim']} causal "
+              f"{r['causal']}: 3xTF32 {r['tflops']:.1f}, full fp32 "
+              f"{fmt(own['tflops'] if own else None)}, torch efficient "
+              f"{fmt(r['torch_efficient'])}: {ratio(r['tflops'], r['torch_efficient'])}x "
+              f"(full fp32 {ratio(own['tflops'] if own else None, r['torch_efficient'])}x)")
+
     ceilings = {r["dtype"]: r["tflops"] for r in rows if r["kind"] == "gemm_ceiling"}
     print("\n| dtype | rows x in -> out | projection TFLOP/s (bias fused) | cuBLAS same shape "
           "| cuBLAS ceiling | projection / same shape | projection / ceiling |")

@@ -66,8 +66,8 @@ for phase in "${phases[@]}"; do
       ;;
     sanitize)
       step "compute-sanitizer memcheck"
-      timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$as/bin/cuda_engine_test" \
-        --gtest_filter='CudaEngineTest.FusedKernelShapes*:CudaEngineTest.FullyMasked*:CudaEngineTest.RunProjection*:CudaEngineTest.RaggedBatches*' \
+      timeout 180 compute-sanitizer --tool memcheck --error-exitcode 9 "$as/bin/cuda_engine_test" \
+        --gtest_filter='CudaEngineTest.FusedKernelShapes*:CudaEngineTest.FullyMasked*:CudaEngineTest.RunProjection*:CudaEngineTest.RaggedBatches*:CudaEngineTest.WindowSoftcap*:CudaEngineTest.LlmLayer*' \
         > "$out/memcheck.log" 2>&1
       rc=$?; echo "memcheck exit $rc"; grep -E "ERROR SUMMARY|Invalid|FAILED" "$out/memcheck.log" | head -20
       [[ $rc -eq 0 ]] || status=1

@@ -31,19 +31,6 @@ absl::Status CheckWeight(const std::string& layer, const char* name, const Tenso
 
 }  // namespace
 
-std::string CudaMissingFeatures(const LayerConfig& config) {
-  std::string missing;
-  auto add = [&](const char* what) {
-    absl::StrAppend(&missing, missing.empty() ? "" : ", ", what);
-  };
-  if (config.rope.type != RopeConfig::Type::kNone) add("rotary position embeddings");
-  if (config.qk_norm.enabled) add("QK-norm");
-  if (config.sliding_window > 0) add("a sliding window");
-  if (config.softcap > 0) add("logit softcapping");
-  if (config.sinks) add("attention sinks");
-  return missing;
-}
-
 absl::Status ValidateLayer(const AttentionLayer& layer) {
   const LayerConfig& c = layer.config;
   if (c.name.empty()) return absl::InvalidArgumentError("layer: name must not be empty");

@@ -154,11 +154,6 @@ struct LayerWeightBounds {
 };
 LayerWeightBounds MeasureWeightBounds(const LayerWeights& weights);
 
-// What a layer computes that the CUDA engine does not (yet), as words for a
-// message ("rotary position embeddings, QK-norm"); empty when nothing.
-// Plain C++, so that the server decides without loading the engine.
-std::string CudaMissingFeatures(const LayerConfig& config);
-
 // Checks dims and weight shapes against each other (names the tensor and the
 // expected vs actual shape on failure).
 absl::Status ValidateLayer(const AttentionLayer& layer);

@@ -26,7 +26,7 @@ __device__ __forceinline__ float Score(const AttentionParams& a, const float* sq
                                        int64_t b, int64_t h, int64_t i, int64_t j) {
   float dot = 0.0f;
   for (int64_t d = 0; d < a.head_dim; ++d) dot += sq[d] * ToFloat(k_row[d]);
-  return ApplyMask(a.mask, b, h, i, j, dot * a.scale);
+  return ApplyMask(a.mask, b, h, i, j, Softcap(a, dot * a.scale));
 }
 
 // Grid: one block per (b, h, tile of `rows_per_block` query rows), flattened
@@ -62,6 +62,7 @@ __global__ void AttentionGeneralKernel(AttentionParams a, int rows_per_block, in
   for (int64_t d = lane; d < a.head_dim_v; d += kWarpSize) so[d] = 0.0f;
   __syncwarp();
 
+  const int64_t begin = RowKeyBegin(a, i);
   const int64_t end = RowKeyEnd(a, b, i);
 
   // Pass 1: each lane keeps an online (max, sum) over its keys, then the warp
@@ -69,7 +70,7 @@ __global__ void AttentionGeneralKernel(AttentionParams a, int rows_per_block, in
   // same values.
   float m = -INFINITY;
   float l = 0.0f;
-  for (int64_t j = lane; j < end; j += kWarpSize) {
+  for (int64_t j = begin + lane; j < end; j += kWarpSize) {
     const float s = Score(a, sq, k_base + j * a.k_stride_row, b, h, i, j);
     if (s == -INFINITY) continue;
     if (s > m) {
@@ -84,6 +85,14 @@ __global__ void AttentionGeneralKernel(AttentionParams a, int rows_per_block, in
     const float l_other = __shfl_xor_sync(kFullMask, l, offset);
     const float m_new = fmaxf(m, m_other);
     l = m_new == -INFINITY ? 0.0f : l * expf(m - m_new) + l_other * expf(m_other - m_new);
+    m = m_new;
+  }
+  // A row that sees a key counts its head's sink in the denominator
+  // (attention_params.h); the sink has no value row.
+  if (a.sinks != nullptr && m != -INFINITY) {
+    const float sink = a.sinks[h];
+    const float m_new = fmaxf(m, sink);
+    l = l * expf(m - m_new) + expf(sink - m_new);
     m = m_new;
   }
 
@@ -103,7 +112,12 @@ __global__ void AttentionGeneralKernel(AttentionParams a, int rows_per_block, in
   // Pass 2: probabilities for 32 keys at a time (one per lane), then every
   // lane accumulates its own output dims over those keys.
   const float inv_l = 1.0f / l;
-  for (int64_t j0 = 0; j0 < end; j0 += kWarpSize) {
+  if (a.weights != nullptr) {
+    for (int64_t j = lane; j < min(begin, a.kv_len); j += kWarpSize) {
+      StoreElement(a.weights, a.weights_dtype, weights_row + j, 0.0f);
+    }
+  }
+  for (int64_t j0 = begin; j0 < end; j0 += kWarpSize) {
     const int64_t j = j0 + lane;
     float p = 0.0f;
     if (j < end) {
@@ -125,7 +139,7 @@ __global__ void AttentionGeneralKernel(AttentionParams a, int rows_per_block, in
     __syncwarp();
   }
   if (a.weights != nullptr) {
-    for (int64_t j = max(end, int64_t{0}) + lane; j < a.kv_len; j += kWarpSize) {
+    for (int64_t j = max(end, begin) + lane; j < a.kv_len; j += kWarpSize) {
       StoreElement(a.weights, a.weights_dtype, weights_row + j, 0.0f);
     }
   }

@@ -36,18 +36,63 @@ cudaError_t LaunchAttentionGeneral(const AttentionParams& args, cudaStream_t str
 //    K (kv head h / group) and V rows of each pair, its score block
 //    s + n * q_len * kv_len, its output block o + n * q_len * head_dim_v;
 //  - LaunchSoftmaxRows: each score row in place -> probabilities (scale,
-//    causal, key_lengths, mask; zeros for a row that sees no key), and into
-//    a.weights (per head, weights_dtype) when set;
+//    softcap, causal, window, key_lengths, mask, sinks; zeros for a row that
+//    sees no key), and into a.weights (per head, weights_dtype) when set.
+//    With `lo` (same layout as s), s gets each probability's TF32 high part
+//    and lo the rest (3xTF32 products, below);
 //  - LaunchScatterOutput: o [count, q_len, head_dim_v] into a.out's strides
-//    and out_dtype.
+//    and out_dtype; with `split`, o is [count, q_len, 2 * head_dim_v] and
+//    each output is the sum of its two halves.
 cudaError_t LaunchPairPointers(const AttentionParams& a, int64_t p0, int64_t count,
                                const float* s, float* o, const void** q_ptrs,
                                const void** k_ptrs, const void** v_ptrs, void** s_ptrs,
                                void** o_ptrs, cudaStream_t stream);
 cudaError_t LaunchSoftmaxRows(const AttentionParams& a, int64_t p0, int64_t count, float* s,
-                              cudaStream_t stream);
+                              float* lo, cudaStream_t stream);
 cudaError_t LaunchScatterOutput(const AttentionParams& a, int64_t p0, int64_t count,
-                                const float* o, cudaStream_t stream);
+                                const float* o, bool split, cudaStream_t stream);
+
+// 3xTF32 operands (unfused_attention.h): x [batch, heads, len, dim] FLOAT32
+// at strides (stride_b, stride_h, stride_row; the last dim contiguous) ->
+// out contiguous [batch, heads, len, parts * dim], each row the `parts`
+// copies that `pattern` names of its TF32 high part (h) and the rest (l):
+// kHhl = [h | h | l] (Q), kHlh = [h | l | h] (K), kHl = [h | l] (V).
+enum class Tf32Split { kHhl, kHlh, kHl };
+cudaError_t LaunchTf32Split(const float* x, int64_t batch, int64_t heads, int64_t len,
+                            int64_t dim, int64_t stride_b, int64_t stride_h, int64_t stride_row,
+                            Tf32Split pattern, float* out, cudaStream_t stream);
+
+// What happens to a projection layer's projected Q and K between the
+// projections and the attention core, in place, as the cpu engine does it
+// (qk_transform.cu; engine/qk_norm.h, engine/rope.h). Both read rows
+// r < rows of a matrix of `type` (FLOAT32, FLOAT16 or BFLOAT16) at
+// x + r * row_stride elements, `heads` heads of head_dim features each, and
+// compute in float with float64 where the cpu engine uses it.
+//
+// QK-norm of every head: x / sqrt(mean(x^2) + eps) * w, or * (1 + w) with
+// weight_offset; the mean in float64; w [head_dim] FLOAT32 on the device.
+cudaError_t LaunchQkNorm(void* x, DType type, int64_t rows, int64_t row_stride, int64_t heads,
+                         int64_t head_dim, const float* w, double eps, bool weight_offset,
+                         cudaStream_t stream);
+
+// RoPE of every head's first rotary_dim features: pairs (i, i + rotary_dim /
+// 2), or (2i, 2i + 1) when interleaved, rotate by position * inv_freq[i];
+// cos and sin in float64 (times attention_factor), rounded to float once.
+// Row r is token t = r % seq_len of sequence b = r / seq_len, at position
+// positions[b * positions_stride + first + t] when `positions` (device) is
+// set, else first + t.
+struct RotaryArgs {
+  const double* inv_freq = nullptr;  // [rotary_dim / 2], device
+  double attention_factor = 1.0;
+  int64_t rotary_dim = 0;
+  bool interleaved = false;
+  const int64_t* positions = nullptr;
+  int64_t positions_stride = 0;
+  int64_t first = 0;
+};
+cudaError_t LaunchRotary(void* x, DType type, int64_t rows, int64_t seq_len, int64_t row_stride,
+                         int64_t heads, int64_t head_dim, const RotaryArgs& rotary,
+                         cudaStream_t stream);
 
 // dst[i] = (dst_type) src[i] for i < n (float dtypes only).
 cudaError_t LaunchConvert(const void* src, DType src_type, void* dst, DType dst_type, int64_t n,

@@ -135,6 +135,35 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
     std::fflush(stdout);
   };
 
+  if (t == DType::kFloat32) {
+    // fp32: the engine's unfused path (unfused_attention.h), with 3xTF32
+    // GEMMs (the engine's choice, kernel "unfused") and with full-fp32 ones
+    // ("unfused-fp32"). The general kernel (about 0.5 TFLOP/s here) is not
+    // timed.
+    for (UnfusedAttention::Gemm gemm :
+         {UnfusedAttention::Gemm::k3xTf32, UnfusedAttention::Gemm::kFp32}) {
+      absl::StatusOr<std::unique_ptr<UnfusedAttention>> unfused =
+          UnfusedAttention::Create(nullptr, gemm);
+      if (!unfused.ok()) std::exit(1);
+      Arena scratch{Arena::Kind::kDevice};
+      const double unfused_ms = TimeMs(
+          [&] {
+            scratch.Reset();
+            absl::Status st = (*unfused)->Enqueue(
+                a, [&scratch](size_t bytes) { return scratch.Allocate(bytes); }, nullptr);
+            if (!st.ok()) {
+              std::fprintf(stderr, "unfused: %s\n", std::string(st.message()).c_str());
+              std::exit(1);
+            }
+          },
+          iters);
+      Check(cudaDeviceSynchronize(), "unfused");
+      print(gemm == UnfusedAttention::Gemm::k3xTf32 ? "unfused" : "unfused-fp32", unfused_ms,
+            0.0);
+    }
+    return;
+  }
+
   const bool flash = FlashAttentionSupports(a);
   const double ms = TimeMs(
       [&] {
@@ -145,29 +174,6 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
   Check(cudaDeviceSynchronize(), "attention");
   print(flash ? "flash" : "general", ms, 0.0);
 
-  if (t == DType::kFloat32) {
-    // fp32: the engine's unfused path (cuBLAS fp32 GEMMs around a softmax).
-    static UnfusedAttention* unfused = [] {
-      absl::StatusOr<std::unique_ptr<UnfusedAttention>> made = UnfusedAttention::Create(nullptr);
-      if (!made.ok()) std::exit(1);
-      return made->release();
-    }();
-    Arena scratch{Arena::Kind::kDevice};
-    const double unfused_ms = TimeMs(
-        [&] {
-          scratch.Reset();
-          absl::Status st = unfused->Enqueue(
-              a, [&scratch](size_t bytes) { return scratch.Allocate(bytes); }, nullptr);
-          if (!st.ok()) {
-            std::fprintf(stderr, "unfused: %s\n", std::string(st.message()).c_str());
-            std::exit(1);
-          }
-        },
-        iters);
-    Check(cudaDeviceSynchronize(), "unfused");
-    print("unfused", unfused_ms, 0.0);
-    return;
-  }
   static CudnnSdpa* sdpa = [] {
     absl::StatusOr<std::unique_ptr<CudnnSdpa>> made = CudnnSdpa::Create(64);
     if (!made.ok()) {
@@ -427,12 +433,11 @@ int Main(int argc, char** argv) {
   for (int64_t len : quick ? std::vector<int64_t>{2000} : std::vector<int64_t>{1000, 2000, 4000}) {
     BenchAttention(DType::kBFloat16, std::max<int64_t>(1, 16384 / len), 16, len, 128, true, iters);
   }
-  // fp32: the unfused path against the general kernel (few iterations: the
-  // general kernel takes a quarter second a call here).
-  BenchAttention(DType::kFloat32, 4, 16, 2048, 128, false, 3);
+  // fp32: the unfused path, 3xTF32 and full-fp32 GEMMs.
+  BenchAttention(DType::kFloat32, 4, 16, 2048, 128, false, iters);
   if (!quick) {
-    BenchAttention(DType::kFloat32, 4, 16, 2048, 128, true, 3);
-    BenchAttention(DType::kFloat32, 8, 32, 1024, 64, false, 3);
+    BenchAttention(DType::kFloat32, 4, 16, 2048, 128, true, iters);
+    BenchAttention(DType::kFloat32, 8, 32, 1024, 64, false, iters);
   }
   for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     BenchCeiling(t, iters);

@@ -41,33 +41,10 @@ class CudaEngine final : public AttentionEngine {
 
   std::string_view name() const override { return "cuda"; }
 
-  absl::Status Accepts(const LayerConfig& layer, const AttentionTask& task) const override {
-    (void)layer;
-    // Sessions compute window, softcap and sinks (paged_attention.h).
-    if (task.paged.enabled()) return absl::OkStatus();
-    std::string missing;
-    auto add = [&](const char* what) {
-      absl::StrAppend(&missing, missing.empty() ? "" : ", ", what);
-    };
-    if (task.window > 0) add("window");
-    if (task.softcap > 0.0f) add("softcap");
-    if (!task.sinks.empty()) add("sinks");
-    if (missing.empty()) return absl::OkStatus();
-    return absl::UnimplementedError(absl::StrCat(
-        missing, ": the cuda engine does not compute per-request ", missing,
-        " yet; serve the model with backend \"cpu\" for them"));
-  }
-
   absl::Status Run(const AttentionLayer& layer, absl::Span<const AttentionTask> batch) override {
     const LayerConfig& config = layer.config;
-    if (std::string missing = CudaMissingFeatures(config); !missing.empty()) {
-      return absl::UnimplementedError(absl::StrCat(
-          "cuda engine: layer '", config.name, "' uses ", missing,
-          ", which the GPU does not compute yet; serve it with backend \"cpu\""));
-    }
     for (const AttentionTask& task : batch) {
       ATTNSERVE_CUDA_RETURN_IF_ERROR(CheckTask(config, task));
-      ATTNSERVE_CUDA_RETURN_IF_ERROR(Accepts(config, task));
       if (task.paged.enabled()) ATTNSERVE_CUDA_RETURN_IF_ERROR(CheckPagedTask(config, task));
     }
     ATTNSERVE_CUDA_CALL(cudaSetDevice(device_));

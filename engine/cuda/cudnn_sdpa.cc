@@ -38,7 +38,7 @@ namespace {
 namespace fe = cudnn_frontend;
 
 constexpr int64_t kUidQ = 1, kUidK = 2, kUidV = 3, kUidO = 4, kUidBias = 5, kUidSeqQ = 6,
-                  kUidSeqKv = 7, kUidScale = 8;
+                  kUidSeqKv = 7, kUidScale = 8, kUidSinks = 9;
 
 fe::DataType_t FeType(DType t) {
   switch (t) {
@@ -69,13 +69,15 @@ struct PlanKey {
   MaskParams::Kind mask;
   DType bias_dtype;
   bool mask_per_batch, mask_per_head;
+  int64_t window;  // > 0: the band's left bound (bottom-right causal)
+  bool sinks;
 
-  std::array<int64_t, 16> Tuple() const {
+  std::array<int64_t, 18> Tuple() const {
     return {static_cast<int64_t>(dtype), batch,  heads,     kv_heads,
             head_dim,                    head_dim_v, q_rows, kv_rows,
             token_layout,                padded, static_cast<int64_t>(causal), shift,
             static_cast<int64_t>(mask),  static_cast<int64_t>(bias_dtype), mask_per_batch,
-            mask_per_head};
+            mask_per_head,               window, sinks};
   }
   bool operator<(const PlanKey& o) const { return Tuple() < o.Tuple(); }
 };
@@ -99,6 +101,8 @@ PlanKey KeyFor(const SdpaShape& s) {
                                                                                  : DType::kFloat32;
   k.mask_per_batch = s.mask != MaskParams::Kind::kNone && s.mask_per_batch;
   k.mask_per_head = s.mask != MaskParams::Kind::kNone && s.mask_per_head;
+  k.window = s.window;
+  k.sinks = s.sinks;
   if (s.causal) {
     if (s.mask == MaskParams::Kind::kNone && !s.has_key_lengths) {
       k.causal = CausalMode::kBottomRight;
@@ -156,6 +160,19 @@ absl::StatusOr<std::shared_ptr<fe::graph::Graph>> BuildGraph(const PlanKey& k,
   } else if (k.causal == CausalMode::kShifted) {
     options.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
         .set_diagonal_band_right_bound(static_cast<int>(k.shift));
+  }
+  if (k.window > 0) {
+    // Key j is in query i's band iff j + window > i + (Lk - Lq): Hugging
+    // Face's window, aligned bottom-right as the causal diagonal is.
+    options.set_diagonal_band_left_bound(static_cast<int>(k.window));
+  }
+  if (k.sinks) {
+    options.set_sink_token(graph->tensor(fe::graph::Tensor_attributes()
+                                             .set_name("sinks")
+                                             .set_uid(kUidSinks)
+                                             .set_dim({1, k.heads, 1, 1})
+                                             .set_stride({k.heads, 1, 1, 1})
+                                             .set_data_type(fe::DataType_t::FLOAT)));
   }
   if (k.mask != MaskParams::Kind::kNone) {
     const int64_t mb = k.mask_per_batch ? k.batch : 1;
@@ -294,6 +311,16 @@ std::optional<std::string> SdpaRefusal(const AttentionParams& p, DType compute) 
   }
   if (p.weights != nullptr) return std::string("need_weights (cuDNN returns no probabilities)");
   if (p.k_blocks != nullptr) return std::string("paged K/V");
+  if (p.softcap > 0.0f) return std::string("logit softcapping (served by the kernels written here)");
+  if (p.window > 0 &&
+      (!p.causal || p.key_lengths != nullptr || p.mask.kind != MaskParams::Kind::kNone)) {
+    return std::string(
+        "a sliding window without causal, or with key lengths or a mask (cuDNN's band is aligned "
+        "bottom-right only without them)");
+  }
+  if (p.sinks != nullptr && p.mask.kind != MaskParams::Kind::kNone) {
+    return std::string("attention sinks with a mask");
+  }
   if (p.head_dim % 8 != 0 || p.head_dim_v % 8 != 0) {
     return absl::StrCat("head dims ", p.head_dim, "/", p.head_dim_v,
                         " (cuDNN needs multiples of 8)");
@@ -411,6 +438,10 @@ absl::Status CudnnSdpa::Enqueue(const SdpaArgs& args, DeviceAllocator alloc,
     ATTNSERVE_CUDA_CALL(LaunchExpandMask(args.mask, mb, mh, s.q_len, s.kv_len, key.q_rows,
                                          key.kv_rows, *bias, key.bias_dtype, stream));
     pack[kUidBias] = *bias;
+  }
+  if (key.sinks) {
+    if (args.sinks == nullptr) return absl::InternalError("cuDNN SDPA: a sink plan without sinks");
+    pack[kUidSinks] = const_cast<float*>(args.sinks);
   }
   if (key.padded) {
     pack[kUidSeqQ] = const_cast<int32_t*>(args.seq_len_q);

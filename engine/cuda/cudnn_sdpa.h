@@ -7,7 +7,10 @@
 // side, no GPU) rules out what cuDNN cannot compute exactly as
 // attention_params.h defines it: rows that see no key (answered with zeros
 // here, which cuDNN does not promise), need_weights, fp32, head dims that
-// are not multiples of 8, causal with Lq > Lk. Then cuDNN itself may refuse
+// are not multiples of 8, causal with Lq > Lk, softcapping, a sliding window
+// other than with bottom-right causal alone (its diagonal band's left bound
+// is aligned to the lengths cuDNN is given), sinks with a mask (its sink
+// token, cuDNN 9.13 and newer). Then cuDNN itself may refuse
 // the graph (unsupported head dim, bias type, ...): the refusal is cached
 // with its shape and the engine's kernels serve it.
 //
@@ -75,6 +78,8 @@ struct SdpaShape {
   MaskParams::Kind mask = MaskParams::Kind::kNone;
   DType mask_dtype = DType::kFloat32;
   bool mask_per_batch = false, mask_per_head = false;  // else broadcast over that dim
+  int64_t window = 0;  // > 0: sliding window (causal, no mask, no key lengths)
+  bool sinks = false;  // one sink logit per query head (SdpaArgs::sinks)
 };
 
 // One request for CudnnSdpa::Enqueue, all pointers on the device. Q, K, V
@@ -93,6 +98,7 @@ struct SdpaArgs {
   const int32_t* seq_len_kv = nullptr;  // [batch]: key_lengths or kv_len; likewise
   MaskParams mask;
   float scale = 1.0f;
+  const float* sinks = nullptr;  // [heads] FLOAT32 when shape.sinks
 };
 
 // A cuDNN handle and the plans built with it. One per engine workspace, used

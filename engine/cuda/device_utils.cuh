@@ -48,6 +48,17 @@ __device__ __forceinline__ void StoreElement(void* data, DType type, int64_t i, 
   }
 }
 
+// x rounded to TF32 (10 explicit mantissa bits, nearest, ties away), as an
+// fp32 value whose low 13 bits are zero; x - Tf32High(x) is then exact in
+// fp32. A finite x that would round to infinity is truncated instead.
+__device__ __forceinline__ float Tf32High(float x) {
+  uint32_t bits;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
+  const float hi = __uint_as_float(bits);
+  if (isinf(hi) && !isinf(x)) return __uint_as_float(__float_as_uint(x) & 0xffffe000u);
+  return hi;
+}
+
 // Keys [0, RowKeyEnd) may be visible to query row i of batch b; causal and
 // key_lengths both cut a prefix. May be <= 0 (the row sees nothing).
 __device__ __forceinline__ int64_t RowKeyEnd(const AttentionParams& a, int64_t b, int64_t i) {
@@ -55,6 +66,19 @@ __device__ __forceinline__ int64_t RowKeyEnd(const AttentionParams& a, int64_t b
   if (a.key_lengths != nullptr) end = min(end, a.key_lengths[b]);
   if (a.causal) end = min(end, i + (a.kv_len - a.q_len) + 1);
   return end;
+}
+
+// Keys before RowKeyBegin are outside query row i's sliding window (0
+// without a window).
+__device__ __forceinline__ int64_t RowKeyBegin(const AttentionParams& a, int64_t i) {
+  if (a.window <= 0) return 0;
+  return max(int64_t{0}, i + (a.kv_len - a.q_len) - a.window + 1);
+}
+
+// Logit softcapping of a scaled score (attention_params.h): softcap *
+// tanh(s / softcap) when softcap > 0, else s unchanged.
+__device__ __forceinline__ float Softcap(const AttentionParams& a, float scaled_score) {
+  return a.softcap > 0.0f ? a.softcap * tanhf(scaled_score / a.softcap) : scaled_score;
 }
 
 // The scaled score after the mask for a key j < RowKeyEnd: -inf where a bool

@@ -31,8 +31,9 @@ absl::StatusOr<const void*> ConvertOnDevice(Call& call, const void* data, DType 
   return static_cast<const void*>(*out);
 }
 
-// The device-side params of host-side `p`: its dims, causal flag and scale.
-// Every pointer, dtype and stride is left for the caller to set.
+// The device-side params of host-side `p`: its dims, causal flag, window,
+// scale and softcap. Every pointer (sinks too), dtype and stride is left for
+// the caller to set.
 AttentionParams DeviceParams(const AttentionParams& p) {
   AttentionParams a;
   a.batch = p.batch;
@@ -43,8 +44,47 @@ AttentionParams DeviceParams(const AttentionParams& p) {
   a.q_len = p.q_len;
   a.kv_len = p.kv_len;
   a.causal = p.causal;
+  a.window = p.window;
   a.scale = p.scale;
+  a.softcap = p.softcap;
   return a;
+}
+
+// QK-norm, then RoPE, on a projection layer's projected Q and K (token
+// layout: rows b * Lq + i and b * Lk + j), in place, as the cpu engine
+// applies them: keys at positions cached_len + j and queries at the
+// bottom-right ones, cached_len + Lk - Lq + i; or, with the task's explicit
+// positions (on the device, [B, Lk]), key j at positions[b][j] and query i
+// at positions[b][Lk - Lq + i].
+absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer& w,
+                       const AttentionParams& p, void* q, void* k, const int64_t* positions,
+                       int64_t cached_len) {
+  const int64_t q_rows = p.batch * p.q_len, kv_rows = p.batch * p.kv_len;
+  const int64_t q_stride = p.num_heads * p.head_dim, k_stride = p.num_kv_heads * p.head_dim;
+  if (config.qk_norm.enabled) {
+    const QkNormConfig& norm = config.qk_norm;
+    ATTNSERVE_CUDA_CALL(LaunchQkNorm(q, w.type, q_rows, q_stride, p.num_heads, p.head_dim,
+                                     static_cast<const float*>(w.q_norm.data()), norm.eps,
+                                     norm.weight_offset, call.stream()));
+    ATTNSERVE_CUDA_CALL(LaunchQkNorm(k, w.type, kv_rows, k_stride, p.num_kv_heads, p.head_dim,
+                                     static_cast<const float*>(w.k_norm.data()), norm.eps,
+                                     norm.weight_offset, call.stream()));
+  }
+  if (config.rope.type == RopeConfig::Type::kNone) return absl::OkStatus();
+  RotaryArgs rotary;
+  rotary.inv_freq = static_cast<const double*>(w.inv_freq.data());
+  rotary.attention_factor = w.attention_factor;
+  rotary.rotary_dim = config.rope.rotary_dim;
+  rotary.interleaved = config.rope.interleaved;
+  rotary.positions = positions;
+  rotary.positions_stride = p.kv_len;
+  rotary.first = (positions != nullptr ? 0 : cached_len) + p.kv_len - p.q_len;
+  ATTNSERVE_CUDA_CALL(LaunchRotary(q, w.type, q_rows, p.q_len, q_stride, p.num_heads,
+                                   p.head_dim, rotary, call.stream()));
+  rotary.first = positions != nullptr ? 0 : cached_len;
+  ATTNSERVE_CUDA_CALL(LaunchRotary(k, w.type, kv_rows, p.kv_len, k_stride, p.num_kv_heads,
+                                   p.head_dim, rotary, call.stream()));
+  return absl::OkStatus();
 }
 
 // A request's way to cuDNN, decided from host-side params before the
@@ -98,6 +138,8 @@ absl::StatusOr<SdpaRoute> RouteSdpa(Call& call, const AttentionParams& p, DType 
   s.mask_dtype = p.mask.dtype;
   s.mask_per_batch = p.mask.stride_b != 0;
   s.mask_per_head = p.mask.stride_h != 0;
+  s.window = p.window;
+  s.sinks = p.sinks != nullptr;
   if (CudnnSdpa::NeedsSequenceLengths(s)) {
     std::vector<int32_t> q_lens(static_cast<size_t>(p.batch), static_cast<int32_t>(p.q_len));
     std::vector<int32_t> kv_lens(static_cast<size_t>(p.batch), static_cast<int32_t>(p.kv_len));
@@ -127,6 +169,7 @@ absl::Status RunCudnn(Call& call, const AttentionParams& a, const SdpaRoute& rou
   args.seq_len_kv = route.seq_len_kv;
   args.mask = a.mask;
   args.scale = a.scale;
+  args.sinks = a.sinks;
   args.out = a.out;
   const int64_t out_n = a.batch * a.num_heads * route.shape.q_rows * a.head_dim_v;
   if (a.out_dtype != a.dtype) {  // cuDNN writes the inputs' dtype; convert after
@@ -244,12 +287,9 @@ absl::Status RunCore(Call& call, AttentionParams& a, const AttentionParams& p,
 // from two marked places in EnqueueProjected) so that they merge cleanly.
 
 // Whether the split-KV decode (paged_attention.h) serves paged params `c`
-// rather than gather + RunCore: requests of few query rows, and those with a
-// window, softcap or sinks, which the core kernels here do not compute yet.
-// MERGE: once RunCore computes window/softcap/sinks, drop that clause.
+// rather than gather + RunCore: requests of few query rows.
 bool UsePagedDecode(const AttentionParams& c) {
-  const bool own_rules = c.window > 0 || c.softcap > 0.0f || c.sinks != nullptr;
-  return PagedDecodeSupports(c) && (c.q_len <= kPagedDecodeMaxQueryRows || own_rules);
+  return PagedDecodeSupports(c) && c.q_len <= kPagedDecodeMaxQueryRows;
 }
 
 // A paged task's attention: appends the new K/V rows device-side `a` reads
@@ -269,8 +309,8 @@ absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams
   if (!k_table.ok()) return k_table.status();
   absl::StatusOr<void*> v_table = call.Upload(cache.v_blocks.data(), table_bytes);
   if (!v_table.ok()) return v_table.status();
-  const float* sinks = nullptr;
-  if (p.sinks != nullptr) {
+  const float* sinks = a.sinks;  // a projection layer's learned sinks, on the device
+  if (sinks == nullptr && p.sinks != nullptr) {  // a request's, on the host
     absl::StatusOr<void*> up =
         call.Upload(p.sinks, static_cast<size_t>(p.num_heads) * sizeof(float));
     if (!up.ok()) return up.status();
@@ -372,6 +412,12 @@ absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType co
 
   AttentionParams a = DeviceParams(p);
   ATTNSERVE_CUDA_RETURN_IF_ERROR(StageMaskAndLengths(call, p, a));
+  if (p.sinks != nullptr) {  // the task's own, on the host
+    absl::StatusOr<void*> sinks =
+        call.Upload(p.sinks, static_cast<size_t>(p.num_heads) * sizeof(float));
+    if (!sinks.ok()) return sinks.status();
+    a.sinks = static_cast<const float*>(*sinks);
+  }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
   a.dtype = compute;
   absl::StatusOr<const void*> qc =
@@ -452,9 +498,19 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
     if (!raw_v.ok()) return raw_v.status();
   }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(StageMaskAndLengths(call, p, a));
+  const int64_t* positions = nullptr;  // device
+  if (!task.positions.empty()) {
+    absl::StatusOr<void*> uploaded =
+        call.Upload(task.positions.data(), task.positions.size() * sizeof(int64_t));
+    if (!uploaded.ok()) return uploaded.status();
+    positions = static_cast<const int64_t*>(*uploaded);
+  }
+  // The layer's sinks (on the device) join the params; the route sees them.
+  AttentionParams routed = p;
+  if (config.sinks) a.sinks = routed.sinks = static_cast<const float*>(w.sinks.data());
   // Sessions attend over the cache, never through a cuDNN plan of the new rows.
   absl::StatusOr<SdpaRoute> route =
-      task.paged.enabled() ? SdpaRoute{} : RouteSdpa(call, p, ct, /*token_layout=*/true);
+      task.paged.enabled() ? SdpaRoute{} : RouteSdpa(call, routed, ct, /*token_layout=*/true);
   if (!route.ok()) return route.status();
   ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
 
@@ -500,6 +556,9 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
       call.gemm().Linear(ct, *xk, kv_rows, key_dim, w.wk.data(), w.bk.data(), kv_features, *k));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(
       call.gemm().Linear(ct, *xv, kv_rows, value_dim, w.wv.data(), w.bv.data(), v_features, *v));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(
+      PrepareQk(call, config, w, p, *q, *k, positions,
+                task.paged.enabled() ? task.paged.cached_len : 0));
 
   // Attention over the token layout [B, L, H*D], written in the same layout
   // (the out-projection reads the first B * Lq rows).
@@ -545,16 +604,6 @@ absl::Status CheckPagedTask(const LayerConfig& config, const AttentionTask& task
   ATTNSERVE_CUDA_RETURN_IF_ERROR(CheckPagedKv(task.paged, *p));
   if (task.paged.dtype == DType::kBool) {
     return absl::InvalidArgumentError("paged kv: the cache must hold a float dtype");
-  }
-  AttentionParams c = *p;
-  c.kv_len = task.paged.cached_len + p->kv_len;
-  c.k_blocks = c.v_blocks = task.paged.k_blocks.data();
-  c.block_tokens = task.paged.block_tokens;
-  const bool own_rules = c.window > 0 || c.softcap > 0.0f || c.sinks != nullptr;
-  if (own_rules && !PagedDecodeSupports(c)) {
-    return absl::UnimplementedError(absl::StrCat(
-        "cuda engine: a session with a window, softcap or sinks needs head dims up to ",
-        kPagedDecodeMaxHeadDim, ", got Dk=", c.head_dim, " Dv=", c.head_dim_v));
   }
   return absl::OkStatus();
 }

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/cuda/attention_kernels.h"
 #include "engine/cuda/cuda_status.h"
+#include "engine/rope.h"
 #include "engine/tensor.h"
 
 namespace attnserve::cuda {
@@ -185,13 +186,21 @@ DType PrecisionDType(Precision precision) {
 
 namespace {
 
+// `bytes` of host memory as a device buffer, enqueued on `stream` (the
+// caller synchronises).
+absl::StatusOr<DeviceBuffer> UploadBytes(const void* host, size_t bytes, cudaStream_t stream) {
+  absl::StatusOr<DeviceBuffer> buffer = DeviceBuffer::Allocate(bytes);
+  if (!buffer.ok()) return buffer.status();
+  ATTNSERVE_CUDA_CALL(
+      cudaMemcpyAsync(buffer->data(), host, bytes, cudaMemcpyHostToDevice, stream));
+  return buffer;
+}
+
 // One fp32 host weight as a device buffer of `type` (synchronous: done once).
 absl::StatusOr<DeviceBuffer> UploadWeight(const Tensor& host, DType type, cudaStream_t stream) {
   const int64_t n = static_cast<int64_t>(host.byte_size() / sizeof(float));
-  absl::StatusOr<DeviceBuffer> fp32 = DeviceBuffer::Allocate(host.byte_size());
+  absl::StatusOr<DeviceBuffer> fp32 = UploadBytes(host.data(), host.byte_size(), stream);
   if (!fp32.ok()) return fp32.status();
-  ATTNSERVE_CUDA_CALL(cudaMemcpyAsync(fp32->data(), host.data(), host.byte_size(),
-                                      cudaMemcpyHostToDevice, stream));
   if (type == DType::kFloat32) {
     ATTNSERVE_CUDA_CALL(cudaStreamSynchronize(stream));
     return fp32;
@@ -226,6 +235,27 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(const AttentionLayer& l
     absl::StatusOr<DeviceBuffer> buffer = UploadWeight(*host, uploaded->type, stream);
     if (!buffer.ok()) return buffer.status();
     *device = std::move(*buffer);
+  }
+  const std::pair<const Tensor*, DeviceBuffer*> fp32_parts[] = {
+      {&w.q_norm, &uploaded->q_norm}, {&w.k_norm, &uploaded->k_norm}, {&w.sinks, &uploaded->sinks}};
+  for (const auto& [host, device] : fp32_parts) {
+    if (host->byte_size() == 0) continue;
+    if (host->dtype() != DType::kFloat32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer '", layer.config.name, "': weights must be FLOAT32"));
+    }
+    absl::StatusOr<DeviceBuffer> buffer = UploadWeight(*host, DType::kFloat32, stream);
+    if (!buffer.ok()) return buffer.status();
+    *device = std::move(*buffer);
+  }
+  if (layer.config.rope.type != RopeConfig::Type::kNone) {
+    const RopeFrequencies freq = ComputeRopeFrequencies(layer.config.rope);
+    absl::StatusOr<DeviceBuffer> buffer =
+        UploadBytes(freq.inv_freq.data(), freq.inv_freq.size() * sizeof(double), stream);
+    if (!buffer.ok()) return buffer.status();
+    ATTNSERVE_CUDA_CALL(cudaStreamSynchronize(stream));
+    uploaded->inv_freq = std::move(*buffer);
+    uploaded->attention_factor = freq.attention_factor;
   }
   return uploaded;
 }

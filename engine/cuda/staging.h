@@ -120,11 +120,20 @@ struct DeviceLayer {
   uint64_t layer_id = 0;  // LayerId of the layer it was made from
   DType type = DType::kFloat32;  // PrecisionDType(layer.config.precision)
   DeviceBuffer wq, bq, wk, bk, wv, bv, wo, bo;
+  // FLOAT32 whatever the precision, as the cpu engine reads them: the
+  // QK-norm weights [head_dim] and the sinks [num_heads], when the layer has
+  // them.
+  DeviceBuffer q_norm, k_norm, sinks;
+  // RoPE: the inverse frequencies (float64, engine/rope.h), when the layer
+  // rotates.
+  DeviceBuffer inv_freq;
+  double attention_factor = 1.0;
 };
 
-// Uploads `layer`'s FLOAT32 weights converted to its precision, synchronously
-// on `stream` (done once per layer). InvalidArgument for weights of another
-// dtype.
+// Uploads `layer`'s FLOAT32 weights converted to its precision (the QK-norm
+// weights and sinks as they are, RoPE's frequencies in float64),
+// synchronously on `stream` (done once per layer). InvalidArgument for
+// weights of another dtype.
 absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(const AttentionLayer& layer,
                                                          cudaStream_t stream);
 

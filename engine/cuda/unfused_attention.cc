@@ -9,11 +9,13 @@
 
 namespace attnserve::cuda {
 
-absl::StatusOr<std::unique_ptr<UnfusedAttention>> UnfusedAttention::Create(cudaStream_t stream) {
-  std::unique_ptr<UnfusedAttention> u(new UnfusedAttention());
+absl::StatusOr<std::unique_ptr<UnfusedAttention>> UnfusedAttention::Create(cudaStream_t stream,
+                                                                           Gemm gemm) {
+  std::unique_ptr<UnfusedAttention> u(new UnfusedAttention(gemm));
   ATTNSERVE_CUBLAS_CALL(cublasCreate(&u->blas_));
   ATTNSERVE_CUBLAS_CALL(cublasSetStream(u->blas_, stream));
-  // Full fp32: no TF32 tensor-core shortcut, whatever the environment says.
+  // No TF32 shortcut but the one asked for per GEMM, whatever the
+  // environment says.
   ATTNSERVE_CUBLAS_CALL(cublasSetMathMode(u->blas_, CUBLAS_PEDANTIC_MATH));
   return u;
 }
@@ -43,7 +45,9 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
       std::clamp<int64_t>(static_cast<int64_t>(kMaxChunkScoreBytes / pair_bytes), 1, pairs);
   absl::StatusOr<void*> s = alloc(static_cast<size_t>(chunk * std::max<int64_t>(scores, 1)) * 4);
   if (!s.ok()) return s.status();
-  absl::StatusOr<void*> o = alloc(static_cast<size_t>(chunk * a.q_len * a.head_dim_v) * 4);
+  // O per pair: [Lq, Dv], or [Lq, 2Dv] with 3xTF32 (below).
+  const int64_t o_width = (gemm_ == Gemm::k3xTf32 ? 2 : 1) * a.head_dim_v;
+  absl::StatusOr<void*> o = alloc(static_cast<size_t>(chunk * a.q_len * o_width) * 4);
   if (!o.ok()) return o.status();
   absl::StatusOr<void*> ptrs = alloc(static_cast<size_t>(5 * chunk) * sizeof(void*));
   if (!ptrs.ok()) return ptrs.status();
@@ -57,34 +61,125 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
   float* of = static_cast<float*>(*o);
 
   const float one = 1.0f, zero = 0.0f;
+  if (gemm_ == Gemm::kFp32) {
+    for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
+      const int64_t count = std::min(chunk, pairs - p0);
+      ATTNSERVE_CUDA_CALL(LaunchPairPointers(a, p0, count, sf, of, q_ptrs, k_ptrs, v_ptrs,
+                                             s_ptrs, o_ptrs, stream));
+      if (a.kv_len > 0) {
+        // Column-major view: S^T [Lk, Lq] = K [Lk, D] x Q^T [D, Lq], per pair.
+        ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
+            blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(a.kv_len),
+            static_cast<int>(a.q_len), static_cast<int>(a.head_dim), &one, k_ptrs, CUDA_R_32F,
+            static_cast<int>(a.k_stride_row), q_ptrs, CUDA_R_32F,
+            static_cast<int>(a.q_stride_row), &zero, s_ptrs, CUDA_R_32F,
+            static_cast<int>(a.kv_len), static_cast<int>(count), CUBLAS_COMPUTE_32F_PEDANTIC,
+            CUBLAS_GEMM_DEFAULT));
+      }
+      ATTNSERVE_CUDA_CALL(LaunchSoftmaxRows(a, p0, count, sf, /*lo=*/nullptr, stream));
+      if (a.kv_len > 0) {
+        // O^T [Dv, Lq] = V^T [Dv, Lk] x P^T [Lk, Lq].
+        ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
+            blas_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(a.head_dim_v),
+            static_cast<int>(a.q_len), static_cast<int>(a.kv_len), &one, v_ptrs, CUDA_R_32F,
+            static_cast<int>(a.v_stride_row), const_cast<const void**>(s_ptrs), CUDA_R_32F,
+            static_cast<int>(a.kv_len), &zero, o_ptrs, CUDA_R_32F,
+            static_cast<int>(a.head_dim_v), static_cast<int>(count), CUBLAS_COMPUTE_32F_PEDANTIC,
+            CUBLAS_GEMM_DEFAULT));
+      } else {
+        ATTNSERVE_CUDA_CALL(cudaMemsetAsync(
+            of, 0, static_cast<size_t>(count * a.q_len * a.head_dim_v) * 4, stream));
+      }
+      ATTNSERVE_CUDA_CALL(LaunchScatterOutput(a, p0, count, of, /*split=*/false, stream));
+    }
+    return absl::OkStatus();
+  }
+
+  // 3xTF32: the split operands of the whole request, contiguous head layout
+  // (q3 [B, Hq, Lq, 3D], k3 [B, Hkv, Lk, 3D], v2 [B, Hkv, Lk, 2Dv]), read
+  // per pair through `split`'s strides; the probabilities' low parts in `lo`
+  // (one chunk, like s: so the scores take twice kMaxChunkScoreBytes);
+  // O [chunk, Lq, 2Dv] in `of`.
+  const int64_t d3 = 3 * a.head_dim, dv2 = 2 * a.head_dim_v;
+  absl::StatusOr<void*> q3 = alloc(static_cast<size_t>(pairs * a.q_len * d3) * 4);
+  if (!q3.ok()) return q3.status();
+  absl::StatusOr<void*> k3 =
+      alloc(static_cast<size_t>(std::max<int64_t>(a.batch * a.num_kv_heads * a.kv_len * d3, 1)) * 4);
+  if (!k3.ok()) return k3.status();
+  absl::StatusOr<void*> v2 =
+      alloc(static_cast<size_t>(std::max<int64_t>(a.batch * a.num_kv_heads * a.kv_len * dv2, 1)) * 4);
+  if (!v2.ok()) return v2.status();
+  absl::StatusOr<void*> lo = alloc(static_cast<size_t>(chunk * std::max<int64_t>(scores, 1)) * 4);
+  if (!lo.ok()) return lo.status();
+  absl::StatusOr<void*> lo_table = alloc(static_cast<size_t>(5 * chunk) * sizeof(void*));
+  if (!lo_table.ok()) return lo_table.status();
+  auto** lo_ptrs = static_cast<void**>(*lo_table) + 3 * chunk;  // its s_ptrs slot
+  ATTNSERVE_CUDA_CALL(LaunchTf32Split(static_cast<const float*>(a.q), a.batch, a.num_heads,
+                                      a.q_len, a.head_dim, a.q_stride_b, a.q_stride_h,
+                                      a.q_stride_row, Tf32Split::kHhl,
+                                      static_cast<float*>(*q3), stream));
+  ATTNSERVE_CUDA_CALL(LaunchTf32Split(static_cast<const float*>(a.k), a.batch, a.num_kv_heads,
+                                      a.kv_len, a.head_dim, a.k_stride_b, a.k_stride_h,
+                                      a.k_stride_row, Tf32Split::kHlh,
+                                      static_cast<float*>(*k3), stream));
+  ATTNSERVE_CUDA_CALL(LaunchTf32Split(static_cast<const float*>(a.v), a.batch, a.num_kv_heads,
+                                      a.kv_len, a.head_dim_v, a.v_stride_b, a.v_stride_h,
+                                      a.v_stride_row, Tf32Split::kHl,
+                                      static_cast<float*>(*v2), stream));
+  AttentionParams split = a;
+  split.q = *q3;
+  split.k = *k3;
+  split.v = *v2;
+  HeadLayoutStrides(a.num_heads, a.q_len, d3, &split.q_stride_b, &split.q_stride_h,
+                    &split.q_stride_row);
+  HeadLayoutStrides(a.num_kv_heads, a.kv_len, d3, &split.k_stride_b, &split.k_stride_h,
+                    &split.k_stride_row);
+  HeadLayoutStrides(a.num_kv_heads, a.kv_len, dv2, &split.v_stride_b, &split.v_stride_h,
+                    &split.v_stride_row);
+  split.head_dim_v = dv2;  // o's pair blocks are [Lq, 2Dv]
+  float* o2f = of;
+  float* lof = static_cast<float*>(*lo);
+  auto** lo_table_all = static_cast<void**>(*lo_table);
   for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
     const int64_t count = std::min(chunk, pairs - p0);
-    ATTNSERVE_CUDA_CALL(LaunchPairPointers(a, p0, count, sf, of, q_ptrs, k_ptrs, v_ptrs, s_ptrs,
-                                           o_ptrs, stream));
+    ATTNSERVE_CUDA_CALL(LaunchPairPointers(split, p0, count, sf, o2f, q_ptrs, k_ptrs, v_ptrs,
+                                           s_ptrs, o_ptrs, stream));
+    // The same pairs' low-part rows (only the s_ptrs slot is used).
+    ATTNSERVE_CUDA_CALL(LaunchPairPointers(
+        split, p0, count, lof, o2f, const_cast<const void**>(lo_table_all),
+        const_cast<const void**>(lo_table_all + chunk),
+        const_cast<const void**>(lo_table_all + 2 * chunk), lo_ptrs, lo_table_all + 4 * chunk,
+        stream));
     if (a.kv_len > 0) {
-      // Column-major view: S^T [Lk, Lq] = K [Lk, D] x Q^T [D, Lq], per pair.
+      // S^T [Lk, Lq] = K3 [Lk, 3D] x Q3^T [3D, Lq], per pair, on TF32 tensor cores.
       ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
           blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(a.kv_len), static_cast<int>(a.q_len),
-          static_cast<int>(a.head_dim), &one, k_ptrs, CUDA_R_32F,
-          static_cast<int>(a.k_stride_row), q_ptrs, CUDA_R_32F, static_cast<int>(a.q_stride_row),
-          &zero, s_ptrs, CUDA_R_32F, static_cast<int>(a.kv_len), static_cast<int>(count),
-          CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
+          static_cast<int>(d3), &one, k_ptrs, CUDA_R_32F, static_cast<int>(d3), q_ptrs,
+          CUDA_R_32F, static_cast<int>(d3), &zero, s_ptrs, CUDA_R_32F,
+          static_cast<int>(a.kv_len), static_cast<int>(count), CUBLAS_COMPUTE_32F_FAST_TF32,
+          CUBLAS_GEMM_DEFAULT));
     }
-    ATTNSERVE_CUDA_CALL(LaunchSoftmaxRows(a, p0, count, sf, stream));
+    ATTNSERVE_CUDA_CALL(LaunchSoftmaxRows(a, p0, count, sf, lof, stream));
     if (a.kv_len > 0) {
-      // O^T [Dv, Lq] = V^T [Dv, Lk] x P^T [Lk, Lq].
+      // [P_h V_h | P_h V_l]^T [2Dv, Lq] = [V_h | V_l]^T [2Dv, Lk] x P_h^T [Lk, Lq].
+      ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
+          blas_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(dv2), static_cast<int>(a.q_len),
+          static_cast<int>(a.kv_len), &one, v_ptrs, CUDA_R_32F, static_cast<int>(dv2),
+          const_cast<const void**>(s_ptrs), CUDA_R_32F, static_cast<int>(a.kv_len), &zero,
+          o_ptrs, CUDA_R_32F, static_cast<int>(dv2), static_cast<int>(count),
+          CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
+      // First half += P_l V_h.
       ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
           blas_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(a.head_dim_v),
           static_cast<int>(a.q_len), static_cast<int>(a.kv_len), &one, v_ptrs, CUDA_R_32F,
-          static_cast<int>(a.v_stride_row), const_cast<const void**>(s_ptrs), CUDA_R_32F,
-          static_cast<int>(a.kv_len), &zero, o_ptrs, CUDA_R_32F,
-          static_cast<int>(a.head_dim_v), static_cast<int>(count), CUBLAS_COMPUTE_32F_PEDANTIC,
-          CUBLAS_GEMM_DEFAULT));
+          static_cast<int>(dv2), const_cast<const void**>(lo_ptrs), CUDA_R_32F,
+          static_cast<int>(a.kv_len), &one, o_ptrs, CUDA_R_32F, static_cast<int>(dv2),
+          static_cast<int>(count), CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
     } else {
       ATTNSERVE_CUDA_CALL(
-          cudaMemsetAsync(of, 0, static_cast<size_t>(count * a.q_len * a.head_dim_v) * 4, stream));
+          cudaMemsetAsync(o2f, 0, static_cast<size_t>(count * a.q_len * dv2) * 4, stream));
     }
-    ATTNSERVE_CUDA_CALL(LaunchScatterOutput(a, p0, count, of, stream));
+    ATTNSERVE_CUDA_CALL(LaunchScatterOutput(a, p0, count, o2f, /*split=*/true, stream));
   }
   return absl::OkStatus();
 }

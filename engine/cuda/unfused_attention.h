@@ -1,9 +1,19 @@
-// Attention as two batched GEMMs around a softmax: S = Q K^T on cuBLAS in
-// full fp32 (no TF32), P = softmax(S * scale + masks) with every rule of
-// attention_params.h (softmax_rows.cu), O = P V. It serves fp32 inputs
-// exactly at fp32 GEMM speed, and need_weights (P is materialised), for what
-// neither cuDNN nor the fused kernel takes. Scores are materialised for a
-// chunk of (batch, head) pairs at a time, so memory stays bounded.
+// Attention as two batched GEMMs around a softmax: S = Q K^T on cuBLAS,
+// P = softmax(S * scale + masks) with every rule of attention_params.h
+// (softmax_rows.cu), O = P V. It serves fp32 inputs exactly, and
+// need_weights (P is materialised), for what neither cuDNN nor the fused
+// kernel takes. Scores are materialised for a chunk of (batch, head) pairs
+// at a time, so memory stays bounded.
+//
+// The GEMMs are exact fp32 products either way (Gemm below): by default
+// 3xTF32 on the tensor cores, each fp32 operand x split into its TF32 high
+// part h and the rest l (x = h + l exactly) and x y computed as
+// h_x h_y + h_x l_y + l_x h_y with fp32 accumulation (the dropped l_x l_y
+// is below 2^-20 of the product, as is TF32's rounding of l): for Q K^T one
+// TF32 GEMM over [h | h | l] and [h | l | h] rows (K = 3 D); for P V the
+// softmax writes P's parts, [h | l] of V gives P_h V_h and P_h V_l in one
+// GEMM, and P_l V_h accumulates onto the first. Or full fp32 on cuBLAS
+// (CUBLAS_COMPUTE_32F_PEDANTIC), for comparison.
 #ifndef ATTNSERVE_ENGINE_CUDA_UNFUSED_ATTENTION_H_
 #define ATTNSERVE_ENGINE_CUDA_UNFUSED_ATTENTION_H_
 
@@ -23,7 +33,9 @@ namespace attnserve::cuda {
 // One per workspace stream; not thread-safe.
 class UnfusedAttention {
  public:
-  static absl::StatusOr<std::unique_ptr<UnfusedAttention>> Create(cudaStream_t stream);
+  enum class Gemm { k3xTf32, kFp32 };
+  static absl::StatusOr<std::unique_ptr<UnfusedAttention>> Create(cudaStream_t stream,
+                                                                 Gemm gemm = Gemm::k3xTf32);
   ~UnfusedAttention();
   UnfusedAttention(const UnfusedAttention&) = delete;
   UnfusedAttention& operator=(const UnfusedAttention&) = delete;
@@ -41,7 +53,8 @@ class UnfusedAttention {
   absl::Status Enqueue(const AttentionParams& a, DeviceAllocator alloc, cudaStream_t stream);
 
  private:
-  UnfusedAttention() = default;
+  explicit UnfusedAttention(Gemm gemm) : gemm_(gemm) {}
+  const Gemm gemm_;
   cublasHandle_t blas_ = nullptr;
 };
 

@@ -523,29 +523,6 @@ std::shared_ptr<ServedModel> MakeRepositoryServedModel(const RepositoryModel& m,
           m.directory, ": backend \"", backend, "\" is unavailable: ", engine.status().message()));
     }
   }
-  const std::string gpu_missing =
-      status.ok() ? CudaMissingFeatures(m.layer->config) : std::string();
-  if (status.ok() && model->engine->name() == "cuda" && !gpu_missing.empty()) {
-    // The GPU does not compute these yet: an "auto" model goes to the cpu
-    // engine rather than failing each request; an explicit "cuda" fails
-    // its load, naming why.
-    if (m.config.backend() == "cuda") {
-      status = absl::InvalidArgumentError(absl::StrCat(
-          m.directory, ": backend \"cuda\" does not compute ", gpu_missing,
-          " yet; use backend \"cpu\" or \"auto\""));
-    } else {
-      absl::StatusOr<std::shared_ptr<AttentionEngine>> cpu = engines->For("cpu");
-      if (cpu.ok()) {
-        model->engine = *std::move(cpu);
-        std::fprintf(stderr,
-                     "attnserve: model '%s': %s not computed on the GPU yet; served by the cpu "
-                     "engine\n",
-                     m.name.c_str(), gpu_missing.c_str());
-      } else {
-        status = cpu.status();
-      }
-    }
-  }
   if (status.ok()) {
     model->layer = m.layer;
     model->weight_bounds = MeasureWeightBounds(m.layer->weights);

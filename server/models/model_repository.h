@@ -85,9 +85,8 @@ class BackendEngines {
 };
 
 // The served model of loaded folder `m` of repository `dir`: ready on the
-// engine its backend names (a model the GPU does not compute yet goes to the
-// cpu engine when its backend is "auto"), else failed with the reason, its
-// paths relative to `dir`; then *failure (if given) holds the reason with
+// engine its backend names, else failed with the reason, its paths relative
+// to `dir`; then *failure (if given) holds the reason with
 // full paths, for the operator's log.
 std::shared_ptr<ServedModel> MakeRepositoryServedModel(const RepositoryModel& m,
                                                        const std::string& dir,

@@ -1,7 +1,6 @@
 """The whole server on a GPU: `attnserve --backend cuda` serving `sdpa` and a
 projection model, called by the Python client and compared with PyTorch on the
-same GPU (float64 oracles), plus batch invariance under real batching and
-sessions (the paged KV cache in GPU memory) against stateless requests.
+same GPU (float64 oracles), plus batch invariance under real batching.
 
 Skips without a CUDA build of PyTorch and a GPU (CI has neither). Where a GPU
 must be used (bench/gpu_session.sh on the device machine), ATTNSERVE_REQUIRE_GPU=1
@@ -50,7 +49,50 @@ def repo(tmp_path_factory, torch_cuda):
     mha = torch.nn.MultiheadAttention(256, 8, batch_first=True)
     export_module(mha, str(root / "mha-fp32"), precision="fp32")
     export_module(mha, str(root / "mha-bf16"), precision="bf16")
+    _write_llm_layers(root)
     return root, mha
+
+
+# Today's LLM attention layers, by hand (SEPARATE_QKV, random weights): what
+# each family adds (docs/MODELS.md section 2.1), in fp32 and bf16. The cpu
+# engine, matched against transformers' own modules elsewhere
+# (tests/hf/test_hf_export.py), is their oracle.
+LLM_LAYERS = {
+    "llama": dict(causal=True, rope={"type": "llama3", "theta": 500000.0, "factor": 8.0,
+                                     "original_max_position_embeddings": 8192}),
+    "qwen3": dict(causal=True, rope={"type": "default", "theta": 1000000.0},
+                  qk_norm={"eps": 1e-6}),
+    "mistral": dict(causal=True, rope={"type": "default"}, sliding_window=24),
+    "gemma2": dict(causal=True, rope={"type": "default"}, sliding_window=16, softcap=50.0),
+    "gemma3": dict(causal=True, rope={"type": "linear", "factor": 8.0},
+                   qk_norm={"eps": 1e-6, "weight_offset": True}, sliding_window=20),
+    "gpt-oss": dict(causal=True, rope={"type": "yarn", "theta": 150000.0, "factor": 32.0,
+                                       "original_max_position_embeddings": 4096},
+                    sliding_window=16, sinks=True),
+}
+
+
+def _write_llm_layers(root):
+    from attnserve_client.export import write_model_folder
+    rng = np.random.default_rng(29)
+    embed, heads, kv_heads, head_dim = 512, 8, 2, 64
+    for family, features in LLM_LAYERS.items():
+        t = {"q_proj.weight": rng.uniform(-1, 1, (heads * head_dim, embed)) / np.sqrt(embed),
+             "k_proj.weight": rng.uniform(-1, 1, (kv_heads * head_dim, embed)) / np.sqrt(embed),
+             "v_proj.weight": rng.uniform(-1, 1, (kv_heads * head_dim, embed)) / np.sqrt(embed),
+             "o_proj.weight": rng.uniform(-1, 1, (embed, heads * head_dim)) / np.sqrt(embed)}
+        if "qk_norm" in features:
+            base = 0.0 if features["qk_norm"].get("weight_offset") else 1.0
+            t["q_norm.weight"] = base + rng.uniform(-0.3, 0.3, head_dim)
+            t["k_norm.weight"] = base + rng.uniform(-0.3, 0.3, head_dim)
+        if features.get("sinks"):
+            t["sinks"] = rng.normal(0.0, 2.0, heads)
+        tensors = {k: np.asarray(v, dtype=np.float32) for k, v in t.items()}
+        for precision in ("fp32", "bf16"):
+            config = dict(embed_dim=embed, num_heads=heads, num_kv_heads=kv_heads,
+                          head_dim=head_dim, weight_layout="SEPARATE_QKV", precision=precision,
+                          **features)
+            write_model_folder(str(root / f"{family}-{precision}"), config, tensors)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +112,20 @@ def client(server):
     from attnserve_client import AttentionClient
     with AttentionClient(server.target, timeout=120) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def cpu_client(repo):
+    """The same repository on the cpu engine: the oracle of the LLM layers."""
+    from attnserve_client import AttentionClient
+    root, _ = repo
+    proc = harness.ServerProcess("--backend", "cpu", "--model-repository", str(root),
+                                 startup_timeout=120)
+    try:
+        with AttentionClient(proc.target, timeout=120) as c:
+            yield c
+    finally:
+        proc.stop()
 
 
 def _rel(a, b):
@@ -206,6 +262,31 @@ def test_server_serves_every_model_on_the_cuda_backend(client, server):
     assert {"sdpa", "mha-fp32", "mha-bf16"} <= names
 
 
+@pytest.mark.parametrize("precision,tol", [("fp32", 2e-5), ("bf16", 3e-2)])
+@pytest.mark.parametrize("family", sorted(LLM_LAYERS))
+def test_llm_layers_on_the_gpu_match_the_cpu_engine(client, cpu_client, family, precision, tol):
+    """RoPE, QK-norm, sliding windows, softcapping and sinks on the GPU give
+    the cpu engine's answers: a prefill, a ragged batch with explicit
+    positions (left padding), and a decode row far into the sequence."""
+    model = f"{family}-{precision}"
+    assert client.get_model(model).backend == "cuda"
+    rng = np.random.default_rng(hash(model) % 2**32)
+    x = rng.standard_normal((2, 70, 512)).astype(np.float32)
+    gpu = client.attend(x, model=model).output
+    cpu = cpu_client.attend(x, model=model).output
+    assert _rel(gpu, cpu) < tol, "prefill"
+    # Gaps, so that the distances change (a constant shift would not).
+    positions = np.stack([np.sort(rng.choice(5000, 70, replace=False)),
+                          np.arange(70) + 11]).astype(np.int64)
+    gpu = client.attend(x, model=model, positions=positions).output
+    cpu = cpu_client.attend(x, model=model, positions=positions).output
+    assert _rel(gpu, cpu) < tol, "explicit positions"
+    q = x[:, -1:, :]
+    gpu = client.attend(q, x, x, model=model).output
+    cpu = cpu_client.attend(q, x, x, model=model).output
+    assert _rel(gpu, cpu) < tol, "one query row over 70 keys"
+
+
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 def test_sdpa_session_on_the_gpu_equals_one_causal_request(client, torch_cuda, dtype, tol):
     """A session on the cuda backend (its KV blocks in GPU memory): a prefill
@@ -284,4 +365,27 @@ def test_sdpa_session_with_window_softcap_sinks_on_the_gpu(client, torch_cuda, d
                                  causal=True, input_dtype=dtype, window=16, softcap=5.0,
                                  sinks=sinks)
             assert _rel(res.output, ref[:, :, t:t + n]) < tol, f"step of {n} at {t}"
+            t += n
+
+
+@pytest.mark.parametrize("precision,tol", [("fp32", 2e-5), ("bf16", 3e-2)])
+@pytest.mark.parametrize("family", sorted(LLM_LAYERS))
+def test_llm_layer_sessions_on_the_gpu_match_the_cpu_engine(client, cpu_client, family,
+                                                             precision, tol):
+    """A session on an LLM layer on the GPU (RoPE and QK-norm at the session's
+    positions, windows, softcapping, sinks over the paged cache): a prefill
+    of 37 tokens, 20 decode steps and a 5-token append, each equal to the cpu
+    engine's stateless answer over the whole sequence."""
+    model = f"{family}-{precision}"
+    rng = np.random.default_rng(hash(("session", model)) % 2**32)
+    steps = [37] + [1] * 20 + [5]
+    length = sum(steps)
+    x = rng.standard_normal((1, length, 512)).astype(np.float32)
+    cpu = cpu_client.attend(x, model=model).output
+    with client.open_session(model) as session:
+        t = 0
+        for n in steps:
+            res = session.attend(x[:, t:t + n])
+            assert res.session_length == t + n
+            assert _rel(res.output, cpu[:, t:t + n]) < tol, f"step of {n} at {t}"
             t += n

@@ -280,6 +280,10 @@ struct AttendCase {
   MaskChoice mask_choice = MaskChoice::kNone;
   Shape mask_shape;
   float scale = 0.125f;
+  // Per-request options of the sdpa layer (head layout only).
+  int64_t window = 0;
+  float softcap = 0.0f;
+  std::vector<float> sinks;
 
   Tensor q, k, v, mask, out, weights;
   std::vector<int64_t> lengths;
@@ -295,7 +299,9 @@ struct AttendCase {
           : mask_choice == MaskChoice::kAdditive ? " additive-mask"
                                                  : "")
       << (mask_choice != MaskChoice::kNone ? ShapeString(mask_shape) : "")
-      << (need_weights ? (average ? " avg-weights" : " weights") : "");
+      << (need_weights ? (average ? " avg-weights" : " weights") : "")
+      << (window > 0 ? absl::StrCat(" window ", window) : "")
+      << (softcap > 0 ? absl::StrCat(" softcap ", softcap) : "") << (sinks.empty() ? "" : " sinks");
     return s.str();
   }
 
@@ -361,6 +367,9 @@ struct AttendCase {
       t.weights = w->mutable_view();
       t.average_weights = average;
     }
+    t.window = window;
+    t.softcap = softcap;
+    t.sinks = sinks;
     return t;
   }
 
@@ -497,8 +506,8 @@ void OpenFirstKey(AttendCase& c) {
 // lengths, bool and additive masks broadcast several ways, the token layout
 // (one sequence at its bucket's rows, several at exact rows), another output
 // dtype. Cases marked optional may be declined by cuDNN
-// (other head dims, Dv != Dk, fp32 bias): each is reported, and when served
-// must be right.
+// (other head dims, Dv != Dk, fp32 bias, sliding windows, sinks): each is
+// reported, and when served must be right.
 TEST(CudaEngineTest, CudnnServesItsCasesExactly) {
   REQUIRE_GPU();
   std::string skip;
@@ -566,6 +575,27 @@ TEST(CudaEngineTest, CudnnServesItsCasesExactly) {
     dv.dv = 64;
     cases.push_back({dv, true});
     for (int64_t dim : {32, 96, 256}) cases.push_back({base(bf16, dim, causal, 200, 200), true});
+    // Sinks (cuDNN's sink token, 9.13 and newer), with and without a window.
+    AttendCase sinks = base(bf16, 64, causal, 100, 300);
+    sinks.sinks = {0.5f, -1.0f, 2.0f, 0.0f};
+    cases.push_back({sinks, true});
+    if (causal) {
+      sinks.window = 40;
+      cases.push_back({sinks, true});
+    }
+  }
+  // Sliding windows with bottom-right causal (cuDNN's diagonal band), on and
+  // off the buckets, wider than the keys too.
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    for (auto [lq, lk, window] : {std::tuple<int64_t, int64_t, int64_t>{128, 128, 1},
+                                  {100, 100, 16},
+                                  {1, 300, 50},
+                                  {333, 1000, 256},
+                                  {200, 200, 500}}) {
+      AttendCase w = base(dtype, 128, true, lq, lk);
+      w.window = window;
+      cases.push_back({w, true});
+    }
   }
   std::vector<std::string> declined;
   for (size_t n = 0; n < cases.size(); ++n) {
@@ -780,34 +810,60 @@ TEST(CudaEngineTest, ConcurrentCallsGiveTheSameResults) {
   }
 }
 
-// A layer the GPU does not compute exactly yet (RoPE, QK-norm, a sliding
-// window) is refused naming the feature, never computed without it.
-TEST(CudaEngineTest, RefusesLayersItDoesNotComputeByName) {
+// fp32 inputs run on the unfused path's 3xTF32 GEMMs (unfused_attention.h):
+// exact, within 1e-5 of the float64 reference in absolute terms, output and
+// weights, at lengths where K = 3 D and K = Lk sums are long.
+TEST(CudaEngineTest, Fp32IsWithinOneInOneHundredThousandOfFloat64) {
   REQUIRE_GPU();
-  std::mt19937 rng(5);
-  AttendCase c;
-  c.dtype = c.out_dtype = DType::kFloat16;
-  c.heads = c.kv_heads = 2;
-  c.dk = c.dv = 64;
-  c.q_len = c.kv_len = 8;
-  c.Fill(rng);
-  auto windowed = std::make_shared<AttentionLayer>(SdpaLayer());
-  windowed->config.sliding_window = 4;
-  const AttentionTask task = c.Task();
-  const absl::Status window = Cuda().engine->Run(*windowed, {&task, 1});
-  EXPECT_EQ(window.code(), absl::StatusCode::kUnimplemented) << window;
-  EXPECT_THAT(std::string(window.message()), HasSubstr("sliding window"));
+  std::mt19937 rng(99);
+  for (bool causal : {false, true}) {
+    for (auto [lq, lk, dim] : {std::tuple<int64_t, int64_t, int64_t>{300, 700, 128},
+                               {1, 2048, 64},
+                               {513, 513, 80}}) {
+      AttendCase c;
+      c.dtype = c.out_dtype = c.weights_dtype = DType::kFloat32;
+      c.batch = 2;
+      c.heads = 4;
+      c.kv_heads = 2;
+      c.q_len = lq;
+      c.kv_len = lk;
+      c.dk = c.dv = dim;
+      c.causal = causal;
+      c.need_weights = true;
+      c.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
+      c.Fill(rng);
+      SCOPED_TRACE(c.Describe());
+      Tensor ref_out(c.out.dtype(), c.out.shape());
+      Tensor ref_weights(c.weights.dtype(), c.weights.shape());
+      const AttentionTask ref = c.Task(ref_out, &ref_weights);
+      ASSERT_TRUE(Reference().Run(*c.layer, {&ref, 1}).ok());
+      const AttentionTask gpu = c.Task();
+      const absl::Status status = Cuda().engine->Run(*c.layer, {&gpu, 1});
+      ASSERT_TRUE(status.ok()) << status;
+      ExpectClose(c.out, ref_out, {1e-5, 0.0}, "output");
+      ExpectClose(c.weights, ref_weights, {1e-5, 0.0}, "weights");
+    }
+  }
+}
 
-  AttendCase t = c;
-  t.token_layout = true;
-  t.Fill(rng);
-  auto rope = std::make_shared<AttentionLayer>(*t.layer);
-  rope->config.rope.type = RopeConfig::Type::kDefault;
-  rope->config.rope.rotary_dim = 64;
-  const AttentionTask rope_task = t.Task();
-  const absl::Status rotary = Cuda().engine->Run(*rope, {&rope_task, 1});
-  EXPECT_EQ(rotary.code(), absl::StatusCode::kUnimplemented) << rotary;
-  EXPECT_THAT(std::string(rotary.message()), HasSubstr("rotary position embeddings"));
+// Sliding windows, logit softcapping and sinks, per request on the sdpa
+// layer: neither cuDNN nor the fused kernel takes them, so they run on the
+// unfused path (its weights too), in every dtype, against the reference.
+TEST(CudaEngineTest, WindowSoftcapAndSinksMatchReference) {
+  REQUIRE_GPU();
+  std::mt19937 rng(20261126);
+  for (int i = 0; i < 80; ++i) {
+    AttendCase c = RandomCase(rng, /*token_layout=*/false);
+    if (rng() % 2 == 0) c.window = Pick<int64_t>(rng, {1, 3, 16, 50});
+    if (rng() % 2 == 0) c.softcap = Pick(rng, {5.0f, 30.0f, 50.0f});
+    if (rng() % 2 == 0 || (c.window == 0 && c.softcap == 0.0f)) {
+      std::normal_distribution<float> sink(0.0f, 2.0f);
+      c.sinks.resize(static_cast<size_t>(c.heads));
+      for (float& x : c.sinks) x = sink(rng);
+    }
+    CompareWithReference(c);
+    if (HasFatalFailure()) return;
+  }
 }
 
 // The engine refuses an invalid task before touching any memory, and with it
@@ -840,6 +896,7 @@ TEST(CudaEngineTest, RejectsInvalidTasks) {
 struct TaskBuffers {
   Tensor query, key, value, mask, output, weights;
   std::vector<int64_t> lengths;
+  std::vector<int64_t> positions;
   AttentionTask task;
 };
 
@@ -994,6 +1051,124 @@ TEST(CudaEngineTest, RunProjectionLayersMatchReference) {
       }
       const Tolerance io = ToleranceFor(dtype);
       CompareRun(layer, tasks, {std::max(v.tol.atol, io.atol), std::max(v.tol.rtol, io.rtol)});
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// The layers of today's LLMs (engine/attention_layer.h): RoPE of every
+// scaling type, QK-norm, sliding windows, softcapping and sinks, alone and
+// as the models combine them, with implicit and explicit positions, against
+// the reference engine. RoPE and QK-norm alone keep a bf16/fp16 layer on
+// cuDNN (head dim 64); the rest run on the unfused path.
+TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
+  REQUIRE_GPU();
+  std::mt19937 rng(7);
+  struct Variant {
+    const char* name;
+    void (*set)(LayerConfig&);
+    bool qk_norm = false, norm_offset = false, sinks = false;
+  };
+  const Variant variants[] = {
+      {"llama rope", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kDefault;
+         c.rope.theta = 500000.0;
+         c.rope.rotary_dim = c.head_dim;
+       }},
+      {"gpt-j rope: linear, interleaved, partial", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kLinear;
+         c.rope.factor = 2.0;
+         c.rope.rotary_dim = c.head_dim / 2;
+         c.rope.interleaved = true;
+       }},
+      {"llama3 rope", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kLlama3;
+         c.rope.theta = 500000.0;
+         c.rope.rotary_dim = c.head_dim;
+         c.rope.factor = 8.0;
+         c.rope.low_freq_factor = 1.0;
+         c.rope.high_freq_factor = 4.0;
+         c.rope.original_max_position_embeddings = 8192;
+       }},
+      {"qwen3: qk-norm, rope", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kDefault;
+         c.rope.theta = 1000000.0;
+         c.rope.rotary_dim = c.head_dim;
+         c.qk_norm.enabled = true;
+         c.qk_norm.eps = 1e-6;
+       }, true},
+      {"mistral: rope, causal sliding window", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kDefault;
+         c.rope.rotary_dim = c.head_dim;
+         c.causal = true;
+         c.sliding_window = 16;
+       }},
+      {"gemma2: softcap, window", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kDefault;
+         c.rope.rotary_dim = c.head_dim;
+         c.softcap = 50.0f;
+         c.sliding_window = 8;
+       }},
+      {"gemma3: qk-norm (1 + w), rope, window", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kLinear;
+         c.rope.factor = 8.0;
+         c.rope.rotary_dim = c.head_dim;
+         c.qk_norm.enabled = true;
+         c.qk_norm.weight_offset = true;
+         c.sliding_window = 12;
+       }, true, true},
+      {"gpt-oss: yarn, sinks, window", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kYarn;
+         c.rope.theta = 150000.0;
+         c.rope.rotary_dim = c.head_dim;
+         c.rope.factor = 32.0;
+         c.rope.original_max_position_embeddings = 4096;
+         c.rope.beta_fast = 32.0;
+         c.rope.beta_slow = 1.0;
+         c.rope.attention_factor = 0.1 * std::log(32.0) + 1.0;
+         c.sliding_window = 10;
+       }, false, false, true},
+  };
+  for (const Variant& v : variants) {
+    for (Precision precision : {Precision::kFloat32, Precision::kBFloat16, Precision::kFloat16}) {
+      AttentionLayer layer = ProjectionLayer(256, 4, 2, 256, 256, true, precision, rng);
+      v.set(layer.config);
+      if (v.qk_norm) {
+        const int64_t dim = layer.config.head_dim;
+        layer.weights.q_norm = RandomTensor(DType::kFloat32, {dim}, rng, 0.5f);
+        layer.weights.k_norm = RandomTensor(DType::kFloat32, {dim}, rng, 0.5f);
+        if (!v.norm_offset) {  // around 1, as trained RMSNorm weights are
+          for (Tensor* t : {&layer.weights.q_norm, &layer.weights.k_norm}) {
+            for (int64_t d = 0; d < t->num_elements(); ++d) t->data_as<float>()[d] += 1.0f;
+          }
+        }
+      }
+      if (v.sinks) {
+        layer.config.sinks = true;
+        layer.weights.sinks = RandomTensor(DType::kFloat32, {layer.config.num_heads}, rng, 3.0f);
+      }
+      ASSERT_TRUE(ValidateLayer(layer).ok()) << v.name << ": " << ValidateLayer(layer);
+      SCOPED_TRACE(absl::StrCat(v.name, ", precision ", static_cast<int>(precision)));
+      std::vector<std::unique_ptr<TaskBuffers>> tasks;
+      for (int i = 0; i < 4; ++i) {
+        tasks.push_back(RandomTask(layer.config, rng, DType::kFloat32, i % 2 == 0));
+        TaskBuffers& t = *tasks.back();
+        const int64_t b = t.query.shape()[0], lq = t.query.shape()[1];
+        const int64_t lk = t.task.key.empty() ? lq : t.key.shape()[1];
+        if (i >= 2 && lq <= lk) {  // explicit positions: left padding, far positions
+          std::uniform_int_distribution<int64_t> start(0, 5000);
+          t.positions.resize(static_cast<size_t>(b * lk));
+          for (int64_t s = 0; s < b; ++s) {
+            const int64_t first = start(rng);
+            for (int64_t j = 0; j < lk; ++j) t.positions[s * lk + j] = first + j;
+          }
+          t.task.positions = t.positions;
+        }
+      }
+      const Tolerance tol = precision == Precision::kFloat32   ? Tolerance{1e-4, 1e-4}
+                            : precision == Precision::kFloat16 ? Tolerance{1.5e-2, 2e-2}
+                                                               : Tolerance{6e-2, 6e-2};
+      CompareRun(layer, tasks, tol);
       if (HasFatalFailure()) return;
     }
   }

@@ -157,6 +157,40 @@ TEST(SdpaRefusalTest, TakesFp16AndBf16AndNamesWhatItRefuses) {
   EXPECT_EQ(SdpaRefusal(short_keys, DType::kFloat16), std::nullopt);
 }
 
+// Sliding windows go to cuDNN's band only with bottom-right causal alone;
+// sinks without a mask; softcapping never (the kernels written here serve
+// the rest).
+TEST(SdpaRefusalTest, LayerFeaturesCudnnComputesAndTheRest) {
+  AttentionParams window = Eligible();
+  window.window = 64;
+  EXPECT_EQ(SdpaRefusal(window, DType::kBFloat16), std::nullopt);
+  AttentionParams not_causal = window;
+  not_causal.causal = false;
+  EXPECT_THAT(SdpaRefusal(not_causal, DType::kBFloat16).value_or(""),
+              HasSubstr("sliding window"));
+  AttentionParams with_lengths = window;
+  const int64_t lengths[] = {300, 200};
+  with_lengths.key_lengths = lengths;
+  EXPECT_THAT(SdpaRefusal(with_lengths, DType::kBFloat16).value_or(""),
+              HasSubstr("sliding window"));
+  AttentionParams masked = window;
+  const uint8_t allowed = 1;
+  masked.mask.kind = MaskParams::Kind::kBool;
+  masked.mask.data = &allowed;
+  EXPECT_THAT(SdpaRefusal(masked, DType::kBFloat16).value_or(""), HasSubstr("sliding window"));
+
+  const float sink_logits[8] = {};
+  AttentionParams sinks = Eligible();
+  sinks.sinks = sink_logits;
+  EXPECT_EQ(SdpaRefusal(sinks, DType::kFloat16), std::nullopt);
+  sinks.mask = masked.mask;
+  EXPECT_THAT(SdpaRefusal(sinks, DType::kFloat16).value_or(""), HasSubstr("sinks"));
+
+  AttentionParams softcap = Eligible();
+  softcap.softcap = 50.0f;
+  EXPECT_THAT(SdpaRefusal(softcap, DType::kBFloat16).value_or(""), HasSubstr("softcapping"));
+}
+
 TEST(CudnnSdpaTest, SequenceLengthsOnlyWhenThePlanMasksPadding) {
   SdpaShape s;
   s.q_len = s.kv_len = s.q_rows = s.kv_rows = 1024;

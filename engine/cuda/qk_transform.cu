@@ -1,0 +1,90 @@
+// QK-norm and RoPE on the projected Q and K (attention_kernels.h), computed
+// as the cpu engine computes them (engine/cpu/rotary.cc): the float64 parts
+// (the norm's mean, the angles, cos and sin) in float64, the rest in float
+// with every product rounded as written (no fused multiply-adds), so that
+// both engines give the same values up to float64's last bits.
+#include <cstdint>
+
+#include "engine/cuda/attention_kernels.h"
+#include "engine/cuda/device_utils.cuh"
+
+namespace attnserve::cuda {
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kNormWarps = 8;
+constexpr int kRotaryThreads = 128;
+
+// One warp per (row, head) vector.
+__global__ void QkNormKernel(void* x, DType type, int64_t rows, int64_t row_stride,
+                             int64_t heads, int64_t head_dim, const float* w, double eps,
+                             bool weight_offset) {
+  const int64_t vector = blockIdx.x * int64_t{kNormWarps} + threadIdx.x / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  if (vector >= rows * heads) return;  // whole warps leave together
+  const int64_t at = (vector / heads) * row_stride + (vector % heads) * head_dim;
+  double sum = 0.0;
+  for (int64_t d = lane; d < head_dim; d += kWarpSize) {
+    const double v = LoadElement(x, type, at + d);
+    sum += v * v;
+  }
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  }
+  const float inv = static_cast<float>(1.0 / sqrt(sum / static_cast<double>(head_dim) + eps));
+  for (int64_t d = lane; d < head_dim; d += kWarpSize) {
+    const float weight = weight_offset ? __fadd_rn(1.0f, w[d]) : w[d];
+    StoreElement(x, type, at + d, __fmul_rn(__fmul_rn(LoadElement(x, type, at + d), inv), weight));
+  }
+}
+
+// One block per row: each thread takes pairs i (angle computed once per row
+// and pair) and rotates that pair in every head.
+__global__ void RotaryKernel(void* x, DType type, int64_t seq_len, int64_t row_stride,
+                             int64_t heads, int64_t head_dim, RotaryArgs r) {
+  const int64_t row = blockIdx.x;
+  const int64_t b = row / seq_len, t = row % seq_len;
+  const int64_t position =
+      r.positions != nullptr ? r.positions[b * r.positions_stride + r.first + t] : r.first + t;
+  const int64_t half = r.rotary_dim / 2;
+  for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
+    const double angle = static_cast<double>(position) * r.inv_freq[i];
+    const float c = static_cast<float>(cos(angle) * r.attention_factor);
+    const float s = static_cast<float>(sin(angle) * r.attention_factor);
+    const int64_t first = r.interleaved ? 2 * i : i;
+    const int64_t second = r.interleaved ? 2 * i + 1 : i + half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t at = row * row_stride + h * head_dim;
+      const float x1 = LoadElement(x, type, at + first);
+      const float x2 = LoadElement(x, type, at + second);
+      StoreElement(x, type, at + first, __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+      StoreElement(x, type, at + second, __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchQkNorm(void* x, DType type, int64_t rows, int64_t row_stride, int64_t heads,
+                         int64_t head_dim, const float* w, double eps, bool weight_offset,
+                         cudaStream_t stream) {
+  const int64_t vectors = rows * heads;
+  if (vectors <= 0) return cudaSuccess;
+  const int64_t blocks = (vectors + kNormWarps - 1) / kNormWarps;
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  QkNormKernel<<<static_cast<unsigned>(blocks), kNormWarps * kWarpSize, 0, stream>>>(
+      x, type, rows, row_stride, heads, head_dim, w, eps, weight_offset);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchRotary(void* x, DType type, int64_t rows, int64_t seq_len, int64_t row_stride,
+                         int64_t heads, int64_t head_dim, const RotaryArgs& rotary,
+                         cudaStream_t stream) {
+  if (rows <= 0 || rotary.rotary_dim <= 0) return cudaSuccess;
+  if (rows > INT32_MAX || seq_len <= 0) return cudaErrorInvalidConfiguration;
+  RotaryKernel<<<static_cast<unsigned>(rows), kRotaryThreads, 0, stream>>>(
+      x, type, seq_len, row_stride, heads, head_dim, rotary);
+  return cudaGetLastError();
+}
+
+}  // namespace attnserve::cuda
