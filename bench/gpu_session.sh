@@ -17,8 +17,11 @@
 # cuDNN length bucket with the bucket built at load by config.pbtxt warmup,
 # and without; not in the default list), sessions (the GPU session tests of
 # cuda_engine_test under compute-sanitizer memcheck, then
-# attnserve_cuda_bench --paged: the split-KV decode against gather + fused
-# kernel; not in the default list).
+# attnserve_cuda_bench --paged: 32 sessions' decode step against a device
+# copy of their K/V, and the split-KV decode against gather + fused kernel;
+# not in the default list), sessionserve (bench/session_decode.sh on
+# --backend cuda: decode through sessions against stateless; not in the
+# default list).
 # BUNDLE names another bundle (default .gpu/bundle.tar.xz), TAG names its
 # logs. Logs go to $OUT/logs-TAG.tar.gz (the device tool brings back few
 # files), else ./gpu-out.
@@ -154,6 +157,17 @@ for phase in "${phases[@]}"; do
       grep -E "ERROR SUMMARY|Invalid|FAILED|Failure" "$out/memcheck_sessions.log" | head -20
       [[ $rc -eq 0 ]] || status=1
       "$as/bin/attnserve_cuda_bench" --paged --iters 20 2>&1 | tee "$out/cuda_bench_paged.jsonl"
+      ;;
+    sessionserve)
+      # Decode through the server's sessions against the same decode sent
+      # statelessly (bench/session_decode.sh: 32 sessions x 4k context,
+      # fp16, 8 heads of 128), attnserve --backend cuda.
+      step "sessionserve: bench/session_decode.sh on the cuda backend"
+      fake=$as/build && mkdir -p "$fake/client" "$fake/server"
+      ln -sf "$as/bin/attn_bench" "$fake/client/attn_bench"
+      ln -sf "$as/bin/attnserve" "$fake/server/attnserve"
+      PYTHON=$(command -v python3) ATTNSERVE_ARGS="--backend cuda" ROUNDS=${ROUNDS:-2} timeout 240 \
+        bash "$root/bench/session_decode.sh" "$fake" 2>&1 | tee "$out/session_decode.txt" | grep -E "round|error"
       ;;
     *) echo "unknown phase $phase"; status=2 ;;
   esac

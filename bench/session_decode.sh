@@ -18,13 +18,13 @@ bench_start target "$bench_tmp/server.log" "${SERVER_BIN:-$build/server/attnserv
   --metrics-address 127.0.0.1:0 --http-address 127.0.0.1:0 ${ATTNSERVE_ARGS:-}
 common=(--target "$target" --model sdpa --concurrency "$sessions" --heads "$heads"
         --head_dim "$head_dim" --dtype fp16 --timeout_ms 600000 --json)
-field() { /usr/bin/python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d$2)" "$1"; }
+field() { ${PYTHON:-/usr/bin/python3} -c "import json,sys; d=json.load(open(sys.argv[1])); print(d$2)" "$1"; }
 for ((r = 1; r <= rounds; r++)); do
   "$build/client/attn_bench" "${common[@]}" --session --context "$context" \
     --decode_steps "$steps" > "$bench_tmp/session.json"
   "$build/client/attn_bench" "${common[@]}" --requests $((sessions * steps)) --seq 1 \
     --kv_seq "$context" --causal > "$bench_tmp/stateless.json"
-  /usr/bin/python3 - "$bench_tmp/session.json" "$bench_tmp/stateless.json" "$r" <<'PY'
+  ${PYTHON:-/usr/bin/python3} - "$bench_tmp/session.json" "$bench_tmp/stateless.json" "$r" <<'PY'
 import json, sys
 s, t = (json.load(open(p)) for p in sys.argv[1:3])
 def rate(d):

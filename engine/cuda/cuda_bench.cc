@@ -302,30 +302,41 @@ void BenchCeiling(DType t, int iters) {
   std::fflush(stdout);
 }
 
-// A session's cache of `kv_len` tokens in blocks of `block_tokens` laid out
-// in a shuffled order (as a pool hands them out), bf16, Hq 32 over Hkv 8,
-// head dim 128; `q_len` query rows attend causally over it. Prints the
-// split-KV decode's time and the gather + fused kernel's, and the K/V bytes
-// each reads per microsecond (GB/s).
-void BenchPaged(int64_t q_len, int64_t kv_len, int64_t block_tokens, int iters) {
+// `sessions` caches of `kv_len` tokens each in blocks of `block_tokens` laid
+// out in a shuffled order (as a pool hands them out), bf16, Hq 32 over Hkv
+// 8, head dim 128; `q_len` query rows of each attend causally over its
+// cache, one launch per session as the engine runs a batch of session
+// steps. Prints the split-KV decode's time for all sessions, a device copy
+// of the same K/V bytes (the step's memory floor: the decode must read them
+// all), and, for one session, the gather + fused kernel's time.
+void BenchPaged(int64_t sessions, int64_t q_len, int64_t kv_len, int64_t block_tokens,
+                int iters) {
   const DType t = DType::kBFloat16;
   const int64_t hq = 32, hkv = 8, dim = 128;
   const int64_t blocks = (kv_len + block_tokens - 1) / block_tokens;
   const int64_t block_elems = 2 * hkv * block_tokens * dim;  // K part then V part
-  DeviceBuffer slab = Random(t, blocks * block_elems, 4);
-  DeviceBuffer q = Random(t, hq * q_len * dim, 5);
-  std::vector<int64_t> order(static_cast<size_t>(blocks));
-  for (int64_t i = 0; i < blocks; ++i) order[i] = i;
+  const int64_t total_blocks = sessions * blocks;
+  DeviceBuffer slab = Random(t, total_blocks * block_elems, 4);
+  DeviceBuffer q = Random(t, sessions * hq * q_len * dim, 5);
+  std::vector<int64_t> order(static_cast<size_t>(total_blocks));
+  for (int64_t i = 0; i < total_blocks; ++i) order[i] = i;
   std::shuffle(order.begin(), order.end(), std::mt19937(6));
-  std::vector<const void*> k_table, v_table;
   const size_t elem = DTypeSize(t);
-  for (int64_t i : order) {
-    const char* block = static_cast<const char*>(slab.data()) + i * block_elems * elem;
-    k_table.push_back(block);
-    v_table.push_back(block + hkv * block_tokens * dim * elem);
+  // Tables: session s's K table at [2 s blocks, ...), its V table after it.
+  std::vector<const void*> table_host;
+  for (int64_t s = 0; s < sessions; ++s) {
+    std::vector<const void*> k_table, v_table;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const char* block =
+          static_cast<const char*>(slab.data()) + order[s * blocks + b] * block_elems * elem;
+      k_table.push_back(block);
+      v_table.push_back(block + hkv * block_tokens * dim * elem);
+    }
+    table_host.insert(table_host.end(), k_table.begin(), k_table.end());
+    table_host.insert(table_host.end(), v_table.begin(), v_table.end());
   }
-  absl::StatusOr<DeviceBuffer> tables = DeviceBuffer::Allocate(2 * blocks * sizeof(void*));
-  absl::StatusOr<DeviceBuffer> out = DeviceBuffer::Allocate(hq * q_len * dim * elem);
+  absl::StatusOr<DeviceBuffer> tables = DeviceBuffer::Allocate(table_host.size() * sizeof(void*));
+  absl::StatusOr<DeviceBuffer> out = DeviceBuffer::Allocate(sessions * hq * q_len * dim * elem);
   AttentionParams a;
   a.batch = 1;
   a.num_heads = hq;
@@ -336,27 +347,48 @@ void BenchPaged(int64_t q_len, int64_t kv_len, int64_t block_tokens, int iters) 
   a.dtype = a.out_dtype = t;
   a.causal = true;
   a.scale = 1.0f / std::sqrt(static_cast<float>(dim));
-  a.q = q.data();
   a.block_tokens = block_tokens;
-  absl::StatusOr<DeviceBuffer> scratch = DeviceBuffer::Allocate(PagedDecodeScratchBytes(a));
+  const size_t scratch_bytes = PagedDecodeScratchBytes(a);
+  absl::StatusOr<DeviceBuffer> scratch = DeviceBuffer::Allocate(sessions * scratch_bytes);
   absl::StatusOr<DeviceBuffer> gathered = DeviceBuffer::Allocate(2 * hkv * kv_len * dim * elem);
-  if (!tables.ok() || !out.ok() || !scratch.ok() || !gathered.ok()) {
+  const size_t kv_bytes = static_cast<size_t>(2 * hkv * kv_len * dim) * elem * sessions;
+  absl::StatusOr<DeviceBuffer> copy = DeviceBuffer::Allocate(kv_bytes);
+  if (!tables.ok() || !out.ok() || !scratch.ok() || !gathered.ok() || !copy.ok()) {
     std::fprintf(stderr, "allocation failed\n");
     std::exit(1);
   }
   auto* table = static_cast<const void**>(tables->data());
-  cudaMemcpy(table, k_table.data(), blocks * sizeof(void*), cudaMemcpyHostToDevice);
-  cudaMemcpy(table + blocks, v_table.data(), blocks * sizeof(void*), cudaMemcpyHostToDevice);
-  a.k_blocks = table;
-  a.v_blocks = table + blocks;
-  a.out = out->data();
+  cudaMemcpy(table, table_host.data(), table_host.size() * sizeof(void*), cudaMemcpyHostToDevice);
   SetContiguousStrides(&a, HeadLayoutStrides);
   a.k_stride_b = a.k_stride_h = a.k_stride_row = 0;
   a.v_stride_b = a.v_stride_h = a.v_stride_row = 0;
-  const double decode_ms =
-      TimeMs([&] { Check(LaunchPagedDecode(a, scratch->data(), nullptr), "paged decode"); },
-             iters);
-  AttentionParams g = a;
+  auto session = [&](int64_t s) {
+    AttentionParams p = a;
+    p.q = static_cast<const char*>(q.data()) + s * hq * q_len * dim * elem;
+    p.out = static_cast<char*>(out->data()) + s * hq * q_len * dim * elem;
+    p.k_blocks = table + 2 * s * blocks;
+    p.v_blocks = table + (2 * s + 1) * blocks;
+    return p;
+  };
+  const double decode_ms = TimeMs(
+      [&] {
+        for (int64_t s = 0; s < sessions; ++s) {
+          Check(LaunchPagedDecode(session(s), static_cast<char*>(scratch->data()) +
+                                                  s * scratch_bytes,
+                                  nullptr),
+                "paged decode");
+        }
+      },
+      iters);
+  const double copy_ms = TimeMs(
+      [&] {
+        Check(cudaMemcpyAsync(copy->data(), slab.data(), kv_bytes, cudaMemcpyDeviceToDevice,
+                              nullptr),
+              "device copy");
+      },
+      iters);
+  const AttentionParams one = session(0);
+  AttentionParams g = one;
   g.k = gathered->data();
   g.v = static_cast<char*>(gathered->data()) + hkv * kv_len * dim * elem;
   g.k_blocks = g.v_blocks = nullptr;
@@ -364,20 +396,21 @@ void BenchPaged(int64_t q_len, int64_t kv_len, int64_t block_tokens, int iters) 
   SetContiguousStrides(&g, HeadLayoutStrides);
   const double gather_ms = TimeMs(
       [&] {
-        Check(LaunchPagedGather(a, const_cast<void*>(g.k), const_cast<void*>(g.v), nullptr),
+        Check(LaunchPagedGather(one, const_cast<void*>(g.k), const_cast<void*>(g.v), nullptr),
               "paged gather");
         Check(FlashAttentionSupports(g) ? LaunchFlashAttention(g, nullptr)
                                         : LaunchAttentionGeneral(g, nullptr),
               "attention over the gathered cache");
       },
       iters);
-  const double kv_bytes = 2.0 * hkv * kv_len * dim * elem;
   std::printf(
-      "{\"kind\": \"paged\", \"dtype\": \"%s\", \"q_len\": %lld, \"kv_len\": %lld, "
-      "\"block_tokens\": %lld, \"decode_ms\": %.4f, \"gather_flash_ms\": %.4f, "
-      "\"decode_gbps\": %.1f}\n",
-      TypeName(t), static_cast<long long>(q_len), static_cast<long long>(kv_len),
-      static_cast<long long>(block_tokens), decode_ms, gather_ms, kv_bytes / decode_ms / 1e6);
+      "{\"kind\": \"paged\", \"dtype\": \"%s\", \"sessions\": %lld, \"q_len\": %lld, "
+      "\"kv_len\": %lld, \"block_tokens\": %lld, \"decode_ms\": %.4f, \"copy_ms\": %.4f, "
+      "\"decode_gbps\": %.1f, \"copy_over_decode\": %.2f, \"gather_flash_ms_one\": %.4f}\n",
+      TypeName(t), static_cast<long long>(sessions), static_cast<long long>(q_len),
+      static_cast<long long>(kv_len), static_cast<long long>(block_tokens), decode_ms, copy_ms,
+      static_cast<double>(kv_bytes) / decode_ms / 1e6, copy_ms / decode_ms, gather_ms);
+  std::fflush(stdout);
 }
 
 int Main(int argc, char** argv) {
@@ -406,10 +439,12 @@ int Main(int argc, char** argv) {
   std::printf("{\"kind\": \"device\", \"name\": \"%s\", \"sm\": %d%d}\n", prop.name, prop.major,
               prop.minor);
   if (paged) {
+    // The GPU issue's decode check: 32 sessions x 4k context, one step.
+    for (int64_t block_tokens : {16, 64}) BenchPaged(32, 1, 4096, block_tokens, iters);
     for (int64_t kv_len : quick ? std::vector<int64_t>{4096}
                                 : std::vector<int64_t>{1024, 4096, 16384, 65536}) {
       for (int64_t q_len : {1, 4, 16, 32, 64}) {
-        for (int64_t block_tokens : {16, 64}) BenchPaged(q_len, kv_len, block_tokens, iters);
+        for (int64_t block_tokens : {16, 64}) BenchPaged(1, q_len, kv_len, block_tokens, iters);
       }
     }
     return 0;
