@@ -150,7 +150,7 @@ for phase in "${phases[@]}"; do
       ;;
     sessions)
       step "sessions: memcheck over the paged-KV tests, then cuda_bench --paged"
-      timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$as/bin/cuda_engine_test" \
+      timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 "$as/bin/cuda_engine_test" \
         --gtest_filter='CudaEngineTest.*Session*:CudaEngineTest.RefusesPagedTasks*' \
         > "$out/memcheck_sessions.log" 2>&1
       rc=$?; echo "memcheck (sessions) exit $rc"
