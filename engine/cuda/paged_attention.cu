@@ -26,6 +26,16 @@ constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
 constexpr int kPerLane = static_cast<int>(kPagedDecodeMaxHeadDim) / kWarpSize;  // 8
 constexpr int kCombineThreads = 128;
 
+// A decode block takes up to kTileRows query rows of one kv head: the rows
+// r = (h - g * group) * q_len + i of the heads h of kv head g's group, so
+// each K/V row it reads serves all of them.
+constexpr int kTileRows = 8;
+
+int64_t RowTiles(const AttentionParams& a) {
+  const int64_t group_rows = a.num_heads / a.num_kv_heads * a.q_len;
+  return (group_rows + kTileRows - 1) / kTileRows;
+}
+
 // How the keys of every row are split: `chunks` chunks of `chunk_keys`
 // keys (the last one shorter), none empty.
 struct Split {
@@ -34,9 +44,9 @@ struct Split {
 };
 
 Split SplitFor(const AttentionParams& a) {
-  const int64_t rows = a.num_heads * a.q_len;
+  const int64_t tiles = a.num_kv_heads * RowTiles(a);
   const int64_t most = (a.kv_len + kPagedDecodeMinChunkKeys - 1) / kPagedDecodeMinChunkKeys;
-  const int64_t wanted = (kPagedDecodeTargetBlocks + rows - 1) / rows;
+  const int64_t wanted = (kPagedDecodeTargetBlocks + tiles - 1) / tiles;
   Split split;
   const int64_t chunks = std::max<int64_t>(1, std::min(most, wanted));
   split.chunk_keys = (a.kv_len + chunks - 1) / chunks;
@@ -103,97 +113,206 @@ __device__ __forceinline__ const T* PagedRow(const void* const* blocks, int64_t 
   return block + (g * block_tokens + j % block_tokens) * dim;
 }
 
-// Grid: one block per (row, chunk), row = h * q_len + i, flattened as
-// row * chunks + chunk. Writes partial[(row * chunks + chunk) * (Dv + 2)]:
-// the chunk's max score m (-inf when it sees no key), the sum of
+// Grid: one block per (kv head g, tile of rows, chunk), flattened as
+// (g * tiles + tile) * chunks + chunk. For each of its rows (h, i) it
+// writes partial[((h * q_len + i) * chunks + chunk) * (Dv + 2)]: the
+// chunk's max score m (-inf when the row sees none of its keys), the sum of
 // exp(score - m) and the Dv accumulators sum exp(score - m) * v.
-template <typename T>
+//
+// Each warp takes tiles of 32 keys (warp w the tiles w, w + 4, ... of the
+// chunk). Lane t computes the scores of key j0 + t for all the block's rows
+// (its K row read whole, 16 bytes at a time where rows are 16-byte
+// aligned); the warp then updates each row's online softmax over the tile
+// (max and sum by butterflies, so every lane holds the same values), and
+// accumulates P V with lanes over the features (d = lane + 32 u), each
+// key's probabilities passed round by shuffles. So every K and V row is read
+// once for all the rows of the tile, and no dot product is reduced across
+// lanes.
+template <typename T, int kLaneDims>
 __global__ void __launch_bounds__(kDecodeThreads)
-    PagedDecodeKernel(AttentionParams a, int64_t chunks, int64_t chunk_keys, float* partial) {
-  __shared__ float sq[kPagedDecodeMaxHeadDim];
-  __shared__ float warp_m[kDecodeWarps];
-  __shared__ float warp_l[kDecodeWarps];
-  __shared__ float warp_acc[kDecodeWarps][kPagedDecodeMaxHeadDim];
+    PagedDecodeKernel(AttentionParams a, int64_t tiles, int64_t chunks, int64_t chunk_keys,
+                      float* partial) {
+  __shared__ float sq[kTileRows][kPagedDecodeMaxHeadDim];
+  __shared__ float warp_m[kDecodeWarps][kTileRows];
+  __shared__ float warp_l[kDecodeWarps][kTileRows];
+  __shared__ float warp_acc[kDecodeWarps][kTileRows][kPagedDecodeMaxHeadDim];
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int64_t chunk = static_cast<int64_t>(blockIdx.x) % chunks;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) / chunks;
-  const int64_t i = row % a.q_len;
-  const int64_t h = row / a.q_len;
-  const int64_t g = h / (a.num_heads / a.num_kv_heads);
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) / chunks % tiles;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) / chunks / tiles;
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  const int64_t first = tile * kTileRows;  // of the group's rows
+  const int rows = static_cast<int>(min(int64_t{kTileRows}, group * a.q_len - first));
+  // Row r of the tile: head g * group + (first + r) / q_len, query index
+  // (first + r) % q_len, at position that index + kv_len - q_len.
+  auto head_of = [&](int r) { return g * group + (first + r) / a.q_len; };
+  auto index_of = [&](int r) { return (first + r) % a.q_len; };
 
-  const T* q_row = static_cast<const T*>(a.q) + h * a.q_stride_h + i * a.q_stride_row;
-  for (int64_t d = threadIdx.x; d < a.head_dim; d += kDecodeThreads) sq[d] = ToFloat(q_row[d]);
+  for (int r = 0; r < kTileRows; ++r) {
+    const T* q_row = r < rows ? static_cast<const T*>(a.q) + head_of(r) * a.q_stride_h +
+                                    index_of(r) * a.q_stride_row
+                              : nullptr;
+    for (int64_t d = threadIdx.x; d < kPagedDecodeMaxHeadDim; d += kDecodeThreads) {
+      sq[r][d] = q_row != nullptr && d < a.head_dim ? ToFloat(q_row[d]) : 0.0f;
+    }
+  }
   __syncthreads();
 
-  // The keys of this chunk that row i sees (attention_params.h): query i
-  // sits at position i + kv_len - q_len.
-  const int64_t position = i + a.kv_len - a.q_len;
+  int64_t pos[kTileRows];
+#pragma unroll
+  for (int r = 0; r < kTileRows; ++r) pos[r] = index_of(min(r, rows - 1)) + a.kv_len - a.q_len;
+  // The keys any row of the tile may see: the chunk, cut by the latest
+  // row's causal end and the earliest row's window start.
+  int64_t min_pos = pos[0], max_pos = pos[0];
+#pragma unroll
+  for (int r = 1; r < kTileRows; ++r) {
+    min_pos = min(min_pos, pos[r]);
+    max_pos = max(max_pos, pos[r]);
+  }
   int64_t lo = chunk * chunk_keys;
   int64_t hi = min(a.kv_len, lo + chunk_keys);
-  if (a.causal) hi = min(hi, position + 1);
-  if (a.window > 0) lo = max(lo, position - a.window + 1);
+  if (a.causal) hi = min(hi, max_pos + 1);
+  if (a.window > 0) lo = max(lo, min_pos - a.window + 1);
 
-  // Each warp: an online softmax over keys lo + warp, lo + warp + 4, ...;
-  // lane owns accumulators d = lane + 32 t.
-  float m = -INFINITY;
-  float l = 0.0f;
-  float acc[kPerLane];
+  // K rows of 16-byte multiples (and blocks 16-byte aligned: the pool's
+  // are 64-byte aligned) are read as 16-byte vectors.
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  const bool vector_k = (a.head_dim % kVec) == 0;
+
+  float m[kTileRows], l[kTileRows], acc[kTileRows][kLaneDims];
 #pragma unroll
-  for (int t = 0; t < kPerLane; ++t) acc[t] = 0.0f;
-  for (int64_t j = lo + warp; j < hi; j += kDecodeWarps) {
-    const T* k = PagedRow<T>(a.k_blocks, a.block_tokens, a.head_dim, g, j);
-    float dot = 0.0f;
-    for (int64_t d = lane; d < a.head_dim; d += kWarpSize) dot += sq[d] * ToFloat(k[d]);
-    // Butterfly: every lane ends with the same (bitwise) sum.
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-      dot += __shfl_xor_sync(kFullMask, dot, offset);
-    }
-    float s = dot * a.scale;
-    if (a.softcap > 0.0f) s = a.softcap * tanhf(s / a.softcap);
-    if (s == -INFINITY) continue;
-    const float m_new = fmaxf(m, s);
-    const float correction = expf(m - m_new);  // 0 while m is -inf
-    const float p = expf(s - m_new);
-    l = l * correction + p;
-    const T* v = PagedRow<T>(a.v_blocks, a.block_tokens, a.head_dim_v, g, j);
+  for (int r = 0; r < kTileRows; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
 #pragma unroll
-    for (int t = 0; t < kPerLane; ++t) {
-      const int64_t d = lane + t * kWarpSize;
-      if (d < a.head_dim_v) acc[t] = acc[t] * correction + p * ToFloat(v[d]);
+    for (int u = 0; u < kLaneDims; ++u) acc[r][u] = 0.0f;
+  }
+  for (int64_t j0 = lo + int64_t{warp} * kWarpSize; j0 < hi;
+       j0 += int64_t{kDecodeWarps} * kWarpSize) {
+    const int64_t j = j0 + lane;
+    float s[kTileRows];
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) s[r] = 0.0f;
+    if (j < hi) {
+      const T* k = PagedRow<T>(a.k_blocks, a.block_tokens, a.head_dim, g, j);
+      if (vector_k) {
+        for (int64_t d0 = 0; d0 < a.head_dim; d0 += kVec) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(k + d0);
+          const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            const float xe = ToFloat(x[e]);
+#pragma unroll
+            for (int r = 0; r < kTileRows; ++r) s[r] += sq[r][d0 + e] * xe;
+          }
+        }
+      } else {
+        for (int64_t d = 0; d < a.head_dim; ++d) {
+          const float xd = ToFloat(k[d]);
+#pragma unroll
+          for (int r = 0; r < kTileRows; ++r) s[r] += sq[r][d] * xd;
+        }
+      }
     }
-    m = m_new;
+    // Scores after the scale, softcap and the row's visibility (-inf where
+    // it sees no such key).
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) {
+      const bool sees = r < rows && j < hi && !(a.causal && j > pos[r]) &&
+                        !(a.window > 0 && j < pos[r] - a.window + 1);
+      float sc = s[r] * a.scale;
+      if (a.softcap > 0.0f) sc = a.softcap * tanhf(sc / a.softcap);
+      s[r] = sees ? sc : -INFINITY;
+    }
+    // Per row: the tile's max, the new running max, the probabilities and
+    // their sum; s[r] becomes lane's key's probability (0 if unseen).
+    float correction[kTileRows];
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) {
+      float tile_m = s[r];
+#pragma unroll
+      for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+        tile_m = fmaxf(tile_m, __shfl_xor_sync(kFullMask, tile_m, offset));
+      }
+      const float m_new = fmaxf(m[r], tile_m);
+      if (m_new == -INFINITY) {  // nothing seen yet: keep the zeros
+        correction[r] = 1.0f;
+        s[r] = 0.0f;
+        continue;
+      }
+      correction[r] = expf(m[r] - m_new);  // 0 while m is -inf
+      const float p = s[r] == -INFINITY ? 0.0f : expf(s[r] - m_new);
+      float sum = p;
+#pragma unroll
+      for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+        sum += __shfl_xor_sync(kFullMask, sum, offset);
+      }
+      l[r] = l[r] * correction[r] + sum;
+      m[r] = m_new;
+      s[r] = p;
+    }
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) {
+#pragma unroll
+      for (int u = 0; u < kLaneDims; ++u) acc[r][u] *= correction[r];
+    }
+    const int count = static_cast<int>(min(int64_t{kWarpSize}, hi - j0));
+    for (int t = 0; t < count; ++t) {
+      const T* v = PagedRow<T>(a.v_blocks, a.block_tokens, a.head_dim_v, g, j0 + t);
+      float vd[kLaneDims];
+#pragma unroll
+      for (int u = 0; u < kLaneDims; ++u) {
+        const int64_t d = lane + u * kWarpSize;
+        vd[u] = d < a.head_dim_v ? ToFloat(v[d]) : 0.0f;
+      }
+#pragma unroll
+      for (int r = 0; r < kTileRows; ++r) {
+        const float p = __shfl_sync(kFullMask, s[r], t);
+#pragma unroll
+        for (int u = 0; u < kLaneDims; ++u) acc[r][u] += p * vd[u];
+      }
+    }
   }
   if (lane == 0) {
-    warp_m[warp] = m;
-    warp_l[warp] = l;
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) {
+      warp_m[warp][r] = m[r];
+      warp_l[warp][r] = l[r];
+    }
   }
 #pragma unroll
-  for (int t = 0; t < kPerLane; ++t) {
-    const int64_t d = lane + t * kWarpSize;
-    if (d < a.head_dim_v) warp_acc[warp][d] = acc[t];
+  for (int r = 0; r < kTileRows; ++r) {
+#pragma unroll
+    for (int u = 0; u < kLaneDims; ++u) {
+      const int64_t d = lane + u * kWarpSize;
+      if (d < a.head_dim_v) warp_acc[warp][r][d] = acc[r][u];
+    }
   }
   __syncthreads();
 
-  // The block's warps combined in warp order.
-  float chunk_m = -INFINITY;
-  for (int w = 0; w < kDecodeWarps; ++w) chunk_m = fmaxf(chunk_m, warp_m[w]);
-  float* out = partial + (row * chunks + chunk) * PartialFloats(a);
-  float factor[kDecodeWarps];
-  for (int w = 0; w < kDecodeWarps; ++w) {
-    factor[w] = warp_m[w] == -INFINITY ? 0.0f : expf(warp_m[w] - chunk_m);
-  }
-  if (threadIdx.x == 0) {
-    float chunk_l = 0.0f;
-    for (int w = 0; w < kDecodeWarps; ++w) chunk_l += warp_l[w] * factor[w];
-    out[0] = chunk_m;
-    out[1] = chunk_l;
-  }
-  for (int64_t d = threadIdx.x; d < a.head_dim_v; d += kDecodeThreads) {
-    float sum = 0.0f;
-    for (int w = 0; w < kDecodeWarps; ++w) sum += warp_acc[w][d] * factor[w];
-    out[2 + d] = sum;
+  // Each row's warps combined in warp order.
+  for (int r = 0; r < rows; ++r) {
+    float chunk_m = -INFINITY;
+    for (int w = 0; w < kDecodeWarps; ++w) chunk_m = fmaxf(chunk_m, warp_m[w][r]);
+    float factor[kDecodeWarps];
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      factor[w] = warp_m[w][r] == -INFINITY ? 0.0f : expf(warp_m[w][r] - chunk_m);
+    }
+    float* out =
+        partial + ((head_of(r) * a.q_len + index_of(r)) * chunks + chunk) * PartialFloats(a);
+    if (threadIdx.x == 0) {
+      float chunk_l = 0.0f;
+      for (int w = 0; w < kDecodeWarps; ++w) chunk_l += warp_l[w][r] * factor[w];
+      out[0] = chunk_m;
+      out[1] = chunk_l;
+    }
+    for (int64_t d = threadIdx.x; d < a.head_dim_v; d += kDecodeThreads) {
+      float sum = 0.0f;
+      for (int w = 0; w < kDecodeWarps; ++w) sum += warp_acc[w][r][d] * factor[w];
+      out[2 + d] = sum;
+    }
   }
 }
 
@@ -239,8 +358,16 @@ template <typename T>
 cudaError_t LaunchDecode(const AttentionParams& a, float* partial, cudaStream_t stream) {
   const Split split = SplitFor(a);
   const int64_t rows = a.num_heads * a.q_len;
-  PagedDecodeKernel<T><<<static_cast<unsigned>(rows * split.chunks), kDecodeThreads, 0, stream>>>(
-      a, split.chunks, split.chunk_keys, partial);
+  const int64_t tiles = RowTiles(a);
+  const int64_t blocks = a.num_kv_heads * tiles * split.chunks;
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  if (a.head_dim_v <= 4 * kWarpSize) {
+    PagedDecodeKernel<T, 4><<<static_cast<unsigned>(blocks), kDecodeThreads, 0, stream>>>(
+        a, tiles, split.chunks, split.chunk_keys, partial);
+  } else {
+    PagedDecodeKernel<T, kPerLane><<<static_cast<unsigned>(blocks), kDecodeThreads, 0, stream>>>(
+        a, tiles, split.chunks, split.chunk_keys, partial);
+  }
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   PagedCombineKernel<<<static_cast<unsigned>(rows), kCombineThreads, 0, stream>>>(a, split.chunks,
                                                                                   partial);

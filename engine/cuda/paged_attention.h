@@ -62,14 +62,16 @@ cudaError_t LaunchPagedGather(const AttentionParams& a, void* k, void* v, cudaSt
 // array of num_heads logits, or null), grouped-query heads. No mask, no
 // key_lengths, no weights. A row that sees no key gives zeros.
 //
-// One CUDA block per (query head, query row, chunk of keys) computes the
-// chunk's partial (max, sum, accumulator) in fp32 into `scratch`; a second
-// kernel combines the chunks of each row in chunk order. The keys are split
-// into chunks of at least kPagedDecodeMinChunkKeys, as many as bring the
-// blocks to about kPagedDecodeTargetBlocks (a decode step of few rows gets
-// many chunks; a long request one chunk per row, which bounds the scratch).
-// Deterministic: the split, hence the result, depends on the request alone.
-inline constexpr int64_t kPagedDecodeMinChunkKeys = 256;
+// One CUDA block per (kv head, tile of up to 8 of its query rows, chunk of
+// keys) computes each row's partial (max, sum, accumulator) over the chunk
+// in fp32 into `scratch`, reading each K and V row once for all the tile's
+// rows (grouped-query heads share them); a second kernel combines the
+// chunks of each row in chunk order. The keys are split into chunks of at
+// least kPagedDecodeMinChunkKeys, as many as bring the blocks to about
+// kPagedDecodeTargetBlocks (a decode step of few rows gets many chunks; a
+// long request few, which bounds the scratch). Deterministic: the split,
+// hence the result, depends on the request alone.
+inline constexpr int64_t kPagedDecodeMinChunkKeys = 128;
 inline constexpr int64_t kPagedDecodeTargetBlocks = 2048;
 inline constexpr int64_t kPagedDecodeMaxHeadDim = 256;
 // The engine takes this path for requests with at most this many query rows

@@ -1381,6 +1381,20 @@ TEST(CudaEngineTest, SdpaSessionWindowSoftcapSinksEqualOneRequest) {
                    {.window = 30, .softcap = 2.0f, .sinks = true}, 301);
 }
 
+// Long contexts through the split-KV decode (paged_attention.h): several
+// key chunks, row tiles that span heads (a group of 8, up to 16 query rows),
+// head dims of 256 (eight features per lane) and K rows that are not
+// 16-byte multiples (read element by element).
+TEST(CudaEngineTest, SdpaSessionDecodeTilesAndChunks) {
+  REQUIRE_GPU();
+  const std::vector<int64_t> steps = {700, 1, 1, 9, 16, 1};
+  CheckSdpaSession(DType::kFloat16, 16, 2, 128, 128, 64, steps, {}, 400);
+  if (HasFailure()) return;
+  CheckSdpaSession(DType::kBFloat16, 8, 8, 256, 256, 16, steps, {}, 401);
+  if (HasFailure()) return;
+  CheckSdpaSession(DType::kFloat16, 6, 3, 36, 20, 16, steps, {.window = 300, .sinks = true}, 402);
+}
+
 // A projection layer's session (its cache FLOAT32 whatever the precision):
 // self-attention step by step equals one causal request over the sequence.
 TEST(CudaEngineTest, ProjectionSessionStepsEqualOneCausalRequest) {
