@@ -283,8 +283,9 @@ absl::Status RunCore(Call& call, AttentionParams& a, const AttentionParams& p,
 }
 
 // ------------------------------------------------ sessions (paged K/V)
-// Added with GPU sessions; kept apart from the functions above (and called
-// from two marked places in EnqueueProjected) so that they merge cleanly.
+// A session's request appends its new K/V rows into the cache's blocks and
+// attends over the whole cache (engine/paged_kv.h): AttendPaged, from
+// EnqueueProjected and EnqueuePagedHostAttention.
 
 // Whether the split-KV decode (paged_attention.h) serves paged params `c`
 // rather than gather + RunCore: requests of few query rows.
