@@ -4,7 +4,7 @@
 # scripts/gpu_bundle.sh made here (the device machine has CUDA, PyTorch,
 # pytest, grpcio and protobuf, but none of Debian's libraries).
 #
-#   bench/gpu_session.sh [PHASE...]   # default: info test sanitize server bench serve
+#   bench/gpu_session.sh [PHASE...]   # default: info test sanitize sessions server bench serve sessionserve
 #
 # Phases: info (GPU, driver, toolkit, torch), test (cuda_engine_test: every
 # CUDA unit test, 200 random cases against the reference engine), sanitize
@@ -18,10 +18,11 @@
 # and without; not in the default list), sessions (the GPU session tests of
 # cuda_engine_test under compute-sanitizer memcheck, then
 # attnserve_cuda_bench --paged: 32 sessions' decode step against a device
-# copy of their K/V, and the split-KV decode against gather + fused kernel;
-# not in the default list), sessionserve (bench/session_decode.sh on
-# --backend cuda: decode through sessions against stateless; not in the
-# default list).
+# copy of their K/V, and the split-KV decode against gather + fused kernel),
+# sessionserve (bench/session_decode.sh on --backend cuda: decode through
+# sessions against stateless). The default list comes to about 8 minutes on
+# an H200 (the phases' times in runs 4-7 of docs/gpu-runs/2026-11-26-h200):
+# one call of the device tool.
 # BUNDLE names another bundle (default .gpu/bundle.tar.xz), TAG names its
 # logs. Logs go to $OUT/logs-TAG.tar.gz (the device tool brings back few
 # files), else ./gpu-out.
@@ -34,7 +35,7 @@ out=/tmp/attnserve-gpu-logs/$tag
 mkdir -p "$out" "$final"
 as=/tmp/attnserve-gpu-$tag
 phases=("$@")
-[[ ${#phases[@]} -gt 0 ]] || phases=(info test sanitize server bench serve)
+[[ ${#phases[@]} -gt 0 ]] || phases=(info test sanitize sessions server bench serve sessionserve)
 trap 'tar -C "$out" -czf "$final/logs-$tag.tar.gz" .' EXIT
 
 rm -rf "$as" && mkdir -p "$as" && tar -C "$as" -xJf "$bundle" || exit 1
