@@ -34,7 +34,9 @@ cudaError_t LaunchAttentionGeneral(const AttentionParams& args, cudaStream_t str
 // (b, h) pairs [p0, p0 + count) of `a` (pair = b * num_heads + h):
 //  - LaunchPairPointers: the batched GEMMs' pointer arrays (count each): Q,
 //    K (kv head h / group) and V rows of each pair, its score block
-//    s + n * q_len * kv_len, its output block o + n * q_len * head_dim_v;
+//    s + n * q_len * kv_len (and, when lo_ptrs is set, lo + n * q_len *
+//    kv_len: the low parts of 3xTF32), its output block o + n * q_len *
+//    head_dim_v;
 //  - LaunchSoftmaxRows: each score row in place -> probabilities (scale,
 //    softcap, causal, window, key_lengths, mask, sinks; zeros for a row that
 //    sees no key), and into a.weights (per head, weights_dtype) when set.
@@ -44,9 +46,9 @@ cudaError_t LaunchAttentionGeneral(const AttentionParams& args, cudaStream_t str
 //    and out_dtype; with `split`, o is [count, q_len, 2 * head_dim_v] and
 //    each output is the sum of its two halves.
 cudaError_t LaunchPairPointers(const AttentionParams& a, int64_t p0, int64_t count,
-                               const float* s, float* o, const void** q_ptrs,
+                               const float* s, const float* lo, float* o, const void** q_ptrs,
                                const void** k_ptrs, const void** v_ptrs, void** s_ptrs,
-                               void** o_ptrs, cudaStream_t stream);
+                               void** lo_ptrs, void** o_ptrs, cudaStream_t stream);
 cudaError_t LaunchSoftmaxRows(const AttentionParams& a, int64_t p0, int64_t count, float* s,
                               float* lo, cudaStream_t stream);
 cudaError_t LaunchScatterOutput(const AttentionParams& a, int64_t p0, int64_t count,

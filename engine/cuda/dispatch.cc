@@ -192,6 +192,59 @@ int64_t Extent(int64_t batch, int64_t heads, int64_t len, int64_t dim, int64_t s
   return (batch - 1) * stride_b + (heads - 1) * stride_h + (len - 1) * stride_row + dim;
 }
 
+// Host-side `p`'s Q, K and V uploaded into head layout [B, H, rows, D] of
+// p.dtype, q_rows / kv_rows rows per head (more than the lengths for a
+// cuDNN bucket: the tail rows zeroed).
+struct HeadUploads {
+  void* q = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
+};
+absl::StatusOr<HeadUploads> UploadHeadLayout(Call& call, const AttentionParams& p,
+                                             int64_t q_rows, int64_t kv_rows) {
+  const size_t in_size = DTypeSize(p.dtype);
+  HeadUploads up;
+  absl::StatusOr<void*> q =
+      call.UploadHeads(p.q, in_size, p.batch, p.num_heads, p.q_len, p.head_dim, p.q_stride_b,
+                       p.q_stride_h, p.q_stride_row, q_rows);
+  if (!q.ok()) return q.status();
+  absl::StatusOr<void*> k =
+      call.UploadHeads(p.k, in_size, p.batch, p.num_kv_heads, p.kv_len, p.head_dim, p.k_stride_b,
+                       p.k_stride_h, p.k_stride_row, kv_rows);
+  if (!k.ok()) return k.status();
+  absl::StatusOr<void*> v =
+      call.UploadHeads(p.v, in_size, p.batch, p.num_kv_heads, p.kv_len, p.head_dim_v,
+                       p.v_stride_b, p.v_stride_h, p.v_stride_row, kv_rows);
+  if (!v.ok()) return v.status();
+  up.q = *q;
+  up.k = *k;
+  up.v = *v;
+  return up;
+}
+
+// Downloads device `out` ([B, Hq, q_rows, Dv] in p.out_dtype) without its
+// rows past q_len, scattered into p.out's strides after the call.
+absl::Status DownloadHeadLayout(Call& call, const void* out, const AttentionParams& p,
+                                int64_t q_rows) {
+  const size_t out_size = DTypeSize(p.out_dtype);
+  const size_t block = static_cast<size_t>(p.q_len * p.head_dim_v) * out_size;
+  const size_t pitch = static_cast<size_t>(q_rows * p.head_dim_v) * out_size;
+  return call.DownloadRows(
+      out, block, pitch, static_cast<size_t>(p.batch * p.num_heads),
+      [p, out_size](const char* pinned) {
+        const size_t row_bytes = static_cast<size_t>(p.head_dim_v) * out_size;
+        char* host = static_cast<char*>(p.out);
+        for (int64_t b = 0; b < p.batch; ++b)
+          for (int64_t h = 0; h < p.num_heads; ++h)
+            for (int64_t i = 0; i < p.q_len; ++i) {
+              std::memcpy(host + (b * p.o_stride_b + h * p.o_stride_h + i * p.o_stride_row) *
+                                     static_cast<int64_t>(out_size),
+                          pinned, row_bytes);
+              pinned += row_bytes;
+            }
+      });
+}
+
 // The unfused path (unfused_attention.h) for what the fused kernel does not
 // take: fp32 inputs as they are, fp16/bf16 ones widened to fp32 first (same
 // strides), so the result is exact and weights come from the same pass.
@@ -397,19 +450,8 @@ absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType co
   const int64_t kv_rows = route->use ? route->shape.kv_rows : p.kv_len;
 
   const DType in_type = p.dtype;
-  const size_t in_size = DTypeSize(in_type);
-  absl::StatusOr<void*> q =
-      call.UploadHeads(p.q, in_size, p.batch, p.num_heads, p.q_len, p.head_dim, p.q_stride_b,
-                       p.q_stride_h, p.q_stride_row, q_rows);
-  if (!q.ok()) return q.status();
-  absl::StatusOr<void*> k =
-      call.UploadHeads(p.k, in_size, p.batch, p.num_kv_heads, p.kv_len, p.head_dim, p.k_stride_b,
-                       p.k_stride_h, p.k_stride_row, kv_rows);
-  if (!k.ok()) return k.status();
-  absl::StatusOr<void*> v =
-      call.UploadHeads(p.v, in_size, p.batch, p.num_kv_heads, p.kv_len, p.head_dim_v,
-                       p.v_stride_b, p.v_stride_h, p.v_stride_row, kv_rows);
-  if (!v.ok()) return v.status();
+  absl::StatusOr<HeadUploads> in = UploadHeadLayout(call, p, q_rows, kv_rows);
+  if (!in.ok()) return in.status();
 
   AttentionParams a = DeviceParams(p);
   ATTNSERVE_CUDA_RETURN_IF_ERROR(StageMaskAndLengths(call, p, a));
@@ -422,13 +464,13 @@ absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType co
   ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
   a.dtype = compute;
   absl::StatusOr<const void*> qc =
-      ConvertOnDevice(call, *q, in_type, compute, p.batch * p.num_heads * q_rows * p.head_dim);
+      ConvertOnDevice(call, in->q, in_type, compute, p.batch * p.num_heads * q_rows * p.head_dim);
   if (!qc.ok()) return qc.status();
   absl::StatusOr<const void*> kc = ConvertOnDevice(
-      call, *k, in_type, compute, p.batch * p.num_kv_heads * kv_rows * p.head_dim);
+      call, in->k, in_type, compute, p.batch * p.num_kv_heads * kv_rows * p.head_dim);
   if (!kc.ok()) return kc.status();
   absl::StatusOr<const void*> vc = ConvertOnDevice(
-      call, *v, in_type, compute, p.batch * p.num_kv_heads * kv_rows * p.head_dim_v);
+      call, in->v, in_type, compute, p.batch * p.num_kv_heads * kv_rows * p.head_dim_v);
   if (!vc.ok()) return vc.status();
   a.q = *qc;
   a.k = *kc;
@@ -453,23 +495,7 @@ absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType co
   if (!out.ok()) return out.status();
   a.out = *out;
   ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, a, p, *route));
-
-  const size_t block = static_cast<size_t>(p.q_len * p.head_dim_v) * out_size;
-  const size_t pitch = static_cast<size_t>(q_rows * p.head_dim_v) * out_size;
-  return call.DownloadRows(
-      a.out, block, pitch, static_cast<size_t>(p.batch * p.num_heads),
-      [p, out_size](const char* pinned) {
-        const size_t row_bytes = static_cast<size_t>(p.head_dim_v) * out_size;
-        char* host = static_cast<char*>(p.out);
-        for (int64_t b = 0; b < p.batch; ++b)
-          for (int64_t h = 0; h < p.num_heads; ++h)
-            for (int64_t i = 0; i < p.q_len; ++i) {
-              std::memcpy(host + (b * p.o_stride_b + h * p.o_stride_h + i * p.o_stride_row) *
-                                     static_cast<int64_t>(out_size),
-                          pinned, row_bytes);
-              pinned += row_bytes;
-            }
-      });
+  return DownloadHeadLayout(call, a.out, p, q_rows);
 }
 
 absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const DeviceLayer& w,
@@ -611,47 +637,24 @@ absl::Status CheckPagedTask(const LayerConfig& config, const AttentionTask& task
 
 absl::Status EnqueuePagedHostAttention(Call& call, const AttentionParams& p,
                                        const PagedKv& cache) {
-  const size_t in_size = DTypeSize(p.dtype);
-  absl::StatusOr<void*> q =
-      call.UploadHeads(p.q, in_size, 1, p.num_heads, p.q_len, p.head_dim, p.q_stride_b,
-                       p.q_stride_h, p.q_stride_row, p.q_len);
-  if (!q.ok()) return q.status();
-  absl::StatusOr<void*> k =
-      call.UploadHeads(p.k, in_size, 1, p.num_kv_heads, p.kv_len, p.head_dim, p.k_stride_b,
-                       p.k_stride_h, p.k_stride_row, p.kv_len);
-  if (!k.ok()) return k.status();
-  absl::StatusOr<void*> v =
-      call.UploadHeads(p.v, in_size, 1, p.num_kv_heads, p.kv_len, p.head_dim_v, p.v_stride_b,
-                       p.v_stride_h, p.v_stride_row, p.kv_len);
-  if (!v.ok()) return v.status();
+  absl::StatusOr<HeadUploads> in = UploadHeadLayout(call, p, p.q_len, p.kv_len);
+  if (!in.ok()) return in.status();
 
   // The new rows and the query in head layout [1, H, L, D], the request's
   // dtype; the output [1, Hq, Lq, Dv] in its output dtype.
   AttentionParams a = DeviceParams(p);
   a.dtype = p.dtype;
-  a.q = *q;
-  a.k = *k;
-  a.v = *v;
+  a.q = in->q;
+  a.k = in->k;
+  a.v = in->v;
   a.out_dtype = p.out_dtype;
-  const size_t out_size = DTypeSize(a.out_dtype);
-  absl::StatusOr<void*> out =
-      call.DeviceAlloc(static_cast<size_t>(p.num_heads * p.q_len * p.head_dim_v) * out_size);
+  absl::StatusOr<void*> out = call.DeviceAlloc(
+      static_cast<size_t>(p.num_heads * p.q_len * p.head_dim_v) * DTypeSize(a.out_dtype));
   if (!out.ok()) return out.status();
   a.out = *out;
   SetContiguousStrides(&a, HeadLayoutStrides);
   ATTNSERVE_CUDA_RETURN_IF_ERROR(AttendPaged(call, cache, p, a));
-
-  const size_t bytes = static_cast<size_t>(p.num_heads * p.q_len * p.head_dim_v) * out_size;
-  return call.Download(a.out, bytes, [p, out_size](const char* pinned) {
-    const size_t row_bytes = static_cast<size_t>(p.head_dim_v) * out_size;
-    char* host = static_cast<char*>(p.out);
-    for (int64_t h = 0; h < p.num_heads; ++h)
-      for (int64_t i = 0; i < p.q_len; ++i) {
-        std::memcpy(host + (h * p.o_stride_h + i * p.o_stride_row) * static_cast<int64_t>(out_size),
-                    pinned, row_bytes);
-        pinned += row_bytes;
-      }
-  });
+  return DownloadHeadLayout(call, a.out, p, p.q_len);
 }
 
 }  // namespace attnserve::cuda

@@ -59,49 +59,59 @@ __host__ __device__ inline int64_t PartialFloats(const AttentionParams& a) {
   return a.head_dim_v + 2;
 }
 
-// Element n of the new rows' K (first) then V, in order (h, r, d): written
-// to the block that holds token cached_len + r.
+// Element e of K [Hkv, len, head_dim] followed by V [Hkv, len, head_dim_v]
+// (the element order of append and gather): which of the two, and its head,
+// row and feature.
+struct KvElement {
+  bool is_k;
+  int64_t h, row, d, dim;
+  int64_t f;  // e within its tensor
+};
+__device__ __forceinline__ KvElement KvElementAt(int64_t e, int64_t hkv, int64_t len,
+                                                 int64_t head_dim, int64_t head_dim_v) {
+  KvElement x;
+  const int64_t k_elems = hkv * len * head_dim;
+  x.is_k = e < k_elems;
+  x.f = x.is_k ? e : e - k_elems;
+  x.dim = x.is_k ? head_dim : head_dim_v;
+  x.d = x.f % x.dim;
+  x.row = (x.f / x.dim) % len;
+  x.h = x.f / x.dim / len;
+  return x;
+}
+
+// The new rows' K then V: element (h, r, d) goes to the block that holds
+// token cached_len + r.
 __global__ void PagedAppendKernel(AttentionParams rows, PagedCacheArgs cache) {
   const int64_t hkv = rows.num_kv_heads, len = rows.kv_len;
-  const int64_t k_elems = hkv * len * rows.head_dim;
-  const int64_t n = k_elems + hkv * len * rows.head_dim_v;
+  const int64_t n = hkv * len * (rows.head_dim + rows.head_dim_v);
   const int64_t bt = cache.block_tokens;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const bool is_k = e < k_elems;
-    const int64_t f = is_k ? e : e - k_elems;
-    const int64_t dim = is_k ? rows.head_dim : rows.head_dim_v;
-    const int64_t d = f % dim;
-    const int64_t r = (f / dim) % len;
-    const int64_t h = f / dim / len;
-    const int64_t src = is_k ? h * rows.k_stride_h + r * rows.k_stride_row + d
-                             : h * rows.v_stride_h + r * rows.v_stride_row + d;
-    const int64_t pos = cache.cached_len + r;
-    void* block = (is_k ? cache.k_blocks : cache.v_blocks)[pos / bt];
+    const KvElement x = KvElementAt(e, hkv, len, rows.head_dim, rows.head_dim_v);
+    const int64_t src = x.is_k ? x.h * rows.k_stride_h + x.row * rows.k_stride_row + x.d
+                               : x.h * rows.v_stride_h + x.row * rows.v_stride_row + x.d;
+    const int64_t pos = cache.cached_len + x.row;
+    void* block = (x.is_k ? cache.k_blocks : cache.v_blocks)[pos / bt];
     if (block == nullptr) continue;  // never the case for new rows (CheckPagedKv)
-    StoreElement(block, cache.dtype, (h * bt + pos % bt) * dim + d,
-                 LoadElement(is_k ? rows.k : rows.v, rows.dtype, src));
+    StoreElement(block, cache.dtype, (x.h * bt + pos % bt) * x.dim + x.d,
+                 LoadElement(x.is_k ? rows.k : rows.v, rows.dtype, src));
   }
 }
 
-// Element n of k [Hkv, kv_len, Dk] (first) then v [Hkv, kv_len, Dv].
+// The cache's K then V into contiguous k [Hkv, kv_len, Dk], v [Hkv, kv_len, Dv].
 __global__ void PagedGatherKernel(AttentionParams a, void* k, void* v) {
   const int64_t hkv = a.num_kv_heads, len = a.kv_len;
-  const int64_t k_elems = hkv * len * a.head_dim;
-  const int64_t n = k_elems + hkv * len * a.head_dim_v;
+  const int64_t n = hkv * len * (a.head_dim + a.head_dim_v);
   const int64_t bt = a.block_tokens;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const bool is_k = e < k_elems;
-    const int64_t f = is_k ? e : e - k_elems;
-    const int64_t dim = is_k ? a.head_dim : a.head_dim_v;
-    const int64_t d = f % dim;
-    const int64_t j = (f / dim) % len;
-    const int64_t h = f / dim / len;
-    const void* block = (is_k ? a.k_blocks : a.v_blocks)[j / bt];
-    const float x =
-        block == nullptr ? 0.0f : LoadElement(block, a.dtype, (h * bt + j % bt) * dim + d);
-    StoreElement(is_k ? k : v, a.dtype, f, x);
+    const KvElement x = KvElementAt(e, hkv, len, a.head_dim, a.head_dim_v);
+    const void* block = (x.is_k ? a.k_blocks : a.v_blocks)[x.row / bt];
+    const float value = block == nullptr
+                            ? 0.0f
+                            : LoadElement(block, a.dtype, (x.h * bt + x.row % bt) * x.dim + x.d);
+    StoreElement(x.is_k ? k : v, a.dtype, x.f, value);
   }
 }
 

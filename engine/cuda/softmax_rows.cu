@@ -18,8 +18,9 @@ constexpr int kSharedReserve = 1024;
 
 // Pair n of a chunk starting at pair p0 is (b, h) = divmod(p0 + n, Hq).
 __global__ void PairPointersKernel(AttentionParams a, int64_t p0, int64_t count, const float* s,
-                                   float* o, const void** q_ptrs, const void** k_ptrs,
-                                   const void** v_ptrs, void** s_ptrs, void** o_ptrs) {
+                                   const float* lo, float* o, const void** q_ptrs,
+                                   const void** k_ptrs, const void** v_ptrs, void** s_ptrs,
+                                   void** lo_ptrs, void** o_ptrs) {
   const int64_t n = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (n >= count) return;
   const int64_t pair = p0 + n;
@@ -29,6 +30,7 @@ __global__ void PairPointersKernel(AttentionParams a, int64_t p0, int64_t count,
   k_ptrs[n] = static_cast<const float*>(a.k) + b * a.k_stride_b + g * a.k_stride_h;
   v_ptrs[n] = static_cast<const float*>(a.v) + b * a.v_stride_b + g * a.v_stride_h;
   s_ptrs[n] = const_cast<float*>(s) + n * a.q_len * a.kv_len;
+  if (lo_ptrs != nullptr) lo_ptrs[n] = const_cast<float*>(lo) + n * a.q_len * a.kv_len;
   o_ptrs[n] = o + n * a.q_len * a.head_dim_v;
 }
 
@@ -153,13 +155,13 @@ cudaError_t LaunchTf32Split(const float* x, int64_t batch, int64_t heads, int64_
 }
 
 cudaError_t LaunchPairPointers(const AttentionParams& a, int64_t p0, int64_t count,
-                               const float* s, float* o, const void** q_ptrs,
+                               const float* s, const float* lo, float* o, const void** q_ptrs,
                                const void** k_ptrs, const void** v_ptrs, void** s_ptrs,
-                               void** o_ptrs, cudaStream_t stream) {
+                               void** lo_ptrs, void** o_ptrs, cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>((count + kThreads - 1) / kThreads);
-  PairPointersKernel<<<blocks, kThreads, 0, stream>>>(a, p0, count, s, o, q_ptrs, k_ptrs, v_ptrs,
-                                                      s_ptrs, o_ptrs);
+  PairPointersKernel<<<blocks, kThreads, 0, stream>>>(a, p0, count, s, lo, o, q_ptrs, k_ptrs,
+                                                      v_ptrs, s_ptrs, lo_ptrs, o_ptrs);
   return cudaGetLastError();
 }
 

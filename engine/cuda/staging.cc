@@ -222,31 +222,29 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(const AttentionLayer& l
   uploaded->layer_id = layer.id.value();
   uploaded->type = PrecisionDType(layer.config.precision);
   const LayerWeights& w = layer.weights;
-  const std::pair<const Tensor*, DeviceBuffer*> parts[] = {
-      {&w.wq, &uploaded->wq}, {&w.bq, &uploaded->bq}, {&w.wk, &uploaded->wk},
-      {&w.bk, &uploaded->bk}, {&w.wv, &uploaded->wv}, {&w.bv, &uploaded->bv},
-      {&w.wo, &uploaded->wo}, {&w.bo, &uploaded->bo}};
-  for (const auto& [host, device] : parts) {
-    if (host->byte_size() == 0) continue;  // no bias
-    if (host->dtype() != DType::kFloat32) {
+  // The projections in the layer's precision; the QK-norm weights and sinks
+  // in FLOAT32, as the cpu engine reads them.
+  struct Part {
+    const Tensor* host;
+    DeviceBuffer* device;
+    DType type;
+  };
+  const DType t = uploaded->type, f32 = DType::kFloat32;
+  const Part parts[] = {{&w.wq, &uploaded->wq, t},         {&w.bq, &uploaded->bq, t},
+                        {&w.wk, &uploaded->wk, t},         {&w.bk, &uploaded->bk, t},
+                        {&w.wv, &uploaded->wv, t},         {&w.bv, &uploaded->bv, t},
+                        {&w.wo, &uploaded->wo, t},         {&w.bo, &uploaded->bo, t},
+                        {&w.q_norm, &uploaded->q_norm, f32}, {&w.k_norm, &uploaded->k_norm, f32},
+                        {&w.sinks, &uploaded->sinks, f32}};
+  for (const Part& part : parts) {
+    if (part.host->byte_size() == 0) continue;  // no bias (or no such weight)
+    if (part.host->dtype() != DType::kFloat32) {
       return absl::InvalidArgumentError(
           absl::StrCat("layer '", layer.config.name, "': weights must be FLOAT32"));
     }
-    absl::StatusOr<DeviceBuffer> buffer = UploadWeight(*host, uploaded->type, stream);
+    absl::StatusOr<DeviceBuffer> buffer = UploadWeight(*part.host, part.type, stream);
     if (!buffer.ok()) return buffer.status();
-    *device = std::move(*buffer);
-  }
-  const std::pair<const Tensor*, DeviceBuffer*> fp32_parts[] = {
-      {&w.q_norm, &uploaded->q_norm}, {&w.k_norm, &uploaded->k_norm}, {&w.sinks, &uploaded->sinks}};
-  for (const auto& [host, device] : fp32_parts) {
-    if (host->byte_size() == 0) continue;
-    if (host->dtype() != DType::kFloat32) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("layer '", layer.config.name, "': weights must be FLOAT32"));
-    }
-    absl::StatusOr<DeviceBuffer> buffer = UploadWeight(*host, DType::kFloat32, stream);
-    if (!buffer.ok()) return buffer.status();
-    *device = std::move(*buffer);
+    *part.device = std::move(*buffer);
   }
   if (layer.config.rope.type != RopeConfig::Type::kNone) {
     const RopeFrequencies freq = ComputeRopeFrequencies(layer.config.rope);

@@ -49,7 +49,8 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
   const int64_t o_width = (gemm_ == Gemm::k3xTf32 ? 2 : 1) * a.head_dim_v;
   absl::StatusOr<void*> o = alloc(static_cast<size_t>(chunk * a.q_len * o_width) * 4);
   if (!o.ok()) return o.status();
-  absl::StatusOr<void*> ptrs = alloc(static_cast<size_t>(5 * chunk) * sizeof(void*));
+  // Pointer arrays: Q, K, V, S, O per pair (and P's low parts with 3xTF32).
+  absl::StatusOr<void*> ptrs = alloc(static_cast<size_t>(6 * chunk) * sizeof(void*));
   if (!ptrs.ok()) return ptrs.status();
   auto** table = static_cast<void**>(*ptrs);
   const void** q_ptrs = const_cast<const void**>(table);
@@ -57,6 +58,7 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
   const void** v_ptrs = const_cast<const void**>(table + 2 * chunk);
   void** s_ptrs = table + 3 * chunk;
   void** o_ptrs = table + 4 * chunk;
+  void** lo_ptrs = table + 5 * chunk;
   float* sf = static_cast<float*>(*s);
   float* of = static_cast<float*>(*o);
 
@@ -64,8 +66,9 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
   if (gemm_ == Gemm::kFp32) {
     for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
       const int64_t count = std::min(chunk, pairs - p0);
-      ATTNSERVE_CUDA_CALL(LaunchPairPointers(a, p0, count, sf, of, q_ptrs, k_ptrs, v_ptrs,
-                                             s_ptrs, o_ptrs, stream));
+      ATTNSERVE_CUDA_CALL(LaunchPairPointers(a, p0, count, sf, /*lo=*/nullptr, of, q_ptrs,
+                                             k_ptrs, v_ptrs, s_ptrs, /*lo_ptrs=*/nullptr,
+                                             o_ptrs, stream));
       if (a.kv_len > 0) {
         // Column-major view: S^T [Lk, Lq] = K [Lk, D] x Q^T [D, Lq], per pair.
         ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
@@ -111,9 +114,6 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
   if (!v2.ok()) return v2.status();
   absl::StatusOr<void*> lo = alloc(static_cast<size_t>(chunk * std::max<int64_t>(scores, 1)) * 4);
   if (!lo.ok()) return lo.status();
-  absl::StatusOr<void*> lo_table = alloc(static_cast<size_t>(5 * chunk) * sizeof(void*));
-  if (!lo_table.ok()) return lo_table.status();
-  auto** lo_ptrs = static_cast<void**>(*lo_table) + 3 * chunk;  // its s_ptrs slot
   ATTNSERVE_CUDA_CALL(LaunchTf32Split(static_cast<const float*>(a.q), a.batch, a.num_heads,
                                       a.q_len, a.head_dim, a.q_stride_b, a.q_stride_h,
                                       a.q_stride_row, Tf32Split::kHhl,
@@ -139,17 +139,10 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
   split.head_dim_v = dv2;  // o's pair blocks are [Lq, 2Dv]
   float* o2f = of;
   float* lof = static_cast<float*>(*lo);
-  auto** lo_table_all = static_cast<void**>(*lo_table);
   for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
     const int64_t count = std::min(chunk, pairs - p0);
-    ATTNSERVE_CUDA_CALL(LaunchPairPointers(split, p0, count, sf, o2f, q_ptrs, k_ptrs, v_ptrs,
-                                           s_ptrs, o_ptrs, stream));
-    // The same pairs' low-part rows (only the s_ptrs slot is used).
-    ATTNSERVE_CUDA_CALL(LaunchPairPointers(
-        split, p0, count, lof, o2f, const_cast<const void**>(lo_table_all),
-        const_cast<const void**>(lo_table_all + chunk),
-        const_cast<const void**>(lo_table_all + 2 * chunk), lo_ptrs, lo_table_all + 4 * chunk,
-        stream));
+    ATTNSERVE_CUDA_CALL(LaunchPairPointers(split, p0, count, sf, lof, o2f, q_ptrs, k_ptrs,
+                                           v_ptrs, s_ptrs, lo_ptrs, o_ptrs, stream));
     if (a.kv_len > 0) {
       // S^T [Lk, Lq] = K3 [Lk, 3D] x Q3^T [3D, Lq], per pair, on TF32 tensor cores.
       ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(

@@ -128,6 +128,24 @@ def cpu_client(repo):
         proc.stop()
 
 
+# A session's requests: a prefill of 37 tokens, 20 decode steps and a
+# 5-token append.
+SESSION_STEPS = [37] + [1] * 20 + [5]
+
+
+def _steps(steps):
+    """(first token, count) of each request of a session sending `steps`."""
+    t = 0
+    for n in steps:
+        yield t, n
+        t += n
+
+
+def _rounded(torch, dtype, *arrays):
+    """The arrays as the server sees them in `dtype`, back in float64."""
+    return [torch.as_tensor(x).to(getattr(torch, dtype)).double().numpy() for x in arrays]
+
+
 def _rel(a, b):
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
@@ -294,25 +312,20 @@ def test_sdpa_session_on_the_gpu_equals_one_causal_request(client, torch_cuda, d
     the matching rows of one causal request over the whole sequence (torch,
     float64) and close to the server's own stateless answer."""
     rng = np.random.default_rng(29)
-    steps = [37] + [1] * 20 + [5]
-    length = sum(steps)
+    length = sum(SESSION_STEPS)
     q = rng.standard_normal((1, 8, length, 64)).astype(np.float32)
     k = rng.standard_normal((1, 2, length, 64)).astype(np.float32)
     v = rng.standard_normal((1, 2, length, 64)).astype(np.float32)
-    rounded = [torch_cuda.as_tensor(x).to(getattr(torch_cuda, dtype)).double().numpy()
-               for x in (q, k, v)]
-    ref = _sdpa_oracle(torch_cuda, *rounded, causal=True)
+    ref = _sdpa_oracle(torch_cuda, *_rounded(torch_cuda, dtype, q, k, v), causal=True)
     stateless = client.attend(q, k, v, model="sdpa", causal=True, input_dtype=dtype).output
     assert _rel(stateless, ref) < tol
     with client.open_session("sdpa") as session:
-        t = 0
-        for n in steps:
+        for t, n in _steps(SESSION_STEPS):
             res = session.attend(q[:, :, t:t + n], k[:, :, t:t + n], v[:, :, t:t + n],
                                  causal=True, input_dtype=dtype)
             assert res.session_length == t + n
             assert _rel(res.output, ref[:, :, t:t + n]) < tol, f"step of {n} at {t}"
             assert _rel(res.output, stateless[:, :, t:t + n]) < 2 * tol, f"step of {n} at {t}"
-            t += n
 
 
 @pytest.mark.parametrize("model,tol", [("mha-fp32", 1e-5), ("mha-bf16", 2e-2)])
@@ -325,8 +338,7 @@ def test_projection_session_on_the_gpu_equals_one_causal_request(client, repo, t
     _, mha = repo
     ref_mod = mha.to("cuda", torch.float64)
     rng = np.random.default_rng(31)
-    steps = [37] + [1] * 20 + [5]
-    length = sum(steps)
+    length = sum(SESSION_STEPS)
     x = rng.standard_normal((1, length, 256)).astype(np.float32)
     xt = torch.as_tensor(x, dtype=torch.float64, device="cuda")
     future = torch.ones(length, length, dtype=torch.bool, device="cuda").triu(1)
@@ -334,19 +346,17 @@ def test_projection_session_on_the_gpu_equals_one_causal_request(client, repo, t
         ref, _ = ref_mod(xt, xt, xt, attn_mask=future, need_weights=False)
     ref = ref.cpu().numpy()
     with client.open_session(model) as session:
-        t = 0
-        for n in steps:
+        for t, n in _steps(SESSION_STEPS):
             res = session.attend(x[:, t:t + n], causal=True)
             assert res.session_length == t + n
             assert _rel(res.output, ref[:, t:t + n]) < tol, f"step of {n} at {t}"
-            t += n
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 def test_sdpa_session_with_window_softcap_sinks_on_the_gpu(client, torch_cuda, dtype, tol):
     """A session's requests may carry a sliding window, softcapping and sinks
-    (the split-KV decode computes them; the stateless GPU path does not yet):
-    step by step equal to NumPy's float64 oracle over the whole sequence."""
+    (the split-KV decode computes them over the cache): step by step equal to
+    NumPy's float64 oracle over the whole sequence."""
     rng = np.random.default_rng(37)
     steps = [37] + [1] * 10 + [5]
     length = sum(steps)
@@ -354,18 +364,14 @@ def test_sdpa_session_with_window_softcap_sinks_on_the_gpu(client, torch_cuda, d
     k = rng.standard_normal((1, 2, length, 64)).astype(np.float32)
     v = rng.standard_normal((1, 2, length, 64)).astype(np.float32)
     sinks = rng.standard_normal(8).astype(np.float32)
-    rounded = [torch_cuda.as_tensor(x).to(getattr(torch_cuda, dtype)).double().numpy()
-               for x in (q, k, v)]
-    ref, _ = harness.reference_attention(*rounded, causal=True, window=16, softcap=5.0,
-                                         sinks=sinks)
+    ref, _ = harness.reference_attention(*_rounded(torch_cuda, dtype, q, k, v), causal=True,
+                                         window=16, softcap=5.0, sinks=sinks)
     with client.open_session("sdpa") as session:
-        t = 0
-        for n in steps:
+        for t, n in _steps(steps):
             res = session.attend(q[:, :, t:t + n], k[:, :, t:t + n], v[:, :, t:t + n],
                                  causal=True, input_dtype=dtype, window=16, softcap=5.0,
                                  sinks=sinks)
             assert _rel(res.output, ref[:, :, t:t + n]) < tol, f"step of {n} at {t}"
-            t += n
 
 
 @pytest.mark.parametrize("precision,tol", [("fp32", 2e-5), ("bf16", 3e-2)])
@@ -378,14 +384,10 @@ def test_llm_layer_sessions_on_the_gpu_match_the_cpu_engine(client, cpu_client, 
     engine's stateless answer over the whole sequence."""
     model = f"{family}-{precision}"
     rng = np.random.default_rng(hash(("session", model)) % 2**32)
-    steps = [37] + [1] * 20 + [5]
-    length = sum(steps)
-    x = rng.standard_normal((1, length, 512)).astype(np.float32)
+    x = rng.standard_normal((1, sum(SESSION_STEPS), 512)).astype(np.float32)
     cpu = cpu_client.attend(x, model=model).output
     with client.open_session(model) as session:
-        t = 0
-        for n in steps:
+        for t, n in _steps(SESSION_STEPS):
             res = session.attend(x[:, t:t + n])
             assert res.session_length == t + n
             assert _rel(res.output, cpu[:, t:t + n]) < tol, f"step of {n} at {t}"
-            t += n
