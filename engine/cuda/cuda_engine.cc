@@ -5,7 +5,8 @@
 // synchronisation at its end: uploads go on a copy stream and compute waits
 // for each request's uploads through an event, so while the GPU computes
 // request n the host packs request n+1 and the copy engine uploads it
-// (staging.h); each request runs on its own launches (dispatch.h).
+// (staging.h); each request runs on its own launches (dispatch.h), except
+// the decode steps of sessions, which share one launch per batch.
 #include "engine/cuda/cuda_engine.h"
 
 #include <cuda_runtime_api.h>
@@ -57,12 +58,14 @@ class CudaEngine final : public AttentionEngine {
       weights = *uploaded;
     }
     Call call(*ws->get());
+    PagedDecodes decodes;  // the batch's session decode steps, launched together
     for (const AttentionTask& task : batch) {
       absl::StatusOr<AttentionParams> params = MakeCoreParams(config, task);
       if (!params.ok()) return params.status();
       if (!config.has_projections && task.paged.enabled()) {
         // A session: the cache's dtype, whatever the layer's precision.
-        ATTNSERVE_CUDA_RETURN_IF_ERROR(EnqueuePagedHostAttention(call, *params, task.paged));
+        ATTNSERVE_CUDA_RETURN_IF_ERROR(
+            EnqueuePagedHostAttention(call, *params, task.paged, decodes));
       } else if (!config.has_projections) {
         // Bare attention computes in the inputs' dtype unless the layer asks
         // for a lower precision.
@@ -71,9 +74,11 @@ class CudaEngine final : public AttentionEngine {
                                   : PrecisionDType(config.precision);
         ATTNSERVE_CUDA_RETURN_IF_ERROR(EnqueueHostAttention(call, *params, compute));
       } else {
-        ATTNSERVE_CUDA_RETURN_IF_ERROR(EnqueueProjected(call, config, *weights, task, *params));
+        ATTNSERVE_CUDA_RETURN_IF_ERROR(
+            EnqueueProjected(call, config, *weights, task, *params, decodes));
       }
     }
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(decodes.Flush(call));
     return call.Finish();
   }
 

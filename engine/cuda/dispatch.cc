@@ -6,6 +6,7 @@
 #include "engine/cuda/dispatch.h"
 
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -350,12 +351,15 @@ bool UsePagedDecode(const AttentionParams& c) {
 // (a.k / a.v in a.dtype at their strides, batch 0, a.kv_len rows) into
 // `cache` on the device, then attends a's query (a.dtype, its strides) over
 // all cache.cached_len + a.kv_len tokens into a.out (a.out_dtype, its
-// strides). `p`: the task's host-side core params over the new rows (its
-// causal flag, scale, window, softcap and host sinks are used). The block
-// tables (and the sinks) are uploaded through the call, so this makes the
-// stream wait for every upload so far.
+// strides), and enqueues `then` (the work that reads a.out). A split-KV
+// decode joins `decodes` with `then`, both enqueued at decodes.Flush; the
+// rest computes and enqueues `then` now. `p`: the task's host-side core
+// params over the new rows (its causal flag, scale, window, softcap and
+// host sinks are used). The block tables (and the sinks) are uploaded
+// through the call, so this makes the stream wait for every upload so far.
 absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams& p,
-                         const AttentionParams& a) {
+                         const AttentionParams& a, PagedDecodes& decodes,
+                         std::function<absl::Status()> then) {
   const int64_t total = cache.cached_len + a.kv_len;
   const int64_t blocks = (total + cache.block_tokens - 1) / cache.block_tokens;
   const size_t table_bytes = static_cast<size_t>(blocks) * sizeof(void*);
@@ -405,11 +409,12 @@ absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams
   c.mask = MaskParams{};
   c.weights = nullptr;
 
-  // 3a. Few query rows: the split-KV decode reads the blocks in place.
+  // 3a. Few query rows: the split-KV decode reads the blocks in place, in
+  // one launch with the batch's other decodes.
   if (UsePagedDecode(c)) {
     absl::StatusOr<void*> scratch = call.DeviceAlloc(PagedDecodeScratchBytes(c));
     if (!scratch.ok()) return scratch.status();
-    ATTNSERVE_CUDA_CALL(LaunchPagedDecode(c, *scratch, call.stream()));
+    decodes.Add(c, *scratch, std::move(then));
     return absl::OkStatus();
   }
   // 3b. Prefills and long appends: the blocks gathered into contiguous
@@ -436,10 +441,44 @@ absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams
   AttentionParams host = p;  // RunCore reads it for the weights only: none
   host.kv_len = total;
   host.weights = nullptr;
-  return RunCore(call, g, host, SdpaRoute{});
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, g, host, SdpaRoute{}));
+  return then();
 }
 
 }  // namespace
+
+void PagedDecodes::Add(const AttentionParams& params, void* scratch,
+                       std::function<absl::Status()> then) {
+  pending_.push_back(Pending{params, scratch, std::move(then)});
+}
+
+absl::Status PagedDecodes::Flush(Call& call) {
+  std::vector<Pending> pending = std::move(pending_);
+  pending_.clear();
+  // One launch of each kernel per cache dtype (a kernel reads one element
+  // type), the requests in their batch order.
+  for (const DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    std::vector<AttentionParams> params;
+    std::vector<void*> scratch;
+    for (const Pending& d : pending) {
+      if (d.params.dtype != dtype) continue;
+      params.push_back(d.params);
+      scratch.push_back(d.scratch);
+    }
+    if (params.empty()) continue;
+    std::vector<PagedDecodeEntry> entries(params.size());
+    const PagedDecodeBatchPlan plan = PlanPagedDecodeBatch(
+        params.data(), scratch.data(), static_cast<int>(params.size()), entries.data());
+    absl::StatusOr<void*> table =
+        call.Upload(entries.data(), entries.size() * sizeof(PagedDecodeEntry));
+    if (!table.ok()) return table.status();
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
+    ATTNSERVE_CUDA_CALL(LaunchPagedDecodeBatch(
+        plan, static_cast<const PagedDecodeEntry*>(*table), call.stream()));
+  }
+  for (Pending& d : pending) ATTNSERVE_CUDA_RETURN_IF_ERROR(d.then());
+  return absl::OkStatus();
+}
 
 absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType compute) {
   // cuDNN or not is decided first: its plans want Q, K, V and O with the
@@ -499,7 +538,8 @@ absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType co
 }
 
 absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const DeviceLayer& w,
-                              const AttentionTask& task, const AttentionParams& p) {
+                              const AttentionTask& task, const AttentionParams& p,
+                              PagedDecodes& decodes) {
   const DType ct = w.type;
   const size_t ct_size = DTypeSize(ct);
   const DType in_type = task.query.dtype;
@@ -600,29 +640,34 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
   a.out_dtype = ct;
   a.out = *attn;
   SetContiguousStrides(&a, TokenLayoutStrides);
+
+  // Out-projection, then the output dtype, then home: after the attention,
+  // which for a session's decode step is enqueued with the batch's others.
+  // `call`, `config`, `w` and `task` outlive the Run.
+  auto finish = [&call, &config, &w, &task, ct, ct_size, q_rows, o_features,
+                 attn = *attn]() -> absl::Status {
+    absl::StatusOr<void*> y =
+        call.DeviceAlloc(static_cast<size_t>(q_rows * config.out_dim) * ct_size);
+    if (!y.ok()) return y.status();
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(call.gemm().Linear(ct, attn, q_rows, o_features, w.wo.data(),
+                                                      w.bo.data(), config.out_dim, *y));
+    const DType out_type = task.output.dtype;
+    const int64_t out_n = q_rows * config.out_dim;
+    absl::StatusOr<const void*> result = ConvertOnDevice(call, *y, ct, out_type, out_n);
+    if (!result.ok()) return result.status();
+    const size_t out_bytes = static_cast<size_t>(out_n) * DTypeSize(out_type);
+    void* host = task.output.data;
+    return call.Download(*result, out_bytes, [host, out_bytes](const char* pinned) {
+      std::memcpy(host, pinned, out_bytes);
+    });
+  };
   if (task.paged.enabled()) {
     // Sessions: the projected K/V rows go into the cache, the attention
     // reads the whole cache (AttendPaged).
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(AttendPaged(call, task.paged, p, a));
-  } else {
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, a, p, *route));
+    return AttendPaged(call, task.paged, p, a, decodes, std::move(finish));
   }
-
-  // Out-projection, then the output dtype, then home.
-  absl::StatusOr<void*> y =
-      call.DeviceAlloc(static_cast<size_t>(q_rows * config.out_dim) * ct_size);
-  if (!y.ok()) return y.status();
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(call.gemm().Linear(ct, *attn, q_rows, o_features, w.wo.data(),
-                                                    w.bo.data(), config.out_dim, *y));
-  const DType out_type = task.output.dtype;
-  const int64_t out_n = q_rows * config.out_dim;
-  absl::StatusOr<const void*> result = ConvertOnDevice(call, *y, ct, out_type, out_n);
-  if (!result.ok()) return result.status();
-  const size_t out_bytes = static_cast<size_t>(out_n) * DTypeSize(out_type);
-  void* host = task.output.data;
-  return call.Download(*result, out_bytes, [host, out_bytes](const char* pinned) {
-    std::memcpy(host, pinned, out_bytes);
-  });
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, a, p, *route));
+  return finish();
 }
 
 absl::Status CheckPagedTask(const LayerConfig& config, const AttentionTask& task) {
@@ -636,7 +681,7 @@ absl::Status CheckPagedTask(const LayerConfig& config, const AttentionTask& task
 }
 
 absl::Status EnqueuePagedHostAttention(Call& call, const AttentionParams& p,
-                                       const PagedKv& cache) {
+                                       const PagedKv& cache, PagedDecodes& decodes) {
   absl::StatusOr<HeadUploads> in = UploadHeadLayout(call, p, p.q_len, p.kv_len);
   if (!in.ok()) return in.status();
 
@@ -653,8 +698,10 @@ absl::Status EnqueuePagedHostAttention(Call& call, const AttentionParams& p,
   if (!out.ok()) return out.status();
   a.out = *out;
   SetContiguousStrides(&a, HeadLayoutStrides);
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(AttendPaged(call, cache, p, a));
-  return DownloadHeadLayout(call, a.out, p, p.q_len);
+  // `call` outlives the Run; p.out is the caller's until Finish.
+  return AttendPaged(call, cache, p, a, decodes, [&call, out = a.out, p]() -> absl::Status {
+    return DownloadHeadLayout(call, out, p, p.q_len);
+  });
 }
 
 }  // namespace attnserve::cuda

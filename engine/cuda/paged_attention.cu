@@ -123,10 +123,11 @@ __device__ __forceinline__ const T* PagedRow(const void* const* blocks, int64_t 
   return block + (g * block_tokens + j % block_tokens) * dim;
 }
 
-// Grid: one block per (kv head g, tile of rows, chunk), flattened as
-// (g * tiles + tile) * chunks + chunk. For each of its rows (h, i) it
-// writes partial[((h * q_len + i) * chunks + chunk) * (Dv + 2)]: the
-// chunk's max score m (-inf when the row sees none of its keys), the sum of
+// One decode block of request `a`: (kv head g, tile of rows, chunk) =
+// `block`, its grid flattened as (g * tiles + tile) * chunks + chunk. For
+// each of its rows (h, i) it writes
+// partial[((h * q_len + i) * chunks + chunk) * (Dv + 2)]: the chunk's max
+// score m (-inf when the row sees none of its keys), the sum of
 // exp(score - m) and the Dv accumulators sum exp(score - m) * v.
 //
 // Each warp takes tiles of 32 keys (warp w the tiles w, w + 4, ... of the
@@ -138,29 +139,45 @@ __device__ __forceinline__ const T* PagedRow(const void* const* blocks, int64_t 
 // key's probabilities passed round by shuffles. So every K and V row is read
 // once for all the rows of the tile, and no dot product is reduced across
 // lanes.
-template <typename T, int kLaneDims>
-__global__ void __launch_bounds__(kDecodeThreads)
-    PagedDecodeKernel(AttentionParams a, int64_t tiles, int64_t chunks, int64_t chunk_keys,
-                      float* partial) {
-  __shared__ float sq[kTileRows][kPagedDecodeMaxHeadDim];
-  __shared__ float warp_m[kDecodeWarps][kTileRows];
-  __shared__ float warp_l[kDecodeWarps][kTileRows];
-  __shared__ float warp_acc[kDecodeWarps][kTileRows][kPagedDecodeMaxHeadDim];
+//
+// The step is bound by reading the cache, so reads are issued in groups
+// before their values are used: kKLoads 16-byte loads of a K row per lane,
+// and the V rows of kVGroup keys per warp (one load each in flight instead
+// of one key's row at a time), after each lane has asked L2 for its key's
+// V row while scoring. kRows is the most rows a block of this
+// launch computes (1 for a one-row decode without grouped heads), so such
+// a decode does not pay for eight. Neither changes any sum's order: the
+// scores add over d, P V over the keys, in increasing order.
+constexpr int kKLoads = 4;
+
+template <typename T, int kLaneDims, int kRows>
+__device__ __forceinline__ void DecodeBlock(const AttentionParams& a, int64_t tiles,
+                                            int64_t chunks, int64_t chunk_keys, float* partial,
+                                            int64_t block) {
+  static_assert(kRows <= kTileRows);
+  constexpr int kVGroup = 32 / kLaneDims;  // V rows in flight: 8 of 128 features, 4 of 256
+  __shared__ __align__(16) float sq[kRows][kPagedDecodeMaxHeadDim];
+  __shared__ float warp_m[kDecodeWarps][kRows];
+  __shared__ float warp_l[kDecodeWarps][kRows];
+  __shared__ float warp_acc[kDecodeWarps][kRows][kLaneDims * kWarpSize];
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int64_t chunk = static_cast<int64_t>(blockIdx.x) % chunks;
-  const int64_t tile = static_cast<int64_t>(blockIdx.x) / chunks % tiles;
-  const int64_t g = static_cast<int64_t>(blockIdx.x) / chunks / tiles;
+  const int64_t chunk = block % chunks;
+  const int64_t tile = block / chunks % tiles;
+  const int64_t g = block / chunks / tiles;
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t first = tile * kTileRows;  // of the group's rows
+  // At most kRows (the launch's template is chosen so).
   const int rows = static_cast<int>(min(int64_t{kTileRows}, group * a.q_len - first));
   // Row r of the tile: head g * group + (first + r) / q_len, query index
   // (first + r) % q_len, at position that index + kv_len - q_len.
   auto head_of = [&](int r) { return g * group + (first + r) / a.q_len; };
   auto index_of = [&](int r) { return (first + r) % a.q_len; };
 
-  for (int r = 0; r < kTileRows; ++r) {
+  // The rows' queries, zeros past head_dim (the K loop reads sq 16 bytes at
+  // a time).
+  for (int r = 0; r < kRows; ++r) {
     const T* q_row = r < rows ? static_cast<const T*>(a.q) + head_of(r) * a.q_stride_h +
                                     index_of(r) * a.q_stride_row
                               : nullptr;
@@ -170,14 +187,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   __syncthreads();
 
-  int64_t pos[kTileRows];
+  int64_t pos[kRows];
 #pragma unroll
-  for (int r = 0; r < kTileRows; ++r) pos[r] = index_of(min(r, rows - 1)) + a.kv_len - a.q_len;
+  for (int r = 0; r < kRows; ++r) pos[r] = index_of(min(r, rows - 1)) + a.kv_len - a.q_len;
   // The keys any row of the tile may see: the chunk, cut by the latest
   // row's causal end and the earliest row's window start.
   int64_t min_pos = pos[0], max_pos = pos[0];
 #pragma unroll
-  for (int r = 1; r < kTileRows; ++r) {
+  for (int r = 1; r < kRows; ++r) {
     min_pos = min(min_pos, pos[r]);
     max_pos = max(max_pos, pos[r]);
   }
@@ -191,9 +208,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   const bool vector_k = (a.head_dim % kVec) == 0;
 
-  float m[kTileRows], l[kTileRows], acc[kTileRows][kLaneDims];
+  float m[kRows], l[kRows], acc[kRows][kLaneDims];
 #pragma unroll
-  for (int r = 0; r < kTileRows; ++r) {
+  for (int r = 0; r < kRows; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.0f;
 #pragma unroll
@@ -202,34 +219,60 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for (int64_t j0 = lo + int64_t{warp} * kWarpSize; j0 < hi;
        j0 += int64_t{kDecodeWarps} * kWarpSize) {
     const int64_t j = j0 + lane;
-    float s[kTileRows];
+    float s[kRows];
 #pragma unroll
-    for (int r = 0; r < kTileRows; ++r) s[r] = 0.0f;
+    for (int r = 0; r < kRows; ++r) s[r] = 0.0f;
     if (j < hi) {
+      // The lane's key's V row towards L2 while its K row is read and
+      // scored, so that P V below finds it there.
+      const uintptr_t v_row = reinterpret_cast<uintptr_t>(
+          PagedRow<T>(a.v_blocks, a.block_tokens, a.head_dim_v, g, j));
+      const uintptr_t v_end = v_row + static_cast<uintptr_t>(a.head_dim_v) * sizeof(T) - 1;
+      for (uintptr_t line = v_row & ~uintptr_t{127}; line <= v_end; line += 128) {
+        asm volatile("prefetch.global.L2 [%0];" : : "l"(line));
+      }
       const T* k = PagedRow<T>(a.k_blocks, a.block_tokens, a.head_dim, g, j);
       if (vector_k) {
-        for (int64_t d0 = 0; d0 < a.head_dim; d0 += kVec) {
-          const uint4 raw = *reinterpret_cast<const uint4*>(k + d0);
-          const T* x = reinterpret_cast<const T*>(&raw);
+        for (int64_t d0 = 0; d0 < a.head_dim; d0 += kKLoads * kVec) {
+          uint4 raw[kKLoads];
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            const float xe = ToFloat(x[e]);
+          for (int u = 0; u < kKLoads; ++u) {
+            raw[u] = d0 + u * kVec < a.head_dim
+                         ? *reinterpret_cast<const uint4*>(k + d0 + u * kVec)
+                         : make_uint4(0, 0, 0, 0);
+          }
 #pragma unroll
-            for (int r = 0; r < kTileRows; ++r) s[r] += sq[r][d0 + e] * xe;
+          for (int u = 0; u < kKLoads; ++u) {
+            if (d0 + u * kVec < a.head_dim) {
+              const T* x = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+              for (int e = 0; e < kVec; e += 4) {
+                const float x0 = ToFloat(x[e]), x1 = ToFloat(x[e + 1]);
+                const float x2 = ToFloat(x[e + 2]), x3 = ToFloat(x[e + 3]);
+#pragma unroll
+                for (int r = 0; r < kRows; ++r) {
+                  const float4 qv = *reinterpret_cast<const float4*>(&sq[r][d0 + u * kVec + e]);
+                  s[r] += qv.x * x0;
+                  s[r] += qv.y * x1;
+                  s[r] += qv.z * x2;
+                  s[r] += qv.w * x3;
+                }
+              }
+            }
           }
         }
       } else {
         for (int64_t d = 0; d < a.head_dim; ++d) {
           const float xd = ToFloat(k[d]);
 #pragma unroll
-          for (int r = 0; r < kTileRows; ++r) s[r] += sq[r][d] * xd;
+          for (int r = 0; r < kRows; ++r) s[r] += sq[r][d] * xd;
         }
       }
     }
     // Scores after the scale, softcap and the row's visibility (-inf where
     // it sees no such key).
 #pragma unroll
-    for (int r = 0; r < kTileRows; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       const bool sees = r < rows && j < hi && !(a.causal && j > pos[r]) &&
                         !(a.window > 0 && j < pos[r] - a.window + 1);
       float sc = s[r] * a.scale;
@@ -238,9 +281,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
     // Per row: the tile's max, the new running max, the probabilities and
     // their sum; s[r] becomes lane's key's probability (0 if unseen).
-    float correction[kTileRows];
+    float correction[kRows];
 #pragma unroll
-    for (int r = 0; r < kTileRows; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       float tile_m = s[r];
 #pragma unroll
       for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
@@ -264,36 +307,47 @@ __global__ void __launch_bounds__(kDecodeThreads)
       s[r] = p;
     }
 #pragma unroll
-    for (int r = 0; r < kTileRows; ++r) {
+    for (int r = 0; r < kRows; ++r) {
 #pragma unroll
       for (int u = 0; u < kLaneDims; ++u) acc[r][u] *= correction[r];
     }
+    // P V over the tile's keys in order, kVGroup V rows loaded at a time.
     const int count = static_cast<int>(min(int64_t{kWarpSize}, hi - j0));
-    for (int t = 0; t < count; ++t) {
-      const T* v = PagedRow<T>(a.v_blocks, a.block_tokens, a.head_dim_v, g, j0 + t);
-      float vd[kLaneDims];
+    for (int t0 = 0; t0 < count; t0 += kVGroup) {
+      float vd[kVGroup][kLaneDims];
 #pragma unroll
-      for (int u = 0; u < kLaneDims; ++u) {
-        const int64_t d = lane + u * kWarpSize;
-        vd[u] = d < a.head_dim_v ? ToFloat(v[d]) : 0.0f;
+      for (int tt = 0; tt < kVGroup; ++tt) {
+        const T* v = t0 + tt < count
+                         ? PagedRow<T>(a.v_blocks, a.block_tokens, a.head_dim_v, g, j0 + t0 + tt)
+                         : nullptr;
+#pragma unroll
+        for (int u = 0; u < kLaneDims; ++u) {
+          const int64_t d = lane + u * kWarpSize;
+          vd[tt][u] = v != nullptr && d < a.head_dim_v ? ToFloat(v[d]) : 0.0f;
+        }
       }
 #pragma unroll
-      for (int r = 0; r < kTileRows; ++r) {
-        const float p = __shfl_sync(kFullMask, s[r], t);
+      for (int tt = 0; tt < kVGroup; ++tt) {
+        if (t0 + tt < count) {  // the same for the whole warp
 #pragma unroll
-        for (int u = 0; u < kLaneDims; ++u) acc[r][u] += p * vd[u];
+          for (int r = 0; r < kRows; ++r) {
+            const float p = __shfl_sync(kFullMask, s[r], t0 + tt);
+#pragma unroll
+            for (int u = 0; u < kLaneDims; ++u) acc[r][u] += p * vd[tt][u];
+          }
+        }
       }
     }
   }
   if (lane == 0) {
 #pragma unroll
-    for (int r = 0; r < kTileRows; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       warp_m[warp][r] = m[r];
       warp_l[warp][r] = l[r];
     }
   }
 #pragma unroll
-  for (int r = 0; r < kTileRows; ++r) {
+  for (int r = 0; r < kRows; ++r) {
 #pragma unroll
     for (int u = 0; u < kLaneDims; ++u) {
       const int64_t d = lane + u * kWarpSize;
@@ -326,15 +380,16 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 }
 
-// Grid: one block per row (h * q_len + i). Combines the row's chunks in
+// Row `row` (h * q_len + i) of request `e`: combines the row's chunks in
 // chunk order, the sink (if any) joining the denominator, and writes the
 // output row at a.out's strides in a.out_dtype.
-__global__ void PagedCombineKernel(AttentionParams a, int64_t chunks, const float* partial) {
-  const int64_t row = blockIdx.x;
+__device__ __forceinline__ void CombineRow(const PagedDecodeEntry& e, int64_t row) {
+  const AttentionParams& a = e.a;
+  const int64_t chunks = e.chunks;
   const int64_t i = row % a.q_len;
   const int64_t h = row / a.q_len;
   const int64_t stride = PartialFloats(a);
-  const float* base = partial + row * chunks * stride;
+  const float* base = e.partial + row * chunks * stride;
   const int64_t out_row = h * a.o_stride_h + i * a.o_stride_row;
 
   float row_m = -INFINITY;
@@ -364,24 +419,108 @@ __global__ void PagedCombineKernel(AttentionParams a, int64_t chunks, const floa
   }
 }
 
-template <typename T>
-cudaError_t LaunchDecode(const AttentionParams& a, float* partial, cudaStream_t stream) {
-  const Split split = SplitFor(a);
-  const int64_t rows = a.num_heads * a.q_len;
-  const int64_t tiles = RowTiles(a);
-  const int64_t blocks = a.num_kv_heads * tiles * split.chunks;
-  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  if (a.head_dim_v <= 4 * kWarpSize) {
-    PagedDecodeKernel<T, 4><<<static_cast<unsigned>(blocks), kDecodeThreads, 0, stream>>>(
-        a, tiles, split.chunks, split.chunk_keys, partial);
-  } else {
-    PagedDecodeKernel<T, kPerLane><<<static_cast<unsigned>(blocks), kDecodeThreads, 0, stream>>>(
-        a, tiles, split.chunks, split.chunk_keys, partial);
+// The entry of the request that grid element `x` belongs to (its first
+// block or row at or before x, the last such: requests with none have the
+// next one's offset), copied into shared memory. `entries` null: `single`.
+// Every thread searches alike (the same loads), so no barrier is needed
+// before the copy.
+template <bool kRowsGrid>
+__device__ __forceinline__ const PagedDecodeEntry& LoadEntry(const PagedDecodeEntry* entries,
+                                                             int count,
+                                                             const PagedDecodeEntry& single,
+                                                             int64_t x, void* smem) {
+  const PagedDecodeEntry* src = &single;
+  if (entries != nullptr) {
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      const int64_t start = kRowsGrid ? entries[mid].first_row : entries[mid].first_block;
+      if (start <= x) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    src = &entries[lo];
   }
+  static_assert(sizeof(PagedDecodeEntry) % sizeof(uint32_t) == 0);
+  constexpr int kWords = sizeof(PagedDecodeEntry) / sizeof(uint32_t);
+  const auto* from = reinterpret_cast<const uint32_t*>(src);
+  auto* to = static_cast<uint32_t*>(smem);
+  for (int w = threadIdx.x; w < kWords; w += blockDim.x) to[w] = from[w];
+  __syncthreads();
+  return *static_cast<const PagedDecodeEntry*>(smem);
+}
+
+// The decode of a batch (entries, count) or of one request (`single`):
+// one CUDA block per decode block of every request.
+template <typename T, int kLaneDims, int kRows>
+__global__ void __launch_bounds__(kDecodeThreads)
+    PagedDecodeKernel(const PagedDecodeEntry* entries, int count, PagedDecodeEntry single) {
+  __shared__ __align__(16) unsigned char entry[sizeof(PagedDecodeEntry)];
+  const PagedDecodeEntry& e = LoadEntry<false>(entries, count, single, blockIdx.x, entry);
+  DecodeBlock<T, kLaneDims, kRows>(e.a, e.tiles, e.chunks, e.chunk_keys, e.partial,
+                                   static_cast<int64_t>(blockIdx.x) - e.first_block);
+}
+
+// One CUDA block per output row of every request.
+__global__ void PagedCombineKernel(const PagedDecodeEntry* entries, int count,
+                                   PagedDecodeEntry single) {
+  __shared__ __align__(16) unsigned char entry[sizeof(PagedDecodeEntry)];
+  const PagedDecodeEntry& e = LoadEntry<true>(entries, count, single, blockIdx.x, entry);
+  CombineRow(e, static_cast<int64_t>(blockIdx.x) - e.first_row);
+}
+
+template <typename T, int kLaneDims, int kRows>
+cudaError_t LaunchDecodeFor(const PagedDecodeBatchPlan& plan, const PagedDecodeEntry* entries,
+                            const PagedDecodeEntry& single, cudaStream_t stream) {
+  PagedDecodeKernel<T, kLaneDims, kRows>
+      <<<static_cast<unsigned>(plan.blocks), kDecodeThreads, 0, stream>>>(entries, plan.count,
+                                                                          single);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  PagedCombineKernel<<<static_cast<unsigned>(rows), kCombineThreads, 0, stream>>>(a, split.chunks,
-                                                                                  partial);
+  PagedCombineKernel<<<static_cast<unsigned>(plan.rows), kCombineThreads, 0, stream>>>(
+      entries, plan.count, single);
   return cudaGetLastError();
+}
+
+// The template for the plan's widest V rows and fullest tile.
+template <typename T, int kLaneDims>
+cudaError_t LaunchDecodeRows(const PagedDecodeBatchPlan& plan, const PagedDecodeEntry* entries,
+                             const PagedDecodeEntry& single, cudaStream_t stream) {
+  if (plan.max_tile_rows <= 1) {
+    return LaunchDecodeFor<T, kLaneDims, 1>(plan, entries, single, stream);
+  }
+  if (plan.max_tile_rows <= 2) {
+    return LaunchDecodeFor<T, kLaneDims, 2>(plan, entries, single, stream);
+  }
+  if (plan.max_tile_rows <= 4) {
+    return LaunchDecodeFor<T, kLaneDims, 4>(plan, entries, single, stream);
+  }
+  return LaunchDecodeFor<T, kLaneDims, kTileRows>(plan, entries, single, stream);
+}
+
+template <typename T>
+cudaError_t LaunchDecodeType(const PagedDecodeBatchPlan& plan, const PagedDecodeEntry* entries,
+                             const PagedDecodeEntry& single, cudaStream_t stream) {
+  if (plan.max_head_dim_v <= 4 * kWarpSize) {
+    return LaunchDecodeRows<T, 4>(plan, entries, single, stream);
+  }
+  return LaunchDecodeRows<T, kPerLane>(plan, entries, single, stream);
+}
+
+// `entries` (device) null: the plan's one request is `single`.
+cudaError_t LaunchPlanned(const PagedDecodeBatchPlan& plan, const PagedDecodeEntry* entries,
+                          const PagedDecodeEntry& single, cudaStream_t stream) {
+  if (plan.blocks <= 0 || plan.rows <= 0) return cudaSuccess;
+  if (plan.blocks > INT32_MAX || plan.rows > INT32_MAX) return cudaErrorInvalidConfiguration;
+  switch (plan.dtype) {
+    case DType::kFloat16:
+      return LaunchDecodeType<__half>(plan, entries, single, stream);
+    case DType::kBFloat16:
+      return LaunchDecodeType<__nv_bfloat16>(plan, entries, single, stream);
+    default:
+      return LaunchDecodeType<float>(plan, entries, single, stream);
+  }
 }
 
 }  // namespace
@@ -413,17 +552,43 @@ size_t PagedDecodeScratchBytes(const AttentionParams& a) {
          sizeof(float);
 }
 
-cudaError_t LaunchPagedDecode(const AttentionParams& a, void* scratch, cudaStream_t stream) {
-  if (a.num_heads * a.q_len <= 0 || a.kv_len <= 0) return cudaSuccess;
-  float* partial = static_cast<float*>(scratch);
-  switch (a.dtype) {
-    case DType::kFloat16:
-      return LaunchDecode<__half>(a, partial, stream);
-    case DType::kBFloat16:
-      return LaunchDecode<__nv_bfloat16>(a, partial, stream);
-    default:
-      return LaunchDecode<float>(a, partial, stream);
+PagedDecodeBatchPlan PlanPagedDecodeBatch(const AttentionParams* requests, void* const* scratch,
+                                          int count, PagedDecodeEntry* entries) {
+  PagedDecodeBatchPlan plan;
+  plan.count = count;
+  if (count > 0) plan.dtype = requests[0].dtype;
+  for (int i = 0; i < count; ++i) {
+    const AttentionParams& a = requests[i];
+    PagedDecodeEntry& e = entries[i];
+    e = PagedDecodeEntry{};
+    e.a = a;
+    e.partial = static_cast<float*>(scratch[i]);
+    e.first_block = plan.blocks;
+    e.first_row = plan.rows;
+    if (a.num_heads * a.q_len <= 0 || a.kv_len <= 0) continue;  // nothing to compute
+    const Split split = SplitFor(a);
+    e.tiles = RowTiles(a);
+    e.chunks = split.chunks;
+    e.chunk_keys = split.chunk_keys;
+    plan.blocks += a.num_kv_heads * e.tiles * e.chunks;
+    plan.rows += a.num_heads * a.q_len;
+    plan.max_head_dim_v = std::max(plan.max_head_dim_v, a.head_dim_v);
+    plan.max_tile_rows = std::max(
+        plan.max_tile_rows, std::min<int64_t>(kTileRows, a.num_heads / a.num_kv_heads * a.q_len));
   }
+  return plan;
+}
+
+cudaError_t LaunchPagedDecodeBatch(const PagedDecodeBatchPlan& plan,
+                                   const PagedDecodeEntry* device_entries, cudaStream_t stream) {
+  if (device_entries == nullptr && plan.count > 0) return cudaErrorInvalidValue;
+  return LaunchPlanned(plan, device_entries, PagedDecodeEntry{}, stream);
+}
+
+cudaError_t LaunchPagedDecode(const AttentionParams& a, void* scratch, cudaStream_t stream) {
+  PagedDecodeEntry single;
+  const PagedDecodeBatchPlan plan = PlanPagedDecodeBatch(&a, &scratch, 1, &single);
+  return LaunchPlanned(plan, nullptr, single, stream);
 }
 
 }  // namespace attnserve::cuda

@@ -8,8 +8,9 @@
 // ([num_kv_heads][block_tokens][head_dim] per block, a table of block
 // pointers per session) with our visibility rules; cuDNN's paged SDPA wants
 // its own page table and layout, and flash-attention's paged decode is a
-// PyTorch extension. Written to be plainly correct (fp32 accumulation, fixed
-// reduction orders) rather than fast.
+// PyTorch extension. fp32 accumulation and fixed reduction orders; the
+// decode is bound by reading the cache, so its kernel is written to keep
+// many reads in flight (see the .cu).
 //
 // Plain header (no absl), so that the .cu file compiles with nvcc alone.
 // Every pointer the launchers take is a device pointer, the block tables
@@ -85,6 +86,38 @@ bool PagedDecodeSupports(const AttentionParams& a);
 // Bytes of device scratch LaunchPagedDecode needs for `a`.
 size_t PagedDecodeScratchBytes(const AttentionParams& a);
 cudaError_t LaunchPagedDecode(const AttentionParams& a, void* scratch, cudaStream_t stream);
+
+// The decodes of a batch of session requests in one launch of each of the
+// two kernels, instead of two launches per request: a step of 32 sessions
+// is then one grid wide enough to keep every SM reading. Each request's
+// arithmetic (its split into chunks, every sum's order) is what
+// LaunchPagedDecode does for it alone, so results stay batch-invariant,
+// bitwise.
+//
+//   1. PlanPagedDecodeBatch fills entries[i] for requests[i] (each one
+//      PagedDecodeSupports, all of one dtype), its scratch at scratch[i]
+//      (PagedDecodeScratchBytes(requests[i]) bytes of device memory);
+//   2. the caller copies the entries to device memory;
+//   3. LaunchPagedDecodeBatch(plan, the device copy, stream).
+struct PagedDecodeEntry {
+  AttentionParams a;
+  float* partial = nullptr;  // the request's scratch
+  int64_t tiles = 0, chunks = 0, chunk_keys = 0;
+  int64_t first_block = 0;  // its first block in the decode kernel's grid
+  int64_t first_row = 0;    // its first row in the combine kernel's grid
+};
+struct PagedDecodeBatchPlan {
+  int count = 0;
+  DType dtype = DType::kFloat32;
+  int64_t blocks = 0;  // decode grid
+  int64_t rows = 0;    // combine grid
+  int64_t max_head_dim_v = 0;
+  int64_t max_tile_rows = 0;  // the most query rows one decode block computes
+};
+PagedDecodeBatchPlan PlanPagedDecodeBatch(const AttentionParams* requests, void* const* scratch,
+                                          int count, PagedDecodeEntry* entries);
+cudaError_t LaunchPagedDecodeBatch(const PagedDecodeBatchPlan& plan,
+                                   const PagedDecodeEntry* device_entries, cudaStream_t stream);
 
 }  // namespace attnserve::cuda
 

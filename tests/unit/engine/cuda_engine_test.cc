@@ -1392,6 +1392,121 @@ TEST(CudaEngineTest, SdpaSessionDecodeTilesAndChunks) {
   CheckSdpaSession(DType::kFloat16, 6, 3, 36, 20, 16, steps, {.window = 300, .sinks = true}, 402);
 }
 
+// One Run of many sessions' steps: the decode steps (up to 16 query rows)
+// share one launch per cache dtype (dispatch.h's PagedDecodes), the others
+// gather. Every step equals the reference engine on one causal request
+// over its session, and equals the same step run alone, bitwise: sharing a
+// launch changes no request's arithmetic. The batch mixes dtypes, MHA and
+// GQA, head dims of 40 to 256 (the launch's widest and fullest tiles set
+// its kernel for all), block sizes, window, softcap and sinks.
+TEST(CudaEngineTest, SessionStepsOfABatchShareOneDecodeLaunchBitwise) {
+  REQUIRE_GPU();
+  struct Session {
+    DType dtype;
+    int64_t hq, hkv, dk, dv, block_tokens, cached, step;
+    SessionOptionsForTest opt;
+  };
+  const std::vector<Session> sessions = {
+      {DType::kBFloat16, 32, 8, 128, 128, 16, 300, 1, {}},
+      {DType::kFloat16, 8, 2, 64, 64, 64, 37, 3, {}},
+      {DType::kFloat32, 4, 4, 40, 24, 16, 150, 1, {}},
+      {DType::kBFloat16, 8, 8, 256, 256, 16, 700, 1, {}},
+      {DType::kBFloat16, 8, 2, 64, 64, 16, 290, 2, {.window = 24, .softcap = 2.0f, .sinks = true}},
+      {DType::kFloat16, 16, 2, 128, 128, 64, 500, 16, {}},
+      {DType::kFloat32, 8, 2, 64, 64, 16, 50, 20, {}},  // more than 16 rows: gathered
+      {DType::kFloat32, 6, 3, 36, 20, 16, 400, 1, {.window = 300, .sinks = true}},
+  };
+  const AttentionLayer& layer = SdpaLayer();
+  std::mt19937 rng(500);
+  struct State {
+    Tensor q, k, v, want, got, alone;
+    std::vector<float> sinks;
+    std::unique_ptr<DeviceCache> cache;
+    AttentionTask step;
+  };
+  std::vector<State> states(sessions.size());
+  std::vector<AttentionTask> steps;
+  for (size_t n = 0; n < sessions.size(); ++n) {
+    const Session& x = sessions[n];
+    State& st = states[n];
+    SCOPED_TRACE(absl::StrCat("session ", n));
+    const int64_t len = x.cached + x.step;
+    st.q = RandomTensor(x.dtype, {1, x.hq, len, x.dk}, rng, 2.0f);
+    st.k = RandomTensor(x.dtype, {1, x.hkv, len, x.dk}, rng);
+    st.v = RandomTensor(x.dtype, {1, x.hkv, len, x.dv}, rng);
+    if (x.opt.sinks) {
+      std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+      for (int64_t h = 0; h < x.hq; ++h) st.sinks.push_back(dist(rng));
+    }
+    st.want = Tensor(DType::kFloat32, {1, x.hq, len, x.dv});
+    AttentionTask full;
+    full.query = st.q.view();
+    full.key = st.k.view();
+    full.value = st.v.view();
+    full.causal = true;
+    full.scale = ResolveScale(layer.config, 0.0f, x.dk);
+    full.window = x.opt.window;
+    full.softcap = x.opt.softcap;
+    full.sinks = st.sinks;
+    full.output = st.want.mutable_view();
+    ASSERT_TRUE(Reference().Run(layer, {&full, 1}).ok());
+
+    // The prefill, alone.
+    st.cache = std::make_unique<DeviceCache>(*Cuda().engine, x.dtype, x.hkv, x.dk, x.dv,
+                                             x.block_tokens, len);
+    ASSERT_TRUE(st.cache->ok());
+    const Tensor qp = SliceRows(st.q, 2, 0, x.cached);
+    const Tensor kp = SliceRows(st.k, 2, 0, x.cached);
+    const Tensor vp = SliceRows(st.v, 2, 0, x.cached);
+    Tensor prefill_out(x.dtype, {1, x.hq, x.cached, x.dv});
+    AttentionTask prefill = full;
+    prefill.query = qp.view();
+    prefill.key = kp.view();
+    prefill.value = vp.view();
+    prefill.output = prefill_out.mutable_view();
+    prefill.paged = st.cache->At(0);
+    ASSERT_TRUE(Cuda().engine->Run(layer, {&prefill, 1}).ok());
+
+    // The step, kept for the batch (its slices live in the state).
+    if (x.opt.window > 0) st.cache->Release(FirstWindowKey(x.cached, x.opt.window));
+    st.got = Tensor(x.dtype, {1, x.hq, x.step, x.dv});
+    st.alone = Tensor(x.dtype, {1, x.hq, x.step, x.dv});
+    st.step = full;
+    st.step.paged = st.cache->At(x.cached);
+    st.step.output = st.got.mutable_view();
+  }
+  // Slices outlive the tasks that view them.
+  std::vector<Tensor> slices;
+  slices.reserve(3 * sessions.size());
+  for (size_t n = 0; n < sessions.size(); ++n) {
+    const Session& x = sessions[n];
+    State& st = states[n];
+    slices.push_back(SliceRows(st.q, 2, x.cached, x.step));
+    st.step.query = slices.back().view();
+    slices.push_back(SliceRows(st.k, 2, x.cached, x.step));
+    st.step.key = slices.back().view();
+    slices.push_back(SliceRows(st.v, 2, x.cached, x.step));
+    st.step.value = slices.back().view();
+    steps.push_back(st.step);
+  }
+  const absl::Status batch = Cuda().engine->Run(layer, steps);
+  ASSERT_TRUE(batch.ok()) << batch;
+  for (size_t n = 0; n < sessions.size(); ++n) {
+    const Session& x = sessions[n];
+    State& st = states[n];
+    SCOPED_TRACE(absl::StrCat("session ", n, " (", DTypeName(x.dtype).data(), " Hq", x.hq,
+                              " Hkv", x.hkv, " Dk", x.dk, " Dv", x.dv, " step ", x.step, ")"));
+    ExpectClose(st.got, SliceRows(st.want, 2, x.cached, x.step), ToleranceFor(x.dtype),
+                "the step in the batch");
+    // Alone: the same rows appended again at the same positions (the same
+    // bits), the same attention.
+    AttentionTask alone = steps[n];
+    alone.output = st.alone.mutable_view();
+    ASSERT_TRUE(Cuda().engine->Run(layer, {&alone, 1}).ok());
+    ExpectIdentical(st.got, st.alone, "the step in the batch against the step alone");
+  }
+}
+
 // A projection layer's session (its cache FLOAT32 whatever the precision):
 // self-attention step by step equals one causal request over the sequence.
 TEST(CudaEngineTest, ProjectionSessionStepsEqualOneCausalRequest) {
