@@ -67,10 +67,11 @@ cudaError_t LaunchPagedGather(const AttentionParams& a, void* k, void* v, cudaSt
 // keys) computes each row's partial (max, sum, accumulator) over the chunk
 // in fp32 into `scratch`, reading each K and V row once for all the tile's
 // rows (grouped-query heads share them); a second kernel combines the
-// chunks of each row in chunk order. The keys are split into chunks of at
-// least kPagedDecodeMinChunkKeys, as many as bring the blocks to about
-// kPagedDecodeTargetBlocks (a decode step of few rows gets many chunks; a
-// long request few, which bounds the scratch). Deterministic: the split,
+// chunks of each row in chunk order. The keys are split into equal chunks
+// (the last one shorter), no more than kv_len / kPagedDecodeMinChunkKeys
+// rounded up, as many as bring the blocks to about kPagedDecodeTargetBlocks
+// (a decode step of few rows gets many chunks; a long request few, which
+// bounds the scratch). Deterministic: the split,
 // hence the result, depends on the request alone.
 inline constexpr int64_t kPagedDecodeMinChunkKeys = 128;
 inline constexpr int64_t kPagedDecodeTargetBlocks = 2048;
