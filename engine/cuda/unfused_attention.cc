@@ -3,11 +3,42 @@
 #include "engine/cuda/unfused_attention.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "engine/cuda/attention_kernels.h"
 #include "engine/cuda/cuda_status.h"
 
 namespace attnserve::cuda {
+namespace {
+
+// Query rows [r0, r0 + rows) with the keys [0, keys) that any of them may
+// see: a causal request's GEMMs skip the keys past each block's diagonal
+// (its last row's causal end), so they do a little over half the work of
+// the whole score matrix. The softmax reads no score past a row's own end,
+// and writes zero probabilities there, so P V over a block's `keys` is
+// exact.
+struct RowBlock {
+  int64_t r0, rows, keys;
+};
+
+// Up to kMaxRowBlocks blocks of rows (multiples of 64) for a causal request
+// of at least 512 query rows; else one block over everything.
+constexpr int64_t kMaxRowBlocks = 8;
+std::vector<RowBlock> RowBlocks(const AttentionParams& a) {
+  if (!a.causal || a.q_len < 512) return {RowBlock{0, a.q_len, a.kv_len}};
+  const int64_t step = (a.q_len / kMaxRowBlocks + 63) / 64 * 64;
+  std::vector<RowBlock> blocks;
+  for (int64_t r0 = 0; r0 < a.q_len; r0 += step) {
+    const int64_t rows = std::min(step, a.q_len - r0);
+    // Row i sees keys j <= i + (kv_len - q_len); at least one key so that
+    // every GEMM has a shape (the rows that see none get zeros).
+    const int64_t keys = std::clamp<int64_t>(r0 + rows + (a.kv_len - a.q_len), 1, a.kv_len);
+    blocks.push_back(RowBlock{r0, rows, keys});
+  }
+  return blocks;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<UnfusedAttention>> UnfusedAttention::Create(cudaStream_t stream,
                                                                            Gemm gemm) {
@@ -63,32 +94,48 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
   float* of = static_cast<float*>(*o);
 
   const float one = 1.0f, zero = 0.0f;
+  const std::vector<RowBlock> blocks = RowBlocks(a);
   if (gemm_ == Gemm::kFp32) {
     for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
       const int64_t count = std::min(chunk, pairs - p0);
-      ATTNSERVE_CUDA_CALL(LaunchPairPointers(a, p0, count, sf, /*lo=*/nullptr, of, q_ptrs,
-                                             k_ptrs, v_ptrs, s_ptrs, /*lo_ptrs=*/nullptr,
-                                             o_ptrs, stream));
       if (a.kv_len > 0) {
-        // Column-major view: S^T [Lk, Lq] = K [Lk, D] x Q^T [D, Lq], per pair.
-        ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
-            blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(a.kv_len),
-            static_cast<int>(a.q_len), static_cast<int>(a.head_dim), &one, k_ptrs, CUDA_R_32F,
-            static_cast<int>(a.k_stride_row), q_ptrs, CUDA_R_32F,
-            static_cast<int>(a.q_stride_row), &zero, s_ptrs, CUDA_R_32F,
-            static_cast<int>(a.kv_len), static_cast<int>(count), CUBLAS_COMPUTE_32F_PEDANTIC,
-            CUBLAS_GEMM_DEFAULT));
+        for (const RowBlock& rb : blocks) {
+          // The block's rows: Q, S and O pointers start at its first row.
+          AttentionParams at = a;
+          at.q = static_cast<const float*>(a.q) + rb.r0 * a.q_stride_row;
+          ATTNSERVE_CUDA_CALL(LaunchPairPointers(at, p0, count, sf + rb.r0 * a.kv_len,
+                                                 /*lo=*/nullptr, of + rb.r0 * a.head_dim_v,
+                                                 q_ptrs, k_ptrs, v_ptrs, s_ptrs,
+                                                 /*lo_ptrs=*/nullptr, o_ptrs, stream));
+          // Column-major view: S^T [keys, rows] = K [keys, D] x Q^T [D, rows],
+          // per pair, into S^T [Lk, Lq] (leading dimension Lk).
+          ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
+              blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rb.keys),
+              static_cast<int>(rb.rows), static_cast<int>(a.head_dim), &one, k_ptrs, CUDA_R_32F,
+              static_cast<int>(a.k_stride_row), q_ptrs, CUDA_R_32F,
+              static_cast<int>(a.q_stride_row), &zero, s_ptrs, CUDA_R_32F,
+              static_cast<int>(a.kv_len), static_cast<int>(count), CUBLAS_COMPUTE_32F_PEDANTIC,
+              CUBLAS_GEMM_DEFAULT));
+        }
       }
       ATTNSERVE_CUDA_CALL(LaunchSoftmaxRows(a, p0, count, sf, /*lo=*/nullptr, stream));
       if (a.kv_len > 0) {
-        // O^T [Dv, Lq] = V^T [Dv, Lk] x P^T [Lk, Lq].
-        ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
-            blas_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(a.head_dim_v),
-            static_cast<int>(a.q_len), static_cast<int>(a.kv_len), &one, v_ptrs, CUDA_R_32F,
-            static_cast<int>(a.v_stride_row), const_cast<const void**>(s_ptrs), CUDA_R_32F,
-            static_cast<int>(a.kv_len), &zero, o_ptrs, CUDA_R_32F,
-            static_cast<int>(a.head_dim_v), static_cast<int>(count), CUBLAS_COMPUTE_32F_PEDANTIC,
-            CUBLAS_GEMM_DEFAULT));
+        for (const RowBlock& rb : blocks) {
+          AttentionParams at = a;
+          at.q = static_cast<const float*>(a.q) + rb.r0 * a.q_stride_row;
+          ATTNSERVE_CUDA_CALL(LaunchPairPointers(at, p0, count, sf + rb.r0 * a.kv_len,
+                                                 /*lo=*/nullptr, of + rb.r0 * a.head_dim_v,
+                                                 q_ptrs, k_ptrs, v_ptrs, s_ptrs,
+                                                 /*lo_ptrs=*/nullptr, o_ptrs, stream));
+          // O^T [Dv, rows] = V^T [Dv, keys] x P^T [keys, rows].
+          ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
+              blas_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(a.head_dim_v),
+              static_cast<int>(rb.rows), static_cast<int>(rb.keys), &one, v_ptrs, CUDA_R_32F,
+              static_cast<int>(a.v_stride_row), const_cast<const void**>(s_ptrs), CUDA_R_32F,
+              static_cast<int>(a.kv_len), &zero, o_ptrs, CUDA_R_32F,
+              static_cast<int>(a.head_dim_v), static_cast<int>(count),
+              CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
+        }
       } else {
         ATTNSERVE_CUDA_CALL(cudaMemsetAsync(
             of, 0, static_cast<size_t>(count * a.q_len * a.head_dim_v) * 4, stream));
@@ -139,35 +186,49 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
   split.head_dim_v = dv2;  // o's pair blocks are [Lq, 2Dv]
   float* o2f = of;
   float* lof = static_cast<float*>(*lo);
+  // The pointers of a chunk's pairs for the row block `rb`: Q, S, P's low
+  // parts and O start at its first row.
+  auto block_pointers = [&](const RowBlock& rb, int64_t p0, int64_t count) {
+    AttentionParams at = split;
+    at.q = static_cast<const float*>(split.q) + rb.r0 * d3;
+    return LaunchPairPointers(at, p0, count, sf + rb.r0 * a.kv_len, lof + rb.r0 * a.kv_len,
+                              o2f + rb.r0 * dv2, q_ptrs, k_ptrs, v_ptrs, s_ptrs, lo_ptrs, o_ptrs,
+                              stream);
+  };
   for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
     const int64_t count = std::min(chunk, pairs - p0);
-    ATTNSERVE_CUDA_CALL(LaunchPairPointers(split, p0, count, sf, lof, o2f, q_ptrs, k_ptrs,
-                                           v_ptrs, s_ptrs, lo_ptrs, o_ptrs, stream));
     if (a.kv_len > 0) {
-      // S^T [Lk, Lq] = K3 [Lk, 3D] x Q3^T [3D, Lq], per pair, on TF32 tensor cores.
-      ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
-          blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(a.kv_len), static_cast<int>(a.q_len),
-          static_cast<int>(d3), &one, k_ptrs, CUDA_R_32F, static_cast<int>(d3), q_ptrs,
-          CUDA_R_32F, static_cast<int>(d3), &zero, s_ptrs, CUDA_R_32F,
-          static_cast<int>(a.kv_len), static_cast<int>(count), CUBLAS_COMPUTE_32F_FAST_TF32,
-          CUBLAS_GEMM_DEFAULT));
+      for (const RowBlock& rb : blocks) {
+        ATTNSERVE_CUDA_CALL(block_pointers(rb, p0, count));
+        // S^T [keys, rows] = K3 [keys, 3D] x Q3^T [3D, rows], per pair, on
+        // TF32 tensor cores, into S^T [Lk, Lq].
+        ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
+            blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rb.keys), static_cast<int>(rb.rows),
+            static_cast<int>(d3), &one, k_ptrs, CUDA_R_32F, static_cast<int>(d3), q_ptrs,
+            CUDA_R_32F, static_cast<int>(d3), &zero, s_ptrs, CUDA_R_32F,
+            static_cast<int>(a.kv_len), static_cast<int>(count), CUBLAS_COMPUTE_32F_FAST_TF32,
+            CUBLAS_GEMM_DEFAULT));
+      }
     }
     ATTNSERVE_CUDA_CALL(LaunchSoftmaxRows(a, p0, count, sf, lof, stream));
     if (a.kv_len > 0) {
-      // [P_h V_h | P_h V_l]^T [2Dv, Lq] = [V_h | V_l]^T [2Dv, Lk] x P_h^T [Lk, Lq].
-      ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
-          blas_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(dv2), static_cast<int>(a.q_len),
-          static_cast<int>(a.kv_len), &one, v_ptrs, CUDA_R_32F, static_cast<int>(dv2),
-          const_cast<const void**>(s_ptrs), CUDA_R_32F, static_cast<int>(a.kv_len), &zero,
-          o_ptrs, CUDA_R_32F, static_cast<int>(dv2), static_cast<int>(count),
-          CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
-      // First half += P_l V_h.
-      ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
-          blas_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(a.head_dim_v),
-          static_cast<int>(a.q_len), static_cast<int>(a.kv_len), &one, v_ptrs, CUDA_R_32F,
-          static_cast<int>(dv2), const_cast<const void**>(lo_ptrs), CUDA_R_32F,
-          static_cast<int>(a.kv_len), &one, o_ptrs, CUDA_R_32F, static_cast<int>(dv2),
-          static_cast<int>(count), CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
+      for (const RowBlock& rb : blocks) {
+        ATTNSERVE_CUDA_CALL(block_pointers(rb, p0, count));
+        // [P_h V_h | P_h V_l]^T [2Dv, rows] = [V_h | V_l]^T [2Dv, keys] x P_h^T [keys, rows].
+        ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
+            blas_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(dv2), static_cast<int>(rb.rows),
+            static_cast<int>(rb.keys), &one, v_ptrs, CUDA_R_32F, static_cast<int>(dv2),
+            const_cast<const void**>(s_ptrs), CUDA_R_32F, static_cast<int>(a.kv_len), &zero,
+            o_ptrs, CUDA_R_32F, static_cast<int>(dv2), static_cast<int>(count),
+            CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
+        // First half += P_l V_h.
+        ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
+            blas_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(a.head_dim_v),
+            static_cast<int>(rb.rows), static_cast<int>(rb.keys), &one, v_ptrs, CUDA_R_32F,
+            static_cast<int>(dv2), const_cast<const void**>(lo_ptrs), CUDA_R_32F,
+            static_cast<int>(a.kv_len), &one, o_ptrs, CUDA_R_32F, static_cast<int>(dv2),
+            static_cast<int>(count), CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
+      }
     } else {
       ATTNSERVE_CUDA_CALL(
           cudaMemsetAsync(o2f, 0, static_cast<size_t>(count * a.q_len * dv2) * 4, stream));
