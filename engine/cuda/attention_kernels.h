@@ -30,8 +30,9 @@ cudaError_t LaunchFlashAttention(const AttentionParams& args, cudaStream_t strea
 // writes weights when asked. Slower; one warp per query row.
 cudaError_t LaunchAttentionGeneral(const AttentionParams& args, cudaStream_t stream);
 
-// The unfused path (unfused_attention.h), over FLOAT32 q/k/v, for the
-// (b, h) pairs [p0, p0 + count) of `a` (pair = b * num_heads + h):
+// The unfused path (unfused_attention.h), over FLOAT32 q/k/v (FLOAT16 or
+// BFLOAT16 for the pointers of EnqueueWeights' GEMM), for the (b, h) pairs
+// [p0, p0 + count) of `a` (pair = b * num_heads + h):
 //  - LaunchPairPointers: the batched GEMMs' pointer arrays (count each): Q,
 //    K (kv head h / group) and V rows of each pair, its score block
 //    s + n * q_len * kv_len (and, when lo_ptrs is set, lo + n * q_len *
@@ -53,6 +54,16 @@ cudaError_t LaunchSoftmaxRows(const AttentionParams& a, int64_t p0, int64_t coun
                               float* lo, cudaStream_t stream);
 cudaError_t LaunchScatterOutput(const AttentionParams& a, int64_t p0, int64_t count,
                                 const float* o, bool split, cudaStream_t stream);
+// need_weights from row statistics (UnfusedAttention::EnqueueWeights): for
+// the chunk's score rows s [count, q_len, kv_len] (Q K^T, unscaled) and the
+// rows' log-sum-exp lse[(b * num_heads + h) * lse_rows + i], writes
+// exp(t - lse) for the keys a row sees (t = mask(scale * s), the softmax's
+// rules but softcap and sinks, which the statistics' source refuses), zero
+// elsewhere and for a row that sees no key, into a.weights (per head,
+// weights_dtype).
+cudaError_t LaunchWeightsFromStats(const AttentionParams& a, int64_t p0, int64_t count,
+                                   const float* s, const float* lse, int64_t lse_rows,
+                                   cudaStream_t stream);
 
 // 3xTF32 operands (unfused_attention.h): x [batch, heads, len, dim] FLOAT32
 // at strides (stride_b, stride_h, stride_row; the last dim contiguous) ->

@@ -38,7 +38,7 @@ namespace {
 namespace fe = cudnn_frontend;
 
 constexpr int64_t kUidQ = 1, kUidK = 2, kUidV = 3, kUidO = 4, kUidBias = 5, kUidSeqQ = 6,
-                  kUidSeqKv = 7, kUidScale = 8, kUidSinks = 9;
+                  kUidSeqKv = 7, kUidScale = 8, kUidSinks = 9, kUidStats = 10;
 
 fe::DataType_t FeType(DType t) {
   switch (t) {
@@ -71,13 +71,14 @@ struct PlanKey {
   bool mask_per_batch, mask_per_head;
   int64_t window;  // > 0: the band's left bound (bottom-right causal)
   bool sinks;
+  bool stats;
 
-  std::array<int64_t, 18> Tuple() const {
+  std::array<int64_t, 19> Tuple() const {
     return {static_cast<int64_t>(dtype), batch,  heads,     kv_heads,
             head_dim,                    head_dim_v, q_rows, kv_rows,
             token_layout,                padded, static_cast<int64_t>(causal), shift,
             static_cast<int64_t>(mask),  static_cast<int64_t>(bias_dtype), mask_per_batch,
-            mask_per_head,               window, sinks};
+            mask_per_head,               window, sinks, stats};
   }
   bool operator<(const PlanKey& o) const { return Tuple() < o.Tuple(); }
 };
@@ -103,6 +104,7 @@ PlanKey KeyFor(const SdpaShape& s) {
   k.mask_per_head = s.mask != MaskParams::Kind::kNone && s.mask_per_head;
   k.window = s.window;
   k.sinks = s.sinks;
+  k.stats = s.stats;
   if (s.causal) {
     if (s.mask == MaskParams::Kind::kNone && !s.has_key_lengths) {
       k.causal = CausalMode::kBottomRight;
@@ -152,7 +154,7 @@ absl::StatusOr<std::shared_ptr<fe::graph::Graph>> BuildGraph(const PlanKey& k,
                                  .set_is_pass_by_value(true)
                                  .set_data_type(fe::DataType_t::FLOAT));
   auto options =
-      fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(false).set_attn_scale(
+      fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(k.stats).set_attn_scale(
           scale);
   if (k.causal == CausalMode::kBottomRight) {
     options.set_diagonal_alignment(fe::DiagonalAlignment_t::BOTTOM_RIGHT)
@@ -200,11 +202,18 @@ absl::StatusOr<std::shared_ptr<fe::graph::Graph>> BuildGraph(const PlanKey& k,
         .set_seq_len_kv(seq("seq_kv", kUidSeqKv));
   }
   auto [o, stats] = graph->sdpa(q, key, v, options);
-  (void)stats;
   o->set_output(true)
       .set_uid(kUidO)
       .set_dim({k.batch, k.heads, k.q_rows, k.head_dim_v})
       .set_stride(Strides(k.token_layout, k.heads, k.q_rows, k.head_dim_v));
+  if (k.stats) {
+    // Natural-log log-sum-exp per row (stats_use_log2 stays off), fp32.
+    stats->set_output(true)
+        .set_uid(kUidStats)
+        .set_data_type(fe::DataType_t::FLOAT)
+        .set_dim({k.batch, k.heads, k.q_rows, 1})
+        .set_stride({k.heads * k.q_rows, k.q_rows, 1, 1});
+  }
 
   // Any step's failure is cuDNN declining this graph: the caller falls back.
   fe::error_t e = graph->validate();
@@ -309,7 +318,10 @@ std::optional<std::string> SdpaRefusal(const AttentionParams& p, DType compute) 
     return absl::StrCat("cuDNN's SDPA computes in fp16/bf16, the request in ",
                         std::string(DTypeName(compute)));
   }
-  if (p.weights != nullptr) return std::string("need_weights (cuDNN returns no probabilities)");
+  if (p.weights != nullptr && p.sinks != nullptr) {
+    return std::string("need_weights with attention sinks (cuDNN's row statistics with a sink "
+                       "token are not promised to include it)");
+  }
   if (p.k_blocks != nullptr) return std::string("paged K/V");
   if (p.softcap > 0.0f) return std::string("logit softcapping (served by the kernels written here)");
   if (p.window > 0 &&
@@ -442,6 +454,12 @@ absl::Status CudnnSdpa::Enqueue(const SdpaArgs& args, DeviceAllocator alloc,
   if (key.sinks) {
     if (args.sinks == nullptr) return absl::InternalError("cuDNN SDPA: a sink plan without sinks");
     pack[kUidSinks] = const_cast<float*>(args.sinks);
+  }
+  if (key.stats) {
+    if (args.stats == nullptr) {
+      return absl::InternalError("cuDNN SDPA: a statistics plan without their buffer");
+    }
+    pack[kUidStats] = args.stats;
   }
   if (key.padded) {
     pack[kUidSeqQ] = const_cast<int32_t*>(args.seq_len_q);

@@ -6,13 +6,18 @@
 // Which requests cuDNN serves is decided in two steps. SdpaRefusal (host
 // side, no GPU) rules out what cuDNN cannot compute exactly as
 // attention_params.h defines it: rows that see no key (answered with zeros
-// here, which cuDNN does not promise), need_weights, fp32, head dims that
-// are not multiples of 8, causal with Lq > Lk, softcapping, a sliding window
-// other than with bottom-right causal alone (its diagonal band's left bound
-// is aligned to the lengths cuDNN is given), sinks with a mask (its sink
-// token, cuDNN 9.13 and newer). Then cuDNN itself may refuse
-// the graph (unsupported head dim, bias type, ...): the refusal is cached
-// with its shape and the engine's kernels serve it.
+// here, which cuDNN does not promise), fp32, head dims that are not
+// multiples of 8, causal with Lq > Lk, softcapping, a sliding window other
+// than with bottom-right causal alone (its diagonal band's left bound is
+// aligned to the lengths cuDNN is given), sinks with a mask (its sink
+// token, cuDNN 9.13 and newer), need_weights with sinks. Then cuDNN itself
+// may refuse the graph (unsupported head dim, bias type, ...): the refusal
+// is cached with its shape and the engine's kernels serve it.
+//
+// need_weights: the plan also writes each query row's softmax statistic,
+// the log-sum-exp of its scaled, masked scores (SdpaArgs::stats); the
+// engine then computes the probabilities from one GEMM of the scores and
+// exp(score - statistic) (unfused_attention.h, EnqueueWeights).
 //
 // Plans are keyed by a shape bucket: the caller lays the data out with
 // SdpaBucketLength rows per sequence (uploading into that layout, so no
@@ -80,6 +85,7 @@ struct SdpaShape {
   bool mask_per_batch = false, mask_per_head = false;  // else broadcast over that dim
   int64_t window = 0;  // > 0: sliding window (causal, no mask, no key lengths)
   bool sinks = false;  // one sink logit per query head (SdpaArgs::sinks)
+  bool stats = false;  // also each row's log-sum-exp (SdpaArgs::stats)
 };
 
 // One request for CudnnSdpa::Enqueue, all pointers on the device. Q, K, V
@@ -99,6 +105,10 @@ struct SdpaArgs {
   MaskParams mask;
   float scale = 1.0f;
   const float* sinks = nullptr;  // [heads] FLOAT32 when shape.sinks
+  // When shape.stats: [batch, heads, q_rows] FLOAT32, row i of (b, h) gets
+  // ln(sum_j exp(t_j)) over the scores t_j = scale * q.k_j (+ mask) of the
+  // keys it sees (rows past q_len: values to ignore).
+  float* stats = nullptr;
 };
 
 // A cuDNN handle and the plans built with it. One per engine workspace, used

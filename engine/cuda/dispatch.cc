@@ -109,7 +109,16 @@ absl::StatusOr<SdpaRoute> RouteSdpa(Call& call, const AttentionParams& p, DType 
   if (call.attention_source() == AttentionSource::kKernels || call.sdpa() == nullptr) {
     return route;
   }
-  if (std::optional<std::string> why = SdpaRefusal(p, compute); why.has_value()) {
+  std::optional<std::string> why = SdpaRefusal(p, compute);
+  if (!why.has_value() && p.weights != nullptr) {
+    // The weights come from one score GEMM beside cuDNN's statistics.
+    AttentionParams w = p;
+    w.dtype = compute;
+    if (!UnfusedAttention::SupportsWeights(w)) {
+      why = "need_weights of a head whose scores exceed the unfused path's memory bound";
+    }
+  }
+  if (why.has_value()) {
     if (call.attention_source() == AttentionSource::kCudnn) {
       return absl::UnimplementedError(absl::StrCat(
           "cuda engine (ATTNSERVE_CUDA_ATTENTION=cudnn): cuDNN cannot serve this request: ", *why));
@@ -141,6 +150,7 @@ absl::StatusOr<SdpaRoute> RouteSdpa(Call& call, const AttentionParams& p, DType 
   s.mask_per_head = p.mask.stride_h != 0;
   s.window = p.window;
   s.sinks = p.sinks != nullptr;
+  s.stats = p.weights != nullptr;
   if (CudnnSdpa::NeedsSequenceLengths(s)) {
     std::vector<int32_t> q_lens(static_cast<size_t>(p.batch), static_cast<int32_t>(p.q_len));
     std::vector<int32_t> kv_lens(static_cast<size_t>(p.batch), static_cast<int32_t>(p.kv_len));
@@ -158,9 +168,11 @@ absl::StatusOr<SdpaRoute> RouteSdpa(Call& call, const AttentionParams& p, DType 
   return route;
 }
 
-// cuDNN's SDPA for device-side `a` along `route`. Unimplemented when cuDNN
+// cuDNN's SDPA for device-side `a` along `route`, each row's log-sum-exp
+// into `stats` when the route asks for them. Unimplemented when cuDNN
 // declines the shape (nothing enqueued).
-absl::Status RunCudnn(Call& call, const AttentionParams& a, const SdpaRoute& route) {
+absl::Status RunCudnn(Call& call, const AttentionParams& a, const SdpaRoute& route,
+                      float* stats) {
   SdpaArgs args;
   args.shape = route.shape;
   args.q = a.q;
@@ -171,6 +183,7 @@ absl::Status RunCudnn(Call& call, const AttentionParams& a, const SdpaRoute& rou
   args.mask = a.mask;
   args.scale = a.scale;
   args.sinks = a.sinks;
+  args.stats = stats;
   args.out = a.out;
   const int64_t out_n = a.batch * a.num_heads * route.shape.q_rows * a.head_dim_v;
   if (a.out_dtype != a.dtype) {  // cuDNN writes the inputs' dtype; convert after
@@ -281,17 +294,6 @@ absl::StatusOr<bool> RunUnfused(Call& call, const AttentionParams& a) {
 // set) and, when `p` asks for weights, downloads them into p.weights.
 absl::Status RunCore(Call& call, AttentionParams& a, const AttentionParams& p,
                      const SdpaRoute& route) {
-  if (route.use) {
-    const absl::Status cudnn = RunCudnn(call, a, route);
-    if (cudnn.ok()) return absl::OkStatus();
-    if (!absl::IsUnimplemented(cudnn)) return cudnn;
-    if (call.attention_source() == AttentionSource::kCudnn) {
-      return absl::UnimplementedError(absl::StrCat(
-          "cuda engine (ATTNSERVE_CUDA_ATTENTION=cudnn): cuDNN declines this shape: ",
-          cudnn.message()));
-    }
-    // cuDNN declined this shape (cached): the kernels below serve it.
-  }
   void* weights = nullptr;  // final device weights, in p.weights_dtype
   size_t weights_bytes = 0;
   if (p.weights != nullptr) {
@@ -316,12 +318,42 @@ absl::Status RunCore(Call& call, AttentionParams& a, const AttentionParams& p,
     }
   }
 
-  if (FlashAttentionSupports(a)) {
-    ATTNSERVE_CUDA_CALL(LaunchFlashAttention(a, call.stream()));
-  } else if (absl::StatusOr<bool> unfused = RunUnfused(call, a); !unfused.ok()) {
-    return unfused.status();
-  } else if (!*unfused) {
-    ATTNSERVE_CUDA_CALL(LaunchAttentionGeneral(a, call.stream()));
+  bool done = false;
+  if (route.use) {
+    // With weights: each row's log-sum-exp from cuDNN, the probabilities
+    // from one GEMM of the scores (UnfusedAttention::EnqueueWeights).
+    float* stats = nullptr;
+    if (weights != nullptr) {
+      absl::StatusOr<void*> buffer = call.DeviceAlloc(
+          static_cast<size_t>(a.batch * a.num_heads * route.shape.q_rows) * sizeof(float));
+      if (!buffer.ok()) return buffer.status();
+      stats = static_cast<float*>(*buffer);
+    }
+    const absl::Status cudnn = RunCudnn(call, a, route, stats);
+    if (cudnn.ok()) {
+      if (stats != nullptr) {
+        ATTNSERVE_CUDA_RETURN_IF_ERROR(call.unfused().EnqueueWeights(
+            a, stats, route.shape.q_rows, [&call](size_t bytes) { return call.DeviceAlloc(bytes); },
+            call.stream()));
+      }
+      done = true;
+    } else if (!absl::IsUnimplemented(cudnn)) {
+      return cudnn;
+    } else if (call.attention_source() == AttentionSource::kCudnn) {
+      return absl::UnimplementedError(absl::StrCat(
+          "cuda engine (ATTNSERVE_CUDA_ATTENTION=cudnn): cuDNN declines this shape: ",
+          cudnn.message()));
+    }
+    // Else cuDNN declined this shape (cached): the kernels below serve it.
+  }
+  if (!done) {
+    if (FlashAttentionSupports(a)) {
+      ATTNSERVE_CUDA_CALL(LaunchFlashAttention(a, call.stream()));
+    } else if (absl::StatusOr<bool> unfused = RunUnfused(call, a); !unfused.ok()) {
+      return unfused.status();
+    } else if (!*unfused) {
+      ATTNSERVE_CUDA_CALL(LaunchAttentionGeneral(a, call.stream()));
+    }
   }
 
   if (weights == nullptr) return absl::OkStatus();

@@ -26,9 +26,12 @@ __global__ void PairPointersKernel(AttentionParams a, int64_t p0, int64_t count,
   const int64_t pair = p0 + n;
   const int64_t b = pair / a.num_heads, h = pair % a.num_heads;
   const int64_t g = h / (a.num_heads / a.num_kv_heads);
-  q_ptrs[n] = static_cast<const float*>(a.q) + b * a.q_stride_b + h * a.q_stride_h;
-  k_ptrs[n] = static_cast<const float*>(a.k) + b * a.k_stride_b + g * a.k_stride_h;
-  v_ptrs[n] = static_cast<const float*>(a.v) + b * a.v_stride_b + g * a.v_stride_h;
+  const int64_t elem = a.dtype == DType::kFloat32 ? 4 : 2;  // bytes of a's inputs
+  q_ptrs[n] = static_cast<const char*>(a.q) + (b * a.q_stride_b + h * a.q_stride_h) * elem;
+  k_ptrs[n] = static_cast<const char*>(a.k) + (b * a.k_stride_b + g * a.k_stride_h) * elem;
+  v_ptrs[n] = a.v == nullptr
+                  ? nullptr
+                  : static_cast<const char*>(a.v) + (b * a.v_stride_b + g * a.v_stride_h) * elem;
   s_ptrs[n] = const_cast<float*>(s) + n * a.q_len * a.kv_len;
   if (lo_ptrs != nullptr) lo_ptrs[n] = const_cast<float*>(lo) + n * a.q_len * a.kv_len;
   o_ptrs[n] = o + n * a.q_len * a.head_dim_v;
@@ -103,6 +106,27 @@ __global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s, float
       srow[j] = pj;
     }
     if (a.weights != nullptr) StoreElement(a.weights, a.weights_dtype, weights_row + j, pj);
+  }
+}
+
+// One block per score row of the chunk: the weights exp(t - lse) of the
+// keys the row sees, zeros elsewhere (LaunchWeightsFromStats).
+__global__ void WeightsFromStatsKernel(AttentionParams a, int64_t p0, const float* s,
+                                       const float* lse, int64_t lse_rows) {
+  const int64_t row = blockIdx.x;  // within the chunk: n * q_len + i
+  const int64_t n = row / a.q_len, i = row % a.q_len;
+  const int64_t pair = p0 + n;
+  const int64_t b = pair / a.num_heads, h = pair % a.num_heads;
+  const float* srow = s + row * a.kv_len;
+  const int64_t begin = RowKeyBegin(a, i);
+  const int64_t end = RowKeyEnd(a, b, i);
+  const float row_lse = lse[pair * lse_rows + i];
+  const int64_t weights_row = (pair * a.q_len + i) * a.kv_len;
+  for (int64_t j = threadIdx.x; j < a.kv_len; j += blockDim.x) {
+    const float t = j >= begin && j < end ? ApplyMask(a.mask, b, h, i, j, srow[j] * a.scale)
+                                          : -INFINITY;
+    StoreElement(a.weights, a.weights_dtype, weights_row + j,
+                 t == -INFINITY ? 0.0f : expf(t - row_lse));
   }
 }
 
@@ -191,6 +215,17 @@ cudaError_t LaunchSoftmaxRows(const AttentionParams& a, int64_t p0, int64_t coun
   } else {
     SoftmaxRowsKernel<false><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(a, p0, s, lo);
   }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchWeightsFromStats(const AttentionParams& a, int64_t p0, int64_t count,
+                                   const float* s, const float* lse, int64_t lse_rows,
+                                   cudaStream_t stream) {
+  const int64_t rows = count * a.q_len;
+  if (rows <= 0 || a.kv_len <= 0) return cudaSuccess;
+  if (rows > INT32_MAX) return cudaErrorInvalidConfiguration;
+  WeightsFromStatsKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(a, p0, s, lse,
+                                                                               lse_rows);
   return cudaGetLastError();
 }
 

@@ -63,6 +63,64 @@ bool UnfusedAttention::Supports(const AttentionParams& a) {
          a.head_dim <= (int64_t{1} << 20) && a.head_dim_v <= (int64_t{1} << 20);
 }
 
+bool UnfusedAttention::SupportsWeights(const AttentionParams& a) {
+  return (a.dtype == DType::kFloat16 || a.dtype == DType::kBFloat16) && a.k_blocks == nullptr &&
+         a.softcap <= 0.0f && a.sinks == nullptr &&
+         static_cast<double>(a.q_len) * static_cast<double>(a.kv_len) * 4.0 <=
+             static_cast<double>(kMaxChunkScoreBytes) &&
+         a.q_len <= (int64_t{1} << 30) && a.kv_len <= (int64_t{1} << 30) &&
+         a.head_dim <= (int64_t{1} << 20);
+}
+
+absl::Status UnfusedAttention::EnqueueWeights(const AttentionParams& a, const float* lse,
+                                              int64_t lse_rows, DeviceAllocator alloc,
+                                              cudaStream_t stream) {
+  if (!SupportsWeights(a) || a.weights == nullptr || lse == nullptr) {
+    return absl::InternalError("unfused weights: a request it does not support");
+  }
+  const int64_t pairs = a.batch * a.num_heads;
+  if (pairs == 0 || a.q_len == 0 || a.kv_len == 0) return absl::OkStatus();  // no weights
+  const int64_t scores = a.q_len * a.kv_len;
+  const int64_t chunk = std::clamp<int64_t>(
+      static_cast<int64_t>(kMaxChunkScoreBytes / (static_cast<size_t>(scores) * 4)), 1, pairs);
+  absl::StatusOr<void*> s = alloc(static_cast<size_t>(chunk * scores) * 4);
+  if (!s.ok()) return s.status();
+  absl::StatusOr<void*> ptrs = alloc(static_cast<size_t>(6 * chunk) * sizeof(void*));
+  if (!ptrs.ok()) return ptrs.status();
+  auto** table = static_cast<void**>(*ptrs);
+  const void** q_ptrs = const_cast<const void**>(table);
+  const void** k_ptrs = const_cast<const void**>(table + chunk);
+  const void** v_ptrs = const_cast<const void**>(table + 2 * chunk);
+  void** s_ptrs = table + 3 * chunk;
+  void** o_ptrs = table + 4 * chunk;  // unused: no output here
+  float* sf = static_cast<float*>(*s);
+  const cudaDataType_t in = a.dtype == DType::kFloat16 ? CUDA_R_16F : CUDA_R_16BF;
+  const size_t elem = 2;
+  const float one = 1.0f, zero = 0.0f;
+  AttentionParams qk = a;
+  qk.v = nullptr;  // only Q and K are read
+  for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
+    const int64_t count = std::min(chunk, pairs - p0);
+    for (const RowBlock& rb : RowBlocks(a)) {
+      AttentionParams at = qk;
+      at.q = static_cast<const char*>(a.q) + static_cast<size_t>(rb.r0 * a.q_stride_row) * elem;
+      ATTNSERVE_CUDA_CALL(LaunchPairPointers(at, p0, count, sf + rb.r0 * a.kv_len, /*lo=*/nullptr,
+                                             sf, q_ptrs, k_ptrs, v_ptrs, s_ptrs,
+                                             /*lo_ptrs=*/nullptr, o_ptrs, stream));
+      // S^T [keys, rows] = K [keys, D] x Q^T [D, rows] per pair, fp32
+      // accumulation, into S^T [Lk, Lq].
+      ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
+          blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rb.keys), static_cast<int>(rb.rows),
+          static_cast<int>(a.head_dim), &one, k_ptrs, in, static_cast<int>(a.k_stride_row),
+          q_ptrs, in, static_cast<int>(a.q_stride_row), &zero, s_ptrs, CUDA_R_32F,
+          static_cast<int>(a.kv_len), static_cast<int>(count), CUBLAS_COMPUTE_32F,
+          CUBLAS_GEMM_DEFAULT));
+    }
+    ATTNSERVE_CUDA_CALL(LaunchWeightsFromStats(a, p0, count, sf, lse, lse_rows, stream));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator alloc,
                                        cudaStream_t stream) {
   if (!Supports(a)) {

@@ -52,6 +52,16 @@ class UnfusedAttention {
   // contiguous [B, Hq, Lq, Lk] in weights_dtype. Scratch from `alloc`.
   absl::Status Enqueue(const AttentionParams& a, DeviceAllocator alloc, cudaStream_t stream);
 
+  // need_weights beside a fused kernel that gives each row's log-sum-exp
+  // (cuDNN's statistics, cudnn_sdpa.h): S = Q K^T as a GEMM of a's FLOAT16
+  // or BFLOAT16 q and k with fp32 accumulation (exact products, fp32 sums;
+  // a causal request's by row blocks, as Enqueue), then a.weights = exp(t -
+  // lse) per key a row sees (LaunchWeightsFromStats). lse[(b * Hq + h) *
+  // lse_rows + i] on the device. No softcap, no sinks.
+  static bool SupportsWeights(const AttentionParams& a);
+  absl::Status EnqueueWeights(const AttentionParams& a, const float* lse, int64_t lse_rows,
+                              DeviceAllocator alloc, cudaStream_t stream);
+
  private:
   explicit UnfusedAttention(Gemm gemm) : gemm_(gemm) {}
   const Gemm gemm_;

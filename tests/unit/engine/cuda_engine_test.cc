@@ -589,6 +589,44 @@ TEST(CudaEngineTest, CudnnServesItsCasesExactly) {
       cases.push_back({sinks, true});
     }
   }
+  // need_weights: cuDNN's row statistics and one GEMM of the scores
+  // (UnfusedAttention::EnqueueWeights), per head and averaged, in the
+  // weights' dtypes; with masks, key lengths, GQA, a window, the token
+  // layout, and a causal request past 512 rows (the GEMM by row blocks).
+  for (bool causal : {false, true}) {
+    for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+      AttendCase w = base(dtype, 64, causal, 100, 300);
+      w.need_weights = true;
+      cases.push_back({w});
+      w.average = true;
+      w.weights_dtype = dtype;
+      cases.push_back({w});
+    }
+    AttendCase lengths = base(DType::kBFloat16, 128, causal, 77, 200);
+    lengths.need_weights = true;
+    lengths.with_lengths = true;
+    cases.push_back({lengths});
+    AttendCase masked = base(DType::kFloat16, 64, causal, 100, 300);
+    masked.need_weights = true;
+    masked.mask_choice = MaskChoice::kBool;
+    masked.mask_shape = Shape{2, 4, 100, 300};
+    cases.push_back({masked});
+    masked.mask_choice = MaskChoice::kAdditive;
+    masked.mask_shape = Shape{2, 1, 100, 300};
+    cases.push_back({masked, true});
+    AttendCase token = base(DType::kBFloat16, 64, causal, 100, 100);
+    token.token_layout = true;
+    token.batch = 1;
+    token.need_weights = true;
+    cases.push_back({token});
+    AttendCase long_rows = base(DType::kBFloat16, 64, causal, 600, 700);
+    long_rows.need_weights = true;
+    cases.push_back({long_rows});
+  }
+  AttendCase window_weights = base(DType::kFloat16, 128, true, 200, 300);
+  window_weights.window = 50;
+  window_weights.need_weights = true;
+  cases.push_back({window_weights, true});
   // Sliding windows with bottom-right causal (cuDNN's diagonal band), on and
   // off the buckets, wider than the keys too.
   for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
@@ -651,7 +689,8 @@ TEST(CudaEngineTest, CudnnOnlyNamesWhatCudnnCannotServe) {
   AttendCase weights = fp32;
   weights.dtype = weights.out_dtype = DType::kFloat16;
   weights.need_weights = true;
-  expect_refused(weights, "need_weights");
+  weights.sinks = {0.5f, -1.0f};
+  expect_refused(weights, "need_weights with attention sinks");
   AttendCase empty = fp32;
   empty.dtype = empty.out_dtype = DType::kBFloat16;
   empty.with_lengths = true;

@@ -134,9 +134,13 @@ TEST(SdpaRefusalTest, TakesFp16AndBf16AndNamesWhatItRefuses) {
   EXPECT_EQ(SdpaRefusal(p, DType::kBFloat16), std::nullopt);
   EXPECT_THAT(SdpaRefusal(p, DType::kFloat32).value_or(""), HasSubstr("fp16/bf16"));
 
+  // need_weights: cuDNN's row statistics and one score GEMM; not with sinks.
   AttentionParams weights = Eligible();
-  float sink = 0;
-  weights.weights = &sink;
+  float w = 0;
+  weights.weights = &w;
+  EXPECT_EQ(SdpaRefusal(weights, DType::kFloat16), std::nullopt);
+  const float sinks[8] = {};
+  weights.sinks = sinks;
   EXPECT_THAT(SdpaRefusal(weights, DType::kFloat16).value_or(""), HasSubstr("need_weights"));
 
   AttentionParams odd = Eligible();
