@@ -153,18 +153,24 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
 
   const float one = 1.0f, zero = 0.0f;
   const std::vector<RowBlock> blocks = RowBlocks(a);
+  // The pointer arrays of a chunk's pairs for the row block `rb` of `params`
+  // (FLOAT32 Q, O rows `o_width` wide, P's low parts in `lo` or none): Q,
+  // S, the low parts and O start at the block's first row.
+  auto block_pointers = [&](const AttentionParams& params, const RowBlock& rb, int64_t p0,
+                            int64_t count, float* lo, int64_t o_width) {
+    AttentionParams at = params;
+    at.q = static_cast<const float*>(params.q) + rb.r0 * params.q_stride_row;
+    return LaunchPairPointers(at, p0, count, sf + rb.r0 * a.kv_len,
+                              lo == nullptr ? nullptr : lo + rb.r0 * a.kv_len,
+                              of + rb.r0 * o_width, q_ptrs, k_ptrs, v_ptrs, s_ptrs,
+                              lo == nullptr ? nullptr : lo_ptrs, o_ptrs, stream);
+  };
   if (gemm_ == Gemm::kFp32) {
     for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
       const int64_t count = std::min(chunk, pairs - p0);
       if (a.kv_len > 0) {
         for (const RowBlock& rb : blocks) {
-          // The block's rows: Q, S and O pointers start at its first row.
-          AttentionParams at = a;
-          at.q = static_cast<const float*>(a.q) + rb.r0 * a.q_stride_row;
-          ATTNSERVE_CUDA_CALL(LaunchPairPointers(at, p0, count, sf + rb.r0 * a.kv_len,
-                                                 /*lo=*/nullptr, of + rb.r0 * a.head_dim_v,
-                                                 q_ptrs, k_ptrs, v_ptrs, s_ptrs,
-                                                 /*lo_ptrs=*/nullptr, o_ptrs, stream));
+          ATTNSERVE_CUDA_CALL(block_pointers(a, rb, p0, count, /*lo=*/nullptr, a.head_dim_v));
           // Column-major view: S^T [keys, rows] = K [keys, D] x Q^T [D, rows],
           // per pair, into S^T [Lk, Lq] (leading dimension Lk).
           ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
@@ -179,12 +185,7 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
       ATTNSERVE_CUDA_CALL(LaunchSoftmaxRows(a, p0, count, sf, /*lo=*/nullptr, stream));
       if (a.kv_len > 0) {
         for (const RowBlock& rb : blocks) {
-          AttentionParams at = a;
-          at.q = static_cast<const float*>(a.q) + rb.r0 * a.q_stride_row;
-          ATTNSERVE_CUDA_CALL(LaunchPairPointers(at, p0, count, sf + rb.r0 * a.kv_len,
-                                                 /*lo=*/nullptr, of + rb.r0 * a.head_dim_v,
-                                                 q_ptrs, k_ptrs, v_ptrs, s_ptrs,
-                                                 /*lo_ptrs=*/nullptr, o_ptrs, stream));
+          ATTNSERVE_CUDA_CALL(block_pointers(a, rb, p0, count, /*lo=*/nullptr, a.head_dim_v));
           // O^T [Dv, rows] = V^T [Dv, keys] x P^T [keys, rows].
           ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
               blas_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(a.head_dim_v),
@@ -244,20 +245,11 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
   split.head_dim_v = dv2;  // o's pair blocks are [Lq, 2Dv]
   float* o2f = of;
   float* lof = static_cast<float*>(*lo);
-  // The pointers of a chunk's pairs for the row block `rb`: Q, S, P's low
-  // parts and O start at its first row.
-  auto block_pointers = [&](const RowBlock& rb, int64_t p0, int64_t count) {
-    AttentionParams at = split;
-    at.q = static_cast<const float*>(split.q) + rb.r0 * d3;
-    return LaunchPairPointers(at, p0, count, sf + rb.r0 * a.kv_len, lof + rb.r0 * a.kv_len,
-                              o2f + rb.r0 * dv2, q_ptrs, k_ptrs, v_ptrs, s_ptrs, lo_ptrs, o_ptrs,
-                              stream);
-  };
   for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
     const int64_t count = std::min(chunk, pairs - p0);
     if (a.kv_len > 0) {
       for (const RowBlock& rb : blocks) {
-        ATTNSERVE_CUDA_CALL(block_pointers(rb, p0, count));
+        ATTNSERVE_CUDA_CALL(block_pointers(split, rb, p0, count, lof, dv2));
         // S^T [keys, rows] = K3 [keys, 3D] x Q3^T [3D, rows], per pair, on
         // TF32 tensor cores, into S^T [Lk, Lq].
         ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
@@ -271,7 +263,7 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
     ATTNSERVE_CUDA_CALL(LaunchSoftmaxRows(a, p0, count, sf, lof, stream));
     if (a.kv_len > 0) {
       for (const RowBlock& rb : blocks) {
-        ATTNSERVE_CUDA_CALL(block_pointers(rb, p0, count));
+        ATTNSERVE_CUDA_CALL(block_pointers(split, rb, p0, count, lof, dv2));
         // [P_h V_h | P_h V_l]^T [2Dv, rows] = [V_h | V_l]^T [2Dv, keys] x P_h^T [keys, rows].
         ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
             blas_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(dv2), static_cast<int>(rb.rows),
