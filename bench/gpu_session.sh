@@ -102,7 +102,11 @@ for phase in "${phases[@]}"; do
       python3 "$root/bench/gpu_copy_bandwidth.py" 2>&1 | tee "$out/copy_bandwidth.txt"
       for batching in 16 1; do
         log="$out/serve_server_b$batching.log"
-        "$as/bin/attnserve" --backend cuda --address 127.0.0.1:0 --metrics-address 127.0.0.1:0 --http-address 127.0.0.1:0 \
+        # ATTNSERVE_CUDA_PROFILE=1: one line per engine call with its
+        # transfers' and kernels' device time (staging.h), summed per run
+        # by bench/serve_split.py against the server's own time per request.
+        ATTNSERVE_CUDA_PROFILE=1 "$as/bin/attnserve" --backend cuda --address 127.0.0.1:0 \
+          --metrics-address 127.0.0.1:0 --http-address 127.0.0.1:0 \
           --max-batch-requests "$batching" --max-batch-tokens 0 > "$log" 2>&1 &
         pid=$!
         for _ in $(seq 100); do grep -q "listening on" "$log" && break; sleep 0.1; done
@@ -112,9 +116,14 @@ for phase in "${phases[@]}"; do
           set -- $shape
           for conc in 1 32; do
             echo "batching=$batching seq=$1 head_dim=$2 concurrency=$conc"
+            before=$(wc -l < "$log")
             "$as/bin/attn_bench" --target "$target" --model sdpa --dtype fp16 --heads 16 \
               --seq "$1" --head_dim "$2" --concurrency "$conc" --duration 6 \
-              --warmup_requests 20 --json | tee -a "$out/serve.jsonl"
+              --warmup_requests 20 --json | tee "$out/serve_run.json" | tee -a "$out/serve.jsonl"
+            tail -n +"$((before + 1))" "$log" | python3 "$root/bench/serve_split.py" \
+              --bench-json "$out/serve_run.json" \
+              --label "batching=$batching seq=$1 head_dim=$2 concurrency=$conc" \
+              | tee -a "$out/serve_split.txt"
           done
         done
         kill "$pid"; wait "$pid"

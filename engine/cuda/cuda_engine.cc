@@ -58,6 +58,7 @@ class CudaEngine final : public AttentionEngine {
       weights = *uploaded;
     }
     Call call(*ws->get());
+    call.set_requests(static_cast<int>(batch.size()));
     PagedDecodes decodes;  // the batch's session decode steps, launched together
     for (const AttentionTask& task : batch) {
       absl::StatusOr<AttentionParams> params = MakeCoreParams(config, task);

@@ -3,6 +3,8 @@
 // and the one-time upload of a layer's weights.
 #include "engine/cuda/staging.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -20,6 +22,8 @@ absl::StatusOr<std::unique_ptr<Workspace>> Workspace::Create(AttentionSource sou
   ATTNSERVE_CUDA_CALL(cudaStreamCreateWithFlags(&ws->stream, cudaStreamNonBlocking));
   ATTNSERVE_CUDA_CALL(cudaStreamCreateWithFlags(&ws->copy_stream, cudaStreamNonBlocking));
   ATTNSERVE_CUDA_CALL(cudaEventCreateWithFlags(&ws->uploaded, cudaEventDisableTiming));
+  const char* profile = std::getenv("ATTNSERVE_CUDA_PROFILE");
+  ws->profile = profile != nullptr && std::strcmp(profile, "1") == 0;
   absl::StatusOr<std::unique_ptr<ProjectionGemm>> gemm = ProjectionGemm::Create(ws->stream);
   if (!gemm.ok()) return gemm.status();
   ws->gemm = std::move(*gemm);
@@ -47,8 +51,82 @@ Workspace::~Workspace() {
   unfused.reset();
   sdpa.reset();
   if (uploaded != nullptr) (void)cudaEventDestroy(uploaded);
+  for (cudaEvent_t e : events) (void)cudaEventDestroy(e);
   if (copy_stream != nullptr) (void)cudaStreamDestroy(copy_stream);
   if (stream != nullptr) (void)cudaStreamDestroy(stream);
+}
+
+Call::Call(Workspace& ws) : ws_(ws) {
+  if (!ws_.profile) return;
+  start_ = std::chrono::steady_clock::now();
+  MarkCompute(Mark::kRun);
+}
+
+cudaEvent_t Call::NextEvent() {
+  if (events_used_ == ws_.events.size()) {
+    cudaEvent_t e = nullptr;
+    if (cudaEventCreate(&e) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    ws_.events.push_back(e);
+  }
+  return ws_.events[events_used_++];
+}
+
+void Call::MarkCompute(Mark mark) {
+  cudaEvent_t e = NextEvent();
+  if (e == nullptr || cudaEventRecord(e, ws_.stream) != cudaSuccess) return;
+  compute_marks_.emplace_back(mark, e);
+}
+
+cudaEvent_t Call::MarkCopyStart() {
+  cudaEvent_t e = NextEvent();
+  if (e == nullptr || cudaEventRecord(e, ws_.copy_stream) != cudaSuccess) return nullptr;
+  return e;
+}
+
+void Call::MarkCopyEnd(cudaEvent_t start) {
+  cudaEvent_t e = start != nullptr ? NextEvent() : nullptr;
+  if (e == nullptr || cudaEventRecord(e, ws_.copy_stream) != cudaSuccess) return;
+  upload_spans_.emplace_back(start, e);
+}
+
+// After both streams have finished: the sums of the marked spans.
+void Call::PrintProfile() {
+  auto ms = [](cudaEvent_t a, cudaEvent_t b) {
+    float t = 0.0f;
+    if (cudaEventElapsedTime(&t, a, b) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0.0;
+    }
+    return static_cast<double>(t);
+  };
+  double upload = 0.0, download = 0.0, compute = 0.0;
+  for (const auto& [a, b] : upload_spans_) upload += ms(a, b);
+  // Compute runs from a kRun or kDownloaded mark to the next kWait,
+  // kDownload or kEnd; a download from kDownload to kDownloaded.
+  cudaEvent_t open = nullptr;
+  cudaEvent_t downloading = nullptr;
+  for (const auto& [mark, e] : compute_marks_) {
+    if ((mark == Mark::kWait || mark == Mark::kDownload || mark == Mark::kEnd) &&
+        open != nullptr) {
+      compute += ms(open, e);
+      open = nullptr;
+    }
+    if (mark == Mark::kDownload) downloading = e;
+    if (mark == Mark::kDownloaded && downloading != nullptr) {
+      download += ms(downloading, e);
+      downloading = nullptr;
+    }
+    if (mark == Mark::kRun || mark == Mark::kDownloaded) open = e;
+  }
+  const double call =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
+  std::fprintf(stderr,
+               "attnserve: cuda call: requests %d upload_ms %.4f download_ms %.4f compute_ms %.4f "
+               "call_ms %.4f\n",
+               requests_, upload, download, compute, call);
 }
 
 Call::~Call() {
@@ -97,8 +175,10 @@ absl::StatusOr<void*> Call::UploadHeads(const void* host, size_t elem_size, int6
   const size_t blocks = static_cast<size_t>(batch * heads);
   absl::StatusOr<void*> device = ws_.device.Allocate(pitch * blocks);
   if (!device.ok()) return device.status();
+  cudaEvent_t start = ws_.profile ? MarkCopyStart() : nullptr;
   ATTNSERVE_CUDA_CALL(cudaMemcpy2DAsync(*device, pitch, *staging, block, block, blocks,
                                         cudaMemcpyHostToDevice, ws_.copy_stream));
+  if (ws_.profile) MarkCopyEnd(start);
   ATTNSERVE_CUDA_CALL(cudaMemset2DAsync(static_cast<char*>(*device) + block, pitch, 0,
                                         pitch - block, blocks, ws_.copy_stream));
   return *device;
@@ -106,7 +186,9 @@ absl::StatusOr<void*> Call::UploadHeads(const void* host, size_t elem_size, int6
 
 absl::Status Call::UploadsDone() {
   ATTNSERVE_CUDA_CALL(cudaEventRecord(ws_.uploaded, ws_.copy_stream));
+  if (ws_.profile) MarkCompute(Mark::kWait);
   ATTNSERVE_CUDA_CALL(cudaStreamWaitEvent(ws_.stream, ws_.uploaded, 0));
+  if (ws_.profile) MarkCompute(Mark::kRun);
   return absl::OkStatus();
 }
 
@@ -114,8 +196,10 @@ absl::Status Call::Download(const void* device, size_t bytes,
                             std::function<void(const char* pinned)> deliver) {
   absl::StatusOr<void*> staging = ws_.pinned.Allocate(bytes);
   if (!staging.ok()) return staging.status();
+  if (ws_.profile) MarkCompute(Mark::kDownload);
   ATTNSERVE_CUDA_CALL(
       cudaMemcpyAsync(*staging, device, bytes, cudaMemcpyDeviceToHost, ws_.stream));
+  if (ws_.profile) MarkCompute(Mark::kDownloaded);
   const char* pinned = static_cast<const char*>(*staging);
   deliveries_.push_back([pinned, deliver = std::move(deliver)] { deliver(pinned); });
   return absl::OkStatus();
@@ -126,18 +210,22 @@ absl::Status Call::DownloadRows(const void* device, size_t row_bytes, size_t pit
   if (pitch == row_bytes) return Download(device, row_bytes * count, std::move(deliver));
   absl::StatusOr<void*> staging = ws_.pinned.Allocate(row_bytes * count);
   if (!staging.ok()) return staging.status();
+  if (ws_.profile) MarkCompute(Mark::kDownload);
   ATTNSERVE_CUDA_CALL(cudaMemcpy2DAsync(*staging, row_bytes, device, pitch, row_bytes, count,
                                         cudaMemcpyDeviceToHost, ws_.stream));
+  if (ws_.profile) MarkCompute(Mark::kDownloaded);
   const char* pinned = static_cast<const char*>(*staging);
   deliveries_.push_back([pinned, deliver = std::move(deliver)] { deliver(pinned); });
   return absl::OkStatus();
 }
 
 absl::Status Call::Finish() {
+  if (ws_.profile) MarkCompute(Mark::kEnd);
   ATTNSERVE_CUDA_CALL(cudaStreamSynchronize(ws_.copy_stream));
   ATTNSERVE_CUDA_CALL(cudaStreamSynchronize(ws_.stream));
   for (const std::function<void()>& deliver : deliveries_) deliver();
   finished_ = true;
+  if (ws_.profile) PrintProfile();
   ws_.device.Reset();
   ws_.pinned.Reset();
   return absl::OkStatus();
@@ -146,8 +234,10 @@ absl::Status Call::Finish() {
 absl::StatusOr<void*> Call::UploadStaged(void* staging, size_t bytes) {
   absl::StatusOr<void*> device = ws_.device.Allocate(bytes);
   if (!device.ok()) return device.status();
+  cudaEvent_t start = ws_.profile ? MarkCopyStart() : nullptr;
   ATTNSERVE_CUDA_CALL(
       cudaMemcpyAsync(*device, staging, bytes, cudaMemcpyHostToDevice, ws_.copy_stream));
+  if (ws_.profile) MarkCopyEnd(start);
   return *device;
 }
 

@@ -7,10 +7,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -44,6 +46,10 @@ struct Workspace {
   std::unique_ptr<UnfusedAttention> unfused;
   Arena device{Arena::Kind::kDevice};
   Arena pinned{Arena::Kind::kPinnedHost};
+  // ATTNSERVE_CUDA_PROFILE=1 when the workspace was made: each call
+  // measures where its time goes (Call, below) and reports it on stderr.
+  bool profile = false;
+  std::vector<cudaEvent_t> events;  // timing events, reused by every call
 };
 
 // One Run/Attend call on a workspace: allocations from its arenas, copies
@@ -55,9 +61,19 @@ struct Workspace {
 // Not thread-safe; borrows the workspace for its lifetime. Host buffers
 // passed to Upload* are read before the method returns; those a Download
 // delivers into must stay alive until Finish.
+//
+// With the workspace's `profile` on, a call times its parts with CUDA events
+// and Finish prints one line on stderr:
+//   attnserve: cuda call: requests N upload_ms U download_ms D compute_ms C call_ms T
+// U and D: the copies' time on the device; C: the compute stream's work
+// outside its waits for uploads and its downloads (kernels, GEMMs, device
+// copies); T: the host's time from the call's start to the end of Finish,
+// so T - max(U, C + D) is at least what the host spent outside them
+// (packing, launches, waits, deliveries). bench/gpu_session.sh serve reads
+// these lines.
 class Call {
  public:
-  explicit Call(Workspace& ws) : ws_(ws) {}
+  explicit Call(Workspace& ws);
   ~Call();
   Call(const Call&) = delete;
   Call& operator=(const Call&) = delete;
@@ -98,12 +114,29 @@ class Call {
   // Waits for the streams, then hands every result to its caller-owned buffer.
   absl::Status Finish();
 
+  // How many requests the call serves (for the profile line).
+  void set_requests(int requests) { requests_ = requests; }
+
  private:
   absl::StatusOr<void*> UploadStaged(void* staging, size_t bytes);
+
+  // Profiling (ws_.profile): events from the workspace's pool, marks on the
+  // compute stream in order, the uploads' start and end on the copy stream.
+  enum class Mark { kRun, kWait, kDownload, kDownloaded, kEnd };
+  cudaEvent_t NextEvent();
+  void MarkCompute(Mark mark);
+  cudaEvent_t MarkCopyStart();
+  void MarkCopyEnd(cudaEvent_t start);
+  void PrintProfile();
 
   Workspace& ws_;
   std::vector<std::function<void()>> deliveries_;
   bool finished_ = false;
+  int requests_ = 0;
+  size_t events_used_ = 0;
+  std::vector<std::pair<Mark, cudaEvent_t>> compute_marks_;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> upload_spans_;
+  std::chrono::steady_clock::time_point start_;
 };
 
 // Uploads the key lengths and the mask's extent of host-side `p` and points
