@@ -21,6 +21,7 @@ absl::StatusOr<std::unique_ptr<Workspace>> Workspace::Create(AttentionSource sou
   ws->source = source;
   ATTNSERVE_CUDA_CALL(cudaStreamCreateWithFlags(&ws->stream, cudaStreamNonBlocking));
   ATTNSERVE_CUDA_CALL(cudaStreamCreateWithFlags(&ws->copy_stream, cudaStreamNonBlocking));
+  ATTNSERVE_CUDA_CALL(cudaStreamCreateWithFlags(&ws->download_stream, cudaStreamNonBlocking));
   ATTNSERVE_CUDA_CALL(cudaEventCreateWithFlags(&ws->uploaded, cudaEventDisableTiming));
   const char* profile = std::getenv("ATTNSERVE_CUDA_PROFILE");
   ws->profile = profile != nullptr && std::strcmp(profile, "1") == 0;
@@ -47,11 +48,14 @@ absl::StatusOr<std::unique_ptr<Workspace>> Workspace::Create(AttentionSource sou
 Workspace::~Workspace() {
   if (copy_stream != nullptr) (void)cudaStreamSynchronize(copy_stream);
   if (stream != nullptr) (void)cudaStreamSynchronize(stream);
+  if (download_stream != nullptr) (void)cudaStreamSynchronize(download_stream);
   gemm.reset();
   unfused.reset();
   sdpa.reset();
   if (uploaded != nullptr) (void)cudaEventDestroy(uploaded);
   for (cudaEvent_t e : events) (void)cudaEventDestroy(e);
+  for (cudaEvent_t e : computed) (void)cudaEventDestroy(e);
+  if (download_stream != nullptr) (void)cudaStreamDestroy(download_stream);
   if (copy_stream != nullptr) (void)cudaStreamDestroy(copy_stream);
   if (stream != nullptr) (void)cudaStreamDestroy(stream);
 }
@@ -80,16 +84,17 @@ void Call::MarkCompute(Mark mark) {
   compute_marks_.emplace_back(mark, e);
 }
 
-cudaEvent_t Call::MarkCopyStart() {
+cudaEvent_t Call::MarkStart(cudaStream_t stream) {
   cudaEvent_t e = NextEvent();
-  if (e == nullptr || cudaEventRecord(e, ws_.copy_stream) != cudaSuccess) return nullptr;
+  if (e == nullptr || cudaEventRecord(e, stream) != cudaSuccess) return nullptr;
   return e;
 }
 
-void Call::MarkCopyEnd(cudaEvent_t start) {
+void Call::MarkEnd(cudaStream_t stream, cudaEvent_t start,
+                   std::vector<std::pair<cudaEvent_t, cudaEvent_t>>* spans) {
   cudaEvent_t e = start != nullptr ? NextEvent() : nullptr;
-  if (e == nullptr || cudaEventRecord(e, ws_.copy_stream) != cudaSuccess) return;
-  upload_spans_.emplace_back(start, e);
+  if (e == nullptr || cudaEventRecord(e, stream) != cudaSuccess) return;
+  spans->emplace_back(start, e);
 }
 
 // After both streams have finished: the sums of the marked spans.
@@ -104,22 +109,15 @@ void Call::PrintProfile() {
   };
   double upload = 0.0, download = 0.0, compute = 0.0;
   for (const auto& [a, b] : upload_spans_) upload += ms(a, b);
-  // Compute runs from a kRun or kDownloaded mark to the next kWait,
-  // kDownload or kEnd; a download from kDownload to kDownloaded.
+  for (const auto& [a, b] : download_spans_) download += ms(a, b);
+  // Compute runs from a kRun mark to the next kWait or kEnd.
   cudaEvent_t open = nullptr;
-  cudaEvent_t downloading = nullptr;
   for (const auto& [mark, e] : compute_marks_) {
-    if ((mark == Mark::kWait || mark == Mark::kDownload || mark == Mark::kEnd) &&
-        open != nullptr) {
+    if ((mark == Mark::kWait || mark == Mark::kEnd) && open != nullptr) {
       compute += ms(open, e);
       open = nullptr;
     }
-    if (mark == Mark::kDownload) downloading = e;
-    if (mark == Mark::kDownloaded && downloading != nullptr) {
-      download += ms(downloading, e);
-      downloading = nullptr;
-    }
-    if (mark == Mark::kRun || mark == Mark::kDownloaded) open = e;
+    if (mark == Mark::kRun) open = e;
   }
   const double call =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
@@ -133,6 +131,7 @@ Call::~Call() {
   if (!finished_) {
     (void)cudaStreamSynchronize(ws_.copy_stream);
     (void)cudaStreamSynchronize(ws_.stream);
+    (void)cudaStreamSynchronize(ws_.download_stream);
     (void)cudaGetLastError();
     ws_.device.Reset();
     ws_.pinned.Reset();
@@ -175,10 +174,10 @@ absl::StatusOr<void*> Call::UploadHeads(const void* host, size_t elem_size, int6
   const size_t blocks = static_cast<size_t>(batch * heads);
   absl::StatusOr<void*> device = ws_.device.Allocate(pitch * blocks);
   if (!device.ok()) return device.status();
-  cudaEvent_t start = ws_.profile ? MarkCopyStart() : nullptr;
+  cudaEvent_t start = ws_.profile ? MarkStart(ws_.copy_stream) : nullptr;
   ATTNSERVE_CUDA_CALL(cudaMemcpy2DAsync(*device, pitch, *staging, block, block, blocks,
                                         cudaMemcpyHostToDevice, ws_.copy_stream));
-  if (ws_.profile) MarkCopyEnd(start);
+  if (ws_.profile) MarkEnd(ws_.copy_stream, start, &upload_spans_);
   ATTNSERVE_CUDA_CALL(cudaMemset2DAsync(static_cast<char*>(*device) + block, pitch, 0,
                                         pitch - block, blocks, ws_.copy_stream));
   return *device;
@@ -196,10 +195,11 @@ absl::Status Call::Download(const void* device, size_t bytes,
                             std::function<void(const char* pinned)> deliver) {
   absl::StatusOr<void*> staging = ws_.pinned.Allocate(bytes);
   if (!staging.ok()) return staging.status();
-  if (ws_.profile) MarkCompute(Mark::kDownload);
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(DownloadAfterCompute());
+  cudaEvent_t start = ws_.profile ? MarkStart(ws_.download_stream) : nullptr;
   ATTNSERVE_CUDA_CALL(
-      cudaMemcpyAsync(*staging, device, bytes, cudaMemcpyDeviceToHost, ws_.stream));
-  if (ws_.profile) MarkCompute(Mark::kDownloaded);
+      cudaMemcpyAsync(*staging, device, bytes, cudaMemcpyDeviceToHost, ws_.download_stream));
+  if (ws_.profile) MarkEnd(ws_.download_stream, start, &download_spans_);
   const char* pinned = static_cast<const char*>(*staging);
   deliveries_.push_back([pinned, deliver = std::move(deliver)] { deliver(pinned); });
   return absl::OkStatus();
@@ -210,12 +210,25 @@ absl::Status Call::DownloadRows(const void* device, size_t row_bytes, size_t pit
   if (pitch == row_bytes) return Download(device, row_bytes * count, std::move(deliver));
   absl::StatusOr<void*> staging = ws_.pinned.Allocate(row_bytes * count);
   if (!staging.ok()) return staging.status();
-  if (ws_.profile) MarkCompute(Mark::kDownload);
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(DownloadAfterCompute());
+  cudaEvent_t start = ws_.profile ? MarkStart(ws_.download_stream) : nullptr;
   ATTNSERVE_CUDA_CALL(cudaMemcpy2DAsync(*staging, row_bytes, device, pitch, row_bytes, count,
-                                        cudaMemcpyDeviceToHost, ws_.stream));
-  if (ws_.profile) MarkCompute(Mark::kDownloaded);
+                                        cudaMemcpyDeviceToHost, ws_.download_stream));
+  if (ws_.profile) MarkEnd(ws_.download_stream, start, &download_spans_);
   const char* pinned = static_cast<const char*>(*staging);
   deliveries_.push_back([pinned, deliver = std::move(deliver)] { deliver(pinned); });
+  return absl::OkStatus();
+}
+
+absl::Status Call::DownloadAfterCompute() {
+  if (computed_used_ == ws_.computed.size()) {
+    cudaEvent_t e = nullptr;
+    ATTNSERVE_CUDA_CALL(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    ws_.computed.push_back(e);
+  }
+  cudaEvent_t computed = ws_.computed[computed_used_++];
+  ATTNSERVE_CUDA_CALL(cudaEventRecord(computed, ws_.stream));
+  ATTNSERVE_CUDA_CALL(cudaStreamWaitEvent(ws_.download_stream, computed, 0));
   return absl::OkStatus();
 }
 
@@ -223,6 +236,7 @@ absl::Status Call::Finish() {
   if (ws_.profile) MarkCompute(Mark::kEnd);
   ATTNSERVE_CUDA_CALL(cudaStreamSynchronize(ws_.copy_stream));
   ATTNSERVE_CUDA_CALL(cudaStreamSynchronize(ws_.stream));
+  ATTNSERVE_CUDA_CALL(cudaStreamSynchronize(ws_.download_stream));
   for (const std::function<void()>& deliver : deliveries_) deliver();
   finished_ = true;
   if (ws_.profile) PrintProfile();
@@ -234,10 +248,10 @@ absl::Status Call::Finish() {
 absl::StatusOr<void*> Call::UploadStaged(void* staging, size_t bytes) {
   absl::StatusOr<void*> device = ws_.device.Allocate(bytes);
   if (!device.ok()) return device.status();
-  cudaEvent_t start = ws_.profile ? MarkCopyStart() : nullptr;
+  cudaEvent_t start = ws_.profile ? MarkStart(ws_.copy_stream) : nullptr;
   ATTNSERVE_CUDA_CALL(
       cudaMemcpyAsync(*device, staging, bytes, cudaMemcpyHostToDevice, ws_.copy_stream));
-  if (ws_.profile) MarkCopyEnd(start);
+  if (ws_.profile) MarkEnd(ws_.copy_stream, start, &upload_spans_);
   return *device;
 }
 

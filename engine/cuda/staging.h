@@ -37,9 +37,14 @@ struct Workspace {
   static absl::StatusOr<std::unique_ptr<Workspace>> Create(AttentionSource source);
   ~Workspace();  // waits for both streams
 
-  cudaStream_t stream = nullptr;       // compute and downloads
-  cudaStream_t copy_stream = nullptr;  // uploads
-  cudaEvent_t uploaded = nullptr;      // recorded on copy_stream after a request's uploads
+  cudaStream_t stream = nullptr;           // compute
+  cudaStream_t copy_stream = nullptr;      // uploads
+  cudaStream_t download_stream = nullptr;  // downloads, after the compute they read
+  cudaEvent_t uploaded = nullptr;          // recorded on copy_stream after a request's uploads
+  // Recorded on `stream` before each download, which download_stream waits
+  // for: so request n's download overlaps request n+1's compute (the GPU's
+  // two copy engines and its SMs all busy).
+  std::vector<cudaEvent_t> computed;
   std::unique_ptr<ProjectionGemm> gemm;
   AttentionSource source = AttentionSource::kAuto;
   std::unique_ptr<CudnnSdpa> sdpa;  // null: our kernels only
@@ -55,8 +60,10 @@ struct Workspace {
 // One Run/Attend call on a workspace: allocations from its arenas, copies
 // through pinned memory, and the host-side deliveries that run once the
 // streams have finished. Per request: Upload*, then UploadsDone, then
-// compute and Download on stream(). If the call is abandoned on an error,
-// the destructor still waits for both streams before the memory is reused.
+// compute on stream() and Download (which runs on the download stream once
+// the compute enqueued before it is done). If the call is abandoned on an
+// error, the destructor still waits for the streams before the memory is
+// reused.
 //
 // Not thread-safe; borrows the workspace for its lifetime. Host buffers
 // passed to Upload* are read before the method returns; those a Download
@@ -66,11 +73,10 @@ struct Workspace {
 // and Finish prints one line on stderr:
 //   attnserve: cuda call: requests N upload_ms U download_ms D compute_ms C call_ms T
 // U and D: the copies' time on the device; C: the compute stream's work
-// outside its waits for uploads and its downloads (kernels, GEMMs, device
-// copies); T: the host's time from the call's start to the end of Finish,
-// so T - max(U, C + D) is at least what the host spent outside them
-// (packing, launches, waits, deliveries). bench/gpu_session.sh serve reads
-// these lines.
+// outside its waits for uploads (kernels, GEMMs, device copies); T: the
+// host's time from the call's start to the end of Finish, so T - max(U, C,
+// D) is at least what the host spent outside them (packing, launches,
+// waits, deliveries). bench/gpu_session.sh serve reads these lines.
 class Call {
  public:
   explicit Call(Workspace& ws);
@@ -120,22 +126,27 @@ class Call {
  private:
   absl::StatusOr<void*> UploadStaged(void* staging, size_t bytes);
 
+  // The download stream waits for the compute enqueued so far.
+  absl::Status DownloadAfterCompute();
+
   // Profiling (ws_.profile): events from the workspace's pool, marks on the
-  // compute stream in order, the uploads' start and end on the copy stream.
-  enum class Mark { kRun, kWait, kDownload, kDownloaded, kEnd };
+  // compute stream in order, the copies' start and end on their streams.
+  enum class Mark { kRun, kWait, kEnd };
   cudaEvent_t NextEvent();
   void MarkCompute(Mark mark);
-  cudaEvent_t MarkCopyStart();
-  void MarkCopyEnd(cudaEvent_t start);
+  cudaEvent_t MarkStart(cudaStream_t stream);
+  void MarkEnd(cudaStream_t stream, cudaEvent_t start,
+               std::vector<std::pair<cudaEvent_t, cudaEvent_t>>* spans);
   void PrintProfile();
 
   Workspace& ws_;
   std::vector<std::function<void()>> deliveries_;
   bool finished_ = false;
   int requests_ = 0;
+  size_t computed_used_ = 0;  // of ws_.computed
   size_t events_used_ = 0;
   std::vector<std::pair<Mark, cudaEvent_t>> compute_marks_;
-  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> upload_spans_;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> upload_spans_, download_spans_;
   std::chrono::steady_clock::time_point start_;
 };
 
