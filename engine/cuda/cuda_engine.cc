@@ -5,8 +5,9 @@
 // synchronisation at its end: uploads go on a copy stream and compute waits
 // for each request's uploads through an event, so while the GPU computes
 // request n the host packs request n+1 and the copy engine uploads it, and
-// request n-1's output comes back on a third stream (staging.h); each request runs on its own launches (dispatch.h), except
-// the decode steps of sessions, which share one launch per batch.
+// request n-1's output comes back on a third stream (staging.h); each
+// request runs on its own launches (dispatch.h), except the decode steps of
+// sessions, which share one launch per batch.
 #include "engine/cuda/cuda_engine.h"
 
 #include <cuda_runtime_api.h>
