@@ -97,7 +97,7 @@ void Call::MarkEnd(cudaStream_t stream, cudaEvent_t start,
   spans->emplace_back(start, e);
 }
 
-// After both streams have finished: the sums of the marked spans.
+// After the streams have finished: the sums of the marked spans.
 void Call::PrintProfile() {
   auto ms = [](cudaEvent_t a, cudaEvent_t b) {
     float t = 0.0f;
