@@ -69,7 +69,8 @@ def main():
         bench = json.load(f)
     s = summarize(sys.stdin, bench)
     if s is None:
-        print(f"{args.label}: no profile lines (was the server started with ATTNSERVE_CUDA_PROFILE=1?)")
+        print(f"{args.label}: no profile lines "
+              "(was the server started with ATTNSERVE_CUDA_PROFILE=1?)")
         return 1
     print(f"{args.label}: {s['requests']} requests in {s['calls']} engine calls; per request: "
           f"upload {s['upload_us']:.1f} us, download {s['download_us']:.1f} us, "

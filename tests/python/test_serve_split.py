@@ -11,9 +11,8 @@ import re
 import tempfile
 import unittest
 
-SOURCE_DIR = os.environ.get(
-    "ATTNSERVE_SOURCE_DIR", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-)
+SOURCE_DIR = os.environ.get("ATTNSERVE_SOURCE_DIR") or os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def load_serve_split():

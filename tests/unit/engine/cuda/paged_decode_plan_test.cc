@@ -49,7 +49,8 @@ PagedDecodeBatchPlan Plan(const std::vector<AttentionParams>& requests,
 
 TEST(PagedDecodePlanTest, EachRequestsSplitCoversItsKeysAndFitsItsScratch) {
   for (int64_t kv_len : {1, 7, 127, 128, 129, 1000, 4096, 65536, 1 << 20}) {
-    for (auto [heads, kv_heads, q_len] : {std::tuple{32, 8, 1}, {8, 8, 1}, {16, 2, 16}, {6, 3, 5}}) {
+    for (auto [heads, kv_heads, q_len] :
+         {std::tuple{32, 8, 1}, {8, 8, 1}, {16, 2, 16}, {6, 3, 5}}) {
       const AttentionParams a = Decode(heads, kv_heads, 128, 64, q_len, kv_len);
       std::vector<PagedDecodeEntry> e;
       const PagedDecodeBatchPlan plan = Plan({a}, &e);
