@@ -38,6 +38,34 @@ std::vector<RowBlock> RowBlocks(const AttentionParams& a) {
   return blocks;
 }
 
+// How many (b, h) pairs one chunk holds: as many blocks of `scores` fp32
+// scores as fit UnfusedAttention::kMaxChunkScoreBytes, at least one, at
+// most `pairs`.
+int64_t ChunkPairs(int64_t scores, int64_t pairs) {
+  const size_t pair_bytes = static_cast<size_t>(std::max<int64_t>(scores, 1)) * 4;
+  return std::clamp<int64_t>(
+      static_cast<int64_t>(UnfusedAttention::kMaxChunkScoreBytes / pair_bytes), 1, pairs);
+}
+
+// The batched GEMMs' pointer arrays for a chunk of `chunk` pairs
+// (LaunchPairPointers fills them), in one allocation.
+struct PairTables {
+  const void** q;
+  const void** k;
+  const void** v;
+  void** s;
+  void** o;
+  void** lo;  // P's low parts (3xTF32)
+};
+absl::StatusOr<PairTables> AllocatePairTables(DeviceAllocator alloc, int64_t chunk) {
+  absl::StatusOr<void*> ptrs = alloc(static_cast<size_t>(6 * chunk) * sizeof(void*));
+  if (!ptrs.ok()) return ptrs.status();
+  auto** table = static_cast<void**>(*ptrs);
+  return PairTables{const_cast<const void**>(table), const_cast<const void**>(table + chunk),
+                    const_cast<const void**>(table + 2 * chunk), table + 3 * chunk,
+                    table + 4 * chunk, table + 5 * chunk};
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<UnfusedAttention>> UnfusedAttention::Create(cudaStream_t stream,
@@ -81,38 +109,33 @@ absl::Status UnfusedAttention::EnqueueWeights(const AttentionParams& a, const fl
   const int64_t pairs = a.batch * a.num_heads;
   if (pairs == 0 || a.q_len == 0 || a.kv_len == 0) return absl::OkStatus();  // no weights
   const int64_t scores = a.q_len * a.kv_len;
-  const int64_t chunk = std::clamp<int64_t>(
-      static_cast<int64_t>(kMaxChunkScoreBytes / (static_cast<size_t>(scores) * 4)), 1, pairs);
+  const int64_t chunk = ChunkPairs(scores, pairs);
   absl::StatusOr<void*> s = alloc(static_cast<size_t>(chunk * scores) * 4);
   if (!s.ok()) return s.status();
-  absl::StatusOr<void*> ptrs = alloc(static_cast<size_t>(6 * chunk) * sizeof(void*));
-  if (!ptrs.ok()) return ptrs.status();
-  auto** table = static_cast<void**>(*ptrs);
-  const void** q_ptrs = const_cast<const void**>(table);
-  const void** k_ptrs = const_cast<const void**>(table + chunk);
-  const void** v_ptrs = const_cast<const void**>(table + 2 * chunk);
-  void** s_ptrs = table + 3 * chunk;
-  void** o_ptrs = table + 4 * chunk;  // unused: no output here
+  absl::StatusOr<PairTables> t = AllocatePairTables(alloc, chunk);
+  if (!t.ok()) return t.status();
   float* sf = static_cast<float*>(*s);
   const cudaDataType_t in = a.dtype == DType::kFloat16 ? CUDA_R_16F : CUDA_R_16BF;
   const size_t elem = 2;
   const float one = 1.0f, zero = 0.0f;
   AttentionParams qk = a;
   qk.v = nullptr;  // only Q and K are read
+  const std::vector<RowBlock> blocks = RowBlocks(a);
   for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
     const int64_t count = std::min(chunk, pairs - p0);
-    for (const RowBlock& rb : RowBlocks(a)) {
+    for (const RowBlock& rb : blocks) {
       AttentionParams at = qk;
       at.q = static_cast<const char*>(a.q) + static_cast<size_t>(rb.r0 * a.q_stride_row) * elem;
+      // No output here: o's pointers (at sf) go unused.
       ATTNSERVE_CUDA_CALL(LaunchPairPointers(at, p0, count, sf + rb.r0 * a.kv_len, /*lo=*/nullptr,
-                                             sf, q_ptrs, k_ptrs, v_ptrs, s_ptrs,
-                                             /*lo_ptrs=*/nullptr, o_ptrs, stream));
+                                             sf, t->q, t->k, t->v, t->s, /*lo_ptrs=*/nullptr,
+                                             t->o, stream));
       // S^T [keys, rows] = K [keys, D] x Q^T [D, rows] per pair, fp32
       // accumulation, into S^T [Lk, Lq].
       ATTNSERVE_CUBLAS_CALL(cublasGemmBatchedEx(
           blas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rb.keys), static_cast<int>(rb.rows),
-          static_cast<int>(a.head_dim), &one, k_ptrs, in, static_cast<int>(a.k_stride_row),
-          q_ptrs, in, static_cast<int>(a.q_stride_row), &zero, s_ptrs, CUDA_R_32F,
+          static_cast<int>(a.head_dim), &one, t->k, in, static_cast<int>(a.k_stride_row),
+          t->q, in, static_cast<int>(a.q_stride_row), &zero, t->s, CUDA_R_32F,
           static_cast<int>(a.kv_len), static_cast<int>(count), CUBLAS_COMPUTE_32F,
           CUBLAS_GEMM_DEFAULT));
     }
@@ -129,9 +152,7 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
   const int64_t pairs = a.batch * a.num_heads;
   if (pairs == 0 || a.q_len == 0) return absl::OkStatus();
   const int64_t scores = a.q_len * a.kv_len;
-  const size_t pair_bytes = static_cast<size_t>(std::max<int64_t>(scores, 1)) * 4;
-  const int64_t chunk =
-      std::clamp<int64_t>(static_cast<int64_t>(kMaxChunkScoreBytes / pair_bytes), 1, pairs);
+  const int64_t chunk = ChunkPairs(scores, pairs);
   absl::StatusOr<void*> s = alloc(static_cast<size_t>(chunk * std::max<int64_t>(scores, 1)) * 4);
   if (!s.ok()) return s.status();
   // O per pair: [Lq, Dv], or [Lq, 2Dv] with 3xTF32 (below).
@@ -139,15 +160,14 @@ absl::Status UnfusedAttention::Enqueue(const AttentionParams& a, DeviceAllocator
   absl::StatusOr<void*> o = alloc(static_cast<size_t>(chunk * a.q_len * o_width) * 4);
   if (!o.ok()) return o.status();
   // Pointer arrays: Q, K, V, S, O per pair (and P's low parts with 3xTF32).
-  absl::StatusOr<void*> ptrs = alloc(static_cast<size_t>(6 * chunk) * sizeof(void*));
-  if (!ptrs.ok()) return ptrs.status();
-  auto** table = static_cast<void**>(*ptrs);
-  const void** q_ptrs = const_cast<const void**>(table);
-  const void** k_ptrs = const_cast<const void**>(table + chunk);
-  const void** v_ptrs = const_cast<const void**>(table + 2 * chunk);
-  void** s_ptrs = table + 3 * chunk;
-  void** o_ptrs = table + 4 * chunk;
-  void** lo_ptrs = table + 5 * chunk;
+  absl::StatusOr<PairTables> tables = AllocatePairTables(alloc, chunk);
+  if (!tables.ok()) return tables.status();
+  const void** q_ptrs = tables->q;
+  const void** k_ptrs = tables->k;
+  const void** v_ptrs = tables->v;
+  void** s_ptrs = tables->s;
+  void** o_ptrs = tables->o;
+  void** lo_ptrs = tables->lo;
   float* sf = static_cast<float*>(*s);
   float* of = static_cast<float*>(*o);
 
