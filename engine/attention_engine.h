@@ -25,6 +25,7 @@
 #include "engine/attention_layer.h"
 #include "engine/attention_params.h"
 #include "engine/attention_task.h"
+#include "engine/host_buffer.h"
 
 namespace attnserve {
 
@@ -68,6 +69,12 @@ class AttentionEngine {
   // = ordinary host memory (the server maps it itself). Engines that return
   // one keep it usable for as long as anybody holds the pointer.
   virtual std::shared_ptr<KvSlabMemory> kv_slab_memory() const { return nullptr; }
+
+  // The memory a front end should copy requests' tensor bytes into
+  // (engine/host_buffer.h), when this engine reads inputs fastest from
+  // memory of its own; nullptr = ordinary host memory. Any host memory is
+  // still accepted: this is about speed only.
+  virtual std::shared_ptr<HostBufferPool> request_memory() const { return nullptr; }
 
   // Whether Run computes `task` (already valid for `layer`): an engine that
   // lacks one of its options answers Unimplemented naming it, so that a

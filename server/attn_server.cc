@@ -144,6 +144,10 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
                            server->metrics_.get());
   }
   AttentionServiceOptions service_options;
+  service_options.request_memory = shared_engine->request_memory();
+  if (service_options.request_memory == nullptr) {
+    service_options.request_memory = HostBufferPool::Ordinary();
+  }
   if (!options.auth_token_file.empty()) {
     absl::StatusOr<BearerTokens> tokens = BearerTokens::FromFile(options.auth_token_file);
     if (!tokens.ok()) {

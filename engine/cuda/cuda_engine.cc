@@ -88,6 +88,8 @@ class CudaEngine final : public AttentionEngine {
 
   std::shared_ptr<KvSlabMemory> kv_slab_memory() const override { return slab_memory_; }
 
+  std::shared_ptr<HostBufferPool> request_memory() const override { return request_memory_; }
+
  private:
   // Session blocks in device memory: one cudaMalloc per slab (the pool
   // carves 2 MiB slabs, so this is rare), freed with cudaFree.
@@ -114,6 +116,27 @@ class CudaEngine final : public AttentionEngine {
    private:
     const int device_;
   };
+
+  // Page-locked host memory for requests' tensor bytes, which the front end
+  // copies from the wire once and the copy engine uploads from in place.
+  // cudaHostAlloc is slow (it maps and locks pages), so freed buffers are
+  // kept: up to 256 MiB, each at most 64 MiB. Out of page-locked memory,
+  // Allocate fails and the front end parses into ordinary memory instead.
+  static std::shared_ptr<HostBufferPool> PageLockedRequestMemory(int device) {
+    HostBufferPool::Backing backing{
+        [device](size_t bytes) -> void* {
+          void* data = nullptr;
+          if (cudaSetDevice(device) != cudaSuccess ||
+              cudaHostAlloc(&data, bytes, cudaHostAllocDefault) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return nullptr;
+          }
+          return data;
+        },
+        [](void* data, size_t) { (void)cudaFreeHost(data); }};
+    return std::make_shared<HostBufferPool>(std::move(backing), size_t{256} << 20,
+                                            size_t{64} << 20);
+  }
 
   // A workspace borrowed from the pool; returned on destruction.
   class Lease {
@@ -144,6 +167,7 @@ class CudaEngine final : public AttentionEngine {
     // A new concurrent caller: one more workspace.
     absl::StatusOr<std::unique_ptr<Workspace>> ws = Workspace::Create(source_);
     if (!ws.ok()) return ws.status();
+    (*ws)->request_memory = request_memory_.get();
     return Lease(this, std::move(*ws));
   }
 
@@ -171,6 +195,7 @@ class CudaEngine final : public AttentionEngine {
   const int device_;
   const AttentionSource source_;
   const std::shared_ptr<KvSlabMemory> slab_memory_ = std::make_shared<DeviceSlabMemory>(device_);
+  const std::shared_ptr<HostBufferPool> request_memory_ = PageLockedRequestMemory(device_);
 
   std::mutex mutex_;  // guards idle_
   std::vector<std::unique_ptr<Workspace>> idle_;

@@ -8,7 +8,7 @@
 #include "engine/cuda/cuda_module_abi.h"
 
 extern "C" __attribute__((visibility("default"))) attnserve::AttentionEngine*
-attnserve_cuda_create_engine_v1(const attnserve::EngineOptions* options, char* error,
+attnserve_cuda_create_engine_v2(const attnserve::EngineOptions* options, char* error,
                                 size_t error_size) {
   absl::StatusOr<std::unique_ptr<attnserve::AttentionEngine>> engine =
       attnserve::cuda::NewCudaEngine(options != nullptr ? *options : attnserve::EngineOptions{});
@@ -22,4 +22,4 @@ attnserve_cuda_create_engine_v1(const attnserve::EngineOptions* options, char* e
 }
 
 // The entry point has exactly the type the loader calls it through.
-static_assert(std::is_same_v<decltype(&attnserve_cuda_create_engine_v1), AttnserveCudaFactory>);
+static_assert(std::is_same_v<decltype(&attnserve_cuda_create_engine_v2), AttnserveCudaFactory>);

@@ -12,7 +12,7 @@
 // File name of the module.
 #define ATTNSERVE_CUDA_MODULE_NAME "libattnserve_cuda.so"
 // Name of the entry point.
-#define ATTNSERVE_CUDA_FACTORY_SYMBOL "attnserve_cuda_create_engine_v1"
+#define ATTNSERVE_CUDA_FACTORY_SYMBOL "attnserve_cuda_create_engine_v2"
 
 // Returns a new engine that the caller owns (delete it through the
 // AttentionEngine pointer; the module must stay loaded), or null with a

@@ -139,6 +139,7 @@ Call::~Call() {
 }
 
 absl::StatusOr<void*> Call::Upload(const void* host, size_t bytes) {
+  if (InRequestMemory(host, bytes)) return UploadStaged(host, bytes);
   absl::StatusOr<void*> staging = ws_.pinned.Allocate(bytes);
   if (!staging.ok()) return staging.status();
   std::memcpy(*staging, host, bytes);
@@ -149,25 +150,29 @@ absl::StatusOr<void*> Call::UploadHeads(const void* host, size_t elem_size, int6
                                         int64_t heads, int64_t len, int64_t dim, int64_t stride_b,
                                         int64_t stride_h, int64_t stride_row, int64_t rows) {
   const size_t bytes = static_cast<size_t>(batch * heads * len * dim) * elem_size;
-  absl::StatusOr<void*> staging = ws_.pinned.Allocate(bytes);
-  if (!staging.ok()) return staging.status();
   const bool contiguous = stride_row == dim && (heads == 1 || stride_h == len * dim) &&
                           (batch == 1 || stride_b == heads * len * dim);
-  if (contiguous) {
-    std::memcpy(*staging, host, bytes);
-  } else {
-    const size_t row_bytes = static_cast<size_t>(dim) * elem_size;
-    char* dst = static_cast<char*>(*staging);
-    const char* src = static_cast<const char*>(host);
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t i = 0; i < len; ++i) {
-          std::memcpy(dst, src + (b * stride_b + h * stride_h + i * stride_row) * elem_size,
-                      row_bytes);
-          dst += row_bytes;
-        }
+  const void* staging = host;  // contiguous rows in page-locked request memory: read in place
+  if (!contiguous || !InRequestMemory(host, bytes)) {
+    absl::StatusOr<void*> packed = ws_.pinned.Allocate(bytes);
+    if (!packed.ok()) return packed.status();
+    staging = *packed;
+    if (contiguous) {
+      std::memcpy(*packed, host, bytes);
+    } else {
+      const size_t row_bytes = static_cast<size_t>(dim) * elem_size;
+      char* dst = static_cast<char*>(*packed);
+      const char* src = static_cast<const char*>(host);
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t i = 0; i < len; ++i) {
+            std::memcpy(dst, src + (b * stride_b + h * stride_h + i * stride_row) * elem_size,
+                        row_bytes);
+            dst += row_bytes;
+          }
+    }
   }
-  if (rows == len) return UploadStaged(*staging, bytes);
+  if (rows == len) return UploadStaged(staging, bytes);
   // Each (b, h) block of len * dim lands at the start of rows * dim.
   const size_t block = static_cast<size_t>(len * dim) * elem_size;
   const size_t pitch = static_cast<size_t>(rows * dim) * elem_size;
@@ -175,7 +180,7 @@ absl::StatusOr<void*> Call::UploadHeads(const void* host, size_t elem_size, int6
   absl::StatusOr<void*> device = ws_.device.Allocate(pitch * blocks);
   if (!device.ok()) return device.status();
   cudaEvent_t start = ws_.profile ? MarkStart(ws_.copy_stream) : nullptr;
-  ATTNSERVE_CUDA_CALL(cudaMemcpy2DAsync(*device, pitch, *staging, block, block, blocks,
+  ATTNSERVE_CUDA_CALL(cudaMemcpy2DAsync(*device, pitch, staging, block, block, blocks,
                                         cudaMemcpyHostToDevice, ws_.copy_stream));
   if (ws_.profile) MarkEnd(ws_.copy_stream, start, &upload_spans_);
   ATTNSERVE_CUDA_CALL(cudaMemset2DAsync(static_cast<char*>(*device) + block, pitch, 0,
@@ -245,7 +250,7 @@ absl::Status Call::Finish() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<void*> Call::UploadStaged(void* staging, size_t bytes) {
+absl::StatusOr<void*> Call::UploadStaged(const void* staging, size_t bytes) {
   absl::StatusOr<void*> device = ws_.device.Allocate(bytes);
   if (!device.ok()) return device.status();
   cudaEvent_t start = ws_.profile ? MarkStart(ws_.copy_stream) : nullptr;

@@ -24,6 +24,7 @@
 #include "engine/cuda/projection_gemm.h"
 #include "engine/cuda/unfused_attention.h"
 #include "engine/dtype.h"
+#include "engine/host_buffer.h"
 
 namespace attnserve::cuda {
 
@@ -51,6 +52,10 @@ struct Workspace {
   std::unique_ptr<UnfusedAttention> unfused;
   Arena device{Arena::Kind::kDevice};
   Arena pinned{Arena::Kind::kPinnedHost};
+  // The engine's request memory (page-locked; AttentionEngine::request_memory):
+  // an input that lies in one of its buffers is uploaded from there, without
+  // the copy into `pinned`. Not owned; null: every input is copied.
+  const HostBufferPool* request_memory = nullptr;
   // ATTNSERVE_CUDA_PROFILE=1 when the workspace was made: each call
   // measures where its time goes (Call, below) and reports it on stderr.
   bool profile = false;
@@ -66,8 +71,9 @@ struct Workspace {
 // reused.
 //
 // Not thread-safe; borrows the workspace for its lifetime. Host buffers
-// passed to Upload* are read before the method returns; those a Download
-// delivers into must stay alive until Finish.
+// passed to Upload* are read before the method returns, except those in the
+// workspace's request_memory, which the copy engine reads in place until
+// Finish; those a Download delivers into must stay alive until Finish.
 //
 // With the workspace's `profile` on, a call times its parts with CUDA events
 // and Finish prints one line on stderr:
@@ -124,7 +130,13 @@ class Call {
   void set_requests(int requests) { requests_ = requests; }
 
  private:
-  absl::StatusOr<void*> UploadStaged(void* staging, size_t bytes);
+  absl::StatusOr<void*> UploadStaged(const void* staging, size_t bytes);
+
+  // Whether `host` can be the source of an asynchronous upload as it is (it
+  // lies in the workspace's page-locked request memory).
+  bool InRequestMemory(const void* host, size_t bytes) const {
+    return ws_.request_memory != nullptr && ws_.request_memory->Contains(host, bytes);
+  }
 
   // The download stream waits for the compute enqueued so far.
   absl::Status DownloadAfterCompute();

@@ -8,13 +8,28 @@
 
 namespace attnserve {
 
-AttendInputs DecodeAttendRequest(const v1::AttendRequest& request) {
+namespace {
+
+const HostBuffer* Payload(const AttendPayloads* payloads,
+                          std::optional<HostBuffer> AttendPayloads::*field) {
+  if (payloads == nullptr || !(payloads->*field).has_value()) return nullptr;
+  return &*(payloads->*field);
+}
+
+}  // namespace
+
+AttendInputs DecodeAttendRequest(const v1::AttendRequest& request,
+                                 const AttendPayloads* payloads) {
   AttendInputs in;
   in.model = request.model();
-  in.query = DecodeTensor(request.query(), request.has_query(), "query");
-  in.key = DecodeTensor(request.key(), request.has_key(), "key");
-  in.value = DecodeTensor(request.value(), request.has_value(), "value");
-  in.attn_mask = DecodeTensor(request.attn_mask(), request.has_attn_mask(), "attn_mask");
+  in.query = DecodeTensor(request.query(), request.has_query(), "query",
+                          Payload(payloads, &AttendPayloads::query));
+  in.key = DecodeTensor(request.key(), request.has_key(), "key",
+                        Payload(payloads, &AttendPayloads::key));
+  in.value = DecodeTensor(request.value(), request.has_value(), "value",
+                          Payload(payloads, &AttendPayloads::value));
+  in.attn_mask = DecodeTensor(request.attn_mask(), request.has_attn_mask(), "attn_mask",
+                              Payload(payloads, &AttendPayloads::attn_mask));
   in.key_lengths = absl::MakeConstSpan(request.key_lengths().data(),
                                        static_cast<size_t>(request.key_lengths_size()));
   in.causal = request.causal();

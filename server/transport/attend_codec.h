@@ -12,12 +12,18 @@
 #include "server/dispatch/request_dispatcher.h"
 #include "server/request/attend_inputs.h"
 #include "server/request/inference_request.h"
+#include "server/transport/attend_wire.h"
 #include "server/transport/message_codec.h"
 
 namespace attnserve {
 
-// Lifetime: the result points into `request`, which must outlive it.
-AttendInputs DecodeAttendRequest(const v1::AttendRequest& request);
+// `payloads`, when given, holds tensors' bytes taken out of `request` on the
+// wire (attend_wire.h); a tensor's bytes are read from there when set.
+//
+// Lifetime: the result points into `request` (and `*payloads`), which must
+// outlive it.
+AttendInputs DecodeAttendRequest(const v1::AttendRequest& request,
+                                 const AttendPayloads* payloads = nullptr);
 
 // Allocates the result tensors in `response` (output, weights).
 MutableTensorView AllocateAttendOutput(v1::AttendResponse* response, OutputName name, DType dtype,

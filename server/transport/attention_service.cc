@@ -44,9 +44,17 @@ AttentionServiceImpl::AttentionServiceImpl(const ModelRegistry* registry,
   InstallProtobufLogHandler();
 }
 
+absl::Status AttentionServiceImpl::ParseAttend(grpc::ByteBuffer* bytes, absl::string_view what,
+                                               int64_t number, v1::AttendRequest* request,
+                                               AttendPayloads* payloads) const {
+  if (options_.request_memory == nullptr) return ParseRequestMessage(bytes, what, number, request);
+  return ParseAttendRequest(bytes, what, number, *options_.request_memory, request, payloads);
+}
+
 void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
                                        const absl::Status& parsed, const ModelAccess& access,
                                        const v1::AttendRequest& request,
+                                       const AttendPayloads& payloads,
                                        v1::AttendResponse* response,
                                        absl::AnyInvocable<void(absl::Status)> done) {
   Clock* const clock = dispatcher_->clock();
@@ -74,7 +82,7 @@ void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
     dispatcher_->Reject(std::move(r), parsed);
     return;
   }
-  dispatcher_->Submit(std::move(r), DecodeAttendRequest(request),
+  dispatcher_->Submit(std::move(r), DecodeAttendRequest(request, &payloads),
                       [response](OutputName name, DType dtype, const Shape& shape) {
                         return AllocateAttendOutput(response, name, dtype, shape);
                       });
@@ -95,8 +103,8 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
         access_(CallAccess(service->options_.tokens, context)),
         // gRPC owns the (non-const) buffer until OnDone and only frees it
         // then; releasing it now keeps one copy of the inputs, not two.
-        parsed_(access_.ok() ? ParseRequestMessage(const_cast<grpc::ByteBuffer*>(request_bytes),
-                                                   "request", 0, &request_)
+        parsed_(access_.ok() ? service->ParseAttend(const_cast<grpc::ByteBuffer*>(request_bytes),
+                                                    "request", 0, &request_, &payloads_)
                              : access_.status()),
         model_(request_.model()),
         counted_(service->calls_.CallStarted()) {
@@ -104,10 +112,10 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
   }
 
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
-    // request_, response_, context and response_bytes stay valid until
-    // OnDone: gRPC frees its part only after the reactor is done.
+    // request_, payloads_, response_, context and response_bytes stay valid
+    // until OnDone: gRPC frees its part only after the reactor is done.
     service_->StartAttend(context, parsed_, access_.ok() ? *access_ : ModelAccess::None(),
-                          request_, &response_,
+                          request_, payloads_, &response_,
                           [this, response_bytes](absl::Status status) {
                             // request_ and response_ are freed in OnDone, as
                             // gRPC freed its messages: not while the client
@@ -129,6 +137,7 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
   AttentionServiceImpl* const service_;
   const absl::StatusOr<ModelAccess> access_;
   v1::AttendRequest request_;
+  AttendPayloads payloads_;  // request_'s tensors' bytes (attend_wire.h)
   v1::AttendResponse response_;
   const absl::Status parsed_;
   const std::string model_;  // as the client named it
@@ -162,22 +171,25 @@ void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* conte
   // completion owns (it may even run before StartAttend returns).
   struct Message {
     v1::AttendRequest request;
+    AttendPayloads payloads;
     v1::AttendStreamResponse answer;
   };
   auto* message = new Message;
   const absl::Status parsed =
-      ParseRequestMessage(bytes, "AttendStream message", number, &message->request);
+      ParseAttend(bytes, "AttendStream message", number, &message->request, &message->payloads);
   if (!parsed.ok()) CountUnparseable("AttendStream");
   message->answer.set_id(message->request.id());
   // The stream was authenticated when it opened (AttendStream); its access
   // is the same for every message.
   absl::StatusOr<ModelAccess> access = CallAccess(options_.tokens, *context);
   StartAttend(context, access.ok() ? parsed : access.status(),
-              access.ok() ? *access : ModelAccess::None(), message->request,
+              access.ok() ? *access : ModelAccess::None(), message->request, message->payloads,
               message->answer.mutable_response(),
               [message, answer = std::move(answer)](absl::Status status) mutable {
                 std::unique_ptr<Message> owned(message);
-                owned->request.Clear();  // inputs no longer needed; free them now
+                // Inputs no longer needed; free them now.
+                owned->request.Clear();
+                owned->payloads = AttendPayloads();
                 if (!status.ok()) {
                   owned->answer.clear_response();
                   owned->answer.set_code(static_cast<int>(status.code()));

@@ -7,17 +7,20 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "engine/host_buffer.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "server/dispatch/request_dispatcher.h"
 #include "server/metrics/metrics.h"
 #include "server/models/model_registry.h"
 #include "server/request/model_access.h"
+#include "server/transport/attend_wire.h"
 #include "server/transport/bearer_tokens.h"
 #include "server/transport/call_tracker.h"
 #include "server/transport/stream_reactor.h"
@@ -33,6 +36,10 @@ struct AttentionServiceOptions {
   // Bearer tokens every call must present (--auth-token-file); not owned,
   // must outlive the service. Null: no authentication. Default: null.
   const BearerTokens* tokens = nullptr;
+  // Where Attend copies its tensors' bytes from the wire (attend_wire.h):
+  // the backend engine's request_memory(), or ordinary memory. Null: into
+  // the message's strings, by protobuf's own parse. Default: null.
+  std::shared_ptr<HostBufferPool> request_memory;
 };
 
 // Attend and AttendStream take gRPC's raw bytes and parse them here, so that
@@ -147,11 +154,18 @@ class AttentionServiceImpl final : public AttentionServiceBase, private StreamHa
   // the request (empty) is refused with that status through the dispatcher
   // (counted, not run). `access`: the models the caller may use. `done` runs
   // exactly once with the final status (response->timing filled in when OK),
-  // from this thread or a batcher worker. request, response and context must
-  // stay valid until it has run.
+  // from this thread or a batcher worker.
+  // request, payloads, response and context must stay valid until it has
+  // run.
   void StartAttend(grpc::CallbackServerContext* context, const absl::Status& parsed,
-                   const ModelAccess& access, const v1::AttendRequest& request, v1::AttendResponse* response,
+                   const ModelAccess& access, const v1::AttendRequest& request,
+                   const AttendPayloads& payloads, v1::AttendResponse* response,
                    absl::AnyInvocable<void(absl::Status)> done);
+
+  // Parses one AttendRequest (ParseAttendRequest into options_.request_memory,
+  // or ParseRequestMessage without one) and releases `bytes`.
+  absl::Status ParseAttend(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
+                           v1::AttendRequest* request, AttendPayloads* payloads) const;
 
   const ModelRegistry* const registry_;
   RequestDispatcher* const dispatcher_;

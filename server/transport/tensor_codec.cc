@@ -42,14 +42,15 @@ std::string ProtoDTypeName(int proto_dtype) {
   return absl::StrCat(proto_dtype);
 }
 
-bool IsEmptyTensor(const v1::Tensor& tensor) {
+bool IsEmptyTensor(const v1::Tensor& tensor, const HostBuffer* data) {
   return tensor.dtype() == v1::DATA_TYPE_UNSPECIFIED && tensor.shape_size() == 0 &&
-         tensor.data().empty();
+         (data != nullptr ? data->size() == 0 : tensor.data().empty());
 }
 
-InputTensor DecodeTensor(const v1::Tensor& tensor, bool has, absl::string_view field) {
+InputTensor DecodeTensor(const v1::Tensor& tensor, bool has, absl::string_view field,
+                         const HostBuffer* data) {
   InputTensor input;
-  input.present = has && !IsEmptyTensor(tensor);
+  input.present = has && !IsEmptyTensor(tensor, data);
   if (!input.present) return input;
   absl::StatusOr<DType> dtype = DTypeFromProto(tensor.dtype(), absl::StrCat(field, ".dtype"));
   if (dtype.ok()) {
@@ -58,7 +59,7 @@ InputTensor DecodeTensor(const v1::Tensor& tensor, bool has, absl::string_view f
     input.decode_error = dtype.status();
   }
   input.shape.assign(tensor.shape().begin(), tensor.shape().end());
-  input.data = tensor.data();
+  input.data = data != nullptr ? absl::string_view(data->data(), data->size()) : tensor.data();
   return input;
 }
 

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "attnserve/v1/attention.pb.h"
+#include "engine/host_buffer.h"
 #include "engine/tensor.h"
 #include "server/request/attend_inputs.h"
 
@@ -24,16 +25,22 @@ v1::DataType DTypeToProto(DType dtype);
 std::string ProtoDTypeName(int proto_dtype);
 
 // True when the message carries nothing (no dtype, shape or data): optional
-// tensors sent as `{}` by JSON-ish clients count as absent.
-bool IsEmptyTensor(const v1::Tensor& tensor);
+// tensors sent as `{}` by JSON-ish clients count as absent. `data`: as for
+// DecodeTensor.
+bool IsEmptyTensor(const v1::Tensor& tensor, const HostBuffer* data = nullptr);
 
 // `tensor` as the request path's InputTensor: no bytes copied, nothing
 // checked but the dtype code (a bad one becomes decode_error, naming
 // "<field>.dtype"). `has`: the message field is set; a set but empty tensor
 // counts as absent too.
 //
-// Lifetime: the result points into `tensor.data()`; `tensor` must outlive it.
-InputTensor DecodeTensor(const v1::Tensor& tensor, bool has, absl::string_view field);
+// `data`, when given, is the tensor's bytes taken out of the message on the
+// wire (attend_wire.h), read instead of `tensor.data()`.
+//
+// Lifetime: the result points into `tensor.data()` (or `*data`), which must
+// outlive it.
+InputTensor DecodeTensor(const v1::Tensor& tensor, bool has, absl::string_view field,
+                         const HostBuffer* data = nullptr);
 
 // Sets `tensor`'s dtype and shape, sizes its data for them and returns a
 // writable view of that data, so the engine writes the response bytes in

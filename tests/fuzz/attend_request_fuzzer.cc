@@ -1,5 +1,6 @@
 // Fuzz target: one serialized AttendRequest through the server's own parse
-// (ParseRequestMessage on a grpc::ByteBuffer), decode and validation, then,
+// (ParseAttendRequest on a grpc::ByteBuffer of two slices, which must agree
+// with protobuf's own, ParseRequestMessage), decode and validation, then,
 // when valid, through the reference and cpu engines, whose outputs must
 // agree where the inputs are numerically tame. Work bounds keep every
 // accepted shape tiny. Models by name: "" or "sdpa" (bare attention), "mha",
@@ -22,6 +23,7 @@
 #include "grpcpp/support/slice.h"
 #include "server/request/validation.h"
 #include "server/transport/attend_codec.h"
+#include "server/transport/attend_wire.h"
 #include "server/transport/message_codec.h"
 #include "server/transport/protobuf_log.h"
 
@@ -98,6 +100,7 @@ struct Fixture {
   std::shared_ptr<const AttentionLayer> sdpa, mha, mha_self, mha_bf16;
   std::unique_ptr<AttentionEngine> reference, cpu;
   ValidationOptions options;
+  std::shared_ptr<HostBufferPool> request_memory = HostBufferPool::Ordinary();
 };
 
 double MaxAbs(const TensorView& t) {
@@ -159,11 +162,45 @@ void Compare(const char* what, const Tensor& ref, const Tensor& got, double atol
   }
 }
 
+// The server's parse (ParseAttendRequest: the tensors' bytes into host
+// buffers) must give what protobuf's own parse gives, error or message.
+void CheckWireParseAgrees(const absl::Status& parsed, const v1::AttendRequest& request,
+                          const absl::Status& oracle_status, const v1::AttendRequest& oracle,
+                          const AttendPayloads& payloads) {
+  if (parsed != oracle_status) {
+    Fail("ParseAttendRequest: " + parsed.ToString() + "; protobuf: " + oracle_status.ToString());
+  }
+  v1::AttendRequest joined = request;
+  auto put = [](const std::optional<HostBuffer>& payload, v1::Tensor* tensor) {
+    if (payload.has_value()) tensor->set_data(std::string(payload->data(), payload->size()));
+  };
+  put(payloads.query, joined.mutable_query());
+  put(payloads.key, joined.mutable_key());
+  put(payloads.value, joined.mutable_value());
+  put(payloads.attn_mask, joined.mutable_attn_mask());
+  if (!request.has_query()) joined.clear_query();
+  if (!request.has_key()) joined.clear_key();
+  if (!request.has_value()) joined.clear_value();
+  if (!request.has_attn_mask()) joined.clear_attn_mask();
+  if (joined.SerializeAsString() != oracle.SerializeAsString()) {
+    Fail("ParseAttendRequest parsed another message than protobuf");
+  }
+}
+
 void RunOne(const Fixture& f, const uint8_t* data, size_t size) {
   grpc::Slice slice(data, size);
-  grpc::ByteBuffer bytes(&slice, 1);
+  v1::AttendRequest oracle;
+  grpc::ByteBuffer oracle_bytes(&slice, 1);
+  const absl::Status oracle_status = ParseRequestMessage(&oracle_bytes, "request", 0, &oracle);
+  // As the server parses: in two slices, the cut inside the message.
+  grpc::Slice head(data, size / 3), tail(data + size / 3, size - size / 3);
+  grpc::Slice halves[] = {head, tail};
+  grpc::ByteBuffer bytes(halves, 2);
   v1::AttendRequest request;
-  const absl::Status parsed = ParseRequestMessage(&bytes, "request", 0, &request);
+  AttendPayloads payloads;
+  const absl::Status parsed =
+      ParseAttendRequest(&bytes, "request", 0, *f.request_memory, &request, &payloads);
+  CheckWireParseAgrees(parsed, request, oracle_status, oracle, payloads);
   if (!parsed.ok()) {
     if (parsed.code() != absl::StatusCode::kInvalidArgument ||
         !absl::StartsWith(parsed.message(),
@@ -173,7 +210,7 @@ void RunOne(const Fixture& f, const uint8_t* data, size_t size) {
     Note("unparseable");
     return;
   }
-  const AttendInputs inputs = DecodeAttendRequest(request);
+  const AttendInputs inputs = DecodeAttendRequest(request, &payloads);
   const AttentionLayer* layer = nullptr;
   if (inputs.model.empty() || inputs.model == "sdpa") {
     layer = f.sdpa.get();

@@ -1,0 +1,167 @@
+// ParseAttendRequest: one pass over the wire that copies the four tensors'
+// `data` into host buffers and everything else, unchanged, into a small
+// message that protobuf then parses.
+#include "server/transport/attend_wire.h"
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "google/protobuf/io/coded_stream.h"
+#include "grpcpp/support/proto_buffer_reader.h"
+#include "server/transport/message_codec.h"
+#include "server/transport/protobuf_log.h"
+
+namespace attnserve {
+namespace {
+
+namespace io = google::protobuf::io;
+
+// Protobuf's wire types.
+constexpr uint32_t kVarint = 0, kFixed64 = 1, kLengthDelimited = 2, kFixed32 = 5;
+// AttendRequest's Tensor fields, and Tensor's `data`.
+constexpr uint32_t kQuery = 3, kKey = 4, kValue = 5, kAttnMask = 8, kTensorData = 3;
+
+void AppendVarint(uint64_t value, std::string* out) {
+  while (value >= 0x80) {
+    out->push_back(static_cast<char>(value | 0x80));
+    value >>= 7;
+  }
+  out->push_back(static_cast<char>(value));
+}
+
+void AppendFixed(uint64_t value, int bytes, std::string* out) {
+  for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>(value >> (8 * i)));
+}
+
+// Whether `length` bytes are left in `in`, which reads `total` bytes in all
+// (checked before anything of that size is allocated: a few bytes on the
+// wire must not claim gigabytes).
+bool Left(const io::CodedInputStream& in, uint32_t length, size_t total) {
+  const int until_limit = in.BytesUntilLimit();  // -1: no limit pushed
+  return length <= total - static_cast<size_t>(in.CurrentPosition()) &&
+         (until_limit < 0 || length <= static_cast<uint32_t>(until_limit));
+}
+
+// Copies the field whose `tag` was just read from `in` to `out`, unchanged
+// in meaning. False: malformed or truncated, or a group (deprecated; left to
+// protobuf's own parse).
+bool CopyField(uint32_t tag, io::CodedInputStream& in, size_t total, std::string* out) {
+  AppendVarint(tag, out);
+  switch (tag & 7) {
+    case kVarint: {
+      uint64_t v;
+      if (!in.ReadVarint64(&v)) return false;
+      AppendVarint(v, out);
+      return true;
+    }
+    case kFixed64: {
+      uint64_t v;
+      if (!in.ReadLittleEndian64(&v)) return false;
+      AppendFixed(v, 8, out);
+      return true;
+    }
+    case kFixed32: {
+      uint32_t v;
+      if (!in.ReadLittleEndian32(&v)) return false;
+      AppendFixed(v, 4, out);
+      return true;
+    }
+    case kLengthDelimited: {
+      uint32_t length;
+      if (!in.ReadVarint32(&length) || !Left(in, length, total)) return false;
+      AppendVarint(length, out);
+      const size_t at = out->size();
+      out->resize(at + length);
+      return in.ReadRaw(out->data() + at, static_cast<int>(length));
+    }
+    default:
+      return false;
+  }
+}
+
+// One Tensor message of `length` bytes: its `data` into `*payload` (the last
+// occurrence wins), the rest into `out` as a Tensor without `data`.
+bool SplitTensor(uint32_t length, io::CodedInputStream& in, size_t total, HostBufferPool& pool,
+                 std::optional<HostBuffer>* payload, std::string* out) {
+  const io::CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
+  std::string rest;
+  while (const uint32_t tag = in.ReadTag()) {
+    if (tag != (kTensorData << 3 | kLengthDelimited)) {
+      if (!CopyField(tag, in, total, &rest)) return false;
+      continue;
+    }
+    uint32_t size;
+    if (!in.ReadVarint32(&size) || !Left(in, size, total)) return false;
+    absl::StatusOr<HostBuffer> buffer = pool.Allocate(size);
+    if (!buffer.ok()) return false;
+    if (!in.ReadRaw(buffer->data(), static_cast<int>(size))) return false;
+    *payload = *std::move(buffer);
+  }
+  // A tag of 0 inside the message, or a malformed one, stops the loop early.
+  if (!in.ConsumedEntireMessage() || in.BytesUntilLimit() != 0) return false;
+  in.PopLimit(limit);
+  AppendVarint(rest.size(), out);
+  out->append(rest);
+  return true;
+}
+
+std::optional<HostBuffer>* PayloadOf(uint32_t field, AttendPayloads* payloads) {
+  switch (field) {
+    case kQuery: return &payloads->query;
+    case kKey: return &payloads->key;
+    case kValue: return &payloads->value;
+    case kAttnMask: return &payloads->attn_mask;
+    default: return nullptr;
+  }
+}
+
+// The message without its tensors' data, into `rest`; false: leave the
+// bytes to protobuf.
+bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, std::string* rest,
+           AttendPayloads* payloads) {
+  grpc::ProtoBufferReader reader(bytes);
+  if (!reader.status().ok()) return false;
+  io::CodedInputStream in(&reader);
+  const size_t total = bytes->Length();
+  while (const uint32_t tag = in.ReadTag()) {
+    std::optional<HostBuffer>* payload = PayloadOf(tag >> 3, payloads);
+    if (payload == nullptr || (tag & 7) != kLengthDelimited) {
+      if (!CopyField(tag, in, total, rest)) return false;
+      continue;
+    }
+    uint32_t length;
+    if (!in.ReadVarint32(&length) || !Left(in, length, total)) return false;
+    AppendVarint(tag, rest);
+    if (!SplitTensor(length, in, total, pool, payload, rest)) return false;
+  }
+  // ReadTag answers 0 at the end, and for a malformed or truncated tag or
+  // field number 0.
+  return in.ConsumedEntireMessage() && static_cast<size_t>(in.CurrentPosition()) == total;
+}
+
+}  // namespace
+
+absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
+                                HostBufferPool& pool, v1::AttendRequest* request,
+                                AttendPayloads* payloads) {
+  std::string rest;
+  if (Split(bytes, pool, &rest, payloads)) {
+    bool parsed;
+    {
+      ScopedProtobufLogCapture capture;  // protobuf's complaints go to the client
+      parsed = request->ParseFromString(rest);
+    }
+    if (parsed) {
+      bytes->Clear();
+      return absl::OkStatus();
+    }
+  }
+  // Whatever the split did not take, protobuf parses whole, and words the
+  // error itself.
+  *payloads = AttendPayloads();
+  request->Clear();
+  return ParseRequestMessage(bytes, what, number, request);
+}
+
+}  // namespace attnserve

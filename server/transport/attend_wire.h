@@ -1,0 +1,45 @@
+// An AttendRequest parsed from gRPC's bytes with its tensors' bytes copied
+// once, from gRPC's slices straight into host buffers of the engine's
+// choosing (engine/host_buffer.h: page-locked memory for the CUDA engine, so
+// the GPU uploads from where the wire's bytes landed) instead of into the
+// message's strings. Protobuf parses everything else.
+//
+// Written here because protobuf 3.21 has no zero-copy bytes fields for
+// open-source builds (ctype=CORD and STRING_PIECE parse into std::string),
+// so its parse always copies a tensor into a heap string first.
+#ifndef ATTNSERVE_SERVER_TRANSPORT_ATTEND_WIRE_H_
+#define ATTNSERVE_SERVER_TRANSPORT_ATTEND_WIRE_H_
+
+#include <cstdint>
+#include <optional>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "attnserve/v1/attention.pb.h"
+#include "engine/host_buffer.h"
+#include "grpcpp/support/byte_buffer.h"
+
+namespace attnserve {
+
+// The `data` of the request's query, key, value and attn_mask, as the wire
+// had them. Unset: that data was not taken out of the message (then the
+// message's own `data` field holds it, as protobuf parsed it).
+struct AttendPayloads {
+  std::optional<HostBuffer> query, key, value, attn_mask;
+};
+
+// Parses `bytes` into `request` as ParseRequestMessage(bytes, what, number,
+// request) would, with the same result and the same error for any input,
+// except that every Tensor's `data` of the four tensor fields is left out of
+// `request` and copied into a buffer from `pool` in `payloads` (the last
+// occurrence on the wire, as protobuf keeps the last). An encoding this
+// parse does not take (a group, a malformed or truncated field) or a pool
+// out of memory leaves the whole message to ParseRequestMessage, with
+// `payloads` unset. Releases `bytes` either way.
+absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
+                                HostBufferPool& pool, v1::AttendRequest* request,
+                                AttendPayloads* payloads);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_TRANSPORT_ATTEND_WIRE_H_

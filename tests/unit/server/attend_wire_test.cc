@@ -1,0 +1,286 @@
+// ParseAttendRequest against protobuf's own parse (ParseRequestMessage, the
+// oracle): for random requests cut into random slices, for the encodings
+// protobuf merges (repeated occurrences, unknown fields, a field of the
+// wrong wire type) and for malformed bytes, the same message and the same
+// error; the tensors' bytes land in the pool, and nothing on the wire makes
+// the parse ask the pool for more than the wire holds.
+#include "server/transport/attend_wire.h"
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "grpcpp/support/slice.h"
+#include "gtest/gtest.h"
+#include "server/transport/attend_codec.h"
+#include "server/transport/message_codec.h"
+#include "server/transport/protobuf_log.h"
+
+namespace attnserve {
+namespace {
+
+// `wire` as gRPC could hand it over: cut into slices at `cuts`.
+grpc::ByteBuffer Buffer(const std::string& wire, std::vector<size_t> cuts = {}) {
+  std::vector<grpc::Slice> slices;
+  size_t at = 0;
+  cuts.push_back(wire.size());
+  for (size_t cut : cuts) {
+    if (cut <= at || cut > wire.size()) continue;
+    slices.emplace_back(wire.data() + at, cut - at);
+    at = cut;
+  }
+  if (slices.empty()) slices.emplace_back(wire.data(), 0);
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+// The pool's memory, counted: the largest request it was asked for.
+struct Pool {
+  size_t largest = 0;
+  bool fail = false;
+  std::shared_ptr<HostBufferPool> pool = std::make_shared<HostBufferPool>(
+      HostBufferPool::Backing{[this](size_t n) -> void* {
+                                largest = std::max(largest, n);
+                                return fail ? nullptr : std::aligned_alloc(64, n);
+                              },
+                              [](void* p, size_t) { std::free(p); }},
+      1 << 20, 1 << 20);
+};
+
+struct Parsed {
+  absl::Status status;
+  v1::AttendRequest request;
+  AttendPayloads payloads;
+};
+
+Parsed ParseWire(const std::string& wire, HostBufferPool& pool, std::vector<size_t> cuts = {}) {
+  InstallProtobufLogHandler();  // protobuf's complaints become the error, as in the server
+  Parsed p;
+  grpc::ByteBuffer bytes = Buffer(wire, std::move(cuts));
+  p.status = ParseAttendRequest(&bytes, "request", 0, pool, &p.request, &p.payloads);
+  EXPECT_EQ(bytes.Length(), 0u) << "the bytes are released after the parse";
+  return p;
+}
+
+Parsed ParseOracle(const std::string& wire) {
+  InstallProtobufLogHandler();
+  Parsed p;
+  grpc::ByteBuffer bytes = Buffer(wire);
+  p.status = ParseRequestMessage(&bytes, "request", 0, &p.request);
+  return p;
+}
+
+// The request with the payloads put back where the wire had them.
+v1::AttendRequest Joined(const Parsed& p) {
+  v1::AttendRequest r = p.request;
+  auto put = [](const std::optional<HostBuffer>& payload, v1::Tensor* tensor) {
+    if (payload.has_value()) tensor->set_data(std::string(payload->data(), payload->size()));
+  };
+  put(p.payloads.query, r.mutable_query());
+  put(p.payloads.key, r.mutable_key());
+  put(p.payloads.value, r.mutable_value());
+  put(p.payloads.attn_mask, r.mutable_attn_mask());
+  // Presence as parsed: put() must not create a field the wire did not have.
+  if (!p.request.has_query()) r.clear_query();
+  if (!p.request.has_key()) r.clear_key();
+  if (!p.request.has_value()) r.clear_value();
+  if (!p.request.has_attn_mask()) r.clear_attn_mask();
+  return r;
+}
+
+// Returns what ParseAttendRequest gave.
+Parsed ExpectSameAsOracle(const std::string& wire, HostBufferPool& pool,
+                          std::vector<size_t> cuts = {}) {
+  const Parsed oracle = ParseOracle(wire);
+  Parsed got = ParseWire(wire, pool, std::move(cuts));
+  EXPECT_EQ(got.status, oracle.status);
+  EXPECT_EQ(Joined(got).SerializeAsString(), oracle.request.SerializeAsString());
+  // The inputs the request path sees are the same, byte for byte.
+  const AttendInputs a = DecodeAttendRequest(got.request, &got.payloads);
+  const AttendInputs b = DecodeAttendRequest(oracle.request);
+  for (auto [x, y] : {std::pair{&a.query, &b.query}, {&a.key, &b.key}, {&a.value, &b.value},
+                      {&a.attn_mask, &b.attn_mask}}) {
+    EXPECT_EQ(x->present, y->present);
+    EXPECT_EQ(x->data, y->data);
+    EXPECT_EQ(x->shape, y->shape);
+  }
+  return got;
+}
+
+void RandomTensor(std::mt19937& rng, v1::Tensor* t) {
+  t->set_dtype(static_cast<v1::DataType>(rng() % 6));
+  const int dims = static_cast<int>(rng() % 5);
+  for (int d = 0; d < dims; ++d) t->add_shape(static_cast<int64_t>(rng() % 9) - 1);
+  std::string data(rng() % 3 == 0 ? 0 : rng() % 70000, '\0');
+  for (char& c : data) c = static_cast<char>(rng());
+  t->set_data(std::move(data));
+}
+
+v1::AttendRequest RandomRequest(std::mt19937& rng) {
+  v1::AttendRequest r;
+  if (rng() % 2) r.set_model(rng() % 2 ? "demo-mha" : "sdpa");
+  if (rng() % 2) r.set_id(std::to_string(rng()));
+  if (rng() % 4) RandomTensor(rng, r.mutable_query());
+  if (rng() % 2) RandomTensor(rng, r.mutable_key());
+  if (rng() % 2) RandomTensor(rng, r.mutable_value());
+  if (rng() % 3 == 0) RandomTensor(rng, r.mutable_attn_mask());
+  if (rng() % 2) r.set_causal(true);
+  for (int i = static_cast<int>(rng() % 4); i > 0; --i) r.add_key_lengths(rng() % 100);
+  if (rng() % 2) r.set_scale(0.125f);
+  if (rng() % 3 == 0) r.set_need_weights(true);
+  if (rng() % 3 == 0) r.set_output_dtype(v1::BFLOAT16);
+  if (rng() % 4 == 0) r.set_session_id("s-1");
+  for (int i = static_cast<int>(rng() % 3); i > 0; --i) r.add_positions(rng() % 1000);
+  if (rng() % 3 == 0) r.set_window(static_cast<int64_t>(rng() % 64));
+  if (rng() % 3 == 0) r.set_softcap(30.0f);
+  for (int i = static_cast<int>(rng() % 3); i > 0; --i) r.add_sinks(0.5f * static_cast<float>(i));
+  return r;
+}
+
+TEST(AttendWireTest, RandomRequestsInRandomSlicesParseAsProtobufParsesThem) {
+  Pool pool;
+  std::mt19937 rng(20261126);
+  for (int i = 0; i < 300; ++i) {
+    const std::string wire = RandomRequest(rng).SerializeAsString();
+    std::vector<size_t> cuts;
+    for (int c = static_cast<int>(rng() % 6); c > 0; --c) cuts.push_back(rng() % (wire.size() + 1));
+    std::sort(cuts.begin(), cuts.end());
+    SCOPED_TRACE(i);
+    const v1::AttendRequest r = ParseOracle(wire).request;
+    const Parsed got = ExpectSameAsOracle(wire, *pool.pool, cuts);
+    // Canonical encodings take the fast path: every non-empty data is a payload.
+    EXPECT_EQ(got.payloads.query.has_value(), !r.query().data().empty());
+    EXPECT_EQ(got.payloads.key.has_value(), !r.key().data().empty());
+    EXPECT_EQ(got.payloads.value.has_value(), !r.value().data().empty());
+    EXPECT_EQ(got.payloads.attn_mask.has_value(), !r.attn_mask().data().empty());
+  }
+}
+
+TEST(AttendWireTest, TheTensorsBytesLandInThePoolAndNotInTheMessage) {
+  Pool pool;
+  v1::AttendRequest r;
+  r.mutable_query()->set_dtype(v1::FLOAT32);
+  r.mutable_query()->add_shape(2);
+  r.mutable_query()->set_data(std::string(8, 'q'));
+  r.mutable_attn_mask()->set_data(std::string(3, 'm'));  // data alone
+  Parsed p = ParseWire(r.SerializeAsString(), *pool.pool, {5});
+  ASSERT_TRUE(p.status.ok());
+  ASSERT_TRUE(p.payloads.query.has_value());
+  EXPECT_EQ(std::string(p.payloads.query->data(), 8), "qqqqqqqq");
+  EXPECT_TRUE(pool.pool->Contains(p.payloads.query->data(), 8));
+  EXPECT_TRUE(p.request.query().data().empty());
+  EXPECT_EQ(p.request.query().shape_size(), 1);
+  ASSERT_TRUE(p.payloads.attn_mask.has_value());
+  EXPECT_TRUE(p.request.has_attn_mask()) << "a tensor of data alone stays present";
+  EXPECT_FALSE(p.payloads.key.has_value());
+  const AttendInputs in = DecodeAttendRequest(p.request, &p.payloads);
+  EXPECT_TRUE(in.query.present);
+  EXPECT_EQ(in.query.data.data(), p.payloads.query->data()) << "read in place";
+  EXPECT_TRUE(in.attn_mask.present);
+  EXPECT_FALSE(in.key.present);
+}
+
+std::string Varint(uint64_t v) {
+  std::string s;
+  while (v >= 0x80) {
+    s.push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  s.push_back(static_cast<char>(v));
+  return s;
+}
+std::string Tag(uint32_t field, uint32_t wire_type) { return Varint(field << 3 | wire_type); }
+std::string Bytes(uint32_t field, const std::string& value) {
+  return Tag(field, 2) + Varint(value.size()) + value;
+}
+
+TEST(AttendWireTest, EncodingsProtobufMergesParseAsProtobufParsesThem) {
+  Pool pool;
+  v1::AttendRequest a, b;
+  a.set_model("sdpa");
+  a.mutable_query()->set_dtype(v1::FLOAT16);
+  a.mutable_query()->add_shape(4);
+  a.mutable_query()->set_data("first");
+  a.mutable_key()->set_data("key-a");
+  b.mutable_query()->add_shape(5);
+  b.mutable_query()->set_data("second");
+  b.mutable_value()->set_data("value-b");
+  const std::string sa = a.SerializeAsString(), sb = b.SerializeAsString();
+  std::vector<std::string> cases = {
+      // Two messages back to back merge: shapes append, the last data wins.
+      sa + sb,
+      sb + sa,
+      // A Tensor with `data` twice, and with an empty last `data`.
+      Bytes(3, Bytes(3, "one") + Bytes(3, "two")),
+      Bytes(3, Bytes(3, "one") + Bytes(3, "")),
+      // The same tensor field twice, the second without data.
+      Bytes(4, Bytes(3, "kept") + Tag(1, 0) + Varint(1)) + Bytes(4, Tag(2, 0) + Varint(7)),
+      // Unknown fields of every wire type, at the top and inside a Tensor.
+      Tag(99, 0) + Varint(300) + Tag(98, 1) + std::string(8, 'x') + Tag(97, 5) +
+          std::string(4, 'y') + Bytes(96, "unknown") +
+          Bytes(3, Tag(50, 0) + Varint(5) + Bytes(3, "q") + Bytes(51, "z")),
+      // A tensor field, and Tensor.data, of the wrong wire type: unknown
+      // fields to protobuf.
+      Tag(3, 0) + Varint(12) + Bytes(5, Tag(3, 0) + Varint(1)),
+      // Groups of unknown fields (deprecated, but valid): protobuf's to parse.
+      Tag(60, 3) + Tag(1, 0) + Varint(2) + Tag(60, 4) + Bytes(3, Tag(61, 3) + Tag(61, 4)),
+      Tag(7, 3) + Tag(7, 4),  // a known field (key_lengths) as a group
+      // Non-canonical varints.
+      Tag(6, 0) + std::string("\x81\x80\x80\x00", 4) + Bytes(3, Tag(1, 0) + "\x82\x00"),
+      // Nothing at all.
+      "",
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(i);
+    ExpectSameAsOracle(cases[i], *pool.pool);
+    ExpectSameAsOracle(cases[i], *pool.pool, {1, 2, 3, 7});
+  }
+}
+
+TEST(AttendWireTest, MalformedBytesGetProtobufsOwnError) {
+  Pool pool;
+  v1::AttendRequest r;
+  r.set_model("sdpa");
+  r.mutable_query()->set_data(std::string(100, 'q'));
+  const std::string good = r.SerializeAsString();
+  std::vector<std::string> cases = {
+      good.substr(0, good.size() - 1),                    // truncated data
+      good.substr(0, 3),                                  // truncated string
+      Tag(3, 2) + Varint(10) + Bytes(3, "ab"),            // a Tensor longer than its bytes
+      Bytes(3, Tag(3, 2) + Varint(1u << 30)),             // data claiming 1 GiB
+      Tag(3, 2) + Varint(0xFFFFFFFFu) + "x",               // a length past 2^31
+      Tag(0, 0) + Varint(1),                              // field number 0
+      std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", 11),  // a bad tag
+      std::string("\xff\xff\xff", 3),                   // a truncated tag
+      Bytes(3, Bytes(3, "q")) + "\x80",                    // a truncated tag after a tensor
+      Bytes(1, "\xc3\x28"),                               // model: invalid UTF-8
+      Tag(2, 2) + Varint(3) + "\xe2\x82",                 // id: invalid UTF-8, truncated
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(i);
+    const Parsed oracle = ParseOracle(cases[i]);
+    const Parsed got = ParseWire(cases[i], *pool.pool, {2});
+    EXPECT_FALSE(oracle.status.ok());
+    EXPECT_EQ(got.status, oracle.status);
+    EXPECT_EQ(got.request.ByteSizeLong(), 0u);
+    EXPECT_FALSE(got.payloads.query.has_value());
+  }
+  EXPECT_LE(pool.largest, HostBufferPool::SizeClass(100)) << "the wire's claims were believed";
+}
+
+TEST(AttendWireTest, APoolWithoutMemoryLeavesTheBytesToProtobuf) {
+  Pool pool;
+  pool.fail = true;
+  v1::AttendRequest r;
+  r.mutable_query()->set_dtype(v1::FLOAT32);
+  r.mutable_query()->set_data(std::string(64, 'q'));
+  const Parsed p = ParseWire(r.SerializeAsString(), *pool.pool);
+  ASSERT_TRUE(p.status.ok());
+  EXPECT_FALSE(p.payloads.query.has_value());
+  EXPECT_EQ(p.request.query().data(), std::string(64, 'q'));
+  EXPECT_EQ(DecodeAttendRequest(p.request, &p.payloads).query.data, std::string(64, 'q'));
+}
+
+}  // namespace
+}  // namespace attnserve
