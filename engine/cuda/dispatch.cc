@@ -243,6 +243,13 @@ absl::Status DownloadHeadLayout(Call& call, const void* out, const AttentionPara
   const size_t out_size = DTypeSize(p.out_dtype);
   const size_t block = static_cast<size_t>(p.q_len * p.head_dim_v) * out_size;
   const size_t pitch = static_cast<size_t>(q_rows * p.head_dim_v) * out_size;
+  const bool packed = p.o_stride_row == p.head_dim_v &&
+                      (p.num_heads == 1 || p.o_stride_h == p.q_len * p.head_dim_v) &&
+                      (p.batch == 1 || p.o_stride_b == p.num_heads * p.q_len * p.head_dim_v);
+  if (packed) {
+    return call.DownloadRowsTo(out, block, pitch, static_cast<size_t>(p.batch * p.num_heads),
+                               p.out);
+  }
   return call.DownloadRows(
       out, block, pitch, static_cast<size_t>(p.batch * p.num_heads),
       [p, out_size](const char* pinned) {
@@ -362,10 +369,7 @@ absl::Status RunCore(Call& call, AttentionParams& a, const AttentionParams& p,
                                            p.num_heads, p.q_len * p.kv_len, weights,
                                            p.weights_dtype, call.stream()));
   }
-  void* host = p.weights;
-  return call.Download(weights, weights_bytes, [host, weights_bytes](const char* pinned) {
-    std::memcpy(host, pinned, weights_bytes);
-  });
+  return call.DownloadTo(weights, weights_bytes, p.weights);
 }
 
 // ------------------------------------------------ sessions (paged K/V)
@@ -688,10 +692,7 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
     absl::StatusOr<const void*> result = ConvertOnDevice(call, *y, ct, out_type, out_n);
     if (!result.ok()) return result.status();
     const size_t out_bytes = static_cast<size_t>(out_n) * DTypeSize(out_type);
-    void* host = task.output.data;
-    return call.Download(*result, out_bytes, [host, out_bytes](const char* pinned) {
-      std::memcpy(host, pinned, out_bytes);
-    });
+    return call.DownloadTo(*result, out_bytes, task.output.data);
   };
   if (task.paged.enabled()) {
     // Sessions: the projected K/V rows go into the cache, the attention

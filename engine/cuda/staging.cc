@@ -225,6 +225,22 @@ absl::Status Call::DownloadRows(const void* device, size_t row_bytes, size_t pit
   return absl::OkStatus();
 }
 
+absl::Status Call::DownloadRowsTo(const void* device, size_t row_bytes, size_t pitch,
+                                  size_t count, void* host) {
+  const size_t bytes = row_bytes * count;
+  if (!InRequestMemory(host, bytes)) {
+    return DownloadRows(device, row_bytes, pitch, count, [host, bytes](const char* pinned) {
+      std::memcpy(host, pinned, bytes);
+    });
+  }
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(DownloadAfterCompute());
+  cudaEvent_t start = ws_.profile ? MarkStart(ws_.download_stream) : nullptr;
+  ATTNSERVE_CUDA_CALL(cudaMemcpy2DAsync(host, row_bytes, device, pitch, row_bytes, count,
+                                        cudaMemcpyDeviceToHost, ws_.download_stream));
+  if (ws_.profile) MarkEnd(ws_.download_stream, start, &download_spans_);
+  return absl::OkStatus();
+}
+
 absl::Status Call::DownloadAfterCompute() {
   if (computed_used_ == ws_.computed.size()) {
     cudaEvent_t e = nullptr;

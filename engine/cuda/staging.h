@@ -123,6 +123,16 @@ class Call {
   absl::Status DownloadRows(const void* device, size_t row_bytes, size_t pitch, size_t count,
                             std::function<void(const char* pinned)> deliver);
 
+  // Copies `count` rows of `row_bytes`, `pitch` bytes apart on the device,
+  // packed into caller-owned `host` (valid until Finish): straight into it
+  // when it lies in the workspace's page-locked request memory, else through
+  // pinned staging and a copy in Finish.
+  absl::Status DownloadRowsTo(const void* device, size_t row_bytes, size_t pitch, size_t count,
+                              void* host);
+  absl::Status DownloadTo(const void* device, size_t bytes, void* host) {
+    return DownloadRowsTo(device, bytes, bytes, 1, host);
+  }
+
   // Waits for the streams, then hands every result to its caller-owned buffer.
   absl::Status Finish();
 

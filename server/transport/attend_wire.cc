@@ -7,10 +7,16 @@
 #include <string>
 #include <utility>
 
+#include <climits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "grpcpp/support/proto_buffer_reader.h"
+#include "grpcpp/support/slice.h"
 #include "server/transport/message_codec.h"
 #include "server/transport/protobuf_log.h"
+#include "server/transport/tensor_codec.h"
 
 namespace attnserve {
 namespace {
@@ -140,7 +146,130 @@ bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, std::string* rest,
   return in.ConsumedEntireMessage() && static_cast<size_t>(in.CurrentPosition()) == total;
 }
 
+// A message's bytes as gRPC slices: small runs copied into slices of their
+// own, result tensors referenced where they lie.
+class SliceWriter {
+ public:
+  void Append(absl::string_view bytes) {
+    pending_.append(bytes.data(), bytes.size());
+    size_ += bytes.size();
+  }
+  // The slice owns `buffer` from here on; gRPC frees it once sent.
+  void Reference(HostBuffer buffer) {
+    Flush();
+    size_ += buffer.size();
+    auto* owned = new HostBuffer(std::move(buffer));
+    slices_.emplace_back(owned->data(), owned->size(),
+                         [](void* p) { delete static_cast<HostBuffer*>(p); }, owned);
+  }
+  void Splice(SliceWriter&& other) {
+    Flush();
+    other.Flush();
+    for (grpc::Slice& slice : other.slices_) slices_.push_back(std::move(slice));
+    size_ += other.size_;
+    other.slices_.clear();
+    other.size_ = 0;
+  }
+  size_t size() const { return size_; }
+  grpc::ByteBuffer Finish() {
+    Flush();
+    return grpc::ByteBuffer(slices_.data(), slices_.size());
+  }
+
+ private:
+  void Flush() {
+    if (pending_.empty()) return;
+    slices_.emplace_back(pending_);  // copies: metadata only
+    pending_.clear();
+  }
+  std::string pending_;
+  std::vector<grpc::Slice> slices_;
+  size_t size_ = 0;
+};
+
+std::string Header(uint32_t field, size_t length) {
+  std::string h;
+  AppendVarint(field << 3 | kLengthDelimited, &h);
+  AppendVarint(length, &h);
+  return h;
+}
+
+// A Tensor field: its dtype and shape (and data, if it holds any), then
+// `data` from `payload`: the order protobuf writes them in.
+void WriteTensor(uint32_t field, const v1::Tensor& tensor, HostBuffer payload, SliceWriter& w) {
+  const std::string meta = tensor.SerializeAsString();
+  const std::string data = payload.size() > 0 ? Header(kTensorData, payload.size()) : "";
+  w.Append(Header(field, meta.size() + data.size() + payload.size()));
+  w.Append(meta);
+  w.Append(data);
+  if (payload.size() > 0) w.Reference(std::move(payload));
+}
+
+// `response` in field order: id, output, weights, the rest.
+SliceWriter WriteResponse(const v1::AttendResponse& response, AttendResults results) {
+  SliceWriter w;
+  v1::AttendResponse head;
+  head.set_id(response.id());
+  w.Append(head.SerializeAsString());
+  if (response.has_output()) {
+    WriteTensor(v1::AttendResponse::kOutputFieldNumber, response.output(),
+                std::move(results.output), w);
+  }
+  if (response.has_weights()) {
+    WriteTensor(v1::AttendResponse::kWeightsFieldNumber, response.weights(),
+                std::move(results.weights), w);
+  }
+  v1::AttendResponse tail = response;  // small: its results' bytes are not in it
+  tail.clear_id();
+  tail.clear_output();
+  tail.clear_weights();
+  w.Append(tail.SerializeAsString());
+  return w;
+}
+
+absl::Status Finish(SliceWriter& w, absl::string_view type, grpc::ByteBuffer* bytes) {
+  if (w.size() > static_cast<size_t>(INT_MAX)) {
+    return absl::InternalError(absl::StrCat("could not serialize the ", type, " answer (",
+                                            w.size(), " bytes): over protobuf's 2 GiB limit"));
+  }
+  *bytes = w.Finish();
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+MutableTensorView AllocateResult(HostBufferPool& pool, DType dtype, const Shape& shape,
+                                 v1::Tensor* tensor, HostBuffer* bytes) {
+  MutableTensorView view{dtype, shape, nullptr};
+  absl::StatusOr<HostBuffer> buffer = pool.Allocate(view.byte_size());
+  if (!buffer.ok() || buffer->size() == 0) return AllocateTensor(dtype, shape, tensor);
+  tensor->set_dtype(DTypeToProto(dtype));
+  tensor->mutable_shape()->Assign(shape.begin(), shape.end());
+  tensor->clear_data();
+  view.data = buffer->data();
+  *bytes = *std::move(buffer);
+  return view;
+}
+
+absl::Status SerializeAttendResponse(const v1::AttendResponse& response, AttendResults results,
+                                     grpc::ByteBuffer* bytes) {
+  SliceWriter w = WriteResponse(response, std::move(results));
+  return Finish(w, response.GetTypeName(), bytes);
+}
+
+absl::Status SerializeAttendStreamResponse(const v1::AttendStreamResponse& answer,
+                                           AttendResults results, grpc::ByteBuffer* bytes) {
+  SliceWriter w;
+  v1::AttendStreamResponse head = answer;  // small: the response's results are not in it
+  head.clear_response();
+  w.Append(head.SerializeAsString());
+  if (answer.has_response()) {  // the last field
+    SliceWriter response = WriteResponse(answer.response(), std::move(results));
+    w.Append(Header(v1::AttendStreamResponse::kResponseFieldNumber, response.size()));
+    w.Splice(std::move(response));
+  }
+  return Finish(w, answer.GetTypeName(), bytes);
+}
 
 absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
                                 HostBufferPool& pool, v1::AttendRequest* request,

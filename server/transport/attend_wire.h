@@ -1,8 +1,10 @@
-// An AttendRequest parsed from gRPC's bytes with its tensors' bytes copied
-// once, from gRPC's slices straight into host buffers of the engine's
-// choosing (engine/host_buffer.h: page-locked memory for the CUDA engine, so
-// the GPU uploads from where the wire's bytes landed) instead of into the
-// message's strings. Protobuf parses everything else.
+// Attend's tensors between the wire and host buffers of the engine's choosing
+// (engine/host_buffer.h: page-locked memory for the CUDA engine), one copy in
+// and none out. In: a request's tensors' bytes are copied once, from gRPC's
+// slices straight into the buffers (so the GPU uploads from where the wire's
+// bytes landed) instead of into the message's strings; protobuf parses
+// everything else. Out: the engine writes its results into such buffers,
+// which gRPC then sends from.
 //
 // Written here because protobuf 3.21 has no zero-copy bytes fields for
 // open-source builds (ctype=CORD and STRING_PIECE parse into std::string),
@@ -17,6 +19,7 @@
 #include "absl/strings/string_view.h"
 #include "attnserve/v1/attention.pb.h"
 #include "engine/host_buffer.h"
+#include "engine/tensor.h"
 #include "grpcpp/support/byte_buffer.h"
 
 namespace attnserve {
@@ -39,6 +42,31 @@ struct AttendPayloads {
 absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
                                 HostBufferPool& pool, v1::AttendRequest* request,
                                 AttendPayloads* payloads);
+
+// The bytes of a response's result tensors (output, weights), in host
+// buffers the engine wrote them into, sent from there: gRPC's send path
+// references them instead of copying them into its own buffer.
+struct AttendResults {
+  HostBuffer output, weights;
+};
+
+// Sets `tensor`'s dtype and shape and returns a view of `shape`'s bytes for
+// the engine to write: a buffer from `pool` kept in `*bytes` (its contents
+// uninitialised; engines write every byte), or, when the pool has no memory,
+// `tensor`'s own data (AllocateTensor). Precondition: `shape` was validated.
+MutableTensorView AllocateResult(HostBufferPool& pool, DType dtype, const Shape& shape,
+                                 v1::Tensor* tensor, HostBuffer* bytes);
+
+// The bytes of `response` with each result's data taken from `results`
+// where the response's own data is empty: exactly what protobuf would
+// serialize for the response with that data set, as gRPC slices that own
+// the buffers. For a unary Attend answer.
+absl::Status SerializeAttendResponse(const v1::AttendResponse& response, AttendResults results,
+                                     grpc::ByteBuffer* bytes);
+
+// The same for an AttendStream answer whose response is `answer.response()`.
+absl::Status SerializeAttendStreamResponse(const v1::AttendStreamResponse& answer,
+                                           AttendResults results, grpc::ByteBuffer* bytes);
 
 }  // namespace attnserve
 

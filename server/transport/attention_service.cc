@@ -55,7 +55,7 @@ void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
                                        const absl::Status& parsed, const ModelAccess& access,
                                        const v1::AttendRequest& request,
                                        const AttendPayloads& payloads,
-                                       v1::AttendResponse* response,
+                                       v1::AttendResponse* response, AttendResults* results,
                                        absl::AnyInvocable<void(absl::Status)> done) {
   Clock* const clock = dispatcher_->clock();
   auto r = std::make_unique<InferenceRequest>();
@@ -82,9 +82,19 @@ void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
     dispatcher_->Reject(std::move(r), parsed);
     return;
   }
+  HostBufferPool* memory = options_.request_memory.get();
   dispatcher_->Submit(std::move(r), DecodeAttendRequest(request, &payloads),
-                      [response](OutputName name, DType dtype, const Shape& shape) {
-                        return AllocateAttendOutput(response, name, dtype, shape);
+                      [response, results, memory](OutputName name, DType dtype,
+                                                  const Shape& shape) {
+                        if (memory == nullptr) {
+                          return AllocateAttendOutput(response, name, dtype, shape);
+                        }
+                        return name == OutputName::kOutput
+                                   ? AllocateResult(*memory, dtype, shape,
+                                                    response->mutable_output(), &results->output)
+                                   : AllocateResult(*memory, dtype, shape,
+                                                    response->mutable_weights(),
+                                                    &results->weights);
                       });
 }
 
@@ -115,12 +125,15 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
     // request_, payloads_, response_, context and response_bytes stay valid
     // until OnDone: gRPC frees its part only after the reactor is done.
     service_->StartAttend(context, parsed_, access_.ok() ? *access_ : ModelAccess::None(),
-                          request_, payloads_, &response_,
+                          request_, payloads_, &response_, &results_,
                           [this, response_bytes](absl::Status status) {
                             // request_ and response_ are freed in OnDone, as
                             // gRPC freed its messages: not while the client
                             // waits for the answer.
-                            if (status.ok()) status = SerializeMessage(response_, response_bytes);
+                            if (status.ok()) {
+                              status = SerializeAttendResponse(response_, std::move(results_),
+                                                               response_bytes);
+                            }
                             Finish(ToGrpcStatus(status));
                           });
   }
@@ -139,6 +152,7 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
   v1::AttendRequest request_;
   AttendPayloads payloads_;  // request_'s tensors' bytes (attend_wire.h)
   v1::AttendResponse response_;
+  AttendResults results_;  // response_'s tensors' bytes (attend_wire.h)
   const absl::Status parsed_;
   const std::string model_;  // as the client named it
   const bool counted_;       // opened before shutdown: shutdown waits for it
@@ -173,6 +187,7 @@ void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* conte
     v1::AttendRequest request;
     AttendPayloads payloads;
     v1::AttendStreamResponse answer;
+    AttendResults results;
   };
   auto* message = new Message;
   const absl::Status parsed =
@@ -184,7 +199,7 @@ void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* conte
   absl::StatusOr<ModelAccess> access = CallAccess(options_.tokens, *context);
   StartAttend(context, access.ok() ? parsed : access.status(),
               access.ok() ? *access : ModelAccess::None(), message->request, message->payloads,
-              message->answer.mutable_response(),
+              message->answer.mutable_response(), &message->results,
               [message, answer = std::move(answer)](absl::Status status) mutable {
                 std::unique_ptr<Message> owned(message);
                 // Inputs no longer needed; free them now.
@@ -192,11 +207,14 @@ void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* conte
                 owned->payloads = AttendPayloads();
                 if (!status.ok()) {
                   owned->answer.clear_response();
+                  owned->results = AttendResults();
                   owned->answer.set_code(static_cast<int>(status.code()));
                   owned->answer.set_message(ToGrpcStatus(status).error_message());
                 }
                 grpc::ByteBuffer bytes;
-                if (absl::Status s = SerializeMessage(owned->answer, &bytes); !s.ok()) {
+                if (absl::Status s = SerializeAttendStreamResponse(
+                        owned->answer, std::move(owned->results), &bytes);
+                    !s.ok()) {
                   // Over protobuf's size limit: answer the error instead.
                   owned->answer.clear_response();
                   owned->answer.set_code(static_cast<int>(s.code()));

@@ -36,9 +36,10 @@ struct AttentionServiceOptions {
   // Bearer tokens every call must present (--auth-token-file); not owned,
   // must outlive the service. Null: no authentication. Default: null.
   const BearerTokens* tokens = nullptr;
-  // Where Attend copies its tensors' bytes from the wire (attend_wire.h):
-  // the backend engine's request_memory(), or ordinary memory. Null: into
-  // the message's strings, by protobuf's own parse. Default: null.
+  // Where Attend copies its tensors' bytes from the wire, and where the
+  // engine writes its results for gRPC to send from (attend_wire.h): the
+  // backend engine's request_memory(), or ordinary memory. Null: the
+  // messages' strings, as protobuf parses and serializes them. Default: null.
   std::shared_ptr<HostBufferPool> request_memory;
 };
 
@@ -155,12 +156,14 @@ class AttentionServiceImpl final : public AttentionServiceBase, private StreamHa
   // (counted, not run). `access`: the models the caller may use. `done` runs
   // exactly once with the final status (response->timing filled in when OK),
   // from this thread or a batcher worker.
-  // request, payloads, response and context must stay valid until it has
-  // run.
+  // request, payloads, response, results and context must stay valid until
+  // it has run.
+  // The results are allocated in `results` (options_.request_memory) when
+  // there is request memory, else in the response's strings.
   void StartAttend(grpc::CallbackServerContext* context, const absl::Status& parsed,
                    const ModelAccess& access, const v1::AttendRequest& request,
                    const AttendPayloads& payloads, v1::AttendResponse* response,
-                   absl::AnyInvocable<void(absl::Status)> done);
+                   AttendResults* results, absl::AnyInvocable<void(absl::Status)> done);
 
   // Parses one AttendRequest (ParseAttendRequest into options_.request_memory,
   // or ParseRequestMessage without one) and releases `bytes`.

@@ -678,6 +678,26 @@ TEST_F(CpuEngineTest, DeterministicAndBatchInvariant) {
   }
 }
 
+// The engines write every byte of a task's output and weights: the server
+// hands them buffers it has not cleared (reused request memory,
+// engine/host_buffer.h), so nothing may depend on what was there before.
+TEST_F(CpuEngineTest, EveryOutputByteIsWritten) {
+  for (AttentionEngine* engine : {cpu_.get(), reference_.get()}) {
+    for (int i = 0; i < kNumRandomCases; ++i) {
+      const Case c = RandomCase(i, sdpa_, demo_);
+      CaseRun zeros(c, c.out_dtype, c.weights_dtype);  // Tensor starts at zero
+      CaseRun ones(c, c.out_dtype, c.weights_dtype);
+      std::memset(ones.out.data(), 0xFF, ones.out.byte_size());
+      if (ones.weights.byte_size() > 0) std::memset(ones.weights.data(), 0xFF, ones.weights.byte_size());
+      ASSERT_TRUE(engine->Run(*c.layer, {&zeros.task, 1}).ok()) << c.label;
+      ASSERT_TRUE(engine->Run(*c.layer, {&ones.task, 1}).ok()) << c.label;
+      EXPECT_TRUE(BitwiseEqual(zeros.out, ones.out)) << engine->name() << " output of " << c.label;
+      EXPECT_TRUE(BitwiseEqual(zeros.weights, ones.weights))
+          << engine->name() << " weights of " << c.label;
+    }
+  }
+}
+
 TEST_F(CpuEngineTest, ConcurrentCallsGiveTheSameBits) {
   const std::vector<Case> cases = CasesOfLayer(sdpa_, sdpa_, demo_, 6);
   std::vector<size_t> all(cases.size());

@@ -1098,6 +1098,63 @@ TEST(CudaEngineTest, RunProjectionLayersMatchReference) {
   }
 }
 
+// Inputs in the engine's page-locked request memory (what the server's
+// front end copies a request's tensors into) are uploaded in place; the
+// results are bitwise those of the same inputs in ordinary memory.
+TEST(CudaEngineTest, InputsInRequestMemoryGiveTheSameResultsBitwise) {
+  REQUIRE_GPU();
+  std::shared_ptr<HostBufferPool> memory = Cuda().engine->request_memory();
+  ASSERT_NE(memory, nullptr) << "the CUDA engine offers page-locked request memory";
+  std::mt19937 rng(77);
+  const AttentionLayer projected =
+      ProjectionLayer(256, 4, 2, 256, 256, true, Precision::kBFloat16, rng);
+  for (const AttentionLayer* layer : {&SdpaLayer(), &projected}) {
+    for (DType dtype : {DType::kFloat32, DType::kFloat16}) {
+      SCOPED_TRACE(absl::StrCat(layer->config.name, " ", std::string(DTypeName(dtype))));
+      std::vector<std::unique_ptr<TaskBuffers>> tasks;
+      for (int i = 0; i < 4; ++i) {
+        tasks.push_back(RandomTask(layer->config, rng, dtype, layer == &projected && i % 2 == 0));
+      }
+      std::vector<AttentionTask> batch;
+      for (auto& t : tasks) batch.push_back(t->task);
+      ASSERT_TRUE(Cuda().engine->Run(*layer, batch).ok());
+      // The same inputs again, copied into request memory; fresh outputs.
+      std::vector<HostBuffer> held;
+      std::vector<Tensor> outputs;
+      auto move_in = [&](TensorView& view) {
+        if (view.empty()) return;
+        absl::StatusOr<HostBuffer> buffer = memory->Allocate(view.byte_size());
+        ASSERT_TRUE(buffer.ok()) << buffer.status();
+        std::memcpy(buffer->data(), view.data, view.byte_size());
+        ASSERT_TRUE(memory->Contains(buffer->data(), view.byte_size()));
+        view.data = buffer->data();
+        held.push_back(*std::move(buffer));
+      };
+      outputs.reserve(batch.size() * 2);
+      for (AttentionTask& task : batch) {
+        move_in(task.query);
+        move_in(task.key);
+        move_in(task.value);
+        move_in(task.attn_mask);
+        outputs.emplace_back(task.output.dtype, task.output.shape);
+        task.output = outputs.back().mutable_view();
+        if (!task.weights.empty()) {
+          outputs.emplace_back(task.weights.dtype, task.weights.shape);
+          task.weights = outputs.back().mutable_view();
+        }
+      }
+      ASSERT_TRUE(Cuda().engine->Run(*layer, batch).ok());
+      size_t o = 0;
+      for (size_t i = 0; i < tasks.size(); ++i) {
+        ExpectIdentical(outputs[o++], tasks[i]->output, absl::StrCat("task ", i, " output"));
+        if (!tasks[i]->task.weights.empty()) {
+          ExpectIdentical(outputs[o++], tasks[i]->weights, absl::StrCat("task ", i, " weights"));
+        }
+      }
+    }
+  }
+}
+
 // The layers of today's LLMs (engine/attention_layer.h): RoPE of every
 // scaling type, QK-norm, sliding windows, softcapping and sinks, alone and
 // as the models combine them, with implicit and explicit positions, against

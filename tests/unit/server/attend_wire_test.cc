@@ -284,3 +284,113 @@ TEST(AttendWireTest, APoolWithoutMemoryLeavesTheBytesToProtobuf) {
 
 }  // namespace
 }  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+std::string Flatten(const grpc::ByteBuffer& bytes) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(bytes.Dump(&slices).ok());
+  std::string flat;
+  for (const grpc::Slice& s : slices) flat.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return flat;
+}
+
+// A result of `n` random bytes in `pool`, and the same bytes as a string.
+std::pair<HostBuffer, std::string> RandomResult(std::mt19937& rng, HostBufferPool& pool,
+                                                size_t n) {
+  absl::StatusOr<HostBuffer> b = pool.Allocate(n);
+  EXPECT_TRUE(b.ok());
+  std::string copy(n, '\0');
+  for (size_t i = 0; i < n; ++i) b->data()[i] = copy[i] = static_cast<char>(rng());
+  return {*std::move(b), copy};
+}
+
+// Serialized by reference, a response is byte for byte what protobuf writes
+// for it with its results' data set, unary and in a stream answer.
+TEST(AttendWireTest, ResponsesSerializeAsProtobufSerializesThem) {
+  Pool pool;
+  std::mt19937 rng(7);
+  for (int i = 0; i < 200; ++i) {
+    SCOPED_TRACE(i);
+    v1::AttendResponse response;
+    if (rng() % 2) response.set_id(std::to_string(rng()));
+    AttendResults results;
+    v1::AttendResponse full;
+    const bool output = rng() % 4 != 0, weights = rng() % 3 == 0;
+    if (output) {
+      const size_t n = rng() % 3 == 0 ? 0 : 1 + rng() % 100000;
+      MutableTensorView view = AllocateResult(*pool.pool, DType::kFloat16,
+                                              {1, static_cast<int64_t>(n + 1) / 2},
+                                              response.mutable_output(), &results.output);
+      for (size_t b = 0; b < view.byte_size(); ++b) static_cast<char*>(view.data)[b] = char(rng());
+    }
+    if (weights) {
+      auto [buffer, copy] = RandomResult(rng, *pool.pool, 4 * (1 + rng() % 5000));
+      response.mutable_weights()->set_dtype(v1::FLOAT32);
+      response.mutable_weights()->add_shape(static_cast<int64_t>(copy.size() / 4));
+      results.weights = std::move(buffer);
+    }
+    if (rng() % 2) response.mutable_timing()->set_compute_us(rng() % 1000);
+    if (rng() % 3 == 0) response.set_session_length(rng() % 4096);
+    full = response;
+    if (output) {
+      full.mutable_output()->set_data(std::string(results.output.data(), results.output.size()));
+    }
+    if (weights) {
+      full.mutable_weights()->set_data(std::string(results.weights.data(), results.weights.size()));
+    }
+    const char* out_data = results.output.data();
+    AttendResults copy_for_stream;
+    if (output && results.output.size() > 0) {
+      copy_for_stream.output = *pool.pool->Allocate(results.output.size());
+      std::memcpy(copy_for_stream.output.data(), out_data, results.output.size());
+    }
+    if (weights) {
+      copy_for_stream.weights = *pool.pool->Allocate(results.weights.size());
+      std::memcpy(copy_for_stream.weights.data(), results.weights.data(), results.weights.size());
+    }
+    {
+      grpc::ByteBuffer bytes;
+      ASSERT_TRUE(SerializeAttendResponse(response, std::move(results), &bytes).ok());
+      EXPECT_EQ(Flatten(bytes), full.SerializeAsString());
+      if (out_data != nullptr) {
+        EXPECT_TRUE(pool.pool->Contains(out_data, 1)) << "the answer owns the output until sent";
+      }
+    }
+    if (out_data != nullptr) {
+      EXPECT_FALSE(pool.pool->Contains(out_data, 1)) << "the output is freed with the answer";
+    }
+    v1::AttendStreamResponse answer, full_answer;
+    answer.set_id("s");
+    if (rng() % 2) answer.set_code(3);
+    if (rng() % 2) answer.set_message("m");
+    full_answer = answer;
+    *answer.mutable_response() = response;
+    *full_answer.mutable_response() = full;
+    grpc::ByteBuffer bytes;
+    ASSERT_TRUE(SerializeAttendStreamResponse(answer, std::move(copy_for_stream), &bytes).ok());
+    EXPECT_EQ(Flatten(bytes), full_answer.SerializeAsString());
+  }
+}
+
+TEST(AttendWireTest, ResultsGoToTheResponseWhenThePoolHasNoMemory) {
+  Pool pool;
+  pool.fail = true;
+  v1::AttendResponse response;
+  HostBuffer bytes;
+  MutableTensorView view =
+      AllocateResult(*pool.pool, DType::kFloat32, {2, 3}, response.mutable_output(), &bytes);
+  EXPECT_EQ(bytes.size(), 0u);
+  ASSERT_EQ(response.output().data().size(), 24u);
+  EXPECT_EQ(view.data, response.output().data().data());
+  EXPECT_EQ(response.output().dtype(), v1::FLOAT32);
+  EXPECT_EQ(response.output().shape_size(), 2);
+  std::memset(view.data, 5, 24);
+  grpc::ByteBuffer serialized;
+  ASSERT_TRUE(SerializeAttendResponse(response, AttendResults(), &serialized).ok());
+  EXPECT_EQ(Flatten(serialized), response.SerializeAsString());
+}
+
+}  // namespace
+}  // namespace attnserve
