@@ -12,7 +12,8 @@
 #   scripts/sanitize.sh tsan [BUILD_DIR]   ThreadSanitizer: builds and runs the
 #       batching, scheduler, sessions, model control and server tests
 #       (dynamic_batcher_test, batching_scheduler_test, session_manager_test,
-#       kv_block_pool_test, model_manager_test, attn_server_test). Default
+#       kv_block_pool_test, model_manager_test, attn_server_test, and the
+#       request memory's pool, host_buffer_test). Default
 #       BUILD_DIR: build-tsan.
 #
 # Debian's abseil is not instrumented, so TSan cannot see its Mutex (thousands
@@ -108,7 +109,7 @@ case "$mode" in
     instrumented_abseil "$build"
     configure "$build" "-fsanitize=thread"
     tests=(dynamic_batcher_test batching_scheduler_test session_manager_test kv_block_pool_test
-           model_manager_test attn_server_test)
+           model_manager_test attn_server_test host_buffer_test)
     cmake --build "$build" -j"$jobs" --target "${tests[@]}"
     export LD_LIBRARY_PATH=$build/abseil-tsan/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=0:second_deadlock_stack=1:history_size=4:suppressions=$root/scripts/tsan.supp}
