@@ -1,13 +1,13 @@
-// ParseAttendRequest: one pass over the wire that copies the four tensors'
-// `data` into host buffers and everything else, unchanged, into a small
-// message that protobuf then parses.
+// In: one pass over the wire that copies the four tensors' `data` into host
+// buffers and everything else, unchanged, into a small message that protobuf
+// then parses. Out: the answer's fields as protobuf writes them, with the
+// results' bytes as slices that reference their buffers.
 #include "server/transport/attend_wire.h"
 
+#include <climits>
 #include <cstdint>
 #include <string>
 #include <utility>
-
-#include <climits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -26,7 +26,11 @@ namespace io = google::protobuf::io;
 // Protobuf's wire types.
 constexpr uint32_t kVarint = 0, kFixed64 = 1, kLengthDelimited = 2, kFixed32 = 5;
 // AttendRequest's Tensor fields, and Tensor's `data`.
-constexpr uint32_t kQuery = 3, kKey = 4, kValue = 5, kAttnMask = 8, kTensorData = 3;
+constexpr uint32_t kQuery = v1::AttendRequest::kQueryFieldNumber;
+constexpr uint32_t kKey = v1::AttendRequest::kKeyFieldNumber;
+constexpr uint32_t kValue = v1::AttendRequest::kValueFieldNumber;
+constexpr uint32_t kAttnMask = v1::AttendRequest::kAttnMaskFieldNumber;
+constexpr uint32_t kTensorData = v1::Tensor::kDataFieldNumber;
 
 void AppendVarint(uint64_t value, std::string* out) {
   while (value >= 0x80) {
