@@ -53,8 +53,9 @@ struct Workspace {
   Arena device{Arena::Kind::kDevice};
   Arena pinned{Arena::Kind::kPinnedHost};
   // The engine's request memory (page-locked; AttentionEngine::request_memory):
-  // an input that lies in one of its buffers is uploaded from there, without
-  // the copy into `pinned`. Not owned; null: every input is copied.
+  // an input or result that lies in one of its buffers is copied between it
+  // and the device in place, not through `pinned`. Not owned; null: every
+  // input and result goes through `pinned`.
   const HostBufferPool* request_memory = nullptr;
   // ATTNSERVE_CUDA_PROFILE=1 when the workspace was made: each call
   // measures where its time goes (Call, below) and reports it on stderr.
