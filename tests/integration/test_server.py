@@ -126,6 +126,34 @@ def test_concurrent_requests_each_match_numpy(client):
             _assert_fp32_close(res.output, want)
 
 
+def test_reused_request_memory_never_mixes_requests(client):
+    # Tensors go from the wire into reused request memory, and results leave
+    # from it (server/transport/attend_wire.h). Requests of falling sizes land
+    # in buffers that earlier, larger requests freed; each must answer its
+    # own inputs exactly, unary and in a stream, masks and weights included.
+    rng = np.random.default_rng(2026)
+    cases = []
+    for lq in (2560, 2048, 2047, 1500, 64, 63):  # 5 MiB of query first: over 4 MiB kept per buffer
+        q = rng.standard_normal((1, 8, lq, 64)).astype(np.float32)
+        k = rng.standard_normal((1, 8, 8, 64)).astype(np.float32)
+        v = rng.standard_normal((1, 8, 8, 32)).astype(np.float32)
+        mask = rng.random((1, 1, lq, 8)) < 0.8
+        cases.append(dict(query=q, key=k, value=v, attn_mask=mask, model="sdpa",
+                          need_weights=True, request_id=f"lq{lq}"))
+    for c in cases:
+        res = client.attend(c["query"], c["key"], c["value"], model="sdpa", attn_mask=c["attn_mask"],
+                            need_weights=True, request_id=c["request_id"])
+        want, want_w = harness.reference_attention(c["query"], c["key"], c["value"], mask=c["attn_mask"])
+        assert res.id == c["request_id"]
+        _assert_fp32_close(res.output, want)
+        np.testing.assert_allclose(res.weights, want_w, rtol=1e-5, atol=1e-6)
+    for c, res in zip(cases[::-1], client.attend_stream(cases[::-1])):
+        want, want_w = harness.reference_attention(c["query"], c["key"], c["value"], mask=c["attn_mask"])
+        assert res.id == c["request_id"]
+        _assert_fp32_close(res.output, want)
+        np.testing.assert_allclose(res.weights, want_w, rtol=1e-5, atol=1e-6)
+
+
 def _good_sdpa(rng=None):
     rng = rng or np.random.default_rng(0)
     q, k, v = _sdpa_inputs(rng, b=2, hq=4, hkv=2, lq=4, lk=5, dk=8, dv=8)
