@@ -44,7 +44,8 @@ struct AttentionTask {
   // Values in [0, kMaxRotaryPosition]. Masks (causal, window) stay by index.
   absl::Span<const int64_t> positions;
 
-  // Written by the engine. output: [B, Hq, Lq, Dv] (no projections) or
+  // Written by the engine, every byte (callers need not clear them; the
+  // server hands over reused memory). output: [B, Hq, Lq, Dv] (no projections) or
   // [B, Lq, out_dim]; weights: empty (not wanted), [B, Hq, Lq, Lk], or
   // [B, Lq, Lk] when average_weights. Any float dtype.
   MutableTensorView output;

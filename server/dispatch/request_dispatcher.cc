@@ -107,8 +107,8 @@ absl::Status RequestDispatcher::Start(std::unique_ptr<InferenceRequest>& request
 
   request->task = std::move(validated->task);
   request->dims = validated->dims;
-  // The engine writes straight into the front end's response: the only copy
-  // of the output is the transport's serialization.
+  // The engine writes straight into the front end's buffers, which the
+  // transport sends from (attnserve.v1) or serializes (KServe v2).
   request->task.output =
       allocate(OutputName::kOutput, validated->output_dtype, validated->output_shape);
   if (!validated->weights_shape.empty()) {

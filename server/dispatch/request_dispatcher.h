@@ -38,8 +38,9 @@ enum class OutputName { kOutput, kWeights };
 class RequestDispatcher {
  public:
   // Allocates a result tensor where the front end's response will carry it
-  // and returns a writable view of it: the engine writes there directly.
-  // Called on Submit's thread, before Submit returns.
+  // and returns a writable view of it: the engine writes there directly, and
+  // every byte of it (the memory need not be cleared). Called on Submit's
+  // thread, before Submit returns.
   using OutputAllocator =
       absl::FunctionRef<MutableTensorView(OutputName name, DType dtype, const Shape& shape)>;
 

@@ -181,7 +181,7 @@ void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* conte
                                               grpc::ByteBuffer* bytes, int64_t number,
                                               AnswerFn answer) {
   // The message's tensors must outlive its request: parse it into its own
-  // state (the one copy of the bytes, as gRPC's own parse made), which the
+  // state (the one copy of the bytes, into request memory), which the
   // completion owns (it may even run before StartAttend returns).
   struct Message {
     v1::AttendRequest request;
