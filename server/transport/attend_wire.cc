@@ -4,15 +4,15 @@
 // results' bytes as slices that reference their buffers.
 #include "server/transport/attend_wire.h"
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/slice.h"
 #include "server/transport/message_codec.h"
 #include "server/transport/protobuf_log.h"
@@ -20,8 +20,6 @@
 
 namespace attnserve {
 namespace {
-
-namespace io = google::protobuf::io;
 
 // Protobuf's wire types.
 constexpr uint32_t kVarint = 0, kFixed64 = 1, kLengthDelimited = 2, kFixed32 = 5;
@@ -40,77 +38,131 @@ void AppendVarint(uint64_t value, std::string* out) {
   out->push_back(static_cast<char>(value));
 }
 
-void AppendFixed(uint64_t value, int bytes, std::string* out) {
-  for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>(value >> (8 * i)));
-}
-
-// Whether `length` bytes are left in `in`, which reads `total` bytes in all
-// (checked before anything of that size is allocated: a few bytes on the
-// wire must not claim gigabytes).
-bool Left(const io::CodedInputStream& in, uint32_t length, size_t total) {
-  const int until_limit = in.BytesUntilLimit();  // -1: no limit pushed
-  return length <= total - static_cast<size_t>(in.CurrentPosition()) &&
-         (until_limit < 0 || length <= static_cast<uint32_t>(until_limit));
-}
-
-// Copies the field whose `tag` was just read from `in` to `out`, unchanged
-// in meaning. False: malformed or truncated, or a group (deprecated; left to
-// protobuf's own parse).
-bool CopyField(uint32_t tag, io::CodedInputStream& in, size_t total, std::string* out) {
-  AppendVarint(tag, out);
-  switch (tag & 7) {
-    case kVarint: {
-      uint64_t v;
-      if (!in.ReadVarint64(&v)) return false;
-      AppendVarint(v, out);
-      return true;
-    }
-    case kFixed64: {
-      uint64_t v;
-      if (!in.ReadLittleEndian64(&v)) return false;
-      AppendFixed(v, 8, out);
-      return true;
-    }
-    case kFixed32: {
-      uint32_t v;
-      if (!in.ReadLittleEndian32(&v)) return false;
-      AppendFixed(v, 4, out);
-      return true;
-    }
-    case kLengthDelimited: {
-      uint32_t length;
-      if (!in.ReadVarint32(&length) || !Left(in, length, total)) return false;
-      AppendVarint(length, out);
-      const size_t at = out->size();
-      out->resize(at + length);
-      return in.ReadRaw(out->data() + at, static_cast<int>(length));
-    }
-    default:
-      return false;
+// gRPC's slices read front to back. Every byte read is also appended to
+// `record` while it is set, so a field the split leaves alone reaches
+// protobuf exactly as it came.
+class SliceReader {
+ public:
+  explicit SliceReader(grpc::ByteBuffer* bytes) : ok_(bytes->Dump(&slices_).ok()) {
+    for (const grpc::Slice& s : slices_) left_ += s.size();
   }
+  bool ok() const { return ok_; }
+  size_t left() const { return left_; }
+  void set_record(std::string* record) { record_ = record; }
+
+  // `n` bytes into `out` (and the record). False: fewer are left.
+  bool Read(char* out, size_t n) {
+    if (n > left_) return false;
+    left_ -= n;
+    while (n > 0) {
+      const grpc::Slice& s = slices_[slice_];
+      const size_t take = std::min(n, s.size() - offset_);
+      const char* from = reinterpret_cast<const char*>(s.begin()) + offset_;
+      if (out != nullptr) {
+        std::memcpy(out, from, take);
+        out += take;
+      }
+      if (record_ != nullptr) record_->append(from, take);
+      n -= take;
+      offset_ += take;
+      if (offset_ == s.size()) {
+        ++slice_;
+        offset_ = 0;
+      }
+    }
+    return true;
+  }
+  bool Skip(size_t n) { return Read(nullptr, n); }
+
+  // A varint of at most `max_bytes` bytes; its bytes into `raw` too, when
+  // given. False: truncated or longer.
+  bool ReadVarint(int max_bytes, uint64_t* value, std::string* raw = nullptr) {
+    *value = 0;
+    for (int i = 0; i < max_bytes; ++i) {
+      char c;
+      if (!Read(&c, 1)) return false;
+      if (raw != nullptr) raw->push_back(c);
+      const uint64_t byte = static_cast<uint8_t>(c);
+      *value |= (byte & 0x7F) << (7 * i);
+      if (byte < 0x80) return true;
+    }
+    return false;
+  }
+
+ private:
+  std::vector<grpc::Slice> slices_;
+  bool ok_;
+  size_t left_ = 0;
+  size_t slice_ = 0, offset_ = 0;
+  std::string* record_ = nullptr;
+};
+
+// Tags and lengths are read as strictly as protobuf reads them: a tag in at
+// most 5 bytes and 32 bits with a field number, a length in at most 5 bytes
+// and below 2^31. Whatever else protobuf would refuse is left in the bytes
+// it gets, which it then refuses itself.
+bool ReadTag(SliceReader& in, uint32_t* tag, std::string* raw) {
+  uint64_t value;
+  if (!in.ReadVarint(5, &value, raw) || value > UINT32_MAX || (value >> 3) == 0) return false;
+  *tag = static_cast<uint32_t>(value);
+  return true;
+}
+
+bool ReadLength(SliceReader& in, size_t limit, size_t* length) {
+  uint64_t value;
+  if (!in.ReadVarint(5, &value) || value > INT_MAX) return false;
+  *length = static_cast<size_t>(value);
+  // Checked before anything that large is allocated: a few bytes on the
+  // wire must not claim gigabytes.
+  return *length <= limit && *length <= in.left();
+}
+
+// The body of a field whose tag was just read, as it is, into `out`
+// (recording on): `limit` is what is left of the message it is in. False:
+// truncated, past `limit`, or a group (deprecated: protobuf's to parse).
+bool CopyBody(uint32_t tag, SliceReader& in, size_t limit, std::string* out) {
+  const size_t before = out->size();
+  in.set_record(out);
+  bool ok = false;
+  uint64_t ignored;
+  switch (tag & 7) {
+    case kVarint: ok = in.ReadVarint(10, &ignored); break;
+    case kFixed64: ok = in.Skip(8); break;
+    case kFixed32: ok = in.Skip(4); break;
+    case kLengthDelimited: {
+      uint64_t length;
+      ok = in.ReadVarint(5, &length) && length <= INT_MAX && length <= in.left() &&
+           in.Skip(static_cast<size_t>(length));
+      break;
+    }
+    default: break;
+  }
+  in.set_record(nullptr);
+  return ok && out->size() - before <= limit;
 }
 
 // One Tensor message of `length` bytes: its `data` into `*payload` (the last
-// occurrence wins), the rest into `out` as a Tensor without `data`.
-bool SplitTensor(uint32_t length, io::CodedInputStream& in, size_t total, HostBufferPool& pool,
+// occurrence wins), the rest into `out`, as it came, as a Tensor without
+// `data`.
+bool SplitTensor(size_t length, SliceReader& in, HostBufferPool& pool,
                  std::optional<HostBuffer>* payload, std::string* out) {
-  const io::CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
+  const size_t end = in.left() - length;  // what is left once the Tensor is read
   std::string rest;
-  while (const uint32_t tag = in.ReadTag()) {
+  while (in.left() > end) {
+    uint32_t tag;
+    std::string raw_tag;
+    if (!ReadTag(in, &tag, &raw_tag) || in.left() < end) return false;
     if (tag != (kTensorData << 3 | kLengthDelimited)) {
-      if (!CopyField(tag, in, total, &rest)) return false;
+      rest += raw_tag;
+      if (!CopyBody(tag, in, in.left() - end + 0, &rest) || in.left() < end) return false;
       continue;
     }
-    uint32_t size;
-    if (!in.ReadVarint32(&size) || !Left(in, size, total)) return false;
+    size_t size;
+    if (!ReadLength(in, in.left() - end, &size)) return false;
     absl::StatusOr<HostBuffer> buffer = pool.Allocate(size);
-    if (!buffer.ok()) return false;
-    if (!in.ReadRaw(buffer->data(), static_cast<int>(size))) return false;
+    if (!buffer.ok() || !in.Read(buffer->data(), size)) return false;
     *payload = *std::move(buffer);
   }
-  // A tag of 0 inside the message, or a malformed one, stops the loop early.
-  if (!in.ConsumedEntireMessage() || in.BytesUntilLimit() != 0) return false;
-  in.PopLimit(limit);
   AppendVarint(rest.size(), out);
   out->append(rest);
   return true;
@@ -130,24 +182,24 @@ std::optional<HostBuffer>* PayloadOf(uint32_t field, AttendPayloads* payloads) {
 // bytes to protobuf.
 bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, std::string* rest,
            AttendPayloads* payloads) {
-  grpc::ProtoBufferReader reader(bytes);
-  if (!reader.status().ok()) return false;
-  io::CodedInputStream in(&reader);
-  const size_t total = bytes->Length();
-  while (const uint32_t tag = in.ReadTag()) {
+  SliceReader in(bytes);
+  if (!in.ok()) return false;
+  while (in.left() > 0) {
+    uint32_t tag;
+    std::string raw_tag;
+    if (!ReadTag(in, &tag, &raw_tag)) return false;
     std::optional<HostBuffer>* payload = PayloadOf(tag >> 3, payloads);
     if (payload == nullptr || (tag & 7) != kLengthDelimited) {
-      if (!CopyField(tag, in, total, rest)) return false;
+      *rest += raw_tag;
+      if (!CopyBody(tag, in, in.left(), rest)) return false;
       continue;
     }
-    uint32_t length;
-    if (!in.ReadVarint32(&length) || !Left(in, length, total)) return false;
-    AppendVarint(tag, rest);
-    if (!SplitTensor(length, in, total, pool, payload, rest)) return false;
+    size_t length;
+    if (!ReadLength(in, in.left(), &length)) return false;
+    *rest += raw_tag;
+    if (!SplitTensor(length, in, pool, payload, rest)) return false;
   }
-  // ReadTag answers 0 at the end, and for a malformed or truncated tag or
-  // field number 0.
-  return in.ConsumedEntireMessage() && static_cast<size_t>(in.CurrentPosition()) == total;
+  return true;
 }
 
 // A message's bytes as gRPC slices: small runs copied into slices of their

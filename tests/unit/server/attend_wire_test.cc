@@ -230,6 +230,21 @@ TEST(AttendWireTest, EncodingsProtobufMergesParseAsProtobufParsesThem) {
       Tag(7, 3) + Tag(7, 4),  // a known field (key_lengths) as a group
       // Non-canonical varints.
       Tag(6, 0) + std::string("\x81\x80\x80\x00", 4) + Bytes(3, Tag(1, 0) + "\x82\x00"),
+      // Tags and lengths in more bytes than they need (protobuf reads tags in
+      // at most 5 bytes, lengths in at most 5 and below 2^31).
+      std::string("\x9a\x00", 2) + Varint(3) + Bytes(3, "abc"),
+      std::string("\x9a\x80\x80\x80\x00", 5) + Varint(5) + Bytes(3, "abc"),
+      std::string("\x9a\x80\x80\x80\x80\x00", 6) + Varint(5) + Bytes(3, "abc"),
+      Tag(3, 2) + std::string("\x85\x80\x80\x80\x00", 5) + Bytes(3, "abc"),
+      Tag(3, 2) + std::string("\x85\x80\x80\x80\x80\x00", 6) + Bytes(3, "abc"),
+      Bytes(3, Tag(3, 2) + std::string("\x83\x80\x00", 3) + "abc"),
+      Bytes(3, Tag(3, 2) + std::string("\x83\x80\x80\x80\x80\x00", 6) + "abc"),
+      // A 10-byte varint with bits past 64, and one of 11 bytes.
+      Tag(6, 0) + std::string(9, '\xff') + "\x7f",
+      Tag(6, 0) + std::string(10, '\xff') + "\x01",
+      // Wire types 6 and 7, field number 0 inside a Tensor.
+      Tag(6, 6) + Varint(1),
+      Bytes(3, Tag(0, 0) + Varint(1) + Bytes(3, "q")),
       // Nothing at all.
       "",
   };
