@@ -1,6 +1,6 @@
-// In: one pass over the wire that copies the four tensors' `data` into host
-// buffers and everything else, unchanged, into a small message that protobuf
-// then parses. Out: the answer's fields as protobuf writes them, with the
+// In: one pass over gRPC's slices that copies the four tensors' `data` into
+// host buffers and everything else, byte for byte, into a small message that
+// protobuf then parses. Out: the answer's fields as protobuf writes them, with the
 // results' bytes as slices that reference their buffers.
 #include "server/transport/attend_wire.h"
 
@@ -117,11 +117,9 @@ bool ReadLength(SliceReader& in, size_t limit, size_t* length) {
   return *length <= limit && *length <= in.left();
 }
 
-// The body of a field whose tag was just read, as it is, into `out`
-// (recording on): `limit` is what is left of the message it is in. False:
-// truncated, past `limit`, or a group (deprecated: protobuf's to parse).
-bool CopyBody(uint32_t tag, SliceReader& in, size_t limit, std::string* out) {
-  const size_t before = out->size();
+// The body of a field whose tag was just read, as it is, into `out`. False:
+// truncated, or a group (deprecated: protobuf's to parse).
+bool CopyBody(uint32_t tag, SliceReader& in, std::string* out) {
   in.set_record(out);
   bool ok = false;
   uint64_t ignored;
@@ -138,7 +136,7 @@ bool CopyBody(uint32_t tag, SliceReader& in, size_t limit, std::string* out) {
     default: break;
   }
   in.set_record(nullptr);
-  return ok && out->size() - before <= limit;
+  return ok;
 }
 
 // One Tensor message of `length` bytes: its `data` into `*payload` (the last
@@ -154,7 +152,7 @@ bool SplitTensor(size_t length, SliceReader& in, HostBufferPool& pool,
     if (!ReadTag(in, &tag, &raw_tag) || in.left() < end) return false;
     if (tag != (kTensorData << 3 | kLengthDelimited)) {
       rest += raw_tag;
-      if (!CopyBody(tag, in, in.left() - end + 0, &rest) || in.left() < end) return false;
+      if (!CopyBody(tag, in, &rest) || in.left() < end) return false;  // not past the Tensor
       continue;
     }
     size_t size;
@@ -191,7 +189,7 @@ bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, std::string* rest,
     std::optional<HostBuffer>* payload = PayloadOf(tag >> 3, payloads);
     if (payload == nullptr || (tag & 7) != kLengthDelimited) {
       *rest += raw_tag;
-      if (!CopyBody(tag, in, in.left(), rest)) return false;
+      if (!CopyBody(tag, in, rest)) return false;
       continue;
     }
     size_t length;
