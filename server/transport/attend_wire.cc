@@ -108,13 +108,15 @@ bool ReadTag(SliceReader& in, uint32_t* tag, std::string* raw) {
   return true;
 }
 
-bool ReadLength(SliceReader& in, size_t limit, size_t* length) {
+// A length whose bytes lie before `end` (in.left() at the end of the message
+// being read), as does what it measures.
+bool ReadLength(SliceReader& in, size_t end, size_t* length) {
   uint64_t value;
-  if (!in.ReadVarint(5, &value) || value > INT_MAX) return false;
+  if (!in.ReadVarint(5, &value) || value > INT_MAX || in.left() < end) return false;
   *length = static_cast<size_t>(value);
   // Checked before anything that large is allocated: a few bytes on the
   // wire must not claim gigabytes.
-  return *length <= limit && *length <= in.left();
+  return *length <= in.left() - end;
 }
 
 // The body of a field whose tag was just read, as it is, into `out`. False:
@@ -156,11 +158,12 @@ bool SplitTensor(size_t length, SliceReader& in, HostBufferPool& pool,
       continue;
     }
     size_t size;
-    if (!ReadLength(in, in.left() - end, &size)) return false;
+    if (!ReadLength(in, end, &size)) return false;
     absl::StatusOr<HostBuffer> buffer = pool.Allocate(size);
     if (!buffer.ok() || !in.Read(buffer->data(), size)) return false;
     *payload = *std::move(buffer);
   }
+  if (in.left() != end) return false;  // a field ran past the Tensor's end
   AppendVarint(rest.size(), out);
   out->append(rest);
   return true;
@@ -193,7 +196,7 @@ bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, std::string* rest,
       continue;
     }
     size_t length;
-    if (!ReadLength(in, in.left(), &length)) return false;
+    if (!ReadLength(in, 0, &length)) return false;
     *rest += raw_tag;
     if (!SplitTensor(length, in, pool, payload, rest)) return false;
   }

@@ -265,6 +265,10 @@ TEST(AttendWireTest, MalformedBytesGetProtobufsOwnError) {
       good.substr(0, good.size() - 1),                    // truncated data
       good.substr(0, 3),                                  // truncated string
       Tag(3, 2) + Varint(10) + Bytes(3, "ab"),            // a Tensor longer than its bytes
+      // Data one byte past its Tensor, the bytes after it a valid field.
+      Tag(3, 2) + Varint(4) + Tag(3, 2) + Varint(3) + "ab" + "c" + Tag(6, 0) + Varint(1),
+      Tag(3, 2) + Varint(6) + Tag(1, 0) + Varint(1) + Tag(3, 2) + Varint(3) + "ab" + "c" +
+          Tag(6, 0) + Varint(1),
       Bytes(3, Tag(3, 2) + Varint(1u << 30)),             // data claiming 1 GiB
       Tag(3, 2) + Varint(0xFFFFFFFFu) + "x",               // a length past 2^31
       Tag(0, 0) + Varint(1),                              // field number 0
