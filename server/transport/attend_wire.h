@@ -35,10 +35,12 @@ struct AttendPayloads {
 // request) would, with the same result and the same error for any input,
 // except that every Tensor's `data` of the four tensor fields is left out of
 // `request` and copied into a buffer from `pool` in `payloads` (the last
-// occurrence on the wire, as protobuf keeps the last). An encoding this
-// parse does not take (a group, a malformed or truncated field) or a pool
-// out of memory leaves the whole message to ParseRequestMessage, with
-// `payloads` unset. Releases `bytes` either way.
+// occurrence on the wire, as protobuf keeps the last). The fields it leaves
+// alone reach protobuf byte for byte. An encoding it does not take (a group,
+// a tag or length in more bytes than protobuf reads, a malformed or
+// truncated field, a field past the end of its Tensor) or a pool out of
+// memory leaves the whole message to ParseRequestMessage, with `payloads`
+// unset. Releases `bytes` either way.
 absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
                                 HostBufferPool& pool, v1::AttendRequest* request,
                                 AttendPayloads* payloads);
