@@ -688,7 +688,9 @@ TEST_F(CpuEngineTest, EveryOutputByteIsWritten) {
       CaseRun zeros(c, c.out_dtype, c.weights_dtype);  // Tensor starts at zero
       CaseRun ones(c, c.out_dtype, c.weights_dtype);
       std::memset(ones.out.data(), 0xFF, ones.out.byte_size());
-      if (ones.weights.byte_size() > 0) std::memset(ones.weights.data(), 0xFF, ones.weights.byte_size());
+      if (ones.weights.byte_size() > 0) {
+        std::memset(ones.weights.data(), 0xFF, ones.weights.byte_size());
+      }
       ASSERT_TRUE(engine->Run(*c.layer, {&zeros.task, 1}).ok()) << c.label;
       ASSERT_TRUE(engine->Run(*c.layer, {&ones.task, 1}).ok()) << c.label;
       EXPECT_TRUE(BitwiseEqual(zeros.out, ones.out)) << engine->name() << " output of " << c.label;

@@ -313,7 +313,9 @@ std::string Flatten(const grpc::ByteBuffer& bytes) {
   std::vector<grpc::Slice> slices;
   EXPECT_TRUE(bytes.Dump(&slices).ok());
   std::string flat;
-  for (const grpc::Slice& s : slices) flat.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  for (const grpc::Slice& s : slices) {
+    flat.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
   return flat;
 }
 
