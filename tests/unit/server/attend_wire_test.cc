@@ -319,14 +319,21 @@ std::string Flatten(const grpc::ByteBuffer& bytes) {
   return flat;
 }
 
-// A result of `n` random bytes in `pool`, and the same bytes as a string.
-std::pair<HostBuffer, std::string> RandomResult(std::mt19937& rng, HostBufferPool& pool,
-                                                size_t n) {
+// `n` random bytes in a buffer of `pool`.
+HostBuffer RandomBuffer(std::mt19937& rng, HostBufferPool& pool, size_t n) {
   absl::StatusOr<HostBuffer> b = pool.Allocate(n);
   EXPECT_TRUE(b.ok());
-  std::string copy(n, '\0');
-  for (size_t i = 0; i < n; ++i) b->data()[i] = copy[i] = static_cast<char>(rng());
-  return {*std::move(b), copy};
+  for (size_t i = 0; i < n; ++i) b->data()[i] = static_cast<char>(rng());
+  return *std::move(b);
+}
+
+// A copy of `b` in `pool`; empty stays empty.
+HostBuffer CopyOf(const HostBuffer& b, HostBufferPool& pool) {
+  if (b.size() == 0) return HostBuffer();
+  absl::StatusOr<HostBuffer> c = pool.Allocate(b.size());
+  EXPECT_TRUE(c.ok());
+  std::memcpy(c->data(), b.data(), b.size());
+  return *std::move(c);
 }
 
 // Serialized by reference, a response is byte for byte what protobuf writes
@@ -339,7 +346,6 @@ TEST(AttendWireTest, ResponsesSerializeAsProtobufSerializesThem) {
     v1::AttendResponse response;
     if (rng() % 2) response.set_id(std::to_string(rng()));
     AttendResults results;
-    v1::AttendResponse full;
     const bool output = rng() % 4 != 0, weights = rng() % 3 == 0;
     if (output) {
       const size_t n = rng() % 3 == 0 ? 0 : 1 + rng() % 100000;
@@ -349,14 +355,13 @@ TEST(AttendWireTest, ResponsesSerializeAsProtobufSerializesThem) {
       for (size_t b = 0; b < view.byte_size(); ++b) static_cast<char*>(view.data)[b] = char(rng());
     }
     if (weights) {
-      auto [buffer, copy] = RandomResult(rng, *pool.pool, 4 * (1 + rng() % 5000));
+      results.weights = RandomBuffer(rng, *pool.pool, 4 * (1 + rng() % 5000));
       response.mutable_weights()->set_dtype(v1::FLOAT32);
-      response.mutable_weights()->add_shape(static_cast<int64_t>(copy.size() / 4));
-      results.weights = std::move(buffer);
+      response.mutable_weights()->add_shape(static_cast<int64_t>(results.weights.size() / 4));
     }
     if (rng() % 2) response.mutable_timing()->set_compute_us(rng() % 1000);
     if (rng() % 3 == 0) response.set_session_length(rng() % 4096);
-    full = response;
+    v1::AttendResponse full = response;  // what protobuf serializes, data included
     if (output) {
       full.mutable_output()->set_data(std::string(results.output.data(), results.output.size()));
     }
@@ -364,15 +369,9 @@ TEST(AttendWireTest, ResponsesSerializeAsProtobufSerializesThem) {
       full.mutable_weights()->set_data(std::string(results.weights.data(), results.weights.size()));
     }
     const char* out_data = results.output.data();
-    AttendResults copy_for_stream;
-    if (output && results.output.size() > 0) {
-      copy_for_stream.output = *pool.pool->Allocate(results.output.size());
-      std::memcpy(copy_for_stream.output.data(), out_data, results.output.size());
-    }
-    if (weights) {
-      copy_for_stream.weights = *pool.pool->Allocate(results.weights.size());
-      std::memcpy(copy_for_stream.weights.data(), results.weights.data(), results.weights.size());
-    }
+    AttendResults for_stream;  // the same results again, for the stream answer
+    for_stream.output = CopyOf(results.output, *pool.pool);
+    for_stream.weights = CopyOf(results.weights, *pool.pool);
     {
       grpc::ByteBuffer bytes;
       ASSERT_TRUE(SerializeAttendResponse(response, std::move(results), &bytes).ok());
@@ -392,7 +391,7 @@ TEST(AttendWireTest, ResponsesSerializeAsProtobufSerializesThem) {
     *answer.mutable_response() = response;
     *full_answer.mutable_response() = full;
     grpc::ByteBuffer bytes;
-    ASSERT_TRUE(SerializeAttendStreamResponse(answer, std::move(copy_for_stream), &bytes).ok());
+    ASSERT_TRUE(SerializeAttendStreamResponse(answer, std::move(for_stream), &bytes).ok());
     EXPECT_EQ(Flatten(bytes), full_answer.SerializeAsString());
   }
 }
