@@ -145,9 +145,6 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   }
   AttentionServiceOptions service_options;
   service_options.request_memory = shared_engine->request_memory();
-  if (service_options.request_memory == nullptr) {
-    service_options.request_memory = HostBufferPool::Ordinary();
-  }
   if (!options.auth_token_file.empty()) {
     absl::StatusOr<BearerTokens> tokens = BearerTokens::FromFile(options.auth_token_file);
     if (!tokens.ok()) {

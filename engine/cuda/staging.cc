@@ -196,30 +196,11 @@ absl::Status Call::UploadsDone() {
   return absl::OkStatus();
 }
 
-absl::Status Call::Download(const void* device, size_t bytes,
-                            std::function<void(const char* pinned)> deliver) {
-  absl::StatusOr<void*> staging = ws_.pinned.Allocate(bytes);
-  if (!staging.ok()) return staging.status();
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(DownloadAfterCompute());
-  cudaEvent_t start = ws_.profile ? MarkStart(ws_.download_stream) : nullptr;
-  ATTNSERVE_CUDA_CALL(
-      cudaMemcpyAsync(*staging, device, bytes, cudaMemcpyDeviceToHost, ws_.download_stream));
-  if (ws_.profile) MarkEnd(ws_.download_stream, start, &download_spans_);
-  const char* pinned = static_cast<const char*>(*staging);
-  deliveries_.push_back([pinned, deliver = std::move(deliver)] { deliver(pinned); });
-  return absl::OkStatus();
-}
-
 absl::Status Call::DownloadRows(const void* device, size_t row_bytes, size_t pitch,
                                 size_t count, std::function<void(const char* pinned)> deliver) {
-  if (pitch == row_bytes) return Download(device, row_bytes * count, std::move(deliver));
   absl::StatusOr<void*> staging = ws_.pinned.Allocate(row_bytes * count);
   if (!staging.ok()) return staging.status();
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(DownloadAfterCompute());
-  cudaEvent_t start = ws_.profile ? MarkStart(ws_.download_stream) : nullptr;
-  ATTNSERVE_CUDA_CALL(cudaMemcpy2DAsync(*staging, row_bytes, device, pitch, row_bytes, count,
-                                        cudaMemcpyDeviceToHost, ws_.download_stream));
-  if (ws_.profile) MarkEnd(ws_.download_stream, start, &download_spans_);
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(CopyDown(*staging, device, row_bytes, pitch, count));
   const char* pinned = static_cast<const char*>(*staging);
   deliveries_.push_back([pinned, deliver = std::move(deliver)] { deliver(pinned); });
   return absl::OkStatus();
@@ -228,20 +209,15 @@ absl::Status Call::DownloadRows(const void* device, size_t row_bytes, size_t pit
 absl::Status Call::DownloadRowsTo(const void* device, size_t row_bytes, size_t pitch,
                                   size_t count, void* host) {
   const size_t bytes = row_bytes * count;
-  if (!InRequestMemory(host, bytes)) {
-    return DownloadRows(device, row_bytes, pitch, count, [host, bytes](const char* pinned) {
-      std::memcpy(host, pinned, bytes);
-    });
-  }
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(DownloadAfterCompute());
-  cudaEvent_t start = ws_.profile ? MarkStart(ws_.download_stream) : nullptr;
-  ATTNSERVE_CUDA_CALL(cudaMemcpy2DAsync(host, row_bytes, device, pitch, row_bytes, count,
-                                        cudaMemcpyDeviceToHost, ws_.download_stream));
-  if (ws_.profile) MarkEnd(ws_.download_stream, start, &download_spans_);
-  return absl::OkStatus();
+  if (InRequestMemory(host, bytes)) return CopyDown(host, device, row_bytes, pitch, count);
+  return DownloadRows(device, row_bytes, pitch, count, [host, bytes](const char* pinned) {
+    std::memcpy(host, pinned, bytes);
+  });
 }
 
-absl::Status Call::DownloadAfterCompute() {
+absl::Status Call::CopyDown(void* host, const void* device, size_t row_bytes, size_t pitch,
+                            size_t count) {
+  // The download stream waits for the compute enqueued so far.
   if (computed_used_ == ws_.computed.size()) {
     cudaEvent_t e = nullptr;
     ATTNSERVE_CUDA_CALL(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -250,6 +226,15 @@ absl::Status Call::DownloadAfterCompute() {
   cudaEvent_t computed = ws_.computed[computed_used_++];
   ATTNSERVE_CUDA_CALL(cudaEventRecord(computed, ws_.stream));
   ATTNSERVE_CUDA_CALL(cudaStreamWaitEvent(ws_.download_stream, computed, 0));
+  cudaEvent_t start = ws_.profile ? MarkStart(ws_.download_stream) : nullptr;
+  if (pitch == row_bytes) {
+    ATTNSERVE_CUDA_CALL(cudaMemcpyAsync(host, device, row_bytes * count, cudaMemcpyDeviceToHost,
+                                        ws_.download_stream));
+  } else {
+    ATTNSERVE_CUDA_CALL(cudaMemcpy2DAsync(host, row_bytes, device, pitch, row_bytes, count,
+                                          cudaMemcpyDeviceToHost, ws_.download_stream));
+  }
+  if (ws_.profile) MarkEnd(ws_.download_stream, start, &download_spans_);
   return absl::OkStatus();
 }
 

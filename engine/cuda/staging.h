@@ -66,7 +66,7 @@ struct Workspace {
 // One Run/Attend call on a workspace: allocations from its arenas, copies
 // through pinned memory, and the host-side deliveries that run once the
 // streams have finished. Per request: Upload*, then UploadsDone, then
-// compute on stream() and Download (which runs on the download stream once
+// compute on stream() and DownloadRows* (which runs on the download stream once
 // the compute enqueued before it is done). If the call is abandoned on an
 // error, the destructor still waits for the streams before the memory is
 // reused.
@@ -74,7 +74,7 @@ struct Workspace {
 // Not thread-safe; borrows the workspace for its lifetime. Host buffers
 // passed to Upload* are read before the method returns, except those in the
 // workspace's request_memory, which the copy engine reads in place until
-// Finish; those a Download delivers into must stay alive until Finish.
+// Finish; those a DownloadRows* delivers into must stay alive until Finish.
 //
 // With the workspace's `profile` on, a call times its parts with CUDA events
 // and Finish prints one line on stderr:
@@ -114,13 +114,9 @@ class Call {
   // Makes work enqueued on stream() from now on wait for every upload so far.
   absl::Status UploadsDone();
 
-  // Copies `bytes` from the device to pinned memory; `deliver` gets the
-  // pinned copy after the stream has finished (in Finish).
-  absl::Status Download(const void* device, size_t bytes,
-                        std::function<void(const char* pinned)> deliver);
-
-  // Download of `count` rows of `row_bytes` that lie `pitch` bytes apart on
-  // the device; `deliver` gets them packed.
+  // Copies `count` rows of `row_bytes` that lie `pitch` bytes apart on the
+  // device to pinned memory; `deliver` gets them packed after the streams
+  // have finished (in Finish).
   absl::Status DownloadRows(const void* device, size_t row_bytes, size_t pitch, size_t count,
                             std::function<void(const char* pinned)> deliver);
 
@@ -149,8 +145,11 @@ class Call {
     return ws_.request_memory != nullptr && ws_.request_memory->Contains(host, bytes);
   }
 
-  // The download stream waits for the compute enqueued so far.
-  absl::Status DownloadAfterCompute();
+  // Enqueues on the download stream, after the compute enqueued so far, the
+  // copy of `count` rows of `row_bytes` (`pitch` apart on the device) packed
+  // into page-locked `host`.
+  absl::Status CopyDown(void* host, const void* device, size_t row_bytes, size_t pitch,
+                        size_t count);
 
   // Profiling (ws_.profile): events from the workspace's pool, marks on the
   // compute stream in order, the copies' start and end on their streams.

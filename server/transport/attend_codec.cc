@@ -61,13 +61,6 @@ AttendInputs DecodeAttendRequest(const v1::AttendRequest& request,
   return in;
 }
 
-MutableTensorView AllocateAttendOutput(v1::AttendResponse* response, OutputName name, DType dtype,
-                                       const Shape& shape) {
-  return AllocateTensor(dtype, shape,
-                        name == OutputName::kOutput ? response->mutable_output()
-                                                    : response->mutable_weights());
-}
-
 void SetTiming(const InferenceRequest& request, absl::Time now, v1::AttendResponse* response) {
   v1::Timing* t = response->mutable_timing();
   t->set_queue_us(absl::ToInt64Microseconds(request.timing.queue));

@@ -9,7 +9,6 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.pb.h"
-#include "server/dispatch/request_dispatcher.h"
 #include "server/request/attend_inputs.h"
 #include "server/request/inference_request.h"
 #include "server/transport/attend_wire.h"
@@ -24,10 +23,6 @@ namespace attnserve {
 // outlive it.
 AttendInputs DecodeAttendRequest(const v1::AttendRequest& request,
                                  const AttendPayloads* payloads = nullptr);
-
-// Allocates the result tensors in `response` (output, weights).
-MutableTensorView AllocateAttendOutput(v1::AttendResponse* response, OutputName name, DType dtype,
-                                       const Shape& shape);
 
 // Fills response->timing from a request answered OK at `now`.
 void SetTiming(const InferenceRequest& request, absl::Time now, v1::AttendResponse* response);

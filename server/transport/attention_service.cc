@@ -17,6 +17,11 @@
 namespace attnserve {
 namespace {
 
+AttentionServiceOptions WithRequestMemory(AttentionServiceOptions options) {
+  if (options.request_memory == nullptr) options.request_memory = HostBufferPool::Ordinary();
+  return options;
+}
+
 v1::ModelStatus ToModelStatus(const ServedModel& model, const std::string& default_name) {
   v1::ModelStatus status;
   status.set_name(model.name);
@@ -40,15 +45,8 @@ AttentionServiceImpl::AttentionServiceImpl(const ModelRegistry* registry,
     : registry_(registry),
       dispatcher_(dispatcher),
       metrics_(metrics),
-      options_(std::move(options)) {
+      options_(WithRequestMemory(std::move(options))) {
   InstallProtobufLogHandler();
-}
-
-absl::Status AttentionServiceImpl::ParseAttend(grpc::ByteBuffer* bytes, absl::string_view what,
-                                               int64_t number, v1::AttendRequest* request,
-                                               AttendPayloads* payloads) const {
-  if (options_.request_memory == nullptr) return ParseRequestMessage(bytes, what, number, request);
-  return ParseAttendRequest(bytes, what, number, *options_.request_memory, request, payloads);
 }
 
 void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
@@ -82,17 +80,14 @@ void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
     dispatcher_->Reject(std::move(r), parsed);
     return;
   }
-  HostBufferPool* memory = options_.request_memory.get();
+  HostBufferPool& memory = *options_.request_memory;
   dispatcher_->Submit(std::move(r), DecodeAttendRequest(request, &payloads),
-                      [response, results, memory](OutputName name, DType dtype,
-                                                  const Shape& shape) {
-                        if (memory == nullptr) {
-                          return AllocateAttendOutput(response, name, dtype, shape);
-                        }
+                      [response, results, &memory](OutputName name, DType dtype,
+                                                   const Shape& shape) {
                         return name == OutputName::kOutput
-                                   ? AllocateResult(*memory, dtype, shape,
+                                   ? AllocateResult(memory, dtype, shape,
                                                     response->mutable_output(), &results->output)
-                                   : AllocateResult(*memory, dtype, shape,
+                                   : AllocateResult(memory, dtype, shape,
                                                     response->mutable_weights(),
                                                     &results->weights);
                       });
@@ -113,9 +108,11 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
         access_(CallAccess(service->options_.tokens, context)),
         // gRPC owns the (non-const) buffer until OnDone and only frees it
         // then; releasing it now keeps one copy of the inputs, not two.
-        parsed_(access_.ok() ? service->ParseAttend(const_cast<grpc::ByteBuffer*>(request_bytes),
-                                                    "request", 0, &request_, &payloads_)
-                             : access_.status()),
+        parsed_(access_.ok()
+                    ? ParseAttendRequest(const_cast<grpc::ByteBuffer*>(request_bytes), "request",
+                                         0, *service->options_.request_memory, &request_,
+                                         &payloads_)
+                    : access_.status()),
         model_(request_.model()),
         counted_(service->calls_.CallStarted()) {
     if (access_.ok() && !parsed_.ok()) service_->CountUnparseable("Attend");
@@ -191,7 +188,8 @@ void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* conte
   };
   auto* message = new Message;
   const absl::Status parsed =
-      ParseAttend(bytes, "AttendStream message", number, &message->request, &message->payloads);
+      ParseAttendRequest(bytes, "AttendStream message", number, *options_.request_memory,
+                         &message->request, &message->payloads);
   if (!parsed.ok()) CountUnparseable("AttendStream");
   message->answer.set_id(message->request.id());
   // The stream was authenticated when it opened (AttendStream); its access

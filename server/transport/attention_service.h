@@ -38,8 +38,8 @@ struct AttentionServiceOptions {
   const BearerTokens* tokens = nullptr;
   // Where Attend copies its tensors' bytes from the wire, and where the
   // engine writes its results for gRPC to send from (attend_wire.h): the
-  // backend engine's request_memory(), or ordinary memory. Null: the
-  // messages' strings, as protobuf parses and serializes them. Default: null.
+  // backend engine's request_memory(). Null: ordinary memory
+  // (HostBufferPool::Ordinary()). Default: null.
   std::shared_ptr<HostBufferPool> request_memory;
 };
 
@@ -158,17 +158,12 @@ class AttentionServiceImpl final : public AttentionServiceBase, private StreamHa
   // from this thread or a batcher worker.
   // request, payloads, response, results and context must stay valid until
   // it has run.
-  // The results are allocated in `results` (options_.request_memory) when
-  // there is request memory, else in the response's strings.
+  // The results are allocated in `results` (options_.request_memory).
   void StartAttend(grpc::CallbackServerContext* context, const absl::Status& parsed,
                    const ModelAccess& access, const v1::AttendRequest& request,
                    const AttendPayloads& payloads, v1::AttendResponse* response,
                    AttendResults* results, absl::AnyInvocable<void(absl::Status)> done);
 
-  // Parses one AttendRequest (ParseAttendRequest into options_.request_memory,
-  // or ParseRequestMessage without one) and releases `bytes`.
-  absl::Status ParseAttend(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
-                           v1::AttendRequest* request, AttendPayloads* payloads) const;
 
   const ModelRegistry* const registry_;
   RequestDispatcher* const dispatcher_;
