@@ -126,6 +126,10 @@ ABSL_FLAG(int64_t, session_wait_us, kDefaults.batching.session_wait_us,
           "after a batch that answered session requests (decode steps), how long (us) the next "
           "batch may wait for those sessions' next steps (at most that batch's own time), so "
           "that the steps of many sessions compute together; 0 = no wait");
+ABSL_FLAG(bool, refill_wait, kDefaults.batching.refill_wait,
+          "after a batch at least half full, the next batch waits (at most that batch's own "
+          "time) for as many requests as it answered, which clients in a closed loop send again "
+          "at once; a wait that runs out puts it off for the next 2, 4, ... 64 such batches");
 ABSL_FLAG(int, metrics_threads, kDefaults.metrics_threads,
           "HTTP worker threads of the metrics endpoint, each serving one connection at a "
           "time");
@@ -267,6 +271,7 @@ int main(int argc, char** argv) {
       "[--backend=auto|cpu|reference] [--model-repository=DIR] [--strict-model-loading=true] "
       "[--max-batch-requests=N] [--max-batch-tokens=N] [--max-queue-delay-us=N] "
       "[--max-queue-size=N] [--instances=N] [--idle-spin-us=200] [--session-wait-us=5000] "
+      "[--refill-wait=true] "
       "[--metrics-threads=8] "
       "[--metrics-request-timeout=5s] [--shutdown-grace=8s] "
       "[--max-attention-scores=268435456] [--max-multiply-adds=34359738368] "
@@ -352,6 +357,7 @@ int main(int argc, char** argv) {
   options.batching.instances = absl::GetFlag(FLAGS_instances);
   options.batching.idle_spin_us = absl::GetFlag(FLAGS_idle_spin_us);
   options.batching.session_wait_us = absl::GetFlag(FLAGS_session_wait_us);
+  options.batching.refill_wait = absl::GetFlag(FLAGS_refill_wait);
   options.validation.max_attention_scores = absl::GetFlag(FLAGS_max_attention_scores);
   options.metrics_threads = absl::GetFlag(FLAGS_metrics_threads);
   options.metrics_request_timeout =

@@ -68,6 +68,22 @@ struct BatcherOptions {
   // Set from the server flag for every model (not in config.pbtxt). 0 = no
   // wait. Must be <= 1000000. Default: 5000 us.
   int64_t session_wait_us = 5000;
+
+  // After a batch of stateless requests at least half full (at least
+  // max(2, max_batch_requests / 2) requests: the server is batching
+  // heavily), the next batch waits for as many requests as that batch
+  // answered to join the queue, for at most that batch's own time. Clients
+  // in a closed loop (each sends again when answered) then fill whole
+  // batches instead of settling into two alternating part-full ones; on two
+  // vCPUs shared with the clients, full batches let the engine and the
+  // transport take turns rather than compete (docs/PERFORMANCE.md, "Refill
+  // wait"). Whether the requests came back in time is checked on every
+  // wait: one that runs out (open-loop traffic does not follow answers)
+  // puts the wait off for the next 2, 4, ... up to 64 such batches, and one
+  // that fills resets that. Lighter load (smaller batches) never waits.
+  // Set from the server flag for every model (not in config.pbtxt).
+  // Default: true.
+  bool refill_wait = true;
 };
 
 // InvalidArgument naming the field and value when an option is out of range.

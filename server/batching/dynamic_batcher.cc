@@ -12,6 +12,15 @@ namespace {
 // See FormBatchLocked, step 1.
 constexpr absl::Duration kDeadlineTimerSlack = absl::Milliseconds(1);
 
+// BatcherOptions::refill_wait: after k refill waits in a row missed, the
+// next min(2^k, kMaxRefillSkip) eligible batches do not wait. A wait hits
+// when the answered requests came back in time and, during the wait, at
+// least kRefillContrast times as fast as requests arrived while the batch
+// computed: arrivals that do not follow answers (open-loop traffic) come as
+// fast in both.
+constexpr int kMaxRefillSkip = 1024;
+constexpr double kRefillContrast = 2.0;
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(
@@ -103,10 +112,13 @@ void DynamicBatcher::PublishDepthLocked() {
 //    reached, or the next request would not fit -- waiting cannot make it
 //    bigger), if the oldest request has waited max_queue_delay, or if the batcher
 //    is draining for shutdown (waiting for company no longer pays off).
+//    It also waits, even when the delay is over, while the requests the last
+//    batch answered are still coming back (BatcherOptions::session_wait_us
+//    and refill_wait; BatchDone sets the target and the time limit).
 //    Otherwise nothing runs and wake_at says when the answer changes by the
-//    clock alone: the oldest request's delay running out, or the earliest
-//    deadline (so an expiring request is failed promptly, not at the next
-//    batch).
+//    clock alone: the oldest request's delay running out, the answered
+//    requests' wait running out, or the earliest deadline (so an expiring
+//    request is failed promptly, not at the next batch).
 DynamicBatcher::Decision DynamicBatcher::FormBatchLocked(absl::Time now) {
   Decision d;
 
@@ -162,15 +174,20 @@ DynamicBatcher::Decision DynamicBatcher::FormBatchLocked(absl::Time now) {
       queue_.front()->enqueued +
       absl::Microseconds(options_.max_queue_delay_us);
   const bool waited_enough = now >= delay_over;
-  // The sessions the last batch answered send their next steps now.
-  const bool sessions_coming = queue_.size() < session_wait_target_ && now < session_wait_until_;
-  if (!full && (!waited_enough || sessions_coming) && state_ == State::kRunning) {
+  // The requests the last batch answered are on their way back.
+  const bool answered_coming =
+      queue_.size() < answered_wait_target_ && now < answered_wait_until_;
+  if (!full && (!waited_enough || answered_coming) && state_ == State::kRunning) {
     absl::Time until = waited_enough ? absl::InfinitePast() : delay_over;
-    if (sessions_coming) until = std::max(until, session_wait_until_);
+    if (answered_coming) until = std::max(until, answered_wait_until_);
     d.wake_at = std::min(until, earliest_deadline);
     return d;
   }
-  session_wait_target_ = 0;
+  if (refill_pending_ && state_ == State::kRunning) {
+    RefillOutcomeLocked(full || queue_.size() >= answered_wait_target_, now);
+  }
+  refill_pending_ = false;
+  answered_wait_target_ = 0;
 
   d.batch.requests.reserve(n);
   for (size_t i = 0; i < n; ++i) {
@@ -209,8 +226,10 @@ DynamicBatcher::TakeAllLocked() {
 }
 
 void DynamicBatcher::RunBatch(Batch& batch) {
+  const size_t requests = batch.requests.size();
   size_t sessions = 0;
   for (const auto& r : batch.requests) sessions += r->session_id.empty() ? 0 : 1;
+  const uint64_t arrived_before = scheduled_.load(std::memory_order_relaxed);
   const absl::Time start = clock_->Now();
   process_(batch);
   const absl::Duration took = clock_->Now() - start;
@@ -221,19 +240,57 @@ void DynamicBatcher::RunBatch(Batch& batch) {
         "batch finished without answering this request (server bug)"));
   }
   batch.requests.clear();  // destroy the requests before the batch counts as done
-  BatchDone(sessions, took);
+  BatchDone(requests, sessions, took, arrived_before);
 }
 
-void DynamicBatcher::BatchDone(size_t sessions, absl::Duration took) {
+void DynamicBatcher::BatchDone(size_t requests, size_t sessions, absl::Duration took,
+                               uint64_t arrived_before) {
   absl::MutexLock lock(&mu_);
   --running_batches_;
-  if (sessions > 0 && options_.session_wait_us > 0) {
-    session_wait_target_ =
-        std::min(queue_.size() + sessions, static_cast<size_t>(options_.max_batch_requests));
-    session_wait_until_ =
-        clock_->Now() + std::min(took, absl::Microseconds(options_.session_wait_us));
+  const uint64_t arrived = scheduled_.load(std::memory_order_relaxed);
+  const size_t max_requests = static_cast<size_t>(options_.max_batch_requests);
+  // Which of the waits applies (BatcherOptions): the sessions' next steps,
+  // or, after a batch of stateless requests at least half full, a refill.
+  size_t coming = 0;
+  absl::Duration wait;
+  if (sessions > 0) {
+    if (options_.session_wait_us > 0) {
+      coming = sessions;
+      wait = std::min(took, absl::Microseconds(options_.session_wait_us));
+    }
+  } else if (options_.refill_wait && requests >= std::max<size_t>(2, max_requests / 2) &&
+             queue_.size() < max_requests) {  // (a full queue has nothing to wait for)
+    if (refill_skip_ > 0) {
+      --refill_skip_;
+    } else {
+      coming = requests;
+      wait = took;
+    }
+  }
+  if (coming > 0) {
+    const absl::Time now = clock_->Now();
+    answered_wait_target_ = std::min(queue_.size() + coming, max_requests);
+    answered_wait_until_ = now + wait;
+    refill_pending_ = sessions == 0;
+    refill_started_ = now;
+    refill_arrived_ = arrived;
+    refill_compute_rate_ = static_cast<double>(arrived - arrived_before) /
+                           std::max(absl::ToDoubleSeconds(took), 1e-6);
   }
   drained_cv_.SignalAll();  // Shutdown waits for running_batches_ == 0
+}
+
+void DynamicBatcher::RefillOutcomeLocked(bool filled, absl::Time now) {
+  const double rate = static_cast<double>(scheduled_.load(std::memory_order_relaxed) -
+                                          refill_arrived_) /
+                      std::max(absl::ToDoubleSeconds(now - refill_started_), 1e-6);
+  if (filled && rate >= kRefillContrast * refill_compute_rate_) {
+    refill_misses_ = 0;
+    refill_skip_ = 0;
+    return;
+  }
+  refill_misses_ = std::min(refill_misses_ + 1, 10);  // 2^10 = kMaxRefillSkip
+  refill_skip_ = std::min(1 << refill_misses_, kMaxRefillSkip);
 }
 
 void DynamicBatcher::WorkerLoop() {

@@ -131,8 +131,15 @@ class DynamicBatcher {
   void PollForWorkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs process_ and completes what it left uncompleted. Without the lock.
   void RunBatch(Batch& batch) ABSL_LOCKS_EXCLUDED(mu_);
-  // `sessions`: the batch's session requests; `took`: its process time.
-  void BatchDone(size_t sessions, absl::Duration took) ABSL_LOCKS_EXCLUDED(mu_);
+  // `requests`: the batch's size; `sessions`: its session requests;
+  // `took`: its process time; `arrived_before`: scheduled_ when it started.
+  // Sets the next batch's wait, if any.
+  void BatchDone(size_t requests, size_t sessions, absl::Duration took, uint64_t arrived_before)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // A refill wait ended at `now` with the batch closing: `filled` says
+  // whether the target was reached before it ran out. Judges the wait (see
+  // kRefillContrast) and sets the backoff.
+  void RefillOutcomeLocked(bool filled, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishDepthLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes every queued request with status UNAVAILABLE (grace ran out).
   std::vector<std::pair<std::unique_ptr<InferenceRequest>, absl::Status>> TakeAllLocked()
@@ -154,11 +161,23 @@ class DynamicBatcher {
   int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   State state_ ABSL_GUARDED_BY(mu_) = State::kRunning;
   int running_batches_ ABSL_GUARDED_BY(mu_) = 0;
-  // BatcherOptions::session_wait_us: a batch that answered session requests
-  // leaves the next one a target (the queue then plus those requests' count,
-  // at most max_batch_requests) to wait for until session_wait_until_.
-  size_t session_wait_target_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Time session_wait_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // The wait for answered requests to come back (BatcherOptions::
+  // session_wait_us and refill_wait): a finished batch leaves the next one a
+  // target (the queue then plus the requests it answered, at most
+  // max_batch_requests) to wait for until answered_wait_until_.
+  size_t answered_wait_target_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time answered_wait_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // Whether the pending wait is a refill wait (its outcome sets the backoff),
+  // the refill waits that ran out in a row, and how many more eligible
+  // batches skip the refill wait.
+  bool refill_pending_ ABSL_GUARDED_BY(mu_) = false;
+  int refill_misses_ ABSL_GUARDED_BY(mu_) = 0;
+  int refill_skip_ ABSL_GUARDED_BY(mu_) = 0;
+  // The pending refill wait's start, scheduled_ then, and the arrival rate
+  // (requests/s) while the batch before it computed.
+  absl::Time refill_started_ ABSL_GUARDED_BY(mu_);
+  uint64_t refill_arrived_ ABSL_GUARDED_BY(mu_) = 0;
+  double refill_compute_rate_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutdown_started_ ABSL_GUARDED_BY(mu_) = false;
   bool shutdown_done_ ABSL_GUARDED_BY(mu_) = false;
 

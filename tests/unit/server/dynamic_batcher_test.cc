@@ -4,6 +4,8 @@
 #include "server/batching/dynamic_batcher.h"
 
 #include <atomic>
+#include <functional>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <string>
@@ -432,6 +434,145 @@ TEST_F(SessionWaitTest, AFullBatchAndShutdownDoNotWait) {
               ElementsAre(ElementsAre(41, 42), ElementsAre(51, 52), ElementsAre(53)));
 }
 
+// BatcherOptions::refill_wait. Each batch "computes" for 1000 us on the fake
+// clock, during which during_compute_ (if set) runs: requests that arrive
+// while a batch computes.
+class RefillWaitTest : public ManualBatcherTest {
+ protected:
+  void Make(bool refill_wait, int max_batch_requests = 8) {
+    auto b = DynamicBatcher::Create(
+        "m",
+        {.max_batch_requests = max_batch_requests, .instances = 0,
+         .refill_wait = refill_wait},
+        [this](Batch& batch) {
+          if (during_compute_) during_compute_();
+          clock_.Advance(absl::Microseconds(1000));
+          recorder_.Fn()(batch);
+        },
+        &clock_);
+    ASSERT_TRUE(b.ok()) << b.status();
+    batcher_ = *std::move(b);
+  }
+  void SendAll(std::initializer_list<int> ids) {
+    for (int id : ids) ASSERT_TRUE(Send(id, 1).ok());
+  }
+  // Runs one half-full batch (ids first..first+3), nothing arriving while it
+  // computes, so that the next batch waits for four requests.
+  void RunEligibleBatch(int first) {
+    SendAll({first, first + 1, first + 2, first + 3});
+    ASSERT_EQ(batcher_->ProcessReadyBatches(), 1);
+  }
+  std::function<void()> during_compute_;
+};
+
+TEST_F(RefillWaitTest, AfterAHalfFullBatchTheNextWaitsForTheRequestsItAnswered) {
+  Make(true);
+  RunEligibleBatch(1);
+  SendAll({11, 12, 13});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0) << "three of the four answered are back";
+  clock_.Advance(absl::Microseconds(300));
+  SendAll({14});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  EXPECT_THAT(recorder_.batches(),
+              ElementsAre(ElementsAre(1, 2, 3, 4), ElementsAre(11, 12, 13, 14)));
+}
+
+TEST_F(RefillWaitTest, WaitsAtMostTheLastBatchsTime) {
+  Make(true);
+  RunEligibleBatch(1);  // took 1000 us
+  SendAll({11});
+  clock_.Advance(absl::Microseconds(999));
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  clock_.Advance(absl::Microseconds(1));
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  EXPECT_EQ(records_[11].GetStatus(), absl::OkStatus());
+}
+
+TEST_F(RefillWaitTest, SmallBatchesOffAndBatchingOffNeverWait) {
+  Make(true);
+  SendAll({1, 2, 3});  // less than half of 8
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  SendAll({11});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+
+  Make(false);
+  RunEligibleBatch(21);
+  SendAll({31});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1) << "refill_wait off";
+
+  Make(true, /*max_batch_requests=*/1);
+  SendAll({41});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  SendAll({42});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1) << "batching off";
+}
+
+TEST_F(RefillWaitTest, AWaitThatRunsOutPutsTheNextEligibleBatchesOff) {
+  Make(true);
+  RunEligibleBatch(1);
+  SendAll({11});
+  clock_.Advance(absl::Microseconds(1000));
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // ran out: a miss
+  // The next two eligible batches do not wait; the third does again.
+  for (int first : {21, 31}) {
+    RunEligibleBatch(first);
+    SendAll({first + 5});
+    EXPECT_EQ(batcher_->ProcessReadyBatches(), 1) << "eligible batch " << first << " skipped";
+  }
+  RunEligibleBatch(41);
+  SendAll({46});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0) << "the wait is back after two";
+  SendAll({47, 48, 49});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // a hit: nothing is put off
+  RunEligibleBatch(51);
+  SendAll({56});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+}
+
+TEST_F(RefillWaitTest, ArrivalsAsFastWhileComputingAreNotAnswersComingBack) {
+  Make(true);
+  // Four arrive while the batch computes (4 per ms), then four more over the
+  // wait at the same rate: the target is reached, but by traffic that does
+  // not follow the answers.
+  during_compute_ = [this] {
+    during_compute_ = nullptr;
+    SendAll({11, 12, 13, 14});
+  };
+  RunEligibleBatch(1);
+  for (int id : {21, 22, 23}) {
+    clock_.Advance(absl::Microseconds(250));
+    SendAll({id});
+    EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  }
+  clock_.Advance(absl::Microseconds(249));
+  SendAll({24});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // 11-14, 21-24: full, and a miss
+  // So the next eligible batch does not wait.
+  RunEligibleBatch(31);
+  SendAll({36});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  EXPECT_THAT(recorder_.batches(),
+              ElementsAre(ElementsAre(1, 2, 3, 4), ElementsAre(11, 12, 13, 14, 21, 22, 23, 24),
+                          ElementsAre(31, 32, 33, 34), ElementsAre(36)));
+}
+
+TEST_F(RefillWaitTest, AFullQueueAndShutdownDoNotWait) {
+  Make(true);
+  during_compute_ = [this] {
+    during_compute_ = nullptr;
+    SendAll({11, 12, 13, 14, 15, 16, 17, 18, 19});  // more than a batch queued
+  };
+  SendAll({1, 2, 3, 4});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 2) << "1-4, then 11-18 at once";
+  // 11-18 left 19 queued, waiting for eight to come back.
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  batcher_->Shutdown(absl::Seconds(1));  // drains 19 at once
+  EXPECT_EQ(records_[19].GetStatus(), absl::OkStatus());
+  EXPECT_THAT(recorder_.batches(),
+              ElementsAre(ElementsAre(1, 2, 3, 4), ElementsAre(11, 12, 13, 14, 15, 16, 17, 18),
+                          ElementsAre(19)));
+}
+
 TEST(BatcherOptionsTest, RejectsOutOfRange) {
   EXPECT_TRUE(ValidateBatcherOptions({}).ok());
   EXPECT_EQ(ValidateBatcherOptions({.max_batch_requests = 0}).code(),
@@ -452,6 +593,7 @@ TEST(BatcherOptionsTest, RejectsOutOfRange) {
   EXPECT_EQ(ValidateBatcherOptions({.session_wait_us = 1000001}).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(ValidateBatcherOptions({.session_wait_us = 0}).ok());
+  EXPECT_TRUE(ValidateBatcherOptions({.refill_wait = false}).ok());
   auto b = DynamicBatcher::Create("m", {.max_queue_size = 0},
                                   [](Batch&) {});
   EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
