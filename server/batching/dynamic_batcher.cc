@@ -20,6 +20,10 @@ constexpr absl::Duration kDeadlineTimerSlack = absl::Milliseconds(1);
 // fast in both.
 constexpr int kMaxRefillSkip = 1024;
 constexpr double kRefillContrast = 2.0;
+// Halfway through its time, a refill wait whose arrivals so far come less
+// than kRefillEarlyContrast times as fast as during the compute is cut short
+// (a miss): it shows no sign of answered clients coming back.
+constexpr double kRefillEarlyContrast = 1.2;
 
 }  // namespace
 
@@ -175,11 +179,17 @@ DynamicBatcher::Decision DynamicBatcher::FormBatchLocked(absl::Time now) {
       absl::Microseconds(options_.max_queue_delay_us);
   const bool waited_enough = now >= delay_over;
   // The requests the last batch answered are on their way back.
-  const bool answered_coming =
-      queue_.size() < answered_wait_target_ && now < answered_wait_until_;
+  bool answered_coming = queue_.size() < answered_wait_target_ && now < answered_wait_until_;
+  if (answered_coming && refill_pending_ && now >= refill_check_at_ &&
+      RefillRateLocked(now) < kRefillEarlyContrast * refill_compute_rate_) {
+    answered_coming = false;
+  }
   if (!full && (!waited_enough || answered_coming) && state_ == State::kRunning) {
     absl::Time until = waited_enough ? absl::InfinitePast() : delay_over;
-    if (answered_coming) until = std::max(until, answered_wait_until_);
+    if (answered_coming) {
+      until = std::max(until, refill_pending_ && now < refill_check_at_ ? refill_check_at_
+                                                                         : answered_wait_until_);
+    }
     d.wake_at = std::min(until, earliest_deadline);
     return d;
   }
@@ -273,6 +283,7 @@ void DynamicBatcher::BatchDone(size_t requests, size_t sessions, absl::Duration 
     answered_wait_until_ = now + wait;
     refill_pending_ = sessions == 0;
     refill_started_ = now;
+    refill_check_at_ = now + wait / 2;
     refill_arrived_ = arrived;
     refill_compute_rate_ = static_cast<double>(arrived - arrived_before) /
                            std::max(absl::ToDoubleSeconds(took), 1e-6);
@@ -280,11 +291,13 @@ void DynamicBatcher::BatchDone(size_t requests, size_t sessions, absl::Duration 
   drained_cv_.SignalAll();  // Shutdown waits for running_batches_ == 0
 }
 
+double DynamicBatcher::RefillRateLocked(absl::Time now) const {
+  return static_cast<double>(scheduled_.load(std::memory_order_relaxed) - refill_arrived_) /
+         std::max(absl::ToDoubleSeconds(now - refill_started_), 1e-6);
+}
+
 void DynamicBatcher::RefillOutcomeLocked(bool filled, absl::Time now) {
-  const double rate = static_cast<double>(scheduled_.load(std::memory_order_relaxed) -
-                                          refill_arrived_) /
-                      std::max(absl::ToDoubleSeconds(now - refill_started_), 1e-6);
-  if (filled && rate >= kRefillContrast * refill_compute_rate_) {
+  if (filled && RefillRateLocked(now) >= kRefillContrast * refill_compute_rate_) {
     refill_misses_ = 0;
     refill_skip_ = 0;
     return;

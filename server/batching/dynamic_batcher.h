@@ -140,6 +140,8 @@ class DynamicBatcher {
   // whether the target was reached before it ran out. Judges the wait (see
   // kRefillContrast) and sets the backoff.
   void RefillOutcomeLocked(bool filled, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Requests/s scheduled since the pending refill wait began.
+  double RefillRateLocked(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishDepthLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes every queued request with status UNAVAILABLE (grace ran out).
   std::vector<std::pair<std::unique_ptr<InferenceRequest>, absl::Status>> TakeAllLocked()
@@ -173,9 +175,11 @@ class DynamicBatcher {
   bool refill_pending_ ABSL_GUARDED_BY(mu_) = false;
   int refill_misses_ ABSL_GUARDED_BY(mu_) = 0;
   int refill_skip_ ABSL_GUARDED_BY(mu_) = 0;
-  // The pending refill wait's start, scheduled_ then, and the arrival rate
-  // (requests/s) while the batch before it computed.
+  // The pending refill wait's start, its halfway check, scheduled_ at its
+  // start, and the arrival rate (requests/s) while the batch before it
+  // computed.
   absl::Time refill_started_ ABSL_GUARDED_BY(mu_);
+  absl::Time refill_check_at_ ABSL_GUARDED_BY(mu_);
   uint64_t refill_arrived_ ABSL_GUARDED_BY(mu_) = 0;
   double refill_compute_rate_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutdown_started_ ABSL_GUARDED_BY(mu_) = false;

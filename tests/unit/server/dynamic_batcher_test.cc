@@ -531,29 +531,75 @@ TEST_F(RefillWaitTest, AWaitThatRunsOutPutsTheNextEligibleBatchesOff) {
 
 TEST_F(RefillWaitTest, ArrivalsAsFastWhileComputingAreNotAnswersComingBack) {
   Make(true);
-  // Four arrive while the batch computes (4 per ms), then four more over the
-  // wait at the same rate: the target is reached, but by traffic that does
-  // not follow the answers.
+  // Four arrive while the batch computes (4 per ms), then the wait sees the
+  // same rate: traffic that does not follow the answers. Halfway through
+  // the wait's 1000 us it is cut short, a miss.
   during_compute_ = [this] {
     during_compute_ = nullptr;
     SendAll({11, 12, 13, 14});
   };
   RunEligibleBatch(1);
-  for (int id : {21, 22, 23}) {
-    clock_.Advance(absl::Microseconds(250));
-    SendAll({id});
-    EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
-  }
+  clock_.Advance(absl::Microseconds(250));
+  SendAll({21});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
   clock_.Advance(absl::Microseconds(249));
-  SendAll({24});
-  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // 11-14, 21-24: full, and a miss
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  clock_.Advance(absl::Microseconds(1));
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1) << "halfway at 2 per ms: cut short";
   // So the next eligible batch does not wait.
   RunEligibleBatch(31);
   SendAll({36});
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
   EXPECT_THAT(recorder_.batches(),
-              ElementsAre(ElementsAre(1, 2, 3, 4), ElementsAre(11, 12, 13, 14, 21, 22, 23, 24),
+              ElementsAre(ElementsAre(1, 2, 3, 4), ElementsAre(11, 12, 13, 14, 21),
                           ElementsAre(31, 32, 33, 34), ElementsAre(36)));
+}
+
+TEST_F(RefillWaitTest, FilledAtTheComputesRateIsAMiss) {
+  Make(true);
+  // Four arrive while the batch computes; during the wait four more come
+  // at 4.8 per ms, above the halfway check's 1.2 times, but the wait needs
+  // twice the compute's rate to count as answers coming back.
+  during_compute_ = [this] {
+    during_compute_ = nullptr;
+    SendAll({11, 12, 13, 14});
+  };
+  RunEligibleBatch(1);
+  for (int id : {21, 22, 23, 24}) {
+    clock_.Advance(absl::Microseconds(id == 21 ? 209 : 208));
+    SendAll({id});
+  }
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // 11-14, 21-24 at 833 us: full
+  RunEligibleBatch(31);
+  SendAll({36});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1) << "a miss: the next eligible batch skips";
+}
+
+TEST_F(RefillWaitTest, AnswersComingBackFasterThanTheComputesArrivalsAreAHit) {
+  Make(true);
+  // Two arrive while the batch computes (2 per ms); the four answered come
+  // back within 700 us (5.7 per ms).
+  during_compute_ = [this] {
+    during_compute_ = nullptr;
+    SendAll({11, 12});
+  };
+  RunEligibleBatch(1);
+  for (int id : {21, 22, 23}) {
+    clock_.Advance(absl::Microseconds(150));
+    SendAll({id});
+    EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  }
+  clock_.Advance(absl::Microseconds(250));
+  SendAll({24});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // 11, 12, 21-24: a hit
+  // Nothing is put off: after that batch of six the next waits for six.
+  SendAll({31, 32, 33, 34, 35});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  SendAll({36});
+  EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);
+  EXPECT_THAT(recorder_.batches(),
+              ElementsAre(ElementsAre(1, 2, 3, 4), ElementsAre(11, 12, 21, 22, 23, 24),
+                          ElementsAre(31, 32, 33, 34, 35, 36)));
 }
 
 TEST_F(RefillWaitTest, AFullQueueAndShutdownDoNotWait) {
