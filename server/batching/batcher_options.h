@@ -77,10 +77,13 @@ struct BatcherOptions {
   // batches instead of settling into two alternating part-full ones; on two
   // vCPUs shared with the clients, full batches let the engine and the
   // transport take turns rather than compete (docs/PERFORMANCE.md, "Refill
-  // wait"). Whether the requests came back in time is checked on every
-  // wait: one that runs out (open-loop traffic does not follow answers)
-  // puts the wait off for the next 2, 4, ... up to 64 such batches, and one
-  // that fills resets that. Lighter load (smaller batches) never waits.
+  // wait"). Every wait is checked: it is a hit when the answered requests
+  // came back in time and at least twice as fast as requests arrived while
+  // the batch computed; open-loop traffic, which does not follow answers,
+  // arrives as fast in both (and a wait whose arrivals are no faster
+  // halfway through is cut short there). A miss puts the wait off for the
+  // next 2, 4, ... up to 1024 such batches; a hit resets that. Lighter load
+  // (smaller batches) never waits.
   // Set from the server flag for every model (not in config.pbtxt).
   // Default: true.
   bool refill_wait = true;
