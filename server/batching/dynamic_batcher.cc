@@ -268,7 +268,8 @@ void DynamicBatcher::BatchDone(size_t requests, size_t sessions, absl::Duration 
       coming = sessions;
       wait = std::min(took, absl::Microseconds(options_.session_wait_us));
     }
-  } else if (options_.refill_wait && requests >= std::max<size_t>(2, max_requests / 2) &&
+  } else if (options_.refill_wait && options_.instances <= 1 &&
+             requests >= std::max<size_t>(2, max_requests / 2) &&
              queue_.size() < max_requests) {  // (a full queue has nothing to wait for)
     if (refill_skip_ > 0) {
       --refill_skip_;

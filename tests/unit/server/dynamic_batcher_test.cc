@@ -741,6 +741,49 @@ TEST(ThreadedBatcherTest, LoneRequestsMeetAPollingWorker) {
   for (int i = 0; i < kRequests; ++i) EXPECT_EQ(batches[i], std::vector<int>{i});
 }
 
+TEST(ThreadedBatcherTest, SeveralInstancesNeverWaitForARefill) {
+  // Two workers; batches "compute" for 1 s on a fake clock that nothing else
+  // moves. Requests 0 and 1 hold one worker each; 2 and 3 queue behind them
+  // and form a half-full batch once 1 is released. A refill wait after it
+  // would hold request 4 until the fake clock passed that second: never.
+  FakeClock clock;
+  std::vector<Record> records(5);
+  Recorder recorder(records.data());
+  absl::Notification started[2], release[2];
+  auto b = DynamicBatcher::Create(
+      "m", {.max_batch_requests = 4, .instances = 2, .refill_wait = true},
+      [&](Batch& batch) {
+        const int first = IdOf(*batch.requests[0]);
+        if (first < 2) {
+          started[first].Notify();
+          release[first].WaitForNotification();
+        }
+        clock.Advance(absl::Seconds(1));
+        recorder.Fn()(batch);
+      },
+      &clock);
+  ASSERT_TRUE(b.ok());
+  auto send = [&](int id) {
+    std::unique_ptr<InferenceRequest> t = MakeRequest(id, 1, &records[id]);
+    ASSERT_TRUE((*b)->Schedule(&t).ok());
+  };
+  send(0);
+  started[0].WaitForNotification();
+  send(1);
+  started[1].WaitForNotification();
+  send(2);
+  send(3);
+  release[1].Notify();
+  ASSERT_TRUE(records[3].done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  send(4);
+  EXPECT_TRUE(records[4].done.WaitForNotificationWithTimeout(absl::Seconds(10)))
+      << "request 4 waited for a refill";
+  release[0].Notify();
+  (*b)->Shutdown(absl::Seconds(10));
+  EXPECT_THAT(recorder.batches(), testing::UnorderedElementsAre(ElementsAre(0), ElementsAre(1),
+                                                                ElementsAre(2, 3), ElementsAre(4)));
+}
+
 TEST(ThreadedBatcherTest, WakeFailsCancelledTaskPromptly) {
   Record record;
   Recorder recorder(&record);
