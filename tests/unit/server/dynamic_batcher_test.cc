@@ -334,23 +334,35 @@ TEST_F(ManualBatcherTest, QueueTimeEndsWhenTheBatchCloses) {
   EXPECT_EQ(waited, absl::Microseconds(450));
 }
 
-// BatcherOptions::session_wait_us. Each batch "computes" for 1000 us on the
-// fake clock; requests sent with SendSession belong to sessions (ids 40-63), those sent
-// with Send are stateless.
-class SessionWaitTest : public ManualBatcherTest {
+// A batcher in manual mode whose batches each "compute" for 1000 us on the
+// fake clock, during which during_compute_ (if set) runs once: requests that
+// arrive while a batch computes.
+class TimedBatcherTest : public ManualBatcherTest {
  protected:
-  void Make(int64_t session_wait_us, int max_batch_requests = 8) {
+  void MakeTimed(BatcherOptions options) {
+    options.instances = 0;
     auto b = DynamicBatcher::Create(
-        "m",
-        {.max_batch_requests = max_batch_requests, .instances = 0,
-         .session_wait_us = session_wait_us},
+        "m", options,
         [this](Batch& batch) {
+          std::function<void()> arrivals;
+          arrivals.swap(during_compute_);
+          if (arrivals) arrivals();
           clock_.Advance(absl::Microseconds(1000));
           recorder_.Fn()(batch);
         },
         &clock_);
     ASSERT_TRUE(b.ok()) << b.status();
     batcher_ = *std::move(b);
+  }
+  std::function<void()> during_compute_;
+};
+
+// BatcherOptions::session_wait_us. Requests sent with SendSession belong to
+// sessions (ids 40-63), those sent with Send are stateless.
+class SessionWaitTest : public TimedBatcherTest {
+ protected:
+  void Make(int64_t session_wait_us, int max_batch_requests = 8) {
+    MakeTimed({.max_batch_requests = max_batch_requests, .session_wait_us = session_wait_us});
   }
   void SendSession(int id) {
     std::unique_ptr<InferenceRequest> task = MakeRequest(id, 1, &records_[id]);
@@ -434,24 +446,11 @@ TEST_F(SessionWaitTest, AFullBatchAndShutdownDoNotWait) {
               ElementsAre(ElementsAre(41, 42), ElementsAre(51, 52), ElementsAre(53)));
 }
 
-// BatcherOptions::refill_wait. Each batch "computes" for 1000 us on the fake
-// clock, during which during_compute_ (if set) runs: requests that arrive
-// while a batch computes.
-class RefillWaitTest : public ManualBatcherTest {
+// BatcherOptions::refill_wait.
+class RefillWaitTest : public TimedBatcherTest {
  protected:
   void Make(bool refill_wait, int max_batch_requests = 8) {
-    auto b = DynamicBatcher::Create(
-        "m",
-        {.max_batch_requests = max_batch_requests, .instances = 0,
-         .refill_wait = refill_wait},
-        [this](Batch& batch) {
-          if (during_compute_) during_compute_();
-          clock_.Advance(absl::Microseconds(1000));
-          recorder_.Fn()(batch);
-        },
-        &clock_);
-    ASSERT_TRUE(b.ok()) << b.status();
-    batcher_ = *std::move(b);
+    MakeTimed({.max_batch_requests = max_batch_requests, .refill_wait = refill_wait});
   }
   void SendAll(std::initializer_list<int> ids) {
     for (int id : ids) ASSERT_TRUE(Send(id, 1).ok());
@@ -462,7 +461,13 @@ class RefillWaitTest : public ManualBatcherTest {
     SendAll({first, first + 1, first + 2, first + 3});
     ASSERT_EQ(batcher_->ProcessReadyBatches(), 1);
   }
-  std::function<void()> during_compute_;
+  // The same for ids 1-4, with `arriving` sent while it computes.
+  void RunEligibleBatchWhileArriving(std::initializer_list<int> arriving) {
+    during_compute_ = [this, ids = std::vector<int>(arriving)] {
+      for (int id : ids) ASSERT_TRUE(Send(id, 1).ok());
+    };
+    RunEligibleBatch(1);
+  }
 };
 
 TEST_F(RefillWaitTest, AfterAHalfFullBatchTheNextWaitsForTheRequestsItAnswered) {
@@ -534,11 +539,7 @@ TEST_F(RefillWaitTest, ArrivalsAsFastWhileComputingAreNotAnswersComingBack) {
   // Four arrive while the batch computes (4 per ms), then the wait sees the
   // same rate: traffic that does not follow the answers. Halfway through
   // the wait's 1000 us it is cut short, a miss.
-  during_compute_ = [this] {
-    during_compute_ = nullptr;
-    SendAll({11, 12, 13, 14});
-  };
-  RunEligibleBatch(1);
+  RunEligibleBatchWhileArriving({11, 12, 13, 14});
   clock_.Advance(absl::Microseconds(250));
   SendAll({21});
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
@@ -557,14 +558,10 @@ TEST_F(RefillWaitTest, ArrivalsAsFastWhileComputingAreNotAnswersComingBack) {
 
 TEST_F(RefillWaitTest, FilledAtTheComputesRateIsAMiss) {
   Make(true);
-  // Four arrive while the batch computes; during the wait four more come
-  // at 4.8 per ms, above the halfway check's 1.2 times, but the wait needs
-  // twice the compute's rate to count as answers coming back.
-  during_compute_ = [this] {
-    during_compute_ = nullptr;
-    SendAll({11, 12, 13, 14});
-  };
-  RunEligibleBatch(1);
+  // Four arrive while the batch computes (4 per ms); during the wait four
+  // more come at 4.8 per ms, 1.2 times that (not cut short), but a hit needs
+  // twice the compute's rate.
+  RunEligibleBatchWhileArriving({11, 12, 13, 14});
   for (int id : {21, 22, 23, 24}) {
     clock_.Advance(absl::Microseconds(id == 21 ? 209 : 208));
     SendAll({id});
@@ -579,11 +576,7 @@ TEST_F(RefillWaitTest, AnswersComingBackFasterThanTheComputesArrivalsAreAHit) {
   Make(true);
   // Two arrive while the batch computes (2 per ms); the four answered come
   // back within 700 us (5.7 per ms).
-  during_compute_ = [this] {
-    during_compute_ = nullptr;
-    SendAll({11, 12});
-  };
-  RunEligibleBatch(1);
+  RunEligibleBatchWhileArriving({11, 12});
   for (int id : {21, 22, 23}) {
     clock_.Advance(absl::Microseconds(150));
     SendAll({id});
@@ -604,10 +597,7 @@ TEST_F(RefillWaitTest, AnswersComingBackFasterThanTheComputesArrivalsAreAHit) {
 
 TEST_F(RefillWaitTest, AFullQueueAndShutdownDoNotWait) {
   Make(true);
-  during_compute_ = [this] {
-    during_compute_ = nullptr;
-    SendAll({11, 12, 13, 14, 15, 16, 17, 18, 19});  // more than a batch queued
-  };
+  during_compute_ = [this] { SendAll({11, 12, 13, 14, 15, 16, 17, 18, 19}); };  // > a batch
   SendAll({1, 2, 3, 4});
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 2) << "1-4, then 11-18 at once";
   // 11-18 left 19 queued, waiting for eight to come back.
