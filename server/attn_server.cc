@@ -171,7 +171,8 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   // behind the same tokens.
   server->kserve_ = std::make_unique<KServeServiceImpl>(
       &server->registry_, server->dispatcher_.get(), server->metrics_.get(),
-      service_options.max_stream_backlog, service_options.tokens, server->models_.get());
+      service_options.max_stream_backlog, service_options.tokens, server->models_.get(),
+      service_options.request_memory);
 
   // A process-wide switch read by ServerBuilder; it must be set before
   // BuildAndStart. Health is never behind the tokens: probes need it.

@@ -5,7 +5,6 @@
 #include "server/transport/attend_wire.h"
 
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -16,6 +15,7 @@
 #include "grpcpp/support/slice.h"
 #include "server/transport/message_codec.h"
 #include "server/transport/protobuf_log.h"
+#include "server/transport/slice_writer.h"
 #include "server/transport/tensor_codec.h"
 
 namespace attnserve {
@@ -29,14 +29,6 @@ constexpr uint32_t kKey = v1::AttendRequest::kKeyFieldNumber;
 constexpr uint32_t kValue = v1::AttendRequest::kValueFieldNumber;
 constexpr uint32_t kAttnMask = v1::AttendRequest::kAttnMaskFieldNumber;
 constexpr uint32_t kTensorData = v1::Tensor::kDataFieldNumber;
-
-void AppendVarint(uint64_t value, std::string* out) {
-  while (value >= 0x80) {
-    out->push_back(static_cast<char>(value | 0x80));
-    value >>= 7;
-  }
-  out->push_back(static_cast<char>(value));
-}
 
 // gRPC's slices read front to back. Every byte read is also appended to
 // `record` while it is set, so a field the split leaves alone reaches
@@ -203,60 +195,13 @@ bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, std::string* rest,
   return true;
 }
 
-// A message's bytes as gRPC slices: small runs copied into slices of their
-// own, result tensors referenced where they lie.
-class SliceWriter {
- public:
-  void Append(absl::string_view bytes) {
-    pending_.append(bytes.data(), bytes.size());
-    size_ += bytes.size();
-  }
-  // The slice owns `buffer` from here on; gRPC frees it once sent.
-  void Reference(HostBuffer buffer) {
-    Flush();
-    size_ += buffer.size();
-    auto* owned = new HostBuffer(std::move(buffer));
-    slices_.emplace_back(owned->data(), owned->size(),
-                         [](void* p) { delete static_cast<HostBuffer*>(p); }, owned);
-  }
-  void Splice(SliceWriter&& other) {
-    Flush();
-    other.Flush();
-    for (grpc::Slice& slice : other.slices_) slices_.push_back(std::move(slice));
-    size_ += other.size_;
-    other.slices_.clear();
-    other.size_ = 0;
-  }
-  size_t size() const { return size_; }
-  grpc::ByteBuffer Finish() {
-    Flush();
-    return grpc::ByteBuffer(slices_.data(), slices_.size());
-  }
-
- private:
-  void Flush() {
-    if (pending_.empty()) return;
-    slices_.emplace_back(pending_);  // copies: metadata only
-    pending_.clear();
-  }
-  std::string pending_;
-  std::vector<grpc::Slice> slices_;
-  size_t size_ = 0;
-};
-
-std::string Header(uint32_t field, size_t length) {
-  std::string h;
-  AppendVarint(field << 3 | kLengthDelimited, &h);
-  AppendVarint(length, &h);
-  return h;
-}
-
 // A Tensor field: its dtype and shape (and data, if it holds any), then
 // `data` from `payload`: the order protobuf writes them in.
 void WriteTensor(uint32_t field, const v1::Tensor& tensor, HostBuffer payload, SliceWriter& w) {
   const std::string meta = tensor.SerializeAsString();
-  const std::string data = payload.size() > 0 ? Header(kTensorData, payload.size()) : "";
-  w.Append(Header(field, meta.size() + data.size() + payload.size()));
+  const std::string data =
+      payload.size() > 0 ? LengthDelimitedHeader(kTensorData, payload.size()) : "";
+  w.Append(LengthDelimitedHeader(field, meta.size() + data.size() + payload.size()));
   w.Append(meta);
   w.Append(data);
   if (payload.size() > 0) w.Reference(std::move(payload));
@@ -284,15 +229,6 @@ SliceWriter WriteResponse(const v1::AttendResponse& response, AttendResults resu
   return w;
 }
 
-absl::Status Finish(SliceWriter& w, absl::string_view type, grpc::ByteBuffer* bytes) {
-  if (w.size() > static_cast<size_t>(INT_MAX)) {
-    return absl::InternalError(absl::StrCat("could not serialize the ", type, " answer (",
-                                            w.size(), " bytes): over protobuf's 2 GiB limit"));
-  }
-  *bytes = w.Finish();
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 MutableTensorView AllocateResult(HostBufferPool& pool, DType dtype, const Shape& shape,
@@ -311,7 +247,7 @@ MutableTensorView AllocateResult(HostBufferPool& pool, DType dtype, const Shape&
 absl::Status SerializeAttendResponse(const v1::AttendResponse& response, AttendResults results,
                                      grpc::ByteBuffer* bytes) {
   SliceWriter w = WriteResponse(response, std::move(results));
-  return Finish(w, response.GetTypeName(), bytes);
+  return w.Finish(response.GetTypeName(), bytes);
 }
 
 absl::Status SerializeAttendStreamResponse(const v1::AttendStreamResponse& answer,
@@ -322,10 +258,11 @@ absl::Status SerializeAttendStreamResponse(const v1::AttendStreamResponse& answe
   w.Append(head.SerializeAsString());
   if (answer.has_response()) {  // the last field
     SliceWriter response = WriteResponse(answer.response(), std::move(results));
-    w.Append(Header(v1::AttendStreamResponse::kResponseFieldNumber, response.size()));
+    w.Append(LengthDelimitedHeader(v1::AttendStreamResponse::kResponseFieldNumber,
+                                   response.size()));
     w.Splice(std::move(response));
   }
-  return Finish(w, answer.GetTypeName(), bytes);
+  return w.Finish(answer.GetTypeName(), bytes);
 }
 
 absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,

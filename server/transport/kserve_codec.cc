@@ -303,27 +303,38 @@ absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeReq
   return absl::OkStatus();
 }
 
-MutableTensorView AllocateKServeOutput(inference::ModelInferResponse* response, OutputName name,
-                                       DType dtype, const Shape& shape) {
+MutableTensorView AddKServeOutput(inference::ModelInferResponse* response, OutputName name,
+                                  DType dtype, const Shape& shape) {
   auto* out = response->add_outputs();
   out->set_name(name == OutputName::kOutput ? "output" : "weights");
   out->set_datatype(KServeDatatype(dtype));
   out->mutable_shape()->Assign(shape.begin(), shape.end());
-  MutableTensorView view{dtype, shape, nullptr};
-  std::string* data = response->add_raw_output_contents();
+  response->add_raw_output_contents();
+  return MutableTensorView{dtype, shape, nullptr};
+}
+
+MutableTensorView AllocateKServeOutput(inference::ModelInferResponse* response, OutputName name,
+                                       DType dtype, const Shape& shape) {
+  MutableTensorView view = AddKServeOutput(response, name, dtype, shape);
+  std::string* data =
+      response->mutable_raw_output_contents(response->raw_output_contents_size() - 1);
   data->resize(view.byte_size());
   view.data = data->data();
   return view;
 }
 
-void KeepRequestedOutputs(const KServeRequest& decoded, inference::ModelInferResponse* response) {
+std::vector<int> KeepRequestedOutputs(const KServeRequest& decoded,
+                                      inference::ModelInferResponse* response) {
+  std::vector<int> removed;
   for (int i = response->outputs_size() - 1; i >= 0; --i) {
     const bool keep = response->outputs(i).name() == "output" ? decoded.return_output
                                                               : decoded.return_weights;
     if (keep) continue;
     response->mutable_outputs()->DeleteSubrange(i, 1);
     response->mutable_raw_output_contents()->DeleteSubrange(i, 1);
+    removed.push_back(i);
   }
+  return removed;
 }
 
 }  // namespace attnserve

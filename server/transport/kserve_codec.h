@@ -61,14 +61,22 @@ struct KServeRequest {
 absl::Status DecodeModelInferRequest(const inference::ModelInferRequest& request,
                                      KServeRequest* decoded);
 
+// Adds the output tensor `name` to `response`: its entry in outputs and an
+// empty raw_output_contents entry for its bytes. Returns a view of `shape`
+// with no data yet.
+MutableTensorView AddKServeOutput(inference::ModelInferResponse* response, OutputName name,
+                                  DType dtype, const Shape& shape);
+
 // Adds the output tensor `name` to `response` (its entry in outputs and its
 // raw_output_contents bytes) and returns a writable view of those bytes.
 MutableTensorView AllocateKServeOutput(inference::ModelInferResponse* response, OutputName name,
                                        DType dtype, const Shape& shape);
 
 // Removes the outputs the client did not ask for (after the engine wrote
-// them), keeping outputs and raw_output_contents in step.
-void KeepRequestedOutputs(const KServeRequest& decoded, inference::ModelInferResponse* response);
+// them), keeping outputs and raw_output_contents in step. Returns the
+// indices removed, highest first.
+std::vector<int> KeepRequestedOutputs(const KServeRequest& decoded,
+                                      inference::ModelInferResponse* response);
 
 }  // namespace attnserve
 

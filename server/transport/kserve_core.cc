@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/rope.h"
+#include "server/transport/kserve_wire.h"
 
 #ifndef ATTNSERVE_VERSION
 #define ATTNSERVE_VERSION "unknown"
@@ -277,10 +278,13 @@ void KServeCore::StartInfer(const Call& call, const absl::Status& parsed,
   response->set_id(request.id());
   response->set_model_name(request.model_name());
   response->set_model_version("1");
-  r->done = [done = std::move(done), response, decoded](absl::Status status,
-                                                        const InferenceRequest& r) mutable {
+  std::vector<HostBuffer>* const buffers = call.result_buffers;
+  r->done = [done = std::move(done), response, decoded, buffers](
+                absl::Status status, const InferenceRequest& r) mutable {
     if (status.ok()) {
-      KeepRequestedOutputs(*decoded, response);
+      for (int i : KeepRequestedOutputs(*decoded, response)) {
+        if (buffers != nullptr) buffers->erase(buffers->begin() + i);
+      }
       if (!r.session_id.empty()) {
         (*response->mutable_parameters())["session_length"].set_int64_param(r.session_length);
       }
@@ -306,9 +310,14 @@ void KServeCore::StartInfer(const Call& call, const absl::Status& parsed,
   if (decoded->timeout_us > 0) {
     r->deadline = std::min(r->deadline, r->received + absl::Microseconds(decoded->timeout_us));
   }
+  HostBufferPool* const memory = call.result_memory;
   dispatcher_->Submit(std::move(r), decoded->inputs,
-                      [response](OutputName name, DType dtype, const Shape& shape) {
-                        return AllocateKServeOutput(response, name, dtype, shape);
+                      [response, memory, buffers](OutputName name, DType dtype,
+                                                  const Shape& shape) {
+                        return memory != nullptr && buffers != nullptr
+                                   ? AllocateKServeResult(*memory, response, name, dtype, shape,
+                                                          buffers)
+                                   : AllocateKServeOutput(response, name, dtype, shape);
                       });
 }
 

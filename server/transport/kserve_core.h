@@ -10,11 +10,13 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "engine/host_buffer.h"
 #include "inference/grpc_service.pb.h"
 #include "server/dispatch/request_dispatcher.h"
 #include "server/metrics/metrics.h"
@@ -93,6 +95,12 @@ class KServeCore {
     ModelAccess access;
     // The front end is shutting down: refused UNAVAILABLE, counted.
     bool shutting_down = false;
+    // Where the results' bytes go: null, into the response's
+    // raw_output_contents; else into buffers from result_memory, appended
+    // to *result_buffers in step with raw_output_contents, whose entries
+    // stay empty (kserve_wire.h). Both or neither; not owned.
+    HostBufferPool* result_memory = nullptr;
+    std::vector<HostBuffer>* result_buffers = nullptr;
   };
 
   // One inference: `parsed` says whether `request` could be read (not OK:

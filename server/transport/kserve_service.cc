@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/transport/kserve_json.h"
+#include "server/transport/kserve_wire.h"
 #include "server/transport/message_codec.h"
 #include "server/transport/server_deadline.h"
 #include "server/transport/status_util.h"
@@ -46,12 +47,15 @@ absl::Status CheckParameters(
 
 KServeServiceImpl::KServeServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
                                      const Metrics* metrics, size_t max_stream_backlog,
-                                     const BearerTokens* tokens, ModelManager* models)
+                                     const BearerTokens* tokens, ModelManager* models,
+                                     std::shared_ptr<HostBufferPool> request_memory)
     : registry_(registry),
       dispatcher_(dispatcher),
       metrics_(metrics),
       max_stream_backlog_(max_stream_backlog),
       tokens_(tokens),
+      request_memory_(request_memory != nullptr ? std::move(request_memory)
+                                                : HostBufferPool::Ordinary()),
       core_(registry, dispatcher, metrics, models) {}
 
 absl::Status KServeServiceImpl::Authorize(const grpc::CallbackServerContext& context,
@@ -71,8 +75,11 @@ void KServeServiceImpl::StartInfer(grpc::CallbackServerContext* context, const a
                                    const ModelAccess& access,
                                    const inference::ModelInferRequest& request,
                                    KServeRequest* decoded, inference::ModelInferResponse* response,
+                                   std::vector<HostBuffer>* results,
                                    absl::AnyInvocable<void(absl::Status)> done) {
   KServeCore::Call call;
+  call.result_memory = request_memory_.get();
+  call.result_buffers = results;
   call.deadline = ServerDeadline(*context, *dispatcher_->clock());
   call.is_cancelled = [context] { return context->IsCancelled(); };
   call.access = access;
@@ -99,9 +106,12 @@ class KServeServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
         counted_(service->calls_.CallStarted()) {}
 
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
-    service_->StartInfer(context, parsed_, access_, request_, &decoded_, &response_,
+    service_->StartInfer(context, parsed_, access_, request_, &decoded_, &response_, &results_,
                          [this, response_bytes](absl::Status status) {
-                           if (status.ok()) status = SerializeMessage(response_, response_bytes);
+                           if (status.ok()) {
+                             status = SerializeModelInferResponse(
+                                 response_, std::move(results_), response_bytes);
+                           }
                            Finish(ToGrpcStatus(status));
                          });
   }
@@ -121,6 +131,7 @@ class KServeServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
   inference::ModelInferRequest request_;
   KServeRequest decoded_;
   inference::ModelInferResponse response_;
+  std::vector<HostBuffer> results_;  // response_'s outputs' bytes (kserve_wire.h)
   const absl::Status parsed_;
   const std::string model_;
   const bool counted_;
@@ -148,6 +159,7 @@ void KServeServiceImpl::StartStreamMessage(grpc::CallbackServerContext* context,
     inference::ModelInferRequest request;
     KServeRequest decoded;
     inference::ModelStreamInferResponse answer;
+    std::vector<HostBuffer> results;  // the answer's outputs' bytes (kserve_wire.h)
   };
   auto* message = new Message;
   const absl::Status parsed =
@@ -157,7 +169,7 @@ void KServeServiceImpl::StartStreamMessage(grpc::CallbackServerContext* context,
   ModelAccess access = ModelAccess::None();
   const absl::Status authorized = Authorize(*context, "", &access);
   StartInfer(context, authorized.ok() ? parsed : authorized, access, message->request,
-             &message->decoded, response,
+             &message->decoded, response, &message->results,
              [message, answer = std::move(answer)](absl::Status status) mutable {
                std::unique_ptr<Message> owned(message);
                owned->request.Clear();  // inputs no longer needed; free them now
@@ -167,10 +179,13 @@ void KServeServiceImpl::StartStreamMessage(grpc::CallbackServerContext* context,
                  response->clear_outputs();
                  response->clear_raw_output_contents();
                  response->clear_parameters();
+                 owned->results.clear();
                  owned->answer.set_error_message(ToGrpcStatus(status).error_message());
                }
                grpc::ByteBuffer bytes;
-               if (absl::Status s = SerializeMessage(owned->answer, &bytes); !s.ok()) {
+               if (absl::Status s = SerializeModelStreamInferResponse(
+                       owned->answer, std::move(owned->results), &bytes);
+                   !s.ok()) {
                  response->clear_outputs();
                  response->clear_raw_output_contents();
                  owned->answer.set_error_message(ToGrpcStatus(s).error_message());

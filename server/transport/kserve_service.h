@@ -11,10 +11,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "engine/host_buffer.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/dispatch/request_dispatcher.h"
@@ -65,9 +68,12 @@ class KServeServiceImpl final : public KServeServiceBase, private StreamHandler 
   // AttentionServiceOptions::max_stream_backlog. tokens (nullable, not
   // owned): the bearer tokens of --auth-token-file, as for attnserve.v1.
   // `models`: model control (RepositoryModelLoad/Unload); null = none.
+  // `request_memory`: where results are written and sent from, as
+  // AttentionServiceOptions::request_memory (null: ordinary memory).
   KServeServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
                     const Metrics* metrics, size_t max_stream_backlog,
-                    const BearerTokens* tokens = nullptr, ModelManager* models = nullptr);
+                    const BearerTokens* tokens = nullptr, ModelManager* models = nullptr,
+                    std::shared_ptr<HostBufferPool> request_memory = nullptr);
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
@@ -125,13 +131,13 @@ class KServeServiceImpl final : public KServeServiceBase, private StreamHandler 
 
   // One inference: `parsed` is what ParseRequestMessage said of `request`
   // (not OK: refused through the dispatcher, counted). `done` runs exactly
-  // once with the final status, `response` filled when OK.
-  // `access`: the models the caller may use.
+  // once with the final status, `response` filled when OK, its results'
+  // bytes in `results` (kserve_wire.h). `access`: the models the caller may
+  // use.
   void StartInfer(grpc::CallbackServerContext* context, const absl::Status& parsed,
                   const ModelAccess& access, const inference::ModelInferRequest& request,
-                  KServeRequest* decoded,
-                  inference::ModelInferResponse* response,
-                  absl::AnyInvocable<void(absl::Status)> done);
+                  KServeRequest* decoded, inference::ModelInferResponse* response,
+                  std::vector<HostBuffer>* results, absl::AnyInvocable<void(absl::Status)> done);
 
   void StartStreamMessage(grpc::CallbackServerContext* context, grpc::ByteBuffer* bytes,
                           int64_t number, AnswerFn answer) override;
@@ -155,6 +161,7 @@ class KServeServiceImpl final : public KServeServiceBase, private StreamHandler 
   const Metrics* const metrics_;
   const size_t max_stream_backlog_;
   const BearerTokens* const tokens_;  // null: no authentication
+  const std::shared_ptr<HostBufferPool> request_memory_;  // never null
   const KServeCore core_;
   CallTracker calls_;
 };

@@ -1,0 +1,79 @@
+// ModelInferResponse's raw_output_contents (field 6) is its last field, so
+// the answer is the rest of the message as protobuf writes it, then each
+// entry's tag, length and bytes; ModelStreamInferResponse's infer_response
+// (field 2) is its last field too.
+#include "server/transport/kserve_wire.h"
+
+#include <utility>
+
+#include "server/transport/kserve_codec.h"
+#include "server/transport/slice_writer.h"
+
+namespace attnserve {
+namespace {
+
+constexpr uint32_t kRawOutputContents =
+    inference::ModelInferResponse::kRawOutputContentsFieldNumber;
+
+SliceWriter WriteResponse(const inference::ModelInferResponse& response,
+                          std::vector<HostBuffer> buffers) {
+  SliceWriter w;
+  inference::ModelInferResponse head = response;  // small: its outputs' bytes are buffers
+  head.clear_raw_output_contents();
+  w.Append(head.SerializeAsString());
+  for (int i = 0; i < response.raw_output_contents_size(); ++i) {
+    const std::string& own = response.raw_output_contents(i);
+    HostBuffer* buffer = static_cast<size_t>(i) < buffers.size() ? &buffers[i] : nullptr;
+    if (buffer != nullptr && buffer->size() > 0) {
+      w.Append(LengthDelimitedHeader(kRawOutputContents, buffer->size()));
+      w.Reference(std::move(*buffer));
+    } else {
+      w.Append(LengthDelimitedHeader(kRawOutputContents, own.size()));
+      w.Append(own);
+    }
+  }
+  return w;
+}
+
+}  // namespace
+
+MutableTensorView AllocateKServeResult(HostBufferPool& pool,
+                                       inference::ModelInferResponse* response, OutputName name,
+                                       DType dtype, const Shape& shape,
+                                       std::vector<HostBuffer>* buffers) {
+  MutableTensorView view{dtype, shape, nullptr};
+  absl::StatusOr<HostBuffer> buffer = pool.Allocate(view.byte_size());
+  if (!buffer.ok() || buffer->size() == 0) {
+    buffers->emplace_back();
+    return AllocateKServeOutput(response, name, dtype, shape);
+  }
+  view = AddKServeOutput(response, name, dtype, shape);
+  view.data = buffer->data();
+  buffers->push_back(*std::move(buffer));
+  return view;
+}
+
+absl::Status SerializeModelInferResponse(const inference::ModelInferResponse& response,
+                                         std::vector<HostBuffer> buffers,
+                                         grpc::ByteBuffer* bytes) {
+  SliceWriter w = WriteResponse(response, std::move(buffers));
+  return w.Finish(response.GetTypeName(), bytes);
+}
+
+absl::Status SerializeModelStreamInferResponse(const inference::ModelStreamInferResponse& answer,
+                                               std::vector<HostBuffer> buffers,
+                                               grpc::ByteBuffer* bytes) {
+  SliceWriter w;
+  inference::ModelStreamInferResponse head = answer;  // small without its response
+  head.clear_infer_response();
+  w.Append(head.SerializeAsString());
+  if (answer.has_infer_response()) {
+    SliceWriter response = WriteResponse(answer.infer_response(), std::move(buffers));
+    w.Append(LengthDelimitedHeader(
+        inference::ModelStreamInferResponse::kInferResponseFieldNumber, response.size()));
+    w.Splice(std::move(response));
+  }
+  return w.Finish(answer.GetTypeName(), bytes);
+}
+
+}  // namespace attnserve
