@@ -79,8 +79,10 @@ absl::StatusOr<std::unique_ptr<DynamicBatcher>> BatchingScheduler::MakeBatcher(
   ModelMetrics* mm = metrics_ != nullptr ? metrics_->ForModel(model->name) : nullptr;
   const BatcherOptions options = ModelBatcherOptions(defaults_, model->batching);
   DynamicBatcher::QueueDepthFn depth;
+  DynamicBatcher::RefillFn refill;
   if (mm != nullptr) {
     depth = [mm](int64_t d) { mm->SetQueueDepth(d); };
+    refill = [mm](bool hit) { mm->RefillWait(hit); };
     mm->SetQueueCapacity(options.max_queue_size);
   }
   Clock* const clock = clock_;
@@ -88,7 +90,7 @@ absl::StatusOr<std::unique_ptr<DynamicBatcher>> BatchingScheduler::MakeBatcher(
   return DynamicBatcher::Create(
       name, options,
       [model = std::move(model), clock, mm](Batch& batch) { ProcessBatch(*model, clock, mm, batch); },
-      clock, std::move(depth));
+      clock, std::move(depth), std::move(refill));
 }
 
 absl::StatusOr<std::unique_ptr<DynamicBatcher>> BatchingScheduler::Replace(

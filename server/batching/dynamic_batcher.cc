@@ -29,7 +29,7 @@ constexpr double kRefillEarlyContrast = 1.2;
 
 absl::StatusOr<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(
     std::string model, const BatcherOptions& options, ProcessFn process,
-    Clock* clock, QueueDepthFn on_queue_depth) {
+    Clock* clock, QueueDepthFn on_queue_depth, RefillFn on_refill) {
   if (absl::Status s = ValidateBatcherOptions(options); !s.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("batching options of model ", model, ": ", s.message()));
@@ -38,7 +38,7 @@ absl::StatusOr<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(
   std::unique_ptr<DynamicBatcher> b(
       new DynamicBatcher(std::move(model), options, std::move(process),
                          clock ? clock : MonotonicClock::Get(),
-                         std::move(on_queue_depth)));
+                         std::move(on_queue_depth), std::move(on_refill)));
   b->workers_.reserve(options.instances);
   for (int i = 0; i < options.instances; ++i) {
     b->workers_.emplace_back([p = b.get()] { p->WorkerLoop(); });
@@ -48,12 +48,13 @@ absl::StatusOr<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(
 
 DynamicBatcher::DynamicBatcher(std::string model, const BatcherOptions& options,
                                ProcessFn process, Clock* clock,
-                               QueueDepthFn on_queue_depth)
+                               QueueDepthFn on_queue_depth, RefillFn on_refill)
     : model_(std::move(model)),
       options_(options),
       process_(std::move(process)),
       clock_(clock),
-      on_queue_depth_(std::move(on_queue_depth)) {}
+      on_queue_depth_(std::move(on_queue_depth)),
+      on_refill_(std::move(on_refill)) {}
 
 DynamicBatcher::~DynamicBatcher() { Shutdown(absl::ZeroDuration()); }
 
@@ -298,7 +299,9 @@ double DynamicBatcher::RefillRateLocked(absl::Time now) const {
 }
 
 void DynamicBatcher::RefillOutcomeLocked(bool filled, absl::Time now) {
-  if (filled && RefillRateLocked(now) >= kRefillContrast * refill_compute_rate_) {
+  const bool hit = filled && RefillRateLocked(now) >= kRefillContrast * refill_compute_rate_;
+  if (on_refill_) on_refill_(hit);
+  if (hit) {
     refill_misses_ = 0;
     refill_skip_ = 0;
     return;

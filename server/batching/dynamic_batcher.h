@@ -61,13 +61,17 @@ class DynamicBatcher {
   // Observes the number of queued requests after every change. Called under
   // the batcher's lock: must be cheap and must not call into the batcher.
   using QueueDepthFn = std::function<void(int64_t depth)>;
+  // Observes each refill wait's outcome (BatcherOptions::refill_wait): true
+  // for a hit. Called under the batcher's lock, as QueueDepthFn.
+  using RefillFn = std::function<void(bool hit)>;
 
   // model: used in status messages. clock: nullptr = MonotonicClock; must outlive
   // the batcher. Starts options.instances worker threads. InvalidArgument for
   // out-of-range options.
   static absl::StatusOr<std::unique_ptr<DynamicBatcher>> Create(
       std::string model, const BatcherOptions& options, ProcessFn process,
-      Clock* clock = nullptr, QueueDepthFn on_queue_depth = nullptr);
+      Clock* clock = nullptr, QueueDepthFn on_queue_depth = nullptr,
+      RefillFn on_refill = nullptr);
 
   // Shutdown(absl::ZeroDuration()) unless Shutdown already ran.
   ~DynamicBatcher();
@@ -121,7 +125,8 @@ class DynamicBatcher {
   };
 
   DynamicBatcher(std::string model, const BatcherOptions& options,
-                 ProcessFn process, Clock* clock, QueueDepthFn on_queue_depth);
+                 ProcessFn process, Clock* clock, QueueDepthFn on_queue_depth,
+                 RefillFn on_refill);
 
   Decision FormBatchLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WorkerLoop();
@@ -154,6 +159,7 @@ class DynamicBatcher {
   const ProcessFn process_;
   Clock* const clock_;
   const QueueDepthFn on_queue_depth_;
+  const RefillFn on_refill_;
 
   mutable absl::Mutex mu_;
   absl::CondVar work_cv_;     // queue or state changed; workers wait on it

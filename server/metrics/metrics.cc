@@ -301,6 +301,12 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                               .Name("attnserve_session_expiries_total")
                               .Help("Sessions closed by the server after their idle TTL")
                               .Register(r);
+  m->refill_waits_ = &prometheus::BuildCounter()
+                          .Name("attnserve_batch_refill_waits_total")
+                          .Help("Refill waits judged (--refill-wait): outcome=\"hit\" when the "
+                                "requests a batch answered came back to fill the next, "
+                                "\"miss\" when the wait ran out or was cut short")
+                          .Register(r);
   std::map<std::string, std::string> build = options.build_labels;
   build["version"] = ATTNSERVE_VERSION;
   prometheus::BuildGauge()
@@ -462,6 +468,8 @@ ModelMetrics* Metrics::ForModel(const std::string& model) {
   mm->session_appends_ = &session_appends_->Add(labels);
   mm->session_evictions_ = &session_evictions_->Add(labels);
   mm->session_expiries_ = &session_expiries_->Add(labels);
+  mm->refill_hits_ = &refill_waits_->Add({{"model", model}, {"outcome", "hit"}});
+  mm->refill_misses_ = &refill_waits_->Add({{"model", model}, {"outcome", "miss"}});
   ModelMetrics* raw = mm.get();
   models_.emplace(model, std::move(mm));
   return raw;

@@ -110,6 +110,9 @@ class ModelMetrics {
   // One idle session evicted to make room, or expired past its TTL.
   void SessionEvicted() { session_evictions_->Increment(); }
   void SessionExpired() { session_expiries_->Increment(); }
+  // One refill wait judged (BatcherOptions::refill_wait): `hit` when the
+  // answered requests came back, a miss when it ran out or was cut short.
+  void RefillWait(bool hit) { (hit ? refill_hits_ : refill_misses_)->Increment(); }
 
   // The totals so far (each field read atomically; fields read one by one).
   ModelStatsSnapshot Stats() const;
@@ -137,6 +140,8 @@ class ModelMetrics {
   prometheus::Counter* session_appends_ = nullptr;
   prometheus::Counter* session_evictions_ = nullptr;
   prometheus::Counter* session_expiries_ = nullptr;
+  prometheus::Counter* refill_hits_ = nullptr;
+  prometheus::Counter* refill_misses_ = nullptr;
   // Stats(): the histograms' sums are not readable per status code.
   std::atomic<uint64_t> success_count_{0}, success_ns_{0}, fail_count_{0}, fail_ns_{0};
   std::atomic<uint64_t> queue_count_{0}, queue_ns_{0}, execution_count_{0}, compute_ns_{0};
@@ -225,6 +230,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* session_appends_ = nullptr;
   prometheus::Family<prometheus::Counter>* session_evictions_ = nullptr;
   prometheus::Family<prometheus::Counter>* session_expiries_ = nullptr;
+  prometheus::Family<prometheus::Counter>* refill_waits_ = nullptr;
 
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<ModelMetrics>> models_ ABSL_GUARDED_BY(mu_);

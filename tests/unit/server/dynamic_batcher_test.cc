@@ -341,6 +341,7 @@ class TimedBatcherTest : public ManualBatcherTest {
  protected:
   void MakeTimed(BatcherOptions options) {
     options.instances = 0;
+    hits_ = misses_ = 0;
     auto b = DynamicBatcher::Create(
         "m", options,
         [this](Batch& batch) {
@@ -350,11 +351,12 @@ class TimedBatcherTest : public ManualBatcherTest {
           clock_.Advance(absl::Microseconds(1000));
           recorder_.Fn()(batch);
         },
-        &clock_);
+        &clock_, nullptr, [this](bool hit) { ++(hit ? hits_ : misses_); });
     ASSERT_TRUE(b.ok()) << b.status();
     batcher_ = *std::move(b);
   }
   std::function<void()> during_compute_;
+  int hits_ = 0, misses_ = 0;  // refill waits judged (DynamicBatcher::RefillFn)
 };
 
 // BatcherOptions::session_wait_us. Requests sent with SendSession belong to
@@ -532,6 +534,8 @@ TEST_F(RefillWaitTest, AWaitThatRunsOutPutsTheNextEligibleBatchesOff) {
   RunEligibleBatch(51);
   SendAll({56});
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
+  EXPECT_EQ(misses_, 1);
+  EXPECT_EQ(hits_, 2) << "46-49 came back, and so did 51-54 (at once)";
 }
 
 TEST_F(RefillWaitTest, ArrivalsAsFastWhileComputingAreNotAnswersComingBack) {
@@ -547,6 +551,7 @@ TEST_F(RefillWaitTest, ArrivalsAsFastWhileComputingAreNotAnswersComingBack) {
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);
   clock_.Advance(absl::Microseconds(1));
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 1) << "halfway at 2 per ms: cut short";
+  EXPECT_EQ(misses_, 1);
   // So the next eligible batch does not wait.
   RunEligibleBatch(31);
   SendAll({36});
@@ -567,6 +572,8 @@ TEST_F(RefillWaitTest, FilledAtTheComputesRateIsAMiss) {
     SendAll({id});
   }
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // 11-14, 21-24 at 833 us: full
+  EXPECT_EQ(misses_, 1);
+  EXPECT_EQ(hits_, 0);
   RunEligibleBatch(31);
   SendAll({36});
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 1) << "a miss: the next eligible batch skips";
@@ -585,6 +592,7 @@ TEST_F(RefillWaitTest, AnswersComingBackFasterThanTheComputesArrivalsAreAHit) {
   clock_.Advance(absl::Microseconds(250));
   SendAll({24});
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 1);  // 11, 12, 21-24: a hit
+  EXPECT_EQ(hits_, 1);
   // Nothing is put off: after that batch of six the next waits for six.
   SendAll({31, 32, 33, 34, 35});
   EXPECT_EQ(batcher_->ProcessReadyBatches(), 0);

@@ -85,6 +85,9 @@ TEST(MetricsTest, ExposesEveryFamilyLabelledByModel) {
   mm->SetQueueCapacity(1024);
   mm->InflightAdd(2);
   mm->InflightAdd(-1);
+  mm->RefillWait(true);
+  mm->RefillWait(true);
+  mm->RefillWait(false);
   const std::string text = (*m)->Serialize();
   EXPECT_THAT(text, HasSubstr("attnserve_requests_total{code=\"OK\",model=\"demo-mha\"} 2"));
   EXPECT_THAT(text, HasSubstr(
@@ -98,6 +101,10 @@ TEST(MetricsTest, ExposesEveryFamilyLabelledByModel) {
   EXPECT_THAT(text, HasSubstr("attnserve_queue_capacity{model=\"demo-mha\"} 1024"));
   EXPECT_THAT(text, HasSubstr("attnserve_inflight_requests{model=\"demo-mha\"} 1"));
   EXPECT_THAT(text, HasSubstr("attnserve_tokens_total{model=\"demo-mha\"} 32"));
+  EXPECT_THAT(text, HasSubstr(
+      "attnserve_batch_refill_waits_total{model=\"demo-mha\",outcome=\"hit\"} 2"));
+  EXPECT_THAT(text, HasSubstr(
+      "attnserve_batch_refill_waits_total{model=\"demo-mha\",outcome=\"miss\"} 1"));
   EXPECT_THAT(text, HasSubstr("attnserve_build_info{backend=\"cpu\",version="));
   // Buckets span 10 us .. 10 s.
   EXPECT_THAT(text, HasSubstr("attnserve_request_duration_seconds_bucket{model=\"demo-mha\",le=\"1e-05\"}"));
