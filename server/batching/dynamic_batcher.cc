@@ -13,12 +13,12 @@ namespace {
 constexpr absl::Duration kDeadlineTimerSlack = absl::Milliseconds(1);
 
 // BatcherOptions::refill_wait: after k refill waits in a row missed, the
-// next min(2^k, kMaxRefillSkip) eligible batches do not wait. A wait hits
+// next 2^min(k, kMaxRefillMisses) eligible batches do not wait. A wait hits
 // when the answered requests came back in time and, during the wait, at
 // least kRefillContrast times as fast as requests arrived while the batch
 // computed: arrivals that do not follow answers (open-loop traffic) come as
 // fast in both.
-constexpr int kMaxRefillSkip = 1024;
+constexpr int kMaxRefillMisses = 10;  // at most 1024 batches put off
 constexpr double kRefillContrast = 2.0;
 // Halfway through its time, a refill wait whose arrivals so far come less
 // than kRefillEarlyContrast times as fast as during the compute is cut short
@@ -284,11 +284,13 @@ void DynamicBatcher::BatchDone(size_t requests, size_t sessions, absl::Duration 
     answered_wait_target_ = std::min(queue_.size() + coming, max_requests);
     answered_wait_until_ = now + wait;
     refill_pending_ = sessions == 0;
-    refill_started_ = now;
-    refill_check_at_ = now + wait / 2;
-    refill_arrived_ = arrived;
-    refill_compute_rate_ = static_cast<double>(arrived - arrived_before) /
-                           std::max(absl::ToDoubleSeconds(took), 1e-6);
+    if (refill_pending_) {
+      refill_started_ = now;
+      refill_check_at_ = now + wait / 2;
+      refill_arrived_ = arrived;
+      refill_compute_rate_ = static_cast<double>(arrived - arrived_before) /
+                             std::max(absl::ToDoubleSeconds(took), 1e-6);
+    }
   }
   drained_cv_.SignalAll();  // Shutdown waits for running_batches_ == 0
 }
@@ -306,8 +308,8 @@ void DynamicBatcher::RefillOutcomeLocked(bool filled, absl::Time now) {
     refill_skip_ = 0;
     return;
   }
-  refill_misses_ = std::min(refill_misses_ + 1, 10);  // 2^10 = kMaxRefillSkip
-  refill_skip_ = std::min(1 << refill_misses_, kMaxRefillSkip);
+  refill_misses_ = std::min(refill_misses_ + 1, kMaxRefillMisses);
+  refill_skip_ = 1 << refill_misses_;
 }
 
 void DynamicBatcher::WorkerLoop() {

@@ -164,7 +164,6 @@ class AttentionServiceImpl final : public AttentionServiceBase, private StreamHa
                    const AttendPayloads& payloads, v1::AttendResponse* response,
                    AttendResults* results, absl::AnyInvocable<void(absl::Status)> done);
 
-
   const ModelRegistry* const registry_;
   RequestDispatcher* const dispatcher_;
   Metrics* const metrics_;
