@@ -31,17 +31,29 @@ namespace {
 const attnserve::ServerOptions kDefaults;
 
 // The engine's OpenMP workers share the cores with gRPC's threads (and often
-// with other processes). With libgomp's default spin-waiting, a worker that
-// is descheduled stalls every parallel region: a demo-mha call (B2 L128) took
-// 36-46 ms instead of 3.1-3.4 ms with OMP_WAIT_POLICY=passive on a 2-vCPU
-// host with one other busy process. libgomp reads the policy once, when it
-// is loaded (before main), so the default is set by re-executing once.
-// An operator's own OMP_WAIT_POLICY is left alone.
-void DefaultToPassiveOpenMpWaits(char** argv) {
-  if (getenv("OMP_WAIT_POLICY") != nullptr) return;
-  setenv("OMP_WAIT_POLICY", "passive", 1);
+// with other processes), so a worker that has finished its part of a
+// parallel region spins only briefly before it sleeps: libgomp's
+// OMP_WAIT_POLICY=active with GOMP_SPINCOUNT=1000, about 30 us on the 2-vCPU
+// development machines, which covers the gaps between the parallel regions
+// of one batch (projections, core, output projection) but not an idle
+// server's. (The count must come with the active policy: without it libgomp
+// spins at most 100 times, about 3 us, whenever more threads have joined
+// its teams than there are CPUs, which a server's load and batch threads
+// do.) Unbounded spinning (active alone) stalls every region whose spinning
+// partner is descheduled: a demo-mha call (B2 L128) took 36-46 ms instead of
+// 3.1-3.4 ms on a 2-vCPU host with one other busy process. Sleeping at once
+// (OMP_WAIT_POLICY=passive, the default before) pays a wake-up per region:
+// 27-60 us each on a KVM guest whose idle vCPU halts, where a lone demo-mha
+// B1 L16 request computed in 336 instead of 175 us (docs/PERFORMANCE.md).
+// libgomp reads its settings once, when it is loaded (before main), so the
+// default is set by re-executing once. An operator's own OMP_WAIT_POLICY or
+// GOMP_SPINCOUNT is left alone.
+void DefaultToShortOpenMpSpins(char** argv) {
+  if (getenv("OMP_WAIT_POLICY") != nullptr || getenv("GOMP_SPINCOUNT") != nullptr) return;
+  setenv("OMP_WAIT_POLICY", "active", 1);
+  setenv("GOMP_SPINCOUNT", "1000", 1);
   execv("/proc/self/exe", argv);
-  // exec failed (no /proc?): run on with libgomp's default policy.
+  // exec failed (no /proc?): run on with libgomp's default spinning.
 }
 // --threads 0: one engine thread per CPU the process may use. OpenMP counts
 // the CPUs of the affinity mask, which in a container is the node's; a
@@ -240,7 +252,7 @@ ABSL_FLAG(int64_t, max_sessions, kDefaults.sessions.max_sessions,
           "gets RESOURCE_EXHAUSTED)");
 
 int main(int argc, char** argv) {
-  DefaultToPassiveOpenMpWaits(argv);
+  DefaultToShortOpenMpSpins(argv);
 
   // Debian's abseil is built without NDEBUG, which leaves absl::Mutex's
   // deadlock detection on: every lock and unlock then updates one global

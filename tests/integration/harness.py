@@ -48,9 +48,10 @@ class ServerProcess:
     """One attnserve process. Its combined stdout/stderr is drained by a thread
     (so a chatty server never blocks on a full pipe) and kept for diagnostics."""
 
-    def __init__(self, *extra_args, startup_timeout=60.0, preexec_fn=None, wrapper=()):
+    def __init__(self, *extra_args, startup_timeout=60.0, preexec_fn=None, wrapper=(), env=None):
         """`preexec_fn` runs in the child before exec (e.g. to set rlimits);
-        `wrapper` is a command line the server runs under (e.g. unshare)."""
+        `wrapper` is a command line the server runs under (e.g. unshare);
+        `env` replaces the environment it inherits."""
         self.args = [*wrapper, server_bin(), "--address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
                      "--http-address", "127.0.0.1:0", *extra_args]
         self.lines = []
@@ -59,7 +60,7 @@ class ServerProcess:
         self._listening = threading.Event()
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, errors="replace",
-                                     preexec_fn=preexec_fn)
+                                     preexec_fn=preexec_fn, env=env)
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
         deadline = time.monotonic() + startup_timeout

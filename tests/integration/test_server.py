@@ -3,6 +3,7 @@ gRPC client (generated stubs), health, reflection, malformed requests, message
 size limits and clean shutdown. Oracle: harness.reference_attention (NumPy float64)."""
 
 import concurrent.futures
+import os
 import signal
 
 import grpc
@@ -302,6 +303,33 @@ def test_work_per_request_is_bounded():
             assert "4194304 multiply-adds" in e.value.details()
             assert "limit of 1000000 per request (--max-multiply-adds)" in e.value.details()
             small = _sdpa_inputs(np.random.default_rng(4), b=1, hq=2, hkv=2, lq=8, lk=8, dk=8, dv=8)
+            _assert_fp32_close(c.attend(*small, model="sdpa").output, harness.reference_attention(*small)[0])
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log()
+
+
+def _environ_of(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry)
+
+
+@pytest.mark.parametrize("given, expected", [
+    ({}, {b"OMP_WAIT_POLICY": b"active", b"GOMP_SPINCOUNT": b"1000"}),
+    ({"OMP_WAIT_POLICY": "passive"}, {b"OMP_WAIT_POLICY": b"passive", b"GOMP_SPINCOUNT": None}),
+    ({"GOMP_SPINCOUNT": "20000"}, {b"OMP_WAIT_POLICY": None, b"GOMP_SPINCOUNT": b"20000"}),
+])
+def test_openmp_workers_spin_briefly_unless_the_operator_says_otherwise(given, expected):
+    # attnserve re-executes itself with short libgomp spins (server/main.cc):
+    # the environment it computes under is its own /proc environ, same pid.
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    srv = harness.ServerProcess(env={**env, **given})
+    try:
+        environ = _environ_of(srv.proc.pid)
+        for name, value in expected.items():
+            assert environ.get(name) == value, (name, environ.get(name))
+        with AttentionClient(srv.target) as c:  # and it serves
+            small = _sdpa_inputs(np.random.default_rng(5), b=1, hq=2, hkv=2, lq=8, lk=8, dk=8, dv=8)
             _assert_fp32_close(c.attend(*small, model="sdpa").output, harness.reference_attention(*small)[0])
     finally:
         code = srv.stop()
