@@ -75,7 +75,8 @@ bench_start floor "$tmp/echo.log" "$echo_server" --address=127.0.0.1:0
 closed_loop echo "$bench_last_pid" "$floor" --model=sdpa --layout=sdpa --batch=1 --heads=1 \
   --seq=128 --kv-seq=1 --head-dim=64
 bench_stop "$bench_last_pid"
-OMP_WAIT_POLICY=passive "$engine_bench" \
+# libgomp waits as in attnserve (server/main.cc: short spins).
+OMP_WAIT_POLICY=active GOMP_SPINCOUNT=1000 "$engine_bench" \
   --benchmark_filter="^DemoMhaBatch(GemmCeiling)?/requests:32/threads:$cpus/" \
   --benchmark_min_time=1 --benchmark_format=json >"$tmp/engine.json" 2>/dev/null
 

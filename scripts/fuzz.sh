@@ -16,7 +16,7 @@ set -euo pipefail
 seconds=${1:-60}
 build=${2:-build-fuzz}
 root=$(cd "$(dirname "$0")/.." && pwd)
-targets=${FUZZ_TARGETS:-attend_request_fuzzer safetensors_fuzzer model_config_fuzzer npy_fuzzer kserve_http_fuzzer}
+targets=${FUZZ_TARGETS:-attend_request_fuzzer safetensors_fuzzer model_config_fuzzer npy_fuzzer kserve_http_fuzzer kserve_grpc_request_fuzzer}
 
 if ! command -v clang++-14 >/dev/null ||
    [[ ! -e $(clang++-14 -print-file-name=libclang_rt.fuzzer-x86_64.a) &&

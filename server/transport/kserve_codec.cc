@@ -21,6 +21,25 @@ constexpr const char* kParameterNames =
     "causal, scale, window, softcap, need_weights, average_weights, session_id, timeout, "
     "priority";
 
+// A request's raw_input_contents: taken out of the message into host
+// buffers (kserve_wire.h) or, when there are none, the message's own.
+class RawContents {
+ public:
+  RawContents(const ModelInferRequest& request, absl::Span<const HostBuffer> buffers)
+      : request_(request), buffers_(buffers) {}
+  int size() const {
+    return buffers_.empty() ? request_.raw_input_contents_size() : static_cast<int>(buffers_.size());
+  }
+  absl::string_view operator[](int i) const {
+    if (buffers_.empty()) return request_.raw_input_contents(i);
+    return absl::string_view(buffers_[i].data(), buffers_[i].size());
+  }
+
+ private:
+  const ModelInferRequest& request_;
+  const absl::Span<const HostBuffer> buffers_;
+};
+
 // The datatype of a float or mask input; anything else is the tensor's
 // decode_error (reported by validation in its usual order).
 absl::Status TensorDType(const ModelInferRequest::InferInputTensor& tensor, bool mask,
@@ -44,15 +63,15 @@ absl::Status TensorDType(const ModelInferRequest::InferInputTensor& tensor, bool
 
 // The bytes of input `index`: its raw_input_contents entry, or its typed
 // contents where they are laid out as the raw bytes would be (fp32, bool).
-absl::Status TensorBytes(const ModelInferRequest& request, int index, DType dtype,
-                         absl::string_view* data) {
+absl::Status TensorBytes(const ModelInferRequest& request, const RawContents& raw, int index,
+                         DType dtype, absl::string_view* data) {
   const auto& tensor = request.inputs(index);
-  if (request.raw_input_contents_size() > 0) {
+  if (raw.size() > 0) {
     if (tensor.has_contents()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "input '", tensor.name(), "': contents and raw_input_contents are both set; send one"));
     }
-    *data = request.raw_input_contents(index);
+    *data = raw[index];
     return absl::OkStatus();
   }
   const inference::InferTensorContents& c = tensor.contents();
@@ -75,8 +94,8 @@ absl::Status TensorBytes(const ModelInferRequest& request, int index, DType dtyp
 
 // An integer input (key_lengths [B], positions [B, Lk]) of rank `rank`,
 // widened to int64.
-absl::Status DecodeIntegers(const ModelInferRequest& request, int index, int rank,
-                            const char* layout, std::vector<int64_t>* out) {
+absl::Status DecodeIntegers(const ModelInferRequest& request, const RawContents& raw_contents,
+                            int index, int rank, const char* layout, std::vector<int64_t>* out) {
   const auto& tensor = request.inputs(index);
   const std::string& name = tensor.name();
   const std::string& t = tensor.datatype();
@@ -98,8 +117,8 @@ absl::Status DecodeIntegers(const ModelInferRequest& request, int index, int ran
     n *= d;
   }
   const bool wide = t == "INT64";
-  if (request.raw_input_contents_size() > 0) {
-    const std::string& raw = request.raw_input_contents(index);
+  if (raw_contents.size() > 0) {
+    const absl::string_view raw = raw_contents[index];
     const size_t width = wide ? 8 : 4;
     if (raw.size() != static_cast<size_t>(n) * width) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -154,7 +173,17 @@ absl::Status NumberParameter(const std::string& name, const InferParameter& p, f
 
 absl::Status DecodeParameters(const ModelInferRequest& request, KServeRequest* decoded) {
   AttendInputs& in = decoded->inputs;
-  for (const auto& [name, p] : request.parameters()) {
+  // In name order: a protobuf map iterates in an order of its own, which
+  // two copies of one request need not share, and the first bad parameter
+  // must be the same one every time.
+  std::vector<const std::string*> names;
+  names.reserve(request.parameters().size());
+  for (const auto& entry : request.parameters()) names.push_back(&entry.first);
+  std::sort(names.begin(), names.end(),
+            [](const std::string* a, const std::string* b) { return *a < *b; });
+  for (const std::string* key : names) {
+    const std::string& name = *key;
+    const InferParameter& p = request.parameters().at(name);
     absl::Status s;
     if (name == "causal") {
       s = BoolParameter(name, p, &in.causal);
@@ -223,7 +252,9 @@ const char* KServeDatatype(DType dtype) {
   return "FP32";
 }
 
-absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeRequest* decoded) {
+absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeRequest* decoded,
+                                     absl::Span<const HostBuffer> raw_inputs) {
+  const RawContents raw(request, raw_inputs);
   AttendInputs& in = decoded->inputs;
   in.model = request.model_name();
   if (!request.model_version().empty() && request.model_version() != "1") {
@@ -232,11 +263,10 @@ absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeReq
         "model_version: model '", request.model_name(), "' has only version \"1\" (or \"\"), got \"",
         request.model_version(), "\""));
   }
-  if (request.raw_input_contents_size() > 0 &&
-      request.raw_input_contents_size() != request.inputs_size()) {
+  if (raw.size() > 0 && raw.size() != request.inputs_size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "raw_input_contents: expected one entry per input (", request.inputs_size(), "), got ",
-        request.raw_input_contents_size()));
+        raw.size()));
   }
   if (absl::Status s = DecodeParameters(request, decoded); !s.ok()) return s;
 
@@ -253,9 +283,9 @@ absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeReq
       }
       seen = true;
       std::vector<int64_t>& values = lengths ? decoded->key_lengths : decoded->positions;
-      absl::Status s = lengths ? DecodeIntegers(request, i, 1, "[B] (one length per batch element)",
+      absl::Status s = lengths ? DecodeIntegers(request, raw, i, 1, "[B] (one length per batch element)",
                                                 &values)
-                               : DecodeIntegers(request, i, 2,
+                               : DecodeIntegers(request, raw, i, 2,
                                                 "[B, Lk] (the position of every key token)",
                                                 &values);
       if (!s.ok()) return s;
@@ -278,7 +308,7 @@ absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeReq
     target->present = true;
     target->shape.assign(tensor.shape().begin(), tensor.shape().end());
     absl::Status s = TensorDType(tensor, target == &in.attn_mask, &target->dtype);
-    if (s.ok()) s = TensorBytes(request, i, target->dtype, &target->data);
+    if (s.ok()) s = TensorBytes(request, raw, i, target->dtype, &target->data);
     target->decode_error = s;
   }
 

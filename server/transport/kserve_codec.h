@@ -21,7 +21,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "engine/dtype.h"
+#include "engine/host_buffer.h"
 #include "engine/tensor.h"
 #include "inference/grpc_service.pb.h"
 #include "server/dispatch/request_dispatcher.h"
@@ -56,10 +58,15 @@ struct KServeRequest {
 // Errors of one tensor (an unsupported datatype) become its decode_error, so
 // that validation reports them in its usual order.
 //
-// Lifetime: `decoded.inputs` points into `request` and into `decoded`; both
-// must outlive it (and must not move).
+// `raw_inputs`: the request's raw_input_contents when they were taken out
+// of the message (ParseModelInferRequest, kserve_wire.h); empty: the
+// message's own.
+//
+// Lifetime: `decoded.inputs` points into `request`, `raw_inputs` and
+// `decoded`; all must outlive it (and must not move).
 absl::Status DecodeModelInferRequest(const inference::ModelInferRequest& request,
-                                     KServeRequest* decoded);
+                                     KServeRequest* decoded,
+                                     absl::Span<const HostBuffer> raw_inputs = {});
 
 // Adds the output tensor `name` to `response`: its entry in outputs and an
 // empty raw_output_contents entry for its bytes. Returns a view of `shape`

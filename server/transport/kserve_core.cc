@@ -306,7 +306,7 @@ void KServeCore::StartInfer(const Call& call, const absl::Status& parsed,
   // A request the mapping cannot express goes through the request path all
   // the same: the model lookup answers first (an unknown model is NOT_FOUND
   // whatever else is wrong, as Triton answers), then validation reports it.
-  decoded->inputs.decode_error = DecodeModelInferRequest(request, decoded);
+  decoded->inputs.decode_error = DecodeModelInferRequest(request, decoded, call.raw_inputs);
   if (decoded->timeout_us > 0) {
     r->deadline = std::min(r->deadline, r->received + absl::Microseconds(decoded->timeout_us));
   }

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "engine/host_buffer.h"
 #include "inference/grpc_service.pb.h"
 #include "server/dispatch/request_dispatcher.h"
@@ -101,6 +102,10 @@ class KServeCore {
     // stay empty (kserve_wire.h). Both or neither; not owned.
     HostBufferPool* result_memory = nullptr;
     std::vector<HostBuffer>* result_buffers = nullptr;
+    // The request's raw_input_contents when the front end took them out of
+    // the message (ParseModelInferRequest, kserve_wire.h); empty: the
+    // message's own. Must stay valid until `done` has run.
+    absl::Span<const HostBuffer> raw_inputs;
   };
 
   // One inference: `parsed` says whether `request` could be read (not OK:

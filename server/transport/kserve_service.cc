@@ -74,12 +74,14 @@ absl::Status KServeServiceImpl::Authorize(const grpc::CallbackServerContext& con
 void KServeServiceImpl::StartInfer(grpc::CallbackServerContext* context, const absl::Status& parsed,
                                    const ModelAccess& access,
                                    const inference::ModelInferRequest& request,
+                                   absl::Span<const HostBuffer> raw_inputs,
                                    KServeRequest* decoded, inference::ModelInferResponse* response,
                                    std::vector<HostBuffer>* results,
                                    absl::AnyInvocable<void(absl::Status)> done) {
   KServeCore::Call call;
   call.result_memory = request_memory_.get();
   call.result_buffers = results;
+  call.raw_inputs = raw_inputs;
   call.deadline = ServerDeadline(*context, *dispatcher_->clock());
   call.is_cancelled = [context] { return context->IsCancelled(); };
   call.access = access;
@@ -99,14 +101,16 @@ class KServeServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
         // gRPC frees the buffer only at OnDone; releasing it now keeps one
         // copy of the inputs, not two.
         parsed_(authorized_.ok()
-                    ? ParseRequestMessage(const_cast<grpc::ByteBuffer*>(request_bytes), "request",
-                                          0, &request_)
+                    ? ParseModelInferRequest(const_cast<grpc::ByteBuffer*>(request_bytes),
+                                             "request", 0, *service->request_memory_, &request_,
+                                             &raw_inputs_)
                     : authorized_),
         model_(request_.model_name()),
         counted_(service->calls_.CallStarted()) {}
 
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
-    service_->StartInfer(context, parsed_, access_, request_, &decoded_, &response_, &results_,
+    service_->StartInfer(context, parsed_, access_, request_, raw_inputs_, &decoded_, &response_,
+                         &results_,
                          [this, response_bytes](absl::Status status) {
                            if (status.ok()) {
                              status = SerializeModelInferResponse(
@@ -129,6 +133,7 @@ class KServeServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
   ModelAccess access_ = ModelAccess::None();
   const absl::Status authorized_;
   inference::ModelInferRequest request_;
+  std::vector<HostBuffer> raw_inputs_;  // request_'s raw_input_contents (kserve_wire.h)
   KServeRequest decoded_;
   inference::ModelInferResponse response_;
   std::vector<HostBuffer> results_;  // response_'s outputs' bytes (kserve_wire.h)
@@ -157,22 +162,25 @@ void KServeServiceImpl::StartStreamMessage(grpc::CallbackServerContext* context,
                                            AnswerFn answer) {
   struct Message {
     inference::ModelInferRequest request;
+    std::vector<HostBuffer> raw_inputs;  // request's raw_input_contents (kserve_wire.h)
     KServeRequest decoded;
     inference::ModelStreamInferResponse answer;
     std::vector<HostBuffer> results;  // the answer's outputs' bytes (kserve_wire.h)
   };
   auto* message = new Message;
   const absl::Status parsed =
-      ParseRequestMessage(bytes, "ModelStreamInfer message", number, &message->request);
+      ParseModelInferRequest(bytes, "ModelStreamInfer message", number, *request_memory_,
+                             &message->request, &message->raw_inputs);
   inference::ModelInferResponse* response = message->answer.mutable_infer_response();
   // Authenticated when the stream opened; the same access for every message.
   ModelAccess access = ModelAccess::None();
   const absl::Status authorized = Authorize(*context, "", &access);
   StartInfer(context, authorized.ok() ? parsed : authorized, access, message->request,
-             &message->decoded, response, &message->results,
+             message->raw_inputs, &message->decoded, response, &message->results,
              [message, answer = std::move(answer)](absl::Status status) mutable {
                std::unique_ptr<Message> owned(message);
                owned->request.Clear();  // inputs no longer needed; free them now
+               owned->raw_inputs.clear();
                inference::ModelInferResponse* response = owned->answer.mutable_infer_response();
                if (!status.ok()) {
                  // As Triton: the error in the stream, with the request's id.

@@ -129,13 +129,14 @@ class KServeServiceImpl final : public KServeServiceBase, private StreamHandler 
  private:
   class UnaryReactor;
 
-  // One inference: `parsed` is what ParseRequestMessage said of `request`
-  // (not OK: refused through the dispatcher, counted). `done` runs exactly
-  // once with the final status, `response` filled when OK, its results'
-  // bytes in `results` (kserve_wire.h). `access`: the models the caller may
-  // use.
+  // One inference: `parsed` is what ParseModelInferRequest said of
+  // `request` and `raw_inputs` (not OK: refused through the dispatcher,
+  // counted). `done` runs exactly once with the final status, `response`
+  // filled when OK, its results' bytes in `results` (kserve_wire.h).
+  // `access`: the models the caller may use.
   void StartInfer(grpc::CallbackServerContext* context, const absl::Status& parsed,
                   const ModelAccess& access, const inference::ModelInferRequest& request,
+                  absl::Span<const HostBuffer> raw_inputs,
                   KServeRequest* decoded, inference::ModelInferResponse* response,
                   std::vector<HostBuffer>* results, absl::AnyInvocable<void(absl::Status)> done);
 

@@ -1,19 +1,54 @@
-// ModelInferResponse's raw_output_contents (field 6) is its last field, so
+// In: one pass over gRPC's slices that copies each top-level
+// raw_input_contents entry (field 7, length-delimited) into a host buffer
+// and everything else, byte for byte, into a small message that protobuf
+// then parses. Protobuf keeps a repeated field's entries in wire order
+// whatever lies between them, so the entries in order are exactly what its
+// own parse would put in raw_input_contents.
+//
+// Out: ModelInferResponse's raw_output_contents (field 6) is its last field, so
 // the answer is the rest of the message as protobuf writes it, then each
 // entry's tag, length and bytes; ModelStreamInferResponse's infer_response
 // (field 2) is its last field too.
 #include "server/transport/kserve_wire.h"
 
+#include <string>
 #include <utility>
 
 #include "server/transport/kserve_codec.h"
+#include "server/transport/slice_reader.h"
 #include "server/transport/slice_writer.h"
 
 namespace attnserve {
 namespace {
 
+constexpr uint32_t kRawInputContents =
+    inference::ModelInferRequest::kRawInputContentsFieldNumber;
 constexpr uint32_t kRawOutputContents =
     inference::ModelInferResponse::kRawOutputContentsFieldNumber;
+
+// The message without its raw_input_contents, into `rest`; false: leave the
+// bytes to protobuf.
+bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, std::string* rest,
+           std::vector<HostBuffer>* raw_inputs) {
+  SliceReader in(bytes);
+  if (!in.ok()) return false;
+  while (in.left() > 0) {
+    uint32_t tag;
+    std::string raw_tag;
+    if (!ReadTag(in, &tag, &raw_tag)) return false;
+    if (tag != (kRawInputContents << 3 | kWireLengthDelimited)) {
+      *rest += raw_tag;
+      if (!CopyBody(tag, in, rest)) return false;
+      continue;
+    }
+    size_t length;
+    if (!ReadLength(in, 0, &length)) return false;
+    absl::StatusOr<HostBuffer> buffer = pool.Allocate(length);
+    if (!buffer.ok() || !in.Read(buffer->data(), length)) return false;
+    raw_inputs->push_back(*std::move(buffer));
+  }
+  return true;
+}
 
 SliceWriter WriteResponse(const inference::ModelInferResponse& response,
                           std::vector<HostBuffer> buffers) {
@@ -36,6 +71,16 @@ SliceWriter WriteResponse(const inference::ModelInferResponse& response,
 }
 
 }  // namespace
+
+absl::Status ParseModelInferRequest(grpc::ByteBuffer* bytes, absl::string_view what,
+                                    int64_t number, HostBufferPool& pool,
+                                    inference::ModelInferRequest* request,
+                                    std::vector<HostBuffer>* raw_inputs) {
+  std::string rest;
+  const bool split = Split(bytes, pool, &rest, raw_inputs);
+  return FinishSplitParse(bytes, what, number, split, rest, request,
+                          [raw_inputs] { raw_inputs->clear(); });
+}
 
 MutableTensorView AllocateKServeResult(HostBufferPool& pool,
                                        inference::ModelInferResponse* response, OutputName name,

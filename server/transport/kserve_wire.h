@@ -1,14 +1,19 @@
-// KServe v2 (gRPC) results out of host buffers of the engine's choosing
-// (engine/host_buffer.h: page-locked memory for the CUDA engine), with no
-// copy: the engine writes each output into a buffer, and the answer's bytes
-// reference it where raw_output_contents would hold a copy. The HTTP front
-// end keeps the response's own raw_output_contents (kserve_codec.h).
+// KServe v2 (gRPC) tensors between the wire and host buffers of the engine's
+// choosing (engine/host_buffer.h: page-locked memory for the CUDA engine),
+// one copy in and none out, as attend_wire.h does for Attend. In: each
+// raw_input_contents entry is copied once, from gRPC's slices straight into
+// a buffer, instead of into the message's strings; protobuf parses
+// everything else. Out: the engine writes each output into a buffer, and
+// the answer's bytes reference it where raw_output_contents would hold a
+// copy. The HTTP front end keeps the messages' own contents
+// (kserve_codec.h).
 #ifndef ATTNSERVE_SERVER_TRANSPORT_KSERVE_WIRE_H_
 #define ATTNSERVE_SERVER_TRANSPORT_KSERVE_WIRE_H_
 
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "engine/host_buffer.h"
 #include "engine/tensor.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -16,6 +21,24 @@
 #include "server/dispatch/request_dispatcher.h"
 
 namespace attnserve {
+
+// Parses `bytes` into `request` as ParseRequestMessage(bytes, what, number,
+// request) would, with the same result and the same error for any input,
+// except that the raw_input_contents entries are left out of `request` and
+// copied, in order, into buffers from `pool` appended to `raw_inputs`
+// (which must be empty). The fields it leaves alone reach protobuf byte for
+// byte. An encoding it does not take (a tag or length in more bytes than
+// protobuf reads, a group, a malformed or truncated field) or a pool out of
+// memory leaves the whole message to ParseRequestMessage, with `raw_inputs`
+// empty. Releases `bytes` either way.
+//
+// So a request's raw contents are `raw_inputs` when it is not empty and
+// request->raw_input_contents() otherwise (DecodeModelInferRequest takes
+// both).
+absl::Status ParseModelInferRequest(grpc::ByteBuffer* bytes, absl::string_view what,
+                                    int64_t number, HostBufferPool& pool,
+                                    inference::ModelInferRequest* request,
+                                    std::vector<HostBuffer>* raw_inputs);
 
 // As AllocateKServeOutput, but the output's bytes go into a buffer from
 // `pool`, appended to `buffers` (one per raw_output_contents entry, in

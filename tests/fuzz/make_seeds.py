@@ -74,6 +74,76 @@ def attend_requests():
     write("attend_request_fuzzer", "cut_short", seeds["sdpa_basic"].SerializeToString()[:-7])
 
 
+# ------------------------------------------------ KServe ModelInferRequest
+# Written by hand (protobuf's encoding, field numbers of
+# proto/inference/grpc_service.proto): the KServe stubs are not in Python here.
+
+def _varint(v):
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def _field(number, value):
+    """A length-delimited field (string, bytes, message, packed)."""
+    if isinstance(value, str):
+        value = value.encode()
+    return _varint(number << 3 | 2) + _varint(len(value)) + value
+
+
+def _param(key, kind, value):
+    """A map<string, InferParameter> entry: kind 1 bool, 2 int64, 3 string."""
+    inner = _field(3, value) if kind == 3 else _varint(kind << 3) + _varint(value)
+    return _field(1, key) + _field(2, inner)
+
+
+def _input(name, datatype, shape, contents=None):
+    t = _field(1, name) + _field(2, datatype) + _field(3, b"".join(_varint(d) for d in shape))
+    if contents is not None:
+        t += _field(5, _field(6, np.asarray(contents, "<f4").tobytes()))  # fp32_contents
+    return _field(5, t)
+
+
+def kserve_grpc_requests():
+    rng = np.random.default_rng(8)
+    f32 = lambda *shape: rng.standard_normal(shape).astype("<f4").tobytes()  # noqa: E731
+    raw = lambda b: _field(7, b)  # noqa: E731
+    qkv = (_input("query", "FP32", [1, 2, 3, 4]) + _input("key", "FP32", [1, 2, 5, 4]) +
+           _input("value", "FP32", [1, 2, 5, 4]))
+    seeds = {
+        "sdpa_raw": _field(1, "sdpa") + qkv + raw(f32(1, 2, 3, 4)) + raw(f32(1, 2, 5, 4)) +
+                    raw(f32(1, 2, 5, 4)),
+        "sdpa_raw_interleaved": raw(f32(1, 2, 3, 4)) + _field(1, "sdpa") +
+                                _input("query", "FP32", [1, 2, 3, 4]) + raw(f32(1, 2, 5, 4)) +
+                                _input("key", "FP32", [1, 2, 5, 4]) +
+                                _input("value", "FP32", [1, 2, 5, 4]) + raw(f32(1, 2, 5, 4)),
+        "sdpa_typed": _field(1, "sdpa") + _input("query", "FP32", [1, 1, 2, 2], range(4)) +
+                      _input("key", "FP32", [1, 1, 2, 2], range(4)) +
+                      _input("value", "FP32", [1, 1, 2, 2], range(4)),
+        "sdpa_params_outputs": _field(1, "sdpa") + _field(2, "1") + _field(3, "id-7") +
+                               _field(4, _param("causal", 1, 1)) +
+                               _field(4, _param("timeout", 2, 5000)) + qkv +
+                               _field(6, _field(1, "weights")) + raw(f32(1, 2, 3, 4)) +
+                               raw(f32(1, 2, 5, 4)) + raw(f32(1, 2, 5, 4)),
+        "mask_and_lengths": _field(1, "sdpa") + qkv + _input("attn_mask", "BOOL", [3, 5]) +
+                            _input("key_lengths", "INT32", [1]) + raw(f32(1, 2, 3, 4)) +
+                            raw(f32(1, 2, 5, 4)) + raw(f32(1, 2, 5, 4)) + raw(bytes(15)) +
+                            raw(np.array([4], "<i4").tobytes()),
+        "demo_session": _field(1, "demo-mha") + _field(4, _param("session_id", 3, "s1")) +
+                        _input("query", "BF16", [1, 2, 512]) + raw(bytes(2 * 2 * 512)),
+        "too_many_raw": _field(1, "sdpa") + _input("query", "FP32", [1]) + raw(f32(1)) +
+                        raw(b"extra"),
+        "raw_wrong_wire_type": _field(1, "sdpa") + _varint(7 << 3 | 0) + _varint(5),
+        "empty": b"",
+    }
+    for name, data in seeds.items():
+        write("kserve_grpc_request_fuzzer", name, data)
+    write("kserve_grpc_request_fuzzer", "cut_short", seeds["sdpa_raw"][:-9])
+
+
 # ------------------------------------------------------------- safetensors
 
 def safetensors(tensors, metadata=None):
@@ -185,6 +255,7 @@ def npy_files():
 
 if __name__ == "__main__":
     attend_requests()
+    kserve_grpc_requests()
     npy_files()
     model_configs(weights_files())
     for target in sorted(os.listdir(CORPUS)):

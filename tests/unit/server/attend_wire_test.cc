@@ -17,36 +17,18 @@
 #include "server/transport/attend_codec.h"
 #include "server/transport/message_codec.h"
 #include "server/transport/protobuf_log.h"
+#include "tests/unit/server/wire_testing.h"
 
 namespace attnserve {
 namespace {
 
-// `wire` as gRPC could hand it over: cut into slices at `cuts`.
-grpc::ByteBuffer Buffer(const std::string& wire, std::vector<size_t> cuts = {}) {
-  std::vector<grpc::Slice> slices;
-  size_t at = 0;
-  cuts.push_back(wire.size());
-  for (size_t cut : cuts) {
-    if (cut <= at || cut > wire.size()) continue;
-    slices.emplace_back(wire.data() + at, cut - at);
-    at = cut;
-  }
-  if (slices.empty()) slices.emplace_back(wire.data(), 0);
-  return grpc::ByteBuffer(slices.data(), slices.size());
-}
+using wire_testing::Buffer;
+using wire_testing::Bytes;
+using wire_testing::Flatten;
+using wire_testing::Pool;
+using wire_testing::Tag;
+using wire_testing::Varint;
 
-// The pool's memory, counted: the largest request it was asked for.
-struct Pool {
-  size_t largest = 0;
-  bool fail = false;
-  std::shared_ptr<HostBufferPool> pool = std::make_shared<HostBufferPool>(
-      HostBufferPool::Backing{[this](size_t n) -> void* {
-                                largest = std::max(largest, n);
-                                return fail ? nullptr : std::aligned_alloc(64, n);
-                              },
-                              [](void* p, size_t) { std::free(p); }},
-      1 << 20, 1 << 20);
-};
 
 struct Parsed {
   absl::Status status;
@@ -183,20 +165,6 @@ TEST(AttendWireTest, TheTensorsBytesLandInThePoolAndNotInTheMessage) {
   EXPECT_FALSE(in.key.present);
 }
 
-std::string Varint(uint64_t v) {
-  std::string s;
-  while (v >= 0x80) {
-    s.push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
-  }
-  s.push_back(static_cast<char>(v));
-  return s;
-}
-std::string Tag(uint32_t field, uint32_t wire_type) { return Varint(field << 3 | wire_type); }
-std::string Bytes(uint32_t field, const std::string& value) {
-  return Tag(field, 2) + Varint(value.size()) + value;
-}
-
 TEST(AttendWireTest, EncodingsProtobufMergesParseAsProtobufParsesThem) {
   Pool pool;
   v1::AttendRequest a, b;
@@ -309,15 +277,7 @@ TEST(AttendWireTest, APoolWithoutMemoryLeavesTheBytesToProtobuf) {
 namespace attnserve {
 namespace {
 
-std::string Flatten(const grpc::ByteBuffer& bytes) {
-  std::vector<grpc::Slice> slices;
-  EXPECT_TRUE(bytes.Dump(&slices).ok());
-  std::string flat;
-  for (const grpc::Slice& s : slices) {
-    flat.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  }
-  return flat;
-}
+using wire_testing::Flatten;
 
 // `n` random bytes in a buffer of `pool`.
 HostBuffer RandomBuffer(std::mt19937& rng, HostBufferPool& pool, size_t n) {

@@ -1,0 +1,106 @@
+// Fuzz target: one serialized KServe v2 ModelInferRequest through the gRPC
+// front end's own parse (ParseModelInferRequest on a grpc::ByteBuffer of two
+// slices: the raw_input_contents into host buffers), which must agree with
+// protobuf's own parse (ParseRequestMessage) on the error or on the message,
+// then through DecodeModelInferRequest both ways, which must give the same
+// inputs, byte for byte, or the same error. Aborts on a crash, a sanitizer
+// report, or any disagreement.
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/slice.h"
+#include "server/transport/kserve_codec.h"
+#include "server/transport/kserve_wire.h"
+#include "server/transport/message_codec.h"
+#include "server/transport/protobuf_log.h"
+
+namespace attnserve {
+namespace {
+
+[[noreturn]] void Fail(const std::string& what) {
+  std::fprintf(stderr, "kserve_grpc_request_fuzzer: %s\n", what.c_str());
+  std::abort();
+}
+
+// Protobuf's bytes for `m`, map entries in key order.
+std::string Canonical(const google::protobuf::Message& m) {
+  std::string out;
+  {
+    google::protobuf::io::StringOutputStream stream(&out);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    if (!m.SerializeToCodedStream(&coded)) Fail("a parsed request does not serialize");
+  }
+  return out;
+}
+
+// What the request path sees of a request, as text.
+std::string Decoded(const inference::ModelInferRequest& request,
+                    const std::vector<HostBuffer>& raw_inputs) {
+  KServeRequest d;
+  const absl::Status s = DecodeModelInferRequest(request, &d, raw_inputs);
+  if (!s.ok() && s.message().empty()) Fail("decoding refused without a message");
+  std::string out = s.ToString() + "|" + std::string(d.inputs.model);
+  for (const InputTensor* t : {&d.inputs.query, &d.inputs.key, &d.inputs.value,
+                               &d.inputs.attn_mask}) {
+    out += "|" + std::to_string(t->present) + "," + std::to_string(static_cast<int>(t->dtype)) +
+           "," + t->decode_error.ToString() + ",";
+    for (int64_t n : t->shape) out += std::to_string(n) + "x";
+    out += "," + std::string(t->data);
+  }
+  for (int64_t n : d.key_lengths) out += "|k" + std::to_string(n);
+  for (int64_t n : d.positions) out += "|p" + std::to_string(n);
+  out += "|" + std::to_string(d.return_output) + std::to_string(d.return_weights) + "|" +
+         std::to_string(d.timeout_us);
+  return out;
+}
+
+void RunOne(const uint8_t* data, size_t size) {
+  static const std::shared_ptr<HostBufferPool> pool = [] {
+    InstallProtobufLogHandler();  // protobuf's complaints become the error, as in the server
+    return HostBufferPool::Ordinary();
+  }();
+  // As gRPC hands a message over: in slices (two, cut inside the message).
+  grpc::Slice head(data, size / 3), tail(data + size / 3, size - size / 3);
+  grpc::Slice halves[] = {head, tail};
+  inference::ModelInferRequest oracle;
+  grpc::ByteBuffer oracle_bytes(halves, 2);
+  const absl::Status oracle_status = ParseRequestMessage(&oracle_bytes, "request", 0, &oracle);
+  grpc::ByteBuffer bytes(halves, 2);
+  inference::ModelInferRequest request;
+  std::vector<HostBuffer> raw_inputs;
+  const absl::Status parsed =
+      ParseModelInferRequest(&bytes, "request", 0, *pool, &request, &raw_inputs);
+  if (parsed != oracle_status) {
+    Fail("ParseModelInferRequest: " + parsed.ToString() + "; protobuf: " + oracle_status.ToString());
+  }
+  if (!parsed.ok()) {
+    if (!raw_inputs.empty() || request.ByteSizeLong() != 0) Fail("a refused parse kept something");
+    return;
+  }
+  if (!raw_inputs.empty() && request.raw_input_contents_size() != 0) {
+    Fail("raw contents both in buffers and in the message");
+  }
+  inference::ModelInferRequest joined = request;
+  for (const HostBuffer& b : raw_inputs) joined.add_raw_input_contents(b.data(), b.size());
+  if (Canonical(joined) != Canonical(oracle)) {
+    Fail("ParseModelInferRequest parsed another message than protobuf");
+  }
+  if (Decoded(request, raw_inputs) != Decoded(oracle, {})) {
+    Fail("the request decodes differently from buffers and from the message");
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  attnserve::RunOne(data, size);
+  return 0;
+}
