@@ -28,7 +28,8 @@ class RawContents {
   RawContents(const ModelInferRequest& request, absl::Span<const HostBuffer> buffers)
       : request_(request), buffers_(buffers) {}
   int size() const {
-    return buffers_.empty() ? request_.raw_input_contents_size() : static_cast<int>(buffers_.size());
+    return buffers_.empty() ? request_.raw_input_contents_size()
+                            : static_cast<int>(buffers_.size());
   }
   absl::string_view operator[](int i) const {
     if (buffers_.empty()) return request_.raw_input_contents(i);
@@ -283,8 +284,8 @@ absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeReq
       }
       seen = true;
       std::vector<int64_t>& values = lengths ? decoded->key_lengths : decoded->positions;
-      absl::Status s = lengths ? DecodeIntegers(request, raw, i, 1, "[B] (one length per batch element)",
-                                                &values)
+      absl::Status s = lengths ? DecodeIntegers(request, raw, i, 1,
+                                                "[B] (one length per batch element)", &values)
                                : DecodeIntegers(request, raw, i, 2,
                                                 "[B, Lk] (the position of every key token)",
                                                 &values);

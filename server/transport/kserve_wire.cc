@@ -26,6 +26,12 @@ constexpr uint32_t kRawInputContents =
 constexpr uint32_t kRawOutputContents =
     inference::ModelInferResponse::kRawOutputContentsFieldNumber;
 
+// Raw entries taken into buffers at most: a request has one per input, and
+// there are seven inputs. More (each buffer a few KiB at least, whatever the
+// entry's size) are protobuf's to parse, so that a message of many tiny
+// entries cannot ask for far more memory than it holds.
+constexpr size_t kMaxRawInputs = 64;
+
 // The message without its raw_input_contents, into `rest`; false: leave the
 // bytes to protobuf.
 bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, std::string* rest,
@@ -42,7 +48,7 @@ bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, std::string* rest,
       continue;
     }
     size_t length;
-    if (!ReadLength(in, 0, &length)) return false;
+    if (raw_inputs->size() == kMaxRawInputs || !ReadLength(in, 0, &length)) return false;
     absl::StatusOr<HostBuffer> buffer = pool.Allocate(length);
     if (!buffer.ok() || !in.Read(buffer->data(), length)) return false;
     raw_inputs->push_back(*std::move(buffer));

@@ -29,8 +29,9 @@ namespace attnserve {
 // (which must be empty). The fields it leaves alone reach protobuf byte for
 // byte. An encoding it does not take (a tag or length in more bytes than
 // protobuf reads, a group, a malformed or truncated field) or a pool out of
-// memory leaves the whole message to ParseRequestMessage, with `raw_inputs`
-// empty. Releases `bytes` either way.
+// memory, or more raw entries than a request can use (64), leaves the whole
+// message to ParseRequestMessage, with `raw_inputs` empty. Releases `bytes`
+// either way.
 //
 // So a request's raw contents are `raw_inputs` when it is not empty and
 // request->raw_input_contents() otherwise (DecodeModelInferRequest takes

@@ -78,7 +78,8 @@ void RunOne(const uint8_t* data, size_t size) {
   const absl::Status parsed =
       ParseModelInferRequest(&bytes, "request", 0, *pool, &request, &raw_inputs);
   if (parsed != oracle_status) {
-    Fail("ParseModelInferRequest: " + parsed.ToString() + "; protobuf: " + oracle_status.ToString());
+    Fail("ParseModelInferRequest: " + parsed.ToString() +
+         "; protobuf: " + oracle_status.ToString());
   }
   if (!parsed.ok()) {
     if (!raw_inputs.empty() || request.ByteSizeLong() != 0) Fail("a refused parse kept something");

@@ -277,6 +277,23 @@ TEST(KServeWireTest, MalformedBytesGetProtobufsOwnError) {
   EXPECT_LE(pool.largest, HostBufferPool::SizeClass(100)) << "the wire's claims were believed";
 }
 
+// A message of many tiny entries (3 bytes each on the wire, a few KiB each
+// in buffers) is protobuf's to parse past 64 entries.
+TEST(KServeWireTest, ManyRawEntriesAreLeftToProtobuf) {
+  for (int entries : {64, 65, 5000}) {
+    SCOPED_TRACE(entries);
+    Pool pool;
+    inference::ModelInferRequest r;
+    r.set_model_name("sdpa");
+    for (int i = 0; i < entries; ++i) r.add_raw_input_contents("x");
+    const Parsed p = ExpectSameAsOracle(r.SerializeAsString(), *pool.pool);
+    ASSERT_TRUE(p.status.ok());
+    EXPECT_EQ(p.raw_inputs.size(), entries <= 64 ? 64u : 0u);
+    EXPECT_EQ(p.request.raw_input_contents_size(), entries <= 64 ? 0 : entries);
+    EXPECT_LE(pool.allocations, 64u);
+  }
+}
+
 TEST(KServeWireTest, APoolWithoutMemoryLeavesTheBytesToProtobuf) {
   Pool pool;
   pool.fail = true;

@@ -63,13 +63,15 @@ inline std::string Flatten(const grpc::ByteBuffer& bytes) {
 }
 
 // Request memory of ordinary memory, or none at all (`fail`), counted: the
-// largest allocation it was asked for.
+// largest allocation it was asked for, and how many.
 struct Pool {
   bool fail = false;
   size_t largest = 0;
+  size_t allocations = 0;
   std::shared_ptr<HostBufferPool> pool = std::make_shared<HostBufferPool>(
       HostBufferPool::Backing{[this](size_t n) -> void* {
                                 largest = std::max(largest, n);
+                                ++allocations;
                                 return fail ? nullptr : std::aligned_alloc(64, n);
                               },
                               [](void* p, size_t) { std::free(p); }},
