@@ -243,6 +243,59 @@ def test_need_weights_on_the_gpu(client, torch_cuda):
     assert _rel(res.output, w @ v.astype(np.float64)) < 1e-5
 
 
+KSERVE = "/inference.GRPCInferenceService/"
+
+
+@pytest.mark.parametrize("datatype,np_dtype,tol", [("FP32", "<f4", 1e-5), ("FP16", "<f2", 2e-3)])
+def test_kserve_infer_and_stream_on_the_gpu_match_torch(server, torch_cuda, datatype, np_dtype,
+                                                        tol):
+    """KServe v2 over gRPC on the cuda engine: the raw inputs land in the
+    engine's page-locked request memory and upload from there, the output
+    downloads into it and is sent from there (server/transport/kserve_wire.h),
+    unary and streamed."""
+    import grpc
+    from attnserve_client import codegen
+    codegen.ensure_stubs()  # the checkout's stubs include KServe's (prebuilt on the GPU machine)
+    from inference import grpc_service_pb2 as kpb
+    rng = np.random.default_rng(17)
+    arrays = {name: rng.standard_normal(shape).astype(np_dtype)
+              for name, shape in (("query", (2, 8, 64, 128)), ("key", (2, 4, 96, 128)),
+                                  ("value", (2, 4, 96, 128)))}
+
+    def request(i):
+        req = kpb.ModelInferRequest(model_name="sdpa", id=f"r{i}")
+        for name, a in arrays.items():
+            req.inputs.add(name=name, datatype=datatype, shape=list(a.shape))
+            req.raw_input_contents.append(a.tobytes())
+        req.outputs.add(name="output")
+        return req
+
+    ref = _sdpa_oracle(torch_cuda, *(arrays[n].astype(np.float64) for n in ("query", "key", "value")))
+
+    def check(response, i):
+        assert response.id == f"r{i}"
+        assert [(o.name, o.datatype) for o in response.outputs] == [("output", datatype)]
+        out = np.frombuffer(response.raw_output_contents[0], dtype=np_dtype)
+        out = out.reshape(tuple(response.outputs[0].shape))
+        assert out.shape == ref.shape
+        assert _rel(out, ref) < tol
+
+    serialize = lambda m: m.SerializeToString()  # noqa: E731
+    with grpc.insecure_channel(server.target) as channel:
+        infer = channel.unary_unary(KSERVE + "ModelInfer", request_serializer=serialize,
+                                    response_deserializer=kpb.ModelInferResponse.FromString)
+        for i in range(3):
+            check(infer(request(i), timeout=120), i)
+        stream = channel.stream_stream(
+            KSERVE + "ModelStreamInfer", request_serializer=serialize,
+            response_deserializer=kpb.ModelStreamInferResponse.FromString)
+        answers = list(stream(iter([request(i) for i in range(4)]), timeout=120))
+    assert len(answers) == 4
+    for i, answer in enumerate(sorted(answers, key=lambda a: a.infer_response.id)):
+        assert answer.error_message == ""
+        check(answer.infer_response, i)
+
+
 def test_batch_invariance_on_the_gpu(client, server, torch_cuda):
     """A request's answer is bitwise the same alone and inside a batch of
     different requests (the CUDA engine gives each request its own launches)."""

@@ -34,6 +34,10 @@ API_PROTOS = ("attnserve/v1/model_config.proto", "attnserve/v1/attention.proto",
 _DEV_PROTOS = {
     EXT_PREFIX + "/reflection/v1alpha/reflection.proto": "grpc/reflection/v1alpha/reflection.proto",
 }
+# Checkout only, from the repository's proto/: KServe v2's protocol (tests
+# that call it without tritonclient, such as the GPU machine's, where Python
+# has no grpc_tools and gets these stubs prebuilt). Skipped when absent.
+_DEV_REPO_PROTOS = ("inference/grpc_service.proto",)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -74,6 +78,11 @@ def sources(with_dev=False):
             path = os.path.join(grpc_proto_root(), orig)
             if os.path.isfile(path):
                 srcs.append((staged, path))
+        for staged in _DEV_REPO_PROTOS:
+            try:
+                srcs.append((staged, find_proto(staged)))
+            except FileNotFoundError:
+                pass
     return srcs
 
 
