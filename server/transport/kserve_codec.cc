@@ -6,6 +6,7 @@
 #include <cstring>
 #include <string>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -177,14 +178,13 @@ absl::Status DecodeParameters(const ModelInferRequest& request, KServeRequest* d
   // In name order: a protobuf map iterates in an order of its own, which
   // two copies of one request need not share, and the first bad parameter
   // must be the same one every time.
-  std::vector<const std::string*> names;
-  names.reserve(request.parameters().size());
-  for (const auto& entry : request.parameters()) names.push_back(&entry.first);
-  std::sort(names.begin(), names.end(),
-            [](const std::string* a, const std::string* b) { return *a < *b; });
-  for (const std::string* key : names) {
-    const std::string& name = *key;
-    const InferParameter& p = request.parameters().at(name);
+  absl::InlinedVector<const google::protobuf::MapPair<std::string, InferParameter>*, 8> entries;
+  for (const auto& entry : request.parameters()) entries.push_back(&entry);
+  std::sort(entries.begin(), entries.end(),
+            [](const auto* a, const auto* b) { return a->first < b->first; });
+  for (const auto* entry : entries) {
+    const std::string& name = entry->first;
+    const InferParameter& p = entry->second;
     absl::Status s;
     if (name == "causal") {
       s = BoolParameter(name, p, &in.causal);

@@ -11,14 +11,13 @@
 #include <string>
 #include <vector>
 
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
 #include "server/transport/kserve_codec.h"
 #include "server/transport/kserve_wire.h"
 #include "server/transport/message_codec.h"
 #include "server/transport/protobuf_log.h"
+#include "tests/unit/server/kserve_request_text.h"
 
 namespace attnserve {
 namespace {
@@ -31,34 +30,17 @@ namespace {
 // Protobuf's bytes for `m`, map entries in key order.
 std::string Canonical(const google::protobuf::Message& m) {
   std::string out;
-  {
-    google::protobuf::io::StringOutputStream stream(&out);
-    google::protobuf::io::CodedOutputStream coded(&stream);
-    coded.SetSerializationDeterministic(true);
-    if (!m.SerializeToCodedStream(&coded)) Fail("a parsed request does not serialize");
-  }
+  if (!kserve_testing::CanonicalBytes(m, &out)) Fail("a parsed request does not serialize");
   return out;
 }
 
 // What the request path sees of a request, as text.
 std::string Decoded(const inference::ModelInferRequest& request,
                     const std::vector<HostBuffer>& raw_inputs) {
-  KServeRequest d;
-  const absl::Status s = DecodeModelInferRequest(request, &d, raw_inputs);
+  absl::Status s;
+  std::string text = kserve_testing::DecodedText(request, raw_inputs, &s);
   if (!s.ok() && s.message().empty()) Fail("decoding refused without a message");
-  std::string out = s.ToString() + "|" + std::string(d.inputs.model);
-  for (const InputTensor* t : {&d.inputs.query, &d.inputs.key, &d.inputs.value,
-                               &d.inputs.attn_mask}) {
-    out += "|" + std::to_string(t->present) + "," + std::to_string(static_cast<int>(t->dtype)) +
-           "," + t->decode_error.ToString() + ",";
-    for (int64_t n : t->shape) out += std::to_string(n) + "x";
-    out += "," + std::string(t->data);
-  }
-  for (int64_t n : d.key_lengths) out += "|k" + std::to_string(n);
-  for (int64_t n : d.positions) out += "|p" + std::to_string(n);
-  out += "|" + std::to_string(d.return_output) + std::to_string(d.return_weights) + "|" +
-         std::to_string(d.timeout_us);
-  return out;
+  return text;
 }
 
 void RunOne(const uint8_t* data, size_t size) {

@@ -20,13 +20,12 @@
 #include <vector>
 
 #include "gmock/gmock.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "gtest/gtest.h"
 #include "grpcpp/support/slice.h"
 #include "server/transport/kserve_codec.h"
 #include "server/transport/message_codec.h"
 #include "server/transport/protobuf_log.h"
+#include "tests/unit/server/kserve_request_text.h"
 #include "tests/unit/server/wire_testing.h"
 
 namespace attnserve {
@@ -66,16 +65,10 @@ Parsed ParseOracle(const std::string& wire, std::vector<size_t> cuts = {}) {
   return p;
 }
 
-// Protobuf's bytes for `m` with map entries in key order (`parameters` is
-// a map, which two equal messages may otherwise write in either order).
+// Protobuf's bytes for `m`, map entries in key order.
 std::string Canonical(const google::protobuf::Message& m) {
   std::string out;
-  {
-    google::protobuf::io::StringOutputStream stream(&out);
-    google::protobuf::io::CodedOutputStream coded(&stream);
-    coded.SetSerializationDeterministic(true);
-    EXPECT_TRUE(m.SerializeToCodedStream(&coded));
-  }
+  EXPECT_TRUE(kserve_testing::CanonicalBytes(m, &out));
   return out;
 }
 
@@ -89,22 +82,9 @@ inference::ModelInferRequest Joined(const Parsed& p) {
   return r;
 }
 
-// What the request path sees of a request, as text: every input's presence,
-// dtype, shape and bytes, and the decode's verdict.
+// What the request path sees of a request, as text.
 std::string Decoded(const Parsed& p) {
-  KServeRequest d;
-  const absl::Status s = DecodeModelInferRequest(p.request, &d, p.raw_inputs);
-  std::string out = s.ToString() + "|" + std::string(d.inputs.model);
-  for (const InputTensor* t : {&d.inputs.query, &d.inputs.key, &d.inputs.value,
-                               &d.inputs.attn_mask}) {
-    out += "|" + std::to_string(t->present) + "," + std::to_string(static_cast<int>(t->dtype)) +
-           "," + t->decode_error.ToString() + ",";
-    for (int64_t n : t->shape) out += std::to_string(n) + "x";
-    out += "," + std::string(t->data);
-  }
-  for (int64_t n : d.key_lengths) out += "|k" + std::to_string(n);
-  for (int64_t n : d.positions) out += "|p" + std::to_string(n);
-  return out;
+  return kserve_testing::DecodedText(p.request, p.raw_inputs);
 }
 
 // Returns what ParseModelInferRequest gave.
