@@ -31,12 +31,15 @@ class Kernel {
   using VElem = Products::VElem;
   using PElem = Products::PElem;
 
+  // No member initializers: the drivers set every field of the rows they
+  // use, and an item's array holds kItemRows of them (12 KiB that zeroing
+  // cost 6% of a short-sequence core).
   struct Row {
-    int64_t i = 0, h = 0;
-    int64_t start = 0;  // keys before it are outside the sliding window
-    int64_t limit = 0;  // keys [start, limit) may be visible (also <= item key1)
-    int64_t mask_offset = 0;
-    void* out = nullptr;
+    int64_t i, h;
+    int64_t start;  // keys before it are outside the sliding window
+    int64_t limit;  // keys [start, limit) may be visible (also <= item key1)
+    int64_t mask_offset;
+    void* out;
   };
 
   // Per-thread buffers, reused across items and calls.
@@ -53,6 +56,10 @@ class Kernel {
     kStats,   // running max/sum only (weights pass 1)
     kFinal,   // P = 2^(t - m) / l with the final m, l (weights pass 2)
   };
+
+  // The running sum after a block: one expression for both softmax paths,
+  // so the compiler contracts it (or not) alike in each.
+  static float RunningSum(float l, float alpha, float block_sum) { return l * alpha + block_sum; }
 
   // Scores of one row of one key block -> probabilities. s: the row's raw
   // Q.K (npad entries, overwritten with t and, in kFinal, fp32 P); prow:
@@ -135,9 +142,107 @@ class Kernel {
         if constexpr (Products::kPInScores) FillRow(reinterpret_cast<float*>(prow) + jv, npad - jv, 0.0f);
         else std::memset(prow + jv, 0, static_cast<size_t>(npad - jv) * sizeof(PElem));
       }
-      *l = *l * a + Vec::ReduceAdd(sum);
+      *l = RunningSum(*l, a, Vec::ReduceAdd(sum));
       *m = m_new;
       *alpha = a;
+    }
+  }
+
+  // SoftmaxBlock<kOnline> for kSoftmaxRows rows at once, in the plain case:
+  // no mask, no softcap, and every key of the block visible to every row
+  // (PlainRow). A row of a short block is a few vectors whose max, exponent
+  // and sum form one dependent chain; one row at a time left that chain's
+  // latency exposed (13% of a B32 L64 core, most of it waiting on the
+  // reductions). The rows' chains are independent, so interleaving them
+  // hides it. Each row's operations, and their order, are SoftmaxBlock's:
+  // its values are bitwise the same whichever function computes them.
+  static constexpr int kSoftmaxRows = 4;
+  static bool PlainRow(const Row& row, int64_t kb, int64_t n) {
+    return row.limit - kb >= n && row.start <= kb;
+  }
+  static void SoftmaxPlainRows(const RequestPlan& plan, int64_t n, int64_t npad, float* s,
+                               PElem* prow, float* m, float* l, float* alpha) {
+    constexpr int R = kSoftmaxRows;
+    constexpr int kDeg = Products::kExpDegree;
+    const int64_t jv = RoundUp(n, W);
+    const V c = Vec::Set1(plan.score_scale);
+    V mx[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      FillRow(s + r * npad + n, jv - n, kNegInf);
+      mx[r] = Vec::Set1(kNegInf);
+    }
+    for (int64_t j = 0; j < jv; j += W) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) mx[r] = Vec::Max(mx[r], Vec::Load(s + r * npad + j));
+    }
+    float block_max[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      // GCC 12 flags the "undefined" register inside _mm512_reduce_max_ps
+      // (a self-initialized placeholder) once inlined here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+      block_max[r] = Vec::ReduceMax(mx[r]) * plan.score_scale;
+#pragma GCC diagnostic pop
+    }
+    V neg_m[R];
+    bool live[R];  // false: every key scored -inf so far (SoftmaxBlock's early return)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float m_new = std::max(m[r], block_max[r]);
+      live[r] = m_new != kNegInf;
+      if (!live[r]) {
+        alpha[r] = 1.0f;
+        neg_m[r] = Vec::Zero();
+        continue;
+      }
+      alpha[r] = m[r] == kNegInf ? 0.0f : Vec::First(Vec::template Exp2<5>(Vec::Set1(m[r] - m_new)));
+      m[r] = m_new;
+      neg_m[r] = Vec::Set1(-m_new);
+    }
+    V sum[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) sum[r] = Vec::Zero();
+    for (int64_t j = 0; j < jv; j += W) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const V pv = Vec::template Exp2<kDeg>(Vec::Fma(Vec::Load(s + r * npad + j), c, neg_m[r]));
+        Products::StoreP(prow + r * npad + j, pv);
+        sum[r] = Vec::Add(sum[r], pv);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      PElem* pr = prow + r * npad;
+      if (!live[r]) {
+        std::memset(pr, 0, static_cast<size_t>(npad) * sizeof(PElem));
+        continue;
+      }
+      if constexpr (Products::kPInScores) FillRow(reinterpret_cast<float*>(pr) + jv, npad - jv, 0.0f);
+      else std::memset(pr + jv, 0, static_cast<size_t>(npad - jv) * sizeof(PElem));
+      l[r] = RunningSum(l[r], alpha[r], Vec::ReduceAdd(sum[r]));
+    }
+  }
+
+  // The softmax of rows [0, count) of a sub-block for key block kb: runs of
+  // kSoftmaxRows plain rows together, the others one by one.
+  static void SoftmaxOnline(const RequestPlan& plan, const Row* row, int64_t count, int64_t kb,
+                            int64_t n, int64_t npad, float* s, PElem* prow, float* bias, float* m,
+                            float* l, float* alpha) {
+    const AttentionParams& p = *plan.p;
+    const bool plain_request = p.mask.kind == MaskParams::Kind::kNone && !(p.softcap > 0);
+    for (int64_t r = 0; r < count;) {
+      bool plain = plain_request && r + kSoftmaxRows <= count;
+      for (int k = 0; plain && k < kSoftmaxRows; ++k) plain = PlainRow(row[r + k], kb, n);
+      if (plain) {
+        SoftmaxPlainRows(plan, n, npad, s + r * npad, prow + r * npad, m + r, l + r, alpha + r);
+        r += kSoftmaxRows;
+      } else {
+        SoftmaxBlock<Mode::kOnline>(plan, row[r], kb, n, npad, s + r * npad, prow + r * npad, bias,
+                                    m + r, l + r, alpha + r);
+        ++r;
+      }
     }
   }
 
@@ -389,9 +494,8 @@ class Kernel {
         } else {
           Products::QK(bf.s, npad, q + r0 * ldq, ldq, bf.k, npad, sr_pad, npad, p.head_dim);
         }
-        for (int64_t r = 0; r < sr; ++r)
-          SoftmaxBlock<Mode::kOnline>(plan, row[r0 + r], kb, n, npad, bf.s + r * npad, bf.p + r * npad,
-                                      bf.bias, bf.m + r0 + r, bf.l + r0 + r, bf.alpha + r0 + r);
+        SoftmaxOnline(plan, row + r0, sr, kb, n, npad, bf.s, bf.p, bf.bias, bf.m + r0, bf.l + r0,
+                      bf.alpha + r0);
         if (sr_pad > sr)
           std::memset(bf.p + sr * npad, 0, static_cast<size_t>((sr_pad - sr) * npad) * sizeof(PElem));
         if (direct_v) {

@@ -238,7 +238,7 @@ struct Products {
   static void QkTile(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t d,
                      float* s, int64_t lds) {
     V acc[M][N];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m)
 #pragma GCC unroll 4
       for (int n = 0; n < N; ++n) acc[m][n] = Vec::Zero();
@@ -246,36 +246,37 @@ struct Products {
       V kv[N];
 #pragma GCC unroll 4
       for (int n = 0; n < N; ++n) kv[n] = Vec::Load(kt + k * ldk + n * W);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int m = 0; m < M; ++m) {
         const V qb = Vec::Set1(q[m * ldq + k]);
 #pragma GCC unroll 4
         for (int n = 0; n < N; ++n) acc[m][n] = Vec::Fma(qb, kv[n], acc[m][n]);
       }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m)
 #pragma GCC unroll 4
       for (int n = 0; n < N; ++n) Vec::Store(s + m * lds + n * W, acc[m][n]);
   }
 
-  // Scores of rows [0, rows) for the N * W keys from column j0.
+  // Scores of rows [0, rows) for the N * W keys from column j0: tiles of
+  // Vec::QkRows(N) rows (taller for narrow tiles, so that enough independent
+  // FMA chains hide the FMA latency), then one tile of the rows left.
   template <int N>
   static void QkRows(float* s, int64_t lds, const float* q, int64_t ldq, const float* kt,
                      int64_t ldk, int64_t rows, int64_t j0, int64_t d) {
-    constexpr int M = Vec::kQkRows;
+    constexpr int M = Vec::QkRows(N);
     int64_t r0 = 0;
     for (; r0 + M <= rows; r0 += M) QkTile<M, N>(q + r0 * ldq, ldq, kt + j0, ldk, d, s + r0 * lds + j0, lds);
-    const float* qr = q + r0 * ldq;
-    float* sr = s + r0 * lds + j0;
-    switch (rows - r0) {
-      case 0: break;
-      case 1: QkTile<1, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
-      case 2: QkTile<2, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
-      case 3: QkTile<3, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
-      case 4: if constexpr (M > 4) QkTile<4, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
-      case 5: if constexpr (M > 5) QkTile<5, N>(qr, ldq, kt + j0, ldk, d, sr, lds); break;
-    }
+    if (r0 < rows)
+      QkTail<N>(std::make_integer_sequence<int, M - 1>{}, static_cast<int>(rows - r0), q + r0 * ldq, ldq,
+                kt + j0, ldk, d, s + r0 * lds + j0, lds);
+  }
+  // QkTile<rest, N> for 1 <= rest < M (rest == Ms + 1).
+  template <int N, int... Ms>
+  static void QkTail(std::integer_sequence<int, Ms...>, int rest, const float* q, int64_t ldq,
+                     const float* kt, int64_t ldk, int64_t d, float* s, int64_t lds) {
+    ((rest == Ms + 1 ? QkTile<Ms + 1, N>(q, ldq, kt, ldk, d, s, lds) : void()), ...);
   }
 
   // s[r][j] = sum_k q[r][k] kt[k][j] for r < rows, j < ncols (a multiple of

@@ -8,7 +8,9 @@ struct Vec {
   using V = __m256;
   static constexpr int W = 8;
   // 16 ymm registers: 6 x 2 accumulators + 2 loads + 1 broadcast.
-  static constexpr int kQkRows = 6, kQkVecs = 2, kPvRows = 6, kPvVecs = 2;
+  static constexpr int kQkVecs = 2, kPvRows = 6, kPvVecs = 2;
+  // Rows of a Q K^T tile N vectors wide (16 ymm): 6 x 2, or 12 x 1.
+  static constexpr int QkRows(int n) { return n >= 2 ? 6 : 12; }
   static constexpr int kT = 8;
   static V Zero() { return _mm256_setzero_ps(); }
   static V Set1(float x) { return _mm256_set1_ps(x); }

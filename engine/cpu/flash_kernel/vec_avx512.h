@@ -40,7 +40,11 @@ struct Vec {
   using V = __m512;
   static constexpr int W = 16;
   // 32 zmm registers: 6 x 4 accumulators + 4 loads + 1 broadcast.
-  static constexpr int kQkRows = 6, kQkVecs = 4, kPvRows = 6, kPvVecs = 4;
+  static constexpr int kQkVecs = 4, kPvRows = 6, kPvVecs = 4;
+  // Rows of a Q K^T tile N vectors wide: N x rows accumulators, N loads and
+  // a broadcast in 32 zmm; at least 12 accumulators (FMA latency x 2 ports
+  // and then some), so one vector of keys takes 16 rows.
+  static constexpr int QkRows(int n) { return n >= 4 ? 6 : n == 3 ? 8 : n == 2 ? 12 : 16; }
   static constexpr int kT = 16;
   static V Zero() { return _mm512_setzero_ps(); }
   static V Set1(float x) { return _mm512_set1_ps(x); }

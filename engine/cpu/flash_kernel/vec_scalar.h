@@ -8,7 +8,8 @@
 struct Vec {
   using V = float;
   static constexpr int W = 1;
-  static constexpr int kQkRows = 4, kQkVecs = 4, kPvRows = 4, kPvVecs = 4;
+  static constexpr int kQkVecs = 4, kPvRows = 4, kPvVecs = 4;
+  static constexpr int QkRows(int) { return 4; }
   static constexpr int kT = 0;  // no vector transpose
   static V Zero() { return 0.0f; }
   static V Set1(float x) { return x; }

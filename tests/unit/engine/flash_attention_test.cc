@@ -577,6 +577,56 @@ TEST_P(FlashIsaTest, DeterministicBatchAndThreadInvariant) {
   }
 }
 
+// A row's result does not depend on the rows whose softmax is computed
+// beside it. Rows that see every key of a block go through the kernel's
+// several-row softmax; the others (here: causal rows) one row at a time.
+// Row i of a bottom-right causal request over Lk = n + 7 keys sees exactly
+// the first n + i keys, and its group of rows is never all fully visible;
+// the same query row against those keys alone, in a non-causal request of
+// eight copies of it (every group fully visible), must give the same bits.
+TEST_P(FlashIsaTest, ARowGivesTheSameBitsWhicheverRowsShareItsSoftmax) {
+  Rng rng(11);
+  constexpr int64_t kHeads = 2, kRows = 8, kDim = 64;
+  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    for (int64_t n : {9, 16, 37, 64, 250}) {
+      Request causal;
+      causal.s = Shape4{1, kHeads, kHeads, kRows, n + kRows - 1, kDim, kDim};
+      causal.causal = true;
+      causal.dtype = causal.out_dtype = dt;
+      Materialize(rng, causal);
+      FlashOptions opt;
+      opt.isa = GetParam();
+      opt.num_threads = 1;
+      ASSERT_TRUE(FlashAttention({causal.p}, opt).ok()) << causal.label;
+      const size_t es = DTypeSize(dt);
+      const size_t row_bytes = static_cast<size_t>(kDim) * es;
+      for (int64_t i = 0; i < kRows; ++i) {
+        const int64_t keys = n + i;
+        Request alone;
+        alone.s = Shape4{1, kHeads, kHeads, kRows, keys, kDim, kDim};
+        alone.dtype = alone.out_dtype = dt;
+        Materialize(rng, alone);
+        alone.p.scale = causal.p.scale;
+        for (int64_t h = 0; h < kHeads; ++h) {  // head layout [B, H, L, D]
+          const uint8_t* q_row = causal.q.data() + (h * kRows + i) * row_bytes;
+          for (int64_t r = 0; r < kRows; ++r)
+            std::memcpy(alone.q.data() + (h * kRows + r) * row_bytes, q_row, row_bytes);
+          std::memcpy(alone.k.data() + h * keys * row_bytes,
+                      causal.k.data() + h * (n + kRows - 1) * row_bytes, keys * row_bytes);
+          std::memcpy(alone.v.data() + h * keys * row_bytes,
+                      causal.v.data() + h * (n + kRows - 1) * row_bytes, keys * row_bytes);
+        }
+        ASSERT_TRUE(FlashAttention({alone.p}, opt).ok()) << alone.label;
+        for (int64_t h = 0; h < kHeads; ++h)
+          for (int64_t r = 0; r < kRows; ++r)
+            EXPECT_EQ(0, std::memcmp(alone.out.data() + (h * kRows + r) * row_bytes,
+                                     causal.out.data() + (h * kRows + i) * row_bytes, row_bytes))
+                << causal.label << ": head " << h << ", causal row " << i << " against copy " << r;
+      }
+    }
+  }
+}
+
 // The same values in head layout [B, H, L, D] (Q and V read in place by the
 // fp32 variants) and in token layout [B, L, H * D] (rows H * D apart: packed
 // first): bitwise the same output. Shapes span one and several key blocks,
