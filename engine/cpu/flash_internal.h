@@ -36,7 +36,7 @@ static_assert(kItemRows % kBlockRows == 0);
 // causal skipping. Its score block (64 x 256 fp32 = 64 KiB) stays in L2.
 inline constexpr int64_t kBlockKeys = 256;
 // Packed key blocks are padded to a multiple of a kernel's own key alignment
-// (Products::kKeyAlign: 16 for fp32, 64 for bf16), which divides this, the
+// (Products::kKeyAlign: 16 for fp32 and AVX512_BF16, 64 for AMX), which divides this, the
 // widest microkernel tile; padded keys are zero and masked.
 inline constexpr int64_t kKeyAlign = 64;
 // Keys per chunk when a request's keys are split across threads (decode).

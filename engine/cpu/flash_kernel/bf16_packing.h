@@ -16,8 +16,8 @@ struct Bf16Packing {
   using KElem = uint32_t;
   using VElem = uint32_t;
   using PElem = uint16_t;
-  // Keys of a block are padded to a multiple of this (the 64-key tiles of
-  // both bf16 product kernels).
+  // Keys of a block are padded to a multiple of this: AMX's 64-key tiles
+  // (amx_products.h); the AVX512_BF16 products pad to 16 (bf16_products.h).
   static constexpr int64_t kKeyAlign = flash::kKeyAlign;
   static constexpr int kExpDegree = 3;
   static constexpr bool kPInScores = false;

@@ -7,6 +7,11 @@
 
 struct Products : Bf16Packing {
   static constexpr int kRowAlign = 1;
+  // Keys of a block are padded to one vector of keys (not to the 64 of
+  // Bf16Packing, which AMX's tiles need): Q K^T takes 16, 32 or 48 keys in
+  // narrower tiles, so a 16-key block is not computed as 64.
+  static constexpr int64_t kKeyAlign = 16;
+  static_assert(flash::kKeyAlign % kKeyAlign == 0);
   static void Begin() {}
   static void End() {}
 
@@ -14,7 +19,7 @@ struct Products : Bf16Packing {
   static void QkTile(const uint16_t* q, int64_t ldq, const uint32_t* k2, int64_t ldk,
                      int64_t pairs, float* s, int64_t lds) {
     __m512 acc[M][N];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m)
 #pragma GCC unroll 4
       for (int n = 0; n < N; ++n) acc[m][n] = _mm512_setzero_ps();
@@ -22,37 +27,52 @@ struct Products : Bf16Packing {
       __m512bh kv[N];
 #pragma GCC unroll 4
       for (int n = 0; n < N; ++n) kv[n] = (__m512bh)_mm512_loadu_si512(k2 + p * ldk + n * 16);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int m = 0; m < M; ++m) {
         const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(LoadU32(q + m * ldq + 2 * p)));
 #pragma GCC unroll 4
         for (int n = 0; n < N; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], qb, kv[n]);
       }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m)
 #pragma GCC unroll 4
       for (int n = 0; n < N; ++n) _mm512_storeu_ps(s + m * lds + n * 16, acc[m][n]);
   }
 
+  // Scores of rows [0, rows) for the N * 16 keys from column j0, in tiles
+  // of Vec::QkRows(N) rows and one tile of the rows left.
+  template <int N>
+  static void QkRows(float* s, int64_t lds, const uint16_t* q, int64_t ldq, const uint32_t* k2,
+                     int64_t ldk, int64_t rows, int64_t j0, int64_t pairs) {
+    constexpr int M = Vec::QkRows(N);
+    int64_t r0 = 0;
+    for (; r0 + M <= rows; r0 += M)
+      QkTile<M, N>(q + r0 * ldq, ldq, k2 + j0, ldk, pairs, s + r0 * lds + j0, lds);
+    if (r0 < rows)
+      QkTail<N>(std::make_integer_sequence<int, M - 1>{}, static_cast<int>(rows - r0), q + r0 * ldq, ldq,
+                k2 + j0, ldk, pairs, s + r0 * lds + j0, lds);
+  }
+  // QkTile<rest, N> for 1 <= rest < M (rest == Ms + 1).
+  template <int N, int... Ms>
+  static void QkTail(std::integer_sequence<int, Ms...>, int rest, const uint16_t* q, int64_t ldq,
+                     const uint32_t* k2, int64_t ldk, int64_t pairs, float* s, int64_t lds) {
+    ((rest == Ms + 1 ? QkTile<Ms + 1, N>(q, ldq, k2, ldk, pairs, s, lds) : void()), ...);
+  }
+
+  // s[r][j] for r < rows, j < ncols (a multiple of kKeyAlign): 64 keys at a
+  // time, then the 16, 32 or 48 left. Every score is the same pair-ordered
+  // chain of vdpbf16ps whatever the tile.
   static void QK(float* s, int64_t lds, const uint16_t* q, int64_t ldq, const uint32_t* k2,
                  int64_t ldk, int64_t rows, int64_t ncols, int64_t d) {
-    constexpr int M = 6, N = 4;
     const int64_t pairs = (d + 1) / 2;
-    for (int64_t j0 = 0; j0 < ncols; j0 += N * 16) {
-      int64_t r0 = 0;
-      for (; r0 + M <= rows; r0 += M)
-        QkTile<M, N>(q + r0 * ldq, ldq, k2 + j0, ldk, pairs, s + r0 * lds + j0, lds);
-      const uint16_t* qr = q + r0 * ldq;
-      float* sr = s + r0 * lds + j0;
-      switch (rows - r0) {
-        case 0: break;
-        case 1: QkTile<1, N>(qr, ldq, k2 + j0, ldk, pairs, sr, lds); break;
-        case 2: QkTile<2, N>(qr, ldq, k2 + j0, ldk, pairs, sr, lds); break;
-        case 3: QkTile<3, N>(qr, ldq, k2 + j0, ldk, pairs, sr, lds); break;
-        case 4: QkTile<4, N>(qr, ldq, k2 + j0, ldk, pairs, sr, lds); break;
-        case 5: QkTile<5, N>(qr, ldq, k2 + j0, ldk, pairs, sr, lds); break;
-      }
+    int64_t j0 = 0;
+    for (; j0 + 64 <= ncols; j0 += 64) QkRows<4>(s, lds, q, ldq, k2, ldk, rows, j0, pairs);
+    switch ((ncols - j0) / 16) {
+      case 0: break;
+      case 1: QkRows<1>(s, lds, q, ldq, k2, ldk, rows, j0, pairs); break;
+      case 2: QkRows<2>(s, lds, q, ldq, k2, ldk, rows, j0, pairs); break;
+      case 3: QkRows<3>(s, lds, q, ldq, k2, ldk, rows, j0, pairs); break;
     }
   }
 
