@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <utility>
 
 #include "engine/attention_params.h"
 #include "engine/tensor.h"

@@ -41,23 +41,13 @@ struct Products : Bf16Packing {
   }
 
   // Scores of rows [0, rows) for the N * 16 keys from column j0, in tiles
-  // of Vec::QkRows(N) rows and one tile of the rows left.
+  // of Vec::QkRows(N) rows.
   template <int N>
   static void QkRows(float* s, int64_t lds, const uint16_t* q, int64_t ldq, const uint32_t* k2,
                      int64_t ldk, int64_t rows, int64_t j0, int64_t pairs) {
-    constexpr int M = Vec::QkRows(N);
-    int64_t r0 = 0;
-    for (; r0 + M <= rows; r0 += M)
+    ForRowTiles<Vec::QkRows(N)>(rows, [&]<int M>(int64_t r0) {
       QkTile<M, N>(q + r0 * ldq, ldq, k2 + j0, ldk, pairs, s + r0 * lds + j0, lds);
-    if (r0 < rows)
-      QkTail<N>(std::make_integer_sequence<int, M - 1>{}, static_cast<int>(rows - r0), q + r0 * ldq, ldq,
-                k2 + j0, ldk, pairs, s + r0 * lds + j0, lds);
-  }
-  // QkTile<rest, N> for 1 <= rest < M (rest == Ms + 1).
-  template <int N, int... Ms>
-  static void QkTail(std::integer_sequence<int, Ms...>, int rest, const uint16_t* q, int64_t ldq,
-                     const uint32_t* k2, int64_t ldk, int64_t pairs, float* s, int64_t lds) {
-    ((rest == Ms + 1 ? QkTile<Ms + 1, N>(q, ldq, k2, ldk, pairs, s, lds) : void()), ...);
+    });
   }
 
   // s[r][j] for r < rows, j < ncols (a multiple of kKeyAlign): 64 keys at a

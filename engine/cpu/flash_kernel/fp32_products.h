@@ -259,24 +259,15 @@ struct Products {
       for (int n = 0; n < N; ++n) Vec::Store(s + m * lds + n * W, acc[m][n]);
   }
 
-  // Scores of rows [0, rows) for the N * W keys from column j0: tiles of
-  // Vec::QkRows(N) rows (taller for narrow tiles, so that enough independent
-  // FMA chains hide the FMA latency), then one tile of the rows left.
+  // Scores of rows [0, rows) for the N * W keys from column j0, in tiles of
+  // Vec::QkRows(N) rows: taller for narrow tiles, so that enough independent
+  // FMA chains hide the FMA latency.
   template <int N>
   static void QkRows(float* s, int64_t lds, const float* q, int64_t ldq, const float* kt,
                      int64_t ldk, int64_t rows, int64_t j0, int64_t d) {
-    constexpr int M = Vec::QkRows(N);
-    int64_t r0 = 0;
-    for (; r0 + M <= rows; r0 += M) QkTile<M, N>(q + r0 * ldq, ldq, kt + j0, ldk, d, s + r0 * lds + j0, lds);
-    if (r0 < rows)
-      QkTail<N>(std::make_integer_sequence<int, M - 1>{}, static_cast<int>(rows - r0), q + r0 * ldq, ldq,
-                kt + j0, ldk, d, s + r0 * lds + j0, lds);
-  }
-  // QkTile<rest, N> for 1 <= rest < M (rest == Ms + 1).
-  template <int N, int... Ms>
-  static void QkTail(std::integer_sequence<int, Ms...>, int rest, const float* q, int64_t ldq,
-                     const float* kt, int64_t ldk, int64_t d, float* s, int64_t lds) {
-    ((rest == Ms + 1 ? QkTile<Ms + 1, N>(q, ldq, kt, ldk, d, s, lds) : void()), ...);
+    ForRowTiles<Vec::QkRows(N)>(rows, [&]<int M>(int64_t r0) {
+      QkTile<M, N>(q + r0 * ldq, ldq, kt + j0, ldk, d, s + r0 * lds + j0, lds);
+    });
   }
 
   // s[r][j] = sum_k q[r][k] kt[k][j] for r < rows, j < ncols (a multiple of

@@ -1,5 +1,6 @@
-// Row loops over the `Vec` in scope (vec_*.h): widen, store rounded, fill.
-// Used by the fp32 products and the driver.
+// Row loops over the `Vec` in scope (vec_*.h): widen, store rounded, fill;
+// and the row tiling of the products' microkernels. Used by the products and
+// the driver.
 
 #if !defined(ATTNSERVE_FLASH_KERNEL_FILE)
 #error "engine/cpu/flash_kernel/ is included only by engine/cpu/flash_kernel_<isa>.cc"
@@ -25,4 +26,18 @@ inline void FillRow(float* dst, int64_t n, float value) {
   int64_t j = 0;
   for (; j + Vec::W <= n; j += Vec::W) Vec::Store(dst + j, v);
   for (; j < n; ++j) dst[j] = value;
+}
+
+// tile.template operator()<R>(r0) for the rows [0, rows) of a microkernel:
+// tiles of M rows from r0 = 0, then one tile of the R < M rows left (R a
+// compile-time size, so each tile keeps its accumulators in registers).
+template <int M, typename Tile>
+__attribute__((always_inline)) inline void ForRowTiles(int64_t rows, Tile&& tile) {
+  int64_t r0 = 0;
+  for (; r0 + M <= rows; r0 += M) tile.template operator()<M>(r0);
+  if (r0 == rows) return;
+  const int rest = static_cast<int>(rows - r0);
+  [&]<int... Ms>(std::integer_sequence<int, Ms...>) {
+    ((rest == Ms + 1 ? tile.template operator()<Ms + 1>(r0) : void()), ...);
+  }(std::make_integer_sequence<int, M - 1>{});
 }
