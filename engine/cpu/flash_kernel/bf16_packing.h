@@ -21,6 +21,9 @@ struct Bf16Packing {
   static constexpr int64_t kKeyAlign = flash::kKeyAlign;
   static constexpr int kExpDegree = 3;
   static constexpr bool kPInScores = false;
+  // Whether PV takes a null alpha (O from zero): the AVX512_BF16 products
+  // do; AMX's keeps O's multiply-add.
+  static constexpr bool kPvFromZero = false;
   using V = Vec::V;
 
   static int64_t QStride(int64_t d) { return RoundUp(d, 32); }

@@ -7,6 +7,7 @@
 
 struct Products : Bf16Packing {
   static constexpr int kRowAlign = 1;
+  static constexpr bool kPvFromZero = true;
   // Keys of a block are padded to one vector of keys (not to the 64 of
   // Bf16Packing, which AMX's tiles need): Q K^T takes 16, 32 or 48 keys in
   // narrower tiles, so a 16-key block is not computed as 64.
@@ -72,9 +73,11 @@ struct Products : Bf16Packing {
     __m512 acc[M][N];
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      const __m512 a = _mm512_set1_ps(alpha[m]);
+      const __m512 a = alpha != nullptr ? _mm512_set1_ps(alpha[m]) : _mm512_setzero_ps();
 #pragma GCC unroll 4
-      for (int c = 0; c < N; ++c) acc[m][c] = _mm512_mul_ps(_mm512_loadu_ps(o + m * ldo + c * 16), a);
+      for (int c = 0; c < N; ++c)
+        acc[m][c] = alpha != nullptr ? _mm512_mul_ps(_mm512_loadu_ps(o + m * ldo + c * 16), a)
+                                     : _mm512_setzero_ps();
     }
     for (int64_t q = 0; q < pairs; ++q) {
       __m512bh vv[N];
@@ -96,22 +99,13 @@ struct Products : Bf16Packing {
   template <int N>
   static void PvRows(float* o, int64_t ldo, const float* alpha, const uint16_t* p, int64_t ldp,
                      const uint32_t* v2, int64_t ldv, int64_t rows, int64_t pairs) {
-    constexpr int M = 6;
-    int64_t r0 = 0;
-    for (; r0 + M <= rows; r0 += M)
-      PvTile<M, N>(o + r0 * ldo, ldo, alpha + r0, p + r0 * ldp, ldp, v2, ldv, pairs);
-    float* orow = o + r0 * ldo;
-    const uint16_t* prow = p + r0 * ldp;
-    switch (rows - r0) {
-      case 0: break;
-      case 1: PvTile<1, N>(orow, ldo, alpha + r0, prow, ldp, v2, ldv, pairs); break;
-      case 2: PvTile<2, N>(orow, ldo, alpha + r0, prow, ldp, v2, ldv, pairs); break;
-      case 3: PvTile<3, N>(orow, ldo, alpha + r0, prow, ldp, v2, ldv, pairs); break;
-      case 4: PvTile<4, N>(orow, ldo, alpha + r0, prow, ldp, v2, ldv, pairs); break;
-      case 5: PvTile<5, N>(orow, ldo, alpha + r0, prow, ldp, v2, ldv, pairs); break;
-    }
+    ForRowTiles<6>(rows, [&]<int M>(int64_t r0) {
+      PvTile<M, N>(o + r0 * ldo, ldo, alpha != nullptr ? alpha + r0 : nullptr, p + r0 * ldp, ldp, v2,
+                   ldv, pairs);
+    });
   }
 
+  // o = alpha * o + P V (alpha null: o starts from zero).
   static void PV(float* o, int64_t ldo, const float* alpha, const uint16_t* p, int64_t ldp,
                  const uint32_t* v2, int64_t ldv, int64_t rows, int64_t n, int64_t dv_pad, float*) {
     const int64_t pairs = (n + 1) / 2;

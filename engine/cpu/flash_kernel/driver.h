@@ -433,18 +433,23 @@ class Kernel {
       sub_end[r / kBlockRows] = std::max(sub_end[r / kBlockRows], rw.limit);
       kend = std::max(kend, rw.limit);
     }
-    FillRow(bf.m, r_pad, kNegInf);
-    FillRow(bf.l, r_pad, 0.0f);
-    FillRow(bf.alpha, r_pad, 1.0f);
-    FillRow(bf.o, r_pad * dvp, 0.0f);
-    // A sink starts each row's softmax as a key of its own with no value;
-    // a key-split row gets it once, where its chunks are combined.
-    if (p.sinks != nullptr && item.kind != ItemKind::kSplit) StartWithSinks(p, row, rows, bf);
-
     // Decided per request (not per item), so every row of it is computed
     // the same way however rows are grouped.
     const bool direct_k = Products::UseDirectK(plan.group * p.q_len, p.head_dim, p.dtype);
     const bool direct_v = Products::UseDirectV(plan.group * p.q_len, p.head_dim_v, dvp);
+    // O from zero: a sub-block's first P V starts its accumulators at zero
+    // (the values O = 0 * alpha + ... gave), so O is neither zeroed here nor
+    // read then; a sub-block that no block reaches is zeroed at the end.
+    const bool o_from_zero = Products::kPvFromZero && !direct_v;
+    bool o_started[kMaxSub] = {};
+
+    FillRow(bf.m, r_pad, kNegInf);
+    FillRow(bf.l, r_pad, 0.0f);
+    FillRow(bf.alpha, r_pad, 1.0f);
+    if (!o_from_zero) FillRow(bf.o, r_pad * dvp, 0.0f);
+    // A sink starts each row's softmax as a key of its own with no value;
+    // a key-split row gets it once, where its chunks are combined.
+    if (p.sinks != nullptr && item.kind != ItemKind::kSplit) StartWithSinks(p, row, rows, bf);
     Products::Begin();
     // Q rows are read in place where the products take them as they are
     // (contiguous fp32 rows), else packed once per item.
@@ -501,11 +506,19 @@ class Kernel {
         if (direct_v) {
           Products::PVDirect(bf.o + r0 * dvp, dvp, bf.alpha + r0, bf.p, npad, v_rows, p.dtype, sr_pad, n, dvp);
         } else {
-          Products::PV(bf.o + r0 * dvp, dvp, bf.alpha + r0, bf.p, npad, v, ldv, sr_pad, n, dvp, bf.tmp);
+          const float* alpha = o_from_zero && !o_started[sb] ? nullptr : bf.alpha + r0;
+          Products::PV(bf.o + r0 * dvp, dvp, alpha, bf.p, npad, v, ldv, sr_pad, n, dvp, bf.tmp);
+          o_started[sb] = true;
         }
       }
     }
     Products::End();
+    if (o_from_zero) {
+      for (int64_t sb = 0; sb < subs; ++sb) {
+        const int64_t r0 = sb * kBlockRows;
+        if (!o_started[sb]) FillRow(bf.o + r0 * dvp, (std::min(kBlockRows, r_pad - r0)) * dvp, 0.0f);
+      }
+    }
 
     if (item.kind == ItemKind::kSplit) {
       const int64_t stride = PartialStride(plan);

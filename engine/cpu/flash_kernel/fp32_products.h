@@ -16,6 +16,9 @@ struct Products {
   using VElem = float;
   using PElem = float;
   static constexpr int kRowAlign = 1;
+  // PV takes a null alpha as "O starts from zero" (the driver then skips
+  // zeroing O and the products skip reading it).
+  static constexpr bool kPvFromZero = true;
   // Keys of a block are padded to a multiple of this: one AVX-512 vector,
   // so a short key sequence (8 or 16 keys) does not pay for a 64-key tile.
   static constexpr int64_t kKeyAlign = 16;
@@ -303,9 +306,10 @@ struct Products {
     V acc[M][N];
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      const V a = Vec::Set1(alpha[m]);
+      const V a = alpha != nullptr ? Vec::Set1(alpha[m]) : Vec::Zero();
 #pragma GCC unroll 4
-      for (int c = 0; c < N; ++c) acc[m][c] = Vec::Mul(Vec::Load(o + m * ldo + c * W), a);
+      for (int c = 0; c < N; ++c)
+        acc[m][c] = alpha != nullptr ? Vec::Mul(Vec::Load(o + m * ldo + c * W), a) : Vec::Zero();
     }
     for (int64_t j = 0; j < n; ++j) {
       vr.Prefetch(j + kPrefetchRows, N * W);
@@ -328,24 +332,14 @@ struct Products {
   template <int N, typename VRows>
   static void PvRows(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
                      const VRows& vr, int64_t rows, int64_t n) {
-    constexpr int M = Vec::kPvRows;
-    int64_t r0 = 0;
-    for (; r0 + M <= rows; r0 += M)
-      PvTile<M, N>(o + r0 * ldo, ldo, alpha + r0, p + r0 * ldp, ldp, vr, n);
-    float* orow = o + r0 * ldo;
-    const float* prow = p + r0 * ldp;
-    switch (rows - r0) {
-      case 0: break;
-      case 1: PvTile<1, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
-      case 2: PvTile<2, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
-      case 3: PvTile<3, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
-      case 4: if constexpr (M > 4) PvTile<4, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
-      case 5: if constexpr (M > 5) PvTile<5, N>(orow, ldo, alpha + r0, prow, ldp, vr, n); break;
-    }
+    ForRowTiles<Vec::kPvRows>(rows, [&]<int M>(int64_t r0) {
+      PvTile<M, N>(o + r0 * ldo, ldo, alpha != nullptr ? alpha + r0 : nullptr, p + r0 * ldp, ldp, vr, n);
+    });
   }
 
   // o[r] = alpha[r] * o[r] + sum_{j < n} p[r][j] v[j] for r < rows, over
-  // dv_pad columns (a multiple of 16).
+  // dv_pad columns (a multiple of 16); alpha null: o starts from zero (its
+  // old contents are neither read nor needed).
   template <typename VRows>
   static void PvColumns(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
                         const VRows& vr, int64_t rows, int64_t n, int64_t dv_pad) {
