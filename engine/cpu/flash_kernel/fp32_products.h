@@ -27,6 +27,7 @@ struct Products {
   using V = Vec::V;
   static constexpr int W = Vec::W;
   static_assert(kKeyAlign % W == 0 && flash::kKeyAlign % kKeyAlign == 0);
+  static_assert(flash::kDirectMaxRows == 7, "QKDirectRows and PvDirectRows dispatch up to 7 rows");
 
   static void Begin() {}
   static void End() {}
@@ -93,12 +94,15 @@ struct Products {
     for (int64_t k = 0; k < d; ++k) FillRow(kt + k * ldk + n, npad - n, 0.0f);
   }
 
-  // Few rows (decode): Q K^T as dot products straight from the K rows
-  // (krows[j]: key j's row, wherever it lives: contiguous or a paged
-  // cache's blocks), W keys at a time reduced across lanes, instead of
-  // transposing K for a broadcast GEMM that would use one row of it. Needs
-  // d % W == 0 (conv is not used). `pf` says what to prefetch per key.
-  static bool UseDirectK(int64_t rows, int64_t d, DType dt) { return rows <= 4 && d % W == 0; }
+  // Few rows (decode, up to flash::kDirectMaxRows): Q K^T as dot products
+  // straight from the K rows (krows[j]: key j's row, wherever it lives:
+  // contiguous or a paged cache's blocks), W keys at a time reduced across
+  // lanes, instead of transposing K for a broadcast GEMM that would use a
+  // few rows of it. Needs d % W == 0 (conv is not used). `pf` says what to
+  // prefetch per key.
+  static bool UseDirectK(int64_t rows, int64_t d, DType) {
+    return rows <= flash::kDirectMaxRows && d % W == 0;
+  }
   static void QKDirect(float* s, int64_t lds, const float* q, int64_t ldq, const void* const* krows,
                        DType dt, int64_t rows, int64_t n, int64_t d, const RowPrefetch& pf) {
     switch (dt) {
@@ -114,7 +118,10 @@ struct Products {
       case 1: return QKDirectTile<1, kDt>(s, lds, q, ldq, krows, n, d, pf);
       case 2: return QKDirectTile<2, kDt>(s, lds, q, ldq, krows, n, d, pf);
       case 3: return QKDirectTile<3, kDt>(s, lds, q, ldq, krows, n, d, pf);
-      default: return QKDirectTile<4, kDt>(s, lds, q, ldq, krows, n, d, pf);
+      case 4: return QKDirectTile<4, kDt>(s, lds, q, ldq, krows, n, d, pf);
+      case 5: return QKDirectTile<5, kDt>(s, lds, q, ldq, krows, n, d, pf);
+      case 6: return QKDirectTile<6, kDt>(s, lds, q, ldq, krows, n, d, pf);
+      default: return QKDirectTile<7, kDt>(s, lds, q, ldq, krows, n, d, pf);
     }
   }
 
@@ -146,19 +153,19 @@ struct Products {
         const void* row = kr[k];
         for (int64_t c = 0; c < d; c += W) {
           const V kv = Vec::LoadConvert(row, kDt, c);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
           for (int r = 0; r < R; ++r) acc[r][k] = Vec::Fma(Vec::Load(q + r * ldq + c), kv, acc[r][k]);
         }
       }
     } else {
       for (int64_t c = 0; c < d; c += W) {
         V qv[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) qv[r] = Vec::Load(q + r * ldq + c);
 #pragma GCC unroll 16
         for (int k = 0; k < K; ++k) {
           const V kv = Vec::LoadConvert(kr[k], kDt, c);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
           for (int r = 0; r < R; ++r) acc[r][k] = Vec::Fma(qv[r], kv, acc[r][k]);
         }
       }
@@ -176,7 +183,7 @@ struct Products {
       for (int k0 = 0; k0 < W; k0 += K) {
         const int64_t key0 = j0 + k0;
         V acc[R][K];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
           for (int k = 0; k < K; ++k) acc[r][k] = Vec::Zero();
@@ -193,12 +200,12 @@ struct Products {
             for (int r = 0; r < R; ++r) acc[r][k] = a[r][0];
           }
         }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
           for (int k = 0; k < K; ++k) part[r][k0 + k] = acc[r][k];
       }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) Vec::Store(s + r * lds + j0, Vec::ReduceLanes(part[r]));
     }
   }
@@ -362,12 +369,14 @@ struct Products {
   }
 
   // Decode: o[r] = alpha[r] * o[r] + sum_{j < n} p[r][j] V[j] for r < rows
-  // (<= 4), V rows read in place through vrows[j] (contiguous or in a paged
+  // (<= flash::kDirectMaxRows), V rows read in place through vrows[j] (contiguous or in a paged
   // cache's blocks; null for the kPrefetchRows entries past the item's
   // keys), whatever their dtype (dv must equal dv_pad). Each output element
   // is the j-ordered FMA chain of PV; the column passes are as wide as the
   // registers allow, and the first prefetches whole rows ahead.
-  static bool UseDirectV(int64_t rows, int64_t dv, int64_t dv_pad) { return rows <= 4 && dv == dv_pad; }
+  static bool UseDirectV(int64_t rows, int64_t dv, int64_t dv_pad) {
+    return rows <= flash::kDirectMaxRows && dv == dv_pad;
+  }
   static void PVDirect(float* o, int64_t ldo, const float* alpha, const float* p, int64_t ldp,
                        const void* const* vrows, DType dt, int64_t rows, int64_t n, int64_t dv_pad) {
     switch (dt) {
@@ -383,7 +392,10 @@ struct Products {
       case 1: return PvDirectColumns<1, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
       case 2: return PvDirectColumns<2, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
       case 3: return PvDirectColumns<3, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
-      default: return PvDirectColumns<4, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
+      case 4: return PvDirectColumns<4, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
+      case 5: return PvDirectColumns<5, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
+      case 6: return PvDirectColumns<6, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
+      default: return PvDirectColumns<7, kDt>(o, ldo, alpha, p, ldp, vrows, n, dv_pad);
     }
   }
   // Vectors of columns per pass for M rows: M x N accumulators, M
@@ -421,7 +433,7 @@ struct Products {
                            const void* const* vrows, int64_t n, int64_t c0, bool prefetch,
                            int64_t row_bytes) {
     V acc[M][N];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const V a = Vec::Set1(alpha[m]);
 #pragma GCC unroll 16
@@ -431,16 +443,16 @@ struct Products {
       if (prefetch && vrows[j + kPrefetchRows] != nullptr) PrefetchRow(vrows[j + kPrefetchRows], row_bytes);
       const void* vr = ElemPtr(vrows[j], kDt, c0);
       V pb[M];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int m = 0; m < M; ++m) pb[m] = Vec::Set1(p[m * ldp + j]);
 #pragma GCC unroll 16
       for (int c = 0; c < N; ++c) {
         const V vv = Vec::LoadConvert(vr, kDt, c * W);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int m = 0; m < M; ++m) acc[m][c] = Vec::Fma(pb[m], vv, acc[m][c]);
       }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < M; ++m)
 #pragma GCC unroll 16
       for (int c = 0; c < N; ++c) Vec::Store(o + m * ldo + c * W, acc[m][c]);

@@ -463,6 +463,39 @@ TEST_P(FlashIsaTest, ManyPairDecodeMatchesReference) {
   EXPECT_EQ(CheckAgainstReference(GetParam(), reqs, rng), 8);
 }
 
+// Grouped-query decode with 5 to 8 query rows per kv head (group x query
+// positions): up to flash::kDirectMaxRows (7) they take the direct path (K
+// and V read in place; bf16 inputs the AVX-512 fp32 kernel), 8 the packed
+// one. Lk 1100 crosses the key-chunk split; Dv != Dk once.
+TEST_P(FlashIsaTest, GroupedDecodeAtTheDirectLimitMatchesReference) {
+  Rng rng(57);
+  std::vector<std::unique_ptr<Request>> reqs;
+  const std::vector<Shape4> shapes = {{2, 40, 8, 1, 700, 128, 128},  // group 5 (Qwen2.5-14B)
+                                      {1, 6, 1, 1, 1100, 64, 64},    // group 6
+                                      {2, 28, 4, 1, 513, 128, 128},  // group 7 (Qwen2.5-7B)
+                                      {1, 8, 1, 1, 300, 64, 32},     // group 8: packed
+                                      {3, 2, 2, 6, 900, 64, 64},     // MHA, 6 new positions
+                                      {1, 14, 2, 1, 1100, 64, 64}};  // group 7, split
+  int c = 0;
+  for (const Shape4& s : shapes) {
+    for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+      auto r = std::make_unique<Request>();
+      r->s = s;
+      r->dtype = dt;
+      r->causal = c % 2 == 1;
+      r->token_layout = c % 3 == 2;
+      if (c % 4 == 3) {
+        r->key_lengths.resize(static_cast<size_t>(s.batch));
+        for (auto& l : r->key_lengths) l = rng.Int(1, s.kv_len);
+      }
+      Materialize(rng, *r);
+      reqs.push_back(std::move(r));
+      ++c;
+    }
+  }
+  EXPECT_EQ(CheckAgainstReference(GetParam(), reqs, rng), 18);
+}
+
 // Hand-picked shapes at the edges of the kernel's blocking.
 TEST_P(FlashIsaTest, BlockEdgesMatchReference) {
   Rng rng(7);
