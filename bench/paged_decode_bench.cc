@@ -273,6 +273,12 @@ void RegisterAll() {
       {32, 4096, 32, 32, 128, 16, DType::kFloat16}, {32, 4096, 32, 8, 128, 256, DType::kFloat16},
       // MHA with 8 heads: what bench/session_decode.sh asks of the server.
       {32, 4096, 8, 8, 128, 16, DType::kFloat16},
+      // Grouped-query heads around flash::kDirectMaxRows (7 rows per kv
+      // head read K/V in place, 8 pack K): Qwen2.5-14B's 40/8, 48/8,
+      // Qwen2.5-7B's 28/4, and 64/8 (Llama-3-70B, gpt-oss); bf16 too.
+      {32, 4096, 40, 8, 128, 16, DType::kFloat16},  {32, 4096, 48, 8, 128, 16, DType::kFloat16},
+      {32, 4096, 28, 4, 128, 16, DType::kFloat16},  {32, 4096, 64, 8, 128, 16, DType::kFloat16},
+      {32, 4096, 40, 8, 128, 16, DType::kBFloat16}, {32, 4096, 28, 4, 128, 16, DType::kBFloat16},
       // The same at context 32768 with a 4096-token sliding window: the
       // session holds (and the step reads) about the window.
       {32, 32768, 8, 8, 128, 16, DType::kFloat16, 4096},
@@ -281,7 +287,10 @@ void RegisterAll() {
     const std::string name =
         absl::StrCat("S", s.sessions, "_Lk", s.context, s.window > 0 ? absl::StrCat("_W", s.window) : "",
                      "_H", s.hq, "_KV", s.hkv, "_D", s.d, "/",
-                     s.dtype == DType::kFloat16 ? "fp16" : "fp32", "/block:", s.block_tokens);
+                     s.dtype == DType::kFloat16    ? "fp16"
+                     : s.dtype == DType::kBFloat16 ? "bf16"
+                                                   : "fp32",
+                     "/block:", s.block_tokens);
     for (int t : thread_counts) {
       const std::string suffix = absl::StrCat("/threads:", t);
       benchmark::RegisterBenchmark(absl::StrCat("ReadKv/", name, suffix).c_str(), BM_ReadKv, s, t)
