@@ -91,10 +91,10 @@ absl::Status FlashAttention(absl::Span<const AttentionParams> batch,
 absl::StatusOr<CpuIsa> ResolveFlashIsa(DType dtype, const FlashOptions& options);
 
 // The variant FlashAttention runs for request `p`: ResolveFlashIsa, except
-// that decode-shaped requests (<= flash::kDirectMaxRows = 7 query rows per
-// kv head: grouped heads x new positions) run on the
-// AVX-512 fp32 kernel instead of an automatically chosen bf16 one (they are
-// bound by reading K/V, and fp32 products of bf16 inputs are exact).
+// that decode-shaped requests (at most 7 query rows per kv head, grouped
+// heads x new positions: flash::kDirectMaxRows) run on the AVX-512 fp32
+// kernel instead of an automatically chosen bf16 one (they are bound by
+// reading K/V, and fp32 products of bf16 inputs are exact).
 absl::StatusOr<CpuIsa> FlashIsaFor(const AttentionParams& p, const FlashOptions& options);
 
 }  // namespace attnserve::cpu
