@@ -209,7 +209,8 @@ absl::StatusOr<CpuIsa> FlashIsaFor(const AttentionParams& p, const FlashOptions&
   // the pair packing the bf16 kernels need, and its products of bf16 inputs
   // are exact. Only when the variant was not forced.
   if (!forced && IsBf16Isa(*isa) && p.num_kv_heads > 0 &&
-      p.num_heads / p.num_kv_heads * p.q_len <= flash::kDirectMaxRows && CpuSupports(CpuIsa::kAvx512)) {
+      p.num_heads / p.num_kv_heads * p.q_len <= flash::kDirectMaxRows &&
+      CpuSupports(CpuIsa::kAvx512)) {
     return CpuIsa::kAvx512;
   }
   return isa;

@@ -37,15 +37,15 @@ static_assert(kItemRows % kBlockRows == 0);
 // causal skipping. Its score block (64 x 256 fp32 = 64 KiB) stays in L2.
 inline constexpr int64_t kBlockKeys = 256;
 // Packed key blocks are padded to a multiple of a kernel's own key alignment
-// (Products::kKeyAlign: 16 for fp32 and AVX512_BF16, 64 for AMX), which divides this, the
-// widest microkernel tile; padded keys are zero and masked.
+// (Products::kKeyAlign: 16 for fp32 and AVX512_BF16, 64 for AMX), which
+// divides this, the widest microkernel tile; padded keys are zero and masked.
 inline constexpr int64_t kKeyAlign = 64;
 // Most query rows per kv head (grouped heads x query positions) that the
 // fp32 products compute straight from the K and V rows (QKDirect,
 // PVDirect) instead of packing K transposed: up to 7 the direct path was
-// faster (fp16 4k-token decode: 1.42x at 5 rows, 1.12x at 7), at 8 the
-// packed one (docs/PERFORMANCE.md, "Grouped-query decode"). Also where bf16
-// inputs take the AVX-512 fp32 kernel instead of the bf16 one.
+// faster (fp16 4k-token decode: 1.33-1.46x at 5 rows, 1.06-1.24x at 7), at
+// 8 the packed one (docs/PERFORMANCE.md, "Grouped-query decode"). Also where
+// bf16 inputs take the AVX-512 fp32 kernel instead of the bf16 one.
 inline constexpr int64_t kDirectMaxRows = 7;
 // Keys per chunk when a request's keys are split across threads (decode).
 // A constant, so chunk boundaries depend only on the request's own Lk.

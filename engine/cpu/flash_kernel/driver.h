@@ -516,7 +516,7 @@ class Kernel {
     if (o_from_zero) {
       for (int64_t sb = 0; sb < subs; ++sb) {
         const int64_t r0 = sb * kBlockRows;
-        if (!o_started[sb]) FillRow(bf.o + r0 * dvp, (std::min(kBlockRows, r_pad - r0)) * dvp, 0.0f);
+        if (!o_started[sb]) FillRow(bf.o + r0 * dvp, std::min(kBlockRows, r_pad - r0) * dvp, 0.0f);
       }
     }
 

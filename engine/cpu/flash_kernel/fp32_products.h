@@ -369,9 +369,9 @@ struct Products {
   }
 
   // Decode: o[r] = alpha[r] * o[r] + sum_{j < n} p[r][j] V[j] for r < rows
-  // (<= flash::kDirectMaxRows), V rows read in place through vrows[j] (contiguous or in a paged
-  // cache's blocks; null for the kPrefetchRows entries past the item's
-  // keys), whatever their dtype (dv must equal dv_pad). Each output element
+  // (<= flash::kDirectMaxRows), V rows read in place through vrows[j]
+  // (contiguous or in a paged cache's blocks; null for the kPrefetchRows
+  // entries past the item's keys), whatever their dtype (dv must equal dv_pad). Each output element
   // is the j-ordered FMA chain of PV; the column passes are as wide as the
   // registers allow, and the first prefetches whole rows ahead.
   static bool UseDirectV(int64_t rows, int64_t dv, int64_t dv_pad) {

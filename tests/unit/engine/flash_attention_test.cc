@@ -433,19 +433,15 @@ TEST_P(FlashIsaTest, DecodeShapesMatchReference) {
   EXPECT_EQ(CheckAgainstReference(GetParam(), reqs, rng), 24);
 }
 
-// Decode requests with many (sequence, kv head) pairs, which are computed
-// as whole rows over several key blocks instead of key chunks
-// (flash::kSplitMaxPairs), and the same shapes just under the limit (split).
-TEST_P(FlashIsaTest, ManyPairDecodeMatchesReference) {
-  Rng rng(31);
+// Each shape in each dtype, the options varied over the requests made
+// (request c, counted from `phase`: causal every second, token layout every
+// third, random key lengths every fourth).
+std::vector<std::unique_ptr<Request>> EachShapeInEachDType(Rng& rng, const std::vector<Shape4>& shapes,
+                                                           const std::vector<DType>& dtypes, int phase) {
   std::vector<std::unique_ptr<Request>> reqs;
-  const std::vector<Shape4> shapes = {{16, 4, 4, 1, 700, 64, 64},   // 64 pairs: whole rows
-                                      {8, 16, 8, 2, 800, 32, 48},   // 64 pairs, GQA, Dv != Dk
-                                      {21, 3, 3, 1, 600, 64, 64},   // 63 pairs: split
-                                      {32, 2, 2, 3, 1100, 16, 16}};
-  int c = 0;
+  int c = phase;
   for (const Shape4& s : shapes) {
-    for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    for (DType dt : dtypes) {
       auto r = std::make_unique<Request>();
       r->s = s;
       r->dtype = dt;
@@ -460,6 +456,20 @@ TEST_P(FlashIsaTest, ManyPairDecodeMatchesReference) {
       ++c;
     }
   }
+  return reqs;
+}
+
+// Decode requests with many (sequence, kv head) pairs, which are computed
+// as whole rows over several key blocks instead of key chunks
+// (flash::kSplitMaxPairs), and the same shapes just under the limit (split).
+TEST_P(FlashIsaTest, ManyPairDecodeMatchesReference) {
+  Rng rng(31);
+  const std::vector<Shape4> shapes = {{16, 4, 4, 1, 700, 64, 64},   // 64 pairs: whole rows
+                                      {8, 16, 8, 2, 800, 32, 48},   // 64 pairs, GQA, Dv != Dk
+                                      {21, 3, 3, 1, 600, 64, 64},   // 63 pairs: split
+                                      {32, 2, 2, 3, 1100, 16, 16}};
+  std::vector<std::unique_ptr<Request>> reqs =
+      EachShapeInEachDType(rng, shapes, {DType::kFloat32, DType::kBFloat16}, 0);
   EXPECT_EQ(CheckAgainstReference(GetParam(), reqs, rng), 8);
 }
 
@@ -469,30 +479,14 @@ TEST_P(FlashIsaTest, ManyPairDecodeMatchesReference) {
 // one. Lk 1100 crosses the key-chunk split; Dv != Dk once.
 TEST_P(FlashIsaTest, GroupedDecodeAtTheDirectLimitMatchesReference) {
   Rng rng(57);
-  std::vector<std::unique_ptr<Request>> reqs;
   const std::vector<Shape4> shapes = {{2, 40, 8, 1, 700, 128, 128},  // group 5 (Qwen2.5-14B)
                                       {1, 6, 1, 1, 1100, 64, 64},    // group 6
                                       {2, 28, 4, 1, 513, 128, 128},  // group 7 (Qwen2.5-7B)
                                       {1, 8, 1, 1, 300, 64, 32},     // group 8: packed
                                       {3, 2, 2, 6, 900, 64, 64},     // MHA, 6 new positions
                                       {1, 14, 2, 1, 1100, 64, 64}};  // group 7, split
-  int c = 0;
-  for (const Shape4& s : shapes) {
-    for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
-      auto r = std::make_unique<Request>();
-      r->s = s;
-      r->dtype = dt;
-      r->causal = c % 2 == 1;
-      r->token_layout = c % 3 == 2;
-      if (c % 4 == 3) {
-        r->key_lengths.resize(static_cast<size_t>(s.batch));
-        for (auto& l : r->key_lengths) l = rng.Int(1, s.kv_len);
-      }
-      Materialize(rng, *r);
-      reqs.push_back(std::move(r));
-      ++c;
-    }
-  }
+  std::vector<std::unique_ptr<Request>> reqs =
+      EachShapeInEachDType(rng, shapes, {DType::kFloat32, DType::kFloat16, DType::kBFloat16}, 1);
   EXPECT_EQ(CheckAgainstReference(GetParam(), reqs, rng), 18);
 }
 
