@@ -111,6 +111,8 @@ def main():
     shapes = {}
     for r in (r for r in rows if r["kind"] == "attention"):
         key = (r["dtype"], r["batch"], r["heads"], r["seq"], r["head_dim"], r["causal"])
+        if r["kernel"] == "flash-fp32":
+            continue  # in the fp32 list below
         path = r["kernel"] in ("cudnn", "unfused")  # the engine's path; else our kernel
         shapes.setdefault(key, {})["path" if path else "own"] = r
     for pair in shapes.values():
@@ -130,16 +132,23 @@ def main():
 
     print("\nfp32 rows: the attnserve path is the unfused path with 3xTF32 GEMMs (exact fp32 "
           "products on TF32 tensor cores); the own-kernel column is the same path with full-fp32 "
-          "cuBLAS GEMMs. Against torch's efficient backend (the issue's fp32 peer):")
+          "cuBLAS GEMMs; 'fused' is the fused fp32 kernel (3xTF32 inside the flash loop, "
+          "ATTNSERVE_CUDA_FP32_ATTENTION=fused). Against torch's efficient backend (the issue's "
+          "fp32 peer):")
+    fused = {(r["batch"], r["heads"], r["seq"], r["head_dim"], r["causal"]): r
+             for r in rows if r["kind"] == "attention" and r["kernel"] == "flash-fp32"}
     for pair in shapes.values():
         r, own = pair.get("path"), pair.get("own")
         if r is None or r["dtype"] != "fp32":
             continue
+        f = fused.get((r["batch"], r["heads"], r["seq"], r["head_dim"], r["causal"]))
         print(f"- B {r['batch']} H {r['heads']} L {r['seq']} D {r['head_dim']} causal "
               f"{r['causal']}: 3xTF32 {r['tflops']:.1f}, full fp32 "
-              f"{fmt(own['tflops'] if own else None)}, torch efficient "
-              f"{fmt(r['torch_efficient'])}: {ratio(r['tflops'], r['torch_efficient'])}x "
-              f"(full fp32 {ratio(own['tflops'] if own else None, r['torch_efficient'])}x)")
+              f"{fmt(own['tflops'] if own else None)}, fused {fmt(f['tflops'] if f else None)}, "
+              f"torch efficient {fmt(r['torch_efficient'])}: "
+              f"{ratio(r['tflops'], r['torch_efficient'])}x "
+              f"(full fp32 {ratio(own['tflops'] if own else None, r['torch_efficient'])}x, "
+              f"fused {ratio(f['tflops'] if f else None, r['torch_efficient'])}x)")
 
     ceilings = {r["dtype"]: r["tflops"] for r in rows if r["kind"] == "gemm_ceiling"}
     print("\n| dtype | rows x in -> out | projection TFLOP/s (bias fused) | cuBLAS same shape "

@@ -137,9 +137,9 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
 
   if (t == DType::kFloat32) {
     // fp32: the engine's unfused path (unfused_attention.h), with 3xTF32
-    // GEMMs (the engine's choice, kernel "unfused") and with full-fp32 ones
-    // ("unfused-fp32"). The general kernel (about 0.5 TFLOP/s here) is not
-    // timed.
+    // GEMMs (the engine's default, kernel "unfused") and with full-fp32 ones
+    // ("unfused-fp32"), then the fused fp32 kernel ("flash-fp32"). The
+    // general kernel (about 0.5 TFLOP/s here) is not timed.
     for (UnfusedAttention::Gemm gemm :
          {UnfusedAttention::Gemm::k3xTf32, UnfusedAttention::Gemm::kFp32}) {
       absl::StatusOr<std::unique_ptr<UnfusedAttention>> unfused =
@@ -160,6 +160,18 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
       Check(cudaDeviceSynchronize(), "unfused");
       print(gemm == UnfusedAttention::Gemm::k3xTf32 ? "unfused" : "unfused-fp32", unfused_ms,
             0.0);
+    }
+    // The fused fp32 kernel (flash_attention_fp32.cu; the engine's with
+    // ATTNSERVE_CUDA_FP32_ATTENTION=fused), 3xTF32 inside the flash loop.
+    int max_shared = 0;
+    Check(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0),
+          "shared memory per block");
+    if (FlashAttentionFp32Supports(a, max_shared)) {
+      const double fused_ms = TimeMs(
+          [&] { Check(LaunchFlashAttentionFp32(a, max_shared, nullptr), "fused fp32 launch"); },
+          iters);
+      Check(cudaDeviceSynchronize(), "fused fp32");
+      print("flash-fp32", fused_ms, 0.0);
     }
     return;
   }

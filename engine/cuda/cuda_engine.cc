@@ -32,9 +32,17 @@
 namespace attnserve::cuda {
 namespace {
 
+absl::StatusOr<Fp32Attention> ParseFp32Attention(const std::string& name) {
+  if (name.empty() || name == "unfused") return Fp32Attention::kUnfused;
+  if (name == "fused") return Fp32Attention::kFused;
+  return absl::InvalidArgumentError(absl::StrCat("ATTNSERVE_CUDA_FP32_ATTENTION: '", name,
+                                                 "' is not one of unfused, fused"));
+}
+
 class CudaEngine final : public AttentionEngine {
  public:
-  CudaEngine(int device, AttentionSource source) : device_(device), source_(source) {}
+  CudaEngine(int device, AttentionSource source, Fp32Attention fp32)
+      : device_(device), source_(source), fp32_(fp32) {}
   ~CudaEngine() override {
     (void)cudaSetDevice(device_);
     idle_.clear();
@@ -165,7 +173,7 @@ class CudaEngine final : public AttentionEngine {
       }
     }
     // A new concurrent caller: one more workspace.
-    absl::StatusOr<std::unique_ptr<Workspace>> ws = Workspace::Create(source_);
+    absl::StatusOr<std::unique_ptr<Workspace>> ws = Workspace::Create(source_, fp32_);
     if (!ws.ok()) return ws.status();
     (*ws)->request_memory = request_memory_.get();
     return Lease(this, std::move(*ws));
@@ -194,6 +202,7 @@ class CudaEngine final : public AttentionEngine {
 
   const int device_;
   const AttentionSource source_;
+  const Fp32Attention fp32_;
   const std::shared_ptr<KvSlabMemory> slab_memory_ = std::make_shared<DeviceSlabMemory>(device_);
   const std::shared_ptr<HostBufferPool> request_memory_ = PageLockedRequestMemory(device_);
 
@@ -256,7 +265,12 @@ absl::StatusOr<std::unique_ptr<AttentionEngine>> NewCudaEngine(const EngineOptio
           absl::StrCat("ATTNSERVE_CUDA_ATTENTION=cudnn: ", cudnn.message()));
     }
   }
-  return std::unique_ptr<AttentionEngine>(new CudaEngine(kDevice, *source));
+  // Which path takes the fp32 attention the fused fp32 kernel could serve
+  // (attention_kernels.h): the unfused path unless the environment asks.
+  const char* fp32_name = std::getenv("ATTNSERVE_CUDA_FP32_ATTENTION");
+  absl::StatusOr<Fp32Attention> fp32 = ParseFp32Attention(fp32_name != nullptr ? fp32_name : "");
+  if (!fp32.ok()) return fp32.status();
+  return std::unique_ptr<AttentionEngine>(new CudaEngine(kDevice, *source, *fp32));
 }
 
 }  // namespace attnserve::cuda

@@ -356,6 +356,9 @@ absl::Status RunCore(Call& call, AttentionParams& a, const AttentionParams& p,
   if (!done) {
     if (FlashAttentionSupports(a)) {
       ATTNSERVE_CUDA_CALL(LaunchFlashAttention(a, call.stream()));
+    } else if (call.fp32_attention() == Fp32Attention::kFused &&
+               FlashAttentionFp32Supports(a, call.max_shared_bytes())) {
+      ATTNSERVE_CUDA_CALL(LaunchFlashAttentionFp32(a, call.max_shared_bytes(), call.stream()));
     } else if (absl::StatusOr<bool> unfused = RunUnfused(call, a); !unfused.ok()) {
       return unfused.status();
     } else if (!*unfused) {

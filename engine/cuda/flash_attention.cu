@@ -28,6 +28,7 @@
 
 #include "engine/cuda/attention_kernels.h"
 #include "engine/cuda/device_utils.cuh"
+#include "engine/cuda/flash_tile.cuh"
 #include "engine/cuda/static_switch.h"
 
 namespace attnserve::cuda {
@@ -37,8 +38,7 @@ constexpr int kWarps = 8;               // each owns 16 query rows
 constexpr int kBlockM = 16 * kWarps;    // query rows per block
 constexpr int kBlockN = 64;             // keys per tile
 constexpr int kThreads = kWarps * 32;
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr float kLog2e = 1.4426950408889634f;
+using flash::kLog2e;
 
 template <typename T>
 struct Mma;
@@ -76,149 +76,64 @@ struct Mma<__nv_bfloat16> {
   }
 };
 
-__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// Four 8x8 matrices of 16-bit elements from shared memory (see the top).
-__device__ __forceinline__ void LoadMatrices(uint32_t (&r)[4], const void* row_address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SharedAddress(row_address)));
-}
-__device__ __forceinline__ void LoadMatricesTransposed(uint32_t (&r)[4], const void* row_address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SharedAddress(row_address)));
-}
-
-// 16 bytes global -> shared without passing through registers; when !valid
-// the 16 bytes become zeros and nothing is read.
-__device__ __forceinline__ void CopyAsync16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SharedAddress(dst)),
-               "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void WaitCopies() { asm volatile("cp.async.wait_group 0;\n" ::); }
-
-// Starts copying rows [row0, row0 + kRows) of a [rows, D] view (row stride in
-// elements) into shared memory with row pitch D + 8; rows at or past `rows`
-// become zeros, so that padding keys contribute 0 * 0 rather than 0 * garbage.
-// The 16 bytes of padding per row shift consecutive rows by 4 banks: the
-// eight row addresses of one ldmatrix hit distinct banks.
-template <typename T, int D, int kRows>
-__device__ __forceinline__ void CopyTile(T* dst, const T* src, int64_t stride_row, int64_t row0,
-                                         int64_t rows) {
-  constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  static_assert(kRows * kChunks % kThreads == 0, "whole rounds of chunks");
-#pragma unroll
-  for (int round = 0; round < kRows * kChunks / kThreads; ++round) {
-    const int c = static_cast<int>(threadIdx.x) + round * kThreads;
-    const int r = c / kChunks;
-    const int col = (c % kChunks) * 8;
-    const bool valid = row0 + r < rows;
-    CopyAsync16(dst + r * (D + 8) + col, valid ? src + (row0 + r) * stride_row + col : src, valid);
-  }
-}
+// Shared-memory rows are D + 8 elements apart: the 16 bytes of padding per
+// row shift consecutive rows by 4 banks, so the eight row addresses of one
+// ldmatrix hit distinct banks.
+template <int D>
+constexpr int kPitch = D + 8;
 
 template <typename T, int D>
 constexpr int SharedBytes() {
   // Q, then two stages of K, then two stages of V.
-  return (kBlockM + 4 * kBlockN) * (D + 8) * static_cast<int>(sizeof(T));
+  return (kBlockM + 4 * kBlockN) * kPitch<D> * static_cast<int>(sizeof(T));
 }
 
-// Grid: one block per (b, h, 128-row query tile), flattened into blockIdx.x
-// with the tile fastest (neighbouring blocks share K/V in L2).
+// Grid: one block per (b, h, 128-row query tile) (flash::BlockTile).
 template <typename T, int D, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 1)
     FlashAttentionKernel(AttentionParams a, int64_t q_tiles) {
-  constexpr int kLd = D + 8;
+  constexpr int kLd = kPitch<D>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* q_tile = reinterpret_cast<T*>(smem_raw);
-  T* k_stages = q_tile + kBlockM * kLd;
-  T* v_stages = k_stages + 2 * kBlockN * kLd;
+  flash::KvStages<T, D, kBlockN, kLd, kThreads> stages;
+  stages.k = q_tile + kBlockM * kLd;
+  stages.v = stages.k + 2 * kBlockN * kLd;
 
-  int64_t block = blockIdx.x;
-  // Causal: the last query tiles see the most keys; start them first.
-  const int64_t tile = kCausal ? q_tiles - 1 - block % q_tiles : block % q_tiles;
-  block /= q_tiles;
-  const int64_t h = block % a.num_heads;
-  const int64_t b = block / a.num_heads;
-  const int64_t kv_head = h / (a.num_heads / a.num_kv_heads);
-  const int64_t i0 = tile * kBlockM;
-
+  const flash::BlockTile<T> bt(a, q_tiles, kBlockM, /*last_first=*/kCausal);
+  const int64_t b = bt.b, h = bt.h;
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane >> 2;
   const int t = lane & 3;
-
-  const T* q = static_cast<const T*>(a.q) + b * a.q_stride_b + h * a.q_stride_h;
-  const T* k = static_cast<const T*>(a.k) + b * a.k_stride_b + kv_head * a.k_stride_h;
-  const T* v = static_cast<const T*>(a.v) + b * a.v_stride_b + kv_head * a.v_stride_h;
-
-  // The two query rows this thread holds accumulators for, and the keys each
-  // may see: [0, row_end). Rows past q_len see nothing and are not stored.
-  int64_t row[2];
-  int64_t row_end[2];
-  row[0] = i0 + warp * 16 + g;
-  row[1] = row[0] + 8;
-  for (int r = 0; r < 2; ++r) row_end[r] = row[r] < a.q_len ? RowKeyEnd(a, b, row[r]) : 0;
-  // Keys before this are visible to both rows: no per-element test needed.
-  const int64_t both_see = min(row_end[0], row_end[1]);
+  flash::RowPair rows;
+  const int64_t n_tiles = flash::StartBlock<T, D, kBlockM, kBlockN, kLd, kThreads, kCausal>(
+      a, bt, warp, g, q_tile, stages, rows);
   const bool has_mask = a.mask.kind != MaskParams::Kind::kNone;
-  // Keys any row of this warp may see (RowKeyEnd grows with the row).
-  const int64_t warp_first = i0 + warp * 16;
-  const int64_t warp_last = min(warp_first + 15, a.q_len - 1);
-  const int64_t warp_end = warp_first <= warp_last ? RowKeyEnd(a, b, warp_last) : 0;
-
-  // Keys any row of the block may see.
-  int64_t block_end = a.kv_len;
-  if (a.key_lengths != nullptr) block_end = min(block_end, a.key_lengths[b]);
-  if (kCausal) {
-    const int64_t last_row = min(i0 + kBlockM, a.q_len) - 1;
-    block_end = min(block_end, last_row + (a.kv_len - a.q_len) + 1);
-  }
-  const int64_t n_tiles = block_end > 0 ? (block_end + kBlockN - 1) / kBlockN : 0;
-
-  CopyTile<T, D, kBlockM>(q_tile, q, a.q_stride_row, i0, a.q_len);
-  if (n_tiles > 0) {
-    CopyTile<T, D, kBlockN>(k_stages, k, a.k_stride_row, 0, a.kv_len);
-    CopyTile<T, D, kBlockN>(v_stages, v, a.v_stride_row, 0, a.kv_len);
-  }
-  CommitCopies();
 
   uint32_t q_frag[D / 16][4];
   float o[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  float m[2] = {-INFINITY, -INFINITY};  // running row maxima (log2 domain)
-  float l[2] = {0.0f, 0.0f};            // this thread's part of the row sums
   const float scale_log2 = a.scale * kLog2e;
 
   for (int64_t it = 0; it < n_tiles; ++it) {
     // Tile `it` has landed for every thread, and every warp is done with the
     // stage the next copy overwrites (the one tile it - 1 used).
-    WaitCopies();
+    flash::WaitCopies();
     __syncthreads();
     if (it == 0) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        LoadMatrices(q_frag[kk],
-                     q_tile + (warp * 16 + (lane & 15)) * kLd + kk * 16 + (lane >> 4) * 8);
+        flash::LoadMatrices(q_frag[kk],
+                            q_tile + (warp * 16 + (lane & 15)) * kLd + kk * 16 + (lane >> 4) * 8);
       }
     }
-    if (it + 1 < n_tiles) {
-      const int next = static_cast<int>((it + 1) & 1);
-      CopyTile<T, D, kBlockN>(k_stages + next * kBlockN * kLd, k, a.k_stride_row,
-                              (it + 1) * kBlockN, a.kv_len);
-      CopyTile<T, D, kBlockN>(v_stages + next * kBlockN * kLd, v, a.v_stride_row,
-                              (it + 1) * kBlockN, a.kv_len);
-    }
-    CommitCopies();
+    if (it + 1 < n_tiles) stages.Load(bt, a, static_cast<int>((it + 1) & 1), (it + 1) * kBlockN);
+    flash::CommitCopies();
     const int64_t j0 = it * kBlockN;
-    if (j0 >= warp_end) continue;  // no row of this warp sees these keys (nor later ones)
-    const T* k_tile = k_stages + (it & 1) * kBlockN * kLd;
-    const T* v_tile = v_stages + (it & 1) * kBlockN * kLd;
+    if (j0 >= rows.warp_end) continue;  // no row of this warp sees these keys (nor later ones)
+    const T* k_tile = stages.KTile(it);
+    const T* v_tile = stages.VTile(it);
 
     // S = Q K^T for this warp's 16 rows and the tile's 64 keys: 8 n-tiles.
     // B[kk*16 + x][n*8 + y] = K[n*8 + y][kk*16 + x]: rows of K are columns of
@@ -231,62 +146,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int n = 0; n < kBlockN / 8; n += 2) {
         uint32_t kb[4];
-        LoadMatrices(kb, k_tile + (n * 8 + (lane >> 4) * 8 + (lane & 7)) * kLd + kk * 16 +
-                             ((lane >> 3) & 1) * 8);
+        flash::LoadMatrices(kb, k_tile + (n * 8 + (lane >> 4) * 8 + (lane & 7)) * kLd +
+                                    kk * 16 + ((lane >> 3) & 1) * 8);
         Mma<T>::Run(s[n], q_frag[kk], kb[0], kb[1]);
         Mma<T>::Run(s[n + 1], q_frag[kk], kb[2], kb[3]);
       }
     }
 
-    // Scale (and mask where needed) into the log2 domain; the new row maxima
-    // (reduced over the 4 threads of a row).
-    const bool needs_mask = has_mask || j0 + kBlockN > both_see;
-    float tile_max[2] = {m[0], m[1]};
-#pragma unroll
-    for (int n = 0; n < kBlockN / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        float x = s[n][e] * scale_log2;
-        if (needs_mask) {
-          const int64_t j = j0 + n * 8 + 2 * t + (e & 1);
-          x = j < row_end[r] ? ApplyMask(a.mask, b, h, row[r], j, s[n][e] * a.scale) * kLog2e
-                             : -INFINITY;
-        }
-        s[n][e] = x;
-        tile_max[r] = fmaxf(tile_max[r], x);
-      }
-    }
+    // Scale (and mask where needed) into the log2 domain, the new row maxima,
+    // P = exp2(S - max) in place; O shrinks by alpha.
     float alpha[2];
-    float shift[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(kFullMask, tile_max[r], 2));
-      // A row with nothing visible yet keeps max -inf; shift by 0 then so that
-      // exp2(-inf - shift) is 0 rather than NaN.
-      shift[r] = tile_max[r] == -INFINITY ? 0.0f : tile_max[r];
-      alpha[r] = exp2f(m[r] - shift[r]);  // 0 when m was -inf
-      m[r] = tile_max[r];
-      l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int n = 0; n < kBlockN / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        const float p = exp2f(s[n][e] - shift[r]);
-        s[n][e] = p;
-        l[r] += p;
-      }
-    }
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      o[n][0] *= alpha[0];
-      o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1];
-      o[n][3] *= alpha[1];
-    }
+    rows.Softmax(s, a, b, h, j0, t, has_mask, scale_log2, alpha);
+    flash::Rescale(o, alpha);
 
     // O += P V, 16 keys per step; P's A fragment comes from S tiles 2kk, 2kk+1.
     // B[x][y] = V[kk*16 + x][n*8 + y]: ldmatrix.trans of V's rows.
@@ -299,44 +170,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int n = 0; n < D / 8; n += 2) {
         uint32_t vb[4];
-        LoadMatricesTransposed(vb, v_tile + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * kLd +
-                                       n * 8 + (lane >> 4) * 8);
+        flash::LoadMatricesTransposed(
+            vb, v_tile + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * kLd + n * 8 +
+                    (lane >> 4) * 8);
         Mma<T>::Run(o[n], p_frag, vb[0], vb[1]);
         Mma<T>::Run(o[n + 1], p_frag, vb[2], vb[3]);
       }
     }
   }
-  WaitCopies();  // with no key tile, Q's copy is still in flight
+  flash::WaitCopies();  // with no key tile, Q's copy is still in flight
 
   // Normalise and store. l == 0 only for rows that saw no key: zeros.
   float inv_l[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(kFullMask, l[r], 1);
-    l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
-    inv_l[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-  }
-  // Two adjacent outputs as one 32-bit store when the output is T and every
-  // pair is 4-byte aligned; element by element otherwise.
-  const bool paired = a.out_dtype == a.dtype && reinterpret_cast<uintptr_t>(a.out) % 4 == 0 &&
-                      a.o_stride_b % 2 == 0 && a.o_stride_h % 2 == 0 && a.o_stride_row % 2 == 0;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (row[r] >= a.q_len) continue;
-    const int64_t base = b * a.o_stride_b + h * a.o_stride_h + row[r] * a.o_stride_row;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      const int64_t col = n * 8 + 2 * t;
-      const float lo = o[n][2 * r] * inv_l[r];
-      const float hi = o[n][2 * r + 1] * inv_l[r];
-      if (paired) {
-        *reinterpret_cast<uint32_t*>(static_cast<T*>(a.out) + base + col) = Mma<T>::Pack(lo, hi);
-      } else {
-        StoreElement(a.out, a.out_dtype, base + col, lo);
-        StoreElement(a.out, a.out_dtype, base + col + 1, hi);
-      }
-    }
-  }
+  rows.Normalizers(inv_l);
+  flash::StoreRows<T, D>(a, rows, o, inv_l, b, h, t);
 }
 
 template <typename T, int D, bool kCausal>

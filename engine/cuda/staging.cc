@@ -16,9 +16,15 @@
 
 namespace attnserve::cuda {
 
-absl::StatusOr<std::unique_ptr<Workspace>> Workspace::Create(AttentionSource source) {
+absl::StatusOr<std::unique_ptr<Workspace>> Workspace::Create(AttentionSource source,
+                                                              Fp32Attention fp32) {
   auto ws = std::make_unique<Workspace>();
   ws->source = source;
+  ws->fp32 = fp32;
+  int device = 0;
+  ATTNSERVE_CUDA_CALL(cudaGetDevice(&device));
+  ATTNSERVE_CUDA_CALL(cudaDeviceGetAttribute(&ws->max_shared_bytes,
+                                             cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   ATTNSERVE_CUDA_CALL(cudaStreamCreateWithFlags(&ws->stream, cudaStreamNonBlocking));
   ATTNSERVE_CUDA_CALL(cudaStreamCreateWithFlags(&ws->copy_stream, cudaStreamNonBlocking));
   ATTNSERVE_CUDA_CALL(cudaStreamCreateWithFlags(&ws->download_stream, cudaStreamNonBlocking));

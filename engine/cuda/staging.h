@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "engine/attention_layer.h"
 #include "engine/attention_params.h"
+#include "engine/cuda/attention_kernels.h"
 #include "engine/cuda/cudnn_sdpa.h"
 #include "engine/cuda/device_memory.h"
 #include "engine/cuda/projection_gemm.h"
@@ -35,7 +36,8 @@ struct Workspace {
   // Non-blocking streams, so that they never synchronise implicitly with
   // the legacy default stream. A workspace of source kAuto or kCudnn gets a
   // cuDNN handle when cuDNN is available (kCudnn requires it).
-  static absl::StatusOr<std::unique_ptr<Workspace>> Create(AttentionSource source);
+  static absl::StatusOr<std::unique_ptr<Workspace>> Create(AttentionSource source,
+                                                           Fp32Attention fp32);
   ~Workspace();  // waits for both streams
 
   cudaStream_t stream = nullptr;           // compute
@@ -48,6 +50,8 @@ struct Workspace {
   std::vector<cudaEvent_t> computed;
   std::unique_ptr<ProjectionGemm> gemm;
   AttentionSource source = AttentionSource::kAuto;
+  Fp32Attention fp32 = Fp32Attention::kUnfused;
+  int max_shared_bytes = 0;  // the device's shared memory per block (opt-in)
   std::unique_ptr<CudnnSdpa> sdpa;  // null: our kernels only
   std::unique_ptr<UnfusedAttention> unfused;
   Arena device{Arena::Kind::kDevice};
@@ -94,6 +98,8 @@ class Call {
   cudaStream_t stream() const { return ws_.stream; }
   ProjectionGemm& gemm() { return *ws_.gemm; }
   AttentionSource attention_source() const { return ws_.source; }
+  Fp32Attention fp32_attention() const { return ws_.fp32; }
+  int max_shared_bytes() const { return ws_.max_shared_bytes; }
   CudnnSdpa* sdpa() { return ws_.sdpa.get(); }
   UnfusedAttention& unfused() { return *ws_.unfused; }
 

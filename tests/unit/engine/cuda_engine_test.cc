@@ -82,16 +82,16 @@ AttentionEngine& Reference() {
   return *reference;
 }
 
-// An engine whose fused attention comes from one source (cudnn_sdpa.h:
-// "cudnn" = cuDNN only, "kernels" = the kernels written here), loaded once;
-// null when it cannot be made (no cuDNN), with the reason in *why.
-AttentionEngine* EngineFrom(const std::string& source, std::string* why = nullptr) {
+// An engine made with environment variable `variable` set to `value`,
+// loaded once; null when it cannot be made, with the reason in *why.
+AttentionEngine* EngineWith(const std::string& variable, const std::string& value,
+                            std::string* why = nullptr) {
   static auto* engines = new std::map<std::string, std::pair<AttentionEngine*, std::string>>;
-  auto [it, inserted] = engines->try_emplace(source);
+  auto [it, inserted] = engines->try_emplace(variable + "=" + value);
   if (inserted) {
-    setenv("ATTNSERVE_CUDA_ATTENTION", source.c_str(), 1);
+    setenv(variable.c_str(), value.c_str(), 1);
     absl::StatusOr<std::unique_ptr<AttentionEngine>> engine = LoadCudaEngine();
-    unsetenv("ATTNSERVE_CUDA_ATTENTION");
+    unsetenv(variable.c_str());
     if (engine.ok()) {
       it->second.first = engine->release();
     } else {
@@ -100,6 +100,13 @@ AttentionEngine* EngineFrom(const std::string& source, std::string* why = nullpt
   }
   if (why != nullptr) *why = it->second.second;
   return it->second.first;
+}
+
+// An engine whose fused attention comes from one source (cudnn_sdpa.h:
+// "cudnn" = cuDNN only, "kernels" = the kernels written here); null when it
+// cannot be made (no cuDNN), with the reason in *why.
+AttentionEngine* EngineFrom(const std::string& source, std::string* why = nullptr) {
+  return EngineWith("ATTNSERVE_CUDA_ATTENTION", source, why);
 }
 
 #define REQUIRE_GPU()                                                                  \
@@ -854,6 +861,23 @@ TEST(CudaEngineTest, ConcurrentCallsGiveTheSameResults) {
   }
 }
 
+// An fp32 request of 2 sequences, 4 query heads over 2 kv heads, scale
+// 1 / sqrt(dim); key lengths when lq is 700.
+AttendCase Fp32Case(int64_t lq, int64_t lk, int64_t dim, bool causal) {
+  AttendCase c;
+  c.dtype = c.out_dtype = c.weights_dtype = DType::kFloat32;
+  c.batch = 2;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.q_len = lq;
+  c.kv_len = lk;
+  c.dk = c.dv = dim;
+  c.causal = causal;
+  c.with_lengths = lq == 700;
+  c.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
+  return c;
+}
+
 // fp32 inputs run on the unfused path's 3xTF32 GEMMs (unfused_attention.h):
 // exact, within 1e-5 of the float64 reference in absolute terms, output and
 // weights, at lengths where K = 3 D and K = Lk sums are long.
@@ -869,23 +893,62 @@ TEST(CudaEngineTest, Fp32IsWithinOneInOneHundredThousandOfFloat64) {
                                {513, 513, 80},
                                {700, 1500, 64},
                                {600, 520, 64}}) {
-      AttendCase c;
-      c.dtype = c.out_dtype = c.weights_dtype = DType::kFloat32;
-      c.batch = 2;
-      c.heads = 4;
-      c.kv_heads = 2;
-      c.q_len = lq;
-      c.kv_len = lk;
-      c.dk = c.dv = dim;
-      c.causal = causal;
+      AttendCase c = Fp32Case(lq, lk, dim, causal);
       c.need_weights = true;
-      c.with_lengths = lq == 700;
-      c.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
       c.Fill(rng);
       CompareWithReference(c, nullptr, Tolerance{1e-5, 0.0});
       if (HasFatalFailure()) return;
     }
   }
+}
+
+// The same on the engine that routes the fp32 requests it can to the fused
+// fp32 kernel (ATTNSERVE_CUDA_FP32_ATTENTION=fused; flash_attention_fp32.cu,
+// whose own test runs it directly): the shapes above without weights (those
+// stay on the unfused path), at head dims 64 and 128, the kernel's, and 80,
+// the unfused path's; masks and key lengths through the engine's uploads.
+TEST(CudaEngineTest, FusedFp32KernelIsWithinOneInOneHundredThousandOfFloat64) {
+  REQUIRE_GPU();
+  std::string why;
+  AttentionEngine* fused = EngineWith("ATTNSERVE_CUDA_FP32_ATTENTION", "fused", &why);
+  ASSERT_NE(fused, nullptr) << why;
+  std::mt19937 rng(100);
+  int n = 0;
+  for (bool causal : {false, true}) {
+    for (auto [lq, lk, dim] : {std::tuple<int64_t, int64_t, int64_t>{300, 700, 128},
+                               {1, 2048, 64},
+                               {513, 513, 128},
+                               {200, 130, 80},
+                               {700, 1500, 64},
+                               {600, 520, 64}}) {
+      AttendCase c = Fp32Case(lq, lk, dim, causal);
+      c.token_layout = n % 3 == 1;
+      c.mask_choice = n % 4 == 2 ? MaskChoice::kBool : n % 4 == 3 ? MaskChoice::kAdditive
+                                                                  : MaskChoice::kNone;
+      c.mask_shape = n % 2 == 0 ? Shape{c.batch, 1, lq, lk} : Shape{1, c.heads, lq, lk};
+      c.Fill(rng);
+      CompareWithReference(c, fused, Tolerance{1e-5, 0.0});
+      if (HasFatalFailure()) return;
+      ++n;
+    }
+  }
+  // The random cases too (every dtype: fp16/bf16 requests are unaffected).
+  for (int i = 0; i < 80; ++i) {
+    AttendCase c = RandomCase(rng);
+    SCOPED_TRACE("case " + std::to_string(i));
+    CompareWithReference(c, fused);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(CudaEngineTest, Fp32AttentionChoiceIsCheckedWhenTheEngineIsMade) {
+  REQUIRE_GPU();
+  std::string why;
+  EXPECT_EQ(EngineWith("ATTNSERVE_CUDA_FP32_ATTENTION", "fast", &why), nullptr);
+  EXPECT_NE(why.find("ATTNSERVE_CUDA_FP32_ATTENTION: 'fast' is not one of unfused, fused"),
+            std::string::npos)
+      << why;
+  EXPECT_NE(EngineWith("ATTNSERVE_CUDA_FP32_ATTENTION", "unfused", &why), nullptr) << why;
 }
 
 // Sliding windows, logit softcapping and sinks, per request on the sdpa
