@@ -133,7 +133,7 @@ def main():
     print("\nfp32 rows: the attnserve path is the unfused path with 3xTF32 GEMMs (exact fp32 "
           "products on TF32 tensor cores); the own-kernel column is the same path with full-fp32 "
           "cuBLAS GEMMs; 'fused' is the fused fp32 kernel (3xTF32 inside the flash loop, "
-          "ATTNSERVE_CUDA_FP32_ATTENTION=fused). Against torch's efficient backend (the issue's "
+          "ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1). Against torch's efficient backend (the issue's "
           "fp32 peer):")
     fused = {(r["batch"], r["heads"], r["seq"], r["head_dim"], r["causal"]): r
              for r in rows if r["kind"] == "attention" and r["kernel"] == "flash-fp32"}

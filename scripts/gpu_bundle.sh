@@ -14,7 +14,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build-cuda}
 out=${2:-$root/.gpu}
 targets=(server/attnserve client/attn_client client/attn_bench tests/cuda_engine_test
-         tests/cudnn_sdpa_test tests/flash_attention_fp32_test engine/cuda/attnserve_cuda_bench
+         tests/cudnn_sdpa_test tests/fused_attention_test engine/cuda/attnserve_cuda_bench
          engine/cuda/libattnserve_cuda.so)
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT

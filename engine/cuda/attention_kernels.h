@@ -21,30 +21,33 @@ namespace attnserve::cuda {
 
 // The fused tensor-core kernel (flash_attention.cu) serves a request when its
 // inputs are FLOAT16/BFLOAT16, head_dim == head_dim_v is 64 or 128, no
-// weights are wanted and q/k/v are 16-byte aligned with strides that are
-// multiples of 8 elements. Everything else goes to LaunchAttentionGeneral.
+// weights are wanted, K/V are not paged and q/k/v are 16-byte aligned with
+// strides that are multiples of 8 elements; every masking rule, the sliding
+// window, softcapping and sinks included. (The engine routes requests with
+// the last three to it only with ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1, until a
+// GPU run has verified them: UsesLayerFeatures.)
 bool FlashAttentionSupports(const AttentionParams& args);
 cudaError_t LaunchFlashAttention(const AttentionParams& args, cudaStream_t stream);
 
-// The fused fp32 kernel (flash_attention_fp32.cu): flash attention with both
+// The fused fp32 kernel (flash_attention_fp32.cu): the same with both
 // products exact to fp32 by 3xTF32 on tensor cores. Serves a request when
-// its inputs are FLOAT32, head_dim == head_dim_v is 64 or 128, no weights,
-// window, softcap or sinks are wanted, K/V are not paged, q/k/v are 16-byte
-// aligned with strides that are multiples of 4 elements, and the kernel's
-// shared memory (FlashAttentionFp32SharedBytes: 102 KiB at head dim 64,
-// 132 KiB at 128) fits the device's max_shared_bytes per block (opt-in).
-// The engine routes fp32 requests to it only when asked
-// (ATTNSERVE_CUDA_FP32_ATTENTION=fused, Fp32Attention below).
+// its inputs are FLOAT32, head_dim == head_dim_v is 64 or 128, no weights
+// are wanted, K/V are not paged, q/k/v are 16-byte aligned with strides that
+// are multiples of 4 elements, and the kernel's shared memory
+// (FlashAttentionFp32SharedBytes: 102 KiB at head dim 64, 132 KiB at 128)
+// fits the device's max_shared_bytes per block (opt-in). The engine routes
+// requests to it only with ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1, until a GPU
+// run has verified it.
 int FlashAttentionFp32SharedBytes(int64_t head_dim);
 bool FlashAttentionFp32Supports(const AttentionParams& args, int max_shared_bytes);
 cudaError_t LaunchFlashAttentionFp32(const AttentionParams& args, int max_shared_bytes,
                                      cudaStream_t stream);
 
-// Which path computes the fp32 attention the fused fp32 kernel could take:
-// the unfused path (unfused_attention.h; the default until a GPU run has
-// verified and measured the fused kernel, docs/CUDA.md) or the fused kernel.
-// The rest of fp32 attention takes the unfused path either way.
-enum class Fp32Attention { kUnfused, kFused };
+// Whether a request asks for what today's attention layers add (a sliding
+// window, logit softcapping, sinks): the fused kernels' newer rules.
+inline bool UsesLayerFeatures(const AttentionParams& args) {
+  return args.window > 0 || args.softcap > 0.0f || args.sinks != nullptr;
+}
 
 // The general kernel (attention_general.cu): any float dtype, any head dims,
 // writes weights when asked. Slower; one warp per query row.

@@ -162,7 +162,7 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
             0.0);
     }
     // The fused fp32 kernel (flash_attention_fp32.cu; the engine's with
-    // ATTNSERVE_CUDA_FP32_ATTENTION=fused), 3xTF32 inside the flash loop.
+    // ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1), 3xTF32 inside the flash loop.
     int max_shared = 0;
     Check(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0),
           "shared memory per block");

@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -32,17 +33,20 @@
 namespace attnserve::cuda {
 namespace {
 
-absl::StatusOr<Fp32Attention> ParseFp32Attention(const std::string& name) {
-  if (name.empty() || name == "unfused") return Fp32Attention::kUnfused;
-  if (name == "fused") return Fp32Attention::kFused;
-  return absl::InvalidArgumentError(absl::StrCat("ATTNSERVE_CUDA_FP32_ATTENTION: '", name,
-                                                 "' is not one of unfused, fused"));
+// $ATTNSERVE_CUDA_EXPERIMENTAL_FUSED: unset, "0" or "1".
+absl::StatusOr<bool> ParseExperimentalFused(const char* value) {
+  if (value == nullptr || std::strcmp(value, "") == 0 || std::strcmp(value, "0") == 0) {
+    return false;
+  }
+  if (std::strcmp(value, "1") == 0) return true;
+  return absl::InvalidArgumentError(
+      absl::StrCat("ATTNSERVE_CUDA_EXPERIMENTAL_FUSED: '", value, "' is not 0 or 1"));
 }
 
 class CudaEngine final : public AttentionEngine {
  public:
-  CudaEngine(int device, AttentionSource source, Fp32Attention fp32)
-      : device_(device), source_(source), fp32_(fp32) {}
+  CudaEngine(int device, AttentionSource source, bool experimental_fused)
+      : device_(device), source_(source), experimental_fused_(experimental_fused) {}
   ~CudaEngine() override {
     (void)cudaSetDevice(device_);
     idle_.clear();
@@ -173,7 +177,7 @@ class CudaEngine final : public AttentionEngine {
       }
     }
     // A new concurrent caller: one more workspace.
-    absl::StatusOr<std::unique_ptr<Workspace>> ws = Workspace::Create(source_, fp32_);
+    absl::StatusOr<std::unique_ptr<Workspace>> ws = Workspace::Create(source_, experimental_fused_);
     if (!ws.ok()) return ws.status();
     (*ws)->request_memory = request_memory_.get();
     return Lease(this, std::move(*ws));
@@ -202,7 +206,7 @@ class CudaEngine final : public AttentionEngine {
 
   const int device_;
   const AttentionSource source_;
-  const Fp32Attention fp32_;
+  const bool experimental_fused_;
   const std::shared_ptr<KvSlabMemory> slab_memory_ = std::make_shared<DeviceSlabMemory>(device_);
   const std::shared_ptr<HostBufferPool> request_memory_ = PageLockedRequestMemory(device_);
 
@@ -265,12 +269,12 @@ absl::StatusOr<std::unique_ptr<AttentionEngine>> NewCudaEngine(const EngineOptio
           absl::StrCat("ATTNSERVE_CUDA_ATTENTION=cudnn: ", cudnn.message()));
     }
   }
-  // Which path takes the fp32 attention the fused fp32 kernel could serve
-  // (attention_kernels.h): the unfused path unless the environment asks.
-  const char* fp32_name = std::getenv("ATTNSERVE_CUDA_FP32_ATTENTION");
-  absl::StatusOr<Fp32Attention> fp32 = ParseFp32Attention(fp32_name != nullptr ? fp32_name : "");
-  if (!fp32.ok()) return fp32.status();
-  return std::unique_ptr<AttentionEngine>(new CudaEngine(kDevice, *source, *fp32));
+  // Whether the fused kernels serve what no GPU run has verified yet
+  // (attention_kernels.h): only when the environment asks.
+  absl::StatusOr<bool> experimental =
+      ParseExperimentalFused(std::getenv("ATTNSERVE_CUDA_EXPERIMENTAL_FUSED"));
+  if (!experimental.ok()) return experimental.status();
+  return std::unique_ptr<AttentionEngine>(new CudaEngine(kDevice, *source, *experimental));
 }
 
 }  // namespace attnserve::cuda

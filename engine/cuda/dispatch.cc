@@ -354,10 +354,12 @@ absl::Status RunCore(Call& call, AttentionParams& a, const AttentionParams& p,
     // Else cuDNN declined this shape (cached): the kernels below serve it.
   }
   if (!done) {
-    if (FlashAttentionSupports(a)) {
+    // The fused kernels, for what a GPU run has verified them on unless the
+    // engine was made with ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1.
+    const bool experimental = call.experimental_fused();
+    if (FlashAttentionSupports(a) && (experimental || !UsesLayerFeatures(a))) {
       ATTNSERVE_CUDA_CALL(LaunchFlashAttention(a, call.stream()));
-    } else if (call.fp32_attention() == Fp32Attention::kFused &&
-               FlashAttentionFp32Supports(a, call.max_shared_bytes())) {
+    } else if (experimental && FlashAttentionFp32Supports(a, call.max_shared_bytes())) {
       ATTNSERVE_CUDA_CALL(LaunchFlashAttentionFp32(a, call.max_shared_bytes(), call.stream()));
     } else if (absl::StatusOr<bool> unfused = RunUnfused(call, a); !unfused.ok()) {
       return unfused.status();

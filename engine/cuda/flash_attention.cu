@@ -11,9 +11,11 @@
 // registers; P never leaves registers (the accumulator of S = Q K^T over two
 // adjacent 8-key tiles is exactly the A fragment of P for P V). Scores are
 // kept in the log2 domain (exp2). Masks are evaluated only on tiles that
-// need them (a mask tensor, or keys past some row's visible end); a warp
-// skips tiles none of its rows can see (the causal diagonal), and causal
-// grids start with the heaviest tiles.
+// need them (a mask tensor, or keys outside some row's visible range); a
+// block starts at the first tile of its first row's sliding window, a warp
+// skips tiles none of its rows can see (the causal diagonal, the window),
+// and causal grids start with the heaviest tiles. Softcapping and sinks as
+// flash_tile.cuh applies them.
 //
 // Fragment layouts are the ones the PTX ISA documents for
 // mma.m16n8k16 with .f16/.bf16 inputs (g = lane / 4, t = lane % 4):
@@ -106,8 +108,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int g = lane >> 2;
   const int t = lane & 3;
   flash::RowPair rows;
-  const int64_t n_tiles = flash::StartBlock<T, D, kBlockM, kBlockN, kLd, kThreads, kCausal>(
-      a, bt, warp, g, q_tile, stages, rows);
+  const flash::TileRange tiles = flash::StartBlock<T, D, kBlockM, kBlockN, kLd, kThreads, kCausal>(
+      a, bt, warp, g, t, q_tile, stages, rows);
   const bool has_mask = a.mask.kind != MaskParams::Kind::kNone;
 
   uint32_t q_frag[D / 16][4];
@@ -116,22 +118,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   const float scale_log2 = a.scale * kLog2e;
 
-  for (int64_t it = 0; it < n_tiles; ++it) {
+  for (int64_t it = tiles.first; it < tiles.end; ++it) {
     // Tile `it` has landed for every thread, and every warp is done with the
     // stage the next copy overwrites (the one tile it - 1 used).
     flash::WaitCopies();
     __syncthreads();
-    if (it == 0) {
+    if (it == tiles.first) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         flash::LoadMatrices(q_frag[kk],
                             q_tile + (warp * 16 + (lane & 15)) * kLd + kk * 16 + (lane >> 4) * 8);
       }
     }
-    if (it + 1 < n_tiles) stages.Load(bt, a, static_cast<int>((it + 1) & 1), (it + 1) * kBlockN);
+    if (it + 1 < tiles.end) stages.Load(bt, a, static_cast<int>((it + 1) & 1), (it + 1) * kBlockN);
     flash::CommitCopies();
     const int64_t j0 = it * kBlockN;
-    if (j0 >= rows.warp_end) continue;  // no row of this warp sees these keys (nor later ones)
+    // No row of this warp sees these keys (after warp_end: nor later ones).
+    if (j0 >= rows.warp_end || j0 + kBlockN <= rows.warp_begin) continue;
     const T* k_tile = stages.KTile(it);
     const T* v_tile = stages.VTile(it);
 
@@ -209,8 +212,7 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 bool FlashAttentionSupports(const AttentionParams& a) {
   if (a.dtype != DType::kFloat16 && a.dtype != DType::kBFloat16) return false;
   if (a.head_dim != a.head_dim_v || (a.head_dim != 64 && a.head_dim != 128)) return false;
-  if (a.weights != nullptr) return false;
-  if (a.window > 0 || a.softcap > 0.0f || a.sinks != nullptr) return false;
+  if (a.weights != nullptr || a.k_blocks != nullptr) return false;
   if (!Aligned16(a.q) || !Aligned16(a.k) || !Aligned16(a.v)) return false;
   for (int64_t stride : {a.q_stride_b, a.q_stride_h, a.q_stride_row, a.k_stride_b, a.k_stride_h,
                          a.k_stride_row, a.v_stride_b, a.v_stride_h, a.v_stride_row}) {

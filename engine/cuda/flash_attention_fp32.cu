@@ -121,8 +121,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int g = lane >> 2;
   const int t = lane & 3;
   flash::RowPair rows;
-  const int64_t n_tiles = flash::StartBlock<float, D, kBlockM, kN, kLd, kThreads, kCausal>(
-      a, bt, warp, g, q_tile, stages, rows);
+  const flash::TileRange tiles = flash::StartBlock<float, D, kBlockM, kN, kLd, kThreads, kCausal>(
+      a, bt, warp, g, t, q_tile, stages, rows);
   const bool has_mask = a.mask.kind != MaskParams::Kind::kNone;
 
   float o[D / 8][4];
@@ -132,15 +132,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   // This warp's Q rows; lane l addresses row l % 16 of an ldmatrix.
   const float* q_rows = q_tile + (warp * 16 + (lane & 15)) * kLd + (lane >> 4) * 4;
 
-  for (int64_t it = 0; it < n_tiles; ++it) {
+  for (int64_t it = tiles.first; it < tiles.end; ++it) {
     // Tile `it` has landed for every thread, and every warp is done with the
     // stage the next copy overwrites (the one tile it - 1 used).
     flash::WaitCopies();
     __syncthreads();
-    if (it + 1 < n_tiles) stages.Load(bt, a, static_cast<int>((it + 1) & 1), (it + 1) * kN);
+    if (it + 1 < tiles.end) stages.Load(bt, a, static_cast<int>((it + 1) & 1), (it + 1) * kN);
     flash::CommitCopies();
     const int64_t j0 = it * kN;
-    if (j0 >= rows.warp_end) continue;  // no row of this warp sees these keys (nor later ones)
+    // No row of this warp sees these keys (after warp_end: nor later ones).
+    if (j0 >= rows.warp_end || j0 + kN <= rows.warp_begin) continue;
     const float* k_tile = stages.KTile(it);
     const float* v_tile = stages.VTile(it);
 
@@ -225,7 +226,6 @@ bool FlashAttentionFp32Supports(const AttentionParams& a, int max_shared_bytes) 
   if (a.head_dim != a.head_dim_v || (a.head_dim != 64 && a.head_dim != 128)) return false;
   if (FlashAttentionFp32SharedBytes(a.head_dim) > max_shared_bytes) return false;
   if (a.weights != nullptr || a.k_blocks != nullptr) return false;
-  if (a.window > 0 || a.softcap > 0.0f || a.sinks != nullptr) return false;
   if (!Aligned16(a.q) || !Aligned16(a.k) || !Aligned16(a.v)) return false;
   for (int64_t stride : {a.q_stride_b, a.q_stride_h, a.q_stride_row, a.k_stride_b, a.k_stride_h,
                          a.k_stride_row, a.v_stride_b, a.v_stride_h, a.v_stride_row}) {

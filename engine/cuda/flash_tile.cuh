@@ -132,51 +132,71 @@ __device__ __forceinline__ int64_t BlockKeyEnd(const AttentionParams& a, int64_t
 // The two query rows (g and g + 8 of a warp's 16) whose accumulators a
 // thread holds, and their online softmax: running maxima in the log2 domain
 // and this thread's part of the running sums (the four threads of a row each
-// sum the keys they hold; Normalizers adds the four).
+// sum the keys they hold; Normalizers adds the four). Every rule of
+// attention_params.h: causal, key lengths and the sliding window through
+// each row's visible keys [row_begin, row_end), masks, softcapping, sinks.
 struct RowPair {
   int64_t row[2];
-  int64_t row_end[2];  // keys [0, row_end) may be visible; 0 past q_len
-  int64_t both_see;    // keys before this are visible to both rows
-  int64_t warp_end;    // keys any row of the warp may see
+  int64_t row_begin[2];  // keys [row_begin, row_end) may be visible
+  int64_t row_end[2];    // 0 past q_len
+  int64_t both_begin;    // keys from here on are past both rows' window starts
+  int64_t both_see;      // keys before this are before both rows' ends
+  int64_t warp_begin;    // keys any row of the warp may see: [warp_begin, warp_end)
+  int64_t warp_end;
   float m[2];
   float l[2];
 
-  __device__ __forceinline__ void Start(const AttentionParams& a, int64_t b, int64_t warp_first,
-                                        int g) {
+  __device__ __forceinline__ void Start(const AttentionParams& a, int64_t b, int64_t h,
+                                        int64_t warp_first, int g, int t) {
     row[0] = warp_first + g;
     row[1] = row[0] + 8;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) row_end[r] = row[r] < a.q_len ? RowKeyEnd(a, b, row[r]) : 0;
+    for (int r = 0; r < 2; ++r) {
+      row_begin[r] = RowKeyBegin(a, row[r]);
+      row_end[r] = row[r] < a.q_len ? RowKeyEnd(a, b, row[r]) : 0;
+    }
+    both_begin = max(row_begin[0], row_begin[1]);
     both_see = min(row_end[0], row_end[1]);
-    // RowKeyEnd grows with the row: the warp's last row sees the most.
+    // RowKeyBegin and RowKeyEnd grow with the row: the warp's first row
+    // starts first, its last row sees the most.
     const int64_t warp_last = min(warp_first + 15, a.q_len - 1);
+    warp_begin = RowKeyBegin(a, warp_first);
     warp_end = warp_first <= warp_last ? RowKeyEnd(a, b, warp_last) : 0;
-    m[0] = m[1] = -INFINITY;
-    l[0] = l[1] = 0.0f;
+    // A head's sink joins each row's softmax as one more key, of logit
+    // sinks[h] and no value: the running max starts at it and one thread of
+    // the row's four counts its exp2(0) = 1. A row that sees no key keeps
+    // O = 0, so its output is zeros either way (attention_params.h).
+    const bool sink = a.sinks != nullptr;
+    m[0] = m[1] = sink ? a.sinks[h] * kLog2e : -INFINITY;
+    l[0] = l[1] = sink && t == 0 ? 1.0f : 0.0f;
   }
 
   // s holds the raw scores Q K^T of kTiles 8-key tiles starting at key j0.
-  // Scales them into the log2 domain (masking where some key of the tiles is
-  // not visible to a row, or a mask tensor applies), updates the maxima and
-  // sums, and leaves in s the unnormalised probabilities exp2(x - max). On
-  // return alpha[r] is the factor by which row r's earlier accumulators must
-  // shrink (0 while the row had seen nothing).
+  // Scales them (and softcaps) into the log2 domain, masking where some key
+  // of the tiles is not visible to a row or a mask tensor applies; updates
+  // the maxima and sums, and leaves in s the unnormalised probabilities
+  // exp2(x - max). On return alpha[r] is the factor by which row r's earlier
+  // accumulators must shrink (0 while the row had seen nothing).
   template <int kTiles>
   __device__ __forceinline__ void Softmax(float (&s)[kTiles][4], const AttentionParams& a,
                                           int64_t b, int64_t h, int64_t j0, int t, bool has_mask,
                                           float scale_log2, float (&alpha)[2]) {
-    const bool needs_mask = has_mask || j0 + kTiles * 8 > both_see;
+    const bool needs_mask = has_mask || j0 + kTiles * 8 > both_see || j0 < both_begin;
+    const bool softcap = a.softcap > 0.0f;
     float tile_max[2] = {m[0], m[1]};
 #pragma unroll
     for (int n = 0; n < kTiles; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
-        float x = s[n][e] * scale_log2;
+        float x;
         if (needs_mask) {
           const int64_t j = j0 + n * 8 + 2 * t + (e & 1);
-          x = j < row_end[r] ? ApplyMask(a.mask, b, h, row[r], j, s[n][e] * a.scale) * kLog2e
-                             : -INFINITY;
+          x = j >= row_begin[r] && j < row_end[r]
+                  ? ApplyMask(a.mask, b, h, row[r], j, Softcap(a, s[n][e] * a.scale)) * kLog2e
+                  : -INFINITY;
+        } else {
+          x = softcap ? Softcap(a, s[n][e] * a.scale) * kLog2e : s[n][e] * scale_log2;
         }
         s[n][e] = x;
         tile_max[r] = fmaxf(tile_max[r], x);
@@ -217,22 +237,34 @@ struct RowPair {
   }
 };
 
+// The key tiles of kN keys a block computes: [first, end). Before `first`
+// every key is outside the window of the block's first row (the earliest
+// window); from `end` on, past what its last row may see.
+struct TileRange {
+  int64_t first;
+  int64_t end;
+};
+
 // A block's start, for a thread of warp `warp` (16 query rows each) whose
-// accumulator rows are g and g + 8: its rows, and copies of the block's Q
-// tile (kBlockM rows) and of the first K/V tile started as one group.
-// Returns the number of kN-key tiles the block's rows may see.
+// accumulator rows are g and g + 8 (t: its place among a row's four
+// threads): its rows, and copies of the block's Q tile (kBlockM rows) and of
+// its first K/V tile started as one group. Returns the block's key tiles.
 template <typename T, int D, int kBlockM, int kN, int kLd, int kThreads, bool kCausal>
-__device__ __forceinline__ int64_t StartBlock(const AttentionParams& a, const BlockTile<T>& bt,
-                                              int warp, int g, T* q_tile,
-                                              KvStages<T, D, kN, kLd, kThreads>& stages,
-                                              RowPair& rows) {
-  rows.Start(a, bt.b, bt.i0 + warp * 16, g);
+__device__ __forceinline__ TileRange StartBlock(const AttentionParams& a, const BlockTile<T>& bt,
+                                                int warp, int g, int t, T* q_tile,
+                                                KvStages<T, D, kN, kLd, kThreads>& stages,
+                                                RowPair& rows) {
+  rows.Start(a, bt.b, bt.h, bt.i0 + warp * 16, g, t);
   const int64_t block_end = BlockKeyEnd<kCausal>(a, bt.b, bt.i0, kBlockM);
-  const int64_t n_tiles = block_end > 0 ? (block_end + kN - 1) / kN : 0;
+  TileRange tiles;
+  tiles.first = RowKeyBegin(a, bt.i0) / kN;
+  tiles.end = block_end > 0 ? (block_end + kN - 1) / kN : 0;
   CopyTile<T, D, kBlockM, kLd, kThreads>(q_tile, bt.q, a.q_stride_row, bt.i0, a.q_len);
-  if (n_tiles > 0) stages.Load(bt, a, 0, 0);
+  if (tiles.first < tiles.end) {
+    stages.Load(bt, a, static_cast<int>(tiles.first & 1), tiles.first * kN);
+  }
   CommitCopies();
-  return n_tiles;
+  return tiles;
 }
 
 // o[n] (n-tile n of the m16n8 accumulators: features n * 8 + 2t, + 1) times

@@ -17,10 +17,10 @@
 namespace attnserve::cuda {
 
 absl::StatusOr<std::unique_ptr<Workspace>> Workspace::Create(AttentionSource source,
-                                                              Fp32Attention fp32) {
+                                                              bool experimental_fused) {
   auto ws = std::make_unique<Workspace>();
   ws->source = source;
-  ws->fp32 = fp32;
+  ws->experimental_fused = experimental_fused;
   int device = 0;
   ATTNSERVE_CUDA_CALL(cudaGetDevice(&device));
   ATTNSERVE_CUDA_CALL(cudaDeviceGetAttribute(&ws->max_shared_bytes,

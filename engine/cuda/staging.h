@@ -37,7 +37,7 @@ struct Workspace {
   // the legacy default stream. A workspace of source kAuto or kCudnn gets a
   // cuDNN handle when cuDNN is available (kCudnn requires it).
   static absl::StatusOr<std::unique_ptr<Workspace>> Create(AttentionSource source,
-                                                           Fp32Attention fp32);
+                                                           bool experimental_fused);
   ~Workspace();  // waits for both streams
 
   cudaStream_t stream = nullptr;           // compute
@@ -50,7 +50,9 @@ struct Workspace {
   std::vector<cudaEvent_t> computed;
   std::unique_ptr<ProjectionGemm> gemm;
   AttentionSource source = AttentionSource::kAuto;
-  Fp32Attention fp32 = Fp32Attention::kUnfused;
+  // ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1: the fused kernels also serve what
+  // no GPU run has verified yet (dispatch.cc, RunCore).
+  bool experimental_fused = false;
   int max_shared_bytes = 0;  // the device's shared memory per block (opt-in)
   std::unique_ptr<CudnnSdpa> sdpa;  // null: our kernels only
   std::unique_ptr<UnfusedAttention> unfused;
@@ -98,7 +100,7 @@ class Call {
   cudaStream_t stream() const { return ws_.stream; }
   ProjectionGemm& gemm() { return *ws_.gemm; }
   AttentionSource attention_source() const { return ws_.source; }
-  Fp32Attention fp32_attention() const { return ws_.fp32; }
+  bool experimental_fused() const { return ws_.experimental_fused; }
   int max_shared_bytes() const { return ws_.max_shared_bytes; }
   CudnnSdpa* sdpa() { return ws_.sdpa.get(); }
   UnfusedAttention& unfused() { return *ws_.unfused; }

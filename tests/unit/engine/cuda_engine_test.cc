@@ -82,16 +82,18 @@ AttentionEngine& Reference() {
   return *reference;
 }
 
-// An engine made with environment variable `variable` set to `value`,
+// An engine made with the environment variables `env` (name, value) set,
 // loaded once; null when it cannot be made, with the reason in *why.
-AttentionEngine* EngineWith(const std::string& variable, const std::string& value,
-                            std::string* why = nullptr) {
+using Environment = std::vector<std::pair<std::string, std::string>>;
+AttentionEngine* EngineWith(const Environment& env, std::string* why = nullptr) {
   static auto* engines = new std::map<std::string, std::pair<AttentionEngine*, std::string>>;
-  auto [it, inserted] = engines->try_emplace(variable + "=" + value);
+  std::string key;
+  for (const auto& [name, value] : env) key += name + "=" + value + " ";
+  auto [it, inserted] = engines->try_emplace(key);
   if (inserted) {
-    setenv(variable.c_str(), value.c_str(), 1);
+    for (const auto& [name, value] : env) setenv(name.c_str(), value.c_str(), 1);
     absl::StatusOr<std::unique_ptr<AttentionEngine>> engine = LoadCudaEngine();
-    unsetenv(variable.c_str());
+    for (const auto& [name, value] : env) unsetenv(name.c_str());
     if (engine.ok()) {
       it->second.first = engine->release();
     } else {
@@ -106,7 +108,15 @@ AttentionEngine* EngineWith(const std::string& variable, const std::string& valu
 // "cudnn" = cuDNN only, "kernels" = the kernels written here); null when it
 // cannot be made (no cuDNN), with the reason in *why.
 AttentionEngine* EngineFrom(const std::string& source, std::string* why = nullptr) {
-  return EngineWith("ATTNSERVE_CUDA_ATTENTION", source, why);
+  return EngineWith({{"ATTNSERVE_CUDA_ATTENTION", source}}, why);
+}
+
+// The engine whose fused kernels also serve what no GPU run has verified
+// yet (ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1: the fused fp32 kernel; windows,
+// softcapping and sinks on both fused kernels), with `source` as above.
+AttentionEngine* ExperimentalEngine(const std::string& source, std::string* why) {
+  return EngineWith(
+      {{"ATTNSERVE_CUDA_ATTENTION", source}, {"ATTNSERVE_CUDA_EXPERIMENTAL_FUSED", "1"}}, why);
 }
 
 #define REQUIRE_GPU()                                                                  \
@@ -903,14 +913,14 @@ TEST(CudaEngineTest, Fp32IsWithinOneInOneHundredThousandOfFloat64) {
 }
 
 // The same on the engine that routes the fp32 requests it can to the fused
-// fp32 kernel (ATTNSERVE_CUDA_FP32_ATTENTION=fused; flash_attention_fp32.cu,
+// fp32 kernel (ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1; flash_attention_fp32.cu,
 // whose own test runs it directly): the shapes above without weights (those
 // stay on the unfused path), at head dims 64 and 128, the kernel's, and 80,
 // the unfused path's; masks and key lengths through the engine's uploads.
 TEST(CudaEngineTest, FusedFp32KernelIsWithinOneInOneHundredThousandOfFloat64) {
   REQUIRE_GPU();
   std::string why;
-  AttentionEngine* fused = EngineWith("ATTNSERVE_CUDA_FP32_ATTENTION", "fused", &why);
+  AttentionEngine* fused = ExperimentalEngine("auto", &why);
   ASSERT_NE(fused, nullptr) << why;
   std::mt19937 rng(100);
   int n = 0;
@@ -941,22 +951,20 @@ TEST(CudaEngineTest, FusedFp32KernelIsWithinOneInOneHundredThousandOfFloat64) {
   }
 }
 
-TEST(CudaEngineTest, Fp32AttentionChoiceIsCheckedWhenTheEngineIsMade) {
+TEST(CudaEngineTest, ExperimentalFusedIsCheckedWhenTheEngineIsMade) {
   REQUIRE_GPU();
   std::string why;
-  EXPECT_EQ(EngineWith("ATTNSERVE_CUDA_FP32_ATTENTION", "fast", &why), nullptr);
-  EXPECT_NE(why.find("ATTNSERVE_CUDA_FP32_ATTENTION: 'fast' is not one of unfused, fused"),
-            std::string::npos)
+  EXPECT_EQ(EngineWith({{"ATTNSERVE_CUDA_EXPERIMENTAL_FUSED", "yes"}}, &why), nullptr);
+  EXPECT_NE(why.find("ATTNSERVE_CUDA_EXPERIMENTAL_FUSED: 'yes' is not 0 or 1"), std::string::npos)
       << why;
-  EXPECT_NE(EngineWith("ATTNSERVE_CUDA_FP32_ATTENTION", "unfused", &why), nullptr) << why;
+  EXPECT_NE(EngineWith({{"ATTNSERVE_CUDA_EXPERIMENTAL_FUSED", "0"}}, &why), nullptr) << why;
 }
 
-// Sliding windows, logit softcapping and sinks, per request on the sdpa
-// layer: neither cuDNN nor the fused kernel takes them, so they run on the
-// unfused path (its weights too), in every dtype, against the reference.
-TEST(CudaEngineTest, WindowSoftcapAndSinksMatchReference) {
-  REQUIRE_GPU();
-  std::mt19937 rng(20261126);
+// 80 random requests with a sliding window, logit softcapping or sinks
+// (per request, on the sdpa layer), on `engine` (null: the default one)
+// against the reference.
+void WindowSoftcapAndSinksCases(AttentionEngine* engine, uint32_t seed) {
+  std::mt19937 rng(seed);
   for (int i = 0; i < 80; ++i) {
     AttendCase c = RandomCase(rng, /*token_layout=*/false);
     if (rng() % 2 == 0) c.window = Pick<int64_t>(rng, {1, 3, 16, 50});
@@ -966,9 +974,29 @@ TEST(CudaEngineTest, WindowSoftcapAndSinksMatchReference) {
       c.sinks.resize(static_cast<size_t>(c.heads));
       for (float& x : c.sinks) x = sink(rng);
     }
-    CompareWithReference(c);
-    if (HasFatalFailure()) return;
+    SCOPED_TRACE("case " + std::to_string(i));
+    CompareWithReference(c, engine);
+    if (::testing::Test::HasFatalFailure()) return;
   }
+}
+
+// On the default engine: cuDNN takes the windows and sinks it can; the
+// rest (softcapping, windows with masks or key lengths, weights) runs on the
+// unfused path (its weights too), in every dtype.
+TEST(CudaEngineTest, WindowSoftcapAndSinksMatchReference) {
+  REQUIRE_GPU();
+  WindowSoftcapAndSinksCases(nullptr, 20261126);
+}
+
+// On the fused kernels written here (ATTNSERVE_CUDA_ATTENTION=kernels with
+// ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1): every case at head dim 64 or 128
+// without weights runs on flash_attention.cu or flash_attention_fp32.cu.
+TEST(CudaEngineTest, FusedKernelsServeWindowSoftcapAndSinksExactly) {
+  REQUIRE_GPU();
+  std::string why;
+  AttentionEngine* engine = ExperimentalEngine("kernels", &why);
+  ASSERT_NE(engine, nullptr) << why;
+  WindowSoftcapAndSinksCases(engine, 20261127);
 }
 
 // The engine refuses an invalid task before touching any memory, and with it
