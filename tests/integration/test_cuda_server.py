@@ -115,6 +115,25 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
+def experimental_client(repo):
+    """The same repository on a GPU server whose fused kernels also take what
+    no GPU run had verified when they were written
+    (ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1: fp32 inputs, windows, softcapping
+    and sinks on the flash kernels rather than the unfused path)."""
+    from attnserve_client import AttentionClient
+    root, _ = repo
+    env = dict(os.environ, ATTNSERVE_CUDA_EXPERIMENTAL_FUSED="1")
+    proc = harness.ServerProcess("--backend", "cuda", "--model-repository", str(root),
+                                 startup_timeout=120, env=env)
+    try:
+        with AttentionClient(proc.target, timeout=120) as c:
+            yield c
+    finally:
+        code = proc.stop()
+        assert code == 0, f"attnserve exited with {code} after SIGTERM:\n{proc.log()}"
+
+
+@pytest.fixture(scope="module")
 def cpu_client(repo):
     """The same repository on the cpu engine: the oracle of the LLM layers."""
     from attnserve_client import AttentionClient
@@ -333,12 +352,16 @@ def test_server_serves_every_model_on_the_cuda_backend(client, server):
     assert {"sdpa", "mha-fp32", "mha-bf16"} <= names
 
 
+@pytest.mark.parametrize("kernels", ["default", "experimental"])
 @pytest.mark.parametrize("precision,tol", [("fp32", 2e-5), ("bf16", 3e-2)])
 @pytest.mark.parametrize("family", sorted(LLM_LAYERS))
-def test_llm_layers_on_the_gpu_match_the_cpu_engine(client, cpu_client, family, precision, tol):
+def test_llm_layers_on_the_gpu_match_the_cpu_engine(request, cpu_client, family, precision, tol,
+                                                    kernels):
     """RoPE, QK-norm, sliding windows, softcapping and sinks on the GPU give
     the cpu engine's answers: a prefill, a ragged batch with explicit
-    positions (left padding), and a decode row far into the sequence."""
+    positions (left padding), and a decode row far into the sequence; on the
+    default server and on one with the experimental fused routes."""
+    client = request.getfixturevalue("client" if kernels == "default" else "experimental_client")
     model = f"{family}-{precision}"
     assert client.get_model(model).backend == "cuda"
     rng = np.random.default_rng(hash(model) % 2**32)
