@@ -21,9 +21,12 @@
 # attnserve_cuda_bench --paged: 32 sessions' decode step against a device
 # copy of their K/V, and the split-KV decode against gather + fused kernel),
 # sessionserve (bench/session_decode.sh on --backend cuda: decode through
-# sessions against stateless). The default list comes to about 8 minutes on
-# an H200 (the phases' times in runs 4-7 of docs/gpu-runs/2026-11-26-h200):
-# one call of the device tool.
+# sessions against stateless). The default list came to about 8 minutes on
+# an H200 (the phases' times in runs 4-7 of docs/gpu-runs/2026-11-26-h200)
+# before fused_attention_test, its memcheck and the experimental server
+# joined test, sanitize and server (about 2 minutes more, estimated): run it
+# as two calls of the device tool, `info test sanitize sessions server` then
+# `bench serve sessionserve`, each under the 600 s a call may take.
 # BUNDLE names another bundle (default .gpu/bundle.tar.xz), TAG names its
 # logs. Logs go to $OUT/logs-TAG.tar.gz (the device tool brings back few
 # files), else ./gpu-out.

@@ -78,9 +78,9 @@ __device__ __forceinline__ void CopyTile(T* dst, const T* src, int64_t stride_ro
 // which see the most keys, start first.
 template <typename T>
 struct BlockTile {
-  int64_t b, h, i0;                          // i0: the tile's first query row
-  const T* q;                                // head h's rows
-  const T* k;                                // its kv head's rows
+  int64_t b, h, i0;  // i0: the tile's first query row
+  const T* q;        // head h's rows
+  const T* k;        // its kv head's rows
   const T* v;
 
   __device__ __forceinline__ BlockTile(const AttentionParams& a, int64_t q_tiles, int block_m,
