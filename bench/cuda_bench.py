@@ -150,6 +150,27 @@ def main():
               f"(full fp32 {ratio(own['tflops'] if own else None, r['torch_efficient'])}x, "
               f"fused {ratio(f['tflops'] if f else None, r['torch_efficient'])}x)")
 
+    features = [r for r in rows if r["kind"] == "layer_feature"]
+    if features:
+        print("\nToday's layers' rules cuDNN does not take (bf16, causal, D 128; TFLOP/s over the "
+              "score pairs a row sees): the fused kernel written here (the engine's route with "
+              "ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1) against the unfused path (the default route; "
+              "widening to fp32 included):\n")
+        print("| rule | B | H | L | fused ms | fused TFLOP/s | unfused ms | unfused TFLOP/s "
+              "| fused speedup |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        by_feature = {}
+        for r in features:
+            by_feature.setdefault(r["feature"], {})[r["kernel"]] = r
+        for name, k in by_feature.items():
+            f, u = k.get("flash"), k.get("unfused")
+            r = f or u
+            ms = lambda x: f"{x['ms']:.3f}" if x else "n/a"  # noqa: E731
+            print(f"| {name} | {r['batch']} | {r['heads']} | {r['seq']} "
+                  f"| {ms(f)} | {fmt(f['tflops'] if f else None)} "
+                  f"| {ms(u)} | {fmt(u['tflops'] if u else None)} "
+                  f"| {ratio(u['ms'] if u else None, f['ms'] if f else None)} |")
+
     ceilings = {r["dtype"]: r["tflops"] for r in rows if r["kind"] == "gemm_ceiling"}
     print("\n| dtype | rows x in -> out | projection TFLOP/s (bias fused) | cuBLAS same shape "
           "| cuBLAS ceiling | projection / same shape | projection / ceiling |")

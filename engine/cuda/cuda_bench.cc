@@ -244,6 +244,77 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
 }
 
 // Plain cublasGemmEx, no bias: the same GEMM as Linear without the epilogue.
+// Today's layers' rules where cuDNN does not take them: the fused kernel
+// written here (flash_attention.cu, with ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1
+// the engine's route) against the unfused path (the default route: the
+// inputs widened to fp32, then unfused_attention.h; both timed, as the
+// engine runs them). bf16, causal, head dim 128; `window` or `softcap`.
+void BenchLayerFeature(const char* name, int64_t batch, int64_t heads, int64_t len,
+                       int64_t window, float softcap, int iters) {
+  constexpr int64_t kDim = 128;
+  const DType t = DType::kBFloat16;
+  const int64_t n = batch * heads * len * kDim;
+  DeviceBuffer q = Random(t, n, 11), k = Random(t, n, 12), v = Random(t, n, 13);
+  absl::StatusOr<DeviceBuffer> out = DeviceBuffer::Allocate(static_cast<size_t>(n) * 2);
+  absl::StatusOr<DeviceBuffer> wide = DeviceBuffer::Allocate(static_cast<size_t>(n) * 4 * 3);
+  if (!out.ok() || !wide.ok()) std::exit(1);
+  AttentionParams a;
+  a.batch = batch;
+  a.num_heads = a.num_kv_heads = heads;
+  a.head_dim = a.head_dim_v = kDim;
+  a.q_len = a.kv_len = len;
+  a.dtype = a.out_dtype = t;
+  a.q = q.data();
+  a.k = k.data();
+  a.v = v.data();
+  a.out = out->data();
+  HeadLayoutStrides(heads, len, kDim, &a.q_stride_b, &a.q_stride_h, &a.q_stride_row);
+  a.k_stride_b = a.v_stride_b = a.o_stride_b = a.q_stride_b;
+  a.k_stride_h = a.v_stride_h = a.o_stride_h = a.q_stride_h;
+  a.k_stride_row = a.v_stride_row = a.o_stride_row = a.q_stride_row;
+  a.causal = true;
+  a.window = window;
+  a.softcap = softcap;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  // The score pairs computed: a causal row i sees min(i + 1, window) keys.
+  double pairs = 0;
+  for (int64_t i = 0; i < len; ++i) pairs += window > 0 ? std::min(i + 1, window) : i + 1;
+  const double flops = 4.0 * batch * heads * pairs * kDim;
+  auto print = [&](const char* kernel, double ms) {
+    std::printf(
+        "{\"kind\": \"layer_feature\", \"feature\": \"%s\", \"kernel\": \"%s\", \"dtype\": "
+        "\"bf16\", \"batch\": %ld, \"heads\": %ld, \"seq\": %ld, \"head_dim\": %ld, \"window\": "
+        "%ld, \"softcap\": %.1f, \"ms\": %.4f, \"tflops\": %.2f}\n",
+        name, kernel, static_cast<long>(batch), static_cast<long>(heads), static_cast<long>(len),
+        static_cast<long>(kDim), static_cast<long>(window), softcap, ms,
+        flops / (ms * 1e-3) / 1e12);
+    std::fflush(stdout);
+  };
+  if (!FlashAttentionSupports(a)) std::exit(1);
+  print("flash", TimeMs([&] { Check(LaunchFlashAttention(a, nullptr), "flash"); }, iters));
+  absl::StatusOr<std::unique_ptr<UnfusedAttention>> unfused = UnfusedAttention::Create(nullptr);
+  if (!unfused.ok()) std::exit(1);
+  AttentionParams f = a;
+  f.dtype = DType::kFloat32;
+  float* w = static_cast<float*>(wide->data());
+  f.q = w;
+  f.k = w + n;
+  f.v = w + 2 * n;
+  const void* narrow[3] = {a.q, a.k, a.v};
+  Arena scratch{Arena::Kind::kDevice};
+  auto run_unfused = [&] {
+    for (int i = 0; i < 3; ++i) {
+      Check(LaunchConvert(narrow[i], t, w + i * n, DType::kFloat32, n, nullptr), "widen");
+    }
+    scratch.Reset();
+    absl::Status st = (*unfused)->Enqueue(
+        f, [&scratch](size_t bytes) { return scratch.Allocate(bytes); }, nullptr);
+    if (!st.ok()) std::exit(1);
+  };
+  print("unfused", TimeMs(run_unfused, std::max(1, iters / 4)));
+  Check(cudaDeviceSynchronize(), "layer feature");
+}
+
 double CublasGemmMs(cublasHandle_t blas, DType t, const void* x, int64_t rows, int64_t in,
                     const void* w, int64_t out, void* y, int iters) {
   const cudaDataType_t dt = t == DType::kFloat32   ? CUDA_R_32F
@@ -514,6 +585,9 @@ int Main(int argc, char** argv) {
     BenchAttention(DType::kFloat32, 4, 16, 2048, 128, true, iters);
     BenchAttention(DType::kFloat32, 8, 32, 1024, 64, false, iters);
   }
+  // Gemma 2's softcapping and a Mistral-sized window over a long prompt.
+  BenchLayerFeature("softcap 50", 4, 16, 2048, 0, 50.0f, iters);
+  if (!quick) BenchLayerFeature("window 4096", 1, 16, 16384, 4096, 0.0f, iters);
   for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     BenchCeiling(t, iters);
     for (int64_t rows : {4096, 16384}) {
