@@ -13,8 +13,10 @@
 #       batching, scheduler, sessions, model control and server tests
 #       (dynamic_batcher_test, batching_scheduler_test, session_manager_test,
 #       kv_block_pool_test, model_manager_test, attn_server_test, and the
-#       request memory's pool, host_buffer_test). Default
-#       BUILD_DIR: build-tsan.
+#       request memory's pool, host_buffer_test), and the fused CUDA kernels
+#       on their CPU emulation where the CUDA headers are
+#       (flash_attention_emulated_test, flash_attention_fp32_emulated_test).
+#       Default BUILD_DIR: build-tsan.
 #
 # Debian's abseil is not instrumented, so TSan cannot see its Mutex (thousands
 # of false races). The tsan mode builds abseil from Debian's own source
@@ -110,6 +112,12 @@ case "$mode" in
     configure "$build" "-fsanitize=thread"
     tests=(dynamic_batcher_test batching_scheduler_test session_manager_test kv_block_pool_test
            model_manager_test attn_server_test host_buffer_test)
+    # The fused CUDA kernels on the CPU emulation (tests/CMakeLists.txt: built
+    # where the CUDA headers are): a missing __syncthreads between a shared
+    # memory write and another thread's read is a race here.
+    if ninja -C "$build" -t targets all 2>/dev/null | grep -q '^flash_attention_emulated_test:'; then
+      tests+=(flash_attention_emulated_test flash_attention_fp32_emulated_test)
+    fi
     cmake --build "$build" -j"$jobs" --target "${tests[@]}"
     export LD_LIBRARY_PATH=$build/abseil-tsan/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=0:second_deadlock_stack=1:history_size=4:suppressions=$root/scripts/tsan.supp}

@@ -48,6 +48,7 @@ __device__ __forceinline__ void StoreElement(void* data, DType type, int64_t i, 
   }
 }
 
+#if !defined(ATTNSERVE_CUDA_EMULATION)
 // x rounded to TF32 (10 explicit mantissa bits, nearest, ties away), as an
 // fp32 value whose low 13 bits are zero; x - Tf32High(x) is then exact in
 // fp32. A finite x that would round to infinity is truncated instead.
@@ -58,6 +59,7 @@ __device__ __forceinline__ float Tf32High(float x) {
   if (isinf(hi) && !isinf(x)) return __uint_as_float(__float_as_uint(x) & 0xffffe000u);
   return hi;
 }
+#endif  // !ATTNSERVE_CUDA_EMULATION
 
 // Keys [0, RowKeyEnd) may be visible to query row i of batch b; causal and
 // key_lengths both cut a prefix. May be <= 0 (the row sees nothing).

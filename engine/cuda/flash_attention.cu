@@ -27,6 +27,7 @@
 // of four 8x8 matrices whose row addresses lanes 8m..8m+7 supply (.trans:
 // rows and columns exchanged), which is each of those fragments in turn.
 #include <cstdint>
+#include <cstring>
 
 #include "engine/cuda/attention_kernels.h"
 #include "engine/cuda/device_utils.cuh"
@@ -49,16 +50,22 @@ template <>
 struct Mma<__half> {
   __device__ static uint32_t Pack(float lo, float hi) {
     const __half2 h = __floats2half2_rn(lo, hi);  // .x (low 16 bits) = lo
-    return *reinterpret_cast<const uint32_t*>(&h);
+    uint32_t bits;
+    memcpy(&bits, &h, sizeof(bits));
+    return bits;
   }
   // d += a * b
   __device__ static void Run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(ATTNSERVE_CUDA_EMULATION)  // tests/unit/engine/cuda/warp_emulator.h
+    emu::MmaM16N8K16(d, a, b0, b1, emu::HalfBits);
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(d[0]), "f"(d[1]),
           "f"(d[2]), "f"(d[3]));
+#endif
   }
 };
 
@@ -66,15 +73,21 @@ template <>
 struct Mma<__nv_bfloat16> {
   __device__ static uint32_t Pack(float lo, float hi) {
     const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // .x (low 16 bits) = lo
-    return *reinterpret_cast<const uint32_t*>(&h);
+    uint32_t bits;
+    memcpy(&bits, &h, sizeof(bits));
+    return bits;
   }
   __device__ static void Run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(ATTNSERVE_CUDA_EMULATION)
+    emu::MmaM16N8K16(d, a, b0, b1, emu::Bfloat16Bits);
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(d[0]), "f"(d[1]),
           "f"(d[2]), "f"(d[3]));
+#endif
   }
 };
 
@@ -95,7 +108,7 @@ template <typename T, int D, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 1)
     FlashAttentionKernel(AttentionParams a, int64_t q_tiles) {
   constexpr int kLd = kPitch<D>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  ATTNSERVE_DYNAMIC_SHARED(smem_raw);
   T* q_tile = reinterpret_cast<T*>(smem_raw);
   flash::KvStages<T, D, kBlockN, kLd, kThreads> stages;
   stages.k = q_tile + kBlockM * kLd;
@@ -189,6 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   flash::StoreRows<T, D>(a, rows, o, inv_l, b, h, t);
 }
 
+#if !defined(ATTNSERVE_CUDA_EMULATION)
 template <typename T, int D, bool kCausal>
 cudaError_t Launch(const AttentionParams& a, cudaStream_t stream) {
   constexpr int kShared = SharedBytes<T, D>();
@@ -204,6 +218,7 @@ cudaError_t Launch(const AttentionParams& a, cudaStream_t stream) {
       <<<static_cast<unsigned>(blocks), kThreads, kShared, stream>>>(a, q_tiles);
   return cudaGetLastError();
 }
+#endif
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -221,6 +236,7 @@ bool FlashAttentionSupports(const AttentionParams& a) {
   return true;
 }
 
+#if !defined(ATTNSERVE_CUDA_EMULATION)
 // The variants: {fp16, bf16} x {64, 128} x {causal, not}.
 cudaError_t LaunchFlashAttention(const AttentionParams& args, cudaStream_t stream) {
   if (!FlashAttentionSupports(args)) return cudaErrorInvalidValue;
@@ -231,5 +247,7 @@ cudaError_t LaunchFlashAttention(const AttentionParams& args, cudaStream_t strea
     });
   });
 }
+
+#endif  // !ATTNSERVE_CUDA_EMULATION
 
 }  // namespace attnserve::cuda

@@ -70,6 +70,7 @@ __device__ __forceinline__ void Split(uint32_t x, uint32_t& hi, uint32_t& lo) {
   lo = __float_as_uint(__uint_as_float(x) - __uint_as_float(hi));
 }
 
+#if !defined(ATTNSERVE_CUDA_EMULATION)  // else tests/unit/engine/cuda/warp_emulator.h's
 // d += a * b on TF32 tensor cores.
 __device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                         uint32_t b1) {
@@ -80,6 +81,7 @@ __device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(d[0]), "f"(d[1]),
         "f"(d[2]), "f"(d[3]));
 }
+#endif
 
 // A fragment split into its high and low parts.
 struct SplitA {
@@ -108,7 +110,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     FlashAttentionFp32Kernel(AttentionParams a, int64_t q_tiles) {
   constexpr int kN = kBlockN<D>;
   constexpr int kLd = kPitch<D>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  ATTNSERVE_DYNAMIC_SHARED(smem_raw);
   float* q_tile = reinterpret_cast<float*>(smem_raw);
   flash::KvStages<float, D, kN, kLd, kThreads> stages;
   stages.k = q_tile + kBlockM * kLd;
@@ -194,6 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   flash::StoreRows<float, D>(a, rows, o, inv_l, b, h, t);
 }
 
+#if !defined(ATTNSERVE_CUDA_EMULATION)
 template <int D, bool kCausal>
 cudaError_t Launch(const AttentionParams& a, cudaStream_t stream) {
   constexpr int kShared = SharedBytes<D>();
@@ -210,6 +213,7 @@ cudaError_t Launch(const AttentionParams& a, cudaStream_t stream) {
       <<<static_cast<unsigned>(blocks), kThreads, kShared, stream>>>(a, q_tiles);
   return cudaGetLastError();
 }
+#endif
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -234,6 +238,7 @@ bool FlashAttentionFp32Supports(const AttentionParams& a, int max_shared_bytes) 
   return true;
 }
 
+#if !defined(ATTNSERVE_CUDA_EMULATION)
 // The variants: {64, 128} x {causal, not}.
 cudaError_t LaunchFlashAttentionFp32(const AttentionParams& args, int max_shared_bytes,
                                      cudaStream_t stream) {
@@ -243,5 +248,7 @@ cudaError_t LaunchFlashAttentionFp32(const AttentionParams& args, int max_shared
                                  [&] { return Launch<kHeadDim, kCausal>(args, stream); });
   });
 }
+
+#endif  // !ATTNSERVE_CUDA_EMULATION
 
 }  // namespace attnserve::cuda

@@ -23,6 +23,12 @@ namespace attnserve::cuda::flash {
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 
+// The instructions below run on a GPU; tests/unit/engine/cuda/warp_emulator.h
+// defines them instead where a test runs a kernel on the CPU.
+#if !defined(ATTNSERVE_CUDA_EMULATION)
+// A kernel's dynamic shared memory, `name` its first byte.
+#define ATTNSERVE_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+
 __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -51,6 +57,7 @@ __device__ __forceinline__ void CopyAsync16(void* dst, const void* src, bool val
 }
 __device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void WaitCopies() { asm volatile("cp.async.wait_group 0;\n" ::); }
+#endif  // !ATTNSERVE_CUDA_EMULATION
 
 // Starts copying rows [row0, row0 + kRows) of a [rows, D] view (row stride in
 // elements) into shared memory with row pitch kLd elements, 16 bytes per

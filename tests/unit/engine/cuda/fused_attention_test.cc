@@ -27,6 +27,7 @@
 #include "engine/dtype.h"
 #include "engine/tensor.h"
 #include "gtest/gtest.h"
+#include "tests/unit/engine/cuda/attention_oracle.h"
 
 namespace attnserve::cuda {
 namespace {
@@ -185,58 +186,8 @@ bool HaveGpu(std::string* why) {
     ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
   } while (0)
 
-enum class Mask { kNone, kBoolPerBatch, kAdditivePerHead };
-
-struct Case {
-  DType dtype = DType::kFloat32;
-  DType out_dtype = DType::kFloat32;  // kBool: the inputs' dtype
-  int64_t batch = 2, heads = 4, kv_heads = 2, q_len = 1, kv_len = 1, dim = 64;
-  bool causal = false;
-  bool token_layout = false;  // [B, L, H * D] instead of [B, H, L, D]
-  bool lengths = false;
-  Mask mask = Mask::kNone;
-  float scale = 0.0f;  // 0: 1 / sqrt(dim)
-  int64_t window = 0;
-  float softcap = 0.0f;
-  bool sinks = false;
-
-  std::string Describe() const {
-    return std::string(DTypeName(dtype)) + " " +
-           testing::PrintToString(
-               std::vector<int64_t>{batch, heads, kv_heads, q_len, kv_len, dim}) +
-           (causal ? " causal" : "") + (token_layout ? " tokens" : " heads") +
-           (lengths ? " lengths" : "") + " mask " + std::to_string(static_cast<int>(mask)) +
-           " window " + std::to_string(window) + " softcap " + std::to_string(softcap) +
-           (sinks ? " sinks" : "") + " out " + std::string(DTypeName(out_dtype));
-  }
-};
-
-// Element strides of [B, rows, heads, dim] in one of the two layouts.
-void Strides(const Case& c, int64_t heads, int64_t rows, int64_t dim, int64_t* sb, int64_t* sh,
-             int64_t* sr) {
-  if (c.token_layout) {
-    *sr = heads * dim;
-    *sh = dim;
-    *sb = rows * heads * dim;
-  } else {
-    *sr = dim;
-    *sh = rows * dim;
-    *sb = heads * rows * dim;
-  }
-}
-
-// n random values in [-1, 1] as rounded to `dtype`: `bytes` holds them in
-// the dtype, the result as floats (what the kernel reads, exactly).
-std::vector<float> RandomInput(DType dtype, int64_t n, std::mt19937& rng,
-                               std::vector<uint8_t>* bytes) {
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> values(n);
-  for (float& x : values) x = dist(rng);
-  bytes->resize(static_cast<size_t>(n) * DTypeSize(dtype));
-  ConvertFromFloat(values.data(), n, dtype, bytes->data());
-  ConvertToFloat(dtype, bytes->data(), n, values.data());
-  return values;
-}
+using oracle::Case;
+using oracle::Mask;
 
 // Device copies, freed on scope exit.
 struct DeviceBuffers {
@@ -244,97 +195,33 @@ struct DeviceBuffers {
   ~DeviceBuffers() {
     for (void* p : owned) (void)cudaFree(p);
   }
-  void* Copy(const void* host, size_t bytes) {
+  // A device copy of `bytes` of host memory; null on failure (or for null).
+  template <typename T>
+  T* Copy(T* host, size_t bytes) {
+    if (host == nullptr) return nullptr;
     void* p = nullptr;
     if (cudaMalloc(&p, std::max<size_t>(bytes, 1)) != cudaSuccess) return nullptr;
     owned.push_back(p);
     if (cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) return nullptr;
-    return p;
+    return static_cast<T*>(p);
   }
 };
 
 // Runs case c on its dtype's kernel and checks every output against float64.
 void RunAndCompare(const Case& c, std::mt19937& rng) {
   SCOPED_TRACE(c.Describe());
-  const DType out_dtype = c.out_dtype == DType::kBool ? c.dtype : c.out_dtype;
-  const int64_t nq = c.batch * c.heads * c.q_len * c.dim;
-  const int64_t nk = c.batch * c.kv_heads * c.kv_len * c.dim;
-  std::vector<uint8_t> q_bytes, k_bytes, v_bytes;
-  const std::vector<float> q = RandomInput(c.dtype, nq, rng, &q_bytes);
-  const std::vector<float> k = RandomInput(c.dtype, nk, rng, &k_bytes);
-  const std::vector<float> v = RandomInput(c.dtype, nk, rng, &v_bytes);
-  std::vector<int64_t> lengths(c.batch, c.kv_len);
-  if (c.lengths) {
-    lengths[0] = c.kv_len / 3;
-    if (c.batch > 1) lengths[1] = 0;  // a sequence with no keys: zeros
-  }
-  std::vector<float> sinks;
-  for (int64_t h = 0; h < c.heads && c.sinks; ++h) sinks.push_back(-1.0f + 0.7f * h);
-  // Masks: bool [B, 1, Lq, Lk] (every fifth key of each row blocked, row 1
-  // blocked whole), additive [1, H, 1, Lk] (a head-dependent ramp, -inf on
-  // key 0 of head 0).
-  std::vector<uint8_t> bool_mask;
-  std::vector<float> add_mask;
-  MaskParams mask;
-  if (c.mask == Mask::kBoolPerBatch) {
-    bool_mask.assign(c.batch * c.q_len * c.kv_len, 1);
-    for (int64_t b = 0; b < c.batch; ++b)
-      for (int64_t i = 0; i < c.q_len; ++i)
-        for (int64_t j = 0; j < c.kv_len; ++j)
-          if ((i + j + b) % 5 == 0 || i == 1) bool_mask[(b * c.q_len + i) * c.kv_len + j] = 0;
-    mask.kind = MaskParams::Kind::kBool;
-    mask.dtype = DType::kBool;
-    mask.stride_b = c.q_len * c.kv_len;
-    mask.stride_q = c.kv_len;
-    mask.stride_k = 1;
-  } else if (c.mask == Mask::kAdditivePerHead) {
-    add_mask.resize(c.heads * c.kv_len);
-    for (int64_t h = 0; h < c.heads; ++h)
-      for (int64_t j = 0; j < c.kv_len; ++j)
-        add_mask[h * c.kv_len + j] = -0.01f * static_cast<float>((j * (h + 1)) % 37);
-    add_mask[0] = -std::numeric_limits<float>::infinity();
-    mask.kind = MaskParams::Kind::kAdditive;
-    mask.dtype = DType::kFloat32;
-    mask.stride_h = c.kv_len;
-    mask.stride_k = 1;
-  }
-
-  AttentionParams a;
-  a.batch = c.batch;
-  a.num_heads = c.heads;
-  a.num_kv_heads = c.kv_heads;
-  a.head_dim = a.head_dim_v = c.dim;
-  a.q_len = c.q_len;
-  a.kv_len = c.kv_len;
-  a.dtype = c.dtype;
-  a.out_dtype = out_dtype;
-  a.causal = c.causal;
-  a.window = c.window;
-  a.softcap = c.softcap;
-  a.scale = c.scale > 0.0f ? c.scale
-                           : static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.dim)));
-  Strides(c, c.heads, c.q_len, c.dim, &a.q_stride_b, &a.q_stride_h, &a.q_stride_row);
-  Strides(c, c.kv_heads, c.kv_len, c.dim, &a.k_stride_b, &a.k_stride_h, &a.k_stride_row);
-  Strides(c, c.kv_heads, c.kv_len, c.dim, &a.v_stride_b, &a.v_stride_h, &a.v_stride_row);
-  Strides(c, c.heads, c.q_len, c.dim, &a.o_stride_b, &a.o_stride_h, &a.o_stride_row);
-  a.mask = mask;
-
-  // Host data is laid out by the same strides (both layouts are dense).
-  const size_t out_bytes = static_cast<size_t>(nq) * DTypeSize(out_dtype);
+  oracle::Inputs in = oracle::MakeInputs(c, rng);
+  AttentionParams a = in.params;  // host pointers, replaced by device copies
   DeviceBuffers device;
-  a.q = device.Copy(q_bytes.data(), q_bytes.size());
-  a.k = device.Copy(k_bytes.data(), k_bytes.size());
-  a.v = device.Copy(v_bytes.data(), v_bytes.size());
-  std::vector<uint8_t> out(out_bytes, 0xff);  // NaNs where nothing is written
-  a.out = device.Copy(out.data(), out_bytes);
-  if (c.lengths) {
-    a.key_lengths =
-        static_cast<const int64_t*>(device.Copy(lengths.data(), lengths.size() * 8));
-  }
-  if (c.sinks) a.sinks = static_cast<const float*>(device.Copy(sinks.data(), sinks.size() * 4));
-  if (!bool_mask.empty()) a.mask.data = device.Copy(bool_mask.data(), bool_mask.size());
-  if (!add_mask.empty()) a.mask.data = device.Copy(add_mask.data(), add_mask.size() * 4);
+  a.q = device.Copy(a.q, in.q_bytes.size());
+  a.k = device.Copy(a.k, in.k_bytes.size());
+  a.v = device.Copy(a.v, in.v_bytes.size());
+  a.out = device.Copy(a.out, in.out.size());
+  a.key_lengths = device.Copy(a.key_lengths, in.lengths.size() * sizeof(int64_t));
+  a.sinks = device.Copy(a.sinks, in.sinks.size() * sizeof(float));
+  a.mask.data = device.Copy(a.mask.data, in.bool_mask.size() + in.add_mask.size() * 4);
   for (void* p : device.owned) ASSERT_NE(p, nullptr) << "device allocation or copy";
+  ASSERT_TRUE(a.q != nullptr && a.k != nullptr && a.v != nullptr && a.out != nullptr);
 
   if (c.dtype == DType::kFloat32) {
     int max_shared = 0;
@@ -346,77 +233,9 @@ void RunAndCompare(const Case& c, std::mt19937& rng) {
     CUDA_OK(LaunchFlashAttention(a, nullptr));
   }
   CUDA_OK(cudaDeviceSynchronize());
-  CUDA_OK(cudaMemcpy(out.data(), const_cast<void*>(static_cast<const void*>(a.out)), out_bytes,
-                     cudaMemcpyDeviceToHost));
-
-  // float64 attention, straight from attention_params.h's definition.
-  const int64_t group = c.heads / c.kv_heads;
-  // fp32: 1e-5 absolute. fp16/bf16: P is rounded to the dtype for P V.
-  double atol = 1e-5, rtol = 0.0;
-  if (c.dtype == DType::kFloat16) atol = 2e-3, rtol = 1e-2;
-  if (c.dtype == DType::kBFloat16) atol = 1.5e-2, rtol = 2e-2;
-  if (out_dtype == DType::kFloat16) rtol = std::max(rtol, 1e-3);
-  if (out_dtype == DType::kBFloat16) rtol = std::max(rtol, 8e-3);
-  int64_t bad = 0;
-  std::vector<double> p(c.kv_len);
-  for (int64_t b = 0; b < c.batch; ++b) {
-    for (int64_t h = 0; h < c.heads; ++h) {
-      const int64_t hk = h / group;
-      for (int64_t i = 0; i < c.q_len; ++i) {
-        const int64_t position = i + c.kv_len - c.q_len;
-        double max = -INFINITY;
-        bool sees = false;
-        for (int64_t j = 0; j < c.kv_len; ++j) {
-          p[j] = -INFINITY;
-          if (j >= lengths[b]) continue;
-          if (c.causal && j > position) continue;
-          if (c.window > 0 && j < position - c.window + 1) continue;
-          if (c.mask == Mask::kBoolPerBatch && bool_mask[(b * c.q_len + i) * c.kv_len + j] == 0)
-            continue;
-          const double extra = c.mask == Mask::kAdditivePerHead ? add_mask[h * c.kv_len + j] : 0;
-          if (std::isinf(extra)) continue;
-          const float* qi = &q[b * a.q_stride_b + h * a.q_stride_h + i * a.q_stride_row];
-          const float* kj = &k[b * a.k_stride_b + hk * a.k_stride_h + j * a.k_stride_row];
-          double dot = 0.0;
-          for (int64_t d = 0; d < c.dim; ++d) dot += static_cast<double>(qi[d]) * kj[d];
-          double t = dot * static_cast<double>(a.scale);  // the scale as the kernel has it
-          if (c.softcap > 0.0f) t = c.softcap * std::tanh(t / c.softcap);
-          p[j] = t + extra;
-          max = std::max(max, p[j]);
-          sees = true;
-        }
-        // A row that sees a key counts its sink in the max and the sum.
-        const double sink = sees && c.sinks ? sinks[h] : -INFINITY;
-        max = std::max(max, sink);
-        double sum = sees && c.sinks ? std::exp(sink - max) : 0.0;
-        for (int64_t j = 0; j < c.kv_len; ++j) {
-          p[j] = std::isinf(p[j]) ? 0.0 : std::exp(p[j] - max);
-          sum += p[j];
-        }
-        for (int64_t d = 0; d < c.dim; ++d) {
-          double want = 0.0;
-          if (sees) {
-            for (int64_t j = 0; j < c.kv_len; ++j) {
-              if (p[j] != 0.0) {
-                want += p[j] * v[b * a.v_stride_b + hk * a.v_stride_h + j * a.v_stride_row + d];
-              }
-            }
-            want /= sum;
-          }
-          const int64_t at = b * a.o_stride_b + h * a.o_stride_h + i * a.o_stride_row + d;
-          const double got = LoadAsFloat(out_dtype, out.data(), at);
-          if (!(std::abs(got - want) <= atol + rtol * std::abs(want))) {  // NaN fails too
-            if (bad < 5) {
-              ADD_FAILURE() << "b " << b << " h " << h << " i " << i << " d " << d << ": got "
-                            << got << ", float64 " << want;
-            }
-            ++bad;
-          }
-        }
-      }
-    }
-  }
-  EXPECT_EQ(bad, 0) << "outputs off float64 by more than the tolerance";
+  CUDA_OK(cudaMemcpy(in.out.data(), a.out, in.out.size(), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(oracle::CompareWithFloat64(in, in.out.data()), 0)
+      << "outputs off float64 by more than the tolerance";
 }
 
 constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};

@@ -1,0 +1,294 @@
+// Attention requests for the fused kernels' tests, and their float64 oracle
+// written straight from attention_params.h's definition: causal
+// (bottom-right), sliding window, key lengths, bool and additive masks
+// through broadcast strides, softcapping, sinks, grouped-query heads, the
+// head and token layouts. Shared by the GPU test (fused_attention_test.cc)
+// and their CPU emulations (flash_attention*_emulated_test.cc).
+#ifndef ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_ATTENTION_ORACLE_H_
+#define ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_ATTENTION_ORACLE_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/attention_params.h"
+#include "engine/dtype.h"
+#include "engine/tensor.h"
+#include "gtest/gtest.h"
+
+namespace attnserve::oracle {
+
+enum class Mask { kNone, kBoolPerBatch, kAdditivePerHead };
+
+struct Case {
+  DType dtype = DType::kFloat32;
+  DType out_dtype = DType::kFloat32;  // kBool: the inputs' dtype
+  int64_t batch = 2, heads = 4, kv_heads = 2, q_len = 1, kv_len = 1, dim = 64;
+  bool causal = false;
+  bool token_layout = false;  // [B, L, H * D] instead of [B, H, L, D]
+  bool lengths = false;       // key lengths: the first sequence a third, the second none
+  Mask mask = Mask::kNone;
+  float scale = 0.0f;  // 0: 1 / sqrt(dim)
+  int64_t window = 0;
+  float softcap = 0.0f;
+  bool sinks = false;
+
+  DType OutDType() const { return out_dtype == DType::kBool ? dtype : out_dtype; }
+  std::string Describe() const {
+    return std::string(DTypeName(dtype)) + " " +
+           testing::PrintToString(
+               std::vector<int64_t>{batch, heads, kv_heads, q_len, kv_len, dim}) +
+           (causal ? " causal" : "") + (token_layout ? " tokens" : " heads") +
+           (lengths ? " lengths" : "") + " mask " + std::to_string(static_cast<int>(mask)) +
+           " window " + std::to_string(window) + " softcap " + std::to_string(softcap) +
+           (sinks ? " sinks" : "") + " out " + std::string(DTypeName(OutDType()));
+  }
+};
+
+// A case's inputs on the host: the tensors in their dtype (what a kernel
+// reads) and as floats (the same values), and `params` pointing at them.
+struct Inputs {
+  Case c;
+  std::vector<uint8_t> q_bytes, k_bytes, v_bytes;
+  std::vector<float> q, k, v;
+  std::vector<int64_t> lengths;
+  std::vector<float> sinks;
+  std::vector<uint8_t> bool_mask;
+  std::vector<float> add_mask;
+  std::vector<uint8_t> out;  // OutDType(), filled with NaN bytes
+  AttentionParams params;
+};
+
+// Element strides of [B, rows, heads, dim] in one of the two layouts.
+inline void Strides(const Case& c, int64_t heads, int64_t rows, int64_t dim, int64_t* sb,
+                    int64_t* sh, int64_t* sr) {
+  if (c.token_layout) {
+    *sr = heads * dim;
+    *sh = dim;
+    *sb = rows * heads * dim;
+  } else {
+    *sr = dim;
+    *sh = rows * dim;
+    *sb = heads * rows * dim;
+  }
+}
+
+// n random values in [-1, 1] as rounded to `dtype`: `bytes` holds them in
+// the dtype, the result as floats (what the kernel reads, exactly).
+inline std::vector<float> RandomInput(DType dtype, int64_t n, std::mt19937& rng,
+                                      std::vector<uint8_t>* bytes) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> values(n);
+  for (float& x : values) x = dist(rng);
+  bytes->resize(static_cast<size_t>(n) * DTypeSize(dtype));
+  ConvertFromFloat(values.data(), n, dtype, bytes->data());
+  ConvertToFloat(dtype, bytes->data(), n, values.data());
+  return values;
+}
+
+// Random inputs for case c, `params` over host memory (dense layouts).
+inline Inputs MakeInputs(const Case& c, std::mt19937& rng) {
+  Inputs in;
+  in.c = c;
+  const int64_t nq = c.batch * c.heads * c.q_len * c.dim;
+  const int64_t nk = c.batch * c.kv_heads * c.kv_len * c.dim;
+  in.q = RandomInput(c.dtype, nq, rng, &in.q_bytes);
+  in.k = RandomInput(c.dtype, nk, rng, &in.k_bytes);
+  in.v = RandomInput(c.dtype, nk, rng, &in.v_bytes);
+  in.lengths.assign(c.batch, c.kv_len);
+  if (c.lengths) {
+    in.lengths[0] = c.kv_len / 3;
+    if (c.batch > 1) in.lengths[1] = 0;  // a sequence with no keys: zeros
+  }
+  for (int64_t h = 0; h < c.heads && c.sinks; ++h) in.sinks.push_back(-1.0f + 0.7f * h);
+  AttentionParams& a = in.params;
+  // Masks: bool [B, 1, Lq, Lk] (every fifth key of each row blocked, row 1
+  // blocked whole), additive [1, H, 1, Lk] (a head-dependent ramp, -inf on
+  // key 0 of head 0).
+  if (c.mask == Mask::kBoolPerBatch) {
+    in.bool_mask.assign(c.batch * c.q_len * c.kv_len, 1);
+    for (int64_t b = 0; b < c.batch; ++b)
+      for (int64_t i = 0; i < c.q_len; ++i)
+        for (int64_t j = 0; j < c.kv_len; ++j)
+          if ((i + j + b) % 5 == 0 || i == 1) in.bool_mask[(b * c.q_len + i) * c.kv_len + j] = 0;
+    a.mask.kind = MaskParams::Kind::kBool;
+    a.mask.dtype = DType::kBool;
+    a.mask.data = in.bool_mask.data();
+    a.mask.stride_b = c.q_len * c.kv_len;
+    a.mask.stride_q = c.kv_len;
+    a.mask.stride_k = 1;
+  } else if (c.mask == Mask::kAdditivePerHead) {
+    in.add_mask.resize(c.heads * c.kv_len);
+    for (int64_t h = 0; h < c.heads; ++h)
+      for (int64_t j = 0; j < c.kv_len; ++j)
+        in.add_mask[h * c.kv_len + j] = -0.01f * static_cast<float>((j * (h + 1)) % 37);
+    in.add_mask[0] = -std::numeric_limits<float>::infinity();
+    a.mask.kind = MaskParams::Kind::kAdditive;
+    a.mask.dtype = DType::kFloat32;
+    a.mask.data = in.add_mask.data();
+    a.mask.stride_h = c.kv_len;
+    a.mask.stride_k = 1;
+  }
+  a.batch = c.batch;
+  a.num_heads = c.heads;
+  a.num_kv_heads = c.kv_heads;
+  a.head_dim = a.head_dim_v = c.dim;
+  a.q_len = c.q_len;
+  a.kv_len = c.kv_len;
+  a.dtype = c.dtype;
+  a.out_dtype = c.OutDType();
+  a.causal = c.causal;
+  a.window = c.window;
+  a.softcap = c.softcap;
+  a.scale = c.scale > 0.0f ? c.scale
+                           : static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.dim)));
+  Strides(c, c.heads, c.q_len, c.dim, &a.q_stride_b, &a.q_stride_h, &a.q_stride_row);
+  Strides(c, c.kv_heads, c.kv_len, c.dim, &a.k_stride_b, &a.k_stride_h, &a.k_stride_row);
+  Strides(c, c.kv_heads, c.kv_len, c.dim, &a.v_stride_b, &a.v_stride_h, &a.v_stride_row);
+  Strides(c, c.heads, c.q_len, c.dim, &a.o_stride_b, &a.o_stride_h, &a.o_stride_row);
+  in.out.assign(static_cast<size_t>(nq) * DTypeSize(a.out_dtype), 0xff);
+  a.q = in.q_bytes.data();
+  a.k = in.k_bytes.data();
+  a.v = in.v_bytes.data();
+  a.out = in.out.data();
+  if (c.lengths) a.key_lengths = in.lengths.data();
+  if (c.sinks) a.sinks = in.sinks.data();
+  return in;
+}
+
+// Small cases of every rule, for the CPU emulations of the kernels: masks
+// (bool per batch with a fully blocked row, additive per head), key lengths
+// (one sequence with none), the token layout, another output dtype, sliding
+// windows that skip whole key tiles and cut others, softcapping, sinks,
+// alone and together; head dims 64 and 128, grouped and plain heads, the
+// dtypes in turn.
+inline std::vector<Case> RuleCases(const std::vector<DType>& dtypes) {
+  struct Variant {
+    Mask mask;
+    bool lengths, token_layout;
+    int64_t window;
+    float softcap;
+    bool sinks;
+  };
+  const Variant variants[] = {
+      {Mask::kBoolPerBatch, false, false, 0, 0.0f, false},
+      {Mask::kAdditivePerHead, true, true, 0, 0.0f, false},
+      {Mask::kNone, false, false, 70, 0.0f, false},
+      {Mask::kNone, true, false, 7, 5.0f, true},
+      {Mask::kBoolPerBatch, false, true, 90, 0.0f, true},
+      {Mask::kNone, false, false, 0, 5.0f, false},
+  };
+  std::vector<Case> cases;
+  int n = 0;
+  for (const Variant& v : variants) {
+    Case c;
+    c.dtype = dtypes[n % dtypes.size()];
+    // Case 3 writes another dtype than it reads.
+    if (n == 3) c.out_dtype = c.dtype == DType::kFloat32 ? DType::kFloat16 : DType::kFloat32;
+    else c.out_dtype = c.dtype;
+    c.batch = v.lengths ? 2 : 1;
+    c.heads = 2;
+    c.kv_heads = n % 2 == 0 ? 1 : 2;
+    c.dim = n % 2 == 0 ? 64 : 128;
+    c.causal = n != 5;
+    c.q_len = 48 + 10 * n;
+    c.kv_len = 200 + 3 * n;
+    c.mask = v.mask;
+    c.lengths = v.lengths;
+    c.token_layout = v.token_layout;
+    c.window = v.window;
+    c.softcap = v.softcap;
+    c.scale = v.softcap > 0.0f ? 0.5f : 0.0f;  // scores large enough for the cap to bend
+    c.sinks = v.sinks;
+    cases.push_back(c);
+    ++n;
+  }
+  return cases;
+}
+
+// Checks `out` (in.params' output layout and dtype) against float64
+// attention over the same inputs: fp32 within 1e-5 absolute; fp16/bf16
+// inputs within their kernels' rounding of P (and an output dtype's
+// rounding). Reports up to five outputs that are off; returns how many are.
+inline int64_t CompareWithFloat64(const Inputs& in, const void* out) {
+  const Case& c = in.c;
+  const AttentionParams& a = in.params;
+  const DType out_dtype = c.OutDType();
+  double atol = 1e-5, rtol = 0.0;
+  if (c.dtype == DType::kFloat16) atol = 2e-3, rtol = 1e-2;
+  if (c.dtype == DType::kBFloat16) atol = 1.5e-2, rtol = 2e-2;
+  if (out_dtype == DType::kFloat16) rtol = std::max(rtol, 1e-3);
+  if (out_dtype == DType::kBFloat16) rtol = std::max(rtol, 8e-3);
+  const int64_t group = c.heads / c.kv_heads;
+  int64_t bad = 0;
+  std::vector<double> p(c.kv_len);
+  for (int64_t b = 0; b < c.batch; ++b) {
+    for (int64_t h = 0; h < c.heads; ++h) {
+      const int64_t hk = h / group;
+      for (int64_t i = 0; i < c.q_len; ++i) {
+        const int64_t position = i + c.kv_len - c.q_len;
+        double max = -INFINITY;
+        bool sees = false;
+        for (int64_t j = 0; j < c.kv_len; ++j) {
+          p[j] = -INFINITY;
+          if (j >= in.lengths[b]) continue;
+          if (c.causal && j > position) continue;
+          if (c.window > 0 && j < position - c.window + 1) continue;
+          if (c.mask == Mask::kBoolPerBatch &&
+              in.bool_mask[(b * c.q_len + i) * c.kv_len + j] == 0) {
+            continue;
+          }
+          const double extra =
+              c.mask == Mask::kAdditivePerHead ? in.add_mask[h * c.kv_len + j] : 0.0;
+          if (std::isinf(extra)) continue;
+          const float* qi = &in.q[b * a.q_stride_b + h * a.q_stride_h + i * a.q_stride_row];
+          const float* kj = &in.k[b * a.k_stride_b + hk * a.k_stride_h + j * a.k_stride_row];
+          double dot = 0.0;
+          for (int64_t d = 0; d < c.dim; ++d) dot += static_cast<double>(qi[d]) * kj[d];
+          double t = dot * static_cast<double>(a.scale);  // the scale as the kernel has it
+          if (c.softcap > 0.0f) t = c.softcap * std::tanh(t / c.softcap);
+          p[j] = t + extra;
+          max = std::max(max, p[j]);
+          sees = true;
+        }
+        // A row that sees a key counts its sink in the max and the sum.
+        const double sink = sees && c.sinks ? in.sinks[h] : -INFINITY;
+        max = std::max(max, sink);
+        double sum = sees && c.sinks ? std::exp(sink - max) : 0.0;
+        for (int64_t j = 0; j < c.kv_len; ++j) {
+          p[j] = std::isinf(p[j]) ? 0.0 : std::exp(p[j] - max);
+          sum += p[j];
+        }
+        for (int64_t d = 0; d < c.dim; ++d) {
+          double want = 0.0;
+          if (sees) {
+            for (int64_t j = 0; j < c.kv_len; ++j) {
+              if (p[j] != 0.0) {
+                want += p[j] * in.v[b * a.v_stride_b + hk * a.v_stride_h + j * a.v_stride_row + d];
+              }
+            }
+            want /= sum;
+          }
+          const int64_t at = b * a.o_stride_b + h * a.o_stride_h + i * a.o_stride_row + d;
+          const double got = LoadAsFloat(out_dtype, out, at);
+          if (!(std::abs(got - want) <= atol + rtol * std::abs(want))) {  // NaN fails too
+            if (bad < 5) {
+              ADD_FAILURE() << "b " << b << " h " << h << " i " << i << " d " << d << ": got "
+                            << got << ", float64 " << want;
+            }
+            ++bad;
+          }
+        }
+      }
+    }
+  }
+  return bad;
+}
+
+}  // namespace attnserve::oracle
+
+#endif  // ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_ATTENTION_ORACLE_H_

@@ -1,0 +1,76 @@
+// The fused fp32 kernel (engine/cuda/flash_attention_fp32.cu, its source
+// compiled here for the host) run on the CPU by warp_emulator.h, against
+// float64 attention (attention_oracle.h): its tile loops, index arithmetic,
+// masks, windows, softcapping, sinks and the online softmax, checked
+// without a GPU. What the emulation cannot check (its fragment layouts come
+// from the same reading of the PTX ISA as the kernel's) fused_attention_test
+// checks on a GPU. Small shapes: one CUDA thread is one std::thread.
+#include "tests/unit/engine/cuda/warp_emulator.h"  // first: it stands in for the device
+
+#include <cstdint>
+#include <random>
+
+#include "engine/cuda/flash_attention_fp32.cu"  // NOLINT(build/include): the kernel itself
+#include "gtest/gtest.h"
+#include "tests/unit/engine/cuda/attention_oracle.h"
+
+namespace attnserve::cuda {
+namespace {
+
+using oracle::Case;
+
+// Runs case c's fp32 kernel variant on the emulator and checks it.
+void EmulateAndCompare(const Case& c, std::mt19937& rng) {
+  SCOPED_TRACE(c.Describe());
+  oracle::Inputs in = oracle::MakeInputs(c, rng);
+  const AttentionParams& a = in.params;
+  ASSERT_TRUE(FlashAttentionFp32Supports(a, 227 * 1024));
+  const int64_t q_tiles = (a.q_len + kBlockM - 1) / kBlockM;
+  const int64_t blocks = q_tiles * a.num_heads * a.batch;
+  const auto run = [&]<int D, bool kCausal>() {
+    emu::Launch(blocks, kThreads, SharedBytes<D>(),
+                [&] { FlashAttentionFp32Kernel<D, kCausal>(a, q_tiles); });
+  };
+  if (a.head_dim == 64) {
+    a.causal ? run.template operator()<64, true>() : run.template operator()<64, false>();
+  } else {
+    a.causal ? run.template operator()<128, true>() : run.template operator()<128, false>();
+  }
+  EXPECT_EQ(oracle::CompareWithFloat64(in, in.out.data()), 0)
+      << "outputs off float64 by more than the tolerance";
+}
+
+// Both head dims, causal or not, lengths inside and on the query and key
+// tiles (Lq > Lk: leading causal rows see no key), GQA.
+TEST(FusedFp32KernelEmulated, MatchesFloat64OnTileShapes) {
+  std::mt19937 rng(15);
+  for (int64_t dim : {64, 128}) {
+    for (bool causal : {false, true}) {
+      for (auto [lq, lk] : {std::pair<int64_t, int64_t>{1, 70}, {129, 96}, {40, 33}}) {
+        Case c;
+        c.batch = 1;
+        c.heads = 2;
+        c.kv_heads = 1;
+        c.dim = dim;
+        c.causal = causal;
+        c.q_len = lq;
+        c.kv_len = lk;
+        EmulateAndCompare(c, rng);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// Every rule: masks, key lengths, the token layout, another output dtype,
+// windows, softcapping, sinks (oracle::RuleCases).
+TEST(FusedFp32KernelEmulated, MatchesFloat64WithMasksWindowsSoftcapAndSinks) {
+  std::mt19937 rng(16);
+  for (const Case& c : oracle::RuleCases({DType::kFloat32})) {
+    EmulateAndCompare(c, rng);
+    if (HasFatalFailure()) return;
+  }
+}
+
+}  // namespace
+}  // namespace attnserve::cuda

@@ -1,0 +1,276 @@
+// Runs a CUDA kernel of this project on the CPU, one block at a time, one
+// std::thread per CUDA thread: enough of the CUDA execution model for the
+// fused kernels (flash_attention.cu, flash_attention_fp32.cu) to run
+// unchanged in a test on a machine without a GPU. Test-only; written here.
+//
+// What it models: threadIdx/blockIdx, __syncthreads (a barrier of the
+// block's threads), __shfl_xor_sync (a barrier of the warp's lanes around
+// an exchange), dynamic shared memory, and the warp-wide instructions the
+// kernel issues through flash_tile.cuh and its own MmaTf32:
+//   - ldmatrix .x4 (.b16): lane l receives in r[m] the 32 bits at byte
+//     4 (l % 4) of the row whose address lane 8m + l / 4 gave; .trans the
+//     transposed 8x8 matrix's;
+//   - mma.m16n8k16 with .f16/.bf16 inputs (MmaM16N8K16, below);
+//   - mma.m16n8k8 .tf32 with fp32 accumulation, fragments as the PTX ISA
+//     lays them out (a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4],
+//     a3 = A[g+8][t+4]; b0 = B[t][g], b1 = B[t+4][g]; c0, c1 = C[g][2t..],
+//     c2, c3 = C[g+8][2t..]), the inputs' low 13 bits ignored as the tensor
+//     cores do, products accumulated in k order;
+//   - cp.async: copied (or zero-filled) at once, so commit and wait are
+//     empty.
+// Addresses the hardware requires 16-byte aligned (ldmatrix rows, cp.async)
+// abort the test when they are not. What it does not model: timing, the
+// asynchrony of cp.async (a missing wait may go unnoticed; a missing
+// __syncthreads shows as a race under TSan), and the fragment layouts
+// themselves: they are written here from the same reading of the PTX ISA as
+// the kernel, so this catches the kernel's logic (indices, loops, masks,
+// tile ranges, the online softmax) and not a misreading of the ISA, which
+// only a GPU run shows.
+#ifndef ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_WARP_EMULATOR_H_
+#define ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_WARP_EMULATOR_H_
+
+#define ATTNSERVE_CUDA_EMULATION 1
+// Before the CUDA headers: host_defines.h keeps a __device__ defined here.
+#define __device__
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+#include <vector_functions.h>
+
+#include <barrier>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#undef __global__
+#define __global__
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+#undef __forceinline__
+#define __forceinline__ inline
+// The kernel's dynamic shared memory: its block's buffer.
+#define ATTNSERVE_DYNAMIC_SHARED(name) unsigned char* name = ::attnserve::emu::SharedMemory()
+
+namespace attnserve::emu {
+
+struct Dim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+inline thread_local Dim3 thread_idx;
+inline thread_local Dim3 block_idx;
+
+constexpr int kWarpSize = 32;
+
+// One warp's exchange slots and barrier.
+struct Warp {
+  std::barrier<> sync{kWarpSize};
+  const void* address[kWarpSize];
+  uint32_t words[kWarpSize][10];
+};
+
+struct Block {
+  explicit Block(int threads, size_t shared_bytes)
+      : sync(threads), shared(shared_bytes), warps(threads / kWarpSize) {
+    for (auto& w : warps) w = std::make_unique<Warp>();
+  }
+  std::barrier<> sync;
+  std::vector<unsigned char> shared;
+  std::vector<std::unique_ptr<Warp>> warps;
+};
+inline thread_local Block* block = nullptr;
+
+inline unsigned char* SharedMemory() { return block->shared.data(); }
+inline int Lane() { return static_cast<int>(thread_idx.x) % kWarpSize; }
+inline Warp& MyWarp() { return *block->warps[thread_idx.x / kWarpSize]; }
+
+// Runs kernel() for every block of `blocks` (blockIdx.x) with `threads`
+// threads each and `shared_bytes` of dynamic shared memory.
+inline void Launch(int64_t blocks, int threads, size_t shared_bytes,
+                   const std::function<void()>& kernel) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    Block blk(threads, shared_bytes);
+    std::vector<std::thread> pool;
+    pool.reserve(static_cast<size_t>(threads));
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        thread_idx.x = static_cast<unsigned>(t);
+        block_idx.x = static_cast<unsigned>(b);
+        block = &blk;
+        kernel();
+      });
+    }
+    for (std::thread& th : pool) th.join();
+  }
+}
+
+inline float Tf32Input(uint32_t bits) { return std::bit_cast<float>(bits & 0xffffe000u); }
+
+// The alignment the hardware requires of an address (ldmatrix rows and
+// cp.async operands: 16 bytes); a misaligned one is a kernel bug that
+// faults on a GPU, so the emulation stops there too.
+inline void RequireAligned(const void* p, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+    std::fprintf(stderr, "warp_emulator: %s address %p is not 16-byte aligned\n", what, p);
+    std::abort();
+  }
+}
+
+// A 16-bit float's value.
+inline float HalfBits(uint16_t h) { return __half2float(std::bit_cast<__half>(h)); }
+inline float Bfloat16Bits(uint16_t h) { return std::bit_cast<float>(uint32_t{h} << 16); }
+
+// d += A B for one m16n8 tile with fp32 accumulation, K deep: every lane
+// deposits its registers (words 0-3: a, 4-5: b, 6-9: d), then computes its
+// four outputs (c0, c1 = C[g][2t..2t+1], c2, c3 = C[g+8][2t..]) from the
+// warp's; a(words, row, k) and b(words, k, col) read one element each from
+// the deposited registers, as the instruction's layout places it.
+using Words = uint32_t (*)[10];
+template <int K, typename ReadA, typename ReadB>
+inline void WarpMma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                    ReadA read_a, ReadB read_b) {
+  Warp& w = MyWarp();
+  const int lane = Lane();
+  uint32_t* mine = w.words[lane];
+  for (int i = 0; i < 4; ++i) mine[i] = a[i];
+  mine[4] = b0;
+  mine[5] = b1;
+  for (int i = 0; i < 4; ++i) mine[6 + i] = std::bit_cast<uint32_t>(d[i]);
+  w.sync.arrive_and_wait();
+  const int g = lane / 4, t = lane % 4;
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i % 2);
+    float acc = std::bit_cast<float>(w.words[lane][6 + i]);
+    for (int k = 0; k < K; ++k) {
+      acc = std::fma(read_a(w.words, row, k), read_b(w.words, k, col), acc);
+    }
+    out[i] = acc;
+  }
+  w.sync.arrive_and_wait();
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+// mma.m16n8k16 with 16-bit inputs (`value` reads one): register i holds two
+// elements, the lower-indexed in its low 16 bits: a0 = A[g][2t..],
+// a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..];
+// b0 = B[2t..][g], b1 = B[2t+8..][g].
+inline void MmaM16N8K16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                        float (*value)(uint16_t)) {
+  auto half_of = [value](uint32_t word, int k) {
+    return value(static_cast<uint16_t>(k % 2 == 0 ? word & 0xffffu : word >> 16));
+  };
+  WarpMma<16>(
+      d, a, b0, b1,
+      [&](Words words, int row, int k) {
+        return half_of(words[(row % 8) * 4 + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)],
+                       k);
+      },
+      [&](Words words, int k, int col) {
+        return half_of(words[col * 4 + (k % 8) / 2][4 + (k >= 8)], k);
+      });
+}
+
+// mma.m16n8k8 .tf32 (layouts at the top).
+inline void MmaM16N8K8Tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  WarpMma<8>(
+      d, a, b0, b1,
+      [](Words words, int row, int k) {
+        return Tf32Input(words[(row % 8) * 4 + k % 4][(row >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]);
+      },
+      [](Words words, int k, int col) { return Tf32Input(words[col * 4 + k % 4][4 + (k >= 4)]); });
+}
+
+}  // namespace attnserve::emu
+
+#define threadIdx (::attnserve::emu::thread_idx)
+#define blockIdx (::attnserve::emu::block_idx)
+
+inline void __syncthreads() { ::attnserve::emu::block->sync.arrive_and_wait(); }
+
+inline float __shfl_xor_sync(unsigned /*mask*/, float value, int lane_mask) {
+  using namespace ::attnserve::emu;
+  Warp& w = MyWarp();
+  const int lane = Lane();
+  w.words[lane][0] = std::bit_cast<uint32_t>(value);
+  w.sync.arrive_and_wait();
+  const float other = std::bit_cast<float>(w.words[lane ^ lane_mask][0]);
+  w.sync.arrive_and_wait();
+  return other;
+}
+
+inline uint32_t __float_as_uint(float x) { return std::bit_cast<uint32_t>(x); }
+inline float __uint_as_float(uint32_t x) { return std::bit_cast<float>(x); }
+// CUDA's device min/max overloads for 64-bit integers.
+inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t max(int64_t a, int64_t b) { return a > b ? a : b; }
+
+namespace attnserve::cuda::flash {
+
+inline void LoadMatrices(uint32_t (&r)[4], const void* row_address) {
+  using namespace ::attnserve::emu;
+  Warp& w = MyWarp();
+  const int lane = Lane();
+  RequireAligned(row_address, "ldmatrix row");
+  w.address[lane] = row_address;
+  w.sync.arrive_and_wait();
+  for (int m = 0; m < 4; ++m) {
+    std::memcpy(&r[m], static_cast<const unsigned char*>(w.address[8 * m + lane / 4]) +
+                           4 * (lane % 4), 4);
+  }
+  w.sync.arrive_and_wait();
+}
+
+// .trans: matrix m read as 8x8 16-bit elements M[r][c] (row r from lane
+// 8m + r, element c at byte 2c); lane l receives M[2 (l % 4)][l / 4] in the
+// low half of r[m] and M[2 (l % 4) + 1][l / 4] in the high half.
+inline void LoadMatricesTransposed(uint32_t (&r)[4], const void* row_address) {
+  using namespace ::attnserve::emu;
+  Warp& w = MyWarp();
+  const int lane = Lane();
+  RequireAligned(row_address, "ldmatrix.trans row");
+  w.address[lane] = row_address;
+  w.sync.arrive_and_wait();
+  for (int m = 0; m < 4; ++m) {
+    uint16_t lo, hi;
+    const int row = 2 * (lane % 4), col = lane / 4;
+    std::memcpy(&lo, static_cast<const unsigned char*>(w.address[8 * m + row]) + 2 * col, 2);
+    std::memcpy(&hi, static_cast<const unsigned char*>(w.address[8 * m + row + 1]) + 2 * col, 2);
+    r[m] = uint32_t{lo} | (uint32_t{hi} << 16);
+  }
+  w.sync.arrive_and_wait();
+}
+
+inline void CopyAsync16(void* dst, const void* src, bool valid) {
+  ::attnserve::emu::RequireAligned(dst, "cp.async destination");
+  if (valid) {
+    ::attnserve::emu::RequireAligned(src, "cp.async source");
+    std::memcpy(dst, src, 16);
+  } else {
+    std::memset(dst, 0, 16);
+  }
+}
+inline void CommitCopies() {}
+inline void WaitCopies() {}
+
+}  // namespace attnserve::cuda::flash
+
+namespace attnserve::cuda {
+namespace {
+
+// d += a * b (flash_attention_fp32.cu's MmaTf32 on a GPU).
+inline void MmaTf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  ::attnserve::emu::MmaM16N8K8Tf32(d, a, b0, b1);
+}
+
+}  // namespace
+}  // namespace attnserve::cuda
+
+#endif  // ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_WARP_EMULATOR_H_
