@@ -10,6 +10,14 @@
 
 #include "engine/cuda/attention_kernels.h"
 
+// kernel<<<grid, block, shared, stream>>>(...) (a kernel name with template
+// arguments goes in parentheses); tests/unit/engine/cuda/warp_emulator.h
+// defines it to run the kernel on its CPU emulation instead.
+#if !defined(ATTNSERVE_CUDA_EMULATION)
+#define ATTNSERVE_LAUNCH(kernel, grid, block, shared, stream, ...) \
+  kernel<<<grid, block, shared, stream>>>(__VA_ARGS__)
+#endif
+
 namespace attnserve::cuda {
 
 __device__ __forceinline__ float ToFloat(float x) { return x; }

@@ -229,7 +229,9 @@ __device__ __forceinline__ void DecodeBlock(const AttentionParams& a, int64_t ti
           PagedRow<T>(a.v_blocks, a.block_tokens, a.head_dim_v, g, j));
       const uintptr_t v_end = v_row + static_cast<uintptr_t>(a.head_dim_v) * sizeof(T) - 1;
       for (uintptr_t line = v_row & ~uintptr_t{127}; line <= v_end; line += 128) {
+#if !defined(ATTNSERVE_CUDA_EMULATION)  // a hint; nothing to emulate
         asm volatile("prefetch.global.L2 [%0];" : : "l"(line));
+#endif
       }
       const T* k = PagedRow<T>(a.k_blocks, a.block_tokens, a.head_dim, g, j);
       if (vector_k) {
@@ -474,12 +476,11 @@ __global__ void PagedCombineKernel(const PagedDecodeEntry* entries, int count,
 template <typename T, int kLaneDims, int kRows>
 cudaError_t LaunchDecodeFor(const PagedDecodeBatchPlan& plan, const PagedDecodeEntry* entries,
                             const PagedDecodeEntry& single, cudaStream_t stream) {
-  PagedDecodeKernel<T, kLaneDims, kRows>
-      <<<static_cast<unsigned>(plan.blocks), kDecodeThreads, 0, stream>>>(entries, plan.count,
-                                                                          single);
+  ATTNSERVE_LAUNCH((PagedDecodeKernel<T, kLaneDims, kRows>), static_cast<unsigned>(plan.blocks),
+                   kDecodeThreads, 0, stream, entries, plan.count, single);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  PagedCombineKernel<<<static_cast<unsigned>(plan.rows), kCombineThreads, 0, stream>>>(
-      entries, plan.count, single);
+  ATTNSERVE_LAUNCH(PagedCombineKernel, static_cast<unsigned>(plan.rows), kCombineThreads, 0,
+                   stream, entries, plan.count, single);
   return cudaGetLastError();
 }
 
@@ -529,14 +530,14 @@ cudaError_t LaunchPagedAppend(const AttentionParams& rows, const PagedCacheArgs&
                               cudaStream_t stream) {
   const int64_t n = rows.num_kv_heads * rows.kv_len * (rows.head_dim + rows.head_dim_v);
   if (n <= 0) return cudaSuccess;
-  PagedAppendKernel<<<CopyGrid(n), kCopyThreads, 0, stream>>>(rows, cache);
+  ATTNSERVE_LAUNCH(PagedAppendKernel, CopyGrid(n), kCopyThreads, 0, stream, rows, cache);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchPagedGather(const AttentionParams& a, void* k, void* v, cudaStream_t stream) {
   const int64_t n = a.num_kv_heads * a.kv_len * (a.head_dim + a.head_dim_v);
   if (n <= 0) return cudaSuccess;
-  PagedGatherKernel<<<CopyGrid(n), kCopyThreads, 0, stream>>>(a, k, v);
+  ATTNSERVE_LAUNCH(PagedGatherKernel, CopyGrid(n), kCopyThreads, 0, stream, a, k, v);
   return cudaGetLastError();
 }
 

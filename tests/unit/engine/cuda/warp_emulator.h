@@ -1,12 +1,15 @@
 // Runs a CUDA kernel of this project on the CPU, one block at a time, one
 // std::thread per CUDA thread: enough of the CUDA execution model for the
-// fused kernels (flash_attention.cu, flash_attention_fp32.cu) to run
-// unchanged in a test on a machine without a GPU. Test-only; written here.
+// fused kernels (flash_attention.cu, flash_attention_fp32.cu) and the
+// sessions' kernels (paged_attention.cu) to run unchanged, launchers
+// included, in a test on a machine without a GPU. Include it first, then
+// the .cu under test; one such test per executable. Test-only; written here.
 //
-// What it models: threadIdx/blockIdx, __syncthreads (a barrier of the
-// block's threads), __shfl_xor_sync (a barrier of the warp's lanes around
-// an exchange), dynamic shared memory, and the warp-wide instructions the
-// kernel issues through flash_tile.cuh and its own MmaTf32:
+// What it models: threadIdx/blockIdx/blockDim/gridDim (1-D), launches
+// (ATTNSERVE_LAUNCH), __syncthreads (a barrier of the block's threads),
+// __shfl_xor_sync and __shfl_sync (a barrier of the warp's lanes around an
+// exchange), static and dynamic shared memory, and the warp-wide
+// instructions the kernels issue through flash_tile.cuh and their Mma:
 //   - ldmatrix .x4 (.b16): lane l receives in r[m] the 32 bits at byte
 //     4 (l % 4) of the row whose address lane 8m + l / 4 gave; .trans the
 //     transposed 8x8 matrix's;
@@ -56,6 +59,9 @@
 #define __launch_bounds__(...)
 #undef __forceinline__
 #define __forceinline__ inline
+// Blocks run one after another: a function's static array is its block's.
+#undef __shared__
+#define __shared__ static
 // The kernel's dynamic shared memory: its block's buffer.
 #define ATTNSERVE_DYNAMIC_SHARED(name) unsigned char* name = ::attnserve::emu::SharedMemory()
 
@@ -66,6 +72,8 @@ struct Dim3 {
 };
 inline thread_local Dim3 thread_idx;
 inline thread_local Dim3 block_idx;
+inline thread_local Dim3 block_dim;
+inline thread_local Dim3 grid_dim;
 
 constexpr int kWarpSize = 32;
 
@@ -103,6 +111,8 @@ inline void Launch(int64_t blocks, int threads, size_t shared_bytes,
       pool.emplace_back([&, t] {
         thread_idx.x = static_cast<unsigned>(t);
         block_idx.x = static_cast<unsigned>(b);
+        block_dim.x = static_cast<unsigned>(threads);
+        grid_dim.x = static_cast<unsigned>(blocks);
         block = &blk;
         kernel();
       });
@@ -192,6 +202,15 @@ inline void MmaM16N8K8Tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, u
 
 #define threadIdx (::attnserve::emu::thread_idx)
 #define blockIdx (::attnserve::emu::block_idx)
+#define blockDim (::attnserve::emu::block_dim)
+#define gridDim (::attnserve::emu::grid_dim)
+// kernel<<<grid, block, shared, stream>>>(...) (engine/cuda/device_utils.cuh)
+#define ATTNSERVE_LAUNCH(kernel, grid, block, shared, stream, ...) \
+  ::attnserve::emu::Launch(grid, block, shared, [&] { kernel(__VA_ARGS__); })
+
+// The one runtime call the launchers make after a launch. Defined here, not
+// inline: one emulated test per executable, none linking the CUDA runtime.
+extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 
 inline void __syncthreads() { ::attnserve::emu::block->sync.arrive_and_wait(); }
 
@@ -202,6 +221,17 @@ inline float __shfl_xor_sync(unsigned /*mask*/, float value, int lane_mask) {
   w.words[lane][0] = std::bit_cast<uint32_t>(value);
   w.sync.arrive_and_wait();
   const float other = std::bit_cast<float>(w.words[lane ^ lane_mask][0]);
+  w.sync.arrive_and_wait();
+  return other;
+}
+
+inline float __shfl_sync(unsigned /*mask*/, float value, int src_lane) {
+  using namespace ::attnserve::emu;
+  Warp& w = MyWarp();
+  const int lane = Lane();
+  w.words[lane][0] = std::bit_cast<uint32_t>(value);
+  w.sync.arrive_and_wait();
+  const float other = std::bit_cast<float>(w.words[src_lane % kWarpSize][0]);
   w.sync.arrive_and_wait();
   return other;
 }

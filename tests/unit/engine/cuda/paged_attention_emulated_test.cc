@@ -1,0 +1,235 @@
+// The sessions' kernels (engine/cuda/paged_attention.cu, its source and
+// launchers compiled here for the host) run on the CPU by warp_emulator.h:
+// the split-KV decode over paged K/V against float64 attention over the
+// same cache (attention_oracle.h), through every rule of a session (causal
+// bottom-right, grouped-query heads, a sliding window, softcapping, sinks,
+// Dv != Dk), a decode of many chunks, and a batch of requests sharing one
+// launch giving each request's bits alone; append and gather round-trip a
+// cache. Checked without a GPU; cuda_engine_test runs them on one.
+#include "tests/unit/engine/cuda/warp_emulator.h"  // first: it stands in for the device
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "engine/cuda/paged_attention.cu"  // NOLINT(build/include): the kernels themselves
+#include "gtest/gtest.h"
+#include "tests/unit/engine/cuda/attention_oracle.h"
+
+namespace attnserve::cuda {
+namespace {
+
+using oracle::Case;
+
+// A session's cache: the case's K and V ([1, Hkv, L, D] head layout, in its
+// dtype) copied into blocks of `block_tokens` tokens
+// ([Hkv][block_tokens][D] each), and the block tables.
+struct PagedCache {
+  std::vector<std::vector<unsigned char>> k_blocks, v_blocks;
+  std::vector<const void*> k_table, v_table;
+};
+
+PagedCache Page(const oracle::Inputs& in, int64_t block_tokens) {
+  const AttentionParams& a = in.params;
+  const size_t elem = DTypeSize(a.dtype);
+  const int64_t blocks = (a.kv_len + block_tokens - 1) / block_tokens;
+  PagedCache cache;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    for (const bool is_k : {true, false}) {
+      const int64_t dim = is_k ? a.head_dim : a.head_dim_v;
+      const std::vector<uint8_t>& src = is_k ? in.k_bytes : in.v_bytes;
+      const int64_t stride_h = is_k ? a.k_stride_h : a.v_stride_h;
+      const int64_t stride_row = is_k ? a.k_stride_row : a.v_stride_row;
+      std::vector<unsigned char> block(static_cast<size_t>(a.num_kv_heads * block_tokens * dim) *
+                                       elem);
+      for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+        for (int64_t r = 0; r < block_tokens && blk * block_tokens + r < a.kv_len; ++r) {
+          std::memcpy(block.data() + (h * block_tokens + r) * dim * elem,
+                      src.data() + (h * stride_h + (blk * block_tokens + r) * stride_row) * elem,
+                      dim * elem);
+        }
+      }
+      (is_k ? cache.k_blocks : cache.v_blocks).push_back(std::move(block));
+    }
+  }
+  for (auto& b : cache.k_blocks) cache.k_table.push_back(b.data());
+  for (auto& b : cache.v_blocks) cache.v_table.push_back(b.data());
+  return cache;
+}
+
+// A session request over its whole cache: the case's inputs, paged.
+struct Session {
+  oracle::Inputs in;
+  PagedCache cache;
+  AttentionParams params;  // the case's, reading K and V from the blocks
+  std::vector<float> scratch;
+};
+
+Session MakeSession(const Case& c, int64_t block_tokens, std::mt19937& rng) {
+  Session s;
+  s.in = oracle::MakeInputs(c, rng);
+  s.cache = Page(s.in, block_tokens);
+  s.params = s.in.params;
+  s.params.k = s.params.v = nullptr;  // the kernels read the blocks
+  s.params.k_blocks = s.cache.k_table.data();
+  s.params.v_blocks = s.cache.v_table.data();
+  s.params.block_tokens = block_tokens;
+  s.scratch.resize(PagedDecodeScratchBytes(s.params) / sizeof(float) + 1);
+  return s;
+}
+
+// A decode-shaped session case: batch 1, causal, head layout.
+Case SessionCase(DType dtype, int64_t heads, int64_t kv_heads, int64_t q_len, int64_t kv_len,
+                 int64_t dim) {
+  Case c;
+  c.dtype = c.out_dtype = dtype;
+  c.batch = 1;
+  c.heads = heads;
+  c.kv_heads = kv_heads;
+  c.q_len = q_len;
+  c.kv_len = kv_len;
+  c.dim = dim;
+  c.causal = true;
+  return c;
+}
+
+TEST(PagedDecodeEmulated, MatchesFloat64ForEverySessionRule) {
+  std::mt19937 rng(35);
+  int n = 0;
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (auto [heads, kv_heads, q_len, kv_len, dim] :
+         {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{8, 2, 1, 300, 64},
+          {4, 4, 3, 37, 128},
+          {8, 2, 16, 200, 64},
+          {6, 3, 5, 1, 32},
+          {2, 1, 1, 700, 256}}) {
+      Case c = SessionCase(dtype, heads, kv_heads, q_len, kv_len, dim);
+      // Today's layers' rules on some: a window, softcapping, sinks.
+      if (n % 3 == 1) c.window = 50;
+      if (n % 4 == 2) c.softcap = 5.0f, c.scale = 0.5f;
+      if (n % 5 == 3) c.sinks = true;
+      SCOPED_TRACE(c.Describe());
+      Session s = MakeSession(c, n % 2 == 0 ? 16 : 64, rng);
+      ASSERT_TRUE(PagedDecodeSupports(s.params));
+      ASSERT_EQ(LaunchPagedDecode(s.params, s.scratch.data(), nullptr), cudaSuccess);
+      EXPECT_EQ(oracle::CompareWithFloat64(s.in, s.in.out.data()), 0);
+      if (HasFatalFailure()) return;
+      ++n;
+    }
+  }
+}
+
+// Requests of different lengths, rows and heads in one launch of each
+// kernel give the bits each gives in a launch of its own.
+TEST(PagedDecodeEmulated, ABatchSharingOneLaunchGivesEachRequestsBits) {
+  std::mt19937 rng(36);
+  std::vector<Session> sessions;
+  for (auto [heads, kv_heads, q_len, kv_len] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t>{8, 2, 1, 500},
+        {8, 2, 4, 33},
+        {4, 4, 1, 129},
+        {8, 1, 2, 260}}) {
+    sessions.push_back(
+        MakeSession(SessionCase(DType::kBFloat16, heads, kv_heads, q_len, kv_len, 64), 16, rng));
+  }
+  // Alone first.
+  std::vector<std::vector<uint8_t>> alone;
+  for (Session& s : sessions) {
+    ASSERT_EQ(LaunchPagedDecode(s.params, s.scratch.data(), nullptr), cudaSuccess);
+    alone.push_back(s.in.out);
+    EXPECT_EQ(oracle::CompareWithFloat64(s.in, s.in.out.data()), 0) << s.in.c.Describe();
+    std::fill(s.in.out.begin(), s.in.out.end(), 0xff);
+  }
+  // Together.
+  std::vector<AttentionParams> requests;
+  std::vector<void*> scratch;
+  for (Session& s : sessions) {
+    requests.push_back(s.params);
+    scratch.push_back(s.scratch.data());
+  }
+  std::vector<PagedDecodeEntry> entries(sessions.size());
+  const PagedDecodeBatchPlan plan = PlanPagedDecodeBatch(
+      requests.data(), scratch.data(), static_cast<int>(requests.size()), entries.data());
+  ASSERT_EQ(LaunchPagedDecodeBatch(plan, entries.data(), nullptr), cudaSuccess);
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    EXPECT_EQ(sessions[i].in.out, alone[i]) << "request " << i << " differs in the batch";
+  }
+}
+
+// Append writes new rows at their positions in the blocks (converting
+// dtype), and gather reads the whole cache back contiguous.
+TEST(PagedDecodeEmulated, AppendThenGatherRoundTripsTheCache) {
+  std::mt19937 rng(37);
+  const int64_t kv_heads = 2, dim = 64, dim_v = 32, block_tokens = 16, cached = 21, rows = 30;
+  const int64_t total = cached + rows;
+  const int64_t blocks = (total + block_tokens - 1) / block_tokens;
+  std::vector<std::vector<uint16_t>> k_store(blocks), v_store(blocks);
+  std::vector<void*> k_table, v_table;
+  for (int64_t b = 0; b < blocks; ++b) {
+    k_store[b].assign(kv_heads * block_tokens * dim, 0);
+    v_store[b].assign(kv_heads * block_tokens * dim_v, 0);
+    k_table.push_back(k_store[b].data());
+    v_table.push_back(v_store[b].data());
+  }
+  // The new rows, fp32 [1, Hkv, rows, D], appended into a bf16 cache.
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> k_new(kv_heads * rows * dim), v_new(kv_heads * rows * dim_v);
+  for (float& x : k_new) x = dist(rng);
+  for (float& x : v_new) x = dist(rng);
+  AttentionParams add;
+  add.batch = 1;
+  add.num_heads = add.num_kv_heads = kv_heads;
+  add.head_dim = dim;
+  add.head_dim_v = dim_v;
+  add.kv_len = rows;
+  add.dtype = DType::kFloat32;
+  add.k = k_new.data();
+  add.v = v_new.data();
+  HeadLayoutStrides(kv_heads, rows, dim, &add.k_stride_b, &add.k_stride_h, &add.k_stride_row);
+  HeadLayoutStrides(kv_heads, rows, dim_v, &add.v_stride_b, &add.v_stride_h, &add.v_stride_row);
+  PagedCacheArgs cache;
+  cache.dtype = DType::kBFloat16;
+  cache.k_blocks = k_table.data();
+  cache.v_blocks = v_table.data();
+  cache.block_tokens = block_tokens;
+  cache.cached_len = cached;
+  ASSERT_EQ(LaunchPagedAppend(add, cache, nullptr), cudaSuccess);
+
+  AttentionParams all;
+  all.batch = 1;
+  all.num_heads = all.num_kv_heads = kv_heads;
+  all.head_dim = dim;
+  all.head_dim_v = dim_v;
+  all.kv_len = total;
+  all.dtype = DType::kBFloat16;
+  std::vector<const void*> k_const(k_table.begin(), k_table.end());
+  std::vector<const void*> v_const(v_table.begin(), v_table.end());
+  all.k_blocks = k_const.data();
+  all.v_blocks = v_const.data();
+  all.block_tokens = block_tokens;
+  std::vector<uint16_t> k_all(kv_heads * total * dim, 0xffff), v_all(kv_heads * total * dim_v);
+  ASSERT_EQ(LaunchPagedGather(all, k_all.data(), v_all.data(), nullptr), cudaSuccess);
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    for (int64_t pos = 0; pos < total; ++pos) {
+      for (int64_t d = 0; d < dim; ++d) {
+        // Rows before `cached` were never written: the blocks' zeros.
+        const float want =
+            pos < cached ? 0.0f
+                         : BFloat16ToFloat(FloatToBFloat16(k_new[(h * rows + pos - cached) * dim + d]));
+        ASSERT_EQ(BFloat16ToFloat(k_all[(h * total + pos) * dim + d]), want)
+            << "k h " << h << " pos " << pos << " d " << d;
+      }
+      for (int64_t d = 0; d < dim_v; ++d) {
+        const float want = pos < cached ? 0.0f
+                                        : BFloat16ToFloat(FloatToBFloat16(
+                                              v_new[(h * rows + pos - cached) * dim_v + d]));
+        ASSERT_EQ(BFloat16ToFloat(v_all[(h * total + pos) * dim_v + d]), want)
+            << "v h " << h << " pos " << pos << " d " << d;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attnserve::cuda
