@@ -243,7 +243,6 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
   print("cudnn", cudnn_ms, first_ms);
 }
 
-// Plain cublasGemmEx, no bias: the same GEMM as Linear without the epilogue.
 // Today's layers' rules where cuDNN does not take them: the fused kernel
 // written here (flash_attention.cu, with ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1
 // the engine's route) against the unfused path (the default route: the
@@ -268,10 +267,7 @@ void BenchLayerFeature(const char* name, int64_t batch, int64_t heads, int64_t l
   a.k = k.data();
   a.v = v.data();
   a.out = out->data();
-  HeadLayoutStrides(heads, len, kDim, &a.q_stride_b, &a.q_stride_h, &a.q_stride_row);
-  a.k_stride_b = a.v_stride_b = a.o_stride_b = a.q_stride_b;
-  a.k_stride_h = a.v_stride_h = a.o_stride_h = a.q_stride_h;
-  a.k_stride_row = a.v_stride_row = a.o_stride_row = a.q_stride_row;
+  SetContiguousStrides(&a, HeadLayoutStrides);
   a.causal = true;
   a.window = window;
   a.softcap = softcap;
@@ -315,6 +311,7 @@ void BenchLayerFeature(const char* name, int64_t batch, int64_t heads, int64_t l
   Check(cudaDeviceSynchronize(), "layer feature");
 }
 
+// Plain cublasGemmEx, no bias: the same GEMM as Linear without the epilogue.
 double CublasGemmMs(cublasHandle_t blas, DType t, const void* x, int64_t rows, int64_t in,
                     const void* w, int64_t out, void* y, int iters) {
   const cudaDataType_t dt = t == DType::kFloat32   ? CUDA_R_32F

@@ -220,20 +220,13 @@ cudaError_t Launch(const AttentionParams& a, cudaStream_t stream) {
 }
 #endif
 
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 bool FlashAttentionSupports(const AttentionParams& a) {
   if (a.dtype != DType::kFloat16 && a.dtype != DType::kBFloat16) return false;
   if (a.head_dim != a.head_dim_v || (a.head_dim != 64 && a.head_dim != 128)) return false;
   if (a.weights != nullptr || a.k_blocks != nullptr) return false;
-  if (!Aligned16(a.q) || !Aligned16(a.k) || !Aligned16(a.v)) return false;
-  for (int64_t stride : {a.q_stride_b, a.q_stride_h, a.q_stride_row, a.k_stride_b, a.k_stride_h,
-                         a.k_stride_row, a.v_stride_b, a.v_stride_h, a.v_stride_row}) {
-    if (stride % 8 != 0) return false;
-  }
-  return true;
+  return flash::RowsAligned16(a);
 }
 
 #if !defined(ATTNSERVE_CUDA_EMULATION)

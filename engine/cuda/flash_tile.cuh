@@ -122,6 +122,21 @@ struct KvStages {
   __device__ __forceinline__ const T* VTile(int64_t it) const { return v + (it & 1) * kN * kLd; }
 };
 
+// Host-side: whether every row of Q, K and V starts 16 bytes aligned (what
+// cp.async of 16-byte chunks needs): the pointers, and each stride a
+// multiple of the elements in 16 bytes.
+inline bool RowsAligned16(const AttentionParams& a) {
+  const int64_t per16 = 16 / static_cast<int64_t>(DTypeSize(a.dtype));
+  for (const void* p : {a.q, a.k, a.v}) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  for (int64_t stride : {a.q_stride_b, a.q_stride_h, a.q_stride_row, a.k_stride_b, a.k_stride_h,
+                         a.k_stride_row, a.v_stride_b, a.v_stride_h, a.v_stride_row}) {
+    if (stride % per16 != 0) return false;
+  }
+  return true;
+}
+
 // Keys any row of a block of query rows [i0, i0 + rows) of batch b may see:
 // [0, BlockKeyEnd). Causal cuts at the block's last row.
 template <bool kCausal>

@@ -63,20 +63,6 @@ struct Inputs {
   AttentionParams params;
 };
 
-// Element strides of [B, rows, heads, dim] in one of the two layouts.
-inline void Strides(const Case& c, int64_t heads, int64_t rows, int64_t dim, int64_t* sb,
-                    int64_t* sh, int64_t* sr) {
-  if (c.token_layout) {
-    *sr = heads * dim;
-    *sh = dim;
-    *sb = rows * heads * dim;
-  } else {
-    *sr = dim;
-    *sh = rows * dim;
-    *sb = heads * rows * dim;
-  }
-}
-
 // n random values in [-1, 1] as rounded to `dtype`: `bytes` holds them in
 // the dtype, the result as floats (what the kernel reads, exactly).
 inline std::vector<float> RandomInput(DType dtype, int64_t n, std::mt19937& rng,
@@ -146,10 +132,7 @@ inline Inputs MakeInputs(const Case& c, std::mt19937& rng) {
   a.softcap = c.softcap;
   a.scale = c.scale > 0.0f ? c.scale
                            : static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.dim)));
-  Strides(c, c.heads, c.q_len, c.dim, &a.q_stride_b, &a.q_stride_h, &a.q_stride_row);
-  Strides(c, c.kv_heads, c.kv_len, c.dim, &a.k_stride_b, &a.k_stride_h, &a.k_stride_row);
-  Strides(c, c.kv_heads, c.kv_len, c.dim, &a.v_stride_b, &a.v_stride_h, &a.v_stride_row);
-  Strides(c, c.heads, c.q_len, c.dim, &a.o_stride_b, &a.o_stride_h, &a.o_stride_row);
+  SetContiguousStrides(&a, c.token_layout ? TokenLayoutStrides : HeadLayoutStrides);
   in.out.assign(static_cast<size_t>(nq) * DTypeSize(a.out_dtype), 0xff);
   a.q = in.q_bytes.data();
   a.k = in.k_bytes.data();

@@ -48,11 +48,7 @@ AttentionParams Plain(DType dtype, int64_t head_dim) {
   a.dtype = a.out_dtype = dtype;
   a.q = a.k = a.v = storage;
   a.out = storage;
-  a.q_stride_row = a.k_stride_row = a.v_stride_row = a.o_stride_row = head_dim;
-  a.q_stride_h = a.o_stride_h = a.q_len * head_dim;
-  a.k_stride_h = a.v_stride_h = a.kv_len * head_dim;
-  a.q_stride_b = a.o_stride_b = a.num_heads * a.q_stride_h;
-  a.k_stride_b = a.v_stride_b = a.num_kv_heads * a.k_stride_h;
+  SetContiguousStrides(&a, HeadLayoutStrides);
   a.scale = 0.125f;
   return a;
 }
@@ -192,17 +188,21 @@ using oracle::Mask;
 // Device copies, freed on scope exit.
 struct DeviceBuffers {
   std::vector<void*> owned;
+  bool failed = false;  // an allocation or copy failed
   ~DeviceBuffers() {
     for (void* p : owned) (void)cudaFree(p);
   }
-  // A device copy of `bytes` of host memory; null on failure (or for null).
+  // A device copy of `bytes` of host memory (null for null).
   template <typename T>
   T* Copy(T* host, size_t bytes) {
     if (host == nullptr) return nullptr;
     void* p = nullptr;
-    if (cudaMalloc(&p, std::max<size_t>(bytes, 1)) != cudaSuccess) return nullptr;
+    if (cudaMalloc(&p, std::max<size_t>(bytes, 1)) != cudaSuccess) {
+      failed = true;
+      return nullptr;
+    }
     owned.push_back(p);
-    if (cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) return nullptr;
+    if (cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) failed = true;
     return static_cast<T*>(p);
   }
 };
@@ -220,8 +220,8 @@ void RunAndCompare(const Case& c, std::mt19937& rng) {
   a.key_lengths = device.Copy(a.key_lengths, in.lengths.size() * sizeof(int64_t));
   a.sinks = device.Copy(a.sinks, in.sinks.size() * sizeof(float));
   a.mask.data = device.Copy(a.mask.data, in.bool_mask.size() + in.add_mask.size() * 4);
-  for (void* p : device.owned) ASSERT_NE(p, nullptr) << "device allocation or copy";
-  ASSERT_TRUE(a.q != nullptr && a.k != nullptr && a.v != nullptr && a.out != nullptr);
+  ASSERT_FALSE(device.failed) << "device allocation or copy: "
+                              << cudaGetErrorString(cudaGetLastError());
 
   if (c.dtype == DType::kFloat32) {
     int max_shared = 0;
