@@ -19,7 +19,8 @@
 # and without; not in the default list), sessions (the GPU session tests of
 # cuda_engine_test under compute-sanitizer memcheck, then
 # attnserve_cuda_bench --paged: 32 sessions' decode step against a device
-# copy of their K/V, and the split-KV decode against gather + fused kernel),
+# copy of their K/V, the split-KV decode against gather + fused kernel, and
+# for prefills and long appends gather + cuDNN against gather + fused kernel),
 # sessionserve (bench/session_decode.sh on --backend cuda: decode through
 # sessions against stateless). The default list came to about 8 minutes on
 # an H200 (the phases' times in runs 4-7 of docs/gpu-runs/2026-11-26-h200)

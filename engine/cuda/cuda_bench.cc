@@ -23,6 +23,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/cuda/attention_kernels.h"
@@ -91,6 +92,49 @@ void Check(cudaError_t err, const char* what) {
     std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
     std::exit(1);
   }
+}
+
+// The bench's cuDNN handle and plans; null (and said once) without cuDNN.
+CudnnSdpa* BenchSdpa() {
+  static CudnnSdpa* sdpa = [] {
+    absl::StatusOr<std::unique_ptr<CudnnSdpa>> made = CudnnSdpa::Create(64);
+    if (!made.ok()) {
+      std::fprintf(stderr, "no cuDNN rows: %s\n", std::string(made.status().message()).c_str());
+      return static_cast<CudnnSdpa*>(nullptr);
+    }
+    return made->release();
+  }();
+  return sdpa;
+}
+
+// `batch` copies of `len` as cuDNN's sequence lengths, on the device.
+DeviceBuffer SequenceLengths(int64_t batch, int64_t len) {
+  std::vector<int32_t> host(static_cast<size_t>(batch), static_cast<int32_t>(len));
+  absl::StatusOr<DeviceBuffer> buf = DeviceBuffer::Allocate(host.size() * sizeof(int32_t));
+  if (!buf.ok()) std::exit(1);
+  Check(cudaMemcpy(buf->data(), host.data(), host.size() * sizeof(int32_t),
+                   cudaMemcpyHostToDevice),
+        "sequence lengths");
+  return std::move(*buf);
+}
+
+// One cuDNN SDPA call of `args` on the default stream, its scratch from
+// `scratch` (reset first: one stream, so the next call reuses the memory
+// in order). False, with the reason on stderr, when cuDNN declines it.
+bool EnqueueSdpa(CudnnSdpa& sdpa, const SdpaArgs& args, Arena& scratch) {
+  scratch.Reset();
+  const absl::Status st =
+      sdpa.Enqueue(args, [&scratch](size_t bytes) { return scratch.Allocate(bytes); }, nullptr);
+  if (!st.ok()) {
+    const SdpaShape& s = args.shape;
+    std::fprintf(stderr, "cuDNN SDPA (%s B%ld H%ld/%ld Lq%ld Lk%ld D%ld%s): %s\n",
+                 TypeName(s.dtype), static_cast<long>(s.batch), static_cast<long>(s.heads),
+                 static_cast<long>(s.kv_heads), static_cast<long>(s.q_len),
+                 static_cast<long>(s.kv_len), static_cast<long>(s.head_dim),
+                 s.causal ? " causal" : "", std::string(st.message()).c_str());
+    return false;
+  }
+  return true;
 }
 
 // One attention shape: the kernel written here (flash, or the general one
@@ -186,14 +230,7 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
   Check(cudaDeviceSynchronize(), "attention");
   print(flash ? "flash" : "general", ms, 0.0);
 
-  static CudnnSdpa* sdpa = [] {
-    absl::StatusOr<std::unique_ptr<CudnnSdpa>> made = CudnnSdpa::Create(64);
-    if (!made.ok()) {
-      std::fprintf(stderr, "no cuDNN rows: %s\n", std::string(made.status().message()).c_str());
-      return static_cast<CudnnSdpa*>(nullptr);
-    }
-    return made->release();
-  }();
+  CudnnSdpa* sdpa = BenchSdpa();
   if (sdpa == nullptr) return;
   SdpaArgs args;
   SdpaShape& s = args.shape;
@@ -211,27 +248,11 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
   args.scale = a.scale;
   DeviceBuffer lens;
   if (CudnnSdpa::NeedsSequenceLengths(s)) {
-    std::vector<int32_t> host(static_cast<size_t>(batch), static_cast<int32_t>(len));
-    absl::StatusOr<DeviceBuffer> buf = DeviceBuffer::Allocate(host.size() * sizeof(int32_t));
-    if (!buf.ok()) std::exit(1);
-    lens = std::move(*buf);
-    cudaMemcpy(lens.data(), host.data(), host.size() * sizeof(int32_t), cudaMemcpyHostToDevice);
+    lens = SequenceLengths(batch, len);
     args.seq_len_q = args.seq_len_kv = static_cast<const int32_t*>(lens.data());
   }
   Arena scratch{Arena::Kind::kDevice};
-  auto call = [&] {
-    scratch.Reset();  // one stream: the next call reuses the memory in order
-    absl::Status st = sdpa->Enqueue(
-        args, [&scratch](size_t bytes) { return scratch.Allocate(bytes); }, nullptr);
-    if (!st.ok()) {
-      std::fprintf(stderr, "cuDNN SDPA (%s B%ld H%ld L%ld D%ld%s): %s\n", TypeName(t),
-                   static_cast<long>(batch), static_cast<long>(heads), static_cast<long>(len),
-                   static_cast<long>(dim), causal ? " causal" : "",
-                   std::string(st.message()).c_str());
-      return false;
-    }
-    return true;
-  };
+  auto call = [&] { return EnqueueSdpa(*sdpa, args, scratch); };
   // The first call builds the plan: timed on the host, to the end of the work.
   const auto start = std::chrono::steady_clock::now();
   if (!call()) return;
@@ -389,7 +410,10 @@ void BenchCeiling(DType t, int iters) {
 // (as the engine runs a batch of session steps: LaunchPagedDecodeBatch)
 // and with one launch per session, a device copy of the same K/V bytes
 // (the step's memory floor: the decode must read them all), and, for one
-// session, the gather + fused kernel's time.
+// session, the gather + fused kernel's time and the gather + cuDNN's (the
+// engine's route for requests of more than kPagedDecodeMaxQueryRows rows:
+// the gather at the plan's bucket, the query at its own; -1 without cuDNN
+// or when it declines).
 void BenchPaged(int64_t sessions, int64_t q_len, int64_t kv_len, int64_t block_tokens,
                 int iters) {
   const DType t = DType::kBFloat16;
@@ -502,22 +526,66 @@ void BenchPaged(int64_t sessions, int64_t q_len, int64_t kv_len, int64_t block_t
   SetContiguousStrides(&g, HeadLayoutStrides);
   const double gather_ms = TimeMs(
       [&] {
-        Check(LaunchPagedGather(one, const_cast<void*>(g.k), const_cast<void*>(g.v), nullptr),
+        Check(LaunchPagedGather(one, one.kv_len, const_cast<void*>(g.k), const_cast<void*>(g.v),
+                                nullptr),
               "paged gather");
         Check(FlashAttentionSupports(g) ? LaunchFlashAttention(g, nullptr)
                                         : LaunchAttentionGeneral(g, nullptr),
               "attention over the gathered cache");
       },
       iters);
+  double gather_cudnn_ms = -1.0;
+  if (CudnnSdpa* sdpa = BenchSdpa(); sdpa != nullptr) {
+    const int64_t q_rows = SdpaBucketLength(q_len), kv_rows = SdpaBucketLength(kv_len);
+    DeviceBuffer bucket_q = Random(t, hq * q_rows * dim, 7);
+    absl::StatusOr<DeviceBuffer> bucket_out = DeviceBuffer::Allocate(hq * q_rows * dim * elem);
+    absl::StatusOr<DeviceBuffer> bucket_kv = DeviceBuffer::Allocate(2 * hkv * kv_rows * dim * elem);
+    if (!bucket_out.ok() || !bucket_kv.ok()) std::exit(1);
+    char* k_rows = static_cast<char*>(bucket_kv->data());
+    char* v_rows = k_rows + hkv * kv_rows * dim * elem;
+    SdpaArgs args;
+    SdpaShape& s = args.shape;
+    s.dtype = t;
+    s.batch = 1;
+    s.heads = hq;
+    s.kv_heads = hkv;
+    s.head_dim = s.head_dim_v = dim;
+    s.q_len = q_len;
+    s.kv_len = kv_len;
+    s.q_rows = q_rows;
+    s.kv_rows = kv_rows;
+    s.causal = true;
+    args.q = bucket_q.data();
+    args.k = k_rows;
+    args.v = v_rows;
+    args.out = bucket_out->data();
+    args.scale = a.scale;
+    DeviceBuffer q_lens, kv_lens;
+    if (CudnnSdpa::NeedsSequenceLengths(s)) {
+      q_lens = SequenceLengths(1, q_len);
+      kv_lens = SequenceLengths(1, kv_len);
+      args.seq_len_q = static_cast<const int32_t*>(q_lens.data());
+      args.seq_len_kv = static_cast<const int32_t*>(kv_lens.data());
+    }
+    Arena sdpa_scratch{Arena::Kind::kDevice};
+    auto run = [&] {
+      Check(LaunchPagedGather(one, kv_rows, k_rows, v_rows, nullptr), "paged gather at a bucket");
+      return EnqueueSdpa(*sdpa, args, sdpa_scratch);
+    };
+    if (run()) {  // the first call builds the plan
+      Check(cudaDeviceSynchronize(), "gather + cuDNN first call");
+      gather_cudnn_ms = TimeMs([&] { run(); }, iters);
+    }
+  }
   std::printf(
       "{\"kind\": \"paged\", \"dtype\": \"%s\", \"sessions\": %lld, \"q_len\": %lld, "
       "\"kv_len\": %lld, \"block_tokens\": %lld, \"decode_ms\": %.4f, \"copy_ms\": %.4f, "
       "\"decode_gbps\": %.1f, \"copy_over_decode\": %.2f, \"decode_ms_launch_per_session\": %.4f, "
-      "\"gather_flash_ms_one\": %.4f}\n",
+      "\"gather_flash_ms_one\": %.4f, \"gather_cudnn_ms_one\": %.4f}\n",
       TypeName(t), static_cast<long long>(sessions), static_cast<long long>(q_len),
       static_cast<long long>(kv_len), static_cast<long long>(block_tokens), decode_ms, copy_ms,
       static_cast<double>(kv_bytes) / decode_ms / 1e6, copy_ms / decode_ms, per_session_ms,
-      gather_ms);
+      gather_ms, gather_cudnn_ms);
   std::fflush(stdout);
 }
 
@@ -554,6 +622,12 @@ int Main(int argc, char** argv) {
       for (int64_t q_len : {1, 4, 16, 32, 64}) {
         for (int64_t block_tokens : {16, 64}) BenchPaged(1, q_len, kv_len, block_tokens, iters);
       }
+    }
+    // Session prefills (the whole prompt at once) and a long append: where
+    // the engine gathers, gather + cuDNN against gather + our fused kernel.
+    for (const auto& [q_len, kv_len] :
+         std::vector<std::pair<int64_t, int64_t>>{{2000, 2000}, {4096, 4096}, {500, 4596}}) {
+      BenchPaged(1, q_len, kv_len, 16, iters);
     }
     return 0;
   }

@@ -388,6 +388,28 @@ bool UsePagedDecode(const AttentionParams& c) {
   return PagedDecodeSupports(c) && c.q_len <= kPagedDecodeMaxQueryRows;
 }
 
+// cuDNN for a session request that the split-KV decode does not take
+// (more than kPagedDecodeMaxQueryRows query rows: prefills, long appends),
+// over the gathered cache: the route for host-side `p` (the task's core
+// params over its new rows) attending over all cache.cached_len +
+// p.kv_len tokens in the cache's dtype. Its plan's buckets are the rows the
+// query and output buffers must have (route.shape.q_rows) and the gather
+// writes (kv_rows). No route for decode steps (the decode reads the blocks
+// in place), for what cuDNN cannot compute exactly, and for everything with
+// ATTNSERVE_CUDA_ATTENTION=kernels; with =cudnn a prefill cuDNN cannot
+// serve is Unimplemented naming why, as a stateless request is (a decode
+// step is the engine's own in every mode: cuDNN has no in-place decode of
+// these blocks). The sequence lengths are uploaded through the call: call
+// before UploadsDone.
+absl::StatusOr<SdpaRoute> RoutePagedPrefill(Call& call, const AttentionParams& p,
+                                            const PagedKv& cache) {
+  if (p.q_len <= kPagedDecodeMaxQueryRows) return SdpaRoute{};
+  AttentionParams whole = p;
+  whole.kv_len = cache.cached_len + p.kv_len;
+  whole.dtype = cache.dtype;
+  return RouteSdpa(call, whole, cache.dtype, /*token_layout=*/false);
+}
+
 // A paged task's attention: appends the new K/V rows device-side `a` reads
 // (a.k / a.v in a.dtype at their strides, batch 0, a.kv_len rows) into
 // `cache` on the device, then attends a's query (a.dtype, its strides) over
@@ -396,11 +418,14 @@ bool UsePagedDecode(const AttentionParams& c) {
 // decode joins `decodes` with `then`, both enqueued at decodes.Flush; the
 // rest computes and enqueues `then` now. `p`: the task's host-side core
 // params over the new rows (its causal flag, scale, window, softcap and
-// host sinks are used). The block tables (and the sinks) are uploaded
-// through the call, so this makes the stream wait for every upload so far.
+// host sinks are used). `route` (RoutePagedPrefill, or none): when it is
+// used, a's query and output have route.shape.q_rows rows per head, the
+// rows past q_len of the query zeros. The block tables (and the sinks) are
+// uploaded through the call, so this makes the stream wait for every
+// upload so far.
 absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams& p,
-                         const AttentionParams& a, PagedDecodes& decodes,
-                         std::function<absl::Status()> then) {
+                         const AttentionParams& a, const SdpaRoute& route,
+                         PagedDecodes& decodes, std::function<absl::Status()> then) {
   const int64_t total = cache.cached_len + a.kv_len;
   const int64_t blocks = (total + cache.block_tokens - 1) / cache.block_tokens;
   const size_t table_bytes = static_cast<size_t>(blocks) * sizeof(void*);
@@ -426,12 +451,14 @@ absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams
   dst.cached_len = cache.cached_len;
   ATTNSERVE_CUDA_CALL(LaunchPagedAppend(a, dst, call.stream()));
 
-  // 2. Params over the whole cache, the query in the cache's dtype.
+  // 2. Params over the whole cache, the query in the cache's dtype (with
+  // the zeros of a cuDNN bucket's rows past q_len).
   AttentionParams c = a;
   c.dtype = cache.dtype;
+  const int64_t q_rows = route.use ? route.shape.q_rows : a.q_len;
   absl::StatusOr<const void*> q = ConvertOnDevice(
       call, a.q, a.dtype, cache.dtype,
-      Extent(1, a.num_heads, a.q_len, a.head_dim, a.q_stride_b, a.q_stride_h, a.q_stride_row));
+      Extent(1, a.num_heads, q_rows, a.head_dim, a.q_stride_b, a.q_stride_h, a.q_stride_row));
   if (!q.ok()) return q.status();
   c.q = *q;
   c.kv_len = total;
@@ -459,30 +486,33 @@ absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams
     return absl::OkStatus();
   }
   // 3b. Prefills and long appends: the blocks gathered into contiguous
-  // [1, Hkv, kv_len, D] buffers, then the core path of stateless requests
-  // (its own kernels; no cuDNN route, whose plans want bucketed buffers).
-  // Correct and simple; a copy of the cache per request.
+  // [1, Hkv, rows, D] buffers (rows: the cache's length, or its cuDNN
+  // bucket with zeros past it), then the core path of stateless requests:
+  // cuDNN along `route`, else the kernels written here. A copy of the cache
+  // per request: one pass over K and V, small beside a prefill's
+  // attention, which reads them once per 128 query rows.
+  const int64_t kv_rows = route.use ? route.shape.kv_rows : total;
   const size_t elem = DTypeSize(c.dtype);
   absl::StatusOr<void*> k = call.DeviceAlloc(
-      static_cast<size_t>(c.num_kv_heads * total * c.head_dim) * elem);
+      static_cast<size_t>(c.num_kv_heads * kv_rows * c.head_dim) * elem);
   if (!k.ok()) return k.status();
   absl::StatusOr<void*> v = call.DeviceAlloc(
-      static_cast<size_t>(c.num_kv_heads * total * c.head_dim_v) * elem);
+      static_cast<size_t>(c.num_kv_heads * kv_rows * c.head_dim_v) * elem);
   if (!v.ok()) return v.status();
-  ATTNSERVE_CUDA_CALL(LaunchPagedGather(c, *k, *v, call.stream()));
+  ATTNSERVE_CUDA_CALL(LaunchPagedGather(c, kv_rows, *k, *v, call.stream()));
   AttentionParams g = c;
   g.k = *k;
   g.v = *v;
   g.k_blocks = g.v_blocks = nullptr;
   g.block_tokens = 0;
-  HeadLayoutStrides(g.num_kv_heads, total, g.head_dim, &g.k_stride_b, &g.k_stride_h,
+  HeadLayoutStrides(g.num_kv_heads, kv_rows, g.head_dim, &g.k_stride_b, &g.k_stride_h,
                     &g.k_stride_row);
-  HeadLayoutStrides(g.num_kv_heads, total, g.head_dim_v, &g.v_stride_b, &g.v_stride_h,
+  HeadLayoutStrides(g.num_kv_heads, kv_rows, g.head_dim_v, &g.v_stride_b, &g.v_stride_h,
                     &g.v_stride_row);
   AttentionParams host = p;  // RunCore reads it for the weights only: none
   host.kv_len = total;
   host.weights = nullptr;
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, g, host, SdpaRoute{}));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, g, host, route));
   return then();
 }
 
@@ -701,8 +731,9 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
   };
   if (task.paged.enabled()) {
     // Sessions: the projected K/V rows go into the cache, the attention
-    // reads the whole cache (AttendPaged).
-    return AttendPaged(call, task.paged, p, a, decodes, std::move(finish));
+    // reads the whole cache (AttendPaged). A projection layer's cache holds
+    // FLOAT32 (the server's choice), which cuDNN does not compute: no route.
+    return AttendPaged(call, task.paged, p, a, SdpaRoute{}, decodes, std::move(finish));
   }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, a, p, *route));
   return finish();
@@ -720,11 +751,16 @@ absl::Status CheckPagedTask(const LayerConfig& config, const AttentionTask& task
 
 absl::Status EnqueuePagedHostAttention(Call& call, const AttentionParams& p,
                                        const PagedKv& cache, PagedDecodes& decodes) {
-  absl::StatusOr<HeadUploads> in = UploadHeadLayout(call, p, p.q_len, p.kv_len);
+  // cuDNN or not first: its plan wants the query and output at its bucket's
+  // rows, and the upload writes that layout (the tail zeroed).
+  absl::StatusOr<SdpaRoute> route = RoutePagedPrefill(call, p, cache);
+  if (!route.ok()) return route.status();
+  const int64_t q_rows = route->use ? route->shape.q_rows : p.q_len;
+  absl::StatusOr<HeadUploads> in = UploadHeadLayout(call, p, q_rows, p.kv_len);
   if (!in.ok()) return in.status();
 
-  // The new rows and the query in head layout [1, H, L, D], the request's
-  // dtype; the output [1, Hq, Lq, Dv] in its output dtype.
+  // The new rows and the query in head layout [1, H, rows, D], the
+  // request's dtype; the output [1, Hq, q_rows, Dv] in its output dtype.
   AttentionParams a = DeviceParams(p);
   a.dtype = p.dtype;
   a.q = in->q;
@@ -732,14 +768,19 @@ absl::Status EnqueuePagedHostAttention(Call& call, const AttentionParams& p,
   a.v = in->v;
   a.out_dtype = p.out_dtype;
   absl::StatusOr<void*> out = call.DeviceAlloc(
-      static_cast<size_t>(p.num_heads * p.q_len * p.head_dim_v) * DTypeSize(a.out_dtype));
+      static_cast<size_t>(p.num_heads * q_rows * p.head_dim_v) * DTypeSize(a.out_dtype));
   if (!out.ok()) return out.status();
   a.out = *out;
   SetContiguousStrides(&a, HeadLayoutStrides);
+  HeadLayoutStrides(p.num_heads, q_rows, p.head_dim, &a.q_stride_b, &a.q_stride_h,
+                    &a.q_stride_row);
+  HeadLayoutStrides(p.num_heads, q_rows, p.head_dim_v, &a.o_stride_b, &a.o_stride_h,
+                    &a.o_stride_row);
   // `call` outlives the Run; p.out is the caller's until Finish.
-  return AttendPaged(call, cache, p, a, decodes, [&call, out = a.out, p]() -> absl::Status {
-    return DownloadHeadLayout(call, out, p, p.q_len);
-  });
+  return AttendPaged(call, cache, p, a, *route, decodes,
+                     [&call, out = a.out, p, q_rows]() -> absl::Status {
+                       return DownloadHeadLayout(call, out, p, q_rows);
+                     });
 }
 
 }  // namespace attnserve::cuda

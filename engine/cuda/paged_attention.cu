@@ -99,15 +99,17 @@ __global__ void PagedAppendKernel(AttentionParams rows, PagedCacheArgs cache) {
   }
 }
 
-// The cache's K then V into contiguous k [Hkv, kv_len, Dk], v [Hkv, kv_len, Dv].
-__global__ void PagedGatherKernel(AttentionParams a, void* k, void* v) {
-  const int64_t hkv = a.num_kv_heads, len = a.kv_len;
-  const int64_t n = hkv * len * (a.head_dim + a.head_dim_v);
+// The cache's K then V into k [Hkv, rows, Dk], v [Hkv, rows, Dv]: rows
+// past a.kv_len are zeros.
+__global__ void PagedGatherKernel(AttentionParams a, int64_t rows, void* k, void* v) {
+  const int64_t hkv = a.num_kv_heads;
+  const int64_t n = hkv * rows * (a.head_dim + a.head_dim_v);
   const int64_t bt = a.block_tokens;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const KvElement x = KvElementAt(e, hkv, len, a.head_dim, a.head_dim_v);
-    const void* block = (x.is_k ? a.k_blocks : a.v_blocks)[x.row / bt];
+    const KvElement x = KvElementAt(e, hkv, rows, a.head_dim, a.head_dim_v);
+    const void* block =
+        x.row < a.kv_len ? (x.is_k ? a.k_blocks : a.v_blocks)[x.row / bt] : nullptr;
     const float value = block == nullptr
                             ? 0.0f
                             : LoadElement(block, a.dtype, (x.h * bt + x.row % bt) * x.dim + x.d);
@@ -534,10 +536,12 @@ cudaError_t LaunchPagedAppend(const AttentionParams& rows, const PagedCacheArgs&
   return cudaGetLastError();
 }
 
-cudaError_t LaunchPagedGather(const AttentionParams& a, void* k, void* v, cudaStream_t stream) {
-  const int64_t n = a.num_kv_heads * a.kv_len * (a.head_dim + a.head_dim_v);
+cudaError_t LaunchPagedGather(const AttentionParams& a, int64_t rows, void* k, void* v,
+                              cudaStream_t stream) {
+  if (rows < a.kv_len) return cudaErrorInvalidValue;
+  const int64_t n = a.num_kv_heads * rows * (a.head_dim + a.head_dim_v);
   if (n <= 0) return cudaSuccess;
-  ATTNSERVE_LAUNCH(PagedGatherKernel, CopyGrid(n), kCopyThreads, 0, stream, a, k, v);
+  ATTNSERVE_LAUNCH(PagedGatherKernel, CopyGrid(n), kCopyThreads, 0, stream, a, rows, k, v);
   return cudaGetLastError();
 }
 

@@ -2,13 +2,15 @@
 // cache (engine/paged_kv.h) in device memory. Append writes a request's new
 // K/V rows into the blocks; the split-KV decode reads the blocks in place for
 // requests with few query rows; gather copies them into a contiguous buffer
-// for the engine's other attention kernels (prefills, multi-token appends).
+// for the engine's other attention paths (prefills, multi-token appends:
+// cuDNN's SDPA where it takes them, else the kernels written here).
 //
 // Hand-written: no library computes attention over this block layout
 // ([num_kv_heads][block_tokens][head_dim] per block, a table of block
 // pointers per session) with our visibility rules; cuDNN's paged SDPA wants
-// its own page table and layout, and flash-attention's paged decode is a
-// PyTorch extension. fp32 accumulation and fixed reduction orders; the
+// its blocks in one container tensor indexed by a page table (ours come
+// from many slabs, each its own allocation), and flash-attention's paged
+// decode is a PyTorch extension. fp32 accumulation and fixed reduction orders; the
 // decode is bound by reading the cache, so its kernel is written to keep
 // many reads in flight (see the .cu).
 //
@@ -50,10 +52,13 @@ cudaError_t LaunchPagedAppend(const AttentionParams& rows, const PagedCacheArgs&
                               cudaStream_t stream);
 
 // Gathers the paged K/V of `a` (a.k_blocks / a.v_blocks set; a.kv_len
-// tokens, a.dtype) into contiguous head-layout buffers k [Hkv, kv_len,
-// head_dim] and v [Hkv, kv_len, head_dim_v] of a.dtype. Null blocks read as
-// zeros (nothing reads them: they lie before every row's window).
-cudaError_t LaunchPagedGather(const AttentionParams& a, void* k, void* v, cudaStream_t stream);
+// tokens, a.dtype) into contiguous head-layout buffers k [Hkv, rows,
+// head_dim] and v [Hkv, rows, head_dim_v] of a.dtype, rows >= a.kv_len (more
+// for a cuDNN plan's bucket): token j of head h at row j, the rows past
+// a.kv_len zeros. Null blocks read as zeros (nothing reads them: they lie
+// before every row's window). cudaErrorInvalidValue when rows < a.kv_len.
+cudaError_t LaunchPagedGather(const AttentionParams& a, int64_t rows, void* k, void* v,
+                              cudaStream_t stream);
 
 // The split-KV decode over paged K/V: softmax(Q K^T * scale) V for `a`
 // (batch 1; a.k_blocks / a.v_blocks set, a.kv_len the whole cache; q in

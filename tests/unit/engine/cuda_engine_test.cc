@@ -1464,10 +1464,13 @@ struct SessionOptionsForTest {
 // An sdpa session fed `steps` new tokens at a time equals one causal request
 // over all of them, step by step (the reference engine on the full request);
 // with a window, blocks before each step's FirstWindowKey are released
-// (null) first. The last step, run again, gives the same bits.
+// (null) first. The last step, run again, gives the same bits. On `engine`
+// (the default engine when null).
 void CheckSdpaSession(DType dtype, int64_t hq, int64_t hkv, int64_t dk, int64_t dv,
                       int64_t block_tokens, const std::vector<int64_t>& steps,
-                      SessionOptionsForTest opt, uint32_t seed) {
+                      SessionOptionsForTest opt, uint32_t seed,
+                      AttentionEngine* engine = nullptr) {
+  if (engine == nullptr) engine = Cuda().engine;
   SCOPED_TRACE(absl::StrCat(DTypeName(dtype).data(), " Hq", hq, " Hkv", hkv, " Dk", dk, " Dv",
                             dv, " block_tokens ", block_tokens, " window ", opt.window,
                             " softcap ", opt.softcap, opt.sinks ? " sinks" : ""));
@@ -1497,7 +1500,7 @@ void CheckSdpaSession(DType dtype, int64_t hq, int64_t hkv, int64_t dk, int64_t 
   full.output = want.mutable_view();
   ASSERT_TRUE(Reference().Run(layer, {&full, 1}).ok());
 
-  DeviceCache cache(*Cuda().engine, dtype, hkv, dk, dv, block_tokens, len);
+  DeviceCache cache(*engine, dtype, hkv, dk, dv, block_tokens, len);
   ASSERT_TRUE(cache.ok()) << "kv_slab_memory() gave no memory";
   int64_t cached = 0;
   for (size_t n = 0; n < steps.size(); ++n) {
@@ -1513,14 +1516,14 @@ void CheckSdpaSession(DType dtype, int64_t hq, int64_t hkv, int64_t dk, int64_t 
     t.output = got.mutable_view();
     if (opt.window > 0) cache.Release(FirstWindowKey(cached, opt.window));
     t.paged = cache.At(cached);
-    const absl::Status status = Cuda().engine->Run(layer, {&t, 1});
+    const absl::Status status = engine->Run(layer, {&t, 1});
     ASSERT_TRUE(status.ok()) << status << " at " << cached;
     ExpectClose(got, SliceRows(want, 2, cached, step), ToleranceFor(dtype),
                 absl::StrCat("step of ", step, " at ", cached));
     if (n + 1 == steps.size()) {
       Tensor again(dtype, {1, hq, step, dv});
       t.output = again.mutable_view();
-      ASSERT_TRUE(Cuda().engine->Run(layer, {&t, 1}).ok());
+      ASSERT_TRUE(engine->Run(layer, {&t, 1}).ok());
       ExpectIdentical(got, again, "the last step run again");
     }
     if (::testing::Test::HasFailure()) return;
@@ -1596,6 +1599,53 @@ TEST(CudaEngineTest, SdpaSessionDecodeTilesAndChunks) {
   CheckSdpaSession(DType::kBFloat16, 8, 8, 256, 256, 16, steps, {}, 401);
   if (HasFailure()) return;
   CheckSdpaSession(DType::kFloat16, 6, 3, 36, 20, 16, steps, {.window = 300, .sinks = true}, 402);
+}
+
+// A session's prefills and long appends (more query rows than the split-KV
+// decode takes) go to cuDNN over the gathered cache, at its buckets'
+// rows (the gather's zero tail, the query uploaded at the bucket): on the
+// cuDNN-only engine they are served, exactly, only if cuDNN serves them
+// (lengths on and off the buckets, GQA, Dv != Dk, a window with released
+// blocks, sinks; decode steps between them stay on the engine's decode).
+// What cuDNN cannot compute (softcapping) is refused there naming it, and
+// the default engine serves it on the kernels written here
+// (SdpaSessionWindowSoftcapSinksEqualOneRequest).
+TEST(CudaEngineTest, SessionPrefillsGoToCudnn) {
+  REQUIRE_GPU();
+  std::string skip;
+  AttentionEngine* cudnn = CudnnOnlyOrSkip(&skip);
+  if (cudnn == nullptr) GTEST_SKIP() << skip;
+  const std::vector<int64_t> steps = {300, 1, 40, 1, 17, 256};
+  uint32_t seed = 500;
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    CheckSdpaSession(dtype, 8, 2, 128, 128, 16, steps, {}, ++seed, cudnn);
+    CheckSdpaSession(dtype, 4, 4, 64, 32, 64, steps, {}, ++seed, cudnn);
+    CheckSdpaSession(dtype, 8, 2, 64, 64, 16, steps, {.window = 100}, ++seed, cudnn);
+    CheckSdpaSession(dtype, 8, 2, 64, 64, 16, steps, {.sinks = true}, ++seed, cudnn);
+    if (HasFailure()) return;
+  }
+
+  // Softcapping: the prefill is refused on the cuDNN-only engine, naming it.
+  const AttentionLayer& layer = SdpaLayer();
+  std::mt19937 rng(510);
+  const Tensor q = RandomTensor(DType::kBFloat16, {1, 4, 40, 64}, rng);
+  const Tensor k = RandomTensor(DType::kBFloat16, {1, 2, 40, 64}, rng);
+  const Tensor v = RandomTensor(DType::kBFloat16, {1, 2, 40, 64}, rng);
+  Tensor out(DType::kBFloat16, {1, 4, 40, 64});
+  DeviceCache cache(*cudnn, DType::kBFloat16, 2, 64, 64, 16, 40);
+  ASSERT_TRUE(cache.ok());
+  AttentionTask t;
+  t.query = q.view();
+  t.key = k.view();
+  t.value = v.view();
+  t.causal = true;
+  t.scale = ResolveScale(layer.config, 0.0f, 64);
+  t.softcap = 30.0f;
+  t.output = out.mutable_view();
+  t.paged = cache.At(0);
+  const absl::Status status = cudnn->Run(layer, {&t, 1});
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr("softcap")) << status;
 }
 
 // One Run of many sessions' steps: the decode steps (up to 16 query rows)

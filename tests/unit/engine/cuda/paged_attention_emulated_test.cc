@@ -158,7 +158,8 @@ TEST(PagedDecodeEmulated, ABatchSharingOneLaunchGivesEachRequestsBits) {
 }
 
 // Append writes new rows at their positions in the blocks (converting
-// dtype), and gather reads the whole cache back contiguous.
+// dtype), and gather reads the whole cache back contiguous, at its length
+// or at more rows per head (zeros past the cache).
 TEST(PagedDecodeEmulated, AppendThenGatherRoundTripsTheCache) {
   std::mt19937 rng(37);
   const int64_t kv_heads = 2, dim = 64, dim_v = 32, block_tokens = 16, cached = 21, rows = 30;
@@ -208,27 +209,39 @@ TEST(PagedDecodeEmulated, AppendThenGatherRoundTripsTheCache) {
   all.k_blocks = k_const.data();
   all.v_blocks = v_const.data();
   all.block_tokens = block_tokens;
-  std::vector<uint16_t> k_all(kv_heads * total * dim, 0xffff), v_all(kv_heads * total * dim_v);
-  ASSERT_EQ(LaunchPagedGather(all, k_all.data(), v_all.data(), nullptr), cudaSuccess);
-  for (int64_t h = 0; h < kv_heads; ++h) {
-    for (int64_t pos = 0; pos < total; ++pos) {
-      for (int64_t d = 0; d < dim; ++d) {
-        // Rows before `cached` were never written: the blocks' zeros.
-        const float want =
-            pos < cached ? 0.0f
-                         : BFloat16ToFloat(FloatToBFloat16(k_new[(h * rows + pos - cached) * dim + d]));
-        ASSERT_EQ(BFloat16ToFloat(k_all[(h * total + pos) * dim + d]), want)
-            << "k h " << h << " pos " << pos << " d " << d;
-      }
-      for (int64_t d = 0; d < dim_v; ++d) {
-        const float want = pos < cached ? 0.0f
-                                        : BFloat16ToFloat(FloatToBFloat16(
-                                              v_new[(h * rows + pos - cached) * dim_v + d]));
-        ASSERT_EQ(BFloat16ToFloat(v_all[(h * total + pos) * dim_v + d]), want)
-            << "v h " << h << " pos " << pos << " d " << d;
+  // Exactly the cache's rows, and a cuDNN bucket's (64 for 51): the rows past
+  // the cache zeros where the buffers held NaNs (0xffff).
+  for (const int64_t out_rows : {total, int64_t{64}}) {
+    SCOPED_TRACE(testing::Message() << "gathered into " << out_rows << " rows per head");
+    std::vector<uint16_t> k_all(kv_heads * out_rows * dim, 0xffff);
+    std::vector<uint16_t> v_all(kv_heads * out_rows * dim_v, 0xffff);
+    ASSERT_EQ(LaunchPagedGather(all, out_rows, k_all.data(), v_all.data(), nullptr), cudaSuccess);
+    // The cache's value at (pos, feature f of `fresh`'s rows): rows before
+    // `cached` were never written (the blocks' zeros), rows past `total`
+    // are the padding.
+    auto want = [&](const std::vector<float>& fresh, int64_t h, int64_t pos, int64_t d,
+                    int64_t width) {
+      if (pos < cached || pos >= total) return 0.0f;
+      return BFloat16ToFloat(FloatToBFloat16(fresh[(h * rows + pos - cached) * width + d]));
+    };
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t pos = 0; pos < out_rows; ++pos) {
+        for (int64_t d = 0; d < dim; ++d) {
+          ASSERT_EQ(BFloat16ToFloat(k_all[(h * out_rows + pos) * dim + d]),
+                    want(k_new, h, pos, d, dim))
+              << "k h " << h << " pos " << pos << " d " << d;
+        }
+        for (int64_t d = 0; d < dim_v; ++d) {
+          ASSERT_EQ(BFloat16ToFloat(v_all[(h * out_rows + pos) * dim_v + d]),
+                    want(v_new, h, pos, d, dim_v))
+              << "v h " << h << " pos " << pos << " d " << d;
+        }
       }
     }
   }
+  std::vector<uint16_t> small(kv_heads * total * dim);
+  EXPECT_EQ(LaunchPagedGather(all, total - 1, small.data(), small.data(), nullptr),
+            cudaErrorInvalidValue);
 }
 
 }  // namespace

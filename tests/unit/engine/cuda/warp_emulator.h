@@ -30,7 +30,11 @@
 // tile ranges, the online softmax) and not a misreading of the ISA, which
 // only a GPU run shows. (flash_attention.cu, correct on an H100 and an H200,
 // passes here too: the model of ldmatrix, its .trans and m16n8k16 agrees
-// with the hardware; the .tf32 model has not met a GPU yet.)
+// with the hardware. The .tf32 model has not met a GPU yet; its layouts
+// agree with a second, independent reading: CUTLASS's CuTe traits of
+// SM80_16x8x8_F32TF32TF32F32_TN, A ((4,8),(2,2)):((16,1),(8,64)) over
+// (M16, K8) and B ((4,8),2):((8,1),32) over (N8, K8), both column-major,
+// the lane's t = lane % 4 the first mode: the same a0-a3 and b0-b1.)
 #ifndef ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_WARP_EMULATOR_H_
 #define ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_WARP_EMULATOR_H_
 
