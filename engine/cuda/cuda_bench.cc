@@ -526,7 +526,9 @@ void BenchPaged(int64_t sessions, int64_t q_len, int64_t kv_len, int64_t block_t
   SetContiguousStrides(&g, HeadLayoutStrides);
   const double gather_ms = TimeMs(
       [&] {
-        Check(LaunchPagedGather(one, one.kv_len, const_cast<void*>(g.k), const_cast<void*>(g.v),
+        Check(LaunchPagedGather(one,
+                                PagedGatherOut{const_cast<void*>(g.k), const_cast<void*>(g.v), t,
+                                               one.kv_len, /*token_layout=*/false},
                                 nullptr),
               "paged gather");
         Check(FlashAttentionSupports(g) ? LaunchFlashAttention(g, nullptr)
@@ -569,7 +571,8 @@ void BenchPaged(int64_t sessions, int64_t q_len, int64_t kv_len, int64_t block_t
     }
     Arena sdpa_scratch{Arena::Kind::kDevice};
     auto run = [&] {
-      Check(LaunchPagedGather(one, kv_rows, k_rows, v_rows, nullptr), "paged gather at a bucket");
+      Check(LaunchPagedGather(one, PagedGatherOut{k_rows, v_rows, t, kv_rows, false}, nullptr),
+            "paged gather at a bucket");
       return EnqueueSdpa(*sdpa, args, sdpa_scratch);
     };
     if (run()) {  // the first call builds the plan

@@ -392,22 +392,29 @@ bool UsePagedDecode(const AttentionParams& c) {
 // (more than kPagedDecodeMaxQueryRows query rows: prefills, long appends),
 // over the gathered cache: the route for host-side `p` (the task's core
 // params over its new rows) attending over all cache.cached_len +
-// p.kv_len tokens in the cache's dtype. Its plan's buckets are the rows the
-// query and output buffers must have (route.shape.q_rows) and the gather
-// writes (kv_rows). No route for decode steps (the decode reads the blocks
-// in place), for what cuDNN cannot compute exactly, and for everything with
+// p.kv_len tokens, computed in `compute`, Q, K, V and O all in the token or
+// the head layout. `compute`: the cache's dtype for bare attention (K/V
+// stored as sent); a projection layer's precision for its FLOAT32 cache,
+// which holds what its projections computed in that precision, so the
+// gather's narrowing is exact (and at any rate the precision the layer
+// asks its attention to compute in, as a stateless request does). Its
+// plan's buckets are the rows the query and output buffers must have
+// (route.shape.q_rows) and the gather writes (kv_rows). No route for
+// decode steps (the decode reads the blocks in place), for what cuDNN
+// cannot compute exactly (fp32 among them), and for everything with
 // ATTNSERVE_CUDA_ATTENTION=kernels; with =cudnn a prefill cuDNN cannot
 // serve is Unimplemented naming why, as a stateless request is (a decode
 // step is the engine's own in every mode: cuDNN has no in-place decode of
 // these blocks). The sequence lengths are uploaded through the call: call
 // before UploadsDone.
 absl::StatusOr<SdpaRoute> RoutePagedPrefill(Call& call, const AttentionParams& p,
-                                            const PagedKv& cache) {
+                                            const PagedKv& cache, DType compute,
+                                            bool token_layout) {
   if (p.q_len <= kPagedDecodeMaxQueryRows) return SdpaRoute{};
   AttentionParams whole = p;
   whole.kv_len = cache.cached_len + p.kv_len;
-  whole.dtype = cache.dtype;
-  return RouteSdpa(call, whole, cache.dtype, /*token_layout=*/false);
+  whole.dtype = compute;
+  return RouteSdpa(call, whole, compute, token_layout);
 }
 
 // A paged task's attention: appends the new K/V rows device-side `a` reads
@@ -419,8 +426,9 @@ absl::StatusOr<SdpaRoute> RoutePagedPrefill(Call& call, const AttentionParams& p
 // rest computes and enqueues `then` now. `p`: the task's host-side core
 // params over the new rows (its causal flag, scale, window, softcap and
 // host sinks are used). `route` (RoutePagedPrefill, or none): when it is
-// used, a's query and output have route.shape.q_rows rows per head, the
-// rows past q_len of the query zeros. The block tables (and the sinks) are
+// used, a's query and output have route.shape.q_rows rows per head in its
+// layout, the rows past q_len of the query zeros, and the attention
+// computes in route.shape.dtype. The block tables (and the sinks) are
 // uploaded through the call, so this makes the stream wait for every
 // upload so far.
 absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams& p,
@@ -451,13 +459,15 @@ absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams
   dst.cached_len = cache.cached_len;
   ATTNSERVE_CUDA_CALL(LaunchPagedAppend(a, dst, call.stream()));
 
-  // 2. Params over the whole cache, the query in the cache's dtype (with
-  // the zeros of a cuDNN bucket's rows past q_len).
+  // 2. Params over the whole cache, the query in the dtype the attention
+  // computes in (the cache's, or a cuDNN route's), with the zeros of a
+  // cuDNN bucket's rows past q_len.
+  const DType compute = route.use ? route.shape.dtype : cache.dtype;
   AttentionParams c = a;
-  c.dtype = cache.dtype;
+  c.dtype = compute;
   const int64_t q_rows = route.use ? route.shape.q_rows : a.q_len;
   absl::StatusOr<const void*> q = ConvertOnDevice(
-      call, a.q, a.dtype, cache.dtype,
+      call, a.q, a.dtype, compute,
       Extent(1, a.num_heads, q_rows, a.head_dim, a.q_stride_b, a.q_stride_h, a.q_stride_row));
   if (!q.ok()) return q.status();
   c.q = *q;
@@ -478,37 +488,48 @@ absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams
   c.weights = nullptr;
 
   // 3a. Few query rows: the split-KV decode reads the blocks in place, in
-  // one launch with the batch's other decodes.
-  if (UsePagedDecode(c)) {
+  // one launch with the batch's other decodes (never along a route, which
+  // RoutePagedPrefill gives only past the decode's rows: c is in the
+  // cache's dtype).
+  if (!route.use && UsePagedDecode(c)) {
     absl::StatusOr<void*> scratch = call.DeviceAlloc(PagedDecodeScratchBytes(c));
     if (!scratch.ok()) return scratch.status();
     decodes.Add(c, *scratch, std::move(then));
     return absl::OkStatus();
   }
   // 3b. Prefills and long appends: the blocks gathered into contiguous
-  // [1, Hkv, rows, D] buffers (rows: the cache's length, or its cuDNN
-  // bucket with zeros past it), then the core path of stateless requests:
-  // cuDNN along `route`, else the kernels written here. A copy of the cache
-  // per request: one pass over K and V, small beside a prefill's
-  // attention, which reads them once per 128 query rows.
-  const int64_t kv_rows = route.use ? route.shape.kv_rows : total;
-  const size_t elem = DTypeSize(c.dtype);
+  // buffers of `compute` (rows: the cache's length, or its cuDNN bucket
+  // with zeros past it; head layout, or a route's token layout), then the
+  // core path of stateless requests: cuDNN along `route`, else the kernels
+  // written here. A copy of the cache per request: one pass over K and V,
+  // small beside a prefill's attention, which reads them once per 128
+  // query rows.
+  PagedGatherOut gathered;
+  gathered.dtype = compute;
+  gathered.rows = route.use ? route.shape.kv_rows : total;
+  gathered.token_layout = route.use && route.shape.token_layout;
+  const size_t elem = DTypeSize(compute);
   absl::StatusOr<void*> k = call.DeviceAlloc(
-      static_cast<size_t>(c.num_kv_heads * kv_rows * c.head_dim) * elem);
+      static_cast<size_t>(c.num_kv_heads * gathered.rows * c.head_dim) * elem);
   if (!k.ok()) return k.status();
   absl::StatusOr<void*> v = call.DeviceAlloc(
-      static_cast<size_t>(c.num_kv_heads * kv_rows * c.head_dim_v) * elem);
+      static_cast<size_t>(c.num_kv_heads * gathered.rows * c.head_dim_v) * elem);
   if (!v.ok()) return v.status();
-  ATTNSERVE_CUDA_CALL(LaunchPagedGather(c, kv_rows, *k, *v, call.stream()));
+  gathered.k = *k;
+  gathered.v = *v;
+  AttentionParams stored = c;
+  stored.dtype = cache.dtype;  // what the blocks hold
+  ATTNSERVE_CUDA_CALL(LaunchPagedGather(stored, gathered, call.stream()));
   AttentionParams g = c;
-  g.k = *k;
-  g.v = *v;
+  g.k = gathered.k;
+  g.v = gathered.v;
   g.k_blocks = g.v_blocks = nullptr;
   g.block_tokens = 0;
-  HeadLayoutStrides(g.num_kv_heads, kv_rows, g.head_dim, &g.k_stride_b, &g.k_stride_h,
-                    &g.k_stride_row);
-  HeadLayoutStrides(g.num_kv_heads, kv_rows, g.head_dim_v, &g.v_stride_b, &g.v_stride_h,
-                    &g.v_stride_row);
+  const LayoutStrides layout = gathered.token_layout ? TokenLayoutStrides : HeadLayoutStrides;
+  layout(g.num_kv_heads, gathered.rows, g.head_dim, &g.k_stride_b, &g.k_stride_h,
+         &g.k_stride_row);
+  layout(g.num_kv_heads, gathered.rows, g.head_dim_v, &g.v_stride_b, &g.v_stride_h,
+         &g.v_stride_row);
   AttentionParams host = p;  // RunCore reads it for the weights only: none
   host.kv_len = total;
   host.weights = nullptr;
@@ -646,9 +667,12 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
   // The layer's sinks (on the device) join the params; the route sees them.
   AttentionParams routed = p;
   if (config.sinks) a.sinks = routed.sinks = static_cast<const float*>(w.sinks.data());
-  // Sessions attend over the cache, never through a cuDNN plan of the new rows.
+  // A session's request attends over its whole cache: a cuDNN plan of that
+  // (a prefill or long append in bf16/fp16 precision), else none.
+  const bool paged = task.paged.enabled();
   absl::StatusOr<SdpaRoute> route =
-      task.paged.enabled() ? SdpaRoute{} : RouteSdpa(call, routed, ct, /*token_layout=*/true);
+      paged ? RoutePagedPrefill(call, routed, task.paged, ct, /*token_layout=*/true)
+            : RouteSdpa(call, routed, ct, /*token_layout=*/true);
   if (!route.ok()) return route.status();
   ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
 
@@ -666,9 +690,11 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
   }
 
   // The projections write B * L rows; a cuDNN plan of one sequence wants
-  // its bucket's rows, the tail zeroed (RouteSdpa).
+  // its bucket's rows, the tail zeroed (RouteSdpa). A session's new K/V rows
+  // go into its cache, and the plan reads the cache's gather.
   const int64_t q_buffer_rows = route->use ? p.batch * route->shape.q_rows : q_rows;
-  const int64_t kv_buffer_rows = route->use ? p.batch * route->shape.kv_rows : kv_rows;
+  const int64_t kv_buffer_rows =
+      route->use && !paged ? p.batch * route->shape.kv_rows : kv_rows;
   const int64_t q_features = p.num_heads * p.head_dim;
   const int64_t kv_features = p.num_kv_heads * p.head_dim;
   const int64_t v_features = p.num_kv_heads * p.head_dim_v;
@@ -696,7 +722,7 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
       call.gemm().Linear(ct, *xv, kv_rows, value_dim, w.wv.data(), w.bv.data(), v_features, *v));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(
       PrepareQk(call, config, w, p, *q, *k, positions,
-                task.paged.enabled() ? task.paged.cached_len : 0));
+                paged ? task.paged.cached_len : 0));
 
   // Attention over the token layout [B, L, H*D], written in the same layout
   // (the out-projection reads the first B * Lq rows).
@@ -729,11 +755,10 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
     const size_t out_bytes = static_cast<size_t>(out_n) * DTypeSize(out_type);
     return call.DownloadTo(*result, out_bytes, task.output.data);
   };
-  if (task.paged.enabled()) {
+  if (paged) {
     // Sessions: the projected K/V rows go into the cache, the attention
-    // reads the whole cache (AttendPaged). A projection layer's cache holds
-    // FLOAT32 (the server's choice), which cuDNN does not compute: no route.
-    return AttendPaged(call, task.paged, p, a, SdpaRoute{}, decodes, std::move(finish));
+    // reads the whole cache (AttendPaged), along the route when there is one.
+    return AttendPaged(call, task.paged, p, a, *route, decodes, std::move(finish));
   }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(RunCore(call, a, p, *route));
   return finish();
@@ -753,7 +778,8 @@ absl::Status EnqueuePagedHostAttention(Call& call, const AttentionParams& p,
                                        const PagedKv& cache, PagedDecodes& decodes) {
   // cuDNN or not first: its plan wants the query and output at its bucket's
   // rows, and the upload writes that layout (the tail zeroed).
-  absl::StatusOr<SdpaRoute> route = RoutePagedPrefill(call, p, cache);
+  absl::StatusOr<SdpaRoute> route =
+      RoutePagedPrefill(call, p, cache, cache.dtype, /*token_layout=*/false);
   if (!route.ok()) return route.status();
   const int64_t q_rows = route->use ? route->shape.q_rows : p.q_len;
   absl::StatusOr<HeadUploads> in = UploadHeadLayout(call, p, q_rows, p.kv_len);

@@ -99,10 +99,10 @@ __global__ void PagedAppendKernel(AttentionParams rows, PagedCacheArgs cache) {
   }
 }
 
-// The cache's K then V into k [Hkv, rows, Dk], v [Hkv, rows, Dv]: rows
-// past a.kv_len are zeros.
-__global__ void PagedGatherKernel(AttentionParams a, int64_t rows, void* k, void* v) {
-  const int64_t hkv = a.num_kv_heads;
+// The cache's K then V into `out` (PagedGatherOut): element (h, row, d) of
+// K or V, rows past a.kv_len zeros.
+__global__ void PagedGatherKernel(AttentionParams a, PagedGatherOut out) {
+  const int64_t hkv = a.num_kv_heads, rows = out.rows;
   const int64_t n = hkv * rows * (a.head_dim + a.head_dim_v);
   const int64_t bt = a.block_tokens;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
@@ -113,7 +113,8 @@ __global__ void PagedGatherKernel(AttentionParams a, int64_t rows, void* k, void
     const float value = block == nullptr
                             ? 0.0f
                             : LoadElement(block, a.dtype, (x.h * bt + x.row % bt) * x.dim + x.d);
-    StoreElement(x.is_k ? k : v, a.dtype, x.f, value);
+    const int64_t at = out.token_layout ? (x.row * hkv + x.h) * x.dim + x.d : x.f;
+    StoreElement(x.is_k ? out.k : out.v, out.dtype, at, value);
   }
 }
 
@@ -536,12 +537,12 @@ cudaError_t LaunchPagedAppend(const AttentionParams& rows, const PagedCacheArgs&
   return cudaGetLastError();
 }
 
-cudaError_t LaunchPagedGather(const AttentionParams& a, int64_t rows, void* k, void* v,
+cudaError_t LaunchPagedGather(const AttentionParams& a, const PagedGatherOut& out,
                               cudaStream_t stream) {
-  if (rows < a.kv_len) return cudaErrorInvalidValue;
-  const int64_t n = a.num_kv_heads * rows * (a.head_dim + a.head_dim_v);
+  if (out.rows < a.kv_len) return cudaErrorInvalidValue;
+  const int64_t n = a.num_kv_heads * out.rows * (a.head_dim + a.head_dim_v);
   if (n <= 0) return cudaSuccess;
-  ATTNSERVE_LAUNCH(PagedGatherKernel, CopyGrid(n), kCopyThreads, 0, stream, a, rows, k, v);
+  ATTNSERVE_LAUNCH(PagedGatherKernel, CopyGrid(n), kCopyThreads, 0, stream, a, out);
   return cudaGetLastError();
 }
 

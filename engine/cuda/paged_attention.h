@@ -51,13 +51,24 @@ struct PagedCacheArgs {
 cudaError_t LaunchPagedAppend(const AttentionParams& rows, const PagedCacheArgs& cache,
                               cudaStream_t stream);
 
+// Where LaunchPagedGather writes: K and V of `rows` rows per head (at least
+// the cache's length; the rows past it zeros, as a cuDNN plan's bucket
+// wants them) in `dtype`, in head layout k [Hkv, rows, head_dim], v [Hkv,
+// rows, head_dim_v], or token layout k [rows, Hkv * head_dim], v [rows,
+// Hkv * head_dim_v].
+struct PagedGatherOut {
+  void* k = nullptr;
+  void* v = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t rows = 0;
+  bool token_layout = false;
+};
+
 // Gathers the paged K/V of `a` (a.k_blocks / a.v_blocks set; a.kv_len
-// tokens, a.dtype) into contiguous head-layout buffers k [Hkv, rows,
-// head_dim] and v [Hkv, rows, head_dim_v] of a.dtype, rows >= a.kv_len (more
-// for a cuDNN plan's bucket): token j of head h at row j, the rows past
-// a.kv_len zeros. Null blocks read as zeros (nothing reads them: they lie
-// before every row's window). cudaErrorInvalidValue when rows < a.kv_len.
-cudaError_t LaunchPagedGather(const AttentionParams& a, int64_t rows, void* k, void* v,
+// tokens of a.dtype, the blocks' dtype) into `out`, converting to
+// out.dtype. Null blocks read as zeros (nothing reads them: they lie before
+// every row's window). cudaErrorInvalidValue when out.rows < a.kv_len.
+cudaError_t LaunchPagedGather(const AttentionParams& a, const PagedGatherOut& out,
                               cudaStream_t stream);
 
 // The split-KV decode over paged K/V: softmax(Q K^T * scale) V for `a`

@@ -1540,6 +1540,46 @@ std::vector<int64_t> SessionSteps() {
   return steps;
 }
 
+// A projection layer's session fed `steps` new tokens at a time equals one
+// causal request over all of them (the reference engine), step by step, on
+// `engine` (the default engine when null).
+void CheckProjectionSession(const AttentionLayer& layer, DType dtype, Tolerance tol,
+                            const std::vector<int64_t>& steps, std::mt19937& rng,
+                            AttentionEngine* engine = nullptr) {
+  if (engine == nullptr) engine = Cuda().engine;
+  const LayerConfig& c = layer.config;
+  int64_t len = 0;
+  for (int64_t s : steps) len += s;
+  const Tensor x = RandomTensor(dtype, {1, len, c.query_dim}, rng);
+  Tensor want(DType::kFloat32, {1, len, c.out_dim});
+  AttentionTask full;
+  full.query = x.view();
+  full.causal = true;
+  full.scale = ResolveScale(c, 0.0f, c.head_dim);
+  full.output = want.mutable_view();
+  ASSERT_TRUE(Reference().Run(layer, {&full, 1}).ok());
+
+  DeviceCache cache(*engine, DType::kFloat32, c.num_kv_heads, c.head_dim, c.head_dim, 16, len);
+  ASSERT_TRUE(cache.ok());
+  int64_t cached = 0;
+  for (int64_t step : steps) {
+    const Tensor xs = SliceRows(x, 1, cached, step);
+    Tensor got(dtype, {1, step, c.out_dim});
+    AttentionTask t = full;
+    t.query = xs.view();
+    t.output = got.mutable_view();
+    t.paged = cache.At(cached);
+    const absl::Status status = engine->Run(layer, {&t, 1});
+    ASSERT_TRUE(status.ok()) << status << " at " << cached;
+    const Tolerance io = ToleranceFor(dtype);
+    ExpectClose(got, SliceRows(want, 1, cached, step),
+                {std::max(tol.atol, io.atol), std::max(tol.rtol, io.rtol)},
+                absl::StrCat("step of ", step, " at ", cached));
+    if (::testing::Test::HasFailure()) return;
+    cached += step;
+  }
+}
+
 TEST(CudaEngineTest, ServesSessionsInDeviceMemory) {
   REQUIRE_GPU();
   EXPECT_TRUE(Cuda().engine->SupportsSessions());
@@ -1606,7 +1646,8 @@ TEST(CudaEngineTest, SdpaSessionDecodeTilesAndChunks) {
 // rows (the gather's zero tail, the query uploaded at the bucket): on the
 // cuDNN-only engine they are served, exactly, only if cuDNN serves them
 // (lengths on and off the buckets, GQA, Dv != Dk, a window with released
-// blocks, sinks; decode steps between them stay on the engine's decode).
+// blocks, sinks, a bf16 projection layer's FLOAT32 cache; decode steps
+// between them stay on the engine's decode).
 // What cuDNN cannot compute (softcapping) is refused there naming it, and
 // the default engine serves it on the kernels written here
 // (SdpaSessionWindowSoftcapSinksEqualOneRequest).
@@ -1624,6 +1665,16 @@ TEST(CudaEngineTest, SessionPrefillsGoToCudnn) {
     CheckSdpaSession(dtype, 8, 2, 64, 64, 16, steps, {.sinks = true}, ++seed, cudnn);
     if (HasFailure()) return;
   }
+
+  // A projection layer in bf16 precision: its FLOAT32 cache gathered into
+  // bf16 in the token layout of its projections (exact: the cache holds
+  // what the bf16 projections computed).
+  std::mt19937 layer_rng(509);
+  AttentionLayer projected = ProjectionLayer(256, 4, 2, 256, 256, true, Precision::kBFloat16,
+                                             layer_rng);
+  ASSERT_TRUE(ValidateLayer(projected).ok()) << ValidateLayer(projected);
+  CheckProjectionSession(projected, DType::kBFloat16, {6e-2, 6e-2}, steps, layer_rng, cudnn);
+  if (HasFailure()) return;
 
   // Softcapping: the prefill is refused on the cuDNN-only engine, naming it.
   const AttentionLayer& layer = SdpaLayer();
@@ -1783,41 +1834,10 @@ TEST(CudaEngineTest, ProjectionSessionStepsEqualOneCausalRequest) {
     AttentionLayer layer = ProjectionLayer(var.embed, var.heads, var.kv_heads, var.embed,
                                            var.embed, true, var.precision, rng);
     ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
-    const LayerConfig& c = layer.config;
     SCOPED_TRACE(absl::StrCat("embed ", var.embed, " heads ", var.heads, " kv_heads ",
                               var.kv_heads, " ", DTypeName(var.dtype).data()));
-    const std::vector<int64_t> steps = SessionSteps();
-    int64_t len = 0;
-    for (int64_t s : steps) len += s;
-    const Tensor x = RandomTensor(var.dtype, {1, len, c.query_dim}, rng);
-    Tensor want(DType::kFloat32, {1, len, c.out_dim});
-    AttentionTask full;
-    full.query = x.view();
-    full.causal = true;
-    full.scale = ResolveScale(c, 0.0f, c.head_dim);
-    full.output = want.mutable_view();
-    ASSERT_TRUE(Reference().Run(layer, {&full, 1}).ok());
-
-    DeviceCache cache(*Cuda().engine, DType::kFloat32, c.num_kv_heads, c.head_dim, c.head_dim,
-                      16, len);
-    ASSERT_TRUE(cache.ok());
-    int64_t cached = 0;
-    for (int64_t step : steps) {
-      const Tensor xs = SliceRows(x, 1, cached, step);
-      Tensor got(var.dtype, {1, step, c.out_dim});
-      AttentionTask t = full;
-      t.query = xs.view();
-      t.output = got.mutable_view();
-      t.paged = cache.At(cached);
-      const absl::Status status = Cuda().engine->Run(layer, {&t, 1});
-      ASSERT_TRUE(status.ok()) << status << " at " << cached;
-      const Tolerance io = ToleranceFor(var.dtype);
-      ExpectClose(got, SliceRows(want, 1, cached, step),
-                  {std::max(var.tol.atol, io.atol), std::max(var.tol.rtol, io.rtol)},
-                  absl::StrCat("step of ", step, " at ", cached));
-      if (HasFailure()) return;
-      cached += step;
-    }
+    CheckProjectionSession(layer, var.dtype, var.tol, SessionSteps(), rng);
+    if (HasFailure()) return;
   }
 }
 

@@ -158,8 +158,9 @@ TEST(PagedDecodeEmulated, ABatchSharingOneLaunchGivesEachRequestsBits) {
 }
 
 // Append writes new rows at their positions in the blocks (converting
-// dtype), and gather reads the whole cache back contiguous, at its length
-// or at more rows per head (zeros past the cache).
+// dtype), and gather reads the whole cache back contiguous: at its length
+// or at more rows per head (zeros past the cache), in head or token layout,
+// in the cache's dtype or another.
 TEST(PagedDecodeEmulated, AppendThenGatherRoundTripsTheCache) {
   std::mt19937 rng(37);
   const int64_t kv_heads = 2, dim = 64, dim_v = 32, block_tokens = 16, cached = 21, rows = 30;
@@ -209,14 +210,28 @@ TEST(PagedDecodeEmulated, AppendThenGatherRoundTripsTheCache) {
   all.k_blocks = k_const.data();
   all.v_blocks = v_const.data();
   all.block_tokens = block_tokens;
-  // Exactly the cache's rows, and a cuDNN bucket's (64 for 51): the rows past
-  // the cache zeros where the buffers held NaNs (0xffff).
-  for (const int64_t out_rows : {total, int64_t{64}}) {
-    SCOPED_TRACE(testing::Message() << "gathered into " << out_rows << " rows per head");
-    std::vector<uint16_t> k_all(kv_heads * out_rows * dim, 0xffff);
-    std::vector<uint16_t> v_all(kv_heads * out_rows * dim_v, 0xffff);
-    ASSERT_EQ(LaunchPagedGather(all, out_rows, k_all.data(), v_all.data(), nullptr), cudaSuccess);
-    // The cache's value at (pos, feature f of `fresh`'s rows): rows before
+  // Into the cache's dtype at exactly its rows, at a cuDNN bucket's rows (64
+  // for 51) in head layout, and at the bucket in token layout converted to
+  // fp32 (a projection layer's route): the rows past the cache zeros where
+  // the buffers held NaNs.
+  struct Target {
+    DType dtype;
+    int64_t rows;
+    bool token_layout;
+  };
+  for (const Target& target : {Target{DType::kBFloat16, total, false},
+                               Target{DType::kBFloat16, 64, false},
+                               Target{DType::kFloat32, 64, true}}) {
+    SCOPED_TRACE(testing::Message() << "gathered into " << target.rows << " rows per head, "
+                                    << DTypeName(target.dtype)
+                                    << (target.token_layout ? ", token layout" : ", head layout"));
+    const size_t elem = DTypeSize(target.dtype);
+    std::vector<unsigned char> k_all(kv_heads * target.rows * dim * elem, 0xff);
+    std::vector<unsigned char> v_all(kv_heads * target.rows * dim_v * elem, 0xff);
+    const PagedGatherOut out{k_all.data(), v_all.data(), target.dtype, target.rows,
+                             target.token_layout};
+    ASSERT_EQ(LaunchPagedGather(all, out, nullptr), cudaSuccess);
+    // The cache's value at (h, pos, d) of `fresh`'s rows: rows before
     // `cached` were never written (the blocks' zeros), rows past `total`
     // are the padding.
     auto want = [&](const std::vector<float>& fresh, int64_t h, int64_t pos, int64_t d,
@@ -224,23 +239,29 @@ TEST(PagedDecodeEmulated, AppendThenGatherRoundTripsTheCache) {
       if (pos < cached || pos >= total) return 0.0f;
       return BFloat16ToFloat(FloatToBFloat16(fresh[(h * rows + pos - cached) * width + d]));
     };
+    auto got = [&](const std::vector<unsigned char>& buffer, int64_t h, int64_t pos, int64_t d,
+                   int64_t width) {
+      const int64_t at = target.token_layout ? (pos * kv_heads + h) * width + d
+                                             : (h * target.rows + pos) * width + d;
+      return LoadElement(buffer.data(), target.dtype, at);
+    };
     for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t pos = 0; pos < out_rows; ++pos) {
+      for (int64_t pos = 0; pos < target.rows; ++pos) {
         for (int64_t d = 0; d < dim; ++d) {
-          ASSERT_EQ(BFloat16ToFloat(k_all[(h * out_rows + pos) * dim + d]),
-                    want(k_new, h, pos, d, dim))
+          ASSERT_EQ(got(k_all, h, pos, d, dim), want(k_new, h, pos, d, dim))
               << "k h " << h << " pos " << pos << " d " << d;
         }
         for (int64_t d = 0; d < dim_v; ++d) {
-          ASSERT_EQ(BFloat16ToFloat(v_all[(h * out_rows + pos) * dim_v + d]),
-                    want(v_new, h, pos, d, dim_v))
+          ASSERT_EQ(got(v_all, h, pos, d, dim_v), want(v_new, h, pos, d, dim_v))
               << "v h " << h << " pos " << pos << " d " << d;
         }
       }
     }
   }
   std::vector<uint16_t> small(kv_heads * total * dim);
-  EXPECT_EQ(LaunchPagedGather(all, total - 1, small.data(), small.data(), nullptr),
+  EXPECT_EQ(LaunchPagedGather(all, PagedGatherOut{small.data(), small.data(), DType::kBFloat16,
+                                                  total - 1, false},
+                              nullptr),
             cudaErrorInvalidValue);
 }
 
