@@ -137,6 +137,28 @@ bool EnqueueSdpa(CudnnSdpa& sdpa, const SdpaArgs& args, Arena& scratch) {
   return true;
 }
 
+// Self-attention params over device buffers in head layout [B, H, rows, D]
+// (rows >= len; the rows past len are padding), causal off, scale 1.
+AttentionParams HeadLayoutParams(DType t, int64_t batch, int64_t heads, int64_t len, int64_t rows,
+                                 int64_t dim, const DeviceBuffer& q, const DeviceBuffer& k,
+                                 const DeviceBuffer& v, const DeviceBuffer& out) {
+  AttentionParams a;
+  a.batch = batch;
+  a.num_heads = a.num_kv_heads = heads;
+  a.head_dim = a.head_dim_v = dim;
+  a.q_len = a.kv_len = len;
+  a.dtype = a.out_dtype = t;
+  a.q = q.data();
+  a.k = k.data();
+  a.v = v.data();
+  a.out = out.data();
+  HeadLayoutStrides(heads, rows, dim, &a.q_stride_b, &a.q_stride_h, &a.q_stride_row);
+  HeadLayoutStrides(heads, rows, dim, &a.k_stride_b, &a.k_stride_h, &a.k_stride_row);
+  HeadLayoutStrides(heads, rows, dim, &a.v_stride_b, &a.v_stride_h, &a.v_stride_row);
+  HeadLayoutStrides(heads, rows, dim, &a.o_stride_b, &a.o_stride_h, &a.o_stride_row);
+  return a;
+}
+
 // One attention shape: the kernel written here (flash, or the general one
 // where flash does not apply) and, when cuDNN loads, cuDNN's SDPA through
 // CudnnSdpa. `len` is the exact length; the buffers have the rows of its
@@ -149,20 +171,7 @@ void BenchAttention(DType t, int64_t batch, int64_t heads, int64_t len, int64_t 
   absl::StatusOr<DeviceBuffer> out =
       DeviceBuffer::Allocate(static_cast<size_t>(n) * DTypeSize(t));
   if (!out.ok()) std::exit(1);
-  AttentionParams a;
-  a.batch = batch;
-  a.num_heads = a.num_kv_heads = heads;
-  a.head_dim = a.head_dim_v = dim;
-  a.q_len = a.kv_len = len;
-  a.dtype = a.out_dtype = t;
-  a.q = q.data();
-  a.k = k.data();
-  a.v = v.data();
-  a.out = out->data();
-  HeadLayoutStrides(heads, rows, dim, &a.q_stride_b, &a.q_stride_h, &a.q_stride_row);
-  HeadLayoutStrides(heads, rows, dim, &a.k_stride_b, &a.k_stride_h, &a.k_stride_row);
-  HeadLayoutStrides(heads, rows, dim, &a.v_stride_b, &a.v_stride_h, &a.v_stride_row);
-  HeadLayoutStrides(heads, rows, dim, &a.o_stride_b, &a.o_stride_h, &a.o_stride_row);
+  AttentionParams a = HeadLayoutParams(t, batch, heads, len, rows, dim, q, k, v, *out);
   a.causal = causal;
   a.scale = 1.0f / std::sqrt(static_cast<float>(dim));
   // 2 GEMMs of 2*L*L*D flops each per (b, h); causal does about half.
@@ -278,17 +287,7 @@ void BenchLayerFeature(const char* name, int64_t batch, int64_t heads, int64_t l
   absl::StatusOr<DeviceBuffer> out = DeviceBuffer::Allocate(static_cast<size_t>(n) * 2);
   absl::StatusOr<DeviceBuffer> wide = DeviceBuffer::Allocate(static_cast<size_t>(n) * 4 * 3);
   if (!out.ok() || !wide.ok()) std::exit(1);
-  AttentionParams a;
-  a.batch = batch;
-  a.num_heads = a.num_kv_heads = heads;
-  a.head_dim = a.head_dim_v = kDim;
-  a.q_len = a.kv_len = len;
-  a.dtype = a.out_dtype = t;
-  a.q = q.data();
-  a.k = k.data();
-  a.v = v.data();
-  a.out = out->data();
-  SetContiguousStrides(&a, HeadLayoutStrides);
+  AttentionParams a = HeadLayoutParams(t, batch, heads, len, len, kDim, q, k, v, *out);
   a.causal = true;
   a.window = window;
   a.softcap = softcap;
