@@ -86,7 +86,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", default=os.path.join(root, "build", "engine", "cuda",
                                                         "attnserve_cuda_bench"))
-    parser.add_argument("--quick", action="store_true", help="one sequence length only")
+    parser.add_argument("--quick", action="store_true",
+                        help="one sequence length for fp16/bf16; every fp32 and layer-feature row")
     parser.add_argument("--json", help="also write every row (ours and torch's) to this file")
     args = parser.parse_args()
 

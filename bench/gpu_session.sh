@@ -12,9 +12,10 @@
 # (compute-sanitizer memcheck over the fused-kernel tests), server
 # (tests/integration/test_cuda_server.py against attnserve --backend cuda),
 # bench (bench/cuda_bench.py: kernel vs torch SDPA backends, projections vs
-# cuBLAS), quickbench (the same at L 2048 only), serve (attn_bench through
-# the server, 1.5 and 12 MiB requests, concurrency 1 and 32, batching on and
-# off, next to cudaMemcpy bandwidth), firstcall (the first request of a
+# cuBLAS), quickbench (fp16/bf16 at L 2048 only, every fp32 and
+# layer-feature row), serve (attn_bench through the server, 1.5 and 12 MiB
+# requests, concurrency 1 and 32, batching on and off, next to cudaMemcpy
+# bandwidth), firstcall (the first request of a
 # cuDNN length bucket with the bucket built at load by config.pbtxt warmup,
 # and without; not in the default list), sessions (the GPU session tests of
 # cuda_engine_test under compute-sanitizer memcheck, then
@@ -22,12 +23,24 @@
 # copy of their K/V, the split-KV decode against gather + fused kernel, and
 # for prefills and long appends gather + cuDNN against gather + fused kernel),
 # sessionserve (bench/session_decode.sh on --backend cuda: decode through
-# sessions against stateless). The default list came to about 8 minutes on
-# an H200 (the phases' times in runs 4-7 of docs/gpu-runs/2026-11-26-h200)
-# before fused_attention_test, its memcheck and the experimental server
-# joined test, sanitize and server (about 2 minutes more, estimated): run it
-# as two calls of the device tool, `info test sanitize sessions server` then
-# `bench serve sessionserve`, each under the 600 s a call may take.
+# sessions against stateless).
+#
+# A lease is 15 minutes of device time in all, the machine's start (a minute
+# or two) and the idle time between calls included, and one call may run
+# 600 s. The phases' times on an H200 (runs 4-7 of docs/gpu-runs/2026-11-26-h200):
+# info 8 s, test 95 s (before fused_attention_test and the newer engine tests
+# joined it: about 200 s now, estimated), sanitize 50 s (before the fused
+# kernels' memcheck joined it, which may take its 150 s timeout), sessions
+# 37 s (more session tests under memcheck now), server 25 s, quickbench 37 s
+# (with the fp32 and layer-feature rows it lacked then: about 60 s),
+# serve about 75 s, sessionserve 14 s, bench (the full table) several
+# minutes. So a lease takes them in order of what they decide, as two calls:
+#   1. info test sessions quickbench server   (timeout_s 450)
+#   2. serve sessionserve sanitize             (timeout_s: what is left)
+# and the full table only if time remains. Each phase's end and its elapsed
+# seconds are printed ("--- PHASE done at N s"), and the logs are packed
+# after every phase, so a call cut off at its limit still brings back the
+# phases it finished.
 # BUNDLE names another bundle (default .gpu/bundle.tar.xz), TAG names its
 # logs. Logs go to $OUT/logs-TAG.tar.gz (the device tool brings back few
 # files), else ./gpu-out.
@@ -41,7 +54,11 @@ mkdir -p "$out" "$final"
 as=/tmp/attnserve-gpu-$tag
 phases=("$@")
 [[ ${#phases[@]} -gt 0 ]] || phases=(info test sanitize sessions server bench serve sessionserve)
-trap 'tar -C "$out" -czf "$final/logs-$tag.tar.gz" .' EXIT
+# The logs are packed after every phase, not only at exit: the device tool
+# kills a command at its time limit without running traps, and what lies in
+# $OUT then still comes back, so a lease cut short keeps its finished phases.
+save_logs() { tar -C "$out" -czf "$final/logs-$tag.tar.gz.part" . && mv -f "$final/logs-$tag.tar.gz.part" "$final/logs-$tag.tar.gz"; }
+trap save_logs EXIT
 
 rm -rf "$as" && mkdir -p "$as" && tar -C "$as" -xJf "$bundle" || exit 1
 # CUDA's own libraries from the machine: the toolkit's, else PyTorch's wheels;
@@ -54,6 +71,7 @@ export ATTNSERVE_BIN="$as/bin/attnserve" ATTN_CLIENT_BIN="$as/bin/attn_client"
 export ATTNSERVE_SOURCE_DIR="$root" ATTNSERVE_PY_STUBS_DIR="$as/stubs" PYTHONUNBUFFERED=1
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
+started=$SECONDS
 
 for phase in "${phases[@]}"; do
   case $phase in
@@ -195,5 +213,7 @@ for phase in "${phases[@]}"; do
       ;;
     *) echo "unknown phase $phase"; status=2 ;;
   esac
+  echo "--- $phase done at $((SECONDS - started)) s"
+  save_logs
 done
 exit $status

@@ -652,15 +652,16 @@ int Main(int argc, char** argv) {
   for (int64_t len : quick ? std::vector<int64_t>{2000} : std::vector<int64_t>{1000, 2000, 4000}) {
     BenchAttention(DType::kBFloat16, std::max<int64_t>(1, 16384 / len), 16, len, 128, true, iters);
   }
-  // fp32: the unfused path, 3xTF32 and full-fp32 GEMMs.
+  // fp32: the unfused path, 3xTF32 and full-fp32 GEMMs, and the fused fp32
+  // kernel. These rows and the two layer features below decide whether the
+  // fused kernels' routes become the default (docs/CUDA.md), so --quick
+  // keeps them all.
   BenchAttention(DType::kFloat32, 4, 16, 2048, 128, false, iters);
-  if (!quick) {
-    BenchAttention(DType::kFloat32, 4, 16, 2048, 128, true, iters);
-    BenchAttention(DType::kFloat32, 8, 32, 1024, 64, false, iters);
-  }
+  BenchAttention(DType::kFloat32, 4, 16, 2048, 128, true, iters);
+  BenchAttention(DType::kFloat32, 8, 32, 1024, 64, false, iters);
   // Gemma 2's softcapping and a Mistral-sized window over a long prompt.
   BenchLayerFeature("softcap 50", 4, 16, 2048, 0, 50.0f, iters);
-  if (!quick) BenchLayerFeature("window 4096", 1, 16, 16384, 4096, 0.0f, iters);
+  BenchLayerFeature("window 4096", 1, 16, 16384, 4096, 0.0f, iters);
   for (DType t : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     BenchCeiling(t, iters);
     for (int64_t rows : {4096, 16384}) {
