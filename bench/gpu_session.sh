@@ -34,9 +34,11 @@
 # 37 s (more session tests under memcheck now), server 25 s, quickbench 37 s
 # (with the fp32 and layer-feature rows it lacked then: about 60 s),
 # serve about 75 s, sessionserve 14 s, bench (the full table) several
-# minutes. So a lease takes them in order of what they decide, as two calls:
-#   1. info test sessions quickbench server   (timeout_s 450)
-#   2. serve sessionserve sanitize             (timeout_s: what is left)
+# minutes. So a lease takes them in order of what they decide, as two calls
+# (about 760 s of commands once the start and the transfers are paid):
+#   1. info test sessions quickbench        (about 300 s; timeout_s 420)
+#   2. serve server sessionserve sanitize   (about 350 s; timeout_s: what
+#                                            status says is left, less 60)
 # and the full table only if time remains. Each phase's end and its elapsed
 # seconds are printed ("--- PHASE done at N s"), and the logs are packed
 # after every phase, so a call cut off at its limit still brings back the
