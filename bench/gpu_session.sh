@@ -56,7 +56,8 @@ mkdir -p "$out" "$final"
 as=/tmp/attnserve-gpu-$tag
 phases=("$@")
 [[ ${#phases[@]} -gt 0 ]] || phases=(info test sanitize sessions server bench serve sessionserve)
-# The logs are packed after every phase, not only at exit: the device tool
+# Every command on the GPU runs under `timeout`, so a kernel that hangs costs
+# its phase, not the lease. The logs are packed after every phase, not only at exit: the device tool
 # kills a command at its time limit without running traps, and what lies in
 # $OUT then still comes back, so a lease cut short keeps its finished phases.
 save_logs() { tar -C "$out" -czf "$final/logs-$tag.tar.gz.part" . && mv -f "$final/logs-$tag.tar.gz.part" "$final/logs-$tag.tar.gz"; }
@@ -87,13 +88,13 @@ for phase in "${phases[@]}"; do
       ;;
     test)
       step "cuda_engine_test"
-      "$as/bin/cudnn_sdpa_test" 2>&1 | tee "$out/cudnn_sdpa_test.log" | tail -3
+      timeout -k 5 60 "$as/bin/cudnn_sdpa_test" 2>&1 | tee "$out/cudnn_sdpa_test.log" | tail -3
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       # The fused kernels launched directly, against float64 computed in the test.
-      ATTNSERVE_REQUIRE_GPU=1 "$as/bin/fused_attention_test" 2>&1 |
+      ATTNSERVE_REQUIRE_GPU=1 timeout -k 5 150 "$as/bin/fused_attention_test" 2>&1 |
         tee "$out/fused_attention_test.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED)|OK \]|Failure|got " | head -40
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-      ATTNSERVE_REQUIRE_CUDNN=1 "$as/bin/cuda_engine_test" 2>&1 |
+      ATTNSERVE_REQUIRE_CUDNN=1 timeout -k 5 300 "$as/bin/cuda_engine_test" 2>&1 |
         tee "$out/cuda_engine_test.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED)|OK \]|Failure|Expected|Which is|rel|error|declined" | head -150
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       ;;
@@ -121,14 +122,15 @@ for phase in "${phases[@]}"; do
       step "server on the GPU: tests/integration/test_cuda_server.py"
       # The stubs come from Debian's protoc 3.21; a newer protobuf runtime
       # reads such generated code only through its pure-Python implementation.
-      PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python ATTNSERVE_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider \
+      PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python ATTNSERVE_REQUIRE_GPU=1 timeout -k 5 180 python3 -m pytest -q -p no:cacheprovider \
         "$root/tests/integration/test_cuda_server.py" 2>&1 | tee "$out/server_test.log" | tail -40
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       ;;
     bench|quickbench)
       quick=(); [[ $phase == quickbench ]] && quick=(--quick)
       step "bench/cuda_bench.py ${quick[*]}"
-      python3 "$root/bench/cuda_bench.py" --bench "$as/bin/attnserve_cuda_bench" "${quick[@]}" \
+      timeout -k 5 "$([[ $phase == quickbench ]] && echo 240 || echo 900)" \
+        python3 "$root/bench/cuda_bench.py" --bench "$as/bin/attnserve_cuda_bench" "${quick[@]}" \
         --json "$out/cuda_bench.json" 2>&1 | tee "$out/cuda_bench.md"
       ;;
     serve)
@@ -200,7 +202,7 @@ for phase in "${phases[@]}"; do
       rc=$?; echo "memcheck (sessions) exit $rc"
       grep -E "ERROR SUMMARY|Invalid|FAILED|Failure" "$out/memcheck_sessions.log" | head -20
       [[ $rc -eq 0 ]] || status=1
-      "$as/bin/attnserve_cuda_bench" --paged --iters 20 2>&1 | tee "$out/cuda_bench_paged.jsonl"
+      timeout -k 5 180 "$as/bin/attnserve_cuda_bench" --paged --iters 20 2>&1 | tee "$out/cuda_bench_paged.jsonl"
       ;;
     sessionserve)
       # Decode through the server's sessions against the same decode sent
