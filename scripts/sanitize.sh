@@ -14,8 +14,9 @@
 #       (dynamic_batcher_test, batching_scheduler_test, session_manager_test,
 #       kv_block_pool_test, model_manager_test, attn_server_test, and the
 #       request memory's pool, host_buffer_test), and the CUDA kernels on
-#       their CPU emulation where the CUDA headers are (the fused kernels'
-#       and the sessions' *_emulated_test).
+#       their CPU emulation where the CUDA headers are (the fused kernels',
+#       the general kernel's, the sessions' and the unfused path's
+#       *_emulated_test).
 #       Default BUILD_DIR: build-tsan.
 #
 # Debian's abseil is not instrumented, so TSan cannot see its Mutex (thousands
@@ -117,7 +118,8 @@ case "$mode" in
     # write and another thread's read is a race here.
     if ninja -C "$build" -t targets all 2>/dev/null | grep -q '^flash_attention_emulated_test:'; then
       tests+=(flash_attention_emulated_test flash_attention_fp32_emulated_test
-              paged_attention_emulated_test)
+              paged_attention_emulated_test unfused_attention_emulated_test
+              attention_general_emulated_test)
     fi
     cmake --build "$build" -j"$jobs" --target "${tests[@]}"
     export LD_LIBRARY_PATH=$build/abseil-tsan/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -143,11 +145,8 @@ case "$mode" in
     # its tests without a gRPC client run here: DispatcherRacesReloadsAndUnloads
     # drives the same swap against the request path without gRPC, which TSan
     # sees whole. The others run in the suite and under asan.
-    # The paged kernels' rule-by-rule test takes minutes under TSan on two
-    # cores; the batch and append tests run the same kernels' barriers.
     declare -A filter=([attn_server_test]='-*Stream*'
-                       [model_manager_test]='*DispatcherRaces*:*RefusesAnUnknownLoadModel*'
-                       [paged_attention_emulated_test]='*Batch*:*Append*')
+                       [model_manager_test]='*DispatcherRaces*:*RefusesAnUnknownLoadModel*')
     for t in "${tests[@]}"; do
       log=$build/$t.tsan.log
       echo "sanitize.sh: $t under TSan ${filter[$t]:+(gtest_filter=${filter[$t]})}"

@@ -33,7 +33,8 @@ __device__ __forceinline__ float Score(const AttentionParams& a, const float* sq
 // into blockIdx.x; one warp per row.
 template <typename T>
 __global__ void AttentionGeneralKernel(AttentionParams a, int rows_per_block, int64_t q_tiles) {
-  extern __shared__ float smem[];
+  ATTNSERVE_DYNAMIC_SHARED(smem_bytes);
+  float* const smem = reinterpret_cast<float*>(smem_bytes);
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
 
@@ -165,9 +166,9 @@ cudaError_t Launch(const AttentionParams& a, cudaStream_t stream) {
   const int64_t q_tiles = (a.q_len + rows_per_block - 1) / rows_per_block;
   const int64_t blocks = q_tiles * a.num_heads * a.batch;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  AttentionGeneralKernel<T>
-      <<<static_cast<unsigned>(blocks), rows_per_block * kWarpSize,
-         static_cast<size_t>(shared_bytes), stream>>>(a, rows_per_block, q_tiles);
+  ATTNSERVE_LAUNCH(AttentionGeneralKernel<T>, static_cast<unsigned>(blocks),
+                   rows_per_block * kWarpSize, static_cast<size_t>(shared_bytes), stream, a,
+                   rows_per_block, q_tiles);
   return cudaGetLastError();
 }
 

@@ -11,11 +11,13 @@
 #include "engine/cuda/attention_kernels.h"
 
 // kernel<<<grid, block, shared, stream>>>(...) (a kernel name with template
-// arguments goes in parentheses); tests/unit/engine/cuda/warp_emulator.h
-// defines it to run the kernel on its CPU emulation instead.
+// arguments goes in parentheses), and a kernel's dynamic shared memory,
+// `name` its first byte; tests/unit/engine/cuda/warp_emulator.h defines both
+// to run the kernel on its CPU emulation instead.
 #if !defined(ATTNSERVE_CUDA_EMULATION)
 #define ATTNSERVE_LAUNCH(kernel, grid, block, shared, stream, ...) \
   kernel<<<grid, block, shared, stream>>>(__VA_ARGS__)
+#define ATTNSERVE_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
 namespace attnserve::cuda {

@@ -26,9 +26,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 // The instructions below run on a GPU; tests/unit/engine/cuda/warp_emulator.h
 // defines them instead where a test runs a kernel on the CPU.
 #if !defined(ATTNSERVE_CUDA_EMULATION)
-// A kernel's dynamic shared memory, `name` its first byte.
-#define ATTNSERVE_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
-
 __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -63,7 +63,8 @@ __device__ __forceinline__ float BlockReduce(float v, float* shared, bool is_max
 template <bool kRowInShared>
 __global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s, float* lo) {
   __shared__ float shared[kThreads / 32];
-  extern __shared__ float row_values[];
+  ATTNSERVE_DYNAMIC_SHARED(row_bytes);
+  float* const row_values = reinterpret_cast<float*>(row_bytes);
   const int64_t row = blockIdx.x;  // within the chunk: n * q_len + i
   const int64_t n = row / a.q_len, i = row % a.q_len;
   const int64_t pair = p0 + n;
@@ -173,8 +174,8 @@ cudaError_t LaunchTf32Split(const float* x, int64_t batch, int64_t heads, int64_
   const int64_t total = batch * heads * len * dim;
   if (total <= 0) return cudaSuccess;
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65535 * 8);
-  Tf32SplitKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      x, heads, len, dim, stride_b, stride_h, stride_row, pattern, out, total);
+  ATTNSERVE_LAUNCH(Tf32SplitKernel, static_cast<unsigned>(blocks), kThreads, 0, stream, x, heads,
+                   len, dim, stride_b, stride_h, stride_row, pattern, out, total);
   return cudaGetLastError();
 }
 
@@ -184,8 +185,8 @@ cudaError_t LaunchPairPointers(const AttentionParams& a, int64_t p0, int64_t cou
                                void** lo_ptrs, void** o_ptrs, cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>((count + kThreads - 1) / kThreads);
-  PairPointersKernel<<<blocks, kThreads, 0, stream>>>(a, p0, count, s, lo, o, q_ptrs, k_ptrs,
-                                                      v_ptrs, s_ptrs, lo_ptrs, o_ptrs);
+  ATTNSERVE_LAUNCH(PairPointersKernel, blocks, kThreads, 0, stream, a, p0, count, s, lo, o, q_ptrs,
+                   k_ptrs, v_ptrs, s_ptrs, lo_ptrs, o_ptrs);
   return cudaGetLastError();
 }
 
@@ -210,10 +211,11 @@ cudaError_t LaunchSoftmaxRows(const AttentionParams& a, int64_t p0, int64_t coun
   }();
   const int64_t row_bytes = a.kv_len * int64_t{sizeof(float)};
   if (row_bytes <= max_shared) {
-    SoftmaxRowsKernel<true><<<static_cast<unsigned>(rows), kThreads, static_cast<size_t>(row_bytes),
-                              stream>>>(a, p0, s, lo);
+    ATTNSERVE_LAUNCH(SoftmaxRowsKernel<true>, static_cast<unsigned>(rows), kThreads,
+                     static_cast<size_t>(row_bytes), stream, a, p0, s, lo);
   } else {
-    SoftmaxRowsKernel<false><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(a, p0, s, lo);
+    ATTNSERVE_LAUNCH(SoftmaxRowsKernel<false>, static_cast<unsigned>(rows), kThreads, 0, stream, a,
+                     p0, s, lo);
   }
   return cudaGetLastError();
 }
@@ -224,8 +226,8 @@ cudaError_t LaunchWeightsFromStats(const AttentionParams& a, int64_t p0, int64_t
   const int64_t rows = count * a.q_len;
   if (rows <= 0 || a.kv_len <= 0) return cudaSuccess;
   if (rows > INT32_MAX) return cudaErrorInvalidConfiguration;
-  WeightsFromStatsKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(a, p0, s, lse,
-                                                                               lse_rows);
+  ATTNSERVE_LAUNCH(WeightsFromStatsKernel, static_cast<unsigned>(rows), kThreads, 0, stream, a, p0,
+                   s, lse, lse_rows);
   return cudaGetLastError();
 }
 
@@ -234,8 +236,8 @@ cudaError_t LaunchScatterOutput(const AttentionParams& a, int64_t p0, int64_t co
   const int64_t total = count * a.q_len * a.head_dim_v;
   if (total <= 0) return cudaSuccess;
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65535 * 8);
-  ScatterOutputKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a, p0, count, o,
-                                                                              split);
+  ATTNSERVE_LAUNCH(ScatterOutputKernel, static_cast<unsigned>(blocks), kThreads, 0, stream, a, p0,
+                   count, o, split);
   return cudaGetLastError();
 }
 

@@ -49,6 +49,21 @@ struct Case {
   }
 };
 
+// A case of that shape in `dtype` (output too), head layout, no mask.
+inline Case MakeCase(DType dtype, int64_t batch, int64_t heads, int64_t kv_heads, int64_t q_len,
+                     int64_t kv_len, int64_t dim, bool causal) {
+  Case c;
+  c.dtype = c.out_dtype = dtype;
+  c.batch = batch;
+  c.heads = heads;
+  c.kv_heads = kv_heads;
+  c.q_len = q_len;
+  c.kv_len = kv_len;
+  c.dim = dim;
+  c.causal = causal;
+  return c;
+}
+
 // A case's inputs on the host: the tensors in their dtype (what a kernel
 // reads) and as floats (the same values), and `params` pointing at them.
 struct Inputs {
@@ -193,6 +208,66 @@ inline std::vector<Case> RuleCases(const std::vector<DType>& dtypes) {
   return cases;
 }
 
+// Row i of head h, batch b: the logits t[j] of the keys it sees (scaled
+// score, softcapped, plus the additive mask), -inf for the keys it does not
+// (key lengths, causal, window, bool mask, -inf additive mask); returns
+// whether it sees any.
+inline bool RowLogits(const Inputs& in, int64_t b, int64_t h, int64_t i, std::vector<double>* t) {
+  const Case& c = in.c;
+  const AttentionParams& a = in.params;
+  const int64_t hk = h / (c.heads / c.kv_heads);
+  const int64_t position = i + c.kv_len - c.q_len;
+  t->assign(c.kv_len, -INFINITY);
+  bool sees = false;
+  for (int64_t j = 0; j < c.kv_len; ++j) {
+    if (j >= in.lengths[b]) continue;
+    if (c.causal && j > position) continue;
+    if (c.window > 0 && j < position - c.window + 1) continue;
+    if (c.mask == Mask::kBoolPerBatch && in.bool_mask[(b * c.q_len + i) * c.kv_len + j] == 0) {
+      continue;
+    }
+    const double extra = c.mask == Mask::kAdditivePerHead ? in.add_mask[h * c.kv_len + j] : 0.0;
+    if (std::isinf(extra)) continue;
+    const float* qi = &in.q[b * a.q_stride_b + h * a.q_stride_h + i * a.q_stride_row];
+    const float* kj = &in.k[b * a.k_stride_b + hk * a.k_stride_h + j * a.k_stride_row];
+    double dot = 0.0;
+    for (int64_t d = 0; d < c.dim; ++d) dot += static_cast<double>(qi[d]) * kj[d];
+    double logit = dot * static_cast<double>(a.scale);  // the scale as the kernel has it
+    if (c.softcap > 0.0f) logit = c.softcap * std::tanh(logit / c.softcap);
+    (*t)[j] = logit + extra;
+    sees = true;
+  }
+  return sees;
+}
+
+// The row's probabilities p[j] (zeros for the keys it does not see, and for
+// a row that sees none); a row that sees a key counts its sink in the max
+// and the sum, and gives it no probability.
+inline void RowProbabilities(const Inputs& in, int64_t b, int64_t h, int64_t i,
+                             std::vector<double>* p) {
+  const bool sees = RowLogits(in, b, h, i, p);
+  const double sink = sees && in.c.sinks ? in.sinks[h] : -INFINITY;
+  double max = sink;
+  for (const double t : *p) max = std::max(max, t);
+  double sum = sees && in.c.sinks ? std::exp(sink - max) : 0.0;
+  for (double& t : *p) {
+    t = std::isinf(t) ? 0.0 : std::exp(t - max);
+    sum += t;
+  }
+  for (double& t : *p) t = sees ? t / sum : 0.0;
+}
+
+// The row's natural-log log-sum-exp over the keys it sees (no sinks): what
+// a fused kernel's softmax statistics hold; -inf for a row that sees none.
+inline double RowLogSumExp(const Inputs& in, int64_t b, int64_t h, int64_t i) {
+  std::vector<double> t;
+  if (!RowLogits(in, b, h, i, &t)) return -INFINITY;
+  const double max = *std::max_element(t.begin(), t.end());
+  double sum = 0.0;
+  for (const double x : t) sum += std::isinf(x) ? 0.0 : std::exp(x - max);
+  return max + std::log(sum);
+}
+
 // Checks `out` (in.params' output layout and dtype) against float64
 // attention over the same inputs: fp32 within 1e-5 absolute; fp16/bf16
 // inputs within their kernels' rounding of P (and an output dtype's
@@ -208,53 +283,18 @@ inline int64_t CompareWithFloat64(const Inputs& in, const void* out) {
   if (out_dtype == DType::kBFloat16) rtol = std::max(rtol, 8e-3);
   const int64_t group = c.heads / c.kv_heads;
   int64_t bad = 0;
-  std::vector<double> p(c.kv_len);
+  std::vector<double> p;
   for (int64_t b = 0; b < c.batch; ++b) {
     for (int64_t h = 0; h < c.heads; ++h) {
       const int64_t hk = h / group;
       for (int64_t i = 0; i < c.q_len; ++i) {
-        const int64_t position = i + c.kv_len - c.q_len;
-        double max = -INFINITY;
-        bool sees = false;
-        for (int64_t j = 0; j < c.kv_len; ++j) {
-          p[j] = -INFINITY;
-          if (j >= in.lengths[b]) continue;
-          if (c.causal && j > position) continue;
-          if (c.window > 0 && j < position - c.window + 1) continue;
-          if (c.mask == Mask::kBoolPerBatch &&
-              in.bool_mask[(b * c.q_len + i) * c.kv_len + j] == 0) {
-            continue;
-          }
-          const double extra =
-              c.mask == Mask::kAdditivePerHead ? in.add_mask[h * c.kv_len + j] : 0.0;
-          if (std::isinf(extra)) continue;
-          const float* qi = &in.q[b * a.q_stride_b + h * a.q_stride_h + i * a.q_stride_row];
-          const float* kj = &in.k[b * a.k_stride_b + hk * a.k_stride_h + j * a.k_stride_row];
-          double dot = 0.0;
-          for (int64_t d = 0; d < c.dim; ++d) dot += static_cast<double>(qi[d]) * kj[d];
-          double t = dot * static_cast<double>(a.scale);  // the scale as the kernel has it
-          if (c.softcap > 0.0f) t = c.softcap * std::tanh(t / c.softcap);
-          p[j] = t + extra;
-          max = std::max(max, p[j]);
-          sees = true;
-        }
-        // A row that sees a key counts its sink in the max and the sum.
-        const double sink = sees && c.sinks ? in.sinks[h] : -INFINITY;
-        max = std::max(max, sink);
-        double sum = sees && c.sinks ? std::exp(sink - max) : 0.0;
-        for (int64_t j = 0; j < c.kv_len; ++j) {
-          p[j] = std::isinf(p[j]) ? 0.0 : std::exp(p[j] - max);
-          sum += p[j];
-        }
+        RowProbabilities(in, b, h, i, &p);
         for (int64_t d = 0; d < c.dim; ++d) {
           double want = 0.0;
-          if (sees) {
-            for (int64_t j = 0; j < c.kv_len; ++j) {
-              if (p[j] != 0.0) {
-                want += p[j] * in.v[b * a.v_stride_b + hk * a.v_stride_h + j * a.v_stride_row + d];
-              }
+          for (int64_t j = 0; j < c.kv_len; ++j) {
+            if (p[j] != 0.0) {
+              want += p[j] * in.v[b * a.v_stride_b + hk * a.v_stride_h + j * a.v_stride_row + d];
             }
-            want /= sum;
           }
           const int64_t at = b * a.o_stride_b + h * a.o_stride_h + i * a.o_stride_row + d;
           const double got = LoadAsFloat(out_dtype, out, at);
@@ -262,6 +302,35 @@ inline int64_t CompareWithFloat64(const Inputs& in, const void* out) {
             if (bad < 5) {
               ADD_FAILURE() << "b " << b << " h " << h << " i " << i << " d " << d << ": got "
                             << got << ", float64 " << want;
+            }
+            ++bad;
+          }
+        }
+      }
+    }
+  }
+  return bad;
+}
+
+// Checks per-head attention weights ([B, Hq, Lq, Lk] contiguous, in
+// `dtype`) against the float64 probabilities within atol + rtol * |p|.
+// Reports up to five that are off; returns how many are.
+inline int64_t CompareWeightsWithFloat64(const Inputs& in, const void* weights, DType dtype,
+                                         double atol, double rtol) {
+  const Case& c = in.c;
+  int64_t bad = 0;
+  std::vector<double> p;
+  for (int64_t b = 0; b < c.batch; ++b) {
+    for (int64_t h = 0; h < c.heads; ++h) {
+      for (int64_t i = 0; i < c.q_len; ++i) {
+        RowProbabilities(in, b, h, i, &p);
+        for (int64_t j = 0; j < c.kv_len; ++j) {
+          const double got =
+              LoadAsFloat(dtype, weights, ((b * c.heads + h) * c.q_len + i) * c.kv_len + j);
+          if (!(std::abs(got - p[j]) <= atol + rtol * p[j])) {  // NaN fails too
+            if (bad < 5) {
+              ADD_FAILURE() << "weight b " << b << " h " << h << " i " << i << " j " << j
+                            << ": got " << got << ", float64 " << p[j];
             }
             ++bad;
           }

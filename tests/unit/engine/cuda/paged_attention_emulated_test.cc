@@ -82,16 +82,7 @@ Session MakeSession(const Case& c, int64_t block_tokens, std::mt19937& rng) {
 // A decode-shaped session case: batch 1, causal, head layout.
 Case SessionCase(DType dtype, int64_t heads, int64_t kv_heads, int64_t q_len, int64_t kv_len,
                  int64_t dim) {
-  Case c;
-  c.dtype = c.out_dtype = dtype;
-  c.batch = 1;
-  c.heads = heads;
-  c.kv_heads = kv_heads;
-  c.q_len = q_len;
-  c.kv_len = kv_len;
-  c.dim = dim;
-  c.causal = true;
-  return c;
+  return oracle::MakeCase(dtype, 1, heads, kv_heads, q_len, kv_len, dim, /*causal=*/true);
 }
 
 TEST(PagedDecodeEmulated, MatchesFloat64ForEverySessionRule) {

@@ -1,12 +1,16 @@
 // Runs a CUDA kernel of this project on the CPU, one block at a time, one
 // std::thread per CUDA thread: enough of the CUDA execution model for the
-// fused kernels (flash_attention.cu, flash_attention_fp32.cu) and the
-// sessions' kernels (paged_attention.cu) to run unchanged, launchers
-// included, in a test on a machine without a GPU. Include it first, then
-// the .cu under test; one such test per executable. Test-only; written here.
+// fused kernels (flash_attention.cu, flash_attention_fp32.cu), the
+// sessions' kernels (paged_attention.cu), the unfused path's
+// (softmax_rows.cu) and the general kernel (attention_general.cu) to run
+// unchanged, launchers included, in a test on a machine without a GPU.
+// Include it first, then the .cu under test; one such test per executable.
+// Test-only; written here.
 //
 // What it models: threadIdx/blockIdx/blockDim/gridDim (1-D), launches
-// (ATTNSERVE_LAUNCH), __syncthreads (a barrier of the block's threads),
+// (ATTNSERVE_LAUNCH), a kernel's attributes (cudaFuncSetAttribute accepts
+// any), cvt.rna.tf32 (Tf32High), __syncwarp (a barrier of the warp's
+// lanes), __syncthreads (a barrier of the block's threads),
 // __shfl_xor_sync and __shfl_sync (a barrier of the warp's lanes around an
 // exchange), static and dynamic shared memory, and the warp-wide
 // instructions the kernels issue through flash_tile.cuh and their Mma:
@@ -106,25 +110,36 @@ inline int Lane() { return static_cast<int>(thread_idx.x) % kWarpSize; }
 inline Warp& MyWarp() { return *block->warps[thread_idx.x / kWarpSize]; }
 
 // Runs kernel() for every block of `blocks` (blockIdx.x) with `threads`
-// threads each and `shared_bytes` of dynamic shared memory.
+// threads each and `shared_bytes` of dynamic shared memory. The blocks run
+// one after another on one pool of `threads` std::threads (made once per
+// launch, not per block); between two blocks every thread has finished the
+// first, and the dynamic shared memory is refilled with 0xff bytes (NaN as
+// floats), as a new block finds it uninitialised on a GPU.
 inline void Launch(int64_t blocks, int threads, size_t shared_bytes,
                    const std::function<void()>& kernel) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    Block blk(threads, shared_bytes);
-    std::vector<std::thread> pool;
-    pool.reserve(static_cast<size_t>(threads));
-    for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([&, t] {
-        thread_idx.x = static_cast<unsigned>(t);
+  if (blocks <= 0) return;
+  Block blk(threads, shared_bytes);
+  const auto poison = [&blk]() noexcept {
+    if (!blk.shared.empty()) std::memset(blk.shared.data(), 0xff, blk.shared.size());
+  };
+  poison();
+  std::barrier<decltype(poison)> block_done(threads, poison);
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(threads));
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      thread_idx.x = static_cast<unsigned>(t);
+      block_dim.x = static_cast<unsigned>(threads);
+      grid_dim.x = static_cast<unsigned>(blocks);
+      block = &blk;
+      for (int64_t b = 0; b < blocks; ++b) {
         block_idx.x = static_cast<unsigned>(b);
-        block_dim.x = static_cast<unsigned>(threads);
-        grid_dim.x = static_cast<unsigned>(blocks);
-        block = &blk;
         kernel();
-      });
-    }
-    for (std::thread& th : pool) th.join();
+        block_done.arrive_and_wait();
+      }
+    });
   }
+  for (std::thread& th : pool) th.join();
 }
 
 inline float Tf32Input(uint32_t bits) { return std::bit_cast<float>(bits & 0xffffe000u); }
@@ -219,6 +234,9 @@ inline void MmaM16N8K8Tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, u
 extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 
 inline void __syncthreads() { ::attnserve::emu::block->sync.arrive_and_wait(); }
+inline void __syncwarp(unsigned /*mask*/ = 0xffffffffu) {
+  ::attnserve::emu::MyWarp().sync.arrive_and_wait();
+}
 
 inline float __shfl_xor_sync(unsigned /*mask*/, float value, int lane_mask) {
   using namespace ::attnserve::emu;
@@ -307,6 +325,27 @@ inline void MmaTf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t
 }
 
 }  // namespace
+
+// device_utils.cuh's Tf32High: cvt.rna.tf32.f32 (10 explicit mantissa bits,
+// nearest, ties away from zero: add half of the dropped 13 bits' unit to
+// the magnitude, then drop them), a finite x that would round to infinity
+// truncated instead.
+inline float Tf32High(float x) {
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  if (std::isnan(x)) return x;
+  const float hi = std::bit_cast<float>((bits + 0x1000u) & 0xffffe000u);
+  if (std::isinf(hi) && !std::isinf(x)) return std::bit_cast<float>(bits & 0xffffe000u);
+  return hi;
+}
+
 }  // namespace attnserve::cuda
+
+// cuda_runtime.h's template overload, for a kernel's attributes (the
+// emulation has no limits to raise).
+template <typename Kernel>
+inline cudaError_t cudaFuncSetAttribute(Kernel* /*kernel*/, cudaFuncAttribute /*attr*/,
+                                        int /*value*/) {
+  return cudaSuccess;
+}
 
 #endif  // ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_WARP_EMULATOR_H_
