@@ -14,9 +14,10 @@
 #       (dynamic_batcher_test, batching_scheduler_test, session_manager_test,
 #       kv_block_pool_test, model_manager_test, attn_server_test, and the
 #       request memory's pool, host_buffer_test), and the CUDA kernels on
-#       their CPU emulation where the CUDA headers are (the fused kernels',
-#       the general kernel's, the sessions' and the unfused path's
-#       *_emulated_test).
+#       their CPU emulation where the CUDA headers are (every
+#       *_emulated_test: the fused kernels, the general kernel, the
+#       sessions' kernels, the unfused path, QK-norm and RoPE, the
+#       element-wise kernels).
 #       Default BUILD_DIR: build-tsan.
 #
 # Debian's abseil is not instrumented, so TSan cannot see its Mutex (thousands
@@ -119,7 +120,8 @@ case "$mode" in
     if ninja -C "$build" -t targets all 2>/dev/null | grep -q '^flash_attention_emulated_test:'; then
       tests+=(flash_attention_emulated_test flash_attention_fp32_emulated_test
               paged_attention_emulated_test unfused_attention_emulated_test
-              attention_general_emulated_test)
+              attention_general_emulated_test qk_transform_emulated_test
+              elementwise_emulated_test)
     fi
     cmake --build "$build" -j"$jobs" --target "${tests[@]}"
     export LD_LIBRARY_PATH=$build/abseil-tsan/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}

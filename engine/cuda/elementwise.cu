@@ -78,30 +78,31 @@ cudaError_t LaunchExpandMask(const MaskParams& mask, int64_t batch, int64_t head
                              DType out_type, cudaStream_t stream) {
   const int64_t n = batch * heads * q_pad * kv_pad;
   if (n <= 0) return cudaSuccess;
-  ExpandMaskKernel<<<GridFor(n), kThreads, 0, stream>>>(mask, heads, q_len, kv_len, q_pad, kv_pad,
-                                                        n, out, out_type);
+  ATTNSERVE_LAUNCH(ExpandMaskKernel, GridFor(n), kThreads, 0, stream, mask, heads, q_len, kv_len,
+                   q_pad, kv_pad, n, out, out_type);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchConvert(const void* src, DType src_type, void* dst, DType dst_type,
                           int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  ConvertKernel<<<GridFor(n), kThreads, 0, stream>>>(src, src_type, dst, dst_type, n);
+  ATTNSERVE_LAUNCH(ConvertKernel, GridFor(n), kThreads, 0, stream, src, src_type, dst, dst_type, n);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchAddBias(void* y, const void* bias, DType type, int64_t rows, int64_t cols,
                           cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
-  AddBiasKernel<<<GridFor(rows * cols), kThreads, 0, stream>>>(y, bias, type, rows, cols);
+  ATTNSERVE_LAUNCH(AddBiasKernel, GridFor(rows * cols), kThreads, 0, stream, y, bias, type, rows,
+                   cols);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchAverageHeads(const float* probs, int64_t batch, int64_t heads, int64_t per_head,
                                void* out, DType out_type, cudaStream_t stream) {
   if (batch <= 0 || per_head <= 0) return cudaSuccess;
-  AverageHeadsKernel<<<GridFor(batch * per_head), kThreads, 0, stream>>>(probs, batch, heads,
-                                                                         per_head, out, out_type);
+  ATTNSERVE_LAUNCH(AverageHeadsKernel, GridFor(batch * per_head), kThreads, 0, stream, probs, batch,
+                   heads, per_head, out, out_type);
   return cudaGetLastError();
 }
 

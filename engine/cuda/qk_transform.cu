@@ -72,8 +72,8 @@ cudaError_t LaunchQkNorm(void* x, DType type, int64_t rows, int64_t row_stride, 
   if (vectors <= 0) return cudaSuccess;
   const int64_t blocks = (vectors + kNormWarps - 1) / kNormWarps;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  QkNormKernel<<<static_cast<unsigned>(blocks), kNormWarps * kWarpSize, 0, stream>>>(
-      x, type, rows, row_stride, heads, head_dim, w, eps, weight_offset);
+  ATTNSERVE_LAUNCH(QkNormKernel, static_cast<unsigned>(blocks), kNormWarps * kWarpSize, 0, stream,
+                   x, type, rows, row_stride, heads, head_dim, w, eps, weight_offset);
   return cudaGetLastError();
 }
 
@@ -82,8 +82,8 @@ cudaError_t LaunchRotary(void* x, DType type, int64_t rows, int64_t seq_len, int
                          cudaStream_t stream) {
   if (rows <= 0 || rotary.rotary_dim <= 0) return cudaSuccess;
   if (rows > INT32_MAX || seq_len <= 0) return cudaErrorInvalidConfiguration;
-  RotaryKernel<<<static_cast<unsigned>(rows), kRotaryThreads, 0, stream>>>(
-      x, type, seq_len, row_stride, heads, head_dim, rotary);
+  ATTNSERVE_LAUNCH(RotaryKernel, static_cast<unsigned>(rows), kRotaryThreads, 0, stream, x, type,
+                   seq_len, row_stride, heads, head_dim, rotary);
   return cudaGetLastError();
 }
 

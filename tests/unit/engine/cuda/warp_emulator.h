@@ -2,18 +2,19 @@
 // std::thread per CUDA thread: enough of the CUDA execution model for the
 // fused kernels (flash_attention.cu, flash_attention_fp32.cu), the
 // sessions' kernels (paged_attention.cu), the unfused path's
-// (softmax_rows.cu) and the general kernel (attention_general.cu) to run
-// unchanged, launchers included, in a test on a machine without a GPU.
-// Include it first, then the .cu under test; one such test per executable.
-// Test-only; written here.
+// (softmax_rows.cu), the general kernel (attention_general.cu) and QK-norm
+// and RoPE (qk_transform.cu) to run unchanged, launchers included, in a
+// test on a machine without a GPU. Include it first, then the .cu under
+// test; one such test per executable. Test-only; written here.
 //
 // What it models: threadIdx/blockIdx/blockDim/gridDim (1-D), launches
 // (ATTNSERVE_LAUNCH), a kernel's attributes (cudaFuncSetAttribute accepts
-// any), cvt.rna.tf32 (Tf32High), __syncwarp (a barrier of the warp's
-// lanes), __syncthreads (a barrier of the block's threads),
-// __shfl_xor_sync and __shfl_sync (a barrier of the warp's lanes around an
-// exchange), static and dynamic shared memory, and the warp-wide
-// instructions the kernels issue through flash_tile.cuh and their Mma:
+// any), cvt.rna.tf32 (Tf32High), __fmul_rn/__fadd_rn/__fsub_rn (rounded as
+// written), __syncwarp (a barrier of the warp's lanes), __syncthreads (a
+// barrier of the block's threads), __shfl_xor_sync (float and double) and
+// __shfl_sync (a barrier of the warp's lanes around an exchange), static
+// and dynamic shared memory, and the warp-wide instructions the kernels
+// issue through flash_tile.cuh and their Mma:
 //   - ldmatrix .x4 (.b16): lane l receives in r[m] the 32 bits at byte
 //     4 (l % 4) of the row whose address lane 8m + l / 4 gave; .trans the
 //     transposed 8x8 matrix's;
@@ -249,6 +250,18 @@ inline float __shfl_xor_sync(unsigned /*mask*/, float value, int lane_mask) {
   return other;
 }
 
+inline double __shfl_xor_sync(unsigned /*mask*/, double value, int lane_mask) {
+  using namespace ::attnserve::emu;
+  Warp& w = MyWarp();
+  const int lane = Lane();
+  std::memcpy(w.words[lane], &value, sizeof(value));
+  w.sync.arrive_and_wait();
+  double other;
+  std::memcpy(&other, w.words[lane ^ lane_mask], sizeof(other));
+  w.sync.arrive_and_wait();
+  return other;
+}
+
 inline float __shfl_sync(unsigned /*mask*/, float value, int src_lane) {
   using namespace ::attnserve::emu;
   Warp& w = MyWarp();
@@ -260,6 +273,21 @@ inline float __shfl_sync(unsigned /*mask*/, float value, int src_lane) {
   return other;
 }
 
+// Float arithmetic rounded as written (what the kernels ask for where a
+// fused multiply-add would change the bits): volatile keeps the compiler
+// from contracting them.
+inline float __fmul_rn(float a, float b) {
+  volatile float r = a * b;
+  return r;
+}
+inline float __fadd_rn(float a, float b) {
+  volatile float r = a + b;
+  return r;
+}
+inline float __fsub_rn(float a, float b) {
+  volatile float r = a - b;
+  return r;
+}
 inline uint32_t __float_as_uint(float x) { return std::bit_cast<uint32_t>(x); }
 inline float __uint_as_float(uint32_t x) { return std::bit_cast<float>(x); }
 // CUDA's device min/max overloads for 64-bit integers.
