@@ -202,7 +202,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   flash::StoreRows<T, D>(a, rows, o, inv_l, b, h, t);
 }
 
-#if !defined(ATTNSERVE_CUDA_EMULATION)
 template <typename T, int D, bool kCausal>
 cudaError_t Launch(const AttentionParams& a, cudaStream_t stream) {
   constexpr int kShared = SharedBytes<T, D>();
@@ -214,11 +213,10 @@ cudaError_t Launch(const AttentionParams& a, cudaStream_t stream) {
   const int64_t q_tiles = (a.q_len + kBlockM - 1) / kBlockM;
   const int64_t blocks = q_tiles * a.num_heads * a.batch;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  FlashAttentionKernel<T, D, kCausal>
-      <<<static_cast<unsigned>(blocks), kThreads, kShared, stream>>>(a, q_tiles);
+  ATTNSERVE_LAUNCH((FlashAttentionKernel<T, D, kCausal>), static_cast<unsigned>(blocks), kThreads,
+                   kShared, stream, a, q_tiles);
   return cudaGetLastError();
 }
-#endif
 
 }  // namespace
 
@@ -229,7 +227,6 @@ bool FlashAttentionSupports(const AttentionParams& a) {
   return flash::RowsAligned16(a);
 }
 
-#if !defined(ATTNSERVE_CUDA_EMULATION)
 // The variants: {fp16, bf16} x {64, 128} x {causal, not}.
 cudaError_t LaunchFlashAttention(const AttentionParams& args, cudaStream_t stream) {
   if (!FlashAttentionSupports(args)) return cudaErrorInvalidValue;
@@ -240,7 +237,5 @@ cudaError_t LaunchFlashAttention(const AttentionParams& args, cudaStream_t strea
     });
   });
 }
-
-#endif  // !ATTNSERVE_CUDA_EMULATION
 
 }  // namespace attnserve::cuda

@@ -196,7 +196,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   flash::StoreRows<float, D>(a, rows, o, inv_l, b, h, t);
 }
 
-#if !defined(ATTNSERVE_CUDA_EMULATION)
 template <int D, bool kCausal>
 cudaError_t Launch(const AttentionParams& a, cudaStream_t stream) {
   constexpr int kShared = SharedBytes<D>();
@@ -209,11 +208,10 @@ cudaError_t Launch(const AttentionParams& a, cudaStream_t stream) {
   const int64_t q_tiles = (a.q_len + kBlockM - 1) / kBlockM;
   const int64_t blocks = q_tiles * a.num_heads * a.batch;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  FlashAttentionFp32Kernel<D, kCausal>
-      <<<static_cast<unsigned>(blocks), kThreads, kShared, stream>>>(a, q_tiles);
+  ATTNSERVE_LAUNCH((FlashAttentionFp32Kernel<D, kCausal>), static_cast<unsigned>(blocks), kThreads,
+                   kShared, stream, a, q_tiles);
   return cudaGetLastError();
 }
-#endif
 
 }  // namespace
 
@@ -231,7 +229,6 @@ bool FlashAttentionFp32Supports(const AttentionParams& a, int max_shared_bytes) 
   return flash::RowsAligned16(a);
 }
 
-#if !defined(ATTNSERVE_CUDA_EMULATION)
 // The variants: {64, 128} x {causal, not}.
 cudaError_t LaunchFlashAttentionFp32(const AttentionParams& args, int max_shared_bytes,
                                      cudaStream_t stream) {
@@ -241,7 +238,5 @@ cudaError_t LaunchFlashAttentionFp32(const AttentionParams& args, int max_shared
                                  [&] { return Launch<kHeadDim, kCausal>(args, stream); });
   });
 }
-
-#endif  // !ATTNSERVE_CUDA_EMULATION
 
 }  // namespace attnserve::cuda

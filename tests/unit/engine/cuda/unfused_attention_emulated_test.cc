@@ -9,7 +9,6 @@
 // (EnqueueWeights). cuda_engine_test runs the same path on a GPU, against
 // the real cuBLAS.
 #include "tests/unit/engine/cuda/warp_emulator.h"  // first: it stands in for the device
-#include "tests/unit/engine/cuda/cublas_emulator.h"
 
 #include <cmath>
 #include <cstdint>
@@ -22,6 +21,8 @@
 #include "engine/cuda/unfused_attention.cc"  // NOLINT(build/include): the path's host code
 #include "gtest/gtest.h"
 #include "tests/unit/engine/cuda/attention_oracle.h"
+#include "tests/unit/engine/cuda/cublas_emulator.h"
+#include "tests/unit/engine/cuda/cuda_runtime_emulator.h"
 
 namespace attnserve::cuda {
 namespace {

@@ -5,7 +5,9 @@
 // (softmax_rows.cu), the general kernel (attention_general.cu) and QK-norm
 // and RoPE (qk_transform.cu) to run unchanged, launchers included, in a
 // test on a machine without a GPU. Include it first, then the .cu under
-// test; one such test per executable. Test-only; written here.
+// test; the CUDA runtime calls the launchers make are host stand-ins
+// (cuda_runtime_emulator.cc, linked with every emulated test). Test-only;
+// written here.
 //
 // What it models: threadIdx/blockIdx/blockDim/gridDim (1-D), launches
 // (ATTNSERVE_LAUNCH), a kernel's attributes (cudaFuncSetAttribute accepts
@@ -229,10 +231,6 @@ inline void MmaM16N8K8Tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, u
 // kernel<<<grid, block, shared, stream>>>(...) (engine/cuda/device_utils.cuh)
 #define ATTNSERVE_LAUNCH(kernel, grid, block, shared, stream, ...) \
   ::attnserve::emu::Launch(grid, block, shared, [&] { kernel(__VA_ARGS__); })
-
-// The one runtime call the launchers make after a launch. Defined here, not
-// inline: one emulated test per executable, none linking the CUDA runtime.
-extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 
 inline void __syncthreads() { ::attnserve::emu::block->sync.arrive_and_wait(); }
 inline void __syncwarp(unsigned /*mask*/ = 0xffffffffu) {
