@@ -131,8 +131,10 @@ cublasStatus_t cublasGemmBatchedEx(cublasHandle_t /*handle*/, cublasOperation_t 
       for (int row = 0; row < m; ++row) {
         float acc = 0.0f;
         for (int x = 0; x < k; ++x) {
-          const int64_t ai = transa == CUBLAS_OP_N ? row + int64_t{x} * lda : x + int64_t{row} * lda;
-          const int64_t bi = transb == CUBLAS_OP_N ? x + int64_t{col} * ldb : col + int64_t{x} * ldb;
+          const int64_t ai =
+              transa == CUBLAS_OP_N ? row + int64_t{x} * lda : x + int64_t{row} * lda;
+          const int64_t bi =
+              transb == CUBLAS_OP_N ? x + int64_t{col} * ldb : col + int64_t{x} * ldb;
           acc = std::fma(GemmInput(a_array[batch], a_type, ai, tf32),
                          GemmInput(b_array[batch], b_type, bi, tf32), acc);
         }

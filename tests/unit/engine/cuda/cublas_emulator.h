@@ -5,9 +5,10 @@
 // Test-only; written here.
 //
 // Device memory is host memory and streams run nothing: every call completes
-// when it returns. cublasGemmBatchedEx (and cublasGemmEx, one batch) computes C_i = alpha op(A_i) op(B_i) +
-// beta C_i over column-major matrices as cuBLAS defines it, after checking
-// its arguments as cuBLAS documents for cublasGemmEx (negative sizes, leading
+// when it returns. cublasGemmBatchedEx (and cublasGemmEx, one batch)
+// computes C_i = alpha op(A_i) op(B_i) + beta C_i over column-major
+// matrices as cuBLAS defines it, after checking its arguments as cuBLAS
+// documents for cublasGemmEx (negative sizes, leading
 // dimensions smaller than the matrices they hold: CUBLAS_STATUS_INVALID_VALUE;
 // a type combination cuBLAS does not offer for the compute type:
 // CUBLAS_STATUS_NOT_SUPPORTED), so a call the real library would refuse

@@ -143,7 +143,9 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t /*s
 cudaError_t cudaMemset2DAsync(void* ptr, size_t pitch, int value, size_t width, size_t height,
                               cudaStream_t /*stream*/) {
   if (width > pitch) return cudaErrorInvalidPitchValue;
-  for (size_t r = 0; r < height; ++r) std::memset(static_cast<char*>(ptr) + r * pitch, value, width);
+  for (size_t r = 0; r < height; ++r) {
+    std::memset(static_cast<char*>(ptr) + r * pitch, value, width);
+  }
   return cudaSuccess;
 }
 
