@@ -11,7 +11,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <mutex>
+
+#include "tests/unit/engine/cuda/cuda_runtime_emulator.h"
 
 // The library's handles: what they were given.
 struct cublasContext {
@@ -102,31 +105,23 @@ const char* cublasGetStatusName(cublasStatus_t status) {
 }
 const char* cublasGetStatusString(cublasStatus_t status) { return cublasGetStatusName(status); }
 
-cublasStatus_t cublasGemmBatchedEx(cublasHandle_t /*handle*/, cublasOperation_t transa,
-                                   cublasOperation_t transb, int m, int n, int k,
-                                   const void* alpha, const void* const a_array[],
-                                   cudaDataType a_type, int lda, const void* const b_array[],
-                                   cudaDataType b_type, int ldb, const void* beta,
-                                   void* const c_array[], cudaDataType c_type, int ldc,
-                                   int batch_count, cublasComputeType_t compute,
-                                   cublasGemmAlgo_t /*algo*/) {
-  using attnserve::emu::GemmInput;
-  const auto op_ok = [](cublasOperation_t op) { return op == CUBLAS_OP_N || op == CUBLAS_OP_T; };
-  if (m < 0 || n < 0 || k < 0 || batch_count < 0 || !op_ok(transa) || !op_ok(transb) ||
-      lda < std::max(1, transa == CUBLAS_OP_N ? m : k) ||
-      ldb < std::max(1, transb == CUBLAS_OP_N ? k : n) || ldc < std::max(1, m)) {
-    return CUBLAS_STATUS_INVALID_VALUE;
-  }
-  if (!attnserve::emu::GemmTypesSupported(a_type, b_type, c_type, compute)) {
-    return CUBLAS_STATUS_NOT_SUPPORTED;
-  }
-  {
-    const std::lock_guard<std::mutex> lock(attnserve::emu::log_mutex);
-    attnserve::emu::GemmLog().push_back({m, n, k, batch_count, compute});
-  }
-  const bool tf32 = compute == CUBLAS_COMPUTE_32F_FAST_TF32;
-  const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
+}  // extern "C"
+
+namespace attnserve::emu {
+namespace {
+
+// C = alpha op(A) op(B) + beta C for each of `batch_count` matrices, the
+// matrices' addresses read when it runs (a batched call's arrays are device
+// memory that earlier work on the stream may write).
+void RunGemm(cublasOperation_t transa, cublasOperation_t transb, int m, int n, int k, float al,
+             const std::function<const void*(int)>& a_at, cudaDataType a_type, int lda,
+             const std::function<const void*(int)>& b_at, cudaDataType b_type, int ldb, float be,
+             const std::function<void*(int)>& c_at, cudaDataType c_type, int ldc,
+             int batch_count, bool tf32) {
   for (int batch = 0; batch < batch_count; ++batch) {
+    const void* a = a_at(batch);
+    const void* b = b_at(batch);
+    void* c = c_at(batch);
     for (int col = 0; col < n; ++col) {
       for (int row = 0; row < m; ++row) {
         float acc = 0.0f;
@@ -135,27 +130,71 @@ cublasStatus_t cublasGemmBatchedEx(cublasHandle_t /*handle*/, cublasOperation_t 
               transa == CUBLAS_OP_N ? row + int64_t{x} * lda : x + int64_t{row} * lda;
           const int64_t bi =
               transb == CUBLAS_OP_N ? x + int64_t{col} * ldb : col + int64_t{x} * ldb;
-          acc = std::fma(GemmInput(a_array[batch], a_type, ai, tf32),
-                         GemmInput(b_array[batch], b_type, bi, tf32), acc);
+          acc = std::fma(GemmInput(a, a_type, ai, tf32), GemmInput(b, b_type, bi, tf32), acc);
         }
         const int64_t ci = row + int64_t{col} * ldc;
         // beta == 0: C is not read (it may hold anything, NaN included).
-        const float prior = be == 0.0f ? 0.0f : GemmInput(c_array[batch], c_type, ci, false);
+        const float prior = be == 0.0f ? 0.0f : GemmInput(c, c_type, ci, false);
         const float value = al * acc + be * prior;
         switch (c_type) {
           case CUDA_R_32F:
-            static_cast<float*>(c_array[batch])[ci] = value;
+            static_cast<float*>(c)[ci] = value;
             break;
           case CUDA_R_16F:
-            static_cast<__half*>(c_array[batch])[ci] = __float2half_rn(value);
+            static_cast<__half*>(c)[ci] = __float2half_rn(value);
             break;
           default:
-            static_cast<__nv_bfloat16*>(c_array[batch])[ci] = __float2bfloat16_rn(value);
+            static_cast<__nv_bfloat16*>(c)[ci] = __float2bfloat16_rn(value);
             break;
         }
       }
     }
   }
+}
+
+// The arguments cuBLAS checks before it enqueues anything; the call logged.
+cublasStatus_t CheckGemm(cublasOperation_t transa, cublasOperation_t transb, int m, int n, int k,
+                         cudaDataType a_type, int lda, cudaDataType b_type, int ldb,
+                         cudaDataType c_type, int ldc, int batch_count,
+                         cublasComputeType_t compute) {
+  const auto op_ok = [](cublasOperation_t op) { return op == CUBLAS_OP_N || op == CUBLAS_OP_T; };
+  if (m < 0 || n < 0 || k < 0 || batch_count < 0 || !op_ok(transa) || !op_ok(transb) ||
+      lda < std::max(1, transa == CUBLAS_OP_N ? m : k) ||
+      ldb < std::max(1, transb == CUBLAS_OP_N ? k : n) || ldc < std::max(1, m)) {
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  if (!GemmTypesSupported(a_type, b_type, c_type, compute)) return CUBLAS_STATUS_NOT_SUPPORTED;
+  const std::lock_guard<std::mutex> lock(log_mutex);
+  GemmLog().push_back({m, n, k, batch_count, compute});
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+}  // namespace
+}  // namespace attnserve::emu
+
+extern "C" {
+
+// The GEMMs run on the handle's stream (cuda_runtime_emulator.h); alpha and
+// beta are host values, read when called.
+cublasStatus_t cublasGemmBatchedEx(cublasHandle_t handle, cublasOperation_t transa,
+                                   cublasOperation_t transb, int m, int n, int k,
+                                   const void* alpha, const void* const a_array[],
+                                   cudaDataType a_type, int lda, const void* const b_array[],
+                                   cudaDataType b_type, int ldb, const void* beta,
+                                   void* const c_array[], cudaDataType c_type, int ldc,
+                                   int batch_count, cublasComputeType_t compute,
+                                   cublasGemmAlgo_t /*algo*/) {
+  const cublasStatus_t status = attnserve::emu::CheckGemm(
+      transa, transb, m, n, k, a_type, lda, b_type, ldb, c_type, ldc, batch_count, compute);
+  if (status != CUBLAS_STATUS_SUCCESS) return status;
+  const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
+  const bool tf32 = compute == CUBLAS_COMPUTE_32F_FAST_TF32;
+  attnserve::emu::Enqueue(handle->stream, [=] {
+    attnserve::emu::RunGemm(
+        transa, transb, m, n, k, al, [a_array](int i) { return a_array[i]; }, a_type, lda,
+        [b_array](int i) { return b_array[i]; }, b_type, ldb, be,
+        [c_array](int i) { return c_array[i]; }, c_type, ldc, batch_count, tf32);
+  });
   return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -164,12 +203,18 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
                             const void* a, cudaDataType a_type, int lda, const void* b,
                             cudaDataType b_type, int ldb, const void* beta, void* c,
                             cudaDataType c_type, int ldc, cublasComputeType_t compute,
-                            cublasGemmAlgo_t algo) {
-  const void* const a_array[] = {a};
-  const void* const b_array[] = {b};
-  void* const c_array[] = {c};
-  return cublasGemmBatchedEx(handle, transa, transb, m, n, k, alpha, a_array, a_type, lda,
-                             b_array, b_type, ldb, beta, c_array, c_type, ldc, 1, compute, algo);
+                            cublasGemmAlgo_t /*algo*/) {
+  const cublasStatus_t status = attnserve::emu::CheckGemm(transa, transb, m, n, k, a_type, lda,
+                                                          b_type, ldb, c_type, ldc, 1, compute);
+  if (status != CUBLAS_STATUS_SUCCESS) return status;
+  const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
+  const bool tf32 = compute == CUBLAS_COMPUTE_32F_FAST_TF32;
+  attnserve::emu::Enqueue(handle->stream, [=] {
+    attnserve::emu::RunGemm(
+        transa, transb, m, n, k, al, [a](int) { return a; }, a_type, lda, [b](int) { return b; },
+        b_type, ldb, be, [c](int) { return c; }, c_type, ldc, 1, tf32);
+  });
+  return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t /*handle*/, void* /*workspace*/,
                                      size_t /*bytes*/) {

@@ -4,8 +4,9 @@
 // warp_emulator.h: the unfused path's test, and the emulated CUDA module.
 // Test-only; written here.
 //
-// Device memory is host memory and streams run nothing: every call completes
-// when it returns. cublasGemmBatchedEx (and cublasGemmEx, one batch)
+// Device memory is host memory; each GEMM runs on the handle's stream as
+// cuda_runtime_emulator.h says (alpha and beta read when called, a batched
+// call's pointer arrays when it runs). cublasGemmBatchedEx (and cublasGemmEx, one batch)
 // computes C_i = alpha op(A_i) op(B_i) + beta C_i over column-major
 // matrices as cuBLAS defines it, after checking its arguments as cuBLAS
 // documents for cublasGemmEx (negative sizes, leading

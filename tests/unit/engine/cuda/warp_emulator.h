@@ -66,6 +66,8 @@
 #include <thread>
 #include <vector>
 
+#include "tests/unit/engine/cuda/cuda_runtime_emulator.h"
+
 #undef __global__
 #define __global__
 #undef __launch_bounds__
@@ -143,6 +145,14 @@ inline void Launch(int64_t blocks, int threads, size_t shared_bytes,
     });
   }
   for (std::thread& th : pool) th.join();
+}
+
+// Launch() on `stream`'s turn (cuda_runtime_emulator.h).
+inline void LaunchOn(cudaStream_t stream, int64_t blocks, int threads, size_t shared_bytes,
+                     std::function<void()> kernel) {
+  Enqueue(stream, [blocks, threads, shared_bytes, kernel = std::move(kernel)] {
+    Launch(blocks, threads, shared_bytes, kernel);
+  });
 }
 
 inline float Tf32Input(uint32_t bits) { return std::bit_cast<float>(bits & 0xffffe000u); }
@@ -229,8 +239,11 @@ inline void MmaM16N8K8Tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, u
 #define blockDim (::attnserve::emu::block_dim)
 #define gridDim (::attnserve::emu::grid_dim)
 // kernel<<<grid, block, shared, stream>>>(...) (engine/cuda/device_utils.cuh)
-#define ATTNSERVE_LAUNCH(kernel, grid, block, shared, stream, ...) \
-  ::attnserve::emu::Launch(grid, block, shared, [&] { kernel(__VA_ARGS__); })
+// The arguments are copied when it is called, as CUDA copies a kernel's
+// parameters; the launch runs when its stream's turn comes
+// (cuda_runtime_emulator.h).
+#define ATTNSERVE_LAUNCH(kernel, grid, block, shared, stream, ...)       \
+  ::attnserve::emu::LaunchOn(stream, grid, block, shared, [=] { kernel(__VA_ARGS__); })
 
 inline void __syncthreads() { ::attnserve::emu::block->sync.arrive_and_wait(); }
 inline void __syncwarp(unsigned /*mask*/ = 0xffffffffu) {
