@@ -1,13 +1,24 @@
-// Runs a CUDA kernel of this project on the CPU, one block at a time, one
-// std::thread per CUDA thread: enough of the CUDA execution model for the
+// Runs a CUDA kernel of this project on the CPU, one block at a time, each
+// CUDA thread a fiber on the launching thread (under TSan an OS thread):
+// enough of the CUDA execution model for the
 // fused kernels (flash_attention.cu, flash_attention_fp32.cu), the
 // sessions' kernels (paged_attention.cu), the unfused path's
 // (softmax_rows.cu), the general kernel (attention_general.cu) and QK-norm
 // and RoPE (qk_transform.cu) to run unchanged, launchers included, in a
 // test on a machine without a GPU. Include it first, then the .cu under
 // test; the CUDA runtime calls the launchers make are host stand-ins
-// (cuda_runtime_emulator.cc, linked with every emulated test). Test-only;
-// written here.
+// (cuda_runtime_emulator.cc, linked with every emulated test, as is
+// fiber_switch.cc). Test-only; written here.
+//
+// The threads' order: a fiber runs until it waits at a barrier; the threads
+// a barrier releases run next, ahead of all others, so a warp released by
+// __syncwarp or a shuffle runs ahead of the rest of its block. A missing
+// __syncthreads between one warp's write to shared memory and another's
+// read (or between a read and the next write) then gives a wrong value
+// (warp_emulator_test shows both); under TSan, where each CUDA thread is an
+// OS thread in whatever order the OS picks, it shows as a data race. A
+// barrier that not all of a block's threads reach stops the test (it
+// hangs a GPU).
 //
 // What it models: threadIdx/blockIdx/blockDim/gridDim (1-D), launches
 // (ATTNSERVE_LAUNCH), a kernel's attributes (cudaFuncSetAttribute accepts
@@ -30,8 +41,8 @@
 //     empty.
 // Addresses the hardware requires 16-byte aligned (ldmatrix rows, cp.async)
 // abort the test when they are not. What it does not model: timing, the
-// asynchrony of cp.async (a missing wait may go unnoticed; a missing
-// __syncthreads shows as a race under TSan), and the fragment layouts
+// asynchrony of cp.async (a missing wait may go unnoticed), every order
+// the threads may run in (one adversarial order, and TSan's), and the fragment layouts
 // themselves: they are written here from the same reading of the PTX ISA as
 // the kernel, so this catches the kernel's logic (indices, loops, masks,
 // tile ranges, the online softmax) and not a misreading of the ISA, which
@@ -61,10 +72,27 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <thread>
+#include <tuple>
 #include <vector>
+
+// CUDA threads as fibers (fiber_switch.h), or under TSan as OS threads.
+#if defined(__SANITIZE_THREAD__)
+#define ATTNSERVE_EMU_FIBERS 0
+#else
+#define ATTNSERVE_EMU_FIBERS 1
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "tests/unit/engine/cuda/fiber_switch.h"
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+#endif
 
 #include "tests/unit/engine/cuda/cuda_runtime_emulator.h"
 
@@ -92,9 +120,82 @@ inline thread_local Dim3 grid_dim;
 
 constexpr int kWarpSize = 32;
 
+#if ATTNSERVE_EMU_FIBERS
+// The CUDA threads of a launch are fibers on the launching thread, switched
+// at their barriers: no OS thread per CUDA thread, no futex per barrier.
+struct Barrier;
+struct Fiber {
+  void* sp = nullptr;  // its saved stack pointer while switched out
+  char* stack = nullptr;
+  Dim3 thread_idx, block_idx;  // its own, restored when it resumes
+  bool done = false;
+  void* fake_stack = nullptr;  // ASan's, while switched out
+};
+struct Scheduler {
+  void* main_sp = nullptr;  // the launching thread's, while a fiber runs
+  std::vector<Fiber> fibers;
+  std::deque<int> ready;  // the fibers that may run, the next first
+  int current = 0;
+  const std::function<void()>* body = nullptr;  // what every fiber runs
+  const void* main_stack = nullptr;             // the launching thread's (ASan)
+  size_t main_stack_bytes = 0;
+};
+inline thread_local Scheduler* scheduler = nullptr;
+
+// Switches from the running fiber to the scheduler, until it resumes it.
+inline void SwitchToScheduler() {
+  Scheduler& s = *scheduler;
+  Fiber& f = s.fibers[static_cast<size_t>(s.current)];
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_start_switch_fiber(&f.fake_stack, s.main_stack, s.main_stack_bytes);
+#endif
+  attnserve_emu_fiber_switch(&f.sp, s.main_sp);
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_finish_switch_fiber(f.fake_stack, nullptr, nullptr);
+#endif
+}
+
+// std::barrier's arrive_and_wait for fibers: the last to arrive runs the
+// completion and goes on; the others run next, ahead of every fiber that
+// was already waiting to run, so the threads a warp barrier releases race
+// ahead of the rest of the block (a missing __syncthreads between one
+// warp's write and another's read shows as a wrong value).
+struct Barrier {
+  explicit Barrier(int expected, std::function<void()> completion = {})
+      : expected(expected), completion(std::move(completion)) {}
+  void arrive_and_wait() {
+    if (static_cast<int>(waiting.size()) + 1 == expected) {
+      if (completion) completion();
+      for (auto it = waiting.rbegin(); it != waiting.rend(); ++it) {
+        scheduler->ready.push_front(*it);
+      }
+      waiting.clear();
+      return;
+    }
+    waiting.push_back(scheduler->current);
+    SwitchToScheduler();
+  }
+  const int expected;
+  const std::function<void()> completion;
+  std::vector<int> waiting;  // fibers, in the order they arrived
+};
+#else
+// std::barrier with an optional completion (which must not throw).
+struct Completion {
+  Completion() = default;
+  template <typename F>
+  Completion(F f) : run(std::move(f)) {}  // NOLINT: converts as std::barrier's argument
+  void operator()() noexcept {
+    if (run) run();
+  }
+  std::function<void()> run;
+};
+using Barrier = std::barrier<Completion>;
+#endif
+
 // One warp's exchange slots and barrier.
 struct Warp {
-  std::barrier<> sync{kWarpSize};
+  Barrier sync{kWarpSize};
   const void* address[kWarpSize];
   uint32_t words[kWarpSize][10];
 };
@@ -104,7 +205,7 @@ struct Block {
       : sync(threads), shared(shared_bytes), warps(threads / kWarpSize) {
     for (auto& w : warps) w = std::make_unique<Warp>();
   }
-  std::barrier<> sync;
+  Barrier sync;
   std::vector<unsigned char> shared;
   std::vector<std::unique_ptr<Warp>> warps;
 };
@@ -114,37 +215,141 @@ inline unsigned char* SharedMemory() { return block->shared.data(); }
 inline int Lane() { return static_cast<int>(thread_idx.x) % kWarpSize; }
 inline Warp& MyWarp() { return *block->warps[thread_idx.x / kWarpSize]; }
 
+#if ATTNSERVE_EMU_FIBERS
+// Fiber stacks, kept per launching thread for its next launches: 256 KiB
+// each above a guard page, so an overflow faults instead of corrupting.
+class FiberStacks {
+ public:
+  static constexpr size_t kBytes = 256 * 1024;
+  char* Get(size_t i) {
+    while (stacks_.size() <= i) {
+      const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+      void* p = mmap(nullptr, kBytes + page, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED) {
+        std::perror("warp_emulator: mmap of a fiber stack");
+        std::abort();
+      }
+      mprotect(p, page, PROT_NONE);
+      stacks_.push_back(static_cast<char*>(p) + page);
+    }
+    return stacks_[i];
+  }
+  ~FiberStacks() {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    for (char* s : stacks_) munmap(s - page, kBytes + page);
+  }
+
+ private:
+  std::vector<char*> stacks_;
+};
+
+inline void FiberEntry() {
+  Scheduler& s = *scheduler;
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_finish_switch_fiber(nullptr, &s.main_stack, &s.main_stack_bytes);
+#endif
+  (*s.body)();
+  Fiber& f = s.fibers[static_cast<size_t>(s.current)];
+  f.done = true;
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_start_switch_fiber(nullptr, s.main_stack, s.main_stack_bytes);
+#endif
+  void* finished = nullptr;
+  attnserve_emu_fiber_switch(&finished, s.main_sp);  // never resumed
+  std::abort();
+}
+
+// Runs body() as `threads` fibers (threadIdx.x = 0 ..), each until it waits
+// at a barrier, in the order Barrier says, until all have returned. A
+// barrier that not every thread reaches hangs a GPU; here it stops the test.
+inline void RunThreads(int threads, const std::function<void()>& body) {
+  static thread_local FiberStacks stacks;
+  Scheduler s;
+  s.body = &body;
+  s.fibers.resize(static_cast<size_t>(threads));
+  for (int t = 0; t < threads; ++t) {
+    Fiber& f = s.fibers[static_cast<size_t>(t)];
+    f.stack = stacks.Get(static_cast<size_t>(t));
+#if defined(__SANITIZE_ADDRESS__)
+    // A finished fiber's frames were never popped: their redzones go.
+    ASAN_UNPOISON_MEMORY_REGION(f.stack, FiberStacks::kBytes);
+#endif
+    f.thread_idx.x = static_cast<unsigned>(t);
+    f.sp = NewFiber(f.stack, FiberStacks::kBytes, &FiberEntry);
+    s.ready.push_back(t);
+  }
+  Scheduler* const outer = scheduler;
+  scheduler = &s;
+  int live = threads;
+  while (!s.ready.empty()) {
+    const int t = s.ready.front();
+    s.ready.pop_front();
+    Fiber& f = s.fibers[static_cast<size_t>(t)];
+    s.current = t;
+    thread_idx = f.thread_idx;
+    block_idx = f.block_idx;
+    void* fake_stack = nullptr;
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_start_switch_fiber(&fake_stack, f.stack, FiberStacks::kBytes);
+#endif
+    attnserve_emu_fiber_switch(&s.main_sp, f.sp);
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#endif
+    (void)fake_stack;
+    f.thread_idx = thread_idx;
+    f.block_idx = block_idx;
+    if (f.done) --live;
+  }
+  if (live > 0) {
+    std::fprintf(stderr, "warp_emulator: every live thread waits at a barrier that not all "
+                         "of its threads reach (a hang on a GPU)\n");
+    std::abort();
+  }
+  scheduler = outer;
+}
+#else
+// Under TSan each CUDA thread is an OS thread, so that a missing barrier
+// between two threads' accesses shows as a data race.
+inline void RunThreads(int threads, const std::function<void()>& body) {
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(threads));
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&body, t] {
+      thread_idx.x = static_cast<unsigned>(t);
+      body();
+    });
+  }
+  for (std::thread& th : pool) th.join();
+}
+#endif
+
 // Runs kernel() for every block of `blocks` (blockIdx.x) with `threads`
 // threads each and `shared_bytes` of dynamic shared memory. The blocks run
-// one after another on one pool of `threads` std::threads (made once per
-// launch, not per block); between two blocks every thread has finished the
-// first, and the dynamic shared memory is refilled with 0xff bytes (NaN as
-// floats), as a new block finds it uninitialised on a GPU.
+// one after another on one set of `threads` CUDA threads (RunThreads);
+// between two blocks every thread has finished the first, and the dynamic
+// shared memory is refilled with 0xff bytes (NaN as floats), as a new block
+// finds it uninitialised on a GPU.
 inline void Launch(int64_t blocks, int threads, size_t shared_bytes,
                    const std::function<void()>& kernel) {
   if (blocks <= 0) return;
   Block blk(threads, shared_bytes);
-  const auto poison = [&blk]() noexcept {
+  const auto poison = [&blk] {
     if (!blk.shared.empty()) std::memset(blk.shared.data(), 0xff, blk.shared.size());
   };
   poison();
-  std::barrier<decltype(poison)> block_done(threads, poison);
-  std::vector<std::thread> pool;
-  pool.reserve(static_cast<size_t>(threads));
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      thread_idx.x = static_cast<unsigned>(t);
-      block_dim.x = static_cast<unsigned>(threads);
-      grid_dim.x = static_cast<unsigned>(blocks);
-      block = &blk;
-      for (int64_t b = 0; b < blocks; ++b) {
-        block_idx.x = static_cast<unsigned>(b);
-        kernel();
-        block_done.arrive_and_wait();
-      }
-    });
-  }
-  for (std::thread& th : pool) th.join();
+  Barrier block_done(threads, poison);
+  RunThreads(threads, [&] {
+    block_dim.x = static_cast<unsigned>(threads);
+    grid_dim.x = static_cast<unsigned>(blocks);
+    block = &blk;
+    for (int64_t b = 0; b < blocks; ++b) {
+      block_idx.x = static_cast<unsigned>(b);
+      kernel();
+      block_done.arrive_and_wait();
+    }
+  });
 }
 
 // Launch() on `stream`'s turn (cuda_runtime_emulator.h).
@@ -239,11 +444,14 @@ inline void MmaM16N8K8Tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, u
 #define blockDim (::attnserve::emu::block_dim)
 #define gridDim (::attnserve::emu::grid_dim)
 // kernel<<<grid, block, shared, stream>>>(...) (engine/cuda/device_utils.cuh)
-// The arguments are copied when it is called, as CUDA copies a kernel's
-// parameters; the launch runs when its stream's turn comes
+// The arguments are evaluated and copied when it is called, as CUDA copies
+// a kernel's parameters; the launch runs when its stream's turn comes
 // (cuda_runtime_emulator.h).
-#define ATTNSERVE_LAUNCH(kernel, grid, block, shared, stream, ...)       \
-  ::attnserve::emu::LaunchOn(stream, grid, block, shared, [=] { kernel(__VA_ARGS__); })
+#define ATTNSERVE_LAUNCH(kernel, grid, block, shared, stream, ...)    \
+  ::attnserve::emu::LaunchOn(stream, grid, block, shared,             \
+                             [args = std::make_tuple(__VA_ARGS__)] { \
+                               std::apply(kernel, args);             \
+                             })
 
 inline void __syncthreads() { ::attnserve::emu::block->sync.arrive_and_wait(); }
 inline void __syncwarp(unsigned /*mask*/ = 0xffffffffu) {
