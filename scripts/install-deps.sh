@@ -13,8 +13,8 @@ BUILD_PACKAGES=(
   libssl-dev
 )
 TEST_PACKAGES=(
-  # The unit tests and the engine benchmarks
-  libgtest-dev libgmock-dev libbenchmark-dev
+  # The unit tests and the engine benchmarks (Boost.Context: the CUDA emulation's fibers)
+  libgtest-dev libgmock-dev libbenchmark-dev libboost-context-dev
   # Python client, PyTorch/NumPy oracles, a real Prometheus, an optimised BLAS for the peers
   python3 python3-venv python3-grpcio python3-grpc-tools python3-protobuf python3-numpy openssl
   python3-torch python3-pytest python3-yaml prometheus libopenblas0

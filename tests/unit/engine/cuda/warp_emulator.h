@@ -7,8 +7,8 @@
 // and RoPE (qk_transform.cu) to run unchanged, launchers included, in a
 // test on a machine without a GPU. Include it first, then the .cu under
 // test; the CUDA runtime calls the launchers make are host stand-ins
-// (cuda_runtime_emulator.cc, linked with every emulated test, as is
-// fiber_switch.cc). Test-only; written here.
+// (cuda_runtime_emulator.cc, linked with every emulated test). Test-only;
+// written here.
 //
 // The threads' order: a fiber runs until it waits at a barrier; the threads
 // a barrier releases run next, ahead of all others, so a warp released by
@@ -79,19 +79,22 @@
 #include <tuple>
 #include <vector>
 
-// CUDA threads as fibers (fiber_switch.h), or under TSan as OS threads.
+// CUDA threads as Boost.Context fibers, or under TSan as OS threads. Under
+// ASan each switch of stacks is announced to it (Debian's Boost.Context is
+// built for fcontext, whose fibers do not).
 #if defined(__SANITIZE_THREAD__)
 #define ATTNSERVE_EMU_FIBERS 0
 #else
 #define ATTNSERVE_EMU_FIBERS 1
-#include <sys/mman.h>
-#include <unistd.h>
-
-#include "tests/unit/engine/cuda/fiber_switch.h"
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
+#include <sys/mman.h>
+
+#include <boost/context/fiber.hpp>
+#include <boost/context/stack_context.hpp>
+#include <boost/context/stack_traits.hpp>
 #endif
 
 #include "tests/unit/engine/cuda/cuda_runtime_emulator.h"
@@ -123,36 +126,49 @@ constexpr int kWarpSize = 32;
 #if ATTNSERVE_EMU_FIBERS
 // The CUDA threads of a launch are fibers on the launching thread, switched
 // at their barriers: no OS thread per CUDA thread, no futex per barrier.
-struct Barrier;
 struct Fiber {
-  void* sp = nullptr;  // its saved stack pointer while switched out
-  char* stack = nullptr;
-  Dim3 thread_idx, block_idx;  // its own, restored when it resumes
+  boost::context::fiber context;    // the fiber, while the scheduler runs
+  boost::context::fiber scheduler;  // the scheduler, while the fiber runs
+  Dim3 thread_idx, block_idx;       // its own, restored when it resumes
   bool done = false;
-  void* fake_stack = nullptr;  // ASan's, while switched out
+  char* stack = nullptr;            // its stack's lowest byte (for ASan)
+  void* fake_stack = nullptr;       // ASan's, while it is switched out
 };
 struct Scheduler {
-  void* main_sp = nullptr;  // the launching thread's, while a fiber runs
   std::vector<Fiber> fibers;
   std::deque<int> ready;  // the fibers that may run, the next first
   int current = 0;
-  const std::function<void()>* body = nullptr;  // what every fiber runs
-  const void* main_stack = nullptr;             // the launching thread's (ASan)
+  const void* main_stack = nullptr;  // the launching thread's stack (for ASan)
   size_t main_stack_bytes = 0;
 };
 inline thread_local Scheduler* scheduler = nullptr;
+
+// ASan's announcements around a switch of stacks (nothing without ASan):
+// before it, the stack switched to; after it, on the new stack, the fake
+// stack saved when this one was left (null: the first switch to a fiber,
+// which learns the launching thread's stack).
+inline void StartSwitch(void** fake_stack_save, const void* bottom, size_t bytes) {
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_start_switch_fiber(fake_stack_save, bottom, bytes);
+#else
+  (void)fake_stack_save, (void)bottom, (void)bytes;
+#endif
+}
+inline void FinishSwitch(void* fake_stack, const void** bottom_old, size_t* bytes_old) {
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_finish_switch_fiber(fake_stack, bottom_old, bytes_old);
+#else
+  (void)fake_stack, (void)bottom_old, (void)bytes_old;
+#endif
+}
 
 // Switches from the running fiber to the scheduler, until it resumes it.
 inline void SwitchToScheduler() {
   Scheduler& s = *scheduler;
   Fiber& f = s.fibers[static_cast<size_t>(s.current)];
-#if defined(__SANITIZE_ADDRESS__)
-  __sanitizer_start_switch_fiber(&f.fake_stack, s.main_stack, s.main_stack_bytes);
-#endif
-  attnserve_emu_fiber_switch(&f.sp, s.main_sp);
-#if defined(__SANITIZE_ADDRESS__)
-  __sanitizer_finish_switch_fiber(f.fake_stack, nullptr, nullptr);
-#endif
+  StartSwitch(&f.fake_stack, s.main_stack, s.main_stack_bytes);
+  f.scheduler = std::move(f.scheduler).resume();
+  FinishSwitch(f.fake_stack, nullptr, nullptr);
 }
 
 // std::barrier's arrive_and_wait for fibers: the last to arrive runs the
@@ -216,14 +232,17 @@ inline int Lane() { return static_cast<int>(thread_idx.x) % kWarpSize; }
 inline Warp& MyWarp() { return *block->warps[thread_idx.x / kWarpSize]; }
 
 #if ATTNSERVE_EMU_FIBERS
-// Fiber stacks, kept per launching thread for its next launches: 256 KiB
-// each above a guard page, so an overflow faults instead of corrupting.
-class FiberStacks {
+// Boost.Context's stack allocator concept over stacks kept per launching
+// thread for its next launches (a launch makes a fiber per CUDA thread):
+// 256 KiB each above a guard page, so an overflow faults instead of
+// corrupting.
+class CachedStacks {
  public:
   static constexpr size_t kBytes = 256 * 1024;
-  char* Get(size_t i) {
-    while (stacks_.size() <= i) {
-      const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  boost::context::stack_context allocate() {
+    char* base = nullptr;
+    if (free_.empty()) {
+      const size_t page = boost::context::stack_traits::page_size();
       void* p = mmap(nullptr, kBytes + page, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (p == MAP_FAILED) {
@@ -231,52 +250,67 @@ class FiberStacks {
         std::abort();
       }
       mprotect(p, page, PROT_NONE);
-      stacks_.push_back(static_cast<char*>(p) + page);
+      base = static_cast<char*>(p) + page;
+      all_.push_back(base);
+    } else {
+      base = free_.back();
+      free_.pop_back();
     }
-    return stacks_[i];
+#if defined(__SANITIZE_ADDRESS__)
+    ASAN_UNPOISON_MEMORY_REGION(base, kBytes);  // a previous fiber's redzones
+#endif
+    boost::context::stack_context stack;
+    stack.size = kBytes;
+    stack.sp = base + kBytes;  // the top: stacks grow down
+    return stack;
   }
-  ~FiberStacks() {
-    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    for (char* s : stacks_) munmap(s - page, kBytes + page);
+  void deallocate(boost::context::stack_context& stack) {
+    free_.push_back(static_cast<char*>(stack.sp) - kBytes);
+  }
+  ~CachedStacks() {
+    const size_t page = boost::context::stack_traits::page_size();
+    for (char* base : all_) munmap(base - page, kBytes + page);
   }
 
  private:
-  std::vector<char*> stacks_;
+  std::vector<char*> all_, free_;
 };
 
-inline void FiberEntry() {
-  Scheduler& s = *scheduler;
-#if defined(__SANITIZE_ADDRESS__)
-  __sanitizer_finish_switch_fiber(nullptr, &s.main_stack, &s.main_stack_bytes);
-#endif
-  (*s.body)();
-  Fiber& f = s.fibers[static_cast<size_t>(s.current)];
-  f.done = true;
-#if defined(__SANITIZE_ADDRESS__)
-  __sanitizer_start_switch_fiber(nullptr, s.main_stack, s.main_stack_bytes);
-#endif
-  void* finished = nullptr;
-  attnserve_emu_fiber_switch(&finished, s.main_sp);  // never resumed
-  std::abort();
-}
+// Boost.Context takes its allocator by value: this one hands out the
+// launching thread's stacks, and tells the fiber which.
+struct ThreadStacks {
+  boost::context::stack_context allocate() {
+    boost::context::stack_context stack = Cache().allocate();
+    fiber->stack = static_cast<char*>(stack.sp) - CachedStacks::kBytes;
+    return stack;
+  }
+  void deallocate(boost::context::stack_context& stack) { Cache().deallocate(stack); }
+  Fiber* fiber;
+  static CachedStacks& Cache() {
+    static thread_local CachedStacks stacks;
+    return stacks;
+  }
+};
 
 // Runs body() as `threads` fibers (threadIdx.x = 0 ..), each until it waits
 // at a barrier, in the order Barrier says, until all have returned. A
 // barrier that not every thread reaches hangs a GPU; here it stops the test.
 inline void RunThreads(int threads, const std::function<void()>& body) {
-  static thread_local FiberStacks stacks;
   Scheduler s;
-  s.body = &body;
   s.fibers.resize(static_cast<size_t>(threads));
   for (int t = 0; t < threads; ++t) {
     Fiber& f = s.fibers[static_cast<size_t>(t)];
-    f.stack = stacks.Get(static_cast<size_t>(t));
-#if defined(__SANITIZE_ADDRESS__)
-    // A finished fiber's frames were never popped: their redzones go.
-    ASAN_UNPOISON_MEMORY_REGION(f.stack, FiberStacks::kBytes);
-#endif
     f.thread_idx.x = static_cast<unsigned>(t);
-    f.sp = NewFiber(f.stack, FiberStacks::kBytes, &FiberEntry);
+    f.context = boost::context::fiber(
+        std::allocator_arg, ThreadStacks{&f},
+        [&s, &f, &body](boost::context::fiber&& caller) {
+          FinishSwitch(nullptr, &s.main_stack, &s.main_stack_bytes);
+          f.scheduler = std::move(caller);
+          body();
+          f.done = true;
+          StartSwitch(nullptr, s.main_stack, s.main_stack_bytes);  // its fake stack goes
+          return std::move(f.scheduler);
+        });
     s.ready.push_back(t);
   }
   Scheduler* const outer = scheduler;
@@ -290,24 +324,19 @@ inline void RunThreads(int threads, const std::function<void()>& body) {
     thread_idx = f.thread_idx;
     block_idx = f.block_idx;
     void* fake_stack = nullptr;
-#if defined(__SANITIZE_ADDRESS__)
-    __sanitizer_start_switch_fiber(&fake_stack, f.stack, FiberStacks::kBytes);
-#endif
-    attnserve_emu_fiber_switch(&s.main_sp, f.sp);
-#if defined(__SANITIZE_ADDRESS__)
-    __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
-#endif
-    (void)fake_stack;
+    StartSwitch(&fake_stack, f.stack, CachedStacks::kBytes);
+    f.context = std::move(f.context).resume();
+    FinishSwitch(fake_stack, nullptr, nullptr);
     f.thread_idx = thread_idx;
     f.block_idx = block_idx;
     if (f.done) --live;
   }
+  scheduler = outer;
   if (live > 0) {
     std::fprintf(stderr, "warp_emulator: every live thread waits at a barrier that not all "
                          "of its threads reach (a hang on a GPU)\n");
     std::abort();
   }
-  scheduler = outer;
 }
 #else
 // Under TSan each CUDA thread is an OS thread, so that a missing barrier
