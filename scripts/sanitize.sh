@@ -19,6 +19,15 @@
 #       sessions' kernels, the unfused path, QK-norm and RoPE, the
 #       element-wise kernels).
 #       Default BUILD_DIR: build-tsan.
+#   scripts/sanitize.sh asan-cuda [BUILD_DIR]   The CUDA engine whole on its CPU
+#       emulation under ASan + UBSan: the CUDA backend configured too (nvcc
+#       needed; sm_90 only), then the emulated module
+#       (libattnserve_cuda_emulated.so: engine/cuda's host code as written,
+#       every kernel on the emulator) built instrumented and cuda_engine_test's
+#       cases run on it, as the suite's cuda_engine_emulated.* run them (every
+#       case but the three that need cuDNN). About 15 minutes on 2 cores, so
+#       not in .ci/run; run it after changing engine/cuda.
+#       Default BUILD_DIR: build-asan-cuda.
 #
 # Debian's abseil is not instrumented, so TSan cannot see its Mutex (thousands
 # of false races). The tsan mode builds abseil from Debian's own source
@@ -39,7 +48,7 @@
 #   Env: JOBS (build jobs, default 2), CTEST_ARGS (extra ctest args, asan)
 set -euo pipefail
 
-mode=${1:?usage: scripts/sanitize.sh asan|tsan [BUILD_DIR]}
+mode=${1:?usage: scripts/sanitize.sh asan|tsan|asan-cuda [BUILD_DIR]}
 root=$(cd "$(dirname "$0")/.." && pwd)
 jobs=${JOBS:-2}
 launcher=()
@@ -49,11 +58,24 @@ if command -v ccache >/dev/null; then
   launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 fi
 
-configure() {  # BUILD_DIR FLAGS
-  cmake -S "$root" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" \
-    -DCMAKE_CXX_FLAGS="$2 -fno-omit-frame-pointer" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" \
-    -DCMAKE_EXE_LINKER_FLAGS="$2" -DATTNSERVE_CUDA=OFF -DATTNSERVE_BUILD_TESTS=ON \
-    -DATTNSERVE_BUILD_BENCH=OFF >"$1.configure.log" 2>&1 || { cat "$1.configure.log"; exit 1; }
+configure() {  # BUILD_DIR FLAGS [CMAKE_ARGS...]
+  local dir=$1 flags=$2
+  shift 2
+  cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" \
+    -DCMAKE_CXX_FLAGS="$flags -fno-omit-frame-pointer" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" \
+    -DCMAKE_EXE_LINKER_FLAGS="$flags" -DATTNSERVE_CUDA=OFF -DATTNSERVE_BUILD_TESTS=ON \
+    -DATTNSERVE_BUILD_BENCH=OFF "$@" >"$dir.configure.log" 2>&1 ||
+    { cat "$dir.configure.log"; exit 1; }
+}
+
+# ASan's and UBSan's options for every asan mode.
+asan_env() {
+  # Leaks too; a UBSan report fails its test. The fd-limit test raises
+  # its own limits: keep ASan from reserving a huge shadow per fd.
+  export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1}
+  # Leaks inside uninstrumented third-party libraries (scripts/lsan.supp).
+  export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/scripts/lsan.supp:print_suppressions=0}
+  export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 }
 
 # Builds Debian's abseil with -fsanitize=thread into $1/abseil-tsan/lib
@@ -95,16 +117,22 @@ case "$mode" in
     build=${2:-build-asan}
     configure "$build" "-fsanitize=address,undefined -fno-sanitize-recover=undefined"
     cmake --build "$build" -j"$jobs"
-    # Leaks too; a UBSan report fails its test. The fd-limit test raises
-    # its own limits: keep ASan from reserving a huge shadow per fd.
-    export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1}
-    # Leaks inside uninstrumented third-party libraries (scripts/lsan.supp).
-    export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/scripts/lsan.supp:print_suppressions=0}
-    export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+    asan_env
     # shellcheck disable=SC2086
     ctest --test-dir "$build" --output-on-failure --timeout 1800 \
       -E '^(soak|fuzz\.short|integration\.test_(container|compose))' \
       ${CTEST_ARGS:-}
+    ;;
+  asan-cuda)
+    build=${2:-build-asan-cuda}
+    # The module is a shared object that links the sanitizer runtimes too.
+    flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
+    configure "$build" "$flags" -DATTNSERVE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
+      -DCMAKE_MODULE_LINKER_FLAGS="$flags" -DCMAKE_SHARED_LINKER_FLAGS="$flags"
+    cmake --build "$build" -j"$jobs" --target attnserve_cuda_emulated cuda_engine_test
+    asan_env
+    ctest --test-dir "$build" --output-on-failure --timeout 3600 -j"$jobs" \
+      -R '^cuda_engine_emulated\.'
     ;;
   tsan)
     build=${2:-build-tsan}
