@@ -169,13 +169,33 @@ cublasStatus_t CheckGemm(cublasOperation_t transa, cublasOperation_t transb, int
   return CUBLAS_STATUS_SUCCESS;
 }
 
+// A GEMM call: checked as cuBLAS checks it, then run on `stream`
+// (cuda_runtime_emulator.h); alpha and beta are host values, read now.
+cublasStatus_t EnqueueGemm(cudaStream_t stream, cublasOperation_t transa,
+                           cublasOperation_t transb, int m, int n, int k, const void* alpha,
+                           std::function<const void*(int)> a_at, cudaDataType a_type, int lda,
+                           std::function<const void*(int)> b_at, cudaDataType b_type, int ldb,
+                           const void* beta, std::function<void*(int)> c_at, cudaDataType c_type,
+                           int ldc, int batch_count, cublasComputeType_t compute) {
+  const cublasStatus_t status = CheckGemm(transa, transb, m, n, k, a_type, lda, b_type, ldb,
+                                          c_type, ldc, batch_count, compute);
+  if (status != CUBLAS_STATUS_SUCCESS) return status;
+  const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
+  const bool tf32 = compute == CUBLAS_COMPUTE_32F_FAST_TF32;
+  Enqueue(stream, [=, a_at = std::move(a_at), b_at = std::move(b_at), c_at = std::move(c_at)] {
+    RunGemm(transa, transb, m, n, k, al, a_at, a_type, lda, b_at, b_type, ldb, be, c_at, c_type,
+            ldc, batch_count, tf32);
+  });
+  return CUBLAS_STATUS_SUCCESS;
+}
+
 }  // namespace
 }  // namespace attnserve::emu
 
 extern "C" {
 
-// The GEMMs run on the handle's stream (cuda_runtime_emulator.h); alpha and
-// beta are host values, read when called.
+// The GEMMs (EnqueueGemm): a batched call's pointer arrays are device
+// memory, read when it runs.
 cublasStatus_t cublasGemmBatchedEx(cublasHandle_t handle, cublasOperation_t transa,
                                    cublasOperation_t transb, int m, int n, int k,
                                    const void* alpha, const void* const a_array[],
@@ -184,18 +204,10 @@ cublasStatus_t cublasGemmBatchedEx(cublasHandle_t handle, cublasOperation_t tran
                                    void* const c_array[], cudaDataType c_type, int ldc,
                                    int batch_count, cublasComputeType_t compute,
                                    cublasGemmAlgo_t /*algo*/) {
-  const cublasStatus_t status = attnserve::emu::CheckGemm(
-      transa, transb, m, n, k, a_type, lda, b_type, ldb, c_type, ldc, batch_count, compute);
-  if (status != CUBLAS_STATUS_SUCCESS) return status;
-  const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
-  const bool tf32 = compute == CUBLAS_COMPUTE_32F_FAST_TF32;
-  attnserve::emu::Enqueue(handle->stream, [=] {
-    attnserve::emu::RunGemm(
-        transa, transb, m, n, k, al, [a_array](int i) { return a_array[i]; }, a_type, lda,
-        [b_array](int i) { return b_array[i]; }, b_type, ldb, be,
-        [c_array](int i) { return c_array[i]; }, c_type, ldc, batch_count, tf32);
-  });
-  return CUBLAS_STATUS_SUCCESS;
+  return attnserve::emu::EnqueueGemm(
+      handle->stream, transa, transb, m, n, k, alpha, [a_array](int i) { return a_array[i]; },
+      a_type, lda, [b_array](int i) { return b_array[i]; }, b_type, ldb, beta,
+      [c_array](int i) { return c_array[i]; }, c_type, ldc, batch_count, compute);
 }
 
 cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
@@ -204,17 +216,9 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
                             cudaDataType b_type, int ldb, const void* beta, void* c,
                             cudaDataType c_type, int ldc, cublasComputeType_t compute,
                             cublasGemmAlgo_t /*algo*/) {
-  const cublasStatus_t status = attnserve::emu::CheckGemm(transa, transb, m, n, k, a_type, lda,
-                                                          b_type, ldb, c_type, ldc, 1, compute);
-  if (status != CUBLAS_STATUS_SUCCESS) return status;
-  const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
-  const bool tf32 = compute == CUBLAS_COMPUTE_32F_FAST_TF32;
-  attnserve::emu::Enqueue(handle->stream, [=] {
-    attnserve::emu::RunGemm(
-        transa, transb, m, n, k, al, [a](int) { return a; }, a_type, lda, [b](int) { return b; },
-        b_type, ldb, be, [c](int) { return c; }, c_type, ldc, 1, tf32);
-  });
-  return CUBLAS_STATUS_SUCCESS;
+  return attnserve::emu::EnqueueGemm(
+      handle->stream, transa, transb, m, n, k, alpha, [a](int) { return a; }, a_type, lda,
+      [b](int) { return b; }, b_type, ldb, beta, [c](int) { return c; }, c_type, ldc, 1, compute);
 }
 cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t /*handle*/, void* /*workspace*/,
                                      size_t /*bytes*/) {
