@@ -143,9 +143,9 @@ case "$mode" in
     tests=(dynamic_batcher_test batching_scheduler_test session_manager_test kv_block_pool_test
            model_manager_test attn_server_test host_buffer_test)
     # The CUDA kernels on the CPU emulation (tests/CMakeLists.txt: built where
-    # the CUDA headers are), each CUDA thread an OS thread under TSan: a
-    # missing __syncthreads between a shared memory write and another
-    # thread's read is a race here.
+    # the CUDA headers are), each CUDA thread a TSan fiber ordered only by
+    # the barriers: a missing __syncthreads between a shared memory write
+    # and another thread's read is a race here.
     if ninja -C "$build" -t targets all 2>/dev/null | grep -q '^flash_attention_emulated_test:'; then
       tests+=(warp_emulator_test flash_attention_emulated_test flash_attention_fp32_emulated_test
               paged_attention_emulated_test unfused_attention_emulated_test

@@ -1,5 +1,5 @@
 // Runs a CUDA kernel of this project on the CPU, one block at a time, each
-// CUDA thread a fiber on the launching thread (under TSan an OS thread):
+// CUDA thread a fiber on the launching thread:
 // enough of the CUDA execution model for the
 // fused kernels (flash_attention.cu, flash_attention_fp32.cu), the
 // sessions' kernels (paged_attention.cu), the unfused path's
@@ -15,8 +15,8 @@
 // __syncwarp or a shuffle runs ahead of the rest of its block. A missing
 // __syncthreads between one warp's write to shared memory and another's
 // read (or between a read and the next write) then gives a wrong value
-// (warp_emulator_test shows both); under TSan, where each CUDA thread is an
-// OS thread in whatever order the OS picks, it shows as a data race. A
+// (warp_emulator_test shows both); under TSan, to which each CUDA thread
+// is a thread of its own ordered only by barriers, it is a data race. A
 // barrier that not all of a block's threads reach stops the test (it
 // hangs a GPU).
 //
@@ -42,7 +42,8 @@
 // Addresses the hardware requires 16-byte aligned (ldmatrix rows, cp.async)
 // abort the test when they are not. What it does not model: timing, the
 // asynchrony of cp.async (a missing wait may go unnoticed), every order
-// the threads may run in (one adversarial order, and TSan's), and the fragment layouts
+// the threads may run in (one adversarial order runs; TSan reports what
+// the barriers leave unordered in any other), and the fragment layouts
 // themselves: they are written here from the same reading of the PTX ISA as
 // the kernel, so this catches the kernel's logic (indices, loops, masks,
 // tile ranges, the online softmax) and not a misreading of the ISA, which
@@ -65,7 +66,6 @@
 #include <cuda_runtime_api.h>
 #include <vector_functions.h>
 
-#include <barrier>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -75,27 +75,29 @@
 #include <deque>
 #include <functional>
 #include <memory>
-#include <thread>
 #include <tuple>
 #include <vector>
 
-// CUDA threads as Boost.Context fibers, or under TSan as OS threads. Under
-// ASan each switch of stacks is announced to it (Debian's Boost.Context is
-// built for fcontext, whose fibers do not).
-#if defined(__SANITIZE_THREAD__)
-#define ATTNSERVE_EMU_FIBERS 0
-#else
-#define ATTNSERVE_EMU_FIBERS 1
+// CUDA threads as Boost.Context fibers, announced to the sanitizers: under
+// ASan each switch of stacks (Debian's Boost.Context is built for fcontext,
+// whose fibers do not announce themselves), under TSan each fiber as a
+// thread of its own (below, "TSan").
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
+#endif
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+// libtsan's, not declared by its header: ignore the calling thread's (here
+// fiber's) reads and writes until the matching end.
+extern "C" void __tsan_ignore_thread_begin();
+extern "C" void __tsan_ignore_thread_end();
 #endif
 #include <sys/mman.h>
 
 #include <boost/context/fiber.hpp>
 #include <boost/context/stack_context.hpp>
 #include <boost/context/stack_traits.hpp>
-#endif
 
 #include "tests/unit/engine/cuda/cuda_runtime_emulator.h"
 
@@ -123,7 +125,50 @@ inline thread_local Dim3 grid_dim;
 
 constexpr int kWarpSize = 32;
 
-#if ATTNSERVE_EMU_FIBERS
+// TSan: each CUDA thread is a TSan fiber, a thread of its own to TSan, and
+// switches between them establish no order (__tsan_switch_to_fiber_no_sync):
+// what orders two CUDA threads' accesses is what orders them on a GPU, a
+// barrier (Barrier: every arrival releases into it, every thread it lets go
+// acquires from it), the launch (the launching thread's writes before it)
+// and its end (the fibers' writes before the launching thread goes on). A
+// missing __syncthreads between two threads' accesses to shared memory is
+// then a data race to TSan. The emulator's own bookkeeping, which the
+// fibers share with the scheduler and each other (the ready queue, the
+// barriers' lists, the thread_local indices the scheduler saves and
+// restores on the launching thread), is ordered by the one OS thread that
+// runs them all, which TSan does not see: it ignores those accesses
+// (IgnoreAccesses). Nothing of this without TSan.
+#if defined(__SANITIZE_THREAD__)
+inline void IgnoreBegin() { __tsan_ignore_thread_begin(); }
+inline void IgnoreEnd() { __tsan_ignore_thread_end(); }
+inline void Release(void* sync) { __tsan_release(sync); }
+inline void Acquire(void* sync) { __tsan_acquire(sync); }
+inline void* CreateTsanFiber() { return __tsan_create_fiber(0); }
+inline void* CurrentTsanFiber() { return __tsan_get_current_fiber(); }
+inline void DestroyTsanFiber(void* fiber) { __tsan_destroy_fiber(fiber); }
+// Inlined, so that no function's entry is TSan's before and its exit after.
+__attribute__((always_inline)) inline void SwitchTsanFiber(void* fiber) {
+  __tsan_switch_to_fiber(fiber, __tsan_switch_to_fiber_no_sync);
+}
+#else
+inline void IgnoreBegin() {}
+inline void IgnoreEnd() {}
+inline void Release(void*) {}
+inline void Acquire(void*) {}
+inline void* CreateTsanFiber() { return nullptr; }
+inline void* CurrentTsanFiber() { return nullptr; }
+inline void DestroyTsanFiber(void*) {}
+inline void SwitchTsanFiber(void*) {}
+#endif
+// The running fiber's (or the launching thread's) accesses ignored by TSan
+// for a scope.
+struct IgnoreAccesses {
+  IgnoreAccesses() { IgnoreBegin(); }
+  ~IgnoreAccesses() { IgnoreEnd(); }
+  IgnoreAccesses(const IgnoreAccesses&) = delete;
+  IgnoreAccesses& operator=(const IgnoreAccesses&) = delete;
+};
+
 // The CUDA threads of a launch are fibers on the launching thread, switched
 // at their barriers: no OS thread per CUDA thread, no futex per barrier.
 struct Fiber {
@@ -133,6 +178,7 @@ struct Fiber {
   bool done = false;
   char* stack = nullptr;            // its stack's lowest byte (for ASan)
   void* fake_stack = nullptr;       // ASan's, while it is switched out
+  void* tsan = nullptr;             // TSan's fiber
 };
 struct Scheduler {
   std::vector<Fiber> fibers;
@@ -140,6 +186,8 @@ struct Scheduler {
   int current = 0;
   const void* main_stack = nullptr;  // the launching thread's stack (for ASan)
   size_t main_stack_bytes = 0;
+  void* main_tsan = nullptr;  // the launching thread, to TSan
+  char started = 0, finished = 0;  // TSan's order: the launch, and its end
 };
 inline thread_local Scheduler* scheduler = nullptr;
 
@@ -162,11 +210,13 @@ inline void FinishSwitch(void* fake_stack, const void** bottom_old, size_t* byte
 #endif
 }
 
-// Switches from the running fiber to the scheduler, until it resumes it.
+// Switches from the running fiber to the scheduler, until it resumes it
+// (called with the fiber's accesses ignored).
 inline void SwitchToScheduler() {
   Scheduler& s = *scheduler;
   Fiber& f = s.fibers[static_cast<size_t>(s.current)];
   StartSwitch(&f.fake_stack, s.main_stack, s.main_stack_bytes);
+  SwitchTsanFiber(s.main_tsan);
   f.scheduler = std::move(f.scheduler).resume();
   FinishSwitch(f.fake_stack, nullptr, nullptr);
 }
@@ -175,39 +225,46 @@ inline void SwitchToScheduler() {
 // completion and goes on; the others run next, ahead of every fiber that
 // was already waiting to run, so the threads a warp barrier releases race
 // ahead of the rest of the block (a missing __syncthreads between one
-// warp's write and another's read shows as a wrong value).
+// warp's write and another's read shows as a wrong value). To TSan, what
+// each thread did before it arrived (and the completion) happens before
+// what any does after it: every arrival releases into the phase's sync
+// object, every departure acquires from it. Two objects alternate: a
+// thread that has gone on cannot arrive two phases later before every
+// thread of this phase has left.
 struct Barrier {
   explicit Barrier(int expected, std::function<void()> completion = {})
       : expected(expected), completion(std::move(completion)) {}
   void arrive_and_wait() {
-    if (static_cast<int>(waiting.size()) + 1 == expected) {
-      if (completion) completion();
-      for (auto it = waiting.rbegin(); it != waiting.rend(); ++it) {
-        scheduler->ready.push_front(*it);
+    char* sync = nullptr;
+    bool last = false;
+    {
+      IgnoreAccesses ignore;
+      sync = &phase_sync[phase % 2];
+      Release(sync);
+      last = static_cast<int>(waiting.size()) + 1 == expected;
+      if (last) {
+        ++phase;
+        for (auto it = waiting.rbegin(); it != waiting.rend(); ++it) {
+          scheduler->ready.push_front(*it);
+        }
+        waiting.clear();
+      } else {
+        waiting.push_back(scheduler->current);
+        SwitchToScheduler();
       }
-      waiting.clear();
-      return;
     }
-    waiting.push_back(scheduler->current);
-    SwitchToScheduler();
+    Acquire(sync);
+    if (last && completion) {
+      completion();  // before any of the released threads runs
+      Release(sync);
+    }
   }
   const int expected;
   const std::function<void()> completion;
   std::vector<int> waiting;  // fibers, in the order they arrived
+  int phase = 0;
+  char phase_sync[2] = {};   // TSan's sync objects (their addresses)
 };
-#else
-// std::barrier with an optional completion (which must not throw).
-struct Completion {
-  Completion() = default;
-  template <typename F>
-  Completion(F f) : run(std::move(f)) {}  // NOLINT: converts as std::barrier's argument
-  void operator()() noexcept {
-    if (run) run();
-  }
-  std::function<void()> run;
-};
-using Barrier = std::barrier<Completion>;
-#endif
 
 // One warp's exchange slots and barrier.
 struct Warp {
@@ -231,7 +288,6 @@ inline unsigned char* SharedMemory() { return block->shared.data(); }
 inline int Lane() { return static_cast<int>(thread_idx.x) % kWarpSize; }
 inline Warp& MyWarp() { return *block->warps[thread_idx.x / kWarpSize]; }
 
-#if ATTNSERVE_EMU_FIBERS
 // Boost.Context's stack allocator concept over stacks kept per launching
 // thread for its next launches (a launch makes a fiber per CUDA thread):
 // 256 KiB each above a guard page, so an overflow faults instead of
@@ -296,25 +352,45 @@ struct ThreadStacks {
 // at a barrier, in the order Barrier says, until all have returned. A
 // barrier that not every thread reaches hangs a GPU; here it stops the test.
 inline void RunThreads(int threads, const std::function<void()>& body) {
+  IgnoreAccesses ignore;  // the launching thread's bookkeeping, to TSan
   Scheduler s;
+  s.main_tsan = CurrentTsanFiber();
   s.fibers.resize(static_cast<size_t>(threads));
   for (int t = 0; t < threads; ++t) {
     Fiber& f = s.fibers[static_cast<size_t>(t)];
     f.thread_idx.x = static_cast<unsigned>(t);
+    // Boost enters a fiber once as it makes it (and leaves it at once): as
+    // the fiber to TSan, so that the function that entry leaves unfinished
+    // is on the fiber's shadow stack, not the launching thread's.
+    f.tsan = CreateTsanFiber();
+    SwitchTsanFiber(f.tsan);
+    IgnoreBegin();
     f.context = boost::context::fiber(
         std::allocator_arg, ThreadStacks{&f},
         [&s, &f, &body](boost::context::fiber&& caller) {
           FinishSwitch(nullptr, &s.main_stack, &s.main_stack_bytes);
-          f.scheduler = std::move(caller);
+          {
+            IgnoreAccesses ignore;
+            f.scheduler = std::move(caller);
+          }
+          Acquire(&s.started);
           body();
+          Release(&s.finished);
+          // Ignored to its end: Boost's teardown of the fiber runs as it
+          // (RunThreads ends the ignore and switches TSan back once the
+          // fiber has returned).
+          IgnoreBegin();
           f.done = true;
           StartSwitch(nullptr, s.main_stack, s.main_stack_bytes);  // its fake stack goes
           return std::move(f.scheduler);
         });
+    IgnoreEnd();
+    SwitchTsanFiber(s.main_tsan);
     s.ready.push_back(t);
   }
   Scheduler* const outer = scheduler;
   scheduler = &s;
+  Release(&s.started);
   int live = threads;
   while (!s.ready.empty()) {
     const int t = s.ready.front();
@@ -325,7 +401,13 @@ inline void RunThreads(int threads, const std::function<void()>& body) {
     block_idx = f.block_idx;
     void* fake_stack = nullptr;
     StartSwitch(&fake_stack, f.stack, CachedStacks::kBytes);
+    SwitchTsanFiber(f.tsan);
     f.context = std::move(f.context).resume();
+    if (f.done) {  // it returned here as itself, its accesses ignored
+      void* const main_tsan = s.main_tsan;  // read while ignored
+      IgnoreEnd();
+      SwitchTsanFiber(main_tsan);
+    }
     FinishSwitch(fake_stack, nullptr, nullptr);
     f.thread_idx = thread_idx;
     f.block_idx = block_idx;
@@ -337,22 +419,9 @@ inline void RunThreads(int threads, const std::function<void()>& body) {
                          "of its threads reach (a hang on a GPU)\n");
     std::abort();
   }
+  Acquire(&s.finished);
+  for (Fiber& f : s.fibers) DestroyTsanFiber(f.tsan);
 }
-#else
-// Under TSan each CUDA thread is an OS thread, so that a missing barrier
-// between two threads' accesses shows as a data race.
-inline void RunThreads(int threads, const std::function<void()>& body) {
-  std::vector<std::thread> pool;
-  pool.reserve(static_cast<size_t>(threads));
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([&body, t] {
-      thread_idx.x = static_cast<unsigned>(t);
-      body();
-    });
-  }
-  for (std::thread& th : pool) th.join();
-}
-#endif
 
 // Runs kernel() for every block of `blocks` (blockIdx.x) with `threads`
 // threads each and `shared_bytes` of dynamic shared memory. The blocks run
@@ -370,11 +439,17 @@ inline void Launch(int64_t blocks, int threads, size_t shared_bytes,
   poison();
   Barrier block_done(threads, poison);
   RunThreads(threads, [&] {
-    block_dim.x = static_cast<unsigned>(threads);
-    grid_dim.x = static_cast<unsigned>(blocks);
-    block = &blk;
+    {
+      IgnoreAccesses ignore;  // the emulator's, not the kernel's (TSan above)
+      block_dim.x = static_cast<unsigned>(threads);
+      grid_dim.x = static_cast<unsigned>(blocks);
+      block = &blk;
+    }
     for (int64_t b = 0; b < blocks; ++b) {
-      block_idx.x = static_cast<unsigned>(b);
+      {
+        IgnoreAccesses ignore;
+        block_idx.x = static_cast<unsigned>(b);
+      }
       kernel();
       block_done.arrive_and_wait();
     }
