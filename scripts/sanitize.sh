@@ -28,6 +28,18 @@
 #       case but the three that need cuDNN). About 15 minutes on 2 cores, so
 #       not in .ci/run; run it after changing engine/cuda.
 #       Default BUILD_DIR: build-asan-cuda.
+#   scripts/sanitize.sh tsan-cuda [BUILD_DIR]   The CUDA engine's host code
+#       under ThreadSanitizer on the same emulation: the emulated module and
+#       cuda_engine_test built with -fsanitize=thread (nvcc needed, as for
+#       asan-cuda), then the cases where host threads meet in engine/cuda
+#       (TSAN_CUDA_CASES: by default ConcurrentCallsGiveTheSameResults, each
+#       caller on its own workspace, and
+#       ConcurrentSessionsEachEqualOneCausalRequest, sessions on the one
+#       device pool), each kernel's CUDA threads TSan fibers as in the tsan
+#       mode. The other cases make their calls from one thread, where TSan
+#       has nothing to compare. About 5 minutes on 2 cores (ccache warm), so not in
+#       .ci/run; run it after changing engine/cuda's host code.
+#       Default BUILD_DIR: build-tsan-cuda.
 #
 # Debian's abseil is not instrumented, so TSan cannot see its Mutex (thousands
 # of false races). The tsan mode builds abseil from Debian's own source
@@ -45,10 +57,11 @@
 # of ctest (too slow for the suite: tens of minutes on 2 cores); .ci/run runs
 # both after the suite. Object files go through ccache where it is installed
 # (scripts/install-deps.sh installs it), so repeated runs rebuild little.
-#   Env: JOBS (build jobs, default 2), CTEST_ARGS (extra ctest args, asan)
+#   Env: JOBS (build jobs, default 2), CTEST_ARGS (extra ctest args, asan),
+#   TSAN_CUDA_CASES (tsan-cuda's cases, CudaEngineTest's names, spaces between)
 set -euo pipefail
 
-mode=${1:?usage: scripts/sanitize.sh asan|tsan|asan-cuda [BUILD_DIR]}
+mode=${1:?usage: scripts/sanitize.sh asan|tsan|asan-cuda|tsan-cuda [BUILD_DIR]}
 root=$(cd "$(dirname "$0")/.." && pwd)
 jobs=${JOBS:-2}
 launcher=()
@@ -112,6 +125,32 @@ instrumented_abseil() {
   mkdir -p "$cache" && cp -a "$dir/lib" "$cache/" || true  # a cache only: never fatal
 }
 
+# TSan's environment for the tests of BUILD_DIR (its instrumented abseil).
+tsan_env() {
+  export LD_LIBRARY_PATH=$1/abseil-tsan/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=0:second_deadlock_stack=1:history_size=4:suppressions=$root/scripts/tsan.supp}
+  # libgomp is not instrumented either, so TSan cannot see the barrier that
+  # ends an OpenMP region: the engine's buffers, written by its OpenMP
+  # workers and freed by the calling thread after the region, look unordered
+  # (seen in a warm-up on the main thread). The checked concurrency is the
+  # server's (batchers, sessions, model swaps), so each engine call runs on
+  # its calling thread here: --threads 0 resolves to OpenMP's count, 1.
+  export OMP_NUM_THREADS=1
+}
+
+# Runs BUILD_DIR/tests/TEST's cases that FILTER names under TSan, its log in
+# BUILD_DIR/NAME.tsan.log; a failure, a TSan report (or with no-skips, a
+# skipped case) sets status=1.
+tsan_run() {  # BUILD_DIR TEST FILTER NAME [no-skips]
+  local log=$1/$4.tsan.log reports
+  echo "sanitize.sh: $2 under TSan$([[ $3 != '*' ]] && echo " (gtest_filter=$3)")"
+  if ! "$1/tests/$2" --gtest_filter="$3" >"$log" 2>&1; then status=1; fi
+  reports=$(grep -c "WARNING: ThreadSanitizer" "$log" || true)
+  echo "  $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$log" | tr '\n' ' ') TSan reports: $reports ($log)"
+  if ((reports > 0)); then status=1; grep -A12 -m3 "WARNING: ThreadSanitizer" "$log" || true; fi
+  if [[ ${5:-} == no-skips ]] && grep -q '^\[  SKIPPED \]' "$log"; then status=1; fi
+}
+
 case "$mode" in
   asan)
     build=${2:-build-asan}
@@ -153,15 +192,7 @@ case "$mode" in
               elementwise_emulated_test)
     fi
     cmake --build "$build" -j"$jobs" --target "${tests[@]}"
-    export LD_LIBRARY_PATH=$build/abseil-tsan/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=0:second_deadlock_stack=1:history_size=4:suppressions=$root/scripts/tsan.supp}
-    # libgomp is not instrumented either, so TSan cannot see the barrier that
-    # ends an OpenMP region: the engine's buffers, written by its OpenMP
-    # workers and freed by the calling thread after the region, look unordered
-    # (seen in a warm-up on the main thread). The checked concurrency is the
-    # server's (batchers, sessions, model swaps), so each engine call runs on
-    # its calling thread here: --threads 0 resolves to OpenMP's count, 1.
-    export OMP_NUM_THREADS=1
+    tsan_env "$build"
     status=0
     # AttendStream's reactor is built on one gRPC thread and its reactions
     # run on others; the handoff happens inside uninstrumented libgrpc, so
@@ -178,15 +209,26 @@ case "$mode" in
     # sees whole. The others run in the suite and under asan.
     declare -A filter=([attn_server_test]='-*Stream*'
                        [model_manager_test]='*DispatcherRaces*:*RefusesAnUnknownLoadModel*')
-    for t in "${tests[@]}"; do
-      log=$build/$t.tsan.log
-      echo "sanitize.sh: $t under TSan ${filter[$t]:+(gtest_filter=${filter[$t]})}"
-      if ! "$build/tests/$t" --gtest_filter="${filter[$t]:-*}" >"$log" 2>&1; then status=1; fi
-      reports=$(grep -c "WARNING: ThreadSanitizer" "$log" || true)
-      echo "  $(grep -E '^\[  (PASSED|FAILED) ' "$log" | tr '\n' ' ') TSan reports: $reports ($log)"
-      if ((reports > 0)); then status=1; grep -A12 -m3 "WARNING: ThreadSanitizer" "$log" || true; fi
+    for t in "${tests[@]}"; do tsan_run "$build" "$t" "${filter[$t]:-*}" "$t"; done
+    exit "$status"
+    ;;
+  tsan-cuda)
+    build=${2:-build-tsan-cuda}
+    mkdir -p "$build"
+    build=$(cd "$build" && pwd)
+    instrumented_abseil "$build"
+    flags="-fsanitize=thread"
+    configure "$build" "$flags" -DATTNSERVE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
+      -DCMAKE_MODULE_LINKER_FLAGS="$flags" -DCMAKE_SHARED_LINKER_FLAGS="$flags"
+    cmake --build "$build" -j"$jobs" --target attnserve_cuda_emulated cuda_engine_test
+    tsan_env "$build"
+    export ATTNSERVE_CUDA_MODULE=$build/tests/libattnserve_cuda_emulated.so
+    status=0
+    # Each case alone (a log each); one that skips did not run on the module.
+    for c in ${TSAN_CUDA_CASES:-ConcurrentCallsGiveTheSameResults ConcurrentSessionsEachEqualOneCausalRequest}; do
+      tsan_run "$build" cuda_engine_test "CudaEngineTest.$c" "cuda_engine_test.$c" no-skips
     done
     exit "$status"
     ;;
-  *) echo "usage: $0 asan|tsan [BUILD_DIR]" >&2; exit 2 ;;
+  *) echo "usage: $0 asan|tsan|asan-cuda|tsan-cuda [BUILD_DIR]" >&2; exit 2 ;;
 esac

@@ -169,27 +169,37 @@ struct IgnoreAccesses {
   IgnoreAccesses& operator=(const IgnoreAccesses&) = delete;
 };
 
-// The CUDA threads of a launch are fibers on the launching thread, switched
-// at their barriers: no OS thread per CUDA thread, no futex per barrier.
+// The CUDA threads are fibers on the launching thread, switched at their
+// barriers: no OS thread per CUDA thread, no futex per barrier. Each runs
+// one launch's body at a time and is kept for the launching thread's next
+// launch (Workers, below): to TSan a new fiber is a new thread, which costs
+// far more than the launch.
 struct Fiber {
   boost::context::fiber context;    // the fiber, while the scheduler runs
   boost::context::fiber scheduler;  // the scheduler, while the fiber runs
   Dim3 thread_idx, block_idx;       // its own, restored when it resumes
-  bool done = false;
+  const std::function<void()>* body = nullptr;  // its launch's; null: return
+  bool done = false;                // the launch's body has returned
+  bool returned = false;            // the fiber has returned (Workers' end)
   char* stack = nullptr;            // its stack's lowest byte (for ASan)
   void* fake_stack = nullptr;       // ASan's, while it is switched out
   void* tsan = nullptr;             // TSan's fiber
 };
+// One launch's threads and their order.
 struct Scheduler {
-  std::vector<Fiber> fibers;
-  std::deque<int> ready;  // the fibers that may run, the next first
+  std::vector<Fiber*> fibers;  // by threadIdx.x
+  std::deque<int> ready;       // the fibers that may run, the next first
   int current = 0;
-  const void* main_stack = nullptr;  // the launching thread's stack (for ASan)
-  size_t main_stack_bytes = 0;
-  void* main_tsan = nullptr;  // the launching thread, to TSan
   char started = 0, finished = 0;  // TSan's order: the launch, and its end
 };
 inline thread_local Scheduler* scheduler = nullptr;
+// The launching thread's stack (for ASan) and TSan's name for it.
+struct MainContext {
+  const void* stack = nullptr;
+  size_t stack_bytes = 0;
+  void* tsan = nullptr;
+};
+inline thread_local MainContext main_context;
 
 // ASan's announcements around a switch of stacks (nothing without ASan):
 // before it, the stack switched to; after it, on the new stack, the fake
@@ -212,11 +222,9 @@ inline void FinishSwitch(void* fake_stack, const void** bottom_old, size_t* byte
 
 // Switches from the running fiber to the scheduler, until it resumes it
 // (called with the fiber's accesses ignored).
-inline void SwitchToScheduler() {
-  Scheduler& s = *scheduler;
-  Fiber& f = s.fibers[static_cast<size_t>(s.current)];
-  StartSwitch(&f.fake_stack, s.main_stack, s.main_stack_bytes);
-  SwitchTsanFiber(s.main_tsan);
+inline void SwitchToScheduler(Fiber& f) {
+  StartSwitch(&f.fake_stack, main_context.stack, main_context.stack_bytes);
+  SwitchTsanFiber(main_context.tsan);
   f.scheduler = std::move(f.scheduler).resume();
   FinishSwitch(f.fake_stack, nullptr, nullptr);
 }
@@ -250,7 +258,7 @@ struct Barrier {
         waiting.clear();
       } else {
         waiting.push_back(scheduler->current);
-        SwitchToScheduler();
+        SwitchToScheduler(*scheduler->fibers[static_cast<size_t>(scheduler->current)]);
       }
     }
     Acquire(sync);
@@ -288,8 +296,7 @@ inline unsigned char* SharedMemory() { return block->shared.data(); }
 inline int Lane() { return static_cast<int>(thread_idx.x) % kWarpSize; }
 inline Warp& MyWarp() { return *block->warps[thread_idx.x / kWarpSize]; }
 
-// Boost.Context's stack allocator concept over stacks kept per launching
-// thread for its next launches (a launch makes a fiber per CUDA thread):
+// Boost.Context's stack allocator concept over stacks kept for reuse:
 // 256 KiB each above a guard page, so an overflow faults instead of
 // corrupting.
 class CachedStacks {
@@ -332,33 +339,66 @@ class CachedStacks {
   std::vector<char*> all_, free_;
 };
 
-// Boost.Context takes its allocator by value: this one hands out the
-// launching thread's stacks, and tells the fiber which.
-struct ThreadStacks {
+// Boost.Context takes its allocator by value: this one hands out stacks of
+// a cache, and tells the fiber which.
+struct StackOf {
   boost::context::stack_context allocate() {
-    boost::context::stack_context stack = Cache().allocate();
+    boost::context::stack_context stack = cache->allocate();
     fiber->stack = static_cast<char*>(stack.sp) - CachedStacks::kBytes;
     return stack;
   }
-  void deallocate(boost::context::stack_context& stack) { Cache().deallocate(stack); }
+  void deallocate(boost::context::stack_context& stack) { cache->deallocate(stack); }
+  CachedStacks* cache;
   Fiber* fiber;
-  static CachedStacks& Cache() {
-    static thread_local CachedStacks stacks;
-    return stacks;
-  }
 };
 
-// Runs body() as `threads` fibers (threadIdx.x = 0 ..), each until it waits
-// at a barrier, in the order Barrier says, until all have returned. A
-// barrier that not every thread reaches hangs a GPU; here it stops the test.
-inline void RunThreads(int threads, const std::function<void()>& body) {
-  IgnoreAccesses ignore;  // the launching thread's bookkeeping, to TSan
-  Scheduler s;
-  s.main_tsan = CurrentTsanFiber();
-  s.fibers.resize(static_cast<size_t>(threads));
-  for (int t = 0; t < threads; ++t) {
-    Fiber& f = s.fibers[static_cast<size_t>(t)];
-    f.thread_idx.x = static_cast<unsigned>(t);
+// The fibers of one launching thread, made as its launches need them and
+// kept for its next: each waits for a launch (Fiber::body), runs its body,
+// and waits again; at the thread's end each is resumed to return.
+class Workers {
+ public:
+  Workers() = default;
+  Workers(const Workers&) = delete;
+  Workers& operator=(const Workers&) = delete;
+  ~Workers() {
+    IgnoreAccesses ignore;  // the launching thread's bookkeeping, to TSan
+    for (auto& f : fibers_) {
+      f->body = nullptr;
+      Resume(*f);
+      DestroyTsanFiber(f->tsan);
+    }
+    fibers_.clear();  // before the stacks
+  }
+
+  // Fiber t, made if it is the first launch with so many threads.
+  Fiber& operator[](int t) {
+    while (static_cast<int>(fibers_.size()) <= t) Add();
+    return *fibers_[static_cast<size_t>(t)];
+  }
+
+  // Runs f until it waits at a barrier, finishes its launch or returns.
+  void Resume(Fiber& f) {
+    thread_idx = f.thread_idx;
+    block_idx = f.block_idx;
+    void* fake_stack = nullptr;
+    StartSwitch(&fake_stack, f.stack, CachedStacks::kBytes);
+    SwitchTsanFiber(f.tsan);
+    f.context = std::move(f.context).resume();
+    if (f.returned) {  // it returned here as itself, its accesses ignored
+      void* const main_tsan = main_context.tsan;  // read while ignored
+      IgnoreEnd();
+      SwitchTsanFiber(main_tsan);
+    }
+    FinishSwitch(fake_stack, nullptr, nullptr);
+    f.thread_idx = thread_idx;
+    f.block_idx = block_idx;
+  }
+
+ private:
+  void Add() {
+    fibers_.push_back(std::make_unique<Fiber>());
+    Fiber& f = *fibers_.back();
+    main_context.tsan = CurrentTsanFiber();
     // Boost enters a fiber once as it makes it (and leaves it at once): as
     // the fiber to TSan, so that the function that entry leaves unfinished
     // is on the fiber's shadow stack, not the launching thread's.
@@ -366,61 +406,81 @@ inline void RunThreads(int threads, const std::function<void()>& body) {
     SwitchTsanFiber(f.tsan);
     IgnoreBegin();
     f.context = boost::context::fiber(
-        std::allocator_arg, ThreadStacks{&f},
-        [&s, &f, &body](boost::context::fiber&& caller) {
-          FinishSwitch(nullptr, &s.main_stack, &s.main_stack_bytes);
+        std::allocator_arg, StackOf{&stacks_, &f}, [&f](boost::context::fiber&& caller) {
+          FinishSwitch(nullptr, &main_context.stack, &main_context.stack_bytes);
           {
             IgnoreAccesses ignore;
             f.scheduler = std::move(caller);
           }
-          Acquire(&s.started);
-          body();
-          Release(&s.finished);
+          for (;;) {
+            const std::function<void()>* body = nullptr;
+            Scheduler* s = nullptr;
+            {
+              IgnoreAccesses ignore;
+              body = f.body;
+              s = scheduler;
+            }
+            if (body == nullptr) break;
+            Acquire(&s->started);
+            (*body)();
+            Release(&s->finished);
+            IgnoreAccesses ignore;
+            f.done = true;
+            SwitchToScheduler(f);  // until its next launch
+          }
           // Ignored to its end: Boost's teardown of the fiber runs as it
-          // (RunThreads ends the ignore and switches TSan back once the
-          // fiber has returned).
+          // (Resume ends the ignore and switches TSan back once the fiber
+          // has returned).
           IgnoreBegin();
-          f.done = true;
-          StartSwitch(nullptr, s.main_stack, s.main_stack_bytes);  // its fake stack goes
+          f.returned = true;
+          StartSwitch(nullptr, main_context.stack, main_context.stack_bytes);  // its fake stack goes
           return std::move(f.scheduler);
         });
     IgnoreEnd();
-    SwitchTsanFiber(s.main_tsan);
-    s.ready.push_back(t);
+    SwitchTsanFiber(main_context.tsan);
   }
-  Scheduler* const outer = scheduler;
-  scheduler = &s;
-  Release(&s.started);
-  int live = threads;
-  while (!s.ready.empty()) {
-    const int t = s.ready.front();
-    s.ready.pop_front();
-    Fiber& f = s.fibers[static_cast<size_t>(t)];
-    s.current = t;
-    thread_idx = f.thread_idx;
-    block_idx = f.block_idx;
-    void* fake_stack = nullptr;
-    StartSwitch(&fake_stack, f.stack, CachedStacks::kBytes);
-    SwitchTsanFiber(f.tsan);
-    f.context = std::move(f.context).resume();
-    if (f.done) {  // it returned here as itself, its accesses ignored
-      void* const main_tsan = s.main_tsan;  // read while ignored
-      IgnoreEnd();
-      SwitchTsanFiber(main_tsan);
-    }
-    FinishSwitch(fake_stack, nullptr, nullptr);
-    f.thread_idx = thread_idx;
-    f.block_idx = block_idx;
-    if (f.done) --live;
-  }
-  scheduler = outer;
-  if (live > 0) {
-    std::fprintf(stderr, "warp_emulator: every live thread waits at a barrier that not all "
-                         "of its threads reach (a hang on a GPU)\n");
+
+  CachedStacks stacks_;  // before the fibers: they return before it goes
+  std::vector<std::unique_ptr<Fiber>> fibers_;
+};
+
+// Runs body() on `threads` of the launching thread's fibers (threadIdx.x =
+// 0 ..), each until it waits at a barrier, in the order Barrier says, until
+// every one has finished it. A barrier that not every thread reaches hangs
+// a GPU; here it stops the test. One launch at a time per thread.
+inline void RunThreads(int threads, const std::function<void()>& body) {
+  IgnoreAccesses ignore;  // the launching thread's bookkeeping, to TSan
+  static thread_local Workers workers;
+  if (scheduler != nullptr) {
+    std::fprintf(stderr, "warp_emulator: a launch from inside a launch\n");
     std::abort();
   }
+  Scheduler s;
+  for (int t = 0; t < threads; ++t) {
+    Fiber& f = workers[t];
+    f.thread_idx = Dim3{static_cast<unsigned>(t), 0, 0};
+    f.block_idx = Dim3{};
+    f.body = &body;
+    f.done = false;
+    s.fibers.push_back(&f);
+    s.ready.push_back(t);
+  }
+  scheduler = &s;
+  Release(&s.started);
+  while (!s.ready.empty()) {
+    s.current = s.ready.front();
+    s.ready.pop_front();
+    workers.Resume(*s.fibers[static_cast<size_t>(s.current)]);
+  }
+  scheduler = nullptr;
+  for (Fiber* f : s.fibers) {
+    if (!f->done) {
+      std::fprintf(stderr, "warp_emulator: every live thread waits at a barrier that not all "
+                           "of its threads reach (a hang on a GPU)\n");
+      std::abort();
+    }
+  }
   Acquire(&s.finished);
-  for (Fiber& f : s.fibers) DestroyTsanFiber(f.tsan);
 }
 
 // Runs kernel() for every block of `blocks` (blockIdx.x) with `threads`
