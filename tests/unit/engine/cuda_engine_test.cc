@@ -1651,17 +1651,19 @@ TEST(CudaEngineTest, SdpaSessionDecodeTilesAndChunks) {
 // Sessions stepped from several threads at once, as the server's batchers
 // step theirs: each call on its own workspace and stream, each session on
 // its own blocks of the engine's one device pool, each equal step by step
-// to its own causal request (a prefill, decodes, an append; a window that
-// releases blocks on one of them). Under scripts/sanitize.sh tsan-cuda,
-// TSan watches the engine's shared state between them.
+// to its own causal request (a prefill, decodes, an append; on one, a
+// window past FirstWindowKey's grain, so that its first blocks are released
+// while the others run). Under scripts/sanitize.sh tsan-cuda, TSan watches
+// the engine's shared state between them.
 TEST(CudaEngineTest, ConcurrentSessionsEachEqualOneCausalRequest) {
   REQUIRE_GPU();
-  const std::vector<int64_t> steps = {19, 1, 1, 4, 1, 1};
   const DType dtypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat16};
   std::vector<std::thread> threads;
   for (int i = 0; i < 4; ++i) {
     threads.emplace_back([&, i] {
-      const SessionOptionsForTest opt = i == 3 ? SessionOptionsForTest{.window = 9}
+      const bool window = i == 3;
+      const std::vector<int64_t> steps = {window ? 270 : 19, 1, 1, 4, 1, 1};
+      const SessionOptionsForTest opt = window ? SessionOptionsForTest{.window = 9}
                                                : SessionOptionsForTest{};
       CheckSdpaSession(dtypes[i], 4, 2, 64, 64, 16, steps, opt, 600 + static_cast<uint32_t>(i));
     });
