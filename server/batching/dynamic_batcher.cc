@@ -10,7 +10,7 @@ namespace attnserve {
 namespace {
 
 // See FormBatchLocked, step 1.
-constexpr absl::Duration kDeadlineTimerSlack = absl::Milliseconds(1);
+constexpr absl::Duration kDeadlineTimerSlack = absl::Milliseconds(50);
 
 // BatcherOptions::refill_wait: after k refill waits in a row missed, the
 // next 2^min(k, kMaxRefillMisses) eligible batches do not wait. A wait hits
@@ -132,10 +132,16 @@ DynamicBatcher::Decision DynamicBatcher::FormBatchLocked(absl::Time now) {
   const size_t before = queue_.size();
   std::deque<std::unique_ptr<InferenceRequest>> kept;
   for (auto& r : queue_) {
-    // A transport also cancels a call whose deadline passed, and its timer
-    // may fire a hair before this clock reaches the deadline: a cancellation
-    // within kDeadlineTimerSlack of the deadline is the deadline, the more
-    // useful answer.
+    // A call's deadline also ends it as a cancellation, which can reach
+    // this queue before this clock reaches the deadline: the transport's
+    // timer may fire a hair early, and a client cancels at its own copy of
+    // the deadline, which started when it sent the call while the server's
+    // started when the call arrived, so its cancellation comes early by
+    // however much longer the call took to arrive than the cancellation
+    // (milliseconds on a loaded host). A cancellation within
+    // kDeadlineTimerSlack of the deadline is the deadline, the more useful
+    // answer (had it stayed, the request would have expired queued anyway
+    // unless its batch closed within that time).
     const bool expired = r->deadline <= now;
     if (expired || r->cancelled()) {
       queued_bytes_ -= r->bytes;
