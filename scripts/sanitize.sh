@@ -151,6 +151,15 @@ tsan_run() {  # BUILD_DIR TEST FILTER NAME [no-skips]
   if [[ ${5:-} == no-skips ]] && grep -q '^\[  SKIPPED \]' "$log"; then status=1; fi
 }
 
+# Configures BUILD_DIR with FLAGS and the CUDA backend (sm_90 only) and builds
+# the emulated module and cuda_engine_test with them (a module links the
+# sanitizer runtimes too).
+emulated_module() {  # BUILD_DIR FLAGS
+  configure "$1" "$2" -DATTNSERVE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
+    -DCMAKE_MODULE_LINKER_FLAGS="$2" -DCMAKE_SHARED_LINKER_FLAGS="$2"
+  cmake --build "$1" -j"$jobs" --target attnserve_cuda_emulated cuda_engine_test
+}
+
 case "$mode" in
   asan)
     build=${2:-build-asan}
@@ -164,11 +173,7 @@ case "$mode" in
     ;;
   asan-cuda)
     build=${2:-build-asan-cuda}
-    # The module is a shared object that links the sanitizer runtimes too.
-    flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
-    configure "$build" "$flags" -DATTNSERVE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
-      -DCMAKE_MODULE_LINKER_FLAGS="$flags" -DCMAKE_SHARED_LINKER_FLAGS="$flags"
-    cmake --build "$build" -j"$jobs" --target attnserve_cuda_emulated cuda_engine_test
+    emulated_module "$build" "-fsanitize=address,undefined -fno-sanitize-recover=undefined"
     asan_env
     ctest --test-dir "$build" --output-on-failure --timeout 3600 -j"$jobs" \
       -R '^cuda_engine_emulated\.'
@@ -217,10 +222,7 @@ case "$mode" in
     mkdir -p "$build"
     build=$(cd "$build" && pwd)
     instrumented_abseil "$build"
-    flags="-fsanitize=thread"
-    configure "$build" "$flags" -DATTNSERVE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
-      -DCMAKE_MODULE_LINKER_FLAGS="$flags" -DCMAKE_SHARED_LINKER_FLAGS="$flags"
-    cmake --build "$build" -j"$jobs" --target attnserve_cuda_emulated cuda_engine_test
+    emulated_module "$build" "-fsanitize=thread"
     tsan_env "$build"
     export ATTNSERVE_CUDA_MODULE=$build/tests/libattnserve_cuda_emulated.so
     status=0

@@ -357,7 +357,7 @@ struct StackOf {
 // and waits again; at the thread's end each is resumed to return.
 class Workers {
  public:
-  Workers() = default;
+  Workers() { main_context.tsan = CurrentTsanFiber(); }  // on the launching thread
   Workers(const Workers&) = delete;
   Workers& operator=(const Workers&) = delete;
   ~Workers() {
@@ -398,7 +398,6 @@ class Workers {
   void Add() {
     fibers_.push_back(std::make_unique<Fiber>());
     Fiber& f = *fibers_.back();
-    main_context.tsan = CurrentTsanFiber();
     // Boost enters a fiber once as it makes it (and leaves it at once): as
     // the fiber to TSan, so that the function that entry leaves unfinished
     // is on the fiber's shadow stack, not the launching thread's.
