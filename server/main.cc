@@ -165,6 +165,11 @@ ABSL_FLAG(int64_t, malloc_mmap_threshold, kDefaults.malloc_mmap_threshold,
           "blocks of at least this many bytes are mmapped and go back to the OS when freed "
           "(0 = glibc's default, which rises up to 32 MiB as large blocks are freed); at most "
           "33554432");
+ABSL_FLAG(int64_t, malloc_trim_threshold, kDefaults.malloc_trim_threshold,
+          "an arena's free memory at its top goes back to the OS at a free only past this many "
+          "bytes; below it, --malloc-trim-interval's trims give it back (0 = glibc's default, "
+          "128 KiB, with which each large request's freed receive buffers are unmapped and "
+          "faulted in again by the next); at most 1073741824");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::FromChrono(kDefaults.shutdown_grace),
           "on SIGTERM/SIGINT, how long accepted requests may take to complete (e.g. 8s, "
           "500ms); requests still queued after it get UNAVAILABLE; the default fits inside "
@@ -379,6 +384,7 @@ int main(int argc, char** argv) {
       absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_malloc_trim_interval));
   options.malloc_arena_max = absl::GetFlag(FLAGS_malloc_arena_max);
   options.malloc_mmap_threshold = absl::GetFlag(FLAGS_malloc_mmap_threshold);
+  options.malloc_trim_threshold = absl::GetFlag(FLAGS_malloc_trim_threshold);
   options.validation.max_multiply_adds = absl::GetFlag(FLAGS_max_multiply_adds);
   absl::StatusOr<attnserve::NonfiniteInputs> nonfinite =
       attnserve::ParseNonfiniteInputs(absl::GetFlag(FLAGS_nonfinite_inputs));
@@ -422,16 +428,20 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "attnserve: %s\n", checked.ToString().c_str());
     return 1;
   }
-  absl::StatusOr<attnserve::MallocConfigured> malloc_set = attnserve::ConfigureMalloc(
-      options.malloc_arena_max, options.malloc_mmap_threshold);
+  absl::StatusOr<attnserve::MallocConfigured> malloc_set =
+      attnserve::ConfigureMalloc({.arena_max = options.malloc_arena_max,
+                                  .mmap_threshold = options.malloc_mmap_threshold,
+                                  .trim_threshold = options.malloc_trim_threshold});
   if (!malloc_set.ok()) {
     std::fprintf(stderr, "attnserve: %s\n", malloc_set.status().ToString().c_str());
     return 1;
   }
   if (!malloc_set->applied) {
     std::fprintf(stderr,
-                 "attnserve: --malloc-arena-max=%d --malloc-mmap-threshold=%lld not applied: %s\n",
+                 "attnserve: --malloc-arena-max=%d --malloc-mmap-threshold=%lld "
+                 "--malloc-trim-threshold=%lld not applied: %s\n",
                  options.malloc_arena_max, static_cast<long long>(options.malloc_mmap_threshold),
+                 static_cast<long long>(options.malloc_trim_threshold),
                  malloc_set->reason.c_str());
   }
 

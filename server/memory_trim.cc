@@ -26,10 +26,10 @@ bool MallocIsGlibcs() {
 #endif
 }
 
-absl::StatusOr<MallocConfigured> ConfigureMallocWith(const MallocControl& control, int arena_max,
-                                                     int64_t mmap_threshold) {
+absl::StatusOr<MallocConfigured> ConfigureMallocWith(const MallocControl& control,
+                                                     const MallocSettings& settings) {
   MallocConfigured done;
-  if (arena_max <= 0 && mmap_threshold <= 0) {
+  if (settings.arena_max <= 0 && settings.mmap_threshold <= 0 && settings.trim_threshold <= 0) {
     done.applied = true;  // nothing asked
     return done;
   }
@@ -39,28 +39,35 @@ absl::StatusOr<MallocConfigured> ConfigureMallocWith(const MallocControl& contro
         "mallopt); its own defaults apply";
     return done;
   }
-  if (arena_max > 0 && control.mallopt(control.arena_max_param, arena_max) != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--malloc-arena-max: glibc refused ", arena_max));
-  }
-  if (mmap_threshold > 0 &&
-      control.mallopt(control.mmap_threshold_param, static_cast<int>(mmap_threshold)) != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--malloc-mmap-threshold: glibc refused ", mmap_threshold));
+  struct Setting {
+    const char* flag;
+    int param;
+    int64_t value;
+  };
+  for (const Setting& s : {Setting{"--malloc-arena-max", control.arena_max_param,
+                                   settings.arena_max},
+                           Setting{"--malloc-mmap-threshold", control.mmap_threshold_param,
+                                   settings.mmap_threshold},
+                           Setting{"--malloc-trim-threshold", control.trim_threshold_param,
+                                   settings.trim_threshold}}) {
+    if (s.value > 0 && control.mallopt(s.param, static_cast<int>(s.value)) != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(s.flag, ": glibc refused ", s.value));
+    }
   }
   done.applied = true;
   return done;
 }
 
-absl::StatusOr<MallocConfigured> ConfigureMalloc(int arena_max, int64_t mmap_threshold) {
+absl::StatusOr<MallocConfigured> ConfigureMalloc(const MallocSettings& settings) {
   MallocControl control;
 #if defined(__GLIBC__)
   control.is_glibc = MallocIsGlibcs();
   control.mallopt = &mallopt;
   control.arena_max_param = M_ARENA_MAX;
   control.mmap_threshold_param = M_MMAP_THRESHOLD;
+  control.trim_threshold_param = M_TRIM_THRESHOLD;
 #endif
-  return ConfigureMallocWith(control, arena_max, mmap_threshold);
+  return ConfigureMallocWith(control, settings);
 }
 
 MemoryTrimmer::MemoryTrimmer(absl::Duration interval)

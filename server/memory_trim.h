@@ -26,16 +26,34 @@ struct MallocConfigured {
   std::string reason;
 };
 
+// glibc's allocator settings for the server's load. 0 in a field leaves
+// glibc's default for it.
+struct MallocSettings {
+  // At most this many arenas (glibc: 8 per core; with many threads each
+  // freed block stays in the arena that made it). --malloc-arena-max.
+  int arena_max = 0;
+  // Every block of at least this many bytes mmapped (glibc: a threshold that
+  // rises to the size of each large block freed, up to 32 MiB, after which
+  // tensors come from the arenas and their pages stay there).
+  // --malloc-mmap-threshold.
+  int64_t mmap_threshold = 0;
+  // An arena gives the free memory at its top back to the OS when a free
+  // leaves more than this many bytes there (glibc: 128 KiB, or twice its
+  // dynamic mmap threshold while that one is in effect; fixing
+  // mmap_threshold fixes this one at 128 KiB). A request's small blocks
+  // (gRPC's receive slices, protobuf's parse) freed together then shrink the
+  // arena by the request's size, and the next request faults every page in
+  // again; a MemoryTrimmer gives such memory back on its interval instead.
+  // --malloc-trim-threshold.
+  int64_t trim_threshold = 0;
+};
+
 // Sets glibc's allocator for such a load, before the server starts its
-// threads: at most `arena_max` arenas (0 leaves glibc's default, 8 per core:
-// with many threads each freed block stays in the arena that made it), and
-// every block of at least `mmap_threshold` bytes mmapped (0 leaves glibc's
-// default, which rises to the size of each large block freed, up to 32 MiB,
-// after which tensors come from the arenas and their pages stay there).
-// Best effort where malloc is not glibc's own (AddressSanitizer, tcmalloc,
-// jemalloc, or no glibc): nothing is set and the result says why. An error,
-// naming the flag and the value, only where glibc's own malloc refuses one.
-absl::StatusOr<MallocConfigured> ConfigureMalloc(int arena_max, int64_t mmap_threshold);
+// threads. Best effort where malloc is not glibc's own (AddressSanitizer,
+// tcmalloc, jemalloc, or no glibc): nothing is set and the result says why.
+// An error, naming the flag and the value, only where glibc's own malloc
+// refuses one.
+absl::StatusOr<MallocConfigured> ConfigureMalloc(const MallocSettings& settings);
 
 // True when the process's malloc is glibc's own, not one interposed by a
 // sanitizer or another allocator.
@@ -45,10 +63,10 @@ bool MallocIsGlibcs();
 struct MallocControl {
   bool is_glibc = false;
   int (*mallopt)(int param, int value) = nullptr;  // glibc's contract: 1 = set
-  int arena_max_param = 0, mmap_threshold_param = 0;
+  int arena_max_param = 0, mmap_threshold_param = 0, trim_threshold_param = 0;
 };
-absl::StatusOr<MallocConfigured> ConfigureMallocWith(const MallocControl& control, int arena_max,
-                                                     int64_t mmap_threshold);
+absl::StatusOr<MallocConfigured> ConfigureMallocWith(const MallocControl& control,
+                                                     const MallocSettings& settings);
 
 // One background thread that calls malloc_trim(0) every `interval` (a no-op
 // where the C library has none). Each call walks every arena under its lock

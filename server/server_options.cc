@@ -60,6 +60,11 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
         "--malloc-mmap-threshold: must be in [0, 33554432] bytes (0 = glibc's default), got ",
         options.malloc_mmap_threshold));
   }
+  if (options.malloc_trim_threshold < 0 || options.malloc_trim_threshold > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--malloc-trim-threshold: must be in [0, 1073741824] bytes (0 = glibc's default), got ",
+        options.malloc_trim_threshold));
+  }
   if (options.validation.max_attention_scores < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max-attention-scores: must be >= 1, got ",

@@ -107,6 +107,12 @@ struct ServerOptions {
   // back to the OS at once (0 = glibc's default: a threshold that rises to
   // 32 MiB as large blocks are freed). At most 32 MiB. Default: 1 MiB.
   int64_t malloc_mmap_threshold = int64_t{1} << 20;
+  // An arena's free top goes back to the OS at a free only past this many
+  // bytes; below it, the trimmer above gives it back (0 = glibc's default,
+  // 128 KiB once the mmap threshold is fixed: every request's freed receive
+  // buffers were unmapped and faulted in again by the next). At most 1 GiB.
+  // Default: 64 MiB.
+  int64_t malloc_trim_threshold = int64_t{64} << 20;
   // Per-request size and work limits (--max-attention-scores,
   // --max-multiply-adds) and what is done with non-finite inputs
   // (--nonfinite-inputs). Default: ValidationOptions{}.

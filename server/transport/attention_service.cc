@@ -50,7 +50,7 @@ AttentionServiceImpl::AttentionServiceImpl(const ModelRegistry* registry,
 }
 
 void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
-                                       const absl::Status& parsed, const ModelAccess& access,
+                                       absl::Time received, const absl::Status& parsed, const ModelAccess& access,
                                        const v1::AttendRequest& request,
                                        const AttendPayloads& payloads,
                                        v1::AttendResponse* response, AttendResults* results,
@@ -58,7 +58,7 @@ void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
   Clock* const clock = dispatcher_->clock();
   auto r = std::make_unique<InferenceRequest>();
   r->id = request.id();
-  r->received = clock->Now();
+  r->received = received;
   r->deadline = ServerDeadline(*context, *clock);
   r->is_cancelled = [context] { return context->IsCancelled(); };
   r->access = access;
@@ -105,6 +105,7 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
   UnaryReactor(AttentionServiceImpl* service, const grpc::CallbackServerContext& context,
                const grpc::ByteBuffer* request_bytes)
       : service_(service),
+        received_(service->dispatcher_->clock()->Now()),
         access_(CallAccess(service->options_.tokens, context)),
         // gRPC owns the (non-const) buffer until OnDone and only frees it
         // then; releasing it now keeps one copy of the inputs, not two.
@@ -121,7 +122,7 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
     // request_, payloads_, response_, context and response_bytes stay valid
     // until OnDone: gRPC frees its part only after the reactor is done.
-    service_->StartAttend(context, parsed_, access_.ok() ? *access_ : ModelAccess::None(),
+    service_->StartAttend(context, received_, parsed_, access_.ok() ? *access_ : ModelAccess::None(),
                           request_, payloads_, &response_, &results_,
                           [this, response_bytes](absl::Status status) {
                             // request_ and response_ are freed in OnDone, as
@@ -145,6 +146,7 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
 
  private:
   AttentionServiceImpl* const service_;
+  const absl::Time received_;  // before the parse: timing.total_us counts it
   const absl::StatusOr<ModelAccess> access_;
   v1::AttendRequest request_;
   AttendPayloads payloads_;  // request_'s tensors' bytes (attend_wire.h)
@@ -187,6 +189,7 @@ void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* conte
     AttendResults results;
   };
   auto* message = new Message;
+  const absl::Time received = dispatcher_->clock()->Now();
   const absl::Status parsed =
       ParseAttendRequest(bytes, "AttendStream message", number, *options_.request_memory,
                          &message->request, &message->payloads);
@@ -195,7 +198,7 @@ void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* conte
   // The stream was authenticated when it opened (AttendStream); its access
   // is the same for every message.
   absl::StatusOr<ModelAccess> access = CallAccess(options_.tokens, *context);
-  StartAttend(context, access.ok() ? parsed : access.status(),
+  StartAttend(context, received, access.ok() ? parsed : access.status(),
               access.ok() ? *access : ModelAccess::None(), message->request, message->payloads,
               message->answer.mutable_response(), &message->results,
               [message, answer = std::move(answer)](absl::Status status) mutable {

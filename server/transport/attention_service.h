@@ -159,7 +159,10 @@ class AttentionServiceImpl final : public AttentionServiceBase, private StreamHa
   // request, payloads, response, results and context must stay valid until
   // it has run.
   // The results are allocated in `results` (options_.request_memory).
-  void StartAttend(grpc::CallbackServerContext* context, const absl::Status& parsed,
+  // `received`: when the call's message was handed to the front end, before
+  // it was parsed (the start of the answer's timing.total_us).
+  void StartAttend(grpc::CallbackServerContext* context, absl::Time received,
+                   const absl::Status& parsed,
                    const ModelAccess& access, const v1::AttendRequest& request,
                    const AttendPayloads& payloads, v1::AttendResponse* response,
                    AttendResults* results, absl::AnyInvocable<void(absl::Status)> done);

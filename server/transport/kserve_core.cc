@@ -271,7 +271,7 @@ void KServeCore::StartInfer(const Call& call, const absl::Status& parsed,
   Clock* const clock = dispatcher_->clock();
   auto r = std::make_unique<InferenceRequest>();
   r->id = request.id();
-  r->received = clock->Now();
+  r->received = call.received == absl::InfinitePast() ? clock->Now() : call.received;
   r->deadline = call.deadline;
   r->is_cancelled = call.is_cancelled;
   r->access = call.access;

@@ -88,6 +88,10 @@ class KServeCore {
 
   // How one inference call arrived.
   struct Call {
+    // When the front end had the call's message, before it parsed it (the
+    // start of the request's total time). InfinitePast: when StartInfer is
+    // called.
+    absl::Time received = absl::InfinitePast();
     // The transport's own deadline (InfiniteFuture: none); the request's
     // `timeout` parameter may shorten it.
     absl::Time deadline = absl::InfiniteFuture();

@@ -404,6 +404,8 @@ int KServeHttpServer::Serve(mg_connection* conn) {
                     "Inference-Header-Content-Length: must be a byte count, got '", h, "'")));
     }
   }
+  // The body is read; from here the request's time is the server's.
+  const absl::Time received = core_->dispatcher()->clock()->Now();
   JsonInferRequest request;
   const absl::Status parsed =
       DecodeJsonInferRequest(&*body, header_length, model, version, &request);
@@ -412,6 +414,7 @@ int KServeHttpServer::Serve(mg_connection* conn) {
   KServeRequest decoded;
   inference::ModelInferResponse response;
   KServeCore::Call call;
+  call.received = received;
   call.access = access;
   call.shutting_down = !counted;
   absl::Notification answered;

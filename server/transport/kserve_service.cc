@@ -71,7 +71,8 @@ absl::Status KServeServiceImpl::Authorize(const grpc::CallbackServerContext& con
 
 // ------------------------------------------------------------- inference
 
-void KServeServiceImpl::StartInfer(grpc::CallbackServerContext* context, const absl::Status& parsed,
+void KServeServiceImpl::StartInfer(grpc::CallbackServerContext* context, absl::Time received,
+                                   const absl::Status& parsed,
                                    const ModelAccess& access,
                                    const inference::ModelInferRequest& request,
                                    absl::Span<const HostBuffer> raw_inputs,
@@ -79,6 +80,7 @@ void KServeServiceImpl::StartInfer(grpc::CallbackServerContext* context, const a
                                    std::vector<HostBuffer>* results,
                                    absl::AnyInvocable<void(absl::Status)> done) {
   KServeCore::Call call;
+  call.received = received;
   call.result_memory = request_memory_.get();
   call.result_buffers = results;
   call.raw_inputs = raw_inputs;
@@ -97,6 +99,7 @@ class KServeServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
   UnaryReactor(KServeServiceImpl* service, const grpc::CallbackServerContext& context,
                const grpc::ByteBuffer* request_bytes)
       : service_(service),
+        received_(service->dispatcher_->clock()->Now()),
         authorized_(service->Authorize(context, "", &access_)),
         // gRPC frees the buffer only at OnDone; releasing it now keeps one
         // copy of the inputs, not two.
@@ -109,7 +112,7 @@ class KServeServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
         counted_(service->calls_.CallStarted()) {}
 
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
-    service_->StartInfer(context, parsed_, access_, request_, raw_inputs_, &decoded_, &response_,
+    service_->StartInfer(context, received_, parsed_, access_, request_, raw_inputs_, &decoded_, &response_,
                          &results_,
                          [this, response_bytes](absl::Status status) {
                            if (status.ok()) {
@@ -130,6 +133,7 @@ class KServeServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
 
  private:
   KServeServiceImpl* const service_;
+  const absl::Time received_;  // before the parse: the request's total time counts it
   ModelAccess access_ = ModelAccess::None();
   const absl::Status authorized_;
   inference::ModelInferRequest request_;
@@ -168,6 +172,7 @@ void KServeServiceImpl::StartStreamMessage(grpc::CallbackServerContext* context,
     std::vector<HostBuffer> results;  // the answer's outputs' bytes (kserve_wire.h)
   };
   auto* message = new Message;
+  const absl::Time received = dispatcher_->clock()->Now();
   const absl::Status parsed =
       ParseModelInferRequest(bytes, "ModelStreamInfer message", number, *request_memory_,
                              &message->request, &message->raw_inputs);
@@ -175,7 +180,7 @@ void KServeServiceImpl::StartStreamMessage(grpc::CallbackServerContext* context,
   // Authenticated when the stream opened; the same access for every message.
   ModelAccess access = ModelAccess::None();
   const absl::Status authorized = Authorize(*context, "", &access);
-  StartInfer(context, authorized.ok() ? parsed : authorized, access, message->request,
+  StartInfer(context, received, authorized.ok() ? parsed : authorized, access, message->request,
              message->raw_inputs, &message->decoded, response, &message->results,
              [message, answer = std::move(answer)](absl::Status status) mutable {
                std::unique_ptr<Message> owned(message);

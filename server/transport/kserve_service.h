@@ -134,7 +134,10 @@ class KServeServiceImpl final : public KServeServiceBase, private StreamHandler 
   // counted). `done` runs exactly once with the final status, `response`
   // filled when OK, its results' bytes in `results` (kserve_wire.h).
   // `access`: the models the caller may use.
-  void StartInfer(grpc::CallbackServerContext* context, const absl::Status& parsed,
+  // `received`: when the message was handed to the front end, before it was
+  // parsed.
+  void StartInfer(grpc::CallbackServerContext* context, absl::Time received,
+                  const absl::Status& parsed,
                   const ModelAccess& access, const inference::ModelInferRequest& request,
                   absl::Span<const HostBuffer> raw_inputs,
                   KServeRequest* decoded, inference::ModelInferResponse* response,

@@ -58,20 +58,24 @@ MallocControl Fake(bool is_glibc, int answer) {
   c.mallopt = &FakeMallopt::Call;
   c.arena_max_param = 101;
   c.mmap_threshold_param = 102;
+  c.trim_threshold_param = 103;
   return c;
 }
 
-TEST(ConfigureMallocTest, SetsBothUnderGlibcsMalloc) {
-  absl::StatusOr<MallocConfigured> done = ConfigureMallocWith(Fake(true, 1), 2, 1 << 20);
+constexpr MallocSettings kServerDefaults{
+    .arena_max = 2, .mmap_threshold = 1 << 20, .trim_threshold = 64 << 20};
+
+TEST(ConfigureMallocTest, SetsEachUnderGlibcsMalloc) {
+  absl::StatusOr<MallocConfigured> done = ConfigureMallocWith(Fake(true, 1), kServerDefaults);
   ASSERT_TRUE(done.ok()) << done.status();
   EXPECT_TRUE(done->applied);
   EXPECT_EQ(FakeMallopt::calls,
-            (std::vector<std::pair<int, int>>{{101, 2}, {102, 1 << 20}}));
+            (std::vector<std::pair<int, int>>{{101, 2}, {102, 1 << 20}, {103, 64 << 20}}));
 }
 
 TEST(ConfigureMallocTest, AnotherAllocatorIsSkippedWithTheReasonNotAnError) {
   // ASan's mallopt answers 0 to everything: never called, never fatal.
-  absl::StatusOr<MallocConfigured> done = ConfigureMallocWith(Fake(false, 0), 2, 1 << 20);
+  absl::StatusOr<MallocConfigured> done = ConfigureMallocWith(Fake(false, 0), kServerDefaults);
   ASSERT_TRUE(done.ok()) << done.status();
   EXPECT_FALSE(done->applied);
   EXPECT_THAT(done->reason, HasSubstr("not glibc's"));
@@ -79,11 +83,15 @@ TEST(ConfigureMallocTest, AnotherAllocatorIsSkippedWithTheReasonNotAnError) {
 }
 
 TEST(ConfigureMallocTest, GlibcRefusingAValueIsAnErrorNamingTheFlag) {
-  absl::StatusOr<MallocConfigured> done = ConfigureMallocWith(Fake(true, 0), 2, 1 << 20);
+  absl::StatusOr<MallocConfigured> done = ConfigureMallocWith(Fake(true, 0), kServerDefaults);
   ASSERT_FALSE(done.ok());
   EXPECT_EQ(done.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(done.status().message(), HasSubstr("--malloc-arena-max: glibc refused 2"));
-  done = ConfigureMallocWith(Fake(true, 1), 0, 1 << 20);  // 0 = glibc's default arenas
+  done = ConfigureMallocWith(Fake(true, 0), {.trim_threshold = 5});
+  ASSERT_FALSE(done.ok());
+  EXPECT_THAT(done.status().message(), HasSubstr("--malloc-trim-threshold: glibc refused 5"));
+  // 0 = glibc's default: not set.
+  done = ConfigureMallocWith(Fake(true, 1), {.mmap_threshold = 1 << 20});
   ASSERT_TRUE(done.ok());
   EXPECT_EQ(FakeMallopt::calls, (std::vector<std::pair<int, int>>{{102, 1 << 20}}));
 }
@@ -91,7 +99,7 @@ TEST(ConfigureMallocTest, GlibcRefusingAValueIsAnErrorNamingTheFlag) {
 TEST(ConfigureMallocTest, ThisProcessGetsAnAnswerNeverAnError) {
   // The real allocator: applied under glibc's malloc, skipped with a reason
   // under a sanitizer's.
-  absl::StatusOr<MallocConfigured> done = ConfigureMalloc(2, int64_t{1} << 20);
+  absl::StatusOr<MallocConfigured> done = ConfigureMalloc(kServerDefaults);
   ASSERT_TRUE(done.ok()) << done.status();
   EXPECT_EQ(done->applied, MallocIsGlibcs()) << done->reason;
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
@@ -109,7 +117,7 @@ TEST(ConfigureMallocTest, FixedThresholdKeepsEveryLargeBlockMmapped) {
     GTEST_SKIP() << "malloc is not glibc's (a sanitizer's replaces it): glibc's mmap threshold "
                     "and mallinfo2 do not describe its blocks";
   }
-  absl::StatusOr<MallocConfigured> done = ConfigureMalloc(2, int64_t{1} << 20);
+  absl::StatusOr<MallocConfigured> done = ConfigureMalloc(kServerDefaults);
   ASSERT_TRUE(done.ok() && done->applied) << done.status();
   const size_t before = mallinfo2().hblks;
   for (int round = 0; round < 4; ++round) {
@@ -121,6 +129,39 @@ TEST(ConfigureMallocTest, FixedThresholdKeepsEveryLargeBlockMmapped) {
     EXPECT_EQ(mallinfo2().hblks, before + 1) << "round " << round;
     std::free(block);
   }
+}
+
+// A request's small blocks (gRPC's receive slices: 4 MiB of 64 KiB here, each
+// under the mmap threshold) freed together: with glibc's 128 KiB trim
+// threshold the arena gives them back to the OS at once, and the next
+// request faults every page in again; with the server's 64 MiB they stay for
+// the next request (the trimmer gives them back on its interval).
+TEST(ConfigureMallocTest, TrimThresholdKeepsARequestsFreedBlocksForTheNext) {
+  if (!MallocIsGlibcs()) {
+    GTEST_SKIP() << "malloc is not glibc's (a sanitizer's replaces it): mallopt and mallinfo2 "
+                    "do not describe its blocks";
+  }
+  // Bytes the arenas hold from the OS, before and after freeing the blocks.
+  auto held = [](int64_t trim_threshold) {
+    MallocSettings settings = kServerDefaults;
+    settings.trim_threshold = trim_threshold;
+    EXPECT_TRUE(ConfigureMalloc(settings).ok());
+    std::vector<void*> blocks;
+    for (int i = 0; i < 64; ++i) {
+      blocks.push_back(std::malloc(size_t{64} << 10));
+      std::memset(blocks.back(), i, size_t{64} << 10);
+    }
+    const size_t before = mallinfo2().arena;
+    for (size_t i = blocks.size(); i-- > 0;) std::free(blocks[i]);
+    return std::make_pair(before, mallinfo2().arena);
+  };
+  const auto [glibc_before, glibc_after] = held(128 << 10);
+  EXPECT_LT(glibc_after + (size_t{2} << 20), glibc_before)
+      << "with glibc's threshold the freed blocks go back to the OS";
+  const auto [server_before, server_after] = held(64 << 20);
+  EXPECT_GE(server_after + (size_t{256} << 10), server_before)
+      << "with the server's threshold the freed blocks stay in the arena";
+  malloc_trim(0);
 }
 #endif
 

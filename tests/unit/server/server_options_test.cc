@@ -50,6 +50,11 @@ TEST(ServerOptionsTest, RejectsBadValuesNamingTheFlag) {
   o.malloc_mmap_threshold = int64_t{64} << 20;
   EXPECT_THAT(message(o), HasSubstr("--malloc-mmap-threshold: must be in [0, 33554432]"));
   o = {};
+  o.malloc_trim_threshold = (int64_t{1} << 30) + 1;
+  EXPECT_THAT(message(o), HasSubstr("--malloc-trim-threshold: must be in [0, 1073741824]"));
+  o.malloc_trim_threshold = -1;
+  EXPECT_THAT(message(o), HasSubstr("--malloc-trim-threshold: must be in [0, 1073741824]"));
+  o = {};
   o.validation.max_attention_scores = 0;
   EXPECT_THAT(message(o), HasSubstr("--max-attention-scores"));
   o = {};
