@@ -283,13 +283,15 @@ struct ValueScan {
 // the CPU has it: baseline x86-64 (SSE2) has a 16-bit integer max but no
 // 32-bit one, so the fp32 scan emulated it in four instructions and ran at a
 // third of the fp16 scan's speed. (Clang 14 multiversions no templates: the
-// clones are the two functions below, the loop inlined into each.)
+// clones are the two functions below, the loop inlined into each.) Not
+// under ThreadSanitizer: the loader calls a clone's resolver before TSan's
+// runtime has started, and TSan instruments the resolver (a segfault at load).
 #if defined(__GNUC__) && !defined(__clang__)
 #define ATTNSERVE_VECTORIZE_LOOP __attribute__((optimize("tree-vectorize")))
 #else
 #define ATTNSERVE_VECTORIZE_LOOP
 #endif
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
 #define ATTNSERVE_VECTORIZE ATTNSERVE_VECTORIZE_LOOP __attribute__((target_clones("avx2", "default")))
 #else
 #define ATTNSERVE_VECTORIZE ATTNSERVE_VECTORIZE_LOOP
