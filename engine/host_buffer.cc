@@ -1,5 +1,6 @@
-// HostBufferPool: size classes, a bounded set of freed buffers for reuse,
-// and the record of buffers handed out (Contains).
+// HostBufferPool: size classes, a bounded set of freed buffers for reuse
+// (given back once unused for a whole ReleaseIdle interval), and the record
+// of buffers handed out (Contains).
 #include "engine/host_buffer.h"
 
 #include <new>
@@ -29,15 +30,22 @@ void HostBuffer::Reset() {
   capacity_ = 0;
 }
 
+HostBufferPool::HostBufferPool(Backing backing, std::vector<IdleTier> tiers)
+    : backing_(std::move(backing)), tiers_(std::move(tiers)), tier_idle_bytes_(tiers_.size(), 0) {}
+
 HostBufferPool::HostBufferPool(Backing backing, size_t max_idle_bytes, size_t max_idle_buffer)
-    : backing_(std::move(backing)),
-      max_idle_bytes_(max_idle_bytes),
-      max_idle_buffer_(max_idle_buffer) {}
+    : HostBufferPool(std::move(backing), {IdleTier{max_idle_buffer, max_idle_bytes}}) {}
+
+size_t HostBufferPool::TierOf(size_t capacity) const {
+  size_t tier = 0;
+  while (tier < tiers_.size() && capacity > tiers_[tier].max_buffer) ++tier;
+  return tier;
+}
 
 HostBufferPool::~HostBufferPool() {
   // Every buffer holds the pool, so none is out any more.
   for (auto& [capacity, buffers] : idle_) {
-    for (char* data : buffers) backing_.release(data, capacity);
+    for (const Idle& idle : buffers) backing_.release(idle.data, capacity);
   }
 }
 
@@ -46,7 +54,8 @@ std::shared_ptr<HostBufferPool> HostBufferPool::Ordinary() {
   return std::make_shared<HostBufferPool>(
       Backing{[=](size_t bytes) -> void* { return ::operator new(bytes, kAlign, std::nothrow); },
               [=](void* data, size_t) { ::operator delete(data, kAlign); }},
-      size_t{16} << 20, size_t{4} << 20);
+      std::vector<IdleTier>{{size_t{4} << 20, size_t{16} << 20},
+                            {size_t{64} << 20, size_t{128} << 20}});
 }
 
 size_t HostBufferPool::SizeClass(size_t bytes) {
@@ -67,9 +76,10 @@ absl::StatusOr<HostBuffer> HostBufferPool::Allocate(size_t bytes) {
     absl::MutexLock lock(&mu_);
     auto it = idle_.find(capacity);
     if (it != idle_.end() && !it->second.empty()) {
-      data = it->second.back();
+      // The most recently freed: the older ones age out.
+      data = it->second.back().data;
       it->second.pop_back();
-      idle_bytes_ -= capacity;
+      tier_idle_bytes_[TierOf(capacity)] -= capacity;
     }
   }
   if (data == nullptr) data = static_cast<char*>(backing_.allocate(capacity));
@@ -92,9 +102,10 @@ void HostBufferPool::Give(char* data, size_t capacity) {
   {
     absl::MutexLock lock(&mu_);
     out_.erase(reinterpret_cast<uintptr_t>(data));
-    if (capacity <= max_idle_buffer_ && idle_bytes_ + capacity <= max_idle_bytes_) {
-      idle_[capacity].push_back(data);
-      idle_bytes_ += capacity;
+    const size_t tier = TierOf(capacity);
+    if (tier < tiers_.size() && tier_idle_bytes_[tier] + capacity <= tiers_[tier].max_bytes) {
+      idle_[capacity].push_back(Idle{data, false});
+      tier_idle_bytes_[tier] += capacity;
       return;
     }
   }
@@ -110,9 +121,37 @@ bool HostBufferPool::Contains(const void* data, size_t bytes) const {
   return begin - it->first + bytes <= it->second;
 }
 
+size_t HostBufferPool::ReleaseIdle() {
+  std::vector<std::pair<char*, size_t>> released;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [capacity, buffers] : idle_) {
+      size_t kept = 0;
+      for (Idle& idle : buffers) {
+        if (idle.seen_by_release) {
+          released.emplace_back(idle.data, capacity);
+          tier_idle_bytes_[TierOf(capacity)] -= capacity;
+        } else {
+          idle.seen_by_release = true;
+          buffers[kept++] = idle;
+        }
+      }
+      buffers.resize(kept);
+    }
+  }
+  size_t bytes = 0;
+  for (const auto& [data, capacity] : released) {
+    backing_.release(data, capacity);
+    bytes += capacity;
+  }
+  return bytes;
+}
+
 size_t HostBufferPool::idle_bytes() const {
   absl::MutexLock lock(&mu_);
-  return idle_bytes_;
+  size_t bytes = 0;
+  for (size_t b : tier_idle_bytes_) bytes += b;
+  return bytes;
 }
 
 }  // namespace attnserve

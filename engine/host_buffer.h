@@ -4,8 +4,8 @@
 // CUDA engine: page-locked memory, which the GPU copies from directly)
 // provides the pool its front ends allocate from
 // (AttentionEngine::request_memory); the others read ordinary memory, from a
-// pool that keeps a few freed buffers so that a large request does not fault
-// in fresh pages every time.
+// pool that keeps freed buffers so that a large request does not fault in
+// fresh pages every time, and gives back those that stay unused.
 #ifndef ATTNSERVE_ENGINE_HOST_BUFFER_H_
 #define ATTNSERVE_ENGINE_HOST_BUFFER_H_
 
@@ -59,16 +59,33 @@ class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
     std::function<void*(size_t bytes)> allocate;
     std::function<void(void* data, size_t bytes)> release;
   };
-  // Freed buffers are kept for reuse as long as each is at most
-  // `max_idle_buffer` bytes and all kept ones together at most
-  // `max_idle_bytes`; the rest go back to the backing at once.
+  // Which freed buffers are kept for reuse: a buffer belongs to the first
+  // tier whose `max_buffer` it fits, and is kept while that tier's kept
+  // buffers total at most `max_bytes`; the rest go back to the backing at
+  // once, as does a buffer that fits no tier.
+  struct IdleTier {
+    size_t max_buffer;
+    size_t max_bytes;
+  };
+  HostBufferPool(Backing backing, std::vector<IdleTier> tiers);
+  // One tier: buffers of at most `max_idle_buffer` bytes, `max_idle_bytes`
+  // in all.
   HostBufferPool(Backing backing, size_t max_idle_bytes, size_t max_idle_buffer);
   ~HostBufferPool();
 
-  // Ordinary memory (aligned operator new), keeping at most 16 MiB of
-  // freed buffers of at most 4 MiB each: enough for the requests a busy
-  // server recycles, little against its memory limits.
+  // Ordinary memory (aligned operator new). Kept: up to 16 MiB of buffers
+  // of at most 4 MiB (the many sizes of small requests), and up to 128 MiB
+  // of buffers of at most 64 MiB (a 16 MiB request whose input and answer
+  // were not kept faulted 8192 fresh pages in, as long as its attention
+  // took). ReleaseIdle gives back what stays unused.
   static std::shared_ptr<HostBufferPool> Ordinary();
+
+  // Gives back to the backing every kept buffer that has not been handed
+  // out again since the previous call; returns their bytes. Called on an
+  // interval (the server's --malloc-trim-interval), what a burst of large
+  // requests left behind goes back within two intervals, while a steady
+  // load keeps reusing its buffers.
+  size_t ReleaseIdle();
 
   // A buffer of `bytes` (0 allowed: an empty buffer that owns nothing).
   // ResourceExhausted when the backing has no memory.
@@ -89,12 +106,18 @@ class HostBufferPool : public std::enable_shared_from_this<HostBufferPool> {
   friend class HostBuffer;
   void Give(char* data, size_t capacity);
 
+  // The tier a buffer of `capacity` belongs to; tiers_.size() if none.
+  size_t TierOf(size_t capacity) const;
+
   const Backing backing_;
-  const size_t max_idle_bytes_;
-  const size_t max_idle_buffer_;
+  const std::vector<IdleTier> tiers_;
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<size_t, std::vector<char*>> idle_ ABSL_GUARDED_BY(mu_);  // by size class
-  size_t idle_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  struct Idle {
+    char* data;
+    bool seen_by_release;  // idle when ReleaseIdle last ran: goes at the next
+  };
+  absl::flat_hash_map<size_t, std::vector<Idle>> idle_ ABSL_GUARDED_BY(mu_);  // by size class
+  std::vector<size_t> tier_idle_bytes_ ABSL_GUARDED_BY(mu_);  // per tier
   std::map<uintptr_t, size_t> out_ ABSL_GUARDED_BY(mu_);  // start -> capacity, handed out
 };
 

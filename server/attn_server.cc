@@ -144,7 +144,13 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
                            server->metrics_.get());
   }
   AttentionServiceOptions service_options;
+  // One pool for every front end's tensors: the engine's (page-locked for
+  // the CUDA engine) or ordinary memory.
   service_options.request_memory = shared_engine->request_memory();
+  if (service_options.request_memory == nullptr) {
+    service_options.request_memory = HostBufferPool::Ordinary();
+  }
+  server->request_memory_ = service_options.request_memory;
   if (!options.auth_token_file.empty()) {
     absl::StatusOr<BearerTokens> tokens = BearerTokens::FromFile(options.auth_token_file);
     if (!tokens.ok()) {
@@ -244,8 +250,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   const size_t colon = options.address.rfind(':');
   server->address_ = absl::StrCat(options.address.substr(0, colon), ":", server->port_);
   if (options.malloc_trim_interval.count() > 0) {
-    server->trimmer_ =
-        std::make_unique<MemoryTrimmer>(absl::FromChrono(options.malloc_trim_interval));
+    server->trimmer_ = std::make_unique<MemoryTrimmer>(
+        absl::FromChrono(options.malloc_trim_interval),
+        [memory = server->request_memory_] { memory->ReleaseIdle(); });
   }
   return server;
 }

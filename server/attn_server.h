@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "engine/host_buffer.h"
 #include "grpcpp/server.h"
 #include "server/batching/batching_scheduler.h"
 #include "server/dispatch/request_dispatcher.h"
@@ -94,6 +95,8 @@ class AttnServer {
   std::unique_ptr<KServeCore> kserve_core_;
   std::unique_ptr<KServeHttpServer> http_;
   std::string warmup_summary_;
+  // The front ends' tensor memory; the trimmer gives its unused buffers back.
+  std::shared_ptr<HostBufferPool> request_memory_;
   std::unique_ptr<MemoryTrimmer> trimmer_;  // null when the interval is 0
   std::string address_;
   int port_ = 0;

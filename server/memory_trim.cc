@@ -7,6 +7,8 @@
 #include <malloc.h>
 #endif
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 
 namespace attnserve {
@@ -70,8 +72,8 @@ absl::StatusOr<MallocConfigured> ConfigureMalloc(const MallocSettings& settings)
   return ConfigureMallocWith(control, settings);
 }
 
-MemoryTrimmer::MemoryTrimmer(absl::Duration interval)
-    : interval_(interval), thread_([this] { Loop(); }) {}
+MemoryTrimmer::MemoryTrimmer(absl::Duration interval, std::function<void()> before_trim)
+    : interval_(interval), before_trim_(std::move(before_trim)), thread_([this] { Loop(); }) {}
 
 MemoryTrimmer::~MemoryTrimmer() {
   {
@@ -89,6 +91,7 @@ void MemoryTrimmer::Loop() {
     mu_.AwaitWithTimeout(absl::Condition(&stop_), interval_);
     if (stop_) return;
     mu_.Unlock();
+    if (before_trim_) before_trim_();
 #if defined(__GLIBC__)
     malloc_trim(0);
 #endif

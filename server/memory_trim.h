@@ -7,6 +7,7 @@
 #define ATTNSERVE_SERVER_MEMORY_TRIM_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -75,7 +76,9 @@ absl::StatusOr<MallocConfigured> ConfigureMallocWith(const MallocControl& contro
 // (and joins) in the destructor.
 class MemoryTrimmer {
  public:
-  explicit MemoryTrimmer(absl::Duration interval);
+  // `before_trim`, if set, runs on the trimmer's thread before each trim
+  // (the server gives its request memory's unused buffers back there).
+  explicit MemoryTrimmer(absl::Duration interval, std::function<void()> before_trim = nullptr);
   ~MemoryTrimmer();
   MemoryTrimmer(const MemoryTrimmer&) = delete;
   MemoryTrimmer& operator=(const MemoryTrimmer&) = delete;
@@ -84,6 +87,7 @@ class MemoryTrimmer {
   void Loop();
 
   const absl::Duration interval_;
+  const std::function<void()> before_trim_;
   absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;

@@ -114,6 +114,42 @@ TEST(HostBufferPoolTest, IdleMemoryStaysWithinItsLimits) {
   EXPECT_EQ(backing.releases, backing.allocations);
 }
 
+TEST(HostBufferPoolTest, ReleaseIdleGivesBackWhatStayedUnusedForAWholeInterval) {
+  CountingBacking backing;
+  auto pool = std::make_shared<HostBufferPool>(backing.Make(), 1 << 20, 1 << 20);
+  const size_t a_class = HostBufferPool::SizeClass(10000);
+  const size_t b_class = HostBufferPool::SizeClass(100000);
+  {
+    absl::StatusOr<HostBuffer> a = pool->Allocate(10000);
+    absl::StatusOr<HostBuffer> b = pool->Allocate(100000);
+    ASSERT_TRUE(a.ok() && b.ok());
+  }
+  ASSERT_EQ(pool->idle_bytes(), a_class + b_class);
+  // Freed since the last call (there was none): kept one more interval.
+  EXPECT_EQ(pool->ReleaseIdle(), 0u);
+  EXPECT_EQ(backing.releases, 0);
+  // `a`'s class is used again in the interval; `b`'s is not.
+  {
+    absl::StatusOr<HostBuffer> a = pool->Allocate(9000);
+    ASSERT_TRUE(a.ok());
+  }
+  EXPECT_EQ(backing.allocations, 2) << "the kept buffer was reused";
+  EXPECT_EQ(pool->ReleaseIdle(), b_class);
+  EXPECT_EQ(backing.releases, 1);
+  EXPECT_EQ(pool->idle_bytes(), a_class);
+  // Now `a` too stays unused for a whole interval.
+  EXPECT_EQ(pool->ReleaseIdle(), a_class);
+  EXPECT_EQ(pool->idle_bytes(), 0u);
+  EXPECT_EQ(backing.live_bytes, 0u);
+  // A released class is allocated afresh, and kept again.
+  {
+    absl::StatusOr<HostBuffer> b = pool->Allocate(100000);
+    ASSERT_TRUE(b.ok());
+  }
+  EXPECT_EQ(backing.allocations, 3);
+  EXPECT_EQ(pool->idle_bytes(), b_class);
+}
+
 TEST(HostBufferPoolTest, ContainsOnlyTheBytesOfBuffersHandedOut) {
   CountingBacking backing;
   auto pool = std::make_shared<HostBufferPool>(backing.Make(), 1 << 20, 1 << 20);
@@ -166,7 +202,76 @@ TEST(HostBufferPoolTest, OrdinaryMemoryIsAlignedAndWritable) {
     EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data()) % 64, 0u);
     std::memset(b->data(), 3, n);
   }
-  EXPECT_LE(pool->idle_bytes(), size_t{16} << 20);
+  EXPECT_LE(pool->idle_bytes(), size_t{128} << 20);
+}
+
+// A 16 MiB request's input and answer are kept for the next one (faulting
+// 32 MiB of fresh pages in per request cost as much as its attention), up
+// to 128 MiB; a buffer over 64 MiB is not kept; buffers of at most 4 MiB
+// keep their own 16 MiB.
+TEST(HostBufferPoolTest, OrdinaryMemoryKeepsLargeRequestsBuffers) {
+  std::shared_ptr<HostBufferPool> pool = HostBufferPool::Ordinary();
+  const size_t mib16 = size_t{16} << 20;
+  {
+    absl::StatusOr<HostBuffer> in = pool->Allocate(mib16);
+    absl::StatusOr<HostBuffer> out = pool->Allocate(mib16);
+    ASSERT_TRUE(in.ok() && out.ok());
+  }
+  EXPECT_EQ(pool->idle_bytes(), 2 * mib16);
+  {
+    absl::StatusOr<HostBuffer> huge = pool->Allocate((size_t{64} << 20) + 1);
+    ASSERT_TRUE(huge.ok());
+  }
+  EXPECT_EQ(pool->idle_bytes(), 2 * mib16);
+  {
+    std::vector<HostBuffer> held;
+    for (int i = 0; i < 10; ++i) {
+      absl::StatusOr<HostBuffer> b = pool->Allocate(mib16);
+      ASSERT_TRUE(b.ok());
+      held.push_back(*std::move(b));
+    }
+  }
+  EXPECT_EQ(pool->idle_bytes(), size_t{128} << 20);
+  {
+    std::vector<HostBuffer> held;
+    for (int i = 0; i < 10; ++i) {
+      absl::StatusOr<HostBuffer> b = pool->Allocate(size_t{2} << 20);
+      ASSERT_TRUE(b.ok());
+      held.push_back(*std::move(b));
+    }
+  }
+  EXPECT_EQ(pool->idle_bytes(), size_t{(128 + 16)} << 20);
+  pool->ReleaseIdle();
+  EXPECT_EQ(pool->ReleaseIdle(), size_t{(128 + 16)} << 20);
+}
+
+TEST(HostBufferPoolTest, EachTierKeepsItsOwnBytes) {
+  CountingBacking backing;
+  auto pool = std::make_shared<HostBufferPool>(
+      backing.Make(), std::vector<HostBufferPool::IdleTier>{{8 << 10, 16 << 10},
+                                                            {64 << 10, 64 << 10}});
+  {
+    std::vector<HostBuffer> held;
+    for (int i = 0; i < 3; ++i) {
+      for (size_t n : {size_t{8} << 10, size_t{32} << 10}) {
+        absl::StatusOr<HostBuffer> b = pool->Allocate(n);
+        ASSERT_TRUE(b.ok());
+        held.push_back(*std::move(b));
+      }
+    }
+    absl::StatusOr<HostBuffer> over = pool->Allocate(80 << 10);  // fits no tier
+    ASSERT_TRUE(over.ok());
+    held.push_back(*std::move(over));
+  }
+  // Two 8 KiB buffers fill the first tier, two 32 KiB the second; the third
+  // of each and the 80 KiB one went back.
+  EXPECT_EQ(pool->idle_bytes(), size_t{(16 + 64)} << 10);
+  EXPECT_EQ(backing.releases, 3);
+  // Reusing the first tier's buffers frees room in that tier only.
+  absl::StatusOr<HostBuffer> a = pool->Allocate(8 << 10);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(backing.allocations, 7);
+  EXPECT_EQ(pool->idle_bytes(), size_t{(8 + 64)} << 10);
 }
 
 // Run under TSan by scripts/sanitize.sh tsan.

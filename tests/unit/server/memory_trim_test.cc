@@ -6,9 +6,11 @@
 // malloc refuses is an error naming the flag.
 #include "server/memory_trim.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -36,6 +38,21 @@ TEST(MemoryTrimmerTest, TrimsWhileOtherThreadsAllocate) {
     std::vector<std::vector<char>> blocks;
     for (int i = 0; i < 16; ++i) blocks.emplace_back(static_cast<size_t>(1) << (10 + i % 10));
   }
+}
+
+TEST(MemoryTrimmerTest, RunsItsHookBeforeEachTrim) {
+  std::atomic<int> runs{0};
+  {
+    MemoryTrimmer trimmer(absl::Milliseconds(1), [&runs] { runs.fetch_add(1); });
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (runs.load() < 3 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  EXPECT_GE(runs.load(), 3);
+  const int after_stop = runs.load();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(runs.load(), after_stop) << "the hook ran after the trimmer stopped";
 }
 
 using ::testing::HasSubstr;
