@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -145,12 +146,13 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   }
   AttentionServiceOptions service_options;
   // One pool for every front end's tensors: the engine's (page-locked for
-  // the CUDA engine) or ordinary memory.
+  // the CUDA engine, which keeps what it pinned) or ordinary memory, whose
+  // unused buffers the trimmer gives back.
   service_options.request_memory = shared_engine->request_memory();
   if (service_options.request_memory == nullptr) {
     service_options.request_memory = HostBufferPool::Ordinary();
+    server->ordinary_request_memory_ = service_options.request_memory;
   }
-  server->request_memory_ = service_options.request_memory;
   if (!options.auth_token_file.empty()) {
     absl::StatusOr<BearerTokens> tokens = BearerTokens::FromFile(options.auth_token_file);
     if (!tokens.ok()) {
@@ -250,9 +252,12 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   const size_t colon = options.address.rfind(':');
   server->address_ = absl::StrCat(options.address.substr(0, colon), ":", server->port_);
   if (options.malloc_trim_interval.count() > 0) {
+    std::function<void()> before_trim;
+    if (server->ordinary_request_memory_ != nullptr) {
+      before_trim = [memory = server->ordinary_request_memory_] { memory->ReleaseIdle(); };
+    }
     server->trimmer_ = std::make_unique<MemoryTrimmer>(
-        absl::FromChrono(options.malloc_trim_interval),
-        [memory = server->request_memory_] { memory->ReleaseIdle(); });
+        absl::FromChrono(options.malloc_trim_interval), std::move(before_trim));
   }
   return server;
 }

@@ -95,8 +95,9 @@ class AttnServer {
   std::unique_ptr<KServeCore> kserve_core_;
   std::unique_ptr<KServeHttpServer> http_;
   std::string warmup_summary_;
-  // The front ends' tensor memory; the trimmer gives its unused buffers back.
-  std::shared_ptr<HostBufferPool> request_memory_;
+  // The front ends' tensor memory when the engine has none of its own
+  // (null otherwise); the trimmer gives its unused buffers back.
+  std::shared_ptr<HostBufferPool> ordinary_request_memory_;
   std::unique_ptr<MemoryTrimmer> trimmer_;  // null when the interval is 0
   std::string address_;
   int port_ = 0;
