@@ -292,7 +292,8 @@ struct ValueScan {
 #define ATTNSERVE_VECTORIZE_LOOP
 #endif
 #if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
-#define ATTNSERVE_VECTORIZE ATTNSERVE_VECTORIZE_LOOP __attribute__((target_clones("avx2", "default")))
+#define ATTNSERVE_VECTORIZE \
+  ATTNSERVE_VECTORIZE_LOOP __attribute__((target_clones("avx2", "default")))
 #else
 #define ATTNSERVE_VECTORIZE ATTNSERVE_VECTORIZE_LOOP
 #endif

@@ -50,7 +50,8 @@ AttentionServiceImpl::AttentionServiceImpl(const ModelRegistry* registry,
 }
 
 void AttentionServiceImpl::StartAttend(grpc::CallbackServerContext* context,
-                                       absl::Time received, const absl::Status& parsed, const ModelAccess& access,
+                                       absl::Time received, const absl::Status& parsed,
+                                       const ModelAccess& access,
                                        const v1::AttendRequest& request,
                                        const AttendPayloads& payloads,
                                        v1::AttendResponse* response, AttendResults* results,
@@ -122,8 +123,9 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
     // request_, payloads_, response_, context and response_bytes stay valid
     // until OnDone: gRPC frees its part only after the reactor is done.
-    service_->StartAttend(context, received_, parsed_, access_.ok() ? *access_ : ModelAccess::None(),
-                          request_, payloads_, &response_, &results_,
+    service_->StartAttend(context, received_, parsed_,
+                          access_.ok() ? *access_ : ModelAccess::None(), request_, payloads_,
+                          &response_, &results_,
                           [this, response_bytes](absl::Status status) {
                             // request_ and response_ are freed in OnDone, as
                             // gRPC freed its messages: not while the client

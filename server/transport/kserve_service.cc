@@ -112,8 +112,8 @@ class KServeServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
         counted_(service->calls_.CallStarted()) {}
 
   void Start(grpc::CallbackServerContext* context, grpc::ByteBuffer* response_bytes) {
-    service_->StartInfer(context, received_, parsed_, access_, request_, raw_inputs_, &decoded_, &response_,
-                         &results_,
+    service_->StartInfer(context, received_, parsed_, access_, request_, raw_inputs_, &decoded_,
+                         &response_, &results_,
                          [this, response_bytes](absl::Status status) {
                            if (status.ok()) {
                              status = SerializeModelInferResponse(
