@@ -13,7 +13,8 @@ import numpy as np
 
 from ._stubs import attention_pb2
 from .errors import AttnServeError, from_status_value
-from .tensors import DTypeLike, decode_tensor, dtype_enum, encode_tensor
+from ._wire import PreparedRequest
+from .tensors import DTypeLike, decode_tensor, dtype_enum, tensor_payload
 
 PemSource = Union[bytes, str, "os.PathLike[str]", None]
 Metadata = Sequence[Tuple[str, str]]
@@ -32,6 +33,37 @@ class AttendResult:
     session_length: int = 0  # session requests: tokens cached after this one
 
 
+def prepare_request(query: Any, key: Any = None, value: Any = None, *, model: str = "",
+                    causal: bool = False, key_lengths: Any = None, attn_mask: Any = None,
+                    scale: float = 0.0, need_weights: bool = False, average_weights: bool = False,
+                    output_dtype: DTypeLike = None, input_dtype: DTypeLike = None,
+                    request_id: str = "", session_id: str = "", positions: Any = None,
+                    window: int = 0, softcap: float = 0.0, sinks: Any = None) -> PreparedRequest:
+    """What attend() sends, with the tensors' data still in numpy arrays (the
+    callers' own where no conversion is needed). build_request's arguments."""
+    req = attention_pb2.AttendRequest(
+        model=model, id=request_id, causal=causal, scale=scale,
+        need_weights=need_weights or average_weights, average_weights=average_weights,
+        session_id=session_id, window=int(window), softcap=float(softcap))
+    tensors = {}  # field name -> (DataType, shape, data)
+    if positions is not None:
+        req.positions.extend(int(p) for p in np.asarray(positions).reshape(-1))
+    if sinks is not None:
+        req.sinks.extend(float(x) for x in np.asarray(sinks, dtype=np.float32).reshape(-1))
+    tensors["query"] = tensor_payload(query, input_dtype)
+    if key is not None:
+        tensors["key"] = tensor_payload(key, input_dtype)
+    if value is not None:
+        tensors["value"] = tensor_payload(value, input_dtype)
+    if key_lengths is not None:
+        req.key_lengths.extend(int(n) for n in np.asarray(key_lengths).reshape(-1))
+    if attn_mask is not None:
+        tensors["attn_mask"] = tensor_payload(attn_mask)
+    if output_dtype is not None:
+        req.output_dtype = dtype_enum(output_dtype)
+    return PreparedRequest(req, tensors)
+
+
 def build_request(query: Any, key: Any = None, value: Any = None, *, model: str = "",
                   causal: bool = False, key_lengths: Any = None, attn_mask: Any = None,
                   scale: float = 0.0, need_weights: bool = False, average_weights: bool = False,
@@ -43,30 +75,17 @@ def build_request(query: Any, key: Any = None, value: Any = None, *, model: str 
     query/key/value (e.g. "bf16"); masks keep their own dtype. positions:
     integers [B, Lk] (RoPE models); window, softcap, sinks [Hq]: per request
     on models without projections."""
-    req = attention_pb2.AttendRequest(
-        model=model, id=request_id, causal=causal, scale=scale,
-        need_weights=need_weights or average_weights, average_weights=average_weights,
-        session_id=session_id, window=int(window), softcap=float(softcap))
-    if positions is not None:
-        req.positions.extend(int(p) for p in np.asarray(positions).reshape(-1))
-    if sinks is not None:
-        req.sinks.extend(float(x) for x in np.asarray(sinks, dtype=np.float32).reshape(-1))
-    req.query.CopyFrom(encode_tensor(query, input_dtype))
-    if key is not None:
-        req.key.CopyFrom(encode_tensor(key, input_dtype))
-    if value is not None:
-        req.value.CopyFrom(encode_tensor(value, input_dtype))
-    if key_lengths is not None:
-        req.key_lengths.extend(int(n) for n in np.asarray(key_lengths).reshape(-1))
-    if attn_mask is not None:
-        req.attn_mask.CopyFrom(encode_tensor(attn_mask))
-    if output_dtype is not None:
-        req.output_dtype = dtype_enum(output_dtype)
-    return req
+    return prepare_request(
+        query, key, value, model=model, causal=causal, key_lengths=key_lengths,
+        attn_mask=attn_mask, scale=scale, need_weights=need_weights,
+        average_weights=average_weights, output_dtype=output_dtype, input_dtype=input_dtype,
+        request_id=request_id, session_id=session_id, positions=positions, window=window,
+        softcap=softcap, sinks=sinks).to_message()
 
 
-def as_request(item: Any) -> "attention_pb2.AttendRequest":
-    """A stream item: an AttendRequest, or a dict of attend()'s arguments."""
+def as_request(item: Any) -> Union["attention_pb2.AttendRequest", PreparedRequest]:
+    """A stream item: an AttendRequest as it is, or a dict of attend()'s
+    arguments as the PreparedRequest it makes."""
     if isinstance(item, attention_pb2.AttendRequest):
         return item
     if isinstance(item, Mapping):
@@ -76,7 +95,7 @@ def as_request(item: Any) -> "attention_pb2.AttendRequest":
         session = kwargs.pop("session", None)
         if session is not None:
             kwargs["session_id"] = session_id_of(session)
-        return build_request(**kwargs)
+        return prepare_request(**kwargs)
     raise TypeError(f"stream items are AttendRequest messages or dicts of attend() arguments, "
                     f"got {type(item).__name__}")
 
@@ -206,7 +225,7 @@ class StreamOrder:
         self.return_exceptions = return_exceptions
         self.send_error: Optional[BaseException] = None
 
-    def wrap(self, requests: Iterable[Any]) -> Iterator["attention_pb2.AttendRequest"]:
+    def wrap(self, requests: Iterable[Any]) -> Iterator[Any]:
         """The request iterator gRPC consumes; keeps the error of a bad item."""
         try:
             for item in requests:
@@ -215,7 +234,7 @@ class StreamOrder:
             self.send_error = e
             raise
 
-    async def wrap_async(self, requests: Any) -> AsyncIterator["attention_pb2.AttendRequest"]:
+    async def wrap_async(self, requests: Any) -> AsyncIterator[Any]:
         """wrap() for an iterable or an async iterable."""
         try:
             if hasattr(requests, "__aiter__"):
@@ -228,18 +247,22 @@ class StreamOrder:
             self.send_error = e
             raise
 
-    def sent(self, item: Any) -> "attention_pb2.AttendRequest":
+    def sent(self, item: Any) -> Union["attention_pb2.AttendRequest", PreparedRequest]:
         req = as_request(item)
         with self._lock:
             if not req.id:
-                clone = attention_pb2.AttendRequest()
-                clone.CopyFrom(req)
                 while True:
                     self._auto += 1
-                    clone.id = f"attnserve-client-{self._auto}"
-                    if clone.id not in self._seen:
+                    auto_id = f"attnserve-client-{self._auto}"
+                    if auto_id not in self._seen:
                         break
-                req = clone
+                if isinstance(req, PreparedRequest):
+                    req = req.with_id(auto_id)
+                else:  # the caller's message stays as it was
+                    clone = attention_pb2.AttendRequest()
+                    clone.CopyFrom(req)
+                    clone.id = auto_id
+                    req = clone
             elif req.id in self._seen:
                 raise ValueError(f"AttendStream request id {req.id!r} appears twice in this stream; "
                                  "ids must be unique (leave id empty to have one assigned)")

@@ -6,7 +6,7 @@ from typing import Any, AsyncIterator, List, Optional, Sequence, Tuple
 import grpc
 import grpc.aio
 
-from . import _common
+from . import _common, _wire
 from ._common import AttendResult, Metadata, PemSource, build_request, decode_response
 from ._stubs import attention_pb2, attention_pb2_grpc, health_pb2, health_pb2_grpc
 from .errors import NotFoundError, from_rpc_error
@@ -75,6 +75,7 @@ class AsyncAttentionClient:
         self._channel = channel
         self.stub = attention_pb2_grpc.AttentionServiceStub(channel)
         self.health_stub = health_pb2_grpc.HealthStub(channel)
+        self._methods = _wire.AttendMethods(channel)  # sends attend()'s arrays without copies
 
     async def close(self) -> None:
         await self._channel.close()
@@ -102,7 +103,8 @@ class AsyncAttentionClient:
     async def attend_request(self, request: "attention_pb2.AttendRequest", *,
                              timeout: Optional[float] = None, bf16_bits: bool = False,
                              metadata: Optional[Metadata] = None) -> AttendResult:
-        return decode_response(await self._call(self.stub.Attend, request, timeout, metadata), bf16_bits)
+        """See AttentionClient.attend_request."""
+        return decode_response(await self._call(self._methods.attend, request, timeout, metadata), bf16_bits)
 
     async def attend(self, query: Any, key: Any = None, value: Any = None, *, model: str = "",
                      causal: bool = False, key_lengths: Any = None, attn_mask: Any = None,
@@ -113,12 +115,12 @@ class AsyncAttentionClient:
                      positions: Any = None, window: int = 0, softcap: float = 0.0,
                      sinks: Any = None) -> AttendResult:
         """See AttentionClient.attend."""
-        req = build_request(query, key, value, model=model, causal=causal, key_lengths=key_lengths,
-                            attn_mask=attn_mask, scale=scale, need_weights=need_weights,
-                            average_weights=average_weights, output_dtype=output_dtype,
-                            input_dtype=input_dtype, request_id=request_id,
-                            session_id=_common.session_id_of(session), positions=positions,
-                            window=window, softcap=softcap, sinks=sinks)
+        req = _common.prepare_request(
+            query, key, value, model=model, causal=causal, key_lengths=key_lengths,
+            attn_mask=attn_mask, scale=scale, need_weights=need_weights,
+            average_weights=average_weights, output_dtype=output_dtype, input_dtype=input_dtype,
+            request_id=request_id, session_id=_common.session_id_of(session), positions=positions,
+            window=window, softcap=softcap, sinks=sinks)
         return await self.attend_request(req, timeout=timeout, bf16_bits=bf16_bits,
                                          metadata=_common.session_metadata(req.session_id, metadata))
 
@@ -127,8 +129,8 @@ class AsyncAttentionClient:
                             metadata: Optional[Metadata] = None) -> AsyncIterator[Any]:
         """See AttentionClient.attend_stream; `requests` may also be an async iterable."""
         order = _common.StreamOrder(return_exceptions)
-        call = self.stub.AttendStream(order.wrap_async(requests), timeout=timeout,
-                                      metadata=_common.merge_metadata(self.metadata, metadata))
+        call = self._methods.attend_stream(order.wrap_async(requests), timeout=timeout,
+                                           metadata=_common.merge_metadata(self.metadata, metadata))
         try:
             async for msg in call:
                 order.received(msg, bf16_bits)

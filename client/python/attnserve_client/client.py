@@ -7,7 +7,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
-from . import _common
+from . import _common, _wire
 from ._common import AttendResult, Metadata, PemSource, build_request, decode_response
 from ._stubs import attention_pb2, attention_pb2_grpc, health_pb2, health_pb2_grpc
 from .errors import NotFoundError, from_rpc_error
@@ -93,6 +93,7 @@ class AttentionClient:
         self._channel = channel
         self.stub = attention_pb2_grpc.AttentionServiceStub(channel)
         self.health_stub = health_pb2_grpc.HealthStub(channel)
+        self._methods = _wire.AttendMethods(channel)  # sends attend()'s arrays without copies
 
     # -- lifecycle --------------------------------------------------------
 
@@ -131,8 +132,9 @@ class AttentionClient:
 
     def attend_request(self, request: "attention_pb2.AttendRequest", *, timeout: Optional[float] = None,
                        bf16_bits: bool = False, metadata: Optional[Metadata] = None) -> AttendResult:
-        """Sends a prepared AttendRequest; returns an AttendResult."""
-        return decode_response(self._call(self.stub.Attend, request, timeout, metadata), bf16_bits)
+        """Sends a prepared AttendRequest (or the PreparedRequest that attend()
+        makes); returns an AttendResult."""
+        return decode_response(self._call(self._methods.attend, request, timeout, metadata), bf16_bits)
 
     def attend(self, query: Any, key: Any = None, value: Any = None, *, model: str = "",
                causal: bool = False, key_lengths: Any = None, attn_mask: Any = None,
@@ -155,12 +157,12 @@ class AttentionClient:
         window, logit softcapping and attention sinks per request, on
         models without projections.
         """
-        req = build_request(query, key, value, model=model, causal=causal, key_lengths=key_lengths,
-                            attn_mask=attn_mask, scale=scale, need_weights=need_weights,
-                            average_weights=average_weights, output_dtype=output_dtype,
-                            input_dtype=input_dtype, request_id=request_id,
-                            session_id=_common.session_id_of(session), positions=positions,
-                            window=window, softcap=softcap, sinks=sinks)
+        req = _common.prepare_request(
+            query, key, value, model=model, causal=causal, key_lengths=key_lengths,
+            attn_mask=attn_mask, scale=scale, need_weights=need_weights,
+            average_weights=average_weights, output_dtype=output_dtype, input_dtype=input_dtype,
+            request_id=request_id, session_id=_common.session_id_of(session), positions=positions,
+            window=window, softcap=softcap, sinks=sinks)
         return self.attend_request(req, timeout=timeout, bf16_bits=bf16_bits,
                                    metadata=_common.session_metadata(req.session_id, metadata))
 
@@ -178,8 +180,8 @@ class AttentionClient:
         stream (default: none).
         """
         order = _common.StreamOrder(return_exceptions)
-        call = self.stub.AttendStream(order.wrap(requests), timeout=timeout,
-                                      metadata=_common.merge_metadata(self.metadata, metadata))
+        call = self._methods.attend_stream(order.wrap(requests), timeout=timeout,
+                                           metadata=_common.merge_metadata(self.metadata, metadata))
         try:
             for msg in call:
                 order.received(msg, bf16_bits)

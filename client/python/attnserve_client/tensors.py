@@ -1,7 +1,7 @@
 """numpy <-> attnserve.v1.Tensor: float32, float16, bfloat16 (as uint16 bits or
 rounded from float32) and bool, little-endian, C order."""
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
@@ -49,13 +49,10 @@ def bf16_bits_to_float(bits: Any) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
-def encode_tensor(array: Any, dtype: DTypeLike = None) -> "attention_pb2.Tensor":
-    """numpy array (or anything np.asarray takes) -> attnserve.v1.Tensor.
-
-    The wire dtype follows the array unless `dtype` ("fp32", "fp16", "bf16")
-    says otherwise: float32 -> FLOAT32, float16 -> FLOAT16, bool -> BOOL,
-    uint16 -> BFLOAT16 (raw bits), float64 -> FLOAT32.
-    """
+def tensor_payload(array: Any, dtype: DTypeLike = None) -> Tuple[int, Tuple[int, ...], np.ndarray]:
+    """numpy array (or anything np.asarray takes) -> (wire DataType, shape,
+    the data as a C-contiguous little-endian array), by encode_tensor's
+    rules. The array is `array` itself where it already is that (no copy)."""
     a = np.asarray(array)
     want = dtype_enum(dtype)
     if a.dtype == np.bool_:
@@ -71,15 +68,25 @@ def encode_tensor(array: Any, dtype: DTypeLike = None) -> "attention_pb2.Tensor"
             want = attention_pb2.FLOAT16 if a.dtype == np.float16 else attention_pb2.FLOAT32
         wire = want
         if want == attention_pb2.FLOAT32:
-            data = a.astype("<f4")
+            data = a.astype("<f4", copy=False)
         elif want == attention_pb2.FLOAT16:
-            data = a.astype("<f2")
+            data = a.astype("<f2", copy=False)
         else:
             data = float_to_bf16_bits(a)
     else:
         raise TypeError(f"cannot send a {a.dtype} array (want float32, float16, bool or uint16 bf16 bits)")
-    return attention_pb2.Tensor(dtype=wire, shape=list(a.shape),
-                                data=np.ascontiguousarray(data).astype(data.dtype.newbyteorder("<")).tobytes())
+    return wire, a.shape, np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<"))
+
+
+def encode_tensor(array: Any, dtype: DTypeLike = None) -> "attention_pb2.Tensor":
+    """numpy array (or anything np.asarray takes) -> attnserve.v1.Tensor.
+
+    The wire dtype follows the array unless `dtype` ("fp32", "fp16", "bf16")
+    says otherwise: float32 -> FLOAT32, float16 -> FLOAT16, bool -> BOOL,
+    uint16 -> BFLOAT16 (raw bits), float64 -> FLOAT32.
+    """
+    wire, shape, data = tensor_payload(array, dtype)
+    return attention_pb2.Tensor(dtype=wire, shape=list(shape), data=data.tobytes())
 
 
 def decode_tensor(tensor: "attention_pb2.Tensor", bf16_bits: bool = False) -> np.ndarray:

@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.environ.get("ATTNSERVE_SOURCE_DIR") or os.path.normpath(os.path.join(HERE, "..", "..", ".."))
 BUILD = os.environ.get("ATTNSERVE_BUILD_DIR") or os.path.join(SOURCE, "build")
 CACHE = os.path.join(BUILD, "pyclient")
-PLAIN_TESTS = ["test_client.py", "test_aio.py", "test_sessions.py", "test_security.py"]
+PLAIN_TESTS = ["test_client.py", "test_aio.py", "test_sessions.py", "test_security.py", "test_wire.py"]
 TORCH_TESTS = ["test_torch.py", "test_generate.py"]
 
 
