@@ -10,7 +10,7 @@ BUILD_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libdnnl-dev ocl-icd-opencl-dev prometheus-cpp-dev nlohmann-json3-dev libcivetweb-dev rapidjson-dev
-  libssl-dev
+  libssl-dev zlib1g-dev
 )
 TEST_PACKAGES=(
   # The unit tests and the engine benchmarks (Boost.Context: the CUDA emulation's fibers)

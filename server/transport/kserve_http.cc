@@ -21,6 +21,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "absl/types/span.h"
+#include "server/transport/http_encoding.h"
 #include "server/transport/kserve_json.h"
 
 // civetweb 1.15 as Debian builds it formats every response's Date header
@@ -41,23 +42,35 @@ constexpr char kJson[] = "application/json";
 
 // Sends `body` with `status` (keep-alive as the client asked), followed by
 // `binary` (an infer answer's binary outputs, written from where they lie;
-// Inference-Header-Content-Length then gives the size of `body`).
+// Inference-Header-Content-Length then gives the size of `body`), all of it
+// compressed as one with `coding` unless that is identity.
 int Reply(mg_connection* conn, int status, absl::string_view body, const char* content_type = kJson,
-          bool close = false, absl::Span<const absl::string_view> binary = {}) {
-  size_t total = body.size();
-  for (absl::string_view part : binary) total += part.size();
+          bool close = false, absl::Span<const absl::string_view> binary = {},
+          ContentCoding coding = ContentCoding::kIdentity) {
+  std::vector<absl::string_view> parts = {body};
+  parts.insert(parts.end(), binary.begin(), binary.end());
+  std::string compressed;
+  if (coding != ContentCoding::kIdentity) {
+    compressed = EncodeBody(coding, parts);
+    parts = {compressed};
+  }
+  size_t total = 0;
+  for (absl::string_view part : parts) total += part.size();
   mg_response_header_start(conn, status);
   mg_response_header_add(conn, "Content-Type", content_type, -1);
   const std::string length = absl::StrCat(total);
   mg_response_header_add(conn, "Content-Length", length.c_str(), -1);
-  if (!binary.empty()) {
+  if (coding != ContentCoding::kIdentity) {
+    mg_response_header_add(conn, "Content-Encoding", ContentCodingName(coding), -1);
+    mg_response_header_add(conn, "Vary", "Accept-Encoding", -1);
+  }
+  if (!binary.empty()) {  // the JSON's length before any compression, as Triton sends it
     const std::string header = absl::StrCat(body.size());
     mg_response_header_add(conn, "Inference-Header-Content-Length", header.c_str(), -1);
   }
   if (close) mg_response_header_add(conn, "Connection", "close", -1);
   mg_response_header_send(conn);
-  if (!body.empty()) mg_write(conn, body.data(), body.size());
-  for (absl::string_view part : binary) {
+  for (absl::string_view part : parts) {
     if (!part.empty()) mg_write(conn, part.data(), part.size());
   }
   return status;
@@ -73,13 +86,21 @@ int ReplyBodyError(mg_connection* conn, const absl::Status& status) {
   if (status.code() == absl::StatusCode::kResourceExhausted) {
     return Reply(conn, 413, ErrorJson(status.message()), kJson, /*close=*/true);
   }
+  if (status.code() == absl::StatusCode::kUnimplemented) {  // a Content-Encoding we lack
+    return Reply(conn, 415, ErrorJson(status.message()), kJson, /*close=*/true);
+  }
   return ReplyError(conn, status, /*close=*/true);
 }
 
-// The request body, at most `limit` bytes (Content-Length checked before
-// reading; chunked bodies as they arrive).
-absl::StatusOr<std::string> ReadBody(mg_connection* conn, const mg_request_info* info,
-                                     int64_t limit) {
+// The request body as sent, at most `limit` bytes (Content-Length checked
+// before reading; chunked bodies as they arrive), and its Content-Encoding
+// (checked first: a coding the server lacks is refused before the body is
+// read).
+absl::StatusOr<std::string> ReadRawBody(mg_connection* conn, const mg_request_info* info,
+                                        int64_t limit, ContentCoding* coding) {
+  absl::StatusOr<ContentCoding> c = ParseContentEncoding(mg_get_header(conn, "Content-Encoding"));
+  if (!c.ok()) return c.status();
+  *coding = *c;
   std::string body;
   if (info->content_length > limit) {
     return absl::ResourceExhaustedError(
@@ -112,6 +133,16 @@ absl::StatusOr<std::string> ReadBody(mg_connection* conn, const mg_request_info*
     body.append(chunk, static_cast<size_t>(n));
   }
   return body;
+}
+
+// The request body, decoded from its Content-Encoding: at most `limit`
+// bytes both as sent and decoded.
+absl::StatusOr<std::string> ReadBody(mg_connection* conn, const mg_request_info* info,
+                                     int64_t limit) {
+  ContentCoding coding;
+  absl::StatusOr<std::string> body = ReadRawBody(conn, info, limit, &coding);
+  if (!body.ok() || coding == ContentCoding::kIdentity) return body;
+  return DecodeBody(coding, *body, limit);
 }
 
 }  // namespace
@@ -390,7 +421,14 @@ int KServeHttpServer::Serve(mg_connection* conn) {
 
   // Inference: counted for graceful shutdown from here to its answer.
   const bool counted = calls_.CallStarted();
-  absl::StatusOr<std::string> body = ReadBody(conn, info, options_.max_body_bytes);
+  ContentCoding coding = ContentCoding::kIdentity;
+  absl::StatusOr<std::string> body = ReadRawBody(conn, info, options_.max_body_bytes, &coding);
+  // The body is read; from here the request's time is the server's
+  // (decompression included).
+  const absl::Time received = core_->dispatcher()->clock()->Now();
+  if (body.ok() && coding != ContentCoding::kIdentity) {
+    body = DecodeBody(coding, *body, options_.max_body_bytes);
+  }
   if (!body.ok()) {
     if (counted) calls_.CallDone();
     return ReplyBodyError(conn, body.status());
@@ -404,8 +442,6 @@ int KServeHttpServer::Serve(mg_connection* conn) {
                     "Inference-Header-Content-Length: must be a byte count, got '", h, "'")));
     }
   }
-  // The body is read; from here the request's time is the server's.
-  const absl::Time received = core_->dispatcher()->clock()->Now();
   JsonInferRequest request;
   const absl::Status parsed =
       DecodeJsonInferRequest(&*body, header_length, model, version, &request);
@@ -432,7 +468,8 @@ int KServeHttpServer::Serve(mg_connection* conn) {
     std::vector<absl::string_view> binary;
     const std::string json = EncodeJsonInferResponse(response, request, &binary);
     status = Reply(conn, 200, json, binary.empty() ? kJson : "application/octet-stream",
-                   /*close=*/false, binary);
+                   /*close=*/false, binary,
+                   ChooseResponseCoding(mg_get_header(conn, "Accept-Encoding")));
   }
   if (counted) calls_.CallDone();
   return status;

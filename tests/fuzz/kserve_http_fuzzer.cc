@@ -3,7 +3,10 @@
 // the KServe decoding the gRPC front end also runs. The first two bytes
 // choose the Inference-Header-Content-Length (0xFFFF: none, all JSON). The
 // same body also goes through the other JSON bodies a client sends: the
-// repository index request and the model load and unload requests.
+// repository index request and the model load and unload requests, and
+// through the Content-Encoding decoders (gzip, deflate) with a 1 MiB limit:
+// what decodes must stay within the limit and come back the same through
+// the server's own encoder.
 // Aborts on a crash or sanitizer report, an error without a message, or an
 // accepted request whose inputs and raw contents disagree.
 #include <cstdint>
@@ -12,6 +15,7 @@
 #include <string>
 
 #include "absl/strings/string_view.h"
+#include "server/transport/http_encoding.h"
 #include "server/transport/kserve_codec.h"
 #include "server/transport/kserve_json.h"
 
@@ -20,6 +24,26 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int64_t chosen = static_cast<int64_t>(data[0]) | (static_cast<int64_t>(data[1]) << 8);
   std::string body(reinterpret_cast<const char*>(data) + 2, size - 2);
   const int64_t header_length = chosen == 0xFFFF ? -1 : chosen;
+  for (attnserve::ContentCoding coding :
+       {attnserve::ContentCoding::kGzip, attnserve::ContentCoding::kDeflate}) {
+    constexpr int64_t kLimit = int64_t{1} << 20;
+    const absl::StatusOr<std::string> decoded = attnserve::DecodeBody(coding, body, kLimit);
+    if (!decoded.ok()) {
+      if (decoded.status().message().empty()) {
+        std::fprintf(stderr, "kserve_http_fuzzer: %s body refused without a message\n",
+                     attnserve::ContentCodingName(coding));
+        std::abort();
+      }
+      continue;
+    }
+    const std::string again = attnserve::EncodeBody(coding, {*decoded});
+    const absl::StatusOr<std::string> round = attnserve::DecodeBody(coding, again, kLimit);
+    if (static_cast<int64_t>(decoded->size()) > kLimit || !round.ok() || *round != *decoded) {
+      std::fprintf(stderr, "kserve_http_fuzzer: %s: %zu bytes decoded, not kept by a round trip\n",
+                   attnserve::ContentCodingName(coding), decoded->size());
+      std::abort();
+    }
+  }
   for (bool unload : {false, true}) {
     std::string copy = body;  // parsed in place
     const absl::Status s = attnserve::DecodeModelRepositoryRequest(&copy, unload);

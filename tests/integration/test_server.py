@@ -393,6 +393,30 @@ def test_oversize_message_is_resource_exhausted():
     assert code == 0, srv.log()
 
 
+@pytest.mark.parametrize("compression", [grpc.Compression.Gzip, grpc.Compression.Deflate],
+                         ids=["gzip", "deflate"])
+def test_compressed_requests_are_served_and_bounded_once_decompressed(server, compression):
+    """gRPC's message compression, as a client turns it on: the server's own
+    parse of Attend (tensors straight into request memory) sees the message
+    decompressed, unary and streamed; a compressed message over
+    --max-message-bytes (64 MiB) once decompressed is refused."""
+    channel = grpc.insecure_channel(server.target, compression=compression,
+                                    options=[("grpc.max_send_message_length", 1 << 30)])
+    with AttentionClient(server.target, channel=channel) as c:
+        rng = np.random.default_rng(11)
+        q, k, v = _sdpa_inputs(rng, lq=64, lk=128)
+        _assert_fp32_close(c.attend(q, k, v, model="sdpa", causal=True).output,
+                           harness.reference_attention(q, k, v, causal=True)[0])
+        outs = list(c.attend_stream([{"query": q, "key": k, "value": v, "model": "sdpa"}] * 3))
+        for r in outs:
+            _assert_fp32_close(r.output, harness.reference_attention(q, k, v)[0])
+        zeros = np.zeros((1, 1, 1 << 22, 8), np.float32)  # 128 MiB, about 130 KB compressed
+        with pytest.raises(grpc.RpcError) as e:
+            c.attend(zeros, zeros[:, :, :8], zeros[:, :, :8], model="sdpa")
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+        assert c.health() == "SERVING"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_exits_zero(sig):
     srv = harness.ServerProcess()

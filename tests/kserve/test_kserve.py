@@ -184,6 +184,19 @@ def test_infer_sdpa_matches_numpy_with_masks_lengths_scale_and_weights(client):
     # INT64 key lengths, typed (non-raw) contents are tested through the stream below
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_infer_requests_give_the_same_answer(client, algorithm):
+    """tritonclient's compression_algorithm: gRPC decompresses the message
+    before the server's own parse takes the raw contents out of it."""
+    q, k, v = qkv()
+    inputs = [make_input("query", q), make_input("key", k), make_input("value", v)]
+    plain = client.infer("sdpa", inputs, parameters={"causal": True})
+    r = client.infer("sdpa", inputs, parameters={"causal": True}, compression_algorithm=algorithm)
+    np.testing.assert_allclose(r.as_numpy("output"), reference(q, k, v, causal=True),
+                               rtol=1e-5, atol=1e-5)
+    assert np.array_equal(r.as_numpy("output"), plain.as_numpy("output"))
+
+
 def test_per_request_window_softcap_and_sinks_match_numpy(client):
     """The sdpa options of today's layers as KServe parameters (window,
     softcap) and input (sinks), against the NumPy float64 oracle."""

@@ -3,9 +3,12 @@ tritonclient.http and with curl: health, metadata, config, statistics, the
 repository index, inference in JSON and with the binary tensor data extension
 (FP16/BF16 only as binary), answers identical to the gRPC front end's and
 to the NumPy float64 oracle, sessions, Triton's error codes with the gRPC
-front end's messages, and hostile input (lying lengths, oversize and
-malformed bodies, a slow client), each a clear 4xx with the server alive."""
+front end's messages, gzip and deflate bodies both ways (Content-Encoding,
+Accept-Encoding), and hostile input (lying lengths, oversize and malformed
+bodies, compression bombs, a slow client), each a clear 4xx with the server
+alive."""
 
+import gzip
 import json
 import os
 import socket
@@ -14,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -238,6 +242,77 @@ def test_lying_lengths_and_oversize_bodies_are_clear_4xx(server, client):
         except (ConnectionResetError, socket.timeout):
             pass
         assert time.monotonic() - start < 9
+    assert client.is_server_live()
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_gzip_and_deflate_bodies_as_tritonclient_sends_and_reads_them(client, binary):
+    q, k, v = qkv()
+    arrays = [("query", q), ("key", k), ("value", v)]
+    want, _ = harness.reference_attention(q, k, v)
+    plain = client.infer("sdpa", http_inputs(arrays, binary),
+                         outputs=[th.InferRequestedOutput("output", binary_data=binary)])
+    np.testing.assert_allclose(plain.as_numpy("output"), want, rtol=1e-5, atol=1e-5)
+    for request in (None, "gzip", "deflate"):
+        for answer in (None, "gzip", "deflate"):
+            r = client.infer("sdpa", http_inputs(arrays, binary),
+                             outputs=[th.InferRequestedOutput("output", binary_data=binary)],
+                             request_compression_algorithm=request,
+                             response_compression_algorithm=answer)
+            assert np.array_equal(r.as_numpy("output"), plain.as_numpy("output")), (request, answer)
+
+
+def test_answers_are_compressed_as_accept_encoding_asks(server):
+    q, k, v = qkv()
+    header = {"inputs": [{"name": n, "shape": list(a.shape), "datatype": "FP32",
+                          "parameters": {"binary_data_size": a.nbytes}}
+                         for n, a in (("query", q), ("key", k), ("value", v))],
+              "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}
+    head = json.dumps(header).encode()
+    body = head + q.tobytes() + k.tobytes() + v.tobytes()
+    want, _ = harness.reference_attention(q, k, v)
+    for accept, coding, decompress in (("gzip", "gzip", gzip.decompress),
+                                       ("deflate", "deflate", zlib.decompress),
+                                       ("br;q=1, deflate;q=0.5, gzip;q=0.8", "gzip", gzip.decompress),
+                                       ("gzip;q=0, br", None, None)):
+        status, headers, out = http(server, "POST", "/v2/models/sdpa/infer", gzip.compress(body),
+                                    {"Inference-Header-Content-Length": str(len(head)),
+                                     "Content-Encoding": "gzip", "Accept-Encoding": accept})
+        assert status == 200, out
+        assert headers.get("Content-Encoding") == coding, (accept, headers)
+        if coding is not None:
+            assert headers.get("Vary") == "Accept-Encoding"
+            assert int(headers["Content-Length"]) == len(out)
+            out = decompress(out)
+        n = int(headers["Inference-Header-Content-Length"])  # of the JSON before compression
+        answer = json.loads(out[:n])
+        assert answer["outputs"][0]["parameters"]["binary_data_size"] == len(out) - n
+        got = np.frombuffer(out[n:], np.float32).reshape(want.shape)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_encodings_and_compression_bombs_are_clear_4xx(server, client):
+    def post(body, encoding):
+        return http(server, "POST", "/v2/models/sdpa/infer", body, {"Content-Encoding": encoding})
+
+    status, _, out = post(b"{}", "br")
+    assert status == 415 and b"Content-Encoding: 'br' is not supported" in out
+    status, _, out = post(gzip.compress(b"{}"), "gzip, gzip")
+    assert status == 415 and b"one coding" in out
+    status, _, out = post(gzip.compress(b'{"inputs": []}')[:-6], "gzip")
+    assert status == 400 and b"gzip data ends early" in out
+    status, _, out = post(b"not deflate at all", "deflate")
+    assert status == 400 and b"not valid deflate data" in out
+    # 5 MiB of zeros in a few kilobytes, over the fixture's 4 MiB limit
+    # once decompressed: 413 when the limit is passed.
+    bomb = gzip.compress(b"\0" * (5 << 20))
+    assert len(bomb) < 64 << 10
+    status, _, out = post(bomb, "gzip")
+    assert status == 413 and b"once decompressed" in out and b"--http-max-body-bytes" in out
+    # The JSON inside a valid gzip body is judged as any other.
+    status, _, out = post(gzip.compress(b'{"temperature": 1}'), "gzip")
+    assert status == 400
+    assert '"temperature" is not a field of an infer request' in json.loads(out)["error"]
     assert client.is_server_live()
 
 
