@@ -212,6 +212,21 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
                                static_cast<int>(limits.max_connection_age_grace.count()));
   }
+  // gRPC compresses each answer at this level, with an algorithm the call's
+  // client accepts; requests are decompressed regardless.
+  switch (options.grpc_response_compression) {
+    case ResponseCompression::kNone:
+      break;
+    case ResponseCompression::kLow:
+      builder.SetDefaultCompressionLevel(GRPC_COMPRESS_LEVEL_LOW);
+      break;
+    case ResponseCompression::kMedium:
+      builder.SetDefaultCompressionLevel(GRPC_COMPRESS_LEVEL_MED);
+      break;
+    case ResponseCompression::kHigh:
+      builder.SetDefaultCompressionLevel(GRPC_COMPRESS_LEVEL_HIGH);
+      break;
+  }
   builder.SetOption(std::make_unique<ReflectionOption>(options.reflection));
   builder.RegisterService(server->service_.get());
   builder.RegisterService(server->kserve_.get());

@@ -227,6 +227,10 @@ ABSL_FLAG(absl::Duration, max_connection_age_grace,
           absl::FromChrono(kDefaults.connections.max_connection_age_grace),
           "after --max-connection-age, how long open calls may take before the connection "
           "is closed");
+ABSL_FLAG(std::string, grpc_response_compression_level, "none",
+          "compress the gRPC port's answers: none, low, medium or high (gRPC's levels; gzip "
+          "or deflate, as each client accepts). Compressed requests are taken whatever this "
+          "says");
 ABSL_FLAG(std::string, metrics_auth_file, kDefaults.metrics_auth_file,
           "file of 'user:password' lines; set: /metrics needs HTTP basic authentication "
           "(401 without). Plaintext HTTP: keep the port on loopback or behind a TLS side-car "
@@ -297,7 +301,8 @@ int main(int argc, char** argv) {
       "[--metrics-auth-file=FILE] "
       "[--reflection=true] [--max-concurrent-streams=100] [--keepalive-time=2h] "
       "[--keepalive-timeout=20s] [--max-connection-idle=0] [--max-connection-age=0] "
-      "[--max-connection-age-grace=30s] [--max-queue-bytes=1073741824] "
+      "[--max-connection-age-grace=30s] [--grpc-response-compression-level=none] "
+      "[--max-queue-bytes=1073741824] "
       "[--max-tensor-elements=1073741824] [--max-returned-weights=67108864] "
       "[--kv-cache-bytes=1073741824] [--kv-block-tokens=16] "
       "[--session-ttl=10m] [--session-max-tokens=32768] [--max-sessions=65536]\n"
@@ -393,6 +398,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.validation.nonfinite_inputs = *nonfinite;
+  absl::StatusOr<attnserve::ResponseCompression> compression =
+      attnserve::ParseResponseCompression(absl::GetFlag(FLAGS_grpc_response_compression_level));
+  if (!compression.ok()) {
+    std::fprintf(stderr, "attnserve: %s\n", std::string(compression.status().message()).c_str());
+    return 2;
+  }
+  options.grpc_response_compression = *compression;
   options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert_file);
   options.tls.key_file = absl::GetFlag(FLAGS_tls_key_file);
   options.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);

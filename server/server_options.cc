@@ -195,4 +195,14 @@ absl::StatusOr<NonfiniteInputs> ParseNonfiniteInputs(const std::string& value) {
       absl::StrCat("--nonfinite-inputs: expected reject, got '", value, "'"));
 }
 
+absl::StatusOr<ResponseCompression> ParseResponseCompression(const std::string& value) {
+  if (value == "none") return ResponseCompression::kNone;
+  if (value == "low") return ResponseCompression::kLow;
+  if (value == "medium" || value == "med") return ResponseCompression::kMedium;
+  if (value == "high") return ResponseCompression::kHigh;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--grpc-response-compression-level: expected none, low, medium or high, got '", value,
+      "'"));
+}
+
 }  // namespace attnserve

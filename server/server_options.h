@@ -45,6 +45,12 @@ struct ConnectionLimits {
   std::chrono::milliseconds max_connection_age_grace{30000};
 };
 
+// How the gRPC port compresses its answers: not at all, or at one of gRPC's
+// levels, for which gRPC picks gzip or deflate among what each client says
+// it accepts (grpc-accept-encoding; a client that accepts neither gets
+// uncompressed answers). Requests are decompressed whatever this says.
+enum class ResponseCompression { kNone, kLow, kMedium, kHigh };
+
 struct ServerOptions {
   // gRPC listening address, host:port; port 0 picks a free port (see
   // AttnServer::address()). Default: 127.0.0.1:50051.
@@ -117,6 +123,11 @@ struct ServerOptions {
   // --max-multiply-adds) and what is done with non-finite inputs
   // (--nonfinite-inputs). Default: ValidationOptions{}.
   ValidationOptions validation;
+  // Compression of the gRPC port's answers (--grpc-response-compression-level,
+  // Triton's --grpc-infer-response-compression-level): worth it for large
+  // answers over slow links; it costs the server CPU, and float tensors
+  // compress little. Default: none.
+  ResponseCompression grpc_response_compression = ResponseCompression::kNone;
   // Transport security of the gRPC port: TLS (--tls-cert-file,
   // --tls-key-file), mutual TLS (--tls-client-ca-file), reloaded every
   // --tls-reload-interval. Default: plaintext.
@@ -170,6 +181,10 @@ std::vector<std::string> RepeatedFlagValues(const std::vector<std::string>& args
 // NonfiniteInputs). Anything else is InvalidArgument naming the flag;
 // "propagate" says why it is not available.
 absl::StatusOr<NonfiniteInputs> ParseNonfiniteInputs(const std::string& value);
+
+// --grpc-response-compression-level: none, low, medium (or Triton's "med"),
+// high. Anything else is InvalidArgument naming the flag and the values.
+absl::StatusOr<ResponseCompression> ParseResponseCompression(const std::string& value);
 
 }  // namespace attnserve
 

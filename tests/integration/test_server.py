@@ -417,6 +417,92 @@ def test_compressed_requests_are_served_and_bounded_once_decompressed(server, co
         assert c.health() == "SERVING"
 
 
+class _CountingRelay:
+    """A TCP relay on 127.0.0.1 in front of `target` that counts the bytes the
+    server sends back: what the answers weigh on the wire."""
+
+    def __init__(self, target):
+        import socket
+        import threading
+        host, port = target.rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.target = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self.server_bytes = 0
+        self._lock = threading.Lock()
+        self._sockets = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import socket
+        import threading
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self._upstream)
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src, dst, count):
+        try:
+            while data := src.recv(1 << 16):
+                if count:
+                    with self._lock:
+                        self.server_bytes += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(2)
+                except OSError:
+                    pass
+
+    def close(self):
+        self._listener.close()
+        for s in self._sockets:
+            s.close()
+
+
+@pytest.mark.parametrize("level", ["none", "low", "high"])
+def test_answers_are_compressed_at_the_level_the_operator_sets(level):
+    """--grpc-response-compression-level: a 1 MiB answer of zeros (value all
+    zeros) crosses the wire in a few kilobytes once compressed, and whole
+    without; the client reads the same answer either way."""
+    srv = harness.ServerProcess("--grpc-response-compression-level", level)
+    relay = _CountingRelay(srv.target)
+    try:
+        with AttentionClient(relay.target) as c:
+            rng = np.random.default_rng(12)
+            q = rng.standard_normal((1, 4, 1024, 64)).astype(np.float32)  # 1 MiB
+            k = rng.standard_normal((1, 4, 64, 64)).astype(np.float32)
+            r = c.attend(q, k, np.zeros_like(k), model="sdpa")
+            assert r.output.shape == q.shape and not r.output.any()
+        if level == "none":
+            assert relay.server_bytes > q.nbytes, relay.server_bytes
+        else:
+            assert relay.server_bytes < q.nbytes // 16, relay.server_bytes
+    finally:
+        relay.close()
+        code = srv.stop()
+    assert code == 0, srv.log()
+
+
+def test_an_unknown_compression_level_is_refused_at_startup():
+    import subprocess
+    proc = subprocess.run([harness.server_bin(), "--address", "127.0.0.1:0", "--http-address",
+                           "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
+                           "--grpc-response-compression-level=gzip"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--grpc-response-compression-level: expected none, low, medium or high, got 'gzip'" \
+        in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_exits_zero(sig):
     srv = harness.ServerProcess()

@@ -102,6 +102,20 @@ TEST(ServerOptionsTest, ParsesNonfiniteInputs) {
               HasSubstr("--nonfinite-inputs: expected reject, got 'ignore'"));
 }
 
+TEST(ServerOptionsTest, ParsesResponseCompressionLevels) {
+  EXPECT_EQ(ServerOptions().grpc_response_compression, ResponseCompression::kNone);
+  EXPECT_EQ(ParseResponseCompression("none").value(), ResponseCompression::kNone);
+  EXPECT_EQ(ParseResponseCompression("low").value(), ResponseCompression::kLow);
+  EXPECT_EQ(ParseResponseCompression("medium").value(), ResponseCompression::kMedium);
+  EXPECT_EQ(ParseResponseCompression("med").value(), ResponseCompression::kMedium);  // Triton's
+  EXPECT_EQ(ParseResponseCompression("high").value(), ResponseCompression::kHigh);
+  absl::StatusOr<ResponseCompression> bad = ParseResponseCompression("gzip");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              HasSubstr("--grpc-response-compression-level: expected none, low, medium or high, "
+                        "got 'gzip'"));
+}
+
 TEST(ServerOptionsTest, NormalizesFlagNamesOnly) {
   EXPECT_THAT(NormalizeFlagNames({"attnserve", "--max-message-bytes=1", "--default-model",
                                   "demo-mha", "-metrics-address=a:1", "--", "--not-a-flag"}),
