@@ -188,6 +188,15 @@ def auth_metadata(token: Optional[str]) -> List[Tuple[str, str]]:
     return [("authorization", f"Bearer {token}")]
 
 
+def compression_algorithm(name: Optional[str]) -> Optional["grpc.Compression"]:
+    """compression= of the clients: None (or "none"), "gzip" or "deflate"."""
+    algorithms = {None: None, "none": None, "gzip": grpc.Compression.Gzip,
+                  "deflate": grpc.Compression.Deflate}
+    if name not in algorithms:
+        raise ValueError(f"compression must be None, 'gzip' or 'deflate', got {name!r}")
+    return algorithms[name]
+
+
 def channel_options(max_message_bytes: int, server_name_override: Optional[str],
                     options: Iterable[Tuple[str, Any]]) -> List[Tuple[str, Any]]:
     # gRPC's 4 MiB default receive limit would refuse ordinary outputs.

@@ -70,8 +70,11 @@ class AttentionClient:
     target: "host:port". TLS: give root_certificates (PEM bytes or a file path;
     tls=True alone trusts the system roots), and for mutual TLS private_key and
     certificate_chain. token: sent as `authorization: Bearer <token>` on every
-    call. timeout: default seconds per call. Failed calls raise AttnServeError
-    (.status_code, .message; subclasses such as InvalidArgumentError).
+    call. timeout: default seconds per call. compression: "gzip" or "deflate"
+    compresses every request (the server decompresses them; it compresses its
+    answers when started with --grpc-response-compression-level). Failed calls
+    raise AttnServeError (.status_code, .message; subclasses such as
+    InvalidArgumentError).
     """
 
     def __init__(self, target: str = _common.DEFAULT_TARGET, *, timeout: float = 60.0,
@@ -79,17 +82,23 @@ class AttentionClient:
                  root_certificates: PemSource = None, private_key: PemSource = None,
                  certificate_chain: PemSource = None, token: Optional[str] = None,
                  server_name_override: Optional[str] = None,
-                 options: Sequence[Tuple[str, Any]] = (), channel: Optional[grpc.Channel] = None):
+                 options: Sequence[Tuple[str, Any]] = (), channel: Optional[grpc.Channel] = None,
+                 compression: Optional[str] = None):
         self.target = target
         self.timeout = timeout
         self.metadata: List[Tuple[str, str]] = _common.auth_metadata(token)
         creds = _common.channel_credentials(tls=tls, root_certificates=root_certificates,
                                             private_key=private_key, certificate_chain=certificate_chain)
         self.tls = creds is not None
+        algorithm = _common.compression_algorithm(compression)
+        if channel is not None and algorithm is not None:
+            raise ValueError("compression= applies to the channel the client makes; "
+                             "give it to the channel you pass instead")
         if channel is None:
             opts = _common.channel_options(max_message_bytes, server_name_override, options)
-            channel = (grpc.secure_channel(target, creds, options=opts) if creds
-                       else grpc.insecure_channel(target, options=opts))
+            channel = (grpc.secure_channel(target, creds, options=opts, compression=algorithm)
+                       if creds else grpc.insecure_channel(target, options=opts,
+                                                         compression=algorithm))
         self._channel = channel
         self.stub = attention_pb2_grpc.AttentionServiceStub(channel)
         self.health_stub = health_pb2_grpc.HealthStub(channel)

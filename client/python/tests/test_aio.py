@@ -32,6 +32,17 @@ def test_attend_gather_and_model_calls(server):
         np.testing.assert_allclose(res.output, reference_attention(q, k, v, causal=True)[0], atol=1e-5)
 
 
+def test_compressed_requests_over_asyncio(server):
+    rng = np.random.default_rng(13)
+    q, k, v = (rng.standard_normal((1, 2, 32, 8)).astype(np.float32) for _ in range(3))
+
+    async def main():
+        async with AsyncAttentionClient(server.target, compression="gzip") as c:
+            return await c.attend(q, k, v, model="sdpa")
+
+    np.testing.assert_allclose(_run(main()).output, reference_attention(q, k, v)[0], atol=1e-5)
+
+
 def test_errors_raise_attnserve_errors(server):
     async def main():
         async with AsyncAttentionClient(server.target) as c:

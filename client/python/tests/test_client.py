@@ -93,6 +93,27 @@ def test_errors_are_attnserve_errors_with_code_and_message(client):
         client.get_model("no-such-model")
 
 
+@pytest.mark.parametrize("compression", ["gzip", "deflate"])
+def test_compressed_requests_give_the_same_answers(server, compression):
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(rng, lq=64, lk=64, d=32)
+    with AttentionClient(server.target, compression=compression) as c:
+        res = c.attend(q, k, v, model="sdpa", causal=True)
+        streamed = list(c.attend_stream([{"query": q, "key": k, "value": v, "model": "sdpa"}]))
+    want, _ = reference_attention(q, k, v, causal=True)
+    np.testing.assert_allclose(res.output, want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(streamed[0].output, reference_attention(q, k, v)[0], atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_compression_is_checked_and_never_silently_dropped(server):
+    with pytest.raises(ValueError, match="compression must be None, 'gzip' or 'deflate', got 'br'"):
+        AttentionClient(server.target, compression="br")
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(ValueError, match="give it to the channel you pass"):
+            AttentionClient(server.target, channel=channel, compression="gzip")
+
+
 def test_unreachable_server_is_unavailable():
     with AttentionClient("127.0.0.1:1", timeout=5) as c:
         with pytest.raises(UnavailableError):
