@@ -1,7 +1,7 @@
 // KServe v2 over HTTP/1.1 (the REST form Triton serves on port 8000): health,
 // server and model metadata, readiness, config, statistics, the repository
 // index and inference with JSON tensors or Triton's binary tensor data
-// extension. Every operation is KServeCore's, so HTTP answers exactly as the
+// extension, gzip or deflate bodies both ways (http_encoding.h). Every operation is KServeCore's, so HTTP answers exactly as the
 // gRPC front end does: the same validation and messages, batching,
 // deadlines (the `timeout` parameter), queue bounds, sessions (`session_id`
 // parameter), metrics and bearer tokens (`Authorization: Bearer`).
@@ -38,7 +38,8 @@ struct HttpOptions {
   // keep-alive included); more wait in the listen queue. Default: 64.
   int threads = 64;
   // Largest request body; a bigger Content-Length is answered 413 before
-  // the body is read. Default: 64 MiB (the gRPC receive limit's default).
+  // the body is read, and a gzip or deflate body once it decompresses past
+  // it. Default: 64 MiB (the gRPC receive limit's default).
   int64_t max_body_bytes = int64_t{64} << 20;
   // Largest request line plus headers (civetweb answers 413/431 beyond it).
   // Default: 16 KiB.
