@@ -74,6 +74,9 @@ ABSL_FLAG(std::string, lb_policy, "",
           "address the target resolves to (dns:///headless-service:50051, or "
           "ipv4:127.0.0.1:50061,127.0.0.1:50062); pick_first uses one. Default: gRPC's "
           "(pick_first).");
+ABSL_FLAG(std::string, compression, "none",
+          "Compress every request: none, gzip or deflate (gRPC's message compression; the "
+          "server's answers follow its --grpc-response-compression-level).");
 ABSL_FLAG(std::string, health_check_service, "",
           "Client-side health checking: the grpc.health.v1 service name each address is "
           "watched for (attnserve.v1.AttentionService); an address that reports NOT_SERVING, "
@@ -625,6 +628,7 @@ int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "attn_bench --target=HOST:PORT [--model=M] [--concurrency=N | --rate=R] "
       "[--duration=S | --requests=N] [--stream] [--channels=N] [--lb-policy=round_robin] "
+      "[--compression=none|gzip|deflate] "
       "[--json]\n"
       "Flags may be spelled with dashes or underscores.");
   const std::vector<std::string> rest = client::ParseCommandLine(argc, argv);
@@ -655,6 +659,18 @@ int Main(int argc, char** argv) {
     return 1;
   }
 
+  const std::string compression = absl::GetFlag(FLAGS_compression);
+  grpc_compression_algorithm algorithm = GRPC_COMPRESS_NONE;
+  if (compression == "gzip") {
+    algorithm = GRPC_COMPRESS_GZIP;
+  } else if (compression == "deflate") {
+    algorithm = GRPC_COMPRESS_DEFLATE;
+  } else if (compression != "none") {
+    std::fprintf(stderr, "attn_bench: --compression must be none, gzip or deflate, got '%s'\n",
+                 compression.c_str());
+    return 1;
+  }
+
   if (absl::Status s = client::LoadTokenFromFlags(); !s.ok()) {
     std::fprintf(stderr, "attn_bench: %s\n", std::string(s.message()).c_str());
     return 1;
@@ -673,6 +689,7 @@ int Main(int argc, char** argv) {
     // Distinct args and a local pool: each channel gets its own connection.
     args.SetInt("attn_bench.channel", c);
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    if (algorithm != GRPC_COMPRESS_NONE) args.SetCompressionAlgorithm(algorithm);
     if (const std::string lb = absl::GetFlag(FLAGS_lb_policy); !lb.empty()) {
       args.SetLoadBalancingPolicyName(lb);
     }
