@@ -96,7 +96,11 @@ bool KServeCore::ModelReady(const std::string& name, const std::string& version)
 void KServeCore::ServerMetadata(inference::ServerMetadataResponse* response) const {
   response->set_name("attnserve");
   response->set_version(ATTNSERVE_VERSION);
-  for (const char* e : {"model_configuration", "parameters", "statistics"}) {
+  // Triton's names for what both front ends implement: the repository's
+  // index, load and unload; binary tensor data (HTTP; gRPC's raw contents
+  // are the same thing); configs, parameters and statistics.
+  for (const char* e : {"model_repository", "model_configuration", "binary_tensor_data",
+                        "parameters", "statistics"}) {
     response->add_extensions(e);
   }
 }

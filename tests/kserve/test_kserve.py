@@ -137,7 +137,9 @@ def test_readiness_metadata_config_and_index(client):
     assert not client.is_model_ready("no-such-model")
     assert not client.is_model_ready("sdpa", "2")
     meta = client.get_server_metadata(as_json=True)
-    assert meta["name"] == "attnserve" and "statistics" in meta["extensions"]
+    assert meta["name"] == "attnserve"
+    assert set(meta["extensions"]) == {"model_repository", "model_configuration",
+                                       "binary_tensor_data", "parameters", "statistics"}
     m = client.get_model_metadata("mha", as_json=True)
     assert m["versions"] == ["1"]
     ins = {t["name"]: (t["datatype"], [int(s) for s in t["shape"]]) for t in m["inputs"]}

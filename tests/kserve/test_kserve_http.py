@@ -94,7 +94,9 @@ def test_health_metadata_config_and_index(client, server):
     assert client.is_model_ready("sdpa") and client.is_model_ready("demo-mha", "1")
     assert not client.is_model_ready("nope")
     meta = client.get_server_metadata()
-    assert meta["name"] == "attnserve" and "statistics" in meta["extensions"]
+    assert meta["name"] == "attnserve"
+    assert set(meta["extensions"]) == {"model_repository", "model_configuration",
+                                       "binary_tensor_data", "parameters", "statistics"}
     m = client.get_model_metadata("sdpa")
     assert m["name"] == "sdpa" and m["versions"] == ["1"]
     assert {"name": "query", "datatype": "FP32", "shape": [-1, -1, -1, -1]} in m["inputs"]
