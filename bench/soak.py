@@ -20,7 +20,11 @@ short); with SOAK_MODEL (a repository model, explicit model control), that
 model inferred, unloaded and loaded again over HTTP. RSS growth is the median of the last 10% of
 samples minus the median of the first 10% after warm-up (a leak moves both the
 trend and the peak; transient large requests move only the peak, which is
-reported too).
+reported too), and it fails the soak only when the RSS 2 s after the load
+has stopped is over the bound too: a leak stays, while what the load itself
+holds (requests in flight, their connections, a model being reloaded) goes
+with it. One CI run ended its load 14.0 MB over its warm-up and was 0.5 MB
+under it 2 s later.
 """
 
 import collections
@@ -454,6 +458,7 @@ def main():
     start_mb = statistics.median(s[1] for s in after[:tenth])
     end_mb = statistics.median(s[1] for s in after[-tenth:])
     growth = end_mb - start_mb
+    after_growth = rss_end - start_mb  # what stays once the load is gone
     peak = max(s[1] for s in after) - after[0][1]
     fds_warm = after[0][2]
     unexpected = load.unexpected_n
@@ -461,7 +466,8 @@ def main():
     summary = {
         "duration_s": duration, "warmup_s": warmup, "threads": threads, "requests": total,
         "rate_rps": total / duration, "rss_at_warmup_mb": start_mb, "rss_end_mb": end_mb,
-        "rss_growth_mb": growth, "rss_peak_over_warmup_mb": peak,
+        "rss_growth_mb": growth, "rss_growth_after_load_mb": after_growth,
+        "rss_peak_over_warmup_mb": peak,
         "rss_max_mb": max(s[1] for s in samples), "rss_bound_mb": bound_mb,
         "fds_at_warmup": fds_warm, "fds_max": max(s[2] for s in samples),
         "fds_after_load": fds_end, "rss_after_load_mb": rss_end,
@@ -481,8 +487,9 @@ def main():
     if unexpected:
         failures.append(f"{unexpected} answers with a status their kind does not allow, e.g. "
                         f"{load.unexpected[:5]}")
-    if growth > bound_mb:
-        failures.append(f"RSS grew {growth:.1f} MB after warm-up (bound {bound_mb} MB)")
+    if growth > bound_mb and after_growth > bound_mb:
+        failures.append(f"RSS grew {growth:.1f} MB after warm-up, and {after_growth:.1f} MB "
+                        f"stayed after the load (bound {bound_mb} MB)")
     # Connections of the soak's clients are closed by now: what is left open
     # beyond the warm-up count (which had them all open) is a leak.
     if fds_end > fds_warm:
@@ -492,7 +499,8 @@ def main():
     if failures:
         sys.exit("soak: FAILED: " + "; ".join(failures))
     print(f"soak: PASSED: {total} requests in {duration:.0f} s, RSS growth after warm-up "
-          f"{growth:+.1f} MB (bound {bound_mb} MB), peak {peak:+.1f} MB, fds {fds_warm} -> "
+          f"{growth:+.1f} MB, {after_growth:+.1f} MB after the load (bound {bound_mb} MB), "
+          f"peak {peak:+.1f} MB, fds {fds_warm} -> "
           f"{fds_end}, no unexpected status"
           + (f" ({len(client_aborts)} client processes aborted and were replaced)"
              if client_aborts else ""))

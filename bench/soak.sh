@@ -5,7 +5,8 @@
 # seconds, with a repository model unloaded and loaded again over HTTP all
 # along (explicit model control), its RSS and open file descriptors sampled;
 # fails on RSS growth
-# after warm-up over SOAK_RSS_BOUND_MB, on descriptors left open, or on any
+# after warm-up over SOAK_RSS_BOUND_MB that stays after the load (bench/soak.py),
+# on descriptors left open, or on any
 # status a request's kind does not allow (bench/soak.py has the mix).
 #
 #   bench/soak.sh DURATION_S [BUILD_DIR]
