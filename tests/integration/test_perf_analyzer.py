@@ -52,7 +52,11 @@ def test_perf_analyzer_with_its_default_protocol(docker, tmp_path):
                      "-v", f"{path}:/data.json:ro", IMAGE, "-m", "sdpa",
                      "-u", server.http_target, "--input-data", "/data.json",
                      "--request-rate-range", "100", "--measurement-interval", "2000",
-                     "--stability-percentage", "50", "--max-trials", "4", timeout=300)
+                     # Ten windows at most, as bench/perf_analyzer.sh: on a shared
+                     # 2-vCPU machine four were once not enough for three windows
+                     # within 50% of each other (perf_analyzer: "Failed to obtain
+                     # stable measurement", exit 2).
+                     "--stability-percentage", "50", "--max-trials", "10", timeout=300)
         after = _answers(server)
     finally:
         assert server.stop() == 0, server.log()
