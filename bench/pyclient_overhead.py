@@ -18,11 +18,9 @@ import argparse
 import statistics
 import time
 
-import grpc
 import numpy as np
 
 from attnserve_client import AttentionClient
-from attnserve_client._stubs import attention_pb2
 
 METHOD = "/attnserve.v1.AttentionService/Attend"
 
