@@ -39,6 +39,7 @@ def main():
     p.add_argument("--target", required=True)
     p.add_argument("--requests", type=int, default=200, help="per case and round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cases", default="", help="only the cases whose name starts with this")
     args = p.parse_args()
     client = AttentionClient(args.target, timeout=60)
     raw = client.channel.unary_unary(METHOD)  # bytes in, bytes out
@@ -53,6 +54,7 @@ def main():
         "3 MiB fp32 (q,k,v [1,16,256,64])": qkv(16, 256),
         "24 MiB fp32 (q,k,v [1,32,1024,64])": qkv(32, 1024),
     }
+    cases = {name: arrays for name, arrays in cases.items() if name.startswith(args.cases)}
     results = {name: {"client": [], "floor": []} for name in cases}
     for name, (q, k, v) in cases.items():
         body = client.build_request(q, k, v, model="sdpa").SerializeToString()

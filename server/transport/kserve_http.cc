@@ -47,15 +47,19 @@ constexpr char kJson[] = "application/json";
 int Reply(mg_connection* conn, int status, absl::string_view body, const char* content_type = kJson,
           bool close = false, absl::Span<const absl::string_view> binary = {},
           ContentCoding coding = ContentCoding::kIdentity) {
-  std::vector<absl::string_view> parts = {body};
-  parts.insert(parts.end(), binary.begin(), binary.end());
+  // What goes on the wire: `body` then `binary`, or the two compressed as one.
   std::string compressed;
+  absl::string_view head = body;
+  absl::Span<const absl::string_view> tail = binary;
   if (coding != ContentCoding::kIdentity) {
+    std::vector<absl::string_view> parts = {body};
+    parts.insert(parts.end(), binary.begin(), binary.end());
     compressed = EncodeBody(coding, parts);
-    parts = {compressed};
+    head = compressed;
+    tail = {};
   }
-  size_t total = 0;
-  for (absl::string_view part : parts) total += part.size();
+  size_t total = head.size();
+  for (absl::string_view part : tail) total += part.size();
   mg_response_header_start(conn, status);
   mg_response_header_add(conn, "Content-Type", content_type, -1);
   const std::string length = absl::StrCat(total);
@@ -70,7 +74,8 @@ int Reply(mg_connection* conn, int status, absl::string_view body, const char* c
   }
   if (close) mg_response_header_add(conn, "Connection", "close", -1);
   mg_response_header_send(conn);
-  for (absl::string_view part : parts) {
+  if (!head.empty()) mg_write(conn, head.data(), head.size());
+  for (absl::string_view part : tail) {
     if (!part.empty()) mg_write(conn, part.data(), part.size());
   }
   return status;
