@@ -177,10 +177,11 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
       &server->registry_, server->dispatcher_.get(), server->metrics_.get(), service_options);
   // The KServe v2 / Open Inference Protocol front end, on the same port,
   // behind the same tokens.
+  if (options.allow_client_shm) server->shared_memory_ = std::make_unique<SystemSharedMemory>();
   server->kserve_ = std::make_unique<KServeServiceImpl>(
       &server->registry_, server->dispatcher_.get(), server->metrics_.get(),
       service_options.max_stream_backlog, service_options.tokens, server->models_.get(),
-      service_options.request_memory);
+      service_options.request_memory, server->shared_memory_.get());
 
   // A process-wide switch read by ServerBuilder; it must be set before
   // BuildAndStart. Health is never behind the tokens: probes need it.
@@ -243,7 +244,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   if (!options.http.address.empty()) {
     server->kserve_core_ = std::make_unique<KServeCore>(
         &server->registry_, server->dispatcher_.get(), server->metrics_.get(),
-        server->models_.get());
+        server->models_.get(), server->shared_memory_.get());
     HttpOptions http_options = options.http;
     http_options.tls = options.tls;
     absl::StatusOr<std::unique_ptr<KServeHttpServer>> http = KServeHttpServer::Start(

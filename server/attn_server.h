@@ -87,6 +87,9 @@ class AttnServer {
   std::unique_ptr<ModelManager> models_;
   std::unique_ptr<RequestDispatcher> dispatcher_;
   std::unique_ptr<BearerTokens> tokens_;  // null: no authentication
+  // Clients' shared-memory regions, one table for both KServe front ends
+  // (null without --allow-client-shm); outlives them.
+  std::unique_ptr<SystemSharedMemory> shared_memory_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<KServeServiceImpl> kserve_;
   std::unique_ptr<grpc::Server> server_;

@@ -205,6 +205,9 @@ ABSL_FLAG(std::string, auth_token_file, kDefaults.auth_token_file,
           "may use ('TOKEN model1 model2'); set: every call but health needs "
           "'authorization: Bearer TOKEN' (UNAUTHENTICATED without, PERMISSION_DENIED for a "
           "model the token may not use)");
+ABSL_FLAG(bool, allow_client_shm, kDefaults.allow_client_shm,
+          "let KServe v2 clients register system shared-memory regions and pass tensors in them "
+          "(Triton's flag; for trusted clients on this host only: docs/SECURITY.md)");
 ABSL_FLAG(bool, reflection, kDefaults.reflection,
           "serve gRPC server reflection (not behind --auth-token-file: it describes the API, "
           "not the models)");
@@ -299,6 +302,7 @@ int main(int argc, char** argv) {
       "[--nonfinite-inputs=reject] [--tls-cert-file=PEM --tls-key-file=PEM "
       "[--tls-client-ca-file=PEM] [--tls-reload-interval=60s]] [--auth-token-file=FILE] "
       "[--metrics-auth-file=FILE] "
+      "[--allow-client-shm=false] "
       "[--reflection=true] [--max-concurrent-streams=100] [--keepalive-time=2h] "
       "[--keepalive-timeout=20s] [--max-connection-idle=0] [--max-connection-age=0] "
       "[--max-connection-age-grace=30s] [--grpc-response-compression-level=none] "
@@ -413,6 +417,7 @@ int main(int argc, char** argv) {
   options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   options.metrics_auth_file = absl::GetFlag(FLAGS_metrics_auth_file);
   options.reflection = absl::GetFlag(FLAGS_reflection);
+  options.allow_client_shm = absl::GetFlag(FLAGS_allow_client_shm);
   options.connections.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   options.connections.keepalive_time =
       absl::ToChronoMilliseconds(absl::GetFlag(FLAGS_keepalive_time));

@@ -144,6 +144,11 @@ struct ServerOptions {
   // (--auth-token-file; format in server/transport/bearer_tokens.h). Read
   // once at startup. Default: none = no authentication.
   std::string auth_token_file;
+  // Clients may register system shared-memory regions and name them in
+  // KServe v2 requests instead of sending tensors (--allow-client-shm, as
+  // Triton's; server/transport/system_shared_memory.h): for clients on the
+  // server's host the operator trusts (docs/SECURITY.md). Default: false.
+  bool allow_client_shm = false;
   // Serve gRPC server reflection (--reflection). Reflection is not behind
   // the tokens: it describes the API (public in proto/), not the models.
   // Default: true.

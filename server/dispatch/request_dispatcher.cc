@@ -109,11 +109,15 @@ absl::Status RequestDispatcher::Start(std::unique_ptr<InferenceRequest>& request
   request->dims = validated->dims;
   // The engine writes straight into the front end's buffers, which the
   // transport sends from (attnserve.v1) or serializes (KServe v2).
-  request->task.output =
+  absl::StatusOr<MutableTensorView> output =
       allocate(OutputName::kOutput, validated->output_dtype, validated->output_shape);
+  if (!output.ok()) return output.status();
+  request->task.output = *output;
   if (!validated->weights_shape.empty()) {
-    request->task.weights =
+    absl::StatusOr<MutableTensorView> weights =
         allocate(OutputName::kWeights, validated->output_dtype, validated->weights_shape);
+    if (!weights.ok()) return weights.status();
+    request->task.weights = *weights;
   }
   request->bytes = RequestBytes(inputs, request->task);
   if (!inputs.session_id.empty()) {

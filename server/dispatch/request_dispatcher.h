@@ -9,6 +9,7 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "engine/tensor.h"
 #include "server/batching/batching_scheduler.h"
 #include "server/metrics/metrics.h"
@@ -40,9 +41,10 @@ class RequestDispatcher {
   // Allocates a result tensor where the front end's response will carry it
   // and returns a writable view of it: the engine writes there directly, and
   // every byte of it (the memory need not be cleared). Called on Submit's
-  // thread, before Submit returns.
-  using OutputAllocator =
-      absl::FunctionRef<MutableTensorView(OutputName name, DType dtype, const Shape& shape)>;
+  // thread, before Submit returns. An error (the client's own memory for the
+  // result is too small) answers the request with it.
+  using OutputAllocator = absl::FunctionRef<absl::StatusOr<MutableTensorView>(
+      OutputName name, DType dtype, const Shape& shape)>;
 
   RequestDispatcher(const ModelRegistry* registry, BatchingScheduler* scheduler, Metrics* metrics,
                     Clock* clock, ValidationOptions validation,

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -63,17 +64,14 @@ absl::Status TensorDType(const ModelInferRequest::InferInputTensor& tensor, bool
   return absl::OkStatus();
 }
 
-// The bytes of input `index`: its raw_input_contents entry, or its typed
-// contents where they are laid out as the raw bytes would be (fp32, bool).
-absl::Status TensorBytes(const ModelInferRequest& request, const RawContents& raw, int index,
-                         DType dtype, absl::string_view* data) {
+// The bytes of input `index`: `raw` (its raw_input_contents entry or its
+// shared-memory bytes) when not null, else its typed contents where they are
+// laid out as the raw bytes would be (fp32, bool).
+absl::Status TensorBytes(const ModelInferRequest& request, const absl::string_view* raw,
+                         int index, DType dtype, absl::string_view* data) {
   const auto& tensor = request.inputs(index);
-  if (raw.size() > 0) {
-    if (tensor.has_contents()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "input '", tensor.name(), "': contents and raw_input_contents are both set; send one"));
-    }
-    *data = raw[index];
+  if (raw != nullptr) {
+    *data = *raw;
     return absl::OkStatus();
   }
   const inference::InferTensorContents& c = tensor.contents();
@@ -96,7 +94,7 @@ absl::Status TensorBytes(const ModelInferRequest& request, const RawContents& ra
 
 // An integer input (key_lengths [B], positions [B, Lk]) of rank `rank`,
 // widened to int64.
-absl::Status DecodeIntegers(const ModelInferRequest& request, const RawContents& raw_contents,
+absl::Status DecodeIntegers(const ModelInferRequest& request, const absl::string_view* raw_bytes,
                             int index, int rank, const char* layout, std::vector<int64_t>* out) {
   const auto& tensor = request.inputs(index);
   const std::string& name = tensor.name();
@@ -119,8 +117,8 @@ absl::Status DecodeIntegers(const ModelInferRequest& request, const RawContents&
     n *= d;
   }
   const bool wide = t == "INT64";
-  if (raw_contents.size() > 0) {
-    const absl::string_view raw = raw_contents[index];
+  if (raw_bytes != nullptr) {
+    const absl::string_view raw = *raw_bytes;
     const size_t width = wide ? 8 : 4;
     if (raw.size() != static_cast<size_t>(n) * width) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -171,6 +169,72 @@ absl::Status NumberParameter(const std::string& name, const InferParameter& p, f
         absl::StrCat("parameter '", name, "': must be a number (double_param or int64_param)"));
   }
   return absl::OkStatus();
+}
+
+// A tensor's parameters: only the shared-memory ones (Triton's
+// extension). `who` names the tensor in errors.
+absl::Status TensorParameters(const google::protobuf::Map<std::string, InferParameter>& params,
+                              const std::string& who, SharedMemoryTensor* shm) {
+  bool has_size = false, has_offset = false;
+  for (const auto& [name, p] : params) {
+    const bool is_integer = p.parameter_choice_case() == InferParameter::kInt64Param ||
+                            p.parameter_choice_case() == InferParameter::kUint64Param;
+    const int64_t value =
+        p.parameter_choice_case() == InferParameter::kInt64Param
+            ? p.int64_param()
+            : static_cast<int64_t>(std::min<uint64_t>(p.uint64_param(), INT64_MAX));
+    if (name == "shared_memory_region") {
+      if (p.parameter_choice_case() != InferParameter::kStringParam || p.string_param().empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            who, ": parameter 'shared_memory_region' must be a region's name (string_param)"));
+      }
+      shm->region = p.string_param();
+    } else if (name == "shared_memory_byte_size" || name == "shared_memory_offset") {
+      if (!is_integer || value < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            who, ": parameter '", name, "' must be an integer >= 0 (int64_param)"));
+      }
+      (name == "shared_memory_offset" ? shm->offset : shm->byte_size) = value;
+      (name == "shared_memory_offset" ? has_offset : has_size) = true;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, ": parameter '", name, "' is not supported; a tensor's parameters are "
+          "shared_memory_region, shared_memory_byte_size, shared_memory_offset"));
+    }
+  }
+  if (!shm->region.empty() && !has_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": shared_memory_region needs shared_memory_byte_size"));
+  }
+  if (shm->region.empty() && (has_size || has_offset)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": shared_memory_", has_size ? "byte_size" : "offset",
+        " needs shared_memory_region"));
+  }
+  return absl::OkStatus();
+}
+
+// Looks up `shm`'s bytes in `access.regions`.
+absl::Status FindSharedMemory(const SharedMemoryAccess& access, const std::string& who,
+                              SharedMemoryTensor* shm) {
+  if (access.regions == nullptr) {
+    return access.refusal.ok()
+               ? absl::InvalidArgumentError(absl::StrCat(
+                     who, ": this server takes no tensors in shared memory"))
+               : absl::Status(access.refusal.code(),
+                              absl::StrCat(who, ": ", access.refusal.message()));
+  }
+  absl::StatusOr<SystemSharedMemory::Span> span =
+      access.regions->Find(who, shm->region, shm->offset, shm->byte_size);
+  if (!span.ok()) return span.status();
+  shm->span = *std::move(span);
+  return absl::OkStatus();
+}
+
+bool Overlap(const SystemSharedMemory::Span& a, const SystemSharedMemory::Span& b) {
+  const auto a0 = reinterpret_cast<uintptr_t>(a.data);
+  const auto b0 = reinterpret_cast<uintptr_t>(b.data);
+  return a.size > 0 && b.size > 0 && a0 < b0 + b.size && b0 < a0 + a.size;
 }
 
 absl::Status DecodeParameters(const ModelInferRequest& request, KServeRequest* decoded) {
@@ -254,7 +318,8 @@ const char* KServeDatatype(DType dtype) {
 }
 
 absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeRequest* decoded,
-                                     absl::Span<const HostBuffer> raw_inputs) {
+                                     absl::Span<const HostBuffer> raw_inputs,
+                                     const SharedMemoryAccess& shm) {
   const RawContents raw(request, raw_inputs);
   AttendInputs& in = decoded->inputs;
   in.model = request.model_name();
@@ -264,17 +329,52 @@ absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeReq
         "model_version: model '", request.model_name(), "' has only version \"1\" (or \"\"), got \"",
         request.model_version(), "\""));
   }
-  if (raw.size() > 0 && raw.size() != request.inputs_size()) {
+  // Each input's shared-memory parameters; raw_input_contents entries go,
+  // in order, to the inputs that are not in shared memory.
+  absl::InlinedVector<SharedMemoryTensor, 8> shared(request.inputs_size());
+  int raw_expected = 0;
+  for (int i = 0; i < request.inputs_size(); ++i) {
+    const auto& tensor = request.inputs(i);
+    const std::string who = absl::StrCat("input '", tensor.name(), "'");
+    if (absl::Status s = TensorParameters(tensor.parameters(), who, &shared[i]); !s.ok()) return s;
+    if (shared[i].region.empty()) {
+      ++raw_expected;
+    } else if (tensor.has_contents()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, ": contents and shared_memory_region are both set; send one"));
+    }
+  }
+  if (raw.size() > 0 && raw.size() != raw_expected) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "raw_input_contents: expected one entry per input (", request.inputs_size(), "), got ",
-        raw.size()));
+        "raw_input_contents: expected one entry per input not in shared memory (", raw_expected,
+        "), got ", raw.size()));
   }
   if (absl::Status s = DecodeParameters(request, decoded); !s.ok()) return s;
 
   bool seen_key_lengths = false, seen_positions = false;
+  int raw_index = 0;
   for (int i = 0; i < request.inputs_size(); ++i) {
     const auto& tensor = request.inputs(i);
     const std::string& name = tensor.name();
+    // The input's bytes when they are not its typed contents.
+    absl::string_view bytes;
+    const absl::string_view* raw_bytes = nullptr;
+    if (!shared[i].region.empty()) {
+      if (absl::Status s = FindSharedMemory(shm, absl::StrCat("input '", name, "'"), &shared[i]);
+          !s.ok()) {
+        return s;
+      }
+      bytes = absl::string_view(shared[i].span.data, shared[i].span.size);
+      raw_bytes = &bytes;
+      decoded->shared_inputs.push_back(std::move(shared[i]));
+    } else if (raw.size() > 0) {
+      if (tensor.has_contents()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "input '", name, "': contents and raw_input_contents are both set; send one"));
+      }
+      bytes = raw[raw_index++];
+      raw_bytes = &bytes;
+    }
     if (name == "key_lengths" || name == "positions") {
       const bool lengths = name == "key_lengths";
       bool& seen = lengths ? seen_key_lengths : seen_positions;
@@ -284,9 +384,9 @@ absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeReq
       }
       seen = true;
       std::vector<int64_t>& values = lengths ? decoded->key_lengths : decoded->positions;
-      absl::Status s = lengths ? DecodeIntegers(request, raw, i, 1,
+      absl::Status s = lengths ? DecodeIntegers(request, raw_bytes, i, 1,
                                                 "[B] (one length per batch element)", &values)
-                               : DecodeIntegers(request, raw, i, 2,
+                               : DecodeIntegers(request, raw_bytes, i, 2,
                                                 "[B, Lk] (the position of every key token)",
                                                 &values);
       if (!s.ok()) return s;
@@ -309,7 +409,7 @@ absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeReq
     target->present = true;
     target->shape.assign(tensor.shape().begin(), tensor.shape().end());
     absl::Status s = TensorDType(tensor, target == &in.attn_mask, &target->dtype);
-    if (s.ok()) s = TensorBytes(request, raw, i, target->dtype, &target->data);
+    if (s.ok()) s = TensorBytes(request, raw_bytes, i, target->dtype, &target->data);
     target->decode_error = s;
   }
 
@@ -317,21 +417,61 @@ absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeReq
     decoded->return_output = false;
     decoded->return_weights = false;
     for (const auto& out : request.outputs()) {
-      if (out.name() == "output") {
-        decoded->return_output = true;
-      } else if (out.name() == "weights") {
-        decoded->return_weights = true;
-        in.need_weights = true;  // asking for the output is asking for it to be computed
-      } else {
+      const bool is_output = out.name() == "output";
+      if (!is_output && out.name() != "weights") {
         return absl::InvalidArgumentError(absl::StrCat(
             "requested output '", out.name(), "' is not an output of attention; outputs are "
             "output, weights"));
       }
+      bool& wanted = is_output ? decoded->return_output : decoded->return_weights;
+      if (wanted) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("requested output '", out.name(), "' is given more than once"));
+      }
+      wanted = true;
+      if (!is_output) in.need_weights = true;  // asking for the output is asking for it computed
+      const std::string who = absl::StrCat("requested output '", out.name(), "'");
+      SharedMemoryTensor& target = is_output ? decoded->shared_output : decoded->shared_weights;
+      if (absl::Status s = TensorParameters(out.parameters(), who, &target); !s.ok()) return s;
+      if (target.region.empty()) continue;
+      if (absl::Status s = FindSharedMemory(shm, who, &target); !s.ok()) return s;
+      // The engine reads the inputs while it writes the outputs.
+      for (const SharedMemoryTensor& input : decoded->shared_inputs) {
+        if (Overlap(target.span, input.span)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              who, ": its shared memory overlaps the bytes of an input (region '", input.region,
+              "'); give the outputs bytes of their own"));
+        }
+      }
+    }
+    if (Overlap(decoded->shared_output.span, decoded->shared_weights.span)) {
+      return absl::InvalidArgumentError(
+          "requested outputs 'output' and 'weights': their shared memory overlaps; give each "
+          "bytes of its own");
     }
   } else {
     decoded->return_weights = in.need_weights;
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<MutableTensorView> AddSharedMemoryOutput(inference::ModelInferResponse* response,
+                                                        OutputName name, DType dtype,
+                                                        const Shape& shape,
+                                                        const SharedMemoryTensor& target) {
+  MutableTensorView view = AddKServeOutput(response, name, dtype, shape);
+  if (view.byte_size() > target.span.size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "requested output '", response->outputs(response->outputs_size() - 1).name(),
+        "': shared_memory_byte_size ", target.byte_size, " is too small for the result (",
+        view.byte_size(), " bytes)"));
+  }
+  auto& params = *response->mutable_outputs(response->outputs_size() - 1)->mutable_parameters();
+  params["shared_memory_region"].set_string_param(target.region);
+  params["shared_memory_byte_size"].set_int64_param(static_cast<int64_t>(view.byte_size()));
+  if (target.offset != 0) params["shared_memory_offset"].set_int64_param(target.offset);
+  view.data = target.span.data;
+  return view;
 }
 
 MutableTensorView AddKServeOutput(inference::ModelInferResponse* response, OutputName name,

@@ -68,8 +68,13 @@ void SetDuration(inference::StatisticDuration* d, uint64_t count, uint64_t ns) {
 }  // namespace
 
 KServeCore::KServeCore(const ModelRegistry* registry, RequestDispatcher* dispatcher,
-                       const Metrics* metrics, ModelManager* models)
-    : registry_(registry), dispatcher_(dispatcher), metrics_(metrics), models_(models) {}
+                       const Metrics* metrics, ModelManager* models,
+                       SystemSharedMemory* shared_memory)
+    : registry_(registry),
+      dispatcher_(dispatcher),
+      metrics_(metrics),
+      models_(models),
+      shared_memory_(shared_memory) {}
 
 absl::Status KServeCore::CheckVersion(const std::string& model, const std::string& version) {
   if (version.empty() || version == "1") return absl::OkStatus();
@@ -103,6 +108,8 @@ void KServeCore::ServerMetadata(inference::ServerMetadataResponse* response) con
                         "parameters", "statistics"}) {
     response->add_extensions(e);
   }
+  // Only where clients may use it (--allow-client-shm).
+  if (shared_memory_ != nullptr) response->add_extensions("system_shared_memory");
 }
 
 absl::Status KServeCore::ModelMetadata(const std::string& name, const std::string& version,
@@ -268,6 +275,53 @@ void KServeCore::ChangeModel(
   }
 }
 
+absl::Status KServeCore::CheckSharedMemory(const char* op, const ModelAccess& access) const {
+  if (shared_memory_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        op, ": this server takes no tensors in shared memory; start it with --allow-client-shm "
+        "(clients on its host only; docs/SECURITY.md)"));
+  }
+  if (access.restricted()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        op, ": the caller's credentials are restricted to some models; shared-memory regions "
+        "are shared by every caller and need a token without a model list"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KServeCore::RegisterSystemSharedMemory(const std::string& name,
+                                                    const std::string& key, uint64_t offset,
+                                                    uint64_t byte_size,
+                                                    const ModelAccess& access) const {
+  if (absl::Status s = CheckSharedMemory("SystemSharedMemoryRegister", access); !s.ok()) return s;
+  return shared_memory_->Register(name, key, offset, byte_size);
+}
+
+absl::Status KServeCore::UnregisterSystemSharedMemory(const std::string& name,
+                                                      const ModelAccess& access) const {
+  if (absl::Status s = CheckSharedMemory("SystemSharedMemoryUnregister", access); !s.ok()) {
+    return s;
+  }
+  return shared_memory_->Unregister(name);
+}
+
+absl::Status KServeCore::SystemSharedMemoryStatus(
+    const std::string& name, const ModelAccess& access,
+    inference::SystemSharedMemoryStatusResponse* response) const {
+  if (absl::Status s = CheckSharedMemory("SystemSharedMemoryStatus", access); !s.ok()) return s;
+  absl::StatusOr<std::vector<SystemSharedMemory::RegionStatus>> regions =
+      shared_memory_->Status(name);
+  if (!regions.ok()) return regions.status();
+  for (const SystemSharedMemory::RegionStatus& r : *regions) {
+    auto& entry = (*response->mutable_regions())[r.name];
+    entry.set_name(r.name);
+    entry.set_key(r.key);
+    entry.set_offset(r.offset);
+    entry.set_byte_size(r.byte_size);
+  }
+  return absl::OkStatus();
+}
+
 void KServeCore::StartInfer(const Call& call, const absl::Status& parsed,
                             const inference::ModelInferRequest& request, KServeRequest* decoded,
                             inference::ModelInferResponse* response,
@@ -310,19 +364,30 @@ void KServeCore::StartInfer(const Call& call, const absl::Status& parsed,
   // A request the mapping cannot express goes through the request path all
   // the same: the model lookup answers first (an unknown model is NOT_FOUND
   // whatever else is wrong, as Triton answers), then validation reports it.
-  decoded->inputs.decode_error = DecodeModelInferRequest(request, decoded, call.raw_inputs);
+  SharedMemoryAccess shm;
+  shm.refusal = CheckSharedMemory("shared_memory_region", call.access);
+  if (shm.refusal.ok()) shm.regions = shared_memory_;
+  decoded->inputs.decode_error = DecodeModelInferRequest(request, decoded, call.raw_inputs, shm);
   if (decoded->timeout_us > 0) {
     r->deadline = std::min(r->deadline, r->received + absl::Microseconds(decoded->timeout_us));
   }
   HostBufferPool* const memory = call.result_memory;
-  dispatcher_->Submit(std::move(r), decoded->inputs,
-                      [response, memory, buffers](OutputName name, DType dtype,
-                                                  const Shape& shape) {
-                        return memory != nullptr && buffers != nullptr
-                                   ? AllocateKServeResult(*memory, response, name, dtype, shape,
-                                                          buffers)
-                                   : AllocateKServeOutput(response, name, dtype, shape);
-                      });
+  dispatcher_->Submit(
+      std::move(r), decoded->inputs,
+      [response, memory, buffers, decoded](
+          OutputName name, DType dtype, const Shape& shape) -> absl::StatusOr<MutableTensorView> {
+        const SharedMemoryTensor& shared =
+            name == OutputName::kOutput ? decoded->shared_output : decoded->shared_weights;
+        if (!shared.region.empty()) {
+          // Written into the client's region; its raw_output_contents entry
+          // stays empty (and its buffer, in step, too).
+          if (buffers != nullptr) buffers->emplace_back();
+          return AddSharedMemoryOutput(response, name, dtype, shape, shared);
+        }
+        return memory != nullptr && buffers != nullptr
+                   ? AllocateKServeResult(*memory, response, name, dtype, shape, buffers)
+                   : AllocateKServeOutput(response, name, dtype, shape);
+      });
 }
 
 }  // namespace attnserve

@@ -1,6 +1,7 @@
 // The KServe v2 (Open Inference Protocol) operations, whatever carries them:
-// readiness, metadata, config, statistics, the repository index and
-// inference through the shared request path. The gRPC service
+// readiness, metadata, config, statistics, the repository index, model
+// control, system shared memory and inference through the shared request
+// path. The gRPC service
 // (kserve_service.h) and the HTTP/REST endpoint (kserve_http.h) are thin
 // adapters over one KServeCore, so both answer with the same values, the
 // same errors and the same messages.
@@ -25,16 +26,18 @@
 #include "server/models/model_registry.h"
 #include "server/request/model_access.h"
 #include "server/transport/kserve_codec.h"
+#include "server/transport/system_shared_memory.h"
 
 namespace attnserve {
 
 // Thread-safe. Does not own the registry, the dispatcher, the metrics
-// (nullable) or the model manager (nullable: no model control); all must
-// outlive it.
+// (nullable), the model manager (nullable: no model control) or the
+// shared-memory regions (nullable: clients may not use shared memory,
+// --allow-client-shm off); all must outlive it.
 class KServeCore {
  public:
   KServeCore(const ModelRegistry* registry, RequestDispatcher* dispatcher, const Metrics* metrics,
-             ModelManager* models = nullptr);
+             ModelManager* models = nullptr, SystemSharedMemory* shared_memory = nullptr);
 
   RequestDispatcher* dispatcher() const { return dispatcher_; }
 
@@ -86,6 +89,23 @@ class KServeCore {
   void UnloadModel(const std::string& name, const ModelAccess& access,
                    absl::AnyInvocable<void(absl::Status)> done) const;
 
+  // Triton's system shared-memory extension: Register, Unregister ("" =
+  // every region) and Status ("" = every region) of system_shared_memory.h
+  // with its errors, once CheckSharedMemory allows the caller.
+  absl::Status RegisterSystemSharedMemory(const std::string& name, const std::string& key,
+                                          uint64_t offset, uint64_t byte_size,
+                                          const ModelAccess& access) const;
+  absl::Status UnregisterSystemSharedMemory(const std::string& name,
+                                            const ModelAccess& access) const;
+  absl::Status SystemSharedMemoryStatus(const std::string& name, const ModelAccess& access,
+                                        inference::SystemSharedMemoryStatusResponse* response) const;
+
+  // Whether the caller may use shared memory (register, name a region in a
+  // request): FailedPrecondition when the server was started without
+  // --allow-client-shm; PermissionDenied (naming `op`) when `access` is
+  // restricted to models, since every caller shares the regions.
+  absl::Status CheckSharedMemory(const char* op, const ModelAccess& access) const;
+
   // How one inference call arrived.
   struct Call {
     // When the front end had the call's message, before it parsed it (the
@@ -135,6 +155,7 @@ class KServeCore {
   RequestDispatcher* const dispatcher_;
   const Metrics* const metrics_;
   ModelManager* const models_;
+  SystemSharedMemory* const shared_memory_;
 };
 
 }  // namespace attnserve

@@ -365,6 +365,51 @@ int KServeHttpServer::Serve(mg_connection* conn) {
     if (!result.ok()) return ReplyError(conn, result);
     return Reply(conn, 200, "");
   }
+  // Triton's system shared-memory extension:
+  // GET  /v2/systemsharedmemory[/region/{name}]/status
+  // POST /v2/systemsharedmemory/region/{name}/register
+  // POST /v2/systemsharedmemory[/region/{name}]/unregister
+  // and CUDA shared memory's paths, refused with the reason.
+  if (path.size() >= 3 && (path[1] == "systemsharedmemory" || path[1] == "cudasharedmemory")) {
+    const bool named = path.size() == 5 && path[2] == "region";
+    if (path.size() != 3 && !named) return no_such_endpoint();
+    const std::string name = named ? path[3] : "";
+    const std::string& op = path.back();
+    if (op != "status" && op != "register" && op != "unregister") return no_such_endpoint();
+    if (op == "register" && !named) return no_such_endpoint();
+    if (op == "status" ? !get : !post) return method_not_allowed(op == "status" ? "GET" : "POST");
+    std::string body;
+    if (post) {  // read whatever the answer, so that the connection stays usable
+      absl::StatusOr<std::string> read = ReadBody(conn, info, options_.max_body_bytes);
+      if (!read.ok()) return ReplyBodyError(conn, read.status());
+      body = *std::move(read);
+    }
+    if (path[1] == "cudasharedmemory") {
+      return ReplyError(conn, absl::UnimplementedError(
+                                  "attnserve has no CUDA shared memory; send tensors in the "
+                                  "request or, from the server's host, in system shared memory"));
+    }
+    if (op == "status") {
+      inference::SystemSharedMemoryStatusResponse regions;
+      if (absl::Status s = core_->SystemSharedMemoryStatus(name, access, &regions); !s.ok()) {
+        return ReplyError(conn, s);
+      }
+      return Reply(conn, 200, SystemSharedMemoryStatusJson(regions));
+    }
+    absl::Status s;
+    if (op == "unregister") {
+      s = body.find_first_not_of(" \t\r\n") == std::string::npos
+              ? core_->UnregisterSystemSharedMemory(name, access)
+              : absl::InvalidArgumentError("request body: must be empty for unregister");
+    } else if (s = core_->CheckSharedMemory("SystemSharedMemoryRegister", access); s.ok()) {
+      absl::StatusOr<SharedMemoryRegistration> r = DecodeSharedMemoryRegisterRequest(&body);
+      s = r.ok() ? core_->RegisterSystemSharedMemory(name, r->key, r->offset, r->byte_size,
+                                                      access)
+                 : r.status();
+    }
+    if (!s.ok()) return ReplyError(conn, s);
+    return Reply(conn, 200, "");
+  }
   if (path.size() == 3 && path[1] == "models" && path[2] == "stats") {  // every model
     if (!get) return method_not_allowed("GET");
     inference::ModelStatisticsResponse stats;

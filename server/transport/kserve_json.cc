@@ -42,12 +42,21 @@ struct Input {
   // "data" read before "datatype": kept as numbers until it is known.
   std::vector<double> pending;
   bool pending_bool = false;
+  // Its shared-memory parameters (shared_memory_region, _byte_size,
+  // _offset), passed on to the request as they are.
+  google::protobuf::Map<std::string, InferParameter> shared_memory;
 };
 
 struct Output {
   std::string name;
   bool binary = false, has_binary = false;
+  google::protobuf::Map<std::string, InferParameter> shared_memory;  // as Input's
 };
+
+bool IsSharedMemoryParameter(const std::string& key) {
+  return key == "shared_memory_region" || key == "shared_memory_byte_size" ||
+         key == "shared_memory_offset";
+}
 
 // Where the reader is. Each Start* pushes, each End* pops.
 enum class At {
@@ -146,15 +155,17 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
         return Fail(absl::StrCat("outputs: \"", key_,
                                  "\" is not a field of an output; fields are name, parameters"));
       case At::kInputParams:
-        if (key_ == "binary_data_size") return true;
-        return Fail(InputField(absl::StrCat("parameter '", key_,
-                                            "' is not supported; the one input parameter is "
-                                            "binary_data_size (no shared memory)")));
+        if (key_ == "binary_data_size" || IsSharedMemoryParameter(key_)) return true;
+        return Fail(InputField(absl::StrCat(
+            "parameter '", key_,
+            "' is not supported; input parameters are binary_data_size, shared_memory_region, "
+            "shared_memory_byte_size, shared_memory_offset")));
       case At::kOutputParams:
-        if (key_ == "binary_data") return true;
+        if (key_ == "binary_data" || IsSharedMemoryParameter(key_)) return true;
         return Fail(absl::StrCat("outputs: parameter '", key_,
-                                 "' is not supported; the one output parameter is binary_data "
-                                 "(no classification, no shared memory)"));
+                                 "' is not supported; output parameters are binary_data, "
+                                 "shared_memory_region, shared_memory_byte_size, "
+                                 "shared_memory_offset (no classification)"));
       default:
         return true;
     }
@@ -185,6 +196,14 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
       case At::kOutput:
         if (key_ == "name") {
           outputs.back().name = value;
+          return true;
+        }
+        break;
+      case At::kInputParams:
+      case At::kOutputParams:
+        if (key_ == "shared_memory_region") {
+          (Top() == At::kInputParams ? Current().shared_memory : outputs.back().shared_memory)
+              [key_].set_string_param(value);
           return true;
         }
         break;
@@ -301,17 +320,28 @@ class Handler : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, Handler> 
       case At::kShape:
         Current().shape.push_back(i);
         return true;
-      case At::kInputParams:  // binary_data_size: Key() refuses every other key
+      case At::kInputParams:  // Key() refuses every other key
+        if (IsSharedMemoryParameter(key_)) {
+          Current().shared_memory[key_].set_int64_param(i);  // checked by the codec
+          return true;
+        }
         if (i < 0) {
           return Fail(InputField(absl::StrCat("binary_data_size must be >= 0, got ", i)));
         }
         Current().binary_size = i;
         return true;
+      case At::kOutputParams:
+        if (IsSharedMemoryParameter(key_)) {
+          outputs.back().shared_memory[key_].set_int64_param(i);
+          return true;
+        }
+        break;
       case At::kData:
         return DataNumber(static_cast<double>(i), true, i);
       default:
-        return Fail(Where(absl::StrCat("must not be a number, got ", i)));
+        break;
     }
+    return Fail(Where(absl::StrCat("must not be a number, got ", i)));
   }
 
   // The first value of an input's "data": reserve its bytes when the shape
@@ -530,6 +560,17 @@ absl::Status DecodeJsonInferRequest(std::string* body_text, int64_t header_lengt
     tensor->set_name(in.name);
     tensor->set_datatype(in.datatype);
     tensor->mutable_shape()->Assign(in.shape.begin(), in.shape.end());
+    if (!in.shared_memory.empty()) {
+      // Its bytes are in shared memory: no raw_input_contents entry (the
+      // codec checks the parameters themselves).
+      if (in.has_data || in.binary_size >= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            who, ": both ", in.has_data ? "\"data\"" : "binary_data_size",
+            " and shared memory parameters are given; send one"));
+      }
+      *tensor->mutable_parameters() = std::move(in.shared_memory);
+      continue;
+    }
     if (in.binary_size >= 0) {
       if (in.has_data) {
         return absl::InvalidArgumentError(
@@ -569,7 +610,9 @@ absl::Status DecodeJsonInferRequest(std::string* body_text, int64_t header_lengt
   out->binary_by_default = handler.binary_by_default;
   for (const Output& o : handler.outputs) {
     if (o.name.empty()) return absl::InvalidArgumentError("outputs: every output needs a \"name\"");
-    request.add_outputs()->set_name(o.name);
+    auto* requested = request.add_outputs();
+    requested->set_name(o.name);
+    *requested->mutable_parameters() = o.shared_memory;
     if (o.has_binary) out->binary_output[o.name] = o.binary;
   }
   return absl::OkStatus();
@@ -625,7 +668,23 @@ std::string EncodeJsonInferResponse(const inference::ModelInferResponse& respons
     Field(w, "name", o.name());
     Field(w, "datatype", o.datatype());
     WriteShape(w, o.shape());
-    if (as_binary) {
+    if (o.parameters().contains("shared_memory_region")) {
+      // Written into the client's shared memory: the region, no data.
+      w.Key("parameters");
+      w.StartObject();
+      for (const char* key :
+           {"shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"}) {
+        auto p = o.parameters().find(key);
+        if (p == o.parameters().end()) continue;
+        w.Key(key);
+        if (p->second.parameter_choice_case() == InferParameter::kStringParam) {
+          w.String(p->second.string_param().c_str());
+        } else {
+          w.Int64(p->second.int64_param());
+        }
+      }
+      w.EndObject();
+    } else if (as_binary) {
       w.Key("parameters");
       w.StartObject();
       w.Key("binary_data_size");
@@ -735,9 +794,56 @@ absl::StatusOr<bool> DecodeIndexRequest(std::string* body) {
   return handler.ready;
 }
 
-absl::Status DecodeModelRepositoryRequest(std::string* body, bool unload) {
-  if (body->find_first_not_of(" \t\r\n") == std::string::npos) return absl::OkStatus();
-  RepositoryHandler handler(unload);
+namespace {
+
+// {"key": string, "offset": number, "byte_size": number}: a system
+// shared-memory register request's fields, "key" and "byte_size" required.
+struct RegisterHandler : rapidjson::BaseReaderHandler<rapidjson::UTF8<>, RegisterHandler> {
+  SharedMemoryRegistration* out = nullptr;
+  bool has_key = false, has_size = false;
+  int depth = 0;
+  std::string key;
+  absl::Status error;
+  bool Fail(std::string message) {
+    if (error.ok()) error = absl::InvalidArgumentError(std::move(message));
+    return false;
+  }
+  bool Default() {
+    return Fail(depth == 1 ? absl::StrCat("request body: \"", key, "\" has the wrong type")
+                           : "request body: must be {\"key\": string, \"offset\": number, "
+                             "\"byte_size\": number}");
+  }
+  bool StartObject() { return ++depth == 1 || Default(); }
+  bool EndObject(rapidjson::SizeType) { return --depth >= 0; }
+  bool Key(const char* str, rapidjson::SizeType length, bool) {
+    key.assign(str, length);
+    if (key == "key" || key == "offset" || key == "byte_size") return true;
+    return Fail(absl::StrCat("request body: unknown field \"", key,
+                             "\" (fields are key, offset, byte_size)"));
+  }
+  bool String(const char* str, rapidjson::SizeType length, bool) {
+    if (key != "key") return Default();
+    out->key.assign(str, length);
+    has_key = true;
+    return true;
+  }
+  bool Number(uint64_t n) {
+    if (key == "key") return Default();
+    (key == "offset" ? out->offset : out->byte_size) = n;
+    if (key == "byte_size") has_size = true;
+    return true;
+  }
+  bool Uint(unsigned n) { return Number(n); }
+  bool Uint64(uint64_t n) { return Number(n); }
+  bool Int(int n) { return n >= 0 ? Number(static_cast<uint64_t>(n)) : Negative(); }
+  bool Int64(int64_t n) { return n >= 0 ? Number(static_cast<uint64_t>(n)) : Negative(); }
+  bool Negative() { return Fail(absl::StrCat("request body: \"", key, "\" must be >= 0")); }
+};
+
+// Parses `body` in place with `handler` (SAX, whose `error` holds its own
+// refusal): the handler's error first, else RapidJSON's, naming the offset.
+template <typename Handler>
+absl::Status ParseInPlace(std::string* body, Handler& handler) {
   rapidjson::Reader reader;
   rapidjson::InsituStringStream stream(body->data());  // std::string ends with a NUL
   const rapidjson::ParseResult parsed = reader.Parse<rapidjson::kParseInsituFlag>(stream, handler);
@@ -748,6 +854,27 @@ absl::Status DecodeModelRepositoryRequest(std::string* body, bool unload) {
                                                    rapidjson::GetParseError_En(parsed.Code())));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<SharedMemoryRegistration> DecodeSharedMemoryRegisterRequest(std::string* body) {
+  SharedMemoryRegistration registration;
+  RegisterHandler handler;
+  handler.out = &registration;
+  if (absl::Status s = ParseInPlace(body, handler); !s.ok()) return s;
+  if (!handler.has_key || !handler.has_size) {
+    return absl::InvalidArgumentError(absl::StrCat("request body: \"",
+                                                   handler.has_key ? "byte_size" : "key",
+                                                   "\" is required"));
+  }
+  return registration;
+}
+
+absl::Status DecodeModelRepositoryRequest(std::string* body, bool unload) {
+  if (body->find_first_not_of(" \t\r\n") == std::string::npos) return absl::OkStatus();
+  RepositoryHandler handler(unload);
+  return ParseInPlace(body, handler);
 }
 
 absl::Status CheckModelRepositoryParameter(const std::string& name, bool is_bool, bool unload) {
@@ -849,6 +976,28 @@ std::string RepositoryIndexJson(const inference::RepositoryIndexResponse& index)
     Field(w, "version", m.version());
     Field(w, "state", m.state());
     Field(w, "reason", m.reason());
+    w.EndObject();
+  }
+  w.EndArray();
+  return Done(buffer);
+}
+
+std::string SystemSharedMemoryStatusJson(
+    const inference::SystemSharedMemoryStatusResponse& status) {
+  // By name: the protobuf map's own order is its own.
+  std::map<std::string, const inference::SystemSharedMemoryStatusResponse::RegionStatus*> regions;
+  for (const auto& [name, region] : status.regions()) regions[name] = &region;
+  rapidjson::StringBuffer buffer;
+  rapidjson::Writer<rapidjson::StringBuffer> w(buffer);
+  w.StartArray();
+  for (const auto& [name, region] : regions) {
+    w.StartObject();
+    Field(w, "name", region->name());
+    Field(w, "key", region->key());
+    w.Key("offset");
+    w.Uint64(region->offset());
+    w.Key("byte_size");
+    w.Uint64(region->byte_size());
     w.EndObject();
   }
   w.EndArray();

@@ -71,6 +71,16 @@ absl::Status DecodeModelRepositoryRequest(std::string* body, bool unload);
 // gRPC front end checks RepositoryModelLoad/UnloadRequest.parameters with it.
 absl::Status CheckModelRepositoryParameter(const std::string& name, bool is_bool, bool unload);
 
+// The body of POST /v2/systemsharedmemory/region/{name}/register:
+// {"key": string, "offset": number, "byte_size": number} ("offset" may be
+// left out: 0), parsed in place. InvalidArgument naming the field.
+struct SharedMemoryRegistration {
+  std::string key;
+  uint64_t offset = 0;
+  uint64_t byte_size = 0;
+};
+absl::StatusOr<SharedMemoryRegistration> DecodeSharedMemoryRegisterRequest(std::string* body);
+
 // {"error": message}
 std::string ErrorJson(absl::string_view message);
 
@@ -80,6 +90,10 @@ std::string ServerMetadataJson(const inference::ServerMetadataResponse& m);
 std::string ModelMetadataJson(const inference::ModelMetadataResponse& m);
 std::string RepositoryIndexJson(const inference::RepositoryIndexResponse& index);
 std::string ModelStatisticsJson(const inference::ModelStatisticsResponse& stats);
+// GET /v2/systemsharedmemory[/region/{name}]/status: an array of
+// {"name", "key", "offset", "byte_size"}, by name.
+std::string SystemSharedMemoryStatusJson(
+    const inference::SystemSharedMemoryStatusResponse& status);
 // GET .../config: the ModelConfig message in protobuf's JSON mapping, as
 // Triton returns it.
 std::string ModelConfigJson(const inference::ModelConfigResponse& config);

@@ -48,7 +48,8 @@ absl::Status CheckParameters(
 KServeServiceImpl::KServeServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
                                      const Metrics* metrics, size_t max_stream_backlog,
                                      const BearerTokens* tokens, ModelManager* models,
-                                     std::shared_ptr<HostBufferPool> request_memory)
+                                     std::shared_ptr<HostBufferPool> request_memory,
+                                     SystemSharedMemory* shared_memory)
     : registry_(registry),
       dispatcher_(dispatcher),
       metrics_(metrics),
@@ -56,7 +57,7 @@ KServeServiceImpl::KServeServiceImpl(const ModelRegistry* registry, RequestDispa
       tokens_(tokens),
       request_memory_(request_memory != nullptr ? std::move(request_memory)
                                                 : HostBufferPool::Ordinary()),
-      core_(registry, dispatcher, metrics, models) {}
+      core_(registry, dispatcher, metrics, models, shared_memory) {}
 
 absl::Status KServeServiceImpl::Authorize(const grpc::CallbackServerContext& context,
                                           absl::string_view name, ModelAccess* access) const {
@@ -327,19 +328,59 @@ grpc::ServerUnaryReactor* KServeServiceImpl::RepositoryModelUnload(
 }
 
 grpc::ServerUnaryReactor* KServeServiceImpl::SystemSharedMemoryStatus(
-    grpc::CallbackServerContext* context, const inference::SystemSharedMemoryStatusRequest*,
-    inference::SystemSharedMemoryStatusResponse*) {
-  return Answer(context, absl::UnimplementedError(
-                             "SystemSharedMemoryStatus: attnserve has no shared-memory "
-                             "extension; send tensors in the request (raw_input_contents)"));
+    grpc::CallbackServerContext* context, const inference::SystemSharedMemoryStatusRequest* request,
+    inference::SystemSharedMemoryStatusResponse* response) {
+  ModelAccess access;
+  if (absl::Status s = Authorize(*context, "", &access); !s.ok()) return Answer(context, s);
+  return Answer(context, core_.SystemSharedMemoryStatus(request->name(), access, response));
 }
+
+grpc::ServerUnaryReactor* KServeServiceImpl::SystemSharedMemoryRegister(
+    grpc::CallbackServerContext* context,
+    const inference::SystemSharedMemoryRegisterRequest* request,
+    inference::SystemSharedMemoryRegisterResponse*) {
+  ModelAccess access;
+  if (absl::Status s = Authorize(*context, "", &access); !s.ok()) return Answer(context, s);
+  return Answer(context,
+                core_.RegisterSystemSharedMemory(request->name(), request->key(),
+                                                 request->offset(), request->byte_size(), access));
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::SystemSharedMemoryUnregister(
+    grpc::CallbackServerContext* context,
+    const inference::SystemSharedMemoryUnregisterRequest* request,
+    inference::SystemSharedMemoryUnregisterResponse*) {
+  ModelAccess access;
+  if (absl::Status s = Authorize(*context, "", &access); !s.ok()) return Answer(context, s);
+  return Answer(context, core_.UnregisterSystemSharedMemory(request->name(), access));
+}
+
+namespace {
+
+absl::Status NoCudaSharedMemory(const char* op) {
+  return absl::UnimplementedError(absl::StrCat(
+      op, ": attnserve has no CUDA shared memory; send tensors in the request "
+      "(raw_input_contents) or, from the server's host, in system shared memory"));
+}
+
+}  // namespace
 
 grpc::ServerUnaryReactor* KServeServiceImpl::CudaSharedMemoryStatus(
     grpc::CallbackServerContext* context, const inference::CudaSharedMemoryStatusRequest*,
     inference::CudaSharedMemoryStatusResponse*) {
-  return Answer(context, absl::UnimplementedError(
-                             "CudaSharedMemoryStatus: attnserve has no shared-memory "
-                             "extension; send tensors in the request (raw_input_contents)"));
+  return Answer(context, NoCudaSharedMemory("CudaSharedMemoryStatus"));
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::CudaSharedMemoryRegister(
+    grpc::CallbackServerContext* context, const inference::CudaSharedMemoryRegisterRequest*,
+    inference::CudaSharedMemoryRegisterResponse*) {
+  return Answer(context, NoCudaSharedMemory("CudaSharedMemoryRegister"));
+}
+
+grpc::ServerUnaryReactor* KServeServiceImpl::CudaSharedMemoryUnregister(
+    grpc::CallbackServerContext* context, const inference::CudaSharedMemoryUnregisterRequest*,
+    inference::CudaSharedMemoryUnregisterResponse*) {
+  return Answer(context, NoCudaSharedMemory("CudaSharedMemoryUnregister"));
 }
 
 }  // namespace attnserve

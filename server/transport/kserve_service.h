@@ -44,8 +44,12 @@ using Base = S::WithRawCallbackMethod_ModelInfer<S::WithRawCallbackMethod_ModelS
                     S::WithCallbackMethod_RepositoryModelLoad<
                         S::WithCallbackMethod_RepositoryModelUnload<
                             S::WithCallbackMethod_SystemSharedMemoryStatus<
-                                S::WithCallbackMethod_CudaSharedMemoryStatus<
-                                    S::Service>>>>>>>>>>>>>>;
+                                S::WithCallbackMethod_SystemSharedMemoryRegister<
+                                    S::WithCallbackMethod_SystemSharedMemoryUnregister<
+                                        S::WithCallbackMethod_CudaSharedMemoryStatus<
+                                            S::WithCallbackMethod_CudaSharedMemoryRegister<
+                                                S::WithCallbackMethod_CudaSharedMemoryUnregister<
+                                                    S::Service>>>>>>>>>>>>>>>>>>;
 }  // namespace kserve_internal
 using KServeServiceBase = kserve_internal::Base;
 
@@ -70,10 +74,13 @@ class KServeServiceImpl final : public KServeServiceBase, private StreamHandler 
   // `models`: model control (RepositoryModelLoad/Unload); null = none.
   // `request_memory`: where results are written and sent from, as
   // AttentionServiceOptions::request_memory (null: ordinary memory).
+  // `shared_memory`: the regions clients register (system_shared_memory.h),
+  // shared with the HTTP front end; null: --allow-client-shm is off.
   KServeServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
                     const Metrics* metrics, size_t max_stream_backlog,
                     const BearerTokens* tokens = nullptr, ModelManager* models = nullptr,
-                    std::shared_ptr<HostBufferPool> request_memory = nullptr);
+                    std::shared_ptr<HostBufferPool> request_memory = nullptr,
+                    SystemSharedMemory* shared_memory = nullptr);
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
@@ -109,9 +116,26 @@ class KServeServiceImpl final : public KServeServiceBase, private StreamHandler 
       grpc::CallbackServerContext* context,
       const inference::SystemSharedMemoryStatusRequest* request,
       inference::SystemSharedMemoryStatusResponse* response) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryRegister(
+      grpc::CallbackServerContext* context,
+      const inference::SystemSharedMemoryRegisterRequest* request,
+      inference::SystemSharedMemoryRegisterResponse* response) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryUnregister(
+      grpc::CallbackServerContext* context,
+      const inference::SystemSharedMemoryUnregisterRequest* request,
+      inference::SystemSharedMemoryUnregisterResponse* response) override;
+  // CUDA shared memory: UNIMPLEMENTED, with the reason.
   grpc::ServerUnaryReactor* CudaSharedMemoryStatus(
       grpc::CallbackServerContext* context, const inference::CudaSharedMemoryStatusRequest* request,
       inference::CudaSharedMemoryStatusResponse* response) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryRegister(
+      grpc::CallbackServerContext* context,
+      const inference::CudaSharedMemoryRegisterRequest* request,
+      inference::CudaSharedMemoryRegisterResponse* response) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryUnregister(
+      grpc::CallbackServerContext* context,
+      const inference::CudaSharedMemoryUnregisterRequest* request,
+      inference::CudaSharedMemoryUnregisterResponse* response) override;
 
   // `request` holds a serialized ModelInferRequest; `response` receives the
   // serialized ModelInferResponse.

@@ -1,8 +1,8 @@
 """ctest entry for the KServe v2 tests: a venv under the build dir (cached;
 --system-site-packages so Debian's numpy and torch are visible) with Triton's
 own Python client, tritonclient[grpc,http] (and ml_dtypes for BF16) from PyPI,
-then pytest on test_kserve.py, test_kserve_http.py, test_kserve_security.py and
-test_model_control.py with that venv's Python."""
+then pytest on test_kserve.py, test_kserve_http.py, test_kserve_security.py,
+test_model_control.py and test_kserve_shm.py with that venv's Python."""
 
 import os
 import sys
@@ -18,4 +18,5 @@ if __name__ == "__main__":
                        [os.path.join(HERE, "test_kserve.py"),
                         os.path.join(HERE, "test_kserve_http.py"),
                         os.path.join(HERE, "test_kserve_security.py"),
-                        os.path.join(HERE, "test_model_control.py")], sys.argv[1:])
+                        os.path.join(HERE, "test_model_control.py"),
+                        os.path.join(HERE, "test_kserve_shm.py")], sys.argv[1:])

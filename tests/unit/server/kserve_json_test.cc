@@ -15,6 +15,7 @@ namespace attnserve {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 template <typename T>
 std::string Bytes(std::vector<T> values) {
@@ -76,6 +77,49 @@ TEST(KServeJsonTest, BinaryDataFollowsTheHeaderInInputOrder) {
   EXPECT_EQ(r.request.raw_input_contents(2), std::string("\x80\x3f", 2));
 }
 
+TEST(KServeJsonTest, SharedMemoryParametersReachTheRequestWithoutBytes) {
+  const std::string header =
+      R"({"inputs": [{"name": "query", "shape": [2], "datatype": "FP32",
+                      "parameters": {"shared_memory_region": "in", "shared_memory_byte_size": 8,
+                                     "shared_memory_offset": 16}},
+                     {"name": "key", "shape": [1], "datatype": "FP32", "data": [2]}],
+          "outputs": [{"name": "output",
+                       "parameters": {"binary_data": true, "shared_memory_region": "out",
+                                      "shared_memory_byte_size": 64}}]})";
+  JsonInferRequest r;
+  const absl::Status s = Decode(header, &r, -1);
+  ASSERT_TRUE(s.ok()) << s;
+  // Only the input in the message has a raw entry (as in Triton's gRPC form).
+  ASSERT_EQ(r.request.raw_input_contents_size(), 1);
+  EXPECT_EQ(r.request.raw_input_contents(0), Bytes<float>({2.0f}));
+  const auto& in = r.request.inputs(0).parameters();
+  EXPECT_EQ(in.at("shared_memory_region").string_param(), "in");
+  EXPECT_EQ(in.at("shared_memory_byte_size").int64_param(), 8);
+  EXPECT_EQ(in.at("shared_memory_offset").int64_param(), 16);
+  EXPECT_TRUE(r.request.inputs(1).parameters().empty());
+  const auto& out = r.request.outputs(0).parameters();
+  EXPECT_EQ(out.size(), 2u);  // binary_data is the HTTP front end's own
+  EXPECT_EQ(out.at("shared_memory_region").string_param(), "out");
+
+  // The answer names the region and carries neither data nor binary bytes.
+  inference::ModelInferResponse response;
+  response.set_model_name("sdpa");
+  auto* o = response.add_outputs();
+  o->set_name("output");
+  o->set_datatype("FP32");
+  o->add_shape(2);
+  (*o->mutable_parameters())["shared_memory_region"].set_string_param("out");
+  (*o->mutable_parameters())["shared_memory_byte_size"].set_int64_param(8);
+  response.add_raw_output_contents();
+  std::vector<absl::string_view> binary;
+  const std::string json = EncodeJsonInferResponse(response, r, &binary);
+  EXPECT_TRUE(binary.empty());
+  EXPECT_THAT(json, HasSubstr(R"("parameters":{"shared_memory_region":"out",)"
+                              R"("shared_memory_byte_size":8})"));
+  EXPECT_THAT(json, Not(HasSubstr(R"("data")")));
+  EXPECT_THAT(json, Not(HasSubstr("binary_data_size")));
+}
+
 TEST(KServeJsonTest, RefusalsNameTheFieldAndTheRule) {
   const struct {
     std::string body;
@@ -101,8 +145,12 @@ TEST(KServeJsonTest, RefusalsNameTheFieldAndTheRule) {
            "parameters": {"binary_data_size": 8}}]})",
        -2, "runs past the binary data"},
       {R"({"inputs": [{"name": "q", "shape": [1], "datatype": "FP32",
-           "parameters": {"shared_memory_region": "r"}}]})",
-       -1, "input 'q': parameter 'shared_memory_region' is not supported"},
+           "parameters": {"classification": 3}}]})",
+       -1, "input 'q': parameter 'classification' is not supported"},
+      {R"({"inputs": [{"name": "q", "shape": [1], "datatype": "FP32", "data": [1],
+           "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 4}}]})",
+       -1, "input 'q': both \"data\" and shared memory parameters are given"},
+
       {R"({"inputs": []})", 100, "Inference-Header-Content-Length: 100 is more than"},
       {std::string(50, '[') + std::string(50, ']'), -1, "must be a JSON object"},
       {R"({"inputs": [{"name": "q", "data": )" + std::string(50, '['), -1, "nested deeper than"},
