@@ -17,7 +17,8 @@ CASES = {"small": (1, 8, 16, 64), "3mib": (1, 16, 256, 64), "24mib": (1, 32, 102
 
 
 def server_ns(client, grpc):
-    s = client.get_inference_statistics("sdpa", as_json=grpc)["model_stats"][0]
+    s = (client.get_inference_statistics("sdpa", as_json=True) if grpc
+         else client.get_inference_statistics("sdpa"))["model_stats"][0]
     i = s["inference_stats"]["success"]
     return int(i.get("count", 0)), int(i.get("ns", 0))
 

@@ -172,11 +172,18 @@ absl::Status NumberParameter(const std::string& name, const InferParameter& p, f
 }
 
 // A tensor's parameters: only the shared-memory ones (Triton's
-// extension). `who` names the tensor in errors.
+// extension). `who` names the tensor in errors; checked in name order, as
+// the request's parameters, so that the first bad one is the same every time.
 absl::Status TensorParameters(const google::protobuf::Map<std::string, InferParameter>& params,
                               const std::string& who, SharedMemoryTensor* shm) {
   bool has_size = false, has_offset = false;
-  for (const auto& [name, p] : params) {
+  absl::InlinedVector<const google::protobuf::MapPair<std::string, InferParameter>*, 4> entries;
+  for (const auto& entry : params) entries.push_back(&entry);
+  std::sort(entries.begin(), entries.end(),
+            [](const auto* a, const auto* b) { return a->first < b->first; });
+  for (const auto* entry : entries) {
+    const std::string& name = entry->first;
+    const InferParameter& p = entry->second;
     const bool is_integer = p.parameter_choice_case() == InferParameter::kInt64Param ||
                             p.parameter_choice_case() == InferParameter::kUint64Param;
     const int64_t value =

@@ -297,6 +297,14 @@ TEST_F(SharedMemoryDecodeTest, BadParametersAndMixturesAreRefusedNamingTheTensor
       {"unknown tensor parameter",
        [&](auto* r) { (*base(r)->mutable_parameters())["classification"].set_int64_param(3); },
        "input 'query': parameter 'classification' is not supported"},
+      {"two unknown parameters: the first by name",
+       [&](auto* r) {
+         auto* p = base(r)->mutable_parameters();
+         for (const char* name : {"zz", "shared_memory_zz", "aa", "mm"}) {
+           (*p)[name].set_int64_param(1);
+         }
+       },
+       "input 'query': parameter 'aa' is not supported"},
       {"contents and a region",
        [&](auto* r) {
          auto* t = base(r);
