@@ -16,4 +16,12 @@ if(ATTNSERVE_BUILD_TESTS)
            WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
   set_tests_properties(bench.pyclient_overhead_short PROPERTIES TIMEOUT 300 ENVIRONMENT
     "REQUESTS=10;ROUNDS=1;ATTNSERVE_BUILD_DIR=${PROJECT_BINARY_DIR}")
+  # Tensors in system shared memory against tensors in the message
+  # (bench/shared_memory.sh), one small round per protocol: both ways answer
+  # the same bits. Needs the KServe test's venv (tritonclient).
+  add_test(NAME bench.shared_memory_short
+           COMMAND ${PROJECT_SOURCE_DIR}/bench/shared_memory.sh ${PROJECT_BINARY_DIR}
+           WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+  set_tests_properties(bench.shared_memory_short PROPERTIES TIMEOUT 300
+    DEPENDS integration.test_kserve ENVIRONMENT "CASES=small,3mib;REQUESTS=10;ROUNDS=1")
 endif()

@@ -1,7 +1,8 @@
 """bench/shared_memory.sh's client: the same sdpa request sent with its tensors in the message
 and with them in registered system shared memory (inputs read, output written in place), over
 KServe v2 gRPC and HTTP, in alternating rounds of N sequential calls. Prints per round and way:
-req/s, client p50, and the server's own mean time per request from ModelStatistics deltas."""
+req/s, client p50, and the server's own mean time per request from ModelStatistics deltas.
+Exits non-zero if the two ways' answers differ in any bit."""
 
 import argparse
 import time
@@ -26,6 +27,7 @@ def server_ns(client, grpc):
 class Way:
     def __init__(self, module, client, arrays, use_shm):
         self.module, self.client = module, client
+        self.shape = arrays[0][1].shape
         self.regions = []
         out_bytes = arrays[0][1].nbytes
         if not use_shm:
@@ -58,9 +60,12 @@ class Way:
         self.outputs = [out]
 
     def call(self):
+        """One call; the output as an array (read from the region when it is
+        there)."""
         r = self.client.infer("sdpa", self.inputs, outputs=self.outputs)
         if not self.regions:
-            r.as_numpy("output")
+            return r.as_numpy("output")
+        return shm.get_contents_as_numpy(self.regions[1][1], np.float32, self.shape)
 
     def close(self):
         for name, handle in self.regions:
@@ -96,7 +101,8 @@ def main():
                "http": (th, th.InferenceServerClient(a.http))}
     for case in a.cases.split(","):
         shape = CASES[case]
-        arrays = [(n, rng.standard_normal(shape, dtype=np.float32)) for n in ("query", "key", "value")]
+        arrays = [(n, rng.standard_normal(shape, dtype=np.float32))
+                  for n in ("query", "key", "value")]
         mib = sum(x.nbytes for _, x in arrays) / 2**20
         n = max(a.requests // (8 if case == "24mib" else 1), 10)
         print(f"== {case}: sdpa fp32 [{','.join(map(str, shape))}] x3, {mib:.2f} MiB in, "
@@ -104,6 +110,10 @@ def main():
         for proto, (module, client) in clients.items():
             ways = {"message": Way(module, client, arrays, False),
                     "shared memory": Way(module, client, arrays, True)}
+            # Both ways compute the same answer, bit for bit.
+            if ways["message"].call().tobytes() != ways["shared memory"].call().tobytes():
+                raise SystemExit(f"{case} {proto}: the answer in shared memory differs from "
+                                 "the answer in the message")
             ratios = []
             for rnd in range(a.rounds):
                 got = {}

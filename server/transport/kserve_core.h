@@ -97,8 +97,9 @@ class KServeCore {
                                           const ModelAccess& access) const;
   absl::Status UnregisterSystemSharedMemory(const std::string& name,
                                             const ModelAccess& access) const;
-  absl::Status SystemSharedMemoryStatus(const std::string& name, const ModelAccess& access,
-                                        inference::SystemSharedMemoryStatusResponse* response) const;
+  absl::Status SystemSharedMemoryStatus(
+      const std::string& name, const ModelAccess& access,
+      inference::SystemSharedMemoryStatusResponse* response) const;
 
   // Whether the caller may use shared memory (register, name a region in a
   // request): FailedPrecondition when the server was started without

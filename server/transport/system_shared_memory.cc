@@ -61,7 +61,8 @@ absl::Status SystemSharedMemory::Register(const std::string& name, const std::st
     return absl::InvalidArgumentError(
         absl::StrCat("shared memory region '", name, "': byte_size must be > 0"));
   }
-  if (offset > static_cast<uint64_t>(INT64_MAX) || byte_size > static_cast<uint64_t>(INT64_MAX) - offset) {
+  if (offset > static_cast<uint64_t>(INT64_MAX) ||
+      byte_size > static_cast<uint64_t>(INT64_MAX) - offset) {
     return absl::InvalidArgumentError(absl::StrCat("shared memory region '", name, "': offset ",
                                                    offset, " + byte_size ", byte_size,
                                                    " is not a valid range"));
@@ -86,6 +87,11 @@ absl::Status SystemSharedMemory::Register(const std::string& name, const std::st
     close(fd);
     return absl::InternalError(absl::StrCat("shared memory region '", name, "': fstat of key '",
                                             key, "': ", Errno(e)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat("shared memory region '", name, "': key '",
+                                                   key, "' is not a shared-memory object"));
   }
   if (static_cast<uint64_t>(st.st_size) < offset + byte_size) {
     close(fd);

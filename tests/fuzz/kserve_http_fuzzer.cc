@@ -3,7 +3,8 @@
 // the KServe decoding the gRPC front end also runs. The first two bytes
 // choose the Inference-Header-Content-Length (0xFFFF: none, all JSON). The
 // same body also goes through the other JSON bodies a client sends: the
-// repository index request and the model load and unload requests, and
+// repository index request, the model load and unload requests and the
+// shared-memory register request, and
 // through the Content-Encoding decoders (gzip, deflate) with a 1 MiB limit:
 // what decodes must stay within the limit and come back the same through
 // the server's own encoder.
@@ -54,6 +55,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   {
     std::string copy = body;
+    const auto registration = attnserve::DecodeSharedMemoryRegisterRequest(&copy);
+    if (!registration.ok() && registration.status().message().empty()) {
+      std::fprintf(stderr, "kserve_http_fuzzer: shared memory body refused without a message\n");
+      std::abort();
+    }
+  }
+  {
+    std::string copy = body;
     const absl::StatusOr<bool> ready = attnserve::DecodeIndexRequest(&copy);
     if (!ready.ok() && ready.status().message().empty()) {
       std::fprintf(stderr, "kserve_http_fuzzer: index body refused without a message\n");
@@ -71,9 +80,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   const auto& r = request.request;
-  if (r.raw_input_contents_size() != r.inputs_size()) {
-    std::fprintf(stderr, "kserve_http_fuzzer: %d inputs but %d raw contents\n", r.inputs_size(),
-                 r.raw_input_contents_size());
+  // One raw entry per input that is not in shared memory.
+  int in_message = 0;
+  for (const auto& input : r.inputs()) {
+    in_message += input.parameters().contains("shared_memory_region") ? 0 : 1;
+  }
+  if (r.raw_input_contents_size() != in_message) {
+    std::fprintf(stderr, "kserve_http_fuzzer: %d inputs in the message but %d raw contents\n",
+                 in_message, r.raw_input_contents_size());
     std::abort();
   }
   size_t total = 0;

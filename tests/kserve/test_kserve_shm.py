@@ -236,10 +236,12 @@ def test_bad_registrations_and_requests_are_refused_naming_what_is_wrong(
         with pytest.raises(InferenceServerException, match=match):
             call()
 
-    refused("cannot open key '/attnserve-no-such-key'", lambda: client.register_system_shared_memory(
-        "x", "/attnserve-no-such-key", 16, headers=auth()))
-    refused(r"runs past the end of key .* \(1024 bytes\)", lambda: client.register_system_shared_memory(
-        "x", r.key, 1000, offset=100, headers=auth()))
+    refused("cannot open key '/attnserve-no-such-key'",
+            lambda: client.register_system_shared_memory(
+                "x", "/attnserve-no-such-key", 16, headers=auth()))
+    refused(r"runs past the end of key .* \(1024 bytes\)",
+            lambda: client.register_system_shared_memory(
+                "x", r.key, 1000, offset=100, headers=auth()))
     client.register_system_shared_memory(r.name, r.key, 1024, headers=auth())
     try:
         q, k, v = qkv(b=1, h=2, lq=2, lk=2, d=4)

@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -102,6 +103,13 @@ TEST(SystemSharedMemoryTest, RefusesWhatItCannotMapNamingTheField) {
   EXPECT_THAT(past.message(), HasSubstr("4096 bytes"));
   EXPECT_THAT(regions.Register("r", object.key(), ~uint64_t{0}, 2).message(),
               HasSubstr("not a valid range"));
+  // Only shared-memory objects (regular files under /dev/shm), not a FIFO
+  // someone left there.
+  const std::string fifo = absl::StrCat("attnserve-test-fifo-", getpid());
+  ASSERT_EQ(mkfifo(("/dev/shm/" + fifo).c_str(), 0600), 0);
+  EXPECT_THAT(regions.Register("r", "/" + fifo, 0, 1).message(),
+              HasSubstr("is not a shared-memory object"));
+  unlink(("/dev/shm/" + fifo).c_str());
   EXPECT_EQ(regions.size(), 0);
 
   ASSERT_TRUE(regions.Register("r", object.key(), 4000, 96).ok());
