@@ -134,6 +134,20 @@ def kserve_grpc_requests():
                             raw(np.array([4], "<i4").tobytes()),
         "demo_session": _field(1, "demo-mha") + _field(4, _param("session_id", 3, "s1")) +
                         _input("query", "BF16", [1, 2, 512]) + raw(bytes(2 * 2 * 512)),
+        # Inputs and an output in shared memory (tensor parameters, field 4 of
+        # an input, field 2 of a requested output): raw entries only for the
+        # others.
+        "shared_memory": _field(1, "sdpa") +
+                         _field(5, _field(1, "query") + _field(2, "FP32") +
+                                _field(3, b"".join(_varint(d) for d in [1, 2, 3, 4])) +
+                                _field(4, _param("shared_memory_region", 3, "in")) +
+                                _field(4, _param("shared_memory_byte_size", 2, 96))) +
+                         _input("key", "FP32", [1, 2, 5, 4]) +
+                         _input("value", "FP32", [1, 2, 5, 4]) +
+                         _field(6, _field(1, "output") +
+                                _field(2, _param("shared_memory_region", 3, "out")) +
+                                _field(2, _param("shared_memory_byte_size", 2, 96))) +
+                         raw(bytes(160)) + raw(bytes(160)),
         "too_many_raw": _field(1, "sdpa") + _input("query", "FP32", [1]) + raw(f32(1)) +
                         raw(b"extra"),
         "raw_wrong_wire_type": _field(1, "sdpa") + _varint(7 << 3 | 0) + _varint(5),
