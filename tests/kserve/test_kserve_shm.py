@@ -220,8 +220,9 @@ def test_status_register_and_unregister_as_triton_answers(grpc_client, http_clie
     http_client.unregister_system_shared_memory(a.name, headers=auth())
     with pytest.raises(InferenceServerException, match="is not registered"):
         grpc_client.get_system_shared_memory_status(region_name=a.name, headers=auth())
-    grpc_client.unregister_system_shared_memory(headers=auth())  # every region
+    http_client.unregister_system_shared_memory(headers=auth())  # every region
     assert http_client.get_system_shared_memory_status(headers=auth()) == []
+    assert grpc_client.get_system_shared_memory_status(headers=auth(), as_json=True) == {}
     meta = grpc_client.get_server_metadata(headers=auth(), as_json=True)
     assert "system_shared_memory" in meta["extensions"]
 
