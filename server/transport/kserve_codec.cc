@@ -342,13 +342,19 @@ absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeReq
   int raw_expected = 0;
   for (int i = 0; i < request.inputs_size(); ++i) {
     const auto& tensor = request.inputs(i);
-    const std::string who = absl::StrCat("input '", tensor.name(), "'");
-    if (absl::Status s = TensorParameters(tensor.parameters(), who, &shared[i]); !s.ok()) return s;
+    if (!tensor.parameters().empty()) {
+      if (absl::Status s = TensorParameters(tensor.parameters(),
+                                            absl::StrCat("input '", tensor.name(), "'"),
+                                            &shared[i]);
+          !s.ok()) {
+        return s;
+      }
+    }
     if (shared[i].region.empty()) {
       ++raw_expected;
     } else if (tensor.has_contents()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          who, ": contents and shared_memory_region are both set; send one"));
+          "input '", tensor.name(), "': contents and shared_memory_region are both set; send one"));
     }
   }
   if (raw.size() > 0 && raw.size() != raw_expected) {
@@ -437,6 +443,7 @@ absl::Status DecodeModelInferRequest(const ModelInferRequest& request, KServeReq
       }
       wanted = true;
       if (!is_output) in.need_weights = true;  // asking for the output is asking for it computed
+      if (out.parameters().empty()) continue;
       const std::string who = absl::StrCat("requested output '", out.name(), "'");
       SharedMemoryTensor& target = is_output ? decoded->shared_output : decoded->shared_weights;
       if (absl::Status s = TensorParameters(out.parameters(), who, &target); !s.ok()) return s;

@@ -20,6 +20,20 @@
 namespace attnserve {
 namespace {
 
+// Why a caller may not use shared memory for `op`: the extension is off
+// (`enabled` false), or, when it is on, the caller's token is restricted to
+// models.
+absl::Status SharedMemoryRefusal(const char* op, bool enabled) {
+  if (!enabled) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        op, ": this server takes no tensors in shared memory; start it with --allow-client-shm "
+        "(clients on its host only; docs/SECURITY.md)"));
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      op, ": the caller's credentials are restricted to some models; shared-memory regions "
+      "are shared by every caller and need a token without a model list"));
+}
+
 void AddTensor(
     google::protobuf::RepeatedPtrField<inference::ModelMetadataResponse::TensorMetadata>* to,
     const char* name, const char* datatype, std::initializer_list<int64_t> shape) {
@@ -74,7 +88,8 @@ KServeCore::KServeCore(const ModelRegistry* registry, RequestDispatcher* dispatc
       dispatcher_(dispatcher),
       metrics_(metrics),
       models_(models),
-      shared_memory_(shared_memory) {}
+      shared_memory_(shared_memory),
+      infer_shm_refusal_(SharedMemoryRefusal("shared_memory_region", shared_memory != nullptr)) {}
 
 absl::Status KServeCore::CheckVersion(const std::string& model, const std::string& version) {
   if (version.empty() || version == "1") return absl::OkStatus();
@@ -276,17 +291,8 @@ void KServeCore::ChangeModel(
 }
 
 absl::Status KServeCore::CheckSharedMemory(const char* op, const ModelAccess& access) const {
-  if (shared_memory_ == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        op, ": this server takes no tensors in shared memory; start it with --allow-client-shm "
-        "(clients on its host only; docs/SECURITY.md)"));
-  }
-  if (access.restricted()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        op, ": the caller's credentials are restricted to some models; shared-memory regions "
-        "are shared by every caller and need a token without a model list"));
-  }
-  return absl::OkStatus();
+  if (shared_memory_ != nullptr && !access.restricted()) return absl::OkStatus();
+  return SharedMemoryRefusal(op, shared_memory_ != nullptr);
 }
 
 absl::Status KServeCore::RegisterSystemSharedMemory(const std::string& name,
@@ -365,8 +371,11 @@ void KServeCore::StartInfer(const Call& call, const absl::Status& parsed,
   // the same: the model lookup answers first (an unknown model is NOT_FOUND
   // whatever else is wrong, as Triton answers), then validation reports it.
   SharedMemoryAccess shm;
-  shm.refusal = CheckSharedMemory("shared_memory_region", call.access);
-  if (shm.refusal.ok()) shm.regions = shared_memory_;
+  if (shared_memory_ != nullptr && !call.access.restricted()) {
+    shm.regions = shared_memory_;
+  } else {
+    shm.refusal = infer_shm_refusal_;  // shares the message: no allocation
+  }
   decoded->inputs.decode_error = DecodeModelInferRequest(request, decoded, call.raw_inputs, shm);
   if (decoded->timeout_us > 0) {
     r->deadline = std::min(r->deadline, r->received + absl::Microseconds(decoded->timeout_us));

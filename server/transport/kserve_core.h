@@ -157,6 +157,10 @@ class KServeCore {
   const Metrics* const metrics_;
   ModelManager* const models_;
   SystemSharedMemory* const shared_memory_;
+  // What an inference that names a region gets when its caller may not use
+  // shared memory (the extension off, or a restricted token): made once, not
+  // per request.
+  const absl::Status infer_shm_refusal_;
 };
 
 }  // namespace attnserve

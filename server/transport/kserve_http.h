@@ -1,8 +1,9 @@
 // KServe v2 over HTTP/1.1 (the REST form Triton serves on port 8000): health,
 // server and model metadata, readiness, config, statistics, the repository
 // index and inference with JSON tensors or Triton's binary tensor data
-// extension, gzip or deflate bodies both ways (http_encoding.h). Every operation is KServeCore's, so HTTP answers exactly as the
-// gRPC front end does: the same validation and messages, batching,
+// extension, gzip or deflate bodies both ways (http_encoding.h), and Triton's
+// system shared memory. Every operation is KServeCore's, so HTTP answers
+// exactly as the gRPC front end does: the same validation and messages, batching,
 // deadlines (the `timeout` parameter), queue bounds, sessions (`session_id`
 // parameter), metrics and bearer tokens (`Authorization: Bearer`).
 //
