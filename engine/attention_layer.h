@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "engine/tensor.h"
@@ -30,21 +31,26 @@ inline float RoundTo(Precision precision, float v) {
 // (engine/rope.h): the first `rotary_dim` features of a head rotate by
 // position * inv_freq[i], in pairs (i, i + rotary_dim / 2) ("rotate half":
 // Llama, Mistral, Qwen, Gemma, Phi, GPT-NeoX) or (2i, 2i + 1) when
-// `interleaved` (GPT-J). The scaling types change inv_freq (and, for YaRN,
-// scale cos and sin by attention_factor); fields a type does not use are 0.
+// `interleaved` (GPT-J). The scaling types change inv_freq (and, for YaRN and
+// LongRoPE, scale cos and sin by attention_factor); fields a type does not
+// use are 0. LongRoPE (Phi-3.5, Phi-4-mini) has two sets of frequencies, and
+// a forward call uses the long ones when its largest position reaches
+// original_max_position_embeddings (ComputeRopeFrequencies).
 struct RopeConfig {
-  enum class Type : uint8_t { kNone, kDefault, kLinear, kLlama3, kYarn };
+  enum class Type : uint8_t { kNone, kDefault, kLinear, kLlama3, kYarn, kLongRope };
   Type type = Type::kNone;
   double theta = 10000.0;  // the base of the frequencies
   int64_t rotary_dim = 0;  // even, 0 < rotary_dim <= head_dim
   bool interleaved = false;
-  double factor = 0.0;            // linear, llama3, yarn: > 0
+  double factor = 0.0;            // linear, llama3, yarn, longrope: > 0
   double low_freq_factor = 0.0;   // llama3
   double high_freq_factor = 0.0;  // llama3: > low_freq_factor
-  int64_t original_max_position_embeddings = 0;  // llama3, yarn
+  int64_t original_max_position_embeddings = 0;  // llama3, yarn, longrope
   double beta_fast = 0.0, beta_slow = 0.0;       // yarn
-  double attention_factor = 0.0;                 // yarn: > 0
+  double attention_factor = 0.0;                 // yarn, longrope: > 0
   bool truncate = true;                          // yarn: round the correction range outwards
+  // longrope: rotary_dim / 2 divisors of the frequencies each (> 0).
+  std::vector<double> short_factor, long_factor;
 };
 
 // QK-norm (Qwen3, Gemma3, OLMo-style per-head): RMSNorm over each head of

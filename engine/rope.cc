@@ -21,6 +21,15 @@ bool Positive(double x) { return std::isfinite(x) && x > 0; }
 // YaRN's default attention factor for a scaling factor (get_mscale).
 double YarnMscale(double factor) { return factor <= 1 ? 1.0 : 0.1 * std::log(factor) + 1.0; }
 
+// LongRoPE's attention factor: the config's, or the paper's default for the
+// extension factor (_compute_longrope_parameters).
+double LongRopeAttentionFactor(const RopeConfig& r) {
+  if (r.attention_factor > 0) return r.attention_factor;
+  if (r.factor <= 1) return 1.0;
+  return std::sqrt(1 + std::log(r.factor) /
+                           std::log(static_cast<double>(r.original_max_position_embeddings)));
+}
+
 }  // namespace
 
 const char* RopeTypeName(RopeConfig::Type type) {
@@ -30,6 +39,7 @@ const char* RopeTypeName(RopeConfig::Type type) {
     case RopeConfig::Type::kLinear: return "linear";
     case RopeConfig::Type::kLlama3: return "llama3";
     case RopeConfig::Type::kYarn: return "yarn";
+    case RopeConfig::Type::kLongRope: return "longrope";
   }
   return "none";
 }
@@ -37,13 +47,13 @@ const char* RopeTypeName(RopeConfig::Type type) {
 absl::StatusOr<RopeConfig::Type> ParseRopeType(std::string_view name) {
   for (RopeConfig::Type t : {RopeConfig::Type::kNone, RopeConfig::Type::kDefault,
                              RopeConfig::Type::kLinear, RopeConfig::Type::kLlama3,
-                             RopeConfig::Type::kYarn}) {
+                             RopeConfig::Type::kYarn, RopeConfig::Type::kLongRope}) {
     if (name == RopeTypeName(t)) return t;
   }
   return RopeError("type", absl::StrCat("\"", std::string(name),
                                         "\" is not supported (supported: none, default, "
-                                        "linear, llama3, yarn); a layer whose positions "
-                                        "attnserve cannot compute is refused"));
+                                        "linear, llama3, yarn, longrope); a layer whose "
+                                        "positions attnserve cannot compute is refused"));
 }
 
 absl::Status ValidateRope(const RopeConfig& r, int64_t head_dim) {
@@ -68,11 +78,38 @@ absl::Status ValidateRope(const RopeConfig& r, int64_t head_dim) {
                                     r.high_freq_factor));
     }
   }
-  if ((r.type == Type::kLlama3 || r.type == Type::kYarn) &&
+  if ((r.type == Type::kLlama3 || r.type == Type::kYarn || r.type == Type::kLongRope) &&
       r.original_max_position_embeddings <= 0) {
     return RopeError("original_max_position_embeddings",
                      absl::StrCat("must be > 0 for type ", RopeTypeName(r.type), ", got ",
                                   r.original_max_position_embeddings));
+  }
+  if (r.type != Type::kLongRope && (!r.short_factor.empty() || !r.long_factor.empty())) {
+    return RopeError(r.short_factor.empty() ? "long_factor" : "short_factor",
+                     absl::StrCat("is for type longrope only, not ", RopeTypeName(r.type)));
+  }
+  if (r.type == Type::kLongRope) {
+    const size_t pairs = static_cast<size_t>(r.rotary_dim / 2);
+    for (const auto& [field, factors] :
+         {std::pair<const char*, const std::vector<double>*>{"short_factor", &r.short_factor},
+          {"long_factor", &r.long_factor}}) {
+      if (factors->size() != pairs) {
+        return RopeError(field, absl::StrCat("must have rotary_dim / 2 = ", pairs,
+                                             " values, got ", factors->size()));
+      }
+      for (size_t i = 0; i < pairs; ++i) {
+        if (!Positive((*factors)[i])) {
+          return RopeError(field, absl::StrCat("values must be > 0, got ", (*factors)[i],
+                                               " at index ", i));
+        }
+      }
+    }
+    if (!(r.attention_factor == 0 || Positive(r.attention_factor))) {
+      return RopeError("attention_factor",
+                       absl::StrCat("must be > 0 (0 = sqrt(1 + ln(factor) / "
+                                    "ln(original_max_position_embeddings))), got ",
+                                    r.attention_factor));
+    }
   }
   if (r.type == Type::kYarn) {
     if (!Positive(r.beta_fast)) {
@@ -90,7 +127,18 @@ absl::Status ValidateRope(const RopeConfig& r, int64_t head_dim) {
   return absl::OkStatus();
 }
 
-RopeFrequencies ComputeRopeFrequencies(const RopeConfig& r) {
+bool RopeUsesLongFactors(const RopeConfig& r, int64_t max_position) {
+  return r.type == RopeConfig::Type::kLongRope &&
+         max_position + 1 > r.original_max_position_embeddings;
+}
+
+int64_t LargestRopePosition(absl::Span<const int64_t> positions, int64_t first_key,
+                            int64_t kv_len) {
+  if (positions.empty()) return first_key + kv_len - 1;
+  return *std::max_element(positions.begin(), positions.end());
+}
+
+RopeFrequencies ComputeRopeFrequencies(const RopeConfig& r, int64_t max_position) {
   using Type = RopeConfig::Type;
   RopeFrequencies f;
   if (r.type == Type::kNone) return f;
@@ -153,6 +201,15 @@ RopeFrequencies ComputeRopeFrequencies(const RopeConfig& r) {
         f.inv_freq[i] = inv_inter * (1 - extrapolation) + inv_extra * extrapolation;
       }
       f.attention_factor = r.attention_factor > 0 ? r.attention_factor : YarnMscale(r.factor);
+      break;
+    }
+    case Type::kLongRope: {
+      // _compute_longrope_parameters: each frequency divided by its own
+      // factor, from the set the call's length picks.
+      const std::vector<double>& factors =
+          RopeUsesLongFactors(r, max_position) ? r.long_factor : r.short_factor;
+      for (int64_t i = 0; i < half; ++i) f.inv_freq[i] = 1.0 / (factors[i] * pos_freq[i]);
+      f.attention_factor = LongRopeAttentionFactor(r);
       break;
     }
   }

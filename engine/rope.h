@@ -13,12 +13,13 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "engine/attention_layer.h"
 
 namespace attnserve {
 
 // The name of a type as configs spell it ("default", "linear", "llama3",
-// "yarn"; "none"), and back. ParseRopeType: InvalidArgument naming the type
+// "yarn", "longrope"; "none"), and back. ParseRopeType: InvalidArgument naming the type
 // (as rope.type) for anything else.
 const char* RopeTypeName(RopeConfig::Type type);
 absl::StatusOr<RopeConfig::Type> ParseRopeType(std::string_view name);
@@ -28,12 +29,31 @@ absl::StatusOr<RopeConfig::Type> ParseRopeType(std::string_view name);
 absl::Status ValidateRope(const RopeConfig& rope, int64_t head_dim);
 
 // The frequencies of a validated config: rotary_dim / 2 inverse frequencies,
-// and the factor that multiplies cos and sin (1 except for YaRN).
+// and the factor that multiplies cos and sin (1 except for YaRN and
+// LongRoPE).
 struct RopeFrequencies {
   std::vector<double> inv_freq;
   double attention_factor = 1.0;
 };
-RopeFrequencies ComputeRopeFrequencies(const RopeConfig& rope);
+
+// The frequencies a forward call rotates with, given the largest position it
+// rotates (LargestRopePosition). Only LongRoPE depends on it: transformers
+// picks a call's factors from max(position_ids) + 1, the long ones past
+// original_max_position_embeddings tokens, the short ones otherwise, for the
+// whole call (so a session's cached keys keep the rotation of the call that
+// appended them, as transformers' KV cache does). Other types ignore it.
+RopeFrequencies ComputeRopeFrequencies(const RopeConfig& rope, int64_t max_position);
+
+// Whether ComputeRopeFrequencies(rope, max_position) takes LongRoPE's long
+// factors.
+bool RopeUsesLongFactors(const RopeConfig& rope, int64_t max_position);
+
+// The largest position of a call's keys (its queries sit at the last of
+// them): the largest of its explicit `positions`, or, without them, the last
+// of first_key .. first_key + kv_len - 1 (first_key: a session's cached
+// tokens, else 0).
+int64_t LargestRopePosition(absl::Span<const int64_t> positions, int64_t first_key,
+                            int64_t kv_len);
 
 // cos and sin of position * inv_freq[i] (times the attention factor), in
 // float64, for i < inv_freq.size().

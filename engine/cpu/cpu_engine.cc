@@ -126,15 +126,17 @@ class CpuEngine final : public AttentionEngine {
   // sequence's keys sit at cached_len + j and its queries at the bottom-right
   // positions kv_total - Lq + i, kv_total = cached_len + Lk; or, with
   // explicit positions, key j at positions[b][j] and query i at
-  // positions[b][Lk - Lq + i].
+  // positions[b][Lk - Lq + i]. Each task is one forward call: its largest
+  // position picks LongRoPE's factors.
   void PrepareQk(const AttentionLayer& layer, absl::Span<const AttentionTask> batch,
                  absl::Span<const AttentionParams> params) {
     const LayerConfig& c = layer.config;
     const bool rope = c.rope.type != RopeConfig::Type::kNone;
-    const RopeFrequencies freq = ComputeRopeFrequencies(c.rope);
     for (size_t t = 0; t < params.size(); ++t) {
       const AttentionParams& p = params[t];
       const int64_t cached = batch[t].paged.enabled() ? batch[t].paged.cached_len : 0;
+      const RopeFrequencies freq = ComputeRopeFrequencies(
+          c.rope, LargestRopePosition(batch[t].positions, cached, p.kv_len));
       const int64_t first_query = cached + p.kv_len - p.q_len;
       const size_t size = DTypeSize(p.dtype);
       for (int64_t b = 0; b < p.batch; ++b) {

@@ -17,6 +17,7 @@
 #include "engine/cuda/paged_attention.h"
 #include "engine/cuda/unfused_attention.h"
 #include "engine/paged_kv.h"
+#include "engine/rope.h"
 
 namespace attnserve::cuda {
 namespace {
@@ -56,10 +57,11 @@ AttentionParams DeviceParams(const AttentionParams& p) {
 // applies them: keys at positions cached_len + j and queries at the
 // bottom-right ones, cached_len + Lk - Lq + i; or, with the task's explicit
 // positions (on the device, [B, Lk]), key j at positions[b][j] and query i
-// at positions[b][Lk - Lq + i].
+// at positions[b][Lk - Lq + i]. `max_position`, the task's largest
+// (LargestRopePosition), picks LongRoPE's factors.
 absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer& w,
                        const AttentionParams& p, void* q, void* k, const int64_t* positions,
-                       int64_t cached_len) {
+                       int64_t cached_len, int64_t max_position) {
   const int64_t q_rows = p.batch * p.q_len, kv_rows = p.batch * p.kv_len;
   const int64_t q_stride = p.num_heads * p.head_dim, k_stride = p.num_kv_heads * p.head_dim;
   if (config.qk_norm.enabled) {
@@ -73,7 +75,9 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
   }
   if (config.rope.type == RopeConfig::Type::kNone) return absl::OkStatus();
   RotaryArgs rotary;
-  rotary.inv_freq = static_cast<const double*>(w.inv_freq.data());
+  rotary.inv_freq = static_cast<const double*>(
+      RopeUsesLongFactors(config.rope, max_position) ? w.long_inv_freq.data()
+                                                     : w.inv_freq.data());
   rotary.attention_factor = w.attention_factor;
   rotary.rotary_dim = config.rope.rotary_dim;
   rotary.interleaved = config.rope.interleaved;
@@ -721,8 +725,9 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
   ATTNSERVE_CUDA_RETURN_IF_ERROR(
       call.gemm().Linear(ct, *xv, kv_rows, value_dim, w.wv.data(), w.bv.data(), v_features, *v));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(
-      PrepareQk(call, config, w, p, *q, *k, positions,
-                paged ? task.paged.cached_len : 0));
+      PrepareQk(call, config, w, p, *q, *k, positions, paged ? task.paged.cached_len : 0,
+                LargestRopePosition(task.positions, paged ? task.paged.cached_len : 0,
+                                    p.kv_len)));
 
   // Attention over the token layout [B, L, H*D], written in the same layout
   // (the out-projection reads the first B * Lq rows).

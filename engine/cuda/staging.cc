@@ -362,11 +362,22 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(const AttentionLayer& l
     if (!buffer.ok()) return buffer.status();
     *part.device = std::move(*buffer);
   }
-  if (layer.config.rope.type != RopeConfig::Type::kNone) {
-    const RopeFrequencies freq = ComputeRopeFrequencies(layer.config.rope);
+  const RopeConfig& rope = layer.config.rope;
+  if (rope.type != RopeConfig::Type::kNone) {
+    // Position 0 picks the one set, or LongRoPE's short one; its long one at
+    // the first position that asks for it.
+    const RopeFrequencies freq = ComputeRopeFrequencies(rope, 0);
     absl::StatusOr<DeviceBuffer> buffer =
         UploadBytes(freq.inv_freq.data(), freq.inv_freq.size() * sizeof(double), stream);
     if (!buffer.ok()) return buffer.status();
+    if (rope.type == RopeConfig::Type::kLongRope) {
+      const RopeFrequencies long_freq =
+          ComputeRopeFrequencies(rope, rope.original_max_position_embeddings);
+      absl::StatusOr<DeviceBuffer> long_buffer = UploadBytes(
+          long_freq.inv_freq.data(), long_freq.inv_freq.size() * sizeof(double), stream);
+      if (!long_buffer.ok()) return long_buffer.status();
+      uploaded->long_inv_freq = std::move(*long_buffer);
+    }
     ATTNSERVE_CUDA_CALL(cudaStreamSynchronize(stream));
     uploaded->inv_freq = std::move(*buffer);
     uploaded->attention_factor = freq.attention_factor;

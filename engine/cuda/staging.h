@@ -199,8 +199,9 @@ struct DeviceLayer {
   // them.
   DeviceBuffer q_norm, k_norm, sinks;
   // RoPE: the inverse frequencies (float64, engine/rope.h), when the layer
-  // rotates.
-  DeviceBuffer inv_freq;
+  // rotates; LongRoPE's long set beside them (its short set in inv_freq),
+  // which a call takes when its largest position asks (RopeUsesLongFactors).
+  DeviceBuffer inv_freq, long_inv_freq;
   double attention_factor = 1.0;
 };
 

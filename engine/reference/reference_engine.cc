@@ -397,8 +397,10 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
   }
   if (c.rope.type != RopeConfig::Type::kNone) {
     // Keys at positions j (or the task's positions[b][j]) and queries at the
-    // last Lq of them; the angles in float64, never rounded.
-    const RopeFrequencies f = ComputeRopeFrequencies(c.rope);
+    // last Lq of them; the angles in float64, never rounded. The call's
+    // largest position picks LongRoPE's factors.
+    const RopeFrequencies f =
+        ComputeRopeFrequencies(c.rope, LargestRopePosition(t.positions, 0, d.kv_len));
     std::vector<double> cos_v(f.inv_freq.size()), sin_v(f.inv_freq.size());
     auto position = [&](int64_t b, int64_t j) {
       return t.positions.empty() ? j : t.positions[static_cast<size_t>(b * d.kv_len + j)];

@@ -72,6 +72,8 @@ RopeConfig ToRopeConfig(const v1::RotaryEmbedding& r) {
   rope.beta_slow = r.beta_slow();
   rope.attention_factor = r.attention_factor();
   rope.truncate = !r.no_truncate();
+  rope.short_factor.assign(r.short_factor().begin(), r.short_factor().end());
+  rope.long_factor.assign(r.long_factor().begin(), r.long_factor().end());
   return rope;
 }
 
@@ -90,6 +92,8 @@ v1::RotaryEmbedding FromRopeConfig(const RopeConfig& rope) {
   r.set_beta_slow(rope.beta_slow);
   r.set_attention_factor(rope.attention_factor);
   r.set_no_truncate(!rope.truncate);
+  for (double f : rope.short_factor) r.add_short_factor(f);
+  for (double f : rope.long_factor) r.add_long_factor(f);
   return r;
 }
 

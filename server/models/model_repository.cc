@@ -219,6 +219,14 @@ absl::Status ResolveRope(const std::string& path, v1::ModelConfig* c) {
       r->set_attention_factor(r->factor() <= 1 ? 1.0 : 0.1 * std::log(r->factor()) + 1.0);
     }
   }
+  if (*type == RopeConfig::Type::kLongRope && r->attention_factor() == 0 && r->factor() > 0 &&
+      r->original_max_position_embeddings() > 1) {
+    r->set_attention_factor(
+        r->factor() <= 1 ? 1.0
+                         : std::sqrt(1 + std::log(r->factor()) /
+                                             std::log(static_cast<double>(
+                                                 r->original_max_position_embeddings()))));
+  }
   const RopeConfig rope = ToRopeConfig(*r);
   if (absl::Status s = ValidateRope(rope, c->head_dim()); !s.ok()) {
     // ValidateRope names the field as "rope.<field>: rule".

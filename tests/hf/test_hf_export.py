@@ -35,6 +35,10 @@ transformers = pytest.importorskip("transformers")
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
 LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=256)
+PHI3_ORIGINAL = 32
+PHI3_LONGROPE = dict(type="longrope",
+                     short_factor=[1.0, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0, 2.5],
+                     long_factor=[1.0, 1.3, 2.0, 3.5, 6.0, 10.0, 16.0, 24.0])
 
 
 def _served_module(family):
@@ -58,6 +62,16 @@ def _served_module(family):
         from transformers import Phi3Config
         from transformers.models.phi3.modeling_phi3 import Phi3Attention
         m = Phi3Attention(Phi3Config(**COMMON), layer_idx=0)  # one qkv_proj, GQA widths
+    elif family == "phi3-longrope":
+        # Phi-3.5 / Phi-4-mini's LongRoPE, its training context shrunk to 32
+        # tokens so that short and long requests are both a few dozen; the
+        # window, as theirs, wider than the model's positions.
+        from transformers import Phi3Config
+        from transformers.models.phi3.modeling_phi3 import Phi3Attention
+        config = Phi3Config(**COMMON, rope_scaling=PHI3_LONGROPE, sliding_window=8192,
+                            original_max_position_embeddings=PHI3_ORIGINAL,
+                            max_position_embeddings=4096)
+        m = Phi3Attention(config, layer_idx=0)
     elif family == "qwen2":
         from transformers import Qwen2Config
         from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
@@ -88,7 +102,7 @@ def _served_module(family):
 
 WINDOW = 16  # Mistral's sliding window in these tests (its real one is 4096)
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
-            "qwen2", "phi3", "gpt-neox", "qwen3", "gemma3", "gemma2-sliding", "gemma2-full",
+            "qwen2", "phi3", "phi3-longrope", "gpt-neox", "qwen3", "gemma3", "gemma2-sliding", "gemma2-full",
             "gpt-oss-sliding", "gpt-oss-full"]
 
 
@@ -190,7 +204,10 @@ def _module_forward(m, x, window=None):
 
 # --- an independent float64 NumPy implementation of transformers' formulas ---
 
-def _np_inv_freq(rope):
+def _np_inv_freq(rope, max_position):
+    """(inverse frequencies, cos/sin factor) of a forward call whose largest
+    position is max_position (LongRoPE's long factors past its training
+    context, as transformers 5.x decides from max(position_ids) + 1)."""
     dim, theta = rope["rotary_dim"], rope["theta"]
     pos_freq = theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     inv = 1.0 / pos_freq
@@ -219,24 +236,31 @@ def _np_inv_freq(rope):
         ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
         extra = 1 - ramp
         inv = (1.0 / (rope["factor"] * pos_freq)) * (1 - extra) + (1.0 / pos_freq) * extra
-    return inv, rope.get("attention_factor", 1.0) if kind == "yarn" else 1.0
+    elif kind == "longrope":
+        long = max_position + 1 > rope["original_max_position_embeddings"]
+        inv = 1.0 / (np.array(rope["long_factor" if long else "short_factor"]) * pos_freq)
+    return inv, rope.get("attention_factor", 1.0) if kind in ("yarn", "longrope") else 1.0
 
 
-def _np_rotate(x, positions, rope):
-    """x [B, L, H, D]: the first rotary_dim features rotated (rotate-half)."""
-    inv, factor = _np_inv_freq(rope)
-    angles = positions[:, None].astype(np.float64) * inv[None]
+def _np_rotate(x, positions, rope, max_position=None):
+    """x [B, L, H, D]: the first rotary_dim features rotated (rotate-half),
+    with the frequencies of a call whose largest position is max_position
+    (default: the largest of `positions`)."""
+    inv, factor = _np_inv_freq(rope, positions.max() if max_position is None else max_position)
+    angles = positions[..., None].astype(np.float64) * inv  # [L or B, L, rotary_dim / 2]
     cos, sin = np.cos(angles) * factor, np.sin(angles) * factor
+    cos, sin = cos[..., None, :], sin[..., None, :]  # over the heads
     half = rope["rotary_dim"] // 2
     x = x.copy()
     x1, x2 = x[..., :half].copy(), x[..., half:2 * half].copy()
-    x[..., :half] = x1 * cos[None, :, None] - x2 * sin[None, :, None]
-    x[..., half:2 * half] = x2 * cos[None, :, None] + x1 * sin[None, :, None]
+    x[..., :half] = x1 * cos - x2 * sin
+    x[..., half:2 * half] = x2 * cos + x1 * sin
     return x
 
 
-def _np_layer(x, weights, config):
-    """Causal self-attention of an exported layer, float64, from its weights."""
+def _np_layer(x, weights, config, positions=None):
+    """Causal self-attention of an exported layer, float64, from its weights;
+    tokens at 0..L-1 or at `positions` [B, L]."""
     def lin(name, t):
         w = weights[f"{name}.weight"].astype(np.float64)
         b = weights.get(f"{name}.bias")
@@ -259,7 +283,7 @@ def _np_layer(x, weights, config):
             w = w.astype(np.float64) + (1.0 if config["qk_norm"]["weight_offset"] else 0.0)
             return t / np.sqrt((t * t).mean(-1, keepdims=True) + config["qk_norm"]["eps"]) * w
         q, k = rms(q, weights["q_norm.weight"]), rms(k, weights["k_norm.weight"])
-    pos = np.arange(length)
+    pos = np.arange(length) if positions is None else positions
     q, k = _np_rotate(q, pos, config["rope"]), _np_rotate(k, pos, config["rope"])
     k, v = np.repeat(k, h // hkv, axis=2), np.repeat(v, h // hkv, axis=2)
     s = np.einsum("blhd,bmhd->bhlm", q, k) * (config.get("scale") or 1 / math.sqrt(hd))
@@ -305,7 +329,8 @@ def served(tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rope_layers_are_served_as_the_module_computes_them(served, family):
     client, modules, configs, _ = served
-    assert configs[family]["rope"]["type"] in ("default", "linear", "llama3", "yarn")
+    assert configs[family]["rope"]["type"] in ("default", "linear", "llama3", "yarn",
+                                               "longrope")
     x = np.random.default_rng(1).uniform(-1, 1, (2, 40, 64)).astype(np.float32)
     want = _module_forward(modules[family], x, configs[family].get("sliding_window"))
     got = client.attend(x, model=family, causal=True).output
@@ -313,7 +338,7 @@ def test_rope_layers_are_served_as_the_module_computes_them(served, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama3", "llama-yarn", "mistral", "gpt-neox",
-                                    "qwen3", "gemma3", "gemma2-sliding", "gemma2-full",
+                                    "phi3-longrope", "qwen3", "gemma3", "gemma2-sliding", "gemma2-full",
                                     "gpt-oss-sliding", "gpt-oss-full"])
 def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family):
     client, _, configs, weights = served
@@ -340,6 +365,73 @@ def test_a_session_continues_its_positions(served, family):
         for t in range(24, 124):
             step = session.attend(x[:, t:t + 1], causal=True).output
             assert _rel(step, whole[:, t:t + 1]) < 1e-5, f"step {t}"
+
+
+def test_longrope_picks_its_factors_per_request(served):
+    """LongRoPE (Phi-3.5, Phi-4-mini): a request of up to the training
+    context (32 tokens here) rotates with the short factors, a longer one
+    with the long factors, as the module decides per forward call; and with
+    explicit positions, by the largest of them (transformers 5.x's rule;
+    4.x's Phi-3 counts tokens instead)."""
+    client, modules, configs, weights = served
+    config = configs["phi3-longrope"]
+    rope = config["rope"]
+    assert (rope["type"], rope["original_max_position_embeddings"]) == ("longrope", PHI3_ORIGINAL)
+    assert rope["short_factor"] == PHI3_LONGROPE["short_factor"]
+    assert rope["long_factor"] == PHI3_LONGROPE["long_factor"]
+    assert math.isclose(rope["attention_factor"],
+                        math.sqrt(1 + math.log(4096 / PHI3_ORIGINAL) / math.log(PHI3_ORIGINAL)))
+    assert config["sliding_window"] == 8192  # as Phi-3.5's: wider than its positions
+    rng = np.random.default_rng(6)
+    x = rng.uniform(-1, 1, (2, 40, 64)).astype(np.float32)
+    got = {}
+    for length in (20, 32, 33, 40):
+        want = _module_forward(modules["phi3-longrope"], x[:, :length])
+        got[length] = client.attend(x[:, :length], model="phi3-longrope", causal=True).output
+        assert _rel(got[length], want) < 2e-5, f"{length} tokens: {_rel(got[length], want)}"
+    # The same first 32 tokens, causal: as the last of 32 tokens they rotate
+    # short, with a 33rd they rotate long.
+    assert _rel(got[33][:, :32], got[32]) > 1e-3
+    # Explicit positions: 20 tokens whose largest position is past the
+    # training context rotate long; the same tokens at small positions short.
+    for positions in (np.concatenate([np.arange(10), np.arange(30, 40)]),
+                      np.concatenate([np.arange(10), np.arange(21, 31)])):
+        positions = np.stack([positions, positions + 1])
+        want = _np_layer(x[:, :20], weights["phi3-longrope"], config, positions)
+        served_out = client.attend(x[:, :20], model="phi3-longrope", causal=True,
+                                   positions=positions).output
+        assert _rel(served_out, want) < 2e-5, (positions.max(), _rel(served_out, want))
+
+
+def test_a_longrope_session_rotates_as_transformers_cache_does(served):
+    """A session is a series of forward calls: its prefill of 24 tokens
+    rotates short, each step past the training context long, while the keys
+    it cached keep the rotation they were appended with, as transformers'
+    DynamicCache keeps them; so the steps equal the module's cached steps,
+    not one causal request over the whole sequence."""
+    from transformers import DynamicCache
+    client, modules, _, _ = served
+    x = np.random.default_rng(7).uniform(-1, 1, (1, 44, 64)).astype(np.float32)
+    m = modules["phi3-longrope"].double()
+    cache, want = DynamicCache(), []
+    mask = torch.full((24, 24), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    with torch.no_grad():
+        want.append(m(torch.from_numpy(x[:, :24]).double(), attention_mask=mask,
+                      position_ids=torch.arange(24)[None], past_key_value=cache,
+                      use_cache=True)[0].numpy())
+        for t in range(24, 44):
+            want.append(m(torch.from_numpy(x[:, t:t + 1]).double(),
+                          position_ids=torch.tensor([[t]]), past_key_value=cache,
+                          use_cache=True)[0].numpy())
+    m.float()
+    whole = client.attend(x, model="phi3-longrope", causal=True).output
+    with client.open_session("phi3-longrope") as session:
+        got = [session.attend(x[:, :24], causal=True).output]
+        got += [session.attend(x[:, t:t + 1], causal=True).output for t in range(24, 44)]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert _rel(g, w) < 2e-5, f"call {i}: {_rel(g, w)}"
+    # Past the training context the cached short keys make the difference.
+    assert _rel(got[-1], whole[:, -1:]) > 1e-3
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "gpt-neox", "gemma2-full", "gpt-oss-full"])
@@ -413,8 +505,15 @@ def test_ragged_batches_with_key_lengths(served, family):
     lengths = [40, 23, 31]
     x = np.random.default_rng(6).uniform(-1, 1, (3, 40, 64)).astype(np.float32)
     got = client.attend(x, model=family, causal=True, key_lengths=lengths).output
+    window = configs[family].get("sliding_window")
+    # LongRoPE picks its factors per forward call: the padded batch is one
+    # call of 40 positions, so its shorter sequences rotate with the long
+    # factors, in transformers as here; their rows are the whole batch's.
+    whole = _module_forward(modules[family], x, window) \
+        if configs[family]["rope"]["type"] == "longrope" else None
     for b, n in enumerate(lengths):
-        want = _module_forward(modules[family], x[b:b + 1, :n], configs[family].get("sliding_window"))
+        want = whole[b:b + 1, :n] if whole is not None else \
+            _module_forward(modules[family], x[b:b + 1, :n], window)
         assert _rel(got[b:b + 1, :n], want) < 2e-5, f"sequence {b}: {_rel(got[b:b + 1, :n], want)}"
 
 
@@ -482,7 +581,8 @@ def _refused_module(family):
         from transformers import Phi3Config
         from transformers.models.phi3.modeling_phi3 import Phi3Attention
         config = Phi3Config(**COMMON, sliding_window=2047)
-        return Phi3Attention(config, layer_idx=0), ["sliding window of 2047", "'phi3'"]
+        return Phi3Attention(config, layer_idx=0), ["sliding window of 2047", "Phi-3",
+                                                    "4096 positions"]
     if family == "llama-dynamic":
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaAttention

@@ -328,7 +328,7 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
                      "gemma3_text": False, "phi3": False, "gpt_neox": False, "olmo": False,
                      "olmo2": False, "starcoder2": False, "gpt_oss": False, "gptj": True,
                      "codegen": True}
-_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
 
 def _has_rope(module, config):
@@ -408,6 +408,32 @@ def rope_config(module, head_dim):
         rope["attention_factor"] = float(attention_factor)
         if params.get("truncate") is False:
             rope["no_truncate"] = True
+    if kind == "longrope":
+        # Phi-3.5 / Phi-4-mini: transformers 4.x keeps the training context
+        # on the config, 5.x in rope_parameters; the factor defaults to the
+        # context's extension (max_position_embeddings over it).
+        original = params.get("original_max_position_embeddings") or \
+            _config_value(config, "original_max_position_embeddings")
+        if not original:
+            raise ExportError("RoPE scaling type 'longrope' without "
+                              "original_max_position_embeddings")
+        factor = params.get("factor") or (max_positions / original if max_positions else None)
+        if factor is None:
+            raise ExportError("RoPE scaling type 'longrope' without a factor or "
+                              "max_position_embeddings")
+        factor = float(factor)
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1 else \
+                math.sqrt(1 + math.log(factor) / math.log(original))
+        rope.update(factor=factor, original_max_position_embeddings=int(original),
+                    attention_factor=float(attention_factor),
+                    short_factor=[float(f) for f in params["short_factor"]],
+                    long_factor=[float(f) for f in params["long_factor"]])
+        for name in ("short_factor", "long_factor"):
+            if len(rope[name]) != rope["rotary_dim"] // 2:
+                raise ExportError(f"RoPE {name} has {len(rope[name])} values, not rotary_dim / "
+                                  f"2 = {rope['rotary_dim'] // 2}")
     return rope
 
 
@@ -458,6 +484,17 @@ def sliding_window_of(module):
     if not window:
         return None
     model_type = _config_value(config, "model_type")
+    if model_type == "phi3":
+        # transformers 4.x applies Phi-3's window in its flash-attention path
+        # only, 5.x in every path: one answer only where the window cannot
+        # bind within the model's context (Phi-3.5, Phi-4-mini: 262144 over
+        # 131072 positions), served as 5.x computes it.
+        max_positions = _config_value(config, "max_position_embeddings")
+        if max_positions and window >= max_positions:
+            return int(window)
+        raise ExportError(f"a sliding window of {window} tokens in a Phi-3 model of "
+                          f"{max_positions} positions, which transformers applies in some "
+                          "attention paths and versions only (4.x: flash-attention alone)")
     if model_type not in _WINDOW_TYPES:
         raise ExportError(f"a sliding window of {window} tokens in a model of type "
                           f"{model_type!r}, whose windowed layers attnserve cannot place "

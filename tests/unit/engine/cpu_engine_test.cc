@@ -152,7 +152,8 @@ std::shared_ptr<const AttentionLayer> RandomProjectionLayer(Rng& rng, bool self_
   if (rng.Chance(0.5)) {
     RopeConfig& r = c.rope;
     r.type = rng.Pick<RopeConfig::Type>({RopeConfig::Type::kDefault, RopeConfig::Type::kLinear,
-                                         RopeConfig::Type::kLlama3, RopeConfig::Type::kYarn});
+                                         RopeConfig::Type::kLlama3, RopeConfig::Type::kYarn,
+                                         RopeConfig::Type::kLongRope});
     r.theta = rng.Pick<double>({10000.0, 500000.0, 10.0});
     r.rotary_dim = rng.Chance(0.5) ? c.head_dim : 2;
     r.interleaved = rng.Chance(0.3);
@@ -162,6 +163,14 @@ std::shared_ptr<const AttentionLayer> RandomProjectionLayer(Rng& rng, bool self_
     r.original_max_position_embeddings = rng.Pick<int64_t>({4, 16});
     r.beta_fast = 32.0;
     r.beta_slow = 1.0;
+    if (r.type == RopeConfig::Type::kLongRope) {
+      // Requests longer than original_max_position_embeddings take the
+      // long factors: both sets are drawn with these lengths.
+      for (int64_t i = 0; i < r.rotary_dim / 2; ++i) {
+        r.short_factor.push_back(rng.Pick<double>({1.0, 1.25, 3.0}));
+        r.long_factor.push_back(rng.Pick<double>({1.0, 6.0, 40.0}));
+      }
+    }
   }
   // Some slide a window over the keys, some cap their logits.
   if (rng.Chance(0.3)) c.sliding_window = rng.Int(1, 6);

@@ -222,6 +222,25 @@ TEST(ModelConfigTest, RopeDefaultsResolveAndReachTheLayer) {
   EXPECT_EQ(c.rope().high_freq_factor(), 4.0);
   EXPECT_EQ(c.rope().rotary_dim(), 8);  // partial rotary kept
 
+  // LongRoPE (Phi-3.5): head_dim 16 -> 8 factors per set; the attention
+  // factor from the paper's formula; every factor reaches the layer.
+  c = Resolved("embed_dim: 64 num_heads: 4 rope { type: \"longrope\" factor: 32 "
+               "original_max_position_embeddings: 4096 "
+               "short_factor: [1, 1, 1, 1, 1.5, 2, 2, 3] "
+               "long_factor: [1, 2, 3, 4, 5, 6, 7, 8.5] }");
+  EXPECT_DOUBLE_EQ(c.rope().attention_factor(),
+                   std::sqrt(1 + std::log(32.0) / std::log(4096.0)));
+  LayerConfig phi = ToLayerConfig(c);
+  EXPECT_EQ(phi.rope.type, RopeConfig::Type::kLongRope);
+  EXPECT_EQ(phi.rope.short_factor,
+            (std::vector<double>{1, 1, 1, 1, 1.5, 2, 2, 3}));
+  EXPECT_EQ(phi.rope.long_factor, (std::vector<double>{1, 2, 3, 4, 5, 6, 7, 8.5}));
+  EXPECT_EQ(FromRopeConfig(phi.rope).long_factor_size(), 8);  // GetModel reports them
+  c = Resolved("embed_dim: 64 num_heads: 4 rope { type: \"longrope\" factor: 1 "
+               "original_max_position_embeddings: 4096 rotary_dim: 4 "
+               "short_factor: [1, 1] long_factor: [2, 2] }");
+  EXPECT_EQ(c.rope().attention_factor(), 1.0);  // no extension, no scaling
+
   c = Resolved("embed_dim: 64 num_heads: 4");  // no rope: "none", nothing else
   EXPECT_EQ(c.rope().type(), "none");
   EXPECT_EQ(ToLayerConfig(c).rope.type, RopeConfig::Type::kNone);
@@ -234,7 +253,20 @@ TEST(ModelConfigTest, RopeRulesNameTheField) {
   };
   const Case cases[] = {
       {"rope { type: \"dynamic\" factor: 2 }", {"rope.type", "\"dynamic\"", "yarn"}},
-      {"rope { type: \"longrope\" }", {"rope.type", "\"longrope\""}},
+      {"rope { type: \"longrope\" factor: 4 original_max_position_embeddings: 64 }",
+       {"rope.short_factor", "rotary_dim / 2 = 8", "got 0"}},
+      {"rope { type: \"longrope\" factor: 4 original_max_position_embeddings: 64 "
+       "short_factor: [1, 1, 1, 1, 1, 1, 1, 1] long_factor: [1, 1, 1, 1, 1, 1, 1] }",
+       {"rope.long_factor", "8 values, got 7"}},
+      {"rope { type: \"longrope\" factor: 4 original_max_position_embeddings: 64 "
+       "short_factor: [1, 1, 1, 1, 1, 1, 1, 1] long_factor: [1, 1, 1, 0, 1, 1, 1, 1] }",
+       {"rope.long_factor", "> 0", "index 3"}},
+      {"rope { type: \"longrope\" factor: 4 short_factor: [1, 1, 1, 1, 1, 1, 1, 1] "
+       "long_factor: [1, 1, 1, 1, 1, 1, 1, 1] }",
+       {"rope.original_max_position_embeddings", "longrope"}},
+      {"rope { type: \"yarn\" factor: 4 original_max_position_embeddings: 64 "
+       "long_factor: [1, 1, 1, 1, 1, 1, 1, 1] }",
+       {"rope.long_factor", "longrope only", "yarn"}},
       {"rope { type: \"default\" rotary_dim: 7 }", {"rope.rotary_dim", "even", "7"}},
       {"rope { type: \"default\" rotary_dim: 32 }", {"rope.rotary_dim", "head_dim 16", "32"}},
       {"rope { type: \"default\" theta: -1 }", {"rope.theta", "> 0"}},

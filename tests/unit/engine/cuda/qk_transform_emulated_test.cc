@@ -96,6 +96,16 @@ std::vector<RopeCase> RopeCases(int64_t head_dim) {
   r.beta_slow = 1.0;
   r.attention_factor = 1.3465735902799727;  // scales cos and sin
   cases.push_back({"yarn", r});
+  r = RopeConfig{};
+  r.type = RopeConfig::Type::kLongRope;  // Phi-3.5: a divisor per frequency
+  r.rotary_dim = head_dim * 3 / 4;       // partial (Phi-4-mini)
+  r.factor = 32.0;
+  r.original_max_position_embeddings = 4096;
+  for (int64_t i = 0; i < r.rotary_dim / 2; ++i) {
+    r.short_factor.push_back(1.0 + 0.05 * static_cast<double>(i));
+    r.long_factor.push_back(1.0 + 1.5 * static_cast<double>(i));
+  }
+  cases.push_back({"longrope", r});
   return cases;
 }
 
@@ -110,7 +120,8 @@ TEST(QkTransformEmulated, RopeMatchesTheCpuEngine) {
                                           0, 0, 0, 1, 2, 8000, 8001};
   for (const RopeCase& rc : RopeCases(kDim)) {
     ASSERT_TRUE(ValidateRope(rc.rope, kDim).ok()) << rc.name;
-    const RopeFrequencies freq = ComputeRopeFrequencies(rc.rope);
+    // The largest position of the explicit ones (LongRoPE's long factors).
+    const RopeFrequencies freq = ComputeRopeFrequencies(rc.rope, 8001);
     for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
       for (const bool explicit_positions : {false, true}) {
         SCOPED_TRACE(rc.name + " " + std::string(DTypeName(dtype)) +
@@ -159,7 +170,7 @@ TEST(QkTransformEmulated, RopeInFloat16MatchesFloat64) {
   std::mt19937 rng(32);
   constexpr int64_t kRows = 6, kHeads = 2, kDim = 32, kStride = kHeads * kDim;
   const RopeConfig rope = RopeCases(kDim)[0].rope;
-  const RopeFrequencies freq = ComputeRopeFrequencies(rope);
+  const RopeFrequencies freq = ComputeRopeFrequencies(rope, 45);
   const Rows input = RandomRows(DType::kFloat16, kRows, kHeads, kDim, kStride, rng);
   Rows gpu = input;
   RotaryArgs args;
