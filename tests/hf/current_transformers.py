@@ -39,6 +39,18 @@ WINDOW = 16
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, rope_theta=150000.0)
 LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=256, rope_theta=500000.0)
+# Phi-4-mini's attention: LongRoPE over three quarters of each head (6 of its
+# 8 pairs here), its training context shrunk to 32 tokens, a window wider
+# than its positions.
+PHI4_MINI = dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                      partial_rotary_factor=0.75,
+                                      original_max_position_embeddings=32,
+                                      short_factor=[1.0, 1.05, 1.1, 1.3, 1.6, 2.0],
+                                      long_factor=[1.0, 1.5, 3.0, 6.0, 12.0, 20.0]),
+                 partial_rotary_factor=0.75, original_max_position_embeddings=32,
+                 max_position_embeddings=4096, sliding_window=8192)
+# Tokens per request: 48 unless a family says (LongRoPE's short factors).
+LENGTHS = {"phi4-mini-short": 24}
 
 # name: (model module, class prefix, config overrides, layer index, expected outcome)
 # outcome: "served", or a word the ExportError must contain.
@@ -62,6 +74,9 @@ FAMILIES = {
     "gemma3-full": ("gemma3", "Gemma3Text", dict(sliding_window=WINDOW, num_hidden_layers=6), 5,
                     "served"),
     "phi3": ("phi3", "Phi3", {}, 0, "served"),
+    "phi4-mini-short": ("phi3", "Phi3", PHI4_MINI, 0, "served"),
+    "phi4-mini-long": ("phi3", "Phi3", PHI4_MINI, 0, "served"),
+    "phi3-mini-4k-window": ("phi3", "Phi3", dict(sliding_window=2047), 0, "Phi-3"),
     "gpt-neox": ("gpt_neox", "GPTNeoX", dict(rotary_pct=0.5), 0, "served"),
     "gpt-oss-sliding": ("gpt_oss", "GptOss", dict(sliding_window=WINDOW, rope_parameters=YARN,
                                                    num_local_experts=2, num_experts_per_tok=1), 0,
@@ -182,7 +197,7 @@ def main():
     try:
         rng = np.random.default_rng(1)
         for family, (m, rotary, config, layer) in built.items():
-            x = rng.uniform(-1, 1, (2, 48, 64)).astype(np.float32)
+            x = rng.uniform(-1, 1, (2, LENGTHS.get(family, 48), 64)).astype(np.float32)
             want = module_forward(m, rotary, config, layer, x)
             got = infer(http, family, x)
             rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))

@@ -69,6 +69,12 @@ LLM_LAYERS = {
     "gpt-oss": dict(causal=True, rope={"type": "yarn", "theta": 150000.0, "factor": 32.0,
                                        "original_max_position_embeddings": 4096},
                     sliding_window=16, sinks=True),
+    # Phi-4-mini: LongRoPE over three quarters of each head, its training
+    # context shrunk to 48 so that requests of either side occur.
+    "phi4-mini": dict(causal=True, rope={"type": "longrope", "rotary_dim": 48, "factor": 32.0,
+                                         "original_max_position_embeddings": 48,
+                                         "short_factor": [1.0 + 0.02 * i for i in range(24)],
+                                         "long_factor": [1.0 + 1.5 * i for i in range(24)]}),
 }
 
 
@@ -369,6 +375,9 @@ def test_llm_layers_on_the_gpu_match_the_cpu_engine(request, cpu_client, family,
     gpu = client.attend(x, model=model).output
     cpu = cpu_client.attend(x, model=model).output
     assert _rel(gpu, cpu) < tol, "prefill"
+    gpu = client.attend(x[:, :40], model=model).output  # within LongRoPE's short range
+    cpu = cpu_client.attend(x[:, :40], model=model).output
+    assert _rel(gpu, cpu) < tol, "a prefill of 40"
     # Gaps, so that the distances change (a constant shift would not).
     positions = np.stack([np.sort(rng.choice(5000, 70, replace=False)),
                           np.arange(70) + 11]).astype(np.int64)
@@ -457,11 +466,18 @@ def test_llm_layer_sessions_on_the_gpu_match_the_cpu_engine(client, cpu_client, 
     """A session on an LLM layer on the GPU (RoPE and QK-norm at the session's
     positions, windows, softcapping, sinks over the paged cache): a prefill
     of 37 tokens, 20 decode steps and a 5-token append, each equal to the cpu
-    engine's stateless answer over the whole sequence."""
+    engine's stateless answer over the whole sequence; for LongRoPE, whose
+    factors each call picks (its cached keys keep theirs), to the cpu
+    engine's own session step by step."""
     model = f"{family}-{precision}"
     rng = np.random.default_rng(hash(("session", model)) % 2**32)
     x = rng.standard_normal((1, sum(SESSION_STEPS), 512)).astype(np.float32)
-    cpu = cpu_client.attend(x, model=model).output
+    if LLM_LAYERS[family]["rope"]["type"] == "longrope":
+        with cpu_client.open_session(model) as session:
+            cpu = np.concatenate([session.attend(x[:, t:t + n]).output
+                                  for t, n in _steps(SESSION_STEPS)], axis=1)
+    else:
+        cpu = cpu_client.attend(x, model=model).output
     with client.open_session(model) as session:
         for t, n in _steps(SESSION_STEPS):
             res = session.attend(x[:, t:t + n])

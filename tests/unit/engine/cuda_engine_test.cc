@@ -1338,6 +1338,19 @@ TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
          c.rope.attention_factor = 0.1 * std::log(32.0) + 1.0;
          c.sliding_window = 10;
        }, false, false, true},
+      {"phi-4-mini: longrope, partial", [](LayerConfig& c) {
+         // Requests past 16 positions (the far explicit ones among them)
+         // take the long factors, the others the short ones.
+         c.rope.type = RopeConfig::Type::kLongRope;
+         c.rope.rotary_dim = c.head_dim * 3 / 4;
+         c.rope.factor = 32.0;
+         c.rope.original_max_position_embeddings = 16;
+         c.rope.attention_factor = 1.19;
+         for (int64_t i = 0; i < c.rope.rotary_dim / 2; ++i) {
+           c.rope.short_factor.push_back(1.0 + 0.1 * static_cast<double>(i % 5));
+           c.rope.long_factor.push_back(1.0 + 2.0 * static_cast<double>(i));
+         }
+       }},
   };
   for (const Variant& v : variants) {
     for (Precision precision : {Precision::kFloat32, Precision::kBFloat16, Precision::kFloat16}) {
