@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -72,12 +73,17 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
         return absl::InvalidArgumentError(absl::StrCat(
             "layer '", c.name, "': qk_norm.eps must be > 0, got ", c.qk_norm.eps));
       }
-      for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"q_norm", &w.q_norm},
-                                    {"k_norm", &w.k_norm}}) {
-        if (t->dtype() != DType::kFloat32 || t->shape() != Shape{c.head_dim}) {
+      const bool whole = c.qk_norm.whole_projection;
+      for (const auto& [name, t, heads] :
+           {std::tuple<const char*, const Tensor*, int64_t>{"q_norm", &w.q_norm, c.num_heads},
+            {"k_norm", &w.k_norm, c.num_kv_heads}}) {
+        const int64_t width = whole ? heads * c.head_dim : c.head_dim;
+        if (t->dtype() != DType::kFloat32 || t->shape() != Shape{width}) {
           return absl::InvalidArgumentError(absl::StrCat(
-              "layer '", c.name, "': ", name, " weight must be FLOAT32 [", c.head_dim,
-              "] (head_dim), got ", ShapeString(t->shape())));
+              "layer '", c.name, "': ", name, " weight must be FLOAT32 [", width, "] (",
+              whole ? (t == &w.q_norm ? "num_heads" : "num_kv_heads") : "",
+              whole ? " * head_dim, qk_norm.whole_projection" : "head_dim", "), got ",
+              ShapeString(t->shape())));
         }
       }
     } else if (w.q_norm.byte_size() != 0 || w.k_norm.byte_size() != 0) {

@@ -53,13 +53,17 @@ struct RopeConfig {
   std::vector<double> short_factor, long_factor;
 };
 
-// QK-norm (Qwen3, Gemma3, OLMo-style per-head): RMSNorm over each head of
-// the projected Q and K, before RoPE, with a learned weight per feature:
-// x / sqrt(mean(x^2) + eps) * w, or * (1 + w) with weight_offset (Gemma).
+// QK-norm: RMSNorm of the projected Q and K, before RoPE, with a learned
+// weight per feature: x / sqrt(mean(x^2) + eps) * w, or * (1 + w) with
+// weight_offset (Gemma). Over each head (Qwen3, Gemma3), or, with
+// whole_projection, over all the heads of a token's projection at once
+// (OLMo-2: the mean over num_heads * head_dim features for Q,
+// num_kv_heads * head_dim for K).
 struct QkNormConfig {
   bool enabled = false;
   double eps = 1e-6;  // > 0
   bool weight_offset = false;
+  bool whole_projection = false;
 };
 
 struct LayerConfig {
@@ -112,8 +116,9 @@ struct LayerWeights {
   Tensor wk, bk;  // [num_kv_heads * head_dim, key_dim], [num_kv_heads * head_dim]
   Tensor wv, bv;  // [num_kv_heads * head_dim, value_dim], [num_kv_heads * head_dim]
   Tensor wo, bo;  // [out_dim, num_heads * head_dim], [out_dim]
-  // QK-norm weights, [head_dim] each, when LayerConfig::qk_norm.enabled;
-  // empty otherwise.
+  // QK-norm weights when LayerConfig::qk_norm.enabled, [head_dim] each, or
+  // with whole_projection [num_heads * head_dim] and
+  // [num_kv_heads * head_dim] (QkNormWidth); empty otherwise.
   Tensor q_norm, k_norm;
   // [num_heads] when LayerConfig::sinks; empty otherwise.
   Tensor sinks;

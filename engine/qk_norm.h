@@ -1,6 +1,7 @@
 // QK-norm as Hugging Face transformers computes it (Qwen3RMSNorm,
-// Gemma3RMSNorm applied per head): x / sqrt(mean(x^2) + eps) * w, or
-// * (1 + w) with weight_offset. The mean accumulates in float64.
+// Gemma3RMSNorm applied per head; Olmo2RMSNorm over the whole projection):
+// x / sqrt(mean(x^2) + eps) * w, or * (1 + w) with weight_offset. The mean
+// accumulates in float64.
 #ifndef ATTNSERVE_ENGINE_QK_NORM_H_
 #define ATTNSERVE_ENGINE_QK_NORM_H_
 
@@ -10,6 +11,18 @@
 #include "engine/attention_layer.h"
 
 namespace attnserve {
+
+// The vectors QK-norm normalises in one token's row of `heads` heads of
+// head_dim features (contiguous): each head, or the whole row at once
+// (whole_projection). Their weights have `dim` values.
+struct QkNormVectors {
+  int64_t count = 0;  // per row
+  int64_t dim = 0;
+};
+inline QkNormVectors QkNormShape(const QkNormConfig& norm, int64_t heads, int64_t head_dim) {
+  return norm.whole_projection ? QkNormVectors{1, heads * head_dim}
+                               : QkNormVectors{heads, head_dim};
+}
 
 // Normalises one head vector x[dim] in place with weights w[dim] (float).
 template <typename T>

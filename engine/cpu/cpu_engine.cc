@@ -144,12 +144,13 @@ class CpuEngine final : public AttentionEngine {
         char* q = static_cast<char*>(const_cast<void*>(p.q)) + b * p.q_stride_b * size;
         char* k = static_cast<char*>(const_cast<void*>(p.k)) + b * p.k_stride_b * size;
         if (c.qk_norm.enabled) {
+          // A row's heads are contiguous in the projection buffers.
+          const QkNormVectors qn = QkNormShape(c.qk_norm, p.num_heads, p.head_dim);
+          const QkNormVectors kn = QkNormShape(c.qk_norm, p.num_kv_heads, p.head_dim);
           cpu::NormalizeRows(c.qk_norm, layer.weights.q_norm.data_as<float>(), p.dtype, q,
-                             p.q_len, p.q_stride_row, p.num_heads, p.head_dim,
-                             options_.num_threads);
+                             p.q_len, p.q_stride_row, qn.count, qn.dim, options_.num_threads);
           cpu::NormalizeRows(c.qk_norm, layer.weights.k_norm.data_as<float>(), p.dtype, k,
-                             p.kv_len, p.k_stride_row, p.num_kv_heads, p.head_dim,
-                             options_.num_threads);
+                             p.kv_len, p.k_stride_row, kn.count, kn.dim, options_.num_threads);
         }
         if (!rope) continue;
         const int64_t* key_positions =

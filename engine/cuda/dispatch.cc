@@ -17,6 +17,7 @@
 #include "engine/cuda/paged_attention.h"
 #include "engine/cuda/unfused_attention.h"
 #include "engine/paged_kv.h"
+#include "engine/qk_norm.h"
 #include "engine/rope.h"
 
 namespace attnserve::cuda {
@@ -66,10 +67,12 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
   const int64_t q_stride = p.num_heads * p.head_dim, k_stride = p.num_kv_heads * p.head_dim;
   if (config.qk_norm.enabled) {
     const QkNormConfig& norm = config.qk_norm;
-    ATTNSERVE_CUDA_CALL(LaunchQkNorm(q, w.type, q_rows, q_stride, p.num_heads, p.head_dim,
+    const QkNormVectors qn = QkNormShape(norm, p.num_heads, p.head_dim);
+    const QkNormVectors kn = QkNormShape(norm, p.num_kv_heads, p.head_dim);
+    ATTNSERVE_CUDA_CALL(LaunchQkNorm(q, w.type, q_rows, q_stride, qn.count, qn.dim,
                                      static_cast<const float*>(w.q_norm.data()), norm.eps,
                                      norm.weight_offset, call.stream()));
-    ATTNSERVE_CUDA_CALL(LaunchQkNorm(k, w.type, kv_rows, k_stride, p.num_kv_heads, p.head_dim,
+    ATTNSERVE_CUDA_CALL(LaunchQkNorm(k, w.type, kv_rows, k_stride, kn.count, kn.dim,
                                      static_cast<const float*>(w.k_norm.data()), norm.eps,
                                      norm.weight_offset, call.stream()));
   }

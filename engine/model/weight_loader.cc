@@ -418,12 +418,17 @@ absl::StatusOr<LayerWeights> LoadLayerWeights(const SafetensorsFile& file,
     weights->sinks = MakeTensor({config.num_heads}, sinks->data());
   }
   if (spec.qk_norm) {
-    absl::StatusOr<std::vector<float>> qn = reader.Read("q_norm_weight", {{config.head_dim}});
+    // Per head, or over the whole projection (OLMo-2).
+    const int64_t q_width =
+        config.qk_norm.whole_projection ? config.num_heads * config.head_dim : config.head_dim;
+    const int64_t k_width =
+        config.qk_norm.whole_projection ? config.num_kv_heads * config.head_dim : config.head_dim;
+    absl::StatusOr<std::vector<float>> qn = reader.Read("q_norm_weight", {{q_width}});
     if (!qn.ok()) return qn.status();
-    absl::StatusOr<std::vector<float>> kn = reader.Read("k_norm_weight", {{config.head_dim}});
+    absl::StatusOr<std::vector<float>> kn = reader.Read("k_norm_weight", {{k_width}});
     if (!kn.ok()) return kn.status();
-    weights->q_norm = MakeTensor({config.head_dim}, qn->data());
-    weights->k_norm = MakeTensor({config.head_dim}, kn->data());
+    weights->q_norm = MakeTensor({q_width}, qn->data());
+    weights->k_norm = MakeTensor({k_width}, kn->data());
   }
   return weights;
 }

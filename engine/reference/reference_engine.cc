@@ -381,16 +381,21 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
   Rows k{Linear(xk, kv_rows, self_attention ? c.query_dim : c.key_dim, w.wk, w.bk),
          d.kv_heads, d.kv_len, d.head_dim, false};
   if (c.qk_norm.enabled) {
-    // RMSNorm of every head of Q and K (before RoPE), in float64.
+    // RMSNorm of every head of Q and K, or of each token's whole projection
+    // (its heads are contiguous here), before RoPE, in float64.
+    const QkNormVectors qn = QkNormShape(c.qk_norm, d.heads, d.head_dim);
+    const QkNormVectors kn = QkNormShape(c.qk_norm, d.kv_heads, d.head_dim);
     for (int64_t b = 0; b < d.batch; ++b) {
       for (int64_t i = 0; i < d.q_len; ++i) {
-        for (int64_t h = 0; h < d.heads; ++h) {
-          NormalizeHead(q.row(b, h, i), w.q_norm.data_as<float>(), d.head_dim, c.qk_norm);
+        for (int64_t v = 0; v < qn.count; ++v) {
+          NormalizeHead(q.row(b, 0, i) + v * qn.dim, w.q_norm.data_as<float>(), qn.dim,
+                        c.qk_norm);
         }
       }
       for (int64_t j = 0; j < d.kv_len; ++j) {
-        for (int64_t g = 0; g < d.kv_heads; ++g) {
-          NormalizeHead(k.row(b, g, j), w.k_norm.data_as<float>(), d.head_dim, c.qk_norm);
+        for (int64_t v = 0; v < kn.count; ++v) {
+          NormalizeHead(k.row(b, 0, j) + v * kn.dim, w.k_norm.data_as<float>(), kn.dim,
+                        c.qk_norm);
         }
       }
     }

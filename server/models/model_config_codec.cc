@@ -53,6 +53,7 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
   if (c.qk_norm.enabled) {
     config.mutable_qk_norm()->set_eps(c.qk_norm.eps);
     config.mutable_qk_norm()->set_weight_offset(c.qk_norm.weight_offset);
+    config.mutable_qk_norm()->set_whole_projection(c.qk_norm.whole_projection);
   }
   return config;
 }
@@ -122,6 +123,7 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
     layer.qk_norm.enabled = true;
     layer.qk_norm.eps = c.qk_norm().eps();
     layer.qk_norm.weight_offset = c.qk_norm().weight_offset();
+    layer.qk_norm.whole_projection = c.qk_norm().whole_projection();
   }
   return layer;
 }

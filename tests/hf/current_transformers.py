@@ -78,6 +78,15 @@ FAMILIES = {
     "phi4-mini-long": ("phi3", "Phi3", PHI4_MINI, 0, "served"),
     "phi3-mini-4k-window": ("phi3", "Phi3", dict(sliding_window=2047), 0, "Phi-3"),
     "gpt-neox": ("gpt_neox", "GPTNeoX", dict(rotary_pct=0.5), 0, "served"),
+    # QK-norm over the whole projection.
+    "olmo2": ("olmo2", "Olmo2", dict(rope_theta=500000.0), 0, "served"),
+    # OLMo-3: the same norm, sliding windows on three layers of four.
+    "olmo3-sliding": ("olmo3", "Olmo3", dict(sliding_window=WINDOW, num_hidden_layers=4), 0,
+                      "served"),
+    "olmo3-full": ("olmo3", "Olmo3", dict(sliding_window=WINDOW, num_hidden_layers=4), 3,
+                   "served"),
+    # Q, K and V clamped after the projections: refused.
+    "olmo-clip-qkv": ("olmo", "Olmo", dict(clip_qkv=8.0), 0, "QKV clipping"),
     "gpt-oss-sliding": ("gpt_oss", "GptOss", dict(sliding_window=WINDOW, rope_parameters=YARN,
                                                    num_local_experts=2, num_experts_per_tok=1), 0,
                         "served"),

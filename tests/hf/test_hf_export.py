@@ -88,8 +88,8 @@ def _served_module(family):
                               sliding_window=WINDOW, attn_logit_softcapping=5.0)
         # Layer 0 slides over WINDOW keys, layer 1 attends to all.
         m = Gemma2Attention(config, layer_idx=0 if family == "gemma2-sliding" else 1)
-    elif family in ("qwen3", "gemma3"):
-        m = _QkNormAttention(gemma=family == "gemma3")
+    elif family in ("qwen3", "gemma3", "olmo2"):
+        m = _QkNormAttention(family)
     elif family.startswith("gpt-oss"):
         m = _GptOssAttention(sliding=family == "gpt-oss-sliding")
     else:
@@ -102,8 +102,8 @@ def _served_module(family):
 
 WINDOW = 16  # Mistral's sliding window in these tests (its real one is 4096)
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
-            "qwen2", "phi3", "phi3-longrope", "gpt-neox", "qwen3", "gemma3", "gemma2-sliding", "gemma2-full",
-            "gpt-oss-sliding", "gpt-oss-full"]
+            "qwen2", "phi3", "phi3-longrope", "gpt-neox", "qwen3", "gemma3", "olmo2",
+            "gemma2-sliding", "gemma2-full", "gpt-oss-sliding", "gpt-oss-full"]
 
 
 class _GptOssAttention(nn.Module):
@@ -147,24 +147,29 @@ class _GptOssAttention(nn.Module):
 
 
 class _QkNormAttention(nn.Module):
-    """Qwen3's attention (Gemma3's with gemma=True) as transformers 5.x writes
-    it, built from transformers' own parts (4.45.2 has no Qwen3/Gemma3):
+    """Qwen3's attention (Gemma3's, OLMo-2's) as transformers 5.x writes it,
+    built from transformers' own parts (4.45.2 has none of the three):
     q/k/v/o projections, RMSNorm over each head of Q and K (LlamaRMSNorm is
     Qwen3RMSNorm; GemmaRMSNorm multiplies by 1 + w, as Gemma3RMSNorm does),
-    then RoPE, grouped-query eager attention."""
+    or for OLMo-2 over the whole projection before it is split into heads
+    (Olmo2RMSNorm(num_heads * head_dim), which in fp32 is LlamaRMSNorm), then
+    RoPE, grouped-query eager attention."""
 
-    def __init__(self, gemma=False):
+    def __init__(self, kind="qwen3"):
         super().__init__()
         from transformers import LlamaConfig
         from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
         self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, 16
-        self.config = LlamaConfig(**COMMON, rope_theta=1e6, rms_norm_eps=1e-6)
-        self.config.model_type = "gemma3" if gemma else "qwen3"
+        self.config = LlamaConfig(**COMMON, rope_theta=5e5 if kind == "olmo2" else 1e6,
+                                  rms_norm_eps=1e-6)
+        self.config.model_type = kind
         self.q_proj, self.k_proj = nn.Linear(64, 64, bias=False), nn.Linear(64, 32, bias=False)
         self.v_proj, self.o_proj = nn.Linear(64, 32, bias=False), nn.Linear(64, 64, bias=False)
-        norm = GemmaRMSNorm if gemma else LlamaRMSNorm
-        self.q_norm, self.k_norm = norm(16, eps=1e-6), norm(16, eps=1e-6)
+        norm = GemmaRMSNorm if kind == "gemma3" else LlamaRMSNorm
+        self.whole = kind == "olmo2"
+        q_width, k_width = (64, 32) if self.whole else (16, 16)
+        self.q_norm, self.k_norm = norm(q_width, eps=1e-6), norm(k_width, eps=1e-6)
         with torch.no_grad():
             self.q_norm.weight.uniform_(0.5, 1.5)
             self.k_norm.weight.uniform_(0.5, 1.5)
@@ -173,8 +178,12 @@ class _QkNormAttention(nn.Module):
     def forward(self, x, attention_mask=None, position_ids=None):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
         b, length, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, length, 4, 16)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, length, 2, 16)).transpose(1, 2)
+        if self.whole:  # Olmo2Attention: norm, then split into heads
+            q = self.q_norm(self.q_proj(x)).view(b, length, 4, 16).transpose(1, 2)
+            k = self.k_norm(self.k_proj(x)).view(b, length, 2, 16).transpose(1, 2)
+        else:
+            q = self.q_norm(self.q_proj(x).view(b, length, 4, 16)).transpose(1, 2)
+            k = self.k_norm(self.k_proj(x).view(b, length, 2, 16)).transpose(1, 2)
         v = self.v_proj(x).view(b, length, 2, 16).transpose(1, 2)
         cos, sin = self.rotary(v, position_ids)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
@@ -280,8 +289,12 @@ def _np_layer(x, weights, config, positions=None):
         out_name = "o_proj"
     if "qk_norm" in config:
         def rms(t, w):
+            shape = t.shape
+            if config["qk_norm"].get("whole_projection"):  # OLMo-2: before the heads split
+                t = t.reshape(bsz, length, -1)
             w = w.astype(np.float64) + (1.0 if config["qk_norm"]["weight_offset"] else 0.0)
-            return t / np.sqrt((t * t).mean(-1, keepdims=True) + config["qk_norm"]["eps"]) * w
+            t = t / np.sqrt((t * t).mean(-1, keepdims=True) + config["qk_norm"]["eps"]) * w
+            return t.reshape(shape)
         q, k = rms(q, weights["q_norm.weight"]), rms(k, weights["k_norm.weight"])
     pos = np.arange(length) if positions is None else positions
     q, k = _np_rotate(q, pos, config["rope"]), _np_rotate(k, pos, config["rope"])
@@ -338,8 +351,8 @@ def test_rope_layers_are_served_as_the_module_computes_them(served, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama3", "llama-yarn", "mistral", "gpt-neox",
-                                    "phi3-longrope", "qwen3", "gemma3", "gemma2-sliding", "gemma2-full",
-                                    "gpt-oss-sliding", "gpt-oss-full"])
+                                    "phi3-longrope", "qwen3", "gemma3", "olmo2", "gemma2-sliding",
+                                    "gemma2-full", "gpt-oss-sliding", "gpt-oss-full"])
 def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family):
     client, _, configs, weights = served
     x = np.random.default_rng(2).uniform(-1, 1, (1, 3000, 64)).astype(np.float32)
@@ -351,7 +364,7 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
     assert _rel(got, want) < 2e-5
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "mistral", "gemma2-sliding",
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "mistral", "gemma2-sliding",
                                     "gpt-oss-sliding"])
 def test_a_session_continues_its_positions(served, family):
     """Prefill 24 tokens, then 100 single-token steps: every step equals the
@@ -517,7 +530,8 @@ def test_ragged_batches_with_key_lengths(served, family):
         assert _rel(got[b:b + 1, :n], want) < 2e-5, f"sequence {b}: {_rel(got[b:b + 1, :n], want)}"
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "gemma2-sliding", "gpt-oss-sliding"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "gemma2-sliding",
+                                    "gpt-oss-sliding"])
 def test_bf16_layers_within_bf16_tolerance(tmp_path, family):
     """The same modules exported with precision bf16 (weights and products in
     bfloat16): within bf16's tolerance of the float64 forward."""
@@ -554,6 +568,11 @@ def test_qk_norm_is_exported_and_reported(served):
     assert reported.HasField("qk_norm") and reported.qk_norm.weight_offset
     assert reported.qk_norm.eps == 1e-6
     assert not client.get_model("llama").config.HasField("qk_norm")
+    # OLMo-2: one norm over each token's whole Q (64 features) and K (32).
+    assert configs["olmo2"]["qk_norm"] == {"eps": 1e-6, "weight_offset": False,
+                                           "whole_projection": True}
+    assert client.get_model("olmo2").config.qk_norm.whole_projection
+    assert not reported.qk_norm.whole_projection
 
 
 def test_get_model_reports_the_resolved_rope(served):
@@ -611,9 +630,9 @@ class _StandIn(nn.Module):
         self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, 16
         if config is not None:
             self.config = config
-        if qk_norm == "whole":
+        if qk_norm == "mixed":
             from transformers.models.llama.modeling_llama import LlamaRMSNorm
-            self.q_norm, self.k_norm = LlamaRMSNorm(64), LlamaRMSNorm(32)
+            self.q_norm, self.k_norm = LlamaRMSNorm(16), LlamaRMSNorm(32)
         elif qk_norm == "gemma":
             from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
             self.q_norm, self.k_norm = GemmaRMSNorm(16), GemmaRMSNorm(16)
@@ -629,9 +648,12 @@ class _Config:
 
 
 @pytest.mark.parametrize("module,words", [
-    # OLMo-2: QK-norm over the whole projection, not per head.
-    (lambda: _StandIn(_Config(model_type="olmo2", rope_theta=1e4), qk_norm="whole"),
-     ["not per head", "OLMo-2"]),
+    # QK-norm per head on Q and over the whole projection on K.
+    (lambda: _StandIn(_Config(model_type="olmo2", rope_theta=1e4), qk_norm="mixed"),
+     ["per head on one of Q and K"]),
+    # OLMo (1) and OLMoE clamp Q, K and V after the projections.
+    (lambda: _StandIn(_Config(model_type="olmo", rope_theta=1e4, clip_qkv=8.0)),
+     ["QKV clipping (clip_qkv=8.0)"]),
     # A LayerNorm (not RMSNorm) over Q and K.
     (lambda: _StandIn(_Config(model_type="qwen3", rope_theta=1e4), qk_norm="layernorm"),
      ["QK-norm of kind", "RMSNorm"]),

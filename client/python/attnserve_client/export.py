@@ -326,7 +326,7 @@ def _config_value(config, name):
 _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2": False,
                      "qwen3": False, "gemma": False, "gemma2": False, "gemma3": False,
                      "gemma3_text": False, "phi3": False, "gpt_neox": False, "olmo": False,
-                     "olmo2": False, "starcoder2": False, "gpt_oss": False, "gptj": True,
+                     "olmo2": False, "olmo3": False, "starcoder2": False, "gpt_oss": False, "gptj": True,
                      "codegen": True}
 _ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -438,10 +438,12 @@ def rope_config(module, head_dim):
 
 
 def qk_norm_config(module, head_dim):
-    """The `qk_norm` of an attnserve ModelConfig for a module with per-head
-    RMSNorm children `q_norm` and `k_norm` (Qwen3; Gemma3's adds 1 to its
-    weight), or None without them. ExportError for a norm attnserve does not
-    compute: another kind, or one over the whole projection (OLMo-2)."""
+    """The `qk_norm` of an attnserve ModelConfig for a module with RMSNorm
+    children `q_norm` and `k_norm`, per head (Qwen3; Gemma3's adds 1 to its
+    weight) or over the whole projection before the heads are split (OLMo-2:
+    weights as wide as q_proj's and k_proj's outputs), or None without them.
+    ExportError for a norm attnserve does not compute: another kind, or
+    weights of another width."""
     q, k = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
     if q is None and k is None:
         return None
@@ -450,15 +452,28 @@ def qk_norm_config(module, head_dim):
     kinds = {type(q).__name__, type(k).__name__}
     if not all("RMSNorm" in kind for kind in kinds):
         raise ExportError(f"QK-norm of kind {sorted(kinds)} (attnserve computes RMSNorm)")
-    for name, norm in (("q_norm", q), ("k_norm", k)):
+    widths = []
+    for name, norm, proj in (("q_norm", q, "q_proj"), ("k_norm", k, "k_proj")):
         weight = getattr(norm, "weight", None)
-        if weight is None or tuple(weight.shape) != (head_dim,):
-            shape = None if weight is None else tuple(weight.shape)
-            raise ExportError(f"QK-norm {name} with weight {shape}, not per head ({head_dim},): "
-                              "a norm over the whole projection (OLMo-2 style)")
+        shape = None if weight is None else tuple(weight.shape)
+        linear = _linear(module, proj)
+        if shape == (head_dim,):
+            widths.append("head")
+        elif linear is not None and shape == (linear.out_features,):
+            widths.append("projection")
+        else:
+            whole = f" or {proj}'s width ({linear.out_features},)" if linear is not None else ""
+            raise ExportError(f"QK-norm {name} with weight {shape}, neither per head "
+                              f"({head_dim},){whole}")
+    if widths[0] != widths[1]:
+        raise ExportError("QK-norm per head on one of Q and K and over the whole projection "
+                          "on the other")
     eps = getattr(q, "variance_epsilon", None) or getattr(q, "eps", None) or \
         _config_value(getattr(module, "config", None), "rms_norm_eps") or 1e-6
-    return dict(eps=float(eps), weight_offset=all("Gemma" in kind for kind in kinds))
+    config = dict(eps=float(eps), weight_offset=all("Gemma" in kind for kind in kinds))
+    if widths[0] == "projection":
+        config["whole_projection"] = True
+    return config
 
 
 # Model types whose sliding window is the whole story: every layer slides
@@ -524,6 +539,10 @@ def unsupported_features(module, head_dim=None, num_heads=None):
     norms = [n for n in ("q_layernorm", "k_layernorm") if getattr(module, n, None) is not None]
     if norms:
         found.append(f"QK LayerNorm ({', '.join(norms)})")
+    clip = getattr(module, "clip_qkv", None) or _config_value(config, "clip_qkv")
+    if clip:
+        # OLMo (1), OLMoE: Q, K and V clamped to [-clip, clip] after the projections.
+        found.append(f"QKV clipping (clip_qkv={clip})")
     try:
         qk_norm_config(module, head_dim)
     except ExportError as e:

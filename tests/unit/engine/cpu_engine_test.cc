@@ -180,13 +180,17 @@ std::shared_ptr<const AttentionLayer> RandomProjectionLayer(Rng& rng, bool self_
     c.sinks = true;
     w.sinks = RandomTensor(rng, DType::kFloat32, {c.num_heads}, 3.0f);
   }
-  // A third normalise each head of Q and K first (QK-norm, either weight form).
+  // A third normalise Q and K first (QK-norm, either weight form): each
+  // head, or each token's whole projection (OLMo-2).
   if (rng.Chance(0.33)) {
     c.qk_norm.enabled = true;
     c.qk_norm.eps = rng.Pick<double>({1e-6, 1e-2});
     c.qk_norm.weight_offset = rng.Chance(0.5);
-    w.q_norm = RandomTensor(rng, DType::kFloat32, {c.head_dim}, 1.0f);
-    w.k_norm = RandomTensor(rng, DType::kFloat32, {c.head_dim}, 1.0f);
+    c.qk_norm.whole_projection = rng.Chance(0.4);
+    const int64_t q_width = c.qk_norm.whole_projection ? qf : c.head_dim;
+    const int64_t k_width = c.qk_norm.whole_projection ? kvf : c.head_dim;
+    w.q_norm = RandomTensor(rng, DType::kFloat32, {q_width}, 1.0f);
+    w.k_norm = RandomTensor(rng, DType::kFloat32, {k_width}, 1.0f);
   }
   EXPECT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
   return layer;
@@ -335,6 +339,7 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
                          lc.rope.interleaved ? " interleaved" : "")
           : "",
       lc.qk_norm.enabled ? (lc.qk_norm.weight_offset ? " qk-norm(1+w)" : " qk-norm") : "",
+      lc.qk_norm.whole_projection ? " over the projection" : "",
       lc.sliding_window > 0 ? absl::StrCat(" window ", lc.sliding_window) : "",
       lc.softcap > 0 ? absl::StrCat(" softcap ", lc.softcap) : "",
       lc.sinks ? " sinks" : "", options_label,

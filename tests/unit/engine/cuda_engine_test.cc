@@ -1338,6 +1338,14 @@ TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
          c.rope.attention_factor = 0.1 * std::log(32.0) + 1.0;
          c.sliding_window = 10;
        }, false, false, true},
+      {"olmo-2: qk-norm over the whole projection, rope", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kDefault;
+         c.rope.theta = 500000.0;
+         c.rope.rotary_dim = c.head_dim;
+         c.qk_norm.enabled = true;
+         c.qk_norm.eps = 1e-6;
+         c.qk_norm.whole_projection = true;
+       }, true},
       {"phi-4-mini: longrope, partial", [](LayerConfig& c) {
          // Requests past 16 positions (the far explicit ones among them)
          // take the long factors, the others the short ones.
@@ -1357,9 +1365,12 @@ TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
       AttentionLayer layer = ProjectionLayer(256, 4, 2, 256, 256, true, precision, rng);
       v.set(layer.config);
       if (v.qk_norm) {
-        const int64_t dim = layer.config.head_dim;
-        layer.weights.q_norm = RandomTensor(DType::kFloat32, {dim}, rng, 0.5f);
-        layer.weights.k_norm = RandomTensor(DType::kFloat32, {dim}, rng, 0.5f);
+        const LayerConfig& c = layer.config;
+        const bool whole = c.qk_norm.whole_projection;
+        layer.weights.q_norm = RandomTensor(
+            DType::kFloat32, {whole ? c.num_heads * c.head_dim : c.head_dim}, rng, 0.5f);
+        layer.weights.k_norm = RandomTensor(
+            DType::kFloat32, {whole ? c.num_kv_heads * c.head_dim : c.head_dim}, rng, 0.5f);
         if (!v.norm_offset) {  // around 1, as trained RMSNorm weights are
           for (Tensor* t : {&layer.weights.q_norm, &layer.weights.k_norm}) {
             for (int64_t d = 0; d < t->num_elements(); ++d) t->data_as<float>()[d] += 1.0f;
