@@ -12,6 +12,7 @@
 namespace attnserve {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 uint32_t BitsOf(float f) {
@@ -104,6 +105,27 @@ TEST(ValidateLayerTest, NamesTheBadWeight) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("[4]"));
   EXPECT_THAT(std::string(s.message()), HasSubstr("[8]"));
   layer.weights.bk = Tensor();
+
+  // QK-norm weights: [head_dim] per head; over the whole projection
+  // (OLMo-2) as wide as Q's and K's projections.
+  layer.config.qk_norm.enabled = true;
+  layer.weights.q_norm = Tensor(DType::kFloat32, {4});
+  layer.weights.k_norm = Tensor(DType::kFloat32, {4});
+  EXPECT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
+  layer.config.qk_norm.whole_projection = true;
+  s = ValidateLayer(layer);
+  EXPECT_THAT(std::string(s.message()),
+              AllOf(HasSubstr("q_norm weight must be FLOAT32 [8] (num_heads * head_dim"),
+                    HasSubstr("got [4]")));
+  layer.weights.q_norm = Tensor(DType::kFloat32, {8});
+  EXPECT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);  // K: 1 head of 4
+  layer.weights.k_norm = Tensor(DType::kFloat32, {8});
+  s = ValidateLayer(layer);
+  EXPECT_THAT(std::string(s.message()),
+              AllOf(HasSubstr("k_norm weight must be FLOAT32 [4] (num_kv_heads * head_dim"),
+                    HasSubstr("got [8]")));
+  layer.config.qk_norm = QkNormConfig();
+  layer.weights.q_norm = layer.weights.k_norm = Tensor();
 
   layer.config.num_kv_heads = 3;
   s = ValidateLayer(layer);

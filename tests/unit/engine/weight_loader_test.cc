@@ -249,8 +249,9 @@ TEST(WeightLoaderTest, BiasInFileWithFlagOffIsAnError) {
       LoadLayerWeights(*hf, Config(4, 2, 2, 2), Spec(WeightLayout::kSeparateQkv, false, true)).ok());
 }
 
-// QK-norm weights: read ([head_dim] each) when the spec asks, named when
-// missing or misshapen, and an error when in the file without qk_norm.
+// QK-norm weights: read ([head_dim] each, or as wide as the Q and K
+// projections with whole_projection) when the spec asks, named when missing
+// or misshapen, and an error when in the file without qk_norm.
 TEST(WeightLoaderTest, QkNormWeightsAreReadOnlyWhenConfigured) {
   const std::string p = "model.layers.2.self_attn.";
   auto projections = [&] {
@@ -288,9 +289,18 @@ TEST(WeightLoaderTest, QkNormWeightsAreReadOnlyWhenConfigured) {
   wide.push_back(T(p + "q_norm.weight", {8}, 6.0f));
   wide.push_back(T(p + "k_norm.weight", {4}, 7.0f));
   auto wide_file = MakeFile(wide);
-  w = LoadLayerWeights(*wide_file, c, spec);
+  w = LoadLayerWeights(*wide_file, c, spec);  // per head: refused
   ASSERT_FALSE(w.ok());
   EXPECT_THAT(w.status().message(), AllOf(HasSubstr("q_norm.weight"), HasSubstr("[8]")));
+
+  c.qk_norm.whole_projection = true;  // OLMo-2: Q's 4 x 2 features, K's 2 x 2
+  w = LoadLayerWeights(*wide_file, c, spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(Values(w->q_norm), wide[4].values);
+  EXPECT_EQ(Values(w->k_norm), wide[5].values);
+  w = LoadLayerWeights(*file, c, spec);  // per-head weights for a whole-projection norm
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(), AllOf(HasSubstr("q_norm.weight"), HasSubstr("[2]")));
 }
 
 // Sinks: [num_heads], read when configured, an error in the file without.

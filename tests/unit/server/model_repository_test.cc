@@ -289,6 +289,12 @@ TEST(ModelConfigTest, RopeRulesNameTheField) {
   EXPECT_EQ(norm.qk_norm().eps(), 1e-6);  // present, defaults filled
   EXPECT_TRUE(ToLayerConfig(norm).qk_norm.enabled);
   EXPECT_TRUE(ToWeightSpec(norm).qk_norm);
+  EXPECT_FALSE(ToLayerConfig(norm).qk_norm.whole_projection);
+  v1::ModelConfig olmo = Resolved("embed_dim: 64 num_heads: 4 qk_norm { whole_projection: true }");
+  EXPECT_TRUE(ToLayerConfig(olmo).qk_norm.whole_projection);
+  AttentionLayer olmo_layer;
+  olmo_layer.config = ToLayerConfig(olmo);
+  EXPECT_TRUE(LayerToModelConfig(olmo_layer).qk_norm().whole_projection());  // reported
   EXPECT_FALSE(ToLayerConfig(Resolved("embed_dim: 64 num_heads: 4")).qk_norm.enabled);
   absl::Status sdpa_sinks = ResolveError("kind: \"sdpa\" sinks: true");
   EXPECT_THAT(sdpa_sinks.message(), HasSubstr("sinks"));
