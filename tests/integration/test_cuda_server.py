@@ -69,6 +69,9 @@ LLM_LAYERS = {
     "gpt-oss": dict(causal=True, rope={"type": "yarn", "theta": 150000.0, "factor": 32.0,
                                        "original_max_position_embeddings": 4096},
                     sliding_window=16, sinks=True),
+    # OLMo-2: one RMSNorm over each token's whole Q, one over its K.
+    "olmo2": dict(causal=True, rope={"type": "default", "theta": 500000.0},
+                  qk_norm={"eps": 1e-6, "whole_projection": True}),
     # Phi-4-mini: LongRoPE over three quarters of each head, its training
     # context shrunk to 48 so that requests of either side occur.
     "phi4-mini": dict(causal=True, rope={"type": "longrope", "rotary_dim": 48, "factor": 32.0,
@@ -89,8 +92,10 @@ def _write_llm_layers(root):
              "o_proj.weight": rng.uniform(-1, 1, (embed, heads * head_dim)) / np.sqrt(embed)}
         if "qk_norm" in features:
             base = 0.0 if features["qk_norm"].get("weight_offset") else 1.0
-            t["q_norm.weight"] = base + rng.uniform(-0.3, 0.3, head_dim)
-            t["k_norm.weight"] = base + rng.uniform(-0.3, 0.3, head_dim)
+            whole = features["qk_norm"].get("whole_projection")
+            t["q_norm.weight"] = base + rng.uniform(-0.3, 0.3, head_dim * (heads if whole else 1))
+            t["k_norm.weight"] = base + rng.uniform(-0.3, 0.3,
+                                                    head_dim * (kv_heads if whole else 1))
         if features.get("sinks"):
             t["sinks"] = rng.normal(0.0, 2.0, heads)
         tensors = {k: np.asarray(v, dtype=np.float32) for k, v in t.items()}
