@@ -118,7 +118,7 @@ struct LayerWeights {
   Tensor wo, bo;  // [out_dim, num_heads * head_dim], [out_dim]
   // QK-norm weights when LayerConfig::qk_norm.enabled, [head_dim] each, or
   // with whole_projection [num_heads * head_dim] and
-  // [num_kv_heads * head_dim] (QkNormWidth); empty otherwise.
+  // [num_kv_heads * head_dim] (engine/qk_norm.h, QkNormShape); empty otherwise.
   Tensor q_norm, k_norm;
   // [num_heads] when LayerConfig::sinks; empty otherwise.
   Tensor sinks;

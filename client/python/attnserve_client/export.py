@@ -326,8 +326,8 @@ def _config_value(config, name):
 _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2": False,
                      "qwen3": False, "gemma": False, "gemma2": False, "gemma3": False,
                      "gemma3_text": False, "phi3": False, "gpt_neox": False, "olmo": False,
-                     "olmo2": False, "olmo3": False, "starcoder2": False, "gpt_oss": False, "gptj": True,
-                     "codegen": True}
+                     "olmo2": False, "olmo3": False, "starcoder2": False, "gpt_oss": False,
+                     "gptj": True, "codegen": True}
 _ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
 
@@ -427,10 +427,11 @@ def rope_config(module, head_dim):
             attention_factor = 1.0 if factor <= 1 else \
                 math.sqrt(1 + math.log(factor) / math.log(original))
         rope.update(factor=factor, original_max_position_embeddings=int(original),
-                    attention_factor=float(attention_factor),
-                    short_factor=[float(f) for f in params["short_factor"]],
-                    long_factor=[float(f) for f in params["long_factor"]])
+                    attention_factor=float(attention_factor))
         for name in ("short_factor", "long_factor"):
+            if not params.get(name):
+                raise ExportError(f"RoPE scaling type 'longrope' without its {name}")
+            rope[name] = [float(f) for f in params[name]]
             if len(rope[name]) != rope["rotary_dim"] // 2:
                 raise ExportError(f"RoPE {name} has {len(rope[name])} values, not rotary_dim / "
                                   f"2 = {rope['rotary_dim'] // 2}")
@@ -457,7 +458,9 @@ def qk_norm_config(module, head_dim):
         weight = getattr(norm, "weight", None)
         shape = None if weight is None else tuple(weight.shape)
         linear = _linear(module, proj)
-        if shape == (head_dim,):
+        if shape == (head_dim,) and linear is not None and linear.out_features == head_dim:
+            widths.append("either")  # one head: per head is over the projection
+        elif shape == (head_dim,):
             widths.append("head")
         elif linear is not None and shape == (linear.out_features,):
             widths.append("projection")
@@ -465,13 +468,13 @@ def qk_norm_config(module, head_dim):
             whole = f" or {proj}'s width ({linear.out_features},)" if linear is not None else ""
             raise ExportError(f"QK-norm {name} with weight {shape}, neither per head "
                               f"({head_dim},){whole}")
-    if widths[0] != widths[1]:
+    if set(widths) == {"head", "projection"}:
         raise ExportError("QK-norm per head on one of Q and K and over the whole projection "
                           "on the other")
     eps = getattr(q, "variance_epsilon", None) or getattr(q, "eps", None) or \
         _config_value(getattr(module, "config", None), "rms_norm_eps") or 1e-6
     config = dict(eps=float(eps), weight_offset=all("Gemma" in kind for kind in kinds))
-    if widths[0] == "projection":
+    if "projection" in widths:
         config["whole_projection"] = True
     return config
 
