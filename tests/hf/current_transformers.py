@@ -85,6 +85,42 @@ FAMILIES = {
                       "served"),
     "olmo3-full": ("olmo3", "Olmo3", dict(sliding_window=WINDOW, num_hidden_layers=4), 3,
                    "served"),
+    # Variants of the attention above, MoE models among them.
+    "qwen3-moe": ("qwen3_moe", "Qwen3Moe", {}, 0, "served"),
+    "qwen3-moe-window": ("qwen3_moe", "Qwen3Moe", dict(use_sliding_window=True,
+                                                       sliding_window=WINDOW), 0, "served"),
+    "qwen2-moe": ("qwen2_moe", "Qwen2Moe", {}, 0, "served"),
+    "olmoe": ("olmoe", "Olmoe", {}, 0, "served"),
+    "flex-olmo": ("flex_olmo", "FlexOlmo", {}, 0, "served"),
+    "granite": ("granite", "Granite", dict(attention_multiplier=0.2), 0, "served"),
+    "granitemoe": ("granitemoe", "GraniteMoe", dict(attention_multiplier=0.2), 0, "served"),
+    "glm4-moe": ("glm4_moe", "Glm4Moe", dict(use_qk_norm=True), 0, "served"),
+    "glm4": ("glm4", "Glm4", {}, 0, "served"),
+    "glm": ("glm", "Glm", {}, 0, "served"),
+    "ernie4.5": ("ernie4_5", "Ernie4_5", {}, 0, "served"),
+    "ernie4.5-moe": ("ernie4_5_moe", "Ernie4_5_Moe", {}, 0, "served"),
+    "seed-oss": ("seed_oss", "SeedOss", {}, 0, "served"),
+    "arcee": ("arcee", "Arcee", {}, 0, "served"),
+    "helium": ("helium", "Helium", {}, 0, "served"),
+    "apertus": ("apertus", "Apertus", {}, 0, "served"),
+    "nemotron": ("nemotron", "Nemotron", {}, 0, "served"),
+    "cohere": ("cohere", "Cohere", {}, 0, "served"),
+    "cohere-qk-layernorm": ("cohere", "Cohere", dict(use_qk_norm=True), 0, "QK-norm of kind"),
+    "dots1-sliding": ("dots1", "Dots1", dict(sliding_window=WINDOW, layer_types=[
+        "sliding_attention", "full_attention"]), 0, "served"),
+    "dots1-full": ("dots1", "Dots1", dict(sliding_window=WINDOW, layer_types=[
+        "sliding_attention", "full_attention"]), 1, "served"),
+    "ministral-sliding": ("ministral", "Ministral", dict(sliding_window=WINDOW), 0, "served"),
+    "vaultgemma-sliding": ("vaultgemma", "VaultGemma", dict(
+        sliding_window=WINDOW, attn_logit_softcapping=5.0, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"]), 0, "served"),
+    "vaultgemma-full": ("vaultgemma", "VaultGemma", dict(
+        sliding_window=WINDOW, attn_logit_softcapping=5.0, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"]), 1, "served"),
+    # Layers without RoPE (global layers of Cohere2, SmolLM3's every fourth):
+    # refused by model type.
+    "cohere2": ("cohere2", "Cohere2", {}, 0, "'cohere2'"),
+    "smollm3": ("smollm3", "SmolLM3", {}, 0, "'smollm3'"),
     # Q, K and V clamped after the projections: refused.
     "olmo-clip-qkv": ("olmo", "Olmo", dict(clip_qkv=8.0), 0, "QKV clipping"),
     "gpt-oss-sliding": ("gpt_oss", "GptOss", dict(sliding_window=WINDOW, rope_parameters=YARN,

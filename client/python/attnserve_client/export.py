@@ -321,13 +321,24 @@ def _config_value(config, name):
 
 
 # Model types whose attention rotates Q and K as attnserve does: rotate-half
-# pairs (i, i + d/2), except GPT-J style interleaved pairs (2i, 2i+1). A
-# module with rotary embeddings from any other model type is refused.
+# pairs (i, i + d/2), except GPT-J style interleaved pairs (2i, 2i+1). Each
+# is checked against transformers' own class (tests/hf). A module with rotary
+# embeddings from any other model type is refused: some rotate in other ways
+# or skip RoPE on some layers (Cohere2, EXAONE 4, SmolLM3), and PhiMoE's
+# LongRoPE is not Phi-3's.
 _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2": False,
                      "qwen3": False, "gemma": False, "gemma2": False, "gemma3": False,
                      "gemma3_text": False, "phi3": False, "gpt_neox": False, "olmo": False,
                      "olmo2": False, "olmo3": False, "starcoder2": False, "gpt_oss": False,
-                     "gptj": True, "codegen": True}
+                     "gptj": True, "codegen": True,
+                     # MoE and other variants of the attention above
+                     "qwen2_moe": False, "qwen3_moe": False, "olmoe": False, "flex_olmo": False,
+                     "granite": False, "granitemoe": False, "glm4_moe": False,
+                     "seed_oss": False, "arcee": False, "dots1": False, "apertus": False,
+                     "ministral": False, "nemotron": False, "vaultgemma": False,
+                     # interleaved pairs over the rotary part
+                     "glm": True, "glm4": True, "ernie4_5": True, "ernie4_5_moe": True,
+                     "helium": True, "cohere": True}
 _ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
 
