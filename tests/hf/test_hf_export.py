@@ -88,6 +88,20 @@ def _served_module(family):
                               sliding_window=WINDOW, attn_logit_softcapping=5.0)
         # Layer 0 slides over WINDOW keys, layer 1 attends to all.
         m = Gemma2Attention(config, layer_idx=0 if family == "gemma2-sliding" else 1)
+    elif family in MORE_FAMILIES:
+        # transformers 4.45.2's own class, with the model's own rotary class
+        # where the module takes its position embeddings from the model.
+        import importlib
+        model_type, prefix, extra = MORE_FAMILIES[family]
+        config = getattr(importlib.import_module(f"transformers.models.{model_type}."
+                                                 f"configuration_{model_type}"),
+                         f"{prefix}Config")(**COMMON, **extra)
+        config._attn_implementation = "eager"
+        modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_"
+                                           f"{model_type}")
+        m = getattr(modeling, f"{prefix}Attention")(config, layer_idx=0)
+        if getattr(m, "rotary_emb", None) is None:
+            m.test_rotary = getattr(modeling, f"{prefix}RotaryEmbedding")(config=config)
     elif family in ("qwen3", "gemma3", "olmo2"):
         m = _QkNormAttention(family)
     elif family.startswith("gpt-oss"):
@@ -101,9 +115,19 @@ def _served_module(family):
 
 
 WINDOW = 16  # Mistral's sliding window in these tests (its real one is 4096)
+# Variants of the attention above by model type (docs/MODELS.md), with
+# their 4.45.2 classes: (model type, class prefix, config fields).
+MORE_FAMILIES = {"qwen2-moe": ("qwen2_moe", "Qwen2Moe", {}),
+                 "mixtral": ("mixtral", "Mixtral", dict(sliding_window=WINDOW)),
+                 "starcoder2": ("starcoder2", "Starcoder2", dict(sliding_window=WINDOW)),
+                 "cohere": ("cohere", "Cohere", {}),  # interleaved pairs
+                 "olmoe": ("olmoe", "Olmoe", {}),  # QK-norm over the projection
+                 "granite": ("granite", "Granite", dict(attention_multiplier=0.2)),
+                 "nemotron": ("nemotron", "Nemotron", dict(partial_rotary_factor=0.5))}
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
             "qwen2", "phi3", "phi3-longrope", "gpt-neox", "qwen3", "gemma3", "olmo2",
-            "gemma2-sliding", "gemma2-full", "gpt-oss-sliding", "gpt-oss-full"]
+            "gemma2-sliding", "gemma2-full", "gpt-oss-sliding", "gpt-oss-full",
+            *MORE_FAMILIES]
 
 
 class _GptOssAttention(nn.Module):
@@ -205,8 +229,12 @@ def _module_forward(m, x, window=None):
                                 float("-inf"))
     mask = mask.expand(b, 1, length, length)
     positions = torch.arange(length)[None].expand(b, length)
+    x = torch.from_numpy(x).double()
     with torch.no_grad():
-        out = m(torch.from_numpy(x).double(), attention_mask=mask, position_ids=positions)[0]
+        if hasattr(m, "test_rotary"):  # the model's rotary class computes cos and sin
+            out = m(x, attention_mask=mask, position_embeddings=m.test_rotary(x, positions))[0]
+        else:
+            out = m(x, attention_mask=mask, position_ids=positions)[0]
     m.float()
     return out.numpy()
 
