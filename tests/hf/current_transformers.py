@@ -117,10 +117,18 @@ FAMILIES = {
     "vaultgemma-full": ("vaultgemma", "VaultGemma", dict(
         sliding_window=WINDOW, attn_logit_softcapping=5.0, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention"]), 1, "served"),
-    # Layers without RoPE (global layers of Cohere2, SmolLM3's every fourth):
-    # refused by model type.
-    "cohere2": ("cohere2", "Cohere2", {}, 0, "'cohere2'"),
-    "smollm3": ("smollm3", "SmolLM3", {}, 0, "'smollm3'"),
+    # RoPE on some layers only: Cohere2's and EXAONE 4's sliding layers
+    # (windowed), their full layers without; SmolLM3 without on every fourth.
+    "cohere2-sliding": ("cohere2", "Cohere2", dict(sliding_window=WINDOW, num_hidden_layers=4),
+                        0, "served"),
+    "cohere2-full": ("cohere2", "Cohere2", dict(sliding_window=WINDOW, num_hidden_layers=4), 3,
+                     "served"),
+    "exaone4-sliding": ("exaone4", "Exaone4", dict(sliding_window=WINDOW, num_hidden_layers=4),
+                        0, "served"),
+    "exaone4-full": ("exaone4", "Exaone4", dict(sliding_window=WINDOW, num_hidden_layers=4), 3,
+                     "served"),
+    "smollm3-rope": ("smollm3", "SmolLM3", dict(num_hidden_layers=4), 0, "served"),
+    "smollm3-nope": ("smollm3", "SmolLM3", dict(num_hidden_layers=4), 3, "served"),
     # Q, K and V clamped after the projections: refused.
     "olmo-clip-qkv": ("olmo", "Olmo", dict(clip_qkv=8.0), 0, "QKV clipping"),
     "gpt-oss-sliding": ("gpt_oss", "GptOss", dict(sliding_window=WINDOW, rope_parameters=YARN,

@@ -706,6 +706,35 @@ def test_transformers_5_features_are_refused_too(tmp_path, module, words):
         assert word in str(refused.value), str(refused.value)
 
 
+@pytest.mark.parametrize("model_type,config,layer,rope,window", [
+    # Cohere2 (Command R7B): RoPE (interleaved) on its sliding layers only.
+    ("cohere2", {}, dict(sliding_window=16), "interleaved", 16),
+    ("cohere2", {}, dict(sliding_window=None), None, None),
+    # EXAONE 4: likewise, its modules keeping the window on every layer.
+    ("exaone4", dict(sliding_window=16), dict(sliding_window=16, is_sliding=True), "half", 16),
+    ("exaone4", dict(sliding_window=16), dict(sliding_window=16, is_sliding=False), None, None),
+    ("exaone4", dict(sliding_window=None), dict(sliding_window=None, is_sliding=False), "half",
+     None),
+    # SmolLM3: every fourth layer without (its use_rope).
+    ("smollm3", {}, dict(use_rope=True, sliding_window=None), "half", None),
+    ("smollm3", {}, dict(use_rope=False, sliding_window=None), None, None),
+])
+def test_layers_without_rope_are_exported_without_it(tmp_path, model_type, config, layer, rope,
+                                                      window):
+    """Models that rotate on some layers only, by their own rules (transformers
+    5.x; tests/hf/current_transformers.py checks them against the real
+    classes): such a layer exports no rope, the others their pairing."""
+    module = _StandIn(_Config(model_type=model_type, rope_theta=1e4, **config))
+    for name, value in layer.items():
+        setattr(module, name, value)
+    exported = export_module(module, str(tmp_path / "m"))
+    if rope is None:
+        assert "rope" not in exported
+    else:
+        assert exported["rope"]["interleaved"] == (rope == "interleaved")
+    assert exported.get("sliding_window") == window
+
+
 def test_a_window_that_qwen2_does_not_use_is_not_a_feature(tmp_path):
     from attnserve_client.export import unsupported_features
     module = _StandIn(_Config(sliding_window=4096, use_sliding_window=False))

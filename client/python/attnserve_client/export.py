@@ -323,9 +323,8 @@ def _config_value(config, name):
 # Model types whose attention rotates Q and K as attnserve does: rotate-half
 # pairs (i, i + d/2), except GPT-J style interleaved pairs (2i, 2i+1). Each
 # is checked against transformers' own class (tests/hf). A module with rotary
-# embeddings from any other model type is refused: some rotate in other ways
-# or skip RoPE on some layers (Cohere2, EXAONE 4, SmolLM3), and PhiMoE's
-# LongRoPE is not Phi-3's.
+# embeddings from any other model type is refused: some rotate in other ways,
+# and PhiMoE's LongRoPE is not Phi-3's.
 _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2": False,
                      "qwen3": False, "gemma": False, "gemma2": False, "gemma3": False,
                      "gemma3_text": False, "phi3": False, "gpt_neox": False, "olmo": False,
@@ -338,8 +337,26 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
                      "ministral": False, "nemotron": False, "vaultgemma": False,
                      # interleaved pairs over the rotary part
                      "glm": True, "glm4": True, "ernie4_5": True, "ernie4_5_moe": True,
-                     "helium": True, "cohere": True}
+                     "helium": True, "cohere": True,
+                     # RoPE on some layers only (_rope_skipped)
+                     "cohere2": True, "smollm3": False, "exaone4": False}
 _ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
+
+
+def _rope_skipped(module, config, model_type):
+    """Whether this layer of a model that rotates on some layers only skips
+    RoPE (NoPE layers), by the model's own rule: Cohere2 and EXAONE 4 rotate
+    on their sliding-window layers only (EXAONE 4 on all when it has no
+    window), SmolLM3 where config.no_rope_layers says (the module's
+    use_rope)."""
+    if model_type == "cohere2":
+        return getattr(module, "sliding_window", None) is None
+    if model_type == "exaone4":
+        return bool(_config_value(config, "sliding_window")) and \
+            not getattr(module, "is_sliding", False)
+    if model_type == "smollm3":
+        return not getattr(module, "use_rope", True)
+    return False
 
 
 def _has_rope(module, config):
@@ -365,6 +382,8 @@ def rope_config(module, head_dim):
         raise ExportError(f"rotary position embeddings of model type {model_type!r}, whose "
                           "feature pairing attnserve does not know (known: "
                           f"{', '.join(sorted(_ROPE_INTERLEAVED))})")
+    if _rope_skipped(module, config, model_type):
+        return None
     params = dict(_config_value(config, "rope_parameters") or {})
     if any(isinstance(v, dict) for v in params.values()):
         # transformers 5.x (Gemma3): one set per layer type; the module's
@@ -504,6 +523,11 @@ def sliding_window_of(module):
     a window attnserve cannot place (model types that choose windowed layers
     by rules of their own)."""
     config = getattr(module, "config", None)
+    if _config_value(config, "model_type") == "exaone4":
+        # Its modules keep the config's window on every layer; the full ones
+        # (not is_sliding) attend to every key.
+        window = getattr(module, "sliding_window", None)
+        return int(window) if window and getattr(module, "is_sliding", False) else None
     if hasattr(module, "sliding_window"):
         # The module's own word on its layer (Gemma 2: every other layer).
         return int(module.sliding_window) if module.sliding_window else None
