@@ -194,6 +194,8 @@ def weights_files():
              "attention_output/kernel": f(2, 2, 4), "attention_output/bias": f(4)}
     half = {"in_proj_weight": h(12, 4), "in_proj_bias": h(12),
             "out_proj.weight": h(4, 4), "out_proj.bias": h(4)}
+    # OLMo-2's QK-norm over the whole projection: Q's 4 features, K's 2.
+    olmo = dict(separate, **{"q_norm.weight": f(4), "k_norm.weight": f(2)})
     files = {
         "torch_mha": safetensors(torch_mha, {"format": "pt"}),
         "separate_gqa": safetensors(separate),
@@ -201,6 +203,7 @@ def weights_files():
         "fused_qkv": safetensors(fused),
         "keras_dense": safetensors(keras),
         "torch_mha_f16": safetensors(half),
+        "separate_olmo": safetensors(olmo),
         "empty_header": safetensors({}),
     }
     for name, data in files.items():
@@ -230,6 +233,15 @@ def model_configs(files):
                         files["keras_dense"]),
         "prefix_names": (b'embed_dim: 4\nnum_heads: 2\ntensor_prefix: "layer."\n'
                          b'tensor_names { key: "out_weight" value: "o.w" }\n', files["torch_mha"]),
+        # LongRoPE (one pair per head: one factor per set) and QK-norm over
+        # the whole projection.
+        "longrope_olmo": (b'embed_dim: 4\nnum_heads: 2\nnum_kv_heads: 1\n'
+                          b'weight_layout: SEPARATE_QKV\nq_bias: true\nk_bias: true\n'
+                          b'v_bias: true\nout_bias: true\ncausal: true\n'
+                          b'rope { type: "longrope" factor: 32 '
+                          b'original_max_position_embeddings: 4 short_factor: [1.5] '
+                          b'long_factor: [6] }\nqk_norm { whole_projection: true }\n',
+                          files["separate_olmo"]),
         "sdpa_kind": (b'kind: "sdpa"\n', None),
         "no_weights": (b'embed_dim: 4\nnum_heads: 2\n', None),
         "unknown_field": (b'embed_dim: 4\nnum_layers: 3\n', None),
