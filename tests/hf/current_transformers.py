@@ -129,6 +129,12 @@ FAMILIES = {
                      "served"),
     "smollm3-rope": ("smollm3", "SmolLM3", dict(num_hidden_layers=4), 0, "served"),
     "smollm3-nope": ("smollm3", "SmolLM3", dict(num_hidden_layers=4), 3, "served"),
+    # What attnserve does not compute, refused naming it.
+    "deepseek-v3": ("deepseek_v3", "DeepseekV3", {}, 0, "multi-head latent attention"),
+    "llama4": ("llama4", "Llama4Text", {}, 0, "chunked attention"),
+    "phimoe": ("phimoe", "Phimoe", {}, 0, "never applies"),
+    "hunyuan": ("hunyuan_v1_dense", "HunYuanDenseV1", {}, 0, "QK-norm after RoPE"),
+    "qwen3-next": ("qwen3_next", "Qwen3Next", {}, 0, "output gate"),
     # Q, K and V clamped after the projections: refused.
     "olmo-clip-qkv": ("olmo", "Olmo", dict(clip_qkv=8.0), 0, "QKV clipping"),
     "gpt-oss-sliding": ("gpt_oss", "GptOss", dict(sliding_window=WINDOW, rope_parameters=YARN,
@@ -153,7 +159,8 @@ def build(family):
     kwargs.update(overrides)
     config = config_class(**kwargs)
     config._attn_implementation = "eager"
-    attention = getattr(mod, f"{prefix.replace('Text', '')}Attention")
+    attention = getattr(mod, f"{prefix}Attention", None) or \
+        getattr(mod, f"{prefix.replace('Text', '')}Attention")
     m = attention(config, layer_idx=layer)
     rotary_class = getattr(mod, f"{prefix}RotaryEmbedding", None) or \
         getattr(mod, f"{prefix.replace('Text', '')}RotaryEmbedding")

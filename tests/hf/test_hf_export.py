@@ -691,6 +691,10 @@ class _Config:
     # A window from the config of a model that places its windowed layers itself.
     (lambda: _StandIn(_Config(model_type="gpt_oss", sliding_window=128, rope_theta=1e4)),
      ["sliding window of 128 tokens in a model of type 'gpt_oss'"]),
+    # What a model type computes that attnserve does not, named.
+    (lambda: _StandIn(_Config(model_type="phimoe", rope_theta=1e4)),
+     ["(phimoe)", "long factors transformers never applies"]),
+    (lambda: _StandIn(_Config(model_type="qwen3_next", rope_theta=1e4)), ["output gate"]),
     # RoPE of a model type whose pairing attnserve does not know.
     (lambda: _StandIn(_Config(model_type="mystery", rope_theta=1e4)), ["'mystery'"]),
     # Gemma3 in transformers 5.x: RoPE parameters per layer type.

@@ -343,6 +343,24 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
 _ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
 
+# Model types whose attention computes something attnserve does not (yet),
+# and what: refused by name before anything else is read.
+_NOT_COMPUTED = {
+    "deepseek_v2": "multi-head latent attention (K and V from a low-rank latent, a rotary key "
+                   "shared by the heads)",
+    "deepseek_v3": "multi-head latent attention (K and V from a low-rank latent, a rotary key "
+                   "shared by the heads)",
+    "llama4_text": "chunked attention on its RoPE layers and attention temperature tuning on "
+                   "its layers without RoPE",
+    "phimoe": "PhiMoE's rotary embedding, whose LongRoPE long factors transformers never "
+              "applies (it rotates with the short ones at every length and scales by "
+              "long_mscale past the training context)",
+    "hunyuan_v1_dense": "QK-norm after RoPE",
+    "hunyuan_v1_moe": "QK-norm after RoPE",
+    "qwen3_next": "an output gate from the query projection (gated attention)",
+}
+
+
 def _rope_skipped(module, config, model_type):
     """Whether this layer of a model that rotates on some layers only skips
     RoPE (NoPE layers), by the model's own rule: Cohere2 and EXAONE 4 rotate
@@ -565,6 +583,8 @@ def unsupported_features(module, head_dim=None, num_heads=None):
     exactly."""
     found = []
     config = getattr(module, "config", None)
+    if _config_value(config, "model_type") in _NOT_COMPUTED:
+        found.append(_NOT_COMPUTED[_config_value(config, "model_type")])
     head_dim = head_dim or getattr(module, "head_dim", None) or 0
     try:
         rope_config(module, head_dim)
@@ -600,6 +620,11 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
         raise ExportError("PyTorch is not importable")
     if isinstance(module, torch.nn.MultiheadAttention):
         return _describe_mha(module)
+    model_type = _config_value(getattr(module, "config", None), "model_type")
+    if model_type in _NOT_COMPUTED:
+        raise ExportError(f"{type(module).__name__} ({model_type}) uses "
+                          f"{_NOT_COMPUTED[model_type]}, which attnserve does not compute yet: "
+                          "refused rather than served with different numbers (docs/MODELS.md)")
     config, tensors = _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
     missing = unsupported_features(module, config["head_dim"], config["num_heads"])
     if missing:
