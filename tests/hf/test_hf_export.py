@@ -12,9 +12,13 @@ attnserve does not (windows placed by a model's own layer rule, other
 RoPE scalings or layouts, other norms, sinks not one per head) is refused at
 export by name. QK-norm (Qwen3, and Gemma3's 1 + w), sliding windows
 (Mistral; Gemma2's and gpt-oss's every other layer), logit softcapping
-(Gemma2) and attention sinks (gpt-oss) are served exactly too. transformers 4.45.2 is the
-newest that imports with Debian's torch 1.13: families that need a newer one
-(Qwen3, Gemma3, gpt-oss) are stood in for by modules with their attributes."""
+(Gemma2) and attention sinks (gpt-oss) are served exactly too, and so are LongRoPE (Phi-3.5,
+Phi-4-mini: its factors picked per request, a session's cached keys keeping theirs), QK-norm
+over the whole projection (OLMo-2) and the same attention under other model types (MoE
+variants and others, MORE_FAMILIES). transformers 4.45.2 is the newest that imports with
+Debian's torch 1.13: families that need a newer one (Qwen3, Gemma3, OLMo-2, gpt-oss) are
+stood in for by modules with their attributes; tests/hf/current_transformers.py checks the
+real classes of transformers 5.x."""
 
 import math
 import os
@@ -279,11 +283,11 @@ def _np_inv_freq(rope, max_position):
     return inv, rope.get("attention_factor", 1.0) if kind in ("yarn", "longrope") else 1.0
 
 
-def _np_rotate(x, positions, rope, max_position=None):
-    """x [B, L, H, D]: the first rotary_dim features rotated (rotate-half),
-    with the frequencies of a call whose largest position is max_position
-    (default: the largest of `positions`)."""
-    inv, factor = _np_inv_freq(rope, positions.max() if max_position is None else max_position)
+def _np_rotate(x, positions, rope):
+    """x [B, L, H, D]: the first rotary_dim features rotated (rotate-half)
+    at `positions` ([L], or [B, L]), with the frequencies of one call over
+    all of them."""
+    inv, factor = _np_inv_freq(rope, positions.max())
     angles = positions[..., None].astype(np.float64) * inv  # [L or B, L, rotary_dim / 2]
     cos, sin = np.cos(angles) * factor, np.sin(angles) * factor
     cos, sin = cos[..., None, :], sin[..., None, :]  # over the heads
