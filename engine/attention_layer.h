@@ -58,12 +58,14 @@ struct RopeConfig {
 // weight_offset (Gemma). Over each head (Qwen3, Gemma3), or, with
 // whole_projection, over all the heads of a token's projection at once
 // (OLMo-2: the mean over num_heads * head_dim features for Q,
-// num_kv_heads * head_dim for K).
+// num_kv_heads * head_dim for K). With after_rope, it normalises the rotated
+// Q and K instead (Hunyuan).
 struct QkNormConfig {
   bool enabled = false;
   double eps = 1e-6;  // > 0
   bool weight_offset = false;
   bool whole_projection = false;
+  bool after_rope = false;
 };
 
 struct LayerConfig {

@@ -121,8 +121,9 @@ class CpuEngine final : public AttentionEngine {
     return absl::OkStatus();
   }
 
-  // QK-norm then RoPE on every task's projected Q and K, in place, before a
-  // session appends its keys (the cache holds normalised, rotated keys). A
+  // QK-norm then RoPE (or RoPE then QK-norm, qk_norm.after_rope) on every
+  // task's projected Q and K, in place, before a session appends its keys
+  // (the cache holds normalised, rotated keys). A
   // sequence's keys sit at cached_len + j and its queries at the bottom-right
   // positions kv_total - Lq + i, kv_total = cached_len + Lk; or, with
   // explicit positions, key j at positions[b][j] and query i at
@@ -143,7 +144,8 @@ class CpuEngine final : public AttentionEngine {
         // const_cast: q and k point into this call's own projection buffers.
         char* q = static_cast<char*>(const_cast<void*>(p.q)) + b * p.q_stride_b * size;
         char* k = static_cast<char*>(const_cast<void*>(p.k)) + b * p.k_stride_b * size;
-        if (c.qk_norm.enabled) {
+        auto normalize = [&] {
+          if (!c.qk_norm.enabled) return;
           // A row's heads are contiguous in the projection buffers.
           const QkNormVectors qn = QkNormShape(c.qk_norm, p.num_heads, p.head_dim);
           const QkNormVectors kn = QkNormShape(c.qk_norm, p.num_kv_heads, p.head_dim);
@@ -151,23 +153,32 @@ class CpuEngine final : public AttentionEngine {
                              p.q_len, p.q_stride_row, qn.count, qn.dim, options_.num_threads);
           cpu::NormalizeRows(c.qk_norm, layer.weights.k_norm.data_as<float>(), p.dtype, k,
                              p.kv_len, p.k_stride_row, kn.count, kn.dim, options_.num_threads);
+        };
+        auto rotate = [&] {
+          if (!rope) return;
+          const int64_t* key_positions =
+              batch[t].positions.empty() ? nullptr : batch[t].positions.data() + b * p.kv_len;
+          const int64_t* query_positions =
+              key_positions != nullptr ? key_positions + (p.kv_len - p.q_len) : nullptr;
+          if (first_query == cached && p.q_len == p.kv_len) {
+            // Self-attention: row r of Q and of K share position cached + r.
+            cpu::RotateRowPairs(c.rope, freq, p.dtype, q, p.q_stride_row, p.num_heads, k,
+                                p.k_stride_row, p.num_kv_heads, p.q_len, p.head_dim, cached,
+                                key_positions, options_.num_threads);
+            return;
+          }
+          cpu::RotateRows(c.rope, freq, p.dtype, q, p.q_len, p.q_stride_row, p.num_heads,
+                          p.head_dim, first_query, query_positions, options_.num_threads);
+          cpu::RotateRows(c.rope, freq, p.dtype, k, p.kv_len, p.k_stride_row, p.num_kv_heads,
+                          p.head_dim, cached, key_positions, options_.num_threads);
+        };
+        if (c.qk_norm.after_rope) {  // Hunyuan
+          rotate();
+          normalize();
+        } else {
+          normalize();
+          rotate();
         }
-        if (!rope) continue;
-        const int64_t* key_positions =
-            batch[t].positions.empty() ? nullptr : batch[t].positions.data() + b * p.kv_len;
-        const int64_t* query_positions =
-            key_positions != nullptr ? key_positions + (p.kv_len - p.q_len) : nullptr;
-        if (first_query == cached && p.q_len == p.kv_len) {
-          // Self-attention: row r of Q and of K share position cached + r.
-          cpu::RotateRowPairs(c.rope, freq, p.dtype, q, p.q_stride_row, p.num_heads, k,
-                              p.k_stride_row, p.num_kv_heads, p.q_len, p.head_dim, cached,
-                              key_positions, options_.num_threads);
-          continue;
-        }
-        cpu::RotateRows(c.rope, freq, p.dtype, q, p.q_len, p.q_stride_row, p.num_heads,
-                        p.head_dim, first_query, query_positions, options_.num_threads);
-        cpu::RotateRows(c.rope, freq, p.dtype, k, p.kv_len, p.k_stride_row, p.num_kv_heads,
-                        p.head_dim, cached, key_positions, options_.num_threads);
       }
     }
   }

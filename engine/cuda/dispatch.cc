@@ -65,7 +65,8 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
                        int64_t cached_len, int64_t max_position) {
   const int64_t q_rows = p.batch * p.q_len, kv_rows = p.batch * p.kv_len;
   const int64_t q_stride = p.num_heads * p.head_dim, k_stride = p.num_kv_heads * p.head_dim;
-  if (config.qk_norm.enabled) {
+  auto normalize = [&]() -> absl::Status {
+    if (!config.qk_norm.enabled) return absl::OkStatus();
     const QkNormConfig& norm = config.qk_norm;
     const QkNormVectors qn = QkNormShape(norm, p.num_heads, p.head_dim);
     const QkNormVectors kn = QkNormShape(norm, p.num_kv_heads, p.head_dim);
@@ -75,8 +76,13 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
     ATTNSERVE_CUDA_CALL(LaunchQkNorm(k, w.type, kv_rows, k_stride, kn.count, kn.dim,
                                      static_cast<const float*>(w.k_norm.data()), norm.eps,
                                      norm.weight_offset, call.stream()));
+    return absl::OkStatus();
+  };
+  // The norm before RoPE, or after it (Hunyuan).
+  if (!config.qk_norm.after_rope) ATTNSERVE_CUDA_RETURN_IF_ERROR(normalize());
+  if (config.rope.type == RopeConfig::Type::kNone) {
+    return config.qk_norm.after_rope ? normalize() : absl::OkStatus();
   }
-  if (config.rope.type == RopeConfig::Type::kNone) return absl::OkStatus();
   RotaryArgs rotary;
   rotary.inv_freq = static_cast<const double*>(
       RopeUsesLongFactors(config.rope, max_position) ? w.long_inv_freq.data()
@@ -92,7 +98,7 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
   rotary.first = positions != nullptr ? 0 : cached_len;
   ATTNSERVE_CUDA_CALL(LaunchRotary(k, w.type, kv_rows, p.kv_len, k_stride, p.num_kv_heads,
                                    p.head_dim, rotary, call.stream()));
-  return absl::OkStatus();
+  return config.qk_norm.after_rope ? normalize() : absl::OkStatus();
 }
 
 // A request's way to cuDNN, decided from host-side params before the

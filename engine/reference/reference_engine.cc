@@ -380,9 +380,11 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
   Rows q{Linear(xq, q_rows, c.query_dim, w.wq, w.bq), d.heads, d.q_len, d.head_dim, false};
   Rows k{Linear(xk, kv_rows, self_attention ? c.query_dim : c.key_dim, w.wk, w.bk),
          d.kv_heads, d.kv_len, d.head_dim, false};
-  if (c.qk_norm.enabled) {
-    // RMSNorm of every head of Q and K, or of each token's whole projection
-    // (its heads are contiguous here), before RoPE, in float64.
+  // RMSNorm of every head of Q and K, or of each token's whole projection
+  // (its heads are contiguous here), in float64; before RoPE, or after it
+  // (qk_norm.after_rope).
+  auto normalize = [&] {
+    if (!c.qk_norm.enabled) return;
     const QkNormVectors qn = QkNormShape(c.qk_norm, d.heads, d.head_dim);
     const QkNormVectors kn = QkNormShape(c.qk_norm, d.kv_heads, d.head_dim);
     for (int64_t b = 0; b < d.batch; ++b) {
@@ -399,7 +401,8 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
         }
       }
     }
-  }
+  };
+  if (!c.qk_norm.after_rope) normalize();
   if (c.rope.type != RopeConfig::Type::kNone) {
     // Keys at positions j (or the task's positions[b][j]) and queries at the
     // last Lq of them; the angles in float64, never rounded. The call's
@@ -427,6 +430,7 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
       }
     }
   }
+  if (c.qk_norm.after_rope) normalize();
   const Rows v{Linear(xv, kv_rows, self_attention ? c.query_dim : c.value_dim, w.wv, w.bv),
                d.kv_heads, d.kv_len, d.head_dim_v, false};
   Rows merged{std::vector<double>(static_cast<size_t>(q_rows * d.heads * d.head_dim_v)), d.heads,

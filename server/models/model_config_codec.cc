@@ -54,6 +54,7 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
     config.mutable_qk_norm()->set_eps(c.qk_norm.eps);
     config.mutable_qk_norm()->set_weight_offset(c.qk_norm.weight_offset);
     config.mutable_qk_norm()->set_whole_projection(c.qk_norm.whole_projection);
+    config.mutable_qk_norm()->set_after_rope(c.qk_norm.after_rope);
   }
   return config;
 }
@@ -124,6 +125,7 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
     layer.qk_norm.eps = c.qk_norm().eps();
     layer.qk_norm.weight_offset = c.qk_norm().weight_offset();
     layer.qk_norm.whole_projection = c.qk_norm().whole_projection();
+    layer.qk_norm.after_rope = c.qk_norm().after_rope();
   }
   return layer;
 }

@@ -133,7 +133,11 @@ FAMILIES = {
     "deepseek-v3": ("deepseek_v3", "DeepseekV3", {}, 0, "multi-head latent attention"),
     "llama4": ("llama4", "Llama4Text", {}, 0, "chunked attention"),
     "phimoe": ("phimoe", "Phimoe", {}, 0, "never applies"),
-    "hunyuan": ("hunyuan_v1_dense", "HunYuanDenseV1", {}, 0, "QK-norm after RoPE"),
+    # QK-norm after RoPE, NTK-alpha RoPE.
+    "hunyuan": ("hunyuan_v1_dense", "HunYuanDenseV1", dict(rope_parameters=dict(
+        rope_type="dynamic", alpha=1000.0, factor=1.0, rope_theta=10000.0)), 0, "served"),
+    "hunyuan-moe": ("hunyuan_v1_moe", "HunYuanMoEV1", dict(rope_parameters=dict(
+        rope_type="dynamic", alpha=1000.0, factor=1.0, rope_theta=10000.0)), 0, "served"),
     "qwen3-next": ("qwen3_next", "Qwen3Next", {}, 0, "output gate"),
     # Q, K and V clamped after the projections: refused.
     "olmo-clip-qkv": ("olmo", "Olmo", dict(clip_qkv=8.0), 0, "QKV clipping"),

@@ -108,6 +108,8 @@ def _served_module(family):
             m.test_rotary = getattr(modeling, f"{prefix}RotaryEmbedding")(config=config)
     elif family in ("qwen3", "gemma3", "olmo2"):
         m = _QkNormAttention(family)
+    elif family == "hunyuan":
+        m = _QkNormAttention("hunyuan_v1_dense")
     elif family.startswith("gpt-oss"):
         m = _GptOssAttention(sliding=family == "gpt-oss-sliding")
     else:
@@ -129,7 +131,7 @@ MORE_FAMILIES = {"qwen2-moe": ("qwen2_moe", "Qwen2Moe", {}),
                  "granite": ("granite", "Granite", dict(attention_multiplier=0.2)),
                  "nemotron": ("nemotron", "Nemotron", dict(partial_rotary_factor=0.5))}
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
-            "qwen2", "phi3", "phi3-longrope", "gpt-neox", "qwen3", "gemma3", "olmo2",
+            "qwen2", "phi3", "phi3-longrope", "gpt-neox", "qwen3", "gemma3", "olmo2", "hunyuan",
             "gemma2-sliding", "gemma2-full", "gpt-oss-sliding", "gpt-oss-full",
             *MORE_FAMILIES]
 
@@ -181,7 +183,8 @@ class _QkNormAttention(nn.Module):
     Qwen3RMSNorm; GemmaRMSNorm multiplies by 1 + w, as Gemma3RMSNorm does),
     or for OLMo-2 over the whole projection before it is split into heads
     (Olmo2RMSNorm(num_heads * head_dim), which in fp32 is LlamaRMSNorm), then
-    RoPE, grouped-query eager attention."""
+    RoPE, grouped-query eager attention. Hunyuan's norms (query_layernorm,
+    key_layernorm) run after RoPE instead."""
 
     def __init__(self, kind="qwen3"):
         super().__init__()
@@ -197,10 +200,15 @@ class _QkNormAttention(nn.Module):
         norm = GemmaRMSNorm if kind == "gemma3" else LlamaRMSNorm
         self.whole = kind == "olmo2"
         q_width, k_width = (64, 32) if self.whole else (16, 16)
-        self.q_norm, self.k_norm = norm(q_width, eps=1e-6), norm(k_width, eps=1e-6)
+        q_norm, k_norm = norm(q_width, eps=1e-6), norm(k_width, eps=1e-6)
         with torch.no_grad():
-            self.q_norm.weight.uniform_(0.5, 1.5)
-            self.k_norm.weight.uniform_(0.5, 1.5)
+            q_norm.weight.uniform_(0.5, 1.5)
+            k_norm.weight.uniform_(0.5, 1.5)
+        self.after_rope = kind == "hunyuan_v1_dense"
+        if self.after_rope:
+            self.query_layernorm, self.key_layernorm = q_norm, k_norm
+        else:
+            self.q_norm, self.k_norm = q_norm, k_norm
         self.rotary = LlamaRotaryEmbedding(config=self.config)
 
     def forward(self, x, attention_mask=None, position_ids=None):
@@ -209,12 +217,17 @@ class _QkNormAttention(nn.Module):
         if self.whole:  # Olmo2Attention: norm, then split into heads
             q = self.q_norm(self.q_proj(x)).view(b, length, 4, 16).transpose(1, 2)
             k = self.k_norm(self.k_proj(x)).view(b, length, 2, 16).transpose(1, 2)
+        elif self.after_rope:  # HunYuanDenseV1Attention: the norms come after RoPE
+            q = self.q_proj(x).view(b, length, 4, 16).transpose(1, 2)
+            k = self.k_proj(x).view(b, length, 2, 16).transpose(1, 2)
         else:
             q = self.q_norm(self.q_proj(x).view(b, length, 4, 16)).transpose(1, 2)
             k = self.k_norm(self.k_proj(x).view(b, length, 2, 16)).transpose(1, 2)
         v = self.v_proj(x).view(b, length, 2, 16).transpose(1, 2)
         cos, sin = self.rotary(v, position_ids)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if self.after_rope:
+            q, k = self.query_layernorm(q), self.key_layernorm(k)
         k, v = repeat_kv(k, 2), repeat_kv(v, 2)
         s = q @ k.transpose(2, 3) / math.sqrt(16) + attention_mask
         out = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, length, 64)
@@ -319,17 +332,21 @@ def _np_layer(x, weights, config, positions=None):
         k = lin("k_proj", x).reshape(bsz, length, hkv, hd)
         v = lin("v_proj", x).reshape(bsz, length, hkv, hd)
         out_name = "o_proj"
-    if "qk_norm" in config:
-        def rms(t, w):
-            shape = t.shape
-            if config["qk_norm"].get("whole_projection"):  # OLMo-2: before the heads split
-                t = t.reshape(bsz, length, -1)
-            w = w.astype(np.float64) + (1.0 if config["qk_norm"]["weight_offset"] else 0.0)
-            t = t / np.sqrt((t * t).mean(-1, keepdims=True) + config["qk_norm"]["eps"]) * w
-            return t.reshape(shape)
+    norm = config.get("qk_norm")
+
+    def rms(t, w):
+        shape = t.shape
+        if norm.get("whole_projection"):  # OLMo-2: before the heads split
+            t = t.reshape(bsz, length, -1)
+        w = w.astype(np.float64) + (1.0 if norm["weight_offset"] else 0.0)
+        t = t / np.sqrt((t * t).mean(-1, keepdims=True) + norm["eps"]) * w
+        return t.reshape(shape)
+    if norm and not norm.get("after_rope"):
         q, k = rms(q, weights["q_norm.weight"]), rms(k, weights["k_norm.weight"])
     pos = np.arange(length) if positions is None else positions
     q, k = _np_rotate(q, pos, config["rope"]), _np_rotate(k, pos, config["rope"])
+    if norm and norm.get("after_rope"):  # Hunyuan
+        q, k = rms(q, weights["q_norm.weight"]), rms(k, weights["k_norm.weight"])
     k, v = np.repeat(k, h // hkv, axis=2), np.repeat(v, h // hkv, axis=2)
     s = np.einsum("blhd,bmhd->bhlm", q, k) * (config.get("scale") or 1 / math.sqrt(hd))
     if config.get("softcap"):
@@ -383,7 +400,8 @@ def test_rope_layers_are_served_as_the_module_computes_them(served, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama3", "llama-yarn", "mistral", "gpt-neox",
-                                    "phi3-longrope", "qwen3", "gemma3", "olmo2", "gemma2-sliding",
+                                    "phi3-longrope", "qwen3", "gemma3", "olmo2", "hunyuan",
+                                    "gemma2-sliding",
                                     "gemma2-full", "gpt-oss-sliding", "gpt-oss-full"])
 def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family):
     client, _, configs, weights = served
@@ -396,8 +414,8 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
     assert _rel(got, want) < 2e-5
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "mistral", "gemma2-sliding",
-                                    "gpt-oss-sliding"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "hunyuan", "mistral",
+                                    "gemma2-sliding", "gpt-oss-sliding"])
 def test_a_session_continues_its_positions(served, family):
     """Prefill 24 tokens, then 100 single-token steps: every step equals the
     matching row of one causal request over the whole sequence."""
@@ -605,6 +623,10 @@ def test_qk_norm_is_exported_and_reported(served):
                                            "whole_projection": True}
     assert client.get_model("olmo2").config.qk_norm.whole_projection
     assert not reported.qk_norm.whole_projection
+    # Hunyuan: per head, after RoPE.
+    assert configs["hunyuan"]["qk_norm"] == {"eps": 1e-6, "weight_offset": False,
+                                             "after_rope": True}
+    assert client.get_model("hunyuan").config.qk_norm.after_rope
 
 
 def test_get_model_reports_the_resolved_rope(served):

@@ -339,7 +339,9 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
                      "glm": True, "glm4": True, "ernie4_5": True, "ernie4_5_moe": True,
                      "helium": True, "cohere": True,
                      # RoPE on some layers only (_rope_skipped)
-                     "cohere2": True, "smollm3": False, "exaone4": False}
+                     "cohere2": True, "smollm3": False, "exaone4": False,
+                     # QK-norm after RoPE, NTK-alpha RoPE (a stretched theta)
+                     "hunyuan_v1_dense": False, "hunyuan_v1_moe": False}
 _ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
 
@@ -355,8 +357,6 @@ _NOT_COMPUTED = {
     "phimoe": "PhiMoE's rotary embedding, whose LongRoPE long factors transformers never "
               "applies (it rotates with the short ones at every length and scales by "
               "long_mscale past the training context)",
-    "hunyuan_v1_dense": "QK-norm after RoPE",
-    "hunyuan_v1_moe": "QK-norm after RoPE",
     "qwen3_next": "an output gate from the query projection (gated attention)",
 }
 
@@ -418,11 +418,16 @@ def rope_config(module, head_dim):
     scaling = dict(_config_value(config, "rope_scaling") or {})
     params.update({k: v for k, v in scaling.items() if k not in params})
     kind = params.get("rope_type") or params.get("type") or "default"
+    theta = params.get("rope_theta") or _config_value(config, "rope_theta") or \
+        _config_value(config, "rotary_emb_base") or 10000.0
+    if model_type.startswith("hunyuan") and kind == "dynamic" and params.get("alpha"):
+        # Hunyuan's "dynamic" with a fixed alpha only stretches the base:
+        # theta * alpha^(d / (d - 2)) over the whole head, whatever the length.
+        theta = theta * float(params["alpha"]) ** (head_dim / (head_dim - 2))
+        kind = "default"
     if kind not in _ROPE_TYPES:
         raise ExportError(f"RoPE scaling type {kind!r} (attnserve computes "
                           f"{', '.join(sorted(_ROPE_TYPES))})")
-    theta = params.get("rope_theta") or _config_value(config, "rope_theta") or \
-        _config_value(config, "rotary_emb_base") or 10000.0
     partial = (params.get("partial_rotary_factor") or
                _config_value(config, "partial_rotary_factor") or
                _config_value(config, "rotary_pct") or 1.0)
@@ -486,14 +491,27 @@ def rope_config(module, head_dim):
     return rope
 
 
+def _qk_norms(module):
+    """(Q's norm, K's norm, after RoPE?) of a module: its `q_norm` and
+    `k_norm` children, applied before RoPE, or Hunyuan's `query_layernorm`
+    and `key_layernorm`, applied after it; (None, None, False) without."""
+    q, k = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    if q is None and k is None:
+        q, k = getattr(module, "query_layernorm", None), getattr(module, "key_layernorm", None)
+        if q is not None or k is not None:
+            return q, k, True
+    return q, k, False
+
+
 def qk_norm_config(module, head_dim):
     """The `qk_norm` of an attnserve ModelConfig for a module with RMSNorm
     children `q_norm` and `k_norm`, per head (Qwen3; Gemma3's adds 1 to its
     weight) or over the whole projection before the heads are split (OLMo-2:
-    weights as wide as q_proj's and k_proj's outputs), or None without them.
-    ExportError for a norm attnserve does not compute: another kind, or
-    weights of another width."""
-    q, k = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    weights as wide as q_proj's and k_proj's outputs), or `query_layernorm`
+    and `key_layernorm` after RoPE (Hunyuan); None without them. ExportError
+    for a norm attnserve does not compute: another kind, or weights of
+    another width."""
+    q, k, after_rope = _qk_norms(module)
     if q is None and k is None:
         return None
     if q is None or k is None:
@@ -524,6 +542,8 @@ def qk_norm_config(module, head_dim):
     config = dict(eps=float(eps), weight_offset=all("Gemma" in kind for kind in kinds))
     if "projection" in widths:
         config["whole_projection"] = True
+    if after_rope:
+        config["after_rope"] = True
     return config
 
 
@@ -648,8 +668,9 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
     qk_norm = qk_norm_config(module, config["head_dim"])
     if qk_norm is not None:
         config["qk_norm"] = qk_norm
-        tensors["q_norm.weight"] = module.q_norm.weight
-        tensors["k_norm.weight"] = module.k_norm.weight
+        q_norm, k_norm, _ = _qk_norms(module)
+        tensors["q_norm.weight"] = q_norm.weight
+        tensors["k_norm.weight"] = k_norm.weight
     return config, tensors
 
 

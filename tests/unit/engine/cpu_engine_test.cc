@@ -187,6 +187,7 @@ std::shared_ptr<const AttentionLayer> RandomProjectionLayer(Rng& rng, bool self_
     c.qk_norm.eps = rng.Pick<double>({1e-6, 1e-2});
     c.qk_norm.weight_offset = rng.Chance(0.5);
     c.qk_norm.whole_projection = rng.Chance(0.4);
+    c.qk_norm.after_rope = rng.Chance(0.3);  // Hunyuan
     const int64_t q_width = c.qk_norm.whole_projection ? qf : c.head_dim;
     const int64_t k_width = c.qk_norm.whole_projection ? kvf : c.head_dim;
     w.q_norm = RandomTensor(rng, DType::kFloat32, {q_width}, 1.0f);
@@ -340,6 +341,7 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
           : "",
       lc.qk_norm.enabled ? (lc.qk_norm.weight_offset ? " qk-norm(1+w)" : " qk-norm") : "",
       lc.qk_norm.whole_projection ? " over the projection" : "",
+      lc.qk_norm.after_rope ? " after rope" : "",
       lc.sliding_window > 0 ? absl::StrCat(" window ", lc.sliding_window) : "",
       lc.softcap > 0 ? absl::StrCat(" softcap ", lc.softcap) : "",
       lc.sinks ? " sinks" : "", options_label,

@@ -1346,6 +1346,14 @@ TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
          c.qk_norm.eps = 1e-6;
          c.qk_norm.whole_projection = true;
        }, true},
+      {"hunyuan: qk-norm after rope", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kDefault;
+         c.rope.theta = 10000.0 * 1000.0;
+         c.rope.rotary_dim = c.head_dim;
+         c.qk_norm.enabled = true;
+         c.qk_norm.eps = 1e-5;
+         c.qk_norm.after_rope = true;
+       }, true},
       {"phi-4-mini: longrope, partial", [](LayerConfig& c) {
          // Requests past 16 positions (the far explicit ones among them)
          // take the long factors, the others the short ones.

@@ -295,6 +295,12 @@ TEST(ModelConfigTest, RopeRulesNameTheField) {
   AttentionLayer olmo_layer;
   olmo_layer.config = ToLayerConfig(olmo);
   EXPECT_TRUE(LayerToModelConfig(olmo_layer).qk_norm().whole_projection());  // reported
+  EXPECT_FALSE(olmo_layer.config.qk_norm.after_rope);
+  v1::ModelConfig hunyuan = Resolved("embed_dim: 64 num_heads: 4 qk_norm { after_rope: true }");
+  AttentionLayer hunyuan_layer;
+  hunyuan_layer.config = ToLayerConfig(hunyuan);
+  EXPECT_TRUE(hunyuan_layer.config.qk_norm.after_rope);
+  EXPECT_TRUE(LayerToModelConfig(hunyuan_layer).qk_norm().after_rope());
   EXPECT_FALSE(ToLayerConfig(Resolved("embed_dim: 64 num_heads: 4")).qk_norm.enabled);
   absl::Status sdpa_sinks = ResolveError("kind: \"sdpa\" sinks: true");
   EXPECT_THAT(sdpa_sinks.message(), HasSubstr("sinks"));
