@@ -133,11 +133,20 @@ class CpuEngine final : public AttentionEngine {
                  absl::Span<const AttentionParams> params) {
     const LayerConfig& c = layer.config;
     const bool rope = c.rope.type != RopeConfig::Type::kNone;
+    // The one set of frequencies, or LongRoPE's short and long ones, computed
+    // once per call.
+    const RopeFrequencies short_freq = ComputeRopeFrequencies(c.rope, 0);
+    const RopeFrequencies long_freq =
+        c.rope.type == RopeConfig::Type::kLongRope
+            ? ComputeRopeFrequencies(c.rope, c.rope.original_max_position_embeddings)
+            : RopeFrequencies();
     for (size_t t = 0; t < params.size(); ++t) {
       const AttentionParams& p = params[t];
       const int64_t cached = batch[t].paged.enabled() ? batch[t].paged.cached_len : 0;
-      const RopeFrequencies freq = ComputeRopeFrequencies(
-          c.rope, LargestRopePosition(batch[t].positions, cached, p.kv_len));
+      const RopeFrequencies& freq =
+          RopeUsesLongFactors(c.rope, LargestRopePosition(batch[t].positions, cached, p.kv_len))
+              ? long_freq
+              : short_freq;
       const int64_t first_query = cached + p.kv_len - p.q_len;
       const size_t size = DTypeSize(p.dtype);
       for (int64_t b = 0; b < p.batch; ++b) {
