@@ -57,9 +57,11 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
             "layer '", c.name, "': a layer without projections must carry no weights"));
       }
     }
-    if (c.rope.type != RopeConfig::Type::kNone || c.qk_norm.enabled || c.sinks) {
+    if (c.rope.type != RopeConfig::Type::kNone || c.qk_norm.enabled || c.sinks ||
+        c.output_gate) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "layer '", c.name, "': rope, qk_norm and sinks apply to projection layers only"));
+          "layer '", c.name,
+          "': rope, qk_norm, sinks and output_gate apply to projection layers only"));
     }
     return absl::OkStatus();
   }
@@ -147,7 +149,18 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
       return s;
     }
   }
-  return absl::OkStatus();
+  if (!c.output_gate) {
+    if (w.wg.byte_size() != 0 || w.bg.byte_size() != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer '", c.name, "': output gate weights (wg, bg) without output_gate in the config"));
+    }
+    return absl::OkStatus();
+  }
+  if (absl::Status s = CheckWeight(c.name, "wg", w.wg, {q_features, c.query_dim}, false);
+      !s.ok()) {
+    return s;
+  }
+  return CheckWeight(c.name, "bg", w.bg, {q_features}, true);
 }
 
 namespace {
@@ -179,7 +192,8 @@ ProjectionBound MeasureProjection(const Tensor& w, const Tensor& b) {
 
 LayerWeightBounds MeasureWeightBounds(const LayerWeights& w) {
   return {MeasureProjection(w.wq, w.bq), MeasureProjection(w.wk, w.bk),
-          MeasureProjection(w.wv, w.bv), MeasureProjection(w.wo, w.bo)};
+          MeasureProjection(w.wv, w.bv), MeasureProjection(w.wo, w.bo),
+          MeasureProjection(w.wg, w.bg)};
 }
 
 LayerId::LayerId() {

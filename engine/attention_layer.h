@@ -109,6 +109,12 @@ struct LayerConfig {
   // head that joins each row's softmax denominator with no value row.
   // Projection layers only.
   bool sinks = false;
+  // Gated attention (Qwen3-Next, Qwen3.5, AFMoE): each token's core output,
+  // its heads concatenated ([num_heads * head_dim]), is multiplied
+  // elementwise by sigmoid(x Wg^T + bg) of the token's query input before
+  // the output projection (LayerWeights::wg, bg; engine/output_gate.h).
+  // Projection layers only.
+  bool output_gate = false;
 };
 
 // Weights in PyTorch Linear layout ([out_features, in_features]), FLOAT32.
@@ -124,6 +130,9 @@ struct LayerWeights {
   Tensor q_norm, k_norm;
   // [num_heads] when LayerConfig::sinks; empty otherwise.
   Tensor sinks;
+  // When LayerConfig::output_gate: [num_heads * head_dim, query_dim] and
+  // [num_heads * head_dim] (bg may be empty); empty otherwise.
+  Tensor wg, bg;
 };
 
 // A number no other layer object of this process ever gets: engines that keep
@@ -159,11 +168,14 @@ struct ProjectionBound {
   double Apply(double max_abs_x) const { return gain * max_abs_x + bias; }
 };
 
-// The four projections' bounds: what validation needs to bound a projection
+// The projections' bounds: what validation needs to bound a projection
 // model's scores before compute (server/request/validation.h). Measured
-// once per layer (one pass over the weights).
+// once per layer (one pass over the weights). `g` is the output gate's
+// (zero without one): its projection must stay finite (a NaN weight would
+// reach every output through sigmoid), while the gate itself, in [0, 1],
+// makes the core output that `o` is applied to no larger.
 struct LayerWeightBounds {
-  ProjectionBound q, k, v, o;
+  ProjectionBound q, k, v, o, g;
 };
 LayerWeightBounds MeasureWeightBounds(const LayerWeights& weights);
 

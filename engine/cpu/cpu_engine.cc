@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "engine/cpu/flash_attention.h"
+#include "engine/cpu/output_gate.h"
 #include "engine/cpu/projection.h"
 #include "engine/cpu/rotary.h"
 #include "engine/cpu/thread_buffer.h"
@@ -202,10 +203,13 @@ class CpuEngine final : public AttentionEngine {
 
   // nn.MultiheadAttention (batch first) over the whole batch:
   //  1. projections: self-attention tasks' query rows through one fused
-  //     [Wq; Wk; Wv] linear, cross-attention tasks' query, key and value rows
-  //     through Wq, Wk, Wv; all stacked, in one parallel pass over chunks;
+  //     [Wq; Wk; Wv] linear ([Wq; Wk; Wv; Wg] with an output gate),
+  //     cross-attention tasks' query, key and value rows through Wq, Wk, Wv
+  //     (and their query rows through Wg); all stacked, in one parallel pass
+  //     over chunks;
   //  2. the core of every task in one FlashAttention call, reading heads in
-  //     place from the stacked activations and writing the stacked core output;
+  //     place from the stacked activations and writing the stacked core
+  //     output; with an output gate, that times sigmoid(gate);
   //  3. the output projection over that, scattered into each task's output.
   // Activations between the steps are FLOAT32, or BFLOAT16 for bf16 layers on
   // CPUs with bf16 matmuls (LayerProjections::activation_dtype).
@@ -236,7 +240,7 @@ class CpuEngine final : public AttentionEngine {
       return l.status();
     };
     const ChunkedLinear *qkv = nullptr, *wq = nullptr, *wk = nullptr, *wv = nullptr,
-                        *wo = nullptr;
+                        *wo = nullptr, *wg = nullptr;
     if (!self_tasks.empty()) {
       if (absl::Status s = get(projections->qkv(layer), &qkv); !s.ok()) return s;
     }
@@ -244,11 +248,15 @@ class CpuEngine final : public AttentionEngine {
       if (absl::Status s = get(projections->q(layer), &wq); !s.ok()) return s;
       if (absl::Status s = get(projections->k(layer), &wk); !s.ok()) return s;
       if (absl::Status s = get(projections->v(layer), &wv); !s.ok()) return s;
+      if (c.output_gate) {
+        if (absl::Status s = get(projections->g(layer), &wg); !s.ok()) return s;
+      }
     }
     if (absl::Status s = get(projections->o(layer), &wo); !s.ok()) return s;
 
-    // 1. Q/K/V projections into stacked activations.
-    const int64_t qkv_n = qf + 2 * kvf;
+    // 1. Q/K/V (and gate) projections into stacked activations.
+    const int64_t gate_n = c.output_gate ? qf : 0;
+    const int64_t qkv_n = qf + 2 * kvf + gate_n;
     auto layout = [](const ChunkedLinear* linear, const std::vector<int64_t>& rows) {
       return linear != nullptr ? cpu::LayoutRowsFor(*linear, rows) : RowLayout{};
     };
@@ -256,11 +264,13 @@ class CpuEngine final : public AttentionEngine {
     const RowLayout q_layout = layout(wq, cross_q_rows);
     const RowLayout k_layout = layout(wk, cross_kv_rows);
     const RowLayout v_layout = layout(wv, cross_kv_rows);
+    const RowLayout g_layout = layout(wg, cross_q_rows);
     // The calling thread's buffers, kept for its next batch (thread_buffer.h).
     ThreadBuffer qkv_buf(BufferSlot::kQkvActivations, self_layout.total * qkv_n * act_size);
     ThreadBuffer q_buf(BufferSlot::kQActivations, q_layout.total * qf * act_size);
     ThreadBuffer k_buf(BufferSlot::kKActivations, k_layout.total * kvf * act_size);
     ThreadBuffer v_buf(BufferSlot::kVActivations, v_layout.total * kvf * act_size);
+    ThreadBuffer g_buf(BufferSlot::kGActivations, g_layout.total * gate_n * act_size);
 
     std::vector<LinearJob> jobs;
     auto add_job = [&](const ChunkedLinear* linear, const RowLayout& layout,
@@ -281,6 +291,9 @@ class CpuEngine final : public AttentionEngine {
     add_job(wq, q_layout, cross_tasks, cross_q_rows, &AttentionTask::query, q_buf);
     add_job(wk, k_layout, cross_tasks, cross_kv_rows, &AttentionTask::key, k_buf);
     add_job(wv, v_layout, cross_tasks, cross_kv_rows, &AttentionTask::value, v_buf);
+    if (wg != nullptr) {
+      add_job(wg, g_layout, cross_tasks, cross_q_rows, &AttentionTask::query, g_buf);
+    }
     if (absl::Status s = cpu::RunLinearJobs(jobs, engine_, Threads()); !s.ok()) return s;
 
     // 2. The core over the whole batch, into the stacked core output.
@@ -332,6 +345,20 @@ class CpuEngine final : public AttentionEngine {
       if (absl::Status s = UseSessionCache(batch[i], &params[i]); !s.ok()) return s;
     }
     if (absl::Status s = RunCore(absl::MakeSpan(params), FlashOptionsFor(&c)); !s.ok()) return s;
+    if (c.output_gate) {
+      for (size_t t = 0; t < self_tasks.size(); ++t) {
+        const size_t i = self_tasks[t];
+        cpu::GateRows(act, at(core, o_layout.offsets[i], qf, 0), qf,
+                      at(qkv_buf, self_layout.offsets[t], qkv_n, qf + 2 * kvf), qkv_n,
+                      all_q_rows[i], qf, options_.num_threads);
+      }
+      for (size_t t = 0; t < cross_tasks.size(); ++t) {
+        const size_t i = cross_tasks[t];
+        cpu::GateRows(act, at(core, o_layout.offsets[i], qf, 0), qf,
+                      at(g_buf, g_layout.offsets[t], qf, 0), qf, all_q_rows[i], qf,
+                      options_.num_threads);
+      }
+    }
 
     // 3. Output projection, scattered into each task's output.
     LinearJob out_job;

@@ -550,6 +550,9 @@ absl::StatusOr<const ChunkedLinear*> LayerProjections::v(const AttentionLayer& l
 absl::StatusOr<const ChunkedLinear*> LayerProjections::o(const AttentionLayer& layer) {
   return Get(kO, layer);
 }
+absl::StatusOr<const ChunkedLinear*> LayerProjections::g(const AttentionLayer& layer) {
+  return Get(kG, layer);
+}
 
 absl::StatusOr<const ChunkedLinear*> LayerProjections::Get(Which which,
                                                            const AttentionLayer& layer) {
@@ -563,12 +566,19 @@ absl::StatusOr<const ChunkedLinear*> LayerProjections::Get(Which which,
     made = ChunkedLinear::Create(engine_, weights, biases, precision_, act, dst);
   };
   switch (which) {
-    case kQkv: create({&w.wq, &w.wk, &w.wv}, {&w.bq, &w.bk, &w.bv}, act); break;
+    case kQkv:
+      if (layer.config.output_gate) {
+        create({&w.wq, &w.wk, &w.wv, &w.wg}, {&w.bq, &w.bk, &w.bv, &w.bg}, act);
+      } else {
+        create({&w.wq, &w.wk, &w.wv}, {&w.bq, &w.bk, &w.bv}, act);
+      }
+      break;
     case kQ: create({&w.wq}, {&w.bq}, act); break;
     case kK: create({&w.wk}, {&w.bk}, act); break;
     case kV: create({&w.wv}, {&w.bv}, act); break;
     // fp32 out: the task's output dtype is applied when rows are scattered.
     case kO: create({&w.wo}, {&w.bo}, DType::kFloat32); break;
+    case kG: create({&w.wg}, {&w.bg}, act); break;
     case kCount: break;
   }
   if (!made.ok()) return made.status();

@@ -217,16 +217,18 @@ class LayerProjections {
   // attention core: BFLOAT16 for bf16 layers with bf16 compute, else FLOAT32.
   DType activation_dtype() const { return activation_dtype_; }
 
-  // The fused [Wq; Wk; Wv] (self-attention), Q, K, V and output linears of
-  // `layer` (the layer this entry was made for; read only while building).
+  // The fused [Wq; Wk; Wv] (self-attention; [Wq; Wk; Wv; Wg] with an output
+  // gate), Q, K, V, output and gate linears of `layer` (the layer this entry
+  // was made for; read only while building).
   absl::StatusOr<const ChunkedLinear*> qkv(const AttentionLayer& layer);
   absl::StatusOr<const ChunkedLinear*> q(const AttentionLayer& layer);
   absl::StatusOr<const ChunkedLinear*> k(const AttentionLayer& layer);
   absl::StatusOr<const ChunkedLinear*> v(const AttentionLayer& layer);
   absl::StatusOr<const ChunkedLinear*> o(const AttentionLayer& layer);
+  absl::StatusOr<const ChunkedLinear*> g(const AttentionLayer& layer);
 
  private:
-  enum Which { kQkv, kQ, kK, kV, kO, kCount };
+  enum Which { kQkv, kQ, kK, kV, kO, kG, kCount };
   absl::StatusOr<const ChunkedLinear*> Get(Which which, const AttentionLayer& layer);
 
   const dnnl::engine engine_;

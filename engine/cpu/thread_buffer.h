@@ -21,6 +21,7 @@ enum class BufferSlot : int {
   kQActivations,     // cross-attention Q, K, V projection outputs
   kKActivations,
   kVActivations,
+  kGActivations,     // cross-attention output gate projection
   kCoreOutput,       // the attention core's stacked output
   kStagedRows,       // RunLinearJobs: chunks gathered once for every panel
   kChunkSrc,         // RunLinearJobs, per worker: one chunk's input,

@@ -138,6 +138,12 @@ cudaError_t LaunchConvert(const void* src, DType src_type, void* dst, DType dst_
 cudaError_t LaunchAddBias(void* y, const void* bias, DType type, int64_t rows, int64_t cols,
                           cudaStream_t stream);
 
+// Gated attention (engine/output_gate.h): x[i] *= sigmoid(gate[i]) for
+// i < n, x and gate of `type`; for bf16/fp16 the sigmoid is rounded to it
+// before the product, as PyTorch computes a layer of that dtype.
+cudaError_t LaunchOutputGate(void* x, const void* gate, DType type, int64_t n,
+                             cudaStream_t stream);
+
 // out[b, r] = mean over h of probs[b, h, r] for probs [batch, heads, per_head]
 // (fp32), summed in head order so that the result is deterministic.
 cudaError_t LaunchAverageHeads(const float* probs, int64_t batch, int64_t heads, int64_t per_head,

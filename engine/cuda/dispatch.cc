@@ -733,6 +733,17 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
       call.gemm().Linear(ct, *xk, kv_rows, key_dim, w.wk.data(), w.bk.data(), kv_features, *k));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(
       call.gemm().Linear(ct, *xv, kv_rows, value_dim, w.wv.data(), w.bv.data(), v_features, *v));
+  // Gated attention: sigmoid(x Wg^T + bg) of every query row, applied to the
+  // attention output before the out-projection (in `finish`).
+  void* gate = nullptr;
+  if (config.output_gate) {
+    absl::StatusOr<void*> g = call.DeviceAlloc(static_cast<size_t>(q_rows * q_features) * ct_size);
+    if (!g.ok()) return g.status();
+    gate = *g;
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(call.gemm().Linear(ct, *xq, q_rows, config.query_dim,
+                                                      w.wg.data(), w.bg.data(), q_features,
+                                                      gate));
+  }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(
       PrepareQk(call, config, w, p, *q, *k, positions, paged ? task.paged.cached_len : 0,
                 LargestRopePosition(task.positions, paged ? task.paged.cached_len : 0,
@@ -755,8 +766,11 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
   // Out-projection, then the output dtype, then home: after the attention,
   // which for a session's decode step is enqueued with the batch's others.
   // `call`, `config`, `w` and `task` outlive the Run.
-  auto finish = [&call, &config, &w, &task, ct, ct_size, q_rows, o_features,
+  auto finish = [&call, &config, &w, &task, ct, ct_size, q_rows, o_features, gate,
                  attn = *attn]() -> absl::Status {
+    if (gate != nullptr) {
+      ATTNSERVE_CUDA_CALL(LaunchOutputGate(attn, gate, ct, q_rows * o_features, call.stream()));
+    }
     absl::StatusOr<void*> y =
         call.DeviceAlloc(static_cast<size_t>(q_rows * config.out_dim) * ct_size);
     if (!y.ok()) return y.status();

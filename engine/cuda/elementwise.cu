@@ -1,6 +1,7 @@
 // Small element-wise kernels around the GEMMs and the attention core: dtype
-// conversion, bias addition (for the plain cuBLAS fallback GEMM), the mean
-// of the probabilities over heads, and a mask expanded into cuDNN's bias.
+// conversion, bias addition (for the plain cuBLAS fallback GEMM), the output
+// gate, the mean of the probabilities over heads, and a mask expanded into
+// cuDNN's bias.
 #include <algorithm>
 #include <cstdint>
 
@@ -32,6 +33,23 @@ __global__ void AddBiasKernel(void* y, const void* bias, DType type, int64_t row
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
     StoreElement(y, type, i, LoadElement(y, type, i) + LoadElement(bias, type, i % cols));
+  }
+}
+
+// `v` rounded to `type` (a float dtype) and widened back.
+__device__ __forceinline__ float RoundedTo(DType type, float v) {
+  switch (type) {
+    case DType::kFloat16: return __half2float(__float2half_rn(v));
+    case DType::kBFloat16: return __bfloat162float(__float2bfloat16_rn(v));
+    default: return v;
+  }
+}
+
+__global__ void OutputGateKernel(void* x, const void* gate, DType type, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float s = RoundedTo(type, 1.0f / (1.0f + expf(-LoadElement(gate, type, i))));
+    StoreElement(x, type, i, LoadElement(x, type, i) * s);
   }
 }
 
@@ -95,6 +113,13 @@ cudaError_t LaunchAddBias(void* y, const void* bias, DType type, int64_t rows, i
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   ATTNSERVE_LAUNCH(AddBiasKernel, GridFor(rows * cols), kThreads, 0, stream, y, bias, type, rows,
                    cols);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchOutputGate(void* x, const void* gate, DType type, int64_t n,
+                             cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  ATTNSERVE_LAUNCH(OutputGateKernel, GridFor(n), kThreads, 0, stream, x, gate, type, n);
   return cudaGetLastError();
 }
 

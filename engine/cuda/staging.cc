@@ -350,6 +350,7 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(const AttentionLayer& l
                         {&w.wk, &uploaded->wk, t},         {&w.bk, &uploaded->bk, t},
                         {&w.wv, &uploaded->wv, t},         {&w.bv, &uploaded->bv, t},
                         {&w.wo, &uploaded->wo, t},         {&w.bo, &uploaded->bo, t},
+                        {&w.wg, &uploaded->wg, t},         {&w.bg, &uploaded->bg, t},
                         {&w.q_norm, &uploaded->q_norm, f32}, {&w.k_norm, &uploaded->k_norm, f32},
                         {&w.sinks, &uploaded->sinks, f32}};
   for (const Part& part : parts) {

@@ -194,6 +194,7 @@ struct DeviceLayer {
   uint64_t layer_id = 0;  // LayerId of the layer it was made from
   DType type = DType::kFloat32;  // PrecisionDType(layer.config.precision)
   DeviceBuffer wq, bq, wk, bk, wv, bv, wo, bo;
+  DeviceBuffer wg, bg;  // the output gate's, when the layer has one
   // FLOAT32 whatever the precision, as the cpu engine reads them: the
   // QK-norm weights [head_dim] and the sinks [num_heads], when the layer has
   // them.

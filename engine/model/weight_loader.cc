@@ -28,6 +28,7 @@ constexpr RoleDefault kTorchMhaNames[] = {
     {"q_norm_weight", "q_norm.weight"},
     {"k_norm_weight", "k_norm.weight"},
     {"sinks", "sinks"},
+    {"gate_weight", "gate_proj.weight"}, {"gate_bias", "gate_proj.bias"},
 };
 constexpr RoleDefault kSeparateQkvNames[] = {
     {"q_weight", "q_proj.weight"}, {"q_bias", "q_proj.bias"},
@@ -36,6 +37,7 @@ constexpr RoleDefault kSeparateQkvNames[] = {
     {"out_weight", "o_proj.weight"}, {"out_bias", "o_proj.bias"},
     {"q_norm_weight", "q_norm.weight"}, {"k_norm_weight", "k_norm.weight"},
     {"sinks", "sinks"},
+    {"gate_weight", "gate_proj.weight"}, {"gate_bias", "gate_proj.bias"},
 };
 constexpr RoleDefault kFusedNames[] = {
     {"qkv_weight", "qkv.weight"},
@@ -45,6 +47,7 @@ constexpr RoleDefault kFusedNames[] = {
     {"q_norm_weight", "q_norm.weight"},
     {"k_norm_weight", "k_norm.weight"},
     {"sinks", "sinks"},
+    {"gate_weight", "gate_proj.weight"}, {"gate_bias", "gate_proj.bias"},
 };
 constexpr RoleDefault kKerasNames[] = {
     {"q_weight", "query/kernel"},   {"q_bias", "query/bias"},
@@ -53,6 +56,7 @@ constexpr RoleDefault kKerasNames[] = {
     {"out_weight", "attention_output/kernel"}, {"out_bias", "attention_output/bias"},
     {"q_norm_weight", "q_norm.weight"}, {"k_norm_weight", "k_norm.weight"},
     {"sinks", "sinks"},
+    {"gate_weight", "gate/kernel"}, {"gate_bias", "gate/bias"},
 };
 
 absl::Span<const RoleDefault> RoleTable(WeightLayout layout) {
@@ -236,6 +240,22 @@ absl::StatusOr<LayerWeights> LoadTorchMha(const Reader& r, const LayerConfig& c,
   return w;
 }
 
+// De-interleaves a matrix fused per head, [h * n * hd, cols] for n parts (a
+// bias is cols = 1): its row (head, part, d), at head*n*hd + part*hd + d,
+// becomes row head*hd + d of parts[part] (each [h * hd, cols], already
+// allocated). QKV per head (n = 3), a query with its gate (n = 2).
+void SplitFusedPerHead(const float* fused, int64_t h, int64_t hd, int64_t cols,
+                       absl::Span<Tensor* const> parts) {
+  const size_t block = static_cast<size_t>(hd * cols);
+  const int64_t n = static_cast<int64_t>(parts.size());
+  for (int64_t head = 0; head < h; ++head) {
+    for (int64_t part = 0; part < n; ++part) {
+      std::memcpy(parts[part]->data_as<float>() + head * block,
+                  fused + (head * n + part) * block, sizeof(float) * block);
+    }
+  }
+}
+
 // For layouts with one bias tensor per projection.
 absl::Status CheckUnusedBiases(const Reader& r, const WeightSpec& spec) {
   const std::pair<const char*, bool> roles[] = {
@@ -256,33 +276,33 @@ absl::StatusOr<LayerWeights> LoadSeparate(const Reader& r, const LayerConfig& c,
   const int64_t kv_out = c.num_kv_heads * c.head_dim;
   if (absl::Status s = CheckUnusedBiases(r, spec); !s.ok()) return s;
   LayerWeights w;
-  ASSIGN_OR_RETURN(wq, r.Read("q_weight", {{q_out, c.query_dim}}));
+  if (spec.gate == WeightSpec::Gate::kQueryPerHead) {
+    // Qwen3-Next: q_proj's rows are [q_h | gate_h] per head.
+    ASSIGN_OR_RETURN(wqg, r.Read("q_weight", {{2 * q_out, c.query_dim}}));
+    w.wq = Tensor(DType::kFloat32, {q_out, c.query_dim});
+    w.wg = Tensor(DType::kFloat32, {q_out, c.query_dim});
+    SplitFusedPerHead(wqg.data(), c.num_heads, c.head_dim, c.query_dim, {&w.wq, &w.wg});
+    if (spec.q_bias) {
+      ASSIGN_OR_RETURN(bqg, r.Read("q_bias", {{2 * q_out}}));
+      w.bq = Tensor(DType::kFloat32, {q_out});
+      w.bg = Tensor(DType::kFloat32, {q_out});
+      SplitFusedPerHead(bqg.data(), c.num_heads, c.head_dim, 1, {&w.bq, &w.bg});
+    }
+  } else {
+    ASSIGN_OR_RETURN(wq, r.Read("q_weight", {{q_out, c.query_dim}}));
+    w.wq = MakeTensor({q_out, c.query_dim}, wq.data());
+    RETURN_IF_ERROR(r.ReadBias("q_bias", spec.q_bias, {{q_out}}, &w.bq));
+  }
   ASSIGN_OR_RETURN(wk, r.Read("k_weight", {{kv_out, c.key_dim}}));
   ASSIGN_OR_RETURN(wv, r.Read("v_weight", {{kv_out, c.value_dim}}));
   ASSIGN_OR_RETURN(wo, r.Read("out_weight", {{c.out_dim, q_out}}));
-  w.wq = MakeTensor({q_out, c.query_dim}, wq.data());
   w.wk = MakeTensor({kv_out, c.key_dim}, wk.data());
   w.wv = MakeTensor({kv_out, c.value_dim}, wv.data());
   w.wo = MakeTensor({c.out_dim, q_out}, wo.data());
-  RETURN_IF_ERROR(r.ReadBias("q_bias", spec.q_bias, {{q_out}}, &w.bq));
   RETURN_IF_ERROR(r.ReadBias("k_bias", spec.k_bias, {{kv_out}}, &w.bk));
   RETURN_IF_ERROR(r.ReadBias("v_bias", spec.v_bias, {{kv_out}}, &w.bv));
   RETURN_IF_ERROR(r.ReadBias("out_bias", spec.out_bias, {{c.out_dim}}, &w.bo));
   return w;
-}
-
-// De-interleaves a fused per-head QKV matrix [h * 3 * hd, cols] (a bias is
-// cols = 1): its row (head, part, d), at head*3*hd + part*hd + d, becomes row
-// head*hd + d of parts[part] (each [h * hd, cols], already allocated).
-void SplitFusedPerHead(const float* fused, int64_t h, int64_t hd, int64_t cols,
-                       std::array<Tensor*, 3> parts) {
-  const size_t block = static_cast<size_t>(hd * cols);
-  for (int64_t head = 0; head < h; ++head) {
-    for (int part = 0; part < 3; ++part) {
-      std::memcpy(parts[part]->data_as<float>() + head * block,
-                  fused + (head * 3 + part) * block, sizeof(float) * block);
-    }
-  }
 }
 
 absl::StatusOr<LayerWeights> LoadFusedPerHead(const Reader& r, const LayerConfig& c,
@@ -399,6 +419,12 @@ absl::StatusOr<LayerWeights> LoadLayerWeights(const SafetensorsFile& file,
           "; expected one of ", absl::StrJoin(WeightRoles(spec.layout), ", ")));
     }
   }
+  if (spec.gate == WeightSpec::Gate::kQueryPerHead &&
+      spec.layout != WeightLayout::kSeparateQkv) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.path(), ": output_gate.weights \"query_per_head\" needs layout SEPARATE_QKV, got ",
+        WeightLayoutName(spec.layout)));
+  }
   Reader reader(file, spec, config.precision);
   absl::StatusOr<LayerWeights> weights = LoadProjections(reader, file, config, spec);
   if (!weights.ok()) return weights.status();
@@ -411,6 +437,39 @@ absl::StatusOr<LayerWeights> LoadLayerWeights(const SafetensorsFile& file,
   if (absl::Status s = reader.CheckUnused("sinks", spec.sinks, "the config has no sinks");
       !s.ok()) {
     return s;
+  }
+  const bool separate_gate = spec.gate == WeightSpec::Gate::kSeparate;
+  if (absl::Status s = reader.CheckUnused(
+          "gate_weight", separate_gate,
+          "the config has no output_gate with separate weights");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = reader.CheckUnusedBias("gate_bias", separate_gate && spec.gate_bias,
+                                              "output_gate.bias is");
+      !s.ok()) {
+    return s;
+  }
+  if (separate_gate) {
+    const int64_t g_out = config.num_heads * config.head_dim;
+    if (spec.layout == WeightLayout::kKerasDense) {
+      absl::StatusOr<std::vector<float>> kernel = reader.Read(
+          "gate_weight", {{config.query_dim, g_out},
+                          {config.query_dim, config.num_heads, config.head_dim}});
+      if (!kernel.ok()) return kernel.status();
+      weights->wg = Transpose(*kernel, config.query_dim, g_out);
+    } else {
+      absl::StatusOr<std::vector<float>> wg =
+          reader.Read("gate_weight", {{g_out, config.query_dim}});
+      if (!wg.ok()) return wg.status();
+      weights->wg = MakeTensor({g_out, config.query_dim}, wg->data());
+    }
+    if (absl::Status s = reader.ReadBias("gate_bias", spec.gate_bias,
+                                         {{g_out}, {config.num_heads, config.head_dim}},
+                                         &weights->bg);
+        !s.ok()) {
+      return s;
+    }
   }
   if (spec.sinks) {
     absl::StatusOr<std::vector<float>> sinks = reader.Read("sinks", {{config.num_heads}});

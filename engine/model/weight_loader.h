@@ -47,6 +47,7 @@ const char* WeightLayoutName(WeightLayout layout);
 //   qkv_weight qkv_bias           (kFusedQkvPerHead)
 //   q_norm_weight k_norm_weight   (every layout, with qk_norm)
 //   sinks                         (every layout, with sinks)
+//   gate_weight gate_bias         (every layout, with a separate output gate)
 struct WeightSpec {
   WeightLayout layout = WeightLayout::kTorchMha;
   // Prepended to every tensor name (e.g. "encoder.layers.3.self_attn.").
@@ -65,6 +66,16 @@ struct WeightSpec {
   // Attention sinks ([num_heads]) are read when set; likewise an error when
   // in the file without it.
   bool sinks = false;
+  // Where the output gate's weights are (LayerConfig::output_gate):
+  // kSeparate: roles gate_weight [num_heads * head_dim, query_dim] (Keras:
+  // [query_dim, ...], transposed) and, with gate_bias, gate_bias; a gate
+  // tensor in the file without it is an error (as for biases).
+  // kQueryPerHead (kSeparateQkv only): q_weight holds 2 * num_heads *
+  // head_dim rows, each head's query rows then its gate rows, and q_bias
+  // (with q_bias) splits the same way (Qwen3-Next's q_proj).
+  enum class Gate { kNone, kSeparate, kQueryPerHead };
+  Gate gate = Gate::kNone;
+  bool gate_bias = false;
 };
 
 // The roles a layout reads (valid keys of WeightSpec::tensor_names).

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "engine/attention_task.h"
+#include "engine/output_gate.h"
 #include "engine/qk_norm.h"
 #include "engine/rope.h"
 
@@ -368,7 +369,7 @@ void RunBare(const LayerConfig& c, const AttentionTask& t, const Dims& d) {
 
 // One task of nn.MultiheadAttention (batch first): project the tokens, attend
 // per head over the projected [B, L, H * D] rows, concatenate the heads,
-// project out.
+// gate them (output_gate), project out.
 void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dims& d) {
   const LayerConfig& c = layer.config;
   const LayerWeights& w = layer.weights;
@@ -437,6 +438,12 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
               d.q_len, d.head_dim_v, false};
   AttendHeads(t, d, c.sliding_window, c.softcap,
               c.sinks ? w.sinks.data_as<float>() : nullptr, q, k, v, merged);
+  if (c.output_gate) {
+    // Gated attention: each token's concatenated heads times sigmoid of its
+    // gate, projected from the same token's query input.
+    const std::vector<double> gate = Linear(xq, q_rows, c.query_dim, w.wg, w.bg);
+    for (size_t i = 0; i < gate.size(); ++i) merged.data[i] *= Sigmoid(gate[i]);
+  }
   StoreAll(Linear(merged.data, q_rows, d.heads * d.head_dim_v, w.wo, w.bo), t.output);
 }
 

@@ -56,6 +56,11 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
     config.mutable_qk_norm()->set_whole_projection(c.qk_norm.whole_projection);
     config.mutable_qk_norm()->set_after_rope(c.qk_norm.after_rope);
   }
+  if (c.output_gate) {
+    // The layer holds the gate as a linear of its own, whatever the file did.
+    config.mutable_output_gate()->set_weights("separate");
+    config.mutable_output_gate()->set_bias(layer.weights.bg.byte_size() > 0);
+  }
   return config;
 }
 
@@ -119,6 +124,7 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
   layer.sliding_window = c.sliding_window();
   layer.softcap = c.softcap();
   layer.sinks = layer.has_projections && c.sinks();
+  layer.output_gate = layer.has_projections && c.has_output_gate();
   if (layer.has_projections) layer.rope = ToRopeConfig(c.rope());
   if (layer.has_projections && c.has_qk_norm()) {
     layer.qk_norm.enabled = true;
@@ -143,6 +149,11 @@ WeightSpec ToWeightSpec(const v1::ModelConfig& c) {
   WeightSpec spec;
   spec.qk_norm = c.has_qk_norm();
   spec.sinks = c.sinks();
+  if (c.has_output_gate()) {
+    spec.gate = c.output_gate().weights() == "query_per_head" ? WeightSpec::Gate::kQueryPerHead
+                                                              : WeightSpec::Gate::kSeparate;
+    spec.gate_bias = c.output_gate().bias();
+  }
   spec.layout = ToWeightLayout(c.weight_layout());
   spec.tensor_prefix = c.tensor_prefix();
   spec.tensor_names.insert(c.tensor_names().begin(), c.tensor_names().end());

@@ -177,13 +177,40 @@ absl::Status CheckNoProjectionFields(const std::string& path, const v1::ModelCon
   for (const char* field : {"embed_dim", "num_heads", "num_kv_heads", "head_dim", "query_dim",
                             "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias",
                             "out_bias", "weight_layout", "tensor_prefix", "tensor_names",
-                            "rope", "qk_norm", "sinks"}) {
+                            "rope", "qk_norm", "sinks", "output_gate"}) {
     const google::protobuf::FieldDescriptor* f = d->FindFieldByName(field);
     bool set = f->is_repeated() ? r->FieldSize(c, f) > 0 : r->HasField(c, f);
     if (set) {
       return ConfigError(path, field,
                          "not allowed for kind \"sdpa\" (no projections, no weights); remove it "
                          "or use kind \"mha\"");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Fills the default of output_gate.weights and checks where the gate's
+// weights can come from (model_config.proto, OutputGate).
+absl::Status ResolveOutputGate(const std::string& path, v1::ModelConfig* c) {
+  if (!c->has_output_gate()) return absl::OkStatus();
+  v1::OutputGate* gate = c->mutable_output_gate();
+  if (gate->weights().empty()) gate->set_weights("separate");
+  if (!OneOf(gate->weights(), {"separate", "query_per_head"})) {
+    return ConfigError(path, "output_gate.weights",
+                       absl::StrCat("must be \"separate\" or \"query_per_head\", got \"",
+                                    gate->weights(), "\""));
+  }
+  if (gate->weights() == "query_per_head") {
+    if (c->weight_layout() != v1::ModelConfig::SEPARATE_QKV) {
+      return ConfigError(path, "output_gate.weights",
+                         absl::StrCat("\"query_per_head\" (the gate inside q_proj) needs "
+                                      "weight_layout SEPARATE_QKV, got ",
+                                      v1::ModelConfig::WeightLayout_Name(c->weight_layout())));
+    }
+    if (gate->bias()) {
+      return ConfigError(path, "output_gate.bias",
+                         "must be unset with weights \"query_per_head\": the gate's bias is "
+                         "part of q_proj's (q_bias)");
     }
   }
   return absl::OkStatus();
@@ -340,6 +367,7 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
   if (c->kind() == "mha") {
     if (absl::Status s = ResolveProjectionDims(path, c); !s.ok()) return s;
     if (absl::Status s = ResolveRope(path, c); !s.ok()) return s;
+    if (absl::Status s = ResolveOutputGate(path, c); !s.ok()) return s;
     if (c->has_qk_norm()) {
       if (c->qk_norm().eps() == 0) c->mutable_qk_norm()->set_eps(1e-6);
       if (!std::isfinite(c->qk_norm().eps()) || c->qk_norm().eps() < 0) {

@@ -449,6 +449,15 @@ absl::Status CheckProjectedBounds(const AttentionTask& task, const TaskDims& dim
           kRefusedSuffix));
     }
   }
+  if (layer.output_gate) {
+    const double gate = bounds.g.Apply(max_q);
+    if (!(gate <= limit)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "query.data: its output gate projection may overflow %s: max|query| %g * the gate "
+          "weights' largest row sum %g + largest bias %g = %g exceeds %g%s",
+          precision, max_q, bounds.g.gain, bounds.g.bias, gate, limit, kRefusedSuffix));
+    }
+  }
   const double scale = std::max(1.0, static_cast<double>(task.scale));
   const double score_bound = values[0] * values[1] * static_cast<double>(dims.head_dim) * scale +
                              mask_max;

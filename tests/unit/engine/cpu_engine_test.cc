@@ -193,6 +193,13 @@ std::shared_ptr<const AttentionLayer> RandomProjectionLayer(Rng& rng, bool self_
     w.q_norm = RandomTensor(rng, DType::kFloat32, {q_width}, 1.0f);
     w.k_norm = RandomTensor(rng, DType::kFloat32, {k_width}, 1.0f);
   }
+  // A third gate the core output by sigmoid of a projection of the query
+  // input (Qwen3-Next, Qwen3.5, AFMoE), some with a bias.
+  if (rng.Chance(0.33)) {
+    c.output_gate = true;
+    w.wg = weight(qf, c.query_dim);
+    w.bg = bias(qf);
+  }
   EXPECT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
   return layer;
 }
@@ -344,7 +351,7 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
       lc.qk_norm.after_rope ? " after rope" : "",
       lc.sliding_window > 0 ? absl::StrCat(" window ", lc.sliding_window) : "",
       lc.softcap > 0 ? absl::StrCat(" softcap ", lc.softcap) : "",
-      lc.sinks ? " sinks" : "", options_label,
+      lc.sinks ? " sinks" : "", lc.output_gate ? " output gate" : "", options_label,
       ", query ",
       ShapeString(c.q.shape()), c.k.byte_size() ? ", key " + ShapeString(c.k.shape()) : "",
       c.v.byte_size() ? ", value " + ShapeString(c.v.shape()) : "", ", in ", DT(in_dtype),

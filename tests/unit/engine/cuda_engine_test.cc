@@ -1277,7 +1277,7 @@ TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
   struct Variant {
     const char* name;
     void (*set)(LayerConfig&);
-    bool qk_norm = false, norm_offset = false, sinks = false;
+    bool qk_norm = false, norm_offset = false, sinks = false, gate = false;
   };
   const Variant variants[] = {
       {"llama rope", [](LayerConfig& c) {
@@ -1367,6 +1367,13 @@ TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
            c.rope.long_factor.push_back(1.0 + 2.0 * static_cast<double>(i));
          }
        }},
+      {"qwen3-next: output gate, qk-norm (1 + w), partial rope", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kDefault;
+         c.rope.theta = 10000000.0;
+         c.rope.rotary_dim = c.head_dim / 4;
+         c.qk_norm.enabled = true;
+         c.qk_norm.weight_offset = true;
+       }, true, true, false, true},
   };
   for (const Variant& v : variants) {
     for (Precision precision : {Precision::kFloat32, Precision::kBFloat16, Precision::kFloat16}) {
@@ -1388,6 +1395,13 @@ TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
       if (v.sinks) {
         layer.config.sinks = true;
         layer.weights.sinks = RandomTensor(DType::kFloat32, {layer.config.num_heads}, rng, 3.0f);
+      }
+      if (v.gate) {  // gates spread over sigmoid's curve, not only its middle
+        const LayerConfig& c = layer.config;
+        layer.config.output_gate = true;
+        layer.weights.wg = RandomTensor(DType::kFloat32, {c.num_heads * c.head_dim, c.query_dim},
+                                        rng, 3.0f / std::sqrt(static_cast<float>(c.query_dim)));
+        layer.weights.bg = RandomTensor(DType::kFloat32, {c.num_heads * c.head_dim}, rng, 0.5f);
       }
       ASSERT_TRUE(ValidateLayer(layer).ok()) << v.name << ": " << ValidateLayer(layer);
       SCOPED_TRACE(absl::StrCat(v.name, ", precision ", static_cast<int>(precision)));
