@@ -497,6 +497,70 @@ std::vector<double> Transpose12(const std::vector<double>& x, int64_t B, int64_t
   return y;
 }
 
+// An output gate whose weights are zero gates every token by sigmoid of its
+// bias alone: the same as no gate with each output weight column f scaled
+// by sigmoid(bg[f]). And the layer check's rules for the gate's weights.
+TEST(ReferenceEngineTest, OutputGateOfABiasAloneScalesTheOutputWeightColumns) {
+  constexpr int64_t H = 2, D = 3, E = 5, B = 2, L = 4;
+  AttentionLayer gated;
+  LayerConfig& c = gated.config;
+  c.name = "gated";
+  c.has_projections = true;
+  c.num_heads = c.num_kv_heads = H;
+  c.head_dim = D;
+  c.query_dim = c.key_dim = c.value_dim = c.out_dim = E;
+  c.causal = true;
+  c.output_gate = true;
+  LayerWeights& w = gated.weights;
+  w.wq = Random({H * D, E}, 700);
+  w.wk = Random({H * D, E}, 701);
+  w.wv = Random({H * D, E}, 702);
+  w.wo = Random({E, H * D}, 703);
+  w.bo = Random({E}, 704);
+  w.wg = Values(DType::kFloat32, {H * D, E}, std::vector<float>(H * D * E, 0.0f));
+  w.bg = Values(DType::kFloat32, {H * D}, {-4, -1, 0, 0.5, 2, 6});
+  ASSERT_TRUE(ValidateLayer(gated).ok()) << ValidateLayer(gated);
+
+  AttentionLayer scaled;
+  scaled.config = c;
+  scaled.config.output_gate = false;
+  scaled.weights = w;
+  scaled.weights.wg = Tensor();
+  scaled.weights.bg = Tensor();
+  for (int64_t o = 0; o < E; ++o) {
+    for (int64_t f = 0; f < H * D; ++f) {
+      const double g = w.bg.data_as<float>()[f];
+      scaled.weights.wo.data_as<float>()[o * H * D + f] *=
+          static_cast<float>(1.0 / (1.0 + std::exp(-g)));
+    }
+  }
+  ASSERT_TRUE(ValidateLayer(scaled).ok()) << ValidateLayer(scaled);
+
+  const Tensor x = Random({B, L, E}, 705);
+  std::vector<float> outs[2];
+  for (int i = 0; i < 2; ++i) {
+    Tensor out(DType::kFloat32, {B, L, E});
+    AttentionTask task;
+    task.query = x.view();
+    task.causal = true;
+    task.output = out.mutable_view();
+    ASSERT_TRUE(NewReferenceEngine()->Run(i == 0 ? gated : scaled, {&task, 1}).ok());
+    outs[i] = AsFloats(out);
+  }
+  for (size_t i = 0; i < outs[0].size(); ++i) {
+    EXPECT_NEAR(outs[0][i], outs[1][i], 1e-5 * (1 + std::fabs(outs[1][i]))) << i;
+  }
+
+  AttentionLayer bad = gated;
+  bad.weights.wg = Random({H * D, E + 1}, 706);
+  EXPECT_THAT(std::string(ValidateLayer(bad).message()),
+              ::testing::AllOf(::testing::HasSubstr("wg"), ::testing::HasSubstr("[6, 5]")));
+  bad = gated;
+  bad.config.output_gate = false;
+  EXPECT_THAT(std::string(ValidateLayer(bad).message()),
+              ::testing::HasSubstr("without output_gate"));
+}
+
 // nn.MultiheadAttention-style layer with grouped K/V heads, distinct
 // query/key/value/out dims, and a missing bias (bk), against NumPy-style
 // projections written here; self-attention on a layer whose dims allow it.

@@ -321,6 +321,89 @@ TEST(WeightLoaderTest, SinksAreReadOnlyWhenConfigured) {
   EXPECT_THAT(w.status().message(), AllOf(HasSubstr("'sinks'"), HasSubstr("no sinks")));
 }
 
+// The output gate as a linear of its own (AFMoE's gate_proj): read when
+// configured (its bias only with gate_bias), an error in the file without;
+// Keras kernels are transposed like the others.
+TEST(WeightLoaderTest, SeparateOutputGateIsReadOnlyWhenConfigured) {
+  std::vector<NamedTensor> tensors = {
+      T("q_proj.weight", {8, 6}, 1.0f), T("k_proj.weight", {4, 6}, 2.0f),
+      T("v_proj.weight", {4, 6}, 3.0f), T("o_proj.weight", {6, 8}, 4.0f),
+      T("gate_proj.weight", {8, 6}, 5.0f), T("gate_proj.bias", {8}, 6.0f)};
+  auto file = MakeFile(tensors);
+  WeightSpec spec = Spec(WeightLayout::kSeparateQkv, false, false);
+  spec.gate = WeightSpec::Gate::kSeparate;
+  spec.gate_bias = true;
+  auto w = LoadLayerWeights(*file, Config(6, 4, 2, 2), spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(Values(w->wg), tensors[4].values);
+  EXPECT_EQ(w->wg.shape(), (Shape{8, 6}));
+  EXPECT_EQ(Values(w->bg), tensors[5].values);
+  spec.gate_bias = false;  // the bias in the file, its flag off
+  w = LoadLayerWeights(*file, Config(6, 4, 2, 2), spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(), AllOf(HasSubstr("'gate_proj.bias'"),
+                                          HasSubstr("output_gate.bias is false")));
+  spec.gate = WeightSpec::Gate::kNone;
+  w = LoadLayerWeights(*file, Config(6, 4, 2, 2), spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(), AllOf(HasSubstr("'gate_proj.weight'"),
+                                          HasSubstr("no output_gate")));
+
+  NamedTensor kernel = T("gate/kernel", {6, 4, 2}, 7.0f);  // [in, H, hd]
+  auto keras = MakeFile({T("query/kernel", {6, 8}, 1.0f), T("key/kernel", {6, 4}, 2.0f),
+                         T("value/kernel", {6, 4}, 3.0f), T("attention_output/kernel", {8, 6}, 4.0f),
+                         kernel});
+  WeightSpec keras_spec = Spec(WeightLayout::kKerasDense, false, false);
+  keras_spec.gate = WeightSpec::Gate::kSeparate;
+  w = LoadLayerWeights(*keras, Config(6, 4, 2, 2), keras_spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  for (int64_t o = 0; o < 8; ++o) {
+    for (int64_t i = 0; i < 6; ++i) {
+      EXPECT_EQ(w->wg.data_as<float>()[o * 6 + i], kernel.values[i * 8 + o]);
+    }
+  }
+}
+
+// Qwen3-Next's q_proj: [q_h | gate_h] per head, 2 * H * hd rows (and its
+// bias likewise), split into the query and the gate row by row.
+TEST(WeightLoaderTest, GateInsideTheQueryProjectionIsSplitPerHead) {
+  const int64_t h = 3, hd = 2, in = 5;
+  NamedTensor qg = T("q_proj.weight", {2 * h * hd, in}, 1.0f);
+  NamedTensor qg_bias = T("q_proj.bias", {2 * h * hd}, 9.0f);
+  auto file = MakeFile({qg, qg_bias, T("k_proj.weight", {hd, in}, 2.0f),
+                        T("v_proj.weight", {hd, in}, 3.0f), T("o_proj.weight", {in, h * hd}, 4.0f)});
+  LayerConfig c = Config(in, h, 1, hd);
+  WeightSpec spec = Spec(WeightLayout::kSeparateQkv, false, false);
+  spec.q_bias = true;
+  spec.gate = WeightSpec::Gate::kQueryPerHead;
+  auto w = LoadLayerWeights(*file, c, spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_EQ(w->wq.shape(), (Shape{h * hd, in}));
+  ASSERT_EQ(w->wg.shape(), (Shape{h * hd, in}));
+  for (int64_t head = 0; head < h; ++head) {
+    for (int64_t d = 0; d < hd; ++d) {
+      const int64_t q_row = head * 2 * hd + d, g_row = q_row + hd, row = head * hd + d;
+      for (int64_t i = 0; i < in; ++i) {
+        EXPECT_EQ(w->wq.data_as<float>()[row * in + i], qg.values[q_row * in + i]);
+        EXPECT_EQ(w->wg.data_as<float>()[row * in + i], qg.values[g_row * in + i]);
+      }
+      EXPECT_EQ(w->bq.data_as<float>()[row], qg_bias.values[q_row]);
+      EXPECT_EQ(w->bg.data_as<float>()[row], qg_bias.values[g_row]);
+    }
+  }
+  // Without the gate, q_proj is twice as tall as a query projection.
+  spec.gate = WeightSpec::Gate::kNone;
+  w = LoadLayerWeights(*file, c, spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(), AllOf(HasSubstr("q_proj.weight"), HasSubstr("[6, 5]")));
+  // Only SEPARATE_QKV has a q_proj to hold it.
+  spec = Spec(WeightLayout::kTorchMha, false, false);
+  spec.gate = WeightSpec::Gate::kQueryPerHead;
+  w = LoadLayerWeights(*file, c, spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(), HasSubstr("needs layout SEPARATE_QKV"));
+}
+
 TEST(WeightLoaderTest, Bf16PrecisionRoundsWeights) {
   NamedTensor q = T("q_proj.weight", {2, 2}, 1.01f);
   auto file = MakeFile({q, T("k_proj.weight", {2, 2}, 0.0f), T("v_proj.weight", {2, 2}, 0.0f),

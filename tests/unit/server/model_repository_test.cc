@@ -309,6 +309,48 @@ TEST(ModelConfigTest, RopeRulesNameTheField) {
   EXPECT_THAT(sdpa.message(), HasSubstr("not allowed for kind \"sdpa\""));
 }
 
+// output_gate: "separate" by default, reaching the layer and the weight
+// spec; "query_per_head" only with SEPARATE_QKV and with its bias in q_proj's;
+// each rule names its field.
+TEST(ModelConfigTest, OutputGateResolvesAndItsRulesNameTheField) {
+  v1::ModelConfig afmoe = Resolved("embed_dim: 64 num_heads: 4 output_gate { bias: true }");
+  EXPECT_EQ(afmoe.output_gate().weights(), "separate");  // the default, reported
+  EXPECT_TRUE(ToLayerConfig(afmoe).output_gate);
+  EXPECT_EQ(ToWeightSpec(afmoe).gate, WeightSpec::Gate::kSeparate);
+  EXPECT_TRUE(ToWeightSpec(afmoe).gate_bias);
+  v1::ModelConfig qwen = Resolved(
+      "embed_dim: 64 num_heads: 4 weight_layout: SEPARATE_QKV "
+      "output_gate { weights: \"query_per_head\" }");
+  EXPECT_EQ(ToWeightSpec(qwen).gate, WeightSpec::Gate::kQueryPerHead);
+  EXPECT_TRUE(ToLayerConfig(qwen).output_gate);
+  v1::ModelConfig plain = Resolved("embed_dim: 64 num_heads: 4");
+  EXPECT_FALSE(ToLayerConfig(plain).output_gate);
+  EXPECT_EQ(ToWeightSpec(plain).gate, WeightSpec::Gate::kNone);
+  EXPECT_FALSE(LayerToModelConfig(AttentionLayer{ToLayerConfig(plain), {}, {}})
+                   .has_output_gate());
+  AttentionLayer gated;
+  gated.config = ToLayerConfig(qwen);
+  gated.weights.bg = Tensor(DType::kFloat32, {64});
+  const v1::ModelConfig reported = LayerToModelConfig(gated);
+  EXPECT_EQ(reported.output_gate().weights(), "separate");  // as the layer holds it
+  EXPECT_TRUE(reported.output_gate().bias());
+
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 output_gate { weights: \"fused\" }")
+                  .message(),
+              AllOf(HasSubstr("output_gate.weights"), HasSubstr("query_per_head")));
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 "
+                           "output_gate { weights: \"query_per_head\" }")
+                  .message(),
+              AllOf(HasSubstr("output_gate.weights"), HasSubstr("SEPARATE_QKV"),
+                    HasSubstr("TORCH_MHA")));
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 weight_layout: SEPARATE_QKV "
+                           "output_gate { weights: \"query_per_head\" bias: true }")
+                  .message(),
+              AllOf(HasSubstr("output_gate.bias"), HasSubstr("q_bias")));
+  EXPECT_THAT(ResolveError("kind: \"sdpa\" output_gate { }").message(),
+              AllOf(HasSubstr("output_gate"), HasSubstr("not allowed for kind \"sdpa\"")));
+}
+
 TEST(ModelConfigTest, SdpaNeedsNoDims) {
   v1::ModelConfig c = Resolved("kind: \"sdpa\" causal: true scale: 0.5 sliding_window: 128");
   LayerConfig layer = ToLayerConfig(c);

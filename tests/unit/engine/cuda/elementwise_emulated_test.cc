@@ -2,7 +2,7 @@
 // the host) run on warp_emulator.h against loops over the same definitions
 // (attention_kernels.h): a mask expanded into cuDNN's bias through its
 // broadcast strides with the bucket's padding, dtype conversion, the
-// projections' bias, the weights' mean over heads. Checked without a GPU;
+// projections' bias, the output gate, the weights' mean over heads. Checked without a GPU;
 // cuda_engine_test runs them on one, inside the engine.
 #include "tests/unit/engine/cuda/warp_emulator.h"  // first: it stands in for the device
 
@@ -130,6 +130,41 @@ TEST(ElementwiseEmulated, AddBiasAddsPerColumn) {
     for (int64_t r = 0; r < kRows; ++r)
       for (int64_t c = 0; c < kCols; ++c) want[r * kCols + c] = y_in[r * kCols + c] + b_in[c];
     EXPECT_EQ(got, ToBytes(want, type));
+  }
+}
+
+// Gated attention: x * sigmoid(gate) against float64 sigmoid, within the
+// type's rounding (the sigmoid rounded to bf16/fp16 first, then the
+// product, as PyTorch computes such a layer); an infinite gate closes
+// (x * 0) or opens (x exactly) the gate.
+TEST(ElementwiseEmulated, OutputGateIsSigmoidTimesValue) {
+  std::mt19937 rng(44);
+  std::vector<float> x = Random(1000, rng), gate = Random(1000, rng);
+  for (float& g : gate) g *= 4.0f;  // over sigmoid's whole curve
+  gate[0] = INFINITY;
+  gate[1] = -INFINITY;
+  const int64_t n = static_cast<int64_t>(x.size());
+  for (const DType type : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    SCOPED_TRACE(DTypeName(type));
+    std::vector<uint8_t> got = ToBytes(x, type);
+    const std::vector<uint8_t> gate_bytes = ToBytes(gate, type);
+    std::vector<float> x_in(n), g_in(n), out(n);
+    ConvertToFloat(type, got.data(), n, x_in.data());
+    ConvertToFloat(type, gate_bytes.data(), n, g_in.data());
+    ASSERT_EQ(LaunchOutputGate(got.data(), gate_bytes.data(), type, n, nullptr), cudaSuccess);
+    ConvertToFloat(type, got.data(), n, out.data());
+    // Two roundings to the type (or float's few ulps for FLOAT32).
+    const double eps = type == DType::kFloat32    ? 1e-6
+                       : type == DType::kBFloat16 ? 2.0 / 256
+                                                  : 2.0 / 2048;
+    for (int64_t i = 0; i < n; ++i) {
+      const double want = x_in[i] / (1.0 + std::exp(-static_cast<double>(g_in[i])));
+      // fp16 results below 2^-14 are subnormal: spaced 2^-24 apart.
+      const double floor = type == DType::kFloat16 ? std::ldexp(1.0, -24) : 1e-30;
+      ASSERT_NEAR(out[i], want, eps * std::fabs(want) + floor) << "element " << i;
+    }
+    EXPECT_EQ(out[0], x_in[0]);
+    EXPECT_EQ(out[1], 0.0f);
   }
 }
 
