@@ -138,7 +138,18 @@ FAMILIES = {
         rope_type="dynamic", alpha=1000.0, factor=1.0, rope_theta=10000.0)), 0, "served"),
     "hunyuan-moe": ("hunyuan_v1_moe", "HunYuanMoEV1", dict(rope_parameters=dict(
         rope_type="dynamic", alpha=1000.0, factor=1.0, rope_theta=10000.0)), 0, "served"),
-    "qwen3-next": ("qwen3_next", "Qwen3Next", {}, 0, "output gate"),
+    # Gated attention: sigmoid of a projection of the input times the
+    # attention output; the gate inside q_proj (Qwen3-Next, Qwen3.5: their
+    # full-attention layers, QK-norm (1 + w), RoPE on a quarter of each
+    # head) or a gate_proj of its own (AFMoE: QK-norm, RoPE and a window on
+    # its local layers, neither on its global ones).
+    "qwen3-next": ("qwen3_next", "Qwen3Next", dict(num_hidden_layers=4), 3, "served"),
+    "qwen3.5": ("qwen3_5", "Qwen3_5Text", dict(num_hidden_layers=4), 3, "served"),
+    "qwen3.5-moe": ("qwen3_5_moe", "Qwen3_5MoeText", dict(num_hidden_layers=4), 3, "served"),
+    "afmoe-local": ("afmoe", "Afmoe", dict(sliding_window=WINDOW, num_hidden_layers=4), 0,
+                    "served"),
+    "afmoe-global": ("afmoe", "Afmoe", dict(sliding_window=WINDOW, num_hidden_layers=4), 3,
+                     "served"),
     # Q, K and V clamped after the projections: refused.
     "olmo-clip-qkv": ("olmo", "Olmo", dict(clip_qkv=8.0), 0, "QKV clipping"),
     "gpt-oss-sliding": ("gpt_oss", "GptOss", dict(sliding_window=WINDOW, rope_parameters=YARN,

@@ -120,7 +120,7 @@ _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_
                 "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias", "out_bias",
                 "weight_layout", "tensor_prefix", "tensor_names", "scale", "causal", "precision",
                 "batching", "instances", "backend", "rope", "qk_norm", "sliding_window", "softcap",
-                "sinks"]
+                "sinks", "output_gate"]
 
 
 def _scalar(field, value):
@@ -159,7 +159,7 @@ def config_text(config):
             inner = " ".join(f"{k}: {int(v)}" for k, v in sorted(value.items()) if v)
             if inner:
                 lines.append(f"batching {{ {inner} }}")
-        elif field in ("rope", "qk_norm"):
+        elif field in ("rope", "qk_norm", "output_gate"):
             # Floats as repr (shortest round-trip double): theta and factors are doubles.
             inner = " ".join(f"{k}: {json.dumps(v) if isinstance(v, str) else _rope_scalar(v)}"
                              for k, v in value.items() if v is not None)
@@ -341,7 +341,18 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
                      # RoPE on some layers only (_rope_skipped)
                      "cohere2": True, "smollm3": False, "exaone4": False,
                      # QK-norm after RoPE, NTK-alpha RoPE (a stretched theta)
-                     "hunyuan_v1_dense": False, "hunyuan_v1_moe": False}
+                     "hunyuan_v1_dense": False, "hunyuan_v1_moe": False,
+                     # gated attention (_OUTPUT_GATES); Qwen3.5's multimodal
+                     # RoPE is the plain one for text (one position per token)
+                     "qwen3_next": False, "qwen3_5_text": False, "qwen3_5_moe_text": False,
+                     "afmoe": False}
+# Gated attention: the model types whose attention output is multiplied by
+# sigmoid of a projection of the layer's input (elementwise, before o_proj),
+# and where that projection is: "query_per_head", inside q_proj (each head's
+# query rows, then its gate rows: Qwen3-Next, Qwen3.5), or "separate", a
+# gate_proj linear (AFMoE). Checked against transformers' own classes.
+_OUTPUT_GATES = {"qwen3_next": "query_per_head", "qwen3_5_text": "query_per_head",
+                 "qwen3_5_moe_text": "query_per_head", "afmoe": "separate"}
 _ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
 
@@ -357,7 +368,6 @@ _NOT_COMPUTED = {
     "phimoe": "PhiMoE's rotary embedding, whose LongRoPE long factors transformers never "
               "applies (it rotates with the short ones at every length and scales by "
               "long_mscale past the training context)",
-    "qwen3_next": "an output gate from the query projection (gated attention)",
 }
 
 
@@ -366,7 +376,7 @@ def _rope_skipped(module, config, model_type):
     RoPE (NoPE layers), by the model's own rule: Cohere2 and EXAONE 4 rotate
     on their sliding-window layers only (EXAONE 4 on all when it has no
     window), SmolLM3 where config.no_rope_layers says (the module's
-    use_rope)."""
+    use_rope), AFMoE on its local layers (is_local_attention)."""
     if model_type == "cohere2":
         return getattr(module, "sliding_window", None) is None
     if model_type == "exaone4":
@@ -374,6 +384,8 @@ def _rope_skipped(module, config, model_type):
             not getattr(module, "is_sliding", False)
     if model_type == "smollm3":
         return not getattr(module, "use_rope", True)
+    if model_type == "afmoe":  # RoPE on its local (sliding-window) layers only
+        return not getattr(module, "is_local_attention", True)
     return False
 
 
@@ -503,6 +515,26 @@ def _qk_norms(module):
     return q, k, False
 
 
+def _norm_weight_offset(norm, eps):
+    """Whether an RMSNorm module scales by (1 + w) (Gemma, Qwen3-Next,
+    Qwen3.5: weights stored around 0) rather than by w: read from what it
+    computes on a probe vector, compared with both forms in float64. An
+    RMSNorm that computes neither is refused."""
+    dtype = norm.weight.dtype
+    weight = norm.weight.detach().double().flatten()
+    x = torch.linspace(-2.0, 3.0, weight.numel(), dtype=torch.float64).to(dtype)
+    with torch.no_grad():
+        got = norm(x).double().flatten()
+    x = x.double()
+    normed = x / torch.sqrt((x * x).mean() + eps)
+    rtol = 1e-3 if dtype in (torch.float32, torch.float64) else 2e-2
+    for offset, want in ((False, normed * weight), (True, normed * (1 + weight))):
+        if torch.allclose(got, want, rtol=rtol, atol=1e-5):
+            return offset
+    raise ExportError(f"QK-norm {type(norm).__name__} computes neither RMSNorm x * w nor "
+                      "x * (1 + w)")
+
+
 def qk_norm_config(module, head_dim):
     """The `qk_norm` of an attnserve ModelConfig for a module with RMSNorm
     children `q_norm` and `k_norm`, per head (Qwen3; Gemma3's adds 1 to its
@@ -539,7 +571,10 @@ def qk_norm_config(module, head_dim):
                           "on the other")
     eps = getattr(q, "variance_epsilon", None) or getattr(q, "eps", None) or \
         _config_value(getattr(module, "config", None), "rms_norm_eps") or 1e-6
-    config = dict(eps=float(eps), weight_offset=all("Gemma" in kind for kind in kinds))
+    offsets = {_norm_weight_offset(norm, float(eps)) for norm in (q, k)}
+    if len(offsets) != 1:
+        raise ExportError("QK-norm with x * w on one of Q and K and x * (1 + w) on the other")
+    config = dict(eps=float(eps), weight_offset=offsets.pop())
     if "projection" in widths:
         config["whole_projection"] = True
     if after_rope:
@@ -617,6 +652,13 @@ def unsupported_features(module, head_dim=None, num_heads=None):
     norms = [n for n in ("q_layernorm", "k_layernorm") if getattr(module, n, None) is not None]
     if norms:
         found.append(f"QK LayerNorm ({', '.join(norms)})")
+    model_type = _config_value(config, "model_type")
+    for name in ("gate_proj", "gate", "g_proj"):
+        if _linear(module, name) is not None and model_type not in _OUTPUT_GATES:
+            # A gate attnserve would leave out: another number on every token.
+            found.append(f"a gate on the attention output ({name}) of model type "
+                         f"{model_type!r}, whose gating attnserve does not know (known: "
+                         f"{', '.join(sorted(_OUTPUT_GATES))})")
     clip = getattr(module, "clip_qkv", None) or _config_value(config, "clip_qkv")
     if clip:
         # OLMo (1), OLMoE: Q, K and V clamped to [-clip, clip] after the projections.
@@ -665,6 +707,10 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
         _config_value(getattr(module, "config", None), "attn_logit_softcapping")
     if softcap:
         config["softcap"] = float(softcap)
+    gate, gate_tensors = output_gate_config(module, config["num_heads"], config["head_dim"])
+    if gate is not None:
+        config["output_gate"] = gate
+        tensors.update(gate_tensors)
     qk_norm = qk_norm_config(module, config["head_dim"])
     if qk_norm is not None:
         config["qk_norm"] = qk_norm
@@ -674,8 +720,48 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
     return config, tensors
 
 
+class _QueryOfGated:
+    """A q_proj that holds each head's gate rows after its query rows
+    (_OUTPUT_GATES "query_per_head"), seen as the query projection it holds:
+    its tensors as they are, half its outputs."""
+
+    def __init__(self, linear):
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features // 2
+
+
+def output_gate_config(module, num_heads, head_dim):
+    """The `output_gate` of an attnserve ModelConfig for a module of gated
+    attention (_OUTPUT_GATES), with the gate's tensors: {} for
+    "query_per_head" (they stay in q_proj.*), gate_proj.* for "separate";
+    (None, {}) for other model types."""
+    config = getattr(module, "config", None)
+    where = _OUTPUT_GATES.get(_config_value(config, "model_type"))
+    if where is None:
+        return None, {}
+    width = num_heads * head_dim
+    if where == "query_per_head":
+        q = _linear(module, "q_proj")
+        if q is None or q.out_features != 2 * width:
+            raise ExportError(f"gated attention whose q_proj has {getattr(q, 'out_features', 0)} "
+                              f"outputs, not 2 * num_heads {num_heads} * head_dim {head_dim} "
+                              "(each head's query, then its gate)")
+        return dict(weights="query_per_head"), {}
+    gate = _linear(module, "gate_proj")
+    if gate is None or gate.out_features != width:
+        raise ExportError(f"gated attention without a gate_proj of num_heads {num_heads} * "
+                          f"head_dim {head_dim} outputs")
+    tensors = {"gate_proj.weight": gate.weight}
+    if gate.bias is not None:
+        tensors["gate_proj.bias"] = gate.bias
+    return dict(weights="separate", bias=gate.bias is not None), tensors
+
+
 def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout):
     q, k, v = (_linear(module, n) for n in ("q_proj", "k_proj", "v_proj"))
+    if q is not None and _OUTPUT_GATES.get(_config_value(getattr(module, "config", None),
+                                                         "model_type")) == "query_per_head":
+        q = _QueryOfGated(q)
     if q is not None and k is not None and v is not None:
         for out_name in ("o_proj", "out_proj", "dense", "proj"):
             o = _linear(module, out_name)
