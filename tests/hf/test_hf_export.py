@@ -14,11 +14,12 @@ export by name. QK-norm (Qwen3, and Gemma3's 1 + w), sliding windows
 (Mistral; Gemma2's and gpt-oss's every other layer), logit softcapping
 (Gemma2) and attention sinks (gpt-oss) are served exactly too, and so are LongRoPE (Phi-3.5,
 Phi-4-mini: its factors picked per request, a session's cached keys keeping theirs), QK-norm
-over the whole projection (OLMo-2) and the same attention under other model types (MoE
+over the whole projection (OLMo-2), gated attention (Qwen3-Next and Qwen3.5, the gate inside
+q_proj; AFMoE, a gate_proj) and the same attention under other model types (MoE
 variants and others, MORE_FAMILIES). transformers 4.45.2 is the newest that imports with
-Debian's torch 1.13: families that need a newer one (Qwen3, Gemma3, OLMo-2, gpt-oss) are
-stood in for by modules with their attributes; tests/hf/current_transformers.py checks the
-real classes of transformers 5.x."""
+Debian's torch 1.13: families that need a newer one (Qwen3, Gemma3, OLMo-2, Hunyuan, gpt-oss,
+Qwen3-Next, AFMoE) are stood in for by modules built from transformers' parts;
+tests/hf/current_transformers.py checks the real classes of transformers 5.x."""
 
 import math
 import os
@@ -110,6 +111,10 @@ def _served_module(family):
         m = _QkNormAttention(family)
     elif family == "hunyuan":
         m = _QkNormAttention("hunyuan_v1_dense")
+    elif family == "qwen3-next":
+        m = _GatedAttention("qwen3_next")
+    elif family == "afmoe":
+        m = _GatedAttention("afmoe")
     elif family.startswith("gpt-oss"):
         m = _GptOssAttention(sliding=family == "gpt-oss-sliding")
     else:
@@ -132,8 +137,8 @@ MORE_FAMILIES = {"qwen2-moe": ("qwen2_moe", "Qwen2Moe", {}),
                  "nemotron": ("nemotron", "Nemotron", dict(partial_rotary_factor=0.5))}
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
             "qwen2", "phi3", "phi3-longrope", "gpt-neox", "qwen3", "gemma3", "olmo2", "hunyuan",
-            "gemma2-sliding", "gemma2-full", "gpt-oss-sliding", "gpt-oss-full",
-            *MORE_FAMILIES]
+            "gemma2-sliding", "gemma2-full", "gpt-oss-sliding", "gpt-oss-full", "qwen3-next",
+            "afmoe", *MORE_FAMILIES]
 
 
 class _GptOssAttention(nn.Module):
@@ -234,6 +239,59 @@ class _QkNormAttention(nn.Module):
         return (self.o_proj(out),)
 
 
+class _GatedAttention(nn.Module):
+    """Gated attention as transformers 5.x writes it, from transformers' own
+    parts (4.45.2 has none of these models): Qwen3-Next's and Qwen3.5's
+    (Qwen3NextAttention: q_proj yields each head's query and then its gate,
+    QK-norm (1 + w) as GemmaRMSNorm computes it, RoPE on a quarter of each
+    head) or AFMoE's local layers (AfmoeAttention: a gate_proj of its own,
+    QK-norm, RoPE, a sliding window); then the attention output, heads
+    concatenated, times sigmoid(gate), then o_proj."""
+
+    def __init__(self, kind):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+        self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, 16
+        self.in_query = kind == "qwen3_next"
+        self.config = LlamaConfig(**COMMON, rope_theta=1e7 if self.in_query else 1e4,
+                                  rms_norm_eps=1e-6,
+                                  partial_rotary_factor=0.25 if self.in_query else 1.0)
+        self.config.model_type = kind
+        self.q_proj = nn.Linear(64, 128 if self.in_query else 64, bias=False)
+        self.k_proj, self.v_proj = nn.Linear(64, 32, bias=False), nn.Linear(64, 32, bias=False)
+        self.o_proj = nn.Linear(64, 64, bias=False)
+        norm = GemmaRMSNorm if self.in_query else LlamaRMSNorm
+        self.q_norm, self.k_norm = norm(16, eps=1e-6), norm(16, eps=1e-6)
+        if not self.in_query:
+            self.gate_proj = nn.Linear(64, 64, bias=False)
+            self.is_local_attention, self.sliding_window = True, WINDOW
+        with torch.no_grad():  # gates over sigmoid's curve, not only near 0.5
+            (self.q_proj if self.in_query else self.gate_proj).weight.mul_(4.0)
+        self.rotary = LlamaRotaryEmbedding(config=self.config)
+
+    def forward(self, x, attention_mask=None, position_ids=None):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+        b, length, _ = x.shape
+        if self.in_query:  # Qwen3NextAttention: [q_h | gate_h] per head
+            q, gate = torch.chunk(self.q_proj(x).view(b, length, 4, 32), 2, dim=-1)
+            gate = gate.reshape(b, length, 64)
+        else:
+            q, gate = self.q_proj(x).view(b, length, 4, 16), self.gate_proj(x)
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, length, 2, 16)).transpose(1, 2)
+        v = self.v_proj(x).view(b, length, 2, 16).transpose(1, 2)
+        cos, sin = self.rotary(v, position_ids)
+        rd = cos.shape[-1]  # the rotary part, then the rest as it is
+        q_rot, k_rot = apply_rotary_pos_emb(q[..., :rd], k[..., :rd], cos, sin)
+        q, k = torch.cat([q_rot, q[..., rd:]], -1), torch.cat([k_rot, k[..., rd:]], -1)
+        k, v = repeat_kv(k, 2), repeat_kv(v, 2)
+        s = q @ k.transpose(2, 3) / math.sqrt(16) + attention_mask
+        out = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, length, 64)
+        return (self.o_proj(out * torch.sigmoid(gate)),)
+
+
 def _module_forward(m, x, window=None):
     """The module's own causal forward in float64 (positions 0..L-1), with
     the mask transformers' models build for it: causal, and with a sliding
@@ -328,7 +386,13 @@ def _np_layer(x, weights, config, positions=None):
         q, k, v = qkv[..., :hd], qkv[..., hd:2 * hd], qkv[..., 2 * hd:]
         out_name = "dense"
     else:
-        q = lin("q_proj", x).reshape(bsz, length, h, hd)
+        gate = config.get("output_gate")
+        if gate and gate["weights"] == "query_per_head":  # [q_h | gate_h] per head
+            qg = lin("q_proj", x).reshape(bsz, length, h, 2 * hd)
+            q, g = qg[..., :hd], qg[..., hd:].reshape(bsz, length, h * hd)
+        else:
+            q = lin("q_proj", x).reshape(bsz, length, h, hd)
+            g = lin("gate_proj", x) if gate else None
         k = lin("k_proj", x).reshape(bsz, length, hkv, hd)
         v = lin("v_proj", x).reshape(bsz, length, hkv, hd)
         out_name = "o_proj"
@@ -360,6 +424,8 @@ def _np_layer(x, weights, config, positions=None):
     p = np.exp(s - top)
     p /= p.sum(-1, keepdims=True) + np.exp(sink - top)
     o = np.einsum("bhlm,bmhd->blhd", p, v).reshape(bsz, length, h * hd)
+    if config.get("output_gate"):
+        o = o / (1 + np.exp(-g))
     return lin(out_name, o)
 
 
@@ -402,7 +468,8 @@ def test_rope_layers_are_served_as_the_module_computes_them(served, family):
 @pytest.mark.parametrize("family", ["llama", "llama3", "llama-yarn", "mistral", "gpt-neox",
                                     "phi3-longrope", "qwen3", "gemma3", "olmo2", "hunyuan",
                                     "gemma2-sliding",
-                                    "gemma2-full", "gpt-oss-sliding", "gpt-oss-full"])
+                                    "gemma2-full", "gpt-oss-sliding", "gpt-oss-full",
+                                    "qwen3-next", "afmoe"])
 def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family):
     client, _, configs, weights = served
     x = np.random.default_rng(2).uniform(-1, 1, (1, 3000, 64)).astype(np.float32)
@@ -415,7 +482,7 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "hunyuan", "mistral",
-                                    "gemma2-sliding", "gpt-oss-sliding"])
+                                    "gemma2-sliding", "gpt-oss-sliding", "qwen3-next", "afmoe"])
 def test_a_session_continues_its_positions(served, family):
     """Prefill 24 tokens, then 100 single-token steps: every step equals the
     matching row of one causal request over the whole sequence."""
@@ -581,7 +648,7 @@ def test_ragged_batches_with_key_lengths(served, family):
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "gemma2-sliding",
-                                    "gpt-oss-sliding"])
+                                    "gpt-oss-sliding", "qwen3-next", "afmoe"])
 def test_bf16_layers_within_bf16_tolerance(tmp_path, family):
     """The same modules exported with precision bf16 (weights and products in
     bfloat16): within bf16's tolerance of the float64 forward."""
@@ -677,10 +744,12 @@ def test_what_attnserve_cannot_compute_is_refused_by_name(tmp_path, family):
 class _StandIn(nn.Module):
     """q/k/v/o projections plus what a transformers 5.x module carries."""
 
-    def __init__(self, config=None, qk_norm=False, sinks=False):
+    def __init__(self, config=None, qk_norm=False, sinks=False, gate=False):
         super().__init__()
         self.q_proj, self.k_proj = nn.Linear(64, 64), nn.Linear(64, 32)
         self.v_proj, self.o_proj = nn.Linear(64, 32), nn.Linear(64, 64)
+        if gate:
+            self.gate_proj = nn.Linear(64, 64)
         self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, 16
         if config is not None:
             self.config = config
@@ -720,7 +789,11 @@ class _Config:
     # What a model type computes that attnserve does not, named.
     (lambda: _StandIn(_Config(model_type="phimoe", rope_theta=1e4)),
      ["(phimoe)", "long factors transformers never applies"]),
-    (lambda: _StandIn(_Config(model_type="qwen3_next", rope_theta=1e4)), ["output gate"]),
+    # A gate on the attention output of a model type whose gating is unknown.
+    (lambda: _StandIn(_Config(model_type="llama", rope_theta=1e4), gate=True),
+     ["gate on the attention output (gate_proj) of model type 'llama'"]),
+    # Qwen3-Next's gate lives in q_proj: one only as wide as the query is not it.
+    (lambda: _StandIn(_Config(model_type="qwen3_next", rope_theta=1e4)), ["gated attention"]),
     # RoPE of a model type whose pairing attnserve does not know.
     (lambda: _StandIn(_Config(model_type="mystery", rope_theta=1e4)), ["'mystery'"]),
     # Gemma3 in transformers 5.x: RoPE parameters per layer type.
@@ -748,16 +821,21 @@ def test_transformers_5_features_are_refused_too(tmp_path, module, words):
     # SmolLM3: every fourth layer without (its use_rope).
     ("smollm3", {}, dict(use_rope=True, sliding_window=None), "half", None),
     ("smollm3", {}, dict(use_rope=False, sliding_window=None), None, None),
+    # AFMoE: RoPE and the window on its local layers, neither on its global ones.
+    ("afmoe", {}, dict(is_local_attention=True, sliding_window=16), "half", 16),
+    ("afmoe", {}, dict(is_local_attention=False, sliding_window=None), None, None),
 ])
 def test_layers_without_rope_are_exported_without_it(tmp_path, model_type, config, layer, rope,
                                                       window):
     """Models that rotate on some layers only, by their own rules (transformers
     5.x; tests/hf/current_transformers.py checks them against the real
     classes): such a layer exports no rope, the others their pairing."""
-    module = _StandIn(_Config(model_type=model_type, rope_theta=1e4, **config))
+    gated = model_type == "afmoe"  # its gate_proj, on every layer
+    module = _StandIn(_Config(model_type=model_type, rope_theta=1e4, **config), gate=gated)
     for name, value in layer.items():
         setattr(module, name, value)
     exported = export_module(module, str(tmp_path / "m"))
+    assert ("output_gate" in exported) == gated
     if rope is None:
         assert "rope" not in exported
     else:

@@ -759,8 +759,14 @@ def output_gate_config(module, num_heads, head_dim):
 
 def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout):
     q, k, v = (_linear(module, n) for n in ("q_proj", "k_proj", "v_proj"))
-    if q is not None and _OUTPUT_GATES.get(_config_value(getattr(module, "config", None),
-                                                         "model_type")) == "query_per_head":
+    model_type = _config_value(getattr(module, "config", None), "model_type")
+    if q is not None and _OUTPUT_GATES.get(model_type) == "query_per_head":
+        h = num_heads or _first_attr(module, ("num_heads", "num_attention_heads"))
+        hd = head_dim or _first_attr(module, ("head_dim",))
+        if h and hd and q.out_features != 2 * h * hd:
+            raise ExportError(f"gated attention ({model_type}) whose q_proj has "
+                              f"{q.out_features} outputs, not 2 * num_heads {h} * head_dim {hd} "
+                              "(each head's query, then its gate)")
         q = _QueryOfGated(q)
     if q is not None and k is not None and v is not None:
         for out_name in ("o_proj", "out_proj", "dense", "proj"):
