@@ -78,6 +78,12 @@ LLM_LAYERS = {
                                          "original_max_position_embeddings": 48,
                                          "short_factor": [1.0 + 0.02 * i for i in range(24)],
                                          "long_factor": [1.0 + 1.5 * i for i in range(24)]}),
+    # Qwen3-Next / Qwen3.5: the output gate inside q_proj, QK-norm (1 + w),
+    # RoPE on a quarter of each head.
+    "qwen3-next": dict(causal=True, rope={"type": "default", "theta": 10000000.0,
+                                          "rotary_dim": 16},
+                       qk_norm={"eps": 1e-6, "weight_offset": True},
+                       output_gate={"weights": "query_per_head"}),
 }
 
 
@@ -98,6 +104,10 @@ def _write_llm_layers(root):
                                                     head_dim * (kv_heads if whole else 1))
         if features.get("sinks"):
             t["sinks"] = rng.normal(0.0, 2.0, heads)
+        if "output_gate" in features:  # [q_h | gate_h] per head, gates over sigmoid's curve
+            q = t["q_proj.weight"].reshape(heads, 1, head_dim, embed)
+            gate = rng.uniform(-4, 4, (heads, 1, head_dim, embed)) / np.sqrt(embed)
+            t["q_proj.weight"] = np.concatenate([q, gate], axis=1).reshape(-1, embed)
         tensors = {k: np.asarray(v, dtype=np.float32) for k, v in t.items()}
         for precision in ("fp32", "bf16"):
             config = dict(embed_dim=embed, num_heads=heads, num_kv_heads=kv_heads,

@@ -351,8 +351,8 @@ TEST(WeightLoaderTest, SeparateOutputGateIsReadOnlyWhenConfigured) {
 
   NamedTensor kernel = T("gate/kernel", {6, 4, 2}, 7.0f);  // [in, H, hd]
   auto keras = MakeFile({T("query/kernel", {6, 8}, 1.0f), T("key/kernel", {6, 4}, 2.0f),
-                         T("value/kernel", {6, 4}, 3.0f), T("attention_output/kernel", {8, 6}, 4.0f),
-                         kernel});
+                         T("value/kernel", {6, 4}, 3.0f),
+                         T("attention_output/kernel", {8, 6}, 4.0f), kernel});
   WeightSpec keras_spec = Spec(WeightLayout::kKerasDense, false, false);
   keras_spec.gate = WeightSpec::Gate::kSeparate;
   w = LoadLayerWeights(*keras, Config(6, 4, 2, 2), keras_spec);
