@@ -100,7 +100,7 @@ struct DecodeStep {
   DecodeStep(const DecodeShape& shape, bool with_contiguous, int threads) : s(shape) {
     const int64_t es = static_cast<int64_t>(DTypeSize(s.dtype));
     blocks_per_session = (s.context + s.block_tokens - 1) / s.block_tokens;
-    first_block = FirstWindowKey(s.context - 1, s.window) / s.block_tokens;
+    first_block = FirstWindowKey(s.context - 1, s.window, 0) / s.block_tokens;
     block_elems_k = s.hkv * s.block_tokens * s.d;
     const int64_t blocks = 2 * s.sessions * (blocks_per_session - first_block);  // K and V
     const int64_t pool_elems = blocks * block_elems_k;

@@ -48,6 +48,18 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer '", c.name, "': sliding_window must be >= 0 (0 = none), got ", c.sliding_window));
   }
+  if (c.attention_chunk < 0 || (c.attention_chunk > 0 && !c.causal)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer '", c.name, "': attention_chunk must be >= 0 (0 = none), and > 0 only on a "
+        "causal layer; got ", c.attention_chunk, c.causal ? "" : " on a layer that is not causal"));
+  }
+  const TemperatureTuning& t = c.temperature_tuning;
+  if (t.enabled && (!std::isfinite(t.floor_scale) || t.floor_scale <= 0 ||
+                    !std::isfinite(t.attn_scale))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer '", c.name, "': temperature_tuning needs floor_scale > 0 and a finite attn_scale, "
+        "got ", t.floor_scale, " and ", t.attn_scale));
+  }
   if (!c.has_projections) {
     // Head layout: dims come from each request, and there is nothing to weigh.
     const LayerWeights& w = layer.weights;
@@ -58,10 +70,11 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
       }
     }
     if (c.rope.type != RopeConfig::Type::kNone || c.qk_norm.enabled || c.sinks ||
-        c.output_gate) {
+        c.output_gate || c.temperature_tuning.enabled) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer '", c.name,
-          "': rope, qk_norm, sinks and output_gate apply to projection layers only"));
+          "': rope, qk_norm, sinks, output_gate and temperature_tuning apply to projection "
+          "layers only"));
     }
     return absl::OkStatus();
   }

@@ -44,7 +44,7 @@ struct RopeConfig {
   bool interleaved = false;
   double factor = 0.0;            // linear, llama3, yarn, longrope: > 0
   double low_freq_factor = 0.0;   // llama3
-  double high_freq_factor = 0.0;  // llama3: > low_freq_factor
+  double high_freq_factor = 0.0;  // llama3: >= low_freq_factor
   int64_t original_max_position_embeddings = 0;  // llama3, yarn, longrope
   double beta_fast = 0.0, beta_slow = 0.0;       // yarn
   double attention_factor = 0.0;                 // yarn, longrope: > 0
@@ -66,6 +66,19 @@ struct QkNormConfig {
   bool weight_offset = false;
   bool whole_projection = false;
   bool after_rope = false;
+};
+
+// Attention temperature tuning (Llama 4's layers without RoPE,
+// attn_temperature_tuning): each query row, after the projections (and any
+// QK-norm and RoPE), is multiplied by
+//   log1p(floor((p + 1) / floor_scale)) * attn_scale + 1,
+// p the query's index in its sequence (in a session, after its cached
+// tokens), as transformers takes its cache position: explicit positions do
+// not change it (engine/temperature.h).
+struct TemperatureTuning {
+  bool enabled = false;
+  double floor_scale = 0.0;  // > 0
+  double attn_scale = 0.0;   // finite
 };
 
 struct LayerConfig {
@@ -102,6 +115,12 @@ struct LayerConfig {
   // > 0: sliding-window attention, Hugging Face's rule: the query at position
   // p sees keys p - sliding_window + 1 .. p (with causal; positions as above).
   int64_t sliding_window = 0;
+  // > 0: chunked attention (Llama 4's attention_chunk_size): the query at
+  // position p sees keys floor(p / attention_chunk) * attention_chunk .. p,
+  // its own chunk (positions as above; causal layers only).
+  int64_t attention_chunk = 0;
+  // Projection layers only (above).
+  TemperatureTuning temperature_tuning;
   // > 0: logit softcapping: scores = softcap * tanh(scores / softcap) after
   // the scale, before the masks (Gemma 2's attn_logit_softcapping).
   float softcap = 0.0f;

@@ -73,11 +73,16 @@ struct AttentionParams {
   // aligned) and sees key j iff all hold:
   //   causal => j <= i + (kv_len - q_len)
   //   window > 0 => j >= i + (kv_len - q_len) - window + 1   (sliding window)
+  //   chunk > 0 => j >= (i + (kv_len - q_len)) / chunk * chunk
+  //                                (chunked attention: with causal, the
+  //                                 query's own chunk of `chunk` keys)
   //   key_lengths != nullptr => j < key_lengths[b]
   //   mask is kBool => mask(b, h, i, j) != 0
   // A row that sees no key yields zeros (output and weights), never NaN.
+  // FirstVisibleKey (below) is the window and chunk rules' first key.
   bool causal = false;
   int64_t window = 0;
+  int64_t chunk = 0;
   const int64_t* key_lengths = nullptr;  // [batch], values in [0, kv_len]
   MaskParams mask;
 
@@ -102,18 +107,27 @@ struct AttentionParams {
 // Paged K/V blocks hold a multiple of this many tokens (see AttentionParams).
 inline constexpr int64_t kPagedBlockTokensMultiple = 16;
 
-// Sliding windows over paged K/V. A kernel may read keys from the start of
-// the kWindowGrainTokens-aligned run that holds a row's window start (the cpu
-// kernel's key blocks are aligned so, which keeps a paged request bitwise
-// equal to the contiguous one), never earlier. So the blocks wholly before
-// FirstWindowKey(first query position, window) may be null (a session
-// releases them): with window > 0, no weights, the first query row at
-// position kv_len - q_len.
+// The first key the query at `position` sees under the sliding window and
+// chunk rules (AttentionParams; 0 without either). It never decreases as
+// the position grows.
+inline int64_t FirstVisibleKey(int64_t position, int64_t window, int64_t chunk) {
+  int64_t start = 0;
+  if (window > 0 && position - window + 1 > start) start = position - window + 1;
+  if (chunk > 0 && position / chunk * chunk > start) start = position / chunk * chunk;
+  return start;
+}
+
+// Sliding windows and chunks over paged K/V. A kernel may read keys from the
+// start of the kWindowGrainTokens-aligned run that holds a row's first
+// visible key (the cpu kernel's key blocks are aligned so, which keeps a
+// paged request bitwise equal to the contiguous one), never earlier. So the
+// blocks wholly before FirstWindowKey(first query position, window, chunk)
+// may be null (a session releases them): with window or chunk > 0, no
+// weights, the first query row at position kv_len - q_len.
 inline constexpr int64_t kWindowGrainTokens = 256;
-inline int64_t FirstWindowKey(int64_t first_query_position, int64_t window) {
-  if (window <= 0) return 0;
-  const int64_t start = first_query_position - window + 1;
-  return start <= 0 ? 0 : start / kWindowGrainTokens * kWindowGrainTokens;
+inline int64_t FirstWindowKey(int64_t first_query_position, int64_t window, int64_t chunk) {
+  const int64_t start = FirstVisibleKey(first_query_position, window, chunk);
+  return start / kWindowGrainTokens * kWindowGrainTokens;
 }
 
 // Strides for a contiguous [B, H, L, D] tensor.

@@ -106,6 +106,13 @@ absl::Status CheckTaskOptions(const LayerConfig& layer, const AttentionTask& tas
     if (layer.rope.type == RopeConfig::Type::kNone) {
       return absl::InvalidArgumentError("positions: the layer has no rotary embedding");
     }
+    if (layer.attention_chunk > 0) {
+      // Its chunks follow the token index; positions would only move the
+      // rotation, not the chunks (transformers shifts them by left padding).
+      return absl::InvalidArgumentError(absl::StrCat(
+          "positions: not supported by a chunked-attention layer (attention_chunk ",
+          layer.attention_chunk, "): its chunks follow the token index"));
+    }
     if (static_cast<int64_t>(task.positions.size()) != d.batch * d.kv_len) {
       return absl::InvalidArgumentError(
           absl::StrCat("positions: must hold B * Lk = ", d.batch * d.kv_len, " values, got ",
@@ -266,6 +273,7 @@ absl::StatusOr<AttentionParams> MakeCoreParams(const LayerConfig& layer,
   p.dtype = task.query.dtype;
   p.causal = task.causal;
   p.window = task.window > 0 ? task.window : layer.sliding_window;
+  p.chunk = layer.attention_chunk;
   p.softcap = task.softcap > 0.0f ? task.softcap : layer.softcap;
   p.sinks = task.sinks.empty() ? nullptr : task.sinks.data();
   p.key_lengths = task.key_lengths.empty() ? nullptr : task.key_lengths.data();

@@ -58,8 +58,9 @@ absl::Status CheckPagedKv(const PagedKv& cache, const AttentionParams& p) {
     return fail(total, " tokens need ", blocks, " blocks, the table has ", cache.k_blocks.size());
   }
   // Blocks wholly before the first query's window may have been released.
-  const int64_t first = FirstWindowKey(cache.cached_len + p.kv_len - p.q_len, p.window) /
-                        cache.block_tokens;
+  const int64_t first =
+      FirstWindowKey(cache.cached_len + p.kv_len - p.q_len, p.window, p.chunk) /
+      cache.block_tokens;
   for (int64_t i = first; i < blocks; ++i) {
     if (cache.k_blocks[i] == nullptr || cache.v_blocks[i] == nullptr) {
       return fail("block ", i, " is null (the first ", first,

@@ -72,10 +72,27 @@ absl::Status ValidateRope(const RopeConfig& r, int64_t head_dim) {
     if (!Positive(r.low_freq_factor)) {
       return RopeError("low_freq_factor", absl::StrCat("must be > 0, got ", r.low_freq_factor));
     }
-    if (!(std::isfinite(r.high_freq_factor) && r.high_freq_factor > r.low_freq_factor)) {
+    if (!(std::isfinite(r.high_freq_factor) && r.high_freq_factor >= r.low_freq_factor)) {
       return RopeError("high_freq_factor",
-                       absl::StrCat("must be > low_freq_factor ", r.low_freq_factor, ", got ",
+                       absl::StrCat("must be >= low_freq_factor ", r.low_freq_factor, ", got ",
                                     r.high_freq_factor));
+    }
+    if (r.high_freq_factor == r.low_freq_factor && r.original_max_position_embeddings > 0) {
+      // No band to blend (Llama 4 Scout: both 1), unless a wavelength sits
+      // exactly on its edge, where transformers divides 0 by 0.
+      const double edge =
+          static_cast<double>(r.original_max_position_embeddings) / r.low_freq_factor;
+      const RopeFrequencies f = ComputeRopeFrequencies(RopeConfig{.type = Type::kDefault,
+                                                                  .theta = r.theta,
+                                                                  .rotary_dim = r.rotary_dim},
+                                                       0);
+      for (double x : f.inv_freq) {
+        if (2 * kPi / x == edge) {
+          return RopeError("high_freq_factor",
+                           "equal to low_freq_factor with a wavelength on the band's edge, "
+                           "where transformers' llama3 scaling is 0 / 0");
+        }
+      }
     }
   }
   if ((r.type == Type::kLlama3 || r.type == Type::kYarn || r.type == Type::kLongRope) &&
@@ -168,7 +185,7 @@ RopeFrequencies ComputeRopeFrequencies(const RopeConfig& r, int64_t max_position
         const double wavelen = 2 * kPi / x;
         if (wavelen > low_wavelen) {
           x /= r.factor;
-        } else if (!(wavelen < high_wavelen)) {
+        } else if (!(wavelen < high_wavelen)) {  // the band (empty when high == low)
           const double smooth =
               (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
           x = (1 - smooth) * x / r.factor + smooth * x;

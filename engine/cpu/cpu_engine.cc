@@ -122,13 +122,14 @@ class CpuEngine final : public AttentionEngine {
     return absl::OkStatus();
   }
 
-  // QK-norm then RoPE (or RoPE then QK-norm, qk_norm.after_rope) on every
-  // task's projected Q and K, in place, before a session appends its keys
-  // (the cache holds normalised, rotated keys). A
-  // sequence's keys sit at cached_len + j and its queries at the bottom-right
-  // positions kv_total - Lq + i, kv_total = cached_len + Lk; or, with
-  // explicit positions, key j at positions[b][j] and query i at
-  // positions[b][Lk - Lq + i]. Each task is one forward call: its largest
+  // QK-norm then RoPE (or RoPE then QK-norm, qk_norm.after_rope), then the
+  // queries' temperature, on every task's projected Q and K, in place,
+  // before a session appends its keys (the cache holds normalised, rotated
+  // keys). A sequence's keys sit at cached_len + j and its queries at the
+  // bottom-right positions kv_total - Lq + i, kv_total = cached_len + Lk;
+  // or, with explicit positions, key j at positions[b][j] and query i at
+  // positions[b][Lk - Lq + i] (the temperature takes the index, never the
+  // explicit position). Each task is one forward call: its largest
   // position picks LongRoPE's factors.
   void PrepareQk(const AttentionLayer& layer, absl::Span<const AttentionTask> batch,
                  absl::Span<const AttentionParams> params) {
@@ -188,6 +189,10 @@ class CpuEngine final : public AttentionEngine {
         } else {
           normalize();
           rotate();
+        }
+        if (c.temperature_tuning.enabled) {  // Llama 4's layers without RoPE
+          cpu::ScaleQueryRows(c.temperature_tuning, p.dtype, q, p.q_len, p.q_stride_row,
+                              p.num_heads * p.head_dim, first_query, options_.num_threads);
         }
       }
     }
@@ -338,7 +343,8 @@ class CpuEngine final : public AttentionEngine {
     if (o_layout.total > covered) {
       std::memset(at(core, covered, qf, 0), 0, (o_layout.total - covered) * qf * act_size);
     }
-    if (c.qk_norm.enabled || c.rope.type != RopeConfig::Type::kNone) {
+    if (c.qk_norm.enabled || c.rope.type != RopeConfig::Type::kNone ||
+        c.temperature_tuning.enabled) {
       PrepareQk(layer, batch, params);
     }
     for (size_t i = 0; i < params.size(); ++i) {

@@ -71,9 +71,11 @@ absl::Status CheckRequest(const AttentionParams& p, size_t index) {
     }
     if (p.batch != 1) return bad("paged K/V holds one sequence: batch must be 1 (got ", p.batch, ")");
     const int64_t blocks = (p.kv_len + p.block_tokens - 1) / p.block_tokens;
-    // Blocks wholly outside every row's window may have been released.
-    const int64_t first =
-        p.weights != nullptr ? 0 : FirstWindowKey(p.kv_len - p.q_len, p.window) / p.block_tokens;
+    // Blocks wholly outside every row's window or chunk may have been released.
+    const int64_t first = p.weights != nullptr
+                              ? 0
+                              : FirstWindowKey(p.kv_len - p.q_len, p.window, p.chunk) /
+                                    p.block_tokens;
     for (int64_t i = first; i < blocks; ++i) {
       if (p.k_blocks[i] == nullptr || p.v_blocks[i] == nullptr) {
         return bad("k_blocks[", i, "] and v_blocks[", i, "] must be set (kv_len ", p.kv_len,
@@ -254,9 +256,10 @@ absl::Status FlashAttention(absl::Span<const AttentionParams> batch, const Flash
            p.kv_len > kSplitChunkKeys && p.batch * p.num_kv_heads < flash::kSplitMaxPairs;
   };
   // The key chunks of a split request: from the one that holds the first
-  // key its first row's window reaches (chunks before it would see no key).
+  // key its first row's window or chunk reaches (chunks before it would see
+  // no key).
   auto first_chunk = [](const AttentionParams& p) {
-    return FirstWindowKey(p.kv_len - p.q_len, p.window) / kSplitChunkKeys;
+    return FirstWindowKey(p.kv_len - p.q_len, p.window, p.chunk) / kSplitChunkKeys;
   };
   auto split_chunks = [&](const AttentionParams& p) {
     return (p.kv_len + kSplitChunkKeys - 1) / kSplitChunkKeys - first_chunk(p);

@@ -115,11 +115,11 @@ inline int64_t VisibleKeys(const RequestPlan& plan, int64_t b, int64_t i) {
   return std::max<int64_t>(end, 0);
 }
 
-// Keys before WindowStart are outside query row i's sliding window.
+// Keys before WindowStart are outside query row i's sliding window or its
+// chunk.
 inline int64_t WindowStart(const RequestPlan& plan, int64_t i) {
   const AttentionParams& p = *plan.p;
-  if (p.window <= 0) return 0;
-  return std::max<int64_t>(i + plan.causal_offset - p.window + 1, 0);
+  return FirstVisibleKey(i + plan.causal_offset, p.window, p.chunk);
 }
 
 // Scratch memory owned by one thread, grown on demand and reused by later

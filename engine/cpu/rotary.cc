@@ -4,6 +4,7 @@
 
 #include <vector>
 
+#include "engine/temperature.h"
 #include "engine/tensor.h"
 
 #ifdef _OPENMP
@@ -100,6 +101,27 @@ void NormalizeRows(const QkNormConfig& norm, const float* w, DType dtype, void* 
       }
     }
   }
+}
+
+void ScaleQueryRows(const TemperatureTuning& tuning, DType dtype, void* data, int64_t rows,
+                    int64_t row_stride, int64_t width, int64_t first_index, int threads) {
+#ifdef _OPENMP
+  const int n = threads > 0 ? threads : omp_get_max_threads();
+#pragma omp parallel for num_threads(n) schedule(static) if (rows > 16)
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    const float factor = static_cast<float>(QueryTemperature(tuning, first_index + r));
+    if (dtype == DType::kFloat32) {
+      float* x = static_cast<float*>(data) + r * row_stride;
+      for (int64_t d = 0; d < width; ++d) x[d] *= factor;
+    } else {
+      uint16_t* x = static_cast<uint16_t*>(data) + r * row_stride;
+      for (int64_t d = 0; d < width; ++d) x[d] = FloatToBFloat16(BFloat16ToFloat(x[d]) * factor);
+    }
+  }
+#ifndef _OPENMP
+  (void)threads;
+#endif
 }
 
 }  // namespace attnserve::cpu

@@ -1,6 +1,7 @@
 // What happens to the cpu engine's projected Q and K rows, in place,
 // between the projections and the attention core: QK-norm (engine/qk_norm.h)
-// and then RoPE (engine/rope.h has the frequencies). Internal to engine/cpu.
+// and RoPE (engine/rope.h has the frequencies), then the queries' temperature
+// (engine/temperature.h). Internal to engine/cpu.
 #ifndef ATTNSERVE_ENGINE_CPU_ROTARY_H_
 #define ATTNSERVE_ENGINE_CPU_ROTARY_H_
 
@@ -35,6 +36,12 @@ void RotateRowPairs(const RopeConfig& rope, const RopeFrequencies& freq, DType d
 void NormalizeRows(const QkNormConfig& norm, const float* w, DType dtype, void* data,
                    int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                    int threads);
+
+// Attention temperature tuning: row r < `rows` (its `width` features, of
+// `dtype`, at data + r * row_stride elements) times
+// QueryTemperature(tuning, first_index + r), rounded to float once.
+void ScaleQueryRows(const TemperatureTuning& tuning, DType dtype, void* data, int64_t rows,
+                    int64_t row_stride, int64_t width, int64_t first_index, int threads);
 
 }  // namespace attnserve::cpu
 

@@ -44,9 +44,9 @@ cudaError_t LaunchFlashAttentionFp32(const AttentionParams& args, int max_shared
                                      cudaStream_t stream);
 
 // Whether a request asks for what today's attention layers add (a sliding
-// window, logit softcapping, sinks): the fused kernels' newer rules.
+// window or chunk, logit softcapping, sinks): the fused kernels' newer rules.
 inline bool UsesLayerFeatures(const AttentionParams& args) {
-  return args.window > 0 || args.softcap > 0.0f || args.sinks != nullptr;
+  return args.window > 0 || args.chunk > 0 || args.softcap > 0.0f || args.sinks != nullptr;
 }
 
 // The general kernel (attention_general.cu): any float dtype, any head dims,
@@ -129,6 +129,15 @@ struct RotaryArgs {
 cudaError_t LaunchRotary(void* x, DType type, int64_t rows, int64_t seq_len, int64_t row_stride,
                          int64_t heads, int64_t head_dim, const RotaryArgs& rotary,
                          cudaStream_t stream);
+
+// Attention temperature tuning (engine/temperature.h) of every query row:
+// row r (its `width` features) is token t = r % seq_len of its sequence, at
+// index first + t, and is multiplied by
+// log1p(floor((first + t + 1) / floor_scale)) * attn_scale + 1 (float64,
+// rounded to float once).
+cudaError_t LaunchQueryTemperature(void* x, DType type, int64_t rows, int64_t seq_len,
+                                   int64_t row_stride, int64_t width, int64_t first,
+                                   double floor_scale, double attn_scale, cudaStream_t stream);
 
 // dst[i] = (dst_type) src[i] for i < n (float dtypes only).
 cudaError_t LaunchConvert(const void* src, DType src_type, void* dst, DType dst_type, int64_t n,

@@ -80,11 +80,14 @@ __device__ __forceinline__ int64_t RowKeyEnd(const AttentionParams& a, int64_t b
   return end;
 }
 
-// Keys before RowKeyBegin are outside query row i's sliding window (0
-// without a window).
+// Keys before RowKeyBegin are outside query row i's sliding window or its
+// chunk (0 without either; FirstVisibleKey of attention_params.h).
 __device__ __forceinline__ int64_t RowKeyBegin(const AttentionParams& a, int64_t i) {
-  if (a.window <= 0) return 0;
-  return max(int64_t{0}, i + (a.kv_len - a.q_len) - a.window + 1);
+  const int64_t position = i + (a.kv_len - a.q_len);
+  int64_t begin = 0;
+  if (a.window > 0) begin = max(begin, position - a.window + 1);
+  if (a.chunk > 0) begin = max(begin, position / a.chunk * a.chunk);
+  return begin;
 }
 
 // Logit softcapping of a scaled score (attention_params.h): softcap *

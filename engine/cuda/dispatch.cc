@@ -35,7 +35,7 @@ absl::StatusOr<const void*> ConvertOnDevice(Call& call, const void* data, DType 
 }
 
 // The device-side params of host-side `p`: its dims, causal flag, window,
-// scale and softcap. Every pointer (sinks too), dtype and stride is left for
+// chunk, scale and softcap. Every pointer (sinks too), dtype and stride is left for
 // the caller to set.
 AttentionParams DeviceParams(const AttentionParams& p) {
   AttentionParams a;
@@ -48,12 +48,14 @@ AttentionParams DeviceParams(const AttentionParams& p) {
   a.kv_len = p.kv_len;
   a.causal = p.causal;
   a.window = p.window;
+  a.chunk = p.chunk;
   a.scale = p.scale;
   a.softcap = p.softcap;
   return a;
 }
 
-// QK-norm, then RoPE, on a projection layer's projected Q and K (token
+// QK-norm, then RoPE (or RoPE, then QK-norm), then the queries'
+// temperature, on a projection layer's projected Q and K (token
 // layout: rows b * Lq + i and b * Lk + j), in place, as the cpu engine
 // applies them: keys at positions cached_len + j and queries at the
 // bottom-right ones, cached_len + Lk - Lq + i; or, with the task's explicit
@@ -80,25 +82,32 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
   };
   // The norm before RoPE, or after it (Hunyuan).
   if (!config.qk_norm.after_rope) ATTNSERVE_CUDA_RETURN_IF_ERROR(normalize());
-  if (config.rope.type == RopeConfig::Type::kNone) {
-    return config.qk_norm.after_rope ? normalize() : absl::OkStatus();
+  if (config.rope.type != RopeConfig::Type::kNone) {
+    RotaryArgs rotary;
+    rotary.inv_freq = static_cast<const double*>(
+        RopeUsesLongFactors(config.rope, max_position) ? w.long_inv_freq.data()
+                                                       : w.inv_freq.data());
+    rotary.attention_factor = w.attention_factor;
+    rotary.rotary_dim = config.rope.rotary_dim;
+    rotary.interleaved = config.rope.interleaved;
+    rotary.positions = positions;
+    rotary.positions_stride = p.kv_len;
+    rotary.first = (positions != nullptr ? 0 : cached_len) + p.kv_len - p.q_len;
+    ATTNSERVE_CUDA_CALL(LaunchRotary(q, w.type, q_rows, p.q_len, q_stride, p.num_heads,
+                                     p.head_dim, rotary, call.stream()));
+    rotary.first = positions != nullptr ? 0 : cached_len;
+    ATTNSERVE_CUDA_CALL(LaunchRotary(k, w.type, kv_rows, p.kv_len, k_stride, p.num_kv_heads,
+                                     p.head_dim, rotary, call.stream()));
   }
-  RotaryArgs rotary;
-  rotary.inv_freq = static_cast<const double*>(
-      RopeUsesLongFactors(config.rope, max_position) ? w.long_inv_freq.data()
-                                                     : w.inv_freq.data());
-  rotary.attention_factor = w.attention_factor;
-  rotary.rotary_dim = config.rope.rotary_dim;
-  rotary.interleaved = config.rope.interleaved;
-  rotary.positions = positions;
-  rotary.positions_stride = p.kv_len;
-  rotary.first = (positions != nullptr ? 0 : cached_len) + p.kv_len - p.q_len;
-  ATTNSERVE_CUDA_CALL(LaunchRotary(q, w.type, q_rows, p.q_len, q_stride, p.num_heads,
-                                   p.head_dim, rotary, call.stream()));
-  rotary.first = positions != nullptr ? 0 : cached_len;
-  ATTNSERVE_CUDA_CALL(LaunchRotary(k, w.type, kv_rows, p.kv_len, k_stride, p.num_kv_heads,
-                                   p.head_dim, rotary, call.stream()));
-  return config.qk_norm.after_rope ? normalize() : absl::OkStatus();
+  if (config.qk_norm.after_rope) ATTNSERVE_CUDA_RETURN_IF_ERROR(normalize());
+  if (config.temperature_tuning.enabled) {
+    // Llama 4's layers without RoPE: by index, never by explicit position.
+    const TemperatureTuning& t = config.temperature_tuning;
+    ATTNSERVE_CUDA_CALL(LaunchQueryTemperature(q, w.type, q_rows, p.q_len, q_stride, q_stride,
+                                               cached_len + p.kv_len - p.q_len, t.floor_scale,
+                                               t.attn_scale, call.stream()));
+  }
+  return absl::OkStatus();
 }
 
 // A request's way to cuDNN, decided from host-side params before the
@@ -494,6 +503,7 @@ absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams
   c.causal = p.causal;
   c.scale = p.scale;
   c.window = p.window;
+  c.chunk = p.chunk;
   c.softcap = p.softcap;
   c.sinks = sinks;
   c.key_lengths = nullptr;

@@ -1,4 +1,5 @@
-// QK-norm and RoPE on the projected Q and K (attention_kernels.h), computed
+// QK-norm, RoPE and the queries' temperature on the projected Q and K
+// (attention_kernels.h), computed
 // as the cpu engine computes them (engine/cpu/rotary.cc): the float64 parts
 // (the norm's mean, the angles, cos and sin) in float64, the rest in float
 // with every product rounded as written (no fused multiply-adds), so that
@@ -63,7 +64,32 @@ __global__ void RotaryKernel(void* x, DType type, int64_t seq_len, int64_t row_s
   }
 }
 
+// One block per row: its factor (engine/temperature.h) in float64, rounded
+// to float once, times each of its features.
+__global__ void QueryTemperatureKernel(void* x, DType type, int64_t seq_len, int64_t row_stride,
+                                       int64_t width, int64_t first, double floor_scale,
+                                       double attn_scale) {
+  const int64_t row = blockIdx.x;
+  const double index = static_cast<double>(first + row % seq_len);
+  const float factor =
+      static_cast<float>(log1p(floor((index + 1.0) / floor_scale)) * attn_scale + 1.0);
+  for (int64_t d = threadIdx.x; d < width; d += blockDim.x) {
+    const int64_t at = row * row_stride + d;
+    StoreElement(x, type, at, __fmul_rn(LoadElement(x, type, at), factor));
+  }
+}
+
 }  // namespace
+
+cudaError_t LaunchQueryTemperature(void* x, DType type, int64_t rows, int64_t seq_len,
+                                   int64_t row_stride, int64_t width, int64_t first,
+                                   double floor_scale, double attn_scale, cudaStream_t stream) {
+  if (rows <= 0 || width <= 0) return cudaSuccess;
+  if (rows > INT32_MAX || seq_len <= 0) return cudaErrorInvalidConfiguration;
+  ATTNSERVE_LAUNCH(QueryTemperatureKernel, static_cast<unsigned>(rows), kRotaryThreads, 0, stream,
+                   x, type, seq_len, row_stride, width, first, floor_scale, attn_scale);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchQkNorm(void* x, DType type, int64_t rows, int64_t row_stride, int64_t heads,
                          int64_t head_dim, const float* w, double eps, bool weight_offset,

@@ -18,6 +18,7 @@
 #include "engine/output_gate.h"
 #include "engine/qk_norm.h"
 #include "engine/rope.h"
+#include "engine/temperature.h"
 
 namespace attnserve {
 namespace {
@@ -270,12 +271,15 @@ void StoreAll(const std::vector<double>& values, const MutableTensorView& to) {
 // by the caller), and the probabilities into t.weights when wanted.
 // Query head h reads key/value head h / (Hq / Hkv). Query i sees key j iff
 // causal => j <= i + (Lk - Lq), window > 0 => j >= i + (Lk - Lq) - window + 1,
+// chunk > 0 => j >= the start of the chunk of `chunk` keys that holds
+// i + (Lk - Lq) (its own chunk, with causal),
 // j < key_lengths[b], and a bool mask is nonzero there; a float mask is added
 // to the scaled score (after softcap * tanh(score / softcap) when softcap >
 // 0); sinks[h], when given, joins the softmax denominator. A row that sees
 // no key, or only keys at -inf, is zeros (output and weights), not NaN.
-void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, double softcap,
-                 const float* sinks, const Rows& q, const Rows& k, const Rows& v, Rows& out) {
+void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, int64_t chunk,
+                 double softcap, const float* sinks, const Rows& q, const Rows& k, const Rows& v,
+                 Rows& out) {
   const int64_t group = d.heads / d.kv_heads;
   const double neg_inf = -std::numeric_limits<double>::infinity();
   const TensorView& mask = t.attn_mask;
@@ -284,6 +288,7 @@ void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, double s
   auto sees = [&](int64_t b, int64_t h, int64_t i, int64_t j) {
     if (t.causal && j > i + (d.kv_len - d.q_len)) return false;
     if (window > 0 && j < i + (d.kv_len - d.q_len) - window + 1) return false;
+    if (chunk > 0 && j < (i + (d.kv_len - d.q_len)) / chunk * chunk) return false;
     if (!t.key_lengths.empty() && j >= t.key_lengths[b]) return false;
     if (bool_mask) {
       return static_cast<const uint8_t*>(mask.data)[MaskIndex(mask.shape, b, h, i, j)] != 0;
@@ -361,7 +366,7 @@ void RunBare(const LayerConfig& c, const AttentionTask& t, const Dims& d) {
   const Rows v{LoadAll(t.value), d.kv_heads, d.kv_len, d.head_dim_v};
   Rows out{std::vector<double>(static_cast<size_t>(d.batch * d.heads * d.q_len * d.head_dim_v)),
            d.heads, d.q_len, d.head_dim_v};
-  AttendHeads(t, d, t.window > 0 ? t.window : c.sliding_window,
+  AttendHeads(t, d, t.window > 0 ? t.window : c.sliding_window, c.attention_chunk,
               t.softcap > 0.0f ? t.softcap : c.softcap,
               t.sinks.empty() ? nullptr : t.sinks.data(), q, k, v, out);
   StoreAll(out.data, t.output);
@@ -432,11 +437,23 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
     }
   }
   if (c.qk_norm.after_rope) normalize();
+  if (c.temperature_tuning.enabled) {
+    // Llama 4's layers without RoPE: query i, at index Lk - Lq + i.
+    for (int64_t b = 0; b < d.batch; ++b) {
+      for (int64_t i = 0; i < d.q_len; ++i) {
+        const double factor = QueryTemperature(c.temperature_tuning, d.kv_len - d.q_len + i);
+        for (int64_t h = 0; h < d.heads; ++h) {
+          double* row = q.row(b, h, i);
+          for (int64_t x = 0; x < d.head_dim; ++x) row[x] *= factor;
+        }
+      }
+    }
+  }
   const Rows v{Linear(xv, kv_rows, self_attention ? c.query_dim : c.value_dim, w.wv, w.bv),
                d.kv_heads, d.kv_len, d.head_dim_v, false};
   Rows merged{std::vector<double>(static_cast<size_t>(q_rows * d.heads * d.head_dim_v)), d.heads,
               d.q_len, d.head_dim_v, false};
-  AttendHeads(t, d, c.sliding_window, c.softcap,
+  AttendHeads(t, d, c.sliding_window, c.attention_chunk, c.softcap,
               c.sinks ? w.sinks.data_as<float>() : nullptr, q, k, v, merged);
   if (c.output_gate) {
     // Gated attention: each token's concatenated heads times sigmoid of its

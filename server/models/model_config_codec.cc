@@ -49,6 +49,11 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
   config.set_sliding_window(c.sliding_window);
   config.set_softcap(c.softcap);
   config.set_sinks(c.sinks);
+  config.set_attention_chunk(c.attention_chunk);
+  if (c.temperature_tuning.enabled) {
+    config.mutable_temperature_tuning()->set_floor_scale(c.temperature_tuning.floor_scale);
+    config.mutable_temperature_tuning()->set_attn_scale(c.temperature_tuning.attn_scale);
+  }
   if (c.has_projections) *config.mutable_rope() = FromRopeConfig(c.rope);
   if (c.qk_norm.enabled) {
     config.mutable_qk_norm()->set_eps(c.qk_norm.eps);
@@ -125,6 +130,12 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
   layer.softcap = c.softcap();
   layer.sinks = layer.has_projections && c.sinks();
   layer.output_gate = layer.has_projections && c.has_output_gate();
+  layer.attention_chunk = c.attention_chunk();
+  if (layer.has_projections && c.has_temperature_tuning()) {
+    layer.temperature_tuning.enabled = true;
+    layer.temperature_tuning.floor_scale = c.temperature_tuning().floor_scale();
+    layer.temperature_tuning.attn_scale = c.temperature_tuning().attn_scale();
+  }
   if (layer.has_projections) layer.rope = ToRopeConfig(c.rope());
   if (layer.has_projections && c.has_qk_norm()) {
     layer.qk_norm.enabled = true;

@@ -177,7 +177,8 @@ absl::Status CheckNoProjectionFields(const std::string& path, const v1::ModelCon
   for (const char* field : {"embed_dim", "num_heads", "num_kv_heads", "head_dim", "query_dim",
                             "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias",
                             "out_bias", "weight_layout", "tensor_prefix", "tensor_names",
-                            "rope", "qk_norm", "sinks", "output_gate"}) {
+                            "rope", "qk_norm", "sinks", "output_gate",
+                            "temperature_tuning"}) {
     const google::protobuf::FieldDescriptor* f = d->FindFieldByName(field);
     bool set = f->is_repeated() ? r->FieldSize(c, f) > 0 : r->HasField(c, f);
     if (set) {
@@ -368,6 +369,18 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
     if (absl::Status s = ResolveProjectionDims(path, c); !s.ok()) return s;
     if (absl::Status s = ResolveRope(path, c); !s.ok()) return s;
     if (absl::Status s = ResolveOutputGate(path, c); !s.ok()) return s;
+    if (c->has_temperature_tuning()) {
+      const v1::TemperatureTuning& t = c->temperature_tuning();
+      if (!std::isfinite(t.floor_scale()) || t.floor_scale() <= 0) {
+        return ConfigError(path, "temperature_tuning.floor_scale",
+                           absl::StrCat("must be > 0 (Llama 4: 8192), got ", t.floor_scale()));
+      }
+      if (!std::isfinite(t.attn_scale()) || t.attn_scale() == 0) {
+        return ConfigError(path, "temperature_tuning.attn_scale",
+                           absl::StrCat("must be finite and not 0 (Llama 4: 0.1), got ",
+                                        t.attn_scale()));
+      }
+    }
     if (c->has_qk_norm()) {
       if (c->qk_norm().eps() == 0) c->mutable_qk_norm()->set_eps(1e-6);
       if (!std::isfinite(c->qk_norm().eps()) || c->qk_norm().eps() < 0) {
@@ -400,6 +413,13 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
   if (!std::isfinite(c->softcap()) || c->softcap() < 0) {
     return ConfigError(path, "softcap",
                        absl::StrCat("must be finite and >= 0 (0 = none), got ", c->softcap()));
+  }
+  if (c->attention_chunk() < 0 || (c->attention_chunk() > 0 && !c->causal())) {
+    return ConfigError(path, "attention_chunk",
+                       c->attention_chunk() < 0
+                           ? absl::StrCat("must be >= 0 (0 = none), got ", c->attention_chunk())
+                           : std::string("chunked attention needs causal: true (a query sees "
+                                         "the keys of its own chunk up to itself)"));
   }
   if (c->sliding_window() < 0) {
     return ConfigError(path, "sliding_window",

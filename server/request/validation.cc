@@ -599,6 +599,12 @@ absl::Status CheckLayerOptions(const AttendInputs& request, const LayerConfig& l
           "positions: ", model, " has no rotary embedding, so positions would change nothing; "
           "leave them out"));
     }
+    if (layer.attention_chunk > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "positions: not supported by ", model, ", whose chunked attention (attention_chunk ",
+          layer.attention_chunk, ") follows the token index: send each sequence unpadded, or "
+          "right-padded with key_lengths"));
+    }
     if (!request.session_id.empty()) {
       return absl::InvalidArgumentError(
           "positions: not supported with session_id (a session numbers its tokens itself: "

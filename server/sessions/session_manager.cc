@@ -420,8 +420,9 @@ void SessionManager::ReleaseOutsideWindow(Session& s) {
   if (s.window <= 0) return;
   // The next query sits at position `length`: it and every later one see no
   // key before FirstWindowKey(length, window).
-  const size_t dead =
-      static_cast<size_t>(FirstWindowKey(s.length, s.window) / options_.block_tokens);
+  // (Sessions of chunked-attention layers keep their blocks: window only.)
+  const size_t dead = static_cast<size_t>(FirstWindowKey(s.length, s.window, /*chunk=*/0) /
+                                          options_.block_tokens);
   for (; s.released < std::min(dead, s.k_blocks.size()); ++s.released) {
     s.cache->pool.Free(s.k_blocks[s.released], s.block_bytes);
     s.k_blocks[s.released] = nullptr;

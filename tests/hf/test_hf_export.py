@@ -49,7 +49,9 @@ PHI3_LONGROPE = dict(type="longrope",
 def _served_module(family):
     """A module attnserve serves exactly, and how its RoPE is set up."""
     torch.manual_seed(hash(family) % 1000)
-    if family.startswith("llama"):
+    if family in ("llama4", "llama4-nope"):
+        m = _Llama4Attention(use_rope=family == "llama4")
+    elif family.startswith("llama"):
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaAttention
         extra = {"llama": {},
@@ -115,6 +117,7 @@ def _served_module(family):
         m = _GatedAttention("qwen3_next")
     elif family == "afmoe":
         m = _GatedAttention("afmoe")
+
     elif family.startswith("gpt-oss"):
         m = _GptOssAttention(sliding=family == "gpt-oss-sliding")
     else:
@@ -138,7 +141,7 @@ MORE_FAMILIES = {"qwen2-moe": ("qwen2_moe", "Qwen2Moe", {}),
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
             "qwen2", "phi3", "phi3-longrope", "gpt-neox", "qwen3", "gemma3", "olmo2", "hunyuan",
             "gemma2-sliding", "gemma2-full", "gpt-oss-sliding", "gpt-oss-full", "qwen3-next",
-            "afmoe", *MORE_FAMILIES]
+            "afmoe", "llama4", *MORE_FAMILIES]
 
 
 class _GptOssAttention(nn.Module):
@@ -290,6 +293,80 @@ class _GatedAttention(nn.Module):
         s = q @ k.transpose(2, 3) / math.sqrt(16) + attention_mask
         out = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, length, 64)
         return (self.o_proj(out * torch.sigmoid(gate)),)
+
+
+LLAMA4_CHUNK = 16  # Llama 4's attention_chunk_size in these tests (its real one is 8192)
+
+
+class _Llama4Attention(nn.Module):
+    """Llama 4's attention as transformers 5.x writes it (Llama4TextAttention),
+    from transformers' own parts (4.45.2 has no Llama 4): on its RoPE layers,
+    llama3-scaled rotary embeddings applied as a complex product (pairs 2i,
+    2i + 1), then a weightless L2 norm of Q and K, and chunked attention
+    (each query sees its own chunk of LLAMA4_CHUNK tokens, up to itself);
+    on the others no RoPE and no norm, full causal attention and each query
+    times log1p(floor((i + 1) / floor_scale)) * attn_scale + 1, i its index."""
+
+    class _L2Norm(nn.Module):  # Llama4TextL2Norm
+        def __init__(self, eps):
+            super().__init__()
+            self.eps = eps
+
+        def forward(self, x):
+            return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) +
+                                            self.eps)).type_as(x)
+
+    def __init__(self, use_rope):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, 16
+        # Llama 4 Scout's RoPE scaling: llama3 with equal low and high factors.
+        self.config = LlamaConfig(**COMMON, rope_theta=5e5, rms_norm_eps=1e-5,
+                                  rope_scaling=dict(rope_type="llama3", factor=16.0,
+                                                    low_freq_factor=1.0, high_freq_factor=1.0,
+                                                    original_max_position_embeddings=64))
+        self.config.model_type = "llama4_text"
+        self.config.attention_chunk_size = LLAMA4_CHUNK
+        self.config.layer_types = ["chunked_attention"] * 3 + ["full_attention"]
+        self.layer_idx = 0 if use_rope else 3
+        self.use_rope, self.is_causal = use_rope, True
+        self.attn_temperature_tuning, self.floor_scale, self.attn_scale = True, 4, 0.1
+        self.q_proj, self.k_proj = nn.Linear(64, 64, bias=False), nn.Linear(64, 32, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(64, 32, bias=False), nn.Linear(64, 64, bias=False)
+        if use_rope:
+            self.qk_norm = self._L2Norm(1e-5)
+        self.rotary = LlamaRotaryEmbedding(config=self.config)
+
+    def forward(self, x, attention_mask=None, position_ids=None):
+        from transformers.models.llama.modeling_llama import repeat_kv
+        b, length, _ = x.shape
+        q = self.q_proj(x).view(b, length, 4, 16)
+        k = self.k_proj(x).view(b, length, 2, 16)
+        v = self.v_proj(x).view(b, length, 2, 16).transpose(1, 2)
+        if self.use_rope:  # apply_rotary_emb: (x_2i + i x_2i+1) * e^(i angle)
+            angles = position_ids[..., None].double() * self.rotary.inv_freq.double()
+            cos, sin = torch.cos(angles)[:, :, None, :], torch.sin(angles)[:, :, None, :]
+
+            def rotate(t):
+                even, odd = t[..., 0::2], t[..., 1::2]
+                return torch.stack([even * cos - odd * sin, even * sin + odd * cos],
+                                   -1).flatten(-2).to(t.dtype)
+            q, k = self.qk_norm(rotate(q)), self.qk_norm(rotate(k))
+        elif self.attn_temperature_tuning:  # by the query's index
+            index = torch.arange(length, dtype=torch.float64)
+            scales = torch.log1p(torch.floor((index + 1.0) / self.floor_scale)) * \
+                self.attn_scale + 1.0
+            q = q * scales[None, :, None, None].to(q.dtype)
+        q, k = q.transpose(1, 2), repeat_kv(k.transpose(1, 2), 2)
+        v = repeat_kv(v, 2)
+        s = q @ k.transpose(2, 3) / math.sqrt(16) + attention_mask
+        if self.use_rope:  # transformers' chunked mask: the query's own chunk
+            i = torch.arange(length)
+            s = s.masked_fill((i[None, :] // LLAMA4_CHUNK) != (i[:, None] // LLAMA4_CHUNK),
+                              float("-inf"))
+        out = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, length, 64)
+        return (self.o_proj(out),)
 
 
 def _module_forward(m, x, window=None):
@@ -482,7 +559,8 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "hunyuan", "mistral",
-                                    "gemma2-sliding", "gpt-oss-sliding", "qwen3-next", "afmoe"])
+                                    "gemma2-sliding", "gpt-oss-sliding", "qwen3-next", "afmoe",
+                                    "llama4"])
 def test_a_session_continues_its_positions(served, family):
     """Prefill 24 tokens, then 100 single-token steps: every step equals the
     matching row of one causal request over the whole sequence."""
@@ -665,6 +743,52 @@ def test_bf16_layers_within_bf16_tolerance(tmp_path, family):
     finally:
         assert server.stop() == 0, server.log()
     assert _rel(got, want) < 2e-2, _rel(got, want)
+
+
+def test_llama4_layers_are_exported_with_their_chunks_and_temperature(tmp_path, served):
+    """Llama 4's RoPE layer (served with the families above): chunked
+    attention, interleaved llama3 RoPE with Scout's equal low and high
+    factors, the weightless L2 norm after RoPE as weights of 1. Its layer
+    without RoPE: attention temperature tuning, by each query's index, in one
+    request and in a session step by step; explicit positions are refused on
+    the chunked layer."""
+    import harness
+    from attnserve_client import AttentionClient
+    client, _, configs, weights = served
+    chunked = configs["llama4"]
+    assert chunked["attention_chunk"] == LLAMA4_CHUNK and chunked["causal"]
+    assert chunked["rope"]["interleaved"] and chunked["rope"]["type"] == "llama3"
+    assert chunked["qk_norm"] == {"eps": 1e-5, "weight_offset": False, "after_rope": True}
+    assert np.all(weights["llama4"]["q_norm.weight"] == 1.0)
+    assert "temperature_tuning" not in chunked
+    with pytest.raises(Exception) as refused:
+        client.attend(np.zeros((1, 4, 64), np.float32), model="llama4", causal=True,
+                      positions=[[0, 1, 2, 3]])
+    assert "chunked attention (attention_chunk 16) follows the token index" in str(refused.value)
+
+    module = _served_module("llama4-nope")
+    config = export_module(module, str(tmp_path / "llama4-nope"))
+    assert config["temperature_tuning"] == {"floor_scale": 4.0, "attn_scale": 0.1}
+    assert "rope" not in config and "qk_norm" not in config and "attention_chunk" not in config
+    x = np.random.default_rng(8).uniform(-1, 1, (2, 48, 64)).astype(np.float32)
+    want = _module_forward(module, x)
+    server = harness.ServerProcess("--model-repository", str(tmp_path), "--backend", "cpu")
+    try:
+        with AttentionClient(server.target, timeout=120) as c:
+            got = c.attend(x, model="llama4-nope", causal=True).output
+            assert _rel(got, want) < 2e-5, _rel(got, want)
+            with c.open_session("llama4-nope") as session:
+                steps = [session.attend(x[:1, :20], causal=True).output]
+                steps += [session.attend(x[:1, t:t + 1], causal=True).output
+                          for t in range(20, 48)]
+            assert _rel(np.concatenate(steps, axis=1), want[:1]) < 2e-5
+    finally:
+        assert server.stop() == 0, server.log()
+    # Without the temperature the answer is another one.
+    plain = _Llama4Attention(use_rope=False)
+    plain.load_state_dict(module.state_dict())
+    plain.attn_temperature_tuning = False
+    assert _rel(_module_forward(plain, x), want) > 1e-3
 
 
 def test_gemma2_exports_its_window_softcap_and_scale(served):

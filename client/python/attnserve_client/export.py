@@ -120,7 +120,7 @@ _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_
                 "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias", "out_bias",
                 "weight_layout", "tensor_prefix", "tensor_names", "scale", "causal", "precision",
                 "batching", "instances", "backend", "rope", "qk_norm", "sliding_window", "softcap",
-                "sinks", "output_gate"]
+                "sinks", "output_gate", "attention_chunk", "temperature_tuning"]
 
 
 def _scalar(field, value):
@@ -159,7 +159,7 @@ def config_text(config):
             inner = " ".join(f"{k}: {int(v)}" for k, v in sorted(value.items()) if v)
             if inner:
                 lines.append(f"batching {{ {inner} }}")
-        elif field in ("rope", "qk_norm", "output_gate"):
+        elif field in ("rope", "qk_norm", "output_gate", "temperature_tuning"):
             # Floats as repr (shortest round-trip double): theta and factors are doubles.
             inner = " ".join(f"{k}: {json.dumps(v) if isinstance(v, str) else _rope_scalar(v)}"
                              for k, v in value.items() if v is not None)
@@ -345,7 +345,10 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
                      # gated attention (_OUTPUT_GATES); Qwen3.5's multimodal
                      # RoPE is the plain one for text (one position per token)
                      "qwen3_next": False, "qwen3_5_text": False, "qwen3_5_moe_text": False,
-                     "afmoe": False}
+                     "afmoe": False,
+                     # complex multiplication: pairs (2i, 2i+1); RoPE on three
+                     # layers of four (_rope_skipped)
+                     "llama4_text": True}
 # Gated attention: the model types whose attention output is multiplied by
 # sigmoid of a projection of the layer's input (elementwise, before o_proj),
 # and where that projection is: "query_per_head", inside q_proj (each head's
@@ -363,8 +366,6 @@ _NOT_COMPUTED = {
                    "shared by the heads)",
     "deepseek_v3": "multi-head latent attention (K and V from a low-rank latent, a rotary key "
                    "shared by the heads)",
-    "llama4_text": "chunked attention on its RoPE layers and attention temperature tuning on "
-                   "its layers without RoPE",
     "phimoe": "PhiMoE's rotary embedding, whose LongRoPE long factors transformers never "
               "applies (it rotates with the short ones at every length and scales by "
               "long_mscale past the training context)",
@@ -376,7 +377,8 @@ def _rope_skipped(module, config, model_type):
     RoPE (NoPE layers), by the model's own rule: Cohere2 and EXAONE 4 rotate
     on their sliding-window layers only (EXAONE 4 on all when it has no
     window), SmolLM3 where config.no_rope_layers says (the module's
-    use_rope), AFMoE on its local layers (is_local_attention)."""
+    use_rope), AFMoE on its local layers (is_local_attention), Llama 4 where
+    config.no_rope_layers says (its use_rope)."""
     if model_type == "cohere2":
         return getattr(module, "sliding_window", None) is None
     if model_type == "exaone4":
@@ -386,6 +388,8 @@ def _rope_skipped(module, config, model_type):
         return not getattr(module, "use_rope", True)
     if model_type == "afmoe":  # RoPE on its local (sliding-window) layers only
         return not getattr(module, "is_local_attention", True)
+    if model_type == "llama4_text":  # config.no_rope_layers: the module's use_rope
+        return not getattr(module, "use_rope", True)
     return False
 
 
@@ -506,12 +510,16 @@ def rope_config(module, head_dim):
 def _qk_norms(module):
     """(Q's norm, K's norm, after RoPE?) of a module: its `q_norm` and
     `k_norm` children, applied before RoPE, or Hunyuan's `query_layernorm`
-    and `key_layernorm`, applied after it; (None, None, False) without."""
+    and `key_layernorm`, applied after it, or Llama 4's one weightless
+    `qk_norm` for both, after it too; (None, None, False) without."""
     q, k = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
     if q is None and k is None:
         q, k = getattr(module, "query_layernorm", None), getattr(module, "key_layernorm", None)
         if q is not None or k is not None:
             return q, k, True
+        shared = getattr(module, "qk_norm", None)
+        if isinstance(shared, torch.nn.Module):  # Llama 4: one weightless norm after RoPE
+            return shared, shared, True
     return q, k, False
 
 
@@ -523,6 +531,13 @@ def _norm_weight_offset(norm, eps):
     dtype = norm.weight.dtype
     weight = norm.weight.detach().double().flatten()
     x = torch.linspace(-2.0, 3.0, weight.numel(), dtype=torch.float64).to(dtype)
+    return _norm_form(norm, eps, x, weight)
+
+
+def _norm_form(norm, eps, x, weight):
+    """Whether `norm` computes RMSNorm x * (1 + weight) (True) or
+    x * weight (False) on probe x; ExportError for neither."""
+    dtype = x.dtype
     with torch.no_grad():
         got = norm(x).double().flatten()
     x = x.double()
@@ -549,6 +564,18 @@ def qk_norm_config(module, head_dim):
     if q is None or k is None:
         raise ExportError("QK-norm on only one of Q and K")
     kinds = {type(q).__name__, type(k).__name__}
+    if getattr(q, "weight", None) is None and getattr(k, "weight", None) is None:
+        # Llama 4's L2 norm: RMSNorm without a weight, x / sqrt(mean(x^2) +
+        # eps), as its numbers on a probe vector show: weights of 1.
+        eps = float(getattr(q, "eps", None) or getattr(q, "variance_epsilon", None) or 1e-6)
+        x = torch.linspace(-2.0, 3.0, head_dim, dtype=torch.float32)
+        for norm in {id(q): q, id(k): k}.values():
+            if _norm_form(norm, eps, x, torch.ones(head_dim, dtype=torch.float64)):
+                raise ExportError(f"QK-norm {type(norm).__name__} without a weight that doubles")
+        config = dict(eps=eps, weight_offset=False)
+        if after_rope:
+            config["after_rope"] = True
+        return config
     if not all("RMSNorm" in kind for kind in kinds):
         raise ExportError(f"QK-norm of kind {sorted(kinds)} (attnserve computes RMSNorm)")
     widths = []
@@ -628,6 +655,37 @@ def sliding_window_of(module):
     return int(window)
 
 
+def attention_chunk_of(module):
+    """The `attention_chunk` of an attnserve ModelConfig for `module`: Llama
+    4's attention_chunk_size on its chunked layers (config.layer_types), None
+    elsewhere. ExportError for a chunk size on a model type that places its
+    chunked layers by rules attnserve does not know."""
+    config = getattr(module, "config", None)
+    size = _config_value(config, "attention_chunk_size")
+    if not size:
+        return None
+    model_type = _config_value(config, "model_type")
+    if model_type != "llama4_text":
+        raise ExportError(f"chunked attention (attention_chunk_size {size}) in a model of type "
+                          f"{model_type!r}, whose chunked layers attnserve cannot place "
+                          "(served: llama4_text)")
+    types = _config_value(config, "layer_types")
+    layer = getattr(module, "layer_idx", None)
+    if types and layer is not None and layer < len(types):
+        return int(size) if types[layer] == "chunked_attention" else None
+    # transformers 4.x: the layers with RoPE are the chunked ones.
+    return int(size) if getattr(module, "use_rope", False) else None
+
+
+def temperature_tuning_of(module):
+    """The `temperature_tuning` of an attnserve ModelConfig for `module`:
+    Llama 4's attn_temperature_tuning on its layers without RoPE, None
+    elsewhere."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return None
+    return dict(floor_scale=float(module.floor_scale), attn_scale=float(module.attn_scale))
+
+
 def unsupported_features(module, head_dim=None, num_heads=None):
     """What `module` computes that attnserve does not (yet): rotary
     embeddings, sliding windows, QK-norms and attention sinks of a kind
@@ -647,6 +705,10 @@ def unsupported_features(module, head_dim=None, num_heads=None):
         found.append(str(e))
     try:
         sliding_window_of(module)
+    except ExportError as e:
+        found.append(str(e))
+    try:
+        attention_chunk_of(module)
     except ExportError as e:
         found.append(str(e))
     norms = [n for n in ("q_layernorm", "k_layernorm") if getattr(module, n, None) is not None]
@@ -715,8 +777,18 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
     if qk_norm is not None:
         config["qk_norm"] = qk_norm
         q_norm, k_norm, _ = _qk_norms(module)
-        tensors["q_norm.weight"] = q_norm.weight
-        tensors["k_norm.weight"] = k_norm.weight
+        if getattr(q_norm, "weight", None) is None:  # Llama 4's: weights of 1
+            tensors["q_norm.weight"] = torch.ones(config["head_dim"])
+            tensors["k_norm.weight"] = torch.ones(config["head_dim"])
+        else:
+            tensors["q_norm.weight"] = q_norm.weight
+            tensors["k_norm.weight"] = k_norm.weight
+    chunk = attention_chunk_of(module)
+    if chunk is not None:
+        config["attention_chunk"] = chunk
+    temperature = temperature_tuning_of(module)
+    if temperature is not None:
+        config["temperature_tuning"] = temperature
     return config, tensors
 
 

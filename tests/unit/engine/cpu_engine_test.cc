@@ -200,6 +200,17 @@ std::shared_ptr<const AttentionLayer> RandomProjectionLayer(Rng& rng, bool self_
     w.wg = weight(qf, c.query_dim);
     w.bg = bias(qf);
   }
+  // Llama 4: a quarter are causal layers of chunked attention, a quarter
+  // scale their queries by the temperature of their index.
+  if (rng.Chance(0.25)) {
+    c.causal = true;
+    c.attention_chunk = rng.Int(1, 6);
+  }
+  if (rng.Chance(0.25)) {
+    c.temperature_tuning.enabled = true;
+    c.temperature_tuning.floor_scale = rng.Pick<double>({1.0, 3.0, 8192.0});
+    c.temperature_tuning.attn_scale = rng.Pick<double>({0.1, 0.7, -0.3});
+  }
   EXPECT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
   return layer;
 }
@@ -248,6 +259,12 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
     windowed->config.name = "sdpa-window";
     windowed->config.sliding_window = rng.Int(1, 5);
     if (rng.Chance(0.5)) windowed->config.softcap = rng.Pick<float>({0.3f, 3.0f});
+    if (rng.Chance(0.4)) {  // and chunked attention (a causal layer), with or without it
+      windowed->config.name = "sdpa-chunk";
+      windowed->config.causal = true;
+      windowed->config.attention_chunk = rng.Int(1, 5);
+      if (rng.Chance(0.5)) windowed->config.sliding_window = 0;
+    }
     c.layer = windowed;
   } else if (layer_kind == 3) {
     c.layer = RandomProjectionLayer(rng, self_attention);
@@ -313,7 +330,7 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
     for (int64_t b = 0; b < batch; ++b) c.key_lengths.push_back(rng.Int(0, lk));
     mask_label += " key_lengths";
   }
-  c.causal = mask_kind == kCausal || mask_kind == kAll;
+  c.causal = mask_kind == kCausal || mask_kind == kAll || lc.causal;  // as the server sets it
   if (c.causal) mask_label += " causal";
 
   const float request_scale = rng.Chance(0.3) ? rng.Uniform(0.2f, 1.5f) : 0.0f;
@@ -335,7 +352,8 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
     options_label = absl::StrCat(c.window > 0 ? absl::StrCat(" request window ", c.window) : "",
                                  c.softcap > 0 ? absl::StrCat(" request softcap ", c.softcap) : "",
                                  c.sinks.empty() ? "" : " request sinks");
-  } else if (lc.rope.type != RopeConfig::Type::kNone && lq <= lk && extra.Chance(0.5)) {
+  } else if (lc.rope.type != RopeConfig::Type::kNone && lc.attention_chunk == 0 && lq <= lk &&
+             extra.Chance(0.5)) {
     for (int64_t j = 0; j < batch * lk; ++j) c.positions.push_back(extra.Int(0, 5000));
     options_label = " explicit positions";
   }
@@ -350,6 +368,11 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
       lc.qk_norm.whole_projection ? " over the projection" : "",
       lc.qk_norm.after_rope ? " after rope" : "",
       lc.sliding_window > 0 ? absl::StrCat(" window ", lc.sliding_window) : "",
+      lc.attention_chunk > 0 ? absl::StrCat(" chunk ", lc.attention_chunk) : "",
+      lc.temperature_tuning.enabled
+          ? absl::StrCat(" temperature ", lc.temperature_tuning.floor_scale, "/",
+                         lc.temperature_tuning.attn_scale)
+          : "",
       lc.softcap > 0 ? absl::StrCat(" softcap ", lc.softcap) : "",
       lc.sinks ? " sinks" : "", lc.output_gate ? " output gate" : "", options_label,
       ", query ",
@@ -445,6 +468,36 @@ TEST_F(CpuEngineTest, SlidingWindowOverLongSequences) {
     c.scale = ResolveScale(windowed->config, 0.0f, 32);
     c.label = absl::StrCat("window 100, Lq ", s.lq, " Lk ", s.lk, s.causal ? " causal" : "",
                            s.weights ? " weights" : "");
+    CheckAgainstReference(c);
+  }
+}
+
+// Chunked attention (Llama 4) over chunks of 64 keys: long prefills whose
+// rows start at their chunk's first key, a decode row split across threads
+// (only its chunk's key blocks count), and the weights pass.
+TEST_F(CpuEngineTest, ChunkedAttentionOverLongSequences) {
+  Rng rng(80);
+  auto chunked = std::make_shared<AttentionLayer>(*sdpa_);
+  chunked->config.name = "sdpa-chunk-64";
+  chunked->config.causal = true;
+  chunked->config.attention_chunk = 64;
+  ASSERT_TRUE(ValidateLayer(*chunked).ok()) << ValidateLayer(*chunked);
+  struct Shape2 {
+    int64_t lq, lk;
+    bool weights;
+  };
+  for (const Shape2 s : {Shape2{700, 700, false}, Shape2{300, 900, false},
+                         Shape2{1, 2000, false}, Shape2{3, 1990, false},
+                         Shape2{200, 200, true}}) {
+    Case c;
+    c.layer = chunked;
+    c.q = RandomTensor(rng, DType::kFloat32, {1, 4, s.lq, 32}, 1.0f);
+    c.k = RandomTensor(rng, DType::kFloat32, {1, 2, s.lk, 32}, 1.0f);
+    c.v = RandomTensor(rng, DType::kFloat32, {1, 2, s.lk, 32}, 1.0f);
+    c.causal = true;
+    c.need_weights = s.weights;
+    c.scale = ResolveScale(chunked->config, 0.0f, 32);
+    c.label = absl::StrCat("chunk 64, Lq ", s.lq, " Lk ", s.lk, s.weights ? " weights" : "");
     CheckAgainstReference(c);
   }
 }

@@ -1374,6 +1374,28 @@ TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
          c.qk_norm.enabled = true;
          c.qk_norm.weight_offset = true;
        }, true, true, false, true},
+      {"llama 4 rope layer: chunked attention, interleaved llama3 rope, L2 norm after it",
+       [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kLlama3;
+         c.rope.theta = 500000.0;
+         c.rope.rotary_dim = c.head_dim;
+         c.rope.interleaved = true;
+         c.rope.factor = 16.0;
+         c.rope.low_freq_factor = 1.0;
+         c.rope.high_freq_factor = 1.0 + 1.0 / 8;
+         c.rope.original_max_position_embeddings = 8192;
+         c.qk_norm.enabled = true;
+         c.qk_norm.eps = 1e-5;
+         c.qk_norm.after_rope = true;
+         c.causal = true;
+         c.attention_chunk = 16;
+       }, true},
+      {"llama 4 layer without rope: temperature tuning", [](LayerConfig& c) {
+         c.causal = true;
+         c.temperature_tuning.enabled = true;
+         c.temperature_tuning.floor_scale = 4.0;
+         c.temperature_tuning.attn_scale = 0.1;
+       }},
   };
   for (const Variant& v : variants) {
     for (Precision precision : {Precision::kFloat32, Precision::kBFloat16, Precision::kFloat16}) {
@@ -1411,7 +1433,8 @@ TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
         TaskBuffers& t = *tasks.back();
         const int64_t b = t.query.shape()[0], lq = t.query.shape()[1];
         const int64_t lk = t.task.key.empty() ? lq : t.key.shape()[1];
-        if (i >= 2 && lq <= lk) {  // explicit positions: left padding, far positions
+        if (i >= 2 && lq <= lk && layer.config.rope.type != RopeConfig::Type::kNone &&
+            layer.config.attention_chunk == 0) {  // explicit positions: left padding, far ones
           std::uniform_int_distribution<int64_t> start(0, 5000);
           t.positions.resize(static_cast<size_t>(b * lk));
           for (int64_t s = 0; s < b; ++s) {
@@ -1512,6 +1535,7 @@ struct SessionOptionsForTest {
   int64_t window = 0;
   float softcap = 0.0f;
   bool sinks = false;
+  int64_t chunk = 0;  // the layer's attention_chunk (a causal layer)
 };
 
 // An sdpa session fed `steps` new tokens at a time equals one causal request
@@ -1526,7 +1550,8 @@ void CheckSdpaSession(DType dtype, int64_t hq, int64_t hkv, int64_t dk, int64_t 
   if (engine == nullptr) engine = Cuda().engine;
   SCOPED_TRACE(absl::StrCat(DTypeName(dtype).data(), " Hq", hq, " Hkv", hkv, " Dk", dk, " Dv",
                             dv, " block_tokens ", block_tokens, " window ", opt.window,
-                            " softcap ", opt.softcap, opt.sinks ? " sinks" : ""));
+                            " softcap ", opt.softcap, opt.sinks ? " sinks" : "", " chunk ",
+                            opt.chunk));
   std::mt19937 rng(seed);
   int64_t len = 0;
   for (int64_t s : steps) len += s;
@@ -1538,7 +1563,11 @@ void CheckSdpaSession(DType dtype, int64_t hq, int64_t hkv, int64_t dk, int64_t 
     std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
     for (int64_t h = 0; h < hq; ++h) sinks.push_back(dist(rng));
   }
-  const AttentionLayer& layer = SdpaLayer();
+  AttentionLayer layer = SdpaLayer();
+  if (opt.chunk > 0) {  // Llama 4's chunked attention
+    layer.config.causal = true;
+    layer.config.attention_chunk = opt.chunk;
+  }
 
   Tensor want(DType::kFloat32, {1, hq, len, dv});
   AttentionTask full;
@@ -1567,7 +1596,9 @@ void CheckSdpaSession(DType dtype, int64_t hq, int64_t hkv, int64_t dk, int64_t 
     t.key = ks.view();
     t.value = vs.view();
     t.output = got.mutable_view();
-    if (opt.window > 0) cache.Release(FirstWindowKey(cached, opt.window));
+    if (opt.window > 0 || opt.chunk > 0) {
+      cache.Release(FirstWindowKey(cached, opt.window, opt.chunk));
+    }
     t.paged = cache.At(cached);
     const absl::Status status = engine->Run(layer, {&t, 1});
     ASSERT_TRUE(status.ok()) << status << " at " << cached;
@@ -1678,6 +1709,15 @@ TEST(CudaEngineTest, SdpaSessionWindowSoftcapSinksEqualOneRequest) {
   CheckSdpaSession(DType::kFloat32, 4, 2, 64, 64, 16, long_steps, {.window = 24}, 300);
   CheckSdpaSession(DType::kBFloat16, 4, 1, 64, 32, 16, long_steps,
                    {.window = 30, .softcap = 2.0f, .sinks = true}, 301);
+  // Chunked attention (Llama 4): steps that cross chunks of 16 and of 48;
+  // past 256 tokens, the blocks before the step's chunk are released.
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    CheckSdpaSession(dtype, 8, 2, 64, 64, 16, SessionSteps(), {.chunk = 16}, ++seed);
+    if (HasFailure()) return;
+  }
+  CheckSdpaSession(DType::kBFloat16, 4, 2, 64, 64, 16, long_steps, {.chunk = 48}, 302);
+  CheckSdpaSession(DType::kFloat32, 4, 2, 64, 64, 16, long_steps,
+                   {.window = 20, .chunk = 48}, 303);
 }
 
 // Long contexts through the split-KV decode (paged_attention.h): several
@@ -1851,7 +1891,7 @@ TEST(CudaEngineTest, SessionStepsOfABatchShareOneDecodeLaunchBitwise) {
     ASSERT_TRUE(Cuda().engine->Run(layer, {&prefill, 1}).ok());
 
     // The step, kept for the batch (its slices live in the state).
-    if (x.opt.window > 0) st.cache->Release(FirstWindowKey(x.cached, x.opt.window));
+    if (x.opt.window > 0) st.cache->Release(FirstWindowKey(x.cached, x.opt.window, 0));
     st.got = Tensor(x.dtype, {1, x.hq, x.step, x.dv});
     st.alone = Tensor(x.dtype, {1, x.hq, x.step, x.dv});
     st.step = full;

@@ -314,7 +314,7 @@ TEST_P(PagedFlashTest, SlidingWindowNeverReadsReleasedBlocks) {
   for (const auto& [c, window] : cases) {
     SCOPED_TRACE(absl::StrCat(c.Label(), " window ", window));
     std::unique_ptr<Session> s = MakeSession(c, rng);
-    const int64_t first = FirstWindowKey(c.lk - c.lq, window) / c.block_tokens;
+    const int64_t first = FirstWindowKey(c.lk - c.lq, window, 0) / c.block_tokens;
     ASSERT_GT(first, 0) << "the case must release blocks";
     for (int64_t b = 0; b < first; ++b) s->k_blocks[b] = s->v_blocks[b] = nullptr;
     FlashOptions opt;

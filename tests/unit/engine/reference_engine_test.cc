@@ -497,6 +497,42 @@ std::vector<double> Transpose12(const std::vector<double>& x, int64_t B, int64_t
   return y;
 }
 
+// Chunked attention (Llama 4) is a causal mask that also hides every key
+// before the query's chunk: the same as a bool mask of transformers' rule
+// (key j and query position p in the same chunk of 3, j <= p), Lq < Lk too.
+TEST(ReferenceEngineTest, ChunkedAttentionIsTransformersChunkedMask) {
+  constexpr int64_t kChunk = 3;
+  for (const auto& [lq, lk] : {std::pair<int64_t, int64_t>{7, 7}, {4, 11}}) {
+    const Tensor q = Random({2, 2, lq, 4}, 800), k = Random({2, 2, lk, 4}, 801);
+    const Tensor v = Random({2, 2, lk, 5}, 802);
+    AttentionLayer chunked;
+    chunked.config.name = "chunked";
+    chunked.config.causal = true;
+    chunked.config.attention_chunk = kChunk;
+    ASSERT_TRUE(ValidateLayer(chunked).ok()) << ValidateLayer(chunked);
+    SdpaRun run(q, k, v);
+    run.task.causal = true;
+    ASSERT_TRUE(NewReferenceEngine()->Run(chunked, {&run.task, 1}).ok());
+
+    std::vector<float> allowed(static_cast<size_t>(lq * lk));
+    for (int64_t i = 0; i < lq; ++i) {
+      const int64_t p = i + lk - lq;
+      for (int64_t j = 0; j < lk; ++j) allowed[i * lk + j] = j <= p && j / kChunk == p / kChunk;
+    }
+    const Tensor mask = Values(DType::kBool, {lq, lk}, allowed);
+    SdpaRun masked(q, k, v);
+    masked.task.attn_mask = mask.view();
+    ASSERT_TRUE(RunSdpa(masked.task).ok());
+    EXPECT_EQ(AsFloats(run.out), AsFloats(masked.out)) << "Lq " << lq << " Lk " << lk;
+    EXPECT_EQ(AsFloats(run.weights), AsFloats(masked.weights)) << "Lq " << lq << " Lk " << lk;
+  }
+  AttentionLayer not_causal;
+  not_causal.config.name = "chunked";
+  not_causal.config.attention_chunk = kChunk;
+  EXPECT_THAT(std::string(ValidateLayer(not_causal).message()),
+              ::testing::HasSubstr("only on a causal layer"));
+}
+
 // An output gate whose weights are zero gates every token by sigmoid of its
 // bias alone: the same as no gate with each output weight column f scaled
 // by sigmoid(bg[f]). And the layer check's rules for the gate's weights.

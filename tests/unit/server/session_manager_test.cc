@@ -349,7 +349,7 @@ TEST_F(SessionManagerTest, SlidingWindowSessionsReleaseBlocksOutsideTheWindow) {
     ASSERT_TRUE(m.Submit(&r).ok()) << "at length " << len;  // past max_tokens = 600
     const PagedKv& p = r->task.paged;
     // The blocks the next query's window reaches are all there.
-    const int64_t first = FirstWindowKey(len, 100) / 16;
+    const int64_t first = FirstWindowKey(len, 100, 0) / 16;
     for (int64_t b = 0; b < static_cast<int64_t>(p.k_blocks.size()); ++b) {
       EXPECT_EQ(p.k_blocks[b] == nullptr, b < first) << "block " << b << " at length " << len;
     }

@@ -4,7 +4,8 @@
 // promises to match: every RoPE scaling type, partial and interleaved
 // rotation, implicit and explicit positions per sequence, padded row
 // strides, QK-norm with and without the (1 + w) offset, in FLOAT32 and
-// BFLOAT16 (the cpu engine's dtypes), and FLOAT16 against float64. Checked
+// BFLOAT16 (the cpu engine's dtypes), and FLOAT16 against float64; and
+// Llama 4's query temperature. Checked
 // without a GPU; cuda_engine_test runs them on one (LlmLayerFeatures*).
 #include "tests/unit/engine/cuda/warp_emulator.h"  // first: it stands in for the device
 
@@ -17,6 +18,7 @@
 #include "engine/cpu/rotary.h"
 #include "engine/cuda/qk_transform.cu"  // NOLINT(build/include): the kernels themselves
 #include "engine/rope.h"
+#include "engine/temperature.h"
 #include "engine/tensor.h"
 #include "gtest/gtest.h"
 
@@ -232,6 +234,38 @@ TEST(QkTransformEmulated, QkNormMatchesTheCpuEngine) {
       }
     }
   }
+}
+
+// Llama 4's attention temperature tuning: each query row of two sequences
+// (rows 0-12 and 13-25, their indices after 1000 cached tokens) times the
+// cpu engine's factor, bitwise in FLOAT32 and BFLOAT16; the row padding is
+// kept; and the factor itself against float64 at a floor boundary.
+TEST(QkTransformEmulated, QueryTemperatureMatchesTheCpuEngine) {
+  std::mt19937 rng(34);
+  TemperatureTuning t;
+  t.enabled = true;
+  t.floor_scale = 8.0;
+  t.attn_scale = 0.1;
+  constexpr int64_t kSeq = 13, kHeads = 3, kDim = 16, kFirst = 1000;
+  const int64_t stride = kHeads * kDim + 4, width = kHeads * kDim;
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(std::string(DTypeName(dtype)));
+    const Rows input = RandomRows(dtype, 2 * kSeq, kHeads, kDim, stride, rng);
+    Rows gpu = input, cpu = input;
+    ASSERT_EQ(LaunchQueryTemperature(gpu.bytes.data(), dtype, 2 * kSeq, kSeq, stride, width,
+                                     kFirst, t.floor_scale, t.attn_scale, /*stream=*/nullptr),
+              cudaSuccess);
+    for (int64_t b = 0; b < 2; ++b) {
+      cpu::ScaleQueryRows(t, dtype, cpu.bytes.data() + b * kSeq * stride * DTypeSize(dtype), kSeq,
+                          stride, width, kFirst, /*threads=*/1);
+    }
+    EXPECT_EQ(gpu.bytes, cpu.bytes);
+    EXPECT_NE(gpu.bytes, input.bytes);
+  }
+  // 1 below index floor_scale - 1; from there log1p(floor((p + 1) / 8)) grows.
+  EXPECT_DOUBLE_EQ(QueryTemperature(t, 6), 1.0);
+  EXPECT_DOUBLE_EQ(QueryTemperature(t, 7), 1.0 + 0.1 * std::log(2.0));
+  EXPECT_DOUBLE_EQ(QueryTemperature(t, 8190), 1.0 + 0.1 * std::log(1024.0));
 }
 
 }  // namespace
