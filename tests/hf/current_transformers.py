@@ -49,6 +49,10 @@ PHI4_MINI = dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
                                       long_factor=[1.0, 1.5, 3.0, 6.0, 12.0, 20.0]),
                  partial_rotary_factor=0.75, original_max_position_embeddings=32,
                  max_position_embeddings=4096, sliding_window=8192)
+LLAMA4 = dict(num_hidden_layers=4, attention_chunk_size=16, floor_scale=4,
+              rope_parameters=dict(rope_type="llama3", factor=16.0, low_freq_factor=1.0,
+                                   high_freq_factor=1.0, original_max_position_embeddings=64,
+                                   rope_theta=500000.0))
 # Tokens per request: 48 unless a family says (LongRoPE's short factors).
 LENGTHS = {"phi4-mini-short": 24}
 
@@ -131,7 +135,12 @@ FAMILIES = {
     "smollm3-nope": ("smollm3", "SmolLM3", dict(num_hidden_layers=4), 3, "served"),
     # What attnserve does not compute, refused naming it.
     "deepseek-v3": ("deepseek_v3", "DeepseekV3", {}, 0, "multi-head latent attention"),
-    "llama4": ("llama4", "Llama4Text", {}, 0, "chunked attention"),
+    # Llama 4: chunked attention, interleaved llama3 RoPE (Scout's equal low
+    # and high factors) and a weightless L2 norm on three layers of four;
+    # temperature tuning without RoPE on the fourth. Chunks of 16 and a floor
+    # scale of 4 so that 48 tokens cross both.
+    "llama4-chunked": ("llama4", "Llama4Text", LLAMA4, 0, "served"),
+    "llama4-nope": ("llama4", "Llama4Text", LLAMA4, 3, "served"),
     "phimoe": ("phimoe", "Phimoe", {}, 0, "never applies"),
     # QK-norm after RoPE, NTK-alpha RoPE.
     "hunyuan": ("hunyuan_v1_dense", "HunYuanDenseV1", dict(rope_parameters=dict(
@@ -187,6 +196,14 @@ def build(family):
     return m.eval(), rotary, config, layer, outcome
 
 
+def chunk_of(config, layer):
+    """Llama 4's chunked layers (config.layer_types): the chunk size."""
+    types = getattr(config, "layer_types", None)
+    if types and types[layer] == "chunked_attention":
+        return config.attention_chunk_size
+    return None
+
+
 def window_of(config, layer):
     """transformers' rule: the layer's type from config.layer_types when
     the family mixes them, else every layer slides when sliding_window is
@@ -206,16 +223,23 @@ def module_forward(m, rotary, config, layer, x):
     if window:
         mask = mask.masked_fill(torch.ones(length, length, dtype=torch.bool).tril(-window),
                                 float("-inf"))
+    chunk = chunk_of(config, layer)
+    if chunk:  # transformers' chunked mask: the query's own chunk
+        i = torch.arange(length)
+        mask = mask.masked_fill((i[None, :] // chunk) != (i[:, None] // chunk), float("-inf"))
     mask = mask.expand(b, 1, length, length)
     positions = torch.arange(length)[None].expand(b, length)
     m, rotary = m.double(), rotary.double()
     xt = torch.from_numpy(x).double()
     with torch.no_grad():
-        try:
-            cos, sin = rotary(xt, positions)
-        except TypeError:  # families whose rotary class takes a layer type
-            cos, sin = rotary(xt, positions, config.layer_types[layer])
-        out = m(hidden_states=xt, position_embeddings=(cos, sin), attention_mask=mask)[0]
+        if getattr(config, "model_type", None) == "llama4_text":
+            embeddings = rotary(xt, positions)  # one complex tensor, freqs_cis
+        else:
+            try:
+                embeddings = rotary(xt, positions)
+            except TypeError:  # families whose rotary class takes a layer type
+                embeddings = rotary(xt, positions, config.layer_types[layer])
+        out = m(hidden_states=xt, position_embeddings=embeddings, attention_mask=mask)[0]
     return out.numpy()
 
 

@@ -15,10 +15,11 @@ export by name. QK-norm (Qwen3, and Gemma3's 1 + w), sliding windows
 (Gemma2) and attention sinks (gpt-oss) are served exactly too, and so are LongRoPE (Phi-3.5,
 Phi-4-mini: its factors picked per request, a session's cached keys keeping theirs), QK-norm
 over the whole projection (OLMo-2), gated attention (Qwen3-Next and Qwen3.5, the gate inside
-q_proj; AFMoE, a gate_proj) and the same attention under other model types (MoE
+q_proj; AFMoE, a gate_proj), Llama 4's chunked attention and query temperature, and the same
+attention under other model types (MoE
 variants and others, MORE_FAMILIES). transformers 4.45.2 is the newest that imports with
 Debian's torch 1.13: families that need a newer one (Qwen3, Gemma3, OLMo-2, Hunyuan, gpt-oss,
-Qwen3-Next, AFMoE) are stood in for by modules built from transformers' parts;
+Qwen3-Next, AFMoE, Llama 4) are stood in for by modules built from transformers' parts;
 tests/hf/current_transformers.py checks the real classes of transformers 5.x."""
 
 import math

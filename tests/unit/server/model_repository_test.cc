@@ -351,6 +351,44 @@ TEST(ModelConfigTest, OutputGateResolvesAndItsRulesNameTheField) {
               AllOf(HasSubstr("output_gate"), HasSubstr("not allowed for kind \"sdpa\"")));
 }
 
+// Llama 4: attention_chunk on causal layers only (sdpa too), temperature
+// tuning on projection layers with both its numbers; each reaches the layer
+// and is reported back.
+TEST(ModelConfigTest, ChunkedAttentionAndTemperatureRulesNameTheField) {
+  v1::ModelConfig chunked = Resolved("embed_dim: 64 num_heads: 4 causal: true "
+                                     "attention_chunk: 8192");
+  AttentionLayer layer;
+  layer.config = ToLayerConfig(chunked);
+  EXPECT_EQ(layer.config.attention_chunk, 8192);
+  EXPECT_EQ(LayerToModelConfig(layer).attention_chunk(), 8192);
+  EXPECT_EQ(ToLayerConfig(Resolved("kind: \"sdpa\" causal: true attention_chunk: 16"))
+                .attention_chunk,
+            16);
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 attention_chunk: 16").message(),
+              AllOf(HasSubstr("attention_chunk"), HasSubstr("causal: true")));
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 causal: true attention_chunk: -1")
+                  .message(),
+              AllOf(HasSubstr("attention_chunk"), HasSubstr(">= 0")));
+
+  v1::ModelConfig nope = Resolved("embed_dim: 64 num_heads: 4 causal: true "
+                                  "temperature_tuning { floor_scale: 8192 attn_scale: 0.1 }");
+  layer.config = ToLayerConfig(nope);
+  EXPECT_TRUE(layer.config.temperature_tuning.enabled);
+  EXPECT_EQ(layer.config.temperature_tuning.floor_scale, 8192);
+  EXPECT_EQ(layer.config.temperature_tuning.attn_scale, 0.1);
+  EXPECT_EQ(LayerToModelConfig(layer).temperature_tuning().floor_scale(), 8192);
+  EXPECT_FALSE(ToLayerConfig(Resolved("embed_dim: 64 num_heads: 4")).temperature_tuning.enabled);
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 temperature_tuning { attn_scale: 0.1 }")
+                  .message(),
+              AllOf(HasSubstr("temperature_tuning.floor_scale"), HasSubstr("> 0")));
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 temperature_tuning { floor_scale: 4 }")
+                  .message(),
+              HasSubstr("temperature_tuning.attn_scale"));
+  EXPECT_THAT(ResolveError("kind: \"sdpa\" temperature_tuning { floor_scale: 4 attn_scale: 1 }")
+                  .message(),
+              AllOf(HasSubstr("temperature_tuning"), HasSubstr("not allowed for kind")));
+}
+
 TEST(ModelConfigTest, SdpaNeedsNoDims) {
   v1::ModelConfig c = Resolved("kind: \"sdpa\" causal: true scale: 0.5 sliding_window: 128");
   LayerConfig layer = ToLayerConfig(c);
