@@ -196,7 +196,8 @@ absl::StatusOr<OpenedSession> RequestDispatcher::OpenSession(absl::string_view m
     fixed = shape;
   }
   // The blocks live where the engine reads them (a GPU's memory for cuda).
-  return sessions_->Open(served.name, fixed, ttl, max_tokens, layer.sliding_window,
+  return sessions_->Open(served.name, fixed, ttl, max_tokens,
+                         SessionKeyRange{layer.sliding_window, layer.attention_chunk},
                          std::string(session_id), served.engine->kv_slab_memory());
 }
 

@@ -53,9 +53,9 @@ struct SessionManager::Session {
   absl::Duration ttl;
   int64_t max_tokens = 0;
   int64_t length = 0;  // tokens committed
-  int64_t window = 0;  // the model's sliding window; 0 = none
+  SessionKeyRange keys;  // the model's sliding window and chunk; 0 = none
   // One pool block per block_tokens tokens: K part, then V part. The first
-  // `released` are null: freed, outside every later query's window.
+  // `released` are null: freed, before every later query's visible keys.
   std::vector<void*> k_blocks, v_blocks;
   size_t released = 0;
   int64_t block_bytes = 0;
@@ -113,7 +113,7 @@ void SessionManager::Publish(ModelCache& cache) {
 absl::StatusOr<OpenedSession> SessionManager::Open(const std::string& model,
                                                    std::optional<SessionShape> fixed,
                                                    absl::Duration ttl, int64_t max_tokens,
-                                                   int64_t window, const std::string& id,
+                                                   SessionKeyRange keys, const std::string& id,
                                                    std::shared_ptr<KvSlabMemory> memory) {
   if (!id.empty()) {
     const bool well_formed =
@@ -165,7 +165,7 @@ absl::StatusOr<OpenedSession> SessionManager::Open(const std::string& model,
   s->shape = fixed;
   s->ttl = ttl == absl::ZeroDuration() ? options_.ttl : ttl;
   s->max_tokens = max_tokens == 0 ? options_.max_tokens : max_tokens;
-  s->window = std::max<int64_t>(window, 0);
+  s->keys = {std::max<int64_t>(keys.window, 0), std::max<int64_t>(keys.chunk, 0)};
   OpenedSession opened{s->id, model, s->ttl, s->max_tokens, options_.block_tokens};
   Session* raw = s.get();
   sessions_.emplace(raw->id, std::move(s));
@@ -417,12 +417,11 @@ void SessionManager::Trim(Session& s, int64_t tokens) {
 }
 
 void SessionManager::ReleaseOutsideWindow(Session& s) {
-  if (s.window <= 0) return;
+  if (s.keys.window <= 0 && s.keys.chunk <= 0) return;
   // The next query sits at position `length`: it and every later one see no
-  // key before FirstWindowKey(length, window).
-  // (Sessions of chunked-attention layers keep their blocks: window only.)
-  const size_t dead = static_cast<size_t>(FirstWindowKey(s.length, s.window, /*chunk=*/0) /
-                                          options_.block_tokens);
+  // key before FirstWindowKey(length, window, chunk).
+  const size_t dead = static_cast<size_t>(
+      FirstWindowKey(s.length, s.keys.window, s.keys.chunk) / options_.block_tokens);
   for (; s.released < std::min(dead, s.k_blocks.size()); ++s.released) {
     s.cache->pool.Free(s.k_blocks[s.released], s.block_bytes);
     s.k_blocks[s.released] = nullptr;

@@ -60,6 +60,13 @@ struct SessionStats {
   int64_t appends = 0, evictions = 0, expiries = 0;
 };
 
+// The keys a query of a session's model can see, from its layer: its
+// sliding window and its attention chunk (0 = none; attention_params.h).
+struct SessionKeyRange {
+  int64_t window = 0;
+  int64_t chunk = 0;
+};
+
 // Thread-safe. One mutex guards everything: every operation is a few map
 // lookups and block-list edits, never an engine call. Does not own the clock
 // or the metrics (nullable); both must outlive it.
@@ -77,11 +84,12 @@ class SessionManager {
 
   // Opens a session on `model`. `fixed`: the cache geometry when the model
   // fixes it (projection models); nullopt = taken from the first request
-  // (sdpa). ttl <= 0 / max_tokens <= 0: the server's defaults. `window`:
-  // the model's sliding window (0 = none); after each request the blocks
-  // wholly before every later query's window (FirstWindowKey) are released,
-  // so the session holds about window + 256 tokens plus a block whatever
-  // its length, and max_tokens bounds the tokens it holds, not its length.
+  // (sdpa). ttl <= 0 / max_tokens <= 0: the server's defaults. `keys`: the
+  // model's sliding window and attention chunk; with either, after each
+  // request the blocks wholly before every later query's first visible key
+  // (FirstWindowKey) are released, so the session holds about window (or
+  // chunk) + 256 tokens plus a block whatever its length, and max_tokens
+  // bounds the tokens it holds, not its length.
   // InvalidArgument for a TTL over max_ttl or max_tokens over the limit;
   // ResourceExhausted at max_sessions.
   // `id`: the client's choice (OpenSessionRequest.session_id: 16 to 128
@@ -93,8 +101,8 @@ class SessionManager {
   // another backend) gets a new pool once its old sessions are gone, and
   // Unavailable until then.
   absl::StatusOr<OpenedSession> Open(const std::string& model, std::optional<SessionShape> fixed,
-                                     absl::Duration ttl, int64_t max_tokens, int64_t window = 0,
-                                     const std::string& id = "",
+                                     absl::Duration ttl, int64_t max_tokens,
+                                     SessionKeyRange keys = {}, const std::string& id = "",
                                      std::shared_ptr<KvSlabMemory> memory = nullptr);
 
   // Closes session `id`: its blocks return to the pool (after its request in
@@ -174,7 +182,7 @@ class SessionManager {
   absl::Status Bind(Session& s, InferenceRequest& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Frees the session's blocks past `tokens`.
   void Trim(Session& s, int64_t tokens) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Frees the blocks no later query of a windowed session can see.
+  // Frees the blocks no later query of a windowed or chunked session can see.
   void ReleaseOutsideWindow(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MakeIdle(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MakeBusy(Session& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

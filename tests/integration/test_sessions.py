@@ -310,6 +310,42 @@ def test_restarted_server_says_sessions_do_not_survive():
         assert second.stop() == 0, second.log()
 
 
+def test_chunked_attention_session_holds_about_one_chunk(tmp_path):
+    """A session of a model with chunked attention (Llama 4's rule, chunks of
+    96): 1200 tokens, 40 at a time, every step equal to the NumPy oracle over
+    the whole sequence with transformers' chunked mask (a query sees its own
+    chunk up to itself), while the blocks the session holds stay about one
+    chunk + 256 tokens plus a block."""
+    (tmp_path / "sdpa-chunk").mkdir()
+    (tmp_path / "sdpa-chunk" / "config.pbtxt").write_text(
+        'kind: "sdpa"\ncausal: true\nattention_chunk: 96\n')
+    s = harness.ServerProcess("--model-repository", str(tmp_path), "--kv-block-tokens", "16",
+                              "--session-max-tokens", "512")
+    try:
+        with AttentionClient(s.target, timeout=60) as c:
+            rng = np.random.default_rng(14)
+            q, k, v = _sdpa_seq(rng, length=1200)
+            sid = _open(c, model="sdpa-chunk").session_id
+            most = 0
+            for t in range(0, 1200, 40):
+                r = _step(c, sid, q[:, :, t:t + 40], k[:, :, t:t + 40], v[:, :, t:t + 40])
+                rows = np.arange(t, t + 40)[:, None]
+                keys = np.arange(t + 40)[None, :]
+                chunk_mask = (keys <= rows) & (keys // 96 == rows // 96)
+                want, _ = harness.reference_attention(q[:, :, t:t + 40], k[:, :, :t + 40],
+                                                      v[:, :, :t + 40], mask=chunk_mask)
+                _assert_close(r.output, want, f"tokens {t}..{t + 39}")
+                used = serving_util.metric(serving_util.scrape(s), "attnserve_kv_cache_blocks",
+                                           model="sdpa-chunk", state="used")
+                most = max(most, used)
+            # 1200 tokens would be 75 blocks; a chunk keeps about (96 + 256) / 16 + 2,
+            # plus the 40 tokens the step appends.
+            assert 4 <= most <= (96 + 256 + 40) // 16 + 2, most
+            assert _close(c, sid).released_tokens == 1200
+    finally:
+        assert s.stop() == 0, s.log()
+
+
 def test_sliding_window_session_holds_about_the_window(tmp_path):
     """A session of a model with a sliding window of 64: 1500 tokens, one step
     at a time, every step equal to the NumPy oracle over the whole sequence,

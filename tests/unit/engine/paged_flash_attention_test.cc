@@ -293,28 +293,31 @@ TEST_P(PagedFlashTest, EqualsContiguousBitwiseAndMatchesReference) {
   }
 }
 
-// A sliding window over paged K/V whose blocks wholly before FirstWindowKey
-// are released (null, as a session leaves them): the kernel never reads
-// them, and the result is bitwise the contiguous one with the same window
-// and within tolerance of the reference.
+// A sliding window or an attention chunk (Llama 4) over paged K/V whose
+// blocks wholly before FirstWindowKey are released (null, as a session
+// leaves them): the kernel never reads them, and the result is bitwise the
+// contiguous one with the same window and chunk.
 TEST_P(PagedFlashTest, SlidingWindowNeverReadsReleasedBlocks) {
   const CpuIsa isa = GetParam();
   using D = DType;
   const struct {
     Case c;
-    int64_t window;
+    int64_t window, chunk;
   } cases[] = {
-      {{8, 2, 64, 64, 1, 3000, 16, D::kFloat32, true}, 700},   // decode, split keys
-      {{8, 2, 64, 64, 1, 1337, 48, D::kFloat16, true}, 100},   // blocks straddle the grain
-      {{4, 2, 32, 32, 3, 2100, 16, D::kFloat32, true}, 256},   // a few rows
-      {{4, 2, 64, 64, 40, 1500, 32, D::kBFloat16, true}, 300},  // prefill chunk
-      {{2, 1, 64, 64, 1, 600, 512, D::kFloat32, true}, 50},    // one block per grain
+      {{8, 2, 64, 64, 1, 3000, 16, D::kFloat32, true}, 700, 0},   // decode, split keys
+      {{8, 2, 64, 64, 1, 1337, 48, D::kFloat16, true}, 100, 0},   // blocks straddle the grain
+      {{4, 2, 32, 32, 3, 2100, 16, D::kFloat32, true}, 256, 0},   // a few rows
+      {{4, 2, 64, 64, 40, 1500, 32, D::kBFloat16, true}, 300, 0},  // prefill chunk
+      {{2, 1, 64, 64, 1, 600, 512, D::kFloat32, true}, 50, 0},    // one block per grain
+      {{8, 2, 64, 64, 1, 3000, 16, D::kFloat32, true}, 0, 1024},  // a decode in its chunk
+      {{4, 2, 64, 64, 40, 1500, 32, D::kBFloat16, true}, 0, 512},  // a prefill in its chunk
+      {{4, 2, 32, 32, 3, 2100, 16, D::kFloat32, true}, 256, 1000},  // both: the chunk binds
   };
   Rng rng(77);
-  for (const auto& [c, window] : cases) {
-    SCOPED_TRACE(absl::StrCat(c.Label(), " window ", window));
+  for (const auto& [c, window, chunk] : cases) {
+    SCOPED_TRACE(absl::StrCat(c.Label(), " window ", window, " chunk ", chunk));
     std::unique_ptr<Session> s = MakeSession(c, rng);
-    const int64_t first = FirstWindowKey(c.lk - c.lq, window, 0) / c.block_tokens;
+    const int64_t first = FirstWindowKey(c.lk - c.lq, window, chunk) / c.block_tokens;
     ASSERT_GT(first, 0) << "the case must release blocks";
     for (int64_t b = 0; b < first; ++b) s->k_blocks[b] = s->v_blocks[b] = nullptr;
     FlashOptions opt;
@@ -323,6 +326,7 @@ TEST_P(PagedFlashTest, SlidingWindowNeverReadsReleasedBlocks) {
       opt.num_threads = threads;
       AttentionParams contiguous = s->Contiguous(), paged = s->Paged();
       contiguous.window = paged.window = window;
+      contiguous.chunk = paged.chunk = chunk;
       ASSERT_TRUE(FlashAttention({&contiguous, 1}, opt).ok());
       const absl::Status st = FlashAttention({&paged, 1}, opt);
       ASSERT_TRUE(st.ok()) << st;
@@ -332,6 +336,7 @@ TEST_P(PagedFlashTest, SlidingWindowNeverReadsReleasedBlocks) {
     s->k_blocks[first] = s->v_blocks[first] = nullptr;
     AttentionParams paged = s->Paged();
     paged.window = window;
+    paged.chunk = chunk;
     EXPECT_EQ(FlashAttention({&paged, 1}, opt).code(), absl::StatusCode::kInvalidArgument);
   }
 }

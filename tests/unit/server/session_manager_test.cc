@@ -338,7 +338,7 @@ TEST_F(SessionManagerTest, SlidingWindowSessionsReleaseBlocksOutsideTheWindow) {
   o.max_tokens = 600;
   SessionManager m(o, &clock_, nullptr);
   absl::StatusOr<OpenedSession> opened =
-      m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, /*window=*/100);
+      m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, SessionKeyRange{.window = 100});
   ASSERT_TRUE(opened.ok()) << opened.status();
   const std::string sid = opened->id;
   Run(m, sid, 300);  // prefill: every block still needed by the next query
@@ -366,6 +366,35 @@ TEST_F(SessionManagerTest, SlidingWindowSessionsReleaseBlocksOutsideTheWindow) {
   EXPECT_EQ(m.Stats("sdpa").blocks_used, 0);
 }
 
+// A chunked-attention session (Llama 4) releases the blocks before its
+// current chunk's grain-aligned start: with chunks of 300, it holds at most
+// one chunk + the 256-token grain + a block, whatever its length.
+TEST_F(SessionManagerTest, ChunkedSessionsReleaseBlocksBeforeTheirChunk) {
+  SessionOptions o = Options(/*blocks=*/64);
+  o.max_tokens = 800;
+  SessionManager m(o, &clock_, nullptr);
+  absl::StatusOr<OpenedSession> opened =
+      m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, SessionKeyRange{.chunk = 300});
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string sid = opened->id;
+  Run(m, sid, 200);
+  int64_t most = 0, released_ever = 0;
+  for (int64_t len = 200; len < 1500; ++len) {
+    std::unique_ptr<InferenceRequest> r = Request(sid, 1);
+    ASSERT_TRUE(m.Submit(&r).ok()) << "at length " << len;  // past max_tokens = 800
+    const PagedKv& p = r->task.paged;
+    const int64_t first = FirstWindowKey(len, 0, 300) / 16;
+    for (int64_t b = 0; b < static_cast<int64_t>(p.k_blocks.size()); ++b) {
+      EXPECT_EQ(p.k_blocks[b] == nullptr, b < first) << "block " << b << " at length " << len;
+    }
+    released_ever = std::max(released_ever, first);
+    m.Finished(*r, absl::OkStatus());
+    most = std::max(most, m.Stats("sdpa").blocks_used);
+  }
+  EXPECT_GT(released_ever, 0);
+  EXPECT_LE(most, (300 + 256) / 16 + 2);
+}
+
 // Without a window nothing is released, and the limit is on the length.
 TEST_F(SessionManagerTest, SessionsWithoutAWindowKeepEveryBlock) {
   SessionManager m(Options(/*blocks=*/64), &clock_, nullptr);
@@ -382,20 +411,20 @@ TEST_F(SessionManagerTest, SessionsWithoutAWindowKeepEveryBlock) {
 TEST_F(SessionManagerTest, ChosenIdsAreUsedOnceAndMustBeWellFormed) {
   SessionManager m(Options(), &clock_, nullptr);
   const std::string id = "c0123456789abcdef0123456789abcdef";
-  absl::StatusOr<OpenedSession> s = m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, 0, id);
+  absl::StatusOr<OpenedSession> s = m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, {}, id);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(s->id, id);
   Run(m, id, 3);
-  EXPECT_EQ(m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, 0, id).status().code(),
+  EXPECT_EQ(m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, {}, id).status().code(),
             absl::StatusCode::kAlreadyExists);
   std::vector<std::unique_ptr<InferenceRequest>> orphans;
   ASSERT_TRUE(m.Close(id, &orphans).ok());
   // Closed: still taken (its next call says closed, not unknown).
-  EXPECT_EQ(m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, 0, id).status().code(),
+  EXPECT_EQ(m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, {}, id).status().code(),
             absl::StatusCode::kAlreadyExists);
   for (const std::string& bad :
        {std::string("short"), std::string(129, 'a'), std::string("bad id with spaces")}) {
-    absl::Status st = m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, 0, bad).status();
+    absl::Status st = m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, {}, bad).status();
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(st.message(), HasSubstr("16 to 128 characters")) << bad;
   }
@@ -433,7 +462,7 @@ TEST_F(SessionManagerTest, BlocksLiveInTheEnginesMemory) {
   {
     SessionManager m(Options(), &clock_, nullptr);
     absl::StatusOr<OpenedSession> opened =
-        m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, 0, "", memory);
+        m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, {}, "", memory);
     ASSERT_TRUE(opened.ok()) << opened.status();
     std::unique_ptr<InferenceRequest> r = Request(opened->id, 20);
     ASSERT_TRUE(m.Submit(&r).ok());
@@ -447,11 +476,11 @@ TEST_F(SessionManagerTest, BlocksLiveInTheEnginesMemory) {
     // Another memory for the same model (a reload onto another backend):
     // refused while a session of the old one is open, a new pool after.
     auto other = std::make_shared<RecordingSlabMemory>();
-    EXPECT_EQ(m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, 0, "", other).status().code(),
+    EXPECT_EQ(m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, {}, "", other).status().code(),
               absl::StatusCode::kUnavailable);
     std::vector<std::unique_ptr<InferenceRequest>> orphans;
     ASSERT_TRUE(m.Close(opened->id, &orphans).ok());
-    opened = m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, 0, "", other);
+    opened = m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0, {}, "", other);
     ASSERT_TRUE(opened.ok()) << opened.status();
     EXPECT_TRUE(memory->live.empty()) << "the old pool returned its slabs";
     r = Request(opened->id, 1);
