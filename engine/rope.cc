@@ -82,10 +82,11 @@ absl::Status ValidateRope(const RopeConfig& r, int64_t head_dim) {
       // exactly on its edge, where transformers divides 0 by 0.
       const double edge =
           static_cast<double>(r.original_max_position_embeddings) / r.low_freq_factor;
-      const RopeFrequencies f = ComputeRopeFrequencies(RopeConfig{.type = Type::kDefault,
-                                                                  .theta = r.theta,
-                                                                  .rotary_dim = r.rotary_dim},
-                                                       0);
+      RopeConfig plain;
+      plain.type = Type::kDefault;
+      plain.theta = r.theta;
+      plain.rotary_dim = r.rotary_dim;
+      const RopeFrequencies f = ComputeRopeFrequencies(plain, 0);
       for (double x : f.inv_freq) {
         if (2 * kPi / x == edge) {
           return RopeError("high_freq_factor",

@@ -2,7 +2,6 @@
 // with messages that name the tensor, and the per-layout splits/transposes.
 #include "engine/model/weight_loader.h"
 
-#include <array>
 #include <cstring>
 #include <initializer_list>
 #include <utility>
