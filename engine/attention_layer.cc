@@ -7,6 +7,7 @@
 #include <cmath>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "engine/rope.h"
@@ -26,6 +27,83 @@ absl::Status CheckWeight(const std::string& layer, const char* name, const Tenso
     return absl::InvalidArgumentError(
         absl::StrCat("layer '", layer, "': weight ", name, " must have shape ",
                      ShapeString(expected), ", got ", ShapeString(t.shape())));
+  }
+  return absl::OkStatus();
+}
+
+struct WeightCheck {
+  const char* name;
+  const Tensor* tensor;
+  Shape expected;
+  bool optional;
+};
+
+// A latent layer's own rules (LatentAttention), once the dims common to
+// every projection layer are checked.
+absl::Status ValidateLatentLayer(const AttentionLayer& layer) {
+  const LayerConfig& c = layer.config;
+  const LatentAttention& m = c.latent;
+  auto fail = [&](auto&&... parts) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer '", c.name, "': latent_attention: ", parts...));
+  };
+  if (m.q_lora_rank < 0) return fail("q_lora_rank must be >= 0 (0 = none), got ", m.q_lora_rank);
+  if (m.kv_lora_rank < 1) return fail("kv_lora_rank must be >= 1, got ", m.kv_lora_rank);
+  if (m.v_head_dim < 1) return fail("v_head_dim must be >= 1, got ", m.v_head_dim);
+  if (m.rope_dim < 2 || m.rope_dim % 2 != 0 || m.rope_dim >= c.head_dim) {
+    return fail("qk_rope_head_dim must be even and in [2, head_dim ", c.head_dim,
+                "), the rest of head_dim being the nope features; got ", m.rope_dim);
+  }
+  for (const auto& [name, eps] : {std::pair<const char*, double>{"q_norm_eps", m.q_norm_eps},
+                                  {"kv_norm_eps", m.kv_norm_eps}}) {
+    if (!std::isfinite(eps) || eps <= 0) return fail(name, " must be > 0, got ", eps);
+  }
+  if (c.num_kv_heads != c.num_heads) {
+    return fail("num_kv_heads must equal num_heads (", c.num_heads, "), got ", c.num_kv_heads);
+  }
+  if (c.key_dim != c.query_dim || c.value_dim != c.query_dim) {
+    return fail("key_dim and value_dim must equal query_dim (K and V come from the query's own "
+                "tokens), got ", c.key_dim, " and ", c.value_dim, " with query_dim ", c.query_dim);
+  }
+  if (c.rope.type != RopeConfig::Type::kNone && c.rope.rotary_dim != m.rope_dim) {
+    return fail("rope.rotary_dim must equal qk_rope_head_dim ", m.rope_dim, ", got ",
+                c.rope.rotary_dim);
+  }
+  if (c.qk_norm.enabled || c.output_gate || c.sinks || c.temperature_tuning.enabled) {
+    return fail("a latent layer takes no qk_norm, output_gate, sinks or temperature_tuning");
+  }
+  const LayerWeights& w = layer.weights;
+  if (w.q_norm.byte_size() != 0 || w.k_norm.byte_size() != 0 || w.wg.byte_size() != 0 ||
+      w.bg.byte_size() != 0 || w.bq.byte_size() != 0 || w.bk.byte_size() != 0 ||
+      w.bv.byte_size() != 0) {
+    return fail("weights q_norm, k_norm, wg, bg, bq, bk and bv must be empty");
+  }
+  const int64_t h = c.num_heads, nope = c.head_dim - m.rope_dim;
+  const int64_t q_in = m.q_lora_rank > 0 ? m.q_lora_rank : c.query_dim;
+  std::vector<WeightCheck> checks = {
+      {"wq", &w.wq, {h * c.head_dim, q_in}, false},
+      {"wkv_a", &w.wkv_a, {m.kv_lora_rank + m.rope_dim, c.query_dim}, false},
+      {"bkv_a", &w.bkv_a, {m.kv_lora_rank + m.rope_dim}, true},
+      {"kv_a_norm", &w.kv_a_norm, {m.kv_lora_rank}, false},
+      {"wk", &w.wk, {h * nope, m.kv_lora_rank}, false},
+      {"wv", &w.wv, {h * m.v_head_dim, m.kv_lora_rank}, false},
+      {"wo", &w.wo, {c.out_dim, h * m.v_head_dim}, false},
+      {"bo", &w.bo, {c.out_dim}, true},
+  };
+  if (m.q_lora_rank > 0) {
+    checks.push_back({"wq_a", &w.wq_a, {m.q_lora_rank, c.query_dim}, false});
+    checks.push_back({"bq_a", &w.bq_a, {m.q_lora_rank}, true});
+    checks.push_back({"q_a_norm", &w.q_a_norm, {m.q_lora_rank}, false});
+  } else if (w.wq_a.byte_size() != 0 || w.bq_a.byte_size() != 0 ||
+             w.q_a_norm.byte_size() != 0) {
+    return fail("wq_a, bq_a and q_a_norm need q_lora_rank > 0");
+  }
+  for (const WeightCheck& check : checks) {
+    if (absl::Status s = CheckWeight(c.name, check.name, *check.tensor, check.expected,
+                                     check.optional);
+        !s.ok()) {
+      return s;
+    }
   }
   return absl::OkStatus();
 }
@@ -70,11 +148,11 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
       }
     }
     if (c.rope.type != RopeConfig::Type::kNone || c.qk_norm.enabled || c.sinks ||
-        c.output_gate || c.temperature_tuning.enabled) {
+        c.output_gate || c.temperature_tuning.enabled || c.latent.enabled) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer '", c.name,
-          "': rope, qk_norm, sinks, output_gate and temperature_tuning apply to projection "
-          "layers only"));
+          "': rope, qk_norm, sinks, output_gate, temperature_tuning and latent_attention apply "
+          "to projection layers only"));
     }
     return absl::OkStatus();
   }
@@ -136,16 +214,22 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
                      c.num_heads, " and ", c.num_kv_heads));
   }
 
+  if (c.latent.enabled) return ValidateLatentLayer(layer);
+  {
+    const LayerWeights& w = layer.weights;
+    for (const Tensor* t : {&w.wq_a, &w.bq_a, &w.q_a_norm, &w.wkv_a, &w.bkv_a, &w.kv_a_norm}) {
+      if (t->byte_size() != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer '", c.name, "': latent attention weights (wq_a, wkv_a, ...) without "
+            "latent_attention in the config"));
+      }
+    }
+  }
+
   const int64_t q_features = c.num_heads * c.head_dim;
   const int64_t kv_features = c.num_kv_heads * c.head_dim;
   const LayerWeights& w = layer.weights;
-  struct Check {
-    const char* name;
-    const Tensor* tensor;
-    Shape expected;
-    bool optional;
-  };
-  const Check checks[] = {
+  const WeightCheck checks[] = {
       {"wq", &w.wq, {q_features, c.query_dim}, false},
       {"bq", &w.bq, {q_features}, true},
       {"wk", &w.wk, {kv_features, c.key_dim}, false},
@@ -155,7 +239,7 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
       {"wo", &w.wo, {c.out_dim, q_features}, false},
       {"bo", &w.bo, {c.out_dim}, true},
   };
-  for (const Check& check : checks) {
+  for (const WeightCheck& check : checks) {
     if (absl::Status s = CheckWeight(c.name, check.name, *check.tensor, check.expected,
                                      check.optional);
         !s.ok()) {
@@ -180,12 +264,15 @@ namespace {
 
 // `w` is [out, in] FLOAT32 (or empty), `b` [out] (or empty); shapes were
 // checked by ValidateLayer or are checked there before any request runs.
-ProjectionBound MeasureProjection(const Tensor& w, const Tensor& b) {
+// Rows [row0, row0 + rows) only, when rows >= 0.
+ProjectionBound MeasureProjection(const Tensor& w, const Tensor& b, int64_t row0 = 0,
+                                  int64_t rows = -1) {
   ProjectionBound bound;
   if (w.byte_size() != 0 && w.shape().size() == 2) {
-    const int64_t rows = w.shape()[0], cols = w.shape()[1];
+    const int64_t cols = w.shape()[1];
+    const int64_t end = rows < 0 ? w.shape()[0] : row0 + rows;
     const float* data = w.data_as<float>();
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = row0; r < end; ++r) {
       double sum = 0;
       for (int64_t c = 0; c < cols; ++c) sum += std::fabs(static_cast<double>(data[r * cols + c]));
       // NaN compares false: a NaN weight makes the bound infinite.
@@ -194,19 +281,61 @@ ProjectionBound MeasureProjection(const Tensor& w, const Tensor& b) {
     }
   }
   const float* bias = b.data_as<float>();
-  for (size_t i = 0; i < b.byte_size() / sizeof(float); ++i) {
+  const int64_t count = static_cast<int64_t>(b.byte_size() / sizeof(float));
+  const int64_t end = rows < 0 ? count : std::min(count, row0 + rows);
+  for (int64_t i = rows < 0 ? 0 : row0; i < end; ++i) {
     const double a = std::fabs(static_cast<double>(bias[i]));
     bound.bias = std::isnan(a) ? INFINITY : std::max(bound.bias, a);
   }
   return bound;
 }
 
+// The largest |feature| an RMSNorm with weights `norm` can output: each
+// |x_i| / sqrt(mean(x^2) + eps) is at most sqrt(n), times max |w_i|.
+double RmsNormBound(const Tensor& norm) {
+  const int64_t n = norm.num_elements();
+  const float* w = norm.data_as<float>();
+  double max_w = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double a = std::fabs(static_cast<double>(w[i]));
+    max_w = std::isnan(a) ? INFINITY : std::max(max_w, a);
+  }
+  return std::sqrt(static_cast<double>(n)) * max_w;
+}
+
+// A latent layer's (LayerWeightBounds): the normalised latents bound the
+// query (with q_lora_rank), the keys' nope features and the values whatever
+// the input; the rotary key grows with it.
+LayerWeightBounds MeasureLatentBounds(const LayerWeights& w) {
+  LayerWeightBounds b;
+  const int64_t kv_rank = w.kv_a_norm.num_elements();
+  const int64_t kv_a_rows = w.wkv_a.shape()[0];
+  const double c_max = RmsNormBound(w.kv_a_norm);
+  const ProjectionBound wk = MeasureProjection(w.wk, w.bk);
+  const ProjectionBound wv = MeasureProjection(w.wv, w.bv);
+  const ProjectionBound rope = MeasureProjection(w.wkv_a, w.bkv_a, kv_rank, kv_a_rows - kv_rank);
+  b.k = {rope.gain, std::max(rope.bias, wk.Apply(c_max))};
+  b.v = {0, wv.Apply(c_max)};
+  b.latent = MeasureProjection(w.wkv_a, w.bkv_a);
+  const ProjectionBound wq = MeasureProjection(w.wq, w.bq);
+  if (w.wq_a.byte_size() != 0) {
+    const ProjectionBound q_a = MeasureProjection(w.wq_a, w.bq_a);
+    b.latent = {std::max(b.latent.gain, q_a.gain), std::max(b.latent.bias, q_a.bias)};
+    b.q = {0, wq.Apply(RmsNormBound(w.q_a_norm))};
+  } else {
+    b.q = wq;
+  }
+  b.o = MeasureProjection(w.wo, w.bo);
+  return b;
+}
+
 }  // namespace
 
 LayerWeightBounds MeasureWeightBounds(const LayerWeights& w) {
+  if (w.wkv_a.byte_size() != 0) return MeasureLatentBounds(w);
   return {MeasureProjection(w.wq, w.bq), MeasureProjection(w.wk, w.bk),
           MeasureProjection(w.wv, w.bv), MeasureProjection(w.wo, w.bo),
-          MeasureProjection(w.wg, w.bg)};
+          MeasureProjection(w.wg, w.bg), {}};
 }
 
 LayerId::LayerId() {

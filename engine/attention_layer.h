@@ -81,6 +81,32 @@ struct TemperatureTuning {
   double attn_scale = 0.0;   // finite
 };
 
+// Multi-head latent attention (DeepSeek-V2/V3, Kimi K2; transformers'
+// DeepseekV3Attention). Each head's query and key have head_dim = nope +
+// rope_dim features: the first nope ("no position") features, then rope_dim
+// that RoPE rotates (LayerConfig::rope, rotary_dim == rope_dim, on those last
+// features). Per token x:
+//   query = x Wq^T + bq, or with q_lora_rank > 0
+//           RMSNorm(x Wq_a^T + bq_a; q_a_norm) Wq^T
+//   [c | k_rope] = x Wkv_a^T + bkv_a          (kv_lora_rank + rope_dim)
+//   c' = RMSNorm(c; kv_a_norm)
+//   key_h = [c' Wk_h^T | k_rope]  (k_rope, one vector, shared by every head)
+//   value_h = c' Wv_h^T           (v_head_dim features)
+// RMSNorm(x; w) = x / sqrt(mean(x^2) + eps) * w, the mean in float64. Wk and
+// Wv are kv_b_proj's rows split per head (weight_loader.h); there are as many
+// key/value heads as query heads, and no QK-norm, output gate, sinks or
+// temperature. K and V both come from the token's own input, so a request
+// carries no separate key or value (self-attention only).
+struct LatentAttention {
+  bool enabled = false;
+  int64_t q_lora_rank = 0;   // 0: one query projection from x
+  int64_t kv_lora_rank = 0;  // > 0
+  int64_t rope_dim = 0;      // > 0, even, < head_dim
+  int64_t v_head_dim = 0;    // > 0
+  double q_norm_eps = 1e-6;  // > 0 (q_lora_rank > 0)
+  double kv_norm_eps = 1e-6;  // > 0
+};
+
 struct LayerConfig {
   std::string name;
   // false: bare scaled-dot-product attention ("sdpa"); inputs are in head
@@ -134,10 +160,19 @@ struct LayerConfig {
   // the output projection (LayerWeights::wg, bg; engine/output_gate.h).
   // Projection layers only.
   bool output_gate = false;
+  // Multi-head latent attention (above); projection layers only.
+  LatentAttention latent;
 };
 
+// Features of each head's value and core output: latent.v_head_dim for a
+// latent layer, head_dim otherwise.
+inline int64_t ValueHeadDim(const LayerConfig& c) {
+  return c.latent.enabled ? c.latent.v_head_dim : c.head_dim;
+}
+
 // Weights in PyTorch Linear layout ([out_features, in_features]), FLOAT32.
-// An empty bias Tensor (no data) means no bias.
+// An empty bias Tensor (no data) means no bias. A latent layer
+// (LayerConfig::latent) has its own shapes, listed after the fields.
 struct LayerWeights {
   Tensor wq, bq;  // [num_heads * head_dim, query_dim], [num_heads * head_dim]
   Tensor wk, bk;  // [num_kv_heads * head_dim, key_dim], [num_kv_heads * head_dim]
@@ -152,6 +187,18 @@ struct LayerWeights {
   // When LayerConfig::output_gate: [num_heads * head_dim, query_dim] and
   // [num_heads * head_dim] (bg may be empty); empty otherwise.
   Tensor wg, bg;
+  // Latent layers (Dqk = head_dim, nope = head_dim - rope_dim, Dv =
+  // v_head_dim, H = num_heads = num_kv_heads):
+  //   wq [H * Dqk, q_lora_rank > 0 ? q_lora_rank : query_dim], bq empty
+  //     (with q_lora_rank: wq_a [q_lora_rank, query_dim], bq_a, q_a_norm
+  //     [q_lora_rank]);
+  //   wkv_a [kv_lora_rank + rope_dim, query_dim], bkv_a, kv_a_norm
+  //     [kv_lora_rank];
+  //   wk [H * nope, kv_lora_rank], wv [H * Dv, kv_lora_rank], bk, bv empty;
+  //   wo [out_dim, H * Dv], bo.
+  // Empty on other layers.
+  Tensor wq_a, bq_a, q_a_norm;
+  Tensor wkv_a, bkv_a, kv_a_norm;
 };
 
 // A number no other layer object of this process ever gets: engines that keep
@@ -193,8 +240,12 @@ struct ProjectionBound {
 // (zero without one): its projection must stay finite (a NaN weight would
 // reach every output through sigmoid), while the gate itself, in [0, 1],
 // makes the core output that `o` is applied to no larger.
+// For a latent layer, q, k and v bound the query, key and value heads the
+// attention core sees (the RMSNorm of a latent bounds each of its features by
+// sqrt(rank) * max|weight|, whatever the input), and `latent` the latent
+// projections themselves (x Wq_a^T and x Wkv_a^T; zero on other layers).
 struct LayerWeightBounds {
-  ProjectionBound q, k, v, o, g;
+  ProjectionBound q, k, v, o, g, latent;
 };
 LayerWeightBounds MeasureWeightBounds(const LayerWeights& weights);
 

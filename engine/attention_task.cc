@@ -31,7 +31,7 @@ TaskDims GetTaskDims(const LayerConfig& layer, const AttentionTask& task) {
   d.num_heads = layer.num_heads;
   d.num_kv_heads = layer.num_kv_heads;
   d.head_dim = layer.head_dim;
-  d.head_dim_v = layer.head_dim;
+  d.head_dim_v = ValueHeadDim(layer);
   return d;
 }
 
@@ -148,6 +148,12 @@ absl::Status CheckTask(const LayerConfig& layer, const AttentionTask& task) {
   if (absl::Status s = CheckView("query", q, nullptr, layer.has_projections ? 3 : 4);
       !s.ok()) {
     return s;
+  }
+  if (layer.latent.enabled && !self_attention) {
+    // Its keys and values come from each token's own latent.
+    return absl::InvalidArgumentError(
+        "key, value: a latent attention layer (latent_attention) takes the query only: its keys "
+        "and values come from the same tokens");
   }
   if (!self_attention) {
     for (const auto& [name, view] : {std::pair<const char*, const TensorView*>{"key", &task.key},

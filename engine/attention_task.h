@@ -20,7 +20,8 @@ struct AttentionTask {
   // Layer without projections: query [B, Hq, Lq, Dk], key [B, Hkv, Lk, Dk],
   // value [B, Hkv, Lk, Dv]. Layer with projections: query [B, Lq, query_dim],
   // key [B, Lk, key_dim], value [B, Lk, value_dim]; key and value both empty
-  // = self-attention (key = value = query). Same dtype for all three.
+  // = self-attention (key = value = query; the only form a latent layer
+  // takes). Same dtype for all three.
   TensorView query, key, value;
 
   bool causal = false;  // already OR-ed with the layer's default

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "engine/cpu/flash_attention.h"
+#include "engine/cpu/latent_keys.h"
 #include "engine/cpu/output_gate.h"
 #include "engine/cpu/projection.h"
 #include "engine/cpu/rotary.h"
@@ -60,6 +61,7 @@ class CpuEngine final : public AttentionEngine {
         }
         return absl::OkStatus();
       }
+      if (layer.config.latent.enabled) return RunLatent(layer, batch, params);
       return RunProjected(layer, batch, params);
     });
   }
@@ -327,22 +329,8 @@ class CpuEngine final : public AttentionEngine {
       p.q_stride_b = p.q_len * qf;
       p.k_stride_b = p.v_stride_b = p.kv_len * kvf;
     }
-    int64_t covered = 0;  // rows of `core` the core writes; the rest are zeroed
-    for (size_t i = 0; i < params.size(); ++i) {
-      AttentionParams& p = params[i];
-      p.dtype = act;
-      p.out_dtype = act;
-      p.q_stride_h = p.k_stride_h = p.v_stride_h = c.head_dim;
-      p.out = at(core, o_layout.offsets[i], qf, 0);
-      TokenLayoutStrides(p.num_heads, p.q_len, p.head_dim_v, &p.o_stride_b, &p.o_stride_h,
-                         &p.o_stride_row);
-      const int64_t row = o_layout.offsets[i];
-      if (row > covered) std::memset(at(core, covered, qf, 0), 0, (row - covered) * qf * act_size);
-      covered = row + all_q_rows[i];
-    }
-    if (o_layout.total > covered) {
-      std::memset(at(core, covered, qf, 0), 0, (o_layout.total - covered) * qf * act_size);
-    }
+    for (AttentionParams& p : params) p.q_stride_h = p.k_stride_h = p.v_stride_h = c.head_dim;
+    PlaceCoreOutputs(params, all_q_rows, o_layout, core, act, qf);
     if (c.qk_norm.enabled || c.rope.type != RopeConfig::Type::kNone ||
         c.temperature_tuning.enabled) {
       PrepareQk(layer, batch, params);
@@ -367,15 +355,198 @@ class CpuEngine final : public AttentionEngine {
     }
 
     // 3. Output projection, scattered into each task's output.
+    return ProjectOut(*wo, o_layout, core, act, qf, batch, all_q_rows);
+  }
+
+  // The output projection of the stacked core output `core` (rows of
+  // `width` elements of `act`, task i's at o_layout.offsets[i]), scattered
+  // into each task's output in its dtype.
+  absl::Status ProjectOut(const ChunkedLinear& wo, const RowLayout& o_layout,
+                          const ThreadBuffer& core, DType act, int64_t width,
+                          absl::Span<const AttentionTask> batch,
+                          const std::vector<int64_t>& q_rows) {
     LinearJob out_job;
-    out_job.linear = wo;
+    out_job.linear = &wo;
     out_job.rows = o_layout.total;
-    out_job.in.push_back({0, o_layout.total, act, core.data(), qf});
+    out_job.in.push_back({0, o_layout.total, act, core.data(), width});
     for (size_t i = 0; i < batch.size(); ++i) {
       const MutableTensorView& y = batch[i].output;
-      out_job.out.push_back({o_layout.offsets[i], all_q_rows[i], y.dtype, y.data, c.out_dim});
+      out_job.out.push_back({o_layout.offsets[i], q_rows[i], y.dtype, y.data, wo.out_features()});
     }
     return cpu::RunLinearJobs({&out_job, 1}, engine_, Threads());
+  }
+
+  // Points every task's core output at its rows of the stacked `core` (rows
+  // of `width` elements of `act` at o_layout.offsets[i]) and zeroes the rows
+  // no task writes, which the output projection reads too.
+  static void PlaceCoreOutputs(std::vector<AttentionParams>& params,
+                               const std::vector<int64_t>& q_rows, const RowLayout& o_layout,
+                               const ThreadBuffer& core, DType act, int64_t width) {
+    const size_t act_size = DTypeSize(act);
+    auto row_at = [&](int64_t row) { return core.data() + row * width * act_size; };
+    int64_t covered = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      AttentionParams& p = params[i];
+      p.dtype = act;
+      p.out_dtype = act;
+      p.out = row_at(o_layout.offsets[i]);
+      TokenLayoutStrides(p.num_heads, p.q_len, p.head_dim_v, &p.o_stride_b, &p.o_stride_h,
+                         &p.o_stride_row);
+      const int64_t row = o_layout.offsets[i];
+      if (row > covered) std::memset(row_at(covered), 0, (row - covered) * width * act_size);
+      covered = row + q_rows[i];
+    }
+    if (o_layout.total > covered) {
+      std::memset(row_at(covered), 0, (o_layout.total - covered) * width * act_size);
+    }
+  }
+
+  // Multi-head latent attention (LatentAttention) over the whole batch; every
+  // task is self-attention:
+  //  1. the latents: every task's rows through the fused [Wq_a; Wkv_a]
+  //     ([Wq; Wkv_a] without q_lora_rank), then the RMSNorm of the query
+  //     latent and of the key/value latent, in place;
+  //  2. the query through q_b's Wq (with q_lora_rank), and the keys' nope
+  //     features and the values through the fused [Wk; Wv], in one pass;
+  //  3. RoPE on each query head's last rope_dim features and on the token's
+  //     one rotary key (PrepareQk), then each head's key assembled as
+  //     [k_nope_h | k_rope];
+  //  4. the core of every task in one call, 5. the output projection, as
+  //     RunProjected does.
+  absl::Status RunLatent(const AttentionLayer& layer, absl::Span<const AttentionTask> batch,
+                         std::vector<AttentionParams>& params) {
+    const LayerConfig& c = layer.config;
+    const LayerWeights& w = layer.weights;
+    const LatentAttention& m = c.latent;
+    std::shared_ptr<cpu::LayerProjections> projections = projections_.Get(layer);
+    const DType act = projections->activation_dtype();
+    const size_t act_size = DTypeSize(act);
+    const bool q_lora = m.q_lora_rank > 0;
+    const int64_t h = c.num_heads, dqk = c.head_dim, dv = m.v_head_dim;
+    const int64_t nope = dqk - m.rope_dim, qf = h * dqk, of = h * dv;
+    // The latent row: [query latent (or the query itself) | c | k_rope].
+    const int64_t kv_col = q_lora ? m.q_lora_rank : qf;
+    const int64_t rope_col = kv_col + m.kv_lora_rank, a_n = rope_col + m.rope_dim;
+    const int64_t kv_n = h * (nope + dv);  // [k_nope of every head | values]
+
+    std::vector<int64_t> rows;
+    for (const AttentionParams& p : params) rows.push_back(p.batch * p.q_len);
+    const ChunkedLinear *la = nullptr, *wq = nullptr, *kvb = nullptr, *wo = nullptr;
+    for (auto [made, out] :
+         {std::pair{projections->latent_a(layer), &la}, std::pair{projections->kv_b(layer), &kvb},
+          std::pair{projections->o(layer), &wo}}) {
+      if (!made.ok()) return made.status();
+      *out = *made;
+    }
+    if (q_lora) {
+      absl::StatusOr<const ChunkedLinear*> made = projections->q(layer);
+      if (!made.ok()) return made.status();
+      wq = *made;
+    }
+    auto at = [&](const ThreadBuffer& buf, int64_t row, int64_t row_elems, int64_t col) {
+      return buf.data() + (row * row_elems + col) * static_cast<int64_t>(act_size);
+    };
+
+    // 1. The latents, normalised in place (every stacked row: those no task
+    // covers hold the bias and stay finite).
+    const RowLayout a_layout = cpu::LayoutRowsFor(*la, rows);
+    ThreadBuffer a_buf(BufferSlot::kQkvActivations, a_layout.total * a_n * act_size);
+    {
+      LinearJob job;
+      job.linear = la;
+      job.rows = a_layout.total;
+      for (size_t t = 0; t < batch.size(); ++t) {
+        const TensorView& x = batch[t].query;
+        job.in.push_back({a_layout.offsets[t], rows[t], x.dtype, x.data, x.shape.back()});
+      }
+      job.out.push_back({0, a_layout.total, act, a_buf.data(), a_n});
+      if (absl::Status s = cpu::RunLinearJobs({&job, 1}, engine_, Threads()); !s.ok()) return s;
+    }
+    QkNormConfig norm;
+    norm.enabled = true;
+    if (q_lora) {
+      norm.eps = m.q_norm_eps;
+      cpu::NormalizeRows(norm, w.q_a_norm.data_as<float>(), act, a_buf.data(), a_layout.total,
+                         a_n, 1, m.q_lora_rank, options_.num_threads);
+    }
+    norm.eps = m.kv_norm_eps;
+    cpu::NormalizeRows(norm, w.kv_a_norm.data_as<float>(), act, at(a_buf, 0, a_n, kv_col),
+                       a_layout.total, a_n, 1, m.kv_lora_rank, options_.num_threads);
+
+    // 2. The query (with q_lora_rank), the keys' nope features and values.
+    const RowLayout q_layout = q_lora ? cpu::LayoutRowsFor(*wq, rows) : RowLayout{};
+    const RowLayout kv_layout = cpu::LayoutRowsFor(*kvb, rows);
+    ThreadBuffer q_buf(BufferSlot::kQActivations, q_layout.total * qf * act_size);
+    ThreadBuffer kv_buf(BufferSlot::kVActivations, kv_layout.total * kv_n * act_size);
+    {
+      std::vector<LinearJob> jobs;
+      auto add_job = [&](const ChunkedLinear* linear, const RowLayout& layout, int64_t col,
+                         const ThreadBuffer& out) {
+        LinearJob job;
+        job.linear = linear;
+        job.rows = layout.total;
+        for (size_t t = 0; t < batch.size(); ++t) {
+          job.in.push_back(
+              {layout.offsets[t], rows[t], act, at(a_buf, a_layout.offsets[t], a_n, col), a_n});
+        }
+        job.out.push_back({0, layout.total, act, out.data(), linear->out_features()});
+        jobs.push_back(std::move(job));
+      };
+      if (q_lora) add_job(wq, q_layout, 0, q_buf);
+      add_job(kvb, kv_layout, kv_col, kv_buf);
+      if (absl::Status s = cpu::RunLinearJobs(jobs, engine_, Threads()); !s.ok()) return s;
+    }
+
+    // 3. RoPE on the queries' rope features and the one rotary key per
+    // token, then the keys of every head.
+    std::vector<AttentionParams> rope_params = params;
+    for (size_t t = 0; t < params.size(); ++t) {
+      AttentionParams& p = params[t];
+      p.q = q_lora ? at(q_buf, q_layout.offsets[t], qf, 0) : at(a_buf, a_layout.offsets[t], a_n, 0);
+      p.q_stride_row = q_lora ? qf : a_n;
+      AttentionParams& r = rope_params[t];
+      r.dtype = act;
+      r.q = static_cast<const char*>(p.q) + nope * static_cast<int64_t>(act_size);
+      r.q_stride_row = p.q_stride_row;
+      r.q_stride_b = p.q_len * r.q_stride_row;
+      r.k = at(a_buf, a_layout.offsets[t], a_n, rope_col);
+      r.num_kv_heads = 1;  // the rotary key: one "head" of rope_dim features
+      r.k_stride_row = a_n;
+      r.k_stride_b = p.kv_len * a_n;
+    }
+    if (c.rope.type != RopeConfig::Type::kNone) PrepareQk(layer, batch, rope_params);
+    const RowLayout k_layout = cpu::LayoutRows(rows, 1, false);
+    ThreadBuffer k_buf(BufferSlot::kKActivations, k_layout.total * qf * act_size);
+    for (size_t t = 0; t < params.size(); ++t) {
+      cpu::AssembleLatentKeys(act, at(k_buf, k_layout.offsets[t], qf, 0), qf,
+                              at(kv_buf, kv_layout.offsets[t], kv_n, 0), kv_n,
+                              at(a_buf, a_layout.offsets[t], a_n, rope_col), a_n, rows[t], h,
+                              nope, m.rope_dim, options_.num_threads);
+    }
+
+    // 4. The core, into the stacked core output.
+    for (size_t t = 0; t < params.size(); ++t) {
+      AttentionParams& p = params[t];
+      p.k = at(k_buf, k_layout.offsets[t], qf, 0);
+      p.v = at(kv_buf, kv_layout.offsets[t], kv_n, h * nope);
+      p.k_stride_row = qf;
+      p.v_stride_row = kv_n;
+      p.q_stride_b = p.q_len * p.q_stride_row;
+      p.k_stride_b = p.kv_len * qf;
+      p.v_stride_b = p.kv_len * kv_n;
+      p.q_stride_h = p.k_stride_h = dqk;
+      p.v_stride_h = dv;
+    }
+    const RowLayout o_layout = cpu::LayoutRowsFor(*wo, rows);
+    ThreadBuffer core(BufferSlot::kCoreOutput, o_layout.total * of * act_size);
+    PlaceCoreOutputs(params, rows, o_layout, core, act, of);
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (absl::Status s = UseSessionCache(batch[i], &params[i]); !s.ok()) return s;
+    }
+    if (absl::Status s = RunCore(absl::MakeSpan(params), FlashOptionsFor(&c)); !s.ok()) return s;
+
+    // 5. Output projection.
+    return ProjectOut(*wo, o_layout, core, act, of, batch, rows);
   }
 
   const EngineOptions options_;

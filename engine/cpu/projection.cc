@@ -554,6 +554,13 @@ absl::StatusOr<const ChunkedLinear*> LayerProjections::g(const AttentionLayer& l
   return Get(kG, layer);
 }
 
+absl::StatusOr<const ChunkedLinear*> LayerProjections::latent_a(const AttentionLayer& layer) {
+  return Get(kLatentA, layer);
+}
+absl::StatusOr<const ChunkedLinear*> LayerProjections::kv_b(const AttentionLayer& layer) {
+  return Get(kKvB, layer);
+}
+
 absl::StatusOr<const ChunkedLinear*> LayerProjections::Get(Which which,
                                                            const AttentionLayer& layer) {
   absl::MutexLock lock(&mu_);
@@ -579,6 +586,14 @@ absl::StatusOr<const ChunkedLinear*> LayerProjections::Get(Which which,
     // fp32 out: the task's output dtype is applied when rows are scattered.
     case kO: create({&w.wo}, {&w.bo}, DType::kFloat32); break;
     case kG: create({&w.wg}, {&w.bg}, act); break;
+    case kLatentA:
+      if (layer.config.latent.q_lora_rank > 0) {
+        create({&w.wq_a, &w.wkv_a}, {&w.bq_a, &w.bkv_a}, act);
+      } else {
+        create({&w.wq, &w.wkv_a}, {&w.bq, &w.bkv_a}, act);
+      }
+      break;
+    case kKvB: create({&w.wk, &w.wv}, {&w.bk, &w.bv}, act); break;
     case kCount: break;
   }
   if (!made.ok()) return made.status();

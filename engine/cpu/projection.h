@@ -226,9 +226,14 @@ class LayerProjections {
   absl::StatusOr<const ChunkedLinear*> v(const AttentionLayer& layer);
   absl::StatusOr<const ChunkedLinear*> o(const AttentionLayer& layer);
   absl::StatusOr<const ChunkedLinear*> g(const AttentionLayer& layer);
+  // A latent layer's (LatentAttention): the fused first projections of x,
+  // [Wq_a; Wkv_a] ([Wq; Wkv_a] without q_lora_rank), and the fused [Wk; Wv]
+  // of the normalised latent; q() is then q_b_proj's Wq.
+  absl::StatusOr<const ChunkedLinear*> latent_a(const AttentionLayer& layer);
+  absl::StatusOr<const ChunkedLinear*> kv_b(const AttentionLayer& layer);
 
  private:
-  enum Which { kQkv, kQ, kK, kV, kO, kG, kCount };
+  enum Which { kQkv, kQ, kK, kV, kO, kG, kLatentA, kKvB, kCount };
   absl::StatusOr<const ChunkedLinear*> Get(Which which, const AttentionLayer& layer);
 
   const dnnl::engine engine_;

@@ -153,6 +153,13 @@ cudaError_t LaunchAddBias(void* y, const void* bias, DType type, int64_t rows, i
 cudaError_t LaunchOutputGate(void* x, const void* gate, DType type, int64_t n,
                              cudaStream_t stream);
 
+// Multi-head latent attention's keys (LatentAttention): for r < rows and
+// h < heads, key[r][h] = [nope[r][h] (nope_dim) | rope[r] (rope_dim)], all
+// contiguous and of `type` (the values copied exactly).
+cudaError_t LaunchAssembleLatentKeys(void* key, const void* nope, const void* rope, DType type,
+                                     int64_t rows, int64_t heads, int64_t nope_dim,
+                                     int64_t rope_dim, cudaStream_t stream);
+
 // out[b, r] = mean over h of probs[b, h, r] for probs [batch, heads, per_head]
 // (fp32), summed in head order so that the result is deterministic.
 cudaError_t LaunchAverageHeads(const float* probs, int64_t batch, int64_t heads, int64_t per_head,

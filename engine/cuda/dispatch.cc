@@ -54,6 +54,23 @@ AttentionParams DeviceParams(const AttentionParams& p) {
   return a;
 }
 
+// The rotation of a task's queries (PrepareQk): rotary.first is theirs; a
+// key's is `positions != nullptr ? 0 : cached_len`.
+RotaryArgs QueryRotary(const LayerConfig& config, const DeviceLayer& w, const AttentionParams& p,
+                       const int64_t* positions, int64_t cached_len, int64_t max_position) {
+  RotaryArgs rotary;
+  rotary.inv_freq = static_cast<const double*>(RopeUsesLongFactors(config.rope, max_position)
+                                                   ? w.long_inv_freq.data()
+                                                   : w.inv_freq.data());
+  rotary.attention_factor = w.attention_factor;
+  rotary.rotary_dim = config.rope.rotary_dim;
+  rotary.interleaved = config.rope.interleaved;
+  rotary.positions = positions;
+  rotary.positions_stride = p.kv_len;
+  rotary.first = (positions != nullptr ? 0 : cached_len) + p.kv_len - p.q_len;
+  return rotary;
+}
+
 // QK-norm, then RoPE (or RoPE, then QK-norm), then the queries'
 // temperature, on a projection layer's projected Q and K (token
 // layout: rows b * Lq + i and b * Lk + j), in place, as the cpu engine
@@ -83,16 +100,7 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
   // The norm before RoPE, or after it (Hunyuan).
   if (!config.qk_norm.after_rope) ATTNSERVE_CUDA_RETURN_IF_ERROR(normalize());
   if (config.rope.type != RopeConfig::Type::kNone) {
-    RotaryArgs rotary;
-    rotary.inv_freq = static_cast<const double*>(
-        RopeUsesLongFactors(config.rope, max_position) ? w.long_inv_freq.data()
-                                                       : w.inv_freq.data());
-    rotary.attention_factor = w.attention_factor;
-    rotary.rotary_dim = config.rope.rotary_dim;
-    rotary.interleaved = config.rope.interleaved;
-    rotary.positions = positions;
-    rotary.positions_stride = p.kv_len;
-    rotary.first = (positions != nullptr ? 0 : cached_len) + p.kv_len - p.q_len;
+    RotaryArgs rotary = QueryRotary(config, w, p, positions, cached_len, max_position);
     ATTNSERVE_CUDA_CALL(LaunchRotary(q, w.type, q_rows, p.q_len, q_stride, p.num_heads,
                                      p.head_dim, rotary, call.stream()));
     rotary.first = positions != nullptr ? 0 : cached_len;
@@ -107,6 +115,67 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
                                                cached_len + p.kv_len - p.q_len, t.floor_scale,
                                                t.attn_scale, call.stream()));
   }
+  return absl::OkStatus();
+}
+
+// Multi-head latent attention's projections (LatentAttention, as the cpu
+// engine computes them) of a self-attention task's rows x [rows, query_dim]
+// in the compute type: into q [rows, H * Dqk], k [rows, H * Dqk] and v
+// [rows, H * Dv], with RoPE on each query head's last rope_dim features and
+// on the token's one rotary key, as PrepareQk positions them.
+absl::Status ProjectLatent(Call& call, const LayerConfig& config, const DeviceLayer& w,
+                           const AttentionParams& p, const void* x, void* q, void* k, void* v,
+                           const int64_t* positions, int64_t cached_len, int64_t max_position) {
+  const LatentAttention& m = config.latent;
+  const DType ct = w.type;
+  const size_t es = DTypeSize(ct);
+  const int64_t rows = p.batch * p.q_len, h = config.num_heads, dqk = config.head_dim;
+  const int64_t nope = dqk - m.rope_dim, in = config.query_dim;
+  auto alloc = [&](int64_t features) {
+    return call.DeviceAlloc(static_cast<size_t>(rows * features) * es);
+  };
+  ProjectionGemm& gemm = call.gemm();
+  if (m.q_lora_rank > 0) {
+    absl::StatusOr<void*> qa = alloc(m.q_lora_rank);
+    if (!qa.ok()) return qa.status();
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(
+        gemm.Linear(ct, x, rows, in, w.wq_a.data(), w.bq_a.data(), m.q_lora_rank, *qa));
+    ATTNSERVE_CUDA_CALL(LaunchQkNorm(*qa, ct, rows, m.q_lora_rank, 1, m.q_lora_rank,
+                                     static_cast<const float*>(w.q_a_norm.data()),
+                                     m.q_norm_eps, false, call.stream()));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(
+        gemm.Linear(ct, *qa, rows, m.q_lora_rank, w.wq.data(), w.bq.data(), h * dqk, q));
+  } else {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(
+        gemm.Linear(ct, x, rows, in, w.wq.data(), w.bq.data(), h * dqk, q));
+  }
+  absl::StatusOr<void*> latent = alloc(m.kv_lora_rank);
+  if (!latent.ok()) return latent.status();
+  absl::StatusOr<void*> k_rope = alloc(m.rope_dim);
+  if (!k_rope.ok()) return k_rope.status();
+  absl::StatusOr<void*> k_nope = alloc(h * nope);
+  if (!k_nope.ok()) return k_nope.status();
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(
+      gemm.Linear(ct, x, rows, in, w.wkv_c.data(), w.bkv_c.data(), m.kv_lora_rank, *latent));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(
+      gemm.Linear(ct, x, rows, in, w.wk_rope.data(), w.bk_rope.data(), m.rope_dim, *k_rope));
+  ATTNSERVE_CUDA_CALL(LaunchQkNorm(*latent, ct, rows, m.kv_lora_rank, 1, m.kv_lora_rank,
+                                   static_cast<const float*>(w.kv_a_norm.data()), m.kv_norm_eps,
+                                   false, call.stream()));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(gemm.Linear(ct, *latent, rows, m.kv_lora_rank, w.wk.data(),
+                                             w.bk.data(), h * nope, *k_nope));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(gemm.Linear(ct, *latent, rows, m.kv_lora_rank, w.wv.data(),
+                                             w.bv.data(), h * m.v_head_dim, v));
+  if (config.rope.type != RopeConfig::Type::kNone) {
+    RotaryArgs rotary = QueryRotary(config, w, p, positions, cached_len, max_position);
+    ATTNSERVE_CUDA_CALL(LaunchRotary(static_cast<char*>(q) + static_cast<size_t>(nope) * es, ct,
+                                     rows, p.q_len, h * dqk, h, dqk, rotary, call.stream()));
+    rotary.first = positions != nullptr ? 0 : cached_len;
+    ATTNSERVE_CUDA_CALL(LaunchRotary(*k_rope, ct, rows, p.kv_len, m.rope_dim, 1, m.rope_dim,
+                                     rotary, call.stream()));
+  }
+  ATTNSERVE_CUDA_CALL(
+      LaunchAssembleLatentKeys(k, *k_nope, *k_rope, ct, rows, h, nope, m.rope_dim, call.stream()));
   return absl::OkStatus();
 }
 
@@ -737,12 +806,20 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
   if (!k.ok()) return k.status();
   absl::StatusOr<void*> v = projected(kv_rows, kv_buffer_rows, v_features);
   if (!v.ok()) return v.status();
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(call.gemm().Linear(ct, *xq, q_rows, config.query_dim,
-                                                    w.wq.data(), w.bq.data(), q_features, *q));
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(
-      call.gemm().Linear(ct, *xk, kv_rows, key_dim, w.wk.data(), w.bk.data(), kv_features, *k));
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(
-      call.gemm().Linear(ct, *xv, kv_rows, value_dim, w.wv.data(), w.bv.data(), v_features, *v));
+  const int64_t cached_len = paged ? task.paged.cached_len : 0;
+  const int64_t max_position = LargestRopePosition(task.positions, cached_len, p.kv_len);
+  if (config.latent.enabled) {
+    // Self-attention only (CheckTask): Q, K and V from the query's rows.
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(ProjectLatent(call, config, w, p, *xq, *q, *k, *v, positions,
+                                                 cached_len, max_position));
+  } else {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(call.gemm().Linear(
+        ct, *xq, q_rows, config.query_dim, w.wq.data(), w.bq.data(), q_features, *q));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(call.gemm().Linear(ct, *xk, kv_rows, key_dim, w.wk.data(),
+                                                      w.bk.data(), kv_features, *k));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(call.gemm().Linear(ct, *xv, kv_rows, value_dim, w.wv.data(),
+                                                      w.bv.data(), v_features, *v));
+  }
   // Gated attention: sigmoid(x Wg^T + bg) of every query row, applied to the
   // attention output before the out-projection (in `finish`).
   void* gate = nullptr;
@@ -754,10 +831,10 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
                                                       w.wg.data(), w.bg.data(), q_features,
                                                       gate));
   }
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(
-      PrepareQk(call, config, w, p, *q, *k, positions, paged ? task.paged.cached_len : 0,
-                LargestRopePosition(task.positions, paged ? task.paged.cached_len : 0,
-                                    p.kv_len)));
+  if (!config.latent.enabled) {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(
+        PrepareQk(call, config, w, p, *q, *k, positions, cached_len, max_position));
+  }
 
   // Attention over the token layout [B, L, H*D], written in the same layout
   // (the out-projection reads the first B * Lq rows).

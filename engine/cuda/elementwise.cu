@@ -1,6 +1,6 @@
 // Small element-wise kernels around the GEMMs and the attention core: dtype
 // conversion, bias addition (for the plain cuBLAS fallback GEMM), the output
-// gate, the mean of the probabilities over heads, and a mask expanded into
+// gate, latent attention's keys, the mean of the probabilities over heads, and a mask expanded into
 // cuDNN's bias.
 #include <algorithm>
 #include <cstdint>
@@ -50,6 +50,22 @@ __global__ void OutputGateKernel(void* x, const void* gate, DType type, int64_t 
        i += int64_t{gridDim.x} * blockDim.x) {
     const float s = RoundedTo(type, 1.0f / (1.0f + expf(-LoadElement(gate, type, i))));
     StoreElement(x, type, i, LoadElement(x, type, i) * s);
+  }
+}
+
+__global__ void AssembleLatentKeysKernel(void* key, const void* nope, const void* rope,
+                                         DType type, int64_t rows, int64_t heads,
+                                         int64_t nope_dim, int64_t rope_dim) {
+  const int64_t head_dim = nope_dim + rope_dim;
+  const int64_t n = rows * heads * head_dim;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t d = i % head_dim, row_head = i / head_dim;
+    const int64_t r = row_head / heads;
+    // A float dtype widened to float and back is the same value.
+    const float value = d < nope_dim ? LoadElement(nope, type, row_head * nope_dim + d)
+                                     : LoadElement(rope, type, r * rope_dim + d - nope_dim);
+    StoreElement(key, type, i, value);
   }
 }
 
@@ -120,6 +136,16 @@ cudaError_t LaunchOutputGate(void* x, const void* gate, DType type, int64_t n,
                              cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   ATTNSERVE_LAUNCH(OutputGateKernel, GridFor(n), kThreads, 0, stream, x, gate, type, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAssembleLatentKeys(void* key, const void* nope, const void* rope, DType type,
+                                     int64_t rows, int64_t heads, int64_t nope_dim,
+                                     int64_t rope_dim, cudaStream_t stream) {
+  const int64_t n = rows * heads * (nope_dim + rope_dim);
+  if (n <= 0) return cudaSuccess;
+  ATTNSERVE_LAUNCH(AssembleLatentKeysKernel, GridFor(n), kThreads, 0, stream, key, nope, rope,
+                   type, rows, heads, nope_dim, rope_dim);
   return cudaGetLastError();
 }
 

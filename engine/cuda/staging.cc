@@ -3,6 +3,7 @@
 // and the one-time upload of a layer's weights.
 #include "engine/cuda/staging.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -346,13 +347,37 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(const AttentionLayer& l
     DType type;
   };
   const DType t = uploaded->type, f32 = DType::kFloat32;
+  // A latent layer's wkv_a (and bkv_a) in two: the latent's rows and the
+  // rotary key's.
+  Tensor wkv_c, bkv_c, wk_rope, bk_rope;
+  if (layer.config.latent.enabled) {
+    const int64_t rank = layer.config.latent.kv_lora_rank, rope = layer.config.latent.rope_dim;
+    const int64_t in = w.wkv_a.shape()[1];
+    auto rows_of = [](const Tensor& m, int64_t row0, int64_t rows, int64_t cols) {
+      Tensor part(DType::kFloat32, cols > 0 ? Shape{rows, cols} : Shape{rows});
+      std::memcpy(part.data(), m.data_as<float>() + row0 * std::max<int64_t>(cols, 1),
+                  part.byte_size());
+      return part;
+    };
+    wkv_c = rows_of(w.wkv_a, 0, rank, in);
+    wk_rope = rows_of(w.wkv_a, rank, rope, in);
+    if (w.bkv_a.byte_size() != 0) {
+      bkv_c = rows_of(w.bkv_a, 0, rank, 0);
+      bk_rope = rows_of(w.bkv_a, rank, rope, 0);
+    }
+  }
   const Part parts[] = {{&w.wq, &uploaded->wq, t},         {&w.bq, &uploaded->bq, t},
                         {&w.wk, &uploaded->wk, t},         {&w.bk, &uploaded->bk, t},
                         {&w.wv, &uploaded->wv, t},         {&w.bv, &uploaded->bv, t},
                         {&w.wo, &uploaded->wo, t},         {&w.bo, &uploaded->bo, t},
                         {&w.wg, &uploaded->wg, t},         {&w.bg, &uploaded->bg, t},
                         {&w.q_norm, &uploaded->q_norm, f32}, {&w.k_norm, &uploaded->k_norm, f32},
-                        {&w.sinks, &uploaded->sinks, f32}};
+                        {&w.sinks, &uploaded->sinks, f32},
+                        {&w.wq_a, &uploaded->wq_a, t},     {&w.bq_a, &uploaded->bq_a, t},
+                        {&wkv_c, &uploaded->wkv_c, t},     {&bkv_c, &uploaded->bkv_c, t},
+                        {&wk_rope, &uploaded->wk_rope, t}, {&bk_rope, &uploaded->bk_rope, t},
+                        {&w.q_a_norm, &uploaded->q_a_norm, f32},
+                        {&w.kv_a_norm, &uploaded->kv_a_norm, f32}};
   for (const Part& part : parts) {
     if (part.host->byte_size() == 0) continue;  // no bias (or no such weight)
     if (part.host->dtype() != DType::kFloat32) {

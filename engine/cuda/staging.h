@@ -195,6 +195,12 @@ struct DeviceLayer {
   DType type = DType::kFloat32;  // PrecisionDType(layer.config.precision)
   DeviceBuffer wq, bq, wk, bk, wv, bv, wo, bo;
   DeviceBuffer wg, bg;  // the output gate's, when the layer has one
+  // A latent layer's (LatentAttention): the query latent's wq_a, bq_a; the
+  // first kv_lora_rank rows of wkv_a (and bkv_a) as wkv_c, bkv_c, its last
+  // rope_dim rows as wk_rope, bk_rope, so that each GEMM writes a contiguous
+  // output; the two RMSNorm weights in FLOAT32.
+  DeviceBuffer wq_a, bq_a, wkv_c, bkv_c, wk_rope, bk_rope;
+  DeviceBuffer q_a_norm, kv_a_norm;
   // FLOAT32 whatever the precision, as the cpu engine reads them: the
   // QK-norm weights [head_dim] and the sinks [num_heads], when the layer has
   // them.

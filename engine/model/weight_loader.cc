@@ -37,6 +37,12 @@ constexpr RoleDefault kSeparateQkvNames[] = {
     {"q_norm_weight", "q_norm.weight"}, {"k_norm_weight", "k_norm.weight"},
     {"sinks", "sinks"},
     {"gate_weight", "gate_proj.weight"}, {"gate_bias", "gate_proj.bias"},
+    // Multi-head latent attention (DeepSeek's names).
+    {"q_a_weight", "q_a_proj.weight"}, {"q_a_norm_weight", "q_a_layernorm.weight"},
+    {"q_b_weight", "q_b_proj.weight"},
+    {"kv_a_weight", "kv_a_proj_with_mqa.weight"}, {"kv_a_bias", "kv_a_proj_with_mqa.bias"},
+    {"kv_a_norm_weight", "kv_a_layernorm.weight"}, {"kv_b_weight", "kv_b_proj.weight"},
+    {"q_a_bias", "q_a_proj.bias"},
 };
 constexpr RoleDefault kFusedNames[] = {
     {"qkv_weight", "qkv.weight"},
@@ -304,6 +310,81 @@ absl::StatusOr<LayerWeights> LoadSeparate(const Reader& r, const LayerConfig& c,
   return w;
 }
 
+// Multi-head latent attention (LatentAttention, SEPARATE_QKV): kv_b_proj's
+// rows, [k_nope_h | v_h] per head, split into wk and wv.
+absl::StatusOr<LayerWeights> LoadLatent(const Reader& r, const LayerConfig& c,
+                                        const WeightSpec& spec) {
+  const LatentAttention& m = c.latent;
+  const int64_t h = c.num_heads, nope = c.head_dim - m.rope_dim, dv = m.v_head_dim;
+  const int64_t q_out = h * c.head_dim, kv_a_rows = m.kv_lora_rank + m.rope_dim;
+  const bool q_lora = m.q_lora_rank > 0;
+  // The roles of the other form of the query, and those no latent layer has.
+  const std::pair<const char*, const char*> unused[] = {
+      {q_lora ? "q_weight" : "q_b_weight",
+       q_lora ? "latent_attention.q_lora_rank > 0 (the query comes from q_a_proj and q_b_proj)"
+              : "latent_attention.q_lora_rank is 0 (one q_proj)"},
+      {q_lora ? "q_bias" : "q_a_weight", q_lora ? "q_bias applies to q_a_proj"
+                                                : "latent_attention.q_lora_rank is 0"},
+      {"k_weight", "a latent layer's keys come from kv_a_proj_with_mqa and kv_b_proj"},
+      {"v_weight", "a latent layer's values come from kv_b_proj"},
+      {"k_bias", "k_bias applies to kv_a_proj_with_mqa"},
+      {"v_bias", "a latent layer has no value bias"}};
+  for (const auto& [role, why] : unused) {
+    if (absl::Status s = r.CheckUnused(role, false, why); !s.ok()) return s;
+  }
+  if (!q_lora) {
+    if (absl::Status s = r.CheckUnused("q_a_norm_weight", false,
+                                       "latent_attention.q_lora_rank is 0");
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (spec.v_bias) {
+    return absl::InvalidArgumentError(
+        "v_bias: a latent attention layer has no value bias (its values come from kv_b_proj)");
+  }
+  RETURN_IF_ERROR(r.CheckUnusedBias(q_lora ? "q_a_bias" : "q_bias", spec.q_bias, "q_bias is"));
+  RETURN_IF_ERROR(r.CheckUnusedBias("kv_a_bias", spec.k_bias, "k_bias is"));
+  RETURN_IF_ERROR(r.CheckUnusedBias("out_bias", spec.out_bias, "out_bias is"));
+  LayerWeights w;
+  if (q_lora) {
+    ASSIGN_OR_RETURN(wq_a, r.Read("q_a_weight", {{m.q_lora_rank, c.query_dim}}));
+    ASSIGN_OR_RETURN(q_norm, r.Read("q_a_norm_weight", {{m.q_lora_rank}}));
+    ASSIGN_OR_RETURN(wq_b, r.Read("q_b_weight", {{q_out, m.q_lora_rank}}));
+    w.wq_a = MakeTensor({m.q_lora_rank, c.query_dim}, wq_a.data());
+    w.q_a_norm = MakeTensor({m.q_lora_rank}, q_norm.data());
+    w.wq = MakeTensor({q_out, m.q_lora_rank}, wq_b.data());
+    RETURN_IF_ERROR(r.ReadBias("q_a_bias", spec.q_bias, {{m.q_lora_rank}}, &w.bq_a));
+  } else {
+    if (spec.q_bias) {
+      return absl::InvalidArgumentError(
+          "q_bias: applies to q_a_proj, and latent_attention.q_lora_rank is 0 (DeepSeek's "
+          "q_proj has no bias)");
+    }
+    ASSIGN_OR_RETURN(wq, r.Read("q_weight", {{q_out, c.query_dim}}));
+    w.wq = MakeTensor({q_out, c.query_dim}, wq.data());
+  }
+  ASSIGN_OR_RETURN(wkv_a, r.Read("kv_a_weight", {{kv_a_rows, c.query_dim}}));
+  ASSIGN_OR_RETURN(kv_norm, r.Read("kv_a_norm_weight", {{m.kv_lora_rank}}));
+  ASSIGN_OR_RETURN(wkv_b, r.Read("kv_b_weight", {{h * (nope + dv), m.kv_lora_rank}}));
+  w.wkv_a = MakeTensor({kv_a_rows, c.query_dim}, wkv_a.data());
+  w.kv_a_norm = MakeTensor({m.kv_lora_rank}, kv_norm.data());
+  RETURN_IF_ERROR(r.ReadBias("kv_a_bias", spec.k_bias, {{kv_a_rows}}, &w.bkv_a));
+  w.wk = Tensor(DType::kFloat32, {h * nope, m.kv_lora_rank});
+  w.wv = Tensor(DType::kFloat32, {h * dv, m.kv_lora_rank});
+  const size_t row_bytes = sizeof(float) * static_cast<size_t>(m.kv_lora_rank);
+  for (int64_t head = 0; head < h; ++head) {
+    const float* src = wkv_b.data() + head * (nope + dv) * m.kv_lora_rank;
+    std::memcpy(w.wk.data_as<float>() + head * nope * m.kv_lora_rank, src, nope * row_bytes);
+    std::memcpy(w.wv.data_as<float>() + head * dv * m.kv_lora_rank,
+                src + nope * m.kv_lora_rank, dv * row_bytes);
+  }
+  ASSIGN_OR_RETURN(wo, r.Read("out_weight", {{c.out_dim, h * dv}}));
+  w.wo = MakeTensor({c.out_dim, h * dv}, wo.data());
+  RETURN_IF_ERROR(r.ReadBias("out_bias", spec.out_bias, {{c.out_dim}}, &w.bo));
+  return w;
+}
+
 absl::StatusOr<LayerWeights> LoadFusedPerHead(const Reader& r, const LayerConfig& c,
                                               const WeightSpec& spec) {
   const int64_t h = c.num_heads;
@@ -424,7 +505,22 @@ absl::StatusOr<LayerWeights> LoadLayerWeights(const SafetensorsFile& file,
         file.path(), ": output_gate.weights \"query_per_head\" needs layout SEPARATE_QKV, got ",
         WeightLayoutName(spec.layout)));
   }
+  if (config.latent.enabled &&
+      (spec.layout != WeightLayout::kSeparateQkv || spec.gate != WeightSpec::Gate::kNone ||
+       spec.qk_norm || spec.sinks)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.path(), ": latent_attention needs layout SEPARATE_QKV (DeepSeek's names), and no "
+        "output_gate, qk_norm or sinks; got ", WeightLayoutName(spec.layout)));
+  }
   Reader reader(file, spec, config.precision);
+  if (!config.latent.enabled && spec.layout == WeightLayout::kSeparateQkv) {
+    for (const char* role : {"kv_a_weight", "kv_b_weight", "q_a_weight"}) {
+      if (absl::Status s = reader.CheckUnused(role, false, "the config has no latent_attention");
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
   absl::StatusOr<LayerWeights> weights = LoadProjections(reader, file, config, spec);
   if (!weights.ok()) return weights.status();
   for (const char* role : {"q_norm_weight", "k_norm_weight"}) {
@@ -499,6 +595,7 @@ absl::StatusOr<LayerWeights> LoadProjections(const Reader& reader, const Safeten
     case WeightLayout::kTorchMha:
       return LoadTorchMha(reader, config, spec);
     case WeightLayout::kSeparateQkv:
+      if (config.latent.enabled) return LoadLatent(reader, config, spec);
       return LoadSeparate(reader, config, spec);
     case WeightLayout::kFusedQkvPerHead:
       if (config.query_dim != config.key_dim || config.key_dim != config.value_dim ||

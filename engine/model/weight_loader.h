@@ -48,6 +48,15 @@ const char* WeightLayoutName(WeightLayout layout);
 //   q_norm_weight k_norm_weight   (every layout, with qk_norm)
 //   sinks                         (every layout, with sinks)
 //   gate_weight gate_bias         (every layout, with a separate output gate)
+//   q_a_weight q_a_bias q_a_norm_weight q_b_weight kv_a_weight kv_a_bias
+//   kv_a_norm_weight kv_b_weight  (kSeparateQkv, with latent attention)
+//
+// A latent layer (LayerConfig::latent; kSeparateQkv only, DeepSeek's names)
+// reads q_weight (q_proj.weight) or, with q_lora_rank > 0, q_a_weight,
+// q_a_norm_weight and q_b_weight (its q_bias flag is then q_a_proj's bias);
+// kv_a_weight (kv_a_proj_with_mqa.weight; k_bias is its bias),
+// kv_a_norm_weight, and kv_b_weight [H * (nope + v_head_dim), kv_lora_rank],
+// whose rows per head, [k_nope_h | v_h], become LayerWeights::wk and wv.
 struct WeightSpec {
   WeightLayout layout = WeightLayout::kTorchMha;
   // Prepended to every tensor name (e.g. "encoder.layers.3.self_attn.").

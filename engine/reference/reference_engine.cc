@@ -10,6 +10,7 @@
 #include <limits>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -61,6 +62,10 @@ absl::StatusOr<Dims> CheckInputs(const LayerConfig& c, const AttentionTask& t) {
   const bool self_attention = c.has_projections && t.key.empty() && t.value.empty();
   const int64_t rank = c.has_projections ? 3 : 4;
   if (absl::Status s = CheckInput("query", t.query, rank); !s.ok()) return s;
+  if (c.latent.enabled && !self_attention) {
+    return Invalid("key", "a latent attention layer takes the query only (its keys and values "
+                          "come from the same tokens)");
+  }
   if (!self_attention) {
     if (absl::Status s = CheckInput("key", t.key, rank); !s.ok()) return s;
     if (absl::Status s = CheckInput("value", t.value, rank); !s.ok()) return s;
@@ -103,7 +108,8 @@ absl::StatusOr<Dims> CheckInputs(const LayerConfig& c, const AttentionTask& t) {
   // query [B, Lq, query_dim], key [B, Lk, key_dim], value [B, Lk, value_dim].
   d.heads = c.num_heads;
   d.kv_heads = c.num_kv_heads;
-  d.head_dim = d.head_dim_v = c.head_dim;
+  d.head_dim = c.head_dim;
+  d.head_dim_v = ValueHeadDim(c);
   d.q_len = q[1];
   if (q[2] != c.query_dim) {
     return Invalid("query", absl::StrCat("last dim must be query_dim ", c.query_dim, ", got ",
@@ -372,6 +378,58 @@ void RunBare(const LayerConfig& c, const AttentionTask& t, const Dims& d) {
   StoreAll(out.data, t.output);
 }
 
+// RMSNorm in float64 of each row of `x` ([rows, stride]) over its features
+// [offset, offset + dim), with weights w[dim], into a new [rows, dim].
+std::vector<double> RmsNormColumns(const std::vector<double>& x, int64_t rows, int64_t stride,
+                                   int64_t offset, int64_t dim, const Tensor& w, double eps) {
+  std::vector<double> y(static_cast<size_t>(rows * dim));
+  const float* wp = w.data_as<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const double* in = x.data() + r * stride + offset;
+    double sum = 0;
+    for (int64_t i = 0; i < dim; ++i) sum += in[i] * in[i];
+    const double inv = 1.0 / std::sqrt(sum / static_cast<double>(dim) + eps);
+    for (int64_t i = 0; i < dim; ++i) y[r * dim + i] = in[i] * inv * static_cast<double>(wp[i]);
+  }
+  return y;
+}
+
+// Multi-head latent attention's projections (LatentAttention): the query
+// heads, and keys and values, each in token layout [rows, heads, dim]; keys
+// [nope | rope] per head with the one rotary key copied into every head.
+struct LatentQkv {
+  std::vector<double> q, k, v;
+};
+LatentQkv LatentProjections(const LayerConfig& c, const LayerWeights& w,
+                            const std::vector<double>& x, int64_t rows) {
+  const LatentAttention& m = c.latent;
+  LatentQkv out;
+  if (m.q_lora_rank > 0) {
+    const std::vector<double> qa = Linear(x, rows, c.query_dim, w.wq_a, w.bq_a);
+    const std::vector<double> qn = RmsNormColumns(qa, rows, m.q_lora_rank, 0, m.q_lora_rank,
+                                                  w.q_a_norm, m.q_norm_eps);
+    out.q = Linear(qn, rows, m.q_lora_rank, w.wq, w.bq);
+  } else {
+    out.q = Linear(x, rows, c.query_dim, w.wq, w.bq);
+  }
+  const int64_t a_dim = m.kv_lora_rank + m.rope_dim;
+  const std::vector<double> kv_a = Linear(x, rows, c.query_dim, w.wkv_a, w.bkv_a);
+  const std::vector<double> latent =
+      RmsNormColumns(kv_a, rows, a_dim, 0, m.kv_lora_rank, w.kv_a_norm, m.kv_norm_eps);
+  const std::vector<double> k_nope = Linear(latent, rows, m.kv_lora_rank, w.wk, w.bk);
+  out.v = Linear(latent, rows, m.kv_lora_rank, w.wv, w.bv);
+  const int64_t h = c.num_heads, nope = c.head_dim - m.rope_dim;
+  out.k.resize(static_cast<size_t>(rows * h * c.head_dim));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t head = 0; head < h; ++head) {
+      double* key = out.k.data() + (r * h + head) * c.head_dim;
+      std::copy_n(k_nope.data() + (r * h + head) * nope, nope, key);
+      std::copy_n(kv_a.data() + r * a_dim + m.kv_lora_rank, m.rope_dim, key + nope);
+    }
+  }
+  return out;
+}
+
 // One task of nn.MultiheadAttention (batch first): project the tokens, attend
 // per head over the projected [B, L, H * D] rows, concatenate the heads,
 // gate them (output_gate), project out.
@@ -383,9 +441,16 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
   const std::vector<double> xk = self_attention ? xq : LoadAll(t.key);
   const std::vector<double> xv = self_attention ? xq : LoadAll(t.value);
   const int64_t q_rows = d.batch * d.q_len, kv_rows = d.batch * d.kv_len;
-  Rows q{Linear(xq, q_rows, c.query_dim, w.wq, w.bq), d.heads, d.q_len, d.head_dim, false};
-  Rows k{Linear(xk, kv_rows, self_attention ? c.query_dim : c.key_dim, w.wk, w.bk),
+  LatentQkv latent;
+  if (c.latent.enabled) latent = LatentProjections(c, w, xq, q_rows);
+  Rows q{c.latent.enabled ? std::move(latent.q) : Linear(xq, q_rows, c.query_dim, w.wq, w.bq),
+         d.heads, d.q_len, d.head_dim, false};
+  Rows k{c.latent.enabled
+             ? std::move(latent.k)
+             : Linear(xk, kv_rows, self_attention ? c.query_dim : c.key_dim, w.wk, w.bk),
          d.kv_heads, d.kv_len, d.head_dim, false};
+  // RoPE rotates a latent layer's last rope_dim features of each head.
+  const int64_t rope_offset = c.latent.enabled ? c.head_dim - c.latent.rope_dim : 0;
   // RMSNorm of every head of Q and K, or of each token's whole projection
   // (its heads are contiguous here), in float64; before RoPE, or after it
   // (qk_norm.after_rope).
@@ -423,15 +488,15 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
       for (int64_t i = 0; i < d.q_len; ++i) {
         RopeAngles(f, position(b, d.kv_len - d.q_len + i), cos_v.data(), sin_v.data());
         for (int64_t h = 0; h < d.heads; ++h) {
-          RotateHead(q.row(b, h, i), cos_v.data(), sin_v.data(), c.rope.rotary_dim,
-                     c.rope.interleaved);
+          RotateHead(q.row(b, h, i) + rope_offset, cos_v.data(), sin_v.data(),
+                     c.rope.rotary_dim, c.rope.interleaved);
         }
       }
       for (int64_t j = 0; j < d.kv_len; ++j) {
         RopeAngles(f, position(b, j), cos_v.data(), sin_v.data());
         for (int64_t g = 0; g < d.kv_heads; ++g) {
-          RotateHead(k.row(b, g, j), cos_v.data(), sin_v.data(), c.rope.rotary_dim,
-                     c.rope.interleaved);
+          RotateHead(k.row(b, g, j) + rope_offset, cos_v.data(), sin_v.data(),
+                     c.rope.rotary_dim, c.rope.interleaved);
         }
       }
     }
@@ -449,7 +514,9 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
       }
     }
   }
-  const Rows v{Linear(xv, kv_rows, self_attention ? c.query_dim : c.value_dim, w.wv, w.bv),
+  const Rows v{c.latent.enabled
+                   ? std::move(latent.v)
+                   : Linear(xv, kv_rows, self_attention ? c.query_dim : c.value_dim, w.wv, w.bv),
                d.kv_heads, d.kv_len, d.head_dim_v, false};
   Rows merged{std::vector<double>(static_cast<size_t>(q_rows * d.heads * d.head_dim_v)), d.heads,
               d.q_len, d.head_dim_v, false};

@@ -192,7 +192,7 @@ absl::StatusOr<OpenedSession> RequestDispatcher::OpenSession(absl::string_view m
     shape.num_heads = layer.num_heads;
     shape.num_kv_heads = layer.num_kv_heads;
     shape.head_dim = layer.head_dim;
-    shape.head_dim_v = layer.head_dim;
+    shape.head_dim_v = ValueHeadDim(layer);
     fixed = shape;
   }
   // The blocks live where the engine reads them (a GPU's memory for cuda).

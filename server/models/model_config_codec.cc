@@ -61,6 +61,17 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
     config.mutable_qk_norm()->set_whole_projection(c.qk_norm.whole_projection);
     config.mutable_qk_norm()->set_after_rope(c.qk_norm.after_rope);
   }
+  if (c.latent.enabled) {
+    v1::LatentAttention* m = config.mutable_latent_attention();
+    m->set_q_lora_rank(c.latent.q_lora_rank);
+    m->set_kv_lora_rank(c.latent.kv_lora_rank);
+    m->set_qk_rope_head_dim(c.latent.rope_dim);
+    m->set_v_head_dim(c.latent.v_head_dim);
+    m->set_q_norm_eps(c.latent.q_norm_eps);
+    m->set_kv_norm_eps(c.latent.kv_norm_eps);
+    config.set_q_bias(layer.weights.bq_a.byte_size() > 0);
+    config.set_k_bias(layer.weights.bkv_a.byte_size() > 0);
+  }
   if (c.output_gate) {
     // The layer holds the gate as a linear of its own, whatever the file did.
     config.mutable_output_gate()->set_weights("separate");
@@ -135,6 +146,16 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
     layer.temperature_tuning.enabled = true;
     layer.temperature_tuning.floor_scale = c.temperature_tuning().floor_scale();
     layer.temperature_tuning.attn_scale = c.temperature_tuning().attn_scale();
+  }
+  if (layer.has_projections && c.has_latent_attention()) {
+    const v1::LatentAttention& m = c.latent_attention();
+    layer.latent.enabled = true;
+    layer.latent.q_lora_rank = m.q_lora_rank();
+    layer.latent.kv_lora_rank = m.kv_lora_rank();
+    layer.latent.rope_dim = m.qk_rope_head_dim();
+    layer.latent.v_head_dim = m.v_head_dim();
+    layer.latent.q_norm_eps = m.q_norm_eps();
+    layer.latent.kv_norm_eps = m.kv_norm_eps();
   }
   if (layer.has_projections) layer.rope = ToRopeConfig(c.rope());
   if (layer.has_projections && c.has_qk_norm()) {

@@ -13,6 +13,7 @@
 #include <map>
 #include <sstream>
 #include <system_error>
+#include <tuple>
 #include <utility>
 
 #include <unistd.h>
@@ -178,7 +179,7 @@ absl::Status CheckNoProjectionFields(const std::string& path, const v1::ModelCon
                             "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias",
                             "out_bias", "weight_layout", "tensor_prefix", "tensor_names",
                             "rope", "qk_norm", "sinks", "output_gate",
-                            "temperature_tuning"}) {
+                            "temperature_tuning", "latent_attention"}) {
     const google::protobuf::FieldDescriptor* f = d->FindFieldByName(field);
     bool set = f->is_repeated() ? r->FieldSize(c, f) > 0 : r->HasField(c, f);
     if (set) {
@@ -213,6 +214,76 @@ absl::Status ResolveOutputGate(const std::string& path, v1::ModelConfig* c) {
                          "must be unset with weights \"query_per_head\": the gate's bias is "
                          "part of q_proj's (q_bias)");
     }
+  }
+  return absl::OkStatus();
+}
+
+// Fills the defaults of latent_attention (model_config.proto,
+// LatentAttention) and checks it against the dims; the engine checks the
+// weights (ValidateLayer).
+absl::Status ResolveLatentAttention(const std::string& path, v1::ModelConfig* c) {
+  if (!c->has_latent_attention()) return absl::OkStatus();
+  v1::LatentAttention* m = c->mutable_latent_attention();
+  if (m->q_norm_eps() == 0) m->set_q_norm_eps(1e-6);
+  if (m->kv_norm_eps() == 0) m->set_kv_norm_eps(1e-6);
+  const std::string field = "latent_attention";
+  if (c->weight_layout() != v1::ModelConfig::SEPARATE_QKV) {
+    return ConfigError(path, "weight_layout",
+                       absl::StrCat("latent_attention needs SEPARATE_QKV (DeepSeek's tensor "
+                                    "names), got ",
+                                    v1::ModelConfig::WeightLayout_Name(c->weight_layout())));
+  }
+  for (const auto& [name, value, min] :
+       {std::tuple<const char*, int64_t, int64_t>{"q_lora_rank", m->q_lora_rank(), 0},
+        {"kv_lora_rank", m->kv_lora_rank(), 1},
+        {"v_head_dim", m->v_head_dim(), 1}}) {
+    if (value < min) {
+      return ConfigError(path, absl::StrCat(field, ".", name),
+                         absl::StrCat("must be >= ", min, ", got ", value));
+    }
+  }
+  if (m->qk_rope_head_dim() < 2 || m->qk_rope_head_dim() % 2 != 0 ||
+      m->qk_rope_head_dim() >= c->head_dim()) {
+    return ConfigError(path, field + ".qk_rope_head_dim",
+                       absl::StrCat("must be even and in [2, head_dim ", c->head_dim(),
+                                    "), the rest of head_dim being the nope features; got ",
+                                    m->qk_rope_head_dim()));
+  }
+  for (const auto& [name, eps] : {std::pair<const char*, double>{"q_norm_eps", m->q_norm_eps()},
+                                  {"kv_norm_eps", m->kv_norm_eps()}}) {
+    if (!std::isfinite(eps) || eps < 0) {
+      return ConfigError(path, absl::StrCat(field, ".", name),
+                         absl::StrCat("must be > 0, got ", eps));
+    }
+  }
+  if (c->num_kv_heads() != c->num_heads()) {
+    return ConfigError(path, "num_kv_heads",
+                       absl::StrCat("must equal num_heads (", c->num_heads(),
+                                    ") with latent_attention, got ", c->num_kv_heads()));
+  }
+  if (c->key_dim() != c->query_dim() || c->value_dim() != c->query_dim()) {
+    return ConfigError(path, "key_dim",
+                       absl::StrCat("key_dim and value_dim must equal query_dim with "
+                                    "latent_attention (K and V come from the query's tokens); "
+                                    "got ", c->key_dim(), " and ", c->value_dim(), " with ",
+                                    c->query_dim()));
+  }
+  if (c->v_bias()) {
+    return ConfigError(path, "v_bias",
+                       "must be false with latent_attention (its values come from kv_b_proj, "
+                       "which has no bias)");
+  }
+  if (c->has_qk_norm() || c->has_output_gate() || c->sinks() || c->has_temperature_tuning()) {
+    return ConfigError(path, field,
+                       "takes no qk_norm, output_gate, sinks or temperature_tuning");
+  }
+  if (c->rope().rotary_dim() == 0 && !c->rope().type().empty() && c->rope().type() != "none") {
+    c->mutable_rope()->set_rotary_dim(m->qk_rope_head_dim());
+  }
+  if (c->rope().rotary_dim() != 0 && c->rope().rotary_dim() != m->qk_rope_head_dim()) {
+    return ConfigError(path, "rope.rotary_dim",
+                       absl::StrCat("must equal latent_attention.qk_rope_head_dim ",
+                                    m->qk_rope_head_dim(), ", got ", c->rope().rotary_dim()));
   }
   return absl::OkStatus();
 }
@@ -301,6 +372,12 @@ static absl::Status ResolveWarmupShapes(const std::string& path, v1::ModelConfig
                            absl::StrCat("must be in [1, ", kMaxWarmupDim, "], got ", value));
       }
     }
+    if (c->has_latent_attention() && w->kv_len() != w->q_len()) {
+      return ConfigError(path, absl::StrCat(entry, ".kv_len"),
+                         absl::StrCat("must equal q_len (", w->q_len(), ") on a latent "
+                                      "attention layer (self-attention only), got ",
+                                      w->kv_len()));
+    }
     const bool sdpa = c->kind() == "sdpa";
     if (sdpa) {
       if (w->num_heads() == 0) w->set_num_heads(8);
@@ -367,6 +444,7 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
   if (c->kind().empty()) c->set_kind("mha");
   if (c->kind() == "mha") {
     if (absl::Status s = ResolveProjectionDims(path, c); !s.ok()) return s;
+    if (absl::Status s = ResolveLatentAttention(path, c); !s.ok()) return s;
     if (absl::Status s = ResolveRope(path, c); !s.ok()) return s;
     if (absl::Status s = ResolveOutputGate(path, c); !s.ok()) return s;
     if (c->has_temperature_tuning()) {

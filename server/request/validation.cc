@@ -449,6 +449,16 @@ absl::Status CheckProjectedBounds(const AttentionTask& task, const TaskDims& dim
           kRefusedSuffix));
     }
   }
+  if (layer.latent.enabled) {
+    const double latent = bounds.latent.Apply(max_q);
+    if (!(latent <= limit)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "query.data: its latent projections may overflow %s: max|query| %g * the latent "
+          "weights' largest row sum %g + largest bias %g = %g exceeds %g%s",
+          precision, max_q, bounds.latent.gain, bounds.latent.bias, latent, limit,
+          kRefusedSuffix));
+    }
+  }
   if (layer.output_gate) {
     const double gate = bounds.g.Apply(max_q);
     if (!(gate <= limit)) {
@@ -550,7 +560,18 @@ Work RequestWork(const LayerConfig& layer, const TaskDims& d) {
                hkv = static_cast<double>(d.num_kv_heads), dk = static_cast<double>(d.head_dim),
                dv = static_cast<double>(d.head_dim_v);
   w.attention = b * hq * lq * lk * (dk + dv);
-  if (layer.has_projections) {
+  if (layer.latent.enabled) {
+    // The latents, then the query, keys' nope part and values from them.
+    const LatentAttention& m = layer.latent;
+    const double in = static_cast<double>(layer.query_dim);
+    const double q_rank = static_cast<double>(m.q_lora_rank);
+    const double kv_rank = static_cast<double>(m.kv_lora_rank);
+    const double nope = dk - static_cast<double>(m.rope_dim);
+    const double q_in = m.q_lora_rank > 0 ? q_rank : in;
+    w.projections = b * lq * (in * (q_rank + kv_rank + static_cast<double>(m.rope_dim)) +
+                              q_in * hq * dk + kv_rank * hq * (nope + dv) +
+                              hq * dv * static_cast<double>(layer.out_dim));
+  } else if (layer.has_projections) {
     w.projections = b * (lq * static_cast<double>(layer.query_dim) * hq * dk +
                          lk * static_cast<double>(layer.key_dim) * hkv * dk +
                          lk * static_cast<double>(layer.value_dim) * hkv * dv +
@@ -711,6 +732,12 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
     return absl::InvalidArgumentError(absl::StrCat(
         has_key ? "value" : "key", ": required because ", has_key ? "key" : "value",
         " is given (key and value are given together, or both omitted for self-attention)"));
+  }
+  if (has_key && layer.latent.enabled) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "key: not accepted by model '", layer.name,
+        "' (latent attention: its keys and values come from the query's own tokens; omit key "
+        "and value)"));
   }
   if (!has_key && !layer.has_projections) {
     return absl::InvalidArgumentError(absl::StrCat(

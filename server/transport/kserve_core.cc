@@ -49,8 +49,10 @@ void AddTensor(
 void DescribeTensors(const LayerConfig& layer, inference::ModelMetadataResponse* m) {
   if (layer.has_projections) {
     AddTensor(m->mutable_inputs(), "query", "FP32", {-1, -1, layer.query_dim});
-    AddTensor(m->mutable_inputs(), "key", "FP32", {-1, -1, layer.key_dim});
-    AddTensor(m->mutable_inputs(), "value", "FP32", {-1, -1, layer.value_dim});
+    if (!layer.latent.enabled) {  // a latent layer's keys and values are the query's tokens
+      AddTensor(m->mutable_inputs(), "key", "FP32", {-1, -1, layer.key_dim});
+      AddTensor(m->mutable_inputs(), "value", "FP32", {-1, -1, layer.value_dim});
+    }
     AddTensor(m->mutable_outputs(), "output", "FP32", {-1, -1, layer.out_dim});
   } else {
     AddTensor(m->mutable_inputs(), "query", "FP32", {-1, -1, -1, -1});
@@ -191,6 +193,11 @@ absl::Status KServeCore::ModelConfig(const std::string& name, const std::string&
     params["attention_chunk"].set_string_value(absl::StrCat(layer.attention_chunk));
   }
   if (layer.temperature_tuning.enabled) params["temperature_tuning"].set_string_value("true");
+  if (layer.latent.enabled) {
+    params["latent_attention"].set_string_value("true");
+    params["kv_lora_rank"].set_string_value(absl::StrCat(layer.latent.kv_lora_rank));
+    params["v_head_dim"].set_string_value(absl::StrCat(layer.latent.v_head_dim));
+  }
   return absl::OkStatus();
 }
 

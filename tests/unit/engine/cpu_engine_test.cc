@@ -35,6 +35,7 @@
 #include "engine/reference/reference_engine.h"
 #include "engine/rope.h"
 #include "gtest/gtest.h"
+#include "tests/unit/engine/test_latent_layer.h"
 #include "tests/unit/engine/test_rng.h"
 
 namespace attnserve {
@@ -500,6 +501,97 @@ TEST_F(CpuEngineTest, ChunkedAttentionOverLongSequences) {
     c.label = absl::StrCat("chunk 64, Lq ", s.lq, " Lk ", s.lk, s.weights ? " weights" : "");
     CheckAgainstReference(c);
   }
+}
+
+// Multi-head latent attention (DeepSeek-V2/V3) against the reference: with
+// and without the query's latent, with and without biases, RoPE of several
+// types on each head's last features (either pairing), causal or not, key
+// lengths, bool masks, explicit positions, weights, any input dtype; then a
+// bf16 layer within bf16's tolerance.
+TEST_F(CpuEngineTest, LatentAttentionMatchesReference) {
+  Rng rng(81);
+  auto uniform = [&](float lo, float hi) { return rng.Uniform(lo, hi); };
+  for (int i = 0; i < 40; ++i) {
+    testutil::LatentShape shape;
+    shape.heads = rng.Int(1, 3);
+    shape.rope = rng.Pick<int64_t>({2, 4, 8});
+    shape.nope = rng.Pick<int64_t>({2, 6, 8});
+    shape.v_head_dim = rng.Pick<int64_t>({3, 8, 12});
+    shape.q_lora_rank = rng.Pick<int64_t>({0, 0, 5, 24});
+    shape.kv_lora_rank = rng.Pick<int64_t>({4, 10, 32});
+    shape.embed = rng.Pick<int64_t>({8, 20});
+    shape.out = rng.Pick<int64_t>({6, 20});
+    shape.biases = rng.Chance(0.5);
+    const Precision precision = i % 10 == 9 ? Precision::kBFloat16 : Precision::kFloat32;
+    std::shared_ptr<AttentionLayer> layer =
+        testutil::RandomLatentLayer(shape, precision, uniform);
+    LayerConfig& lc = layer->config;
+    lc.causal = rng.Chance(0.4);
+    const int rope = static_cast<int>(rng.Int(0, 2));
+    if (rope > 0) {
+      lc.rope.type = rope == 1 ? RopeConfig::Type::kDefault : RopeConfig::Type::kYarn;
+      lc.rope.theta = 10000.0;
+      lc.rope.rotary_dim = shape.rope;
+      lc.rope.interleaved = rng.Chance(0.5);
+      lc.rope.factor = 40.0;
+      lc.rope.original_max_position_embeddings = 8;
+      lc.rope.beta_fast = 32.0;
+      lc.rope.beta_slow = 1.0;
+      lc.rope.attention_factor = 1.0;
+      // DeepSeek-V3: softmax_scale * mscale^2
+      lc.scale = static_cast<float>(std::pow(0.1 * std::log(40.0) + 1.0, 2) /
+                                    std::sqrt(static_cast<double>(lc.head_dim)));
+    }
+    ASSERT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
+
+    Case c;
+    c.layer = layer;
+    const int64_t batch = rng.Int(1, 3), len = rng.Int(1, 20);
+    const DType in = rng.Pick<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+    c.q = RandomTensor(rng, in, {batch, len, shape.embed}, 2.0f);
+    c.causal = lc.causal || rng.Chance(0.3);
+    if (rng.Chance(0.4)) {
+      for (int64_t b = 0; b < batch; ++b) c.key_lengths.push_back(rng.Int(0, len));
+    }
+    if (rng.Chance(0.3)) c.mask = RandomMask(rng, DType::kBool, {batch, 1, len, len});
+    if (rope > 0 && rng.Chance(0.4)) {
+      for (int64_t j = 0; j < batch * len; ++j) c.positions.push_back(rng.Int(0, 3000));
+    }
+    c.need_weights = rng.Chance(0.4);
+    // A bf16 layer's results are checked within bf16's tolerance.
+    c.out_dtype = c.weights_dtype =
+        precision == Precision::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+    c.scale = ResolveScale(lc, 0.0f, lc.head_dim);
+    c.label = absl::StrCat("latent case ", i, ": heads ", shape.heads, " nope ", shape.nope,
+                           " rope ", shape.rope, " v ", shape.v_head_dim, " q_lora ",
+                           shape.q_lora_rank, " kv_lora ", shape.kv_lora_rank,
+                           shape.biases ? " biases" : "",
+                           rope == 0 ? " no rope" : rope == 1 ? " rope" : " yarn",
+                           lc.rope.interleaved ? " interleaved" : "",
+                           c.causal ? " causal" : "", c.key_lengths.empty() ? "" : " lengths",
+                           c.mask.byte_size() ? " mask" : "",
+                           c.positions.empty() ? "" : " positions", ", B ", batch, " L ", len,
+                           " in ", DT(in), precision == Precision::kBFloat16 ? ", bf16 layer" : "");
+    CheckAgainstReference(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// A latent layer takes the query only: a key and value are refused.
+TEST_F(CpuEngineTest, LatentAttentionRefusesAKey) {
+  Rng rng(82);
+  std::shared_ptr<AttentionLayer> layer = testutil::RandomLatentLayer(
+      testutil::LatentShape{}, Precision::kFloat32,
+      [&](float lo, float hi) { return rng.Uniform(lo, hi); });
+  Case c;
+  c.layer = layer;
+  c.q = RandomTensor(rng, DType::kFloat32, {1, 4, 16}, 1.0f);
+  c.k = RandomTensor(rng, DType::kFloat32, {1, 4, 16}, 1.0f);
+  c.v = RandomTensor(rng, DType::kFloat32, {1, 4, 16}, 1.0f);
+  CaseRun run(c, DType::kFloat32, DType::kFloat32);
+  const absl::Status status = cpu_->Run(*layer, {&run.task, 1});
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("latent"), std::string::npos) << status;
 }
 
 // Sinks join each row's softmax once: in a prefill, in a decode row whose

@@ -39,6 +39,7 @@
 #include "engine/tensor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/unit/engine/test_latent_layer.h"
 
 namespace attnserve {
 namespace {
@@ -1643,7 +1644,8 @@ void CheckProjectionSession(const AttentionLayer& layer, DType dtype, Tolerance 
   full.output = want.mutable_view();
   ASSERT_TRUE(Reference().Run(layer, {&full, 1}).ok());
 
-  DeviceCache cache(*engine, DType::kFloat32, c.num_kv_heads, c.head_dim, c.head_dim, 16, len);
+  DeviceCache cache(*engine, DType::kFloat32, c.num_kv_heads, c.head_dim, ValueHeadDim(c), 16,
+                    len);
   ASSERT_TRUE(cache.ok());
   int64_t cached = 0;
   for (int64_t step : steps) {
@@ -1954,6 +1956,61 @@ TEST(CudaEngineTest, ProjectionSessionStepsEqualOneCausalRequest) {
                               var.kv_heads, " ", DTypeName(var.dtype).data()));
     CheckProjectionSession(layer, var.dtype, var.tol, SessionSteps(), rng);
     if (HasFailure()) return;
+  }
+}
+
+// Multi-head latent attention (DeepSeek-V2/V3), with and without the
+// query's latent, YaRN RoPE on the last features of each head (DeepSeek-V3's
+// interleaved pairs) with its mscale in the scale, in each precision:
+// stateless batches against the reference, then sessions step by step
+// against one causal request.
+TEST(CudaEngineTest, LatentAttentionMatchesReference) {
+  REQUIRE_GPU();
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  auto uniform = [&](float lo, float hi) { return lo + (hi - lo) * unit(rng); };
+  for (const int64_t q_lora_rank : {int64_t{0}, int64_t{48}}) {
+    for (Precision precision : {Precision::kFloat32, Precision::kBFloat16, Precision::kFloat16}) {
+      testutil::LatentShape shape;
+      shape.heads = 4;
+      shape.nope = 48;
+      shape.rope = 16;
+      shape.v_head_dim = 32;
+      shape.q_lora_rank = q_lora_rank;
+      shape.kv_lora_rank = 64;
+      shape.embed = shape.out = 128;
+      shape.biases = q_lora_rank > 0;
+      std::shared_ptr<AttentionLayer> layer =
+          testutil::RandomLatentLayer(shape, precision, uniform);
+      LayerConfig& c = layer->config;
+      c.causal = true;
+      c.rope.type = RopeConfig::Type::kYarn;
+      c.rope.theta = 10000.0;
+      c.rope.rotary_dim = shape.rope;
+      c.rope.interleaved = true;
+      c.rope.factor = 40.0;
+      c.rope.original_max_position_embeddings = 64;
+      c.rope.beta_fast = 32.0;
+      c.rope.beta_slow = 1.0;
+      c.rope.attention_factor = 1.0;
+      c.scale = static_cast<float>(std::pow(0.1 * std::log(40.0) + 1.0, 2) / 8.0);
+      ASSERT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
+      SCOPED_TRACE(absl::StrCat("q_lora_rank ", q_lora_rank, ", precision ",
+                                static_cast<int>(precision)));
+      std::vector<std::unique_ptr<TaskBuffers>> tasks;
+      for (int i = 0; i < 4; ++i) tasks.push_back(RandomTask(c, rng, DType::kFloat32, true));
+      const Tolerance tol = precision == Precision::kFloat32   ? Tolerance{1e-4, 1e-4}
+                            : precision == Precision::kFloat16 ? Tolerance{1.5e-2, 2e-2}
+                                                               : Tolerance{6e-2, 6e-2};
+      CompareRun(*layer, tasks, tol);
+      if (HasFatalFailure()) return;
+      if (precision != Precision::kFloat16) {
+        CheckProjectionSession(
+            *layer, precision == Precision::kBFloat16 ? DType::kBFloat16 : DType::kFloat32, tol,
+            SessionSteps(), rng);
+        if (HasFailure()) return;
+      }
+    }
   }
 }
 

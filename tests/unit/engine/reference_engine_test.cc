@@ -597,6 +597,168 @@ TEST(ReferenceEngineTest, OutputGateOfABiasAloneScalesTheOutputWeightColumns) {
               ::testing::HasSubstr("without output_gate"));
 }
 
+// Multi-head latent attention as transformers' DeepseekV3Attention writes
+// it, in float64 here: the query through its normalised latent, the keys'
+// nope features and the values from one normalised latent (kv_b_proj's rows
+// per head [k_nope | v], split into wk and wv as the loader splits them),
+// one rotary key per token shared by the heads, RoPE on the last features
+// either as rotate-half or as DeepSeek-V3's interleaved form (which
+// de-interleaves each pair first: the same scores as rotating pairs in
+// place), causal softmax, o_proj.
+TEST(ReferenceEngineTest, LatentAttentionIsDeepSeeksFormula) {
+  constexpr int64_t H = 2, NOPE = 3, ROPE = 4, DV = 5, QR = 6, KVR = 7, E = 8, B = 2, L = 5;
+  constexpr int64_t DQK = NOPE + ROPE;
+  constexpr double kEps = 1e-6, kTheta = 10000.0;
+  const Tensor wqa = Random({QR, E}, 800), bqa = Random({QR}, 801), gq = Random({QR}, 802);
+  const Tensor wqb = Random({H * DQK, QR}, 803), wkva = Random({KVR + ROPE, E}, 804);
+  const Tensor bkva = Random({KVR + ROPE}, 805), gkv = Random({KVR}, 806);
+  const Tensor wkvb = Random({H * (NOPE + DV), KVR}, 807), wo = Random({E, H * DV}, 808);
+  const Tensor bo = Random({E}, 809), x = Random({B, L, E}, 810);
+  auto at = [](const Tensor& t, int64_t i) { return static_cast<double>(t.data_as<float>()[i]); };
+  // y[n] = sum_c x[c] w[n, c] (+ b[n]).
+  auto linear = [&](const std::vector<double>& in, const Tensor& w, const Tensor* b) {
+    const int64_t n_out = w.shape()[0], n_in = w.shape()[1];
+    std::vector<double> y(static_cast<size_t>(n_out));
+    for (int64_t n = 0; n < n_out; ++n) {
+      double acc = b != nullptr ? at(*b, n) : 0.0;
+      for (int64_t c = 0; c < n_in; ++c) acc += in[c] * at(w, n * n_in + c);
+      y[n] = acc;
+    }
+    return y;
+  };
+  auto rms_norm = [&](std::vector<double> v, const Tensor& g) {
+    double sum = 0;
+    for (double e : v) sum += e * e;
+    const double inv = 1.0 / std::sqrt(sum / static_cast<double>(v.size()) + kEps);
+    for (size_t i = 0; i < v.size(); ++i) v[i] *= inv * at(g, static_cast<int64_t>(i));
+    return v;
+  };
+  // transformers' rotate-half RoPE of x[ROPE] at `pos`; `interleave`: its
+  // apply_rotary_pos_emb_interleave, pairs de-interleaved first.
+  auto rope = [&](std::vector<double> v, int64_t pos, bool interleave) {
+    if (interleave) {
+      std::vector<double> d(ROPE);
+      for (int64_t i = 0; i < ROPE / 2; ++i) {
+        d[i] = v[2 * i];
+        d[ROPE / 2 + i] = v[2 * i + 1];
+      }
+      v = d;
+    }
+    std::vector<double> out(ROPE);
+    for (int64_t i = 0; i < ROPE; ++i) {
+      const int64_t f = i % (ROPE / 2);
+      const double angle = static_cast<double>(pos) / std::pow(kTheta, 2.0 * f / ROPE);
+      const double rotated = i < ROPE / 2 ? -v[i + ROPE / 2] : v[i - ROPE / 2];
+      out[i] = v[i] * std::cos(angle) + rotated * std::sin(angle);
+    }
+    return out;
+  };
+  for (const bool interleaved : {false, true}) {
+    SCOPED_TRACE(interleaved ? "interleaved" : "rotate half");
+    AttentionLayer layer;
+    LayerConfig& c = layer.config;
+    c.name = "latent";
+    c.has_projections = true;
+    c.num_heads = c.num_kv_heads = H;
+    c.head_dim = DQK;
+    c.query_dim = c.key_dim = c.value_dim = c.out_dim = E;
+    c.causal = true;
+    c.latent = {true, QR, KVR, ROPE, DV, kEps, kEps};
+    c.rope.type = RopeConfig::Type::kDefault;
+    c.rope.theta = kTheta;
+    c.rope.rotary_dim = ROPE;
+    c.rope.interleaved = interleaved;
+    LayerWeights& w = layer.weights;
+    w.wq_a = wqa;
+    w.bq_a = bqa;
+    w.q_a_norm = gq;
+    w.wq = wqb;
+    w.wkv_a = wkva;
+    w.bkv_a = bkva;
+    w.kv_a_norm = gkv;
+    w.wk = Tensor(DType::kFloat32, {H * NOPE, KVR});
+    w.wv = Tensor(DType::kFloat32, {H * DV, KVR});
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t r = 0; r < NOPE + DV; ++r) {
+        float* dst = r < NOPE ? w.wk.data_as<float>() + (h * NOPE + r) * KVR
+                              : w.wv.data_as<float>() + (h * DV + r - NOPE) * KVR;
+        std::memcpy(dst, wkvb.data_as<float>() + (h * (NOPE + DV) + r) * KVR,
+                    KVR * sizeof(float));
+      }
+    }
+    w.wo = wo;
+    w.bo = bo;
+    ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
+
+    std::vector<double> want(static_cast<size_t>(B * L * E));
+    for (int64_t b = 0; b < B; ++b) {
+      // Per token: q [H][DQK] and k [H][DQK] as [nope | rope], v [H][DV].
+      std::vector<std::vector<double>> q(L), k(L), v(L);
+      for (int64_t t = 0; t < L; ++t) {
+        std::vector<double> xt(x.data_as<float>() + (b * L + t) * E,
+                               x.data_as<float>() + (b * L + t + 1) * E);
+        q[t] = linear(rms_norm(linear(xt, wqa, &bqa), gq), wqb, nullptr);
+        const std::vector<double> kv_a = linear(xt, wkva, &bkva);
+        const std::vector<double> latent = rms_norm(
+            std::vector<double>(kv_a.begin(), kv_a.begin() + KVR), gkv);
+        const std::vector<double> kv = linear(latent, wkvb, nullptr);
+        const std::vector<double> k_pe =
+            rope(std::vector<double>(kv_a.begin() + KVR, kv_a.end()), t, interleaved);
+        for (int64_t h = 0; h < H; ++h) {
+          std::vector<double> q_pe(q[t].begin() + h * DQK + NOPE, q[t].begin() + (h + 1) * DQK);
+          q_pe = rope(q_pe, t, interleaved);
+          std::copy(q_pe.begin(), q_pe.end(), q[t].begin() + h * DQK + NOPE);
+          for (int64_t d = 0; d < NOPE; ++d) k[t].push_back(kv[h * (NOPE + DV) + d]);
+          k[t].insert(k[t].end(), k_pe.begin(), k_pe.end());
+          for (int64_t d = 0; d < DV; ++d) v[t].push_back(kv[h * (NOPE + DV) + NOPE + d]);
+        }
+      }
+      for (int64_t i = 0; i < L; ++i) {
+        std::vector<double> merged;
+        for (int64_t h = 0; h < H; ++h) {
+          std::vector<double> p(static_cast<size_t>(i + 1));
+          double max = -1e300, sum = 0;
+          for (int64_t j = 0; j <= i; ++j) {
+            double dot = 0;
+            for (int64_t d = 0; d < DQK; ++d) dot += q[i][h * DQK + d] * k[j][h * DQK + d];
+            p[j] = dot / std::sqrt(static_cast<double>(DQK));
+            max = std::max(max, p[j]);
+          }
+          for (double& e : p) sum += (e = std::exp(e - max));
+          for (int64_t d = 0; d < DV; ++d) {
+            double o = 0;
+            for (int64_t j = 0; j <= i; ++j) o += p[j] / sum * v[j][h * DV + d];
+            merged.push_back(o);
+          }
+        }
+        const std::vector<double> y = linear(merged, wo, &bo);
+        std::copy(y.begin(), y.end(), want.begin() + (b * L + i) * E);
+      }
+    }
+    Tensor out(DType::kFloat32, {B, L, E});
+    AttentionTask task;
+    task.query = x.view();
+    task.causal = true;
+    task.scale = InverseSqrt(DQK);
+    task.output = out.mutable_view();
+    ASSERT_TRUE(NewReferenceEngine()->Run(layer, {&task, 1}).ok());
+    ExpectNear(AsFloats(out), want, 1e-5);
+
+    // A key and value are refused; so is a layer whose shapes disagree.
+    AttentionTask cross = task;
+    cross.key = x.view();
+    cross.value = x.view();
+    EXPECT_THAT(std::string(NewReferenceEngine()->Run(layer, {&cross, 1}).message()),
+                HasSubstr("latent"));
+    AttentionLayer bad = layer;
+    bad.weights.wk = Random({H * NOPE, KVR + 1}, 811);
+    EXPECT_THAT(std::string(ValidateLayer(bad).message()), HasSubstr("wk"));
+    bad = layer;
+    bad.config.latent.rope_dim = 2;
+    EXPECT_THAT(std::string(ValidateLayer(bad).message()), HasSubstr("rotary_dim"));
+  }
+}
+
 // nn.MultiheadAttention-style layer with grouped K/V heads, distinct
 // query/key/value/out dims, and a missing bias (bk), against NumPy-style
 // projections written here; self-attention on a layer whose dims allow it.

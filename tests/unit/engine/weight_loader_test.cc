@@ -404,6 +404,85 @@ TEST(WeightLoaderTest, GateInsideTheQueryProjectionIsSplitPerHead) {
   EXPECT_THAT(w.status().message(), HasSubstr("needs layout SEPARATE_QKV"));
 }
 
+// DeepSeek's tensors: kv_b_proj's rows [k_nope_h | v_h] per head split into
+// wk and wv, the query through q_a_proj / q_a_layernorm / q_b_proj (or one
+// q_proj), biases by the flags; the other form's tensors and plain
+// projections refused.
+TEST(WeightLoaderTest, LatentAttentionSplitsKvBPerHead) {
+  constexpr int64_t in = 6, h = 2, nope = 3, rope = 2, dv = 4, qr = 5, kvr = 7;
+  LayerConfig c = Config(in, h, h, nope + rope);
+  c.latent = {true, qr, kvr, rope, dv, 1e-6, 1e-6};
+  const NamedTensor kv_b = T("kv_b_proj.weight", {h * (nope + dv), kvr}, 6.0f);
+  const NamedTensor kv_a = T("kv_a_proj_with_mqa.weight", {kvr + rope, in}, 4.0f);
+  const NamedTensor kv_a_bias = T("kv_a_proj_with_mqa.bias", {kvr + rope}, 4.5f);
+  const NamedTensor q_a = T("q_a_proj.weight", {qr, in}, 1.0f);
+  const NamedTensor q_b = T("q_b_proj.weight", {h * (nope + rope), qr}, 3.0f);
+  std::vector<NamedTensor> tensors = {q_a,
+                                      T("q_a_proj.bias", {qr}, 1.5f),
+                                      T("q_a_layernorm.weight", {qr}, 2.0f),
+                                      q_b,
+                                      kv_a,
+                                      kv_a_bias,
+                                      T("kv_a_layernorm.weight", {kvr}, 5.0f),
+                                      kv_b,
+                                      T("o_proj.weight", {in, h * dv}, 7.0f)};
+  WeightSpec spec = Spec(WeightLayout::kSeparateQkv, false, false);
+  spec.q_bias = spec.k_bias = true;
+  auto w = LoadLayerWeights(*MakeFile(tensors), c, spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(Values(w->wq_a), q_a.values);
+  EXPECT_EQ(Values(w->wq), q_b.values);
+  EXPECT_EQ(Values(w->wkv_a), kv_a.values);
+  EXPECT_EQ(Values(w->bkv_a), kv_a_bias.values);
+  EXPECT_EQ(w->q_a_norm.shape(), (Shape{qr}));
+  EXPECT_EQ(w->bq_a.shape(), (Shape{qr}));
+  EXPECT_EQ(w->bq.byte_size(), 0u);
+  ASSERT_EQ(w->wk.shape(), (Shape{h * nope, kvr}));
+  ASSERT_EQ(w->wv.shape(), (Shape{h * dv, kvr}));
+  for (int64_t head = 0; head < h; ++head) {
+    EXPECT_EQ(Rows(Values(w->wk), kvr, head * nope, nope),
+              Rows(kv_b.values, kvr, head * (nope + dv), nope));
+    EXPECT_EQ(Rows(Values(w->wv), kvr, head * dv, dv),
+              Rows(kv_b.values, kvr, head * (nope + dv) + nope, dv));
+  }
+  AttentionLayer layer;
+  layer.config = c;
+  layer.weights = *w;
+  EXPECT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
+
+  // A bias in the file with its flag off; a q_proj beside q_a_proj.
+  spec.k_bias = false;
+  w = LoadLayerWeights(*MakeFile(tensors), c, spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(), HasSubstr("kv_a_proj_with_mqa.bias"));
+  spec.k_bias = true;
+  std::vector<NamedTensor> both = tensors;
+  both.push_back(T("q_proj.weight", {h * (nope + rope), in}, 8.0f));
+  w = LoadLayerWeights(*MakeFile(both), c, spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(), AllOf(HasSubstr("q_proj.weight"), HasSubstr("q_lora_rank")));
+  // Without the query's latent: one q_proj, no q_bias.
+  c.latent.q_lora_rank = 0;
+  std::vector<NamedTensor> plain = {T("q_proj.weight", {h * (nope + rope), in}, 8.0f), kv_a,
+                                    kv_a_bias, T("kv_a_layernorm.weight", {kvr}, 5.0f), kv_b,
+                                    T("o_proj.weight", {in, h * dv}, 7.0f)};
+  spec.q_bias = false;
+  w = LoadLayerWeights(*MakeFile(plain), c, spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->wq.shape(), (Shape{h * (nope + rope), in}));
+  EXPECT_EQ(w->wq_a.byte_size(), 0u);
+  // A latent layer reads SEPARATE_QKV's names only; a plain layer refuses
+  // DeepSeek's tensors.
+  w = LoadLayerWeights(*MakeFile(plain), c, Spec(WeightLayout::kTorchMha, false, false));
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(), HasSubstr("SEPARATE_QKV"));
+  c.latent.enabled = false;
+  w = LoadLayerWeights(*MakeFile(plain), c, spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(),
+              AllOf(HasSubstr("kv_a_proj_with_mqa.weight"), HasSubstr("latent_attention")));
+}
+
 TEST(WeightLoaderTest, Bf16PrecisionRoundsWeights) {
   NamedTensor q = T("q_proj.weight", {2, 2}, 1.01f);
   auto file = MakeFile({q, T("k_proj.weight", {2, 2}, 0.0f), T("v_proj.weight", {2, 2}, 0.0f),

@@ -351,6 +351,60 @@ TEST(ModelConfigTest, OutputGateResolvesAndItsRulesNameTheField) {
               AllOf(HasSubstr("output_gate"), HasSubstr("not allowed for kind \"sdpa\"")));
 }
 
+// latent_attention (DeepSeek): defaults filled and reported, RoPE's
+// rotary_dim defaulting to the rotating features, the values' head dim
+// reaching the layer, and each rule naming its field.
+TEST(ModelConfigTest, LatentAttentionResolvesAndItsRulesNameTheField) {
+  const std::string base =
+      "embed_dim: 64 num_heads: 4 head_dim: 24 weight_layout: SEPARATE_QKV causal: true ";
+  v1::ModelConfig v3 = Resolved(
+      base + "rope { type: \"default\" interleaved: true } "
+             "latent_attention { q_lora_rank: 16 kv_lora_rank: 32 qk_rope_head_dim: 8 "
+             "v_head_dim: 12 }");
+  EXPECT_EQ(v3.latent_attention().q_norm_eps(), 1e-6);
+  EXPECT_EQ(v3.latent_attention().kv_norm_eps(), 1e-6);
+  EXPECT_EQ(v3.rope().rotary_dim(), 8);
+  const LayerConfig layer = ToLayerConfig(v3);
+  EXPECT_TRUE(layer.latent.enabled);
+  EXPECT_EQ(layer.latent.q_lora_rank, 16);
+  EXPECT_EQ(layer.latent.rope_dim, 8);
+  EXPECT_EQ(ValueHeadDim(layer), 12);
+  EXPECT_EQ(layer.num_kv_heads, 4);
+  AttentionLayer loaded;
+  loaded.config = layer;
+  const v1::ModelConfig reported = LayerToModelConfig(loaded);
+  EXPECT_EQ(reported.latent_attention().kv_lora_rank(), 32);
+  EXPECT_EQ(reported.latent_attention().v_head_dim(), 12);
+  EXPECT_FALSE(LayerToModelConfig(AttentionLayer{ToLayerConfig(Resolved("embed_dim: 64 "
+                                                                        "num_heads: 4")),
+                                                 {}, {}})
+                   .has_latent_attention());
+
+  const std::string latent =
+      "latent_attention { kv_lora_rank: 32 qk_rope_head_dim: 8 v_head_dim: 12 }";
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 head_dim: 24 " + latent).message(),
+              AllOf(HasSubstr("weight_layout"), HasSubstr("SEPARATE_QKV")));
+  EXPECT_THAT(ResolveError(base + "num_kv_heads: 2 " + latent).message(),
+              AllOf(HasSubstr("num_kv_heads"), HasSubstr("num_heads")));
+  EXPECT_THAT(ResolveError(base + "rope { type: \"default\" rotary_dim: 4 } " + latent)
+                  .message(),
+              AllOf(HasSubstr("rope.rotary_dim"), HasSubstr("qk_rope_head_dim")));
+  EXPECT_THAT(ResolveError(base + "latent_attention { kv_lora_rank: 32 qk_rope_head_dim: 24 "
+                                  "v_head_dim: 12 }")
+                  .message(),
+              HasSubstr("latent_attention.qk_rope_head_dim"));
+  EXPECT_THAT(ResolveError(base + "latent_attention { qk_rope_head_dim: 8 v_head_dim: 12 }")
+                  .message(),
+              HasSubstr("latent_attention.kv_lora_rank"));
+  EXPECT_THAT(ResolveError(base + "v_bias: true " + latent).message(), HasSubstr("v_bias"));
+  EXPECT_THAT(ResolveError(base + "qk_norm { } " + latent).message(),
+              AllOf(HasSubstr("latent_attention"), HasSubstr("qk_norm")));
+  EXPECT_THAT(ResolveError(base + latent + " warmup { batch: 1 q_len: 4 kv_len: 8 }").message(),
+              HasSubstr("warmup[0].kv_len"));
+  EXPECT_THAT(ResolveError("kind: \"sdpa\" " + latent).message(),
+              AllOf(HasSubstr("latent_attention"), HasSubstr("not allowed for kind \"sdpa\"")));
+}
+
 // Llama 4: attention_chunk on causal layers only (sdpa too), temperature
 // tuning on projection layers with both its numbers; each reaches the layer
 // and is reported back.

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -165,6 +166,34 @@ TEST(ElementwiseEmulated, OutputGateIsSigmoidTimesValue) {
     }
     EXPECT_EQ(out[0], x_in[0]);
     EXPECT_EQ(out[1], 0.0f);
+  }
+}
+
+// Latent attention's keys: each head's nope features then the token's one
+// rotary key, every value copied exactly, in each float dtype.
+TEST(ElementwiseEmulated, LatentKeysAreEachHeadsNopeThenTheSharedRope) {
+  std::mt19937 rng(45);
+  constexpr int64_t kRows = 7, kHeads = 3, kNope = 5, kRope = 4, kDim = kNope + kRope;
+  const std::vector<float> nope = Random(kRows * kHeads * kNope, rng);
+  const std::vector<float> rope = Random(kRows * kRope, rng);
+  for (const DType type : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    SCOPED_TRACE(DTypeName(type));
+    const std::vector<uint8_t> nope_bytes = ToBytes(nope, type), rope_bytes = ToBytes(rope, type);
+    std::vector<uint8_t> key(kRows * kHeads * kDim * DTypeSize(type), 0xFF);
+    ASSERT_EQ(LaunchAssembleLatentKeys(key.data(), nope_bytes.data(), rope_bytes.data(), type,
+                                       kRows, kHeads, kNope, kRope, nullptr),
+              cudaSuccess);
+    const size_t es = DTypeSize(type);
+    for (int64_t r = 0; r < kRows; ++r) {
+      for (int64_t h = 0; h < kHeads; ++h) {
+        const uint8_t* k = key.data() + ((r * kHeads + h) * kDim) * es;
+        EXPECT_EQ(std::memcmp(k, nope_bytes.data() + (r * kHeads + h) * kNope * es, kNope * es),
+                  0)
+            << "row " << r << " head " << h;
+        EXPECT_EQ(std::memcmp(k + kNope * es, rope_bytes.data() + r * kRope * es, kRope * es), 0)
+            << "row " << r << " head " << h;
+      }
+    }
   }
 }
 
