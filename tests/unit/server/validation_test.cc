@@ -23,6 +23,7 @@
 namespace attnserve {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 absl::StatusOr<ValidatedRequest> ValidateAttendRequest(const v1::AttendRequest& request,
@@ -781,6 +782,75 @@ TEST(ValidationTest, ProjectionModelScoresAreBoundedByTheirWeights) {
   EXPECT_THAT(std::string(v.status().message()),
               HasSubstr("key.data: its projection may overflow float16"));
   EXPECT_THAT(std::string(v.status().message()), HasSubstr("exceeds 65504"));
+}
+
+// Latent attention (DeepSeek): a normalised latent bounds what comes from
+// it whatever the input (each feature of an RMSNorm is at most sqrt(n) *
+// max|w|), the rotary key grows with the input; the latent projections are
+// bounded themselves; and a key or value is refused by name.
+TEST(ValidationTest, LatentAttentionBoundsAndInputs) {
+  auto tensor = [](Shape shape, std::vector<float> values) {
+    Tensor t(DType::kFloat32, std::move(shape));
+    EXPECT_EQ(t.byte_size(), values.size() * sizeof(float));
+    std::memcpy(t.data(), values.data(), t.byte_size());
+    return t;
+  };
+  // One head: nope 1, rope 2, v 1; q_lora_rank 2, kv_lora_rank 2, inputs 2.
+  LayerConfig c;
+  c.name = "latent";
+  c.has_projections = true;
+  c.num_heads = c.num_kv_heads = 1;
+  c.head_dim = 3;
+  c.query_dim = c.key_dim = c.value_dim = c.out_dim = 2;
+  c.latent = {true, 2, 2, 2, 1, 1e-6, 1e-6};
+  LayerWeights w;
+  w.wq_a = tensor({2, 2}, {1, -2, 3, 0});           // row sums 3, 3
+  w.bq_a = tensor({2}, {0.5f, -1});
+  w.q_a_norm = tensor({2}, {2, -0.5f});             // sqrt(2) * 2
+  w.wq = tensor({3, 2}, {1, 1, 0, 2, -3, 0});       // gain 3
+  w.wkv_a = tensor({4, 2}, {8, 0, 0, 1, 2, 2, -1, 4});  // 8, 1; rope rows 4, 5
+  w.bkv_a = tensor({4}, {0, 0, 1, -2});
+  w.kv_a_norm = tensor({2}, {1, 3});                // sqrt(2) * 3
+  w.wk = tensor({1, 2}, {1, -1});                   // gain 2
+  w.wv = tensor({1, 2}, {0.5f, 0.5f});              // gain 1
+  w.wo = tensor({2, 1}, {1, 2});
+  AttentionLayer layer{c, w, {}};
+  ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
+  const LayerWeightBounds b = MeasureWeightBounds(w);
+  EXPECT_DOUBLE_EQ(b.q.gain, 0);
+  EXPECT_DOUBLE_EQ(b.q.bias, 3 * 2 * std::sqrt(2.0));
+  EXPECT_DOUBLE_EQ(b.k.gain, 5);
+  EXPECT_DOUBLE_EQ(b.k.bias, 2 * 3 * std::sqrt(2.0));
+  EXPECT_DOUBLE_EQ(b.v.gain, 0);
+  EXPECT_DOUBLE_EQ(b.v.bias, 3 * std::sqrt(2.0));
+  EXPECT_DOUBLE_EQ(b.latent.gain, 8);
+  EXPECT_DOUBLE_EQ(b.latent.bias, 2);
+
+  auto validate = [&](const v1::AttendRequest& r, const LayerConfig& config) {
+    return ValidateAttendInputs(DecodeAttendRequest(r), config, {}, &b);
+  };
+  v1::AttendRequest ok;
+  *ok.mutable_query() = MakeTensor(v1::FLOAT32, {1, 3, 2});
+  SetFloat(ok.mutable_query(), 1, 1000.0f);
+  EXPECT_TRUE(validate(ok, c).ok()) << validate(ok, c).status();
+  // 1e4 * 8 overflows float16's latent (its rotary key, 1e4 * 5, does not),
+  // not float32's.
+  v1::AttendRequest big = ok;
+  SetFloat(big.mutable_query(), 1, 1e4f);
+  EXPECT_TRUE(validate(big, c).ok());
+  LayerConfig half = c;
+  half.precision = Precision::kFloat16;
+  absl::StatusOr<ValidatedRequest> v = validate(big, half);
+  ASSERT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument) << v.status();
+  EXPECT_THAT(std::string(v.status().message()),
+              HasSubstr("query.data: its latent projections may overflow float16"));
+  v1::AttendRequest cross = ok;
+  *cross.mutable_key() = MakeTensor(v1::FLOAT32, {1, 3, 2});
+  *cross.mutable_value() = MakeTensor(v1::FLOAT32, {1, 3, 2});
+  v = validate(cross, c);
+  ASSERT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument) << v.status();
+  EXPECT_THAT(std::string(v.status().message()),
+              AllOf(HasSubstr("key: not accepted"), HasSubstr("latent attention")));
 }
 
 TEST(ValidationTest, DefaultLimitsAdmitTypicalRequests) {
