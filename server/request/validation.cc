@@ -182,7 +182,7 @@ absl::Status CheckTokenLayout(const LayerConfig& layer, const TensorView& q,
   dims->num_heads = layer.num_heads;
   dims->num_kv_heads = layer.num_kv_heads;  // >= 1: ValidateLayer checked it
   dims->head_dim = layer.head_dim;
-  dims->head_dim_v = layer.head_dim;
+  dims->head_dim_v = ValueHeadDim(layer);
   return absl::OkStatus();
 }
 
