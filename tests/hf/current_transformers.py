@@ -15,6 +15,7 @@ venv; docs/MODELS.md records the result.
 import argparse
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -53,6 +54,26 @@ LLAMA4 = dict(num_hidden_layers=4, attention_chunk_size=16, floor_scale=4,
               rope_parameters=dict(rope_type="llama3", factor=16.0, low_freq_factor=1.0,
                                    high_freq_factor=1.0, original_max_position_embeddings=64,
                                    rope_theta=500000.0))
+# Multi-head latent attention (DeepSeek-V2/V3 and the models that copy
+# DeepseekV3Attention): 4 heads of 16 nope + 8 rotary query/key features and
+# 12 value features, a key/value latent of 32, a query latent of 24.
+# head_dim: what transformers' rotary classes rotate (DeepSeek's configs set
+# it to qk_rope_head_dim; Mistral 4's is the whole head, with a partial factor).
+MLA = dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=8,
+           qk_nope_head_dim=16, v_head_dim=12, head_dim=8)
+# DeepSeek's YaRN (V2: mscale = mscale_all_dim = 0.707; V3: both 1), the
+# training context shrunk to 32 tokens.
+DEEPSEEK_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+                     beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                     rope_theta=10000.0)
+# MiniCPM3's LongRoPE over its 8 rotary features (4 pairs).
+MINICPM3_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0,
+                         original_max_position_embeddings=32, short_factor=[1.0, 1.1, 1.5, 2.0],
+                         long_factor=[1.0, 2.0, 6.0, 16.0])
+# Classes whose name is not {prefix}Attention / {prefix}RotaryEmbedding
+# (None: the model has no rotary class).
+ATTENTION_CLASSES = {"longcat_flash": "LongcatFlashMLA"}
+ROTARY_CLASSES = {"kimi_linear": None, "glm5_next": None}
 # Tokens per request: 48 unless a family says (LongRoPE's short factors).
 LENGTHS = {"phi4-mini-short": 24}
 
@@ -133,8 +154,48 @@ FAMILIES = {
                      "served"),
     "smollm3-rope": ("smollm3", "SmolLM3", dict(num_hidden_layers=4), 0, "served"),
     "smollm3-nope": ("smollm3", "SmolLM3", dict(num_hidden_layers=4), 3, "served"),
-    # What attnserve does not compute, refused naming it.
-    "deepseek-v3": ("deepseek_v3", "DeepseekV3", {}, 0, "multi-head latent attention"),
+    # Multi-head latent attention: DeepSeek-V2 (complex rotary: pairs (2i,
+    # 2i+1)), its Lite form (one q_proj), DeepSeek-V3 (interleaved, or
+    # rotate-half with rope_interleave false), YaRN with mscale folded into the
+    # scale, and the models that copy DeepseekV3Attention.
+    "deepseek-v2": ("deepseek_v2", "DeepseekV2", dict(MLA, rope_parameters=dict(
+        DEEPSEEK_YARN, mscale=0.707, mscale_all_dim=0.707), max_position_embeddings=128), 0,
+                    "served"),
+    "deepseek-v2-lite": ("deepseek_v2", "DeepseekV2", dict(MLA, q_lora_rank=None), 0, "served"),
+    "deepseek-v3": ("deepseek_v3", "DeepseekV3", dict(MLA, rope_parameters=DEEPSEEK_YARN,
+                                                      max_position_embeddings=128), 0, "served"),
+    "deepseek-v3-rotate-half": ("deepseek_v3", "DeepseekV3", dict(
+        MLA, q_lora_rank=None, attention_bias=True, rope_interleave=False,
+        rope_parameters=dict(DEEPSEEK_YARN, mscale_all_dim=0.8), max_position_embeddings=128), 0,
+                                "served"),
+    "glm4-moe-lite": ("glm4_moe_lite", "Glm4MoeLite", MLA, 0, "served"),
+    "youtu": ("youtu", "Youtu", MLA, 0, "served"),
+    "axk1": ("axk1", "AXK1", MLA, 0, "served"),
+    "minicpm3": ("minicpm3", "MiniCPM3", MLA, 0, "served"),
+    "minicpm3-longrope": ("minicpm3", "MiniCPM3", dict(MLA, rope_parameters=MINICPM3_LONGROPE,
+                                                       max_position_embeddings=4096), 0, "served"),
+    # LongCat-Flash: query and latent times sqrt(hidden / rank), folded in.
+    "longcat-flash": ("longcat_flash", "LongcatFlash", MLA, 0, "served"),
+    # Kimi Linear's latent layers: no RoPE.
+    "kimi-linear": ("kimi_linear", "KimiLinear", dict(MLA, q_lora_rank=None), 0, "served"),
+    # Mistral 4: queries scaled by position (llama_4_scaling_beta); without
+    # that scaling, DeepSeek-V3's attention with YaRN on part of the head.
+    "mistral4": ("mistral4", "Mistral4", dict(MLA, head_dim=24), 0, "llama_4_scaling_beta"),
+    "mistral4-no-scaling": ("mistral4", "Mistral4", dict(MLA, head_dim=24, rope_parameters=dict(
+        DEEPSEEK_YARN, llama_4_scaling_beta=0.0), max_position_embeddings=128), 0, "served"),
+    # Latent attention with what attnserve does not compute: a per-head gate
+    # (Ling 3), DSA's sparse indexer (DeepSeek-V3.2, GLM-5, Hunyuan V4,
+    # A.X K2, dots3, Mistral Large 4).
+    "bailing-hybrid": ("bailing_hybrid", "BailingHybrid", dict(MLA, q_lora_rank=None), 0,
+                       "g_proj"),
+    "deepseek-v3.2": ("deepseek_v32", "DeepseekV32", MLA, 0, "indexer"),
+    "glm-moe-dsa": ("glm_moe_dsa", "GlmMoeDsa", MLA, 0, "indexer"),
+    "glm5-next": ("glm5_next", "Glm5NextText", dict(MLA, qk_rope_head_dim=0), 0, "indexer"),
+    "hy-v4": ("hy_v4", "HYV4", MLA, 0, "indexer"),
+    "axk2": ("axk2", "AXK2", MLA, 0, "indexer"),
+    "dots3-note": ("dots3_note", "Dots3NoteText", MLA, 0, "indexer"),
+    "mistral-large4": ("mistral_large4", "MistralLarge4Text", dict(MLA, q_lora_rank=None), 0,
+                       "indexer"),
     # Llama 4: chunked attention, interleaved llama3 RoPE (Scout's equal low
     # and high factors) and a weightless L2 norm on three layers of four;
     # temperature tuning without RoPE on the fourth. Chunks of 16 and a floor
@@ -183,12 +244,14 @@ def build(family):
     kwargs.update(overrides)
     config = config_class(**kwargs)
     config._attn_implementation = "eager"
-    attention = getattr(mod, f"{prefix}Attention", None) or \
+    attention = getattr(mod, ATTENTION_CLASSES.get(module_name, f"{prefix}Attention"), None) or \
         getattr(mod, f"{prefix.replace('Text', '')}Attention")
     m = attention(config, layer_idx=layer)
-    rotary_class = getattr(mod, f"{prefix}RotaryEmbedding", None) or \
-        getattr(mod, f"{prefix.replace('Text', '')}RotaryEmbedding")
-    rotary = rotary_class(config=config)
+    rotary = None
+    if ROTARY_CLASSES.get(module_name, "") is not None:
+        rotary_class = getattr(mod, f"{prefix}RotaryEmbedding", None) or \
+            getattr(mod, f"{prefix.replace('Text', '')}RotaryEmbedding")
+        rotary = rotary_class(config=config)
     torch.manual_seed(sum(map(ord, family)))
     with torch.no_grad():  # biases and norm weights away from their defaults, so they count
         for p in m.parameters():
@@ -229,17 +292,24 @@ def module_forward(m, rotary, config, layer, x):
         mask = mask.masked_fill((i[None, :] // chunk) != (i[:, None] // chunk), float("-inf"))
     mask = mask.expand(b, 1, length, length)
     positions = torch.arange(length)[None].expand(b, length)
-    m, rotary = m.double(), rotary.double()
+    m = m.double()
     xt = torch.from_numpy(x).double()
+    kwargs = {}
+    if "position_ids" in inspect.signature(m.forward).parameters:  # Mistral 4
+        kwargs["position_ids"] = positions
     with torch.no_grad():
-        if getattr(config, "model_type", None) == "llama4_text":
-            embeddings = rotary(xt, positions)  # one complex tensor, freqs_cis
+        if rotary is None:  # Kimi Linear's latent layers: no RoPE
+            pass
+        elif getattr(config, "model_type", None) == "llama4_text":
+            # one complex tensor, freqs_cis
+            kwargs["position_embeddings"] = rotary.double()(xt, positions)
         else:
+            rotary = rotary.double()
             try:
-                embeddings = rotary(xt, positions)
+                kwargs["position_embeddings"] = rotary(xt, positions)
             except TypeError:  # families whose rotary class takes a layer type
-                embeddings = rotary(xt, positions, config.layer_types[layer])
-        out = m(hidden_states=xt, position_embeddings=embeddings, attention_mask=mask)[0]
+                kwargs["position_embeddings"] = rotary(xt, positions, config.layer_types[layer])
+        out = m(hidden_states=xt, attention_mask=mask, **kwargs)[0]
     return out.numpy()
 
 
@@ -260,12 +330,14 @@ def infer(http, model, x):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--server", default=os.path.join(ROOT, "build", "server", "attnserve"))
+    p.add_argument("families", nargs="*", help="only these (default: all)")
     args = p.parse_args()
     import transformers
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     repo = tempfile.mkdtemp(prefix="attnserve-hf5-")
     built, results = {}, {}
-    for family in FAMILIES:
+    families = args.families or list(FAMILIES)
+    for family in families:
         try:
             m, rotary, config, layer, outcome = build(family)
         except Exception as e:  # a family this transformers lacks
@@ -306,7 +378,7 @@ def main():
         server.terminate()
         server.wait(30)
     width = max(map(len, results))
-    for family in FAMILIES:
+    for family in families:
         print(f"{family:<{width}}  {results.get(family, 'FAIL: not run')}")
     return 0 if all(not r.startswith(("FAIL", "NOT")) for r in results.values()) else 1
 

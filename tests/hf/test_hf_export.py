@@ -15,11 +15,11 @@ export by name. QK-norm (Qwen3, and Gemma3's 1 + w), sliding windows
 (Gemma2) and attention sinks (gpt-oss) are served exactly too, and so are LongRoPE (Phi-3.5,
 Phi-4-mini: its factors picked per request, a session's cached keys keeping theirs), QK-norm
 over the whole projection (OLMo-2), gated attention (Qwen3-Next and Qwen3.5, the gate inside
-q_proj; AFMoE, a gate_proj), Llama 4's chunked attention and query temperature, and the same
-attention under other model types (MoE
-variants and others, MORE_FAMILIES). transformers 4.45.2 is the newest that imports with
+q_proj; AFMoE, a gate_proj), Llama 4's chunked attention and query temperature, DeepSeek's
+multi-head latent attention (LATENT_FAMILIES), and the same attention under other model types
+(MoE variants and others, MORE_FAMILIES). transformers 4.45.2 is the newest that imports with
 Debian's torch 1.13: families that need a newer one (Qwen3, Gemma3, OLMo-2, Hunyuan, gpt-oss,
-Qwen3-Next, AFMoE, Llama 4) are stood in for by modules built from transformers' parts;
+Qwen3-Next, AFMoE, Llama 4, DeepSeek) are stood in for by modules built from transformers' parts;
 tests/hf/current_transformers.py checks the real classes of transformers 5.x."""
 
 import math
@@ -121,6 +121,8 @@ def _served_module(family):
 
     elif family.startswith("gpt-oss"):
         m = _GptOssAttention(sliding=family == "gpt-oss-sliding")
+    elif family in LATENT_FAMILIES:
+        m = _DeepseekV3Attention(family)
     else:
         raise AssertionError(family)
     with torch.no_grad():  # biases (Qwen2, NeoX) away from zero, so that they count
@@ -142,7 +144,8 @@ MORE_FAMILIES = {"qwen2-moe": ("qwen2_moe", "Qwen2Moe", {}),
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
             "qwen2", "phi3", "phi3-longrope", "gpt-neox", "qwen3", "gemma3", "olmo2", "hunyuan",
             "gemma2-sliding", "gemma2-full", "gpt-oss-sliding", "gpt-oss-full", "qwen3-next",
-            "afmoe", "llama4", *MORE_FAMILIES]
+            "afmoe", "llama4", "deepseek-v3", "deepseek-v3-q-proj", "longcat-flash",
+            *MORE_FAMILIES]
 
 
 class _GptOssAttention(nn.Module):
@@ -370,6 +373,131 @@ class _Llama4Attention(nn.Module):
         return (self.o_proj(out),)
 
 
+# Multi-head latent attention, as _DeepseekV3Attention builds it: the model
+# type it claims, then (q_lora_rank, attention_bias, rope_interleave, RoPE
+# scaling), with kv_lora_rank 32, 4 heads of 16 nope + 8 rotary query/key
+# features and 12 value features.
+DEEPSEEK_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                     beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)
+LATENT_FAMILIES = {
+    # DeepSeek-V3: the query through its own latent, biases (attention_bias),
+    # interleaved YaRN RoPE whose mscale and mscale_all_dim differ.
+    "deepseek-v3": ("deepseek_v3", 24, True, True, DEEPSEEK_YARN),
+    # DeepSeek-V2-Lite's form: one q_proj; rotate-half pairs, plain RoPE.
+    "deepseek-v3-q-proj": ("deepseek_v3", None, False, False, None),
+    # LongCat-Flash: its query and key/value latents times sqrt(hidden / rank).
+    "longcat-flash": ("longcat_flash", 24, False, True, None),
+    # Kimi Linear's latent layers: no RoPE at all.
+    "kimi-linear": ("kimi_linear", None, False, True, None),
+}
+
+
+class _DeepseekV3Attention(nn.Module):
+    """Multi-head latent attention as transformers 5.x writes it
+    (DeepseekV3Attention), from transformers' own parts (4.45.2 has no
+    DeepSeek): the query from q_proj, or q_b_proj(RMSNorm(q_a_proj(x)));
+    [latent | rotary key] = kv_a_proj_with_mqa(x), the latent through
+    kv_a_layernorm and kv_b_proj into each head's nope key and value; RoPE on
+    the last qk_rope_head_dim features of each query head and on the one
+    rotary key all heads share, interleaved as apply_rotary_pos_emb_interleave
+    (pairs (2i, 2i + 1), returned de-interleaved) or rotate-half; YaRN as
+    5.x's _compute_yarn_parameters (original_max_position_embeddings, the
+    cos/sin factor mscale / mscale_all_dim), and the softmax scale times
+    mscale_all_dim's mscale squared (yarn_apply_mscale). LlamaRMSNorm is
+    DeepseekV3RMSNorm (eps 1e-6, whatever the config's rms_norm_eps)."""
+
+    def __init__(self, family):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+        model_type, q_rank, bias, interleave, yarn = LATENT_FAMILIES[family]
+        self.num_heads, self.q_lora_rank, self.kv_lora_rank = 4, q_rank, 32
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = 16, 8, 12
+        self.qk_head_dim = 24
+        self.is_causal = True
+        # What a DeepseekV3Config holds (head_dim: the rotary features).
+        self.config = LlamaConfig(**dict(COMMON, num_key_value_heads=4), head_dim=8,
+                                  rms_norm_eps=1e-5, rope_theta=1e4,
+                                  max_position_embeddings=256 if yarn else 2048,
+                                  rope_scaling=dict(yarn) if yarn else None)
+        self.config.model_type = model_type
+        self.config.update(dict(q_lora_rank=q_rank, kv_lora_rank=32, qk_nope_head_dim=16,
+                                qk_rope_head_dim=8, v_head_dim=12, rope_interleave=interleave,
+                                attention_bias=bias))
+        if q_rank is None:
+            self.q_proj = nn.Linear(64, 4 * 24, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(64, q_rank, bias=bias)
+            self.q_a_layernorm = LlamaRMSNorm(q_rank)
+            self.q_b_proj = nn.Linear(q_rank, 4 * 24, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(64, 32 + 8, bias=bias)
+        self.kv_a_layernorm = LlamaRMSNorm(32)
+        self.kv_b_proj = nn.Linear(32, 4 * (16 + 12), bias=False)
+        self.o_proj = nn.Linear(4 * 12, 64, bias=bias)
+        self.scaling = 24 ** -0.5
+        rotary = dict(rope_theta=1e4, head_dim=8, hidden_size=64, num_attention_heads=4)
+        if yarn:
+            def mscale(factor, m):
+                return 0.1 * m * math.log(factor) + 1.0
+            # 4.45.2's YaRN reads the correction range at max_position_embeddings
+            # (5.x: at original_max_position_embeddings) and has no mscale.
+            rotary.update(max_position_embeddings=yarn["original_max_position_embeddings"],
+                          rope_scaling=dict(rope_type="yarn", factor=yarn["factor"],
+                                            beta_fast=yarn["beta_fast"],
+                                            beta_slow=yarn["beta_slow"],
+                                            attention_factor=mscale(yarn["factor"],
+                                                                    yarn["mscale"]) /
+                                            mscale(yarn["factor"], yarn["mscale_all_dim"])))
+            self.scaling *= mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
+        self.rope = model_type != "kimi_linear"
+        self.interleave = interleave
+        self.rotary_emb = LlamaRotaryEmbedding(config=LlamaConfig(**rotary))
+        if model_type == "longcat_flash":
+            self.mla_scale_q_lora = (64 / q_rank) ** 0.5
+            self.mla_scale_kv_lora = (64 / 32) ** 0.5
+        with torch.no_grad():  # norm weights around 1, not at it
+            self.kv_a_layernorm.weight.uniform_(0.5, 1.5)
+            if q_rank is not None:
+                self.q_a_layernorm.weight.uniform_(0.5, 1.5)
+
+    @staticmethod
+    def _interleaved(q, k, cos, sin):  # 5.x's apply_rotary_pos_emb_interleave
+        cos = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
+        sin = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+        q1, q2 = q[..., 0::2], q[..., 1::2]
+        k1, k2 = k[..., 0::2], k[..., 1::2]
+        return (torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1),
+                torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1))
+
+    def forward(self, x, attention_mask=None, position_ids=None):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        b, length, _ = x.shape
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(b, length, -1, 24).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [16, 8], dim=-1)
+        kv_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [32, 8], dim=-1)
+        kv_pass = self.kv_a_layernorm(kv_pass)
+        if hasattr(self, "mla_scale_q_lora"):  # LongcatFlashMLA
+            q_pass, q_rot = q_pass * self.mla_scale_q_lora, q_rot * self.mla_scale_q_lora
+            kv_pass = kv_pass * self.mla_scale_kv_lora
+        kv_pass = kv_pass.view(b, 1, length, 32)
+        k_rot = k_rot.view(b, 1, length, 8)
+        if self.rope:
+            cos, sin = self.rotary_emb(x, position_ids)
+            rotate = self._interleaved if self.interleave else apply_rotary_pos_emb
+            q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
+        query = torch.cat((q_pass, q_rot), dim=-1)
+        kv = self.kv_b_proj(kv_pass).view(b, length, -1, 16 + 12).transpose(1, 2)
+        k_pass, value = torch.split(kv, [16, 12], dim=-1)
+        key = torch.cat((k_pass, k_rot.expand(-1, 4, -1, -1)), dim=-1)
+        s = query @ key.transpose(2, 3) * self.scaling + attention_mask
+        out = (s.softmax(-1) @ value).transpose(1, 2).reshape(b, length, 4 * 12)
+        return (self.o_proj(out),)
+
+
 def _module_forward(m, x, window=None):
     """The module's own causal forward in float64 (positions 0..L-1), with
     the mask transformers' models build for it: causal, and with a sliding
@@ -433,24 +561,70 @@ def _np_inv_freq(rope, max_position):
 
 
 def _np_rotate(x, positions, rope):
-    """x [B, L, H, D]: the first rotary_dim features rotated (rotate-half)
-    at `positions` ([L], or [B, L]), with the frequencies of one call over
-    all of them."""
+    """x [B, L, H, D]: the first rotary_dim features rotated (rotate-half,
+    or pairs (2i, 2i + 1) when interleaved) at `positions` ([L], or [B, L]),
+    with the frequencies of one call over all of them."""
     inv, factor = _np_inv_freq(rope, positions.max())
     angles = positions[..., None].astype(np.float64) * inv  # [L or B, L, rotary_dim / 2]
     cos, sin = np.cos(angles) * factor, np.sin(angles) * factor
     cos, sin = cos[..., None, :], sin[..., None, :]  # over the heads
     half = rope["rotary_dim"] // 2
     x = x.copy()
+    if rope.get("interleaved"):
+        x1, x2 = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
+        x[..., 0:2 * half:2] = x1 * cos - x2 * sin
+        x[..., 1:2 * half:2] = x2 * cos + x1 * sin
+        return x
     x1, x2 = x[..., :half].copy(), x[..., half:2 * half].copy()
     x[..., :half] = x1 * cos - x2 * sin
     x[..., half:2 * half] = x2 * cos + x1 * sin
     return x
 
 
+def _np_latent_layer(x, weights, config, positions=None):
+    """Causal multi-head latent attention of an exported layer
+    (model_config.proto's LatentAttention), float64, from its weights; tokens
+    at 0..L-1 or at `positions` [B, L]."""
+    def lin(name, t):
+        w = weights[f"{name}.weight"].astype(np.float64)
+        b = weights.get(f"{name}.bias")
+        return t @ w.T + (b.astype(np.float64) if b is not None else 0)
+
+    def rms(t, name, eps):
+        return t / np.sqrt((t * t).mean(-1, keepdims=True) + eps) * \
+            weights[f"{name}.weight"].astype(np.float64)
+    m = config["latent_attention"]
+    h, hd, rank = config["num_heads"], config["head_dim"], m["kv_lora_rank"]
+    nope, dv = hd - m["qk_rope_head_dim"], m["v_head_dim"]
+    bsz, length, _ = x.shape
+    x = x.astype(np.float64)
+    if m["q_lora_rank"]:
+        q = lin("q_b_proj", rms(lin("q_a_proj", x), "q_a_layernorm", m["q_norm_eps"]))
+    else:
+        q = lin("q_proj", x)
+    q = q.reshape(bsz, length, h, hd)
+    latent = lin("kv_a_proj_with_mqa", x)
+    kv = lin("kv_b_proj", rms(latent[..., :rank], "kv_a_layernorm", m["kv_norm_eps"]))
+    kv = kv.reshape(bsz, length, h, nope + dv)
+    k_rot = np.broadcast_to(latent[..., None, rank:], (bsz, length, h, hd - nope))
+    k, v = np.concatenate([kv[..., :nope], k_rot], -1), kv[..., nope:]
+    if config.get("rope"):
+        pos = np.arange(length) if positions is None else positions
+        q = np.concatenate([q[..., :nope], _np_rotate(q[..., nope:], pos, config["rope"])], -1)
+        k = np.concatenate([k[..., :nope], _np_rotate(k[..., nope:], pos, config["rope"])], -1)
+    s = np.einsum("blhd,bmhd->bhlm", q, k) * config["scale"]
+    s = s + np.triu(np.full((length, length), -np.inf), 1)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return lin("o_proj", np.einsum("bhlm,bmhd->blhd", p, v).reshape(bsz, length, h * dv))
+
+
 def _np_layer(x, weights, config, positions=None):
     """Causal self-attention of an exported layer, float64, from its weights;
     tokens at 0..L-1 or at `positions` [B, L]."""
+    if config.get("latent_attention"):
+        return _np_latent_layer(x, weights, config, positions)
+
     def lin(name, t):
         w = weights[f"{name}.weight"].astype(np.float64)
         b = weights.get(f"{name}.bias")
@@ -547,7 +721,8 @@ def test_rope_layers_are_served_as_the_module_computes_them(served, family):
                                     "phi3-longrope", "qwen3", "gemma3", "olmo2", "hunyuan",
                                     "gemma2-sliding",
                                     "gemma2-full", "gpt-oss-sliding", "gpt-oss-full",
-                                    "qwen3-next", "afmoe"])
+                                    "qwen3-next", "afmoe", "deepseek-v3",
+                                    "deepseek-v3-q-proj", "longcat-flash"])
 def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family):
     client, _, configs, weights = served
     x = np.random.default_rng(2).uniform(-1, 1, (1, 3000, 64)).astype(np.float32)
@@ -561,7 +736,7 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "hunyuan", "mistral",
                                     "gemma2-sliding", "gpt-oss-sliding", "qwen3-next", "afmoe",
-                                    "llama4"])
+                                    "llama4", "deepseek-v3", "deepseek-v3-q-proj"])
 def test_a_session_continues_its_positions(served, family):
     """Prefill 24 tokens, then 100 single-token steps: every step equals the
     matching row of one causal request over the whole sequence."""
@@ -643,7 +818,8 @@ def test_a_longrope_session_rotates_as_transformers_cache_does(served):
     assert _rel(got[-1], whole[:, -1:]) > 1e-3
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "gpt-neox", "gemma2-full", "gpt-oss-full"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "gpt-neox", "gemma2-full", "gpt-oss-full",
+                                    "deepseek-v3"])
 def test_left_padded_batches_with_explicit_positions(served, family):
     """A batch as generate() builds it: sequences left-padded to one length,
     an attention mask over the pads and position_ids = cumsum(mask) - 1 (pads
@@ -671,7 +847,8 @@ def test_left_padded_batches_with_explicit_positions(served, family):
         assert _rel(got[b, real], want[b, real]) < 2e-5, f"sequence {b}: {_rel(got[b, real], want[b, real])}"
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-yarn", "qwen3", "gpt-oss-full"])
+@pytest.mark.parametrize("family", ["llama", "llama-yarn", "qwen3", "gpt-oss-full", "deepseek-v3",
+                                    "deepseek-v3-q-proj"])
 def test_explicit_positions_with_gaps_match_the_module(served, family):
     """Positions that are no shift of 0..L-1 (RoPE is relative, so a shift
     changes nothing): increasing with random gaps, per sequence, in the
@@ -727,7 +904,8 @@ def test_ragged_batches_with_key_lengths(served, family):
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "gemma2-sliding",
-                                    "gpt-oss-sliding", "qwen3-next", "afmoe"])
+                                    "gpt-oss-sliding", "qwen3-next", "afmoe", "deepseek-v3",
+                                    "deepseek-v3-q-proj"])
 def test_bf16_layers_within_bf16_tolerance(tmp_path, family):
     """The same modules exported with precision bf16 (weights and products in
     bfloat16): within bf16's tolerance of the float64 forward."""
@@ -830,6 +1008,141 @@ def test_get_model_reports_the_resolved_rope(served):
     assert rope.original_max_position_embeddings == 256
     neox = client.get_model("gpt-neox").config.rope
     assert neox.type == "default" and neox.rotary_dim == 8  # rotary_pct 0.5 of 16
+
+
+def test_latent_attention_is_exported_as_deepseek_computes_it(served):
+    """DeepSeek-V3's latent attention: its dims, the norms' eps, the YaRN
+    cos/sin factor mscale / mscale_all_dim and the softmax scale times
+    mscale_all_dim's mscale squared, interleaved pairs, the biases of
+    q_a_proj, kv_a_proj_with_mqa and o_proj; GetModel reports it. A request
+    carries only the query: a key (and value) is refused, naming it."""
+    client, modules, configs, weights = served
+    config, module = configs["deepseek-v3"], modules["deepseek-v3"]
+    assert config["latent_attention"] == dict(q_lora_rank=24, kv_lora_rank=32,
+                                              qk_rope_head_dim=8, v_head_dim=12,
+                                              q_norm_eps=1e-6, kv_norm_eps=1e-6)
+    assert (config["num_heads"], config["num_kv_heads"], config["head_dim"]) == (4, 4, 24)
+    assert config["causal"] and config["weight_layout"] == "SEPARATE_QKV"
+    assert (config["q_bias"], config["k_bias"], config["v_bias"], config["out_bias"]) == \
+        (True, True, False, True)
+    yarn = DEEPSEEK_YARN
+    mscale, mscale_all = (0.1 * m * math.log(yarn["factor"]) + 1 for m in
+                          (yarn["mscale"], yarn["mscale_all_dim"]))
+    assert config["scale"] == module.scaling
+    assert math.isclose(config["scale"], 24 ** -0.5 * mscale_all ** 2)
+    rope = config["rope"]
+    assert (rope["type"], rope["rotary_dim"], rope["interleaved"]) == ("yarn", 8, True)
+    assert rope["original_max_position_embeddings"] == 64 and rope["factor"] == 4.0
+    assert math.isclose(rope["attention_factor"], mscale / mscale_all)
+    assert sorted(weights["deepseek-v3"]) == sorted([
+        "q_a_proj.weight", "q_a_proj.bias", "q_a_layernorm.weight", "q_b_proj.weight",
+        "kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias", "kv_a_layernorm.weight",
+        "kv_b_proj.weight", "o_proj.weight", "o_proj.bias"])
+    plain = configs["deepseek-v3-q-proj"]
+    assert plain["latent_attention"] == dict(q_lora_rank=0, kv_lora_rank=32, qk_rope_head_dim=8,
+                                             v_head_dim=12, kv_norm_eps=1e-6)
+    assert not plain["rope"]["interleaved"] and "scale" in plain
+    assert not any((plain["q_bias"], plain["k_bias"], plain["out_bias"]))
+    reported = client.get_model("deepseek-v3").config
+    assert reported.HasField("latent_attention")
+    assert (reported.latent_attention.q_lora_rank, reported.latent_attention.kv_lora_rank,
+            reported.latent_attention.qk_rope_head_dim, reported.latent_attention.v_head_dim) == \
+        (24, 32, 8, 12)
+    assert reported.rope.rotary_dim == 8 and reported.q_bias and reported.k_bias
+    assert not client.get_model("llama").config.HasField("latent_attention")
+    x = np.random.default_rng(9).uniform(-1, 1, (1, 6, 64)).astype(np.float32)
+    with pytest.raises(Exception) as refused:
+        client.attend(x, x, x, model="deepseek-v3", causal=True)
+    assert "key: not accepted by model 'deepseek-v3'" in str(refused.value), str(refused.value)
+    # Without YaRN's mscale in the scale the answer is another one.
+    other = client.attend(x, model="deepseek-v3", causal=True, scale=24 ** -0.5).output
+    assert _rel(other, client.attend(x, model="deepseek-v3", causal=True).output) > 1e-3
+
+
+def test_latent_layers_without_rope_and_from_a_whole_checkpoint(tmp_path):
+    """Kimi Linear's latent layers (no RoPE) are served as their module
+    computes them; so is LongCat-Flash exported from its whole model's
+    state_dict (tensor_prefix), its query and latent scales folded into
+    q_b_proj and kv_a_layernorm under the prefix."""
+    import harness
+    from attnserve_client import AttentionClient
+    kimi = _served_module("kimi-linear")
+    config = export_module(kimi, str(tmp_path / "kimi-linear"))
+    assert "rope" not in config and config["latent_attention"]["q_lora_rank"] == 0
+    longcat = _served_module("longcat-flash")
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module()])
+    model.layers[0].self_attn = longcat
+    config = export_module(model, str(tmp_path / "longcat"), submodule="layers.0.self_attn",
+                           full_state_dict=True)
+    assert config["tensor_prefix"] == "layers.0.self_attn." and config["rope"]["interleaved"]
+    x = np.random.default_rng(10).uniform(-1, 1, (2, 40, 64)).astype(np.float32)
+    server = harness.ServerProcess("--model-repository", str(tmp_path), "--backend", "cpu")
+    try:
+        with AttentionClient(server.target, timeout=120) as c:
+            for name, module in (("kimi-linear", kimi), ("longcat", longcat)):
+                got = c.attend(x, model=name, causal=True).output
+                want = _module_forward(module, x)
+                assert _rel(got, want) < 2e-5, f"{name}: {_rel(got, want)}"
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def _latent_variant(change):
+    """The DeepSeek-V3 stand-in with one thing changed, as models that copy
+    its attention change it."""
+    m = _DeepseekV3Attention("deepseek-v3")
+    if change == "layernorm":
+        m.kv_a_layernorm = nn.LayerNorm(32)
+    elif change == "gemma-norm":
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+        m.q_a_layernorm = GemmaRMSNorm(24, eps=1e-6)
+    elif change == "indexer":  # DeepSeek-V3.2
+        m.indexer = nn.Linear(64, 8)
+    elif change == "shared-indexer":  # a DSA layer that reuses another's top-k
+        m.indexer, m.skip_topk = None, True
+    elif change == "head-gate":  # Ling 3 (bailing_hybrid)
+        m.g_proj = nn.Linear(64, 4, bias=False)
+    elif change == "sinks":
+        m.sinks = nn.Parameter(torch.zeros(4))
+    elif change == "mystery":
+        m.config.model_type = "mystery_mla"
+    elif change == "dynamic":
+        m.config.rope_scaling = dict(rope_type="dynamic", factor=2.0)
+    elif change == "mistral4":
+        m.config.rope_scaling = dict(DEEPSEEK_YARN, llama_4_scaling_beta=0.1)
+    elif change == "rotary-width":
+        m.config.head_dim = 16
+    elif change == "q-bias":
+        m.q_b_proj.bias = nn.Parameter(torch.zeros(96))
+    elif change == "no-kv-b":
+        del m.kv_b_proj
+    return m
+
+
+@pytest.mark.parametrize("change,words", [
+    ("layernorm", ["kv_a_layernorm LayerNorm", "not RMSNorm"]),
+    ("gemma-norm", ["q_a_layernorm GemmaRMSNorm", "x * (1 + w)"]),
+    ("indexer", ["sparse-attention indexer"]),
+    ("shared-indexer", ["sparse-attention indexer"]),
+    ("head-gate", ["gate on the attention output (g_proj"]),
+    ("sinks", ["attention sinks"]),
+    ("mystery", ["latent attention of model type 'mystery_mla'"]),
+    ("dynamic", ["RoPE scaling type 'dynamic'"]),
+    ("mistral4", ["llama_4_scaling_beta=0.1"]),
+    ("rotary-width", ["RoPE over 16 features, not the qk_rope_head_dim 8"]),
+    ("q-bias", ["a bias on q_b_proj"]),
+    ("no-kv-b", ["without the linear(s) kv_b_proj"]),
+])
+def test_latent_attention_that_attnserve_cannot_compute_is_refused_by_name(tmp_path, change,
+                                                                          words):
+    from attnserve_client.export import unsupported_features
+    assert unsupported_features(_DeepseekV3Attention("deepseek-v3")) == []
+    with pytest.raises(ExportError) as refused:
+        export_module(_latent_variant(change), str(tmp_path / change))
+    for word in words:
+        assert word in str(refused.value), str(refused.value)
+    assert not os.path.exists(tmp_path / change / "config.pbtxt"), "nothing is written"
 
 
 # --- refused by name ---

@@ -10,6 +10,10 @@ Recognised modules:
     out per head: layout FUSED_QKV_PER_HEAD), or `qkv` + `proj`/`out_proj` with
     qkv_layout="per_head" (reshape [B, L, H, 3*hd]) or "packed" ([q | k | v],
     as timm does: exported as TORCH_MHA).
+  * Multi-head latent attention (DeepSeek-V2/V3 and the models that copy
+    DeepseekV3Attention): kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
+    and q_proj or q_a_proj + q_a_layernorm + q_b_proj (layout SEPARATE_QKV with
+    `latent_attention`, DeepSeek's tensor names).
 
 attnserve is batch first: inputs are [B, L, dim]. A module built with
 batch_first=False computes the same function on transposed inputs.
@@ -120,7 +124,8 @@ _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_
                 "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias", "out_bias",
                 "weight_layout", "tensor_prefix", "tensor_names", "scale", "causal", "precision",
                 "batching", "instances", "backend", "rope", "qk_norm", "sliding_window", "softcap",
-                "sinks", "output_gate", "attention_chunk", "temperature_tuning"]
+                "sinks", "output_gate", "attention_chunk", "temperature_tuning",
+                "latent_attention"]
 
 
 def _scalar(field, value):
@@ -159,7 +164,8 @@ def config_text(config):
             inner = " ".join(f"{k}: {int(v)}" for k, v in sorted(value.items()) if v)
             if inner:
                 lines.append(f"batching {{ {inner} }}")
-        elif field in ("rope", "qk_norm", "output_gate", "temperature_tuning"):
+        elif field in ("rope", "qk_norm", "output_gate", "temperature_tuning",
+                       "latent_attention"):
             # Floats as repr (shortest round-trip double): theta and factors are doubles.
             inner = " ".join(f"{k}: {json.dumps(v) if isinstance(v, str) else _rope_scalar(v)}"
                              for k, v in value.items() if v is not None)
@@ -362,14 +368,44 @@ _ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 # Model types whose attention computes something attnserve does not (yet),
 # and what: refused by name before anything else is read.
 _NOT_COMPUTED = {
-    "deepseek_v2": "multi-head latent attention (K and V from a low-rank latent, a rotary key "
-                   "shared by the heads)",
-    "deepseek_v3": "multi-head latent attention (K and V from a low-rank latent, a rotary key "
-                   "shared by the heads)",
     "phimoe": "PhiMoE's rotary embedding, whose LongRoPE long factors transformers never "
               "applies (it rotates with the short ones at every length and scales by "
               "long_mscale past the training context)",
 }
+
+
+# Multi-head latent attention (transformers' DeepseekV3Attention and the
+# classes that copy it) by model type, and how each pairs its rotary
+# features: True, (2i, 2i+1) (DeepSeek-V2's complex product, LongCat-Flash);
+# False, (i, i + d/2) (MiniCPM3); "rope_interleave", as the config's flag
+# says, True by default (DeepSeek-V3 and its copies: the interleaved path
+# returns the rotated pairs de-interleaved, in Q and K alike, which changes
+# no score); None, no RoPE (Kimi Linear's latent layers). Each is checked
+# against transformers' own class (tests/hf/current_transformers.py).
+_LATENT_ROPE = {"deepseek_v2": True, "deepseek_v3": "rope_interleave",
+                "glm4_moe_lite": "rope_interleave", "youtu": "rope_interleave",
+                "axk1": "rope_interleave", "mistral4": "rope_interleave",
+                "longcat_flash": True, "minicpm3": False, "kimi_linear": None}
+# The children a latent layer has (DeepSeek's names); any other is refused,
+# named, with what it computes where known.
+_LATENT_CHILDREN = {"q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+                    "kv_a_layernorm", "kv_b_proj", "o_proj", "rotary_emb"}
+_LATENT_EXTRAS = {
+    "indexer": "a sparse-attention indexer (DeepSeek-V3.2's DSA: each query attends to the "
+               "top-k keys its indexer picks)",
+    "g_proj": "a gate on the attention output (g_proj, one sigmoid per head)",
+    "gate_proj": "a gate on the attention output (gate_proj)",
+    "q_gate_proj": "a gate on the attention output (q_gate_proj, inside the query's "
+                   "projection)",
+    "k_rope_only_layernorm": "an RMSNorm of the rotary key (k_rope_only_layernorm)",
+    "softmax_scaling": "a query scaling by position (softmax_scaling)",
+}
+# Scalars by which a latent layer multiplies its query, or its normalised
+# key/value latent (LongCat-Flash's sqrt(hidden / rank)): folded into the
+# weights that produce them (q_b_proj or q_proj; kv_a_layernorm), which is
+# the same product.
+_LATENT_SCALES = {"query": ("mla_scale_q_lora", "q_lora_scale"),
+                  "kv": ("mla_scale_kv_lora", "kv_lora_scale")}
 
 
 def _rope_skipped(module, config, model_type):
@@ -390,7 +426,19 @@ def _rope_skipped(module, config, model_type):
         return not getattr(module, "is_local_attention", True)
     if model_type == "llama4_text":  # config.no_rope_layers: the module's use_rope
         return not getattr(module, "use_rope", True)
+    if model_type in _LATENT_ROPE and _LATENT_ROPE[model_type] is None:
+        return True  # Kimi Linear's latent attention: no RoPE at all
     return False
+
+
+def _rope_interleaved(config, model_type):
+    """Whether `model_type` rotates pairs (2i, 2i+1) (True) or (i, i + d/2)."""
+    if model_type in _ROPE_INTERLEAVED:
+        return _ROPE_INTERLEAVED[model_type]
+    pairing = _LATENT_ROPE[model_type]
+    if pairing == "rope_interleave":  # DeepSeek-V3: the config's flag, True by default
+        return _config_value(config, "rope_interleave") is not False
+    return pairing
 
 
 def _has_rope(module, config):
@@ -412,7 +460,7 @@ def rope_config(module, head_dim):
     if not _has_rope(module, config):
         return None
     model_type = _config_value(config, "model_type")
-    if model_type not in _ROPE_INTERLEAVED:
+    if model_type not in _ROPE_INTERLEAVED and model_type not in _LATENT_ROPE:
         raise ExportError(f"rotary position embeddings of model type {model_type!r}, whose "
                           "feature pairing attnserve does not know (known: "
                           f"{', '.join(sorted(_ROPE_INTERLEAVED))})")
@@ -444,14 +492,23 @@ def rope_config(module, head_dim):
     if kind not in _ROPE_TYPES:
         raise ExportError(f"RoPE scaling type {kind!r} (attnserve computes "
                           f"{', '.join(sorted(_ROPE_TYPES))})")
+    if params.get("llama_4_scaling_beta"):
+        # Mistral 4: each query times 1 + beta * log(1 + floor(position /
+        # original_max_position_embeddings)), a rule of its own.
+        raise ExportError("query scaling by position (rope_parameters llama_4_scaling_beta="
+                          f"{params['llama_4_scaling_beta']})")
     partial = (params.get("partial_rotary_factor") or
                _config_value(config, "partial_rotary_factor") or
                _config_value(config, "rotary_pct") or 1.0)
     rotary_dim = _config_value(config, "rotary_dim") if model_type in ("gptj", "codegen") else None
     rope = dict(type=kind, theta=float(theta),
                 rotary_dim=int(rotary_dim or int(head_dim * partial)),
-                interleaved=_ROPE_INTERLEAVED[model_type])
+                interleaved=_rope_interleaved(config, model_type))
     max_positions = _config_value(config, "max_position_embeddings")
+    if kind == "yarn" and params.get("factor") is None and max_positions and \
+            params.get("original_max_position_embeddings"):
+        # transformers 5.x (DeepSeek-V3's configs): the context's extension.
+        params["factor"] = max_positions / params["original_max_position_embeddings"]
     if kind in ("linear", "llama3", "yarn"):
         rope["factor"] = float(params["factor"])
     if kind == "llama3":
@@ -694,6 +751,8 @@ def unsupported_features(module, head_dim=None, num_heads=None):
     parameters and its Hugging Face `config`; head_dim and num_heads default
     to the module's own attributes. Empty when attnserve computes the module
     exactly."""
+    if _is_latent(module):
+        return _latent_unsupported(module)
     found = []
     config = getattr(module, "config", None)
     if _config_value(config, "model_type") in _NOT_COMPUTED:
@@ -749,6 +808,8 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
         raise ExportError(f"{type(module).__name__} ({model_type}) uses "
                           f"{_NOT_COMPUTED[model_type]}, which attnserve does not compute yet: "
                           "refused rather than served with different numbers (docs/MODELS.md)")
+    if _is_latent(module):
+        return _describe_latent(module, num_heads)
     config, tensors = _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
     missing = unsupported_features(module, config["head_dim"], config["num_heads"])
     if missing:
@@ -789,6 +850,228 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
     temperature = temperature_tuning_of(module)
     if temperature is not None:
         config["temperature_tuning"] = temperature
+    return config, tensors
+
+
+def _is_latent(module):
+    """Whether `module` is multi-head latent attention (DeepSeek's names)."""
+    return any(hasattr(module, n) for n in ("kv_a_proj_with_mqa", "kv_b_proj"))
+
+
+def _latent_linears(module):
+    """{name: nn.Linear} of a latent module's projections; ExportError for a
+    missing one."""
+    names = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    names += ["q_proj"] if _linear(module, "q_proj") is not None else ["q_a_proj", "q_b_proj"]
+    linears = {n: _linear(module, n) for n in names}
+    missing = [n for n, lin in linears.items() if lin is None]
+    if missing:
+        raise ExportError(f"multi-head latent attention without the linear(s) {', '.join(missing)} "
+                          "(DeepSeek's: q_proj, or q_a_proj + q_a_layernorm + q_b_proj; "
+                          "kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj)")
+    return linears
+
+
+def _latent_dims(module, num_heads=None):
+    """The `latent_attention` dims of a latent module (its attributes, else
+    its config), and its num_heads, checked against its linears' shapes."""
+    linears = _latent_linears(module)
+
+    def dim(name):
+        value = _first_attr(module, [name])
+        if value is None or value is False:
+            raise ExportError(f"multi-head latent attention that says no {name}")
+        return int(value)
+    h = num_heads or _first_attr(module, ["num_heads", "num_attention_heads"])
+    if not h:
+        raise ExportError("multi-head latent attention that says no num_heads: pass num_heads=")
+    h = int(h)
+    kv_rank, rope, nope, dv = (dim(n) for n in ("kv_lora_rank", "qk_rope_head_dim",
+                                                  "qk_nope_head_dim", "v_head_dim"))
+    q_rank = linears["q_a_proj"].out_features if "q_a_proj" in linears else 0
+    query = linears.get("q_b_proj") or linears["q_proj"]
+    for name, got, want in (
+            ("kv_a_proj_with_mqa outputs", linears["kv_a_proj_with_mqa"].out_features,
+             kv_rank + rope),
+            ("kv_b_proj inputs", linears["kv_b_proj"].in_features, kv_rank),
+            ("kv_b_proj outputs", linears["kv_b_proj"].out_features, h * (nope + dv)),
+            ("query projection outputs", query.out_features, h * (nope + rope)),
+            ("o_proj inputs", linears["o_proj"].in_features, h * dv)):
+        if got != want:
+            raise ExportError(f"multi-head latent attention whose {name} are {got}, not {want} "
+                              f"(num_heads {h}, kv_lora_rank {kv_rank}, qk_nope_head_dim {nope}, "
+                              f"qk_rope_head_dim {rope}, v_head_dim {dv})")
+    return dict(num_heads=h, q_lora_rank=q_rank, kv_lora_rank=kv_rank, qk_nope_head_dim=nope,
+                qk_rope_head_dim=rope, v_head_dim=dv)
+
+
+def _latent_norm_eps(module, name, width):
+    """eps of a latent module's RMSNorm child `name` (q_a_layernorm,
+    kv_a_layernorm), checked to compute x / sqrt(mean(x^2) + eps) * w on two
+    probes: one of unit scale, one whose mean of squares equals eps (so a
+    wrong eps shows). ExportError naming the norm for any other form."""
+    norm = getattr(module, name, None)
+    weight = getattr(norm, "weight", None)
+    shape = None if weight is None else tuple(weight.shape)
+    if not isinstance(norm, torch.nn.Module) or shape != (width,):
+        raise ExportError(f"{name} {type(norm).__name__} with weight {shape}, not an RMSNorm of "
+                          f"({width},)")
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None)
+    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps > 0:
+        raise ExportError(f"{name} {type(norm).__name__} says no eps (variance_epsilon or eps)")
+    x = torch.linspace(-2.0, 3.0, width, dtype=torch.float64)
+    for probe in (x, x * math.sqrt(eps) / torch.sqrt((x * x).mean())):
+        try:
+            offset = _norm_form(norm, float(eps), probe.to(weight.dtype),
+                                weight.detach().double().flatten())
+        except ExportError:
+            offset = None
+        if offset is not False:
+            raise ExportError(f"{name} {type(norm).__name__}, which computes "
+                              f"{'x * (1 + w)' if offset else 'something else'}, not RMSNorm "
+                              f"x / sqrt(mean(x^2) + {eps}) * w")
+    return float(eps)
+
+
+def _latent_scale(module, which):
+    """The scalar (1.0 without) a latent module multiplies its query
+    (which="query") or its normalised key/value latent ("kv") by."""
+    for name in _LATENT_SCALES[which]:
+        value = getattr(module, name, None)
+        if value is not None:
+            return float(value)
+    return 1.0
+
+
+def _latent_rope(module, rope_dim):
+    """The `rope` of a latent module (None without), over its
+    qk_rope_head_dim features, as its model type pairs them."""
+    config = getattr(module, "config", None)
+    model_type = _config_value(config, "model_type")
+    heads = _config_value(config, "num_attention_heads")
+    hidden = _config_value(config, "hidden_size")
+    # transformers' rotary class rotates config.head_dim (DeepSeek sets it to
+    # qk_rope_head_dim) times any partial_rotary_factor (Mistral 4).
+    head_dim = _config_value(config, "head_dim") or (hidden // heads if hidden and heads else
+                                                     rope_dim)
+    rope = rope_config(module, int(head_dim))
+    if rope is None and _LATENT_ROPE.get(model_type) is not None:
+        raise ExportError(f"multi-head latent attention of model type {model_type!r} without "
+                          "RoPE parameters in its config (its rotary features rotate)")
+    if rope is not None and rope["rotary_dim"] != rope_dim:
+        raise ExportError(f"RoPE over {rope['rotary_dim']} features, not the qk_rope_head_dim "
+                          f"{rope_dim} of multi-head latent attention")
+    return rope
+
+
+def _latent_unsupported(module):
+    """What a latent module computes that attnserve does not: a model type
+    whose RoPE pairing is unknown, children and parameters DeepSeek's
+    attention has not (an indexer, gates, sinks), windows, norms of another
+    form, a RoPE attnserve does not compute."""
+    found = []
+    config = getattr(module, "config", None)
+    model_type = _config_value(config, "model_type")
+    children = {n for n, c in module.named_children() if c is not None}
+    if hasattr(module, "indexer") or hasattr(module, "skip_topk"):
+        children.add("indexer")  # None on DSA layers that reuse another's top-k
+    for name in sorted(children - _LATENT_CHILDREN):
+        found.append(_LATENT_EXTRAS.get(name) or
+                     f"a child {name} ({type(getattr(module, name, None)).__name__}) that "
+                     "DeepSeek's attention has not")
+    for name in sorted(n for n, p in module.named_parameters(recurse=False) if p is not None):
+        found.append("attention sinks" if name == "sinks" else
+                     f"a parameter {name} that DeepSeek's attention has not")
+    window = getattr(module, "sliding_window", None) or _config_value(config, "sliding_window")
+    if window and _config_value(config, "use_sliding_window") is not False:
+        found.append(f"a sliding window of {window} tokens on multi-head latent attention")
+    if getattr(module, "attn_temperature_tuning", False):
+        found.append("attention temperature tuning on multi-head latent attention")
+    clip = getattr(module, "clip_qkv", None) or _config_value(config, "clip_qkv")
+    if clip:
+        found.append(f"QKV clipping (clip_qkv={clip})")
+    try:
+        dims = _latent_dims(module)
+    except ExportError as e:
+        return found + [str(e)]
+    for name in ("q_b_proj", "q_proj", "kv_b_proj"):
+        lin = _linear(module, name)
+        if lin is not None and lin.bias is not None:
+            found.append(f"a bias on {name} (DeepSeek's has none)")
+    norms = [("kv_a_layernorm", dims["kv_lora_rank"])]
+    if dims["q_lora_rank"]:
+        norms.insert(0, ("q_a_layernorm", dims["q_lora_rank"]))
+    for name, width in norms:
+        try:
+            _latent_norm_eps(module, name, width)
+        except ExportError as e:
+            found.append(str(e))
+    if model_type in _LATENT_ROPE:
+        try:
+            _latent_rope(module, dims["qk_rope_head_dim"])
+        except ExportError as e:
+            found.append(str(e))
+    if getattr(module, "scaling", None) is None and getattr(module, "softmax_scale", None) is None:
+        found.append("a softmax scale the module does not say (scaling or softmax_scale: "
+                     "DeepSeek folds YaRN's mscale into it)")
+    if model_type not in _LATENT_ROPE:
+        found.append(f"multi-head latent attention of model type {model_type!r}, whose RoPE "
+                     f"pairing and extras attnserve does not know (known: "
+                     f"{', '.join(sorted(_LATENT_ROPE))})")
+    return found
+
+
+def latent_attention_config(module, num_heads=None):
+    """The `latent_attention` of an attnserve ModelConfig for a module of
+    multi-head latent attention (DeepSeek-V2/V3 and their copies), with the
+    module's RMSNorm eps; ExportError naming what does not fit."""
+    dims = _latent_dims(module, num_heads)
+    latent = dict(q_lora_rank=dims["q_lora_rank"], kv_lora_rank=dims["kv_lora_rank"],
+                  qk_rope_head_dim=dims["qk_rope_head_dim"], v_head_dim=dims["v_head_dim"])
+    if dims["q_lora_rank"]:
+        latent["q_norm_eps"] = _latent_norm_eps(module, "q_a_layernorm", dims["q_lora_rank"])
+    latent["kv_norm_eps"] = _latent_norm_eps(module, "kv_a_layernorm", dims["kv_lora_rank"])
+    return latent, dims
+
+
+def _describe_latent(module, num_heads):
+    """(config, tensors) of multi-head latent attention: DeepSeek's tensor
+    names (the SEPARATE_QKV defaults of the latent roles), the module's own
+    softmax scale (with YaRN's mscale), causal."""
+    missing = _latent_unsupported(module)
+    if missing:
+        raise ExportError(f"{type(module).__name__} uses {'; '.join(missing)}, which attnserve "
+                          "does not compute yet: refused rather than served with different "
+                          "numbers (docs/MODELS.md)")
+    latent, dims = latent_attention_config(module, num_heads)
+    linears = _latent_linears(module)
+    h, rope_dim = dims["num_heads"], dims["qk_rope_head_dim"]
+    q_scale, kv_scale = _latent_scale(module, "query"), _latent_scale(module, "kv")
+    tensors = {}
+    for name, lin in linears.items():
+        tensors[f"{name}.weight"] = lin.weight
+        if lin.bias is not None:
+            tensors[f"{name}.bias"] = lin.bias
+    tensors["kv_a_layernorm.weight"] = module.kv_a_layernorm.weight
+    if latent["q_lora_rank"]:
+        tensors["q_a_layernorm.weight"] = module.q_a_layernorm.weight
+    query = "q_b_proj.weight" if latent["q_lora_rank"] else "q_proj.weight"
+    if q_scale != 1.0:
+        tensors[query] = tensors[query].detach() * q_scale
+    if kv_scale != 1.0:
+        tensors["kv_a_layernorm.weight"] = tensors["kv_a_layernorm.weight"].detach() * kv_scale
+    kv_a, o = linears["kv_a_proj_with_mqa"], linears["o_proj"]
+    q_a = linears.get("q_a_proj")
+    scale = getattr(module, "scaling", None) or getattr(module, "softmax_scale")
+    config = dict(kind="mha", embed_dim=kv_a.in_features, num_heads=h, num_kv_heads=h,
+                  head_dim=dims["qk_nope_head_dim"] + rope_dim, query_dim=kv_a.in_features,
+                  key_dim=kv_a.in_features, value_dim=kv_a.in_features, out_dim=o.out_features,
+                  q_bias=q_a is not None and q_a.bias is not None, k_bias=kv_a.bias is not None,
+                  v_bias=False, out_bias=o.bias is not None, weight_layout="SEPARATE_QKV",
+                  scale=float(scale), latent_attention=latent)
+    rope = _latent_rope(module, rope_dim)
+    if rope is not None:
+        config["rope"] = rope
     return config, tensors
 
 
@@ -916,7 +1199,8 @@ def export_module(model, folder, *, submodule=None, name=None, causal=None, scal
                                       head_dim=head_dim, qkv_layout=qkv_layout)
     config["name"] = name or os.path.basename(os.path.normpath(folder))
     if causal is None:
-        causal = bool(getattr(module, "is_causal", False))
+        # A latent layer is a decoder's (DeepSeek's modules say so too).
+        causal = bool(getattr(module, "is_causal", "latent_attention" in config))
     config["causal"] = bool(causal)
     if scale is None:
         scale = _scale_of(module, config["head_dim"])
@@ -933,7 +1217,13 @@ def export_module(model, folder, *, submodule=None, name=None, causal=None, scal
 
     if full_state_dict and submodule:
         config["tensor_prefix"] = submodule + "."
+        own = module.state_dict()
+        # Tensors the export computed (weights of 1 for a weightless norm,
+        # scales folded in) replace the checkpoint's under the prefix.
+        computed = {config["tensor_prefix"] + n: t for n, t in tensors.items()
+                    if n not in own or t.data_ptr() != own[n].data_ptr()}
         tensors = dict(model.state_dict())
+        tensors.update(computed)
     tensors = {n: t.detach().to(dtype) for n, t in tensors.items() if torch.is_floating_point(t)}
     metadata = {"format": "pt", "producer": "attnserve_client.export",
                 "module": type(module).__name__}
