@@ -69,8 +69,10 @@ absl::Status ValidateLatentLayer(const AttentionLayer& layer) {
     return fail("rope.rotary_dim must equal qk_rope_head_dim ", m.rope_dim, ", got ",
                 c.rope.rotary_dim);
   }
-  if (c.qk_norm.enabled || c.output_gate || c.sinks || c.temperature_tuning.enabled) {
-    return fail("a latent layer takes no qk_norm, output_gate, sinks or temperature_tuning");
+  if (c.qk_norm.enabled || c.output_gate || c.sinks || c.temperature_tuning.enabled ||
+      c.clip_qkv > 0) {
+    return fail("a latent layer takes no qk_norm, output_gate, sinks, temperature_tuning or "
+                "clip_qkv");
   }
   const LayerWeights& w = layer.weights;
   if (w.q_norm.byte_size() != 0 || w.k_norm.byte_size() != 0 || w.wg.byte_size() != 0 ||
@@ -122,6 +124,10 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer '", c.name, "': softcap must be finite and >= 0 (0 = none), got ", c.softcap));
   }
+  if (!std::isfinite(c.clip_qkv) || c.clip_qkv < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer '", c.name, "': clip_qkv must be finite and >= 0 (0 = none), got ", c.clip_qkv));
+  }
   if (c.sliding_window < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer '", c.name, "': sliding_window must be >= 0 (0 = none), got ", c.sliding_window));
@@ -148,11 +154,11 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
       }
     }
     if (c.rope.type != RopeConfig::Type::kNone || c.qk_norm.enabled || c.sinks ||
-        c.output_gate || c.temperature_tuning.enabled || c.latent.enabled) {
+        c.output_gate || c.temperature_tuning.enabled || c.latent.enabled || c.clip_qkv > 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer '", c.name,
-          "': rope, qk_norm, sinks, output_gate, temperature_tuning and latent_attention apply "
-          "to projection layers only"));
+          "': rope, qk_norm, sinks, output_gate, temperature_tuning, latent_attention and "
+          "clip_qkv apply to projection layers only"));
     }
     return absl::OkStatus();
   }

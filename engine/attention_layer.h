@@ -160,6 +160,11 @@ struct LayerConfig {
   // the output projection (LayerWeights::wg, bg; engine/output_gate.h).
   // Projection layers only.
   bool output_gate = false;
+  // > 0: QKV clipping (OLMo's and DBRX's clip_qkv): every projected query,
+  // key and value feature is clamped to [-clip_qkv, clip_qkv], after the
+  // projections (and a QK-norm before RoPE), before RoPE. Projection layers
+  // only; not with latent attention.
+  float clip_qkv = 0.0f;
   // Multi-head latent attention (above); projection layers only.
   LatentAttention latent;
 };

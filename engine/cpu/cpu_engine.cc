@@ -124,10 +124,10 @@ class CpuEngine final : public AttentionEngine {
     return absl::OkStatus();
   }
 
-  // QK-norm then RoPE (or RoPE then QK-norm, qk_norm.after_rope), then the
-  // queries' temperature, on every task's projected Q and K, in place,
-  // before a session appends its keys (the cache holds normalised, rotated
-  // keys). A sequence's keys sit at cached_len + j and its queries at the
+  // QK-norm, QKV clipping (V too) and RoPE (or clipping, RoPE and QK-norm,
+  // qk_norm.after_rope), then the queries' temperature, on every task's
+  // projected Q and K, in place, before a session appends its keys (the
+  // cache holds normalised, clipped, rotated keys). A sequence's keys sit at cached_len + j and its queries at the
   // bottom-right positions kv_total - Lq + i, kv_total = cached_len + Lk;
   // or, with explicit positions, key j at positions[b][j] and query i at
   // positions[b][Lk - Lq + i] (the temperature takes the index, never the
@@ -185,11 +185,26 @@ class CpuEngine final : public AttentionEngine {
           cpu::RotateRows(c.rope, freq, p.dtype, k, p.kv_len, p.k_stride_row, p.num_kv_heads,
                           p.head_dim, cached, key_positions, options_.num_threads);
         };
+        // QKV clipping (OLMo, DBRX), after the projections and a QK-norm
+        // before RoPE (OLMoE's order); V's rows too, before a session
+        // caches them.
+        auto clip = [&] {
+          if (c.clip_qkv <= 0) return;
+          char* v = static_cast<char*>(const_cast<void*>(p.v)) + b * p.v_stride_b * size;
+          cpu::ClipRows(p.dtype, q, p.q_len, p.q_stride_row, p.num_heads * p.head_dim,
+                        c.clip_qkv, options_.num_threads);
+          cpu::ClipRows(p.dtype, k, p.kv_len, p.k_stride_row, p.num_kv_heads * p.head_dim,
+                        c.clip_qkv, options_.num_threads);
+          cpu::ClipRows(p.dtype, v, p.kv_len, p.v_stride_row, p.num_kv_heads * p.head_dim_v,
+                        c.clip_qkv, options_.num_threads);
+        };
         if (c.qk_norm.after_rope) {  // Hunyuan
+          clip();
           rotate();
           normalize();
         } else {
           normalize();
+          clip();
           rotate();
         }
         if (c.temperature_tuning.enabled) {  // Llama 4's layers without RoPE
@@ -332,7 +347,7 @@ class CpuEngine final : public AttentionEngine {
     for (AttentionParams& p : params) p.q_stride_h = p.k_stride_h = p.v_stride_h = c.head_dim;
     PlaceCoreOutputs(params, all_q_rows, o_layout, core, act, qf);
     if (c.qk_norm.enabled || c.rope.type != RopeConfig::Type::kNone ||
-        c.temperature_tuning.enabled) {
+        c.temperature_tuning.enabled || c.clip_qkv > 0) {
       PrepareQk(layer, batch, params);
     }
     for (size_t i = 0; i < params.size(); ++i) {

@@ -2,6 +2,7 @@
 // NormalizeRows: RMSNorm of every head, float64 mean.
 #include "engine/cpu/rotary.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "engine/temperature.h"
@@ -101,6 +102,28 @@ void NormalizeRows(const QkNormConfig& norm, const float* w, DType dtype, void* 
       }
     }
   }
+}
+
+void ClipRows(DType dtype, void* data, int64_t rows, int64_t row_stride, int64_t width,
+              float limit, int threads) {
+#ifdef _OPENMP
+  const int n = threads > 0 ? threads : omp_get_max_threads();
+#pragma omp parallel for num_threads(n) schedule(static) if (rows > 16)
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    if (dtype == DType::kFloat32) {
+      float* x = static_cast<float*>(data) + r * row_stride;
+      for (int64_t d = 0; d < width; ++d) x[d] = std::clamp(x[d], -limit, limit);
+    } else {
+      uint16_t* x = static_cast<uint16_t*>(data) + r * row_stride;
+      for (int64_t d = 0; d < width; ++d) {
+        x[d] = FloatToBFloat16(std::clamp(BFloat16ToFloat(x[d]), -limit, limit));
+      }
+    }
+  }
+#ifndef _OPENMP
+  (void)threads;
+#endif
 }
 
 void ScaleQueryRows(const TemperatureTuning& tuning, DType dtype, void* data, int64_t rows,

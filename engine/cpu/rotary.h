@@ -1,7 +1,7 @@
 // What happens to the cpu engine's projected Q and K rows, in place,
-// between the projections and the attention core: QK-norm (engine/qk_norm.h)
-// and RoPE (engine/rope.h has the frequencies), then the queries' temperature
-// (engine/temperature.h). Internal to engine/cpu.
+// between the projections and the attention core: QK-norm (engine/qk_norm.h),
+// QKV clipping (V's rows too) and RoPE (engine/rope.h has the frequencies),
+// then the queries' temperature (engine/temperature.h). Internal to engine/cpu.
 #ifndef ATTNSERVE_ENGINE_CPU_ROTARY_H_
 #define ATTNSERVE_ENGINE_CPU_ROTARY_H_
 
@@ -36,6 +36,12 @@ void RotateRowPairs(const RopeConfig& rope, const RopeFrequencies& freq, DType d
 void NormalizeRows(const QkNormConfig& norm, const float* w, DType dtype, void* data,
                    int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                    int threads);
+
+// QKV clipping (clip_qkv): the first `width` features of rows r < `rows`
+// (of `dtype`, FLOAT32 or BFLOAT16, at data + r * row_stride elements)
+// clamped to [-limit, limit].
+void ClipRows(DType dtype, void* data, int64_t rows, int64_t row_stride, int64_t width,
+              float limit, int threads);
 
 // Attention temperature tuning: row r < `rows` (its `width` features, of
 // `dtype`, at data + r * row_stride elements) times

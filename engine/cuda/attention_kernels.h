@@ -130,6 +130,11 @@ cudaError_t LaunchRotary(void* x, DType type, int64_t rows, int64_t seq_len, int
                          int64_t heads, int64_t head_dim, const RotaryArgs& rotary,
                          cudaStream_t stream);
 
+// QKV clipping (clip_qkv): the first `width` features of rows r < rows (at
+// x + r * row_stride elements of `type`) clamped to [-limit, limit].
+cudaError_t LaunchClip(void* x, DType type, int64_t rows, int64_t row_stride, int64_t width,
+                       float limit, cudaStream_t stream);
+
 // Attention temperature tuning (engine/temperature.h) of every query row:
 // row r (its `width` features) is token t = r % seq_len of its sequence, at
 // index first + t, and is multiplied by

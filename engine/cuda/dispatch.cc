@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -71,8 +72,8 @@ RotaryArgs QueryRotary(const LayerConfig& config, const DeviceLayer& w, const At
   return rotary;
 }
 
-// QK-norm, then RoPE (or RoPE, then QK-norm), then the queries'
-// temperature, on a projection layer's projected Q and K (token
+// QK-norm, then QKV clipping (V too) and RoPE (or clipping, RoPE, then
+// QK-norm), then the queries' temperature, on a projection layer's projected Q and K (token
 // layout: rows b * Lq + i and b * Lk + j), in place, as the cpu engine
 // applies them: keys at positions cached_len + j and queries at the
 // bottom-right ones, cached_len + Lk - Lq + i; or, with the task's explicit
@@ -80,10 +81,11 @@ RotaryArgs QueryRotary(const LayerConfig& config, const DeviceLayer& w, const At
 // at positions[b][Lk - Lq + i]. `max_position`, the task's largest
 // (LargestRopePosition), picks LongRoPE's factors.
 absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer& w,
-                       const AttentionParams& p, void* q, void* k, const int64_t* positions,
-                       int64_t cached_len, int64_t max_position) {
+                       const AttentionParams& p, void* q, void* k, void* v,
+                       const int64_t* positions, int64_t cached_len, int64_t max_position) {
   const int64_t q_rows = p.batch * p.q_len, kv_rows = p.batch * p.kv_len;
   const int64_t q_stride = p.num_heads * p.head_dim, k_stride = p.num_kv_heads * p.head_dim;
+
   auto normalize = [&]() -> absl::Status {
     if (!config.qk_norm.enabled) return absl::OkStatus();
     const QkNormConfig& norm = config.qk_norm;
@@ -99,6 +101,16 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
   };
   // The norm before RoPE, or after it (Hunyuan).
   if (!config.qk_norm.after_rope) ATTNSERVE_CUDA_RETURN_IF_ERROR(normalize());
+  if (config.clip_qkv > 0) {
+    // QKV clipping (OLMo, DBRX): after a QK-norm before RoPE, before RoPE.
+    const int64_t v_stride = p.num_kv_heads * p.head_dim_v;
+    for (const auto& [x, rows, stride] : {std::tuple<void*, int64_t, int64_t>{q, q_rows, q_stride},
+                                          {k, kv_rows, k_stride},
+                                          {v, kv_rows, v_stride}}) {
+      ATTNSERVE_CUDA_CALL(
+          LaunchClip(x, w.type, rows, stride, stride, config.clip_qkv, call.stream()));
+    }
+  }
   if (config.rope.type != RopeConfig::Type::kNone) {
     RotaryArgs rotary = QueryRotary(config, w, p, positions, cached_len, max_position);
     ATTNSERVE_CUDA_CALL(LaunchRotary(q, w.type, q_rows, p.q_len, q_stride, p.num_heads,
@@ -833,7 +845,7 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
   }
   if (!config.latent.enabled) {
     ATTNSERVE_CUDA_RETURN_IF_ERROR(
-        PrepareQk(call, config, w, p, *q, *k, positions, cached_len, max_position));
+        PrepareQk(call, config, w, p, *q, *k, *v, positions, cached_len, max_position));
   }
 
   // Attention over the token layout [B, L, H*D], written in the same layout

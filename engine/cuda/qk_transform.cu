@@ -1,5 +1,5 @@
-// QK-norm, RoPE and the queries' temperature on the projected Q and K
-// (attention_kernels.h), computed
+// QK-norm, QKV clipping, RoPE and the queries' temperature on the projected
+// Q and K (attention_kernels.h), computed
 // as the cpu engine computes them (engine/cpu/rotary.cc): the float64 parts
 // (the norm's mean, the angles, cos and sin) in float64, the rest in float
 // with every product rounded as written (no fused multiply-adds), so that
@@ -79,7 +79,25 @@ __global__ void QueryTemperatureKernel(void* x, DType type, int64_t seq_len, int
   }
 }
 
+// One block per row: its first `width` features clamped.
+__global__ void ClipKernel(void* x, DType type, int64_t row_stride, int64_t width, float limit) {
+  const int64_t row = blockIdx.x;
+  for (int64_t d = threadIdx.x; d < width; d += blockDim.x) {
+    const int64_t at = row * row_stride + d;
+    StoreElement(x, type, at, fminf(fmaxf(LoadElement(x, type, at), -limit), limit));
+  }
+}
+
 }  // namespace
+
+cudaError_t LaunchClip(void* x, DType type, int64_t rows, int64_t row_stride, int64_t width,
+                       float limit, cudaStream_t stream) {
+  if (rows <= 0 || width <= 0) return cudaSuccess;
+  if (rows > INT32_MAX) return cudaErrorInvalidConfiguration;
+  ATTNSERVE_LAUNCH(ClipKernel, static_cast<unsigned>(rows), kRotaryThreads, 0, stream, x, type,
+                   row_stride, width, limit);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchQueryTemperature(void* x, DType type, int64_t rows, int64_t seq_len,
                                    int64_t row_stride, int64_t width, int64_t first,

@@ -474,6 +474,15 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
     }
   };
   if (!c.qk_norm.after_rope) normalize();
+  // QKV clipping (OLMo, DBRX): after the projections and a QK-norm before
+  // RoPE (OLMoE's order), before RoPE.
+  auto clip = [&](std::vector<double>& values) {
+    if (c.clip_qkv <= 0) return;
+    const double limit = c.clip_qkv;
+    for (double& x : values) x = std::clamp(x, -limit, limit);
+  };
+  clip(q.data);
+  clip(k.data);
   if (c.rope.type != RopeConfig::Type::kNone) {
     // Keys at positions j (or the task's positions[b][j]) and queries at the
     // last Lq of them; the angles in float64, never rounded. The call's
@@ -514,10 +523,11 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
       }
     }
   }
-  const Rows v{c.latent.enabled
-                   ? std::move(latent.v)
-                   : Linear(xv, kv_rows, self_attention ? c.query_dim : c.value_dim, w.wv, w.bv),
-               d.kv_heads, d.kv_len, d.head_dim_v, false};
+  Rows v{c.latent.enabled
+             ? std::move(latent.v)
+             : Linear(xv, kv_rows, self_attention ? c.query_dim : c.value_dim, w.wv, w.bv),
+         d.kv_heads, d.kv_len, d.head_dim_v, false};
+  clip(v.data);
   Rows merged{std::vector<double>(static_cast<size_t>(q_rows * d.heads * d.head_dim_v)), d.heads,
               d.q_len, d.head_dim_v, false};
   AttendHeads(t, d, c.sliding_window, c.attention_chunk, c.softcap,

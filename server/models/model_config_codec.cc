@@ -50,6 +50,7 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
   config.set_softcap(c.softcap);
   config.set_sinks(c.sinks);
   config.set_attention_chunk(c.attention_chunk);
+  config.set_clip_qkv(c.clip_qkv);
   if (c.temperature_tuning.enabled) {
     config.mutable_temperature_tuning()->set_floor_scale(c.temperature_tuning.floor_scale);
     config.mutable_temperature_tuning()->set_attn_scale(c.temperature_tuning.attn_scale);
@@ -142,6 +143,7 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
   layer.sinks = layer.has_projections && c.sinks();
   layer.output_gate = layer.has_projections && c.has_output_gate();
   layer.attention_chunk = c.attention_chunk();
+  layer.clip_qkv = layer.has_projections ? c.clip_qkv() : 0.0f;
   if (layer.has_projections && c.has_temperature_tuning()) {
     layer.temperature_tuning.enabled = true;
     layer.temperature_tuning.floor_scale = c.temperature_tuning().floor_scale();

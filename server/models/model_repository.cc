@@ -179,7 +179,7 @@ absl::Status CheckNoProjectionFields(const std::string& path, const v1::ModelCon
                             "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias",
                             "out_bias", "weight_layout", "tensor_prefix", "tensor_names",
                             "rope", "qk_norm", "sinks", "output_gate",
-                            "temperature_tuning", "latent_attention"}) {
+                            "temperature_tuning", "latent_attention", "clip_qkv"}) {
     const google::protobuf::FieldDescriptor* f = d->FindFieldByName(field);
     bool set = f->is_repeated() ? r->FieldSize(c, f) > 0 : r->HasField(c, f);
     if (set) {
@@ -273,9 +273,10 @@ absl::Status ResolveLatentAttention(const std::string& path, v1::ModelConfig* c)
                        "must be false with latent_attention (its values come from kv_b_proj, "
                        "which has no bias)");
   }
-  if (c->has_qk_norm() || c->has_output_gate() || c->sinks() || c->has_temperature_tuning()) {
+  if (c->has_qk_norm() || c->has_output_gate() || c->sinks() || c->has_temperature_tuning() ||
+      c->clip_qkv() != 0) {
     return ConfigError(path, field,
-                       "takes no qk_norm, output_gate, sinks or temperature_tuning");
+                       "takes no qk_norm, output_gate, sinks, temperature_tuning or clip_qkv");
   }
   if (c->rope().rotary_dim() == 0 && !c->rope().type().empty() && c->rope().type() != "none") {
     c->mutable_rope()->set_rotary_dim(m->qk_rope_head_dim());
@@ -487,6 +488,10 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
     return ConfigError(path, "backend",
                        absl::StrCat("\"", c->backend(), "\" is not one of auto, cpu, cuda, "
                                     "reference"));
+  }
+  if (!std::isfinite(c->clip_qkv()) || c->clip_qkv() < 0) {
+    return ConfigError(path, "clip_qkv",
+                       absl::StrCat("must be finite and >= 0 (0 = none), got ", c->clip_qkv()));
   }
   if (!std::isfinite(c->softcap()) || c->softcap() < 0) {
     return ConfigError(path, "softcap",

@@ -193,6 +193,7 @@ absl::Status KServeCore::ModelConfig(const std::string& name, const std::string&
     params["attention_chunk"].set_string_value(absl::StrCat(layer.attention_chunk));
   }
   if (layer.temperature_tuning.enabled) params["temperature_tuning"].set_string_value("true");
+  if (layer.clip_qkv > 0) params["clip_qkv"].set_string_value(absl::StrCat(layer.clip_qkv));
   if (layer.latent.enabled) {
     params["latent_attention"].set_string_value("true");
     params["kv_lora_rank"].set_string_value(absl::StrCat(layer.latent.kv_lora_rank));

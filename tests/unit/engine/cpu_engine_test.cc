@@ -577,6 +577,40 @@ TEST_F(CpuEngineTest, LatentAttentionMatchesReference) {
   }
 }
 
+// QKV clipping (OLMo, DBRX) on random projection layers with every other
+// feature (QK-norm before and after RoPE, windows, gates, ...), tight enough
+// that many values clamp: self- and cross-attention against the reference.
+TEST_F(CpuEngineTest, ClipQkvMatchesReference) {
+  Rng rng(83);
+  for (int i = 0; i < 30; ++i) {
+    const bool self_attention = i % 2 == 0;
+    auto layer = std::make_shared<AttentionLayer>(*RandomProjectionLayer(rng, self_attention));
+    layer->config.clip_qkv = rng.Pick<float>({0.25f, 0.5f, 8.0f});
+    ASSERT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
+    const LayerConfig& lc = layer->config;
+    Case c;
+    c.layer = layer;
+    const int64_t batch = rng.Int(1, 2), lq = rng.Int(1, 12);
+    const int64_t lk = self_attention ? lq : rng.Int(1, 12);
+    c.q = RandomTensor(rng, DType::kFloat32, {batch, lq, lc.query_dim}, 3.0f);
+    if (!self_attention) {
+      c.k = RandomTensor(rng, DType::kFloat32, {batch, lk, lc.key_dim}, 3.0f);
+      c.v = RandomTensor(rng, DType::kFloat32, {batch, lk, lc.value_dim}, 3.0f);
+    }
+    c.causal = lc.causal || (lq <= lk && rng.Chance(0.5));
+    c.need_weights = rng.Chance(0.5);
+    c.scale = ResolveScale(lc, 0.0f, lc.head_dim);
+    c.label = absl::StrCat("clip case ", i, ": clip ", lc.clip_qkv,
+                           self_attention ? " self" : " cross",
+                           lc.qk_norm.enabled ? " qk-norm" : "",
+                           lc.qk_norm.after_rope ? " after rope" : "",
+                           lc.rope.type != RopeConfig::Type::kNone ? " rope" : "",
+                           lc.output_gate ? " gate" : "", ", B ", batch, " Lq ", lq, " Lk ", lk);
+    CheckAgainstReference(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
 // A latent layer takes the query only: a key and value are refused.
 TEST_F(CpuEngineTest, LatentAttentionRefusesAKey) {
   Rng rng(82);

@@ -1391,6 +1391,12 @@ TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
          c.causal = true;
          c.attention_chunk = 16;
        }, true},
+      {"olmo: clip_qkv, rope", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kDefault;
+         c.rope.rotary_dim = c.head_dim;
+         c.causal = true;
+         c.clip_qkv = 0.25f;
+       }},
       {"llama 4 layer without rope: temperature tuning", [](LayerConfig& c) {
          c.causal = true;
          c.temperature_tuning.enabled = true;

@@ -597,6 +597,67 @@ TEST(ReferenceEngineTest, OutputGateOfABiasAloneScalesTheOutputWeightColumns) {
               ::testing::HasSubstr("without output_gate"));
 }
 
+// QKV clipping: a layer whose projections are the identity (one head per
+// feature block, no biases, out-projection the identity) with clip_qkv c is
+// bare attention over the clamped inputs, per head.
+TEST(ReferenceEngineTest, ClipQkvClampsTheProjectedValues) {
+  constexpr int64_t H = 2, D = 3, E = H * D, B = 2, L = 4;
+  constexpr float kClip = 0.4f;
+  std::vector<float> eye(E * E, 0.0f);
+  for (int64_t i = 0; i < E; ++i) eye[i * E + i] = 1.0f;
+  AttentionLayer layer;
+  LayerConfig& c = layer.config;
+  c.name = "clipped";
+  c.has_projections = true;
+  c.num_heads = c.num_kv_heads = H;
+  c.head_dim = D;
+  c.query_dim = c.key_dim = c.value_dim = c.out_dim = E;
+  c.clip_qkv = kClip;
+  for (Tensor* w : {&layer.weights.wq, &layer.weights.wk, &layer.weights.wv, &layer.weights.wo}) {
+    *w = Values(DType::kFloat32, {E, E}, eye);
+  }
+  ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
+  const Tensor x = Random({B, L, E}, 900);
+  Tensor out(DType::kFloat32, {B, L, E});
+  AttentionTask task;
+  task.query = x.view();
+  task.causal = true;
+  task.scale = InverseSqrt(D);
+  task.output = out.mutable_view();
+  ASSERT_TRUE(NewReferenceEngine()->Run(layer, {&task, 1}).ok());
+
+  // The clamped inputs in head layout [B, H, L, D] through bare attention.
+  Tensor heads(DType::kFloat32, {B, H, L, D});
+  int64_t clamped = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t l = 0; l < L; ++l) {
+      for (int64_t f = 0; f < E; ++f) {
+        const float v = x.data_as<float>()[(b * L + l) * E + f];
+        clamped += std::fabs(v) > kClip;
+        heads.data_as<float>()[((b * H + f / D) * L + l) * D + f % D] =
+            std::clamp(v, -kClip, kClip);
+      }
+    }
+  }
+  ASSERT_GT(clamped, 0);
+  SdpaRun bare(heads, heads, heads, false);
+  bare.task.causal = true;
+  ASSERT_TRUE(RunSdpa(bare.task).ok());
+  const std::vector<float> got = AsFloats(out), want_heads = AsFloats(bare.out);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t l = 0; l < L; ++l) {
+      for (int64_t f = 0; f < E; ++f) {
+        EXPECT_NEAR(got[(b * L + l) * E + f], want_heads[((b * H + f / D) * L + l) * D + f % D],
+                    1e-6)
+            << "b " << b << " l " << l << " f " << f;
+      }
+    }
+  }
+  AttentionLayer bad = layer;
+  bad.config.clip_qkv = -1.0f;
+  EXPECT_THAT(std::string(ValidateLayer(bad).message()), HasSubstr("clip_qkv"));
+}
+
 // Multi-head latent attention as transformers' DeepseekV3Attention writes
 // it, in float64 here: the query through its normalised latent, the keys'
 // nope features and the values from one normalised latent (kv_b_proj's rows

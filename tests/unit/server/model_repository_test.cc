@@ -405,6 +405,21 @@ TEST(ModelConfigTest, LatentAttentionResolvesAndItsRulesNameTheField) {
               AllOf(HasSubstr("latent_attention"), HasSubstr("not allowed for kind \"sdpa\"")));
 }
 
+// clip_qkv (OLMo, DBRX): reaches the layer and comes back; negative or
+// on sdpa refused naming the field.
+TEST(ModelConfigTest, ClipQkvResolvesAndItsRulesNameTheField) {
+  v1::ModelConfig olmo = Resolved("embed_dim: 64 num_heads: 4 clip_qkv: 8");
+  EXPECT_EQ(ToLayerConfig(olmo).clip_qkv, 8.0f);
+  AttentionLayer layer;
+  layer.config = ToLayerConfig(olmo);
+  EXPECT_EQ(LayerToModelConfig(layer).clip_qkv(), 8.0f);
+  EXPECT_EQ(ToLayerConfig(Resolved("embed_dim: 64 num_heads: 4")).clip_qkv, 0.0f);
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 clip_qkv: -1").message(),
+              AllOf(HasSubstr("clip_qkv"), HasSubstr(">= 0")));
+  EXPECT_THAT(ResolveError("kind: \"sdpa\" clip_qkv: 8").message(),
+              AllOf(HasSubstr("clip_qkv"), HasSubstr("not allowed for kind \"sdpa\"")));
+}
+
 // Llama 4: attention_chunk on causal layers only (sdpa too), temperature
 // tuning on projection layers with both its numbers; each reaches the layer
 // and is reported back.

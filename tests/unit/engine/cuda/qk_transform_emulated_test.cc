@@ -9,6 +9,7 @@
 // without a GPU; cuda_engine_test runs them on one (LlmLayerFeatures*).
 #include "tests/unit/engine/cuda/warp_emulator.h"  // first: it stands in for the device
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -266,6 +267,39 @@ TEST(QkTransformEmulated, QueryTemperatureMatchesTheCpuEngine) {
   EXPECT_DOUBLE_EQ(QueryTemperature(t, 6), 1.0);
   EXPECT_DOUBLE_EQ(QueryTemperature(t, 7), 1.0 + 0.1 * std::log(2.0));
   EXPECT_DOUBLE_EQ(QueryTemperature(t, 8190), 1.0 + 0.1 * std::log(1024.0));
+}
+
+// QKV clipping: the kernel and the cpu engine's pass give the same bits,
+// every feature within [-limit, limit], those inside it untouched, the
+// padding past each row's width untouched.
+TEST(QkTransformEmulated, ClipMatchesTheCpuEngine) {
+  std::mt19937 rng(35);
+  constexpr int64_t kRows = 9, kHeads = 3, kDim = 16;
+  const int64_t stride = kHeads * kDim + 4, width = kHeads * kDim;
+  constexpr float kLimit = 0.375f;
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(std::string(DTypeName(dtype)));
+    const Rows input = RandomRows(dtype, kRows, kHeads, kDim, stride, rng);
+    Rows gpu = input, cpu = input;
+    ASSERT_EQ(LaunchClip(gpu.bytes.data(), dtype, kRows, stride, width, kLimit, nullptr),
+              cudaSuccess);
+    cpu::ClipRows(dtype, cpu.bytes.data(), kRows, stride, width, kLimit, /*threads=*/1);
+    EXPECT_EQ(gpu.bytes, cpu.bytes);
+    int64_t clipped = 0;
+    for (int64_t r = 0; r < kRows; ++r) {
+      for (int64_t d = 0; d < stride; ++d) {
+        const float in = LoadAsFloat(dtype, input.bytes.data(), r * stride + d);
+        const float out = LoadAsFloat(dtype, gpu.bytes.data(), r * stride + d);
+        if (d >= width) {
+          ASSERT_EQ(out, in) << "padding at row " << r;
+        } else {
+          ASSERT_EQ(out, std::clamp(in, -kLimit, kLimit)) << "row " << r << " feature " << d;
+          clipped += out != in;
+        }
+      }
+    }
+    EXPECT_GT(clipped, 0);
+  }
 }
 
 }  // namespace
