@@ -270,6 +270,86 @@ void BM_Layer(benchmark::State& state, BenchShape s, Precision precision, int th
       benchmark::Counter(proj_flops + CoreFlops(s), benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// A multi-head latent attention layer (LatentAttention) of DeepSeek's
+// shapes: E, H heads of nope 128 + rope 64 query/key features and 128 value
+// features, a key/value latent of 512, a query latent of `q_lora_rank` (0:
+// one q_proj, DeepSeek-V2-Lite), causal self-attention with RoPE, through the
+// cpu engine. bench/latent_bench.py runs it next to transformers'
+// DeepseekV2Attention.
+struct LatentShape {
+  const char* name;
+  int64_t batch, len, embed, heads, q_lora_rank;
+};
+const LatentShape kLatentShapes[] = {
+    {"V2Lite_B1_L512_E2048_H16", 1, 512, 2048, 16, 0},
+    {"V2Lite_B8_L128_E2048_H16", 8, 128, 2048, 16, 0},
+    {"QLora_B1_L512_E2048_H16", 1, 512, 2048, 16, 768},
+};
+
+void BM_LatentLayer(benchmark::State& state, LatentShape s, Precision precision, int threads) {
+  constexpr int64_t kNope = 128, kRope = 64, kV = 128, kKvRank = 512;
+  auto layer = std::make_shared<AttentionLayer>();
+  LayerConfig& c = layer->config;
+  c.name = "bench-latent";
+  c.has_projections = true;
+  c.embed_dim = c.query_dim = c.key_dim = c.value_dim = c.out_dim = s.embed;
+  c.num_heads = c.num_kv_heads = s.heads;
+  c.head_dim = kNope + kRope;
+  c.precision = precision;
+  c.causal = true;
+  c.latent = {true, s.q_lora_rank, kKvRank, kRope, kV, 1e-6, 1e-6};
+  c.rope.type = RopeConfig::Type::kDefault;
+  c.rope.theta = 10000.0;
+  c.rope.rotary_dim = kRope;
+  c.rope.interleaved = true;
+  LayerWeights& w = layer->weights;
+  auto weight = [](int64_t out, int64_t in, uint64_t seed) {
+    return SeededUniformTensor({out, in}, seed, 1.0f / std::sqrt(static_cast<float>(in)));
+  };
+  const int64_t q_in = s.q_lora_rank > 0 ? s.q_lora_rank : s.embed;
+  if (s.q_lora_rank > 0) {
+    w.wq_a = weight(s.q_lora_rank, s.embed, 31);
+    w.q_a_norm = SeededUniformTensor({s.q_lora_rank}, 32, 1.0f);
+  }
+  w.wq = weight(s.heads * c.head_dim, q_in, 33);
+  w.wkv_a = weight(kKvRank + kRope, s.embed, 34);
+  w.kv_a_norm = SeededUniformTensor({kKvRank}, 35, 1.0f);
+  w.wk = weight(s.heads * kNope, kKvRank, 36);
+  w.wv = weight(s.heads * kV, kKvRank, 37);
+  w.wo = weight(s.embed, s.heads * kV, 38);
+  if (absl::Status v = ValidateLayer(*layer); !v.ok()) {
+    state.SkipWithError(std::string(v.message()).c_str());
+    return;
+  }
+  std::unique_ptr<AttentionEngine> engine = CpuEngineOrSkip(state, threads);
+  if (engine == nullptr) return;
+  const DType dtype = precision == Precision::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  Tensor x = RandomTensor(dtype, {s.batch, s.len, s.embed}, 39);
+  Tensor y(dtype, {s.batch, s.len, s.embed});
+  AttentionTask task;
+  task.query = x.view();
+  task.causal = true;
+  task.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  task.output = y.mutable_view();
+  if (absl::Status st = engine->Run(*layer, {&task, 1}); !st.ok()) {
+    state.SkipWithError(std::string(st.message()).c_str());
+    return;
+  }
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(engine->Run(*layer, {&task, 1}));
+    benchmark::ClobberMemory();
+  }
+  const double rows = static_cast<double>(s.batch * s.len);
+  const double proj = 2.0 * rows *
+                      (static_cast<double>(w.wkv_a.num_elements() + w.wq_a.num_elements() +
+                                           w.wq.num_elements() + w.wk.num_elements() +
+                                           w.wv.num_elements() + w.wo.num_elements()));
+  // Causal: about half of the L x L scores.
+  const double core = 2.0 * s.batch * s.heads * s.len * s.len * (c.head_dim + kV) / 2;
+  state.counters["GFLOPs"] =
+      benchmark::Counter(proj + core, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 // oneDNN sgemm ceiling of the layer: the four projection GEMMs ([B*L, E] x
 // [E, E] with bias) plus the core's two batched GEMMs.
 void BM_LayerGemmCeiling(benchmark::State& state, BenchShape s, int threads) {
@@ -478,6 +558,19 @@ void RegisterAll() {
             ->UseRealTime();
         benchmark::RegisterBenchmark(absl::StrCat("LayerGemmCeiling/", s.name, "/fp32", suffix).c_str(),
                                      BM_LayerGemmCeiling, s, t)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      }
+    }
+  }
+  for (const LatentShape& s : kLatentShapes) {
+    for (int t : thread_counts) {
+      for (Precision p : {Precision::kFloat32, Precision::kBFloat16}) {
+        benchmark::RegisterBenchmark(absl::StrCat("LatentLayer/", s.name,
+                                                  p == Precision::kFloat32 ? "/fp32" : "/bf16",
+                                                  "/threads:", t)
+                                         .c_str(),
+                                     BM_LatentLayer, s, p, t)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
       }
