@@ -73,7 +73,16 @@ MINICPM3_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0,
 # Classes whose name is not {prefix}Attention / {prefix}RotaryEmbedding
 # (None: the model has no rotary class).
 ATTENTION_CLASSES = {"longcat_flash": "LongcatFlashMLA"}
-ROTARY_CLASSES = {"kimi_linear": None, "glm5_next": None}
+ROTARY_CLASSES = {"kimi_linear": None, "glm5_next": None, "mpt": None}
+# QKV clipping small enough that about half the projected features here lie
+# beyond it (more of OLMoE's normalised ones); the real clip_qkv, 8, clamps
+# none at these scales.
+CLIP = 0.25
+# DBRX: Wqkv of rows [q | k | v] with grouped-query widths, its theta (in
+# attn_config, as its checkpoints keep it and its module reads it, and in
+# rope_parameters, which 5.x's rotary class reads).
+DBRX = dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0))
+DBRX_ATTN = dict(kv_n_heads=2, rope_theta=500000.0)
 # Tokens per request: 48 unless a family says (LongRoPE's short factors).
 LENGTHS = {"phi4-mini-short": 24}
 
@@ -220,8 +229,16 @@ FAMILIES = {
                     "served"),
     "afmoe-global": ("afmoe", "Afmoe", dict(sliding_window=WINDOW, num_hidden_layers=4), 3,
                      "served"),
-    # Q, K and V clamped after the projections: refused.
-    "olmo-clip-qkv": ("olmo", "Olmo", dict(clip_qkv=8.0), 0, "QKV clipping"),
+    # QKV clipping: Q, K and V clamped after the projections (OLMoE: after
+    # its QK-norm), before RoPE; OLMo-7B-0424's and DBRX's 8, and CLIP.
+    "olmo-clip-qkv": ("olmo", "Olmo", dict(clip_qkv=8.0), 0, "served"),
+    "olmo-clip-qkv-small": ("olmo", "Olmo", dict(clip_qkv=CLIP), 0, "served"),
+    "olmoe-clip-qkv-small": ("olmoe", "Olmoe", dict(clip_qkv=CLIP), 0, "served"),
+    "dbrx": ("dbrx", "Dbrx", dict(DBRX, attn_config=dict(DBRX_ATTN, clip_qkv=8)), 0, "served"),
+    "dbrx-clip-qkv-small": ("dbrx", "Dbrx", dict(DBRX, attn_config=dict(DBRX_ATTN, clip_qkv=CLIP)),
+                            0, "served"),
+    # MPT: DBRX's Wqkv and clamp, with ALiBi.
+    "mpt": ("mpt", "Mpt", dict(attn_config=dict(clip_qkv=8.0)), 0, "ALiBi"),
     "gpt-oss-sliding": ("gpt_oss", "GptOss", dict(sliding_window=WINDOW, rope_parameters=YARN,
                                                    num_local_experts=2, num_experts_per_tok=1), 0,
                         "served"),

@@ -16,11 +16,13 @@ export by name. QK-norm (Qwen3, and Gemma3's 1 + w), sliding windows
 Phi-4-mini: its factors picked per request, a session's cached keys keeping theirs), QK-norm
 over the whole projection (OLMo-2), gated attention (Qwen3-Next and Qwen3.5, the gate inside
 q_proj; AFMoE, a gate_proj), Llama 4's chunked attention and query temperature, DeepSeek's
-multi-head latent attention (LATENT_FAMILIES), and the same attention under other model types
-(MoE variants and others, MORE_FAMILIES). transformers 4.45.2 is the newest that imports with
-Debian's torch 1.13: families that need a newer one (Qwen3, Gemma3, OLMo-2, Hunyuan, gpt-oss,
-Qwen3-Next, AFMoE, Llama 4, DeepSeek) are stood in for by modules built from transformers' parts;
-tests/hf/current_transformers.py checks the real classes of transformers 5.x."""
+multi-head latent attention (LATENT_FAMILIES), QKV clipping (OLMo, OLMoE after its QK-norm,
+DBRX's fused Wqkv: clip_qkv small enough that many features clamp, and their real 8), and the
+same attention under other model types (MoE variants and others, MORE_FAMILIES). transformers
+4.45.2 is the newest that imports with Debian's torch 1.13: families that need a newer one
+(Qwen3, Gemma3, OLMo-2, Hunyuan, gpt-oss, Qwen3-Next, AFMoE, Llama 4, DeepSeek) are stood in for
+by modules built from transformers' parts; tests/hf/current_transformers.py checks the real
+classes of transformers 5.x."""
 
 import math
 import os
@@ -121,6 +123,15 @@ def _served_module(family):
 
     elif family.startswith("gpt-oss"):
         m = _GptOssAttention(sliding=family == "gpt-oss-sliding")
+    elif family in ("dbrx", "dbrx-clip"):
+        # One Wqkv of rows [q | k | v] with grouped-query widths, out_proj;
+        # DBRX's theta and clip_qkv 8 (its real ones), or CLIP.
+        from transformers import DbrxConfig
+        from transformers.models.dbrx.modeling_dbrx import DbrxAttention
+        clip = 8 if family == "dbrx" else CLIP
+        config = DbrxConfig(d_model=64, n_heads=4, n_layers=2, attn_config=dict(
+            kv_n_heads=2, clip_qkv=clip, rope_theta=5e5))
+        m = DbrxAttention(config, block_idx=0)
     elif family in LATENT_FAMILIES:
         m = _DeepseekV3Attention(family)
     else:
@@ -132,6 +143,10 @@ def _served_module(family):
 
 
 WINDOW = 16  # Mistral's sliding window in these tests (its real one is 4096)
+# QKV clipping in these tests: about half the projected features of OLMo and
+# DBRX here, more of OLMoE's normalised ones, lie beyond it (the real
+# clip_qkv, 8, clamps none at these scales).
+CLIP = 0.25
 # Variants of the attention above by model type (docs/MODELS.md), with
 # their 4.45.2 classes: (model type, class prefix, config fields).
 MORE_FAMILIES = {"qwen2-moe": ("qwen2_moe", "Qwen2Moe", {}),
@@ -139,13 +154,17 @@ MORE_FAMILIES = {"qwen2-moe": ("qwen2_moe", "Qwen2Moe", {}),
                  "starcoder2": ("starcoder2", "Starcoder2", dict(sliding_window=WINDOW)),
                  "cohere": ("cohere", "Cohere", {}),  # interleaved pairs
                  "olmoe": ("olmoe", "Olmoe", {}),  # QK-norm over the projection
+                 # QKV clipping: OLMo-7B-0424's 8, and CLIP; OLMoE's after its QK-norm.
+                 "olmo-0424": ("olmo", "Olmo", dict(clip_qkv=8.0)),
+                 "olmo-clip": ("olmo", "Olmo", dict(clip_qkv=CLIP)),
+                 "olmoe-clip": ("olmoe", "Olmoe", dict(clip_qkv=CLIP)),
                  "granite": ("granite", "Granite", dict(attention_multiplier=0.2)),
                  "nemotron": ("nemotron", "Nemotron", dict(partial_rotary_factor=0.5))}
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
             "qwen2", "phi3", "phi3-longrope", "gpt-neox", "qwen3", "gemma3", "olmo2", "hunyuan",
             "gemma2-sliding", "gemma2-full", "gpt-oss-sliding", "gpt-oss-full", "qwen3-next",
-            "afmoe", "llama4", "deepseek-v3", "deepseek-v3-q-proj", "longcat-flash",
-            *MORE_FAMILIES]
+            "afmoe", "llama4", "deepseek-v3", "deepseek-v3-q-proj", "longcat-flash", "dbrx",
+            "dbrx-clip", *MORE_FAMILIES]
 
 
 class _GptOssAttention(nn.Module):
@@ -619,9 +638,11 @@ def _np_latent_layer(x, weights, config, positions=None):
     return lin("o_proj", np.einsum("bhlm,bmhd->blhd", p, v).reshape(bsz, length, h * dv))
 
 
-def _np_layer(x, weights, config, positions=None):
+def _np_layer(x, weights, config, positions=None, clamp_first=False):
     """Causal self-attention of an exported layer, float64, from its weights;
-    tokens at 0..L-1 or at `positions` [B, L]."""
+    tokens at 0..L-1 or at `positions` [B, L]. With clamp_first, QKV clipping
+    before the QK-norm: the order attnserve does not compute (OLMoE's is the
+    norm, then the clamp), for tests that tell the two apart."""
     if config.get("latent_attention"):
         return _np_latent_layer(x, weights, config, positions)
 
@@ -647,7 +668,7 @@ def _np_layer(x, weights, config, positions=None):
             g = lin("gate_proj", x) if gate else None
         k = lin("k_proj", x).reshape(bsz, length, hkv, hd)
         v = lin("v_proj", x).reshape(bsz, length, hkv, hd)
-        out_name = "o_proj"
+        out_name = config["tensor_names"].get("out_weight", "o_proj.weight")[:-len(".weight")]
     norm = config.get("qk_norm")
 
     def rms(t, w):
@@ -657,8 +678,16 @@ def _np_layer(x, weights, config, positions=None):
         w = w.astype(np.float64) + (1.0 if norm["weight_offset"] else 0.0)
         t = t / np.sqrt((t * t).mean(-1, keepdims=True) + norm["eps"]) * w
         return t.reshape(shape)
+    clip = config.get("clip_qkv")
+
+    def clamp(*ts):  # OLMo, OLMoE, DBRX: Q, K and V, before RoPE
+        return [np.clip(t, -clip, clip) if clip else t for t in ts]
+    if clamp_first:
+        q, k, v = clamp(q, k, v)
     if norm and not norm.get("after_rope"):
         q, k = rms(q, weights["q_norm.weight"]), rms(k, weights["k_norm.weight"])
+    if not clamp_first:
+        q, k, v = clamp(q, k, v)
     pos = np.arange(length) if positions is None else positions
     q, k = _np_rotate(q, pos, config["rope"]), _np_rotate(k, pos, config["rope"])
     if norm and norm.get("after_rope"):  # Hunyuan
@@ -722,7 +751,8 @@ def test_rope_layers_are_served_as_the_module_computes_them(served, family):
                                     "gemma2-sliding",
                                     "gemma2-full", "gpt-oss-sliding", "gpt-oss-full",
                                     "qwen3-next", "afmoe", "deepseek-v3",
-                                    "deepseek-v3-q-proj", "longcat-flash"])
+                                    "deepseek-v3-q-proj", "longcat-flash", "olmo-clip",
+                                    "olmoe-clip", "dbrx-clip"])
 def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family):
     client, _, configs, weights = served
     x = np.random.default_rng(2).uniform(-1, 1, (1, 3000, 64)).astype(np.float32)
@@ -736,7 +766,8 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "hunyuan", "mistral",
                                     "gemma2-sliding", "gpt-oss-sliding", "qwen3-next", "afmoe",
-                                    "llama4", "deepseek-v3", "deepseek-v3-q-proj"])
+                                    "llama4", "deepseek-v3", "deepseek-v3-q-proj", "olmo-clip",
+                                    "olmoe-clip", "dbrx-clip"])
 def test_a_session_continues_its_positions(served, family):
     """Prefill 24 tokens, then 100 single-token steps: every step equals the
     matching row of one causal request over the whole sequence."""
@@ -819,7 +850,7 @@ def test_a_longrope_session_rotates_as_transformers_cache_does(served):
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "gpt-neox", "gemma2-full", "gpt-oss-full",
-                                    "deepseek-v3"])
+                                    "deepseek-v3", "olmo-clip", "dbrx-clip"])
 def test_left_padded_batches_with_explicit_positions(served, family):
     """A batch as generate() builds it: sequences left-padded to one length,
     an attention mask over the pads and position_ids = cumsum(mask) - 1 (pads
@@ -905,7 +936,8 @@ def test_ragged_batches_with_key_lengths(served, family):
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "gemma2-sliding",
                                     "gpt-oss-sliding", "qwen3-next", "afmoe", "deepseek-v3",
-                                    "deepseek-v3-q-proj"])
+                                    "deepseek-v3-q-proj", "olmo-clip", "olmoe-clip",
+                                    "dbrx-clip"])
 def test_bf16_layers_within_bf16_tolerance(tmp_path, family):
     """The same modules exported with precision bf16 (weights and products in
     bfloat16): within bf16's tolerance of the float64 forward."""
@@ -997,6 +1029,92 @@ def test_qk_norm_is_exported_and_reported(served):
     assert configs["hunyuan"]["qk_norm"] == {"eps": 1e-6, "weight_offset": False,
                                              "after_rope": True}
     assert client.get_model("hunyuan").config.qk_norm.after_rope
+
+
+def _beyond_clip(module, x):
+    """The share of each of the module's projected Q, K and V features (Q and
+    K after OLMoE's QK-norm) beyond its clip_qkv, on input x."""
+    x = torch.from_numpy(x)
+    with torch.no_grad():
+        if hasattr(module, "Wqkv"):  # DBRX: rows [q | k | v]
+            q, k, v = module.Wqkv(x).split([64, 32, 32], dim=-1)
+            clip = module.clip_qkv
+        else:
+            q, k, v = module.q_proj(x), module.k_proj(x), module.v_proj(x)
+            if hasattr(module, "q_norm"):
+                q, k = module.q_norm(q), module.k_norm(k)
+            clip = module.config.clip_qkv
+    return [float((t.abs() > clip).double().mean()) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("family", ["olmo-clip", "olmoe-clip", "dbrx-clip"])
+def test_clip_qkv_clamps_as_the_module_does(served, family):
+    """QKV clipping at CLIP: a good share of each of Q, K and V lies beyond
+    it, so the answer tells clamping from not; the served answer is the
+    module's (above) and the NumPy layer's with the clamp, and another than
+    the same layer's without it."""
+    client, modules, configs, weights = served
+    assert configs[family]["clip_qkv"] == CLIP
+    x = np.random.default_rng(1).uniform(-1, 1, (2, 40, 64)).astype(np.float32)
+    shares = _beyond_clip(modules[family], x)
+    assert min(shares) > 0.3, shares
+    got = client.attend(x, model=family, causal=True).output
+    assert _rel(got, _np_layer(x, weights[family], configs[family])) < 2e-5
+    unclipped = {k: v for k, v in configs[family].items() if k != "clip_qkv"}
+    assert _rel(got, _np_layer(x, weights[family], unclipped)) > 1e-2
+
+
+@pytest.mark.parametrize("family", ["olmo-0424", "dbrx"])
+def test_the_real_clip_of_8_binds_on_large_activations(served, family):
+    """OLMo-7B-0424's and DBRX's clip_qkv of 8, exported as they are: inputs
+    30 times those of the other tests put many features beyond 8, and the
+    served answer is still the module's float64 one."""
+    client, modules, configs, _ = served
+    assert configs[family]["clip_qkv"] == 8.0
+    x = (30 * np.random.default_rng(11).uniform(-1, 1, (2, 40, 64))).astype(np.float32)
+    shares = _beyond_clip(modules[family], x)
+    assert min(shares) > 0.1, shares
+    got = client.attend(x, model=family, causal=True).output
+    want = _module_forward(modules[family], x)
+    assert _rel(got, want) < 2e-5, _rel(got, want)
+
+
+def test_clip_qkv_is_exported_and_reported(served):
+    """clip_qkv in the config and in GetModel; DBRX's Wqkv exported as the
+    three projections its rows are (grouped-query widths), its out_proj by
+    name, its attn_config's theta."""
+    client, modules, configs, weights = served
+    assert "clip_qkv" not in configs["olmoe"] and configs["olmoe-clip"]["qk_norm"] == {
+        "eps": 1e-5, "weight_offset": False, "whole_projection": True}
+    dbrx = configs["dbrx"]
+    assert (dbrx["num_heads"], dbrx["num_kv_heads"], dbrx["head_dim"]) == (4, 2, 16)
+    assert dbrx["weight_layout"] == "SEPARATE_QKV" and dbrx["causal"]
+    assert dbrx["tensor_names"] == {"out_weight": "out_proj.weight", "out_bias": "out_proj.bias"}
+    assert dbrx["rope"] == {"type": "default", "theta": 5e5, "rotary_dim": 16,
+                            "interleaved": False}
+    wqkv = modules["dbrx"].Wqkv.weight.detach().numpy()
+    for name, rows in (("q_proj", slice(0, 64)), ("k_proj", slice(64, 96)),
+                       ("v_proj", slice(96, 128))):
+        np.testing.assert_array_equal(weights["dbrx"][f"{name}.weight"], wqkv[rows])
+    assert sorted(weights["dbrx"]) == ["k_proj.weight", "out_proj.weight", "q_proj.weight",
+                                       "v_proj.weight"]
+    assert client.get_model("dbrx").config.clip_qkv == 8.0
+    assert client.get_model("olmoe-clip").config.clip_qkv == CLIP
+    assert client.get_model("olmoe").config.clip_qkv == 0
+
+
+def test_olmoe_clamps_after_its_qk_norm(served):
+    """OLMoE: q_norm(q_proj(x)) (one RMSNorm over the whole projection), then
+    the clamp, then RoPE: attnserve's order. The clamp first would give
+    another answer, which the served one is not."""
+    client, modules, configs, weights = served
+    config = configs["olmoe-clip"]
+    x = np.random.default_rng(12).uniform(-1, 1, (2, 40, 64)).astype(np.float32)
+    got = client.attend(x, model="olmoe-clip", causal=True).output
+    assert _rel(got, _module_forward(modules["olmoe-clip"], x)) < 2e-5
+    assert _rel(got, _np_layer(x, weights["olmoe-clip"], config)) < 2e-5
+    other = _np_layer(x, weights["olmoe-clip"], config, clamp_first=True)
+    assert _rel(got, other) > 1e-2, _rel(got, other)
 
 
 def test_get_model_reports_the_resolved_rope(served):
@@ -1117,6 +1235,8 @@ def _latent_variant(change):
         m.q_b_proj.bias = nn.Parameter(torch.zeros(96))
     elif change == "no-kv-b":
         del m.kv_b_proj
+    elif change == "clip":
+        m.config.clip_qkv = 8.0
     return m
 
 
@@ -1133,6 +1253,7 @@ def _latent_variant(change):
     ("rotary-width", ["RoPE over 16 features, not the qk_rope_head_dim 8"]),
     ("q-bias", ["a bias on q_b_proj"]),
     ("no-kv-b", ["without the linear(s) kv_b_proj"]),
+    ("clip", ["QKV clipping (clip_qkv=8.0) on multi-head latent attention"]),
 ])
 def test_latent_attention_that_attnserve_cannot_compute_is_refused_by_name(tmp_path, change,
                                                                           words):
@@ -1166,10 +1287,17 @@ def _refused_module(family):
         from transformers.models.llama.modeling_llama import LlamaAttention
         config = LlamaConfig(**COMMON, rope_scaling=dict(rope_type="dynamic", factor=2.0))
         return LlamaAttention(config, layer_idx=0), ["'dynamic'"]
+    if family == "mpt":
+        # DBRX's Wqkv and clamp, with ALiBi: not DBRX's attention.
+        from transformers import MptConfig
+        from transformers.models.mpt.modeling_mpt import MptAttention
+        config = MptConfig(d_model=64, n_heads=4, attn_config=dict(clip_qkv=8.0))
+        return MptAttention(config), ["fused Wqkv in MptAttention", "ALiBi"]
     raise AssertionError(family)
 
 
-@pytest.mark.parametrize("family", ["qwen2-windowed", "phi3-windowed", "llama-dynamic"])
+@pytest.mark.parametrize("family", ["qwen2-windowed", "phi3-windowed", "llama-dynamic",
+                                    "mpt"])
 def test_what_attnserve_cannot_compute_is_refused_by_name(tmp_path, family):
     module, words = _refused_module(family)
     with pytest.raises(ExportError) as refused:
@@ -1199,6 +1327,9 @@ class _StandIn(nn.Module):
             self.q_norm, self.k_norm = GemmaRMSNorm(16), GemmaRMSNorm(16)
         elif qk_norm == "layernorm":
             self.q_norm, self.k_norm = nn.LayerNorm(16), nn.LayerNorm(16)
+        elif qk_norm == "after_rope":  # Hunyuan's names
+            from transformers.models.llama.modeling_llama import LlamaRMSNorm
+            self.query_layernorm, self.key_layernorm = LlamaRMSNorm(16), LlamaRMSNorm(16)
         if sinks:
             self.sinks = nn.Parameter(torch.zeros(2 if sinks == "wrong" else 4))
 
@@ -1212,9 +1343,20 @@ class _Config:
     # QK-norm per head on Q and over the whole projection on K.
     (lambda: _StandIn(_Config(model_type="olmo2", rope_theta=1e4), qk_norm="mixed"),
      ["per head on one of Q and K"]),
-    # OLMo (1) and OLMoE clamp Q, K and V after the projections.
-    (lambda: _StandIn(_Config(model_type="olmo", rope_theta=1e4, clip_qkv=8.0)),
-     ["QKV clipping (clip_qkv=8.0)"]),
+    # QKV clipping (served for OLMo, OLMoE and DBRX) in a model type whose
+    # clamp is not checked, with a limit attnserve cannot say (transformers
+    # clamps every feature to 0 with 0), or with a QK-norm in another order
+    # than OLMoE's (its norm, then the clamp, before RoPE).
+    (lambda: _StandIn(_Config(model_type="llama", rope_theta=1e4, clip_qkv=8.0)),
+     ["QKV clipping (clip_qkv=8.0) in a model of type 'llama'", "served: dbrx, olmo, olmoe"]),
+    (lambda: _StandIn(_Config(model_type="olmo", rope_theta=1e4, clip_qkv=0.0)),
+     ["QKV clipping with clip_qkv=0.0", "finite clip_qkv > 0"]),
+    (lambda: _StandIn(_Config(model_type="olmo", rope_theta=1e4, clip_qkv=8.0),
+                      qk_norm="gemma"),
+     ["QKV clipping (clip_qkv=8.0) with a QK-norm before RoPE in a model of type 'olmo'"]),
+    (lambda: _StandIn(_Config(model_type="olmoe", rope_theta=1e4, clip_qkv=8.0),
+                      qk_norm="after_rope"),
+     ["QKV clipping (clip_qkv=8.0) with a QK-norm after RoPE in a model of type 'olmoe'"]),
     # A LayerNorm (not RMSNorm) over Q and K.
     (lambda: _StandIn(_Config(model_type="qwen3", rope_theta=1e4), qk_norm="layernorm"),
      ["QK-norm of kind", "RMSNorm"]),

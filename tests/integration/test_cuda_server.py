@@ -72,6 +72,9 @@ LLM_LAYERS = {
     # OLMo-2: one RMSNorm over each token's whole Q, one over its K.
     "olmo2": dict(causal=True, rope={"type": "default", "theta": 500000.0},
                   qk_norm={"eps": 1e-6, "whole_projection": True}),
+    # OLMo / DBRX: Q, K and V clamped before RoPE; 0.5 clamps about two in
+    # five of the projected features here (OLMo's and DBRX's real 8, none).
+    "olmo-clip": dict(causal=True, rope={"type": "default", "rotary_dim": 64}, clip_qkv=0.5),
     # Phi-4-mini: LongRoPE over three quarters of each head, its training
     # context shrunk to 48 so that requests of either side occur.
     "phi4-mini": dict(causal=True, rope={"type": "longrope", "rotary_dim": 48, "factor": 32.0,

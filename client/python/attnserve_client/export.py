@@ -9,7 +9,9 @@ Recognised modules:
   * One fused linear: `query_key_value` + `dense` (GPT-NeoX / Bloom, output laid
     out per head: layout FUSED_QKV_PER_HEAD), or `qkv` + `proj`/`out_proj` with
     qkv_layout="per_head" (reshape [B, L, H, 3*hd]) or "packed" ([q | k | v],
-    as timm does: exported as TORCH_MHA).
+    as timm does: exported as TORCH_MHA), or rows [q | k | v] with
+    grouped-query widths: Phi-3's `qkv_proj` + `o_proj`, DBRX's `Wqkv` +
+    `out_proj` (exported as the three projections they are, SEPARATE_QKV).
   * Multi-head latent attention (DeepSeek-V2/V3 and the models that copy
     DeepseekV3Attention): kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
     and q_proj or q_a_proj + q_a_layernorm + q_b_proj (layout SEPARATE_QKV with
@@ -125,7 +127,7 @@ _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_
                 "weight_layout", "tensor_prefix", "tensor_names", "scale", "causal", "precision",
                 "batching", "instances", "backend", "rope", "qk_norm", "sliding_window", "softcap",
                 "sinks", "output_gate", "attention_chunk", "temperature_tuning",
-                "latent_attention"]
+                "latent_attention", "clip_qkv"]
 
 
 def _scalar(field, value):
@@ -341,6 +343,7 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
                      "granite": False, "granitemoe": False, "glm4_moe": False,
                      "seed_oss": False, "arcee": False, "dots1": False, "apertus": False,
                      "ministral": False, "nemotron": False, "vaultgemma": False,
+                     "dbrx": False,
                      # interleaved pairs over the rotary part
                      "glm": True, "glm4": True, "ernie4_5": True, "ernie4_5_moe": True,
                      "helium": True, "cohere": True,
@@ -482,8 +485,11 @@ def rope_config(module, head_dim):
     scaling = dict(_config_value(config, "rope_scaling") or {})
     params.update({k: v for k, v in scaling.items() if k not in params})
     kind = params.get("rope_type") or params.get("type") or "default"
+    # DBRX in transformers 4.x keeps its theta in attn_config (5.x in
+    # rope_parameters, which its rotary class reads).
     theta = params.get("rope_theta") or _config_value(config, "rope_theta") or \
-        _config_value(config, "rotary_emb_base") or 10000.0
+        _config_value(config, "rotary_emb_base") or \
+        _config_value(_config_value(config, "attn_config"), "rope_theta") or 10000.0
     if model_type.startswith("hunyuan") and kind == "dynamic" and params.get("alpha"):
         # Hunyuan's "dynamic" with a fixed alpha only stretches the base:
         # theta * alpha^(d / (d - 2)) over the whole head, whatever the length.
@@ -743,11 +749,53 @@ def temperature_tuning_of(module):
     return dict(floor_scale=float(module.floor_scale), attn_scale=float(module.attn_scale))
 
 
+# QKV clipping by model type: each clamps its projected Q, K and V to
+# [-clip_qkv, clip_qkv] before RoPE, as attnserve does, and True where that
+# follows its QK-norm (OLMoE: q_norm(q_proj(x)), then the clamp, attnserve's
+# order too); False where it has none (a QK-norm there is of an order not
+# checked). Each is checked against transformers' own class (tests/hf).
+# MPT clamps its Wqkv too, but adds ALiBi: refused.
+_CLIP_AFTER_NORM = {"olmo": False, "olmoe": True, "dbrx": False}
+
+
+def clip_qkv_of(module):
+    """The `clip_qkv` of an attnserve ModelConfig for `module`: DBRX's
+    attn_config.clip_qkv (the module's own clip_qkv), OLMo's and OLMoE's
+    config.clip_qkv; None without. ExportError for a clamp attnserve does
+    not compute: a limit that is not finite and > 0 (transformers clamps to
+    [-0, 0] with 0, where attnserve's 0 means none), a model type whose
+    clamp is not checked, a QK-norm in another order."""
+    config = getattr(module, "config", None)
+    clip = getattr(module, "clip_qkv", None)
+    if clip is None:
+        clip = _config_value(config, "clip_qkv")
+    if clip is None:
+        return None
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or \
+            not math.isfinite(clip) or clip <= 0:
+        raise ExportError(f"QKV clipping with clip_qkv={clip!r} (attnserve clamps to [-clip_qkv, "
+                          "clip_qkv] with a finite clip_qkv > 0; transformers clamps with any "
+                          "value it is given, every feature to 0 with 0)")
+    model_type = _config_value(config, "model_type")
+    if model_type not in _CLIP_AFTER_NORM:
+        raise ExportError(f"QKV clipping (clip_qkv={clip}) in a model of type {model_type!r}, "
+                          "whose clamp attnserve has not checked against transformers "
+                          f"(served: {', '.join(sorted(_CLIP_AFTER_NORM))})")
+    q, k, after_rope = _qk_norms(module)
+    if (q is not None or k is not None) and (after_rope or not _CLIP_AFTER_NORM[model_type]):
+        where = "after RoPE" if after_rope else "before RoPE"
+        raise ExportError(f"QKV clipping (clip_qkv={clip}) with a QK-norm {where} in a model of "
+                          f"type {model_type!r}, whose order of the two is not checked "
+                          "(attnserve clamps after the projections and a QK-norm before RoPE, "
+                          "OLMoE's order, and before RoPE)")
+    return float(clip)
+
+
 def unsupported_features(module, head_dim=None, num_heads=None):
     """What `module` computes that attnserve does not (yet): rotary
-    embeddings, sliding windows, QK-norms and attention sinks of a kind
-    attnserve does not compute (rope_config, sliding_window_of and
-    qk_norm_config say which). Read from the module's children and
+    embeddings, sliding windows, QK-norms, QKV clipping and attention sinks
+    of a kind attnserve does not compute (rope_config, sliding_window_of,
+    qk_norm_config and clip_qkv_of say which). Read from the module's children and
     parameters and its Hugging Face `config`; head_dim and num_heads default
     to the module's own attributes. Empty when attnserve computes the module
     exactly."""
@@ -780,10 +828,10 @@ def unsupported_features(module, head_dim=None, num_heads=None):
             found.append(f"a gate on the attention output ({name}) of model type "
                          f"{model_type!r}, whose gating attnserve does not know (known: "
                          f"{', '.join(sorted(_OUTPUT_GATES))})")
-    clip = getattr(module, "clip_qkv", None) or _config_value(config, "clip_qkv")
-    if clip:
-        # OLMo (1), OLMoE: Q, K and V clamped to [-clip, clip] after the projections.
-        found.append(f"QKV clipping (clip_qkv={clip})")
+    try:
+        clip_qkv_of(module)
+    except ExportError as e:
+        found.append(str(e))
     try:
         qk_norm_config(module, head_dim)
     except ExportError as e:
@@ -850,6 +898,9 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
     temperature = temperature_tuning_of(module)
     if temperature is not None:
         config["temperature_tuning"] = temperature
+    clip = clip_qkv_of(module)
+    if clip is not None:
+        config["clip_qkv"] = clip
     return config, tensors
 
 
@@ -989,7 +1040,7 @@ def _latent_unsupported(module):
         found.append("attention temperature tuning on multi-head latent attention")
     clip = getattr(module, "clip_qkv", None) or _config_value(config, "clip_qkv")
     if clip:
-        found.append(f"QKV clipping (clip_qkv={clip})")
+        found.append(f"QKV clipping (clip_qkv={clip}) on multi-head latent attention")
     try:
         dims = _latent_dims(module)
     except ExportError as e:
@@ -1112,6 +1163,23 @@ def output_gate_config(module, num_heads, head_dim):
     return dict(weights="separate", bias=gate.bias is not None), tensors
 
 
+def _describe_stacked(module, qkv, qkv_name, out_name, num_heads, num_kv_heads, head_dim):
+    """One linear of rows [q (H*hd) | k (Hkv*hd) | v (Hkv*hd)] (Phi-3's
+    qkv_proj, DBRX's Wqkv), served as the three projections they are."""
+    o = _linear(module, out_name)
+    if o is None:
+        raise ExportError(f"module has {qkv_name} but no {out_name} output linear")
+    h, hkv, hd = _heads(module, num_heads, num_kv_heads, head_dim, o.in_features)
+    hkv = hkv or h
+    q_rows, kv_rows = h * hd, hkv * hd
+    if qkv.out_features != q_rows + 2 * kv_rows:
+        raise ExportError(f"{qkv_name} has {qkv.out_features} outputs, not num_heads {h} * "
+                          f"head_dim {hd} + 2 * num_kv_heads {hkv} * head_dim")
+    q, k, v = (_Rows(qkv, a, b) for a, b in ((0, q_rows), (q_rows, q_rows + kv_rows),
+                                               (q_rows + kv_rows, q_rows + 2 * kv_rows)))
+    return _describe_separate(module, q, k, v, o, out_name, h, hkv, hd)
+
+
 def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout):
     q, k, v = (_linear(module, n) for n in ("q_proj", "k_proj", "v_proj"))
     model_type = _config_value(getattr(module, "config", None), "model_type")
@@ -1130,22 +1198,15 @@ def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
                 return _describe_separate(module, q, k, v, o, out_name, num_heads, num_kv_heads,
                                           head_dim)
         raise ExportError("module has q_proj/k_proj/v_proj but no o_proj, out_proj or dense linear")
-    qkv = _linear(module, "qkv_proj")
-    if qkv is not None:
-        # Phi-3: rows [q (H*hd) | k (Hkv*hd) | v (Hkv*hd)], served as the
-        # three projections they are.
-        o = _linear(module, "o_proj")
-        if o is None:
-            raise ExportError("module has qkv_proj but no o_proj output linear")
-        h, hkv, hd = _heads(module, num_heads, num_kv_heads, head_dim, o.in_features)
-        hkv = hkv or h
-        q_rows, kv_rows = h * hd, hkv * hd
-        if qkv.out_features != q_rows + 2 * kv_rows:
-            raise ExportError(f"qkv_proj has {qkv.out_features} outputs, not num_heads {h} * "
-                              f"head_dim {hd} + 2 * num_kv_heads {hkv} * head_dim")
-        q, k, v = (_Rows(qkv, a, b) for a, b in ((0, q_rows), (q_rows, q_rows + kv_rows),
-                                                   (q_rows + kv_rows, q_rows + 2 * kv_rows)))
-        return _describe_separate(module, q, k, v, o, "o_proj", h, hkv, hd)
+    if _linear(module, "Wqkv") is not None and model_type != "dbrx":
+        raise ExportError(f"a fused Wqkv in {type(module).__name__} (model type "
+                          f"{model_type!r}), whose attention attnserve does not know (served: "
+                          "dbrx's; MPT's adds ALiBi position biases)")
+    for qkv_name, out_name in (("qkv_proj", "o_proj"), ("Wqkv", "out_proj")):
+        qkv = _linear(module, qkv_name)
+        if qkv is not None:
+            return _describe_stacked(module, qkv, qkv_name, out_name, num_heads, num_kv_heads,
+                                     head_dim)
     qkv = _linear(module, "query_key_value")
     if qkv is not None:
         o = _linear(module, "dense")
@@ -1167,8 +1228,8 @@ def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
         return _describe_fused(module, qkv, "qkv", o, out_name, qkv_layout == "per_head",
                                num_heads, head_dim)
     raise ExportError(f"{type(module).__name__} is not a recognised attention module "
-                      "(nn.MultiheadAttention, q_proj/k_proj/v_proj/o_proj, query_key_value/dense, "
-                      "qkv/proj)")
+                      "(nn.MultiheadAttention, q_proj/k_proj/v_proj/o_proj, qkv_proj/o_proj, "
+                      "Wqkv/out_proj, query_key_value/dense, qkv/proj)")
 
 
 _PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
