@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "engine/qk_norm.h"
 #include "engine/rope.h"
 
 namespace attnserve {
@@ -172,17 +173,24 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
         return absl::InvalidArgumentError(absl::StrCat(
             "layer '", c.name, "': qk_norm.eps must be > 0, got ", c.qk_norm.eps));
       }
-      const bool whole = c.qk_norm.whole_projection;
+      if (c.qk_norm.whole_projection && c.qk_norm.per_head_weights) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer '", c.name, "': qk_norm.per_head_weights and qk_norm.whole_projection "
+            "exclude each other (one norm per head, or one over all heads)"));
+      }
+      const bool wide = c.qk_norm.whole_projection || c.qk_norm.per_head_weights;
       for (const auto& [name, t, heads] :
            {std::tuple<const char*, const Tensor*, int64_t>{"q_norm", &w.q_norm, c.num_heads},
             {"k_norm", &w.k_norm, c.num_kv_heads}}) {
-        const int64_t width = whole ? heads * c.head_dim : c.head_dim;
+        const int64_t width = QkNormWeightCount(c.qk_norm, heads, c.head_dim);
         if (t->dtype() != DType::kFloat32 || t->shape() != Shape{width}) {
           return absl::InvalidArgumentError(absl::StrCat(
               "layer '", c.name, "': ", name, " weight must be FLOAT32 [", width, "] (",
-              whole ? (t == &w.q_norm ? "num_heads" : "num_kv_heads") : "",
-              whole ? " * head_dim, qk_norm.whole_projection" : "head_dim", "), got ",
-              ShapeString(t->shape())));
+              wide ? (t == &w.q_norm ? "num_heads" : "num_kv_heads") : "",
+              c.qk_norm.whole_projection  ? " * head_dim, qk_norm.whole_projection"
+              : c.qk_norm.per_head_weights ? " * head_dim, qk_norm.per_head_weights"
+                                           : "head_dim",
+              "), got ", ShapeString(t->shape())));
         }
       }
     } else if (w.q_norm.byte_size() != 0 || w.k_norm.byte_size() != 0) {

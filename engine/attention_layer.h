@@ -60,12 +60,21 @@ struct RopeConfig {
 // (OLMo-2: the mean over num_heads * head_dim features for Q,
 // num_kv_heads * head_dim for K). With after_rope, it normalises the rotated
 // Q and K instead (Hunyuan).
+//
+// With subtract_mean, each vector's mean is subtracted first and the
+// variance taken about it: LayerNorm without a bias (Cohere's
+// CohereLayerNorm, use_qk_norm). With per_head_weights, each head has
+// weights of its own: [num_heads * head_dim] for Q, [num_kv_heads *
+// head_dim] for K, head h's at h * head_dim (Cohere's [heads, head_dim]);
+// not with whole_projection.
 struct QkNormConfig {
   bool enabled = false;
   double eps = 1e-6;  // > 0
   bool weight_offset = false;
   bool whole_projection = false;
   bool after_rope = false;
+  bool subtract_mean = false;
+  bool per_head_weights = false;
 };
 
 // Attention temperature tuning (Llama 4's layers without RoPE,
@@ -184,8 +193,9 @@ struct LayerWeights {
   Tensor wv, bv;  // [num_kv_heads * head_dim, value_dim], [num_kv_heads * head_dim]
   Tensor wo, bo;  // [out_dim, num_heads * head_dim], [out_dim]
   // QK-norm weights when LayerConfig::qk_norm.enabled, [head_dim] each, or
-  // with whole_projection [num_heads * head_dim] and
-  // [num_kv_heads * head_dim] (engine/qk_norm.h, QkNormShape); empty otherwise.
+  // with whole_projection or per_head_weights [num_heads * head_dim] and
+  // [num_kv_heads * head_dim] (engine/qk_norm.h, QkNormShape); empty
+  // otherwise.
   Tensor q_norm, k_norm;
   // [num_heads] when LayerConfig::sinks; empty otherwise.
   Tensor sinks;

@@ -91,12 +91,13 @@ void NormalizeRows(const QkNormConfig& norm, const float* w, DType dtype, void* 
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t at = r * row_stride + h * head_dim;
+        const float* wh = norm.per_head_weights ? w + h * head_dim : w;
         if (dtype == DType::kFloat32) {
-          NormalizeHead(static_cast<float*>(data) + at, w, head_dim, norm);
+          NormalizeHead(static_cast<float*>(data) + at, wh, head_dim, norm);
         } else {
           uint16_t* x = static_cast<uint16_t*>(data) + at;
           for (int64_t d = 0; d < head_dim; ++d) head[d] = BFloat16ToFloat(x[d]);
-          NormalizeHead(head.data(), w, head_dim, norm);
+          NormalizeHead(head.data(), wh, head_dim, norm);
           for (int64_t d = 0; d < head_dim; ++d) x[d] = FloatToBFloat16(head[d]);
         }
       }

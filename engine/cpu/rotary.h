@@ -32,7 +32,8 @@ void RotateRowPairs(const RopeConfig& rope, const RopeFrequencies& freq, DType d
                     const int64_t* positions, int threads);
 
 // QK-norm of every head of rows r < `rows` (same layout as RotateRows) with
-// the weights w[head_dim].
+// the weights w[head_dim] (head h's at w + h * head_dim with
+// norm.per_head_weights).
 void NormalizeRows(const QkNormConfig& norm, const float* w, DType dtype, void* data,
                    int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                    int threads);

@@ -93,10 +93,12 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
     const QkNormVectors kn = QkNormShape(norm, p.num_kv_heads, p.head_dim);
     ATTNSERVE_CUDA_CALL(LaunchQkNorm(q, w.type, q_rows, q_stride, qn.count, qn.dim,
                                      static_cast<const float*>(w.q_norm.data()), norm.eps,
-                                     norm.weight_offset, call.stream()));
+                                     norm.weight_offset, norm.subtract_mean, qn.weight_stride,
+                                     call.stream()));
     ATTNSERVE_CUDA_CALL(LaunchQkNorm(k, w.type, kv_rows, k_stride, kn.count, kn.dim,
                                      static_cast<const float*>(w.k_norm.data()), norm.eps,
-                                     norm.weight_offset, call.stream()));
+                                     norm.weight_offset, norm.subtract_mean, kn.weight_stride,
+                                     call.stream()));
     return absl::OkStatus();
   };
   // The norm before RoPE, or after it (Hunyuan).
@@ -154,7 +156,7 @@ absl::Status ProjectLatent(Call& call, const LayerConfig& config, const DeviceLa
         gemm.Linear(ct, x, rows, in, w.wq_a.data(), w.bq_a.data(), m.q_lora_rank, *qa));
     ATTNSERVE_CUDA_CALL(LaunchQkNorm(*qa, ct, rows, m.q_lora_rank, 1, m.q_lora_rank,
                                      static_cast<const float*>(w.q_a_norm.data()),
-                                     m.q_norm_eps, false, call.stream()));
+                                     m.q_norm_eps, false, false, 0, call.stream()));
     ATTNSERVE_CUDA_RETURN_IF_ERROR(
         gemm.Linear(ct, *qa, rows, m.q_lora_rank, w.wq.data(), w.bq.data(), h * dqk, q));
   } else {
@@ -173,7 +175,7 @@ absl::Status ProjectLatent(Call& call, const LayerConfig& config, const DeviceLa
       gemm.Linear(ct, x, rows, in, w.wk_rope.data(), w.bk_rope.data(), m.rope_dim, *k_rope));
   ATTNSERVE_CUDA_CALL(LaunchQkNorm(*latent, ct, rows, m.kv_lora_rank, 1, m.kv_lora_rank,
                                    static_cast<const float*>(w.kv_a_norm.data()), m.kv_norm_eps,
-                                   false, call.stream()));
+                                   false, false, 0, call.stream()));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(gemm.Linear(ct, *latent, rows, m.kv_lora_rank, w.wk.data(),
                                              w.bk.data(), h * nope, *k_nope));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(gemm.Linear(ct, *latent, rows, m.kv_lora_rank, w.wv.data(),

@@ -16,26 +16,41 @@ constexpr int kWarpSize = 32;
 constexpr int kNormWarps = 8;
 constexpr int kRotaryThreads = 128;
 
-// One warp per (row, head) vector.
+// The sum over a warp's lanes, the same in every lane.
+__device__ __forceinline__ double WarpSum(double v) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  }
+  return v;
+}
+
+// One warp per (row, head) vector; head h's weights at w + h * weight_stride.
 __global__ void QkNormKernel(void* x, DType type, int64_t rows, int64_t row_stride,
                              int64_t heads, int64_t head_dim, const float* w, double eps,
-                             bool weight_offset) {
+                             bool weight_offset, bool subtract_mean, int64_t weight_stride) {
   const int64_t vector = blockIdx.x * int64_t{kNormWarps} + threadIdx.x / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   if (vector >= rows * heads) return;  // whole warps leave together
   const int64_t at = (vector / heads) * row_stride + (vector % heads) * head_dim;
+  const float* wh = w + (vector % heads) * weight_stride;
+  double mean = 0.0;
+  if (subtract_mean) {
+    for (int64_t d = lane; d < head_dim; d += kWarpSize) mean += LoadElement(x, type, at + d);
+    mean = WarpSum(mean) / static_cast<double>(head_dim);
+  }
   double sum = 0.0;
   for (int64_t d = lane; d < head_dim; d += kWarpSize) {
-    const double v = LoadElement(x, type, at + d);
+    const double v = static_cast<double>(LoadElement(x, type, at + d)) - mean;
     sum += v * v;
   }
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  }
+  sum = WarpSum(sum);
   const float inv = static_cast<float>(1.0 / sqrt(sum / static_cast<double>(head_dim) + eps));
+  const float shift = static_cast<float>(mean);
   for (int64_t d = lane; d < head_dim; d += kWarpSize) {
-    const float weight = weight_offset ? __fadd_rn(1.0f, w[d]) : w[d];
-    StoreElement(x, type, at + d, __fmul_rn(__fmul_rn(LoadElement(x, type, at + d), inv), weight));
+    const float weight = weight_offset ? __fadd_rn(1.0f, wh[d]) : wh[d];
+    const float value = LoadElement(x, type, at + d);
+    const float centred = subtract_mean ? __fsub_rn(value, shift) : value;
+    StoreElement(x, type, at + d, __fmul_rn(__fmul_rn(centred, inv), weight));
   }
 }
 
@@ -111,13 +126,14 @@ cudaError_t LaunchQueryTemperature(void* x, DType type, int64_t rows, int64_t se
 
 cudaError_t LaunchQkNorm(void* x, DType type, int64_t rows, int64_t row_stride, int64_t heads,
                          int64_t head_dim, const float* w, double eps, bool weight_offset,
-                         cudaStream_t stream) {
+                         bool subtract_mean, int64_t weight_stride, cudaStream_t stream) {
   const int64_t vectors = rows * heads;
   if (vectors <= 0) return cudaSuccess;
   const int64_t blocks = (vectors + kNormWarps - 1) / kNormWarps;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   ATTNSERVE_LAUNCH(QkNormKernel, static_cast<unsigned>(blocks), kNormWarps * kWarpSize, 0, stream,
-                   x, type, rows, row_stride, heads, head_dim, w, eps, weight_offset);
+                   x, type, rows, row_stride, heads, head_dim, w, eps, weight_offset,
+                   subtract_mean, weight_stride);
   return cudaGetLastError();
 }
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/types/span.h"
+#include "engine/qk_norm.h"
 
 namespace attnserve {
 namespace {
@@ -572,14 +573,19 @@ absl::StatusOr<LayerWeights> LoadLayerWeights(const SafetensorsFile& file,
     weights->sinks = MakeTensor({config.num_heads}, sinks->data());
   }
   if (spec.qk_norm) {
-    // Per head, or over the whole projection (OLMo-2).
-    const int64_t q_width =
-        config.qk_norm.whole_projection ? config.num_heads * config.head_dim : config.head_dim;
+    // Shared by the heads, over the whole projection (OLMo-2), or per head
+    // (Cohere's [heads, head_dim]).
+    const int64_t q_width = QkNormWeightCount(config.qk_norm, config.num_heads, config.head_dim);
     const int64_t k_width =
-        config.qk_norm.whole_projection ? config.num_kv_heads * config.head_dim : config.head_dim;
-    absl::StatusOr<std::vector<float>> qn = reader.Read("q_norm_weight", {{q_width}});
+        QkNormWeightCount(config.qk_norm, config.num_kv_heads, config.head_dim);
+    const bool per_head = config.qk_norm.per_head_weights;
+    absl::StatusOr<std::vector<float>> qn = reader.Read(
+        "q_norm_weight",
+        {{q_width}, per_head ? Shape{config.num_heads, config.head_dim} : Shape{q_width}});
     if (!qn.ok()) return qn.status();
-    absl::StatusOr<std::vector<float>> kn = reader.Read("k_norm_weight", {{k_width}});
+    absl::StatusOr<std::vector<float>> kn = reader.Read(
+        "k_norm_weight",
+        {{k_width}, per_head ? Shape{config.num_kv_heads, config.head_dim} : Shape{k_width}});
     if (!kn.ok()) return kn.status();
     weights->q_norm = MakeTensor({q_width}, qn->data());
     weights->k_norm = MakeTensor({k_width}, kn->data());

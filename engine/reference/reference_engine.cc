@@ -451,9 +451,9 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
          d.kv_heads, d.kv_len, d.head_dim, false};
   // RoPE rotates a latent layer's last rope_dim features of each head.
   const int64_t rope_offset = c.latent.enabled ? c.head_dim - c.latent.rope_dim : 0;
-  // RMSNorm of every head of Q and K, or of each token's whole projection
-  // (its heads are contiguous here), in float64; before RoPE, or after it
-  // (qk_norm.after_rope).
+  // RMSNorm (or LayerNorm, subtract_mean) of every head of Q and K, or of
+  // each token's whole projection (its heads are contiguous here), in
+  // float64; before RoPE, or after it (qk_norm.after_rope).
   auto normalize = [&] {
     if (!c.qk_norm.enabled) return;
     const QkNormVectors qn = QkNormShape(c.qk_norm, d.heads, d.head_dim);
@@ -461,14 +461,14 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
     for (int64_t b = 0; b < d.batch; ++b) {
       for (int64_t i = 0; i < d.q_len; ++i) {
         for (int64_t v = 0; v < qn.count; ++v) {
-          NormalizeHead(q.row(b, 0, i) + v * qn.dim, w.q_norm.data_as<float>(), qn.dim,
-                        c.qk_norm);
+          NormalizeHead(q.row(b, 0, i) + v * qn.dim,
+                        w.q_norm.data_as<float>() + v * qn.weight_stride, qn.dim, c.qk_norm);
         }
       }
       for (int64_t j = 0; j < d.kv_len; ++j) {
         for (int64_t v = 0; v < kn.count; ++v) {
-          NormalizeHead(k.row(b, 0, j) + v * kn.dim, w.k_norm.data_as<float>(), kn.dim,
-                        c.qk_norm);
+          NormalizeHead(k.row(b, 0, j) + v * kn.dim,
+                        w.k_norm.data_as<float>() + v * kn.weight_stride, kn.dim, c.qk_norm);
         }
       }
     }

@@ -61,6 +61,8 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
     config.mutable_qk_norm()->set_weight_offset(c.qk_norm.weight_offset);
     config.mutable_qk_norm()->set_whole_projection(c.qk_norm.whole_projection);
     config.mutable_qk_norm()->set_after_rope(c.qk_norm.after_rope);
+    config.mutable_qk_norm()->set_subtract_mean(c.qk_norm.subtract_mean);
+    config.mutable_qk_norm()->set_per_head_weights(c.qk_norm.per_head_weights);
   }
   if (c.latent.enabled) {
     v1::LatentAttention* m = config.mutable_latent_attention();
@@ -166,6 +168,8 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
     layer.qk_norm.weight_offset = c.qk_norm().weight_offset();
     layer.qk_norm.whole_projection = c.qk_norm().whole_projection();
     layer.qk_norm.after_rope = c.qk_norm().after_rope();
+    layer.qk_norm.subtract_mean = c.qk_norm().subtract_mean();
+    layer.qk_norm.per_head_weights = c.qk_norm().per_head_weights();
   }
   return layer;
 }

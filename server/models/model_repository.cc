@@ -466,6 +466,11 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
         return ConfigError(path, "qk_norm.eps",
                            absl::StrCat("must be > 0, got ", c->qk_norm().eps()));
       }
+      if (c->qk_norm().per_head_weights() && c->qk_norm().whole_projection()) {
+        return ConfigError(path, "qk_norm.per_head_weights",
+                           "excludes qk_norm.whole_projection (one norm per head, or one over "
+                           "all heads)");
+      }
     }
   } else if (c->kind() == "sdpa") {
     if (absl::Status s = CheckNoProjectionFields(path, *c); !s.ok()) return s;

@@ -32,6 +32,7 @@
 #include "engine/cpu/projection.h"
 #include "engine/cpu/thread_buffer.h"
 #include "engine/model/builtin_models.h"
+#include "engine/qk_norm.h"
 #include "engine/reference/reference_engine.h"
 #include "engine/rope.h"
 #include "gtest/gtest.h"
@@ -606,6 +607,49 @@ TEST_F(CpuEngineTest, ClipQkvMatchesReference) {
                            lc.qk_norm.after_rope ? " after rope" : "",
                            lc.rope.type != RopeConfig::Type::kNone ? " rope" : "",
                            lc.output_gate ? " gate" : "", ", B ", batch, " Lq ", lq, " Lk ", lk);
+    CheckAgainstReference(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Cohere's QK-norm: LayerNorm (the mean subtracted) per head with weights
+// per head, with RoPE, GQA, bf16 and fp16 inputs, self- and
+// cross-attention, against the reference.
+TEST_F(CpuEngineTest, LayerNormQkNormWithWeightsPerHeadMatchesReference) {
+  Rng rng(84);
+  for (int i = 0; i < 24; ++i) {
+    const bool self_attention = i % 2 == 0;
+    auto layer = std::make_shared<AttentionLayer>(*RandomProjectionLayer(rng, self_attention));
+    LayerConfig& lc = layer->config;
+    lc.qk_norm.enabled = true;
+    lc.qk_norm.eps = 1e-5;
+    lc.qk_norm.whole_projection = false;
+    lc.qk_norm.subtract_mean = true;
+    lc.qk_norm.per_head_weights = rng.Chance(0.75);
+    lc.qk_norm.weight_offset = false;
+    const int64_t q_width = QkNormWeightCount(lc.qk_norm, lc.num_heads, lc.head_dim);
+    const int64_t k_width = QkNormWeightCount(lc.qk_norm, lc.num_kv_heads, lc.head_dim);
+    layer->weights.q_norm = RandomTensor(rng, DType::kFloat32, {q_width}, 1.5f);
+    layer->weights.k_norm = RandomTensor(rng, DType::kFloat32, {k_width}, 1.5f);
+    ASSERT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
+    Case c;
+    c.layer = layer;
+    const int64_t batch = rng.Int(1, 2), lq = rng.Int(1, 12);
+    const int64_t lk = self_attention ? lq : rng.Int(1, 12);
+    const DType in = rng.Pick<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+    c.q = RandomTensor(rng, in, {batch, lq, lc.query_dim}, 2.0f);
+    if (!self_attention) {
+      c.k = RandomTensor(rng, in, {batch, lk, lc.key_dim}, 2.0f);
+      c.v = RandomTensor(rng, in, {batch, lk, lc.value_dim}, 2.0f);
+    }
+    c.causal = lc.causal || (lq <= lk && rng.Chance(0.5));
+    c.need_weights = rng.Chance(0.5);
+    c.scale = ResolveScale(lc, 0.0f, lc.head_dim);
+    c.label = absl::StrCat("layer-norm qk-norm case ", i,
+                           lc.qk_norm.per_head_weights ? " weights per head" : " shared weights",
+                           lc.qk_norm.after_rope ? " after rope" : "",
+                           self_attention ? " self" : " cross", " heads ", lc.num_heads, "/",
+                           lc.num_kv_heads, " dim ", lc.head_dim, " in ", DT(in));
     CheckAgainstReference(c);
     if (HasFatalFailure()) return;
   }

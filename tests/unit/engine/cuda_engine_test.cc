@@ -36,6 +36,7 @@
 #include "engine/cuda/cuda_loader.h"
 #include "engine/model/builtin_models.h"
 #include "engine/paged_kv.h"
+#include "engine/qk_norm.h"
 #include "engine/tensor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -1391,6 +1392,16 @@ TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
          c.causal = true;
          c.attention_chunk = 16;
        }, true},
+      {"cohere: layer-norm qk-norm with weights per head, interleaved rope", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kDefault;
+         c.rope.theta = 75000000.0;
+         c.rope.rotary_dim = c.head_dim;
+         c.rope.interleaved = true;
+         c.qk_norm.enabled = true;
+         c.qk_norm.eps = 1e-5;
+         c.qk_norm.subtract_mean = true;
+         c.qk_norm.per_head_weights = true;
+       }, true},
       {"olmo: clip_qkv, rope", [](LayerConfig& c) {
          c.rope.type = RopeConfig::Type::kDefault;
          c.rope.rotary_dim = c.head_dim;
@@ -1410,11 +1421,11 @@ TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
       v.set(layer.config);
       if (v.qk_norm) {
         const LayerConfig& c = layer.config;
-        const bool whole = c.qk_norm.whole_projection;
         layer.weights.q_norm = RandomTensor(
-            DType::kFloat32, {whole ? c.num_heads * c.head_dim : c.head_dim}, rng, 0.5f);
+            DType::kFloat32, {QkNormWeightCount(c.qk_norm, c.num_heads, c.head_dim)}, rng, 0.5f);
         layer.weights.k_norm = RandomTensor(
-            DType::kFloat32, {whole ? c.num_kv_heads * c.head_dim : c.head_dim}, rng, 0.5f);
+            DType::kFloat32, {QkNormWeightCount(c.qk_norm, c.num_kv_heads, c.head_dim)}, rng,
+            0.5f);
         if (!v.norm_offset) {  // around 1, as trained RMSNorm weights are
           for (Tensor* t : {&layer.weights.q_norm, &layer.weights.k_norm}) {
             for (int64_t d = 0; d < t->num_elements(); ++d) t->data_as<float>()[d] += 1.0f;

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/attention_engine.h"
+#include "engine/qk_norm.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -595,6 +596,33 @@ TEST(ReferenceEngineTest, OutputGateOfABiasAloneScalesTheOutputWeightColumns) {
   bad.config.output_gate = false;
   EXPECT_THAT(std::string(ValidateLayer(bad).message()),
               ::testing::HasSubstr("without output_gate"));
+}
+
+// QK-norm's LayerNorm form (Cohere): (x - mean) / sqrt(var + eps) * w, the
+// variance about the mean; the RMSNorm form unchanged beside it.
+TEST(ReferenceEngineTest, QkNormLayerNormFormIsCohereLayerNorm) {
+  const std::vector<double> x0 = {3.0, -1.0, 4.5, 0.25, 2.0};
+  const std::vector<float> w = {1.5f, -0.5f, 2.0f, 1.0f, 0.75f};
+  QkNormConfig norm;
+  norm.enabled = true;
+  norm.eps = 1e-3;
+  norm.subtract_mean = true;
+  std::vector<double> x = x0;
+  NormalizeHead(x.data(), w.data(), 5, norm);
+  const double mean = (3.0 - 1.0 + 4.5 + 0.25 + 2.0) / 5;
+  double var = 0;
+  for (double v : x0) var += (v - mean) * (v - mean) / 5;
+  for (size_t i = 0; i < x0.size(); ++i) {
+    EXPECT_NEAR(x[i], (x0[i] - mean) / std::sqrt(var + 1e-3) * w[i], 1e-12) << i;
+  }
+  norm.subtract_mean = false;
+  x = x0;
+  NormalizeHead(x.data(), w.data(), 5, norm);
+  double ms = 0;
+  for (double v : x0) ms += v * v / 5;
+  for (size_t i = 0; i < x0.size(); ++i) {
+    EXPECT_NEAR(x[i], x0[i] / std::sqrt(ms + 1e-3) * w[i], 1e-12) << i;
+  }
 }
 
 // QKV clipping: a layer whose projections are the identity (one head per

@@ -301,6 +301,23 @@ TEST(WeightLoaderTest, QkNormWeightsAreReadOnlyWhenConfigured) {
   w = LoadLayerWeights(*file, c, spec);  // per-head weights for a whole-projection norm
   ASSERT_FALSE(w.ok());
   EXPECT_THAT(w.status().message(), AllOf(HasSubstr("q_norm.weight"), HasSubstr("[2]")));
+
+  // Cohere: weights per head, stored [heads, head_dim] (or flat).
+  c.qk_norm.whole_projection = false;
+  c.qk_norm.per_head_weights = true;
+  std::vector<NamedTensor> cohere = projections();
+  cohere.push_back(T(p + "q_norm.weight", {4, 2}, 6.0f));
+  cohere.push_back(T(p + "k_norm.weight", {2, 2}, 7.0f));
+  w = LoadLayerWeights(*MakeFile(cohere), c, spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->q_norm.shape(), (Shape{8}));
+  EXPECT_EQ(Values(w->q_norm), cohere[4].values);
+  EXPECT_EQ(Values(w->k_norm), cohere[5].values);
+  w = LoadLayerWeights(*wide_file, c, spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  w = LoadLayerWeights(*file, c, spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(), AllOf(HasSubstr("q_norm.weight"), HasSubstr("[4, 2]")));
 }
 
 // Sinks: [num_heads], read when configured, an error in the file without.

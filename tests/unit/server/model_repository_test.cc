@@ -405,6 +405,24 @@ TEST(ModelConfigTest, LatentAttentionResolvesAndItsRulesNameTheField) {
               AllOf(HasSubstr("latent_attention"), HasSubstr("not allowed for kind \"sdpa\"")));
 }
 
+// QK-norm's LayerNorm form with weights per head (Cohere) reaches the layer
+// and comes back; per-head weights over the whole projection are refused.
+TEST(ModelConfigTest, LayerNormQkNormResolves) {
+  v1::ModelConfig cohere = Resolved(
+      "embed_dim: 64 num_heads: 4 qk_norm { eps: 1e-5 subtract_mean: true per_head_weights: "
+      "true }");
+  const LayerConfig layer = ToLayerConfig(cohere);
+  EXPECT_TRUE(layer.qk_norm.subtract_mean);
+  EXPECT_TRUE(layer.qk_norm.per_head_weights);
+  const v1::ModelConfig back = LayerToModelConfig(AttentionLayer{layer, {}, {}});
+  EXPECT_TRUE(back.qk_norm().subtract_mean());
+  EXPECT_TRUE(back.qk_norm().per_head_weights());
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 qk_norm { per_head_weights: true "
+                           "whole_projection: true }")
+                  .message(),
+              AllOf(HasSubstr("qk_norm.per_head_weights"), HasSubstr("whole_projection")));
+}
+
 // clip_qkv (OLMo, DBRX): reaches the layer and comes back; negative or
 // on sdpa refused naming the field.
 TEST(ModelConfigTest, ClipQkvResolvesAndItsRulesNameTheField) {

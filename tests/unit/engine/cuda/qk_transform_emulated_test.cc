@@ -206,32 +206,58 @@ TEST(QkTransformEmulated, RopeInFloat16MatchesFloat64) {
   EXPECT_EQ(bad, 0);
 }
 
+// RMSNorm with w or (1 + w) shared by the heads, and Cohere's LayerNorm
+// (the mean subtracted) with weights per head.
 TEST(QkTransformEmulated, QkNormMatchesTheCpuEngine) {
   std::mt19937 rng(33);
   std::uniform_real_distribution<float> dist(-0.5f, 1.5f);
+  constexpr int64_t kRows = 11, kHeads = 3;  // 33 vectors: a partial last block
+  struct Kind {
+    const char* name;
+    bool offset, subtract_mean, per_head_weights;
+  };
   for (const int64_t dim : {128, 40}) {  // 40: lanes past the head's end
-    std::vector<float> w(dim);
+    std::vector<float> w(kHeads * dim);
     for (float& x : w) x = dist(rng);
-    for (const bool offset : {false, true}) {
+    for (const Kind kind : {Kind{"w", false, false, false}, Kind{"(1 + w)", true, false, false},
+                            Kind{"layer norm, weights per head", false, true, true}}) {
       for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-        SCOPED_TRACE("dim " + std::to_string(dim) + (offset ? " (1 + w) " : " w ") +
+        SCOPED_TRACE("dim " + std::to_string(dim) + " " + kind.name + " " +
                      std::string(DTypeName(dtype)));
-        constexpr int64_t kRows = 11, kHeads = 3;  // 33 vectors: a partial last block
         const int64_t stride = kHeads * dim + 4;
-        const Rows input = RandomRows(dtype, kRows, kHeads, dim, stride, rng);
+        Rows input = RandomRows(dtype, kRows, kHeads, dim, stride, rng);
+        if (kind.subtract_mean) {  // means far from 0, as LayerNorm meets them
+          for (int64_t r = 0; r < kRows; ++r) {
+            for (int64_t d = 0; d < kHeads * dim; ++d) {
+              StoreFromFloat(dtype, input.bytes.data(), r * stride + d,
+                             input.At(r * stride + d) + 3.0f);
+            }
+          }
+        }
         Rows gpu = input, cpu = input;
         QkNormConfig norm;
         norm.enabled = true;
         norm.eps = 1e-6;
-        norm.weight_offset = offset;
+        norm.weight_offset = kind.offset;
+        norm.subtract_mean = kind.subtract_mean;
+        norm.per_head_weights = kind.per_head_weights;
         ASSERT_EQ(LaunchQkNorm(gpu.bytes.data(), dtype, kRows, stride, kHeads, dim, w.data(),
-                               norm.eps, offset, /*stream=*/nullptr),
+                               norm.eps, norm.weight_offset, norm.subtract_mean,
+                               norm.per_head_weights ? dim : 0, /*stream=*/nullptr),
                   cudaSuccess);
         cpu::NormalizeRows(norm, w.data(), dtype, cpu.bytes.data(), kRows, stride, kHeads, dim,
                            /*threads=*/1);
         // The float64 sums in another order: the inverse norm may differ in
         // its last float bit.
         EXPECT_EQ(CountOff(gpu, cpu, dtype == DType::kFloat32 ? 1e-6 : 8e-3), 0);
+        if (kind.subtract_mean && dtype == DType::kFloat32) {
+          // Each head's output has mean 0 before its weights: undo them.
+          for (int64_t h = 0; h < kHeads; ++h) {
+            double mean = 0;
+            for (int64_t d = 0; d < dim; ++d) mean += gpu.At(h * dim + d) / w[h * dim + d];
+            EXPECT_NEAR(mean / static_cast<double>(dim), 0.0, 1e-4) << "head " << h;
+          }
+        }
       }
     }
   }
