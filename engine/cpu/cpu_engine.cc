@@ -127,8 +127,9 @@ class CpuEngine final : public AttentionEngine {
   // QK-norm, QKV clipping (V too) and RoPE (or clipping, RoPE and QK-norm,
   // qk_norm.after_rope), then the queries' temperature, on every task's
   // projected Q and K, in place, before a session appends its keys (the
-  // cache holds normalised, clipped, rotated keys). A sequence's keys sit at cached_len + j and its queries at the
-  // bottom-right positions kv_total - Lq + i, kv_total = cached_len + Lk;
+  // cache holds normalised, clipped, rotated keys). A sequence's keys sit at
+  // cached_len + j and its queries at the bottom-right positions
+  // kv_total - Lq + i, kv_total = cached_len + Lk;
   // or, with explicit positions, key j at positions[b][j] and query i at
   // positions[b][Lk - Lq + i] (the temperature takes the index, never the
   // explicit position). Each task is one forward call: its largest
