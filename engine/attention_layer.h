@@ -84,10 +84,16 @@ struct QkNormConfig {
 // p the query's index in its sequence (in a session, after its cached
 // tokens), as transformers takes its cache position: explicit positions do
 // not change it (engine/temperature.h).
+//
+// With by_position (Ministral 3, Mistral 4: transformers'
+// get_llama_4_attn_scale), the factor is 1 + attn_scale * log(1 + floor(p /
+// floor_scale)) with p the query's rotary position: its index after the
+// cached tokens, or its explicit position.
 struct TemperatureTuning {
   bool enabled = false;
   double floor_scale = 0.0;  // > 0
   double attn_scale = 0.0;   // finite
+  bool by_position = false;
 };
 
 // Multi-head latent attention (DeepSeek-V2/V3, Kimi K2; transformers'

@@ -129,11 +129,11 @@ class CpuEngine final : public AttentionEngine {
   // projected Q and K, in place, before a session appends its keys (the
   // cache holds normalised, clipped, rotated keys). A sequence's keys sit at
   // cached_len + j and its queries at the bottom-right positions
-  // kv_total - Lq + i, kv_total = cached_len + Lk;
-  // or, with explicit positions, key j at positions[b][j] and query i at
-  // positions[b][Lk - Lq + i] (the temperature takes the index, never the
-  // explicit position). Each task is one forward call: its largest
-  // position picks LongRoPE's factors.
+  // kv_total - Lq + i, kv_total = cached_len + Lk; or, with explicit
+  // positions, key j at positions[b][j] and query i at positions[b][Lk - Lq
+  // + i] (the temperature takes the index, and the explicit position only
+  // with by_position). Each task is one forward call: its largest position
+  // picks LongRoPE's factors.
   void PrepareQk(const AttentionLayer& layer, absl::Span<const AttentionTask> batch,
                  absl::Span<const AttentionParams> params) {
     const LayerConfig& c = layer.config;
@@ -208,9 +208,15 @@ class CpuEngine final : public AttentionEngine {
           clip();
           rotate();
         }
-        if (c.temperature_tuning.enabled) {  // Llama 4's layers without RoPE
+        if (c.temperature_tuning.enabled) {  // Llama 4's layers without RoPE, Ministral 3
+          // By index; by_position: at the queries' explicit positions too.
+          const int64_t* query_positions =
+              c.temperature_tuning.by_position && !batch[t].positions.empty()
+                  ? batch[t].positions.data() + b * p.kv_len + (p.kv_len - p.q_len)
+                  : nullptr;
           cpu::ScaleQueryRows(c.temperature_tuning, p.dtype, q, p.q_len, p.q_stride_row,
-                              p.num_heads * p.head_dim, first_query, options_.num_threads);
+                              p.num_heads * p.head_dim, first_query, query_positions,
+                              options_.num_threads);
         }
       }
     }

@@ -128,13 +128,15 @@ void ClipRows(DType dtype, void* data, int64_t rows, int64_t row_stride, int64_t
 }
 
 void ScaleQueryRows(const TemperatureTuning& tuning, DType dtype, void* data, int64_t rows,
-                    int64_t row_stride, int64_t width, int64_t first_index, int threads) {
+                    int64_t row_stride, int64_t width, int64_t first_index,
+                    const int64_t* positions, int threads) {
 #ifdef _OPENMP
   const int n = threads > 0 ? threads : omp_get_max_threads();
 #pragma omp parallel for num_threads(n) schedule(static) if (rows > 16)
 #endif
   for (int64_t r = 0; r < rows; ++r) {
-    const float factor = static_cast<float>(QueryTemperature(tuning, first_index + r));
+    const float factor = static_cast<float>(
+        QueryTemperature(tuning, positions != nullptr ? positions[r] : first_index + r));
     if (dtype == DType::kFloat32) {
       float* x = static_cast<float*>(data) + r * row_stride;
       for (int64_t d = 0; d < width; ++d) x[d] *= factor;

@@ -46,9 +46,11 @@ void ClipRows(DType dtype, void* data, int64_t rows, int64_t row_stride, int64_t
 
 // Attention temperature tuning: row r < `rows` (its `width` features, of
 // `dtype`, at data + r * row_stride elements) times
-// QueryTemperature(tuning, first_index + r), rounded to float once.
+// QueryTemperature(tuning, positions[r]), or QueryTemperature(tuning,
+// first_index + r) when `positions` is null, rounded to float once.
 void ScaleQueryRows(const TemperatureTuning& tuning, DType dtype, void* data, int64_t rows,
-                    int64_t row_stride, int64_t width, int64_t first_index, int threads);
+                    int64_t row_stride, int64_t width, int64_t first_index,
+                    const int64_t* positions, int threads);
 
 }  // namespace attnserve::cpu
 

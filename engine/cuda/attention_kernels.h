@@ -138,13 +138,22 @@ cudaError_t LaunchClip(void* x, DType type, int64_t rows, int64_t row_stride, in
                        float limit, cudaStream_t stream);
 
 // Attention temperature tuning (engine/temperature.h) of every query row:
-// row r (its `width` features) is token t = r % seq_len of its sequence, at
-// index first + t, and is multiplied by
-// log1p(floor((first + t + 1) / floor_scale)) * attn_scale + 1 (float64,
-// rounded to float once).
+// row r (its `width` features) is token t = r % seq_len of sequence b = r /
+// seq_len, at index first + t, or at positions[b * positions_stride + first
+// + t] when `positions` (device) is set, and is multiplied by
+// log1p(floor((p + 1) / floor_scale)) * attn_scale + 1, or without the + 1
+// when by_position (float64, rounded to float once).
+struct TemperatureArgs {
+  double floor_scale = 0.0;
+  double attn_scale = 0.0;
+  bool by_position = false;
+  const int64_t* positions = nullptr;
+  int64_t positions_stride = 0;
+  int64_t first = 0;
+};
 cudaError_t LaunchQueryTemperature(void* x, DType type, int64_t rows, int64_t seq_len,
-                                   int64_t row_stride, int64_t width, int64_t first,
-                                   double floor_scale, double attn_scale, cudaStream_t stream);
+                                   int64_t row_stride, int64_t width, const TemperatureArgs& a,
+                                   cudaStream_t stream);
 
 // dst[i] = (dst_type) src[i] for i < n (float dtypes only).
 cudaError_t LaunchConvert(const void* src, DType src_type, void* dst, DType dst_type, int64_t n,

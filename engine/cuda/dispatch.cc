@@ -123,11 +123,18 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
   }
   if (config.qk_norm.after_rope) ATTNSERVE_CUDA_RETURN_IF_ERROR(normalize());
   if (config.temperature_tuning.enabled) {
-    // Llama 4's layers without RoPE: by index, never by explicit position.
+    // Llama 4's layers without RoPE: by index, never by explicit position;
+    // by_position (Ministral 3): at the explicit positions when given.
     const TemperatureTuning& t = config.temperature_tuning;
-    ATTNSERVE_CUDA_CALL(LaunchQueryTemperature(q, w.type, q_rows, p.q_len, q_stride, q_stride,
-                                               cached_len + p.kv_len - p.q_len, t.floor_scale,
-                                               t.attn_scale, call.stream()));
+    TemperatureArgs a;
+    a.floor_scale = t.floor_scale;
+    a.attn_scale = t.attn_scale;
+    a.by_position = t.by_position;
+    a.positions = t.by_position ? positions : nullptr;
+    a.positions_stride = p.kv_len;
+    a.first = (a.positions != nullptr ? 0 : cached_len) + p.kv_len - p.q_len;
+    ATTNSERVE_CUDA_CALL(
+        LaunchQueryTemperature(q, w.type, q_rows, p.q_len, q_stride, q_stride, a, call.stream()));
   }
   return absl::OkStatus();
 }

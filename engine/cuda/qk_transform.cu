@@ -82,12 +82,14 @@ __global__ void RotaryKernel(void* x, DType type, int64_t seq_len, int64_t row_s
 // One block per row: its factor (engine/temperature.h) in float64, rounded
 // to float once, times each of its features.
 __global__ void QueryTemperatureKernel(void* x, DType type, int64_t seq_len, int64_t row_stride,
-                                       int64_t width, int64_t first, double floor_scale,
-                                       double attn_scale) {
+                                       int64_t width, TemperatureArgs a) {
   const int64_t row = blockIdx.x;
-  const double index = static_cast<double>(first + row % seq_len);
+  const int64_t b = row / seq_len, t = row % seq_len;
+  const int64_t p =
+      a.positions != nullptr ? a.positions[b * a.positions_stride + a.first + t] : a.first + t;
+  const double shifted = static_cast<double>(p) + (a.by_position ? 0.0 : 1.0);
   const float factor =
-      static_cast<float>(log1p(floor((index + 1.0) / floor_scale)) * attn_scale + 1.0);
+      static_cast<float>(log1p(floor(shifted / a.floor_scale)) * a.attn_scale + 1.0);
   for (int64_t d = threadIdx.x; d < width; d += blockDim.x) {
     const int64_t at = row * row_stride + d;
     StoreElement(x, type, at, __fmul_rn(LoadElement(x, type, at), factor));
@@ -115,12 +117,12 @@ cudaError_t LaunchClip(void* x, DType type, int64_t rows, int64_t row_stride, in
 }
 
 cudaError_t LaunchQueryTemperature(void* x, DType type, int64_t rows, int64_t seq_len,
-                                   int64_t row_stride, int64_t width, int64_t first,
-                                   double floor_scale, double attn_scale, cudaStream_t stream) {
+                                   int64_t row_stride, int64_t width, const TemperatureArgs& a,
+                                   cudaStream_t stream) {
   if (rows <= 0 || width <= 0) return cudaSuccess;
   if (rows > INT32_MAX || seq_len <= 0) return cudaErrorInvalidConfiguration;
   ATTNSERVE_LAUNCH(QueryTemperatureKernel, static_cast<unsigned>(rows), kRotaryThreads, 0, stream,
-                   x, type, seq_len, row_stride, width, first, floor_scale, attn_scale);
+                   x, type, seq_len, row_stride, width, a);
   return cudaGetLastError();
 }
 

@@ -512,10 +512,15 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
   }
   if (c.qk_norm.after_rope) normalize();
   if (c.temperature_tuning.enabled) {
-    // Llama 4's layers without RoPE: query i, at index Lk - Lq + i.
+    // Llama 4's layers without RoPE: query i, at index Lk - Lq + i; by
+    // position (Ministral 3): at positions[b][Lk - Lq + i] when given.
     for (int64_t b = 0; b < d.batch; ++b) {
       for (int64_t i = 0; i < d.q_len; ++i) {
-        const double factor = QueryTemperature(c.temperature_tuning, d.kv_len - d.q_len + i);
+        const int64_t index = d.kv_len - d.q_len + i;
+        const int64_t p = c.temperature_tuning.by_position && !t.positions.empty()
+                              ? t.positions[static_cast<size_t>(b * d.kv_len + index)]
+                              : index;
+        const double factor = QueryTemperature(c.temperature_tuning, p);
         for (int64_t h = 0; h < d.heads; ++h) {
           double* row = q.row(b, h, i);
           for (int64_t x = 0; x < d.head_dim; ++x) row[x] *= factor;

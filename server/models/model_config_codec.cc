@@ -54,6 +54,7 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
   if (c.temperature_tuning.enabled) {
     config.mutable_temperature_tuning()->set_floor_scale(c.temperature_tuning.floor_scale);
     config.mutable_temperature_tuning()->set_attn_scale(c.temperature_tuning.attn_scale);
+    config.mutable_temperature_tuning()->set_by_position(c.temperature_tuning.by_position);
   }
   if (c.has_projections) *config.mutable_rope() = FromRopeConfig(c.rope);
   if (c.qk_norm.enabled) {
@@ -150,6 +151,7 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
     layer.temperature_tuning.enabled = true;
     layer.temperature_tuning.floor_scale = c.temperature_tuning().floor_scale();
     layer.temperature_tuning.attn_scale = c.temperature_tuning().attn_scale();
+    layer.temperature_tuning.by_position = c.temperature_tuning().by_position();
   }
   if (layer.has_projections && c.has_latent_attention()) {
     const v1::LatentAttention& m = c.latent_attention();

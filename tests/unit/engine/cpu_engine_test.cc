@@ -655,6 +655,50 @@ TEST_F(CpuEngineTest, LayerNormQkNormWithWeightsPerHeadMatchesReference) {
   }
 }
 
+// Temperature by position (Ministral 3, Mistral 4's llama_4_scaling_beta):
+// RoPE layers whose queries scale by their position's band, with implicit
+// and explicit positions, self- and cross-attention, against the reference.
+TEST_F(CpuEngineTest, TemperatureByPositionMatchesReference) {
+  Rng rng(85);
+  for (int i = 0; i < 24; ++i) {
+    const bool self_attention = i % 2 == 0;
+    auto layer = std::make_shared<AttentionLayer>(*RandomProjectionLayer(rng, self_attention));
+    LayerConfig& lc = layer->config;
+    if (lc.rope.type == RopeConfig::Type::kNone) {
+      lc.rope.type = RopeConfig::Type::kYarn;
+      lc.rope.rotary_dim = lc.head_dim;
+      lc.rope.factor = 8.0;
+      lc.rope.original_max_position_embeddings = 4;
+      lc.rope.beta_fast = 32.0;
+      lc.rope.beta_slow = 1.0;
+    }
+    lc.temperature_tuning = {true, rng.Pick<double>({2.0, 3.0, 64.0}), 0.1, true};
+    lc.attention_chunk = 0;  // explicit positions below
+    ASSERT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
+    Case c;
+    c.layer = layer;
+    const int64_t batch = rng.Int(1, 2), lq = rng.Int(1, 12);
+    const int64_t lk = self_attention ? lq : lq + rng.Int(0, 6);
+    c.q = RandomTensor(rng, DType::kFloat32, {batch, lq, lc.query_dim}, 2.0f);
+    if (!self_attention) {
+      c.k = RandomTensor(rng, DType::kFloat32, {batch, lk, lc.key_dim}, 2.0f);
+      c.v = RandomTensor(rng, DType::kFloat32, {batch, lk, lc.value_dim}, 2.0f);
+    }
+    if (rng.Chance(0.5)) {
+      for (int64_t j = 0; j < batch * lk; ++j) c.positions.push_back(rng.Int(0, 300));
+    }
+    c.causal = lc.causal || rng.Chance(0.5);
+    c.scale = ResolveScale(lc, 0.0f, lc.head_dim);
+    c.label = absl::StrCat("temperature by position case ", i, ": floor ",
+                           lc.temperature_tuning.floor_scale,
+                           self_attention ? " self" : " cross",
+                           c.positions.empty() ? "" : " explicit positions", ", B ", batch,
+                           " Lq ", lq, " Lk ", lk);
+    CheckAgainstReference(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
 // A latent layer takes the query only: a key and value are refused.
 TEST_F(CpuEngineTest, LatentAttentionRefusesAKey) {
   Rng rng(82);

@@ -1402,6 +1402,17 @@ TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
          c.qk_norm.subtract_mean = true;
          c.qk_norm.per_head_weights = true;
        }, true},
+      {"ministral 3: yarn rope, temperature by position", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kYarn;
+         c.rope.theta = 1000000.0;
+         c.rope.rotary_dim = c.head_dim;
+         c.rope.factor = 16.0;
+         c.rope.original_max_position_embeddings = 64;
+         c.rope.beta_fast = 32.0;
+         c.rope.beta_slow = 1.0;
+         c.rope.attention_factor = 1.0;
+         c.temperature_tuning = {true, 32.0, 0.1, true};
+       }},
       {"olmo: clip_qkv, rope", [](LayerConfig& c) {
          c.rope.type = RopeConfig::Type::kDefault;
          c.rope.rotary_dim = c.head_dim;

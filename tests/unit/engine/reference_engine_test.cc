@@ -598,6 +598,58 @@ TEST(ReferenceEngineTest, OutputGateOfABiasAloneScalesTheOutputWeightColumns) {
               ::testing::HasSubstr("without output_gate"));
 }
 
+// Temperature by position (Ministral 3): queries whose positions all fall
+// in one band [k * floor_scale, (k + 1) * floor_scale) share the factor
+// 1 + attn_scale * log(1 + k), which is the same as the layer without it at
+// a scale that many times larger; below floor_scale the factor is 1.
+TEST(ReferenceEngineTest, TemperatureByPositionScalesTheScores) {
+  constexpr int64_t H = 2, D = 4, E = 8, B = 1, L = 5;
+  AttentionLayer plain;
+  LayerConfig& c = plain.config;
+  c.name = "ministral";
+  c.has_projections = true;
+  c.num_heads = c.num_kv_heads = H;
+  c.head_dim = D;
+  c.query_dim = c.key_dim = c.value_dim = c.out_dim = E;
+  c.causal = true;
+  c.rope.type = RopeConfig::Type::kDefault;
+  c.rope.theta = 10000.0;
+  c.rope.rotary_dim = D;
+  plain.weights.wq = Random({H * D, E}, 950);
+  plain.weights.wk = Random({H * D, E}, 951);
+  plain.weights.wv = Random({H * D, E}, 952);
+  plain.weights.wo = Random({E, H * D}, 953);
+  AttentionLayer tuned = plain;
+  tuned.config.temperature_tuning = {true, 16.0, 0.1, true};
+  ASSERT_TRUE(ValidateLayer(tuned).ok()) << ValidateLayer(tuned);
+  const Tensor x = Random({B, L, E}, 954);
+  auto run = [&](const AttentionLayer& layer, std::vector<int64_t> positions, float scale) {
+    Tensor out(DType::kFloat32, {B, L, E});
+    AttentionTask task;
+    task.query = x.view();
+    task.causal = true;
+    task.scale = scale;
+    task.positions = positions;
+    task.output = out.mutable_view();
+    EXPECT_TRUE(NewReferenceEngine()->Run(layer, {&task, 1}).ok());
+    return AsFloats(out);
+  };
+  const float scale = InverseSqrt(D);
+  // Positions 40..44: band 2 (32..47), the factor 1 + 0.1 * log(3).
+  const std::vector<int64_t> far = {40, 41, 42, 43, 44};
+  const double factor = 1.0 + 0.1 * std::log(3.0);
+  const std::vector<float> got = run(tuned, far, scale);
+  const std::vector<float> want = run(plain, far, static_cast<float>(scale * factor));
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-6) << i;
+  // (The first token sees one key: any scale gives it the same output.)
+  const size_t last = (L - 1) * E;
+  EXPECT_GT(std::fabs(got[last] - run(plain, far, scale)[last]), 1e-4);
+  // Positions 0..4 (implicit): the factor is 1.
+  const std::vector<float> near = run(tuned, {}, scale);
+  const std::vector<float> untouched = run(plain, {}, scale);
+  for (size_t i = 0; i < near.size(); ++i) EXPECT_EQ(near[i], untouched[i]) << i;
+}
+
 // QK-norm's LayerNorm form (Cohere): (x - mean) / sqrt(var + eps) * w, the
 // variance about the mean; the RMSNorm form unchanged beside it.
 TEST(ReferenceEngineTest, QkNormLayerNormFormIsCohereLayerNorm) {

@@ -405,6 +405,19 @@ TEST(ModelConfigTest, LatentAttentionResolvesAndItsRulesNameTheField) {
               AllOf(HasSubstr("latent_attention"), HasSubstr("not allowed for kind \"sdpa\"")));
 }
 
+// Temperature tuning by position (Ministral 3) reaches the layer and comes
+// back.
+TEST(ModelConfigTest, TemperatureByPositionResolves) {
+  v1::ModelConfig ministral = Resolved(
+      "embed_dim: 64 num_heads: 4 rope { type: \"default\" } temperature_tuning { "
+      "floor_scale: 16384 attn_scale: 0.1 by_position: true }");
+  const LayerConfig layer = ToLayerConfig(ministral);
+  EXPECT_TRUE(layer.temperature_tuning.by_position);
+  EXPECT_EQ(layer.temperature_tuning.floor_scale, 16384.0);
+  EXPECT_TRUE(
+      LayerToModelConfig(AttentionLayer{layer, {}, {}}).temperature_tuning().by_position());
+}
+
 // QK-norm's LayerNorm form with weights per head (Cohere) reaches the layer
 // and comes back; per-head weights over the whole projection are refused.
 TEST(ModelConfigTest, LayerNormQkNormResolves) {

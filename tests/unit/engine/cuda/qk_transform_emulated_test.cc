@@ -279,16 +279,49 @@ TEST(QkTransformEmulated, QueryTemperatureMatchesTheCpuEngine) {
     SCOPED_TRACE(std::string(DTypeName(dtype)));
     const Rows input = RandomRows(dtype, 2 * kSeq, kHeads, kDim, stride, rng);
     Rows gpu = input, cpu = input;
-    ASSERT_EQ(LaunchQueryTemperature(gpu.bytes.data(), dtype, 2 * kSeq, kSeq, stride, width,
-                                     kFirst, t.floor_scale, t.attn_scale, /*stream=*/nullptr),
+    TemperatureArgs a;
+    a.floor_scale = t.floor_scale;
+    a.attn_scale = t.attn_scale;
+    a.first = kFirst;
+    ASSERT_EQ(LaunchQueryTemperature(gpu.bytes.data(), dtype, 2 * kSeq, kSeq, stride, width, a,
+                                     /*stream=*/nullptr),
               cudaSuccess);
     for (int64_t b = 0; b < 2; ++b) {
       cpu::ScaleQueryRows(t, dtype, cpu.bytes.data() + b * kSeq * stride * DTypeSize(dtype), kSeq,
-                          stride, width, kFirst, /*threads=*/1);
+                          stride, width, kFirst, nullptr, /*threads=*/1);
     }
     EXPECT_EQ(gpu.bytes, cpu.bytes);
     EXPECT_NE(gpu.bytes, input.bytes);
+
+    // By position (Ministral 3): each sequence's queries at explicit
+    // positions, the last kSeq of its kSeq + 3 keys' positions.
+    TemperatureTuning by = t;
+    by.by_position = true;
+    std::vector<int64_t> positions(2 * (kSeq + 3));
+    for (size_t i = 0; i < positions.size(); ++i) positions[i] = 37 * static_cast<int64_t>(i) % 91;
+    Rows gpu_by = input, cpu_by = input;
+    a.by_position = true;
+    a.positions = positions.data();
+    a.positions_stride = kSeq + 3;
+    a.first = 3;
+    ASSERT_EQ(LaunchQueryTemperature(gpu_by.bytes.data(), dtype, 2 * kSeq, kSeq, stride, width,
+                                     a, /*stream=*/nullptr),
+              cudaSuccess);
+    for (int64_t b = 0; b < 2; ++b) {
+      cpu::ScaleQueryRows(by, dtype, cpu_by.bytes.data() + b * kSeq * stride * DTypeSize(dtype),
+                          kSeq, stride, width, 0, positions.data() + b * (kSeq + 3) + 3,
+                          /*threads=*/1);
+    }
+    EXPECT_EQ(gpu_by.bytes, cpu_by.bytes);
+    EXPECT_NE(gpu_by.bytes, gpu.bytes);
   }
+  // By position: 1 + beta * log(1 + floor(p / original_max)), 1 below it.
+  TemperatureTuning mistral;
+  mistral.enabled = mistral.by_position = true;
+  mistral.floor_scale = 16384.0;
+  mistral.attn_scale = 0.1;
+  EXPECT_DOUBLE_EQ(QueryTemperature(mistral, 16383), 1.0);
+  EXPECT_DOUBLE_EQ(QueryTemperature(mistral, 16384), 1.0 + 0.1 * std::log(2.0));
   // 1 below index floor_scale - 1; from there log1p(floor((p + 1) / 8)) grows.
   EXPECT_DOUBLE_EQ(QueryTemperature(t, 6), 1.0);
   EXPECT_DOUBLE_EQ(QueryTemperature(t, 7), 1.0 + 0.1 * std::log(2.0));
