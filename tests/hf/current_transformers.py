@@ -145,6 +145,11 @@ FAMILIES = {
     "dots1-full": ("dots1", "Dots1", dict(sliding_window=WINDOW, layer_types=[
         "sliding_attention", "full_attention"]), 1, "served"),
     "ministral-sliding": ("ministral", "Ministral", dict(sliding_window=WINDOW), 0, "served"),
+    # Ministral 3: YaRN and its queries scaled by position (llama_4_scaling_beta) over a
+    # training context shrunk to 16 tokens, so that 48 cross three bands.
+    "ministral3": ("ministral3", "Ministral3", dict(rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=16, rope_theta=1e6,
+        llama_4_scaling_beta=0.1, beta_fast=32.0, beta_slow=1.0)), 0, "served"),
     "vaultgemma-sliding": ("vaultgemma", "VaultGemma", dict(
         sliding_window=WINDOW, attn_logit_softcapping=5.0, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention"]), 0, "served"),

@@ -54,6 +54,8 @@ def _served_module(family):
     torch.manual_seed(hash(family) % 1000)
     if family in ("llama4", "llama4-nope"):
         m = _Llama4Attention(use_rope=family == "llama4")
+    elif family == "ministral3":
+        m = _Ministral3Attention()
     elif family.startswith("llama"):
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaAttention
@@ -163,7 +165,7 @@ MORE_FAMILIES = {"qwen2-moe": ("qwen2_moe", "Qwen2Moe", {}),
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
             "qwen2", "phi3", "phi3-longrope", "gpt-neox", "qwen3", "gemma3", "olmo2", "hunyuan",
             "gemma2-sliding", "gemma2-full", "gpt-oss-sliding", "gpt-oss-full", "qwen3-next",
-            "afmoe", "llama4", "deepseek-v3", "deepseek-v3-q-proj", "longcat-flash", "dbrx",
+            "afmoe", "llama4", "ministral3", "deepseek-v3", "deepseek-v3-q-proj", "longcat-flash", "dbrx",
             "dbrx-clip", *MORE_FAMILIES]
 
 
@@ -388,6 +390,47 @@ class _Llama4Attention(nn.Module):
             i = torch.arange(length)
             s = s.masked_fill((i[None, :] // LLAMA4_CHUNK) != (i[:, None] // LLAMA4_CHUNK),
                               float("-inf"))
+        out = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, length, 64)
+        return (self.o_proj(out),)
+
+
+MINISTRAL3_ORIGINAL = 16  # its original_max_position_embeddings here (its real one is 16384)
+
+
+class _Ministral3Attention(nn.Module):
+    """Ministral 3's attention as transformers 5.x writes it
+    (Ministral3Attention), from transformers' own parts (4.45.2 has no
+    Ministral 3): Llama's projections and rotate-half RoPE, then each query
+    times 1 + beta * log(1 + floor(p / original_max_position_embeddings)), p
+    its position id (get_llama_4_attn_scale; llama_4_scaling_beta 0.1 in
+    rope_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        self.config = LlamaConfig(**COMMON)
+        self.config.model_type = "ministral3"
+        self.config.rope_parameters = dict(rope_type="default", rope_theta=10000.0,
+                                           llama_4_scaling_beta=0.1,
+                                           original_max_position_embeddings=MINISTRAL3_ORIGINAL)
+        self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, 16
+        self.is_causal = True
+        self.q_proj, self.k_proj = nn.Linear(64, 64, bias=False), nn.Linear(64, 32, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(64, 32, bias=False), nn.Linear(64, 64, bias=False)
+        self.rotary = LlamaRotaryEmbedding(config=self.config)
+
+    def forward(self, x, attention_mask=None, position_ids=None):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+        b, length, _ = x.shape
+        q = self.q_proj(x).view(b, length, 4, 16).transpose(1, 2)
+        k = self.k_proj(x).view(b, length, 2, 16).transpose(1, 2)
+        v = repeat_kv(self.v_proj(x).view(b, length, 2, 16).transpose(1, 2), 2)
+        cos, sin = self.rotary(v, position_ids)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        scale = 1 + 0.1 * torch.log(1 + torch.floor(position_ids / MINISTRAL3_ORIGINAL))
+        q = q * scale[:, None, :, None].to(q.dtype)
+        s = q @ repeat_kv(k, 2).transpose(2, 3) / math.sqrt(16) + attention_mask
         out = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, length, 64)
         return (self.o_proj(out),)
 
@@ -766,8 +809,8 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "hunyuan", "mistral",
                                     "gemma2-sliding", "gpt-oss-sliding", "qwen3-next", "afmoe",
-                                    "llama4", "deepseek-v3", "deepseek-v3-q-proj", "olmo-clip",
-                                    "olmoe-clip", "dbrx-clip"])
+                                    "llama4", "ministral3", "deepseek-v3", "deepseek-v3-q-proj",
+                                    "olmo-clip", "olmoe-clip", "dbrx-clip"])
 def test_a_session_continues_its_positions(served, family):
     """Prefill 24 tokens, then 100 single-token steps: every step equals the
     matching row of one causal request over the whole sequence."""
@@ -850,7 +893,7 @@ def test_a_longrope_session_rotates_as_transformers_cache_does(served):
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "gpt-neox", "gemma2-full", "gpt-oss-full",
-                                    "deepseek-v3", "olmo-clip", "dbrx-clip"])
+                                    "ministral3", "deepseek-v3", "olmo-clip", "dbrx-clip"])
 def test_left_padded_batches_with_explicit_positions(served, family):
     """A batch as generate() builds it: sequences left-padded to one length,
     an attention mask over the pads and position_ids = cumsum(mask) - 1 (pads
@@ -878,8 +921,8 @@ def test_left_padded_batches_with_explicit_positions(served, family):
         assert _rel(got[b, real], want[b, real]) < 2e-5, f"sequence {b}: {_rel(got[b, real], want[b, real])}"
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-yarn", "qwen3", "gpt-oss-full", "deepseek-v3",
-                                    "deepseek-v3-q-proj"])
+@pytest.mark.parametrize("family", ["llama", "llama-yarn", "qwen3", "gpt-oss-full", "ministral3",
+                                    "deepseek-v3", "deepseek-v3-q-proj"])
 def test_explicit_positions_with_gaps_match_the_module(served, family):
     """Positions that are no shift of 0..L-1 (RoPE is relative, so a shift
     changes nothing): increasing with random gaps, per sequence, in the
@@ -937,7 +980,7 @@ def test_ragged_batches_with_key_lengths(served, family):
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "gemma2-sliding",
                                     "gpt-oss-sliding", "qwen3-next", "afmoe", "deepseek-v3",
                                     "deepseek-v3-q-proj", "olmo-clip", "olmoe-clip",
-                                    "dbrx-clip"])
+                                    "dbrx-clip", "ministral3"])
 def test_bf16_layers_within_bf16_tolerance(tmp_path, family):
     """The same modules exported with precision bf16 (weights and products in
     bfloat16): within bf16's tolerance of the float64 forward."""

@@ -342,7 +342,8 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
                      "qwen2_moe": False, "qwen3_moe": False, "olmoe": False, "flex_olmo": False,
                      "granite": False, "granitemoe": False, "glm4_moe": False,
                      "seed_oss": False, "arcee": False, "dots1": False, "apertus": False,
-                     "ministral": False, "nemotron": False, "vaultgemma": False,
+                     "ministral": False, "ministral3": False, "nemotron": False,
+                     "vaultgemma": False,
                      "dbrx": False,
                      # interleaved pairs over the rotary part
                      "glm": True, "glm4": True, "ernie4_5": True, "ernie4_5_moe": True,
@@ -498,11 +499,6 @@ def rope_config(module, head_dim):
     if kind not in _ROPE_TYPES:
         raise ExportError(f"RoPE scaling type {kind!r} (attnserve computes "
                           f"{', '.join(sorted(_ROPE_TYPES))})")
-    if params.get("llama_4_scaling_beta"):
-        # Mistral 4: each query times 1 + beta * log(1 + floor(position /
-        # original_max_position_embeddings)), a rule of its own.
-        raise ExportError("query scaling by position (rope_parameters llama_4_scaling_beta="
-                          f"{params['llama_4_scaling_beta']})")
     partial = (params.get("partial_rotary_factor") or
                _config_value(config, "partial_rotary_factor") or
                _config_value(config, "rotary_pct") or 1.0)
@@ -740,12 +736,41 @@ def attention_chunk_of(module):
     return int(size) if getattr(module, "use_rope", False) else None
 
 
+# Model types whose queries scale by their position's band after RoPE
+# (transformers' get_llama_4_attn_scale: 1 + beta * log(1 + floor(position /
+# original_max_position_embeddings)) with rope_parameters'
+# llama_4_scaling_beta), checked against their classes. Mistral 4 does it on
+# latent attention, which attnserve computes without it: refused there.
+_POSITION_SCALED = {"ministral3"}
+
+
+def _position_scaling(module):
+    """Ministral 3's query scaling by position as a `temperature_tuning`
+    (by_position), None without llama_4_scaling_beta."""
+    config = getattr(module, "config", None)
+    params = dict(_config_value(config, "rope_parameters") or {})
+    beta = params.get("llama_4_scaling_beta")
+    if not beta:
+        return None
+    model_type = _config_value(config, "model_type")
+    if model_type not in _POSITION_SCALED or _is_latent(module):
+        raise ExportError(f"query scaling by position (rope_parameters llama_4_scaling_beta="
+                          f"{beta}) on {'latent attention of ' if _is_latent(module) else ''}"
+                          f"model type {model_type!r} (checked: {sorted(_POSITION_SCALED)})")
+    original = params.get("original_max_position_embeddings") or \
+        _config_value(config, "original_max_position_embeddings")
+    if not original or not math.isfinite(float(beta)):
+        raise ExportError("query scaling by position needs original_max_position_embeddings and "
+                          f"a finite llama_4_scaling_beta, got {original!r} and {beta!r}")
+    return dict(floor_scale=float(original), attn_scale=float(beta), by_position=True)
+
+
 def temperature_tuning_of(module):
     """The `temperature_tuning` of an attnserve ModelConfig for `module`:
-    Llama 4's attn_temperature_tuning on its layers without RoPE, None
-    elsewhere."""
+    Llama 4's attn_temperature_tuning on its layers without RoPE, Ministral
+    3's query scaling by position, None elsewhere."""
     if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
-        return None
+        return _position_scaling(module)
     return dict(floor_scale=float(module.floor_scale), attn_scale=float(module.attn_scale))
 
 
@@ -1006,6 +1031,7 @@ def _latent_rope(module, rope_dim):
     head_dim = _config_value(config, "head_dim") or (hidden // heads if hidden and heads else
                                                      rope_dim)
     rope = rope_config(module, int(head_dim))
+    _position_scaling(module)  # refused on latent attention (Mistral 4)
     if rope is None and _LATENT_ROPE.get(model_type) is not None:
         raise ExportError(f"multi-head latent attention of model type {model_type!r} without "
                           "RoPE parameters in its config (its rotary features rotate)")
