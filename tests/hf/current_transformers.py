@@ -139,7 +139,15 @@ FAMILIES = {
     "apertus": ("apertus", "Apertus", {}, 0, "served"),
     "nemotron": ("nemotron", "Nemotron", {}, 0, "served"),
     "cohere": ("cohere", "Cohere", {}, 0, "served"),
-    "cohere-qk-layernorm": ("cohere", "Cohere", dict(use_qk_norm=True), 0, "QK-norm of kind"),
+    # Command R+'s use_qk_norm: LayerNorm without a bias over each head, weights per head.
+    "cohere-qk-layernorm": ("cohere", "Cohere", dict(use_qk_norm=True), 0, "served"),
+    # StableLM (2): rotate-half over a quarter of each head; with qk_layernorm
+    # (StableLM 2 12B) the same LayerNorm per head, one nn.LayerNorm each.
+    "stablelm": ("stablelm", "StableLm", dict(use_qkv_bias=True), 0, "served"),
+    "stablelm-qk-layernorm": ("stablelm", "StableLm", dict(use_qkv_bias=True, qk_layernorm=True),
+                              0, "served"),
+    # Chameleon: LayerNorm per head with weights and a bias per head.
+    "chameleon": ("chameleon", "Chameleon", {}, 0, "with a bias"),
     "dots1-sliding": ("dots1", "Dots1", dict(sliding_window=WINDOW, layer_types=[
         "sliding_attention", "full_attention"]), 0, "served"),
     "dots1-full": ("dots1", "Dots1", dict(sliding_window=WINDOW, layer_types=[

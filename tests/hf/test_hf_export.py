@@ -14,7 +14,8 @@ export by name. QK-norm (Qwen3, and Gemma3's 1 + w), sliding windows
 (Mistral; Gemma2's and gpt-oss's every other layer), logit softcapping
 (Gemma2) and attention sinks (gpt-oss) are served exactly too, and so are LongRoPE (Phi-3.5,
 Phi-4-mini: its factors picked per request, a session's cached keys keeping theirs), QK-norm
-over the whole projection (OLMo-2), gated attention (Qwen3-Next and Qwen3.5, the gate inside
+over the whole projection (OLMo-2) and LayerNorm QK-norm with weights per head (Cohere's
+use_qk_norm, Command R+; StableLM 2's qk_layernorm), gated attention (Qwen3-Next and Qwen3.5, the gate inside
 q_proj; AFMoE, a gate_proj), Llama 4's chunked attention and query temperature, DeepSeek's
 multi-head latent attention (LATENT_FAMILIES), QKV clipping (OLMo, OLMoE after its QK-norm,
 DBRX's fused Wqkv: clip_qkv small enough that many features clamp, and their real 8), and the
@@ -111,9 +112,16 @@ def _served_module(family):
         config._attn_implementation = "eager"
         modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_"
                                            f"{model_type}")
-        m = getattr(modeling, f"{prefix}Attention")(config, layer_idx=0)
+        with _layer_norm_without_bias(extra.get("qk_layernorm", False)):
+            m = getattr(modeling, f"{prefix}Attention")(config, layer_idx=0)
         if getattr(m, "rotary_emb", None) is None:
             m.test_rotary = getattr(modeling, f"{prefix}RotaryEmbedding")(config=config)
+        if family in ("cohere-qk-norm", "stablelm-qk-layernorm"):
+            with torch.no_grad():  # every head's norm weights its own, far from 1
+                for norm in (getattr(m, n, None) for n in ("q_norm", "k_norm", "q_layernorm",
+                                                            "k_layernorm")):
+                    for part in getattr(norm, "norms", [norm] if norm is not None else []):
+                        part.weight.uniform_(0.5, 1.5)
     elif family in ("qwen3", "gemma3", "olmo2"):
         m = _QkNormAttention(family)
     elif family == "hunyuan":
@@ -144,6 +152,25 @@ def _served_module(family):
     return m.eval()
 
 
+def _layer_norm_without_bias(needed):
+    """A context in which nn.LayerNorm takes transformers 4.45.2's bias=False
+    (StableLM's qk_layernorm), which torch 1.13's lacks: a LayerNorm whose bias
+    is taken away, (x - mean) / sqrt(var + eps) * w as torch 2's computes;
+    nothing changed unless needed."""
+    import contextlib
+    from unittest import mock
+    if not needed:
+        return contextlib.nullcontext()
+    layer_norm = nn.LayerNorm
+
+    def make(*args, bias=True, **kwargs):
+        norm = layer_norm(*args, **kwargs)
+        if not bias:
+            norm.bias = None
+        return norm
+    return mock.patch.object(nn, "LayerNorm", make)
+
+
 WINDOW = 16  # Mistral's sliding window in these tests (its real one is 4096)
 # QKV clipping in these tests: about half the projected features of OLMo and
 # DBRX here, more of OLMoE's normalised ones, lie beyond it (the real
@@ -155,6 +182,14 @@ MORE_FAMILIES = {"qwen2-moe": ("qwen2_moe", "Qwen2Moe", {}),
                  "mixtral": ("mixtral", "Mixtral", dict(sliding_window=WINDOW)),
                  "starcoder2": ("starcoder2", "Starcoder2", dict(sliding_window=WINDOW)),
                  "cohere": ("cohere", "Cohere", {}),  # interleaved pairs
+                 # Command R+'s use_qk_norm: LayerNorm without a bias over each
+                 # head of Q and K, before RoPE, weights [heads, head_dim].
+                 "cohere-qk-norm": ("cohere", "Cohere", dict(use_qk_norm=True)),
+                 # StableLM: rotate-half over a quarter of each head; StableLM 2
+                 # 12B's qk_layernorm, the same LayerNorm as one norm per head.
+                 "stablelm": ("stablelm", "StableLm", dict(use_qkv_bias=True)),
+                 "stablelm-qk-layernorm": ("stablelm", "StableLm",
+                                           dict(use_qkv_bias=True, qk_layernorm=True)),
                  "olmoe": ("olmoe", "Olmoe", {}),  # QK-norm over the projection
                  # QKV clipping: OLMo-7B-0424's 8, and CLIP; OLMoE's after its QK-norm.
                  "olmo-0424": ("olmo", "Olmo", dict(clip_qkv=8.0)),
@@ -714,11 +749,15 @@ def _np_layer(x, weights, config, positions=None, clamp_first=False):
         out_name = config["tensor_names"].get("out_weight", "o_proj.weight")[:-len(".weight")]
     norm = config.get("qk_norm")
 
-    def rms(t, w):
+    def normed(t, w):
         shape = t.shape
         if norm.get("whole_projection"):  # OLMo-2: before the heads split
             t = t.reshape(bsz, length, -1)
         w = w.astype(np.float64) + (1.0 if norm["weight_offset"] else 0.0)
+        if norm.get("per_head_weights"):  # Cohere, StableLM: head h's own weights
+            w = w.reshape(-1, hd)
+        if norm.get("subtract_mean"):  # Cohere, StableLM: LayerNorm without a bias
+            t = t - t.mean(-1, keepdims=True)
         t = t / np.sqrt((t * t).mean(-1, keepdims=True) + norm["eps"]) * w
         return t.reshape(shape)
     clip = config.get("clip_qkv")
@@ -728,13 +767,13 @@ def _np_layer(x, weights, config, positions=None, clamp_first=False):
     if clamp_first:
         q, k, v = clamp(q, k, v)
     if norm and not norm.get("after_rope"):
-        q, k = rms(q, weights["q_norm.weight"]), rms(k, weights["k_norm.weight"])
+        q, k = normed(q, weights["q_norm.weight"]), normed(k, weights["k_norm.weight"])
     if not clamp_first:
         q, k, v = clamp(q, k, v)
     pos = np.arange(length) if positions is None else positions
     q, k = _np_rotate(q, pos, config["rope"]), _np_rotate(k, pos, config["rope"])
     if norm and norm.get("after_rope"):  # Hunyuan
-        q, k = rms(q, weights["q_norm.weight"]), rms(k, weights["k_norm.weight"])
+        q, k = normed(q, weights["q_norm.weight"]), normed(k, weights["k_norm.weight"])
     k, v = np.repeat(k, h // hkv, axis=2), np.repeat(v, h // hkv, axis=2)
     s = np.einsum("blhd,bmhd->bhlm", q, k) * (config.get("scale") or 1 / math.sqrt(hd))
     if config.get("softcap"):
@@ -795,7 +834,8 @@ def test_rope_layers_are_served_as_the_module_computes_them(served, family):
                                     "gemma2-full", "gpt-oss-sliding", "gpt-oss-full",
                                     "qwen3-next", "afmoe", "deepseek-v3",
                                     "deepseek-v3-q-proj", "longcat-flash", "olmo-clip",
-                                    "olmoe-clip", "dbrx-clip"])
+                                    "olmoe-clip", "dbrx-clip", "cohere-qk-norm",
+                                    "stablelm-qk-layernorm"])
 def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family):
     client, _, configs, weights = served
     x = np.random.default_rng(2).uniform(-1, 1, (1, 3000, 64)).astype(np.float32)
@@ -810,7 +850,8 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "hunyuan", "mistral",
                                     "gemma2-sliding", "gpt-oss-sliding", "qwen3-next", "afmoe",
                                     "llama4", "ministral3", "deepseek-v3", "deepseek-v3-q-proj",
-                                    "olmo-clip", "olmoe-clip", "dbrx-clip"])
+                                    "olmo-clip", "olmoe-clip", "dbrx-clip", "cohere-qk-norm",
+                                    "stablelm-qk-layernorm"])
 def test_a_session_continues_its_positions(served, family):
     """Prefill 24 tokens, then 100 single-token steps: every step equals the
     matching row of one causal request over the whole sequence."""
@@ -893,7 +934,8 @@ def test_a_longrope_session_rotates_as_transformers_cache_does(served):
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "gpt-neox", "gemma2-full", "gpt-oss-full",
-                                    "ministral3", "deepseek-v3", "olmo-clip", "dbrx-clip"])
+                                    "ministral3", "deepseek-v3", "olmo-clip", "dbrx-clip",
+                                    "cohere-qk-norm"])
 def test_left_padded_batches_with_explicit_positions(served, family):
     """A batch as generate() builds it: sequences left-padded to one length,
     an attention mask over the pads and position_ids = cumsum(mask) - 1 (pads
@@ -922,7 +964,7 @@ def test_left_padded_batches_with_explicit_positions(served, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama-yarn", "qwen3", "gpt-oss-full", "ministral3",
-                                    "deepseek-v3", "deepseek-v3-q-proj"])
+                                    "deepseek-v3", "deepseek-v3-q-proj", "cohere-qk-norm"])
 def test_explicit_positions_with_gaps_match_the_module(served, family):
     """Positions that are no shift of 0..L-1 (RoPE is relative, so a shift
     changes nothing): increasing with random gaps, per sequence, in the
@@ -980,7 +1022,8 @@ def test_ragged_batches_with_key_lengths(served, family):
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "gemma2-sliding",
                                     "gpt-oss-sliding", "qwen3-next", "afmoe", "deepseek-v3",
                                     "deepseek-v3-q-proj", "olmo-clip", "olmoe-clip",
-                                    "dbrx-clip", "ministral3"])
+                                    "dbrx-clip", "ministral3", "cohere-qk-norm",
+                                    "stablelm-qk-layernorm"])
 def test_bf16_layers_within_bf16_tolerance(tmp_path, family):
     """The same modules exported with precision bf16 (weights and products in
     bfloat16): within bf16's tolerance of the float64 forward."""
@@ -1072,6 +1115,40 @@ def test_qk_norm_is_exported_and_reported(served):
     assert configs["hunyuan"]["qk_norm"] == {"eps": 1e-6, "weight_offset": False,
                                              "after_rope": True}
     assert client.get_model("hunyuan").config.qk_norm.after_rope
+
+
+@pytest.mark.parametrize("family", ["cohere-qk-norm", "stablelm-qk-layernorm"])
+def test_qk_layernorm_is_exported_with_weights_per_head(served, family):
+    """Command R+'s use_qk_norm (CohereLayerNorm with weights [heads,
+    head_dim]) and StableLM 2's qk_layernorm (one nn.LayerNorm per head): a
+    LayerNorm without a bias over each head of Q and K, exported with each
+    head's weights at its row of [heads, head_dim]; served as the NumPy layer
+    computes it, which both flags change: without the mean subtracted, or
+    with head 0's weights on every head, the answer is another."""
+    client, modules, configs, weights = served
+    config = configs[family]
+    assert config["qk_norm"] == {"eps": 1e-5, "weight_offset": False, "subtract_mean": True,
+                                 "per_head_weights": True}
+    reported = client.get_model(family).config.qk_norm
+    assert reported.subtract_mean and reported.per_head_weights and reported.eps == 1e-5
+    assert not client.get_model("qwen3").config.qk_norm.subtract_mean
+    w = weights[family]
+    for name, heads in (("q", 4), ("k", 2)):
+        norm = getattr(modules[family], f"{name}_norm", None) or \
+            getattr(modules[family], f"{name}_layernorm")
+        stored = torch.stack([n.weight for n in norm.norms]) if hasattr(norm, "norms") \
+            else norm.weight
+        assert w[f"{name}_norm.weight"].shape == (heads, 16)
+        np.testing.assert_array_equal(w[f"{name}_norm.weight"], stored.detach().float().numpy())
+    x = np.random.default_rng(8).uniform(-1, 1, (2, 40, 64)).astype(np.float32)
+    want = _np_layer(x, w, config)
+    got = client.attend(x, model=family, causal=True).output
+    assert _rel(got, want) < 2e-5, _rel(got, want)
+    rms = dict(config, qk_norm=dict(config["qk_norm"], subtract_mean=False))
+    assert _rel(_np_layer(x, w, rms), want) > 1e-3
+    shared = dict(w, **{n: np.broadcast_to(w[n][:1], w[n].shape) for n in ("q_norm.weight",
+                                                                             "k_norm.weight")})
+    assert _rel(_np_layer(x, shared, config), want) > 1e-3
 
 
 def _beyond_clip(module, x):
@@ -1370,11 +1447,28 @@ class _StandIn(nn.Module):
             self.q_norm, self.k_norm = GemmaRMSNorm(16), GemmaRMSNorm(16)
         elif qk_norm == "layernorm":
             self.q_norm, self.k_norm = nn.LayerNorm(16), nn.LayerNorm(16)
+        elif qk_norm == "per_head_and_shared":  # Cohere's LayerNorm, [4, 16] and [16]
+            from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+            self.q_norm, self.k_norm = CohereLayerNorm((4, 16)), CohereLayerNorm(16)
+        elif qk_norm == "other_eps":
+            self.q_norm, self.k_norm = _OtherEpsNorm(), _OtherEpsNorm()
         elif qk_norm == "after_rope":  # Hunyuan's names
             from transformers.models.llama.modeling_llama import LlamaRMSNorm
             self.query_layernorm, self.key_layernorm = LlamaRMSNorm(16), LlamaRMSNorm(16)
         if sinks:
             self.sinks = nn.Parameter(torch.zeros(2 if sinks == "wrong" else 4))
+
+
+class _OtherEpsNorm(nn.Module):
+    """An RMSNorm that says eps 1e-6 and adds 1e-2: on inputs of unit scale
+    it computes about what it says, on small ones not."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(16)), 1e-6
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-2) * self.weight
 
 
 class _Config:
@@ -1400,9 +1494,16 @@ class _Config:
     (lambda: _StandIn(_Config(model_type="olmoe", rope_theta=1e4, clip_qkv=8.0),
                       qk_norm="after_rope"),
      ["QKV clipping (clip_qkv=8.0) with a QK-norm after RoPE in a model of type 'olmoe'"]),
-    # A LayerNorm (not RMSNorm) over Q and K.
+    # A LayerNorm with a bias over Q and K (attnserve's, Cohere's, has none).
     (lambda: _StandIn(_Config(model_type="qwen3", rope_theta=1e4), qk_norm="layernorm"),
-     ["QK-norm of kind", "RMSNorm"]),
+     ["QK-norm LayerNorm with a bias"]),
+    # Weights per head on Q and shared by the heads on K.
+    (lambda: _StandIn(_Config(model_type="cohere", rope_theta=1e4),
+                      qk_norm="per_head_and_shared"),
+     ["weights per head on one of Q and K and shared by the heads on the other"]),
+    # A norm whose eps is not the one it says (its numbers on a small probe).
+    (lambda: _StandIn(_Config(model_type="qwen3", rope_theta=1e4), qk_norm="other_eps"),
+     ["QK-norm _OtherEpsNorm, which computes none of", "1e-06"]),
     # Sinks that are not one per query head.
     (lambda: _StandIn(_Config(model_type="llama", rope_theta=1e4), sinks="wrong"),
      ["attention sinks of shape (2,)"]),

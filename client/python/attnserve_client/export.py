@@ -345,6 +345,9 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
                      "ministral": False, "ministral3": False, "nemotron": False,
                      "vaultgemma": False,
                      "dbrx": False,
+                     # rotate-half over a quarter of each head; qk_layernorm:
+                     # LayerNorm per head, one norm each (StableLM 2)
+                     "stablelm": False,
                      # interleaved pairs over the rotary part
                      "glm": True, "glm4": True, "ernie4_5": True, "ernie4_5_moe": True,
                      "helium": True, "cohere": True,
@@ -568,10 +571,13 @@ def rope_config(module, head_dim):
 
 def _qk_norms(module):
     """(Q's norm, K's norm, after RoPE?) of a module: its `q_norm` and
-    `k_norm` children, applied before RoPE, or Hunyuan's `query_layernorm`
-    and `key_layernorm`, applied after it, or Llama 4's one weightless
-    `qk_norm` for both, after it too; (None, None, False) without."""
+    `k_norm` children (StableLM's, Phi's and Persimmon's `q_layernorm` and
+    `k_layernorm`), applied before RoPE, or Hunyuan's `query_layernorm` and
+    `key_layernorm`, applied after it, or Llama 4's one weightless `qk_norm`
+    for both, after it too; (None, None, False) without."""
     q, k = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    if q is None and k is None:
+        q, k = getattr(module, "q_layernorm", None), getattr(module, "k_layernorm", None)
     if q is None and k is None:
         q, k = getattr(module, "query_layernorm", None), getattr(module, "key_layernorm", None)
         if q is not None or k is not None:
@@ -582,48 +588,99 @@ def _qk_norms(module):
     return q, k, False
 
 
-def _norm_weight_offset(norm, eps):
-    """Whether an RMSNorm module scales by (1 + w) (Gemma, Qwen3-Next,
-    Qwen3.5: weights stored around 0) rather than by w: read from what it
-    computes on a probe vector, compared with both forms in float64. An
-    RMSNorm that computes neither is refused."""
-    dtype = norm.weight.dtype
-    weight = norm.weight.detach().double().flatten()
-    x = torch.linspace(-2.0, 3.0, weight.numel(), dtype=torch.float64).to(dtype)
-    return _norm_form(norm, eps, x, weight)
+def _norm_computes(norm, eps, x, weight):
+    """(subtract_mean, weight_offset) of the QK-norm form `norm` computes on
+    probe x, over x's last dim with `weight` (broadcast over the rest), in
+    float64: RMSNorm x / sqrt(mean(x^2) + eps) or LayerNorm without a bias
+    (x - mean) / sqrt(var + eps), times weight or (1 + weight); None for
+    none of them."""
+    dtype = x.dtype
+    with torch.no_grad():
+        got = norm(x).double()
+    x = x.double()
+    rtol = 1e-3 if dtype in (torch.float32, torch.float64) else 2e-2
+    for subtract_mean in (False, True):
+        centred = x - x.mean(-1, keepdim=True) if subtract_mean else x
+        normed = centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + eps)
+        for offset in (False, True):
+            want = normed * (1 + weight if offset else weight)
+            if got.shape == want.shape and torch.allclose(got, want, rtol=rtol, atol=1e-5):
+                return subtract_mean, offset
+    return None
 
 
 def _norm_form(norm, eps, x, weight):
     """Whether `norm` computes RMSNorm x * (1 + weight) (True) or
     x * weight (False) on probe x; ExportError for neither."""
-    dtype = x.dtype
-    with torch.no_grad():
-        got = norm(x).double().flatten()
-    x = x.double()
-    normed = x / torch.sqrt((x * x).mean() + eps)
-    rtol = 1e-3 if dtype in (torch.float32, torch.float64) else 2e-2
-    for offset, want in ((False, normed * weight), (True, normed * (1 + weight))):
-        if torch.allclose(got, want, rtol=rtol, atol=1e-5):
-            return offset
-    raise ExportError(f"QK-norm {type(norm).__name__} computes neither RMSNorm x * w nor "
-                      "x * (1 + w)")
+    form = _norm_computes(norm, eps, x.flatten(), weight.flatten())
+    if form is None or form[0]:
+        raise ExportError(f"QK-norm {type(norm).__name__} computes neither RMSNorm x * w nor "
+                          "x * (1 + w)")
+    return form[1]
+
+
+def _qk_norm_parts(norm):
+    """The modules of a QK-norm that compute it: the norm itself, or its
+    `norms`, one per head (StableLM's StableLmLayerNormPerHead)."""
+    per_head = getattr(norm, "norms", None)
+    return list(per_head) if isinstance(per_head, torch.nn.ModuleList) else [norm]
+
+
+def _qk_norm_weight(norm):
+    """A QK-norm's weight: its own, or its per-head norms' stacked into
+    [heads, head_dim] (as Cohere stores its own); None without one."""
+    parts = _qk_norm_parts(norm)
+    if parts == [norm]:
+        return getattr(norm, "weight", None)
+    weights = [getattr(part, "weight", None) for part in parts]
+    if any(w is None or w.dim() != 1 for w in weights) or len({w.shape for w in weights}) != 1:
+        raise ExportError(f"QK-norm {type(norm).__name__} whose per-head norms do not each hold "
+                          "a weight of one head's width")
+    return torch.stack([w.detach() for w in weights])
+
+
+def _qk_norm_form(norm, eps):
+    """(subtract_mean, weight_offset) of a QK-norm module with a weight: what
+    it computes over the last dim of probes shaped as its weight (one head, a
+    whole projection, or [heads, head_dim], each head with its own weights;
+    per-head norms each on one head), one of unit scale and one whose mean
+    of squares is eps, so that another eps shows. Zero-centred weights
+    (Gemma's 1 + w) and a subtracted mean (Cohere's LayerNorm) are told apart
+    by these numbers, not by names. ExportError naming the norm for a bias
+    or for any other form."""
+    forms = set()
+    for part in _qk_norm_parts(norm):
+        if isinstance(getattr(part, "bias", None), torch.Tensor):
+            raise ExportError(f"QK-norm {type(part).__name__} with a bias (attnserve's "
+                              "LayerNorm form, Cohere's, has none)")
+        weight = part.weight.detach().double()
+        x = torch.linspace(-2.0, 3.0, weight.numel(), dtype=torch.float64).reshape(weight.shape)
+        small = x * math.sqrt(eps) / torch.sqrt((x * x).mean(-1, keepdim=True))
+        forms |= {_norm_computes(part, eps, probe.to(part.weight.dtype), weight)
+                  for probe in (x, small)}
+        if len(forms) != 1 or None in forms:
+            raise ExportError(f"QK-norm {type(part).__name__}, which computes none of RMSNorm "
+                              f"x / sqrt(mean(x^2) + {eps}) and LayerNorm without a bias "
+                              f"(x - mean) / sqrt(var + {eps}), times w or (1 + w)")
+    return forms.pop()
 
 
 def qk_norm_config(module, head_dim):
-    """The `qk_norm` of an attnserve ModelConfig for a module with RMSNorm
-    children `q_norm` and `k_norm`, per head (Qwen3; Gemma3's adds 1 to its
-    weight) or over the whole projection before the heads are split (OLMo-2:
-    weights as wide as q_proj's and k_proj's outputs), or `query_layernorm`
-    and `key_layernorm` after RoPE (Hunyuan); None without them. ExportError
-    for a norm attnserve does not compute: another kind, or weights of
-    another width."""
+    """The `qk_norm` of an attnserve ModelConfig for a module with norm
+    children `q_norm` and `k_norm`: RMSNorm per head (Qwen3; Gemma3's adds 1
+    to its weight) or over the whole projection before the heads are split
+    (OLMo-2: weights as wide as q_proj's and k_proj's outputs), LayerNorm
+    without a bias per head with weights [heads, head_dim] (Cohere's
+    use_qk_norm; StableLM's qk_layernorm, one norm per head: subtract_mean,
+    per_head_weights), or `query_layernorm` and `key_layernorm` after RoPE
+    (Hunyuan); None without them. ExportError for a norm attnserve does not
+    compute: another form (a bias among them), or weights of another shape."""
     q, k, after_rope = _qk_norms(module)
     if q is None and k is None:
         return None
     if q is None or k is None:
         raise ExportError("QK-norm on only one of Q and K")
-    kinds = {type(q).__name__, type(k).__name__}
-    if getattr(q, "weight", None) is None and getattr(k, "weight", None) is None:
+    if _qk_norm_weight(q) is None and _qk_norm_weight(k) is None:
         # Llama 4's L2 norm: RMSNorm without a weight, x / sqrt(mean(x^2) +
         # eps), as its numbers on a probe vector show: weights of 1.
         eps = float(getattr(q, "eps", None) or getattr(q, "variance_epsilon", None) or 1e-6)
@@ -635,11 +692,9 @@ def qk_norm_config(module, head_dim):
         if after_rope:
             config["after_rope"] = True
         return config
-    if not all("RMSNorm" in kind for kind in kinds):
-        raise ExportError(f"QK-norm of kind {sorted(kinds)} (attnserve computes RMSNorm)")
     widths = []
     for name, norm, proj in (("q_norm", q, "q_proj"), ("k_norm", k, "k_proj")):
-        weight = getattr(norm, "weight", None)
+        weight = _qk_norm_weight(norm)
         shape = None if weight is None else tuple(weight.shape)
         linear = _linear(module, proj)
         if shape == (head_dim,) and linear is not None and linear.out_features == head_dim:
@@ -648,23 +703,36 @@ def qk_norm_config(module, head_dim):
             widths.append("head")
         elif linear is not None and shape == (linear.out_features,):
             widths.append("projection")
+        elif linear is not None and shape == (linear.out_features // head_dim, head_dim):
+            widths.append("per_head")  # Cohere's [heads, head_dim]; StableLM's norms
         else:
-            whole = f" or {proj}'s width ({linear.out_features},)" if linear is not None else ""
-            raise ExportError(f"QK-norm {name} with weight {shape}, neither per head "
+            whole = f", {proj}'s width ({linear.out_features},) or its heads " \
+                f"({linear.out_features // head_dim}, {head_dim})" if linear is not None else ""
+            raise ExportError(f"QK-norm {name} with weight {shape}, neither shared by the heads "
                               f"({head_dim},){whole}")
-    if set(widths) == {"head", "projection"}:
+    if "projection" in widths and ("head" in widths or "per_head" in widths):
         raise ExportError("QK-norm per head on one of Q and K and over the whole projection "
                           "on the other")
-    eps = getattr(q, "variance_epsilon", None) or getattr(q, "eps", None) or \
+    if set(widths) == {"head", "per_head"}:
+        raise ExportError("QK-norm with weights per head on one of Q and K and shared by the "
+                          "heads on the other")
+    first = _qk_norm_parts(q)[0]
+    eps = getattr(first, "variance_epsilon", None) or getattr(first, "eps", None) or \
         _config_value(getattr(module, "config", None), "rms_norm_eps") or 1e-6
-    offsets = {_norm_weight_offset(norm, float(eps)) for norm in (q, k)}
-    if len(offsets) != 1:
-        raise ExportError("QK-norm with x * w on one of Q and K and x * (1 + w) on the other")
-    config = dict(eps=float(eps), weight_offset=offsets.pop())
+    forms = {_qk_norm_form(norm, float(eps)) for norm in (q, k)}
+    if len(forms) != 1:
+        raise ExportError("QK-norm of one form on Q and another on K (RMSNorm or LayerNorm, "
+                          "x * w or x * (1 + w))")
+    subtract_mean, offset = forms.pop()
+    config = dict(eps=float(eps), weight_offset=offset)
     if "projection" in widths:
         config["whole_projection"] = True
     if after_rope:
         config["after_rope"] = True
+    if subtract_mean:
+        config["subtract_mean"] = True
+    if "per_head" in widths:
+        config["per_head_weights"] = True
     return config
 
 
@@ -749,6 +817,8 @@ def _position_scaling(module):
     (by_position), None without llama_4_scaling_beta."""
     config = getattr(module, "config", None)
     params = dict(_config_value(config, "rope_parameters") or {})
+    for k, v in dict(_config_value(config, "rope_scaling") or {}).items():  # transformers 4.x
+        params.setdefault(k, v)
     beta = params.get("llama_4_scaling_beta")
     if not beta:
         return None
@@ -843,9 +913,6 @@ def unsupported_features(module, head_dim=None, num_heads=None):
         attention_chunk_of(module)
     except ExportError as e:
         found.append(str(e))
-    norms = [n for n in ("q_layernorm", "k_layernorm") if getattr(module, n, None) is not None]
-    if norms:
-        found.append(f"QK LayerNorm ({', '.join(norms)})")
     model_type = _config_value(config, "model_type")
     for name in ("gate_proj", "gate", "g_proj"):
         if _linear(module, name) is not None and model_type not in _OUTPUT_GATES:
@@ -911,12 +978,12 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
     if qk_norm is not None:
         config["qk_norm"] = qk_norm
         q_norm, k_norm, _ = _qk_norms(module)
-        if getattr(q_norm, "weight", None) is None:  # Llama 4's: weights of 1
+        if _qk_norm_weight(q_norm) is None:  # Llama 4's: weights of 1
             tensors["q_norm.weight"] = torch.ones(config["head_dim"])
             tensors["k_norm.weight"] = torch.ones(config["head_dim"])
-        else:
-            tensors["q_norm.weight"] = q_norm.weight
-            tensors["k_norm.weight"] = k_norm.weight
+        else:  # as stored; StableLM's per-head norms stacked, [heads, head_dim]
+            tensors["q_norm.weight"] = _qk_norm_weight(q_norm)
+            tensors["k_norm.weight"] = _qk_norm_weight(k_norm)
     chunk = attention_chunk_of(module)
     if chunk is not None:
         config["attention_chunk"] = chunk
