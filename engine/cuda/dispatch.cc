@@ -73,10 +73,10 @@ RotaryArgs QueryRotary(const LayerConfig& config, const DeviceLayer& w, const At
 }
 
 // QK-norm, then QKV clipping (V too) and RoPE (or clipping, RoPE, then
-// QK-norm), then the queries' temperature, on a projection layer's projected Q and K (token
-// layout: rows b * Lq + i and b * Lk + j), in place, as the cpu engine
-// applies them: keys at positions cached_len + j and queries at the
-// bottom-right ones, cached_len + Lk - Lq + i; or, with the task's explicit
+// QK-norm), then the queries' temperature, on a projection layer's projected
+// Q and K (token layout: rows b * Lq + i and b * Lk + j), in place, as the
+// cpu engine applies them: keys at positions cached_len + j and queries at
+// the bottom-right ones, cached_len + Lk - Lq + i; or, with the task's explicit
 // positions (on the device, [B, Lk]), key j at positions[b][j] and query i
 // at positions[b][Lk - Lq + i]. `max_position`, the task's largest
 // (LargestRopePosition), picks LongRoPE's factors.
@@ -85,7 +85,6 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
                        const int64_t* positions, int64_t cached_len, int64_t max_position) {
   const int64_t q_rows = p.batch * p.q_len, kv_rows = p.batch * p.kv_len;
   const int64_t q_stride = p.num_heads * p.head_dim, k_stride = p.num_kv_heads * p.head_dim;
-
   auto normalize = [&]() -> absl::Status {
     if (!config.qk_norm.enabled) return absl::OkStatus();
     const QkNormConfig& norm = config.qk_norm;
