@@ -70,10 +70,8 @@ absl::Status ValidateLatentLayer(const AttentionLayer& layer) {
     return fail("rope.rotary_dim must equal qk_rope_head_dim ", m.rope_dim, ", got ",
                 c.rope.rotary_dim);
   }
-  if (c.qk_norm.enabled || c.output_gate || c.sinks || c.temperature_tuning.enabled ||
-      c.clip_qkv > 0) {
-    return fail("a latent layer takes no qk_norm, output_gate, sinks, temperature_tuning or "
-                "clip_qkv");
+  if (c.qk_norm.enabled || c.output_gate || c.sinks || c.clip_qkv > 0) {
+    return fail("a latent layer takes no qk_norm, output_gate, sinks or clip_qkv");
   }
   const LayerWeights& w = layer.weights;
   if (w.q_norm.byte_size() != 0 || w.k_norm.byte_size() != 0 || w.wg.byte_size() != 0 ||

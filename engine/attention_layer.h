@@ -109,9 +109,11 @@ struct TemperatureTuning {
 //   value_h = c' Wv_h^T           (v_head_dim features)
 // RMSNorm(x; w) = x / sqrt(mean(x^2) + eps) * w, the mean in float64. Wk and
 // Wv are kv_b_proj's rows split per head (weight_loader.h); there are as many
-// key/value heads as query heads, and no QK-norm, output gate, sinks or
-// temperature. K and V both come from the token's own input, so a request
-// carries no separate key or value (self-attention only).
+// key/value heads as query heads, and no QK-norm, output gate or sinks.
+// temperature_tuning (Mistral 4's by_position) scales each query head's
+// whole row, nope and rope features, after RoPE. K and V both come from the
+// token's own input, so a request carries no separate key or value
+// (self-attention only).
 struct LatentAttention {
   bool enabled = false;
   int64_t q_lora_rank = 0;   // 0: one query projection from x

@@ -125,15 +125,13 @@ class CpuEngine final : public AttentionEngine {
   }
 
   // QK-norm, QKV clipping (V too) and RoPE (or clipping, RoPE and QK-norm,
-  // qk_norm.after_rope), then the queries' temperature, on every task's
-  // projected Q and K, in place, before a session appends its keys (the
-  // cache holds normalised, clipped, rotated keys). A sequence's keys sit at
-  // cached_len + j and its queries at the bottom-right positions
-  // kv_total - Lq + i, kv_total = cached_len + Lk; or, with explicit
-  // positions, key j at positions[b][j] and query i at positions[b][Lk - Lq
-  // + i] (the temperature takes the index, and the explicit position only
-  // with by_position). Each task is one forward call: its largest position
-  // picks LongRoPE's factors.
+  // qk_norm.after_rope) on every task's projected Q and K, in place, before
+  // a session appends its keys (the cache holds normalised, clipped, rotated
+  // keys). A sequence's keys sit at cached_len + j and its queries at the
+  // bottom-right positions kv_total - Lq + i, kv_total = cached_len + Lk; or,
+  // with explicit positions, key j at positions[b][j] and query i at
+  // positions[b][Lk - Lq + i]. Each task is one forward call: its largest
+  // position picks LongRoPE's factors.
   void PrepareQk(const AttentionLayer& layer, absl::Span<const AttentionTask> batch,
                  absl::Span<const AttentionParams> params) {
     const LayerConfig& c = layer.config;
@@ -208,16 +206,30 @@ class CpuEngine final : public AttentionEngine {
           clip();
           rotate();
         }
-        if (c.temperature_tuning.enabled) {  // Llama 4's layers without RoPE, Ministral 3
-          // By index; by_position: at the queries' explicit positions too.
-          const int64_t* query_positions =
-              c.temperature_tuning.by_position && !batch[t].positions.empty()
-                  ? batch[t].positions.data() + b * p.kv_len + (p.kv_len - p.q_len)
-                  : nullptr;
-          cpu::ScaleQueryRows(c.temperature_tuning, p.dtype, q, p.q_len, p.q_stride_row,
-                              p.num_heads * p.head_dim, first_query, query_positions,
-                              options_.num_threads);
-        }
+      }
+    }
+  }
+
+  // The queries' temperature (Llama 4's layers without RoPE, Ministral 3,
+  // Mistral 4), after PrepareQk, on every head's whole query row: the query
+  // at index cached_len + Lk - Lq + i; by_position, at its explicit position
+  // when the task has positions (by index, they never change it).
+  void ScaleQueries(const LayerConfig& c, absl::Span<const AttentionTask> batch,
+                    absl::Span<const AttentionParams> params) {
+    for (size_t t = 0; t < params.size(); ++t) {
+      const AttentionParams& p = params[t];
+      const int64_t cached = batch[t].paged.enabled() ? batch[t].paged.cached_len : 0;
+      const size_t size = DTypeSize(p.dtype);
+      for (int64_t b = 0; b < p.batch; ++b) {
+        // const_cast: q points into this call's own projection buffers.
+        char* q = static_cast<char*>(const_cast<void*>(p.q)) + b * p.q_stride_b * size;
+        const int64_t* query_positions =
+            c.temperature_tuning.by_position && !batch[t].positions.empty()
+                ? batch[t].positions.data() + b * p.kv_len + (p.kv_len - p.q_len)
+                : nullptr;
+        cpu::ScaleQueryRows(c.temperature_tuning, p.dtype, q, p.q_len, p.q_stride_row,
+                            p.num_heads * p.head_dim, cached + p.kv_len - p.q_len,
+                            query_positions, options_.num_threads);
       }
     }
   }
@@ -353,10 +365,10 @@ class CpuEngine final : public AttentionEngine {
     }
     for (AttentionParams& p : params) p.q_stride_h = p.k_stride_h = p.v_stride_h = c.head_dim;
     PlaceCoreOutputs(params, all_q_rows, o_layout, core, act, qf);
-    if (c.qk_norm.enabled || c.rope.type != RopeConfig::Type::kNone ||
-        c.temperature_tuning.enabled || c.clip_qkv > 0) {
+    if (c.qk_norm.enabled || c.rope.type != RopeConfig::Type::kNone || c.clip_qkv > 0) {
       PrepareQk(layer, batch, params);
     }
+    if (c.temperature_tuning.enabled) ScaleQueries(c, batch, params);
     for (size_t i = 0; i < params.size(); ++i) {
       if (absl::Status s = UseSessionCache(batch[i], &params[i]); !s.ok()) return s;
     }
@@ -432,7 +444,7 @@ class CpuEngine final : public AttentionEngine {
   //     features and the values through the fused [Wk; Wv], in one pass;
   //  3. RoPE on each query head's last rope_dim features and on the token's
   //     one rotary key (PrepareQk), then each head's key assembled as
-  //     [k_nope_h | k_rope];
+  //     [k_nope_h | k_rope]; any temperature on the whole query rows;
   //  4. the core of every task in one call, 5. the output projection, as
   //     RunProjected does.
   absl::Status RunLatent(const AttentionLayer& layer, absl::Span<const AttentionTask> batch,
@@ -562,6 +574,8 @@ class CpuEngine final : public AttentionEngine {
     const RowLayout o_layout = cpu::LayoutRowsFor(*wo, rows);
     ThreadBuffer core(BufferSlot::kCoreOutput, o_layout.total * of * act_size);
     PlaceCoreOutputs(params, rows, o_layout, core, act, of);
+    // Mistral 4's temperature, on each query head's whole row (after RoPE).
+    if (c.temperature_tuning.enabled) ScaleQueries(c, batch, params);
     for (size_t i = 0; i < params.size(); ++i) {
       if (absl::Status s = UseSessionCache(batch[i], &params[i]); !s.ok()) return s;
     }

@@ -72,6 +72,27 @@ RotaryArgs QueryRotary(const LayerConfig& config, const DeviceLayer& w, const At
   return rotary;
 }
 
+// The queries' temperature (config.temperature_tuning) on every head's
+// whole row of a task's projected queries q [B * Lq, H * Dqk], after RoPE:
+// Llama 4's layers without RoPE by index, never by explicit position;
+// by_position (Ministral 3, Mistral 4) at the explicit positions when given.
+absl::Status ScaleQueries(Call& call, const LayerConfig& config, const DeviceLayer& w,
+                          const AttentionParams& p, void* q, const int64_t* positions,
+                          int64_t cached_len) {
+  const TemperatureTuning& t = config.temperature_tuning;
+  const int64_t width = p.num_heads * p.head_dim;
+  TemperatureArgs a;
+  a.floor_scale = t.floor_scale;
+  a.attn_scale = t.attn_scale;
+  a.by_position = t.by_position;
+  a.positions = t.by_position ? positions : nullptr;
+  a.positions_stride = p.kv_len;
+  a.first = (a.positions != nullptr ? 0 : cached_len) + p.kv_len - p.q_len;
+  ATTNSERVE_CUDA_CALL(LaunchQueryTemperature(q, w.type, p.batch * p.q_len, p.q_len, width, width,
+                                             a, call.stream()));
+  return absl::OkStatus();
+}
+
 // QK-norm, then QKV clipping (V too) and RoPE (or clipping, RoPE, then
 // QK-norm), then the queries' temperature, on a projection layer's projected
 // Q and K (token layout: rows b * Lq + i and b * Lk + j), in place, as the
@@ -122,18 +143,7 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
   }
   if (config.qk_norm.after_rope) ATTNSERVE_CUDA_RETURN_IF_ERROR(normalize());
   if (config.temperature_tuning.enabled) {
-    // Llama 4's layers without RoPE: by index, never by explicit position;
-    // by_position (Ministral 3): at the explicit positions when given.
-    const TemperatureTuning& t = config.temperature_tuning;
-    TemperatureArgs a;
-    a.floor_scale = t.floor_scale;
-    a.attn_scale = t.attn_scale;
-    a.by_position = t.by_position;
-    a.positions = t.by_position ? positions : nullptr;
-    a.positions_stride = p.kv_len;
-    a.first = (a.positions != nullptr ? 0 : cached_len) + p.kv_len - p.q_len;
-    ATTNSERVE_CUDA_CALL(
-        LaunchQueryTemperature(q, w.type, q_rows, p.q_len, q_stride, q_stride, a, call.stream()));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(ScaleQueries(call, config, w, p, q, positions, cached_len));
   }
   return absl::OkStatus();
 }
@@ -142,7 +152,8 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
 // engine computes them) of a self-attention task's rows x [rows, query_dim]
 // in the compute type: into q [rows, H * Dqk], k [rows, H * Dqk] and v
 // [rows, H * Dv], with RoPE on each query head's last rope_dim features and
-// on the token's one rotary key, as PrepareQk positions them.
+// on the token's one rotary key, as PrepareQk positions them, then any
+// temperature (ScaleQueries) on the whole query rows.
 absl::Status ProjectLatent(Call& call, const LayerConfig& config, const DeviceLayer& w,
                            const AttentionParams& p, const void* x, void* q, void* k, void* v,
                            const int64_t* positions, int64_t cached_len, int64_t max_position) {
@@ -193,6 +204,9 @@ absl::Status ProjectLatent(Call& call, const LayerConfig& config, const DeviceLa
     rotary.first = positions != nullptr ? 0 : cached_len;
     ATTNSERVE_CUDA_CALL(LaunchRotary(*k_rope, ct, rows, p.kv_len, m.rope_dim, 1, m.rope_dim,
                                      rotary, call.stream()));
+  }
+  if (config.temperature_tuning.enabled) {  // Mistral 4: the whole query rows, after RoPE
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(ScaleQueries(call, config, w, p, q, positions, cached_len));
   }
   ATTNSERVE_CUDA_CALL(
       LaunchAssembleLatentKeys(k, *k_nope, *k_rope, ct, rows, h, nope, m.rope_dim, call.stream()));

@@ -273,10 +273,8 @@ absl::Status ResolveLatentAttention(const std::string& path, v1::ModelConfig* c)
                        "must be false with latent_attention (its values come from kv_b_proj, "
                        "which has no bias)");
   }
-  if (c->has_qk_norm() || c->has_output_gate() || c->sinks() || c->has_temperature_tuning() ||
-      c->clip_qkv() != 0) {
-    return ConfigError(path, field,
-                       "takes no qk_norm, output_gate, sinks, temperature_tuning or clip_qkv");
+  if (c->has_qk_norm() || c->has_output_gate() || c->sinks() || c->clip_qkv() != 0) {
+    return ConfigError(path, field, "takes no qk_norm, output_gate, sinks or clip_qkv");
   }
   if (c->rope().rotary_dim() == 0 && !c->rope().type().empty() && c->rope().type() != "none") {
     c->mutable_rope()->set_rotary_dim(m->qk_rope_head_dim());

@@ -200,9 +200,11 @@ FAMILIES = {
     "longcat-flash": ("longcat_flash", "LongcatFlash", MLA, 0, "served"),
     # Kimi Linear's latent layers: no RoPE.
     "kimi-linear": ("kimi_linear", "KimiLinear", dict(MLA, q_lora_rank=None), 0, "served"),
-    # Mistral 4: queries scaled by position (llama_4_scaling_beta); without
-    # that scaling, DeepSeek-V3's attention with YaRN on part of the head.
-    "mistral4": ("mistral4", "Mistral4", dict(MLA, head_dim=24), 0, "llama_4_scaling_beta"),
+    # Mistral 4: DeepSeek-V3's attention with YaRN on part of the head, and
+    # every query feature scaled by its position's band (llama_4_scaling_beta
+    # over the 32-token training context: 48 tokens cross two bands).
+    "mistral4": ("mistral4", "Mistral4", dict(MLA, head_dim=24, rope_parameters=dict(
+        DEEPSEEK_YARN, llama_4_scaling_beta=0.1), max_position_embeddings=128), 0, "served"),
     "mistral4-no-scaling": ("mistral4", "Mistral4", dict(MLA, head_dim=24, rope_parameters=dict(
         DEEPSEEK_YARN, llama_4_scaling_beta=0.0), max_position_embeddings=128), 0, "served"),
     # Latent attention with what attnserve does not compute: a per-head gate

@@ -200,8 +200,8 @@ MORE_FAMILIES = {"qwen2-moe": ("qwen2_moe", "Qwen2Moe", {}),
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
             "qwen2", "phi3", "phi3-longrope", "gpt-neox", "qwen3", "gemma3", "olmo2", "hunyuan",
             "gemma2-sliding", "gemma2-full", "gpt-oss-sliding", "gpt-oss-full", "qwen3-next",
-            "afmoe", "llama4", "ministral3", "deepseek-v3", "deepseek-v3-q-proj", "longcat-flash", "dbrx",
-            "dbrx-clip", *MORE_FAMILIES]
+            "afmoe", "llama4", "ministral3", "deepseek-v3", "deepseek-v3-q-proj", "longcat-flash",
+            "mistral4", "dbrx", "dbrx-clip", *MORE_FAMILIES]
 
 
 class _GptOssAttention(nn.Module):
@@ -486,6 +486,10 @@ LATENT_FAMILIES = {
     "longcat-flash": ("longcat_flash", 24, False, True, None),
     # Kimi Linear's latent layers: no RoPE at all.
     "kimi-linear": ("kimi_linear", None, False, True, None),
+    # Mistral 4: DeepSeek-V3's form, and every query feature after RoPE times
+    # 1 + beta * log(1 + floor(p / original_max_position_embeddings))
+    # (get_llama_4_attn_scale, llama_4_scaling_beta in its rope parameters).
+    "mistral4": ("mistral4", 24, False, True, dict(DEEPSEEK_YARN, llama_4_scaling_beta=0.1)),
 }
 
 
@@ -587,6 +591,11 @@ class _DeepseekV3Attention(nn.Module):
             rotate = self._interleaved if self.interleave else apply_rotary_pos_emb
             q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
         query = torch.cat((q_pass, q_rot), dim=-1)
+        beta = (self.config.rope_scaling or {}).get("llama_4_scaling_beta")
+        if beta:  # Mistral4Attention
+            original = self.config.rope_scaling["original_max_position_embeddings"]
+            band = 1 + beta * torch.log(1 + torch.floor(position_ids / original))
+            query = query * band[:, None, :, None].to(query.dtype)
         kv = self.kv_b_proj(kv_pass).view(b, length, -1, 16 + 12).transpose(1, 2)
         k_pass, value = torch.split(kv, [16, 12], dim=-1)
         key = torch.cat((k_pass, k_rot.expand(-1, 4, -1, -1)), dim=-1)
@@ -678,6 +687,17 @@ def _np_rotate(x, positions, rope):
     return x
 
 
+def _np_position_scaled(q, positions, config):
+    """q [B, L, H, D] times Ministral 3's and Mistral 4's factor at each
+    query's position (get_llama_4_attn_scale), when the config has one."""
+    t = config.get("temperature_tuning")
+    if not t:
+        return q
+    assert t["by_position"], t
+    band = 1 + t["attn_scale"] * np.log(1 + np.floor(positions / t["floor_scale"]))
+    return q * np.broadcast_to(band, q.shape[:2])[..., None, None]
+
+
 def _np_latent_layer(x, weights, config, positions=None):
     """Causal multi-head latent attention of an exported layer
     (model_config.proto's LatentAttention), float64, from its weights; tokens
@@ -709,6 +729,7 @@ def _np_latent_layer(x, weights, config, positions=None):
         pos = np.arange(length) if positions is None else positions
         q = np.concatenate([q[..., :nope], _np_rotate(q[..., nope:], pos, config["rope"])], -1)
         k = np.concatenate([k[..., :nope], _np_rotate(k[..., nope:], pos, config["rope"])], -1)
+        q = _np_position_scaled(q, pos, config)  # Mistral 4: the whole query, after RoPE
     s = np.einsum("blhd,bmhd->bhlm", q, k) * config["scale"]
     s = s + np.triu(np.full((length, length), -np.inf), 1)
     p = np.exp(s - s.max(-1, keepdims=True))
@@ -774,6 +795,7 @@ def _np_layer(x, weights, config, positions=None, clamp_first=False):
     q, k = _np_rotate(q, pos, config["rope"]), _np_rotate(k, pos, config["rope"])
     if norm and norm.get("after_rope"):  # Hunyuan
         q, k = normed(q, weights["q_norm.weight"]), normed(k, weights["k_norm.weight"])
+    q = _np_position_scaled(q, pos, config)  # Ministral 3
     k, v = np.repeat(k, h // hkv, axis=2), np.repeat(v, h // hkv, axis=2)
     s = np.einsum("blhd,bmhd->bhlm", q, k) * (config.get("scale") or 1 / math.sqrt(hd))
     if config.get("softcap"):
@@ -833,9 +855,9 @@ def test_rope_layers_are_served_as_the_module_computes_them(served, family):
                                     "gemma2-sliding",
                                     "gemma2-full", "gpt-oss-sliding", "gpt-oss-full",
                                     "qwen3-next", "afmoe", "deepseek-v3",
-                                    "deepseek-v3-q-proj", "longcat-flash", "olmo-clip",
-                                    "olmoe-clip", "dbrx-clip", "cohere-qk-norm",
-                                    "stablelm-qk-layernorm"])
+                                    "deepseek-v3-q-proj", "longcat-flash", "mistral4",
+                                    "ministral3", "olmo-clip", "olmoe-clip", "dbrx-clip",
+                                    "cohere-qk-norm", "stablelm-qk-layernorm"])
 def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family):
     client, _, configs, weights = served
     x = np.random.default_rng(2).uniform(-1, 1, (1, 3000, 64)).astype(np.float32)
@@ -850,8 +872,8 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "hunyuan", "mistral",
                                     "gemma2-sliding", "gpt-oss-sliding", "qwen3-next", "afmoe",
                                     "llama4", "ministral3", "deepseek-v3", "deepseek-v3-q-proj",
-                                    "olmo-clip", "olmoe-clip", "dbrx-clip", "cohere-qk-norm",
-                                    "stablelm-qk-layernorm"])
+                                    "mistral4", "olmo-clip", "olmoe-clip", "dbrx-clip",
+                                    "cohere-qk-norm", "stablelm-qk-layernorm"])
 def test_a_session_continues_its_positions(served, family):
     """Prefill 24 tokens, then 100 single-token steps: every step equals the
     matching row of one causal request over the whole sequence."""
@@ -934,8 +956,8 @@ def test_a_longrope_session_rotates_as_transformers_cache_does(served):
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "gpt-neox", "gemma2-full", "gpt-oss-full",
-                                    "ministral3", "deepseek-v3", "olmo-clip", "dbrx-clip",
-                                    "cohere-qk-norm"])
+                                    "ministral3", "deepseek-v3", "mistral4", "olmo-clip",
+                                    "dbrx-clip", "cohere-qk-norm"])
 def test_left_padded_batches_with_explicit_positions(served, family):
     """A batch as generate() builds it: sequences left-padded to one length,
     an attention mask over the pads and position_ids = cumsum(mask) - 1 (pads
@@ -964,7 +986,8 @@ def test_left_padded_batches_with_explicit_positions(served, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama-yarn", "qwen3", "gpt-oss-full", "ministral3",
-                                    "deepseek-v3", "deepseek-v3-q-proj", "cohere-qk-norm"])
+                                    "deepseek-v3", "deepseek-v3-q-proj", "mistral4",
+                                    "cohere-qk-norm"])
 def test_explicit_positions_with_gaps_match_the_module(served, family):
     """Positions that are no shift of 0..L-1 (RoPE is relative, so a shift
     changes nothing): increasing with random gaps, per sequence, in the
@@ -1022,7 +1045,7 @@ def test_ragged_batches_with_key_lengths(served, family):
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "gemma2-sliding",
                                     "gpt-oss-sliding", "qwen3-next", "afmoe", "deepseek-v3",
                                     "deepseek-v3-q-proj", "olmo-clip", "olmoe-clip",
-                                    "dbrx-clip", "ministral3", "cohere-qk-norm",
+                                    "dbrx-clip", "ministral3", "mistral4", "cohere-qk-norm",
                                     "stablelm-qk-layernorm"])
 def test_bf16_layers_within_bf16_tolerance(tmp_path, family):
     """The same modules exported with precision bf16 (weights and products in

@@ -106,6 +106,10 @@ LLM_LAYERS = {
                         latent_attention={"q_lora_rank": 128, "kv_lora_rank": 96,
                                           "qk_rope_head_dim": 16, "v_head_dim": 48}),
 }
+# Mistral 4: DeepSeek-V3's layer with every query feature scaled by its
+# position's band (llama_4_scaling_beta over a training context of 16).
+LLM_LAYERS["mistral4"] = dict(LLM_LAYERS["deepseek-v3"], temperature_tuning={
+    "floor_scale": 16.0, "attn_scale": 0.1, "by_position": True})
 
 
 def _write_llm_layers(root):

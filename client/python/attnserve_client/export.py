@@ -807,14 +807,15 @@ def attention_chunk_of(module):
 # Model types whose queries scale by their position's band after RoPE
 # (transformers' get_llama_4_attn_scale: 1 + beta * log(1 + floor(position /
 # original_max_position_embeddings)) with rope_parameters'
-# llama_4_scaling_beta), checked against their classes. Mistral 4 does it on
-# latent attention, which attnserve computes without it: refused there.
-_POSITION_SCALED = {"ministral3"}
+# llama_4_scaling_beta), checked against their classes: Ministral 3 on
+# Llama's attention, Mistral 4 on latent attention (every query feature,
+# after RoPE).
+_POSITION_SCALED = {"ministral3", "mistral4"}
 
 
 def _position_scaling(module):
-    """Ministral 3's query scaling by position as a `temperature_tuning`
-    (by_position), None without llama_4_scaling_beta."""
+    """Ministral 3's and Mistral 4's query scaling by position as a
+    `temperature_tuning` (by_position), None without llama_4_scaling_beta."""
     config = getattr(module, "config", None)
     params = dict(_config_value(config, "rope_parameters") or {})
     for k, v in dict(_config_value(config, "rope_scaling") or {}).items():  # transformers 4.x
@@ -823,7 +824,7 @@ def _position_scaling(module):
     if not beta:
         return None
     model_type = _config_value(config, "model_type")
-    if model_type not in _POSITION_SCALED or _is_latent(module):
+    if model_type not in _POSITION_SCALED:
         raise ExportError(f"query scaling by position (rope_parameters llama_4_scaling_beta="
                           f"{beta}) on {'latent attention of ' if _is_latent(module) else ''}"
                           f"model type {model_type!r} (checked: {sorted(_POSITION_SCALED)})")
@@ -1098,7 +1099,6 @@ def _latent_rope(module, rope_dim):
     head_dim = _config_value(config, "head_dim") or (hidden // heads if hidden and heads else
                                                      rope_dim)
     rope = rope_config(module, int(head_dim))
-    _position_scaling(module)  # refused on latent attention (Mistral 4)
     if rope is None and _LATENT_ROPE.get(model_type) is not None:
         raise ExportError(f"multi-head latent attention of model type {model_type!r} without "
                           "RoPE parameters in its config (its rotary features rotate)")
@@ -1131,6 +1131,10 @@ def _latent_unsupported(module):
         found.append(f"a sliding window of {window} tokens on multi-head latent attention")
     if getattr(module, "attn_temperature_tuning", False):
         found.append("attention temperature tuning on multi-head latent attention")
+    try:
+        _position_scaling(module)  # Mistral 4's is served; another model type's refused
+    except ExportError as e:
+        found.append(str(e))
     clip = getattr(module, "clip_qkv", None) or _config_value(config, "clip_qkv")
     if clip:
         found.append(f"QKV clipping (clip_qkv={clip}) on multi-head latent attention")
@@ -1216,6 +1220,9 @@ def _describe_latent(module, num_heads):
     rope = _latent_rope(module, rope_dim)
     if rope is not None:
         config["rope"] = rope
+    temperature = _position_scaling(module)  # Mistral 4
+    if temperature is not None:
+        config["temperature_tuning"] = temperature
     return config, tensors
 
 

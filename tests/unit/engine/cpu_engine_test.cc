@@ -542,6 +542,10 @@ TEST_F(CpuEngineTest, LatentAttentionMatchesReference) {
       // DeepSeek-V3: softmax_scale * mscale^2
       lc.scale = static_cast<float>(std::pow(0.1 * std::log(40.0) + 1.0, 2) /
                                     std::sqrt(static_cast<double>(lc.head_dim)));
+      // Mistral 4: every query feature scaled by its position's band.
+      if (rng.Chance(0.4)) {
+        lc.temperature_tuning = {true, rng.Pick<double>({2.0, 3.0, 64.0}), 0.7, rng.Chance(0.7)};
+      }
     }
     ASSERT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
 
@@ -569,6 +573,10 @@ TEST_F(CpuEngineTest, LatentAttentionMatchesReference) {
                            shape.biases ? " biases" : "",
                            rope == 0 ? " no rope" : rope == 1 ? " rope" : " yarn",
                            lc.rope.interleaved ? " interleaved" : "",
+                           !lc.temperature_tuning.enabled ? ""
+                           : lc.temperature_tuning.by_position
+                               ? " temperature by position"
+                               : " temperature by index",
                            c.causal ? " causal" : "", c.key_lengths.empty() ? "" : " lengths",
                            c.mask.byte_size() ? " mask" : "",
                            c.positions.empty() ? "" : " positions", ", B ", batch, " L ", len,

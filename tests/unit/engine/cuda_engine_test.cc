@@ -1988,8 +1988,9 @@ TEST(CudaEngineTest, ProjectionSessionStepsEqualOneCausalRequest) {
 }
 
 // Multi-head latent attention (DeepSeek-V2/V3), with and without the
-// query's latent, YaRN RoPE on the last features of each head (DeepSeek-V3's
-// interleaved pairs) with its mscale in the scale, in each precision:
+// query's latent (with it, Mistral 4's temperature by position), YaRN RoPE
+// on the last features of each head (DeepSeek-V3's interleaved pairs) with
+// its mscale in the scale, in each precision:
 // stateless batches against the reference, then sessions step by step
 // against one causal request.
 TEST(CudaEngineTest, LatentAttentionMatchesReference) {
@@ -2022,6 +2023,9 @@ TEST(CudaEngineTest, LatentAttentionMatchesReference) {
       c.rope.beta_slow = 1.0;
       c.rope.attention_factor = 1.0;
       c.scale = static_cast<float>(std::pow(0.1 * std::log(40.0) + 1.0, 2) / 8.0);
+      // Mistral 4 (a query latent): every query feature scaled by its
+      // position's band, after RoPE.
+      if (q_lora_rank > 0) c.temperature_tuning = {true, 16.0, 0.7, true};
       ASSERT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
       SCOPED_TRACE(absl::StrCat("q_lora_rank ", q_lora_rank, ", precision ",
                                 static_cast<int>(precision)));

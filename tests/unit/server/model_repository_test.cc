@@ -405,8 +405,8 @@ TEST(ModelConfigTest, LatentAttentionResolvesAndItsRulesNameTheField) {
               AllOf(HasSubstr("latent_attention"), HasSubstr("not allowed for kind \"sdpa\"")));
 }
 
-// Temperature tuning by position (Ministral 3) reaches the layer and comes
-// back.
+// Temperature tuning by position (Ministral 3, and Mistral 4's on latent
+// attention) reaches the layer and comes back.
 TEST(ModelConfigTest, TemperatureByPositionResolves) {
   v1::ModelConfig ministral = Resolved(
       "embed_dim: 64 num_heads: 4 rope { type: \"default\" } temperature_tuning { "
@@ -416,6 +416,14 @@ TEST(ModelConfigTest, TemperatureByPositionResolves) {
   EXPECT_EQ(layer.temperature_tuning.floor_scale, 16384.0);
   EXPECT_TRUE(
       LayerToModelConfig(AttentionLayer{layer, {}, {}}).temperature_tuning().by_position());
+  // Mistral 4: the same on latent attention.
+  const LayerConfig mistral4 = ToLayerConfig(Resolved(
+      "embed_dim: 64 num_heads: 4 head_dim: 24 weight_layout: SEPARATE_QKV causal: true "
+      "rope { type: \"default\" } latent_attention { q_lora_rank: 16 kv_lora_rank: 32 "
+      "qk_rope_head_dim: 8 v_head_dim: 12 } temperature_tuning { floor_scale: 8192 "
+      "attn_scale: 0.1 by_position: true }"));
+  EXPECT_TRUE(mistral4.latent.enabled);
+  EXPECT_TRUE(mistral4.temperature_tuning.by_position);
 }
 
 // QK-norm's LayerNorm form with weights per head (Cohere) reaches the layer
