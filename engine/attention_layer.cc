@@ -70,8 +70,8 @@ absl::Status ValidateLatentLayer(const AttentionLayer& layer) {
     return fail("rope.rotary_dim must equal qk_rope_head_dim ", m.rope_dim, ", got ",
                 c.rope.rotary_dim);
   }
-  if (c.qk_norm.enabled || c.output_gate || c.sinks || c.clip_qkv > 0) {
-    return fail("a latent layer takes no qk_norm, output_gate, sinks or clip_qkv");
+  if (c.qk_norm.enabled || c.output_gate || c.sinks || c.clip_qkv > 0 || c.v_norm_eps > 0) {
+    return fail("a latent layer takes no qk_norm, output_gate, sinks, clip_qkv or v_norm");
   }
   const LayerWeights& w = layer.weights;
   if (w.q_norm.byte_size() != 0 || w.k_norm.byte_size() != 0 || w.wg.byte_size() != 0 ||
@@ -127,6 +127,11 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer '", c.name, "': clip_qkv must be finite and >= 0 (0 = none), got ", c.clip_qkv));
   }
+  if (!std::isfinite(c.v_norm_eps) || c.v_norm_eps < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer '", c.name, "': v_norm eps must be finite and > 0 (0 = no v_norm), got ",
+        c.v_norm_eps));
+  }
   if (c.sliding_window < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer '", c.name, "': sliding_window must be >= 0 (0 = none), got ", c.sliding_window));
@@ -153,11 +158,12 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
       }
     }
     if (c.rope.type != RopeConfig::Type::kNone || c.qk_norm.enabled || c.sinks ||
-        c.output_gate || c.temperature_tuning.enabled || c.latent.enabled || c.clip_qkv > 0) {
+        c.output_gate || c.temperature_tuning.enabled || c.latent.enabled || c.clip_qkv > 0 ||
+        c.v_norm_eps > 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer '", c.name,
-          "': rope, qk_norm, sinks, output_gate, temperature_tuning, latent_attention and "
-          "clip_qkv apply to projection layers only"));
+          "': rope, qk_norm, sinks, output_gate, temperature_tuning, latent_attention, "
+          "clip_qkv and v_norm apply to projection layers only"));
     }
     return absl::OkStatus();
   }

@@ -182,6 +182,12 @@ struct LayerConfig {
   // projections (and a QK-norm before RoPE), before RoPE. Projection layers
   // only; not with latent attention.
   float clip_qkv = 0.0f;
+
+  // > 0: each projected value head is RMS-normalised without a weight
+  // (Gemma 3n's and Gemma 4's v_norm), v / sqrt(mean(v^2) + v_norm_eps),
+  // the mean in float64, after the projections and before any clipping and
+  // before a session caches it. 0: none. Projection layers, not latent.
+  double v_norm_eps = 0.0;
   // Multi-head latent attention (above); projection layers only.
   LatentAttention latent;
 };

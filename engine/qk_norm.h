@@ -1,6 +1,7 @@
 // QK-norm as Hugging Face transformers computes it (Qwen3RMSNorm,
 // Gemma3RMSNorm applied per head; Olmo2RMSNorm over the whole projection;
-// CohereLayerNorm per head with weights per head):
+// CohereLayerNorm per head with weights per head), and the value norm
+// without weights (Gemma 3n, Gemma 4):
 // x / sqrt(mean(x^2) + eps) * w, or * (1 + w) with weight_offset, or
 // (x - mean) / sqrt(var + eps) * w with subtract_mean. The means accumulate
 // in float64.
@@ -33,9 +34,9 @@ inline int64_t QkNormWeightCount(const QkNormConfig& norm, int64_t heads, int64_
   return norm.whole_projection || norm.per_head_weights ? heads * head_dim : head_dim;
 }
 
-// Normalises one vector x[dim] in place with weights w[dim] (float): RMSNorm,
-// or with subtract_mean LayerNorm without a bias, (x - mean) / sqrt(var +
-// eps) * w, the mean and variance in float64.
+// Normalises one vector x[dim] in place with weights w[dim] (float; nullptr:
+// weights of 1, v_norm): RMSNorm, or with subtract_mean LayerNorm without a
+// bias, (x - mean) / sqrt(var + eps) * w, the mean and variance in float64.
 template <typename T>
 void NormalizeHead(T* x, const float* w, int64_t dim, const QkNormConfig& norm) {
   double mean = 0;
@@ -51,8 +52,9 @@ void NormalizeHead(T* x, const float* w, int64_t dim, const QkNormConfig& norm) 
   const T inv = static_cast<T>(1.0 / std::sqrt(sum / static_cast<double>(dim) + norm.eps));
   const T shift = static_cast<T>(mean);
   for (int64_t d = 0; d < dim; ++d) {
-    const T weight = norm.weight_offset ? static_cast<T>(1) + static_cast<T>(w[d])
-                                        : static_cast<T>(w[d]);
+    const T weight = w == nullptr          ? static_cast<T>(1)
+                     : norm.weight_offset ? static_cast<T>(1) + static_cast<T>(w[d])
+                                          : static_cast<T>(w[d]);
     x[d] = (norm.subtract_mean ? x[d] - shift : x[d]) * inv * weight;
   }
 }

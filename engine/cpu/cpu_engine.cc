@@ -124,10 +124,10 @@ class CpuEngine final : public AttentionEngine {
     return absl::OkStatus();
   }
 
-  // QK-norm, QKV clipping (V too) and RoPE (or clipping, RoPE and QK-norm,
-  // qk_norm.after_rope) on every task's projected Q and K, in place, before
-  // a session appends its keys (the cache holds normalised, clipped, rotated
-  // keys). A sequence's keys sit at cached_len + j and its queries at the
+  // The value norm, then QK-norm, QKV clipping (V too) and RoPE (or
+  // clipping, RoPE and QK-norm, qk_norm.after_rope) on every task's
+  // projected Q, K and V, in place, before a session appends its keys and
+  // values (the cache holds normalised, clipped, rotated ones). A sequence's keys sit at cached_len + j and its queries at the
   // bottom-right positions kv_total - Lq + i, kv_total = cached_len + Lk; or,
   // with explicit positions, key j at positions[b][j] and query i at
   // positions[b][Lk - Lq + i]. Each task is one forward call: its largest
@@ -197,6 +197,14 @@ class CpuEngine final : public AttentionEngine {
           cpu::ClipRows(p.dtype, v, p.kv_len, p.v_stride_row, p.num_kv_heads * p.head_dim_v,
                         c.clip_qkv, options_.num_threads);
         };
+        if (c.v_norm_eps > 0) {  // Gemma 3n, Gemma 4: each value head, no weight
+          QkNormConfig norm;
+          norm.enabled = true;
+          norm.eps = c.v_norm_eps;
+          char* v = static_cast<char*>(const_cast<void*>(p.v)) + b * p.v_stride_b * size;
+          cpu::NormalizeRows(norm, nullptr, p.dtype, v, p.kv_len, p.v_stride_row,
+                             p.num_kv_heads, p.head_dim_v, options_.num_threads);
+        }
         if (c.qk_norm.after_rope) {  // Hunyuan
           clip();
           rotate();
@@ -365,7 +373,8 @@ class CpuEngine final : public AttentionEngine {
     }
     for (AttentionParams& p : params) p.q_stride_h = p.k_stride_h = p.v_stride_h = c.head_dim;
     PlaceCoreOutputs(params, all_q_rows, o_layout, core, act, qf);
-    if (c.qk_norm.enabled || c.rope.type != RopeConfig::Type::kNone || c.clip_qkv > 0) {
+    if (c.qk_norm.enabled || c.rope.type != RopeConfig::Type::kNone || c.clip_qkv > 0 ||
+        c.v_norm_eps > 0) {
       PrepareQk(layer, batch, params);
     }
     if (c.temperature_tuning.enabled) ScaleQueries(c, batch, params);

@@ -91,7 +91,7 @@ void NormalizeRows(const QkNormConfig& norm, const float* w, DType dtype, void* 
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t at = r * row_stride + h * head_dim;
-        const float* wh = norm.per_head_weights ? w + h * head_dim : w;
+        const float* wh = norm.per_head_weights && w != nullptr ? w + h * head_dim : w;
         if (dtype == DType::kFloat32) {
           NormalizeHead(static_cast<float*>(data) + at, wh, head_dim, norm);
         } else {

@@ -33,7 +33,7 @@ void RotateRowPairs(const RopeConfig& rope, const RopeFrequencies& freq, DType d
 
 // QK-norm of every head of rows r < `rows` (same layout as RotateRows) with
 // the weights w[head_dim] (head h's at w + h * head_dim with
-// norm.per_head_weights).
+// norm.per_head_weights; nullptr: weights of 1, the value norm).
 void NormalizeRows(const QkNormConfig& norm, const float* w, DType dtype, void* data,
                    int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                    int threads);

@@ -108,7 +108,8 @@ cudaError_t LaunchTf32Split(const float* x, int64_t batch, int64_t heads, int64_
 // QK-norm of every head: x / sqrt(mean(x^2) + eps) * w, or * (1 + w) with
 // weight_offset, or (x - mean) / sqrt(var + eps) * w with subtract_mean; the
 // means in float64; head h's weights [head_dim] FLOAT32 on the device at
-// w + h * weight_stride (0: shared by every head).
+// w + h * weight_stride (0: shared by every head); w nullptr: weights of 1
+// (the value norm).
 cudaError_t LaunchQkNorm(void* x, DType type, int64_t rows, int64_t row_stride, int64_t heads,
                          int64_t head_dim, const float* w, double eps, bool weight_offset,
                          bool subtract_mean, int64_t weight_stride, cudaStream_t stream);

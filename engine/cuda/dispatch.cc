@@ -93,13 +93,13 @@ absl::Status ScaleQueries(Call& call, const LayerConfig& config, const DeviceLay
   return absl::OkStatus();
 }
 
-// QK-norm, then QKV clipping (V too) and RoPE (or clipping, RoPE, then
-// QK-norm), then the queries' temperature, on a projection layer's projected
-// Q and K (token layout: rows b * Lq + i and b * Lk + j), in place, as the
-// cpu engine applies them: keys at positions cached_len + j and queries at
-// the bottom-right ones, cached_len + Lk - Lq + i; or, with the task's explicit
-// positions (on the device, [B, Lk]), key j at positions[b][j] and query i
-// at positions[b][Lk - Lq + i]. `max_position`, the task's largest
+// The value norm, QK-norm, then QKV clipping (V too) and RoPE (or clipping,
+// RoPE, then QK-norm), then the queries' temperature, on a projection
+// layer's projected Q, K and V (token layout: rows b * Lq + i and b * Lk +
+// j), in place, as the cpu engine applies them: keys at positions
+// cached_len + j and queries at the bottom-right ones, cached_len + Lk - Lq
+// + i; or, with the task's explicit positions (on the device, [B, Lk]), key
+// j at positions[b][j] and query i at positions[b][Lk - Lq + i]. `max_position`, the task's largest
 // (LargestRopePosition), picks LongRoPE's factors.
 absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer& w,
                        const AttentionParams& p, void* q, void* k, void* v,
@@ -121,6 +121,11 @@ absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer&
                                      call.stream()));
     return absl::OkStatus();
   };
+  if (config.v_norm_eps > 0) {  // Gemma 3n, Gemma 4: each value head, no weight
+    ATTNSERVE_CUDA_CALL(LaunchQkNorm(v, w.type, kv_rows, p.num_kv_heads * p.head_dim_v,
+                                     p.num_kv_heads, p.head_dim_v, nullptr, config.v_norm_eps,
+                                     false, false, 0, call.stream()));
+  }
   // The norm before RoPE, or after it (Hunyuan).
   if (!config.qk_norm.after_rope) ATTNSERVE_CUDA_RETURN_IF_ERROR(normalize());
   if (config.clip_qkv > 0) {

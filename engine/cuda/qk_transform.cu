@@ -32,7 +32,7 @@ __global__ void QkNormKernel(void* x, DType type, int64_t rows, int64_t row_stri
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   if (vector >= rows * heads) return;  // whole warps leave together
   const int64_t at = (vector / heads) * row_stride + (vector % heads) * head_dim;
-  const float* wh = w + (vector % heads) * weight_stride;
+  const float* wh = w != nullptr ? w + (vector % heads) * weight_stride : nullptr;
   double mean = 0.0;
   if (subtract_mean) {
     for (int64_t d = lane; d < head_dim; d += kWarpSize) mean += LoadElement(x, type, at + d);
@@ -47,7 +47,7 @@ __global__ void QkNormKernel(void* x, DType type, int64_t rows, int64_t row_stri
   const float inv = static_cast<float>(1.0 / sqrt(sum / static_cast<double>(head_dim) + eps));
   const float shift = static_cast<float>(mean);
   for (int64_t d = lane; d < head_dim; d += kWarpSize) {
-    const float weight = weight_offset ? __fadd_rn(1.0f, wh[d]) : wh[d];
+    const float weight = wh == nullptr ? 1.0f : weight_offset ? __fadd_rn(1.0f, wh[d]) : wh[d];
     const float value = LoadElement(x, type, at + d);
     const float centred = subtract_mean ? __fsub_rn(value, shift) : value;
     StoreElement(x, type, at + d, __fmul_rn(__fmul_rn(centred, inv), weight));

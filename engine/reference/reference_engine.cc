@@ -532,6 +532,19 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
              ? std::move(latent.v)
              : Linear(xv, kv_rows, self_attention ? c.query_dim : c.value_dim, w.wv, w.bv),
          d.kv_heads, d.kv_len, d.head_dim_v, false};
+  if (c.v_norm_eps > 0) {
+    // Gemma 3n's and Gemma 4's v_norm: RMSNorm of each value head, no weight.
+    QkNormConfig norm;
+    norm.enabled = true;
+    norm.eps = c.v_norm_eps;
+    for (int64_t b = 0; b < d.batch; ++b) {
+      for (int64_t g = 0; g < d.kv_heads; ++g) {
+        for (int64_t j = 0; j < d.kv_len; ++j) {
+          NormalizeHead(v.row(b, g, j), static_cast<const float*>(nullptr), d.head_dim_v, norm);
+        }
+      }
+    }
+  }
   clip(v.data);
   Rows merged{std::vector<double>(static_cast<size_t>(q_rows * d.heads * d.head_dim_v)), d.heads,
               d.q_len, d.head_dim_v, false};

@@ -179,7 +179,7 @@ absl::Status CheckNoProjectionFields(const std::string& path, const v1::ModelCon
                             "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias",
                             "out_bias", "weight_layout", "tensor_prefix", "tensor_names",
                             "rope", "qk_norm", "sinks", "output_gate",
-                            "temperature_tuning", "latent_attention", "clip_qkv"}) {
+                            "temperature_tuning", "latent_attention", "clip_qkv", "v_norm"}) {
     const google::protobuf::FieldDescriptor* f = d->FindFieldByName(field);
     bool set = f->is_repeated() ? r->FieldSize(c, f) > 0 : r->HasField(c, f);
     if (set) {
@@ -273,8 +273,9 @@ absl::Status ResolveLatentAttention(const std::string& path, v1::ModelConfig* c)
                        "must be false with latent_attention (its values come from kv_b_proj, "
                        "which has no bias)");
   }
-  if (c->has_qk_norm() || c->has_output_gate() || c->sinks() || c->clip_qkv() != 0) {
-    return ConfigError(path, field, "takes no qk_norm, output_gate, sinks or clip_qkv");
+  if (c->has_qk_norm() || c->has_output_gate() || c->sinks() || c->clip_qkv() != 0 ||
+      c->has_v_norm()) {
+    return ConfigError(path, field, "takes no qk_norm, output_gate, sinks, clip_qkv or v_norm");
   }
   if (c->rope().rotary_dim() == 0 && !c->rope().type().empty() && c->rope().type() != "none") {
     c->mutable_rope()->set_rotary_dim(m->qk_rope_head_dim());
@@ -495,6 +496,13 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
   if (!std::isfinite(c->clip_qkv()) || c->clip_qkv() < 0) {
     return ConfigError(path, "clip_qkv",
                        absl::StrCat("must be finite and >= 0 (0 = none), got ", c->clip_qkv()));
+  }
+  if (c->has_v_norm()) {
+    if (c->v_norm().eps() == 0) c->mutable_v_norm()->set_eps(1e-6);
+    if (!std::isfinite(c->v_norm().eps()) || c->v_norm().eps() <= 0) {
+      return ConfigError(path, "v_norm.eps",
+                         absl::StrCat("must be finite and > 0, got ", c->v_norm().eps()));
+    }
   }
   if (!std::isfinite(c->softcap()) || c->softcap() < 0) {
     return ConfigError(path, "softcap",

@@ -479,20 +479,24 @@ absl::Status CheckProjectedBounds(const AttentionTask& task, const TaskDims& dim
         mask_max > 0 ? absl::StrFormat(" + max attn_mask %g", mask_max) : "", score_bound, limit,
         kRefusedSuffix));
   }
-  const double sum_bound = values[2] * static_cast<double>(dims.kv_len);
+  // The value norm (Gemma 3n, Gemma 4) bounds each normalised feature by
+  // sqrt(head_dim_v), however small or large the projection.
+  const double max_value =
+      layer.v_norm_eps > 0 ? std::sqrt(static_cast<double>(dims.head_dim_v)) : values[2];
+  const double sum_bound = max_value * static_cast<double>(dims.kv_len);
   if (!(sum_bound <= limit)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "value.data: weighted sums may overflow %s: max|projected value| %g * Lk %d = %g "
         "exceeds %g%s",
-        precision, values[2], dims.kv_len, sum_bound, limit, kRefusedSuffix));
+        precision, max_value, dims.kv_len, sum_bound, limit, kRefusedSuffix));
   }
   // Each head's output is a convex combination of projected values.
-  const double out_bound = bounds.o.Apply(values[2]);
+  const double out_bound = bounds.o.Apply(max_value);
   if (!(out_bound <= limit)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "value.data: the output projection may overflow %s: max|projected value| %g * the "
         "output weights' largest row sum %g + largest bias %g = %g exceeds %g%s",
-        precision, values[2], bounds.o.gain, bounds.o.bias, out_bound, limit, kRefusedSuffix));
+        precision, max_value, bounds.o.gain, bounds.o.bias, out_bound, limit, kRefusedSuffix));
   }
   return absl::OkStatus();
 }

@@ -194,6 +194,7 @@ absl::Status KServeCore::ModelConfig(const std::string& name, const std::string&
   }
   if (layer.temperature_tuning.enabled) params["temperature_tuning"].set_string_value("true");
   if (layer.clip_qkv > 0) params["clip_qkv"].set_string_value(absl::StrCat(layer.clip_qkv));
+  if (layer.v_norm_eps > 0) params["v_norm"].set_string_value("true");
   if (layer.latent.enabled) {
     params["latent_attention"].set_string_value("true");
     params["kv_lora_rank"].set_string_value(absl::StrCat(layer.latent.kv_lora_rank));

@@ -620,6 +620,42 @@ TEST_F(CpuEngineTest, ClipQkvMatchesReference) {
   }
 }
 
+// The value norm (Gemma 3n, Gemma 4) on random projection layers with every
+// other feature (QK-norm, RoPE, windows, gates, clipping), in every input
+// type, self- and cross-attention, against the reference.
+TEST_F(CpuEngineTest, ValueNormMatchesReference) {
+  Rng rng(85);
+  for (int i = 0; i < 24; ++i) {
+    const bool self_attention = i % 2 == 0;
+    auto layer = std::make_shared<AttentionLayer>(*RandomProjectionLayer(rng, self_attention));
+    layer->config.v_norm_eps = rng.Pick<double>({1e-6, 1e-2});
+    if (rng.Chance(0.3)) layer->config.clip_qkv = 0.5f;
+    ASSERT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
+    const LayerConfig& lc = layer->config;
+    Case c;
+    c.layer = layer;
+    const int64_t batch = rng.Int(1, 2), lq = rng.Int(1, 12);
+    const int64_t lk = self_attention ? lq : rng.Int(1, 12);
+    const DType in = rng.Pick<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+    c.q = RandomTensor(rng, in, {batch, lq, lc.query_dim}, 2.0f);
+    if (!self_attention) {
+      c.k = RandomTensor(rng, in, {batch, lk, lc.key_dim}, 2.0f);
+      c.v = RandomTensor(rng, in, {batch, lk, lc.value_dim}, 2.0f);
+    }
+    c.causal = lc.causal || (lq <= lk && rng.Chance(0.5));
+    c.need_weights = rng.Chance(0.5);
+    c.scale = ResolveScale(lc, 0.0f, lc.head_dim);
+    c.label = absl::StrCat("v_norm case ", i, ": eps ", lc.v_norm_eps,
+                           self_attention ? " self" : " cross",
+                           lc.qk_norm.enabled ? " qk-norm" : "",
+                           lc.rope.type != RopeConfig::Type::kNone ? " rope" : "",
+                           lc.clip_qkv > 0 ? " clip" : "", lc.output_gate ? " gate" : "",
+                           ", B ", batch, " Lq ", lq, " Lk ", lk, " in ", DT(in));
+    CheckAgainstReference(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
 // Cohere's QK-norm: LayerNorm (the mean subtracted) per head with weights
 // per head, with RoPE, GQA, bf16 and fp16 inputs, self- and
 // cross-attention, against the reference.

@@ -1419,6 +1419,17 @@ TEST(CudaEngineTest, LlmLayerFeaturesMatchReference) {
          c.causal = true;
          c.clip_qkv = 0.25f;
        }},
+      {"gemma 4: qk-norm, v_norm, partial rope, window, scale 1", [](LayerConfig& c) {
+         c.rope.type = RopeConfig::Type::kDefault;
+         c.rope.theta = 31.6;
+         c.rope.rotary_dim = c.head_dim / 4;
+         c.qk_norm.enabled = true;
+         c.qk_norm.eps = 1e-6;
+         c.v_norm_eps = 1e-6;
+         c.scale = 1.0f;
+         c.causal = true;
+         c.sliding_window = 12;
+       }, true},
       {"llama 4 layer without rope: temperature tuning", [](LayerConfig& c) {
          c.causal = true;
          c.temperature_tuning.enabled = true;

@@ -738,6 +738,76 @@ TEST(ReferenceEngineTest, ClipQkvClampsTheProjectedValues) {
   EXPECT_THAT(std::string(ValidateLayer(bad).message()), HasSubstr("clip_qkv"));
 }
 
+// The value norm (Gemma 3n, Gemma 4): a layer whose projections are the
+// identity with v_norm is bare attention over the raw queries and keys and
+// each value head divided by its root mean square (plus eps), written out
+// here.
+TEST(ReferenceEngineTest, ValueNormDividesEachValueHeadByItsRms) {
+  constexpr int64_t H = 2, D = 4, E = H * D, B = 2, L = 5;
+  constexpr double kEps = 1e-3;
+  std::vector<float> eye(E * E, 0.0f);
+  for (int64_t i = 0; i < E; ++i) eye[i * E + i] = 1.0f;
+  AttentionLayer layer;
+  LayerConfig& c = layer.config;
+  c.name = "v-norm";
+  c.has_projections = true;
+  c.num_heads = c.num_kv_heads = H;
+  c.head_dim = D;
+  c.query_dim = c.key_dim = c.value_dim = c.out_dim = E;
+  c.v_norm_eps = kEps;
+  for (Tensor* w : {&layer.weights.wq, &layer.weights.wk, &layer.weights.wv, &layer.weights.wo}) {
+    *w = Values(DType::kFloat32, {E, E}, eye);
+  }
+  ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
+  const Tensor x = Random({B, L, E}, 901);
+  Tensor out(DType::kFloat32, {B, L, E});
+  AttentionTask task;
+  task.query = x.view();
+  task.causal = true;
+  task.scale = InverseSqrt(D);
+  task.output = out.mutable_view();
+  ASSERT_TRUE(NewReferenceEngine()->Run(layer, {&task, 1}).ok());
+
+  // Q and K: the inputs in head layout [B, H, L, D]; V: each head's D
+  // features over sqrt(mean of their squares + eps).
+  Tensor qk(DType::kFloat32, {B, H, L, D}), v(DType::kFloat32, {B, H, L, D});
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t l = 0; l < L; ++l) {
+      for (int64_t h = 0; h < H; ++h) {
+        const float* in = x.data_as<float>() + (b * L + l) * E + h * D;
+        double squares = 0;
+        for (int64_t d = 0; d < D; ++d) squares += static_cast<double>(in[d]) * in[d];
+        const double rms = std::sqrt(squares / D + kEps);
+        for (int64_t d = 0; d < D; ++d) {
+          qk.data_as<float>()[((b * H + h) * L + l) * D + d] = in[d];
+          v.data_as<float>()[((b * H + h) * L + l) * D + d] = static_cast<float>(in[d] / rms);
+        }
+      }
+    }
+  }
+  SdpaRun bare(qk, qk, v, false);
+  bare.task.causal = true;
+  ASSERT_TRUE(RunSdpa(bare.task).ok());
+  const std::vector<float> got = AsFloats(out), want_heads = AsFloats(bare.out);
+  double largest_change = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t l = 0; l < L; ++l) {
+      for (int64_t f = 0; f < E; ++f) {
+        const float want = want_heads[((b * H + f / D) * L + l) * D + f % D];
+        EXPECT_NEAR(got[(b * L + l) * E + f], want, 1e-6)
+            << "b " << b << " l " << l << " f " << f;
+        largest_change = std::max(largest_change,
+                                  std::fabs(static_cast<double>(want) -
+                                            x.data_as<float>()[(b * L + l) * E + f]));
+      }
+    }
+  }
+  EXPECT_GT(largest_change, 0.1);  // the norm changed the answer
+  AttentionLayer bad = layer;
+  bad.config.v_norm_eps = -1.0;
+  EXPECT_THAT(std::string(ValidateLayer(bad).message()), HasSubstr("v_norm"));
+}
+
 // Multi-head latent attention as transformers' DeepseekV3Attention writes
 // it, in float64 here: the query through its normalised latent, the keys'
 // nope features and the values from one normalised latent (kv_b_proj's rows

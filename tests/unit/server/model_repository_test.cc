@@ -426,6 +426,30 @@ TEST(ModelConfigTest, TemperatureByPositionResolves) {
   EXPECT_TRUE(mistral4.temperature_tuning.by_position);
 }
 
+// The value norm (Gemma 3n, Gemma 4): its eps defaulted and reported, on
+// the layer; refused with latent attention, for kind "sdpa" and with a bad
+// eps, naming the field.
+TEST(ModelConfigTest, ValueNormResolvesAndItsRulesNameTheField) {
+  v1::ModelConfig gemma = Resolved("embed_dim: 64 num_heads: 4 v_norm { }");
+  EXPECT_EQ(gemma.v_norm().eps(), 1e-6);
+  const LayerConfig layer = ToLayerConfig(gemma);
+  EXPECT_EQ(layer.v_norm_eps, 1e-6);
+  EXPECT_EQ(LayerToModelConfig(AttentionLayer{layer, {}, {}}).v_norm().eps(), 1e-6);
+  EXPECT_FALSE(LayerToModelConfig(AttentionLayer{ToLayerConfig(Resolved("embed_dim: 64 "
+                                                                        "num_heads: 4")),
+                                                 {}, {}})
+                   .has_v_norm());
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 v_norm { eps: -1 }").message(),
+              AllOf(HasSubstr("v_norm.eps"), HasSubstr("must be finite and > 0")));
+  EXPECT_THAT(ResolveError("kind: \"sdpa\" v_norm { }").message(),
+              AllOf(HasSubstr("v_norm"), HasSubstr("not allowed for kind \"sdpa\"")));
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 head_dim: 24 weight_layout: SEPARATE_QKV "
+                           "latent_attention { kv_lora_rank: 32 qk_rope_head_dim: 8 "
+                           "v_head_dim: 12 } v_norm { }")
+                  .message(),
+              AllOf(HasSubstr("latent_attention"), HasSubstr("v_norm")));
+}
+
 // QK-norm's LayerNorm form with weights per head (Cohere) reaches the layer
 // and comes back; per-head weights over the whole projection are refused.
 TEST(ModelConfigTest, LayerNormQkNormResolves) {

@@ -770,6 +770,11 @@ TEST(ValidationTest, ProjectionModelScoresAreBoundedByTheirWeights) {
   ASSERT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument) << v.status();
   EXPECT_THAT(std::string(v.status().message()),
               HasSubstr("value.data: weighted sums may overflow float32"));
+  // With the value norm (Gemma 3n, Gemma 4) each normalised value is at most
+  // sqrt(head_dim) whatever its projection: the same sums are bounded.
+  LayerConfig v_normed = layer->config;
+  v_normed.v_norm_eps = 1e-6;
+  EXPECT_TRUE(validate(sums, v_normed).ok()) << validate(sums, v_normed).status();
 
   // A float16 layer is bounded by 65504, not FLT_MAX.
   LayerConfig half = layer->config;
