@@ -308,17 +308,22 @@ ProjectionBound MeasureProjection(const Tensor& w, const Tensor& b, int64_t row0
   return bound;
 }
 
+// The largest |x| of a FLOAT32 tensor (or empty); +inf past a NaN.
+double MaxAbs(const Tensor& t) {
+  double largest = 0;
+  if (t.byte_size() == 0) return largest;
+  const float* data = t.data_as<float>();
+  for (int64_t i = 0; i < t.num_elements(); ++i) {
+    const double x = std::fabs(static_cast<double>(data[i]));
+    largest = std::isnan(x) ? INFINITY : std::max(largest, x);
+  }
+  return largest;
+}
+
 // The largest |feature| an RMSNorm with weights `norm` can output: each
 // |x_i| / sqrt(mean(x^2) + eps) is at most sqrt(n), times max |w_i|.
 double RmsNormBound(const Tensor& norm) {
-  const int64_t n = norm.num_elements();
-  const float* w = norm.data_as<float>();
-  double max_w = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double a = std::fabs(static_cast<double>(w[i]));
-    max_w = std::isnan(a) ? INFINITY : std::max(max_w, a);
-  }
-  return std::sqrt(static_cast<double>(n)) * max_w;
+  return std::sqrt(static_cast<double>(norm.num_elements())) * MaxAbs(norm);
 }
 
 // A latent layer's (LayerWeightBounds): the normalised latents bound the
@@ -351,9 +356,12 @@ LayerWeightBounds MeasureLatentBounds(const LayerWeights& w) {
 
 LayerWeightBounds MeasureWeightBounds(const LayerWeights& w) {
   if (w.wkv_a.byte_size() != 0) return MeasureLatentBounds(w);
-  return {MeasureProjection(w.wq, w.bq), MeasureProjection(w.wk, w.bk),
-          MeasureProjection(w.wv, w.bv), MeasureProjection(w.wo, w.bo),
-          MeasureProjection(w.wg, w.bg), {}};
+  LayerWeightBounds bounds{MeasureProjection(w.wq, w.bq), MeasureProjection(w.wk, w.bk),
+                           MeasureProjection(w.wv, w.bv), MeasureProjection(w.wo, w.bo),
+                           MeasureProjection(w.wg, w.bg), {}};
+  bounds.q_norm = MaxAbs(w.q_norm);
+  bounds.k_norm = MaxAbs(w.k_norm);
+  return bounds;
 }
 
 LayerId::LayerId() {

@@ -273,8 +273,13 @@ struct ProjectionBound {
 // attention core sees (the RMSNorm of a latent bounds each of its features by
 // sqrt(rank) * max|weight|, whatever the input), and `latent` the latent
 // projections themselves (x Wq_a^T and x Wkv_a^T; zero on other layers).
+// q_norm and k_norm are the largest |w| of the QK-norm weights (zero without
+// them; +inf when one is not finite): a normalised head's 2-norm is at most
+// sqrt(its features) * max|w| (or 1 + max|w| with weight_offset), whatever
+// the projection.
 struct LayerWeightBounds {
   ProjectionBound q, k, v, o, g, latent;
+  double q_norm = 0, k_norm = 0;
 };
 LayerWeightBounds MeasureWeightBounds(const LayerWeights& weights);
 

@@ -16,6 +16,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "engine/mask_broadcast.h"
+#include "engine/rope.h"
+#include "engine/temperature.h"
 
 namespace attnserve {
 namespace {
@@ -422,6 +424,50 @@ const char* PrecisionName(Precision precision) {
 
 constexpr char kRefusedSuffix[] = "; such inputs are refused (--nonfinite-inputs=reject)";
 
+// The scores of a QK-norm layer against its precision: the norm bounds each
+// head's query and key by their 2-norms, sqrt(features) * max|w| (1 + max|w|
+// with weight_offset; the features of one head, or of the whole projection),
+// whatever the projections; RoPE before the norm scales them by its
+// attention factor (YaRN's, LongRoPE's), the temperature by its largest
+// factor at any position.
+absl::Status CheckNormedScores(const TaskDims& dims, const LayerConfig& layer,
+                               const LayerWeightBounds& bounds, double scale, double mask_max) {
+  const QkNormConfig& norm = layer.qk_norm;
+  auto head_norm = [&](double max_w, int64_t heads) {
+    const double features =
+        static_cast<double>(norm.whole_projection ? heads * dims.head_dim : dims.head_dim);
+    return std::sqrt(features) * (norm.weight_offset ? 1.0 + max_w : max_w);
+  };
+  double rope = 1.0;
+  if (layer.rope.type != RopeConfig::Type::kNone && !norm.after_rope) {
+    rope = std::max(std::fabs(ComputeRopeFrequencies(layer.rope, 0).attention_factor),
+                    std::fabs(ComputeRopeFrequencies(layer.rope, kMaxRotaryPosition)
+                                  .attention_factor));
+  }
+  double temperature = 1.0;
+  if (layer.temperature_tuning.enabled) {  // monotonic in the position
+    temperature = std::max(std::fabs(QueryTemperature(layer.temperature_tuning, 0)),
+                           std::fabs(QueryTemperature(layer.temperature_tuning,
+                                                      kMaxRotaryPosition)));
+  }
+  const double q = head_norm(bounds.q_norm, dims.num_heads) * rope * temperature;
+  const double k = head_norm(bounds.k_norm, dims.num_kv_heads) * rope;
+  const double score_bound = q * k * scale + mask_max;
+  const double limit = PrecisionMax(layer.precision);
+  if (!(score_bound <= limit)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "query/key/scale: scores may overflow %s: the QK-norm bounds each head's query by %g "
+        "and key by %g (sqrt(features) * the largest norm weight%s), * max(1, scale %g)%s = "
+        "%g exceeds %g%s",
+        PrecisionName(layer.precision), q, k,
+        rope != 1.0 || temperature != 1.0 ? ", * RoPE's attention factor and the temperature"
+                                          : "",
+        scale, mask_max > 0 ? absl::StrFormat(" + max attn_mask %g", mask_max) : "",
+        score_bound, limit, kRefusedSuffix));
+  }
+  return absl::OkStatus();
+}
+
 // Bounds of a projection model's intermediate values against its precision
 // (validation.h): projected Q, K, V, scores, weighted sums, output.
 absl::Status CheckProjectedBounds(const AttentionTask& task, const TaskDims& dims,
@@ -471,7 +517,11 @@ absl::Status CheckProjectedBounds(const AttentionTask& task, const TaskDims& dim
   const double scale = std::max(1.0, static_cast<double>(task.scale));
   const double score_bound = values[0] * values[1] * static_cast<double>(dims.head_dim) * scale +
                              mask_max;
-  if (!(score_bound <= limit)) {
+  if (layer.qk_norm.enabled) {
+    if (absl::Status s = CheckNormedScores(dims, layer, bounds, scale, mask_max); !s.ok()) {
+      return s;
+    }
+  } else if (!(score_bound <= limit)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "query/key/scale: scores may overflow %s: max|projected query| %g * max|projected key| "
         "%g * head_dim %d * max(1, scale %g)%s = %g exceeds %g%s",

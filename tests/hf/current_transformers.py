@@ -83,6 +83,16 @@ CLIP = 0.25
 # rope_parameters, which 5.x's rotary class reads).
 DBRX = dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0))
 DBRX_ATTN = dict(kv_n_heads=2, rope_theta=500000.0)
+# Gemma 3n: ten layers (four sliding, then one full, twice, by its pattern),
+# the last four reusing the keys and values of the last of each type before
+# them (KV sharing: layers 4, full, and 5, sliding, store theirs).
+GEMMA3N = dict(sliding_window=WINDOW, num_hidden_layers=10, num_kv_shared_layers=4)
+# Gemma 4: five sliding layers, then a full one with a head_dim of its own
+# (global_head_dim 32 against 16) and proportional RoPE on a quarter of it
+# (its defaults: partial_rotary_factor 0.25, theta 1e6); with
+# attention_k_eq_v its full layer takes its values from k_proj, with KV
+# heads of its own (num_global_key_value_heads).
+GEMMA4 = dict(sliding_window=WINDOW, num_hidden_layers=6, global_head_dim=32)
 # Tokens per request: 48 unless a family says (LongRoPE's short factors).
 LENGTHS = {"phi4-mini-short": 24}
 
@@ -260,6 +270,31 @@ FAMILIES = {
     "gpt-oss-full": ("gpt_oss", "GptOss", dict(sliding_window=WINDOW, rope_parameters=YARN,
                                                 num_local_experts=2, num_experts_per_tok=1), 1,
                      "served"),
+    # Gemma 3n and Gemma 4: QK-norm x * w and a weightless RMSNorm of each
+    # value head (v_norm), scale 1, RoPE per layer type; layers that reuse an
+    # earlier layer's keys and values refused.
+    "gemma3n-sliding": ("gemma3n", "Gemma3nText", GEMMA3N, 0, "served"),
+    "gemma3n-full": ("gemma3n", "Gemma3nText", GEMMA3N, 4, "served"),
+    "gemma3n-kv-shared": ("gemma3n", "Gemma3nText", GEMMA3N, 9, "KV sharing"),
+    "gemma4-sliding": ("gemma4", "Gemma4Text", GEMMA4, 0, "served"),
+    "gemma4-full": ("gemma4", "Gemma4Text", GEMMA4, 5, "served"),
+    # Proportional RoPE on half of each head, with a factor (served as linear).
+    "gemma4-full-factor": ("gemma4", "Gemma4Text", dict(GEMMA4, rope_parameters=dict(
+        sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+        full_attention=dict(rope_type="proportional", partial_rotary_factor=0.5,
+                            rope_theta=10000.0, factor=2.0))), 5, "served"),
+    "gemma4-full-k-eq-v": ("gemma4", "Gemma4Text", dict(GEMMA4, attention_k_eq_v=True,
+                                                        num_global_key_value_heads=1), 5,
+                           "served"),
+    "gemma4-kv-shared": ("gemma4", "Gemma4Text", dict(GEMMA4, num_hidden_layers=8,
+                                                      num_kv_shared_layers=2), 6, "KV sharing"),
+    # use_bidirectional_attention "all": a full layer without the causal
+    # mask, served so; a sliding one sees both ways (refused).
+    "gemma4-all-full": ("gemma4", "Gemma4Text", dict(GEMMA4, use_bidirectional_attention="all"),
+                        5, "served"),
+    "gemma4-all-sliding": ("gemma4", "Gemma4Text", dict(GEMMA4,
+                                                        use_bidirectional_attention="all"), 0,
+                           "two-sided sliding window"),
 }
 
 
@@ -314,6 +349,8 @@ def window_of(config, layer):
 def module_forward(m, rotary, config, layer, x):
     b, length, _ = x.shape
     mask = torch.full((length, length), float("-inf"), dtype=torch.float64).triu(1)
+    if not getattr(m, "is_causal", True):  # Gemma 4's use_bidirectional_attention "all"
+        mask = torch.zeros((length, length), dtype=torch.float64)
     window = window_of(config, layer)
     if window:
         mask = mask.masked_fill(torch.ones(length, length, dtype=torch.bool).tril(-window),
@@ -329,6 +366,8 @@ def module_forward(m, rotary, config, layer, x):
     kwargs = {}
     if "position_ids" in inspect.signature(m.forward).parameters:  # Mistral 4
         kwargs["position_ids"] = positions
+    if "shared_kv_states" in inspect.signature(m.forward).parameters:
+        kwargs["shared_kv_states"] = {}  # Gemma 3n, 4: where a layer stores its keys, values
     with torch.no_grad():
         if rotary is None:  # Kimi Linear's latent layers: no RoPE
             pass
@@ -345,8 +384,8 @@ def module_forward(m, rotary, config, layer, x):
     return out.numpy()
 
 
-def infer(http, model, x):
-    header = json.dumps({"parameters": {"causal": True, "binary_data_output": True},
+def infer(http, model, x, causal=True):
+    header = json.dumps({"parameters": {"causal": causal, "binary_data_output": True},
                          "inputs": [{"name": "query", "shape": list(x.shape), "datatype": "FP32",
                                      "parameters": {"binary_data_size": x.nbytes}}]}).encode()
     req = urllib.request.Request(f"http://{http}/v2/models/{model}/infer", data=header + x.tobytes(),
@@ -376,8 +415,8 @@ def main():
             results[family] = f"NOT BUILT ({type(e).__name__}: {e})"
             continue
         try:
-            export.export_module(m, os.path.join(repo, family))
-            built[family] = (m, rotary, config, layer)
+            exported = export.export_module(m, os.path.join(repo, family))
+            built[family] = (m, rotary, config, layer, exported["causal"])
             if outcome != "served":
                 results[family] = f"FAIL: exported, expected a refusal naming {outcome!r}"
         except export.ExportError as e:
@@ -399,10 +438,10 @@ def main():
             break
     try:
         rng = np.random.default_rng(1)
-        for family, (m, rotary, config, layer) in built.items():
+        for family, (m, rotary, config, layer, causal) in built.items():
             x = rng.uniform(-1, 1, (2, LENGTHS.get(family, 48), 64)).astype(np.float32)
             want = module_forward(m, rotary, config, layer, x)
-            got = infer(http, family, x)
+            got = infer(http, family, x, causal)
             rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             ok = rel < 2e-5
             results[family] = f"{'ok' if ok else 'FAIL'}: relative error {rel:.2e}"

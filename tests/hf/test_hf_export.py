@@ -21,9 +21,10 @@ multi-head latent attention (LATENT_FAMILIES), QKV clipping (OLMo, OLMoE after i
 DBRX's fused Wqkv: clip_qkv small enough that many features clamp, and their real 8), and the
 same attention under other model types (MoE variants and others, MORE_FAMILIES). transformers
 4.45.2 is the newest that imports with Debian's torch 1.13: families that need a newer one
-(Qwen3, Gemma3, OLMo-2, Hunyuan, gpt-oss, Qwen3-Next, AFMoE, Llama 4, DeepSeek) are stood in for
-by modules built from transformers' parts; tests/hf/current_transformers.py checks the real
-classes of transformers 5.x."""
+(Qwen3, Gemma3, OLMo-2, Hunyuan, gpt-oss, Qwen3-Next, AFMoE, Llama 4, DeepSeek; Gemma 3n and
+Gemma 4: their weightless norm of V, Gemma 4's proportional RoPE, head_dim per layer and values
+from k_proj) are stood in for by modules built from transformers' parts;
+tests/hf/current_transformers.py checks the real classes of transformers 5.x."""
 
 import math
 import os
@@ -57,6 +58,8 @@ def _served_module(family):
         m = _Llama4Attention(use_rope=family == "llama4")
     elif family == "ministral3":
         m = _Ministral3Attention()
+    elif family in GEMMA4_FAMILIES:
+        m = _Gemma4Attention(family)
     elif family.startswith("llama"):
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaAttention
@@ -201,7 +204,8 @@ FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window"
             "qwen2", "phi3", "phi3-longrope", "gpt-neox", "qwen3", "gemma3", "olmo2", "hunyuan",
             "gemma2-sliding", "gemma2-full", "gpt-oss-sliding", "gpt-oss-full", "qwen3-next",
             "afmoe", "llama4", "ministral3", "deepseek-v3", "deepseek-v3-q-proj", "longcat-flash",
-            "mistral4", "dbrx", "dbrx-clip", *MORE_FAMILIES]
+            "mistral4", "dbrx", "dbrx-clip", *MORE_FAMILIES, "gemma3n", "gemma4-sliding",
+            "gemma4-full", "gemma4-full-k-eq-v"]
 
 
 class _GptOssAttention(nn.Module):
@@ -470,6 +474,94 @@ class _Ministral3Attention(nn.Module):
         return (self.o_proj(out),)
 
 
+# Gemma 4's text attention (and Gemma 3n's), as _Gemma4Attention builds it:
+# the model type, its layer (of five sliding layers and a full one), the
+# layer's head_dim and KV heads (a full layer's are its own: global_head_dim,
+# num_global_key_value_heads), attention_k_eq_v, the full layers' RoPE.
+GEMMA4_PROPORTIONAL = dict(rope_type="proportional", partial_rotary_factor=0.25, rope_theta=1e6)
+GEMMA4_FAMILIES = {
+    "gemma4-sliding": ("gemma4_text", 0, 16, 2, False, GEMMA4_PROPORTIONAL),
+    # Proportional RoPE on a quarter of a head of 32 (4 of its 16 pairs).
+    "gemma4-full": ("gemma4_text", 5, 32, 2, False, GEMMA4_PROPORTIONAL),
+    # Values from k_proj, one KV head; RoPE on half of each head, with a factor.
+    "gemma4-full-k-eq-v": ("gemma4_text", 5, 32, 1, True, dict(
+        GEMMA4_PROPORTIONAL, partial_rotary_factor=0.5, factor=8.0)),
+    # Gemma3nTextAttention's full layer: default RoPE.
+    "gemma3n": ("gemma3n_text", 5, 16, 2, False, dict(rope_type="default", rope_theta=1e6)),
+}
+
+
+class _Gemma4Attention(nn.Module):
+    """Gemma 4's text attention as transformers 5.x writes it
+    (Gemma4TextAttention; Gemma 3n's computes the same), from transformers'
+    own parts (4.45.2 has neither): q/k/v/o projections of the layer's own
+    head_dim, RMSNorm x * w over each head of Q and K (LlamaRMSNorm), a
+    weightless RMSNorm of each value head (v_norm, Gemma4RMSNorm(with_scale=
+    False): Llama 4's L2 norm), RoPE of the layer's type: default on sliding
+    layers, proportional on full ones (_compute_proportional_rope_parameters:
+    rotate-half over the whole head, frequency i theta^(-2i/head_dim) /
+    factor for i < int(partial_rotary_factor * head_dim // 2), 0 for the
+    rest), angles in the module's dtype; scale 1, the window on sliding
+    layers (in the mask). With attention_k_eq_v, no v_proj: value =
+    v_norm(k_proj(x)), before k_norm and RoPE. The config's head_dim and
+    num_key_value_heads are the sliding layers' (16, 2), as Gemma 4's are."""
+
+    def __init__(self, family):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        model_type, layer, hd, hkv, k_eq_v, full_rope = GEMMA4_FAMILIES[family]
+        self.config = LlamaConfig(**COMMON, head_dim=16, rms_norm_eps=1e-6)
+        self.config.model_type = model_type
+        self.config.update(dict(
+            layer_types=["sliding_attention"] * 5 + ["full_attention"], sliding_window=WINDOW,
+            rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=1e4),
+                                 full_attention=dict(full_rope)),
+            attention_k_eq_v=k_eq_v, num_kv_shared_layers=0, use_bidirectional_attention=None))
+        self.layer_idx, self.head_dim, self.scaling = layer, hd, 1.0
+        self.sliding_window = WINDOW if layer < 5 else None
+        self.is_causal, self.is_kv_shared_layer = True, False
+        self.use_alternative_attention = k_eq_v
+        self.q_proj, self.k_proj = nn.Linear(64, 4 * hd, bias=False), nn.Linear(64, hkv * hd,
+                                                                               bias=False)
+        self.v_proj = None if k_eq_v else nn.Linear(64, hkv * hd, bias=False)
+        self.o_proj = nn.Linear(4 * hd, 64, bias=False)
+        self.q_norm, self.k_norm = LlamaRMSNorm(hd, eps=1e-6), LlamaRMSNorm(hd, eps=1e-6)
+        self.v_norm = _Llama4Attention._L2Norm(1e-6)
+        with torch.no_grad():  # each feature's norm weight its own, far from 1
+            self.q_norm.weight.uniform_(0.5, 1.5)
+            self.k_norm.weight.uniform_(0.5, 1.5)
+
+    def rope_parameters(self):
+        return self.config.rope_parameters[self.config.layer_types[self.layer_idx]]
+
+    def inv_freq(self):
+        """The layer's inverse frequencies (head_dim / 2 of them), float64."""
+        params, hd = self.rope_parameters(), self.head_dim
+        inv = 1.0 / params["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        if params["rope_type"] == "proportional":
+            inv[int(params["partial_rotary_factor"] * hd // 2):] = 0.0
+            inv = inv / params.get("factor", 1.0)
+        return inv
+
+    def forward(self, x, attention_mask=None, position_ids=None):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+        b, length, _ = x.shape
+        hd = self.head_dim
+        q = self.q_norm(self.q_proj(x).view(b, length, -1, hd)).transpose(1, 2)
+        k = self.k_proj(x).view(b, length, -1, hd)
+        v = k if self.v_proj is None else self.v_proj(x).view(b, length, -1, hd)
+        k, v = self.k_norm(k).transpose(1, 2), self.v_norm(v).transpose(1, 2)
+        angles = position_ids[..., None].double() * self.inv_freq()
+        emb = torch.cat((angles, angles), dim=-1)
+        q, k = apply_rotary_pos_emb(q, k, emb.cos().to(q.dtype), emb.sin().to(q.dtype))
+        groups = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        s = q @ k.transpose(2, 3) * self.scaling + attention_mask
+        out = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, length, -1)
+        return (self.o_proj(out),)
+
+
 # Multi-head latent attention, as _DeepseekV3Attention builds it: the model
 # type it claims, then (q_lora_rank, attention_bias, rope_interleave, RoPE
 # scaling), with kv_lora_rank 32, 4 heads of 16 nope + 8 rotary query/key
@@ -663,6 +755,8 @@ def _np_inv_freq(rope, max_position):
     elif kind == "longrope":
         long = max_position + 1 > rope["original_max_position_embeddings"]
         inv = 1.0 / (np.array(rope["long_factor" if long else "short_factor"]) * pos_freq)
+    elif kind == "proportional":  # Gemma 4: its first `angles` pairs, the rest not at all
+        inv = np.where(np.arange(dim // 2) < rope["angles"], inv, 0.0) / rope.get("factor", 1.0)
     return inv, rope.get("attention_factor", 1.0) if kind in ("yarn", "longrope") else 1.0
 
 
@@ -768,6 +862,8 @@ def _np_layer(x, weights, config, positions=None, clamp_first=False):
         k = lin("k_proj", x).reshape(bsz, length, hkv, hd)
         v = lin("v_proj", x).reshape(bsz, length, hkv, hd)
         out_name = config["tensor_names"].get("out_weight", "o_proj.weight")[:-len(".weight")]
+    if config.get("v_norm"):  # Gemma 3n, Gemma 4: each value head, no weight, before any clamp
+        v = v / np.sqrt((v * v).mean(-1, keepdims=True) + config["v_norm"]["eps"])
     norm = config.get("qk_norm")
 
     def normed(t, w):
@@ -857,7 +953,8 @@ def test_rope_layers_are_served_as_the_module_computes_them(served, family):
                                     "qwen3-next", "afmoe", "deepseek-v3",
                                     "deepseek-v3-q-proj", "longcat-flash", "mistral4",
                                     "ministral3", "olmo-clip", "olmoe-clip", "dbrx-clip",
-                                    "cohere-qk-norm", "stablelm-qk-layernorm"])
+                                    "cohere-qk-norm", "stablelm-qk-layernorm", "gemma3n",
+                                    "gemma4-sliding"])
 def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family):
     client, _, configs, weights = served
     x = np.random.default_rng(2).uniform(-1, 1, (1, 3000, 64)).astype(np.float32)
@@ -873,7 +970,8 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
                                     "gemma2-sliding", "gpt-oss-sliding", "qwen3-next", "afmoe",
                                     "llama4", "ministral3", "deepseek-v3", "deepseek-v3-q-proj",
                                     "mistral4", "olmo-clip", "olmoe-clip", "dbrx-clip",
-                                    "cohere-qk-norm", "stablelm-qk-layernorm"])
+                                    "cohere-qk-norm", "stablelm-qk-layernorm", "gemma4-sliding",
+                                    "gemma4-full", "gemma4-full-k-eq-v"])
 def test_a_session_continues_its_positions(served, family):
     """Prefill 24 tokens, then 100 single-token steps: every step equals the
     matching row of one causal request over the whole sequence."""
@@ -957,7 +1055,7 @@ def test_a_longrope_session_rotates_as_transformers_cache_does(served):
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "gpt-neox", "gemma2-full", "gpt-oss-full",
                                     "ministral3", "deepseek-v3", "mistral4", "olmo-clip",
-                                    "dbrx-clip", "cohere-qk-norm"])
+                                    "dbrx-clip", "cohere-qk-norm", "gemma4-full"])
 def test_left_padded_batches_with_explicit_positions(served, family):
     """A batch as generate() builds it: sequences left-padded to one length,
     an attention mask over the pads and position_ids = cumsum(mask) - 1 (pads
@@ -987,7 +1085,7 @@ def test_left_padded_batches_with_explicit_positions(served, family):
 
 @pytest.mark.parametrize("family", ["llama", "llama-yarn", "qwen3", "gpt-oss-full", "ministral3",
                                     "deepseek-v3", "deepseek-v3-q-proj", "mistral4",
-                                    "cohere-qk-norm"])
+                                    "cohere-qk-norm", "gemma4-full-k-eq-v"])
 def test_explicit_positions_with_gaps_match_the_module(served, family):
     """Positions that are no shift of 0..L-1 (RoPE is relative, so a shift
     changes nothing): increasing with random gaps, per sequence, in the
@@ -1046,7 +1144,8 @@ def test_ragged_batches_with_key_lengths(served, family):
                                     "gpt-oss-sliding", "qwen3-next", "afmoe", "deepseek-v3",
                                     "deepseek-v3-q-proj", "olmo-clip", "olmoe-clip",
                                     "dbrx-clip", "ministral3", "mistral4", "cohere-qk-norm",
-                                    "stablelm-qk-layernorm"])
+                                    "stablelm-qk-layernorm", "gemma4-sliding",
+                                    "gemma4-full-k-eq-v"])
 def test_bf16_layers_within_bf16_tolerance(tmp_path, family):
     """The same modules exported with precision bf16 (weights and products in
     bfloat16): within bf16's tolerance of the float64 forward."""
@@ -1063,6 +1162,143 @@ def test_bf16_layers_within_bf16_tolerance(tmp_path, family):
     finally:
         assert server.stop() == 0, server.log()
     assert _rel(got, want) < 2e-2, _rel(got, want)
+
+
+def _gemma4_original(module):
+    """(weights, config) of a Gemma 4 layer as its module holds and computes
+    it, for the NumPy layer, read from the module alone: its own projections
+    and norms (v_proj: k_proj's with attention_k_eq_v) in their own feature
+    order, and its proportional RoPE from its own parameters, over the whole
+    head (the exporter's reordering is not used)."""
+    weights = {n: t.detach().double().numpy() for n, t in module.state_dict().items()}
+    if module.v_proj is None:
+        weights["v_proj.weight"] = weights["k_proj.weight"]
+    params, hd = module.rope_parameters(), module.head_dim
+    rope = dict(type="proportional", theta=params["rope_theta"], rotary_dim=hd,
+                angles=int(params["partial_rotary_factor"] * hd // 2),
+                factor=params.get("factor", 1.0))
+    config = dict(num_heads=module.q_proj.out_features // hd,
+                  num_kv_heads=module.k_proj.out_features // hd, head_dim=hd,
+                  weight_layout="SEPARATE_QKV", tensor_names={}, scale=module.scaling,
+                  qk_norm=dict(eps=module.q_norm.variance_epsilon, weight_offset=False),
+                  v_norm=dict(eps=module.v_norm.eps), rope=rope)
+    return weights, config
+
+
+@pytest.mark.parametrize("family", ["gemma4-full", "gemma4-full-k-eq-v"])
+def test_gemma4_proportional_rope_is_served_exactly(served, family):
+    """Gemma 4's full layers: proportional RoPE (rotate-half over the whole
+    head, the first int(partial_rotary_factor * head_dim // 2) pairs (i, i +
+    head_dim/2) at theta^(-2i/head_dim) / factor, the rest not rotated),
+    served as rotate-half over 2 * angles features of Q and K whose features
+    the exporter reorders, rotated pairs first (one order in Q and K: no score
+    changes), with theta^(2 * angles / head_dim). At positions in the
+    thousands the served layer equals the NumPy layer on the module's own
+    weights and RoPE, and the module's own float64 forward; the exported
+    config on the unreordered weights, or without v_norm, does not."""
+    client, modules, configs, weights = served
+    module, config = modules[family], configs[family]
+    params, hd = module.rope_parameters(), module.head_dim
+    angles = int(params["partial_rotary_factor"] * hd // 2)
+    factor = params.get("factor", 1.0)
+    assert config["rope"]["type"] == ("default" if factor == 1.0 else "linear")
+    assert config["rope"]["rotary_dim"] == 2 * angles
+    assert config["rope"].get("factor", 1.0) == factor
+    assert math.isclose(config["rope"]["theta"], params["rope_theta"] ** (2 * angles / hd),
+                        rel_tol=1e-12)
+    # The layer's own head_dim and KV heads, not the config's (16, 2).
+    assert (config["head_dim"], config["num_kv_heads"]) == (32, module.k_proj.out_features // 32)
+    assert config["v_norm"] == {"eps": 1e-6} and config["scale"] == 1.0
+    half = hd // 2
+    order = [*range(angles), *range(half, half + angles), *range(angles, half),
+             *range(half + angles, hd)]
+    for name in ("q_proj.weight", "k_proj.weight", "q_norm.weight", "k_norm.weight"):
+        own = module.state_dict()[name].numpy()
+        assert np.array_equal(weights[family][name],
+                              own.reshape(-1, hd, *own.shape[1:])[:, order].reshape(own.shape))
+    original, original_config = _gemma4_original(module)
+    assert np.array_equal(weights[family]["v_proj.weight"], original["v_proj.weight"])
+    x = np.random.default_rng(2).uniform(-1, 1, (1, 3000, 64)).astype(np.float32)
+    got = client.attend(x, model=family, causal=True).output
+    want = _np_layer(x, original, original_config)
+    assert _rel(got[:, -64:], want[:, -64:]) < 2e-5, _rel(got[:, -64:], want[:, -64:])
+    assert _rel(got, want) < 2e-5, _rel(got, want)
+    assert _rel(got, _module_forward(module, x)) < 2e-5
+    short = x[:, :256]
+    assert _rel(_np_layer(short, original, config), want[:, :256]) > 1e-2  # not reordered
+    assert _rel(_np_layer(short, weights[family], dict(config, v_norm=None)),
+                want[:, :256]) > 1e-2
+
+
+def test_v_norm_is_exported_and_reported(served):
+    client, _, configs, _ = served
+    for family in ("gemma3n", "gemma4-sliding", "gemma4-full", "gemma4-full-k-eq-v"):
+        assert configs[family]["v_norm"] == {"eps": 1e-6}, family
+        assert configs[family]["qk_norm"] == {"eps": 1e-6, "weight_offset": False}, family
+    assert configs["gemma4-sliding"]["sliding_window"] == WINDOW
+    assert "sliding_window" not in configs["gemma4-full"]
+    reported = client.get_model("gemma4-sliding").config
+    assert reported.HasField("v_norm") and reported.v_norm.eps == 1e-6
+    assert not client.get_model("qwen3").config.HasField("v_norm")
+
+
+def _gemma4_variant(change):
+    """A Gemma 4 layer with one thing attnserve does not compute."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    m = _Gemma4Attention("gemma4-full" if change == "kv-shared" else "gemma4-sliding")
+    if change in ("kv-shared", "kv-shared-by-config"):
+        # A layer past num_kv_shared_layers' start: no k_proj, v_proj, k_norm,
+        # v_norm; it attends to an earlier layer's keys and values.
+        del m.k_proj, m.v_proj, m.k_norm, m.v_norm
+        m.config.num_kv_shared_layers = 2
+        if change == "kv-shared":
+            m.is_kv_shared_layer = True
+        else:  # transformers' kv_sharing_modes, read from the config
+            del m.is_kv_shared_layer
+            m.config.kv_sharing_modes = [None] * 3 + ["store", "reuse", "reuse"]
+            m.layer_idx = 4
+    elif change == "bidirectional-sliding":
+        # use_bidirectional_attention "all": |i - j| <= (16 // 2) + 1, both ways.
+        m.config.use_bidirectional_attention = "all"
+        m.sliding_window, m.is_causal = WINDOW // 2 + 1, False
+    elif change == "v-norm-weight":
+        m.v_norm = LlamaRMSNorm(16, eps=1e-6)
+    elif change == "v-norm-other-type":
+        m.config.model_type = "qwen3"
+    elif change == "proportional-other-type":  # Gemma 3n's rotary class has no such type
+        m = _Gemma4Attention("gemma3n")
+        m.config.rope_parameters["full_attention"] = dict(GEMMA4_PROPORTIONAL)
+    return m
+
+
+@pytest.mark.parametrize("change,words", [
+    ("kv-shared", ["_Gemma4Attention (layer 5) reuses the keys and values of an earlier layer",
+                   "KV sharing, num_kv_shared_layers=2"]),
+    ("kv-shared-by-config", ["(layer 4) reuses the keys and values of an earlier layer"]),
+    ("bidirectional-sliding", ["two-sided sliding window",
+                               "use_bidirectional_attention='all'"]),
+    ("v-norm-weight", ["v_norm LlamaRMSNorm with a weight"]),
+    ("v-norm-other-type", ["norm of the values (v_norm) in a model of type 'qwen3'"]),
+    ("proportional-other-type", ["RoPE scaling type 'proportional'"]),
+])
+def test_gemma_layers_that_attnserve_cannot_compute_are_refused_by_name(tmp_path, change, words):
+    from attnserve_client.export import unsupported_features
+    assert unsupported_features(_Gemma4Attention("gemma4-full-k-eq-v")) == []
+    with pytest.raises(ExportError) as refused:
+        export_module(_gemma4_variant(change), str(tmp_path / change))
+    for word in words:
+        assert word in str(refused.value), str(refused.value)
+    assert not os.path.exists(tmp_path / change / "config.pbtxt"), "nothing is written"
+
+
+def test_a_bidirectional_gemma4_full_layer_is_exported_without_causal(tmp_path):
+    """use_bidirectional_attention "all" (Gemma 4's embedding models): its
+    full layers attend both ways (the module's is_causal), its sliding ones
+    are refused (above)."""
+    m = _Gemma4Attention("gemma4-full")
+    m.config.use_bidirectional_attention, m.is_causal = "all", False
+    config = export_module(m, str(tmp_path / "m"))
+    assert config["causal"] is False and "sliding_window" not in config
 
 
 def test_llama4_layers_are_exported_with_their_chunks_and_temperature(tmp_path, served):

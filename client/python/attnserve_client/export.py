@@ -127,7 +127,7 @@ _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_
                 "weight_layout", "tensor_prefix", "tensor_names", "scale", "causal", "precision",
                 "batching", "instances", "backend", "rope", "qk_norm", "sliding_window", "softcap",
                 "sinks", "output_gate", "attention_chunk", "temperature_tuning",
-                "latent_attention", "clip_qkv"]
+                "latent_attention", "clip_qkv", "v_norm"]
 
 
 def _scalar(field, value):
@@ -167,7 +167,7 @@ def config_text(config):
             if inner:
                 lines.append(f"batching {{ {inner} }}")
         elif field in ("rope", "qk_norm", "output_gate", "temperature_tuning",
-                       "latent_attention"):
+                       "latent_attention", "v_norm"):
             # Floats as repr (shortest round-trip double): theta and factors are doubles.
             inner = " ".join(f"{k}: {json.dumps(v) if isinstance(v, str) else _rope_scalar(v)}"
                              for k, v in value.items() if v is not None)
@@ -361,7 +361,11 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
                      "afmoe": False,
                      # complex multiplication: pairs (2i, 2i+1); RoPE on three
                      # layers of four (_rope_skipped)
-                     "llama4_text": True}
+                     "llama4_text": True,
+                     # QK-norm x * w, a weightless norm of V (v_norm_config);
+                     # Gemma 4's proportional RoPE on its full layers
+                     # (_proportional_angles)
+                     "gemma3n_text": False, "gemma4_text": False}
 # Gated attention: the model types whose attention output is multiplied by
 # sigmoid of a projection of the layer's input (elementwise, before o_proj),
 # and where that projection is: "query_per_head", inside q_proj (each head's
@@ -370,6 +374,19 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
 _OUTPUT_GATES = {"qwen3_next": "query_per_head", "qwen3_5_text": "query_per_head",
                  "qwen3_5_moe_text": "query_per_head", "afmoe": "separate"}
 _ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
+# Model types whose rotary class computes its "default" frequencies over the
+# whole head, whatever partial_rotary_factor says (their own
+# compute_default_rope_parameters).
+_DEFAULT_ROPE_WHOLE_HEAD = {"gemma3n_text", "gemma4_text"}
+# Model types whose "proportional" RoPE (Gemma 4's full layers) is served by
+# a rewrite of Q's and K's features (_proportional_angles).
+_PROPORTIONAL_ROPE = {"gemma4_text"}
+# Model types whose `v_norm` (RMSNorm of each value head without a weight)
+# is checked against transformers' own classes (tests/hf).
+_V_NORM_TYPES = {"gemma3n_text", "gemma4_text"}
+# Model types whose layers have dims of their own (Gemma 4's full layers),
+# read from each module's head_dim and linears.
+_DIMS_PER_LAYER = {"gemma4_text"}
 
 
 # Model types whose attention computes something attnserve does not (yet),
@@ -460,8 +477,10 @@ def rope_config(module, head_dim):
     """The `rope` of an attnserve ModelConfig for `module`'s rotary position
     embeddings, read from its Hugging Face config as transformers' rope
     utilities read it (4.x: rope_theta/rope_scaling/partial_rotary_factor or
-    rotary_pct; 5.x: rope_parameters); None when it has none. ExportError
-    naming what attnserve cannot compute (a scaling type, a model type whose
+    rotary_pct; 5.x: rope_parameters); None when it has none. Gemma 4's
+    proportional RoPE is written as the rotate-half it is on Q and K features
+    reordered by describe_module (_proportional_rope). ExportError naming
+    what attnserve cannot compute (a scaling type, a model type whose
     rotation layout is unknown)."""
     config = getattr(module, "config", None)
     if not _has_rope(module, config):
@@ -473,6 +492,39 @@ def rope_config(module, head_dim):
                           f"{', '.join(sorted(_ROPE_INTERLEAVED))})")
     if _rope_skipped(module, config, model_type):
         return None
+    params = _layer_rope_parameters(module, config)
+    kind = params.get("rope_type") or params.get("type") or "default"
+    # DBRX in transformers 4.x keeps its theta in attn_config (5.x in
+    # rope_parameters, which its rotary class reads).
+    theta = params.get("rope_theta") or _config_value(config, "rope_theta") or \
+        _config_value(config, "rotary_emb_base") or \
+        _config_value(_config_value(config, "attn_config"), "rope_theta") or 10000.0
+    if kind == "proportional" and model_type in _PROPORTIONAL_ROPE:
+        return _proportional_rope(params, theta, head_dim)
+    if model_type.startswith("hunyuan") and kind == "dynamic" and params.get("alpha"):
+        # Hunyuan's "dynamic" with a fixed alpha only stretches the base:
+        # theta * alpha^(d / (d - 2)) over the whole head, whatever the length.
+        theta = theta * float(params["alpha"]) ** (head_dim / (head_dim - 2))
+        kind = "default"
+    if kind not in _ROPE_TYPES:
+        raise ExportError(f"RoPE scaling type {kind!r} (attnserve computes "
+                          f"{', '.join(sorted(_ROPE_TYPES))})")
+    partial = (params.get("partial_rotary_factor") or
+               _config_value(config, "partial_rotary_factor") or
+               _config_value(config, "rotary_pct") or 1.0)
+    if kind == "default" and model_type in _DEFAULT_ROPE_WHOLE_HEAD:
+        partial = 1.0
+    rotary_dim = _config_value(config, "rotary_dim") if model_type in ("gptj", "codegen") else None
+    rope = dict(type=kind, theta=float(theta),
+                rotary_dim=int(rotary_dim or int(head_dim * partial)),
+                interleaved=_rope_interleaved(config, model_type))
+    return _scaled_rope(rope, params, config)
+
+
+def _layer_rope_parameters(module, config):
+    """The RoPE parameters of `module`'s layer: rope_parameters (transformers
+    5.x: those of the module's layer type where there is one set per type),
+    with rope_scaling's (4.x) where they do not say."""
     params = dict(_config_value(config, "rope_parameters") or {})
     if any(isinstance(v, dict) for v in params.values()):
         # transformers 5.x (Gemma3): one set per layer type; the module's
@@ -488,27 +540,63 @@ def rope_config(module, head_dim):
         params = dict(params[types[layer]])
     scaling = dict(_config_value(config, "rope_scaling") or {})
     params.update({k: v for k, v in scaling.items() if k not in params})
-    kind = params.get("rope_type") or params.get("type") or "default"
-    # DBRX in transformers 4.x keeps its theta in attn_config (5.x in
-    # rope_parameters, which its rotary class reads).
-    theta = params.get("rope_theta") or _config_value(config, "rope_theta") or \
-        _config_value(config, "rotary_emb_base") or \
-        _config_value(_config_value(config, "attn_config"), "rope_theta") or 10000.0
-    if model_type.startswith("hunyuan") and kind == "dynamic" and params.get("alpha"):
-        # Hunyuan's "dynamic" with a fixed alpha only stretches the base:
-        # theta * alpha^(d / (d - 2)) over the whole head, whatever the length.
-        theta = theta * float(params["alpha"]) ** (head_dim / (head_dim - 2))
-        kind = "default"
-    if kind not in _ROPE_TYPES:
-        raise ExportError(f"RoPE scaling type {kind!r} (attnserve computes "
-                          f"{', '.join(sorted(_ROPE_TYPES))})")
-    partial = (params.get("partial_rotary_factor") or
-               _config_value(config, "partial_rotary_factor") or
-               _config_value(config, "rotary_pct") or 1.0)
-    rotary_dim = _config_value(config, "rotary_dim") if model_type in ("gptj", "codegen") else None
-    rope = dict(type=kind, theta=float(theta),
-                rotary_dim=int(rotary_dim or int(head_dim * partial)),
-                interleaved=_rope_interleaved(config, model_type))
+    return params
+
+
+def _proportional_angles(module, head_dim):
+    """Gemma 4's proportional RoPE (transformers'
+    _compute_proportional_rope_parameters): the number of pairs (i, i +
+    head_dim/2) that rotate, int(partial_rotary_factor * head_dim // 2), the
+    first ones, with frequencies theta^(-2i/head_dim) / factor; the others
+    have frequency 0 and do not rotate. None for a layer without it."""
+    config = getattr(module, "config", None)
+    model_type = _config_value(config, "model_type")
+    if model_type not in _PROPORTIONAL_ROPE or not _has_rope(module, config) or \
+            _rope_skipped(module, config, model_type):
+        return None
+    params = _layer_rope_parameters(module, config)
+    if (params.get("rope_type") or params.get("type")) != "proportional":
+        return None
+    return int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+
+
+def _proportional_rope(params, theta, head_dim):
+    """The `rope` that serves proportional RoPE on Q and K whose features are
+    reordered rotated pairs first (_rotary_first): rotate-half over the first
+    2 * angles features, theta' = theta^(2 * angles / head_dim) so that
+    theta'^(-2i / (2 * angles)) = theta^(-2i / head_dim), its factor as
+    "linear"; None when no pair rotates."""
+    angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    if angles <= 0:
+        return None
+    factor = float(params.get("factor", 1.0))
+    rope = dict(type="default" if factor == 1.0 else "linear",
+                theta=float(theta) ** (2 * angles / head_dim), rotary_dim=2 * angles,
+                interleaved=False)
+    if factor != 1.0:
+        rope["factor"] = factor
+    return rope
+
+
+def _rotary_first(head_dim, angles):
+    """Each head's feature order with proportional RoPE's rotated pairs (i,
+    i + head_dim/2), i < angles, first: [0..angles-1, half..half+angles-1,
+    then the rest in order]."""
+    half = head_dim // 2
+    return [*range(angles), *range(half, half + angles), *range(angles, half),
+            *range(half + angles, head_dim)]
+
+
+def _permuted_heads(tensor, order):
+    """tensor [heads * head_dim (, in)] (or [head_dim]) with each head's rows
+    in `order`."""
+    t = tensor.detach()
+    return t.reshape(-1, len(order), *t.shape[1:])[:, order].reshape(t.shape)
+
+
+def _scaled_rope(rope, params, config):
+    """`rope` with the fields of its scaling type, from `params`."""
+    kind = rope["type"]
     max_positions = _config_value(config, "max_position_embeddings")
     if kind == "yarn" and params.get("factor") is None and max_positions and \
             params.get("original_max_position_embeddings"):
@@ -757,7 +845,14 @@ def sliding_window_of(module):
         return int(window) if window and getattr(module, "is_sliding", False) else None
     if hasattr(module, "sliding_window"):
         # The module's own word on its layer (Gemma 2: every other layer).
-        return int(module.sliding_window) if module.sliding_window else None
+        window = module.sliding_window
+        if window and _config_value(config, "model_type") == "gemma4_text" and \
+                _config_value(config, "use_bidirectional_attention") == "all":
+            # Gemma 4's bidirectional text layers: |i - j| <= window, both ways.
+            raise ExportError(f"a two-sided sliding window (use_bidirectional_attention='all': "
+                              f"each token sees those within {window} positions of it, before "
+                              "and after; attnserve's window is causal)")
+        return int(window) if window else None
     if _config_value(config, "use_sliding_window") is False:
         return None
     window = _config_value(config, "sliding_window")
@@ -887,20 +982,77 @@ def clip_qkv_of(module):
     return float(clip)
 
 
+def v_norm_config(module, head_dim):
+    """The `v_norm` of an attnserve ModelConfig for a module with a `v_norm`
+    child (Gemma 3n, Gemma 4): RMSNorm of each value head without a weight,
+    v / sqrt(mean(v^2) + eps), checked on two probes as the QK-norms are;
+    None without one. ExportError naming the norm for a weight, another
+    form, or a model type whose value norm is not checked."""
+    norm = getattr(module, "v_norm", None)
+    if norm is None:
+        return None
+    model_type = _config_value(getattr(module, "config", None), "model_type")
+    if model_type not in _V_NORM_TYPES:
+        raise ExportError(f"a norm of the values (v_norm) in a model of type {model_type!r}, "
+                          "whose value norm attnserve has not checked against transformers "
+                          f"(served: {', '.join(sorted(_V_NORM_TYPES))})")
+    if isinstance(getattr(norm, "weight", None), torch.Tensor):
+        raise ExportError(f"v_norm {type(norm).__name__} with a weight (attnserve's value norm "
+                          "has none)")
+    eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None)
+    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps > 0:
+        raise ExportError(f"v_norm {type(norm).__name__} says no eps (eps or variance_epsilon)")
+    proj = _linear(module, "k_proj") or _linear(module, "q_proj")
+    dtype = proj.weight.dtype if proj is not None else torch.float32
+    width = int(head_dim or 16)
+    x = torch.linspace(-2.0, 3.0, width, dtype=torch.float64)
+    for probe in (x, x * math.sqrt(eps) / torch.sqrt((x * x).mean())):
+        if _norm_computes(norm, float(eps), probe.to(dtype),
+                          torch.ones(width, dtype=torch.float64)) != (False, False):
+            raise ExportError(f"v_norm {type(norm).__name__}, which computes something else "
+                              f"than RMSNorm without a weight v / sqrt(mean(v^2) + {eps})")
+    return dict(eps=float(eps))
+
+
+def _kv_shared(module):
+    """What a layer that takes its keys and values from an earlier layer
+    (Gemma 3n's and Gemma 4's KV sharing: kv_sharing_modes "reuse", no
+    k_proj or v_proj) computes, for a refusal; None for any other layer."""
+    config = getattr(module, "config", None)
+    shared = getattr(module, "is_kv_shared_layer", None)
+    if shared is None:
+        try:
+            modes = _config_value(config, "kv_sharing_modes")
+        except ValueError:  # transformers checks its layer types as it builds them
+            modes = None
+        layer = getattr(module, "layer_idx", None)
+        shared = bool(modes and layer is not None and layer < len(modes) and
+                      str(modes[layer]).startswith("reuse"))
+    if not shared:
+        return None
+    return (f"reuses the keys and values of an earlier layer (KV sharing, num_kv_shared_layers="
+            f"{_config_value(config, 'num_kv_shared_layers')}), where attnserve computes a "
+            "layer's keys and values from its own input")
+
+
 def unsupported_features(module, head_dim=None, num_heads=None):
     """What `module` computes that attnserve does not (yet): rotary
-    embeddings, sliding windows, QK-norms, QKV clipping and attention sinks
-    of a kind attnserve does not compute (rope_config, sliding_window_of,
-    qk_norm_config and clip_qkv_of say which). Read from the module's children and
-    parameters and its Hugging Face `config`; head_dim and num_heads default
-    to the module's own attributes. Empty when attnserve computes the module
-    exactly."""
+    embeddings, sliding windows, QK-norms, value norms, QKV clipping and
+    attention sinks of a kind attnserve does not compute (rope_config,
+    sliding_window_of, qk_norm_config, v_norm_config and clip_qkv_of say
+    which), keys and values reused from another layer (KV sharing). Read
+    from the module's children and parameters and its Hugging Face `config`;
+    head_dim and num_heads default to the module's own attributes. Empty when
+    attnserve computes the module exactly."""
     if _is_latent(module):
         return _latent_unsupported(module)
     found = []
     config = getattr(module, "config", None)
     if _config_value(config, "model_type") in _NOT_COMPUTED:
         found.append(_NOT_COMPUTED[_config_value(config, "model_type")])
+    shared = _kv_shared(module)
+    if shared:
+        found.append(f"a layer (layer {getattr(module, 'layer_idx', '?')}) that {shared}")
     head_dim = head_dim or getattr(module, "head_dim", None) or 0
     try:
         rope_config(module, head_dim)
@@ -925,10 +1077,12 @@ def unsupported_features(module, head_dim=None, num_heads=None):
         clip_qkv_of(module)
     except ExportError as e:
         found.append(str(e))
-    try:
-        qk_norm_config(module, head_dim)
-    except ExportError as e:
-        found.append(str(e))
+    if not shared:  # a shared layer has no k_norm nor v_norm: its keys are done
+        for check in (qk_norm_config, v_norm_config):
+            try:
+                check(module, head_dim)
+            except ExportError as e:
+                found.append(str(e))
     sinks = getattr(module, "sinks", None)
     heads = num_heads or getattr(module, "num_heads", None) or \
         getattr(module, "num_attention_heads", None) or _config_value(config, "num_attention_heads")
@@ -951,6 +1105,11 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
                           "refused rather than served with different numbers (docs/MODELS.md)")
     if _is_latent(module):
         return _describe_latent(module, num_heads)
+    shared = _kv_shared(module)
+    if shared:  # before its missing k_proj and v_proj are looked for
+        raise ExportError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
+                          f"{shared}: refused rather than served with different numbers "
+                          "(docs/MODELS.md)")
     config, tensors = _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
     missing = unsupported_features(module, config["head_dim"], config["num_heads"])
     if missing:
@@ -985,6 +1144,22 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
         else:  # as stored; StableLM's per-head norms stacked, [heads, head_dim]
             tensors["q_norm.weight"] = _qk_norm_weight(q_norm)
             tensors["k_norm.weight"] = _qk_norm_weight(k_norm)
+    v_norm = v_norm_config(module, config["head_dim"])
+    if v_norm is not None:
+        config["v_norm"] = v_norm
+    angles = _proportional_angles(module, config["head_dim"])
+    if angles:
+        # Gemma 4's proportional RoPE rotates pairs (i, i + head_dim/2) for i
+        # < angles: the same permutation of each head's features in Q and K
+        # (their projections, biases and QK-norm weights, which act per
+        # feature) puts them first, where rope_config's rotate-half over 2 *
+        # angles features turns them; it changes no score. A v_proj that is
+        # k_proj (_keys_are_values) keeps the original order.
+        order = _rotary_first(config["head_dim"], angles)
+        for name in ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias",
+                     "q_norm.weight", "k_norm.weight"):
+            if name in tensors:
+                tensors[name] = _permuted_heads(tensors[name], order)
     chunk = attention_chunk_of(module)
     if chunk is not None:
         config["attention_chunk"] = chunk
@@ -1280,9 +1455,29 @@ def _describe_stacked(module, qkv, qkv_name, out_name, num_heads, num_kv_heads, 
     return _describe_separate(module, q, k, v, o, out_name, h, hkv, hd)
 
 
+def _keys_are_values(module):
+    """Whether `module` takes its values from its key projection: Gemma 4's
+    attention_k_eq_v on its full layers (use_alternative_attention, no
+    v_proj): value = v_norm(k_proj(x)), k_proj's output before k_norm and
+    RoPE, which a v_proj of k_proj's weights computes."""
+    model_type = _config_value(getattr(module, "config", None), "model_type")
+    return model_type == "gemma4_text" and getattr(module, "use_alternative_attention", False) \
+        and getattr(module, "v_proj", "none") is None
+
+
 def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout):
     q, k, v = (_linear(module, n) for n in ("q_proj", "k_proj", "v_proj"))
     model_type = _config_value(getattr(module, "config", None), "model_type")
+    if v is None and k is not None and _keys_are_values(module):
+        v = k
+    if model_type in _DIMS_PER_LAYER and q is not None and k is not None:
+        # Gemma 4's full layers have a head_dim and KV heads of their own
+        # (global_head_dim, num_global_key_value_heads): the module's own
+        # head_dim and linears say them, not the top-level config.
+        hd = head_dim or getattr(module, "head_dim", None)
+        if hd:
+            num_heads = num_heads or q.out_features // int(hd)
+            num_kv_heads = num_kv_heads or k.out_features // int(hd)
     if q is not None and _OUTPUT_GATES.get(model_type) == "query_per_head":
         h = num_heads or _first_attr(module, ("num_heads", "num_attention_heads"))
         hd = head_dim or _first_attr(module, ("head_dim",))

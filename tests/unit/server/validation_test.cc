@@ -719,6 +719,46 @@ TEST(ValidationTest, WeightBoundsAreTheLargestRowSumAndBias) {
   b = MeasureWeightBounds(w);
   EXPECT_TRUE(std::isinf(b.q.gain));
   EXPECT_TRUE(std::isinf(b.q.bias));
+  // The QK-norm weights' largest |w|.
+  EXPECT_EQ(b.q_norm, 0);
+  w.q_norm = Tensor(DType::kFloat32, {2});
+  const float q_norm[] = {-2.5f, 1};
+  std::memcpy(w.q_norm.data(), q_norm, sizeof q_norm);
+  EXPECT_DOUBLE_EQ(MeasureWeightBounds(w).q_norm, 2.5);
+}
+
+// A QK-norm layer's scores are bounded by the norm, whatever the
+// projections: an fp16 layer takes inputs whose raw projections' bound would
+// overflow its scores, and refuses norm weights large enough to overflow.
+TEST(ValidationTest, QkNormBoundsTheScoresWhateverTheProjections) {
+  static const auto layer = MakeDemoMhaLayer();
+  LayerWeightBounds bounds = MeasureWeightBounds(layer->weights);
+  bounds.q_norm = bounds.k_norm = 1.5;
+  auto validate = [&](const v1::AttendRequest& r, const LayerConfig& config) {
+    return ValidateAttendInputs(DecodeAttendRequest(r), config, {}, &bounds);
+  };
+  LayerConfig half = layer->config;
+  half.precision = Precision::kFloat16;
+  v1::AttendRequest big = ValidMhaCross();
+  SetFloat(big.mutable_query(), 0, static_cast<float>(20000.0 / bounds.q.gain));
+  SetFloat(big.mutable_key(), 0, static_cast<float>(20000.0 / bounds.k.gain));
+  absl::StatusOr<ValidatedRequest> v = validate(big, half);
+  ASSERT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(v.status().message()),
+              HasSubstr("scores may overflow float16: max|projected query|"));
+  LayerConfig normed = half;
+  normed.qk_norm.enabled = true;
+  normed.qk_norm.eps = 1e-6;
+  EXPECT_TRUE(validate(big, normed).ok()) << validate(big, normed).status();
+  // Norm weights of 1000: each head's query and key up to sqrt(head_dim) *
+  // 1000, their products past 65504.
+  bounds.q_norm = bounds.k_norm = 1000;
+  v = validate(ValidMhaCross(), normed);
+  ASSERT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(v.status().message()),
+              AllOf(HasSubstr("query/key/scale: scores may overflow float16: the QK-norm bounds "
+                              "each head's query by"),
+                    HasSubstr("exceeds 65504")));
 }
 
 // Projection models: the score and sum bounds of sdpa, applied to the
