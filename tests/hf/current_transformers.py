@@ -120,7 +120,9 @@ FAMILIES = {
     "phi3": ("phi3", "Phi3", {}, 0, "served"),
     "phi4-mini-short": ("phi3", "Phi3", PHI4_MINI, 0, "served"),
     "phi4-mini-long": ("phi3", "Phi3", PHI4_MINI, 0, "served"),
-    "phi3-mini-4k-window": ("phi3", "Phi3", dict(sliding_window=2047), 0, "Phi-3"),
+    # Phi-3-mini-4k: a window narrower than its positions (its 2047; WINDOW
+    # here), which 5.x applies in every attention path.
+    "phi3-mini-4k-window": ("phi3", "Phi3", dict(sliding_window=WINDOW), 0, "served"),
     "gpt-neox": ("gpt_neox", "GPTNeoX", dict(rotary_pct=0.5), 0, "served"),
     # QK-norm over the whole projection.
     "olmo2": ("olmo2", "Olmo2", dict(rope_theta=500000.0), 0, "served"),

@@ -78,6 +78,13 @@ def _served_module(family):
         from transformers import Phi3Config
         from transformers.models.phi3.modeling_phi3 import Phi3Attention
         m = Phi3Attention(Phi3Config(**COMMON), layer_idx=0)  # one qkv_proj, GQA widths
+    elif family == "phi3-mini-4k":
+        # Phi-3-mini-4k's sliding window (2047 over its 4096 positions; WINDOW
+        # here), which 4.45.2's module leaves to the mask it is given: the
+        # windowed mask transformers 5.x builds in every attention path.
+        from transformers import Phi3Config
+        from transformers.models.phi3.modeling_phi3 import Phi3Attention
+        m = Phi3Attention(Phi3Config(**COMMON, sliding_window=WINDOW), layer_idx=0)
     elif family == "phi3-longrope":
         # Phi-3.5 / Phi-4-mini's LongRoPE, its training context shrunk to 32
         # tokens so that short and long requests are both a few dozen; the
@@ -201,8 +208,8 @@ MORE_FAMILIES = {"qwen2-moe": ("qwen2_moe", "Qwen2Moe", {}),
                  "granite": ("granite", "Granite", dict(attention_multiplier=0.2)),
                  "nemotron": ("nemotron", "Nemotron", dict(partial_rotary_factor=0.5))}
 FAMILIES = ["llama", "llama-linear", "llama3", "llama-yarn", "mistral-no-window", "mistral",
-            "qwen2", "phi3", "phi3-longrope", "gpt-neox", "qwen3", "gemma3", "olmo2", "hunyuan",
-            "gemma2-sliding", "gemma2-full", "gpt-oss-sliding", "gpt-oss-full", "qwen3-next",
+            "qwen2", "phi3", "phi3-mini-4k", "phi3-longrope", "gpt-neox", "qwen3", "gemma3",
+            "olmo2", "hunyuan", "gemma2-sliding", "gemma2-full", "gpt-oss-sliding", "gpt-oss-full", "qwen3-next",
             "afmoe", "llama4", "ministral3", "deepseek-v3", "deepseek-v3-q-proj", "longcat-flash",
             "mistral4", "dbrx", "dbrx-clip", *MORE_FAMILIES, "gemma3n", "gemma4-sliding",
             "gemma4-full", "gemma4-full-k-eq-v"]
@@ -967,7 +974,8 @@ def test_rope_at_positions_in_the_thousands_within_2e5_of_float64(served, family
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "olmo2", "hunyuan", "mistral",
-                                    "gemma2-sliding", "gpt-oss-sliding", "qwen3-next", "afmoe",
+                                    "phi3-mini-4k", "gemma2-sliding", "gpt-oss-sliding",
+                                    "qwen3-next", "afmoe",
                                     "llama4", "ministral3", "deepseek-v3", "deepseek-v3-q-proj",
                                     "mistral4", "olmo-clip", "olmoe-clip", "dbrx-clip",
                                     "cohere-qk-norm", "stablelm-qk-layernorm", "gemma4-sliding",
@@ -1653,14 +1661,6 @@ def _refused_module(family):
         from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
         config = Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=256)
         return Qwen2Attention(config, layer_idx=0), ["sliding window of 256", "'qwen2'"]
-    if family == "phi3-windowed":
-        # Phi-3-mini-4k's window of 2047: transformers applies it in some
-        # attention paths and not others, so attnserve does not place it.
-        from transformers import Phi3Config
-        from transformers.models.phi3.modeling_phi3 import Phi3Attention
-        config = Phi3Config(**COMMON, sliding_window=2047)
-        return Phi3Attention(config, layer_idx=0), ["sliding window of 2047", "Phi-3",
-                                                    "4096 positions"]
     if family == "llama-dynamic":
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaAttention
@@ -1675,8 +1675,7 @@ def _refused_module(family):
     raise AssertionError(family)
 
 
-@pytest.mark.parametrize("family", ["qwen2-windowed", "phi3-windowed", "llama-dynamic",
-                                    "mpt"])
+@pytest.mark.parametrize("family", ["qwen2-windowed", "llama-dynamic", "mpt"])
 def test_what_attnserve_cannot_compute_is_refused_by_name(tmp_path, family):
     module, words = _refused_module(family)
     with pytest.raises(ExportError) as refused:

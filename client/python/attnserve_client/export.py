@@ -860,16 +860,11 @@ def sliding_window_of(module):
         return None
     model_type = _config_value(config, "model_type")
     if model_type == "phi3":
-        # transformers 4.x applies Phi-3's window in its flash-attention path
-        # only, 5.x in every path: one answer only where the window cannot
-        # bind within the model's context (Phi-3.5, Phi-4-mini: 262144 over
-        # 131072 positions), served as 5.x computes it.
-        max_positions = _config_value(config, "max_position_embeddings")
-        if max_positions and window >= max_positions:
-            return int(window)
-        raise ExportError(f"a sliding window of {window} tokens in a Phi-3 model of "
-                          f"{max_positions} positions, which transformers applies in some "
-                          "attention paths and versions only (4.x: flash-attention alone)")
+        # Phi-3-mini-4k's 2047 (Phi-3.5's and Phi-4-mini's 262144 never bind
+        # within their 131072 positions): served as transformers 5.x applies
+        # it, in every attention path, each query seeing its last `window`
+        # keys; 4.x applied it in its flash-attention path alone.
+        return int(window)
     if model_type not in _WINDOW_TYPES:
         raise ExportError(f"a sliding window of {window} tokens in a model of type "
                           f"{model_type!r}, whose windowed layers attnserve cannot place "
