@@ -64,6 +64,10 @@ LLM_LAYERS = {
                   qk_norm={"eps": 1e-6}),
     "mistral": dict(causal=True, rope={"type": "default"}, sliding_window=24),
     "gemma2": dict(causal=True, rope={"type": "default"}, sliding_window=16, softcap=50.0),
+    # Gemma 4 / Gemma 3n: QK-norm, a weightless norm of each value head,
+    # scale 1 (the norms keep the scores small), RoPE on a quarter of each head.
+    "gemma4": dict(causal=True, rope={"type": "default", "theta": 31.6, "rotary_dim": 16},
+                   qk_norm={"eps": 1e-6}, v_norm={"eps": 1e-6}, sliding_window=20, scale=1.0),
     "gemma3": dict(causal=True, rope={"type": "linear", "factor": 8.0},
                    qk_norm={"eps": 1e-6, "weight_offset": True}, sliding_window=20),
     "gpt-oss": dict(causal=True, rope={"type": "yarn", "theta": 150000.0, "factor": 32.0,
