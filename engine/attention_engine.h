@@ -47,6 +47,15 @@ class KvSlabMemory {
   virtual void Unmap(void* base, int64_t bytes) = 0;
 };
 
+// What a session's KV cache holds per token for a projection layer (the
+// geometry of its PagedKv blocks): num_kv_heads rows of head_dim key
+// features and of head_dim_v value features.
+struct KvCacheGeometry {
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t head_dim_v = 0;
+};
+
 class AttentionEngine {
  public:
   virtual ~AttentionEngine() = default;
@@ -64,6 +73,15 @@ class AttentionEngine {
   // Whether Run accepts tasks with a paged K/V cache (AttentionTask::paged,
   // server-side sessions). Others answer such a task Unimplemented.
   virtual bool SupportsSessions() const { return false; }
+
+  // The geometry of the session caches this engine reads for projection
+  // layer `layer`: by default its projected keys and values (num_kv_heads,
+  // head_dim, ValueHeadDim). An engine may cache something smaller from
+  // which it computes the same attention (the cpu engine: a latent layer's
+  // compressed latent and rotary key, LatentAttention).
+  virtual KvCacheGeometry SessionCacheGeometry(const LayerConfig& layer) const {
+    return {layer.num_kv_heads, layer.head_dim, ValueHeadDim(layer)};
+  }
 
   // The memory the blocks of this engine's sessions must live in; nullptr
   // = ordinary host memory (the server maps it itself). Engines that return

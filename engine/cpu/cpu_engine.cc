@@ -8,6 +8,7 @@
 #include "engine/cpu/cpu_engine.h"
 
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -67,6 +68,17 @@ class CpuEngine final : public AttentionEngine {
   }
 
   bool SupportsSessions() const override { return true; }
+
+  // A latent layer's sessions cache each token's normalised latent and
+  // rotated rotary key as one key row [c' | k_rope] and c' as its value
+  // (kv_lora_rank + rope_dim + kv_lora_rank values per token: 1088 for
+  // DeepSeek-V3 against 40960 for its heads' keys and values); RunLatent
+  // attends over them with each head's query absorbed into the latent.
+  KvCacheGeometry SessionCacheGeometry(const LayerConfig& layer) const override {
+    if (!layer.latent.enabled) return AttentionEngine::SessionCacheGeometry(layer);
+    const LatentAttention& m = layer.latent;
+    return {1, m.kv_lora_rank + m.rope_dim, m.kv_lora_rank};
+  }
 
  private:
   // Sets the thread count and turns anything thrown inside (oneDNN errors,
@@ -585,13 +597,122 @@ class CpuEngine final : public AttentionEngine {
     PlaceCoreOutputs(params, rows, o_layout, core, act, of);
     // Mistral 4's temperature, on each query head's whole row (after RoPE).
     if (c.temperature_tuning.enabled) ScaleQueries(c, batch, params);
+
+    // Sessions cache each token's latent and rotary key (SessionCacheGeometry)
+    // and attend over them with the queries absorbed into the latent.
+    std::vector<size_t> sessions;
+    std::vector<int64_t> session_rows;
+    for (size_t t = 0; t < params.size(); ++t) {
+      if (!batch[t].paged.enabled()) continue;
+      sessions.push_back(t);
+      session_rows.push_back(rows[t]);
+    }
+    const cpu::LayerProjections::AbsorbedLinears* absorbed = nullptr;
+    RowLayout s_layout;
+    const int64_t qa = m.kv_lora_rank + m.rope_dim, qaf = h * qa, lf = h * m.kv_lora_rank;
+    std::optional<ThreadBuffer> qa_buf, latent_out;
+    if (!sessions.empty()) {
+      absl::StatusOr<const cpu::LayerProjections::AbsorbedLinears*> made =
+          projections->absorbed(layer);
+      if (!made.ok()) return made.status();
+      absorbed = *made;
+      s_layout = cpu::LayoutRowsFor(*absorbed->key_absorbed[0], session_rows);
+      qa_buf.emplace(BufferSlot::kLatentQueries, s_layout.total * qaf * act_size);
+      latent_out.emplace(BufferSlot::kLatentOutput, s_layout.total * lf * act_size);
+      if (absl::Status s = AbsorbQueries(*absorbed, sessions, s_layout, params, *qa_buf, nope,
+                                         m.kv_lora_rank, m.rope_dim, act);
+          !s.ok()) {
+        return s;
+      }
+      for (size_t i = 0; i < sessions.size(); ++i) {
+        AttentionParams& p = params[sessions[i]];
+        const int64_t row0 = s_layout.offsets[i];
+        const int64_t a_row0 = a_layout.offsets[sessions[i]];
+        p.q = at(*qa_buf, row0, qaf, 0);
+        p.q_stride_row = qaf;
+        p.q_stride_b = p.q_len * qaf;
+        p.q_stride_h = qa;
+        p.head_dim = qa;
+        p.num_kv_heads = 1;
+        // K: [c' | k_rope] and V: c', read from the latent rows in place.
+        p.k = p.v = at(a_buf, a_row0, a_n, kv_col);
+        p.k_stride_row = p.v_stride_row = a_n;
+        p.k_stride_b = p.v_stride_b = p.kv_len * a_n;
+        p.k_stride_h = qa;
+        p.v_stride_h = p.head_dim_v = m.kv_lora_rank;
+        p.out = at(*latent_out, row0, lf, 0);
+        TokenLayoutStrides(h, p.q_len, m.kv_lora_rank, &p.o_stride_b, &p.o_stride_h,
+                           &p.o_stride_row);
+      }
+    }
     for (size_t i = 0; i < params.size(); ++i) {
       if (absl::Status s = UseSessionCache(batch[i], &params[i]); !s.ok()) return s;
     }
     if (absl::Status s = RunCore(absl::MakeSpan(params), FlashOptionsFor(&c)); !s.ok()) return s;
+    if (!sessions.empty()) {
+      // Each head's values from its output over the latent, into the
+      // stacked core output.
+      std::vector<LinearJob> jobs(static_cast<size_t>(h));
+      for (int64_t head = 0; head < h; ++head) {
+        LinearJob& job = jobs[static_cast<size_t>(head)];
+        job.linear = absorbed->value[static_cast<size_t>(head)].get();
+        job.rows = s_layout.total;
+        for (size_t i = 0; i < sessions.size(); ++i) {
+          const int64_t row0 = s_layout.offsets[i], n = session_rows[i];
+          job.in.push_back({row0, n, act, at(*latent_out, row0, lf, head * m.kv_lora_rank), lf});
+          job.out.push_back(
+              {row0, n, act, at(core, o_layout.offsets[sessions[i]], of, head * dv), of});
+        }
+      }
+      if (absl::Status s = cpu::RunLinearJobs(jobs, engine_, Threads()); !s.ok()) return s;
+    }
 
     // 5. Output projection.
     return ProjectOut(*wo, o_layout, core, act, of, batch, rows);
+  }
+
+  // A latent layer's session queries absorbed into the latent: for each
+  // session task sessions[i] (its rows at s_layout.offsets[i] of `out`, H
+  // heads of kv_lora_rank + rope_dim features), head h's q_nope_h Wk_h
+  // (key_absorbed[h]) followed by its rotated rope features, so that its
+  // product with a cached [c' | k_rope] is the score of the expanded key
+  // [c' Wk_h^T | k_rope].
+  absl::Status AbsorbQueries(const cpu::LayerProjections::AbsorbedLinears& absorbed,
+                             absl::Span<const size_t> sessions, const RowLayout& s_layout,
+                             absl::Span<const AttentionParams> params, const ThreadBuffer& out,
+                             int64_t nope, int64_t rank, int64_t rope_dim, DType act) {
+    const size_t size = DTypeSize(act);
+    const int64_t heads = static_cast<int64_t>(absorbed.key_absorbed.size());
+    const int64_t qa = rank + rope_dim, qaf = heads * qa, dqk = nope + rope_dim;
+    auto query = [&](size_t i, int64_t row, int64_t col) {
+      const AttentionParams& p = params[sessions[i]];
+      return static_cast<const char*>(p.q) + (row * p.q_stride_row + col) * size;
+    };
+    std::vector<LinearJob> jobs(static_cast<size_t>(heads));
+    for (int64_t head = 0; head < heads; ++head) {
+      LinearJob& job = jobs[static_cast<size_t>(head)];
+      job.linear = absorbed.key_absorbed[static_cast<size_t>(head)].get();
+      job.rows = s_layout.total;
+      for (size_t i = 0; i < sessions.size(); ++i) {
+        const AttentionParams& p = params[sessions[i]];
+        job.in.push_back({s_layout.offsets[i], p.q_len, act, query(i, 0, head * dqk),
+                          p.q_stride_row});
+      }
+      job.out.push_back({0, s_layout.total, act,
+                         out.data() + head * qa * static_cast<int64_t>(size), qaf});
+    }
+    if (absl::Status s = cpu::RunLinearJobs(jobs, engine_, Threads()); !s.ok()) return s;
+    for (size_t i = 0; i < sessions.size(); ++i) {
+      for (int64_t row = 0; row < params[sessions[i]].q_len; ++row) {
+        unsigned char* dst =
+            out.data() + (s_layout.offsets[i] + row) * qaf * static_cast<int64_t>(size);
+        for (int64_t head = 0; head < heads; ++head) {
+          std::memcpy(dst + (head * qa + rank) * static_cast<int64_t>(size),
+                      query(i, row, head * dqk + nope), static_cast<size_t>(rope_dim) * size);
+        }
+      }
+    }
+    return absl::OkStatus();
   }
 
   const EngineOptions options_;

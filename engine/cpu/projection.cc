@@ -561,6 +561,37 @@ absl::StatusOr<const ChunkedLinear*> LayerProjections::kv_b(const AttentionLayer
   return Get(kKvB, layer);
 }
 
+absl::StatusOr<const LayerProjections::AbsorbedLinears*> LayerProjections::absorbed(
+    const AttentionLayer& layer) {
+  absl::MutexLock lock(&mu_);
+  if (absorbed_ != nullptr) return absorbed_.get();
+  const LayerConfig& c = layer.config;
+  const LayerWeights& w = layer.weights;
+  const int64_t h = c.num_heads, rank = c.latent.kv_lora_rank;
+  const int64_t nope = c.head_dim - c.latent.rope_dim, dv = c.latent.v_head_dim;
+  const DType act = activation_dtype();
+  auto made = std::make_unique<AbsorbedLinears>();
+  const Tensor no_bias;
+  for (int64_t head = 0; head < h; ++head) {
+    // Wk_h^T: row x holds column x of head h's nope rows of Wk.
+    Tensor key(DType::kFloat32, {rank, nope});
+    const float* wk = w.wk.data_as<float>() + head * nope * rank;
+    for (int64_t n = 0; n < nope; ++n) {
+      for (int64_t x = 0; x < rank; ++x) key.data_as<float>()[x * nope + n] = wk[n * rank + x];
+    }
+    Tensor value(DType::kFloat32, {dv, rank});
+    std::memcpy(value.data(), w.wv.data_as<float>() + head * dv * rank, value.byte_size());
+    for (auto [weight, out] : {std::pair{&key, &made->key_absorbed}, {&value, &made->value}}) {
+      absl::StatusOr<std::unique_ptr<const ChunkedLinear>> linear =
+          ChunkedLinear::Create(engine_, {weight}, {&no_bias}, precision_, act, act);
+      if (!linear.ok()) return linear.status();
+      out->push_back(std::move(*linear));
+    }
+  }
+  absorbed_ = std::move(made);
+  return absorbed_.get();
+}
+
 absl::StatusOr<const ChunkedLinear*> LayerProjections::Get(Which which,
                                                            const AttentionLayer& layer) {
   absl::MutexLock lock(&mu_);

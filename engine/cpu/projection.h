@@ -231,6 +231,15 @@ class LayerProjections {
   // of the normalised latent; q() is then q_b_proj's Wq.
   absl::StatusOr<const ChunkedLinear*> latent_a(const AttentionLayer& layer);
   absl::StatusOr<const ChunkedLinear*> kv_b(const AttentionLayer& layer);
+  // A latent layer's per-head linears over the latent (sessions, which
+  // cache the latent): key_absorbed[h] maps head h's nope query features to
+  // the latent (weight Wk_h^T, [kv_lora_rank, nope]: q_nope_h Wk_h), and
+  // value[h] the attention's output over the latent to head h's value
+  // features (Wv_h, [v_head_dim, kv_lora_rank]), both without biases.
+  struct AbsorbedLinears {
+    std::vector<std::unique_ptr<const ChunkedLinear>> key_absorbed, value;
+  };
+  absl::StatusOr<const AbsorbedLinears*> absorbed(const AttentionLayer& layer);
 
  private:
   enum Which { kQkv, kQ, kK, kV, kO, kG, kLatentA, kKvB, kCount };
@@ -241,6 +250,7 @@ class LayerProjections {
   const DType activation_dtype_;
   absl::Mutex mu_;
   std::unique_ptr<const ChunkedLinear> linears_[kCount] ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<const AbsorbedLinears> absorbed_ ABSL_GUARDED_BY(mu_);
 };
 
 // LayerProjections by layer address (AttentionEngine's contract lets an

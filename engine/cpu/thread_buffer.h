@@ -23,6 +23,8 @@ enum class BufferSlot : int {
   kVActivations,
   kGActivations,     // cross-attention output gate projection
   kCoreOutput,       // the attention core's stacked output
+  kLatentQueries,    // a latent layer's session queries, absorbed into the latent
+  kLatentOutput,     //   and the core's output over the latent
   kStagedRows,       // RunLinearJobs: chunks gathered once for every panel
   kChunkSrc,         // RunLinearJobs, per worker: one chunk's input,
   kChunkDst,         //   its output,

@@ -186,14 +186,9 @@ absl::StatusOr<OpenedSession> RequestDispatcher::OpenSession(absl::string_view m
   std::optional<SessionShape> fixed;
   const LayerConfig& layer = served.layer->config;
   if (layer.has_projections) {
-    // The cache holds the projected K/V in FLOAT32 whatever the inputs.
-    SessionShape shape;
-    shape.cache_dtype = DType::kFloat32;
-    shape.num_heads = layer.num_heads;
-    shape.num_kv_heads = layer.num_kv_heads;
-    shape.head_dim = layer.head_dim;
-    shape.head_dim_v = ValueHeadDim(layer);
-    fixed = shape;
+    // The cache holds the projected K/V (or what the engine caches in their
+    // stead) in FLOAT32 whatever the inputs.
+    fixed = ProjectionSessionShape(*served.engine, layer);
   }
   // The blocks live where the engine reads them (a GPU's memory for cuda).
   return sessions_->Open(served.name, fixed, ttl, max_tokens,

@@ -274,6 +274,17 @@ void SessionManager::DropCache(ModelCache* cache) {
   caches_.erase(model);  // destroys *cache: its pool unmaps its slabs
 }
 
+SessionShape ProjectionSessionShape(const AttentionEngine& engine, const LayerConfig& layer) {
+  const KvCacheGeometry g = engine.SessionCacheGeometry(layer);
+  SessionShape shape;
+  shape.cache_dtype = DType::kFloat32;
+  shape.num_heads = layer.num_heads;
+  shape.num_kv_heads = g.num_kv_heads;
+  shape.head_dim = g.head_dim;
+  shape.head_dim_v = g.head_dim_v;
+  return shape;
+}
+
 absl::Status SessionManager::CheckShape(Session& s, const InferenceRequest& r) {
   if (r.model == nullptr || r.model->name != s.cache->model) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -283,6 +294,12 @@ absl::Status SessionManager::CheckShape(Session& s, const InferenceRequest& r) {
   const TaskDims& d = r.dims;
   SessionShape got{r.task.query.dtype, DType::kFloat32, d.num_heads, d.num_kv_heads,
                    d.head_dim, d.head_dim_v};
+  if (r.model->layer != nullptr && r.model->engine != nullptr &&
+      r.model->layer->config.has_projections) {
+    // What the model's engine caches for it (a reloaded model may differ).
+    got = ProjectionSessionShape(*r.model->engine, r.model->layer->config);
+    got.input_dtype = r.task.query.dtype;
+  }
   if (!s.shape.has_value()) {
     got.cache_dtype = got.input_dtype;  // sdpa: K/V are stored as sent
     s.shape = got;

@@ -28,6 +28,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "engine/attention_engine.h"
+#include "engine/attention_layer.h"
 #include "engine/dtype.h"
 #include "server/metrics/metrics.h"
 #include "server/request/clock.h"
@@ -43,6 +45,10 @@ struct SessionShape {
   DType cache_dtype = DType::kFloat32;  // what the blocks hold
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, head_dim_v = 0;
 };
+
+// The fixed shape of a session on projection layer `layer` served by
+// `engine`: the engine's cache geometry (SessionCacheGeometry), FLOAT32.
+SessionShape ProjectionSessionShape(const AttentionEngine& engine, const LayerConfig& layer);
 
 struct OpenedSession {
   std::string id;

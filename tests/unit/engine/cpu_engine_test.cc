@@ -743,6 +743,92 @@ TEST_F(CpuEngineTest, TemperatureByPositionMatchesReference) {
   }
 }
 
+// A latent layer's sessions cache the compressed latent and rotary key
+// (SessionCacheGeometry: one row of kv_lora_rank + rope_dim key features and
+// kv_lora_rank value features per token) and attend with the queries
+// absorbed into the latent: prefill, decode steps and appends, each equal to
+// the rows of one causal request over every token (the reference engine,
+// which computes the expanded keys and values), with and without the query's
+// latent, RoPE at the sessions' positions, Mistral 4's temperature.
+TEST_F(CpuEngineTest, LatentSessionsCacheTheLatentAndEqualOneCausalRequest) {
+  Rng rng(86);
+  auto uniform = [&](float lo, float hi) { return rng.Uniform(lo, hi); };
+  for (int i = 0; i < 6; ++i) {
+    testutil::LatentShape shape;
+    shape.heads = rng.Int(1, 4);
+    shape.q_lora_rank = i % 2 == 0 ? 0 : 10;
+    shape.kv_lora_rank = rng.Pick<int64_t>({6, 12});
+    shape.biases = i % 3 == 1;
+    std::shared_ptr<AttentionLayer> layer =
+        testutil::RandomLatentLayer(shape, Precision::kFloat32, uniform);
+    LayerConfig& lc = layer->config;
+    lc.causal = true;
+    lc.rope.type = RopeConfig::Type::kYarn;
+    lc.rope.theta = 10000.0;
+    lc.rope.rotary_dim = shape.rope;
+    lc.rope.interleaved = i % 2 == 1;
+    lc.rope.factor = 40.0;
+    lc.rope.original_max_position_embeddings = 8;
+    lc.rope.beta_fast = 32.0;
+    lc.rope.beta_slow = 1.0;
+    lc.rope.attention_factor = 1.0;
+    if (i >= 4) lc.temperature_tuning = {true, 4.0, 0.7, true};  // Mistral 4
+    ASSERT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
+    const KvCacheGeometry g = cpu_->SessionCacheGeometry(lc);
+    EXPECT_EQ(g.num_kv_heads, 1);
+    EXPECT_EQ(g.head_dim, shape.kv_lora_rank + shape.rope);
+    EXPECT_EQ(g.head_dim_v, shape.kv_lora_rank);
+
+    const std::vector<int64_t> steps = {7, 1, 1, 3, 1, 20, 1};
+    int64_t len = 0;
+    for (int64_t step : steps) len += step;
+    const Tensor x = RandomTensor(rng, DType::kFloat32, {1, len, shape.embed}, 2.0f);
+    Tensor want(DType::kFloat32, {1, len, shape.out});
+    AttentionTask full;
+    full.query = x.view();
+    full.causal = true;
+    full.scale = ResolveScale(lc, 0.0f, lc.head_dim);
+    full.output = want.mutable_view();
+    ASSERT_TRUE(reference_->Run(*layer, {&full, 1}).ok());
+
+    // Host blocks of 16 tokens: K [16][Dk] then V [16][Dv], FLOAT32.
+    constexpr int64_t kBlock = 16;
+    std::vector<std::vector<float>> blocks;
+    std::vector<void*> k_blocks, v_blocks;
+    for (int64_t b = 0; b < (len + kBlock - 1) / kBlock; ++b) {
+      blocks.emplace_back(static_cast<size_t>(kBlock * (g.head_dim + g.head_dim_v)));
+      k_blocks.push_back(blocks.back().data());
+      v_blocks.push_back(blocks.back().data() + kBlock * g.head_dim);
+    }
+    int64_t cached = 0;
+    for (int64_t step : steps) {
+      Tensor xs(DType::kFloat32, {1, step, shape.embed});
+      std::memcpy(xs.data(), x.data_as<float>() + cached * shape.embed, xs.byte_size());
+      Tensor got(DType::kFloat32, {1, step, shape.out});
+      AttentionTask t = full;
+      t.query = xs.view();
+      t.output = got.mutable_view();
+      t.paged.dtype = DType::kFloat32;
+      t.paged.num_kv_heads = g.num_kv_heads;
+      t.paged.head_dim = g.head_dim;
+      t.paged.head_dim_v = g.head_dim_v;
+      t.paged.block_tokens = kBlock;
+      t.paged.cached_len = cached;
+      t.paged.k_blocks = k_blocks;
+      t.paged.v_blocks = v_blocks;
+      const absl::Status status = cpu_->Run(*layer, {&t, 1});
+      ASSERT_TRUE(status.ok()) << status << " at " << cached;
+      const std::vector<float> all = AsFloats(want);
+      const std::vector<float> rows(all.begin() + cached * shape.out,
+                                    all.begin() + (cached + step) * shape.out);
+      EXPECT_EQ(Compare("output", AsFloats(got), rows, DType::kFloat32), "")
+          << "case " << i << ", step of " << step << " at " << cached;
+      if (HasFailure()) return;
+      cached += step;
+    }
+  }
+}
+
 // A latent layer takes the query only: a key and value are refused.
 TEST_F(CpuEngineTest, LatentAttentionRefusesAKey) {
   Rng rng(82);

@@ -1683,8 +1683,8 @@ void CheckProjectionSession(const AttentionLayer& layer, DType dtype, Tolerance 
   full.output = want.mutable_view();
   ASSERT_TRUE(Reference().Run(layer, {&full, 1}).ok());
 
-  DeviceCache cache(*engine, DType::kFloat32, c.num_kv_heads, c.head_dim, ValueHeadDim(c), 16,
-                    len);
+  const KvCacheGeometry g = engine->SessionCacheGeometry(c);
+  DeviceCache cache(*engine, DType::kFloat32, g.num_kv_heads, g.head_dim, g.head_dim_v, 16, len);
   ASSERT_TRUE(cache.ok());
   int64_t cached = 0;
   for (int64_t step : steps) {
