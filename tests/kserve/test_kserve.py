@@ -1,7 +1,8 @@
 """KServe v2 / Open Inference Protocol, driven by Triton's own Python client
 (tritonclient.grpc) against a real attnserve on 127.0.0.1: wire compatibility
 of our proto with Triton's, readiness, metadata, config, statistics and the
-repository index, ModelInfer on sdpa (NumPy oracle) and on a projection model
+repository index, the model config's parameters for LLM layers (Gemma 4's,
+DeepSeek's latent attention), ModelInfer on sdpa (NumPy oracle) and on a projection model
 exported from torch.nn.MultiheadAttention (torch oracle), FP16 and BF16,
 masks and key lengths, weights, sessions through the session_id parameter,
 ModelStreamInfer with many requests and a bad one in the middle, and the exact
@@ -40,11 +41,36 @@ def torch_repo():
         "export_torch.export_module(m, sys.argv[2] + '/mha')\n"
         "torch.save(m.state_dict(), sys.argv[2] + '/state.pt')\n")
     subprocess.run(["/usr/bin/python3", "-c", script, ROOT, repo], check=True)
+    _write_layer_feature_models(repo)
     import torch
     mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
     mha.load_state_dict(torch.load(os.path.join(repo, "state.pt")))
     os.remove(os.path.join(repo, "state.pt"))
     return repo, mha
+
+
+def _write_layer_feature_models(repo):
+    """Two LLM layers (random weights) whose features the model config's
+    parameters name: Gemma 4's (QK-norm, value norm, partial RoPE, a window)
+    and DeepSeek's latent attention."""
+    sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+    from attnserve_client.export import write_model_folder
+
+    def w(*shape):
+        return rng.uniform(-0.2, 0.2, shape).astype(np.float32)
+    write_model_folder(os.path.join(repo, "gemma4"), dict(
+        embed_dim=32, num_heads=4, num_kv_heads=2, head_dim=8, weight_layout="SEPARATE_QKV",
+        causal=True, scale=1.0, sliding_window=20, qk_norm=dict(eps=1e-6),
+        v_norm=dict(eps=1e-6), rope=dict(type="default", theta=10000.0, rotary_dim=4)), {
+        "q_proj.weight": w(32, 32), "k_proj.weight": w(16, 32), "v_proj.weight": w(16, 32),
+        "o_proj.weight": w(32, 32), "q_norm.weight": 1 + w(8), "k_norm.weight": 1 + w(8)})
+    write_model_folder(os.path.join(repo, "latent"), dict(
+        embed_dim=32, num_heads=4, num_kv_heads=4, head_dim=12, weight_layout="SEPARATE_QKV",
+        causal=True, rope=dict(type="default", theta=10000.0, interleaved=True),
+        latent_attention=dict(kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=6)), {
+        "q_proj.weight": w(48, 32), "kv_a_proj_with_mqa.weight": w(20, 32),
+        "kv_a_layernorm.weight": 1 + w(16), "kv_b_proj.weight": w(4 * (8 + 6), 16),
+        "o_proj.weight": w(32, 24)})
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +187,36 @@ def test_readiness_metadata_config_and_index(client):
     # The default model control mode reads the repository once.
     assert e.value.status() == "StatusCode.FAILED_PRECONDITION"
     assert "--model-control-mode=explicit" in e.value.message()
+
+
+def test_model_config_parameters_name_the_layers_features(client):
+    """ModelConfig's parameters say what each layer computes; a latent
+    layer's metadata and config list no key or value input."""
+    def params(model):
+        cfg = client.get_model_config(model, as_json=True)["config"]
+        return {k: v["string_value"] for k, v in cfg["parameters"].items()}, cfg
+    gemma, _ = params("gemma4")
+    assert gemma == {"kind": "projection", "num_heads": "4", "num_kv_heads": "2",
+                     "head_dim": "8", "causal": "true", "rope_type": "default",
+                     "rope_theta": "10000", "rotary_dim": "4", "sliding_window": "20",
+                     "qk_norm": "true", "v_norm": "true"}, gemma
+    latent, cfg = params("latent")
+    assert latent["latent_attention"] == "true" and latent["kv_lora_rank"] == "16" and \
+        latent["v_head_dim"] == "6" and latent["rotary_dim"] == "4", latent
+    assert "v_norm" not in latent and "qk_norm" not in latent
+    inputs = [i["name"] for i in cfg["input"]]
+    assert inputs[0] == "query" and "key" not in inputs and "value" not in inputs, inputs
+    meta = client.get_model_metadata("latent", as_json=True)
+    assert {"key", "value"}.isdisjoint(t["name"] for t in meta["inputs"])
+    outs = {t["name"]: [int(s) for s in t["shape"]] for t in meta["outputs"]}
+    assert outs["output"] == [-1, -1, 32]
+    # Served: a causal request gives finite numbers of the output's shape.
+    x = rng.uniform(-1, 1, (1, 5, 32)).astype(np.float32)
+    inp = tc.InferInput("query", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    for model in ("gemma4", "latent"):
+        out = client.infer(model, [inp], parameters={"causal": True}).as_numpy("output")
+        assert out.shape == (1, 5, 32) and np.isfinite(out).all()
 
 
 def test_infer_sdpa_matches_numpy_with_masks_lengths_scale_and_weights(client):
