@@ -139,7 +139,8 @@ class CpuEngine final : public AttentionEngine {
   // The value norm, then QK-norm, QKV clipping (V too) and RoPE (or
   // clipping, RoPE and QK-norm, qk_norm.after_rope) on every task's
   // projected Q, K and V, in place, before a session appends its keys and
-  // values (the cache holds normalised, clipped, rotated ones). A sequence's keys sit at cached_len + j and its queries at the
+  // values (the cache holds normalised, clipped, rotated ones). A
+  // sequence's keys sit at cached_len + j and its queries at the
   // bottom-right positions kv_total - Lq + i, kv_total = cached_len + Lk; or,
   // with explicit positions, key j at positions[b][j] and query i at
   // positions[b][Lk - Lq + i]. Each task is one forward call: its largest
@@ -528,27 +529,34 @@ class CpuEngine final : public AttentionEngine {
     cpu::NormalizeRows(norm, w.kv_a_norm.data_as<float>(), act, at(a_buf, 0, a_n, kv_col),
                        a_layout.total, a_n, 1, m.kv_lora_rank, options_.num_threads);
 
-    // 2. The query (with q_lora_rank), the keys' nope features and values.
+    // 2. The query (with q_lora_rank), the keys' nope features and values
+    // (not for sessions, which attend over the latent itself).
+    std::vector<int64_t> kv_rows = rows;
+    for (size_t t = 0; t < batch.size(); ++t) {
+      if (batch[t].paged.enabled()) kv_rows[t] = 0;
+    }
     const RowLayout q_layout = q_lora ? cpu::LayoutRowsFor(*wq, rows) : RowLayout{};
-    const RowLayout kv_layout = cpu::LayoutRowsFor(*kvb, rows);
+    const RowLayout kv_layout = cpu::LayoutRowsFor(*kvb, kv_rows);
     ThreadBuffer q_buf(BufferSlot::kQActivations, q_layout.total * qf * act_size);
     ThreadBuffer kv_buf(BufferSlot::kVActivations, kv_layout.total * kv_n * act_size);
     {
       std::vector<LinearJob> jobs;
-      auto add_job = [&](const ChunkedLinear* linear, const RowLayout& layout, int64_t col,
-                         const ThreadBuffer& out) {
+      auto add_job = [&](const ChunkedLinear* linear, const RowLayout& layout,
+                         absl::Span<const int64_t> job_rows, int64_t col, const ThreadBuffer& out) {
+        if (layout.total == 0) return;
         LinearJob job;
         job.linear = linear;
         job.rows = layout.total;
         for (size_t t = 0; t < batch.size(); ++t) {
-          job.in.push_back(
-              {layout.offsets[t], rows[t], act, at(a_buf, a_layout.offsets[t], a_n, col), a_n});
+          if (job_rows[t] == 0) continue;
+          job.in.push_back({layout.offsets[t], job_rows[t], act,
+                            at(a_buf, a_layout.offsets[t], a_n, col), a_n});
         }
         job.out.push_back({0, layout.total, act, out.data(), linear->out_features()});
         jobs.push_back(std::move(job));
       };
-      if (q_lora) add_job(wq, q_layout, 0, q_buf);
-      add_job(kvb, kv_layout, kv_col, kv_buf);
+      if (q_lora) add_job(wq, q_layout, rows, 0, q_buf);
+      add_job(kvb, kv_layout, kv_rows, kv_col, kv_buf);
       if (absl::Status s = cpu::RunLinearJobs(jobs, engine_, Threads()); !s.ok()) return s;
     }
 
@@ -570,26 +578,29 @@ class CpuEngine final : public AttentionEngine {
       r.k_stride_b = p.kv_len * a_n;
     }
     if (c.rope.type != RopeConfig::Type::kNone) PrepareQk(layer, batch, rope_params);
-    const RowLayout k_layout = cpu::LayoutRows(rows, 1, false);
+    const RowLayout k_layout = cpu::LayoutRows(kv_rows, 1, false);
     ThreadBuffer k_buf(BufferSlot::kKActivations, k_layout.total * qf * act_size);
     for (size_t t = 0; t < params.size(); ++t) {
+      if (kv_rows[t] == 0) continue;
       cpu::AssembleLatentKeys(act, at(k_buf, k_layout.offsets[t], qf, 0), qf,
                               at(kv_buf, kv_layout.offsets[t], kv_n, 0), kv_n,
                               at(a_buf, a_layout.offsets[t], a_n, rope_col), a_n, rows[t], h,
                               nope, m.rope_dim, options_.num_threads);
     }
 
-    // 4. The core, into the stacked core output.
+    // 4. The core, into the stacked core output (sessions: below).
     for (size_t t = 0; t < params.size(); ++t) {
       AttentionParams& p = params[t];
+      p.q_stride_b = p.q_len * p.q_stride_row;
+      p.q_stride_h = dqk;
+      if (kv_rows[t] == 0) continue;
       p.k = at(k_buf, k_layout.offsets[t], qf, 0);
       p.v = at(kv_buf, kv_layout.offsets[t], kv_n, h * nope);
       p.k_stride_row = qf;
       p.v_stride_row = kv_n;
-      p.q_stride_b = p.q_len * p.q_stride_row;
       p.k_stride_b = p.kv_len * qf;
       p.v_stride_b = p.kv_len * kv_n;
-      p.q_stride_h = p.k_stride_h = dqk;
+      p.k_stride_h = dqk;
       p.v_stride_h = dv;
     }
     const RowLayout o_layout = cpu::LayoutRowsFor(*wo, rows);
