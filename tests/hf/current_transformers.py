@@ -72,8 +72,10 @@ MINICPM3_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0,
                          long_factor=[1.0, 2.0, 6.0, 16.0])
 # Classes whose name is not {prefix}Attention / {prefix}RotaryEmbedding
 # (None: the model has no rotary class).
-ATTENTION_CLASSES = {"longcat_flash": "LongcatFlashMLA"}
-ROTARY_CLASSES = {"kimi_linear": None, "glm5_next": None, "mpt": None}
+ATTENTION_CLASSES = {"longcat_flash": "LongcatFlashMLA",
+                     "minimax-lightning": "MiniMaxLightningAttention"}
+ROTARY_CLASSES = {"kimi_linear": None, "glm5_next": None, "mpt": None, "nemotron_h": None,
+                  "jamba": None, "zamba": None}
 # QKV clipping small enough that about half the projected features here lie
 # beyond it (more of OLMoE's normalised ones); the real clip_qkv, 8, clamps
 # none at these scales.
@@ -297,6 +299,40 @@ FAMILIES = {
     "gemma4-all-sliding": ("gemma4", "Gemma4Text", dict(GEMMA4,
                                                         use_bidirectional_attention="all"), 0,
                            "two-sided sliding window"),
+    # Hybrid families (state-space or linear-attention layers between
+    # attention layers): their attention layers.
+    "nemotron-h": ("nemotron_h", "NemotronH", dict(layers_block_type=["mlp", "full_attention"]),
+                   1, "served"),
+    "granitemoehybrid-nope": ("granitemoehybrid", "GraniteMoeHybrid",
+                              dict(attention_multiplier=0.2), 0, "served"),
+    "granitemoehybrid-rope": ("granitemoehybrid", "GraniteMoeHybrid", dict(
+        attention_multiplier=0.2, position_embedding_type="rope"), 0, "served"),
+    "falcon-h1": ("falcon_h1", "FalconH1", dict(key_multiplier=0.7), 0, "served"),
+    "bamba": ("bamba", "Bamba", dict(attn_layer_indices=[1]), 1, "served"),
+    "jamba": ("jamba", "Jamba", dict(attn_layer_period=2, attn_layer_offset=1), 1, "served"),
+    # Zamba: attention over [hidden, embeddings] (attention_hidden_size, twice
+    # the hidden size: the module's input), scale (head_dim / 2)^-0.5.
+    "zamba": ("zamba", "Zamba", dict(hidden_size=32, attention_hidden_size=64,
+                                     layers_block_type=["linear_attention", "hybrid"]), 1,
+              "served"),
+    # Zamba2's shared blocks: rotary parameters on every config (its RoPE and
+    # per-layer LoRA adapters on Q, K, V not checked): refused.
+    "zamba2": ("zamba2", "Zamba2", dict(hidden_size=32, attention_hidden_size=64,
+                                       layers_block_type=["linear_attention", "hybrid"]), 1,
+               "zamba2"),
+    "lfm2": ("lfm2", "Lfm2", dict(full_attn_idxs=[1]), 1, "served"),
+    "lfm2-moe": ("lfm2_moe", "Lfm2Moe", dict(full_attn_idxs=[1]), 1, "served"),
+    # MiniMax(-Text-01): full attention on layer 0 (windowed on every full
+    # layer with sliding_window), lightning attention (linear, with decay) on 1.
+    "minimax-full": ("minimax", "MiniMax", dict(num_local_experts=2, num_experts_per_tok=1), 0,
+                     "served"),
+    "minimax-full-window": ("minimax", "MiniMax", dict(num_local_experts=2, num_experts_per_tok=1,
+                                                       sliding_window=WINDOW), 0, "served"),
+    "minimax-lightning": ("minimax", "MiniMax", dict(num_local_experts=2, num_experts_per_tok=1),
+                          1, "lightning"),
+    "minimax-m2": ("minimax_m2", "MiniMaxM2", dict(num_local_experts=2, num_experts_per_tok=1), 0,
+                   "served"),
+    "olmo-hybrid": ("olmo_hybrid", "OlmoHybrid", {}, 1, "served"),
 }
 
 
@@ -313,7 +349,9 @@ def build(family):
     kwargs.update(overrides)
     config = config_class(**kwargs)
     config._attn_implementation = "eager"
-    attention = getattr(mod, ATTENTION_CLASSES.get(module_name, f"{prefix}Attention"), None) or \
+    attention_name = ATTENTION_CLASSES.get(family) or \
+        ATTENTION_CLASSES.get(module_name, f"{prefix}Attention")
+    attention = getattr(mod, attention_name, None) or \
         getattr(mod, f"{prefix.replace('Text', '')}Attention")
     m = attention(config, layer_idx=layer)
     rotary = None
@@ -321,6 +359,8 @@ def build(family):
         rotary_class = getattr(mod, f"{prefix}RotaryEmbedding", None) or \
             getattr(mod, f"{prefix.replace('Text', '')}RotaryEmbedding")
         rotary = rotary_class(config=config)
+    if module_name == "granitemoehybrid" and config.position_embedding_type != "rope":
+        rotary = None  # its model passes no position embeddings then
     torch.manual_seed(sum(map(ord, family)))
     with torch.no_grad():  # biases and norm weights away from their defaults, so they count
         for p in m.parameters():
@@ -341,6 +381,8 @@ def window_of(config, layer):
     the family mixes them, else every layer slides when sliding_window is
     set (Mistral); None = full attention."""
     types = getattr(config, "layer_types", None)
+    if types and getattr(config, "model_type", None) == "minimax":  # every full layer slides
+        return getattr(config, "sliding_window", None) if types[layer] == "full_attention" else None
     if types:
         return config.sliding_window if types[layer] == "sliding_attention" else None
     if getattr(config, "use_sliding_window", True) is False:
@@ -368,6 +410,8 @@ def module_forward(m, rotary, config, layer, x):
     kwargs = {}
     if "position_ids" in inspect.signature(m.forward).parameters:  # Mistral 4
         kwargs["position_ids"] = positions
+    if "layer_idx" in inspect.signature(m.forward).parameters:  # Zamba's shared blocks
+        kwargs["layer_idx"] = layer
     if "shared_kv_states" in inspect.signature(m.forward).parameters:
         kwargs["shared_kv_states"] = {}  # Gemma 3n, 4: where a layer stores its keys, values
     with torch.no_grad():

@@ -365,7 +365,21 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
                      # QK-norm x * w, a weightless norm of V (v_norm_config);
                      # Gemma 4's proportional RoPE on its full layers
                      # (_proportional_angles)
-                     "gemma3n_text": False, "gemma4_text": False}
+                     "gemma3n_text": False, "gemma4_text": False,
+                     # attention layers of hybrid models: Bamba (rotate-half
+                     # over partial_rotary_factor), Falcon-H1 (keys times
+                     # key_multiplier, folded into k_proj: _KEY_MULTIPLIED),
+                     # LFM2 (QK-norm per head), MiniMax's full layers,
+                     # MiniMax-M2 (QK-norm over the projection, partial),
+                     # OLMo-Hybrid and Granite 4 (RoPE only when configured:
+                     # _rope_skipped)
+                     "bamba": False, "falcon_h1": False, "lfm2": False, "lfm2_moe": False,
+                     "minimax": False, "minimax_m2": False, "olmo_hybrid": False,
+                     "granitemoehybrid": False}
+# Model types whose keys are multiplied by a scalar, the module's
+# key_multiplier, after k_proj and before RoPE (Falcon-H1): folded into
+# k_proj's weight and bias, the same product.
+_KEY_MULTIPLIED = {"falcon_h1"}
 # Gated attention: the model types whose attention output is multiplied by
 # sigmoid of a projection of the layer's input (elementwise, before o_proj),
 # and where that projection is: "query_per_head", inside q_proj (each head's
@@ -450,6 +464,10 @@ def _rope_skipped(module, config, model_type):
         return not getattr(module, "is_local_attention", True)
     if model_type == "llama4_text":  # config.no_rope_layers: the module's use_rope
         return not getattr(module, "use_rope", True)
+    if model_type == "granitemoehybrid":  # its model builds a rotary class for "rope" only
+        return _config_value(config, "position_embedding_type") != "rope"
+    if model_type == "olmo_hybrid":  # its model rotates only with a rope_theta
+        return not (_config_value(config, "rope_parameters") or {}).get("rope_theta")
     if model_type in _LATENT_ROPE and _LATENT_ROPE[model_type] is None:
         return True  # Kimi Linear's latent attention: no RoPE at all
     return False
@@ -827,7 +845,8 @@ def qk_norm_config(module, head_dim):
 # Model types whose sliding window is the whole story: every layer slides
 # over the last `sliding_window` keys (p - W + 1 .. p), the rule attnserve
 # computes. Others mix windowed and full layers by rules of their own.
-_WINDOW_TYPES = {"mistral", "mixtral", "starcoder2"}
+_WINDOW_TYPES = {"mistral", "mixtral", "starcoder2",
+                 "minimax"}  # MiniMax: every full-attention layer, as Mixtral
 
 
 def sliding_window_of(module):
@@ -1062,6 +1081,11 @@ def unsupported_features(module, head_dim=None, num_heads=None):
     except ExportError as e:
         found.append(str(e))
     model_type = _config_value(config, "model_type")
+    multiplier = getattr(module, "key_multiplier", None)
+    if multiplier is not None and model_type not in _KEY_MULTIPLIED:
+        found.append(f"keys multiplied by key_multiplier={multiplier} in a model of type "
+                     f"{model_type!r}, where attnserve has not checked where (served: "
+                     f"{', '.join(sorted(_KEY_MULTIPLIED))})")
     for name in ("gate_proj", "gate", "g_proj"):
         if _linear(module, name) is not None and model_type not in _OUTPUT_GATES:
             # A gate attnserve would leave out: another number on every token.
@@ -1100,6 +1124,11 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
                           "refused rather than served with different numbers (docs/MODELS.md)")
     if _is_latent(module):
         return _describe_latent(module, num_heads)
+    if hasattr(module, "slope_rate") and hasattr(module, "block_size"):
+        # MiniMax's linear layers: qkv_proj, out_proj and output_gate, no softmax.
+        raise ExportError(f"{type(module).__name__} is lightning attention "
+                          "(linear attention with a decay per head, slope_rate), which attnserve "
+                          "does not compute: refused rather than served with different numbers")
     shared = _kv_shared(module)
     if shared:  # before its missing k_proj and v_proj are looked for
         raise ExportError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
@@ -1115,6 +1144,15 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
     rope = rope_config(module, config["head_dim"])
     if rope is not None:
         config["rope"] = rope
+    multiplier = getattr(module, "key_multiplier", None)
+    if multiplier is not None:  # _KEY_MULTIPLIED: k_proj(x) * m, folded
+        if "k_proj.weight" not in tensors or "qk_norm" in config or \
+                _qk_norms(module)[0] is not None:
+            raise ExportError(f"key_multiplier on keys without a k_proj of their own or "
+                              "with a QK-norm (not checked)")
+        for name in ("k_proj.weight", "k_proj.bias"):
+            if name in tensors:
+                tensors[name] = tensors[name].detach() * float(multiplier)
     window = sliding_window_of(module)
     if window is not None:
         config["sliding_window"] = window
