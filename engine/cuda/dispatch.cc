@@ -99,8 +99,9 @@ absl::Status ScaleQueries(Call& call, const LayerConfig& config, const DeviceLay
 // j), in place, as the cpu engine applies them: keys at positions
 // cached_len + j and queries at the bottom-right ones, cached_len + Lk - Lq
 // + i; or, with the task's explicit positions (on the device, [B, Lk]), key
-// j at positions[b][j] and query i at positions[b][Lk - Lq + i]. `max_position`, the task's largest
-// (LargestRopePosition), picks LongRoPE's factors.
+// j at positions[b][j] and query i at positions[b][Lk - Lq + i].
+// `max_position`, the task's largest (LargestRopePosition), picks LongRoPE's
+// factors.
 absl::Status PrepareQk(Call& call, const LayerConfig& config, const DeviceLayer& w,
                        const AttentionParams& p, void* q, void* k, void* v,
                        const int64_t* positions, int64_t cached_len, int64_t max_position) {
