@@ -677,25 +677,33 @@ TEST(ReferenceEngineTest, QkNormLayerNormFormIsCohereLayerNorm) {
   }
 }
 
-// QKV clipping: a layer whose projections are the identity (one head per
-// feature block, no biases, out-projection the identity) with clip_qkv c is
-// bare attention over the clamped inputs, per head.
+// A layer of H heads of D features whose projections are all the identity
+// (one head per feature block, no biases, out-projection the identity): its
+// output is bare attention over the inputs split into heads, per head.
+AttentionLayer IdentityProjectionLayer(const char* name, int64_t heads, int64_t head_dim) {
+  const int64_t e = heads * head_dim;
+  std::vector<float> eye(static_cast<size_t>(e * e), 0.0f);
+  for (int64_t i = 0; i < e; ++i) eye[static_cast<size_t>(i * e + i)] = 1.0f;
+  AttentionLayer layer;
+  LayerConfig& c = layer.config;
+  c.name = name;
+  c.has_projections = true;
+  c.num_heads = c.num_kv_heads = heads;
+  c.head_dim = head_dim;
+  c.query_dim = c.key_dim = c.value_dim = c.out_dim = e;
+  for (Tensor* w : {&layer.weights.wq, &layer.weights.wk, &layer.weights.wv, &layer.weights.wo}) {
+    *w = Values(DType::kFloat32, {e, e}, eye);
+  }
+  return layer;
+}
+
+// QKV clipping: an identity projection layer with clip_qkv c is bare
+// attention over the clamped inputs, per head.
 TEST(ReferenceEngineTest, ClipQkvClampsTheProjectedValues) {
   constexpr int64_t H = 2, D = 3, E = H * D, B = 2, L = 4;
   constexpr float kClip = 0.4f;
-  std::vector<float> eye(E * E, 0.0f);
-  for (int64_t i = 0; i < E; ++i) eye[i * E + i] = 1.0f;
-  AttentionLayer layer;
-  LayerConfig& c = layer.config;
-  c.name = "clipped";
-  c.has_projections = true;
-  c.num_heads = c.num_kv_heads = H;
-  c.head_dim = D;
-  c.query_dim = c.key_dim = c.value_dim = c.out_dim = E;
-  c.clip_qkv = kClip;
-  for (Tensor* w : {&layer.weights.wq, &layer.weights.wk, &layer.weights.wv, &layer.weights.wo}) {
-    *w = Values(DType::kFloat32, {E, E}, eye);
-  }
+  AttentionLayer layer = IdentityProjectionLayer("clipped", H, D);
+  layer.config.clip_qkv = kClip;
   ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
   const Tensor x = Random({B, L, E}, 900);
   Tensor out(DType::kFloat32, {B, L, E});
@@ -745,19 +753,8 @@ TEST(ReferenceEngineTest, ClipQkvClampsTheProjectedValues) {
 TEST(ReferenceEngineTest, ValueNormDividesEachValueHeadByItsRms) {
   constexpr int64_t H = 2, D = 4, E = H * D, B = 2, L = 5;
   constexpr double kEps = 1e-3;
-  std::vector<float> eye(E * E, 0.0f);
-  for (int64_t i = 0; i < E; ++i) eye[i * E + i] = 1.0f;
-  AttentionLayer layer;
-  LayerConfig& c = layer.config;
-  c.name = "v-norm";
-  c.has_projections = true;
-  c.num_heads = c.num_kv_heads = H;
-  c.head_dim = D;
-  c.query_dim = c.key_dim = c.value_dim = c.out_dim = E;
-  c.v_norm_eps = kEps;
-  for (Tensor* w : {&layer.weights.wq, &layer.weights.wk, &layer.weights.wv, &layer.weights.wo}) {
-    *w = Values(DType::kFloat32, {E, E}, eye);
-  }
+  AttentionLayer layer = IdentityProjectionLayer("v-norm", H, D);
+  layer.config.v_norm_eps = kEps;
   ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
   const Tensor x = Random({B, L, E}, 901);
   Tensor out(DType::kFloat32, {B, L, E});
