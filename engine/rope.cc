@@ -218,7 +218,6 @@ RopeFrequencies ComputeRopeFrequencies(const RopeConfig& r, int64_t max_position
         const double inv_inter = 1.0 / (r.factor * pos_freq[i]);
         f.inv_freq[i] = inv_inter * (1 - extrapolation) + inv_extra * extrapolation;
       }
-      f.attention_factor = r.attention_factor > 0 ? r.attention_factor : YarnMscale(r.factor);
       break;
     }
     case Type::kLongRope: {
@@ -227,11 +226,22 @@ RopeFrequencies ComputeRopeFrequencies(const RopeConfig& r, int64_t max_position
       const std::vector<double>& factors =
           RopeUsesLongFactors(r, max_position) ? r.long_factor : r.short_factor;
       for (int64_t i = 0; i < half; ++i) f.inv_freq[i] = 1.0 / (factors[i] * pos_freq[i]);
-      f.attention_factor = LongRopeAttentionFactor(r);
       break;
     }
   }
+  f.attention_factor = RopeAttentionFactor(r);
   return f;
+}
+
+double RopeAttentionFactor(const RopeConfig& r) {
+  switch (r.type) {
+    case RopeConfig::Type::kYarn:
+      return r.attention_factor > 0 ? r.attention_factor : YarnMscale(r.factor);
+    case RopeConfig::Type::kLongRope:
+      return LongRopeAttentionFactor(r);
+    default:
+      return 1.0;
+  }
 }
 
 void RopeAngles(const RopeFrequencies& f, int64_t position, double* cos_out, double* sin_out) {

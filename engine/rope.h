@@ -44,6 +44,10 @@ struct RopeFrequencies {
 // appended them, as transformers' KV cache does). Other types ignore it.
 RopeFrequencies ComputeRopeFrequencies(const RopeConfig& rope, int64_t max_position);
 
+// The factor on cos and sin (RopeFrequencies::attention_factor): YaRN's and
+// LongRoPE's, 1 for the other types. The same for every call's positions.
+double RopeAttentionFactor(const RopeConfig& rope);
+
 // Whether ComputeRopeFrequencies(rope, max_position) takes LongRoPE's long
 // factors.
 bool RopeUsesLongFactors(const RopeConfig& rope, int64_t max_position);

@@ -438,12 +438,7 @@ absl::Status CheckNormedScores(const TaskDims& dims, const LayerConfig& layer,
         static_cast<double>(norm.whole_projection ? heads * dims.head_dim : dims.head_dim);
     return std::sqrt(features) * (norm.weight_offset ? 1.0 + max_w : max_w);
   };
-  double rope = 1.0;
-  if (layer.rope.type != RopeConfig::Type::kNone && !norm.after_rope) {
-    rope = std::max(std::fabs(ComputeRopeFrequencies(layer.rope, 0).attention_factor),
-                    std::fabs(ComputeRopeFrequencies(layer.rope, kMaxRotaryPosition)
-                                  .attention_factor));
-  }
+  const double rope = norm.after_rope ? 1.0 : std::fabs(RopeAttentionFactor(layer.rope));
   double temperature = 1.0;
   if (layer.temperature_tuning.enabled) {  // monotonic in the position
     temperature = std::max(std::fabs(QueryTemperature(layer.temperature_tuning, 0)),

@@ -561,12 +561,18 @@ def _layer_rope_parameters(module, config):
     return params
 
 
-def _proportional_angles(module, head_dim):
+def _rotated_pairs(params, head_dim):
     """Gemma 4's proportional RoPE (transformers'
     _compute_proportional_rope_parameters): the number of pairs (i, i +
     head_dim/2) that rotate, int(partial_rotary_factor * head_dim // 2), the
     first ones, with frequencies theta^(-2i/head_dim) / factor; the others
-    have frequency 0 and do not rotate. None for a layer without it."""
+    have frequency 0 and do not rotate."""
+    return int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+
+
+def _proportional_angles(module, head_dim):
+    """_rotated_pairs of a module's layer with proportional RoPE, None for
+    a layer without it."""
     config = getattr(module, "config", None)
     model_type = _config_value(config, "model_type")
     if model_type not in _PROPORTIONAL_ROPE or not _has_rope(module, config) or \
@@ -575,7 +581,7 @@ def _proportional_angles(module, head_dim):
     params = _layer_rope_parameters(module, config)
     if (params.get("rope_type") or params.get("type")) != "proportional":
         return None
-    return int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    return _rotated_pairs(params, head_dim)
 
 
 def _proportional_rope(params, theta, head_dim):
@@ -584,7 +590,7 @@ def _proportional_rope(params, theta, head_dim):
     2 * angles features, theta' = theta^(2 * angles / head_dim) so that
     theta'^(-2i / (2 * angles)) = theta^(-2i / head_dim), its factor as
     "linear"; None when no pair rotates."""
-    angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    angles = _rotated_pairs(params, head_dim)
     if angles <= 0:
         return None
     factor = float(params.get("factor", 1.0))
