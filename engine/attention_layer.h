@@ -157,6 +157,8 @@ struct LayerConfig {
   QkNormConfig qk_norm;
   // > 0: sliding-window attention, Hugging Face's rule: the query at position
   // p sees keys p - sliding_window + 1 .. p (with causal; positions as above).
+  // Without causal the window is two-sided: keys p - sliding_window + 1 ..
+  // p + sliding_window - 1 (EmbeddingGemma's, Gemma 4's bidirectional layers).
   int64_t sliding_window = 0;
   // > 0: chunked attention (Llama 4's attention_chunk_size): the query at
   // position p sees keys floor(p / attention_chunk) * attention_chunk .. p,

@@ -73,13 +73,17 @@ struct AttentionParams {
   // aligned) and sees key j iff all hold:
   //   causal => j <= i + (kv_len - q_len)
   //   window > 0 => j >= i + (kv_len - q_len) - window + 1   (sliding window)
+  //   window > 0 and not causal => j <= i + (kv_len - q_len) + window - 1
+  //                                (a two-sided window: the keys within
+  //                                 window - 1 positions either side)
   //   chunk > 0 => j >= (i + (kv_len - q_len)) / chunk * chunk
   //                                (chunked attention: with causal, the
   //                                 query's own chunk of `chunk` keys)
   //   key_lengths != nullptr => j < key_lengths[b]
   //   mask is kBool => mask(b, h, i, j) != 0
   // A row that sees no key yields zeros (output and weights), never NaN.
-  // FirstVisibleKey (below) is the window and chunk rules' first key.
+  // FirstVisibleKey (below) is the window and chunk rules' first key,
+  // KeyEndOfRow the causal and window rules' end.
   bool causal = false;
   int64_t window = 0;
   int64_t chunk = 0;
@@ -115,6 +119,16 @@ inline int64_t FirstVisibleKey(int64_t position, int64_t window, int64_t chunk) 
   if (window > 0 && position - window + 1 > start) start = position - window + 1;
   if (chunk > 0 && position / chunk * chunk > start) start = position / chunk * chunk;
   return start;
+}
+
+// One past the last key the query at `position` sees under the causal and
+// sliding window rules (AttentionParams), before kv_len and key_lengths cut
+// it: position + 1 with causal, position + window for a two-sided window,
+// else no bound (INT64_MAX). It never decreases as the position grows.
+inline int64_t KeyEndOfRow(int64_t position, bool causal, int64_t window) {
+  if (causal) return position + 1;
+  if (window > 0) return position + window;
+  return INT64_MAX;
 }
 
 // Sliding windows and chunks over paged K/V. A kernel may read keys from the

@@ -111,7 +111,7 @@ inline int64_t VisibleKeys(const RequestPlan& plan, int64_t b, int64_t i) {
   const AttentionParams& p = *plan.p;
   int64_t end = p.kv_len;
   if (p.key_lengths != nullptr) end = std::min(end, p.key_lengths[b]);
-  if (p.causal) end = std::min(end, i + plan.causal_offset + 1);
+  end = std::min(end, KeyEndOfRow(i + plan.causal_offset, p.causal, p.window));
   return std::max<int64_t>(end, 0);
 }
 

@@ -71,12 +71,17 @@ __device__ __forceinline__ float Tf32High(float x) {
 }
 #endif  // !ATTNSERVE_CUDA_EMULATION
 
-// Keys [0, RowKeyEnd) may be visible to query row i of batch b; causal and
-// key_lengths both cut a prefix. May be <= 0 (the row sees nothing).
+// Keys [0, RowKeyEnd) may be visible to query row i of batch b; causal, a
+// two-sided window (a window without causal) and key_lengths each cut a
+// prefix. May be <= 0 (the row sees nothing).
 __device__ __forceinline__ int64_t RowKeyEnd(const AttentionParams& a, int64_t b, int64_t i) {
   int64_t end = a.kv_len;
   if (a.key_lengths != nullptr) end = min(end, a.key_lengths[b]);
-  if (a.causal) end = min(end, i + (a.kv_len - a.q_len) + 1);
+  if (a.causal) {
+    end = min(end, i + (a.kv_len - a.q_len) + 1);
+  } else if (a.window > 0) {
+    end = min(end, i + (a.kv_len - a.q_len) + a.window);
+  }
   return end;
 }
 

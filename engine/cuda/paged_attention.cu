@@ -194,8 +194,8 @@ __device__ __forceinline__ void DecodeBlock(const AttentionParams& a, int64_t ti
 #pragma unroll
   for (int r = 0; r < kRows; ++r) pos[r] = index_of(min(r, rows - 1)) + a.kv_len - a.q_len;
   // The keys any row of the tile may see: the chunk, cut by the latest
-  // row's causal end and the earliest row's window start (or attention
-  // chunk start).
+  // row's causal (or two-sided window's) end and the earliest row's window
+  // start (or attention chunk start).
   int64_t min_pos = pos[0], max_pos = pos[0];
 #pragma unroll
   for (int r = 1; r < kRows; ++r) {
@@ -205,6 +205,7 @@ __device__ __forceinline__ void DecodeBlock(const AttentionParams& a, int64_t ti
   int64_t lo = chunk * chunk_keys;
   int64_t hi = min(a.kv_len, lo + chunk_keys);
   if (a.causal) hi = min(hi, max_pos + 1);
+  if (!a.causal && a.window > 0) hi = min(hi, max_pos + a.window);  // two-sided
   if (a.window > 0) lo = max(lo, min_pos - a.window + 1);
   if (a.chunk > 0) lo = max(lo, min_pos / a.chunk * a.chunk);
 
@@ -282,6 +283,7 @@ __device__ __forceinline__ void DecodeBlock(const AttentionParams& a, int64_t ti
     for (int r = 0; r < kRows; ++r) {
       const bool sees = r < rows && j < hi && !(a.causal && j > pos[r]) &&
                         !(a.window > 0 && j < pos[r] - a.window + 1) &&
+                        !(a.window > 0 && !a.causal && j > pos[r] + a.window - 1) &&
                         !(a.chunk > 0 && j < pos[r] / a.chunk * a.chunk);
       float sc = s[r] * a.scale;
       if (a.softcap > 0.0f) sc = a.softcap * tanhf(sc / a.softcap);

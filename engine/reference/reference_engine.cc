@@ -276,7 +276,8 @@ void StoreAll(const std::vector<double>& values, const MutableTensorView& to) {
 // softmax(Q K^T * scale + mask) V per head, into `out` (rows of Dv, zeroed
 // by the caller), and the probabilities into t.weights when wanted.
 // Query head h reads key/value head h / (Hq / Hkv). Query i sees key j iff
-// causal => j <= i + (Lk - Lq), window > 0 => j >= i + (Lk - Lq) - window + 1,
+// causal => j <= i + (Lk - Lq), window > 0 => j >= i + (Lk - Lq) - window + 1
+// (and, without causal, j <= i + (Lk - Lq) + window - 1: a two-sided window),
 // chunk > 0 => j >= the start of the chunk of `chunk` keys that holds
 // i + (Lk - Lq) (its own chunk, with causal),
 // j < key_lengths[b], and a bool mask is nonzero there; a float mask is added
@@ -294,6 +295,7 @@ void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, int64_t 
   auto sees = [&](int64_t b, int64_t h, int64_t i, int64_t j) {
     if (t.causal && j > i + (d.kv_len - d.q_len)) return false;
     if (window > 0 && j < i + (d.kv_len - d.q_len) - window + 1) return false;
+    if (window > 0 && !t.causal && j > i + (d.kv_len - d.q_len) + window - 1) return false;
     if (chunk > 0 && j < (i + (d.kv_len - d.q_len)) / chunk * chunk) return false;
     if (!t.key_lengths.empty() && j >= t.key_lengths[b]) return false;
     if (bool_mask) {

@@ -119,6 +119,14 @@ FAMILIES = {
                        0, "served"),
     "gemma3-full": ("gemma3", "Gemma3Text", dict(sliding_window=WINDOW, num_hidden_layers=6), 5,
                     "served"),
+    # EmbeddingGemma (use_bidirectional_attention): full layers not causal,
+    # sliding ones a window both ways.
+    "embeddinggemma-sliding": ("gemma3", "Gemma3Text", dict(
+        sliding_window=WINDOW, num_hidden_layers=6, use_bidirectional_attention=True), 0,
+        "served"),
+    "embeddinggemma-full": ("gemma3", "Gemma3Text", dict(
+        sliding_window=WINDOW, num_hidden_layers=6, use_bidirectional_attention=True), 5,
+        "served"),
     "phi3": ("phi3", "Phi3", {}, 0, "served"),
     "phi4-mini-short": ("phi3", "Phi3", PHI4_MINI, 0, "served"),
     "phi4-mini-long": ("phi3", "Phi3", PHI4_MINI, 0, "served"),
@@ -293,12 +301,12 @@ FAMILIES = {
     "gemma4-kv-shared": ("gemma4", "Gemma4Text", dict(GEMMA4, num_hidden_layers=8,
                                                       num_kv_shared_layers=2), 6, "KV sharing"),
     # use_bidirectional_attention "all": a full layer without the causal
-    # mask, served so; a sliding one sees both ways (refused).
+    # mask; a sliding one sees both ways.
     "gemma4-all-full": ("gemma4", "Gemma4Text", dict(GEMMA4, use_bidirectional_attention="all"),
                         5, "served"),
     "gemma4-all-sliding": ("gemma4", "Gemma4Text", dict(GEMMA4,
                                                         use_bidirectional_attention="all"), 0,
-                           "two-sided sliding window"),
+                           "served"),
     # Hybrid families (state-space or linear-attention layers between
     # attention layers): their attention layers.
     "nemotron-h": ("nemotron_h", "NemotronH", dict(layers_block_type=["mlp", "full_attention"]),
@@ -390,13 +398,28 @@ def window_of(config, layer):
     return getattr(config, "sliding_window", None)
 
 
+def two_sided_rule(config):
+    """transformers' own predicate (batch, head, q_idx, kv_idx) -> visible
+    of a bidirectional model's sliding layers."""
+    if config.model_type == "gemma3_text":  # EmbeddingGemma: |i - j| < window
+        from transformers.models.gemma3.modeling_gemma3 import _bidirectional_window_overlay
+        return _bidirectional_window_overlay(config.sliding_window)
+    from transformers.masking_utils import sliding_window_bidirectional_overlay
+    return sliding_window_bidirectional_overlay(config.sliding_window)  # Gemma 4: |i - j| <= w
+
+
 def module_forward(m, rotary, config, layer, x):
     b, length, _ = x.shape
     mask = torch.full((length, length), float("-inf"), dtype=torch.float64).triu(1)
-    if not getattr(m, "is_causal", True):  # Gemma 4's use_bidirectional_attention "all"
+    if not getattr(m, "is_causal", True):  # use_bidirectional_attention
         mask = torch.zeros((length, length), dtype=torch.float64)
     window = window_of(config, layer)
-    if window:
+    if window and not getattr(m, "is_causal", True):
+        rule = two_sided_rule(config)
+        visible = torch.tensor([[bool(rule(0, 0, i, j)) for j in range(length)]
+                                for i in range(length)])
+        mask = mask.masked_fill(~visible, float("-inf"))
+    elif window:
         mask = mask.masked_fill(torch.ones(length, length, dtype=torch.bool).tril(-window),
                                 float("-inf"))
     chunk = chunk_of(config, layer)

@@ -703,16 +703,22 @@ class _DeepseekV3Attention(nn.Module):
         return (self.o_proj(out),)
 
 
-def _module_forward(m, x, window=None):
+def _module_forward(m, x, window=None, reach=None):
     """The module's own causal forward in float64 (positions 0..L-1), with
     the mask transformers' models build for it: causal, and with a sliding
-    window, keys p - window + 1 .. p (modeling_mistral's _update_causal_mask)."""
+    window, keys p - window + 1 .. p (modeling_mistral's _update_causal_mask).
+    reach: a bidirectional layer instead, keys with |p - j| <= reach (every
+    key with reach L)."""
     m = m.double()
     b, length, _ = x.shape
     mask = torch.full((length, length), float("-inf"), dtype=torch.float64).triu(1)
     if window:
         mask = mask.masked_fill(torch.ones(length, length, dtype=torch.bool).tril(-window),
                                 float("-inf"))
+    if reach:
+        i = torch.arange(length)
+        mask = torch.zeros((length, length), dtype=torch.float64).masked_fill(
+            (i[:, None] - i[None, :]).abs() > reach, float("-inf"))
     mask = mask.expand(b, 1, length, length)
     positions = torch.arange(length)[None].expand(b, length)
     x = torch.from_numpy(x).double()
@@ -1265,10 +1271,11 @@ def _gemma4_variant(change):
             del m.is_kv_shared_layer
             m.config.kv_sharing_modes = [None] * 3 + ["store", "reuse", "reuse"]
             m.layer_idx = 4
-    elif change == "bidirectional-sliding":
-        # use_bidirectional_attention "all": |i - j| <= (16 // 2) + 1, both ways.
+    elif change == "bidirectional-other-type":
+        # A window both ways in a model type whose rule is not checked.
         m.config.use_bidirectional_attention = "all"
         m.sliding_window, m.is_causal = WINDOW // 2 + 1, False
+        m.config.model_type = "gemma2"
     elif change == "v-norm-weight":
         m.v_norm = LlamaRMSNorm(16, eps=1e-6)
     elif change == "v-norm-other-type":
@@ -1283,8 +1290,8 @@ def _gemma4_variant(change):
     ("kv-shared", ["_Gemma4Attention (layer 5) reuses the keys and values of an earlier layer",
                    "KV sharing, num_kv_shared_layers=2"]),
     ("kv-shared-by-config", ["(layer 4) reuses the keys and values of an earlier layer"]),
-    ("bidirectional-sliding", ["two-sided sliding window",
-                               "use_bidirectional_attention='all'"]),
+    ("bidirectional-other-type", ["a sliding window of 9 on a layer that is not causal, in a "
+                                  "model of type 'gemma2'"]),
     ("v-norm-weight", ["v_norm LlamaRMSNorm with a weight"]),
     ("v-norm-other-type", ["norm of the values (v_norm) in a model of type 'qwen3'"]),
     ("proportional-other-type", ["RoPE scaling type 'proportional'"]),
@@ -1299,14 +1306,49 @@ def test_gemma_layers_that_attnserve_cannot_compute_are_refused_by_name(tmp_path
     assert not os.path.exists(tmp_path / change / "config.pbtxt"), "nothing is written"
 
 
-def test_a_bidirectional_gemma4_full_layer_is_exported_without_causal(tmp_path):
+def test_bidirectional_gemma4_layers_are_served_both_ways(tmp_path):
     """use_bidirectional_attention "all" (Gemma 4's embedding models): its
-    full layers attend both ways (the module's is_causal), its sliding ones
-    are refused (above)."""
-    m = _Gemma4Attention("gemma4-full")
-    m.config.use_bidirectional_attention, m.is_causal = "all", False
-    config = export_module(m, str(tmp_path / "m"))
-    assert config["causal"] is False and "sliding_window" not in config
+    full layers attend to every key (the module's is_causal), its sliding
+    ones to the keys with |p - j| <= sliding_window (transformers' config
+    halves the checkpoint's 16 to 16 // 2 + 1 = 9; masking_utils'
+    sliding_window_bidirectional_overlay, inclusive): exported without causal,
+    the sliding ones with attnserve's two-sided window of 10 (p - 9 .. p + 9),
+    and served as the modules compute them under those masks. A layer whose
+    window is two-sided is refused with causal=True, and a causal one with
+    causal=False."""
+    import harness
+    from attnserve_client import AttentionClient
+    modules = {}
+    for name in ("gemma4-full", "gemma4-sliding"):
+        m = modules[name] = _Gemma4Attention(name)
+        m.config.use_bidirectional_attention, m.is_causal = "all", False
+        if m.sliding_window:
+            m.sliding_window = WINDOW // 2 + 1
+    full = export_module(modules["gemma4-full"], str(tmp_path / "gemma4-full"))
+    assert full["causal"] is False and "sliding_window" not in full
+    sliding = export_module(modules["gemma4-sliding"], str(tmp_path / "gemma4-sliding"))
+    assert sliding["causal"] is False and sliding["sliding_window"] == WINDOW // 2 + 2
+    x = np.random.default_rng(9).uniform(-1, 1, (2, 40, 64)).astype(np.float32)
+    server = harness.ServerProcess("--model-repository", str(tmp_path), "--backend", "cpu")
+    try:
+        with AttentionClient(server.target, timeout=120) as client:
+            for name, reach in (("gemma4-full", 40), ("gemma4-sliding", WINDOW // 2 + 1)):
+                want = _module_forward(modules[name], x, reach=reach)
+                got = client.attend(x, model=name).output
+                assert _rel(got, want) < 2e-5, (name, _rel(got, want))
+                # Causal, or one key less each way, is another answer.
+                other = _module_forward(modules[name], x) if name == "gemma4-full" else \
+                    _module_forward(modules[name], x, reach=reach - 1)
+                assert _rel(got, other) > 1e-3, name
+    finally:
+        assert server.stop() == 0, server.log()
+    with pytest.raises(ExportError) as refused:
+        export_module(modules["gemma4-sliding"], str(tmp_path / "forced"), causal=True)
+    assert "sliding window (10) is two-sided" in str(refused.value)
+    assert "export it with causal=False" in str(refused.value)
+    with pytest.raises(ExportError) as refused:
+        export_module(_served_module("mistral"), str(tmp_path / "mistral"), causal=False)
+    assert "is one-sided" in str(refused.value) and "causal=True" in str(refused.value)
 
 
 def test_llama4_layers_are_exported_with_their_chunks_and_temperature(tmp_path, served):

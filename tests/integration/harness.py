@@ -133,7 +133,8 @@ def reference_attention(q, k, v, *, causal=False, key_lengths=None, mask=None, s
                         window=0, softcap=0.0, sinks=None):
     """NumPy float64 oracle of the sdpa model: (output [B,Hq,Lq,Dv], weights
     [B,Hq,Lq,Lk]). Rows with no visible key give zeros, as DESIGN.md says.
-    window: query i sees key j only if j >= i + Lk - Lq - window + 1;
+    window: query i sees key j only if j >= i + Lk - Lq - window + 1 (and,
+    without causal, j <= i + Lk - Lq + window - 1: a two-sided window);
     softcap: scores c * tanh(s / c) before the mask; sinks [Hq]: one more
     logit per head in each row's softmax denominator, with no value."""
     import numpy as np
@@ -151,6 +152,8 @@ def reference_attention(q, k, v, *, causal=False, key_lengths=None, mask=None, s
         allowed &= np.tril(np.ones((lq, lk), dtype=bool), k=lk - lq)
     if window:
         allowed &= np.triu(np.ones((lq, lk), dtype=bool), k=lk - lq - window + 1)
+        if not causal:
+            allowed &= np.tril(np.ones((lq, lk), dtype=bool), k=lk - lq + window - 1)
     if key_lengths is not None:
         allowed &= np.arange(lk)[None, None, None, :] < np.asarray(key_lengths)[:, None, None, None]
     if mask is not None:

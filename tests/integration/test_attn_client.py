@@ -164,6 +164,14 @@ def test_window_softcap_and_sinks_flags_match_numpy(server, tmp_path):
     want, _ = harness.reference_attention(q, k, v, causal=True, window=3, softcap=1.5,
                                           sinks=[0.5, -1, 2, 0])
     np.testing.assert_allclose(np.load(out_path), want, rtol=1e-5, atol=1e-5)
+    # Without --causal the window is two-sided (keys within 2 positions).
+    r = run_client("--model", "sdpa", *_npy_args(tmp_path), "--window", "3", "--output-npy",
+                   str(out_path), target=server.target)
+    assert r.returncode == 0, r.stderr
+    want, _ = harness.reference_attention(q, k, v, window=3)
+    np.testing.assert_allclose(np.load(out_path), want, rtol=1e-5, atol=1e-5)
+    one_sided, _ = harness.reference_attention(q, k, v, causal=True, window=3)
+    assert np.abs(np.load(out_path) - one_sided).max() > 1e-3
     r = run_client("--model", "sdpa", *_npy_args(tmp_path), "--sinks", "1,x", target=server.target)
     assert r.returncode == 1 and "--sinks: 'x' is not a number" in r.stderr
 

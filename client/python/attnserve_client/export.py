@@ -871,12 +871,8 @@ def sliding_window_of(module):
     if hasattr(module, "sliding_window"):
         # The module's own word on its layer (Gemma 2: every other layer).
         window = module.sliding_window
-        if window and _config_value(config, "model_type") == "gemma4_text" and \
-                _config_value(config, "use_bidirectional_attention") == "all":
-            # Gemma 4's bidirectional text layers: |i - j| <= window, both ways.
-            raise ExportError(f"a two-sided sliding window (use_bidirectional_attention='all': "
-                              f"each token sees those within {window} positions of it, before "
-                              "and after; attnserve's window is causal)")
+        if window and getattr(module, "is_causal", None) is False:
+            return _two_sided_window(config, int(window))
         return int(window) if window else None
     if _config_value(config, "use_sliding_window") is False:
         return None
@@ -895,6 +891,27 @@ def sliding_window_of(module):
                           f"{model_type!r}, whose windowed layers attnserve cannot place "
                           f"(served: {', '.join(sorted(_WINDOW_TYPES))})")
     return int(window)
+
+
+def _two_sided_window(config, window):
+    """attnserve's window (without causal: keys p - W + 1 .. p + W - 1) for
+    a bidirectional layer whose module slides `window`, by its model type's
+    rule (transformers' configs already halve the checkpoint's window to
+    (sliding_window // 2) + 1). ExportError for model types not checked."""
+    model_type = _config_value(config, "model_type")
+    bidirectional = _config_value(config, "use_bidirectional_attention")
+    if model_type in ("gemma3_text", "gemma3") and bidirectional is True:
+        # EmbeddingGemma: |i - j| < window (modeling_gemma3's
+        # _bidirectional_window_overlay, exclusive).
+        return window
+    if model_type == "gemma4_text" and bidirectional == "all":
+        # Gemma 4's bidirectional text layers: |i - j| <= window
+        # (masking_utils' sliding_window_bidirectional_overlay, inclusive).
+        return window + 1
+    raise ExportError(f"a sliding window of {window} on a layer that is not causal, in a model "
+                      f"of type {model_type!r} (use_bidirectional_attention={bidirectional!r}), "
+                      "whose two-sided window attnserve has not checked (served: EmbeddingGemma's "
+                      "gemma3_text and Gemma 4's use_bidirectional_attention='all')")
 
 
 def attention_chunk_of(module):
@@ -1576,7 +1593,10 @@ def export_module(model, folder, *, submodule=None, name=None, causal=None, scal
     """Writes an attnserve model folder for `model` (or its attention child named
     by the dotted `submodule`). Returns the config dict written.
 
-    causal: None = the module's own `is_causal` attribute if any, else False.
+    causal: None = the module's own `is_causal` attribute if any, else True
+      for latent attention and sliding windows, False otherwise. A sliding
+      window is one-sided with causal and two-sided without (refused where
+      that is not the module's).
     scale: None = the module's own `scaling`/`scale` when it differs from
       1/sqrt(head_dim), else attnserve's default.
     precision: "fp32", "bf16" or "fp16" (weights and compute on the server).
@@ -1594,9 +1614,20 @@ def export_module(model, folder, *, submodule=None, name=None, causal=None, scal
                                       head_dim=head_dim, qkv_layout=qkv_layout)
     config["name"] = name or os.path.basename(os.path.normpath(folder))
     if causal is None:
-        # A latent layer is a decoder's (DeepSeek's modules say so too).
-        causal = bool(getattr(module, "is_causal", "latent_attention" in config))
+        # Without the module's word: a latent layer is a decoder's (DeepSeek's
+        # modules say so too), as is one that slides a window (one-sided).
+        causal = getattr(module, "is_causal", None)
+        if causal is None:
+            causal = "latent_attention" in config or bool(config.get("sliding_window"))
     config["causal"] = bool(causal)
+    two_sided = getattr(module, "is_causal", None) is False
+    if config.get("sliding_window") and two_sided == config["causal"]:
+        # attnserve's window is one-sided with causal and two-sided without.
+        raise ExportError(
+            f"causal={config['causal']} on {type(module).__name__}, whose sliding window "
+            f"({config['sliding_window']}) is {'two' if two_sided else 'one'}-sided: attnserve's "
+            f"window is one-sided with causal and two-sided without; export it with "
+            f"causal={not two_sided}")
     if scale is None:
         scale = _scale_of(module, config["head_dim"])
     if scale:

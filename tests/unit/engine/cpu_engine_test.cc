@@ -448,7 +448,8 @@ TEST_F(CpuEngineTest, MatchesReferenceOnRandomCases) {
 
 // A sliding window over sequences long enough that whole 256-key blocks fall
 // before every row's window (skipped) and that decode splits its keys into
-// chunks: prefill, prefill with cross lengths, a decode row, with weights.
+// chunks: prefill, prefill with cross lengths, a decode row, with weights;
+// and without causal (a two-sided window, the later keys' blocks cut too).
 TEST_F(CpuEngineTest, SlidingWindowOverLongSequences) {
   Rng rng(78);
   auto windowed = std::make_shared<AttentionLayer>(*sdpa_);
@@ -459,7 +460,8 @@ TEST_F(CpuEngineTest, SlidingWindowOverLongSequences) {
     bool causal, weights;
   };
   for (const Shape2 s : {Shape2{700, 700, true, false}, Shape2{300, 900, true, false},
-                         Shape2{1, 2000, true, false}, Shape2{600, 600, false, true}}) {
+                         Shape2{1, 2000, true, false}, Shape2{600, 600, false, true},
+                         Shape2{700, 700, false, false}, Shape2{300, 900, false, false}}) {
     Case c;
     c.layer = windowed;
     c.q = RandomTensor(rng, DType::kFloat32, {1, 4, s.lq, 32}, 1.0f);

@@ -534,6 +534,42 @@ TEST(ReferenceEngineTest, ChunkedAttentionIsTransformersChunkedMask) {
               ::testing::HasSubstr("only on a causal layer"));
 }
 
+// A sliding window without causal is two-sided: the same as a bool mask of
+// |j - p| < window (EmbeddingGemma's rule), Lq < Lk too; with causal the
+// same window keeps only the keys up to p.
+TEST(ReferenceEngineTest, WindowWithoutCausalIsTwoSided) {
+  constexpr int64_t kWindow = 3;
+  for (const bool causal : {false, true}) {
+    for (const auto& [lq, lk] : {std::pair<int64_t, int64_t>{7, 7}, {4, 11}}) {
+      const Tensor q = Random({2, 2, lq, 4}, 810), k = Random({2, 2, lk, 4}, 811);
+      const Tensor v = Random({2, 2, lk, 5}, 812);
+      AttentionLayer windowed;
+      windowed.config.name = "windowed";
+      windowed.config.causal = causal;
+      windowed.config.sliding_window = kWindow;
+      ASSERT_TRUE(ValidateLayer(windowed).ok()) << ValidateLayer(windowed);
+      SdpaRun run(q, k, v);
+      run.task.causal = causal;
+      ASSERT_TRUE(NewReferenceEngine()->Run(windowed, {&run.task, 1}).ok());
+
+      std::vector<float> allowed(static_cast<size_t>(lq * lk));
+      for (int64_t i = 0; i < lq; ++i) {
+        const int64_t p = i + lk - lq;
+        for (int64_t j = 0; j < lk; ++j) {
+          allowed[i * lk + j] = std::abs(j - p) < kWindow && (!causal || j <= p);
+        }
+      }
+      const Tensor mask = Values(DType::kBool, {lq, lk}, allowed);
+      SdpaRun masked(q, k, v);
+      masked.task.attn_mask = mask.view();
+      ASSERT_TRUE(RunSdpa(masked.task).ok());
+      const std::string label = absl::StrCat("causal ", causal, " Lq ", lq, " Lk ", lk);
+      EXPECT_EQ(AsFloats(run.out), AsFloats(masked.out)) << label;
+      EXPECT_EQ(AsFloats(run.weights), AsFloats(masked.weights)) << label;
+    }
+  }
+}
+
 // An output gate whose weights are zero gates every token by sigmoid of its
 // bias alone: the same as no gate with each output weight column f scaled
 // by sigmoid(bg[f]). And the layer check's rules for the gate's weights.

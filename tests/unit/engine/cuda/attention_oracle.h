@@ -161,9 +161,9 @@ inline Inputs MakeInputs(const Case& c, std::mt19937& rng) {
 // Small cases of every rule, for the CPU emulations of the kernels: masks
 // (bool per batch with a fully blocked row, additive per head), key lengths
 // (one sequence with none), the token layout, another output dtype, sliding
-// windows that skip whole key tiles and cut others, softcapping, sinks,
-// alone and together; head dims 64 and 128, grouped and plain heads, the
-// dtypes in turn.
+// windows that skip whole key tiles and cut others (one two-sided, not
+// causal), softcapping, sinks, alone and together; head dims 64 and 128,
+// grouped and plain heads, the dtypes in turn.
 inline std::vector<Case> RuleCases(const std::vector<DType>& dtypes) {
   struct Variant {
     Mask mask;
@@ -179,6 +179,8 @@ inline std::vector<Case> RuleCases(const std::vector<DType>& dtypes) {
       {Mask::kNone, true, false, 7, 5.0f, true},
       {Mask::kBoolPerBatch, false, true, 90, 0.0f, true},
       {Mask::kNone, false, false, 0, 5.0f, false},
+      // Not causal (n == 6): a two-sided window.
+      {Mask::kNone, false, false, 40, 0.0f, false},
   };
   std::vector<Case> cases;
   int n = 0;
@@ -192,7 +194,7 @@ inline std::vector<Case> RuleCases(const std::vector<DType>& dtypes) {
     c.heads = 2;
     c.kv_heads = n % 2 == 0 ? 1 : 2;
     c.dim = n % 2 == 0 ? 64 : 128;
-    c.causal = n != 5;
+    c.causal = n < 5;
     c.q_len = 48 + 10 * n;
     c.kv_len = 200 + 3 * n;
     c.mask = v.mask;
@@ -223,6 +225,7 @@ inline bool RowLogits(const Inputs& in, int64_t b, int64_t h, int64_t i, std::ve
     if (j >= in.lengths[b]) continue;
     if (c.causal && j > position) continue;
     if (c.window > 0 && j < position - c.window + 1) continue;
+    if (c.window > 0 && !c.causal && j > position + c.window - 1) continue;  // two-sided
     if (c.mask == Mask::kBoolPerBatch && in.bool_mask[(b * c.q_len + i) * c.kv_len + j] == 0) {
       continue;
     }

@@ -61,7 +61,8 @@ std::vector<float> NanWeights(const Case& c) {
 
 // Small fp32 requests through every rule the softmax applies: masks, key
 // lengths (a sequence with none), the token layout, windows, softcapping,
-// sinks, another output dtype, a decode row, Lq > Lk (rows that see nothing).
+// sinks, another output dtype, a decode row, Lq > Lk (rows that see nothing),
+// a two-sided window (not causal).
 std::vector<Case> Fp32RuleCases() {
   std::vector<Case> cases;
   Case c = MakeCase(DType::kFloat32, 1, 2, 1, 24, 77, 64, true);
@@ -81,6 +82,9 @@ std::vector<Case> Fp32RuleCases() {
   cases.push_back(c);
   cases.push_back(MakeCase(DType::kFloat32, 1, 4, 2, 1, 130, 64, false));  // a decode row
   cases.push_back(MakeCase(DType::kFloat32, 1, 2, 2, 40, 25, 32, true));   // Lq > Lk
+  c = MakeCase(DType::kFloat32, 2, 2, 1, 50, 60, 32, false);  // a two-sided window
+  c.window = 12;
+  cases.push_back(c);
   return cases;
 }
 
