@@ -190,6 +190,12 @@ struct LayerConfig {
   // the mean in float64, after the projections and before any clipping and
   // before a session caches it. 0: none. Projection layers, not latent.
   double v_norm_eps = 0.0;
+  // Non-empty: the keys and values are another layer's (KV sharing, Gemma 3n
+  // and Gemma 4), named here: the K/V projections and norms are that
+  // layer's, applied to the key/value inputs, which a request must carry (the
+  // server refuses one without; the engine computes what it is given).
+  // Projection layers, not latent.
+  std::string kv_source;
   // Multi-head latent attention (above); projection layers only.
   LatentAttention latent;
 };

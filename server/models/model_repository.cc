@@ -179,7 +179,8 @@ absl::Status CheckNoProjectionFields(const std::string& path, const v1::ModelCon
                             "key_dim", "value_dim", "out_dim", "q_bias", "k_bias", "v_bias",
                             "out_bias", "weight_layout", "tensor_prefix", "tensor_names",
                             "rope", "qk_norm", "sinks", "output_gate",
-                            "temperature_tuning", "latent_attention", "clip_qkv", "v_norm"}) {
+                            "temperature_tuning", "latent_attention", "clip_qkv", "v_norm",
+                            "kv_source"}) {
     const google::protobuf::FieldDescriptor* f = d->FindFieldByName(field);
     bool set = f->is_repeated() ? r->FieldSize(c, f) > 0 : r->HasField(c, f);
     if (set) {
@@ -274,8 +275,9 @@ absl::Status ResolveLatentAttention(const std::string& path, v1::ModelConfig* c)
                        "which has no bias)");
   }
   if (c->has_qk_norm() || c->has_output_gate() || c->sinks() || c->clip_qkv() != 0 ||
-      c->has_v_norm()) {
-    return ConfigError(path, field, "takes no qk_norm, output_gate, sinks, clip_qkv or v_norm");
+      c->has_v_norm() || !c->kv_source().empty()) {
+    return ConfigError(path, field,
+                       "takes no qk_norm, output_gate, sinks, clip_qkv, v_norm or kv_source");
   }
   if (c->rope().rotary_dim() == 0 && !c->rope().type().empty() && c->rope().type() != "none") {
     c->mutable_rope()->set_rotary_dim(m->qk_rope_head_dim());

@@ -21,14 +21,16 @@ struct SdpaHeads {
 };
 
 // One batch of zeros: `batch` sequences of `q_len` queries over `kv_len`
-// keys (self-attention when the layer allows it and the lengths agree).
+// keys (self-attention when the layer allows it and the lengths agree, and
+// its keys and values are its own: a kv_source layer's requests carry them).
 absl::Status RunZeros(const ServedModel& model, int64_t batch, int64_t q_len, int64_t kv_len,
                       DType dtype, bool causal, SdpaHeads sdpa = {}) {
   const LayerConfig& c = model.layer->config;
   Tensor query, key, value;
   if (c.has_projections) {
     query = Tensor(dtype, {batch, q_len, c.query_dim});  // zeros
-    if (c.key_dim != c.query_dim || c.value_dim != c.query_dim || kv_len != q_len) {
+    if (c.key_dim != c.query_dim || c.value_dim != c.query_dim || kv_len != q_len ||
+        !c.kv_source.empty()) {
       key = Tensor(dtype, {batch, kv_len, c.key_dim});
       value = Tensor(dtype, {batch, kv_len, c.value_dim});
     }

@@ -788,6 +788,12 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
         "' (latent attention: its keys and values come from the query's own tokens; omit key "
         "and value)"));
   }
+  if (!has_key && !layer.kv_source.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "key: required by model '", layer.name, "': its keys and values are those of ",
+        layer.kv_source, " (KV sharing), so key and value must carry that layer's input hidden "
+        "states [B, Lk, ", layer.key_dim, "]"));
+  }
   if (!has_key && !layer.has_projections) {
     return absl::InvalidArgumentError(absl::StrCat(
         "key: required by model '", layer.name,

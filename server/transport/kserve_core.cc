@@ -159,7 +159,9 @@ absl::Status KServeCore::ModelConfig(const std::string& name, const std::string&
     in->set_name(t.name());
     in->set_data_type(ConfigDataType(t.datatype()));
     in->mutable_dims()->CopyFrom(t.shape());
-    in->set_optional(t.name() != "query");
+    // key and value: omitted for self-attention, unless the layer's keys and
+    // values are another layer's (kv_source), whose input they carry.
+    in->set_optional(t.name() != "query" && layer.kv_source.empty());
   }
   for (const auto& t : m.outputs()) {
     auto* out = c->add_output();
@@ -195,6 +197,7 @@ absl::Status KServeCore::ModelConfig(const std::string& name, const std::string&
   if (layer.temperature_tuning.enabled) params["temperature_tuning"].set_string_value("true");
   if (layer.clip_qkv > 0) params["clip_qkv"].set_string_value(absl::StrCat(layer.clip_qkv));
   if (layer.v_norm_eps > 0) params["v_norm"].set_string_value("true");
+  if (!layer.kv_source.empty()) params["kv_source"].set_string_value(layer.kv_source);
   if (layer.latent.enabled) {
     params["latent_attention"].set_string_value("true");
     params["kv_lora_rank"].set_string_value(absl::StrCat(layer.latent.kv_lora_rank));

@@ -95,6 +95,8 @@ GEMMA3N = dict(sliding_window=WINDOW, num_hidden_layers=10, num_kv_shared_layers
 # attention_k_eq_v its full layer takes its values from k_proj, with KV
 # heads of its own (num_global_key_value_heads).
 GEMMA4 = dict(sliding_window=WINDOW, num_hidden_layers=6, global_head_dim=32)
+# Families exported with the layer whose keys and values theirs are.
+KV_SHARED = {"gemma3n-kv-shared", "gemma4-kv-shared-sliding", "gemma4-kv-shared-full"}
 # Tokens per request: 48 unless a family says (LongRoPE's short factors).
 LENGTHS = {"phi4-mini-short": 24}
 
@@ -283,11 +285,14 @@ FAMILIES = {
                                                 num_local_experts=2, num_experts_per_tok=1), 1,
                      "served"),
     # Gemma 3n and Gemma 4: QK-norm x * w and a weightless RMSNorm of each
-    # value head (v_norm), scale 1, RoPE per layer type; layers that reuse an
-    # earlier layer's keys and values refused.
+    # value head (v_norm), scale 1, RoPE per layer type. A layer that reuses
+    # an earlier layer's keys and values (KV_SHARED) is exported with that
+    # layer (its source) and served with its input as key and value; alone,
+    # it is refused.
     "gemma3n-sliding": ("gemma3n", "Gemma3nText", GEMMA3N, 0, "served"),
     "gemma3n-full": ("gemma3n", "Gemma3nText", GEMMA3N, 4, "served"),
-    "gemma3n-kv-shared": ("gemma3n", "Gemma3nText", GEMMA3N, 9, "KV sharing"),
+    "gemma3n-kv-shared": ("gemma3n", "Gemma3nText", GEMMA3N, 9, "served"),
+    "gemma3n-kv-shared-alone": ("gemma3n", "Gemma3nText", GEMMA3N, 9, "KV sharing"),
     "gemma4-sliding": ("gemma4", "Gemma4Text", GEMMA4, 0, "served"),
     "gemma4-full": ("gemma4", "Gemma4Text", GEMMA4, 5, "served"),
     # Proportional RoPE on half of each head, with a factor (served as linear).
@@ -300,6 +305,13 @@ FAMILIES = {
                            "served"),
     "gemma4-kv-shared": ("gemma4", "Gemma4Text", dict(GEMMA4, num_hidden_layers=8,
                                                       num_kv_shared_layers=2), 6, "KV sharing"),
+    "gemma4-kv-shared-sliding": ("gemma4", "Gemma4Text", dict(GEMMA4, num_hidden_layers=8,
+                                                              num_kv_shared_layers=2), 6,
+                                 "served"),
+    # A full layer reusing one with attention_k_eq_v (layer 5's).
+    "gemma4-kv-shared-full": ("gemma4", "Gemma4Text", dict(
+        GEMMA4, num_hidden_layers=12, num_kv_shared_layers=6, attention_k_eq_v=True,
+        num_global_key_value_heads=1), 11, "served"),
     # use_bidirectional_attention "all": a full layer without the causal
     # mask; a sliding one sees both ways.
     "gemma4-all-full": ("gemma4", "Gemma4Text", dict(GEMMA4, use_bidirectional_attention="all"),
@@ -370,10 +382,20 @@ def build(family):
     if module_name == "granitemoehybrid" and config.position_embedding_type != "rope":
         rotary = None  # its model passes no position embeddings then
     torch.manual_seed(sum(map(ord, family)))
+    source = None
+    if family in KV_SHARED:  # the layer whose keys and values m reuses, by transformers
+        types = config.layer_types
+        store = [i for i, mode in enumerate(config.kv_sharing_modes)
+                 if mode == "store" and types[i] == types[layer]]
+        source = attention(config, layer_idx=store[0])
+        assert m.is_kv_shared_layer and not source.is_kv_shared_layer and len(store) == 1
     with torch.no_grad():  # biases and norm weights away from their defaults, so they count
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return m.eval(), rotary, config, layer, outcome
+        for module in (m, source):
+            for p in module.parameters() if module is not None else ():
+                p.add_(torch.randn_like(p) * 0.02)
+    if source is not None:
+        source.eval()
+    return m.eval(), rotary, config, layer, outcome, source
 
 
 def chunk_of(config, layer):
@@ -408,7 +430,9 @@ def two_sided_rule(config):
     return sliding_window_bidirectional_overlay(config.sliding_window)  # Gemma 4: |i - j| <= w
 
 
-def module_forward(m, rotary, config, layer, x):
+def module_forward(m, rotary, config, layer, x, source=None, xs=None):
+    """m's forward in float64 on x; a KV-shared m's keys and values are
+    those source's forward on xs stores (transformers' shared_kv_states)."""
     b, length, _ = x.shape
     mask = torch.full((length, length), float("-inf"), dtype=torch.float64).triu(1)
     if not getattr(m, "is_causal", True):  # use_bidirectional_attention
@@ -431,12 +455,13 @@ def module_forward(m, rotary, config, layer, x):
     m = m.double()
     xt = torch.from_numpy(x).double()
     kwargs = {}
+    shared_kv = {}
     if "position_ids" in inspect.signature(m.forward).parameters:  # Mistral 4
         kwargs["position_ids"] = positions
     if "layer_idx" in inspect.signature(m.forward).parameters:  # Zamba's shared blocks
         kwargs["layer_idx"] = layer
     if "shared_kv_states" in inspect.signature(m.forward).parameters:
-        kwargs["shared_kv_states"] = {}  # Gemma 3n, 4: where a layer stores its keys, values
+        kwargs["shared_kv_states"] = shared_kv  # Gemma 3n, 4: a layer's stored keys, values
     with torch.no_grad():
         if rotary is None:  # Kimi Linear's latent layers: no RoPE
             pass
@@ -449,15 +474,24 @@ def module_forward(m, rotary, config, layer, x):
                 kwargs["position_embeddings"] = rotary(xt, positions)
             except TypeError:  # families whose rotary class takes a layer type
                 kwargs["position_embeddings"] = rotary(xt, positions, config.layer_types[layer])
+        if source is not None:
+            assert source.store_full_length_kv
+            source.double()(hidden_states=torch.from_numpy(xs).double(), attention_mask=mask,
+                            **kwargs)
+            assert shared_kv, "the source stored no keys and values"
         out = m(hidden_states=xt, attention_mask=mask, **kwargs)[0]
     return out.numpy()
 
 
-def infer(http, model, x, causal=True):
+def infer(http, model, x, causal=True, kv=None):
+    """The model's output for query x (and key = value = kv when given)."""
+    tensors = [("query", x)] + ([("key", kv), ("value", kv)] if kv is not None else [])
     header = json.dumps({"parameters": {"causal": causal, "binary_data_output": True},
-                         "inputs": [{"name": "query", "shape": list(x.shape), "datatype": "FP32",
-                                     "parameters": {"binary_data_size": x.nbytes}}]}).encode()
-    req = urllib.request.Request(f"http://{http}/v2/models/{model}/infer", data=header + x.tobytes(),
+                         "inputs": [{"name": name, "shape": list(t.shape), "datatype": "FP32",
+                                     "parameters": {"binary_data_size": t.nbytes}}
+                                    for name, t in tensors]}).encode()
+    body = header + b"".join(t.tobytes() for _, t in tensors)
+    req = urllib.request.Request(f"http://{http}/v2/models/{model}/infer", data=body,
                                  headers={"Inference-Header-Content-Length": str(len(header))})
     with urllib.request.urlopen(req, timeout=120) as r:
         body = r.read()
@@ -479,13 +513,13 @@ def main():
     families = args.families or list(FAMILIES)
     for family in families:
         try:
-            m, rotary, config, layer, outcome = build(family)
+            m, rotary, config, layer, outcome, source = build(family)
         except Exception as e:  # a family this transformers lacks
             results[family] = f"NOT BUILT ({type(e).__name__}: {e})"
             continue
         try:
-            exported = export.export_module(m, os.path.join(repo, family))
-            built[family] = (m, rotary, config, layer, exported["causal"])
+            exported = export.export_module(m, os.path.join(repo, family), kv_source=source)
+            built[family] = (m, rotary, config, layer, exported["causal"], source)
             if outcome != "served":
                 results[family] = f"FAIL: exported, expected a refusal naming {outcome!r}"
         except export.ExportError as e:
@@ -507,10 +541,11 @@ def main():
             break
     try:
         rng = np.random.default_rng(1)
-        for family, (m, rotary, config, layer, causal) in built.items():
+        for family, (m, rotary, config, layer, causal, source) in built.items():
             x = rng.uniform(-1, 1, (2, LENGTHS.get(family, 48), 64)).astype(np.float32)
-            want = module_forward(m, rotary, config, layer, x)
-            got = infer(http, family, x, causal)
+            xs = None if source is None else rng.uniform(-1, 1, x.shape).astype(np.float32)
+            want = module_forward(m, rotary, config, layer, x, source, xs)
+            got = infer(http, family, x, causal, xs)
             rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             ok = rel < 2e-5
             results[family] = f"{'ok' if ok else 'FAIL'}: relative error {rel:.2e}"

@@ -551,14 +551,17 @@ class _Gemma4Attention(nn.Module):
             inv = inv / params.get("factor", 1.0)
         return inv
 
-    def forward(self, x, attention_mask=None, position_ids=None):
+    def forward(self, x, attention_mask=None, position_ids=None, kv_source=None, kv_x=None):
+        """kv_source, kv_x: a KV-shared layer's keys and values, those
+        kv_source computes from its input kv_x (transformers' shared_kv_states)."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
         b, length, _ = x.shape
         hd = self.head_dim
         q = self.q_norm(self.q_proj(x).view(b, length, -1, hd)).transpose(1, 2)
-        k = self.k_proj(x).view(b, length, -1, hd)
-        v = k if self.v_proj is None else self.v_proj(x).view(b, length, -1, hd)
-        k, v = self.k_norm(k).transpose(1, 2), self.v_norm(v).transpose(1, 2)
+        kv, kv_x = (self, x) if kv_source is None else (kv_source, kv_x)
+        k = kv.k_proj(kv_x).view(b, length, -1, hd)
+        v = k if kv.v_proj is None else kv.v_proj(kv_x).view(b, length, -1, hd)
+        k, v = kv.k_norm(k).transpose(1, 2), kv.v_norm(v).transpose(1, 2)
         angles = position_ids[..., None].double() * self.inv_freq()
         emb = torch.cat((angles, angles), dim=-1)
         q, k = apply_rotary_pos_emb(q, k, emb.cos().to(q.dtype), emb.sin().to(q.dtype))
@@ -703,12 +706,13 @@ class _DeepseekV3Attention(nn.Module):
         return (self.o_proj(out),)
 
 
-def _module_forward(m, x, window=None, reach=None):
+def _module_forward(m, x, window=None, reach=None, kv=None):
     """The module's own causal forward in float64 (positions 0..L-1), with
     the mask transformers' models build for it: causal, and with a sliding
     window, keys p - window + 1 .. p (modeling_mistral's _update_causal_mask).
     reach: a bidirectional layer instead, keys with |p - j| <= reach (every
-    key with reach L)."""
+    key with reach L). kv: (source module, its input): a KV-shared layer's
+    keys and values."""
     m = m.double()
     b, length, _ = x.shape
     mask = torch.full((length, length), float("-inf"), dtype=torch.float64).triu(1)
@@ -722,12 +726,17 @@ def _module_forward(m, x, window=None, reach=None):
     mask = mask.expand(b, 1, length, length)
     positions = torch.arange(length)[None].expand(b, length)
     x = torch.from_numpy(x).double()
+    extra = {}
+    if kv is not None:
+        extra = dict(kv_source=kv[0].double(), kv_x=torch.from_numpy(kv[1]).double())
     with torch.no_grad():
         if hasattr(m, "test_rotary"):  # the model's rotary class computes cos and sin
             out = m(x, attention_mask=mask, position_embeddings=m.test_rotary(x, positions))[0]
         else:
-            out = m(x, attention_mask=mask, position_ids=positions)[0]
+            out = m(x, attention_mask=mask, position_ids=positions, **extra)[0]
     m.float()
+    if kv is not None:
+        kv[0].float()
     return out.numpy()
 
 
@@ -1304,6 +1313,58 @@ def test_gemma_layers_that_attnserve_cannot_compute_are_refused_by_name(tmp_path
     for word in words:
         assert word in str(refused.value), str(refused.value)
     assert not os.path.exists(tmp_path / change / "config.pbtxt"), "nothing is written"
+
+
+def test_a_kv_shared_layer_is_served_with_its_sources_keys_and_values(tmp_path):
+    """KV sharing (Gemma 3n's and Gemma 4's last num_kv_shared_layers): the
+    layer's queries are its own, its keys and values those of the last
+    earlier layer of its type (transformers' kv_sharing_modes "store"), from
+    that layer's input. Exported from the whole model with the source's
+    k_proj, v_proj and norms (kv_source names it), served with the source's
+    input as key and value as the modules compute it (and not as its own
+    input would give), in one request and in a session step by step; a
+    request without key is refused, naming the source; a wrong source is
+    refused at export."""
+    import harness
+    from attnserve_client import AttentionClient
+    layers = {}
+    for index in (2, 3, 4):
+        m = layers[index] = _Gemma4Attention("gemma4-sliding")
+        m.layer_idx = index
+        m.config.num_hidden_layers, m.config.num_kv_shared_layers = 6, 2
+    shared = layers[4]  # 4 and 5 reuse: layer 4's source is layer 3, the last sliding one
+    del shared.k_proj, shared.v_proj, shared.k_norm, shared.v_norm
+    shared.is_kv_shared_layer = True
+    model = nn.ModuleDict({f"layer{i}": m for i, m in layers.items()})
+    config = export_module(model, str(tmp_path / "shared"), submodule="layer4")
+    assert config["kv_source"] == "layer3" and config["sliding_window"] == WINDOW
+    assert (tmp_path / "shared" / "config.pbtxt").read_text().count('kv_source: "layer3"') == 1
+    with pytest.raises(ExportError) as refused:
+        export_module(model, str(tmp_path / "wrong"), submodule="layer4", kv_source="layer2")
+    assert "is not the layer whose keys and values" in str(refused.value)
+    assert "layer 3 (the last earlier layer of its type" in str(refused.value)
+
+    rng = np.random.default_rng(10)
+    x, xs = (rng.uniform(-1, 1, (2, 40, 64)).astype(np.float32) for _ in range(2))
+    want = _module_forward(shared, x, WINDOW, kv=(layers[3], xs))
+    server = harness.ServerProcess("--model-repository", str(tmp_path), "--backend", "cpu")
+    try:
+        with AttentionClient(server.target, timeout=120) as client:
+            got = client.attend(x, xs, xs, model="shared", causal=True).output
+            assert _rel(got, want) < 2e-5, _rel(got, want)
+            own = _module_forward(shared, x, WINDOW, kv=(layers[3], x))
+            assert _rel(got, own) > 1e-3
+            with client.open_session("shared") as session:
+                steps = [session.attend(x[:1, :20], xs[:1, :20], xs[:1, :20]).output]
+                steps += [session.attend(x[:1, t:t + 1], xs[:1, t:t + 1], xs[:1, t:t + 1]).output
+                          for t in range(20, 40)]
+            assert _rel(np.concatenate(steps, axis=1), want[:1]) < 2e-5
+            with pytest.raises(Exception) as refused:
+                client.attend(x, model="shared", causal=True)
+            assert "key: required by model 'shared'" in str(refused.value)
+            assert "its keys and values are those of layer3" in str(refused.value)
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def test_bidirectional_gemma4_layers_are_served_both_ways(tmp_path):

@@ -50,20 +50,25 @@ def torch_repo():
 
 
 def _write_layer_feature_models(repo):
-    """Two LLM layers (random weights) whose features the model config's
-    parameters name: Gemma 4's (QK-norm, value norm, partial RoPE, a window)
-    and DeepSeek's latent attention."""
+    """Three LLM layers (random weights) whose features the model config's
+    parameters name: Gemma 4's (QK-norm, value norm, partial RoPE, a window),
+    the same reusing another layer's keys and values (kv_source) and
+    DeepSeek's latent attention."""
     sys.path.insert(0, os.path.join(ROOT, "client", "python"))
     from attnserve_client.export import write_model_folder
 
     def w(*shape):
         return rng.uniform(-0.2, 0.2, shape).astype(np.float32)
-    write_model_folder(os.path.join(repo, "gemma4"), dict(
+    gemma4 = dict(
         embed_dim=32, num_heads=4, num_kv_heads=2, head_dim=8, weight_layout="SEPARATE_QKV",
         causal=True, scale=1.0, sliding_window=20, qk_norm=dict(eps=1e-6),
-        v_norm=dict(eps=1e-6), rope=dict(type="default", theta=10000.0, rotary_dim=4)), {
+        v_norm=dict(eps=1e-6), rope=dict(type="default", theta=10000.0, rotary_dim=4))
+    weights = {
         "q_proj.weight": w(32, 32), "k_proj.weight": w(16, 32), "v_proj.weight": w(16, 32),
-        "o_proj.weight": w(32, 32), "q_norm.weight": 1 + w(8), "k_norm.weight": 1 + w(8)})
+        "o_proj.weight": w(32, 32), "q_norm.weight": 1 + w(8), "k_norm.weight": 1 + w(8)}
+    write_model_folder(os.path.join(repo, "gemma4"), gemma4, weights)
+    write_model_folder(os.path.join(repo, "gemma4-shared"),
+                       dict(gemma4, kv_source="model.layers.3.self_attn"), weights)
     write_model_folder(os.path.join(repo, "latent"), dict(
         embed_dim=32, num_heads=4, num_kv_heads=4, head_dim=12, weight_layout="SEPARATE_QKV",
         causal=True, rope=dict(type="default", theta=10000.0, interleaved=True),
@@ -206,6 +211,12 @@ def test_model_config_parameters_name_the_layers_features(client):
     assert "v_norm" not in latent and "qk_norm" not in latent
     inputs = [i["name"] for i in cfg["input"]]
     assert inputs[0] == "query" and "key" not in inputs and "value" not in inputs, inputs
+    # A KV-shared layer names its source and needs key and value (its input).
+    shared, cfg = params("gemma4-shared")
+    assert shared == dict(gemma, kv_source="model.layers.3.self_attn"), shared
+    optional = {i["name"]: i.get("optional", False) for i in cfg["input"]}
+    assert optional["key"] is False and optional["value"] is False, optional
+    assert params("gemma4")[1]["input"][1].get("optional") is True
     meta = client.get_model_metadata("latent", as_json=True)
     assert {"key", "value"}.isdisjoint(t["name"] for t in meta["inputs"])
     outs = {t["name"]: [int(s) for s in t["shape"]] for t in meta["outputs"]}
@@ -217,6 +228,17 @@ def test_model_config_parameters_name_the_layers_features(client):
     for model in ("gemma4", "latent"):
         out = client.infer(model, [inp], parameters={"causal": True}).as_numpy("output")
         assert out.shape == (1, 5, 32) and np.isfinite(out).all()
+    # The shared layer with its own input as key and value is the layer whose
+    # weights it holds; without them it is refused, naming the source.
+    kv = [make_input("key", x), make_input("value", x)]
+    shared_out = client.infer("gemma4-shared", [inp] + kv,
+                              parameters={"causal": True}).as_numpy("output")
+    own = client.infer("gemma4", [inp], parameters={"causal": True}).as_numpy("output")
+    np.testing.assert_allclose(shared_out, own, rtol=1e-5, atol=1e-6)
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("gemma4-shared", [inp], parameters={"causal": True})
+    assert "key: required by model 'gemma4-shared'" in str(refused.value)
+    assert "model.layers.3.self_attn" in str(refused.value)
 
 
 def test_infer_sdpa_matches_numpy_with_masks_lengths_scale_and_weights(client):

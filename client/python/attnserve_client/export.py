@@ -32,6 +32,7 @@ state_dict together with --factory building the module it belongs to):
 """
 
 import argparse
+import copy
 import importlib
 import json
 import math
@@ -127,7 +128,7 @@ _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_
                 "weight_layout", "tensor_prefix", "tensor_names", "scale", "causal", "precision",
                 "batching", "instances", "backend", "rope", "qk_norm", "sliding_window", "softcap",
                 "sinks", "output_gate", "attention_chunk", "temperature_tuning",
-                "latent_attention", "clip_qkv", "v_norm"]
+                "latent_attention", "clip_qkv", "v_norm", "kv_source"]
 
 
 def _scalar(field, value):
@@ -1068,8 +1069,50 @@ def _kv_shared(module):
     if not shared:
         return None
     return (f"reuses the keys and values of an earlier layer (KV sharing, num_kv_shared_layers="
-            f"{_config_value(config, 'num_kv_shared_layers')}), where attnserve computes a "
-            "layer's keys and values from its own input")
+            f"{_config_value(config, 'num_kv_shared_layers')})")
+
+
+def kv_source_layer(config, layer):
+    """The index of the layer whose keys and values KV-shared layer `layer`
+    reuses: the last layer before the shared ones (the last
+    num_kv_shared_layers) of the same layer type (transformers'
+    kv_sharing_modes "store"); None when there is none (every layer shared:
+    an assistant model reading another model's keys and values)."""
+    layers = int(_config_value(config, "num_hidden_layers"))
+    first_shared = layers - int(_config_value(config, "num_kv_shared_layers") or 0)
+    types = list(_config_value(config, "layer_types"))
+    for index in range(first_shared - 1, -1, -1):
+        if types[index] == types[layer]:
+            return index
+    return None
+
+
+def _with_kv_of(module, source):
+    """A view of KV-shared `module` (its queries, output projection, config,
+    window and RoPE) with `source`'s key and value parts: k_proj, v_proj,
+    k_norm, v_norm, attention_k_eq_v. The modules are shared, not copied."""
+    view = copy.copy(module)
+    view._modules, view._parameters = dict(module._modules), dict(module._parameters)
+    view._buffers = dict(module._buffers)
+    for name in ("k_proj", "v_proj", "k_norm", "v_norm"):
+        setattr(view, name, getattr(source, name, None))
+    view.use_alternative_attention = getattr(source, "use_alternative_attention", False)
+    view.is_kv_shared_layer = False
+    return view
+
+
+def _check_kv_source(module, source):
+    """ExportError unless `source` is the layer KV-shared `module` reuses."""
+    config = getattr(module, "config", None)
+    layer = getattr(module, "layer_idx", None)
+    want = kv_source_layer(config, layer) if layer is not None else None
+    got = getattr(source, "layer_idx", None)
+    if want is None or got != want or type(source) is not type(module) or \
+            _kv_shared(source) or getattr(source, "k_proj", None) is None:
+        raise ExportError(f"kv_source {type(source).__name__} (layer {got}) is not the layer "
+                          f"whose keys and values {type(module).__name__} (layer {layer}) "
+                          f"reuses: {'none' if want is None else f'layer {want}'} (the last "
+                          "earlier layer of its type before the shared ones)")
 
 
 def unsupported_features(module, head_dim=None, num_heads=None):
@@ -1134,8 +1177,12 @@ def unsupported_features(module, head_dim=None, num_heads=None):
     return found
 
 
-def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None, qkv_layout=None):
-    """(config dict, {local tensor name: tensor}) of one attention module."""
+def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None, qkv_layout=None,
+                    kv_source=None):
+    """(config dict, {local tensor name: tensor}) of one attention module.
+    kv_source: for a layer that reuses an earlier layer's keys and values
+    (KV sharing), that layer's module: its k_proj, v_proj and norms are
+    exported, and config["kv_source"] names it."""
     if torch is None:
         raise ExportError("PyTorch is not importable")
     if isinstance(module, torch.nn.MultiheadAttention):
@@ -1153,10 +1200,21 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
                           "(linear attention with a decay per head, slope_rate), which attnserve "
                           "does not compute: refused rather than served with different numbers")
     shared = _kv_shared(module)
-    if shared:  # before its missing k_proj and v_proj are looked for
+    if shared and kv_source is None:  # before its missing k_proj and v_proj are looked for
         raise ExportError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
-                          f"{shared}: refused rather than served with different numbers "
-                          "(docs/MODELS.md)")
+                          f"{shared}, which is not given: export it from the whole model "
+                          "(export_module(model, folder, submodule=...)), or pass kv_source, "
+                          "the module of that layer")
+    if shared:
+        _check_kv_source(module, kv_source)
+        config, tensors = describe_module(_with_kv_of(module, kv_source), num_heads=num_heads,
+                                          num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                          qkv_layout=qkv_layout)
+        config["kv_source"] = f"{type(kv_source).__name__} (layer {kv_source.layer_idx})"
+        return config, tensors
+    if kv_source is not None:
+        raise ExportError(f"kv_source given for {type(module).__name__}, which computes its own "
+                          "keys and values")
     config, tensors = _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
     missing = unsupported_features(module, config["head_dim"], config["num_heads"])
     if missing:
@@ -1586,10 +1644,22 @@ def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
 _PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def _find_kv_source(model, module):
+    """(dotted name, module) in `model` of the layer whose keys and values
+    KV-shared `module` reuses; (None, None) when it has none there."""
+    layer = getattr(module, "layer_idx", None)
+    want = kv_source_layer(module.config, layer) if layer is not None else None
+    for name, child in model.named_modules():
+        if type(child) is type(module) and getattr(child, "layer_idx", None) == want and \
+                child is not module:
+            return name, child
+    return None, None
+
+
 def export_module(model, folder, *, submodule=None, name=None, causal=None, scale=None,
                   precision="fp32", storage_dtype=None, full_state_dict=False, num_heads=None,
                   num_kv_heads=None, head_dim=None, qkv_layout=None, batching=None, instances=0,
-                  backend=""):
+                  backend="", kv_source=None):
     """Writes an attnserve model folder for `model` (or its attention child named
     by the dotted `submodule`). Returns the config dict written.
 
@@ -1597,6 +1667,12 @@ def export_module(model, folder, *, submodule=None, name=None, causal=None, scal
       for latent attention and sliding windows, False otherwise. A sliding
       window is one-sided with causal and two-sided without (refused where
       that is not the module's).
+    kv_source: a layer that reuses an earlier layer's keys and values (KV
+      sharing: Gemma 3n's and Gemma 4's last num_kv_shared_layers) is
+      exported with that layer's k_proj, v_proj and norms, and its requests
+      must carry that layer's input as key and value; the layer is found in
+      `model` when `submodule` is given, else pass it (a module, or a dotted
+      name in `model`).
     scale: None = the module's own `scaling`/`scale` when it differs from
       1/sqrt(head_dim), else attnserve's default.
     precision: "fp32", "bf16" or "fp16" (weights and compute on the server).
@@ -1610,8 +1686,16 @@ def export_module(model, folder, *, submodule=None, name=None, causal=None, scal
     if precision not in _PRECISION_DTYPES:
         raise ExportError(f"precision must be one of {sorted(_PRECISION_DTYPES)}, got {precision!r}")
     module = model.get_submodule(submodule) if submodule else model
+    source_name = None
+    if isinstance(kv_source, str):
+        source_name, kv_source = kv_source, model.get_submodule(kv_source)
+    elif kv_source is None and submodule and _kv_shared(module):
+        source_name, kv_source = _find_kv_source(model, module)
     config, tensors = describe_module(module, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                      head_dim=head_dim, qkv_layout=qkv_layout)
+                                      head_dim=head_dim, qkv_layout=qkv_layout,
+                                      kv_source=kv_source)
+    if source_name:
+        config["kv_source"] = source_name
     config["name"] = name or os.path.basename(os.path.normpath(folder))
     if causal is None:
         # Without the module's word: a latent layer is a decoder's (DeepSeek's
@@ -1702,6 +1786,8 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int)
     p.add_argument("--qkv-layout", choices=["per_head", "packed"])
     p.add_argument("--backend", default="", choices=["", "auto", "cpu", "cuda", "reference"])
+    p.add_argument("--kv-source", help="dotted name of the layer whose keys and values a "
+                   "KV-shared --module reuses (default: found in the model)")
     args = p.parse_args(argv)
     try:
         model = _load_model(args.checkpoint, args.factory)
@@ -1711,7 +1797,7 @@ def main(argv=None):
                                storage_dtype=args.storage_dtype, full_state_dict=args.full_state_dict,
                                num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
                                head_dim=args.head_dim, qkv_layout=args.qkv_layout,
-                               backend=args.backend)
+                               backend=args.backend, kv_source=args.kv_source)
     except (ExportError, AttributeError, OSError, RuntimeError) as e:
         print(f"export_torch: {e}", file=sys.stderr)
         return 1

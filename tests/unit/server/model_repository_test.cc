@@ -450,6 +450,25 @@ TEST(ModelConfigTest, ValueNormResolvesAndItsRulesNameTheField) {
               AllOf(HasSubstr("latent_attention"), HasSubstr("v_norm")));
 }
 
+// KV sharing (Gemma 3n, Gemma 4): the source layer's name reaches the layer
+// and comes back; refused for kind "sdpa" and with latent attention.
+TEST(ModelConfigTest, KvSourceResolvesAndItsRulesNameTheField) {
+  const v1::ModelConfig shared =
+      Resolved("embed_dim: 64 num_heads: 4 kv_source: \"model.layers.3.self_attn\"");
+  const LayerConfig layer = ToLayerConfig(shared);
+  EXPECT_EQ(layer.kv_source, "model.layers.3.self_attn");
+  EXPECT_EQ(LayerToModelConfig(AttentionLayer{layer, {}, {}}).kv_source(),
+            "model.layers.3.self_attn");
+  EXPECT_TRUE(ToLayerConfig(Resolved("embed_dim: 64 num_heads: 4")).kv_source.empty());
+  EXPECT_THAT(ResolveError("kind: \"sdpa\" kv_source: \"x\"").message(),
+              AllOf(HasSubstr("kv_source"), HasSubstr("not allowed for kind \"sdpa\"")));
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 head_dim: 24 weight_layout: SEPARATE_QKV "
+                           "latent_attention { kv_lora_rank: 32 qk_rope_head_dim: 8 "
+                           "v_head_dim: 12 } kv_source: \"x\"")
+                  .message(),
+              AllOf(HasSubstr("latent_attention"), HasSubstr("kv_source")));
+}
+
 // QK-norm's LayerNorm form with weights per head (Cohere) reaches the layer
 // and comes back; per-head weights over the whole projection are refused.
 TEST(ModelConfigTest, LayerNormQkNormResolves) {

@@ -955,6 +955,25 @@ TEST(ValidationTest, DemoMhaCrossAttentionDims) {
   EXPECT_TRUE(v->task.causal);
 }
 
+// A layer whose keys and values are another's (kv_source) takes them only
+// from key and value: a self-attention request is refused, naming the source.
+TEST(ValidationTest, KvSourceLayerNeedsKeyAndValue) {
+  LayerConfig shared = MhaLayer();
+  shared.kv_source = "model.layers.3.self_attn";
+  v1::AttendRequest r = ValidMha();
+  *r.mutable_query() = MakeTensor(v1::FLOAT32, {2, 5, 512});
+  absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, shared);
+  ASSERT_FALSE(v.ok());
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(v.status().message()),
+              AllOf(HasSubstr("key: required by model"), HasSubstr("model.layers.3.self_attn"),
+                    HasSubstr("[B, Lk, 512]")));
+  ASSERT_TRUE(ValidateAttendRequest(r, MhaLayer()).ok());  // its own keys: self-attention
+  v = ValidateAttendRequest(ValidMhaCross(), shared);
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->task.key.shape, (Shape{2, 7, 512}));
+}
+
 TEST(ValidationTest, ValidatedTaskPassesTheEngineCheck) {
   // The engine re-checks tasks; a validated one with outputs bound must pass.
   for (bool mha : {false, true}) {
