@@ -95,6 +95,8 @@ GEMMA3N = dict(sliding_window=WINDOW, num_hidden_layers=10, num_kv_shared_layers
 # attention_k_eq_v its full layer takes its values from k_proj, with KV
 # heads of its own (num_global_key_value_heads).
 GEMMA4 = dict(sliding_window=WINDOW, num_hidden_layers=6, global_head_dim=32)
+# ModernBERT: a global layer, then two local ones of 16 (8 each way).
+MODERNBERT = dict(local_attention=16, global_attn_every_n_layers=3, num_hidden_layers=3)
 # Families exported with the layer whose keys and values theirs are.
 KV_SHARED = {"gemma3n-kv-shared", "gemma4-kv-shared-sliding", "gemma4-kv-shared-full"}
 # Tokens per request: 48 unless a family says (LongRoPE's short factors).
@@ -121,6 +123,11 @@ FAMILIES = {
                        0, "served"),
     "gemma3-full": ("gemma3", "Gemma3Text", dict(sliding_window=WINDOW, num_hidden_layers=6), 5,
                     "served"),
+    # ModernBERT (an encoder): Wqkv and Wo, RoPE per layer type; its local
+    # layers see local_attention // 2 positions both ways.
+    "modernbert-global": ("modernbert", "ModernBert", MODERNBERT, 0, "served"),
+    "modernbert-local": ("modernbert", "ModernBert", dict(MODERNBERT, attention_bias=True), 1,
+                         "served"),
     # EmbeddingGemma (use_bidirectional_attention): full layers not causal,
     # sliding ones a window both ways.
     "embeddinggemma-sliding": ("gemma3", "Gemma3Text", dict(
@@ -363,7 +370,7 @@ def build(family):
         f"transformers.models.{module_name}.configuration_{module_name}")
     config_class = getattr(cfg_mod, f"{prefix}Config")
     kwargs = dict(COMMON)
-    if family == "gpt-neox":
+    if family == "gpt-neox" or module_name == "modernbert":  # no grouped queries
         kwargs = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128,
                       num_hidden_layers=2)
     kwargs.update(overrides)

@@ -1367,6 +1367,68 @@ def test_a_kv_shared_layer_is_served_with_its_sources_keys_and_values(tmp_path):
         assert server.stop() == 0, server.log()
 
 
+class _ModernBertAttention(nn.Module):
+    """ModernBERT's attention as transformers 5.x writes it
+    (ModernBertAttention; 4.45.2 has none), from transformers' own parts: one
+    Wqkv of rows [q | k | v] (no grouped queries), rotate-half RoPE of the
+    layer type's theta (local 10000, global 160000), not causal, Wo; its local
+    layers (layer_types "sliding_attention") see |i - j| <= local_attention //
+    2 (config.sliding_window), the module's sliding_window that plus 1."""
+
+    def __init__(self, layer, bias=False):
+        super().__init__()
+        from transformers import LlamaConfig
+        self.config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3)
+        self.config.model_type = "modernbert"
+        self.config.update(dict(
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=160000.0),
+                                 sliding_attention=dict(rope_type="default", rope_theta=1e4))))
+        self.layer_idx, self.head_dim, self.is_causal = layer, 16, False
+        self.sliding_window = WINDOW // 2 + 1 if layer > 0 else None
+        self.Wqkv, self.Wo = nn.Linear(64, 3 * 64, bias=bias), nn.Linear(64, 64, bias=bias)
+
+    def forward(self, x, attention_mask=None, position_ids=None):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        b, length, _ = x.shape
+        q, k, v = self.Wqkv(x).view(b, length, 3, 4, 16).unbind(dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        theta = self.config.rope_parameters[self.config.layer_types[self.layer_idx]]["rope_theta"]
+        inv = 1.0 / theta ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+        angles = position_ids[..., None].double() * inv
+        emb = torch.cat((angles, angles), dim=-1)
+        q, k = apply_rotary_pos_emb(q, k, emb.cos().to(q.dtype), emb.sin().to(q.dtype))
+        s = q @ k.transpose(2, 3) * 16 ** -0.5 + attention_mask
+        return (self.Wo((s.softmax(-1) @ v).transpose(1, 2).reshape(b, length, 64)),)
+
+
+def test_modernbert_layers_are_served_both_ways(tmp_path):
+    """ModernBERT's global layer (every key) and local layer (|i - j| <= 8 of
+    a local_attention of 16: attnserve's two-sided window of 9), Wqkv split
+    into three projections, Wo, RoPE by layer type; served as the modules
+    compute them."""
+    import harness
+    from attnserve_client import AttentionClient
+    torch.manual_seed(11)
+    modules = {"global": _ModernBertAttention(0), "local": _ModernBertAttention(1, bias=True)}
+    configs = {n: export_module(m, str(tmp_path / n)) for n, m in modules.items()}
+    assert configs["local"]["sliding_window"] == WINDOW // 2 + 1 and not configs["local"]["causal"]
+    assert "sliding_window" not in configs["global"] and configs["global"]["num_kv_heads"] == 4
+    assert configs["global"]["rope"]["theta"] == 160000.0
+    assert configs["local"]["rope"]["theta"] == 1e4
+    x = np.random.default_rng(12).uniform(-1, 1, (2, 40, 64)).astype(np.float32)
+    server = harness.ServerProcess("--model-repository", str(tmp_path), "--backend", "cpu")
+    try:
+        with AttentionClient(server.target, timeout=120) as client:
+            for name, reach in (("global", 40), ("local", WINDOW // 2)):
+                want = _module_forward(modules[name], x, reach=reach)
+                got = client.attend(x, model=name).output
+                assert _rel(got, want) < 2e-5, (name, _rel(got, want))
+            assert _rel(got, _module_forward(modules["local"], x, reach=WINDOW // 2 + 1)) > 1e-3
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 def test_bidirectional_gemma4_layers_are_served_both_ways(tmp_path):
     """use_bidirectional_attention "all" (Gemma 4's embedding models): its
     full layers attend to every key (the module's is_causal), its sliding

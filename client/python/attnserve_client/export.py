@@ -335,7 +335,8 @@ def _config_value(config, name):
 # embeddings from any other model type is refused: some rotate in other ways,
 # and PhiMoE's LongRoPE is not Phi-3's.
 _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2": False,
-                     "qwen3": False, "gemma": False, "gemma2": False, "gemma3": False,
+                     "modernbert": False, "qwen3": False, "gemma": False, "gemma2": False,
+                     "gemma3": False,
                      "gemma3_text": False, "phi3": False, "gpt_neox": False, "olmo": False,
                      "olmo2": False, "olmo3": False, "starcoder2": False, "gpt_oss": False,
                      "gptj": True, "codegen": True,
@@ -909,10 +910,14 @@ def _two_sided_window(config, window):
         # Gemma 4's bidirectional text layers: |i - j| <= window
         # (masking_utils' sliding_window_bidirectional_overlay, inclusive).
         return window + 1
+    if model_type == "modernbert":
+        # Its local layers: |i - j| <= local_attention // 2, the module's
+        # window already that plus 1 (flash attention's exclusive bound).
+        return window
     raise ExportError(f"a sliding window of {window} on a layer that is not causal, in a model "
                       f"of type {model_type!r} (use_bidirectional_attention={bidirectional!r}), "
                       "whose two-sided window attnserve has not checked (served: EmbeddingGemma's "
-                      "gemma3_text and Gemma 4's use_bidirectional_attention='all')")
+                      "gemma3_text, Gemma 4's use_bidirectional_attention='all', ModernBERT)")
 
 
 def attention_chunk_of(module):
@@ -1569,6 +1574,11 @@ def _describe_stacked(module, qkv, qkv_name, out_name, num_heads, num_kv_heads, 
     return _describe_separate(module, q, k, v, o, out_name, h, hkv, hd)
 
 
+# Model types whose Wqkv holds rows [q | k | v] (grouped-query widths), and
+# their output linear.
+_STACKED_WQKV = {"dbrx": "out_proj", "modernbert": "Wo"}
+
+
 def _keys_are_values(module):
     """Whether `module` takes its values from its key projection: Gemma 4's
     attention_k_eq_v on its full layers (use_alternative_attention, no
@@ -1607,15 +1617,21 @@ def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
                 return _describe_separate(module, q, k, v, o, out_name, num_heads, num_kv_heads,
                                           head_dim)
         raise ExportError("module has q_proj/k_proj/v_proj but no o_proj, out_proj or dense linear")
-    if _linear(module, "Wqkv") is not None and model_type != "dbrx":
-        raise ExportError(f"a fused Wqkv in {type(module).__name__} (model type "
-                          f"{model_type!r}), whose attention attnserve does not know (served: "
-                          "dbrx's; MPT's adds ALiBi position biases)")
-    for qkv_name, out_name in (("qkv_proj", "o_proj"), ("Wqkv", "out_proj")):
-        qkv = _linear(module, qkv_name)
-        if qkv is not None:
-            return _describe_stacked(module, qkv, qkv_name, out_name, num_heads, num_kv_heads,
-                                     head_dim)
+    if _linear(module, "Wqkv") is not None:
+        if model_type not in _STACKED_WQKV:
+            raise ExportError(f"a fused Wqkv in {type(module).__name__} (model type "
+                              f"{model_type!r}), whose attention attnserve does not know "
+                              f"(served: {', '.join(sorted(_STACKED_WQKV))}; MPT's adds ALiBi "
+                              "position biases)")
+        if model_type == "modernbert":  # [q | k | v] of every head: no grouped queries
+            num_kv_heads = num_kv_heads or num_heads or \
+                _config_value(module.config, "num_attention_heads")
+        return _describe_stacked(module, _linear(module, "Wqkv"), "Wqkv",
+                                 _STACKED_WQKV[model_type], num_heads, num_kv_heads, head_dim)
+    qkv = _linear(module, "qkv_proj")
+    if qkv is not None:
+        return _describe_stacked(module, qkv, "qkv_proj", "o_proj", num_heads, num_kv_heads,
+                                 head_dim)
     qkv = _linear(module, "query_key_value")
     if qkv is not None:
         o = _linear(module, "dense")
