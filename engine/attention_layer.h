@@ -196,6 +196,10 @@ struct LayerConfig {
   // server refuses one without; the engine computes what it is given).
   // Projection layers, not latent.
   std::string kv_source;
+  // > 0: DeepSeek's sparse attention (DSA), whose indexer keeps each query's
+  // top sparse_index_topk keys: dense attention over at most that many keys
+  // (the server refuses more; the engine computes what it is given).
+  int64_t sparse_index_topk = 0;
   // Multi-head latent attention (above); projection layers only.
   LatentAttention latent;
 };

@@ -192,7 +192,8 @@ absl::StatusOr<OpenedSession> RequestDispatcher::OpenSession(absl::string_view m
   }
   // The blocks live where the engine reads them (a GPU's memory for cuda).
   return sessions_->Open(served.name, fixed, ttl, max_tokens,
-                         SessionKeyRange{layer.sliding_window, layer.attention_chunk},
+                         SessionKeyRange{layer.sliding_window, layer.attention_chunk,
+                                         layer.sparse_index_topk},
                          std::string(session_id), served.engine->kv_slab_memory());
 }
 

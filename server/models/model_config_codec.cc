@@ -53,6 +53,7 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
   config.set_clip_qkv(c.clip_qkv);
   if (c.v_norm_eps > 0) config.mutable_v_norm()->set_eps(c.v_norm_eps);
   config.set_kv_source(c.kv_source);
+  config.set_sparse_index_topk(c.sparse_index_topk);
   if (c.temperature_tuning.enabled) {
     config.mutable_temperature_tuning()->set_floor_scale(c.temperature_tuning.floor_scale);
     config.mutable_temperature_tuning()->set_attn_scale(c.temperature_tuning.attn_scale);
@@ -151,6 +152,7 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
   layer.clip_qkv = layer.has_projections ? c.clip_qkv() : 0.0f;
   layer.v_norm_eps = layer.has_projections && c.has_v_norm() ? c.v_norm().eps() : 0.0;
   layer.kv_source = layer.has_projections ? c.kv_source() : std::string();
+  layer.sparse_index_topk = layer.has_projections ? c.sparse_index_topk() : 0;
   if (layer.has_projections && c.has_temperature_tuning()) {
     layer.temperature_tuning.enabled = true;
     layer.temperature_tuning.floor_scale = c.temperature_tuning().floor_scale();

@@ -180,7 +180,7 @@ absl::Status CheckNoProjectionFields(const std::string& path, const v1::ModelCon
                             "out_bias", "weight_layout", "tensor_prefix", "tensor_names",
                             "rope", "qk_norm", "sinks", "output_gate",
                             "temperature_tuning", "latent_attention", "clip_qkv", "v_norm",
-                            "kv_source"}) {
+                            "kv_source", "sparse_index_topk"}) {
     const google::protobuf::FieldDescriptor* f = d->FindFieldByName(field);
     bool set = f->is_repeated() ? r->FieldSize(c, f) > 0 : r->HasField(c, f);
     if (set) {
@@ -498,6 +498,10 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
   if (!std::isfinite(c->clip_qkv()) || c->clip_qkv() < 0) {
     return ConfigError(path, "clip_qkv",
                        absl::StrCat("must be finite and >= 0 (0 = none), got ", c->clip_qkv()));
+  }
+  if (c->sparse_index_topk() < 0) {
+    return ConfigError(path, "sparse_index_topk",
+                       absl::StrCat("must be >= 0 (0 = none), got ", c->sparse_index_topk()));
   }
   if (c->has_v_norm()) {
     if (c->v_norm().eps() == 0) c->mutable_v_norm()->set_eps(1e-6);

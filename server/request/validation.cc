@@ -834,6 +834,13 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
   if (!layout.ok()) return layout;
   if (!request.session_id.empty()) {
     if (absl::Status s = CheckSessionRules(request, dims); !s.ok()) return s;
+  } else if (layer.sparse_index_topk > 0 && dims.kv_len > layer.sparse_index_topk) {
+    // A session's whole length is checked where it is known (SessionManager).
+    return absl::InvalidArgumentError(absl::StrCat(
+        has_key ? "key" : "query", ": ", dims.kv_len, " keys; model '", layer.name,
+        "' is served for at most sparse_index_topk = ", layer.sparse_index_topk,
+        " (DeepSeek's sparse attention: past it the indexer keeps each query's top ",
+        layer.sparse_index_topk, " keys, which attnserve does not compute)"));
   }
 
   // Masking.

@@ -165,7 +165,8 @@ absl::StatusOr<OpenedSession> SessionManager::Open(const std::string& model,
   s->shape = fixed;
   s->ttl = ttl == absl::ZeroDuration() ? options_.ttl : ttl;
   s->max_tokens = max_tokens == 0 ? options_.max_tokens : max_tokens;
-  s->keys = {std::max<int64_t>(keys.window, 0), std::max<int64_t>(keys.chunk, 0)};
+  s->keys = {std::max<int64_t>(keys.window, 0), std::max<int64_t>(keys.chunk, 0),
+             std::max<int64_t>(keys.dense_up_to, 0)};
   OpenedSession opened{s->id, model, s->ttl, s->max_tokens, options_.block_tokens};
   Session* raw = s.get();
   sessions_.emplace(raw->id, std::move(s));
@@ -365,6 +366,13 @@ absl::Status SessionManager::Bind(Session& s, InferenceRequest& r) {
   const int64_t bt = options_.block_tokens;
   // Tokens the cache holds: those of released blocks are gone.
   const int64_t held = s.length - static_cast<int64_t>(s.released) * bt;
+  if (s.keys.dense_up_to > 0 && total > s.keys.dense_up_to) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session_id: session '", s.id, "' holds ", s.length, " tokens; ", new_rows,
+        " more would pass its model's sparse_index_topk = ", s.keys.dense_up_to,
+        " (DeepSeek's sparse attention: past it the indexer keeps each query's top ",
+        s.keys.dense_up_to, " keys, which attnserve does not compute)"));
+  }
   if (held + new_rows > s.max_tokens) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "session_id: session '", s.id, "' holds ", held, " tokens; ", new_rows,

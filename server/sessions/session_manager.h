@@ -71,6 +71,9 @@ struct SessionStats {
 struct SessionKeyRange {
   int64_t window = 0;
   int64_t chunk = 0;
+  // > 0: the most tokens the session may hold in all (LayerConfig::
+  // sparse_index_topk: beyond, DSA's indexer would drop keys).
+  int64_t dense_up_to = 0;
 };
 
 // Thread-safe. One mutex guards everything: every operation is a few map

@@ -198,6 +198,9 @@ absl::Status KServeCore::ModelConfig(const std::string& name, const std::string&
   if (layer.clip_qkv > 0) params["clip_qkv"].set_string_value(absl::StrCat(layer.clip_qkv));
   if (layer.v_norm_eps > 0) params["v_norm"].set_string_value("true");
   if (!layer.kv_source.empty()) params["kv_source"].set_string_value(layer.kv_source);
+  if (layer.sparse_index_topk > 0) {
+    params["sparse_index_topk"].set_string_value(absl::StrCat(layer.sparse_index_topk));
+  }
   if (layer.latent.enabled) {
     params["latent_attention"].set_string_value("true");
     params["kv_lora_rank"].set_string_value(absl::StrCat(layer.latent.kv_lora_rank));

@@ -239,12 +239,14 @@ FAMILIES = {
     "mistral4-no-scaling": ("mistral4", "Mistral4", dict(MLA, head_dim=24, rope_parameters=dict(
         DEEPSEEK_YARN, llama_4_scaling_beta=0.0), max_position_embeddings=128), 0, "served"),
     # Latent attention with what attnserve does not compute: a per-head gate
-    # (Ling 3), DSA's sparse indexer (DeepSeek-V3.2, GLM-5, Hunyuan V4,
-    # A.X K2, dots3, Mistral Large 4).
+    # (Ling 3), DSA's sparse indexer with more (GLM-5-Next's pooled top-k,
+    # Hunyuan V4, A.X K2's gate, dots3, Mistral Large 4's query scaling).
     "bailing-hybrid": ("bailing_hybrid", "BailingHybrid", dict(MLA, q_lora_rank=None), 0,
                        "g_proj"),
-    "deepseek-v3.2": ("deepseek_v32", "DeepseekV32", MLA, 0, "indexer"),
-    "glm-moe-dsa": ("glm_moe_dsa", "GlmMoeDsa", MLA, 0, "indexer"),
+    # DeepSeek-V3.2: DSA's indexer keeps every key up to index_topk (48 here,
+    # the request's keys): dense attention, served with sparse_index_topk.
+    "deepseek-v3.2": ("deepseek_v32", "DeepseekV32", dict(MLA, index_topk=48), 0, "served"),
+    "glm-moe-dsa": ("glm_moe_dsa", "GlmMoeDsa", dict(MLA, index_topk=48), 0, "served"),
     "glm5-next": ("glm5_next", "Glm5NextText", dict(MLA, qk_rope_head_dim=0), 0, "indexer"),
     "hy-v4": ("hy_v4", "HYV4", MLA, 0, "indexer"),
     "axk2": ("axk2", "AXK2", MLA, 0, "indexer"),

@@ -1729,6 +1729,47 @@ def test_latent_attention_is_exported_as_deepseek_computes_it(served):
     assert _rel(other, client.attend(x, model="deepseek-v3", causal=True).output) > 1e-3
 
 
+def test_dsa_layers_are_served_dense_up_to_index_topk(tmp_path):
+    """DeepSeek-V3.2's sparse attention (DSA): its indexer keeps each query's
+    top min(index_topk, keys) keys, so up to index_topk keys the layer is
+    DeepSeek-V3's dense latent attention (transformers' DeepseekV32Attention
+    against the server: tests/hf/current_transformers.py). Exported with
+    sparse_index_topk (the indexer's weights not needed), served as the dense
+    module computes it up to 40 keys, in one request and in a session; 41
+    keys are refused, in a request and in a session, naming the rule."""
+    import harness
+    from attnserve_client import AttentionClient
+    module = _served_module("deepseek-v3")
+    module.config.model_type, module.config.index_topk = "deepseek_v32", 40
+    module.indexer = nn.Linear(64, 8)  # its weights are not exported
+    config = export_module(module, str(tmp_path / "dsa"))
+    assert config["sparse_index_topk"] == 40 and config["latent_attention"]["kv_lora_rank"] == 32
+    from attnserve_client.export import read_safetensors
+    assert "indexer.weight" not in read_safetensors(str(tmp_path / "dsa" / "weights.safetensors"))
+    x = np.random.default_rng(13).uniform(-1, 1, (2, 41, 64)).astype(np.float32)
+    want = _module_forward(module, x[:, :40])
+    server = harness.ServerProcess("--model-repository", str(tmp_path), "--backend", "cpu")
+    try:
+        with AttentionClient(server.target, timeout=120) as c:
+            assert c.get_model("dsa").config.sparse_index_topk == 40
+            got = c.attend(x[:, :40], model="dsa", causal=True).output
+            assert _rel(got, want) < 2e-5, _rel(got, want)
+            with pytest.raises(Exception) as refused:
+                c.attend(x, model="dsa", causal=True)
+            assert "query: 41 keys; model 'dsa' is served for at most sparse_index_topk = 40" in \
+                str(refused.value)
+            with c.open_session("dsa") as session:
+                steps = [session.attend(x[:1, :30]).output]
+                steps += [session.attend(x[:1, t:t + 1]).output for t in range(30, 40)]
+                assert _rel(np.concatenate(steps, axis=1), want[:1]) < 2e-5
+                with pytest.raises(Exception) as refused:
+                    session.attend(x[:1, 40:41])
+                assert "holds 40 tokens; 1 more would pass its model's sparse_index_topk = 40" in \
+                    str(refused.value)
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 def test_latent_layers_without_rope_and_from_a_whole_checkpoint(tmp_path):
     """Kimi Linear's latent layers (no RoPE) are served as their module
     computes them; so is LongCat-Flash exported from its whole model's

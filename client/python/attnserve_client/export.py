@@ -128,7 +128,7 @@ _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_
                 "weight_layout", "tensor_prefix", "tensor_names", "scale", "causal", "precision",
                 "batching", "instances", "backend", "rope", "qk_norm", "sliding_window", "softcap",
                 "sinks", "output_gate", "attention_chunk", "temperature_tuning",
-                "latent_attention", "clip_qkv", "v_norm", "kv_source"]
+                "latent_attention", "clip_qkv", "v_norm", "kv_source", "sparse_index_topk"]
 
 
 def _scalar(field, value):
@@ -425,7 +425,13 @@ _NOT_COMPUTED = {
 _LATENT_ROPE = {"deepseek_v2": True, "deepseek_v3": "rope_interleave",
                 "glm4_moe_lite": "rope_interleave", "youtu": "rope_interleave",
                 "axk1": "rope_interleave", "mistral4": "rope_interleave",
-                "longcat_flash": True, "minicpm3": False, "kimi_linear": None}
+                "longcat_flash": True, "minicpm3": False, "kimi_linear": None,
+                "deepseek_v32": True, "glm_moe_dsa": True}
+# Model types whose DSA indexer keeps each query's top min(index_topk, keys)
+# keys (transformers' topk, then a mask of the rest): with at most
+# index_topk keys every key is kept, dense attention; exported with
+# sparse_index_topk, and the server refuses longer requests.
+_DSA_DENSE_UP_TO = {"deepseek_v32", "glm_moe_dsa"}
 # The children a latent layer has (DeepSeek's names); any other is refused,
 # named, with what it computes where known.
 _LATENT_CHILDREN = {"q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
@@ -1413,6 +1419,8 @@ def _latent_unsupported(module):
     children = {n for n, c in module.named_children() if c is not None}
     if hasattr(module, "indexer") or hasattr(module, "skip_topk"):
         children.add("indexer")  # None on DSA layers that reuse another's top-k
+        if model_type in _DSA_DENSE_UP_TO and _config_value(config, "index_topk"):
+            children.discard("indexer")  # dense up to index_topk keys (sparse_index_topk)
     for name in sorted(children - _LATENT_CHILDREN):
         found.append(_LATENT_EXTRAS.get(name) or
                      f"a child {name} ({type(getattr(module, name, None)).__name__}) that "
@@ -1517,6 +1525,8 @@ def _describe_latent(module, num_heads):
     temperature = _position_scaling(module)  # Mistral 4
     if temperature is not None:
         config["temperature_tuning"] = temperature
+    if hasattr(module, "indexer") or hasattr(module, "skip_topk"):  # _DSA_DENSE_UP_TO
+        config["sparse_index_topk"] = int(_config_value(module.config, "index_topk"))
     return config, tensors
 
 

@@ -450,6 +450,19 @@ TEST(ModelConfigTest, ValueNormResolvesAndItsRulesNameTheField) {
               AllOf(HasSubstr("latent_attention"), HasSubstr("v_norm")));
 }
 
+// DSA's sparse_index_topk reaches the layer and comes back; refused below 0
+// and for kind "sdpa".
+TEST(ModelConfigTest, SparseIndexTopkResolvesAndItsRulesNameTheField) {
+  const LayerConfig layer =
+      ToLayerConfig(Resolved("embed_dim: 64 num_heads: 4 sparse_index_topk: 2048"));
+  EXPECT_EQ(layer.sparse_index_topk, 2048);
+  EXPECT_EQ(LayerToModelConfig(AttentionLayer{layer, {}, {}}).sparse_index_topk(), 2048);
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 sparse_index_topk: -1").message(),
+              AllOf(HasSubstr("sparse_index_topk"), HasSubstr("must be >= 0")));
+  EXPECT_THAT(ResolveError("kind: \"sdpa\" sparse_index_topk: 8").message(),
+              AllOf(HasSubstr("sparse_index_topk"), HasSubstr("not allowed for kind \"sdpa\"")));
+}
+
 // KV sharing (Gemma 3n, Gemma 4): the source layer's name reaches the layer
 // and comes back; refused for kind "sdpa" and with latent attention.
 TEST(ModelConfigTest, KvSourceResolvesAndItsRulesNameTheField) {

@@ -18,6 +18,7 @@
 namespace attnserve {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 // sdpa, fp32, Hkv=2, Dk=Dv=8, 16-token blocks: 16 * 2 * 16 * 4 = 2048 bytes.
@@ -162,6 +163,23 @@ TEST_F(SessionManagerTest, TokenLimit) {
   Run(m, sid, 2);  // exactly at the limit
   EXPECT_EQ(m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 1001).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// A DSA model's sessions (SessionKeyRange::dense_up_to, sparse_index_topk)
+// hold at most that many tokens in all, whatever their max_tokens; the
+// refusal names the rule, and the session stays usable below it.
+TEST_F(SessionManagerTest, DenseUpToLimitsTheWholeLength) {
+  SessionManager m(Options(), &clock_, nullptr);
+  absl::StatusOr<OpenedSession> opened = m.Open("sdpa", std::nullopt, absl::ZeroDuration(), 0,
+                                                SessionKeyRange{.dense_up_to = 20});
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  Run(m, opened->id, 15);
+  std::unique_ptr<InferenceRequest> r = Request(opened->id, 6);
+  absl::Status s = m.Submit(&r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("holds 15 tokens; 6 more"),
+                                 HasSubstr("sparse_index_topk = 20")));
+  Run(m, opened->id, 5);  // exactly at the limit
 }
 
 TEST_F(SessionManagerTest, IdleSessionsExpireAfterTheirTtl) {

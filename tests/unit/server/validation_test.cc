@@ -974,6 +974,21 @@ TEST(ValidationTest, KvSourceLayerNeedsKeyAndValue) {
   EXPECT_EQ(v->task.key.shape, (Shape{2, 7, 512}));
 }
 
+// DSA (sparse_index_topk): a request of more keys than the indexer keeps
+// is refused naming the limit; one of exactly that many passes.
+TEST(ValidationTest, SparseIndexTopkBoundsTheKeys) {
+  LayerConfig dsa = MhaLayer();
+  dsa.sparse_index_topk = 6;
+  v1::AttendRequest r = ValidMhaCross();  // 7 keys
+  absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, dsa);
+  ASSERT_FALSE(v.ok());
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(v.status().message()),
+              AllOf(HasSubstr("key: 7 keys"), HasSubstr("sparse_index_topk = 6")));
+  dsa.sparse_index_topk = 7;
+  EXPECT_TRUE(ValidateAttendRequest(r, dsa).ok());
+}
+
 TEST(ValidationTest, ValidatedTaskPassesTheEngineCheck) {
   // The engine re-checks tasks; a validated one with outputs bound must pass.
   for (bool mha : {false, true}) {
