@@ -113,6 +113,12 @@ FAMILIES = {
     "mistral": ("mistral", "Mistral", dict(sliding_window=WINDOW), 0, "served"),
     "qwen2": ("qwen2", "Qwen2", {}, 0, "served"),
     "qwen3": ("qwen3", "Qwen3", {}, 0, "served"),
+    # Qwen2 with use_sliding_window: 5.x's layer_types (sliding from
+    # max_window_layers on) say each module's window.
+    "qwen2-window-full": ("qwen2", "Qwen2", dict(use_sliding_window=True, sliding_window=WINDOW,
+                                                 max_window_layers=1), 0, "served"),
+    "qwen2-window": ("qwen2", "Qwen2", dict(use_sliding_window=True, sliding_window=WINDOW,
+                                            max_window_layers=1), 1, "served"),
     "gemma2-sliding": ("gemma2", "Gemma2", dict(sliding_window=WINDOW, query_pre_attn_scalar=24,
                                                  attn_logit_softcapping=5.0), 0, "served"),
     "gemma2-full": ("gemma2", "Gemma2", dict(sliding_window=WINDOW, query_pre_attn_scalar=24,
