@@ -70,6 +70,9 @@ LLM_LAYERS = {
                    qk_norm={"eps": 1e-6}, v_norm={"eps": 1e-6}, sliding_window=20, scale=1.0),
     "gemma3": dict(causal=True, rope={"type": "linear", "factor": 8.0},
                    qk_norm={"eps": 1e-6, "weight_offset": True}, sliding_window=20),
+    # EmbeddingGemma, ModernBERT: not causal, the window two-sided.
+    "embeddinggemma": dict(causal=False, rope={"type": "default"},
+                           qk_norm={"eps": 1e-6, "weight_offset": True}, sliding_window=20),
     "gpt-oss": dict(causal=True, rope={"type": "yarn", "theta": 150000.0, "factor": 32.0,
                                        "original_max_position_embeddings": 4096},
                     sliding_window=16, sinks=True),
