@@ -161,7 +161,8 @@ absl::Status KServeCore::ModelConfig(const std::string& name, const std::string&
     in->mutable_dims()->CopyFrom(t.shape());
     // key and value: omitted for self-attention, unless the layer's keys and
     // values are another layer's (kv_source), whose input they carry.
-    in->set_optional(t.name() != "query" && layer.kv_source.empty());
+    const bool carries_kv = t.name() == "key" || t.name() == "value";
+    in->set_optional(t.name() != "query" && !(carries_kv && !layer.kv_source.empty()));
   }
   for (const auto& t : m.outputs()) {
     auto* out = c->add_output();

@@ -216,6 +216,8 @@ def test_model_config_parameters_name_the_layers_features(client):
     assert shared == dict(gemma, kv_source="model.layers.3.self_attn"), shared
     optional = {i["name"]: i.get("optional", False) for i in cfg["input"]}
     assert optional["key"] is False and optional["value"] is False, optional
+    assert optional["query"] is False and len(optional) > 3, optional
+    assert all(optional[n] for n in optional if n not in ("query", "key", "value")), optional
     assert params("gemma4")[1]["input"][1].get("optional") is True
     meta = client.get_model_metadata("latent", as_json=True)
     assert {"key", "value"}.isdisjoint(t["name"] for t in meta["inputs"])

@@ -498,34 +498,44 @@ std::vector<double> Transpose12(const std::vector<double>& x, int64_t B, int64_t
   return y;
 }
 
+// Runs `layer` (a bare sdpa layer) on random inputs of Lq queries over Lk
+// keys, and expects the same output and weights bitwise as an explicit bool
+// mask whose entry (i, j) is allowed(query position i + Lk - Lq, key j).
+void ExpectSameAsBoolMask(const AttentionLayer& layer, int64_t lq, int64_t lk,
+                          const std::function<bool(int64_t, int64_t)>& allowed) {
+  const Tensor q = Random({2, 2, lq, 4}, 800), k = Random({2, 2, lk, 4}, 801);
+  const Tensor v = Random({2, 2, lk, 5}, 802);
+  ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
+  SdpaRun run(q, k, v);
+  run.task.causal = layer.config.causal;
+  ASSERT_TRUE(NewReferenceEngine()->Run(layer, {&run.task, 1}).ok());
+  std::vector<float> visible(static_cast<size_t>(lq * lk));
+  for (int64_t i = 0; i < lq; ++i) {
+    for (int64_t j = 0; j < lk; ++j) visible[i * lk + j] = allowed(i + lk - lq, j);
+  }
+  const Tensor mask = Values(DType::kBool, {lq, lk}, visible);
+  SdpaRun masked(q, k, v);
+  masked.task.attn_mask = mask.view();
+  ASSERT_TRUE(RunSdpa(masked.task).ok());
+  const std::string label =
+      absl::StrCat("causal ", layer.config.causal, " Lq ", lq, " Lk ", lk);
+  EXPECT_EQ(AsFloats(run.out), AsFloats(masked.out)) << label;
+  EXPECT_EQ(AsFloats(run.weights), AsFloats(masked.weights)) << label;
+}
+
 // Chunked attention (Llama 4) is a causal mask that also hides every key
 // before the query's chunk: the same as a bool mask of transformers' rule
 // (key j and query position p in the same chunk of 3, j <= p), Lq < Lk too.
 TEST(ReferenceEngineTest, ChunkedAttentionIsTransformersChunkedMask) {
   constexpr int64_t kChunk = 3;
+  AttentionLayer chunked;
+  chunked.config.name = "chunked";
+  chunked.config.causal = true;
+  chunked.config.attention_chunk = kChunk;
   for (const auto& [lq, lk] : {std::pair<int64_t, int64_t>{7, 7}, {4, 11}}) {
-    const Tensor q = Random({2, 2, lq, 4}, 800), k = Random({2, 2, lk, 4}, 801);
-    const Tensor v = Random({2, 2, lk, 5}, 802);
-    AttentionLayer chunked;
-    chunked.config.name = "chunked";
-    chunked.config.causal = true;
-    chunked.config.attention_chunk = kChunk;
-    ASSERT_TRUE(ValidateLayer(chunked).ok()) << ValidateLayer(chunked);
-    SdpaRun run(q, k, v);
-    run.task.causal = true;
-    ASSERT_TRUE(NewReferenceEngine()->Run(chunked, {&run.task, 1}).ok());
-
-    std::vector<float> allowed(static_cast<size_t>(lq * lk));
-    for (int64_t i = 0; i < lq; ++i) {
-      const int64_t p = i + lk - lq;
-      for (int64_t j = 0; j < lk; ++j) allowed[i * lk + j] = j <= p && j / kChunk == p / kChunk;
-    }
-    const Tensor mask = Values(DType::kBool, {lq, lk}, allowed);
-    SdpaRun masked(q, k, v);
-    masked.task.attn_mask = mask.view();
-    ASSERT_TRUE(RunSdpa(masked.task).ok());
-    EXPECT_EQ(AsFloats(run.out), AsFloats(masked.out)) << "Lq " << lq << " Lk " << lk;
-    EXPECT_EQ(AsFloats(run.weights), AsFloats(masked.weights)) << "Lq " << lq << " Lk " << lk;
+    ExpectSameAsBoolMask(chunked, lq, lk, [&](int64_t p, int64_t j) {
+      return j <= p && j / kChunk == p / kChunk;
+    });
   }
   AttentionLayer not_causal;
   not_causal.config.name = "chunked";
@@ -540,32 +550,14 @@ TEST(ReferenceEngineTest, ChunkedAttentionIsTransformersChunkedMask) {
 TEST(ReferenceEngineTest, WindowWithoutCausalIsTwoSided) {
   constexpr int64_t kWindow = 3;
   for (const bool causal : {false, true}) {
+    AttentionLayer windowed;
+    windowed.config.name = "windowed";
+    windowed.config.causal = causal;
+    windowed.config.sliding_window = kWindow;
     for (const auto& [lq, lk] : {std::pair<int64_t, int64_t>{7, 7}, {4, 11}}) {
-      const Tensor q = Random({2, 2, lq, 4}, 810), k = Random({2, 2, lk, 4}, 811);
-      const Tensor v = Random({2, 2, lk, 5}, 812);
-      AttentionLayer windowed;
-      windowed.config.name = "windowed";
-      windowed.config.causal = causal;
-      windowed.config.sliding_window = kWindow;
-      ASSERT_TRUE(ValidateLayer(windowed).ok()) << ValidateLayer(windowed);
-      SdpaRun run(q, k, v);
-      run.task.causal = causal;
-      ASSERT_TRUE(NewReferenceEngine()->Run(windowed, {&run.task, 1}).ok());
-
-      std::vector<float> allowed(static_cast<size_t>(lq * lk));
-      for (int64_t i = 0; i < lq; ++i) {
-        const int64_t p = i + lk - lq;
-        for (int64_t j = 0; j < lk; ++j) {
-          allowed[i * lk + j] = std::abs(j - p) < kWindow && (!causal || j <= p);
-        }
-      }
-      const Tensor mask = Values(DType::kBool, {lq, lk}, allowed);
-      SdpaRun masked(q, k, v);
-      masked.task.attn_mask = mask.view();
-      ASSERT_TRUE(RunSdpa(masked.task).ok());
-      const std::string label = absl::StrCat("causal ", causal, " Lq ", lq, " Lk ", lk);
-      EXPECT_EQ(AsFloats(run.out), AsFloats(masked.out)) << label;
-      EXPECT_EQ(AsFloats(run.weights), AsFloats(masked.weights)) << label;
+      ExpectSameAsBoolMask(windowed, lq, lk, [&](int64_t p, int64_t j) {
+        return std::abs(j - p) < kWindow && (!causal || j <= p);
+      });
     }
   }
 }
