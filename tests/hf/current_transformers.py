@@ -72,9 +72,10 @@ MINICPM3_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0,
                          long_factor=[1.0, 2.0, 6.0, 16.0])
 # Classes whose name is not {prefix}Attention / {prefix}RotaryEmbedding
 # (None: the model has no rotary class).
-ATTENTION_CLASSES = {"longcat_flash": "LongcatFlashMLA",
+ATTENTION_CLASSES = {"longcat_flash": "LongcatFlashMLA", "distilbert": "DistilBertSelfAttention",
                      "minimax-lightning": "MiniMaxLightningAttention"}
 ROTARY_CLASSES = {"kimi_linear": None, "glm5_next": None, "mpt": None, "nemotron_h": None,
+                  "bert": None, "xlm_roberta": None, "distilbert": None,
                   "jamba": None, "zamba": None}
 # QKV clipping small enough that about half the projected features here lie
 # beyond it (more of OLMoE's normalised ones); the real clip_qkv, 8, clamps
@@ -129,6 +130,13 @@ FAMILIES = {
                        0, "served"),
     "gemma3-full": ("gemma3", "Gemma3Text", dict(sliding_window=WINDOW, num_hidden_layers=6), 5,
                     "served"),
+    # BERT-style encoders (sentence embeddings): the attention through
+    # output.dense (BertSelfOutput's residual and LayerNorm are the
+    # caller's); DistilBERT's whole attention module.
+    "bert": ("bert", "Bert", {}, 0, "served"),
+    "xlm-roberta": ("xlm_roberta", "XLMRoberta", {}, 0, "served"),
+    "distilbert": ("distilbert", "DistilBert", dict(dim=64, n_heads=4, hidden_dim=128), 0,
+                   "served"),
     # ModernBERT (an encoder): Wqkv and Wo, RoPE per layer type; its local
     # layers see local_attention // 2 positions both ways.
     "modernbert-global": ("modernbert", "ModernBert", MODERNBERT, 0, "served"),
@@ -378,7 +386,7 @@ def build(family):
         f"transformers.models.{module_name}.configuration_{module_name}")
     config_class = getattr(cfg_mod, f"{prefix}Config")
     kwargs = dict(COMMON)
-    if family == "gpt-neox" or module_name == "modernbert":  # no grouped queries
+    if family == "gpt-neox" or module_name in ("modernbert", "bert", "xlm_roberta"):
         kwargs = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128,
                       num_hidden_layers=2)
     kwargs.update(overrides)
@@ -388,7 +396,10 @@ def build(family):
         ATTENTION_CLASSES.get(module_name, f"{prefix}Attention")
     attention = getattr(mod, attention_name, None) or \
         getattr(mod, f"{prefix.replace('Text', '')}Attention")
-    m = attention(config, layer_idx=layer)
+    try:
+        m = attention(config, layer_idx=layer)
+    except TypeError:  # DistilBERT's takes the config alone
+        m = attention(config)
     rotary = None
     if ROTARY_CLASSES.get(module_name, "") is not None:
         rotary_class = getattr(mod, f"{prefix}RotaryEmbedding", None) or \
@@ -447,8 +458,15 @@ def two_sided_rule(config):
 
 def module_forward(m, rotary, config, layer, x, source=None, xs=None):
     """m's forward in float64 on x; a KV-shared m's keys and values are
-    those source's forward on xs stores (transformers' shared_kv_states)."""
+    those source's forward on xs stores (transformers' shared_kv_states).
+    BERT's attention: its self-attention, then output.dense."""
     b, length, _ = x.shape
+    if hasattr(m, "self") and hasattr(m, "output") or hasattr(m, "q_lin"):
+        m, xt = m.double(), torch.from_numpy(x).double()
+        with torch.no_grad():
+            if hasattr(m, "q_lin"):
+                return m(hidden_states=xt, attention_mask=None)[0].numpy()
+            return m.output.dense(m.self(hidden_states=xt, attention_mask=None)[0]).numpy()
     mask = torch.full((length, length), float("-inf"), dtype=torch.float64).triu(1)
     if not getattr(m, "is_causal", True):  # use_bidirectional_attention
         mask = torch.zeros((length, length), dtype=torch.float64)

@@ -1402,6 +1402,85 @@ class _ModernBertAttention(nn.Module):
         return (self.Wo((s.softmax(-1) @ v).transpose(1, 2).reshape(b, length, 64)),)
 
 
+def _bert_modules():
+    """BERT-style attention from transformers' own classes: BertAttention,
+    RobertaAttention, XLMRobertaAttention (self.query/key/value, then
+    output.dense: the rest of BertSelfOutput, dropout, residual and
+    LayerNorm, is the caller's) and DistilBERT's attention (q_lin ... out_lin,
+    the whole module), random weights with biases."""
+    from transformers import BertConfig, DistilBertConfig, RobertaConfig, XLMRobertaConfig
+    from transformers.models.bert.modeling_bert import BertAttention
+    from transformers.models.distilbert import modeling_distilbert
+    from transformers.models.roberta.modeling_roberta import RobertaAttention
+    from transformers.models.xlm_roberta.modeling_xlm_roberta import XLMRobertaAttention
+    common = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                  attn_implementation="eager")
+    torch.manual_seed(14)
+    modules = {"bert": BertAttention(BertConfig(**common)),
+               "roberta": RobertaAttention(RobertaConfig(**common)),
+               "xlm-roberta": XLMRobertaAttention(XLMRobertaConfig(**common)),
+               "distilbert": modeling_distilbert.MultiHeadSelfAttention(DistilBertConfig(
+                   dim=64, n_heads=4, hidden_dim=128, attn_implementation="eager"))}
+    with torch.no_grad():
+        for m in modules.values():
+            for p in m.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    return {n: m.eval() for n, m in modules.items()}
+
+
+def _bert_forward(name, m, x, lengths):
+    """The attention of BERT-style module m in float64 on x [B, L, 64], each
+    sequence's keys past its length masked (its attention_mask, additive)."""
+    b, length, _ = x.shape
+    keep = torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]
+    xt = torch.from_numpy(x).double()
+    m = m.double()
+    with torch.no_grad():
+        if name == "distilbert":  # mask: [B, L], 1 = a key to keep
+            out = m(xt, xt, xt, keep.to(torch.float64))[0]
+        else:  # the extended mask the model builds: 0 or a large negative
+            mask = torch.zeros(b, 1, 1, length, dtype=torch.float64).masked_fill(
+                ~keep[:, None, None, :], torch.finfo(torch.float64).min)
+            out = m.output.dense(m.self(xt, attention_mask=mask)[0])
+    m.float()
+    return out.numpy()
+
+
+def test_bert_attention_is_served_as_its_modules_compute_it(tmp_path):
+    """BERT, RoBERTa, XLM-R and DistilBERT (sentence-embedding encoders):
+    not causal, the default scale, four projections with biases; served as
+    the attention through output.dense (out_lin) computes it, with and
+    without padding (key_lengths). BertAttention's relative position
+    embeddings are refused, naming them."""
+    import harness
+    from attnserve_client import AttentionClient
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertAttention
+    modules = _bert_modules()
+    configs = {n: export_module(m, str(tmp_path / n)) for n, m in modules.items()}
+    for name, config in configs.items():
+        assert config["causal"] is False and config["num_heads"] == 4, name
+        assert (config["q_bias"], config["out_bias"]) == (True, True), name
+        assert "scale" not in config and "rope" not in config, name
+    assert configs["bert"]["tensor_names"]["out_weight"] == "output.dense.weight"
+    x = np.random.default_rng(15).uniform(-1, 1, (2, 40, 64)).astype(np.float32)
+    server = harness.ServerProcess("--model-repository", str(tmp_path), "--backend", "cpu")
+    try:
+        with AttentionClient(server.target, timeout=120) as client:
+            for name, m in modules.items():
+                for lengths in ([40, 40], [40, 23]):
+                    want = _bert_forward(name, m, x, lengths)
+                    got = client.attend(x, model=name, key_lengths=lengths).output
+                    assert _rel(got, want) < 2e-5, (name, lengths, _rel(got, want))
+    finally:
+        assert server.stop() == 0, server.log()
+    relative = BertAttention(BertConfig(hidden_size=64, num_attention_heads=4,
+                                        position_embedding_type="relative_key"))
+    with pytest.raises(ExportError) as refused:
+        export_module(relative, str(tmp_path / "relative"))
+    assert "position_embedding_type 'relative_key'" in str(refused.value)
+
+
 def test_modernbert_layers_are_served_both_ways(tmp_path):
     """ModernBERT's global layer (every key) and local layer (|i - j| <= 8 of
     a local_attention of 16: attnserve's two-sided window of 9), Wqkv split

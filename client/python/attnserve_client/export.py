@@ -1599,7 +1599,57 @@ def _keys_are_values(module):
         and getattr(module, "v_proj", "none") is None
 
 
+def _bert_parts(module):
+    """(q, k, v, o, out_name, self-attention module) of BERT's attention
+    (BertAttention and its copies: RoBERTa, XLM-R, ...: `self.query`,
+    `.key`, `.value`, then `output.dense`) and DistilBERT's (`q_lin`,
+    `k_lin`, `v_lin`, `out_lin`); None for any other module."""
+    sa, out = getattr(module, "self", None), getattr(module, "output", None)
+    if sa is not None and out is not None and _linear(out, "dense") is not None:
+        q, k, v = (_linear(sa, n) for n in ("query", "key", "value"))
+        if q is not None and k is not None and v is not None:
+            return q, k, v, _linear(out, "dense"), "output.dense", sa
+    q, k, v, o = (_linear(module, n) for n in ("q_lin", "k_lin", "v_lin", "out_lin"))
+    if q is not None and k is not None and v is not None and o is not None:
+        return q, k, v, o, "out_lin", module
+    return None
+
+
+def _bert_causal(sa):
+    """Whether BERT self-attention `sa` is causal: its own is_causal
+    (transformers 5.x), else False for an encoder's; a decoder's (4.x
+    is_decoder) module does not say whether it is causal self-attention or
+    cross-attention, so it is refused without causal=."""
+    causal = getattr(sa, "is_causal", None)
+    if causal is not None:
+        return bool(causal)
+    if getattr(sa, "is_decoder", False):
+        raise ExportError(f"{type(sa).__name__} of a decoder (is_decoder): causal self-attention "
+                          "or cross-attention, which the module does not say; pass causal=")
+    return False
+
+
+def _describe_bert(module, parts, num_heads, head_dim):
+    """BERT's attention: the projections and softmax of its self-attention,
+    then output.dense; BertSelfOutput's dropout, residual and LayerNorm (the
+    rest of BertAttention's forward) are not attention and stay with the
+    caller. Relative position embeddings refused."""
+    q, k, v, o, out_name, sa = parts
+    kind = getattr(sa, "position_embedding_type", None) or "absolute"
+    if kind != "absolute":
+        raise ExportError(f"{type(sa).__name__} with position_embedding_type {kind!r} (relative "
+                          "position embeddings added to the scores), which attnserve does not "
+                          "compute: refused rather than served with different numbers")
+    h = num_heads or _first_attr(sa, ["num_attention_heads", "n_heads"])
+    hd = head_dim or _first_attr(sa, ["attention_head_size"]) or q.out_features // int(h)
+    config, tensors = _describe_separate(module, q, k, v, o, out_name, int(h), int(h), int(hd))
+    return config, tensors
+
+
 def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout):
+    bert = _bert_parts(module)
+    if bert is not None:
+        return _describe_bert(module, bert, num_heads, head_dim)
     q, k, v = (_linear(module, n) for n in ("q_proj", "k_proj", "v_proj"))
     model_type = _config_value(getattr(module, "config", None), "model_type")
     if v is None and k is not None and _keys_are_values(module):
@@ -1727,6 +1777,9 @@ def export_module(model, folder, *, submodule=None, name=None, causal=None, scal
         # Without the module's word: a latent layer is a decoder's (DeepSeek's
         # modules say so too), as is one that slides a window (one-sided).
         causal = getattr(module, "is_causal", None)
+        bert = _bert_parts(module)
+        if causal is None and bert is not None:
+            causal = _bert_causal(bert[5])
         if causal is None:
             causal = "latent_attention" in config or bool(config.get("sliding_window"))
     config["causal"] = bool(causal)
