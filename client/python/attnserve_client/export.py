@@ -1837,7 +1837,10 @@ def _load_model(checkpoint, factory):
         return model
     if not checkpoint:
         raise ExportError("give --checkpoint (a pickled module) and/or --factory")
-    obj = torch.load(checkpoint, map_location="cpu")
+    # A pickled module is code as well as tensors: torch 2.6 and newer load
+    # only tensors by default (weights_only=True), so it is asked for here,
+    # for a file the caller chose (load only files you trust).
+    obj = torch.load(checkpoint, map_location="cpu", weights_only=False)
     if isinstance(obj, torch.nn.Module):
         return obj
     raise ExportError(f"{checkpoint} holds a {type(obj).__name__}, not a module: a state_dict has "
