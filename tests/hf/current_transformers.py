@@ -96,6 +96,8 @@ GEMMA3N = dict(sliding_window=WINDOW, num_hidden_layers=10, num_kv_shared_layers
 # attention_k_eq_v its full layer takes its values from k_proj, with KV
 # heads of its own (num_global_key_value_heads).
 GEMMA4 = dict(sliding_window=WINDOW, num_hidden_layers=6, global_head_dim=32)
+EMBEDDING_GEMMA2 = dict(sliding_window=8, num_hidden_layers=6, global_head_dim=32,
+                        num_global_key_value_heads=1)
 # ModernBERT: a global layer, then two local ones of 16 (8 each way).
 MODERNBERT = dict(local_attention=16, global_attn_every_n_layers=3, num_hidden_layers=3)
 # Families exported with the layer whose keys and values theirs are.
@@ -142,6 +144,13 @@ FAMILIES = {
     "modernbert-global": ("modernbert", "ModernBert", MODERNBERT, 0, "served"),
     "modernbert-local": ("modernbert", "ModernBert", dict(MODERNBERT, attention_bias=True), 1,
                          "served"),
+    # EmbeddingGemma 2 (Gemma 4's layers as an encoder): |i - j| <= 8 on its
+    # sliding layers, every key on its full one (a head_dim of 32 and one KV
+    # head of its own).
+    "embeddinggemma2-sliding": ("embedding_gemma2", "EmbeddingGemma2Text", EMBEDDING_GEMMA2, 0,
+                                "served"),
+    "embeddinggemma2-full": ("embedding_gemma2", "EmbeddingGemma2Text", EMBEDDING_GEMMA2, 5,
+                             "served"),
     # EmbeddingGemma (use_bidirectional_attention): full layers not causal,
     # sliding ones a window both ways.
     "embeddinggemma-sliding": ("gemma3", "Gemma3Text", dict(

@@ -367,7 +367,7 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
                      # QK-norm x * w, a weightless norm of V (v_norm_config);
                      # Gemma 4's proportional RoPE on its full layers
                      # (_proportional_angles)
-                     "gemma3n_text": False, "gemma4_text": False,
+                     "gemma3n_text": False, "gemma4_text": False, "embedding_gemma2_text": False,
                      # attention layers of hybrid models: Bamba (rotate-half
                      # over partial_rotary_factor), Falcon-H1 (keys times
                      # key_multiplier, folded into k_proj: _KEY_MULTIPLIED),
@@ -393,16 +393,16 @@ _ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 # Model types whose rotary class computes its "default" frequencies over the
 # whole head, whatever partial_rotary_factor says (their own
 # compute_default_rope_parameters).
-_DEFAULT_ROPE_WHOLE_HEAD = {"gemma3n_text", "gemma4_text"}
+_DEFAULT_ROPE_WHOLE_HEAD = {"gemma3n_text", "gemma4_text", "embedding_gemma2_text"}
 # Model types whose "proportional" RoPE (Gemma 4's full layers) is served by
 # a rewrite of Q's and K's features (_proportional_angles).
 _PROPORTIONAL_ROPE = {"gemma4_text"}
 # Model types whose `v_norm` (RMSNorm of each value head without a weight)
 # is checked against transformers' own classes (tests/hf).
-_V_NORM_TYPES = {"gemma3n_text", "gemma4_text"}
+_V_NORM_TYPES = {"gemma3n_text", "gemma4_text", "embedding_gemma2_text"}
 # Model types whose layers have dims of their own (Gemma 4's full layers),
 # read from each module's head_dim and linears.
-_DIMS_PER_LAYER = {"gemma4_text"}
+_DIMS_PER_LAYER = {"gemma4_text", "embedding_gemma2_text"}
 
 
 # Model types whose attention computes something attnserve does not (yet),
@@ -916,14 +916,16 @@ def _two_sided_window(config, window):
         # Gemma 4's bidirectional text layers: |i - j| <= window
         # (masking_utils' sliding_window_bidirectional_overlay, inclusive).
         return window + 1
-    if model_type == "modernbert":
-        # Its local layers: |i - j| <= local_attention // 2, the module's
-        # window already that plus 1 (flash attention's exclusive bound).
+    if model_type in ("modernbert", "embedding_gemma2_text"):
+        # |i - j| <= radius (ModernBERT's local_attention // 2, EmbeddingGemma
+        # 2's sliding_window), the module's window already that plus 1 (flash
+        # attention's exclusive bound).
         return window
     raise ExportError(f"a sliding window of {window} on a layer that is not causal, in a model "
                       f"of type {model_type!r} (use_bidirectional_attention={bidirectional!r}), "
                       "whose two-sided window attnserve has not checked (served: EmbeddingGemma's "
-                      "gemma3_text, Gemma 4's use_bidirectional_attention='all', ModernBERT)")
+                      "gemma3_text, Gemma 4's use_bidirectional_attention='all', ModernBERT, "
+                      "EmbeddingGemma 2)")
 
 
 def attention_chunk_of(module):
