@@ -139,6 +139,10 @@ FAMILIES = {
     "xlm-roberta": ("xlm_roberta", "XLMRoberta", {}, 0, "served"),
     "distilbert": ("distilbert", "DistilBert", dict(dim=64, n_heads=4, hidden_dim=128), 0,
                    "served"),
+    # Encoders with rotate-half RoPE over the whole head, not causal:
+    # EuroBERT (grouped queries), NomicBERT.
+    "eurobert": ("eurobert", "EuroBert", {}, 0, "served"),
+    "nomic-bert": ("nomic_bert", "NomicBert", {}, 0, "served"),
     # ModernBERT (an encoder): Wqkv and Wo, RoPE per layer type; its local
     # layers see local_attention // 2 positions both ways.
     "modernbert-global": ("modernbert", "ModernBert", MODERNBERT, 0, "served"),
@@ -395,7 +399,7 @@ def build(family):
         f"transformers.models.{module_name}.configuration_{module_name}")
     config_class = getattr(cfg_mod, f"{prefix}Config")
     kwargs = dict(COMMON)
-    if family == "gpt-neox" or module_name in ("modernbert", "bert", "xlm_roberta"):
+    if family == "gpt-neox" or module_name in ("modernbert", "bert", "xlm_roberta", "nomic_bert"):
         kwargs = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128,
                       num_hidden_layers=2)
     kwargs.update(overrides)

@@ -338,7 +338,7 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
                      "qwen3": False, "gemma": False, "gemma2": False, "gemma3": False,
                      "gemma3_text": False, "phi3": False, "gpt_neox": False, "olmo": False,
                      "olmo2": False, "olmo3": False, "starcoder2": False, "gpt_oss": False,
-                     "modernbert": False,
+                     "modernbert": False, "eurobert": False, "nomic_bert": False,
                      "gptj": True, "codegen": True,
                      # MoE and other variants of the attention above
                      "qwen2_moe": False, "qwen3_moe": False, "olmoe": False, "flex_olmo": False,
