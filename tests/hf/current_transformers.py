@@ -466,7 +466,8 @@ def two_sided_rule(config):
         from transformers.models.gemma3.modeling_gemma3 import _bidirectional_window_overlay
         return _bidirectional_window_overlay(config.sliding_window)
     from transformers.masking_utils import sliding_window_bidirectional_overlay
-    return sliding_window_bidirectional_overlay(config.sliding_window)  # Gemma 4: |i - j| <= w
+    # Gemma 4, ModernBERT, EmbeddingGemma 2: |i - j| <= w
+    return sliding_window_bidirectional_overlay(config.sliding_window)
 
 
 def module_forward(m, rotary, config, layer, x, source=None, xs=None):
@@ -474,7 +475,7 @@ def module_forward(m, rotary, config, layer, x, source=None, xs=None):
     those source's forward on xs stores (transformers' shared_kv_states).
     BERT's attention: its self-attention, then output.dense."""
     b, length, _ = x.shape
-    if hasattr(m, "self") and hasattr(m, "output") or hasattr(m, "q_lin"):
+    if (hasattr(m, "self") and hasattr(m, "output")) or hasattr(m, "q_lin"):
         m, xt = m.double(), torch.from_numpy(x).double()
         with torch.no_grad():
             if hasattr(m, "q_lin"):

@@ -1410,6 +1410,12 @@ def _latent_rope(module, rope_dim):
     return rope
 
 
+def _has_dsa_indexer(module):
+    """Whether latent layer `module` selects keys by DSA's indexer (its own,
+    or, on a "shared" layer, the previous layer's top-k: indexer None)."""
+    return hasattr(module, "indexer") or hasattr(module, "skip_topk")
+
+
 def _latent_unsupported(module):
     """What a latent module computes that attnserve does not: a model type
     whose RoPE pairing is unknown, children and parameters DeepSeek's
@@ -1419,7 +1425,7 @@ def _latent_unsupported(module):
     config = getattr(module, "config", None)
     model_type = _config_value(config, "model_type")
     children = {n for n, c in module.named_children() if c is not None}
-    if hasattr(module, "indexer") or hasattr(module, "skip_topk"):
+    if _has_dsa_indexer(module):
         children.add("indexer")  # None on DSA layers that reuse another's top-k
         if model_type in _DSA_DENSE_UP_TO and _config_value(config, "index_topk"):
             children.discard("indexer")  # dense up to index_topk keys (sparse_index_topk)
@@ -1527,7 +1533,7 @@ def _describe_latent(module, num_heads):
     temperature = _position_scaling(module)  # Mistral 4
     if temperature is not None:
         config["temperature_tuning"] = temperature
-    if hasattr(module, "indexer") or hasattr(module, "skip_topk"):  # _DSA_DENSE_UP_TO
+    if _has_dsa_indexer(module):  # of a type in _DSA_DENSE_UP_TO (_latent_unsupported)
         config["sparse_index_topk"] = int(_config_value(module.config, "index_topk"))
     return config, tensors
 
@@ -1644,8 +1650,7 @@ def _describe_bert(module, parts, num_heads, head_dim):
                           "compute: refused rather than served with different numbers")
     h = num_heads or _first_attr(sa, ["num_attention_heads", "n_heads"])
     hd = head_dim or _first_attr(sa, ["attention_head_size"]) or q.out_features // int(h)
-    config, tensors = _describe_separate(module, q, k, v, o, out_name, int(h), int(h), int(hd))
-    return config, tensors
+    return _describe_separate(module, q, k, v, o, out_name, int(h), int(h), int(hd))
 
 
 def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout):
