@@ -148,6 +148,19 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
         "layer '", c.name, "': temperature_tuning needs floor_scale > 0 and a finite attn_scale, "
         "got ", t.floor_scale, " and ", t.attn_scale));
   }
+  for (size_t h = 0; h < c.alibi_slopes.size(); ++h) {
+    if (!std::isfinite(c.alibi_slopes[h])) {
+      return absl::InvalidArgumentError(absl::StrCat("layer '", c.name, "': alibi_slopes[", h,
+                                                     "] must be finite, got ",
+                                                     c.alibi_slopes[h]));
+    }
+  }
+  if (c.has_projections && !c.alibi_slopes.empty() &&
+      static_cast<int64_t>(c.alibi_slopes.size()) != c.num_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer '", c.name, "': alibi_slopes must hold one slope per query head (num_heads ",
+        c.num_heads, "), got ", c.alibi_slopes.size()));
+  }
   if (!c.has_projections) {
     // Head layout: dims come from each request, and there is nothing to weigh.
     const LayerWeights& w = layer.weights;

@@ -173,6 +173,11 @@ struct LayerConfig {
   // head that joins each row's softmax denominator with no value row.
   // Projection layers only.
   bool sinks = false;
+  // ALiBi (BLOOM, MPT, Falcon-RW): empty, or one slope per query head; head
+  // h's score of key j for the query at position p gets alibi_slopes[h] *
+  // (j - p) added after the scale and softcap, before the masks (positions
+  // as above; AttentionParams::alibi_slopes). Finite.
+  std::vector<float> alibi_slopes;
   // Gated attention (Qwen3-Next, Qwen3.5, AFMoE): each token's core output,
   // its heads concatenated ([num_heads * head_dim]), is multiplied
   // elementwise by sigmoid(x Wg^T + bg) of the token's query input before

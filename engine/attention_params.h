@@ -99,6 +99,13 @@ struct AttentionParams {
   // join each row's softmax denominator as a key with no value row (the
   // probabilities of the real keys then sum to less than 1). nullptr: none.
   const float* sinks = nullptr;
+  // ALiBi (BLOOM, MPT, Falcon-RW): [num_heads] slopes, one per query head.
+  // Head h's score of key j for the query at position q (i + kv_len - q_len)
+  // gets alibi_slopes[h] * (j - q) added after the scale and softcap, before
+  // the masks. The models add slope * j (or slope * (j - (Lk - 1))): per row
+  // a constant away, which softmax does not see; j - q keeps the bias small
+  // (<= 0 under causal) at any length. nullptr: none.
+  const float* alibi_slopes = nullptr;
 
   // Optional softmax probabilities in `weights_dtype`, contiguous:
   // [batch, num_heads, q_len, kv_len], or [batch, q_len, kv_len] averaged

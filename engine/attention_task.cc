@@ -102,6 +102,12 @@ absl::Status CheckTaskOptions(const LayerConfig& layer, const AttentionTask& tas
       }
     }
   }
+  if (!layer.alibi_slopes.empty() &&
+      static_cast<int64_t>(layer.alibi_slopes.size()) != d.num_heads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("query: the layer's alibi_slopes hold ", layer.alibi_slopes.size(),
+                     " slopes, one per query head, but the query has ", d.num_heads, " heads"));
+  }
   if (!task.positions.empty()) {
     if (layer.rope.type == RopeConfig::Type::kNone) {
       return absl::InvalidArgumentError("positions: the layer has no rotary embedding");
@@ -282,6 +288,7 @@ absl::StatusOr<AttentionParams> MakeCoreParams(const LayerConfig& layer,
   p.chunk = layer.attention_chunk;
   p.softcap = task.softcap > 0.0f ? task.softcap : layer.softcap;
   p.sinks = task.sinks.empty() ? nullptr : task.sinks.data();
+  p.alibi_slopes = layer.alibi_slopes.empty() ? nullptr : layer.alibi_slopes.data();
   p.key_lengths = task.key_lengths.empty() ? nullptr : task.key_lengths.data();
   absl::StatusOr<MaskParams> mask =
       MakeMaskParams(task.attn_mask, d.batch, d.num_heads, d.q_len, d.kv_len);

@@ -164,6 +164,11 @@ absl::Status CheckRest(const LayerConfig& c, const AttentionTask& t, const Dims&
     return Invalid("window", "window, softcap and sinks per request need a layer without "
                              "projections");
   }
+  if (!c.alibi_slopes.empty() && static_cast<int64_t>(c.alibi_slopes.size()) != d.heads) {
+    return Invalid("query", absl::StrCat("the layer's alibi_slopes hold ", c.alibi_slopes.size(),
+                                         " slopes, one per query head, but the query has ",
+                                         d.heads, " heads"));
+  }
   if (!t.sinks.empty() && static_cast<int64_t>(t.sinks.size()) != d.heads) {
     return Invalid("sinks", absl::StrCat("must hold one value per query head (", d.heads,
                                          "), got ", t.sinks.size()));
@@ -282,11 +287,12 @@ void StoreAll(const std::vector<double>& values, const MutableTensorView& to) {
 // i + (Lk - Lq) (its own chunk, with causal),
 // j < key_lengths[b], and a bool mask is nonzero there; a float mask is added
 // to the scaled score (after softcap * tanh(score / softcap) when softcap >
-// 0); sinks[h], when given, joins the softmax denominator. A row that sees
-// no key, or only keys at -inf, is zeros (output and weights), not NaN.
+// 0, and after ALiBi's alibi[h] * (j - (i + Lk - Lq)) when alibi is
+// non-empty); sinks[h], when given, joins the softmax denominator. A row that
+// sees no key, or only keys at -inf, is zeros (output and weights), not NaN.
 void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, int64_t chunk,
-                 double softcap, const float* sinks, const Rows& q, const Rows& k, const Rows& v,
-                 Rows& out) {
+                 double softcap, const float* sinks, const std::vector<float>& alibi,
+                 const Rows& q, const Rows& k, const Rows& v, Rows& out) {
   const int64_t group = d.heads / d.kv_heads;
   const double neg_inf = -std::numeric_limits<double>::infinity();
   const TensorView& mask = t.attn_mask;
@@ -327,6 +333,10 @@ void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, int64_t 
           for (int64_t c = 0; c < d.head_dim; ++c) dot += qi[c] * kj[c];
           double scaled = dot * static_cast<double>(t.scale);
           if (softcap > 0) scaled = softcap * std::tanh(scaled / softcap);
+          if (!alibi.empty()) {
+            const int64_t position = i + (d.kv_len - d.q_len);
+            scaled += static_cast<double>(alibi[h]) * static_cast<double>(j - position);
+          }
           scores[j] = scaled + added(b, h, i, j);
           row_max = std::max(row_max, scores[j]);
         }
@@ -376,7 +386,7 @@ void RunBare(const LayerConfig& c, const AttentionTask& t, const Dims& d) {
            d.heads, d.q_len, d.head_dim_v};
   AttendHeads(t, d, t.window > 0 ? t.window : c.sliding_window, c.attention_chunk,
               t.softcap > 0.0f ? t.softcap : c.softcap,
-              t.sinks.empty() ? nullptr : t.sinks.data(), q, k, v, out);
+              t.sinks.empty() ? nullptr : t.sinks.data(), c.alibi_slopes, q, k, v, out);
   StoreAll(out.data, t.output);
 }
 
@@ -551,7 +561,7 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
   Rows merged{std::vector<double>(static_cast<size_t>(q_rows * d.heads * d.head_dim_v)), d.heads,
               d.q_len, d.head_dim_v, false};
   AttendHeads(t, d, c.sliding_window, c.attention_chunk, c.softcap,
-              c.sinks ? w.sinks.data_as<float>() : nullptr, q, k, v, merged);
+              c.sinks ? w.sinks.data_as<float>() : nullptr, c.alibi_slopes, q, k, v, merged);
   if (c.output_gate) {
     // Gated attention: each token's concatenated heads times sigmoid of its
     // gate, projected from the same token's query input.

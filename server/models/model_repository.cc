@@ -382,7 +382,16 @@ static absl::Status ResolveWarmupShapes(const std::string& path, v1::ModelConfig
     }
     const bool sdpa = c->kind() == "sdpa";
     if (sdpa) {
-      if (w->num_heads() == 0) w->set_num_heads(8);
+      // ALiBi's slopes fix the heads: one per query head.
+      if (w->num_heads() == 0) {
+        w->set_num_heads(c->alibi_slopes_size() > 0 ? c->alibi_slopes_size() : 8);
+      }
+      if (c->alibi_slopes_size() > 0 && w->num_heads() != c->alibi_slopes_size()) {
+        return ConfigError(path, absl::StrCat(entry, ".num_heads"),
+                           absl::StrCat("must equal the ", c->alibi_slopes_size(),
+                                        " alibi_slopes (one per query head), got ",
+                                        w->num_heads()));
+      }
       if (w->num_kv_heads() == 0) w->set_num_kv_heads(w->num_heads());
       if (w->head_dim() == 0) w->set_head_dim(64);
     }
@@ -498,6 +507,18 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
   if (!std::isfinite(c->clip_qkv()) || c->clip_qkv() < 0) {
     return ConfigError(path, "clip_qkv",
                        absl::StrCat("must be finite and >= 0 (0 = none), got ", c->clip_qkv()));
+  }
+  for (int h = 0; h < c->alibi_slopes_size(); ++h) {
+    if (!std::isfinite(c->alibi_slopes(h))) {
+      return ConfigError(path, absl::StrCat("alibi_slopes[", h, "]"),
+                         absl::StrCat("must be finite, got ", c->alibi_slopes(h)));
+    }
+  }
+  if (c->kind() != "sdpa" && c->alibi_slopes_size() > 0 &&
+      c->alibi_slopes_size() != c->num_heads()) {
+    return ConfigError(path, "alibi_slopes",
+                       absl::StrCat("must hold one slope per query head (num_heads ",
+                                    c->num_heads(), "), got ", c->alibi_slopes_size()));
   }
   if (c->sparse_index_topk() < 0) {
     return ConfigError(path, "sparse_index_topk",

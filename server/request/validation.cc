@@ -663,6 +663,12 @@ absl::Status CheckLayerOptions(const AttendInputs& request, const LayerConfig& l
                                const TaskDims& dims, const ValidationOptions& options,
                                AttentionTask* task) {
   const std::string model = absl::StrCat("model '", layer.name, "'");
+  const int64_t alibi_heads = static_cast<int64_t>(layer.alibi_slopes.size());
+  if (alibi_heads > 0 && dims.num_heads != alibi_heads) {  // an sdpa model's (mha: its own)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "query.shape: ", model, " has ALiBi slopes for ", alibi_heads,
+        " query heads (alibi_slopes), so Hq must be ", alibi_heads, ", got ", dims.num_heads));
+  }
   if (!request.positions.empty()) {
     if (layer.rope.type == RopeConfig::Type::kNone) {
       return absl::InvalidArgumentError(absl::StrCat(

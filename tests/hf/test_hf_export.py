@@ -1481,6 +1481,121 @@ def test_bert_attention_is_served_as_its_modules_compute_it(tmp_path):
     assert "position_embedding_type 'relative_key'" in str(refused.value)
 
 
+def _alibi_modules():
+    """BLOOM's attention (BloomAttention) and MPT's (from a one-block
+    MptModel, whose config says alibi_bias_max), random weights, 6 heads:
+    not a power of two, so both slope rules' second halves count."""
+    from transformers import BloomConfig, MptConfig, MptModel
+    from transformers.models.bloom.modeling_bloom import BloomAttention
+    torch.manual_seed(21)
+    bloom = BloomAttention(BloomConfig(hidden_size=96, n_head=6), layer_idx=0)
+    mpt = MptModel(MptConfig(d_model=96, n_heads=6, n_layers=1, max_seq_len=512,
+                             attn_config=dict(clip_qkv=8.0, alibi_bias_max=8)))
+    with torch.no_grad():
+        for m in (bloom, mpt):
+            for p in m.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    return bloom.eval(), mpt.eval()
+
+
+def _alibi_forward(name, module, x, lengths):
+    """The layer in float64 on x [B, L, 96], causal, each sequence's keys
+    past its length masked, with the model's own ALiBi tensor: BLOOM's
+    build_alibi_tensor of the attention mask (the residual BloomAttention
+    adds is zero: it is the caller's), MPT's build_mpt_alibi_tensor."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+    b, length, _ = x.shape
+    keep = torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]
+    hidden = torch.from_numpy(x).double()
+    masked = torch.ones(length, length, dtype=torch.bool).triu(1)[None, None] | \
+        ~keep[:, None, None, :]
+    with torch.no_grad():
+        if name == "bloom":
+            m = module.double()
+            alibi = build_alibi_tensor(keep.long(), m.num_heads, torch.float64)
+            mask = torch.zeros(b, 1, length, length, dtype=torch.float64).masked_fill(
+                masked, torch.finfo(torch.float64).min)
+            out = m(hidden, torch.zeros_like(hidden), alibi, mask)[0]
+        else:
+            m = module.blocks[0].attn.double()
+            bias = build_mpt_alibi_tensor(m.n_heads, module.config.max_seq_len).double()
+            out = m(hidden, bias, attention_mask=masked)[0]
+    module.float()
+    return out.numpy()
+
+
+def test_alibi_layers_are_served_as_bloom_and_mpt_compute_them(tmp_path):
+    """BLOOM and MPT (ALiBi): each exported with its slopes by its model's
+    rule, causal, and served as transformers computes the layer, with and
+    without padding, over 300 keys (past one 256-key block of the cpu
+    kernel); a session step by step equals one causal request. Falcon's
+    ALiBi (rounded to bfloat16) and a caller-passed bias of an unknown model
+    type are refused, naming them."""
+    import harness
+    harness.use_python_client()
+    from attnserve_client import AttentionClient
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+    bloom, mpt = _alibi_modules()
+    configs = {"bloom": export_module(bloom, str(tmp_path / "bloom")),
+               "mpt": export_module(mpt, str(tmp_path / "mpt"), submodule="blocks.0.attn")}
+    # The slopes are transformers' own (their float32 values, within 1 ulp).
+    ones = torch.ones(1, 2, dtype=torch.long)
+    want_slopes = {"bloom": build_alibi_tensor(ones, 6, torch.float32)[:, 0, 1].numpy(),
+                   "mpt": -build_mpt_alibi_tensor(6, 2, 8)[:, 0, 0].numpy()}
+    for name, config in configs.items():
+        assert config["causal"] is True and config["num_heads"] == 6, name
+        np.testing.assert_allclose(config["alibi_slopes"], want_slopes[name], rtol=2e-7)
+    assert configs["mpt"]["clip_qkv"] == 8.0
+    with open(tmp_path / "bloom" / "config.pbtxt") as f:
+        assert "alibi_slopes: [" in f.read()
+    x = np.random.default_rng(22).uniform(-1, 1, (2, 300, 96)).astype(np.float32)
+    x[0, 7, 5] = 40.0  # past MPT's clamp of 8
+    modules = {"bloom": bloom, "mpt": mpt}
+    server = harness.ServerProcess("--model-repository", str(tmp_path), "--backend", "cpu")
+    try:
+        with AttentionClient(server.target, timeout=120) as client:
+            for name, module in modules.items():
+                for lengths in ([300, 300], [300, 123]):
+                    want = _alibi_forward(name, module, x, lengths)
+                    got = client.attend(x, model=name, key_lengths=lengths).output
+                    assert _rel(got, want) < 2e-5, (name, lengths, _rel(got, want))
+                    if lengths[1] < 300:  # padded rows past the length are the caller's
+                        break
+                whole = client.attend(x[:1, :60], model=name).output
+                with client.open_session(name) as session:
+                    got = [session.attend(x[:1, :20]).output]
+                    got += [session.attend(x[:1, t:t + 1]).output for t in range(20, 60)]
+                assert _rel(np.concatenate(got, axis=1), whole) < 1e-5, name
+    finally:
+        assert server.stop() == 0, server.log()
+
+    from transformers import FalconConfig
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+    falcon = FalconAttention(FalconConfig(hidden_size=64, num_attention_heads=4, alibi=True,
+                                          multi_query=False, new_decoder_architecture=False),
+                             layer_idx=0)
+
+    class _OwnBias(nn.Module):  # q/k/v/o like Llama, and a bias its caller passes
+        def __init__(self):
+            super().__init__()
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                setattr(self, n, nn.Linear(64, 64))
+            self.num_heads, self.head_dim = 4, 16
+
+        def forward(self, hidden_states, position_bias):
+            raise NotImplementedError
+
+    for module, words in ((falcon, ["Falcon's ALiBi", "bfloat16"]),
+                          (_OwnBias(), ["forward's `position_bias`", "known: ALiBi of bloom"])):
+        with pytest.raises(ExportError) as refused:
+            export_module(module, str(tmp_path / "refused"))
+        for word in words:
+            assert word in str(refused.value), str(refused.value)
+    assert not os.path.exists(tmp_path / "refused" / "config.pbtxt")
+
+
 def test_modernbert_layers_are_served_both_ways(tmp_path):
     """ModernBERT's global layer (every key) and local layer (|i - j| <= 8 of
     a local_attention of 16: attnserve's two-sided window of 9), Wqkv split
@@ -1951,16 +2066,17 @@ def _refused_module(family):
         from transformers.models.llama.modeling_llama import LlamaAttention
         config = LlamaConfig(**COMMON, rope_scaling=dict(rope_type="dynamic", factor=2.0))
         return LlamaAttention(config, layer_idx=0), ["'dynamic'"]
-    if family == "mpt":
-        # DBRX's Wqkv and clamp, with ALiBi: not DBRX's attention.
+    if family == "mpt-alone":
+        # MPT's attention module keeps no config: its alibi_bias_max unknown.
         from transformers import MptConfig
         from transformers.models.mpt.modeling_mpt import MptAttention
         config = MptConfig(d_model=64, n_heads=4, attn_config=dict(clip_qkv=8.0))
-        return MptAttention(config), ["fused Wqkv in MptAttention", "ALiBi"]
+        return MptAttention(config), ["MPT's ALiBi without the model's config",
+                                      "alibi_bias_max"]
     raise AssertionError(family)
 
 
-@pytest.mark.parametrize("family", ["qwen2-windowed", "llama-dynamic", "mpt"])
+@pytest.mark.parametrize("family", ["qwen2-windowed", "llama-dynamic", "mpt-alone"])
 def test_what_attnserve_cannot_compute_is_refused_by_name(tmp_path, family):
     module, words = _refused_module(family)
     with pytest.raises(ExportError) as refused:

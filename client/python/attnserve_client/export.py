@@ -34,9 +34,11 @@ state_dict together with --factory building the module it belongs to):
 import argparse
 import copy
 import importlib
+import inspect
 import json
 import math
 import os
+import re
 import struct
 import sys
 
@@ -128,7 +130,8 @@ _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_
                 "weight_layout", "tensor_prefix", "tensor_names", "scale", "causal", "precision",
                 "batching", "instances", "backend", "rope", "qk_norm", "sliding_window", "softcap",
                 "sinks", "output_gate", "attention_chunk", "temperature_tuning",
-                "latent_attention", "clip_qkv", "v_norm", "kv_source", "sparse_index_topk"]
+                "latent_attention", "clip_qkv", "v_norm", "kv_source", "sparse_index_topk",
+                "alibi_slopes"]
 
 
 def _scalar(field, value):
@@ -167,6 +170,8 @@ def config_text(config):
             inner = " ".join(f"{k}: {int(v)}" for k, v in sorted(value.items()) if v)
             if inner:
                 lines.append(f"batching {{ {inner} }}")
+        elif field == "alibi_slopes":  # repeated float: one per query head
+            lines.append(f"{field}: [{', '.join(repr(float(np.float32(x))) for x in value)}]")
         elif field in ("rope", "qk_norm", "output_gate", "temperature_tuning",
                        "latent_attention", "v_norm"):
             # Floats as repr (shortest round-trip double): theta and factors are doubles.
@@ -327,6 +332,17 @@ def _describe_fused(m, qkv, qkv_name, o, out_name, per_head, num_heads, head_dim
 def _config_value(config, name):
     """A Hugging Face config's field, or None."""
     return getattr(config, name, None) if config is not None else None
+
+
+def _model_type(module):
+    """The module's Hugging Face model type: its config's, or for a
+    transformers class that keeps no config (BLOOM's and MPT's attention in
+    transformers 4.x), the model folder its class is defined in."""
+    model_type = _config_value(getattr(module, "config", None), "model_type")
+    if model_type is None:
+        found = re.match(r"transformers\.models\.(\w+)\.modeling_", type(module).__module__)
+        model_type = found.group(1) if found else None
+    return model_type
 
 
 # Model types whose attention rotates Q and K as attnserve does: rotate-half
@@ -492,6 +508,8 @@ def _rope_interleaved(config, model_type):
 
 
 def _has_rope(module, config):
+    if _config_value(config, "model_type") in _ALIBI and _config_value(config, "alibi") is True:
+        return False  # Falcon with ALiBi: its config keeps a rope_theta it does not use
     return (getattr(module, "rotary_emb", None) is not None or
             any(_config_value(config, n) is not None for n in (
                 "rope_theta", "rope_scaling", "rope_parameters", "rotary_pct", "rotary_dim",
@@ -996,8 +1014,7 @@ def temperature_tuning_of(module):
 # follows its QK-norm (OLMoE: q_norm(q_proj(x)), then the clamp, attnserve's
 # order too); False where it has none (a QK-norm there is of an order not
 # checked). Each is checked against transformers' own class (tests/hf).
-# MPT clamps its Wqkv too, but adds ALiBi: refused.
-_CLIP_AFTER_NORM = {"olmo": False, "olmoe": True, "dbrx": False}
+_CLIP_AFTER_NORM = {"olmo": False, "olmoe": True, "dbrx": False, "mpt": False}
 
 
 def clip_qkv_of(module):
@@ -1018,7 +1035,7 @@ def clip_qkv_of(module):
         raise ExportError(f"QKV clipping with clip_qkv={clip!r} (attnserve clamps to [-clip_qkv, "
                           "clip_qkv] with a finite clip_qkv > 0; transformers clamps with any "
                           "value it is given, every feature to 0 with 0)")
-    model_type = _config_value(config, "model_type")
+    model_type = _model_type(module)
     if model_type not in _CLIP_AFTER_NORM:
         raise ExportError(f"QKV clipping (clip_qkv={clip}) in a model of type {model_type!r}, "
                           "whose clamp attnserve has not checked against transformers "
@@ -1128,7 +1145,67 @@ def _check_kv_source(module, source):
                           "earlier layer of its type before the shared ones)")
 
 
-def unsupported_features(module, head_dim=None, num_heads=None):
+# ALiBi by model type: how each computes its slopes, one per head ("bloom":
+# BLOOM's build_alibi_tensor, powers of 2^(-8/n) for the largest power of
+# two n <= heads, then odd powers of 2^(-4/n) for the rest; "mpt": MPT's
+# build_mpt_alibi_tensor, 2^(-k * alibi_bias_max / n) for the smallest power
+# of two n >= heads, odd k first when heads is not a power of two), and
+# "falcon": refused. Checked against transformers' own classes (tests/hf).
+_ALIBI = {"bloom": "bloom", "mpt": "mpt", "falcon": "falcon"}
+
+
+def _bloom_slopes(heads):
+    closest = 2 ** int(math.floor(math.log2(heads)))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** k for k in range(1, closest + 1)]
+    if closest != heads:
+        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra ** k for k in range(1, 2 * min(closest, heads - closest), 2)]
+    return slopes
+
+
+def _mpt_slopes(heads, bias_max):
+    n = 2 ** int(math.ceil(math.log2(heads)))
+    slopes = [1.0 / 2.0 ** (k * (bias_max / n)) for k in range(1, n + 1)]
+    if n != heads:
+        slopes = (slopes[1::2] + slopes[::2])[:heads]
+    return slopes
+
+
+def alibi_slopes_of(module, num_heads=None, model_config=None):
+    """The `alibi_slopes` of an attnserve ModelConfig for `module`: one per
+    query head, by its model type's rule (BLOOM, MPT); None for a model type
+    without ALiBi. model_config: the whole model's Hugging Face config, for
+    a module that keeps none (MPT's in transformers 4.x). ExportError for
+    MPT's module without either (its alibi_bias_max unknown), and for Falcon
+    with `alibi` (transformers rounds its slopes and each slope * key index
+    to bfloat16 (build_alibi_tensor), a bias no slope reproduces)."""
+    config = getattr(module, "config", None) or model_config
+    kind = _ALIBI.get(_model_type(module))
+    if kind is None:
+        return None
+    heads = num_heads or _first_attr(module, ["num_heads", "n_heads"]) or \
+        _config_value(config, "num_attention_heads")
+    if kind == "bloom":
+        return [float(x) for x in _bloom_slopes(heads)]
+    if kind == "mpt":
+        attn = _config_value(config, "attn_config")
+        if attn is None:
+            raise ExportError(f"MPT's ALiBi without the model's config ({type(module).__name__} "
+                              "keeps none), so its attn_config.alibi_bias_max is unknown: export "
+                              "it from the whole model (export_module(model, folder, "
+                              "submodule=...))")
+        bias_max = attn.get("alibi_bias_max", 8) if isinstance(attn, dict) else \
+            _config_value(attn, "alibi_bias_max")
+        return [float(x) for x in _mpt_slopes(heads, 8 if bias_max is None else bias_max)]
+    if _config_value(config, "alibi") is True:
+        raise ExportError("Falcon's ALiBi, whose bias transformers rounds to bfloat16 (the "
+                          "slopes and each slope * key index, build_alibi_tensor's "
+                          "`.bfloat16()`), which no linear bias reproduces")
+    return None
+
+
+def unsupported_features(module, head_dim=None, num_heads=None, model_config=None):
     """What `module` computes that attnserve does not (yet): rotary
     embeddings, sliding windows, QK-norms, value norms, QKV clipping and
     attention sinks of a kind attnserve does not compute (rope_config,
@@ -1175,6 +1252,21 @@ def unsupported_features(module, head_dim=None, num_heads=None):
         clip_qkv_of(module)
     except ExportError as e:
         found.append(str(e))
+    try:
+        alibi_slopes_of(module, num_heads, model_config)
+    except ExportError as e:
+        found.append(str(e))
+    if _model_type(module) not in _ALIBI:
+        try:
+            params = inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        for name in ("alibi", "position_bias", "relative_position_bias", "attn_bias"):
+            if name in params:
+                # A bias its caller computes and attnserve would leave out.
+                found.append(f"a position bias its caller passes in (forward's `{name}`), of "
+                             f"model type {_model_type(module)!r}, whose bias attnserve does "
+                             f"not know (known: ALiBi of {', '.join(sorted(_ALIBI))})")
     if not shared:  # a shared layer has no k_norm nor v_norm: its keys are done
         for check in (qk_norm_config, v_norm_config):
             try:
@@ -1191,11 +1283,13 @@ def unsupported_features(module, head_dim=None, num_heads=None):
 
 
 def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None, qkv_layout=None,
-                    kv_source=None):
+                    kv_source=None, model_config=None):
     """(config dict, {local tensor name: tensor}) of one attention module.
     kv_source: for a layer that reuses an earlier layer's keys and values
     (KV sharing), that layer's module: its k_proj, v_proj and norms are
-    exported, and config["kv_source"] names it."""
+    exported, and config["kv_source"] names it. model_config: the whole
+    model's Hugging Face config, read where the module keeps none (MPT's
+    ALiBi in transformers 4.x)."""
     if torch is None:
         raise ExportError("PyTorch is not importable")
     if isinstance(module, torch.nn.MultiheadAttention):
@@ -1229,7 +1323,7 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
         raise ExportError(f"kv_source given for {type(module).__name__}, which computes its own "
                           "keys and values")
     config, tensors = _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
-    missing = unsupported_features(module, config["head_dim"], config["num_heads"])
+    missing = unsupported_features(module, config["head_dim"], config["num_heads"], model_config)
     if missing:
         # Served without them, the layer would answer with other numbers.
         raise ExportError(f"{type(module).__name__} uses {'; '.join(missing)}, which attnserve "
@@ -1296,6 +1390,9 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
     clip = clip_qkv_of(module)
     if clip is not None:
         config["clip_qkv"] = clip
+    slopes = alibi_slopes_of(module, config["num_heads"], model_config)
+    if slopes is not None:
+        config["alibi_slopes"] = slopes
     return config, tensors
 
 
@@ -1594,7 +1691,7 @@ def _describe_stacked(module, qkv, qkv_name, out_name, num_heads, num_kv_heads, 
 
 # Model types whose Wqkv holds rows [q | k | v] (grouped-query widths), and
 # their output linear.
-_STACKED_WQKV = {"dbrx": "out_proj", "modernbert": "Wo"}
+_STACKED_WQKV = {"dbrx": "out_proj", "modernbert": "Wo", "mpt": "out_proj"}
 
 
 def _keys_are_values(module):
@@ -1658,7 +1755,7 @@ def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
     if bert is not None:
         return _describe_bert(module, bert, num_heads, head_dim)
     q, k, v = (_linear(module, n) for n in ("q_proj", "k_proj", "v_proj"))
-    model_type = _config_value(getattr(module, "config", None), "model_type")
+    model_type = _model_type(module)
     if v is None and k is not None and _keys_are_values(module):
         v = k
     if model_type in _DIMS_PER_LAYER and q is not None and k is not None:
@@ -1688,11 +1785,11 @@ def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
         if model_type not in _STACKED_WQKV:
             raise ExportError(f"a fused Wqkv in {type(module).__name__} (model type "
                               f"{model_type!r}), whose attention attnserve does not know "
-                              f"(served: {', '.join(sorted(_STACKED_WQKV))}; MPT's adds ALiBi "
-                              "position biases)")
-        if model_type == "modernbert":  # [q | k | v] of every head: no grouped queries
+                              f"(served: {', '.join(sorted(_STACKED_WQKV))})")
+        if model_type in ("modernbert", "mpt"):  # [q | k | v] of every head: no grouped queries
             num_kv_heads = num_kv_heads or num_heads or \
-                _config_value(module.config, "num_attention_heads")
+                _first_attr(module, ["n_heads"]) or \
+                _config_value(getattr(module, "config", None), "num_attention_heads")
         return _describe_stacked(module, _linear(module, "Wqkv"), "Wqkv",
                                  _STACKED_WQKV[model_type], num_heads, num_kv_heads, head_dim)
     qkv = _linear(module, "qkv_proj")
@@ -1776,7 +1873,8 @@ def export_module(model, folder, *, submodule=None, name=None, causal=None, scal
         source_name, kv_source = _find_kv_source(model, module)
     config, tensors = describe_module(module, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                       head_dim=head_dim, qkv_layout=qkv_layout,
-                                      kv_source=kv_source)
+                                      kv_source=kv_source,
+                                      model_config=getattr(model, "config", None))
     if source_name:
         config["kv_source"] = source_name
     config["name"] = name or os.path.basename(os.path.normpath(folder))
@@ -1787,8 +1885,9 @@ def export_module(model, folder, *, submodule=None, name=None, causal=None, scal
         bert = _bert_parts(module)
         if causal is None and bert is not None:
             causal = _bert_causal(bert[5])
-        if causal is None:
-            causal = "latent_attention" in config or bool(config.get("sliding_window"))
+        if causal is None:  # ALiBi's model types are decoders (BLOOM, MPT)
+            causal = "latent_attention" in config or bool(config.get("sliding_window")) or \
+                "alibi_slopes" in config
     config["causal"] = bool(causal)
     two_sided = getattr(module, "is_causal", None) is False
     if config.get("sliding_window") and two_sided == config["causal"]:

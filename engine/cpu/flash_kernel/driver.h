@@ -86,15 +86,22 @@ class Kernel {
       const float cap = p.softcap, scale = p.scale;
       for (int64_t j = before; j < visible; ++j) s[j] = cap * std::tanh(s[j] * scale / cap) / scale;
     }
-    // Without a mask the scores stay raw and the scale folds into the
-    // exponent's FMA (2^(s*c - m)); with one, t = s*c + bias is stored.
-    const bool masked = p.mask.kind != MaskParams::Kind::kNone;
+    // Without a mask or ALiBi the scores stay raw and the scale folds into
+    // the exponent's FMA (2^(s*c - m)); with either, t = s*c + bias is stored.
+    const bool masked = p.mask.kind != MaskParams::Kind::kNone || p.alibi_slopes != nullptr;
     const V c = Vec::Set1(plan.score_scale);
     V mx = Vec::Set1(kNegInf);
     if (!masked) {
       for (int64_t j = 0; j < jv; j += W) mx = Vec::Max(mx, Vec::Load(s + j));
     } else {
-      BuildBias(p.mask, row.mask_offset + kb * p.mask.stride_k, visible, jv, bias);
+      if (p.mask.kind != MaskParams::Kind::kNone) {
+        BuildBias(p.mask, row.mask_offset + kb * p.mask.stride_k, visible, jv, bias);
+      } else {
+        FillRow(bias, jv, 0.0f);
+      }
+      if (p.alibi_slopes != nullptr) {
+        AddAlibi(p.alibi_slopes[row.h], kb - (row.i + plan.causal_offset), before, visible, bias);
+      }
       for (int64_t j = 0; j < jv; j += W) {
         const V t = Vec::Fma(Vec::Load(s + j), c, Vec::Load(bias + j));
         Vec::Store(s + j, t);
@@ -231,7 +238,8 @@ class Kernel {
                             int64_t n, int64_t npad, float* s, PElem* prow, float* bias, float* m,
                             float* l, float* alpha) {
     const AttentionParams& p = *plan.p;
-    const bool plain_request = p.mask.kind == MaskParams::Kind::kNone && !(p.softcap > 0);
+    const bool plain_request = p.mask.kind == MaskParams::Kind::kNone && !(p.softcap > 0) &&
+                               p.alibi_slopes == nullptr;
     for (int64_t r = 0; r < count;) {
       bool plain = plain_request && r + kSoftmaxRows <= count;
       for (int k = 0; plain && k < kSoftmaxRows; ++k) plain = PlainRow(row[r + k], kb, n);
@@ -267,6 +275,16 @@ class Kernel {
       for (; j < visible; ++j) bias[j] = LoadElem(mk.dtype, mk.data, offset + j * sk) * kLog2e;
     }
     FillRow(bias + visible, jv - visible, 0.0f);
+  }
+
+  // ALiBi: bias[j] += slope * (j + first) * log2(e) for before <= j <
+  // visible, `first` being the block's first key minus the row's position
+  // (AttentionParams::alibi_slopes). slope * (key - position) is rounded
+  // once, as the reference computes it, then taken to base 2 like the mask.
+  static void AddAlibi(float slope, int64_t first, int64_t before, int64_t visible, float* bias) {
+    for (int64_t j = before; j < visible; ++j) {
+      bias[j] += slope * static_cast<float>(j + first) * kLog2e;
+    }
   }
 
   struct Buffers {

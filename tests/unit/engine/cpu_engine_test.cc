@@ -476,6 +476,72 @@ TEST_F(CpuEngineTest, SlidingWindowOverLongSequences) {
   }
 }
 
+// ALiBi (BLOOM, MPT) over sequences long enough for every kernel path: long
+// prefills (whole key blocks; Lq < Lk), a decode row split across threads
+// (each chunk biased by its keys' own index), the weights pass, a two-sided
+// window without causal, a bool mask and key lengths on top, bf16 inputs;
+// and a projection layer. Slopes from BLOOM's steepest to MPT-30B's
+// flattest, so some rows see a handful of keys and some the whole sequence.
+TEST_F(CpuEngineTest, AlibiOverLongSequences) {
+  Rng rng(87);
+  auto alibi = std::make_shared<AttentionLayer>(*sdpa_);
+  alibi->config.name = "sdpa-alibi";
+  alibi->config.alibi_slopes = {0.5f, 0.0625f, 1.0f / 256, 1.0f / 4096};
+  struct Shape2 {
+    int64_t lq, lk;
+    bool causal, weights;
+    int64_t window;
+    bool masked;
+    DType dtype;
+  };
+  for (const Shape2 s : {Shape2{700, 700, true, false, 0, false, DType::kFloat32},
+                         Shape2{300, 900, true, false, 0, false, DType::kFloat32},
+                         Shape2{1, 3000, true, false, 0, false, DType::kFloat32},
+                         Shape2{40, 600, true, true, 0, false, DType::kFloat32},
+                         Shape2{500, 500, false, false, 100, false, DType::kFloat32},
+                         Shape2{200, 400, false, true, 0, true, DType::kFloat32},
+                         Shape2{300, 300, true, false, 0, false, DType::kBFloat16}}) {
+    Case c;
+    c.layer = alibi;
+    c.q = RandomTensor(rng, s.dtype, {2, 4, s.lq, 32}, 1.0f);
+    c.k = RandomTensor(rng, s.dtype, {2, 2, s.lk, 32}, 1.0f);
+    c.v = RandomTensor(rng, s.dtype, {2, 2, s.lk, 32}, 1.0f);
+    c.causal = s.causal;
+    c.window = s.window;
+    c.need_weights = s.weights;
+    c.out_dtype = s.dtype;
+    if (s.masked) {
+      c.mask = RandomMask(rng, DType::kBool, {2, 1, s.lq, s.lk});
+      c.key_lengths = {s.lk, s.lk / 3};
+    }
+    c.scale = ResolveScale(alibi->config, 0.0f, 32);
+    c.label = absl::StrCat("ALiBi, Lq ", s.lq, " Lk ", s.lk, s.causal ? " causal" : "",
+                           s.weights ? " weights" : "", s.window ? " window" : "",
+                           s.masked ? " mask" : "", " ", std::string(DTypeName(s.dtype)));
+    CheckAgainstReference(c);
+  }
+  Rng layer_rng(88);
+  auto projected = std::make_shared<AttentionLayer>(*RandomProjectionLayer(layer_rng, false));
+  projected->config.name = "alibi-projection";
+  projected->config.alibi_slopes.clear();
+  for (int64_t h = 0; h < projected->config.num_heads; ++h) {
+    projected->config.alibi_slopes.push_back(0.25f / static_cast<float>(1 << h));
+  }
+  ASSERT_TRUE(ValidateLayer(*projected).ok()) << ValidateLayer(*projected);
+  const LayerConfig& lc = projected->config;
+  for (const int64_t lq : {1, 64}) {
+    Case c;
+    c.layer = projected;
+    c.q = RandomTensor(rng, DType::kFloat32, {1, lq, lc.query_dim}, 1.0f);
+    c.k = RandomTensor(rng, DType::kFloat32, {1, 700, lc.key_dim}, 1.0f);
+    c.v = RandomTensor(rng, DType::kFloat32, {1, 700, lc.value_dim}, 1.0f);
+    c.causal = true;
+    c.scale = ResolveScale(lc, 0.0f, lc.head_dim);
+    c.label = absl::StrCat("ALiBi projection layer, Lq ", lq, " Lk 700");
+    CheckAgainstReference(c);
+  }
+}
+
 // Chunked attention (Llama 4) over chunks of 64 keys: long prefills whose
 // rows start at their chunk's first key, a decode row split across threads
 // (only its chunk's key blocks count), and the weights pass.

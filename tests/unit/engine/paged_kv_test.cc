@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "engine/attention_engine.h"
 #include "engine/cpu/flash_attention.h"
 #include "engine/model/builtin_models.h"
@@ -163,10 +164,18 @@ TEST(PagedKvTest, CpuEngineSessionStepsEqualOneCausalTask) {
   ASSERT_TRUE(cpu.ok());
   ASSERT_TRUE((*cpu)->SupportsSessions());
   Rng rng(3);
-  for (bool projections : {false, true}) {
-    SCOPED_TRACE(projections ? "demo-mha" : "sdpa");
-    const std::shared_ptr<const AttentionLayer> layer =
-        projections ? MakeDemoMhaLayer() : MakeSdpaLayer();
+  for (const auto& [projections, alibi] :
+       {std::pair<bool, bool>{false, false}, {true, false}, {false, true}, {true, true}}) {
+    SCOPED_TRACE(absl::StrCat(projections ? "demo-mha" : "sdpa", alibi ? " with ALiBi" : ""));
+    auto own = std::make_shared<AttentionLayer>(projections ? *MakeDemoMhaLayer()
+                                                            : *MakeSdpaLayer());
+    // ALiBi's bias follows the key's index in the whole sequence, so each
+    // step's keys must be biased by where they sit in the cache.
+    const int64_t heads = projections ? own->config.num_heads : 4;
+    for (int64_t h = 0; alibi && h < heads; ++h) {
+      own->config.alibi_slopes.push_back(0.5f / static_cast<float>(h + 1));
+    }
+    const std::shared_ptr<const AttentionLayer> layer = own;
     const LayerConfig& c = layer->config;
     const int64_t len = 37, hq = projections ? c.num_heads : 4;
     const int64_t hkv = projections ? c.num_kv_heads : 2;

@@ -562,6 +562,54 @@ TEST(ReferenceEngineTest, WindowWithoutCausalIsTwoSided) {
   }
 }
 
+// ALiBi as BLOOM computes it: a float mask [1, H, 1, Lk] of slope_h * j
+// added to the scaled scores. The engine adds slope_h * (j - p) instead, a
+// constant per row away, so outputs and weights agree to rounding; with and
+// without causal, Lq < Lk, slopes of both signs, need_weights.
+TEST(ReferenceEngineTest, AlibiIsBloomsLinearBiasOfTheKeyIndex) {
+  const std::vector<float> slopes = {0.5f, 0.125f, -0.25f};
+  for (const bool causal : {false, true}) {
+    for (const auto& [lq, lk] : {std::pair<int64_t, int64_t>{6, 6}, {3, 9}}) {
+      const Tensor q = Random({2, 3, lq, 4}, 900), k = Random({2, 3, lk, 4}, 901);
+      const Tensor v = Random({2, 3, lk, 5}, 902);
+      AttentionLayer alibi;
+      alibi.config.name = "alibi";
+      alibi.config.alibi_slopes = slopes;
+      ASSERT_TRUE(ValidateLayer(alibi).ok()) << ValidateLayer(alibi);
+      SdpaRun run(q, k, v);
+      run.task.causal = causal;
+      ASSERT_TRUE(NewReferenceEngine()->Run(alibi, {&run.task, 1}).ok());
+      std::vector<float> bias;
+      for (const float slope : slopes) {
+        for (int64_t j = 0; j < lk; ++j) bias.push_back(slope * static_cast<float>(j));
+      }
+      const Tensor mask = Values(DType::kFloat32, {1, 3, 1, lk}, bias);
+      SdpaRun bloom(q, k, v);
+      bloom.task.causal = causal;
+      bloom.task.attn_mask = mask.view();
+      ASSERT_TRUE(RunSdpa(bloom.task).ok());
+      const std::string label = absl::StrCat("causal ", causal, " Lq ", lq, " Lk ", lk);
+      const std::vector<float> out = AsFloats(run.out), want = AsFloats(bloom.out);
+      const std::vector<float> w = AsFloats(run.weights), want_w = AsFloats(bloom.weights);
+      for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], want[i], 1e-6) << label;
+      for (size_t i = 0; i < w.size(); ++i) EXPECT_NEAR(w[i], want_w[i], 1e-6) << label;
+      // And the bias is there: without it the weights differ.
+      SdpaRun plain(q, k, v);
+      plain.task.causal = causal;
+      ASSERT_TRUE(RunSdpa(plain.task).ok());
+      EXPECT_NE(AsFloats(plain.weights), w) << label;
+    }
+  }
+  AttentionLayer wrong;
+  wrong.config.name = "alibi";
+  wrong.config.alibi_slopes = {0.5f, std::numeric_limits<float>::quiet_NaN()};
+  EXPECT_THAT(std::string(ValidateLayer(wrong).message()), HasSubstr("alibi_slopes[1]"));
+  wrong.config.alibi_slopes = slopes;  // 3 slopes, 2 query heads
+  SdpaRun two_heads(Random({1, 2, 3, 4}, 1), Random({1, 2, 3, 4}, 2), Random({1, 2, 3, 4}, 3));
+  EXPECT_THAT(std::string(NewReferenceEngine()->Run(wrong, {&two_heads.task, 1}).message()),
+              HasSubstr("alibi_slopes"));
+}
+
 // An output gate whose weights are zero gates every token by sigmoid of its
 // bias alone: the same as no gate with each output weight column f scaled
 // by sigmoid(bg[f]). And the layer check's rules for the gate's weights.

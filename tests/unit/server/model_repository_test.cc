@@ -463,6 +463,31 @@ TEST(ModelConfigTest, SparseIndexTopkResolvesAndItsRulesNameTheField) {
               AllOf(HasSubstr("sparse_index_topk"), HasSubstr("not allowed for kind \"sdpa\"")));
 }
 
+// ALiBi's slopes reach the layer and come back, for both kinds; refused when
+// not finite, when an "mha" layer has another count than num_heads, and when
+// an "sdpa" layer's warm-up asks for another count of query heads (which the
+// slopes default).
+TEST(ModelConfigTest, AlibiSlopesResolveAndTheirRulesNameTheField) {
+  const LayerConfig layer = ToLayerConfig(
+      Resolved("embed_dim: 64 num_heads: 2 alibi_slopes: [0.25, 0.0625]"));
+  EXPECT_THAT(layer.alibi_slopes, ::testing::ElementsAre(0.25f, 0.0625f));
+  const v1::ModelConfig back = LayerToModelConfig(AttentionLayer{layer, {}, {}});
+  EXPECT_THAT(back.alibi_slopes(), ::testing::ElementsAre(0.25f, 0.0625f));
+  EXPECT_TRUE(ToLayerConfig(Resolved("embed_dim: 64 num_heads: 2")).alibi_slopes.empty());
+  const v1::ModelConfig sdpa =
+      Resolved("kind: \"sdpa\" alibi_slopes: [0.5, 0.25, 0.125] warmup { batch: 1 q_len: 4 }");
+  EXPECT_EQ(ToLayerConfig(sdpa).alibi_slopes.size(), 3u);
+  EXPECT_EQ(sdpa.warmup(0).num_heads(), 3);
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 alibi_slopes: [0.5, 0.25]").message(),
+              AllOf(HasSubstr("alibi_slopes"), HasSubstr("num_heads 4"), HasSubstr("got 2")));
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 2 alibi_slopes: [0.5, nan]").message(),
+              AllOf(HasSubstr("alibi_slopes[1]"), HasSubstr("finite")));
+  EXPECT_THAT(ResolveError("kind: \"sdpa\" alibi_slopes: [0.5, 0.25] "
+                           "warmup { batch: 1 q_len: 4 num_heads: 8 }")
+                  .message(),
+              AllOf(HasSubstr("warmup[0].num_heads"), HasSubstr("alibi_slopes")));
+}
+
 // KV sharing (Gemma 3n, Gemma 4): the source layer's name reaches the layer
 // and comes back; refused for kind "sdpa" and with latent attention.
 TEST(ModelConfigTest, KvSourceResolvesAndItsRulesNameTheField) {

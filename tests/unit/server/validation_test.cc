@@ -989,6 +989,29 @@ TEST(ValidationTest, SparseIndexTopkBoundsTheKeys) {
   EXPECT_TRUE(ValidateAttendRequest(r, dsa).ok());
 }
 
+// An sdpa model with ALiBi slopes takes requests of as many query heads as
+// it has slopes: another count is refused naming it; the right one passes
+// the engine's check too.
+TEST(ValidationTest, AlibiSlopesFixAnSdpaModelsQueryHeads) {
+  LayerConfig alibi = SdpaLayer();
+  alibi.alibi_slopes = {0.5f, 0.25f, 0.125f};
+  const v1::AttendRequest r = ValidSdpa();  // 4 query heads
+  absl::StatusOr<ValidatedRequest> v = ValidateAttendRequest(r, alibi);
+  ASSERT_FALSE(v.ok());
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(v.status().message()),
+              AllOf(HasSubstr("query.shape"), HasSubstr("ALiBi slopes for 3 query heads"),
+                    HasSubstr("got 4")));
+  alibi.alibi_slopes.push_back(0.0625f);
+  v = ValidateAttendRequest(r, alibi);
+  ASSERT_TRUE(v.ok()) << v.status();
+  v1::AttendResponse response;
+  v->task.output = AllocateTensor(v->output_dtype, v->output_shape, response.mutable_output());
+  EXPECT_TRUE(CheckTask(alibi, v->task).ok()) << CheckTask(alibi, v->task);
+  alibi.alibi_slopes.pop_back();
+  EXPECT_THAT(std::string(CheckTask(alibi, v->task).message()), HasSubstr("alibi_slopes"));
+}
+
 TEST(ValidationTest, ValidatedTaskPassesTheEngineCheck) {
   // The engine re-checks tasks; a validated one with outputs bound must pass.
   for (bool mha : {false, true}) {
