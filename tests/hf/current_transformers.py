@@ -74,7 +74,8 @@ MINICPM3_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0,
 # (None: the model has no rotary class).
 ATTENTION_CLASSES = {"longcat_flash": "LongcatFlashMLA", "distilbert": "DistilBertSelfAttention",
                      "minimax-lightning": "MiniMaxLightningAttention"}
-ROTARY_CLASSES = {"kimi_linear": None, "glm5_next": None, "mpt": None, "nemotron_h": None,
+ROTARY_CLASSES = {"kimi_linear": None, "glm5_next": None, "mpt": None, "bloom": None,
+                  "nemotron_h": None,
                   "bert": None, "xlm_roberta": None, "distilbert": None,
                   "jamba": None, "zamba": None}
 # QKV clipping small enough that about half the projected features here lie
@@ -312,8 +313,13 @@ FAMILIES = {
     "dbrx": ("dbrx", "Dbrx", dict(DBRX, attn_config=dict(DBRX_ATTN, clip_qkv=8)), 0, "served"),
     "dbrx-clip-qkv-small": ("dbrx", "Dbrx", dict(DBRX, attn_config=dict(DBRX_ATTN, clip_qkv=CLIP)),
                             0, "served"),
-    # MPT: DBRX's Wqkv and clamp, with ALiBi.
-    "mpt": ("mpt", "Mpt", dict(attn_config=dict(clip_qkv=8.0)), 0, "ALiBi"),
+    # ALiBi: BLOOM's slopes; MPT's (DBRX's Wqkv and clamp, its slopes from
+    # attn_config.alibi_bias_max: its module keeps no config, so it is
+    # exported from a model around it); Falcon's, rounded to bfloat16.
+    "bloom": ("bloom", "Bloom", {}, 0, "served"),
+    "mpt": ("mpt", "Mpt", dict(attn_config=dict(clip_qkv=8.0, alibi_bias_max=6)), 0, "served"),
+    "falcon-alibi": ("falcon", "Falcon", dict(alibi=True, multi_query=False,
+                                              new_decoder_architecture=False), 0, "bfloat16"),
     "gpt-oss-sliding": ("gpt_oss", "GptOss", dict(sliding_window=WINDOW, rope_parameters=YARN,
                                                    num_local_experts=2, num_experts_per_tok=1), 0,
                         "served"),
@@ -402,6 +408,8 @@ def build(family):
     if family == "gpt-neox" or module_name in ("modernbert", "bert", "xlm_roberta", "nomic_bert"):
         kwargs = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128,
                       num_hidden_layers=2)
+    if module_name == "falcon":  # its head_dim is a property of hidden_size and heads
+        kwargs.pop("head_dim")
     kwargs.update(overrides)
     config = config_class(**kwargs)
     config._attn_implementation = "eager"
@@ -435,6 +443,10 @@ def build(family):
     if source is not None:
         source.eval()
     return m.eval(), rotary, config, layer, outcome, source
+
+
+def module_name_of(family):
+    return FAMILIES[family][0]
 
 
 def chunk_of(config, layer):
@@ -481,6 +493,22 @@ def module_forward(m, rotary, config, layer, x, source=None, xs=None):
             if hasattr(m, "q_lin"):
                 return m(hidden_states=xt, attention_mask=None)[0].numpy()
             return m.output.dense(m.self(hidden_states=xt, attention_mask=None)[0]).numpy()
+    model_type = getattr(config, "model_type", None)
+    if model_type in ("bloom", "mpt"):  # ALiBi: the model's own bias tensor, causal
+        from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+        from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+        m, xt = m.double(), torch.from_numpy(x).double()
+        future = torch.ones(length, length, dtype=torch.bool).triu(1).expand(b, 1, length, length)
+        with torch.no_grad():
+            if model_type == "bloom":  # BloomAttention adds `residual`: the caller's, zero
+                alibi = build_alibi_tensor(torch.ones(b, length, dtype=torch.long), m.num_heads,
+                                           torch.float64)
+                mask = torch.zeros(future.shape, dtype=torch.float64).masked_fill(
+                    future, torch.finfo(torch.float64).min)
+                return m(xt, torch.zeros_like(xt), alibi, mask)[0].numpy()
+            bias = build_mpt_alibi_tensor(m.n_heads, config.max_seq_len,
+                                          config.attn_config.alibi_bias_max).double()
+            return m(xt, bias, attention_mask=future)[0].numpy()
     mask = torch.full((length, length), float("-inf"), dtype=torch.float64).triu(1)
     if not getattr(m, "is_causal", True):  # use_bidirectional_attention
         mask = torch.zeros((length, length), dtype=torch.float64)
@@ -565,7 +593,14 @@ def main():
             results[family] = f"NOT BUILT ({type(e).__name__}: {e})"
             continue
         try:
-            exported = export.export_module(m, os.path.join(repo, family), kv_source=source)
+            if getattr(m, "config", None) is None and module_name_of(family) == "mpt":
+                # MPT's module keeps no config: its model's says alibi_bias_max.
+                holder = torch.nn.Module()
+                holder.attn, holder.config = m, config
+                exported = export.export_module(holder, os.path.join(repo, family),
+                                                submodule="attn")
+            else:
+                exported = export.export_module(m, os.path.join(repo, family), kv_source=source)
             built[family] = (m, rotary, config, layer, exported["causal"], source)
             if outcome != "served":
                 results[family] = f"FAIL: exported, expected a refusal naming {outcome!r}"
