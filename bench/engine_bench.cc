@@ -154,6 +154,29 @@ void BM_Core(benchmark::State& state, BenchShape s, DType dtype, int threads) {
   state.SetLabel(std::string(cpu::CpuIsaName(*cpu::FlashIsaFor(in.p, opt))));
 }
 
+// The causal core, plain or with ALiBi (BLOOM's slopes, 2^-8h/H: head h's
+// scores biased by slope_h * (key - query position)), for bench/alibi.py.
+void BM_CoreCausal(benchmark::State& state, BenchShape s, DType dtype, int threads, bool alibi) {
+  CoreInputs in(s, dtype);
+  in.p.causal = true;
+  std::vector<float> slopes;
+  for (int64_t h = 0; h < s.heads; ++h) {
+    slopes.push_back(std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(s.heads)));
+  }
+  if (alibi) in.p.alibi_slopes = slopes.data();
+  cpu::FlashOptions opt;
+  opt.num_threads = threads;
+  if (absl::Status st = cpu::FlashAttention({in.p}, opt); !st.ok()) {
+    state.SkipWithError(std::string(st.message()).c_str());
+    return;
+  }
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(cpu::FlashAttention({in.p}, opt));
+    benchmark::ClobberMemory();
+  }
+  state.SetLabel(std::string(cpu::CpuIsaName(*cpu::FlashIsaFor(in.p, opt))));
+}
+
 // The GEMM ceiling of the core: oneDNN's batched matmuls S = Q K^T and
 // O = P V on the same sizes (fp32, or bf16 in / fp32 accumulate), no
 // softmax. The long shape is run one head at a time (its full S would be
@@ -534,6 +557,14 @@ void RegisterAll() {
         if (s.q_len == s.kv_len && s.q_len > 1) {
           benchmark::RegisterBenchmark(absl::StrCat("CoreFusedQkv/", s.name, "/", dn, suffix).c_str(),
                                        BM_Core<FusedCoreInputs>, s, dt, t)
+              ->Unit(benchmark::kMillisecond)
+              ->UseRealTime();
+        }
+        for (const bool alibi : {false, true}) {
+          benchmark::RegisterBenchmark(
+              absl::StrCat(alibi ? "CoreCausalAlibi/" : "CoreCausal/", s.name, "/", dn, suffix)
+                  .c_str(),
+              BM_CoreCausal, s, dt, t, alibi)
               ->Unit(benchmark::kMillisecond)
               ->UseRealTime();
         }

@@ -76,6 +76,8 @@ LLM_LAYERS = {
     "gpt-oss": dict(causal=True, rope={"type": "yarn", "theta": 150000.0, "factor": 32.0,
                                        "original_max_position_embeddings": 4096},
                     sliding_window=16, sinks=True),
+    # BLOOM / MPT: ALiBi, one slope per head (BLOOM's for 8 heads), no RoPE.
+    "bloom": dict(causal=True, alibi_slopes=[2.0 ** -(h + 1) for h in range(8)]),
     # OLMo-2: one RMSNorm over each token's whole Q, one over its K.
     "olmo2": dict(causal=True, rope={"type": "default", "theta": 500000.0},
                   qk_norm={"eps": 1e-6, "whole_projection": True}),

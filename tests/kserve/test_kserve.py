@@ -69,6 +69,10 @@ def _write_layer_feature_models(repo):
     write_model_folder(os.path.join(repo, "gemma4"), gemma4, weights)
     write_model_folder(os.path.join(repo, "gemma4-shared"),
                        dict(gemma4, kv_source="model.layers.3.self_attn"), weights)
+    # ALiBi on a bare sdpa model: its slopes fix the query heads (two).
+    os.makedirs(os.path.join(repo, "alibi-sdpa"))
+    with open(os.path.join(repo, "alibi-sdpa", "config.pbtxt"), "w") as f:
+        f.write('kind: "sdpa" causal: true alibi_slopes: [0.5, 0.125]\n')
     write_model_folder(os.path.join(repo, "latent"), dict(
         embed_dim=32, num_heads=4, num_kv_heads=4, head_dim=12, weight_layout="SEPARATE_QKV",
         causal=True, rope=dict(type="default", theta=10000.0, interleaved=True),
@@ -241,6 +245,33 @@ def test_model_config_parameters_name_the_layers_features(client):
         client.infer("gemma4-shared", [inp], parameters={"causal": True})
     assert "key: required by model 'gemma4-shared'" in str(refused.value)
     assert "model.layers.3.self_attn" in str(refused.value)
+
+
+def test_an_alibi_model_biases_each_head_by_its_slope(client):
+    """An sdpa model with alibi_slopes says so in its parameters, computes
+    softmax(QK^T * scale + slope_h * (j - i)) causal, as NumPy does with that
+    bias as a float mask, and refuses a query of another head count, naming
+    both."""
+    cfg = client.get_model_config("alibi-sdpa", as_json=True)["config"]
+    assert cfg["parameters"]["alibi"]["string_value"] == "true"
+    q = rng.uniform(-1, 1, (2, 2, 9, 8)).astype(np.float32)
+    k = rng.uniform(-1, 1, (2, 2, 9, 8)).astype(np.float32)
+    v = rng.uniform(-1, 1, (2, 2, 9, 8)).astype(np.float32)
+    got = client.infer("alibi-sdpa", [make_input("query", q), make_input("key", k),
+                                      make_input("value", v)]).as_numpy("output")
+    rel = np.arange(9)[None, :] - np.arange(9)[:, None]
+    bias = np.array([0.5, 0.125])[:, None, None] * rel
+    want = reference(q, k, v, causal=True, mask=bias[None])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    plain = reference(q, k, v, causal=True)
+    assert np.abs(plain - want).max() > 1e-2  # the bias counts
+    three = rng.uniform(-1, 1, (1, 3, 9, 8)).astype(np.float32)
+    kv = rng.uniform(-1, 1, (1, 3, 9, 8)).astype(np.float32)
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("alibi-sdpa", [make_input("query", three), make_input("key", kv),
+                                    make_input("value", kv)])
+    assert "ALiBi slopes for 2 query heads" in str(refused.value), str(refused.value)
+    assert "got 3" in str(refused.value)
 
 
 def test_infer_sdpa_matches_numpy_with_masks_lengths_scale_and_weights(client):
