@@ -96,7 +96,8 @@ absl::Status CheckTask(const LayerConfig& layer, const AttentionTask& task);
 
 // The attention-core params of a checked task: dims, masks, scale, weights;
 // window and softcap the task's when set, else the layer's; sinks the
-// task's (a projection layer's learned sinks are the engine's to point at).
+// task's (a projection layer's learned sinks are the engine's to point at);
+// ALiBi slopes the layer's (host memory).
 // For a layer without projections q/k/v/out point into the task's views
 // (head layout, task dtypes). For a layer with projections they are left
 // null for the engine to point at its projected buffers.

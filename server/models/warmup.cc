@@ -37,10 +37,10 @@ absl::Status RunZeros(const ServedModel& model, int64_t batch, int64_t q_len, in
   } else {
     // ALiBi's slopes fix an sdpa layer's query heads.
     const int64_t alibi_heads = static_cast<int64_t>(c.alibi_slopes.size());
-    const int64_t heads = sdpa.heads > 0       ? sdpa.heads
-                          : c.num_heads > 0    ? c.num_heads
-                          : alibi_heads > 0    ? alibi_heads
-                                               : 8;
+    const int64_t heads = sdpa.heads > 0    ? sdpa.heads
+                          : c.num_heads > 0 ? c.num_heads
+                          : alibi_heads > 0 ? alibi_heads
+                                            : 8;
     const int64_t kv_heads = sdpa.kv_heads > 0       ? sdpa.kv_heads
                              : c.num_kv_heads > 0 ? c.num_kv_heads
                                                   : heads;
