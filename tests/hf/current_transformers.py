@@ -320,6 +320,15 @@ FAMILIES = {
     "mpt": ("mpt", "Mpt", dict(attn_config=dict(clip_qkv=8.0, alibi_bias_max=6)), 0, "served"),
     "falcon-alibi": ("falcon", "Falcon", dict(alibi=True, multi_query=False,
                                               new_decoder_architecture=False), 0, "bfloat16"),
+    # Falcon with RoPE, each layout of its query_key_value: Falcon-7B's
+    # multi-query, Falcon-40B's and 180B's groups (new_decoder_architecture),
+    # per head with biases.
+    "falcon-7b": ("falcon", "Falcon", dict(multi_query=True, new_decoder_architecture=False,
+                                           rope_theta=1000.0), 0, "served"),
+    "falcon-40b": ("falcon", "Falcon", dict(new_decoder_architecture=True, num_kv_heads=2),
+                   0, "served"),
+    "falcon-per-head": ("falcon", "Falcon", dict(multi_query=False, new_decoder_architecture=False,
+                                                 bias=True), 0, "served"),
     "gpt-oss-sliding": ("gpt_oss", "GptOss", dict(sliding_window=WINDOW, rope_parameters=YARN,
                                                    num_local_experts=2, num_experts_per_tok=1), 0,
                         "served"),
@@ -533,6 +542,8 @@ def module_forward(m, rotary, config, layer, x, source=None, xs=None):
     shared_kv = {}
     if "position_ids" in inspect.signature(m.forward).parameters:  # Mistral 4
         kwargs["position_ids"] = positions
+    if "alibi" in inspect.signature(m.forward).parameters:  # Falcon with RoPE: no ALiBi
+        kwargs["alibi"] = None
     if "layer_idx" in inspect.signature(m.forward).parameters:  # Zamba's shared blocks
         kwargs["layer_idx"] = layer
     if "shared_kv_states" in inspect.signature(m.forward).parameters:

@@ -1596,6 +1596,60 @@ def test_alibi_layers_are_served_as_bloom_and_mpt_compute_them(tmp_path):
     assert not os.path.exists(tmp_path / "refused" / "config.pbtxt")
 
 
+def test_falcon_layers_are_served_in_each_qkv_layout(tmp_path):
+    """Falcon with RoPE (transformers 4.45's FalconAttention): its
+    query_key_value in each layout, Falcon-7B's multi-query [queries | key |
+    value], Falcon-40B's and 180B's groups per KV head
+    (new_decoder_architecture), and per head with biases; served as the
+    module computes it (its rotary class's cos and sin), and a session step
+    by step equals one causal request."""
+    import harness
+    harness.use_python_client()
+    from attnserve_client import AttentionClient
+    from transformers import FalconConfig
+    from transformers.models.falcon.modeling_falcon import FalconAttention, FalconRotaryEmbedding
+    layouts = {"falcon-7b": dict(multi_query=True, new_decoder_architecture=False, bias=False),
+               "falcon-40b": dict(new_decoder_architecture=True, num_kv_heads=2, bias=False),
+               "falcon-per-head": dict(multi_query=False, new_decoder_architecture=False,
+                                       bias=True)}
+    torch.manual_seed(23)
+    modules = {}
+    for name, layout in layouts.items():
+        config = FalconConfig(hidden_size=96, num_attention_heads=6 if name != "falcon-40b"
+                              else 4, alibi=False, rope_theta=5000.0, **layout)
+        config._attn_implementation = "eager"
+        m = FalconAttention(config, layer_idx=0)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        modules[name] = m.eval()
+        exported = export_module(m, str(tmp_path / name))
+        assert exported["causal"] is True and exported["rope"]["interleaved"] is False
+    x = np.random.default_rng(24).uniform(-1, 1, (2, 40, 96)).astype(np.float32)
+    length = x.shape[1]
+    server = harness.ServerProcess("--model-repository", str(tmp_path), "--backend", "cpu")
+    try:
+        with AttentionClient(server.target, timeout=120) as client, torch.no_grad():
+            for name, m in modules.items():
+                md = m.double()
+                xt = torch.from_numpy(x).double()
+                positions = torch.arange(length)[None].expand(2, length)
+                cos_sin = FalconRotaryEmbedding(config=m.config).double()(xt, positions)
+                mask = torch.full((length, length), float("-inf"), dtype=torch.float64)
+                mask = mask.triu(1).expand(2, 1, length, length)
+                want = md(xt, alibi=None, attention_mask=mask, position_ids=positions,
+                          position_embeddings=cos_sin)[0].numpy()
+                m.float()
+                got = client.attend(x, model=name).output
+                assert _rel(got, want) < 2e-5, (name, _rel(got, want))
+                with client.open_session(name) as session:
+                    steps = [session.attend(x[:1, :16]).output]
+                    steps += [session.attend(x[:1, t:t + 1]).output for t in range(16, 40)]
+                assert _rel(np.concatenate(steps, axis=1), got[:1]) < 1e-5, name
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 def test_modernbert_layers_are_served_both_ways(tmp_path):
     """ModernBERT's global layer (every key) and local layer (|i - j| <= 8 of
     a local_attention of 16: attnserve's two-sided window of 9), Wqkv split

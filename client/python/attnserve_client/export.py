@@ -268,13 +268,47 @@ def _scale_of(module, head_dim):
 
 
 class _Rows:
-    """Rows [start, stop) of a linear that packs several projections, as a
-    Linear of its own (weight, bias, in_features, out_features)."""
+    """Rows [start, stop) of a linear that packs several projections (or the
+    rows `index` lists), as a Linear of its own (weight, bias, in_features,
+    out_features)."""
 
-    def __init__(self, linear, start, stop):
-        self.weight = linear.weight[start:stop]
-        self.bias = linear.bias[start:stop] if linear.bias is not None else None
-        self.in_features, self.out_features = linear.in_features, stop - start
+    def __init__(self, linear, start, stop, index=None):
+        rows = slice(start, stop) if index is None else torch.as_tensor(index)
+        self.weight = linear.weight[rows]
+        self.bias = linear.bias[rows] if linear.bias is not None else None
+        self.in_features, self.out_features = linear.in_features, self.weight.shape[0]
+
+
+def _describe_falcon(module, qkv, num_heads, head_dim):
+    """Falcon's query_key_value, in each of its three layouts (transformers'
+    FalconAttention._split_heads): with new_decoder_architecture (Falcon-40B,
+    180B) a group of rows per KV head, [its queries | its key | its value];
+    with multi_query (Falcon-7B) [every query | one key | one value]; else
+    [q_h | k_h | v_h] per head. Served as the three projections they are."""
+    config = getattr(module, "config", None)
+    o = _linear(module, "dense")
+    if o is None:
+        raise ExportError("module has query_key_value but no dense output linear")
+    h = int(num_heads or module.num_heads)
+    hd = int(head_dim or module.head_dim)
+    if _config_value(config, "new_decoder_architecture"):
+        hkv = int(module.num_kv_heads)
+        group = h // hkv
+        rows = lambda g, i: range((g * (group + 2) + i) * hd, (g * (group + 2) + i + 1) * hd)
+        q = [r for g in range(hkv) for i in range(group) for r in rows(g, i)]
+        k = [r for g in range(hkv) for r in rows(g, group)]
+        v = [r for g in range(hkv) for r in rows(g, group + 1)]
+    elif _config_value(config, "multi_query"):
+        hkv = 1
+        q, k, v = list(range(h * hd)), list(range(h * hd, (h + 1) * hd)), \
+            list(range((h + 1) * hd, (h + 2) * hd))
+    else:
+        return _describe_fused(module, qkv, "query_key_value", o, "dense", True, h, hd)
+    if qkv.out_features != (h + 2 * hkv) * hd:
+        raise ExportError(f"query_key_value has {qkv.out_features} outputs, not (num_heads {h} "
+                          f"+ 2 * num_kv_heads {hkv}) * head_dim {hd}")
+    parts = (_Rows(qkv, 0, 0, index) for index in (q, k, v))
+    return _describe_separate(module, *parts, o, "dense", h, hkv, hd)
 
 
 def _describe_separate(m, q, k, v, o, out_name, num_heads, num_kv_heads, head_dim):
@@ -355,7 +389,7 @@ _ROPE_INTERLEAVED = {"llama": False, "mistral": False, "mixtral": False, "qwen2"
                      "gemma3_text": False, "phi3": False, "gpt_neox": False, "olmo": False,
                      "olmo2": False, "olmo3": False, "starcoder2": False, "gpt_oss": False,
                      "modernbert": False, "eurobert": False, "nomic_bert": False,
-                     "gptj": True, "codegen": True,
+                     "gptj": True, "codegen": True, "falcon": False,
                      # MoE and other variants of the attention above
                      "qwen2_moe": False, "qwen3_moe": False, "olmoe": False, "flex_olmo": False,
                      "granite": False, "granitemoe": False, "glm4_moe": False,
@@ -1797,6 +1831,8 @@ def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
         return _describe_stacked(module, qkv, "qkv_proj", "o_proj", num_heads, num_kv_heads,
                                  head_dim)
     qkv = _linear(module, "query_key_value")
+    if qkv is not None and model_type == "falcon":
+        return _describe_falcon(module, qkv, num_heads, head_dim)
     if qkv is not None:
         o = _linear(module, "dense")
         if o is None:
