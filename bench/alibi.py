@@ -62,7 +62,7 @@ def torch_worker(args):
 
 def engine(args, threads):
     names = "|".join(SHAPES)
-    flt = f"^CoreCausal(Alibi)?/({names})/(fp32|bf16)/threads:{threads}$"
+    flt = f"^CoreCausal(Alibi)?/({names})/(fp32|bf16)/threads:{threads}/"
     r = subprocess.run([args.engine_bench, f"--benchmark_filter={flt}",
                         f"--benchmark_min_time={args.min_time}", "--benchmark_format=json"],
                        check=True, capture_output=True, text=True)

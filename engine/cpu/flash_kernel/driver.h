@@ -94,13 +94,10 @@ class Kernel {
     if (!masked) {
       for (int64_t j = 0; j < jv; j += W) mx = Vec::Max(mx, Vec::Load(s + j));
     } else {
-      if (p.mask.kind != MaskParams::Kind::kNone) {
-        BuildBias(p.mask, row.mask_offset + kb * p.mask.stride_k, visible, jv, bias);
-      } else {
-        FillRow(bias, jv, 0.0f);
-      }
+      const bool mask = p.mask.kind != MaskParams::Kind::kNone;
+      if (mask) BuildBias(p.mask, row.mask_offset + kb * p.mask.stride_k, visible, jv, bias);
       if (p.alibi_slopes != nullptr) {
-        AddAlibi(p.alibi_slopes[row.h], kb - (row.i + plan.causal_offset), before, visible, bias);
+        AlibiBias(p.alibi_slopes[row.h], kb - (row.i + plan.causal_offset), jv, mask, bias);
       }
       for (int64_t j = 0; j < jv; j += W) {
         const V t = Vec::Fma(Vec::Load(s + j), c, Vec::Load(bias + j));
@@ -277,13 +274,18 @@ class Kernel {
     FillRow(bias + visible, jv - visible, 0.0f);
   }
 
-  // ALiBi: bias[j] += slope * (j + first) * log2(e) for before <= j <
-  // visible, `first` being the block's first key minus the row's position
-  // (AttentionParams::alibi_slopes). slope * (key - position) is rounded
-  // once, as the reference computes it, then taken to base 2 like the mask.
-  static void AddAlibi(float slope, int64_t first, int64_t before, int64_t visible, float* bias) {
-    for (int64_t j = before; j < visible; ++j) {
-      bias[j] += slope * static_cast<float>(j + first) * kLog2e;
+  // ALiBi: bias[j] (+)= slope * log2(e) * (j + first) for j < jv, `first`
+  // being the block's first key minus the row's position
+  // (AttentionParams::alibi_slopes); added to the mask's bias when `add`.
+  // Keys outside the row's window, its limit or the block are -inf already,
+  // whatever their bias. j + first is exact in float (|j + first| < 2^24).
+  static void AlibiBias(float slope, int64_t first, int64_t jv, bool add, float* bias) {
+    alignas(64) float lane[W];
+    for (int i = 0; i < W; ++i) lane[i] = static_cast<float>(i);
+    const V iota = Vec::Load(lane), s = Vec::Set1(slope * kLog2e);
+    for (int64_t j = 0; j < jv; j += W) {
+      const V key = Vec::Add(Vec::Set1(static_cast<float>(j + first)), iota);
+      Vec::Store(bias + j, add ? Vec::Fma(key, s, Vec::Load(bias + j)) : Vec::Mul(key, s));
     }
   }
 
