@@ -324,6 +324,10 @@ std::optional<std::string> SdpaRefusal(const AttentionParams& p, DType compute) 
   }
   if (p.k_blocks != nullptr) return std::string("paged K/V");
   if (p.softcap > 0.0f) return std::string("logit softcapping (served by the kernels written here)");
+  // cuDNN's own alibi mask has its fixed slopes, not the layer's.
+  if (p.alibi_slopes != nullptr) {
+    return std::string("ALiBi slopes (served by the kernels written here)");
+  }
   if (p.chunk > 0) return std::string("chunked attention (served by the kernels written here)");
   if (p.window > 0 &&
       (!p.causal || p.key_lengths != nullptr || p.mask.kind != MaskParams::Kind::kNone)) {

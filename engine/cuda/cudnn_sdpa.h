@@ -7,10 +7,11 @@
 // side, no GPU) rules out what cuDNN cannot compute exactly as
 // attention_params.h defines it: rows that see no key (answered with zeros
 // here, which cuDNN does not promise), fp32, head dims that are not
-// multiples of 8, causal with Lq > Lk, softcapping, a sliding window other
-// than with bottom-right causal alone (its diagonal band's left bound is
-// aligned to the lengths cuDNN is given), sinks with a mask (its sink
-// token, cuDNN 9.13 and newer), need_weights with sinks. Then cuDNN itself
+// multiples of 8, causal with Lq > Lk, softcapping, ALiBi (cuDNN's alibi
+// mask has its own fixed slopes), a sliding window other than with
+// bottom-right causal alone (its diagonal band's left bound is aligned to
+// the lengths cuDNN is given), sinks with a mask (its sink token, cuDNN
+// 9.13 and newer), need_weights with sinks. Then cuDNN itself
 // may refuse the graph (unsupported head dim, bias type, ...): the refusal
 // is cached with its shape and the engine's kernels serve it.
 //

@@ -101,6 +101,23 @@ __device__ __forceinline__ float Softcap(const AttentionParams& a, float scaled_
   return a.softcap > 0.0f ? a.softcap * tanhf(scaled_score / a.softcap) : scaled_score;
 }
 
+// ALiBi's bias (attention_params.h) of key j for the query at `position`:
+// slope * (j - position), the product rounded once and never contracted
+// into the sum it joins (j - position is exact in float), as the cpu engine
+// rounds it.
+__device__ __forceinline__ float AlibiBias(float slope, int64_t position, int64_t j) {
+  return __fmul_rn(slope, static_cast<float>(j - position));
+}
+
+// A softcapped score of key j for the query at `position` of head h, plus
+// ALiBi's bias when `a` has slopes (a.alibi_slopes a device array of
+// num_heads), to go before the mask.
+__device__ __forceinline__ float AddAlibi(const AttentionParams& a, int64_t h, int64_t position,
+                                          int64_t j, float score) {
+  if (a.alibi_slopes == nullptr) return score;
+  return score + AlibiBias(a.alibi_slopes[h], position, j);
+}
+
 // The scaled score after the mask for a key j < RowKeyEnd: -inf where a bool
 // mask forbids it, plus the additive mask value otherwise.
 __device__ __forceinline__ float ApplyMask(const MaskParams& m, int64_t b, int64_t h, int64_t i,

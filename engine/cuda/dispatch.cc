@@ -36,8 +36,8 @@ absl::StatusOr<const void*> ConvertOnDevice(Call& call, const void* data, DType 
 }
 
 // The device-side params of host-side `p`: its dims, causal flag, window,
-// chunk, scale and softcap. Every pointer (sinks too), dtype and stride is left for
-// the caller to set.
+// chunk, scale and softcap. Every pointer (sinks and ALiBi slopes too), dtype
+// and stride is left for the caller to set.
 AttentionParams DeviceParams(const AttentionParams& p) {
   AttentionParams a;
   a.batch = p.batch;
@@ -555,13 +555,14 @@ absl::StatusOr<SdpaRoute> RoutePagedPrefill(Call& call, const AttentionParams& p
 // strides), and enqueues `then` (the work that reads a.out). A split-KV
 // decode joins `decodes` with `then`, both enqueued at decodes.Flush; the
 // rest computes and enqueues `then` now. `p`: the task's host-side core
-// params over the new rows (its causal flag, scale, window, softcap and
-// host sinks are used). `route` (RoutePagedPrefill, or none): when it is
-// used, a's query and output have route.shape.q_rows rows per head in its
+// params over the new rows (its causal flag, scale, window, softcap, host
+// sinks and host ALiBi slopes are used; a's device sinks and slopes, when
+// set, come first). `route` (RoutePagedPrefill, or none): when it is used,
+// a's query and output have route.shape.q_rows rows per head in its
 // layout, the rows past q_len of the query zeros, and the attention
-// computes in route.shape.dtype. The block tables (and the sinks) are
-// uploaded through the call, so this makes the stream wait for every
-// upload so far.
+// computes in route.shape.dtype. The block tables (and the sinks and
+// slopes) are uploaded through the call, so this makes the stream wait for
+// every upload so far.
 absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams& p,
                          const AttentionParams& a, const SdpaRoute& route,
                          PagedDecodes& decodes, std::function<absl::Status()> then) {
@@ -578,6 +579,13 @@ absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams
         call.Upload(p.sinks, static_cast<size_t>(p.num_heads) * sizeof(float));
     if (!up.ok()) return up.status();
     sinks = static_cast<const float*>(*up);
+  }
+  const float* alibi_slopes = a.alibi_slopes;  // a projection layer's, uploaded
+  if (alibi_slopes == nullptr && p.alibi_slopes != nullptr) {  // a bare layer's, on the host
+    absl::StatusOr<void*> up =
+        call.Upload(p.alibi_slopes, static_cast<size_t>(p.num_heads) * sizeof(float));
+    if (!up.ok()) return up.status();
+    alibi_slopes = static_cast<const float*>(*up);
   }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
 
@@ -615,6 +623,7 @@ absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams
   c.chunk = p.chunk;
   c.softcap = p.softcap;
   c.sinks = sinks;
+  c.alibi_slopes = alibi_slopes;
   c.key_lengths = nullptr;
   c.mask = MaskParams{};
   c.weights = nullptr;
@@ -724,6 +733,12 @@ absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType co
     if (!sinks.ok()) return sinks.status();
     a.sinks = static_cast<const float*>(*sinks);
   }
+  if (p.alibi_slopes != nullptr) {  // the layer's, on the host
+    absl::StatusOr<void*> slopes =
+        call.Upload(p.alibi_slopes, static_cast<size_t>(p.num_heads) * sizeof(float));
+    if (!slopes.ok()) return slopes.status();
+    a.alibi_slopes = static_cast<const float*>(*slopes);
+  }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(call.UploadsDone());
   a.dtype = compute;
   absl::StatusOr<const void*> qc =
@@ -795,6 +810,14 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
         call.Upload(task.positions.data(), task.positions.size() * sizeof(int64_t));
     if (!uploaded.ok()) return uploaded.status();
     positions = static_cast<const int64_t*>(*uploaded);
+  }
+  // The layer's ALiBi slopes (LayerConfig keeps them on the host) join the
+  // device params; `routed` keeps the host pointer, which cuDNN refuses.
+  if (p.alibi_slopes != nullptr) {
+    absl::StatusOr<void*> slopes =
+        call.Upload(p.alibi_slopes, static_cast<size_t>(p.num_heads) * sizeof(float));
+    if (!slopes.ok()) return slopes.status();
+    a.alibi_slopes = static_cast<const float*>(*slopes);
   }
   // The layer's sinks (on the device) join the params; the route sees them.
   AttentionParams routed = p;

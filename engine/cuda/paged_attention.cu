@@ -193,6 +193,13 @@ __device__ __forceinline__ void DecodeBlock(const AttentionParams& a, int64_t ti
   int64_t pos[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) pos[r] = index_of(min(r, rows - 1)) + a.kv_len - a.q_len;
+  // Each row's ALiBi slope: its own head's (a tile's rows may span the
+  // group's heads); 0 for the rows past the tile, whose head may not exist.
+  float slope[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    slope[r] = a.alibi_slopes != nullptr && r < rows ? a.alibi_slopes[head_of(r)] : 0.0f;
+  }
   // The keys any row of the tile may see: the chunk, cut by the latest
   // row's causal (or two-sided window's) end and the earliest row's window
   // start (or attention chunk start).
@@ -277,8 +284,8 @@ __device__ __forceinline__ void DecodeBlock(const AttentionParams& a, int64_t ti
         }
       }
     }
-    // Scores after the scale, softcap and the row's visibility (-inf where
-    // it sees no such key).
+    // Scores after the scale, softcap, ALiBi's bias and the row's
+    // visibility (-inf where it sees no such key).
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const bool sees = r < rows && j < hi && !(a.causal && j > pos[r]) &&
@@ -287,6 +294,7 @@ __device__ __forceinline__ void DecodeBlock(const AttentionParams& a, int64_t ti
                         !(a.chunk > 0 && j < pos[r] / a.chunk * a.chunk);
       float sc = s[r] * a.scale;
       if (a.softcap > 0.0f) sc = a.softcap * tanhf(sc / a.softcap);
+      if (a.alibi_slopes != nullptr) sc += AlibiBias(slope[r], pos[r], j);
       s[r] = sees ? sc : -INFINITY;
     }
     // Per row: the tile's max, the new running max, the probabilities and

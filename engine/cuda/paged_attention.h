@@ -75,7 +75,8 @@ cudaError_t LaunchPagedGather(const AttentionParams& a, const PagedGatherOut& ou
 // (batch 1; a.k_blocks / a.v_blocks set, a.kv_len the whole cache; q in
 // a.dtype, the blocks' dtype, at its strides; out in a.out_dtype at its
 // strides). Every visibility rule of a session (attention_params.h):
-// causal bottom-right, sliding window, softcap, sinks (a.sinks a device
+// causal bottom-right, sliding window, softcap, ALiBi (a.alibi_slopes a
+// device array of num_heads slopes, or null), sinks (a.sinks a device
 // array of num_heads logits, or null), grouped-query heads. No mask, no
 // key_lengths, no weights. A row that sees no key gives zeros.
 //

@@ -1008,6 +1008,59 @@ TEST(CudaEngineTest, FusedKernelsServeWindowSoftcapAndSinksExactly) {
   WindowSoftcapAndSinksCases(engine, 20261127);
 }
 
+// BLOOM's ALiBi slopes for `heads` heads, 2^(-8 (h + 1) / heads): each
+// head's own, the steepest leaving keys far from the query negligible.
+std::vector<float> AlibiSlopes(int64_t heads) {
+  std::vector<float> slopes;
+  for (int64_t h = 0; h < heads; ++h) {
+    slopes.push_back(std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(heads)));
+  }
+  return slopes;
+}
+
+// 60 random requests (RandomCase in head layout: GQA, causal and not, Lq !=
+// Lk, masks, key lengths, weights; some with a window or sinks) on a bare
+// layer with ALiBi slopes for their heads (LayerConfig::alibi_slopes), on
+// `engine` (null: the default one) against the reference.
+void AlibiCases(AttentionEngine* engine, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::map<int64_t, AttentionLayer> layers;  // by query heads; kept for the whole run
+  for (int i = 0; i < 60; ++i) {
+    AttendCase c = RandomCase(rng, /*token_layout=*/false);
+    if (rng() % 3 == 0) c.window = Pick<int64_t>(rng, {1, 3, 16, 50});
+    if (rng() % 4 == 0) {
+      std::normal_distribution<float> sink(0.0f, 2.0f);
+      c.sinks.resize(static_cast<size_t>(c.heads));
+      for (float& x : c.sinks) x = sink(rng);
+    }
+    auto [it, fresh] = layers.try_emplace(c.heads, SdpaLayer());
+    if (fresh) it->second.config.alibi_slopes = AlibiSlopes(c.heads);
+    c.layer = &it->second;
+    SCOPED_TRACE(absl::StrCat("case ", i, " alibi"));
+    CompareWithReference(c, engine);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+// On the default engine: cuDNN refuses ALiBi (its alibi mask has fixed
+// slopes), so the unfused path and the general kernel serve it, in every
+// dtype, weights too.
+TEST(CudaEngineTest, AlibiMatchesReference) {
+  REQUIRE_GPU();
+  AlibiCases(nullptr, 20260301);
+}
+
+// On the fused kernels written here (ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1):
+// every case at head dim 64 or 128 without weights runs on
+// flash_attention.cu or flash_attention_fp32.cu.
+TEST(CudaEngineTest, FusedKernelsServeAlibiExactly) {
+  REQUIRE_GPU();
+  std::string why;
+  AttentionEngine* engine = ExperimentalEngine("kernels", &why);
+  ASSERT_NE(engine, nullptr) << why;
+  AlibiCases(engine, 20260302);
+}
+
 // The engine refuses an invalid task before touching any memory, and with it
 // the whole batch.
 TEST(CudaEngineTest, RejectsInvalidTasks) {
@@ -1576,6 +1629,7 @@ struct SessionOptionsForTest {
   float softcap = 0.0f;
   bool sinks = false;
   int64_t chunk = 0;  // the layer's attention_chunk (a causal layer)
+  bool alibi = false;  // the layer's ALiBi slopes (AlibiSlopes)
 };
 
 // An sdpa session fed `steps` new tokens at a time equals one causal request
@@ -1591,7 +1645,7 @@ void CheckSdpaSession(DType dtype, int64_t hq, int64_t hkv, int64_t dk, int64_t 
   SCOPED_TRACE(absl::StrCat(DTypeName(dtype).data(), " Hq", hq, " Hkv", hkv, " Dk", dk, " Dv",
                             dv, " block_tokens ", block_tokens, " window ", opt.window,
                             " softcap ", opt.softcap, opt.sinks ? " sinks" : "", " chunk ",
-                            opt.chunk));
+                            opt.chunk, opt.alibi ? " alibi" : ""));
   std::mt19937 rng(seed);
   int64_t len = 0;
   for (int64_t s : steps) len += s;
@@ -1608,6 +1662,7 @@ void CheckSdpaSession(DType dtype, int64_t hq, int64_t hkv, int64_t dk, int64_t 
     layer.config.causal = true;
     layer.config.attention_chunk = opt.chunk;
   }
+  if (opt.alibi) layer.config.alibi_slopes = AlibiSlopes(hq);
 
   Tensor want(DType::kFloat32, {1, hq, len, dv});
   AttentionTask full;
@@ -1773,6 +1828,44 @@ TEST(CudaEngineTest, SdpaSessionDecodeTilesAndChunks) {
   CheckSdpaSession(DType::kBFloat16, 8, 8, 256, 256, 16, steps, {}, 401);
   if (HasFailure()) return;
   CheckSdpaSession(DType::kFloat16, 6, 3, 36, 20, 16, steps, {.window = 300, .sinks = true}, 402);
+}
+
+// ALiBi over sessions, whose rows sit after the cached tokens (the bias
+// counts from each row's position in the whole sequence): a bare layer's
+// prefill (gathered, then the core kernels), decode steps and an append
+// (the split-KV decode, its tiles spanning a group's heads), with a window
+// and sinks too, in every dtype; then a projection layer with ALiBi, its
+// stateless requests and a session, in every precision.
+TEST(CudaEngineTest, AlibiSessionsAndProjectionLayersMatchReference) {
+  REQUIRE_GPU();
+  uint32_t seed = 700;
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    CheckSdpaSession(dtype, 8, 2, 64, 64, 16, SessionSteps(), {.alibi = true}, ++seed);
+    CheckSdpaSession(dtype, 6, 3, 36, 20, 64, SessionSteps(),
+                     {.window = 9, .sinks = true, .alibi = true}, ++seed);
+    if (HasFailure()) return;
+  }
+  std::mt19937 rng(710);
+  for (Precision precision : {Precision::kFloat32, Precision::kBFloat16, Precision::kFloat16}) {
+    SCOPED_TRACE(absl::StrCat("alibi projection layer, precision ", static_cast<int>(precision)));
+    AttentionLayer layer = ProjectionLayer(256, 4, 2, 256, 256, true, precision, rng);
+    layer.config.alibi_slopes = AlibiSlopes(4);
+    ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
+    std::vector<std::unique_ptr<TaskBuffers>> tasks;
+    for (int i = 0; i < 4; ++i) {
+      tasks.push_back(RandomTask(layer.config, rng, DType::kFloat32, i % 2 == 0));
+    }
+    const Tolerance tol = precision == Precision::kFloat32   ? Tolerance{1e-4, 1e-4}
+                          : precision == Precision::kFloat16 ? Tolerance{1.5e-2, 2e-2}
+                                                             : Tolerance{6e-2, 6e-2};
+    CompareRun(layer, tasks, tol);
+    if (HasFatalFailure()) return;
+    const DType dtype = precision == Precision::kFloat32   ? DType::kFloat32
+                        : precision == Precision::kFloat16 ? DType::kFloat16
+                                                           : DType::kBFloat16;
+    CheckProjectionSession(layer, dtype, tol, SessionSteps(), rng);
+    if (HasFailure()) return;
+  }
 }
 
 // Sessions stepped from several threads at once, as the server's batchers

@@ -3,7 +3,8 @@
 // serve: every dtype and head dim, per-head weights) compiled for the host
 // and run on warp_emulator.h against float64 attention (attention_oracle.h):
 // every rule (masks, key lengths, the token layout, windows, softcapping,
-// sinks, another output dtype) in the three dtypes, outputs and weights.
+// sinks, ALiBi, another output dtype) in the three dtypes, outputs and
+// weights.
 // Checked without a GPU; cuda_engine_test runs it on one.
 #include "tests/unit/engine/cuda/warp_emulator.h"  // first: it stands in for the device
 
@@ -21,6 +22,26 @@ namespace {
 
 using oracle::Case;
 
+// Case c on the kernel, with per-head weights when asked, checked against
+// float64.
+void RunAndCompare(const Case& c, bool weights, std::mt19937& rng) {
+  SCOPED_TRACE(c.Describe() + (weights ? " weights" : ""));
+  oracle::Inputs in = oracle::MakeInputs(c, rng);
+  std::vector<float> w(c.batch * c.heads * c.q_len * c.kv_len, std::nanf(""));
+  AttentionParams a = in.params;
+  if (weights) {
+    a.weights = w.data();
+    a.weights_dtype = DType::kFloat32;
+  }
+  ASSERT_EQ(LaunchAttentionGeneral(a, /*stream=*/nullptr), cudaSuccess);
+  EXPECT_EQ(oracle::CompareWithFloat64(in, in.out.data()), 0) << "outputs off float64";
+  if (weights) {
+    // All in fp32: the scores' sums and exp, about 1e-6 relative.
+    EXPECT_EQ(oracle::CompareWeightsWithFloat64(in, w.data(), DType::kFloat32, 1e-6, 1e-5), 0)
+        << "weights off float64";
+  }
+}
+
 TEST(AttentionGeneralEmulated, EveryRuleInEveryDtypeMatchesFloat64) {
   std::mt19937 rng(21);
   int n = 0;
@@ -28,22 +49,20 @@ TEST(AttentionGeneralEmulated, EveryRuleInEveryDtypeMatchesFloat64) {
     for (Case c : oracle::RuleCases({dtype})) {
       // A head dim the fused kernels do not take, on every other case.
       if (n % 2 == 1) c.dim = 40;
-      const bool weights = n++ % 2 == 0;
-      SCOPED_TRACE(c.Describe() + (weights ? " weights" : ""));
-      oracle::Inputs in = oracle::MakeInputs(c, rng);
-      std::vector<float> w(c.batch * c.heads * c.q_len * c.kv_len, std::nanf(""));
-      AttentionParams a = in.params;
-      if (weights) {
-        a.weights = w.data();
-        a.weights_dtype = DType::kFloat32;
-      }
-      ASSERT_EQ(LaunchAttentionGeneral(a, /*stream=*/nullptr), cudaSuccess);
-      EXPECT_EQ(oracle::CompareWithFloat64(in, in.out.data()), 0) << "outputs off float64";
-      if (weights) {
-        // All in fp32: the scores' sums and exp, about 1e-6 relative.
-        EXPECT_EQ(oracle::CompareWeightsWithFloat64(in, w.data(), DType::kFloat32, 1e-6, 1e-5), 0)
-            << "weights off float64";
-      }
+      RunAndCompare(c, /*weights=*/n++ % 2 == 0, rng);
+    }
+  }
+}
+
+// ALiBi with every rule it meets (oracle::AlibiCases) in the three dtypes,
+// outputs and weights.
+TEST(AttentionGeneralEmulated, AlibiInEveryDtypeMatchesFloat64) {
+  std::mt19937 rng(23);
+  int n = 0;
+  for (const DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (Case c : oracle::AlibiCases({dtype})) {
+      if (n % 2 == 1) c.dim = 40;
+      RunAndCompare(c, /*weights=*/n++ % 2 == 0, rng);
     }
   }
 }

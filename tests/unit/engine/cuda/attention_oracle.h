@@ -1,8 +1,8 @@
 // Attention requests for the fused kernels' tests, and their float64 oracle
 // written straight from attention_params.h's definition: causal
 // (bottom-right), sliding window, key lengths, bool and additive masks
-// through broadcast strides, softcapping, sinks, grouped-query heads, the
-// head and token layouts. Shared by the GPU test (fused_attention_test.cc)
+// through broadcast strides, softcapping, sinks, ALiBi, grouped-query heads,
+// the head and token layouts. Shared by the GPU test (fused_attention_test.cc)
 // and their CPU emulations (flash_attention*_emulated_test.cc).
 #ifndef ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_ATTENTION_ORACLE_H_
 #define ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_ATTENTION_ORACLE_H_
@@ -36,6 +36,7 @@ struct Case {
   int64_t window = 0;
   float softcap = 0.0f;
   bool sinks = false;
+  bool alibi = false;  // ALiBi slopes (AlibiSlope), one per query head
 
   DType OutDType() const { return out_dtype == DType::kBool ? dtype : out_dtype; }
   std::string Describe() const {
@@ -45,9 +46,17 @@ struct Case {
            (causal ? " causal" : "") + (token_layout ? " tokens" : " heads") +
            (lengths ? " lengths" : "") + " mask " + std::to_string(static_cast<int>(mask)) +
            " window " + std::to_string(window) + " softcap " + std::to_string(softcap) +
-           (sinks ? " sinks" : "") + " out " + std::string(DTypeName(OutDType()));
+           (sinks ? " sinks" : "") + (alibi ? " alibi" : "") + " out " +
+           std::string(DTypeName(OutDType()));
   }
 };
+
+// Head h's ALiBi slope among `heads`: BLOOM's 2^(-8 (h + 1) / heads), each
+// head's own, the steepest (head 0) enough to make keys far from the query
+// negligible and the flattest a small tilt over a few hundred keys.
+inline float AlibiSlope(int64_t h, int64_t heads) {
+  return std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(heads));
+}
 
 // A case of that shape in `dtype` (output too), head layout, no mask.
 inline Case MakeCase(DType dtype, int64_t batch, int64_t heads, int64_t kv_heads, int64_t q_len,
@@ -72,6 +81,7 @@ struct Inputs {
   std::vector<float> q, k, v;
   std::vector<int64_t> lengths;
   std::vector<float> sinks;
+  std::vector<float> alibi_slopes;
   std::vector<uint8_t> bool_mask;
   std::vector<float> add_mask;
   std::vector<uint8_t> out;  // OutDType(), filled with NaN bytes
@@ -106,6 +116,9 @@ inline Inputs MakeInputs(const Case& c, std::mt19937& rng) {
     if (c.batch > 1) in.lengths[1] = 0;  // a sequence with no keys: zeros
   }
   for (int64_t h = 0; h < c.heads && c.sinks; ++h) in.sinks.push_back(-1.0f + 0.7f * h);
+  for (int64_t h = 0; h < c.heads && c.alibi; ++h) {
+    in.alibi_slopes.push_back(AlibiSlope(h, c.heads));
+  }
   AttentionParams& a = in.params;
   // Masks: bool [B, 1, Lq, Lk] (every fifth key of each row blocked, row 1
   // blocked whole), additive [1, H, 1, Lk] (a head-dependent ramp, -inf on
@@ -155,6 +168,7 @@ inline Inputs MakeInputs(const Case& c, std::mt19937& rng) {
   a.out = in.out.data();
   if (c.lengths) a.key_lengths = in.lengths.data();
   if (c.sinks) a.sinks = in.sinks.data();
+  if (c.alibi) a.alibi_slopes = in.alibi_slopes.data();
   return in;
 }
 
@@ -210,10 +224,55 @@ inline std::vector<Case> RuleCases(const std::vector<DType>& dtypes) {
   return cases;
 }
 
+// ALiBi cases for the CPU emulations of the kernels, with the rules it meets
+// in a model's layers: causal and not, grouped-query heads, Lq < Lk (rows
+// at positions past their index, where j - position is what counts) and
+// Lq > Lk, a sliding window that skips key tiles, sinks, softcapping, both
+// masks, key lengths, the token layout, another output dtype; 2 and 4
+// heads; the dtypes in turn.
+inline std::vector<Case> AlibiCases(const std::vector<DType>& dtypes) {
+  struct Variant {
+    bool causal;
+    int64_t heads, kv_heads, q_len, kv_len, dim;
+    Mask mask;
+    bool lengths, token_layout;
+    int64_t window;
+    float softcap;
+    bool sinks;
+  };
+  const Variant variants[] = {
+      {true, 4, 2, 48, 200, 64, Mask::kNone, false, false, 0, 0.0f, false},
+      {false, 2, 2, 40, 170, 128, Mask::kAdditivePerHead, true, true, 0, 0.0f, false},
+      {true, 4, 1, 60, 230, 64, Mask::kNone, false, false, 70, 0.0f, true},
+      {true, 2, 2, 50, 190, 128, Mask::kBoolPerBatch, false, false, 0, 5.0f, false},
+      // Lq > Lk with a two-sided window: the first rows see no key.
+      {false, 2, 1, 140, 90, 64, Mask::kNone, false, false, 30, 0.0f, true},
+  };
+  std::vector<Case> cases;
+  int n = 0;
+  for (const Variant& v : variants) {
+    Case c = MakeCase(dtypes[n % dtypes.size()], v.lengths ? 2 : 1, v.heads, v.kv_heads, v.q_len,
+                      v.kv_len, v.dim, v.causal);
+    // Case 3 writes another dtype than it reads.
+    if (n == 3) c.out_dtype = c.dtype == DType::kFloat32 ? DType::kFloat16 : DType::kFloat32;
+    c.mask = v.mask;
+    c.lengths = v.lengths;
+    c.token_layout = v.token_layout;
+    c.window = v.window;
+    c.softcap = v.softcap;
+    c.scale = v.softcap > 0.0f ? 0.5f : 0.0f;  // scores large enough for the cap to bend
+    c.sinks = v.sinks;
+    c.alibi = true;
+    cases.push_back(c);
+    ++n;
+  }
+  return cases;
+}
+
 // Row i of head h, batch b: the logits t[j] of the keys it sees (scaled
-// score, softcapped, plus the additive mask), -inf for the keys it does not
-// (key lengths, causal, window, bool mask, -inf additive mask); returns
-// whether it sees any.
+// score, softcapped, plus ALiBi's slope_h * (j - position), plus the
+// additive mask), -inf for the keys it does not (key lengths, causal,
+// window, bool mask, -inf additive mask); returns whether it sees any.
 inline bool RowLogits(const Inputs& in, int64_t b, int64_t h, int64_t i, std::vector<double>* t) {
   const Case& c = in.c;
   const AttentionParams& a = in.params;
@@ -237,6 +296,9 @@ inline bool RowLogits(const Inputs& in, int64_t b, int64_t h, int64_t i, std::ve
     for (int64_t d = 0; d < c.dim; ++d) dot += static_cast<double>(qi[d]) * kj[d];
     double logit = dot * static_cast<double>(a.scale);  // the scale as the kernel has it
     if (c.softcap > 0.0f) logit = c.softcap * std::tanh(logit / c.softcap);
+    if (c.alibi) {
+      logit += static_cast<double>(in.alibi_slopes[h]) * static_cast<double>(j - position);
+    }
     (*t)[j] = logit + extra;
     sees = true;
   }

@@ -162,8 +162,8 @@ TEST(SdpaRefusalTest, TakesFp16AndBf16AndNamesWhatItRefuses) {
 }
 
 // Sliding windows go to cuDNN's band only with bottom-right causal alone;
-// sinks without a mask; softcapping never (the kernels written here serve
-// the rest).
+// sinks without a mask; softcapping and ALiBi never (the kernels written
+// here serve the rest).
 TEST(SdpaRefusalTest, LayerFeaturesCudnnComputesAndTheRest) {
   AttentionParams window = Eligible();
   window.window = 64;
@@ -193,6 +193,14 @@ TEST(SdpaRefusalTest, LayerFeaturesCudnnComputesAndTheRest) {
   AttentionParams softcap = Eligible();
   softcap.softcap = 50.0f;
   EXPECT_THAT(SdpaRefusal(softcap, DType::kBFloat16).value_or(""), HasSubstr("softcapping"));
+
+  // cuDNN's alibi mask has its own slopes, not the layer's.
+  const float slopes[8] = {0.5f, 0.25f, 0.125f, 0.0625f, 0.03125f, 0.015625f, 0.0078125f,
+                           0.00390625f};
+  AttentionParams alibi = Eligible();
+  alibi.alibi_slopes = slopes;
+  EXPECT_THAT(SdpaRefusal(alibi, DType::kFloat16).value_or(""), HasSubstr("ALiBi"));
+  EXPECT_THAT(SdpaRefusal(alibi, DType::kBFloat16).value_or(""), HasSubstr("ALiBi"));
 }
 
 TEST(CudnnSdpaTest, SequenceLengthsOnlyWhenThePlanMasksPadding) {

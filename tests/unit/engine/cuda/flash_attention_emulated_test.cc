@@ -1,8 +1,8 @@
 // The fused fp16/bf16 kernel (engine/cuda/flash_attention.cu, its source
 // compiled here for the host) run on the CPU by warp_emulator.h, against
 // float64 attention over the same rounded inputs (attention_oracle.h): its
-// tile loops, index arithmetic, masks, windows, softcapping, sinks and the
-// online softmax, checked without a GPU (flash_attention_fp32_emulated_test
+// tile loops, index arithmetic, masks, windows, softcapping, sinks, ALiBi
+// and the online softmax, checked without a GPU (flash_attention_fp32_emulated_test
 // does the same for the fp32 kernel; fused_attention_test runs both on a
 // GPU). Small shapes: one CUDA thread is one std::thread.
 #include "tests/unit/engine/cuda/warp_emulator.h"  // first: it stands in for the device
@@ -83,6 +83,16 @@ TEST(FlashKernelEmulated, MatchesFloat64OnTileShapes) {
 TEST(FlashKernelEmulated, MatchesFloat64WithMasksWindowsSoftcapAndSinks) {
   std::mt19937 rng(26);
   for (const Case& c : oracle::RuleCases({DType::kBFloat16, DType::kFloat16})) {
+    EmulateAndCompare(c, rng);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// ALiBi, causal and not, with GQA, Lq < Lk and Lq > Lk, a window, sinks,
+// softcapping, masks and key lengths (oracle::AlibiCases).
+TEST(FlashKernelEmulated, MatchesFloat64WithAlibi) {
+  std::mt19937 rng(27);
+  for (const Case& c : oracle::AlibiCases({DType::kFloat16, DType::kBFloat16})) {
     EmulateAndCompare(c, rng);
     if (HasFatalFailure()) return;
   }

@@ -1,7 +1,7 @@
 // The fused fp32 kernel (engine/cuda/flash_attention_fp32.cu, its source
 // compiled here for the host) run on the CPU by warp_emulator.h, against
 // float64 attention (attention_oracle.h): its tile loops, index arithmetic,
-// masks, windows, softcapping, sinks and the online softmax, checked
+// masks, windows, softcapping, sinks, ALiBi and the online softmax, checked
 // without a GPU. What the emulation cannot check (its fragment layouts come
 // from the same reading of the PTX ISA as the kernel's) fused_attention_test
 // checks on a GPU. Small shapes: one CUDA thread is one std::thread.
@@ -67,6 +67,16 @@ TEST(FusedFp32KernelEmulated, MatchesFloat64OnTileShapes) {
 TEST(FusedFp32KernelEmulated, MatchesFloat64WithMasksWindowsSoftcapAndSinks) {
   std::mt19937 rng(16);
   for (const Case& c : oracle::RuleCases({DType::kFloat32})) {
+    EmulateAndCompare(c, rng);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// ALiBi, causal and not, with GQA, Lq < Lk and Lq > Lk, a window, sinks,
+// softcapping, masks and key lengths (oracle::AlibiCases).
+TEST(FusedFp32KernelEmulated, MatchesFloat64WithAlibi) {
+  std::mt19937 rng(17);
+  for (const Case& c : oracle::AlibiCases({DType::kFloat32})) {
     EmulateAndCompare(c, rng);
     if (HasFatalFailure()) return;
   }

@@ -3,7 +3,7 @@
 // the split-KV decode over paged K/V against float64 attention over the
 // same cache (attention_oracle.h), through every rule of a session (causal
 // bottom-right, grouped-query heads, a sliding window, softcapping, sinks,
-// Dv != Dk), a decode of many chunks, and a batch of requests sharing one
+// ALiBi, Dv != Dk), a decode of many chunks, and a batch of requests sharing one
 // launch giving each request's bits alone; append and gather round-trip a
 // cache. Checked without a GPU; cuda_engine_test runs them on one.
 #include "tests/unit/engine/cuda/warp_emulator.h"  // first: it stands in for the device
@@ -103,6 +103,37 @@ TEST(PagedDecodeEmulated, MatchesFloat64ForEverySessionRule) {
       // A multi-row append with a two-sided window (not causal) narrower
       // than the append, so that it cuts keys after a row too.
       if (n == 7) c.causal = false, c.window = 5;
+      SCOPED_TRACE(c.Describe());
+      Session s = MakeSession(c, n % 2 == 0 ? 16 : 64, rng);
+      ASSERT_TRUE(PagedDecodeSupports(s.params));
+      ASSERT_EQ(LaunchPagedDecode(s.params, s.scratch.data(), nullptr), cudaSuccess);
+      EXPECT_EQ(oracle::CompareWithFloat64(s.in, s.in.out.data()), 0);
+      if (HasFatalFailure()) return;
+      ++n;
+    }
+  }
+}
+
+// ALiBi over a session's cache: decode steps and multi-row appends whose
+// rows sit after the cached tokens (query i at position kv_len - q_len + i,
+// which the bias counts from), decode tiles whose rows span a group's heads
+// (each row its own head's slope), keys split into several chunks, with a
+// window (one two-sided), softcapping and sinks, in the three dtypes.
+TEST(PagedDecodeEmulated, MatchesFloat64WithAlibi) {
+  std::mt19937 rng(38);
+  int n = 0;
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (auto [heads, kv_heads, q_len, kv_len, dim] :
+         {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{8, 2, 1, 300, 64},
+          {6, 3, 5, 200, 64},
+          {4, 4, 16, 150, 128},
+          {8, 2, 3, 700, 128}}) {
+      Case c = SessionCase(dtype, heads, kv_heads, q_len, kv_len, dim);
+      c.alibi = true;
+      if (n % 3 == 1) c.window = 50;
+      if (n % 4 == 2) c.softcap = 5.0f, c.scale = 0.5f;
+      if (n % 5 == 3) c.sinks = true;
+      if (n == 5) c.causal = false, c.window = 5;  // a two-sided window within the append
       SCOPED_TRACE(c.Describe());
       Session s = MakeSession(c, n % 2 == 0 ? 16 : 64, rng);
       ASSERT_TRUE(PagedDecodeSupports(s.params));

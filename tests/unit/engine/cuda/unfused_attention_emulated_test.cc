@@ -139,6 +139,32 @@ TEST(UnfusedAttentionEmulated, Fp32RulesWithinOneInOneHundredThousandOfFloat64) 
   }
 }
 
+// ALiBi through the softmax (oracle::AlibiCases in fp32: causal and not,
+// masks, key lengths, a window, softcapping, sinks, rows in shared memory
+// and not) and with the causal row blocks, on both GEMM paths, weights on
+// every other.
+TEST(UnfusedAttentionEmulated, AlibiWithinOneInOneHundredThousandOfFloat64) {
+  std::mt19937 rng(14);
+  std::vector<Case> cases = oracle::AlibiCases({DType::kFloat32});
+  Case blocks = MakeCase(DType::kFloat32, 1, 2, 1, 512, 560, 32, true);
+  blocks.alibi = true;
+  cases.push_back(blocks);
+  int n = 0;
+  for (const Case& c : cases) {
+    for (const auto gemm : {UnfusedAttention::Gemm::k3xTf32, UnfusedAttention::Gemm::kFp32}) {
+      EnqueueAndCompare(gemm, c, /*weights=*/n++ % 2 == 0, rng);
+    }
+  }
+  // Weights from row statistics are not for ALiBi: their source, cuDNN,
+  // refuses it (SdpaRefusal).
+  Case half = MakeCase(DType::kFloat16, 1, 2, 1, 24, 77, 64, true);
+  half.alibi = true;
+  oracle::Inputs in = oracle::MakeInputs(half, rng);
+  std::vector<float> w = NanWeights(half);
+  in.params.weights = w.data();
+  EXPECT_FALSE(UnfusedAttention::SupportsWeights(in.params));
+}
+
 // The row blocks: exact, and their GEMMs do a little over half the work of
 // the whole score matrix (what they are for), on both GEMM paths.
 TEST(UnfusedAttentionEmulated, CausalRowBlocksAreExactAndSkipTheMaskedHalf) {
