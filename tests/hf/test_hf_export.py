@@ -2198,7 +2198,7 @@ class _Config:
     # clamps every feature to 0 with 0), or with a QK-norm in another order
     # than OLMoE's (its norm, then the clamp, before RoPE).
     (lambda: _StandIn(_Config(model_type="llama", rope_theta=1e4, clip_qkv=8.0)),
-     ["QKV clipping (clip_qkv=8.0) in a model of type 'llama'", "served: dbrx, olmo, olmoe"]),
+     ["QKV clipping (clip_qkv=8.0) in a model of type 'llama'", "served: dbrx, mpt, olmo, olmoe"]),
     (lambda: _StandIn(_Config(model_type="olmo", rope_theta=1e4, clip_qkv=0.0)),
      ["QKV clipping with clip_qkv=0.0", "finite clip_qkv > 0"]),
     (lambda: _StandIn(_Config(model_type="olmo", rope_theta=1e4, clip_qkv=8.0),
