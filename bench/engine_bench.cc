@@ -135,23 +135,30 @@ struct FusedCoreInputs {
 // The fused attention core (what nn.MultiheadAttention calls between its
 // projections; non-causal, no mask), on inputs in head layout or (`Inputs` =
 // FusedCoreInputs) as the engine's fused projection leaves them.
+// Times the flash kernel on `p` at `threads`; false (the state skipped with
+// the error) when the kernel refuses it.
+bool TimeFlash(benchmark::State& state, const AttentionParams& p, int threads) {
+  cpu::FlashOptions opt;
+  opt.num_threads = threads;
+  if (absl::Status st = cpu::FlashAttention({p}, opt); !st.ok()) {
+    state.SkipWithError(std::string(st.message()).c_str());
+    return false;
+  }
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(cpu::FlashAttention({p}, opt));
+    benchmark::ClobberMemory();
+  }
+  state.SetLabel(std::string(cpu::CpuIsaName(*cpu::FlashIsaFor(p, opt))));
+  return true;
+}
+
 template <typename Inputs = CoreInputs>
 void BM_Core(benchmark::State& state, BenchShape s, DType dtype, int threads) {
   Inputs in(s, dtype);
-  cpu::FlashOptions opt;
-  opt.num_threads = threads;
-  if (absl::Status st = cpu::FlashAttention({in.p}, opt); !st.ok()) {
-    state.SkipWithError(std::string(st.message()).c_str());
-    return;
-  }
-  for (auto _ : state) {
-    benchmark::DoNotOptimize(cpu::FlashAttention({in.p}, opt));
-    benchmark::ClobberMemory();
-  }
+  if (!TimeFlash(state, in.p, threads)) return;
   state.counters["GFLOPs"] = benchmark::Counter(CoreFlops(s), benchmark::Counter::kIsIterationInvariantRate);
   const double kv_bytes = 2.0 * s.batch * s.heads * s.kv_len * s.head_dim * DTypeSize(dtype);
   state.counters["GBps"] = benchmark::Counter(kv_bytes, benchmark::Counter::kIsIterationInvariantRate);
-  state.SetLabel(std::string(cpu::CpuIsaName(*cpu::FlashIsaFor(in.p, opt))));
 }
 
 // The causal core, plain or with ALiBi (BLOOM's slopes, 2^-8h/H: head h's
@@ -164,17 +171,7 @@ void BM_CoreCausal(benchmark::State& state, BenchShape s, DType dtype, int threa
     slopes.push_back(std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(s.heads)));
   }
   if (alibi) in.p.alibi_slopes = slopes.data();
-  cpu::FlashOptions opt;
-  opt.num_threads = threads;
-  if (absl::Status st = cpu::FlashAttention({in.p}, opt); !st.ok()) {
-    state.SkipWithError(std::string(st.message()).c_str());
-    return;
-  }
-  for (auto _ : state) {
-    benchmark::DoNotOptimize(cpu::FlashAttention({in.p}, opt));
-    benchmark::ClobberMemory();
-  }
-  state.SetLabel(std::string(cpu::CpuIsaName(*cpu::FlashIsaFor(in.p, opt))));
+  TimeFlash(state, in.p, threads);
 }
 
 // The GEMM ceiling of the core: oneDNN's batched matmuls S = Q K^T and

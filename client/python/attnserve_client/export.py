@@ -7,7 +7,8 @@ Recognised modules:
   * Hugging Face style: q_proj, k_proj, v_proj and o_proj (or out_proj / dense)
     nn.Linear children (layout SEPARATE_QKV; grouped-query heads).
   * One fused linear: `query_key_value` + `dense` (GPT-NeoX / Bloom, output laid
-    out per head: layout FUSED_QKV_PER_HEAD), or `qkv` + `proj`/`out_proj` with
+    out per head: layout FUSED_QKV_PER_HEAD; Falcon's multi-query and grouped
+    layouts as three projections), or `qkv` + `proj`/`out_proj` with
     qkv_layout="per_head" (reshape [B, L, H, 3*hd]) or "packed" ([q | k | v],
     as timm does: exported as TORCH_MHA), or rows [q | k | v] with
     grouped-query widths: Phi-3's `qkv_proj` + `o_proj`, DBRX's `Wqkv` +
