@@ -273,7 +273,7 @@ class _Rows:
     rows `index` lists), as a Linear of its own (weight, bias, in_features,
     out_features)."""
 
-    def __init__(self, linear, start, stop, index=None):
+    def __init__(self, linear, start=None, stop=None, index=None):
         rows = slice(start, stop) if index is None else torch.as_tensor(index)
         self.weight = linear.weight[rows]
         self.bias = linear.bias[rows] if linear.bias is not None else None
@@ -285,7 +285,8 @@ def _describe_falcon(module, qkv, num_heads, head_dim):
     FalconAttention._split_heads): with new_decoder_architecture (Falcon-40B,
     180B) a group of rows per KV head, [its queries | its key | its value];
     with multi_query (Falcon-7B) [every query | one key | one value]; else
-    [q_h | k_h | v_h] per head. Served as the three projections they are."""
+    [q_h | k_h | v_h] per head. The first two are exported as the three
+    projections they are, the third as FUSED_QKV_PER_HEAD."""
     config = getattr(module, "config", None)
     o = _linear(module, "dense")
     if o is None:
@@ -295,7 +296,9 @@ def _describe_falcon(module, qkv, num_heads, head_dim):
     if _config_value(config, "new_decoder_architecture"):
         hkv = int(module.num_kv_heads)
         group = h // hkv
-        rows = lambda g, i: range((g * (group + 2) + i) * hd, (g * (group + 2) + i + 1) * hd)
+
+        def rows(g, i):  # the i-th head_dim rows of KV head g's group
+            return range((g * (group + 2) + i) * hd, (g * (group + 2) + i + 1) * hd)
         q = [r for g in range(hkv) for i in range(group) for r in rows(g, i)]
         k = [r for g in range(hkv) for r in rows(g, group)]
         v = [r for g in range(hkv) for r in rows(g, group + 1)]
@@ -308,7 +311,7 @@ def _describe_falcon(module, qkv, num_heads, head_dim):
     if qkv.out_features != (h + 2 * hkv) * hd:
         raise ExportError(f"query_key_value has {qkv.out_features} outputs, not (num_heads {h} "
                           f"+ 2 * num_kv_heads {hkv}) * head_dim {hd}")
-    parts = (_Rows(qkv, 0, 0, index) for index in (q, k, v))
+    parts = (_Rows(qkv, index=index) for index in (q, k, v))
     return _describe_separate(module, *parts, o, "dense", h, hkv, hd)
 
 
