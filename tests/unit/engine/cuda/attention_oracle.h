@@ -224,48 +224,23 @@ inline std::vector<Case> RuleCases(const std::vector<DType>& dtypes) {
   return cases;
 }
 
-// ALiBi cases for the CPU emulations of the kernels, with the rules it meets
-// in a model's layers: causal and not, grouped-query heads, Lq < Lk (rows
-// at positions past their index, where j - position is what counts) and
-// Lq > Lk, a sliding window that skips key tiles, sinks, softcapping, both
-// masks, key lengths, the token layout, another output dtype; 2 and 4
-// heads; the dtypes in turn.
+// ALiBi cases for the CPU emulations of the kernels: every rule case
+// (RuleCases: causal and not, masks, key lengths, the token layout, another
+// output dtype, windows, softcapping, sinks, Lq < Lk, where j - position is
+// what counts) with slopes, and two more: four query heads over one kv head
+// (a group's rows, each its own slope) with a window and sinks, and Lq > Lk
+// with a two-sided window (the first rows see no key).
 inline std::vector<Case> AlibiCases(const std::vector<DType>& dtypes) {
-  struct Variant {
-    bool causal;
-    int64_t heads, kv_heads, q_len, kv_len, dim;
-    Mask mask;
-    bool lengths, token_layout;
-    int64_t window;
-    float softcap;
-    bool sinks;
-  };
-  const Variant variants[] = {
-      {true, 4, 2, 48, 200, 64, Mask::kNone, false, false, 0, 0.0f, false},
-      {false, 2, 2, 40, 170, 128, Mask::kAdditivePerHead, true, true, 0, 0.0f, false},
-      {true, 4, 1, 60, 230, 64, Mask::kNone, false, false, 70, 0.0f, true},
-      {true, 2, 2, 50, 190, 128, Mask::kBoolPerBatch, false, false, 0, 5.0f, false},
-      // Lq > Lk with a two-sided window: the first rows see no key.
-      {false, 2, 1, 140, 90, 64, Mask::kNone, false, false, 30, 0.0f, true},
-  };
-  std::vector<Case> cases;
-  int n = 0;
-  for (const Variant& v : variants) {
-    Case c = MakeCase(dtypes[n % dtypes.size()], v.lengths ? 2 : 1, v.heads, v.kv_heads, v.q_len,
-                      v.kv_len, v.dim, v.causal);
-    // Case 3 writes another dtype than it reads.
-    if (n == 3) c.out_dtype = c.dtype == DType::kFloat32 ? DType::kFloat16 : DType::kFloat32;
-    c.mask = v.mask;
-    c.lengths = v.lengths;
-    c.token_layout = v.token_layout;
-    c.window = v.window;
-    c.softcap = v.softcap;
-    c.scale = v.softcap > 0.0f ? 0.5f : 0.0f;  // scores large enough for the cap to bend
-    c.sinks = v.sinks;
-    c.alibi = true;
-    cases.push_back(c);
-    ++n;
-  }
+  std::vector<Case> cases = RuleCases(dtypes);
+  Case grouped = MakeCase(dtypes.front(), 1, 4, 1, 60, 230, 64, /*causal=*/true);
+  grouped.window = 70;
+  grouped.sinks = true;
+  Case wide = MakeCase(dtypes.back(), 1, 2, 1, 140, 90, 64, /*causal=*/false);
+  wide.window = 30;
+  wide.sinks = true;
+  cases.push_back(grouped);
+  cases.push_back(wide);
+  for (Case& c : cases) c.alibi = true;
   return cases;
 }
 

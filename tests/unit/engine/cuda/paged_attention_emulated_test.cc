@@ -85,6 +85,16 @@ Case SessionCase(DType dtype, int64_t heads, int64_t kv_heads, int64_t q_len, in
   return oracle::MakeCase(dtype, 1, heads, kv_heads, q_len, kv_len, dim, /*causal=*/true);
 }
 
+// Case c's session (blocks of `block_tokens`) on the split-KV decode,
+// against float64.
+void DecodeAndCompare(const Case& c, int64_t block_tokens, std::mt19937& rng) {
+  SCOPED_TRACE(c.Describe());
+  Session s = MakeSession(c, block_tokens, rng);
+  ASSERT_TRUE(PagedDecodeSupports(s.params));
+  ASSERT_EQ(LaunchPagedDecode(s.params, s.scratch.data(), nullptr), cudaSuccess);
+  EXPECT_EQ(oracle::CompareWithFloat64(s.in, s.in.out.data()), 0);
+}
+
 TEST(PagedDecodeEmulated, MatchesFloat64ForEverySessionRule) {
   std::mt19937 rng(35);
   int n = 0;
@@ -103,11 +113,7 @@ TEST(PagedDecodeEmulated, MatchesFloat64ForEverySessionRule) {
       // A multi-row append with a two-sided window (not causal) narrower
       // than the append, so that it cuts keys after a row too.
       if (n == 7) c.causal = false, c.window = 5;
-      SCOPED_TRACE(c.Describe());
-      Session s = MakeSession(c, n % 2 == 0 ? 16 : 64, rng);
-      ASSERT_TRUE(PagedDecodeSupports(s.params));
-      ASSERT_EQ(LaunchPagedDecode(s.params, s.scratch.data(), nullptr), cudaSuccess);
-      EXPECT_EQ(oracle::CompareWithFloat64(s.in, s.in.out.data()), 0);
+      DecodeAndCompare(c, n % 2 == 0 ? 16 : 64, rng);
       if (HasFatalFailure()) return;
       ++n;
     }
@@ -134,11 +140,7 @@ TEST(PagedDecodeEmulated, MatchesFloat64WithAlibi) {
       if (n % 4 == 2) c.softcap = 5.0f, c.scale = 0.5f;
       if (n % 5 == 3) c.sinks = true;
       if (n == 5) c.causal = false, c.window = 5;  // a two-sided window within the append
-      SCOPED_TRACE(c.Describe());
-      Session s = MakeSession(c, n % 2 == 0 ? 16 : 64, rng);
-      ASSERT_TRUE(PagedDecodeSupports(s.params));
-      ASSERT_EQ(LaunchPagedDecode(s.params, s.scratch.data(), nullptr), cudaSuccess);
-      EXPECT_EQ(oracle::CompareWithFloat64(s.in, s.in.out.data()), 0);
+      DecodeAndCompare(c, n % 2 == 0 ? 16 : 64, rng);
       if (HasFatalFailure()) return;
       ++n;
     }
