@@ -70,14 +70,16 @@ absl::Status ValidateLatentLayer(const AttentionLayer& layer) {
     return fail("rope.rotary_dim must equal qk_rope_head_dim ", m.rope_dim, ", got ",
                 c.rope.rotary_dim);
   }
-  if (c.qk_norm.enabled || c.output_gate || c.sinks || c.clip_qkv > 0 || c.v_norm_eps > 0) {
-    return fail("a latent layer takes no qk_norm, output_gate, sinks, clip_qkv or v_norm");
+  if (c.qk_norm.enabled || c.output_gate || c.sinks || c.clip_qkv > 0 || c.v_norm_eps > 0 ||
+      c.relative_bias_distance > 0) {
+    return fail("a latent layer takes no qk_norm, output_gate, sinks, clip_qkv, v_norm or "
+                "relative_bias_distance");
   }
   const LayerWeights& w = layer.weights;
   if (w.q_norm.byte_size() != 0 || w.k_norm.byte_size() != 0 || w.wg.byte_size() != 0 ||
       w.bg.byte_size() != 0 || w.bq.byte_size() != 0 || w.bk.byte_size() != 0 ||
-      w.bv.byte_size() != 0) {
-    return fail("weights q_norm, k_norm, wg, bg, bq, bk and bv must be empty");
+      w.bv.byte_size() != 0 || w.relative_bias.byte_size() != 0) {
+    return fail("weights q_norm, k_norm, wg, bg, bq, bk, bv and relative_bias must be empty");
   }
   const int64_t h = c.num_heads, nope = c.head_dim - m.rope_dim;
   const int64_t q_in = m.q_lora_rank > 0 ? m.q_lora_rank : c.query_dim;
@@ -104,6 +106,37 @@ absl::Status ValidateLatentLayer(const AttentionLayer& layer) {
                                      check.optional);
         !s.ok()) {
       return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The learned relative position bias: a table [num_heads, 2 * distance + 1]
+// of finite values with relative_bias_distance > 0, no table without.
+absl::Status ValidateRelativeBias(const LayerConfig& c, const Tensor& table) {
+  const int64_t distance = c.relative_bias_distance;
+  if (distance < 0 || distance > kMaxRelativeBiasDistance) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer '", c.name, "': relative_bias_distance must be in [0, ",
+                     kMaxRelativeBiasDistance, "], got ", distance));
+  }
+  if (distance == 0) {
+    if (table.byte_size() == 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer '", c.name, "': a relative_bias table without relative_bias_distance"));
+  }
+  const Shape expected{c.num_heads, 2 * distance + 1};
+  if (table.dtype() != DType::kFloat32 || table.shape() != expected) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer '", c.name, "': relative_bias must be FLOAT32 ", ShapeString(expected),
+        " (num_heads, 2 * relative_bias_distance + 1), got ", ShapeString(table.shape())));
+  }
+  const float* values = table.data_as<float>();
+  for (int64_t i = 0; i < table.num_elements(); ++i) {
+    if (!std::isfinite(values[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer '", c.name, "': relative_bias[", i / expected[1], "][", i % expected[1],
+          "] must be finite, got ", values[i]));
     }
   }
   return absl::OkStatus();
@@ -172,11 +205,12 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
     }
     if (c.rope.type != RopeConfig::Type::kNone || c.qk_norm.enabled || c.sinks ||
         c.output_gate || c.temperature_tuning.enabled || c.latent.enabled || c.clip_qkv > 0 ||
-        c.v_norm_eps > 0) {
+        c.v_norm_eps > 0 || c.relative_bias_distance != 0 ||
+        layer.weights.relative_bias.byte_size() != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer '", c.name,
           "': rope, qk_norm, sinks, output_gate, temperature_tuning, latent_attention, "
-          "clip_qkv and v_norm apply to projection layers only"));
+          "clip_qkv, v_norm and relative_bias_distance apply to projection layers only"));
     }
     return absl::OkStatus();
   }
@@ -220,6 +254,7 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
           "layer '", c.name, "': sinks ", c.sinks ? "must be" : "without the config flag are",
           " FLOAT32 [", c.num_heads, "] (num_heads), got ", ShapeString(w.sinks.shape())));
     }
+    if (absl::Status s = ValidateRelativeBias(c, w.relative_bias); !s.ok()) return s;
   }
 
   struct Dim {

@@ -178,6 +178,12 @@ struct LayerConfig {
   // (j - p) added after the scale and softcap, before the masks (positions
   // as above; AttentionParams::alibi_slopes). Finite.
   std::vector<float> alibi_slopes;
+  // > 0: a learned relative position bias (T5, mT5, UMT5, MPNet) that reaches
+  // relative_bias_distance keys each way: LayerWeights::relative_bias, head
+  // h's score of key j for the query at position p gets relative_bias[h][
+  // clamp(j - p, -D, D) + D] added after the scale, softcap and ALiBi, before
+  // the masks (AttentionParams::relative_bias). Projection layers only.
+  int64_t relative_bias_distance = 0;
   // Gated attention (Qwen3-Next, Qwen3.5, AFMoE): each token's core output,
   // its heads concatenated ([num_heads * head_dim]), is multiplied
   // elementwise by sigmoid(x Wg^T + bg) of the token's query input before
@@ -209,6 +215,9 @@ struct LayerConfig {
   LatentAttention latent;
 };
 
+// The largest relative_bias_distance a layer takes (T5's and MPNet's: 128).
+inline constexpr int64_t kMaxRelativeBiasDistance = int64_t{1} << 16;
+
 // Features of each head's value and core output: latent.v_head_dim for a
 // latent layer, head_dim otherwise.
 inline int64_t ValueHeadDim(const LayerConfig& c) {
@@ -230,6 +239,9 @@ struct LayerWeights {
   Tensor q_norm, k_norm;
   // [num_heads] when LayerConfig::sinks; empty otherwise.
   Tensor sinks;
+  // [num_heads, 2 * relative_bias_distance + 1] when
+  // LayerConfig::relative_bias_distance > 0; empty otherwise.
+  Tensor relative_bias;
   // When LayerConfig::output_gate: [num_heads * head_dim, query_dim] and
   // [num_heads * head_dim] (bg may be empty); empty otherwise.
   Tensor wg, bg;

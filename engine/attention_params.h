@@ -106,6 +106,16 @@ struct AttentionParams {
   // a constant away, which softmax does not see; j - q keeps the bias small
   // (<= 0 under causal) at any length. nullptr: none.
   const float* alibi_slopes = nullptr;
+  // A learned relative position bias (T5, mT5, UMT5, MPNet): [num_heads,
+  // 2 * relative_bias_distance + 1] FLOAT32, row h for query head h. Head h's
+  // score of key j for the query at position q (as above) gets
+  // relative_bias[h * (2D + 1) + clamp(j - q, -D, D) + D] added after the
+  // scale, softcap and ALiBi, before the masks (D = relative_bias_distance):
+  // the models' buckets of j - q, each bucket's learned value written out
+  // per distance, every distance beyond D in the bucket of D (or -D).
+  // nullptr: none (relative_bias_distance is then unused).
+  const float* relative_bias = nullptr;
+  int64_t relative_bias_distance = 0;
 
   // Optional softmax probabilities in `weights_dtype`, contiguous:
   // [batch, num_heads, q_len, kv_len], or [batch, q_len, kv_len] averaged

@@ -50,6 +50,10 @@ class CpuEngine final : public AttentionEngine {
         absl::StatusOr<AttentionParams> p = MakeCoreParams(layer.config, task);
         if (!p.ok()) return p.status();
         if (layer.config.sinks) p->sinks = layer.weights.sinks.data_as<float>();
+        if (layer.config.relative_bias_distance > 0) {
+          p->relative_bias = layer.weights.relative_bias.data_as<float>();
+          p->relative_bias_distance = layer.config.relative_bias_distance;
+        }
         params.push_back(*p);
       }
       if (params.empty()) return absl::OkStatus();

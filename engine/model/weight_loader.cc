@@ -27,7 +27,7 @@ constexpr RoleDefault kTorchMhaNames[] = {
     {"out_bias", "out_proj.bias"},
     {"q_norm_weight", "q_norm.weight"},
     {"k_norm_weight", "k_norm.weight"},
-    {"sinks", "sinks"},
+    {"sinks", "sinks"}, {"relative_bias", "relative_bias"},
     {"gate_weight", "gate_proj.weight"}, {"gate_bias", "gate_proj.bias"},
 };
 constexpr RoleDefault kSeparateQkvNames[] = {
@@ -36,7 +36,7 @@ constexpr RoleDefault kSeparateQkvNames[] = {
     {"v_weight", "v_proj.weight"}, {"v_bias", "v_proj.bias"},
     {"out_weight", "o_proj.weight"}, {"out_bias", "o_proj.bias"},
     {"q_norm_weight", "q_norm.weight"}, {"k_norm_weight", "k_norm.weight"},
-    {"sinks", "sinks"},
+    {"sinks", "sinks"}, {"relative_bias", "relative_bias"},
     {"gate_weight", "gate_proj.weight"}, {"gate_bias", "gate_proj.bias"},
     // Multi-head latent attention (DeepSeek's names).
     {"q_a_weight", "q_a_proj.weight"}, {"q_a_norm_weight", "q_a_layernorm.weight"},
@@ -52,7 +52,7 @@ constexpr RoleDefault kFusedNames[] = {
     {"out_bias", "out_proj.bias"},
     {"q_norm_weight", "q_norm.weight"},
     {"k_norm_weight", "k_norm.weight"},
-    {"sinks", "sinks"},
+    {"sinks", "sinks"}, {"relative_bias", "relative_bias"},
     {"gate_weight", "gate_proj.weight"}, {"gate_bias", "gate_proj.bias"},
 };
 constexpr RoleDefault kKerasNames[] = {
@@ -61,7 +61,7 @@ constexpr RoleDefault kKerasNames[] = {
     {"v_weight", "value/kernel"},   {"v_bias", "value/bias"},
     {"out_weight", "attention_output/kernel"}, {"out_bias", "attention_output/bias"},
     {"q_norm_weight", "q_norm.weight"}, {"k_norm_weight", "k_norm.weight"},
-    {"sinks", "sinks"},
+    {"sinks", "sinks"}, {"relative_bias", "relative_bias"},
     {"gate_weight", "gate/kernel"}, {"gate_bias", "gate/bias"},
 };
 
@@ -566,6 +566,18 @@ absl::StatusOr<LayerWeights> LoadLayerWeights(const SafetensorsFile& file,
         !s.ok()) {
       return s;
     }
+  }
+  const int64_t distance = config.relative_bias_distance;
+  if (absl::Status s = reader.CheckUnused("relative_bias", distance > 0,
+                                          "the config has no relative_bias_distance");
+      !s.ok()) {
+    return s;
+  }
+  if (distance > 0) {
+    const Shape shape{config.num_heads, 2 * distance + 1};
+    absl::StatusOr<std::vector<float>> table = reader.Read("relative_bias", {shape});
+    if (!table.ok()) return table.status();
+    weights->relative_bias = MakeTensor(shape, table->data());
   }
   if (spec.sinks) {
     absl::StatusOr<std::vector<float>> sinks = reader.Read("sinks", {{config.num_heads}});

@@ -47,6 +47,8 @@ const char* WeightLayoutName(WeightLayout layout);
 //   qkv_weight qkv_bias           (kFusedQkvPerHead)
 //   q_norm_weight k_norm_weight   (every layout, with qk_norm)
 //   sinks                         (every layout, with sinks)
+//   relative_bias                 (every layout, with relative_bias_distance:
+//                                 [num_heads, 2 * distance + 1])
 //   gate_weight gate_bias         (every layout, with a separate output gate)
 //   q_a_weight q_a_bias q_a_norm_weight q_b_weight kv_a_weight kv_a_bias
 //   kv_a_norm_weight kv_b_weight  (kSeparateQkv, with latent attention)

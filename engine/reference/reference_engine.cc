@@ -278,6 +278,25 @@ void StoreAll(const std::vector<double>& values, const MutableTensorView& to) {
   }
 }
 
+// The biases a layer adds by position, in float64: ALiBi's alibi[h] * r and
+// a relative bias table's entry for r = j - (i + Lk - Lq), clamped to
+// [-distance, distance] (LayerConfig::alibi_slopes, relative_bias_distance).
+struct PositionBias {
+  const std::vector<float>& alibi;
+  const float* table = nullptr;  // [heads, 2 * distance + 1], or none
+  int64_t distance = 0;
+
+  bool empty() const { return alibi.empty() && table == nullptr; }
+  double operator()(int64_t h, int64_t r) const {
+    double bias = 0.0;
+    if (!alibi.empty()) bias += static_cast<double>(alibi[h]) * static_cast<double>(r);
+    if (table != nullptr) {
+      bias += table[h * (2 * distance + 1) + std::clamp(r, -distance, distance) + distance];
+    }
+    return bias;
+  }
+};
+
 // softmax(Q K^T * scale + mask) V per head, into `out` (rows of Dv, zeroed
 // by the caller), and the probabilities into t.weights when wanted.
 // Query head h reads key/value head h / (Hq / Hkv). Query i sees key j iff
@@ -287,11 +306,11 @@ void StoreAll(const std::vector<double>& values, const MutableTensorView& to) {
 // i + (Lk - Lq) (its own chunk, with causal),
 // j < key_lengths[b], and a bool mask is nonzero there; a float mask is added
 // to the scaled score (after softcap * tanh(score / softcap) when softcap >
-// 0, and after ALiBi's alibi[h] * (j - (i + Lk - Lq)) when alibi is
-// non-empty); sinks[h], when given, joins the softmax denominator. A row that
-// sees no key, or only keys at -inf, is zeros (output and weights), not NaN.
+// 0, and after the position biases); sinks[h], when given, joins the softmax
+// denominator. A row that sees no key, or only keys at -inf, is zeros
+// (output and weights), not NaN.
 void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, int64_t chunk,
-                 double softcap, const float* sinks, const std::vector<float>& alibi,
+                 double softcap, const float* sinks, const PositionBias& position_bias,
                  const Rows& q, const Rows& k, const Rows& v, Rows& out) {
   const int64_t group = d.heads / d.kv_heads;
   const double neg_inf = -std::numeric_limits<double>::infinity();
@@ -333,10 +352,7 @@ void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, int64_t 
           for (int64_t c = 0; c < d.head_dim; ++c) dot += qi[c] * kj[c];
           double scaled = dot * static_cast<double>(t.scale);
           if (softcap > 0) scaled = softcap * std::tanh(scaled / softcap);
-          if (!alibi.empty()) {
-            const int64_t position = i + (d.kv_len - d.q_len);
-            scaled += static_cast<double>(alibi[h]) * static_cast<double>(j - position);
-          }
+          if (!position_bias.empty()) scaled += position_bias(h, j - (i + d.kv_len - d.q_len));
           scores[j] = scaled + added(b, h, i, j);
           row_max = std::max(row_max, scores[j]);
         }
@@ -386,7 +402,8 @@ void RunBare(const LayerConfig& c, const AttentionTask& t, const Dims& d) {
            d.heads, d.q_len, d.head_dim_v};
   AttendHeads(t, d, t.window > 0 ? t.window : c.sliding_window, c.attention_chunk,
               t.softcap > 0.0f ? t.softcap : c.softcap,
-              t.sinks.empty() ? nullptr : t.sinks.data(), c.alibi_slopes, q, k, v, out);
+              t.sinks.empty() ? nullptr : t.sinks.data(), PositionBias{c.alibi_slopes}, q, k,
+              v, out);
   StoreAll(out.data, t.output);
 }
 
@@ -561,7 +578,12 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
   Rows merged{std::vector<double>(static_cast<size_t>(q_rows * d.heads * d.head_dim_v)), d.heads,
               d.q_len, d.head_dim_v, false};
   AttendHeads(t, d, c.sliding_window, c.attention_chunk, c.softcap,
-              c.sinks ? w.sinks.data_as<float>() : nullptr, c.alibi_slopes, q, k, v, merged);
+              c.sinks ? w.sinks.data_as<float>() : nullptr,
+              PositionBias{c.alibi_slopes,
+                           c.relative_bias_distance > 0 ? w.relative_bias.data_as<float>()
+                                                        : nullptr,
+                           c.relative_bias_distance},
+              q, k, v, merged);
   if (c.output_gate) {
     // Gated attention: each token's concatenated heads times sigmoid of its
     // gate, projected from the same token's query input.

@@ -55,6 +55,7 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
   config.set_kv_source(c.kv_source);
   config.set_sparse_index_topk(c.sparse_index_topk);
   config.mutable_alibi_slopes()->Assign(c.alibi_slopes.begin(), c.alibi_slopes.end());
+  config.set_relative_bias_distance(c.relative_bias_distance);
   if (c.temperature_tuning.enabled) {
     config.mutable_temperature_tuning()->set_floor_scale(c.temperature_tuning.floor_scale);
     config.mutable_temperature_tuning()->set_attn_scale(c.temperature_tuning.attn_scale);
@@ -155,6 +156,7 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
   layer.kv_source = layer.has_projections ? c.kv_source() : std::string();
   layer.sparse_index_topk = layer.has_projections ? c.sparse_index_topk() : 0;
   layer.alibi_slopes.assign(c.alibi_slopes().begin(), c.alibi_slopes().end());
+  layer.relative_bias_distance = layer.has_projections ? c.relative_bias_distance() : 0;
   if (layer.has_projections && c.has_temperature_tuning()) {
     layer.temperature_tuning.enabled = true;
     layer.temperature_tuning.floor_scale = c.temperature_tuning().floor_scale();

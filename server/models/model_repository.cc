@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "engine/attention_layer.h"
 #include "engine/model/safetensors.h"
 #include "engine/rope.h"
 #include "google/protobuf/io/tokenizer.h"
@@ -180,7 +181,7 @@ absl::Status CheckNoProjectionFields(const std::string& path, const v1::ModelCon
                             "out_bias", "weight_layout", "tensor_prefix", "tensor_names",
                             "rope", "qk_norm", "sinks", "output_gate",
                             "temperature_tuning", "latent_attention", "clip_qkv", "v_norm",
-                            "kv_source", "sparse_index_topk"}) {
+                            "kv_source", "sparse_index_topk", "relative_bias_distance"}) {
     const google::protobuf::FieldDescriptor* f = d->FindFieldByName(field);
     bool set = f->is_repeated() ? r->FieldSize(c, f) > 0 : r->HasField(c, f);
     if (set) {
@@ -275,9 +276,10 @@ absl::Status ResolveLatentAttention(const std::string& path, v1::ModelConfig* c)
                        "which has no bias)");
   }
   if (c->has_qk_norm() || c->has_output_gate() || c->sinks() || c->clip_qkv() != 0 ||
-      c->has_v_norm() || !c->kv_source().empty()) {
+      c->has_v_norm() || !c->kv_source().empty() || c->relative_bias_distance() != 0) {
     return ConfigError(path, field,
-                       "takes no qk_norm, output_gate, sinks, clip_qkv, v_norm or kv_source");
+                       "takes no qk_norm, output_gate, sinks, clip_qkv, v_norm, kv_source or "
+                       "relative_bias_distance");
   }
   if (c->rope().rotary_dim() == 0 && !c->rope().type().empty() && c->rope().type() != "none") {
     c->mutable_rope()->set_rotary_dim(m->qk_rope_head_dim());
@@ -519,6 +521,12 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
     return ConfigError(path, "alibi_slopes",
                        absl::StrCat("must hold one slope per query head (num_heads ",
                                     c->num_heads(), "), got ", c->alibi_slopes_size()));
+  }
+  if (c->relative_bias_distance() < 0 ||
+      c->relative_bias_distance() > kMaxRelativeBiasDistance) {
+    return ConfigError(path, "relative_bias_distance",
+                       absl::StrCat("must be in [0, ", kMaxRelativeBiasDistance,
+                                    "] (0 = none), got ", c->relative_bias_distance()));
   }
   if (c->sparse_index_topk() < 0) {
     return ConfigError(path, "sparse_index_topk",

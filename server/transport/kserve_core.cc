@@ -192,6 +192,9 @@ absl::Status KServeCore::ModelConfig(const std::string& name, const std::string&
   if (layer.qk_norm.enabled) params["qk_norm"].set_string_value("true");
   if (layer.sinks) params["sinks"].set_string_value("true");
   if (!layer.alibi_slopes.empty()) params["alibi"].set_string_value("true");
+  if (layer.relative_bias_distance > 0) {
+    params["relative_bias_distance"].set_string_value(absl::StrCat(layer.relative_bias_distance));
+  }
   if (layer.output_gate) params["output_gate"].set_string_value("true");
   if (layer.attention_chunk > 0) {
     params["attention_chunk"].set_string_value(absl::StrCat(layer.attention_chunk));

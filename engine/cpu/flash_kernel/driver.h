@@ -86,9 +86,11 @@ class Kernel {
       const float cap = p.softcap, scale = p.scale;
       for (int64_t j = before; j < visible; ++j) s[j] = cap * std::tanh(s[j] * scale / cap) / scale;
     }
-    // Without a mask or ALiBi the scores stay raw and the scale folds into
-    // the exponent's FMA (2^(s*c - m)); with either, t = s*c + bias is stored.
-    const bool masked = p.mask.kind != MaskParams::Kind::kNone || p.alibi_slopes != nullptr;
+    // Without a mask or a position bias (ALiBi, a relative bias) the scores
+    // stay raw and the scale folds into the exponent's FMA (2^(s*c - m));
+    // with any, t = s*c + bias is stored.
+    const bool masked = p.mask.kind != MaskParams::Kind::kNone || p.alibi_slopes != nullptr ||
+                        p.relative_bias != nullptr;
     const V c = Vec::Set1(plan.score_scale);
     V mx = Vec::Set1(kNegInf);
     if (!masked) {
@@ -96,8 +98,12 @@ class Kernel {
     } else {
       const bool mask = p.mask.kind != MaskParams::Kind::kNone;
       if (mask) BuildBias(p.mask, row.mask_offset + kb * p.mask.stride_k, visible, jv, bias);
-      if (p.alibi_slopes != nullptr) {
-        AlibiBias(p.alibi_slopes[row.h], kb - (row.i + plan.causal_offset), jv, mask, bias);
+      const int64_t first = kb - (row.i + plan.causal_offset);  // key kb's j - p
+      if (p.alibi_slopes != nullptr) AlibiBias(p.alibi_slopes[row.h], first, jv, mask, bias);
+      if (p.relative_bias != nullptr) {
+        const int64_t d = p.relative_bias_distance;
+        RelativeBias(p.relative_bias + row.h * (2 * d + 1), d, first, jv,
+                     mask || p.alibi_slopes != nullptr, bias);
       }
       for (int64_t j = 0; j < jv; j += W) {
         const V t = Vec::Fma(Vec::Load(s + j), c, Vec::Load(bias + j));
@@ -236,7 +242,7 @@ class Kernel {
                             float* l, float* alpha) {
     const AttentionParams& p = *plan.p;
     const bool plain_request = p.mask.kind == MaskParams::Kind::kNone && !(p.softcap > 0) &&
-                               p.alibi_slopes == nullptr;
+                               p.alibi_slopes == nullptr && p.relative_bias == nullptr;
     for (int64_t r = 0; r < count;) {
       bool plain = plain_request && r + kSoftmaxRows <= count;
       for (int k = 0; plain && k < kSoftmaxRows; ++k) plain = PlainRow(row[r + k], kb, n);
@@ -287,6 +293,22 @@ class Kernel {
       const V key = Vec::Add(Vec::Set1(static_cast<float>(j + first)), iota);
       Vec::Store(bias + j, add ? Vec::Fma(key, s, Vec::Load(bias + j)) : Vec::Mul(key, s));
     }
+  }
+
+  // A relative position bias: bias[j] (+)= table[clamp(j + first, -d, d) +
+  // d] * log2(e) for j < jv (AttentionParams::relative_bias; `table` the
+  // row's head's, `first` as for ALiBi): a constant below -d, the table's
+  // run in between, a constant above d.
+  static void RelativeBias(const float* table, int64_t d, int64_t first, int64_t jv, bool add,
+                           float* bias) {
+    const int64_t low = std::clamp<int64_t>(-d - first, 0, jv);      // j + first < -d below
+    const int64_t high = std::clamp<int64_t>(d + 1 - first, low, jv);  // j + first > d from
+    auto put = [&](int64_t j, float value) {
+      bias[j] = add ? bias[j] + value * kLog2e : value * kLog2e;
+    };
+    for (int64_t j = 0; j < low; ++j) put(j, table[0]);
+    for (int64_t j = low; j < high; ++j) put(j, table[j + first + d]);
+    for (int64_t j = high; j < jv; ++j) put(j, table[2 * d]);
   }
 
   struct Buffers {

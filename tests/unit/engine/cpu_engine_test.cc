@@ -1577,6 +1577,56 @@ TEST_F(StackedProjectionTest, ALayerRebuiltInPlaceWithANewIdGetsItsNewWeights) {
   }
 }
 
+// A relative position bias (T5, MPNet) over sequences longer than its
+// distance and than one 256-key block, on fp32 and bf16 layers against the
+// reference: an encoder's self-attention, cross lengths with causal (each
+// row's position bottom-right), a decode row split across threads, the
+// weights pass, a bool mask and key lengths on top; a distance of 5, so
+// most keys take the table's ends, and T5's 128.
+TEST_F(StackedProjectionTest, RelativeBiasOverLongSequences) {
+  Rng rng(89);
+  const auto base = MakeProjectionLayer(34, 32, 4, 2, 16, 24, Precision::kFloat32);
+  struct Shape2 {
+    int64_t distance, lq, lk;
+    bool causal, weights, masked;
+  };
+  for (const Shape2 s : {Shape2{128, 700, 700, false, false, false},
+                         Shape2{5, 300, 300, false, false, false},
+                         Shape2{128, 300, 900, true, false, false},
+                         Shape2{128, 1, 3000, true, false, false},
+                         Shape2{5, 40, 600, true, true, false},
+                         Shape2{128, 200, 400, false, true, true}}) {
+    auto biased = std::make_shared<AttentionLayer>(*base);
+    biased->config.name = absl::StrCat("relative-bias-", s.distance);
+    biased->config.relative_bias_distance = s.distance;
+    biased->weights.relative_bias = RandomTensor(rng, DType::kFloat32, {4, 2 * s.distance + 1},
+                                                 3.0f);
+    ASSERT_TRUE(ValidateLayer(*biased).ok()) << ValidateLayer(*biased);
+    for (const auto& layer : {std::shared_ptr<const AttentionLayer>(biased),
+                              WithPrecision(*biased, Precision::kBFloat16)}) {
+      Case c;
+      c.layer = layer;
+      c.q = RandomTensor(rng, DType::kFloat32, {2, s.lq, 32}, 1.0f);
+      if (s.lq != s.lk) {
+        c.k = RandomTensor(rng, DType::kFloat32, {2, s.lk, 32}, 1.0f);
+        c.v = RandomTensor(rng, DType::kFloat32, {2, s.lk, 32}, 1.0f);
+      }
+      c.causal = s.causal;
+      c.need_weights = s.weights;
+      if (s.masked) {
+        c.mask = RandomMask(rng, DType::kBool, {2, 1, s.lq, s.lk});
+        c.key_lengths = {s.lk, s.lk / 3};
+      }
+      c.scale = ResolveScale(layer->config, 0.0f, 16);
+      c.label = absl::StrCat(layer->config.name, ", Lq ", s.lq, " Lk ", s.lk,
+                             s.causal ? " causal" : "", s.weights ? " weights" : "",
+                             s.masked ? " mask" : "");
+      const auto got = RunBatch(*cpu_, {c}, {0});
+      CheckAccuracy(c, got[0].first, got[0].second);
+    }
+  }
+}
+
 TEST(ChunkedLinearTest, RowsAreIndependentOfTheirPositionInAChunk) {
   // Not required for correctness (the engine falls back to chunk-aligned
   // tasks), but expected of oneDNN's kernels on x86; a failure here means the

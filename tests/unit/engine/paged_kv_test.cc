@@ -164,16 +164,28 @@ TEST(PagedKvTest, CpuEngineSessionStepsEqualOneCausalTask) {
   ASSERT_TRUE(cpu.ok());
   ASSERT_TRUE((*cpu)->SupportsSessions());
   Rng rng(3);
-  for (const auto& [projections, alibi] :
-       {std::pair<bool, bool>{false, false}, {true, false}, {false, true}, {true, true}}) {
-    SCOPED_TRACE(absl::StrCat(projections ? "demo-mha" : "sdpa", alibi ? " with ALiBi" : ""));
+  enum class Bias { kNone, kAlibi, kRelative };
+  for (const auto& [projections, bias] :
+       {std::pair<bool, Bias>{false, Bias::kNone}, {true, Bias::kNone}, {false, Bias::kAlibi},
+        {true, Bias::kAlibi}, {true, Bias::kRelative}}) {
+    SCOPED_TRACE(absl::StrCat(projections ? "demo-mha" : "sdpa",
+                              bias == Bias::kAlibi      ? " with ALiBi"
+                              : bias == Bias::kRelative ? " with a relative bias"
+                                                        : ""));
     auto own = std::make_shared<AttentionLayer>(projections ? *MakeDemoMhaLayer()
                                                             : *MakeSdpaLayer());
-    // ALiBi's bias follows the key's index in the whole sequence, so each
-    // step's keys must be biased by where they sit in the cache.
+    // ALiBi's bias and a relative bias follow the distance from each query's
+    // position in the whole sequence, so each step's rows must be placed
+    // after the cached tokens (a distance of 6: most keys take its ends).
     const int64_t heads = projections ? own->config.num_heads : 4;
-    for (int64_t h = 0; alibi && h < heads; ++h) {
+    for (int64_t h = 0; bias == Bias::kAlibi && h < heads; ++h) {
       own->config.alibi_slopes.push_back(0.5f / static_cast<float>(h + 1));
+    }
+    if (bias == Bias::kRelative) {
+      own->config.relative_bias_distance = 6;
+      own->weights.relative_bias = Random(rng, {heads, 13});
+      for (int64_t i = 0; i < heads * 13; ++i) own->weights.relative_bias.data_as<float>()[i] *= 4;
+      ASSERT_TRUE(ValidateLayer(*own).ok()) << ValidateLayer(*own);
     }
     const std::shared_ptr<const AttentionLayer> layer = own;
     const LayerConfig& c = layer->config;

@@ -22,6 +22,7 @@
 namespace attnserve {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -608,6 +609,127 @@ TEST(ReferenceEngineTest, AlibiIsBloomsLinearBiasOfTheKeyIndex) {
   SdpaRun two_heads(Random({1, 2, 3, 4}, 1), Random({1, 2, 3, 4}, 2), Random({1, 2, 3, 4}, 3));
   EXPECT_THAT(std::string(NewReferenceEngine()->Run(wrong, {&two_heads.task, 1}).message()),
               HasSubstr("alibi_slopes"));
+}
+
+// T5's bucket of the relative position r = j - p (transformers'
+// T5Attention._relative_position_bucket, its log in float as torch's): exact
+// below buckets / 4 (bidirectional) or / 2, then logarithmic up to
+// max_distance, one bucket from there on.
+int64_t T5Bucket(int64_t r, bool bidirectional, int64_t buckets, int64_t max_distance) {
+  int64_t bucket = 0;
+  if (bidirectional) {
+    buckets /= 2;
+    if (r > 0) bucket += buckets;
+    r = std::abs(r);
+  } else {
+    r = -std::min<int64_t>(r, 0);
+  }
+  const int64_t exact = buckets / 2;
+  if (r < exact) return bucket + r;
+  const float ratio = std::log(static_cast<float>(r) / static_cast<float>(exact)) /
+                      static_cast<float>(std::log(static_cast<double>(max_distance) / exact));
+  const int64_t large = exact + static_cast<int64_t>(ratio * static_cast<float>(buckets - exact));
+  return bucket + std::min(large, buckets - 1);
+}
+
+// A relative position bias (T5, MPNet) is T5's: each head's learned value
+// of the bucket of j - p, here a float mask built from T5's bucket rule and
+// a bucket table, against the layer with the table written out per distance
+// up to max_distance. Encoder (bidirectional) and decoder (causal, Lq < Lk:
+// queries after cached keys) buckets, sequences past max_distance both
+// ways, with and without weights; and the layer check's rules.
+TEST(ReferenceEngineTest, RelativeBiasIsT5sBucketedBias) {
+  constexpr int64_t H = 3, D = 4, E = 8, kBuckets = 16, kMaxDistance = 12;
+  const Tensor embedding = Random({kBuckets, H}, 950);  // T5's nn.Embedding
+  for (const bool decoder : {false, true}) {
+    AttentionLayer layer;
+    LayerConfig& c = layer.config;
+    c.name = decoder ? "t5-decoder" : "t5-encoder";
+    c.has_projections = true;
+    c.num_heads = c.num_kv_heads = H;
+    c.head_dim = D;
+    c.query_dim = c.key_dim = c.value_dim = c.out_dim = E;
+    c.scale = 1.0f;  // T5 does not scale its scores
+    c.causal = decoder;
+    LayerWeights& w = layer.weights;
+    w.wq = Random({H * D, E}, 951);
+    w.wk = Random({H * D, E}, 952);
+    w.wv = Random({H * D, E}, 953);
+    w.wo = Random({E, H * D}, 954);
+    AttentionLayer plain = layer;  // the same layer with T5's bias as a mask
+    c.relative_bias_distance = kMaxDistance;
+    std::vector<float> table;
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t r = -kMaxDistance; r <= kMaxDistance; ++r) {
+        table.push_back(embedding.data_as<float>()[T5Bucket(r, !decoder, kBuckets,
+                                                            kMaxDistance) * H + h]);
+      }
+    }
+    w.relative_bias = Values(DType::kFloat32, {H, 2 * kMaxDistance + 1}, table);
+    ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
+    for (const auto& [lq, lk] : {std::pair<int64_t, int64_t>{30, 30}, {5, 31}}) {
+      if (!decoder && lq != lk) continue;  // an encoder attends over its own tokens
+      const Tensor xq = Random({2, lq, E}, 955), xkv = Random({2, lk, E}, 956);
+      std::vector<float> bias;
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t i = 0; i < lq; ++i) {
+          for (int64_t j = 0; j < lk; ++j) {
+            const int64_t r = j - (i + lk - lq);
+            bias.push_back(
+                embedding.data_as<float>()[T5Bucket(r, !decoder, kBuckets, kMaxDistance) * H + h]);
+          }
+        }
+      }
+      const Tensor mask = Values(DType::kFloat32, {1, H, lq, lk}, bias);
+      std::vector<float> outs[2], weights[2];
+      for (int run = 0; run < 2; ++run) {
+        Tensor out(DType::kFloat32, {2, lq, E}), probs(DType::kFloat32, {2, H, lq, lk});
+        AttentionTask task;
+        task.query = xq.view();
+        if (lq != lk) {
+          task.key = xkv.view();
+          task.value = xkv.view();
+        }
+        task.causal = decoder;
+        task.output = out.mutable_view();
+        task.weights = probs.mutable_view();
+        if (run == 1) task.attn_mask = mask.view();
+        ASSERT_TRUE(NewReferenceEngine()->Run(run == 0 ? layer : plain, {&task, 1}).ok());
+        outs[run] = AsFloats(out);
+        weights[run] = AsFloats(probs);
+      }
+      const std::string label = absl::StrCat(c.name, " Lq ", lq, " Lk ", lk);
+      for (size_t i = 0; i < outs[0].size(); ++i) {
+        EXPECT_NEAR(outs[0][i], outs[1][i], 1e-5) << label;
+      }
+      for (size_t i = 0; i < weights[0].size(); ++i) {
+        EXPECT_NEAR(weights[0][i], weights[1][i], 1e-6) << label;
+      }
+    }
+  }
+  AttentionLayer wrong;
+  wrong.config.name = "t5";
+  wrong.config.has_projections = true;
+  wrong.config.num_heads = wrong.config.num_kv_heads = 1;
+  wrong.config.head_dim = 2;
+  wrong.config.query_dim = wrong.config.key_dim = wrong.config.value_dim = 2;
+  wrong.config.out_dim = 2;
+  wrong.weights.wq = wrong.weights.wk = wrong.weights.wv = wrong.weights.wo = Random({2, 2}, 1);
+  wrong.config.relative_bias_distance = 2;
+  wrong.weights.relative_bias = Random({1, 4}, 2);
+  EXPECT_THAT(std::string(ValidateLayer(wrong).message()),
+              AllOf(HasSubstr("relative_bias"), HasSubstr("[1, 5]"), HasSubstr("[1, 4]")));
+  wrong.weights.relative_bias = Values(DType::kFloat32, {1, 5}, {0, 1, kInf, 3, 4});
+  EXPECT_THAT(std::string(ValidateLayer(wrong).message()), HasSubstr("relative_bias[0][2]"));
+  wrong.config.relative_bias_distance = 0;
+  EXPECT_THAT(std::string(ValidateLayer(wrong).message()),
+              HasSubstr("without relative_bias_distance"));
+  wrong.config.relative_bias_distance = kMaxRelativeBiasDistance + 1;
+  EXPECT_THAT(std::string(ValidateLayer(wrong).message()), HasSubstr("65536"));
+  AttentionLayer bare;  // a layer without projections takes none
+  bare.config.name = "sdpa";
+  bare.config.relative_bias_distance = 2;
+  EXPECT_THAT(std::string(ValidateLayer(bare).message()), HasSubstr("projection layers only"));
 }
 
 // An output gate whose weights are zero gates every token by sigmoid of its

@@ -338,6 +338,43 @@ TEST(WeightLoaderTest, SinksAreReadOnlyWhenConfigured) {
   EXPECT_THAT(w.status().message(), AllOf(HasSubstr("'sinks'"), HasSubstr("no sinks")));
 }
 
+// A relative position bias table is read with relative_bias_distance
+// (default name "relative_bias", [num_heads, 2 * distance + 1], renamed by
+// tensor_names); of another shape, or in the file without the field, it is
+// an error naming the tensor.
+TEST(WeightLoaderTest, RelativeBiasIsReadOnlyWithItsDistance) {
+  std::vector<NamedTensor> tensors = {
+      T("q_proj.weight", {8, 6}, 1.0f), T("k_proj.weight", {4, 6}, 2.0f),
+      T("v_proj.weight", {4, 6}, 3.0f), T("o_proj.weight", {6, 8}, 4.0f),
+      T("relative_bias", {4, 7}, 5.0f)};
+  auto file = MakeFile(tensors);
+  const WeightSpec spec = Spec(WeightLayout::kSeparateQkv, false, false);
+  LayerConfig config = Config(6, 4, 2, 2);
+  config.relative_bias_distance = 3;
+  auto w = LoadLayerWeights(*file, config, spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(Values(w->relative_bias), tensors[4].values);
+  EXPECT_EQ(w->relative_bias.shape(), (Shape{4, 7}));
+  config.relative_bias_distance = 2;
+  w = LoadLayerWeights(*file, config, spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(),
+              AllOf(HasSubstr("'relative_bias'"), HasSubstr("[4, 7]"), HasSubstr("[4, 5]")));
+  config.relative_bias_distance = 0;
+  w = LoadLayerWeights(*file, config, spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(),
+              AllOf(HasSubstr("'relative_bias'"), HasSubstr("no relative_bias_distance")));
+  WeightSpec renamed = spec;
+  renamed.tensor_names["relative_bias"] = "t5_bias";
+  config.relative_bias_distance = 3;
+  w = LoadLayerWeights(*MakeFile({tensors[0], tensors[1], tensors[2], tensors[3],
+                                  T("t5_bias", {4, 7}, 6.0f)}),
+                       config, renamed);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->relative_bias.shape(), (Shape{4, 7}));
+}
+
 // The output gate as a linear of its own (AFMoE's gate_proj): read when
 // configured (its bias only with gate_bias), an error in the file without;
 // Keras kernels are transposed like the others.

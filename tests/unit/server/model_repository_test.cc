@@ -488,6 +488,29 @@ TEST(ModelConfigTest, AlibiSlopesResolveAndTheirRulesNameTheField) {
               AllOf(HasSubstr("warmup[0].num_heads"), HasSubstr("alibi_slopes")));
 }
 
+// A relative position bias's distance reaches the layer and comes back;
+// refused below 0 or above the most a layer takes, for kind "sdpa" (its
+// table is a weight) and with latent attention.
+TEST(ModelConfigTest, RelativeBiasDistanceResolvesAndItsRulesNameTheField) {
+  const LayerConfig layer =
+      ToLayerConfig(Resolved("embed_dim: 64 num_heads: 2 relative_bias_distance: 128"));
+  EXPECT_EQ(layer.relative_bias_distance, 128);
+  EXPECT_EQ(LayerToModelConfig(AttentionLayer{layer, {}, {}}).relative_bias_distance(), 128);
+  EXPECT_EQ(ToLayerConfig(Resolved("embed_dim: 64 num_heads: 2")).relative_bias_distance, 0);
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 2 relative_bias_distance: -1").message(),
+              AllOf(HasSubstr("relative_bias_distance"), HasSubstr("got -1")));
+  EXPECT_THAT(
+      ResolveError("embed_dim: 64 num_heads: 2 relative_bias_distance: 65537").message(),
+      AllOf(HasSubstr("relative_bias_distance"), HasSubstr("65536")));
+  EXPECT_THAT(ResolveError("kind: \"sdpa\" relative_bias_distance: 8").message(),
+              AllOf(HasSubstr("relative_bias_distance"), HasSubstr("not allowed for kind")));
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 head_dim: 24 weight_layout: "
+                           "SEPARATE_QKV relative_bias_distance: 8 latent_attention { "
+                           "kv_lora_rank: 32 qk_rope_head_dim: 8 v_head_dim: 12 }")
+                  .message(),
+              AllOf(HasSubstr("latent_attention"), HasSubstr("relative_bias_distance")));
+}
+
 // KV sharing (Gemma 3n, Gemma 4): the source layer's name reaches the layer
 // and comes back; refused for kind "sdpa" and with latent attention.
 TEST(ModelConfigTest, KvSourceResolvesAndItsRulesNameTheField) {
