@@ -1596,6 +1596,150 @@ def test_alibi_layers_are_served_as_bloom_and_mpt_compute_them(tmp_path):
     assert not os.path.exists(tmp_path / "refused" / "config.pbtxt")
 
 
+def _spied(module, calls):
+    """Wraps module.forward to record each call's (args, kwargs, output)."""
+    forward = module.forward
+
+    def spy(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append((args, kwargs, out))
+        return out
+    module.forward = spy
+
+
+def _relative_bias_models():
+    """Two-layer T5 and UMT5 (encoder and decoder) and MPNet models from
+    transformers' own classes, random weights, each layer's relative bias
+    table drawn wide (N(0, 1)) so that the bias moves the scores."""
+    from transformers import MPNetConfig, MPNetModel, T5Config, T5Model, UMT5Config, UMT5Model
+    torch.manual_seed(31)
+    t5_like = dict(d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2, vocab_size=64,
+                   num_decoder_layers=2, dropout_rate=0.0)
+    models = {"t5": T5Model(T5Config(**t5_like)), "umt5": UMT5Model(UMT5Config(**t5_like)),
+              "mpnet": MPNetModel(MPNetConfig(hidden_size=64, num_attention_heads=4,
+                                              intermediate_size=128, num_hidden_layers=2,
+                                              vocab_size=64))}
+    with torch.no_grad():
+        for model in models.values():
+            for name, p in model.named_parameters():
+                if "relative_attention_bias" in name:
+                    p.normal_()
+                else:
+                    p.add_(torch.randn_like(p) * 0.05)
+    return {n: m.eval() for n, m in models.items()}
+
+
+def _relative_layer_calls(model, names, x, lengths):
+    """Runs `model` in float64 on x [B, L, 64] (the decoder, if any, on the
+    same x), each sequence's tokens past its length padded, and returns for
+    each dotted module name its recorded (hidden states, key/value states,
+    output): what the layer computes inside the whole model, with the bias
+    the model gives it (T5: its stack's first layer's; MPNet: its
+    encoder's)."""
+    b, length, _ = x.shape
+    keep = (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).long()
+    calls = {n: [] for n in names}
+    model = model.double()
+    for n in names:
+        _spied(model.get_submodule(n), calls[n])
+    xt = torch.from_numpy(x).double()
+    try:
+        with torch.no_grad():
+            if hasattr(model, "decoder"):
+                model(inputs_embeds=xt, attention_mask=keep, decoder_inputs_embeds=xt,
+                      use_cache=False)
+            else:
+                model(inputs_embeds=xt, attention_mask=keep)
+    finally:
+        for n in names:
+            del model.get_submodule(n).forward
+        model.float()
+    found = {}
+    for n, ((args, kwargs, out),) in calls.items():
+        hidden = args[0] if args else kwargs["hidden_states"]
+        kv = kwargs.get("key_value_states")
+        found[n] = (hidden.float().numpy(), None if kv is None else kv.float().numpy(),
+                    out[0].numpy())
+    return found
+
+
+def test_relative_bias_layers_are_served_as_t5_and_mpnet_compute_them(tmp_path):
+    """T5 and UMT5 (encoder self-attention, decoder self-attention, causal,
+    and cross-attention) and MPNet (an encoder's, through attn.o): each
+    exported from the whole model with its relative position bias (T5's
+    second layers with the first layer's, UMT5's with their own, MPNet's
+    with its encoder's) as one value per distance up to 128 keys, scale 1
+    for T5; served as the layer computes it inside its model over 300
+    tokens (past the buckets' max_distance both ways), with and without
+    padding; a decoder session step by step equals one causal request.
+    Exported alone, a T5 layer without its own bias and MPNet's attention
+    are refused, naming where the bias is."""
+    import harness
+    harness.use_python_client()
+    from attnserve_client import AttentionClient
+    models = _relative_bias_models()
+    layers = {  # name: (model, submodule, causal, relative bias, cross-attention)
+        "t5-encoder": ("t5", "encoder.block.1.layer.0.SelfAttention", False, True, False),
+        "t5-decoder": ("t5", "decoder.block.1.layer.0.SelfAttention", True, True, False),
+        "t5-cross": ("t5", "decoder.block.1.layer.1.EncDecAttention", False, False, True),
+        "umt5-encoder": ("umt5", "encoder.block.1.layer.0.SelfAttention", False, True, False),
+        "umt5-decoder": ("umt5", "decoder.block.1.layer.0.SelfAttention", True, True, False),
+        "mpnet": ("mpnet", "encoder.layer.1.attention", False, True, False),
+    }
+    for name, (model, submodule, causal, relative, _) in layers.items():
+        config = export_module(models[model], str(tmp_path / name), submodule=submodule)
+        assert config["causal"] is causal, name
+        assert config.get("relative_bias_distance") == (128 if relative else None), name
+        assert config.get("scale") == (None if model == "mpnet" else 1.0), name
+    mpnet_inner = export_module(models["mpnet"], str(tmp_path / "mpnet-inner"),
+                                submodule="encoder.layer.1.attention.attn")
+    assert mpnet_inner["relative_bias_distance"] == 128
+    x = np.random.default_rng(32).uniform(-1, 1, (2, 300, 64)).astype(np.float32)
+    server = harness.ServerProcess("--model-repository", str(tmp_path), "--backend", "cpu")
+    try:
+        with AttentionClient(server.target, timeout=120) as client:
+            for lengths in ([300, 300], [300, 211]):
+                for model in ("t5", "umt5", "mpnet"):
+                    # MPNetAttention's output is after its LayerNorm: the oracle is attn's.
+                    names = {n: layers[n][1] + (".attn" if model == "mpnet" else "")
+                             for n in layers if layers[n][0] == model}
+                    if lengths[1] < 300 and model != "mpnet":  # padding: the encoders only
+                        names = {n: s for n, s in names.items() if n.endswith("encoder")}
+                    calls = _relative_layer_calls(models[model], list(names.values()), x,
+                                                  lengths)
+                    for name, submodule in names.items():
+                        hidden, kv, want = calls[submodule]
+                        kwargs = dict(key=kv, value=kv) if kv is not None else {}
+                        got = client.attend(hidden, model=name, key_lengths=lengths,
+                                            **kwargs).output
+                        rows = lengths[1]  # padded queries' rows are the caller's
+                        assert _rel(got[1, :rows], want[1, :rows]) < 2e-5, \
+                            (name, lengths, _rel(got[1, :rows], want[1, :rows]))
+                        assert _rel(got[0], want[0]) < 2e-5, (name, lengths, _rel(got[0], want[0]))
+            got = client.attend(x[:1], model="mpnet-inner").output
+            assert _rel(got, client.attend(x[:1], model="mpnet").output) < 1e-6
+            for name in ("t5-decoder", "umt5-decoder"):
+                whole = client.attend(x[:1, :170], model=name).output
+                with client.open_session(name) as session:
+                    got = [session.attend(x[:1, :20]).output]
+                    got += [session.attend(x[:1, t:t + 1]).output for t in range(20, 150)]
+                    got += [session.attend(x[:1, 150:170]).output]
+                assert _rel(np.concatenate(got, axis=1), whole) < 1e-5, name
+    finally:
+        assert server.stop() == 0, server.log()
+
+    for module, words in (
+            (models["t5"].encoder.block[1].layer[0].SelfAttention,
+             ["without a relative_attention_bias of its own", "submodule="]),
+            (models["mpnet"].encoder.layer[1].attention.attn,
+             ["MPNetEncoder.relative_attention_bias", "submodule="])):
+        with pytest.raises(ExportError) as refused:
+            export_module(module, str(tmp_path / "refused"))
+        for word in words:
+            assert word in str(refused.value), str(refused.value)
+    assert not os.path.exists(tmp_path / "refused" / "config.pbtxt")
+
+
 def test_falcon_layers_are_served_in_each_qkv_layout(tmp_path):
     """Falcon with RoPE (transformers 4.45's FalconAttention): its
     query_key_value in each layout, Falcon-7B's multi-query [queries | key |

@@ -132,7 +132,7 @@ _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_
                 "batching", "instances", "backend", "rope", "qk_norm", "sliding_window", "softcap",
                 "sinks", "output_gate", "attention_chunk", "temperature_tuning",
                 "latent_attention", "clip_qkv", "v_norm", "kv_source", "sparse_index_topk",
-                "alibi_slopes"]
+                "alibi_slopes", "relative_bias_distance"]
 
 
 def _scalar(field, value):
@@ -1243,6 +1243,110 @@ def alibi_slopes_of(module, num_heads=None, model_config=None):
     return None
 
 
+# Model types whose scores get a learned relative position bias, each
+# checked against transformers' own classes (tests/hf): T5's buckets
+# (T5Attention and its copies; every UMT5 layer has its own), MPNet's
+# (MPNetEncoder's, shared by its layers). LongT5's local attention and
+# UDOP's 2D bias are not these.
+_RELATIVE_BIAS = {"t5": "t5", "mt5": "t5", "umt5": "t5", "switch_transformers": "t5",
+                  "mpnet": "mpnet"}
+# MPNet's buckets reach 128 keys each way (relative_position_bucket's
+# default, which compute_position_bias keeps).
+_MPNET_MAX_DISTANCE = 128
+
+
+def _relative_kind(module):
+    """"t5", "mpnet" or None: the relative bias `module`'s model type adds."""
+    return _RELATIVE_BIAS.get(_model_type(module))
+
+
+def _relative_table(bias, distance, what):
+    """(distance, table [heads, 2 * distance + 1]) of a bias [heads, N, N]
+    over queries and keys 0 .. N - 1 (N > 2 * distance), each distance
+    j - i's entry read off the bias and checked: the table must rebuild
+    every score's bias exactly, each distance beyond `distance` the same as
+    at it, or the model's bias is not one attnserve computes."""
+    heads, n = bias.shape[0], bias.shape[-1]
+    rel = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+    table = torch.stack([bias[:, max(-r, 0), max(r, 0)] for r in range(-distance, distance + 1)],
+                        dim=1)
+    rebuilt = table[:, rel.clamp(-distance, distance) + distance]
+    if not torch.equal(rebuilt, bias):
+        raise ExportError(f"{what}'s relative position bias is not one value per distance up to "
+                          f"{distance} keys each way, the same beyond: not the relative bias "
+                          "attnserve computes")
+    return distance, table.reshape(heads, 2 * distance + 1)
+
+
+def relative_bias_of(module, source=None):
+    """(relative_bias_distance, table [num_heads, 2D + 1]) for an attnserve
+    ModelConfig of `module` whose scores get a learned relative position
+    bias (T5, mT5, UMT5, Switch Transformers, MPNet): each distance's bucket
+    value, computed by the model's own code (its bucket rule's float log
+    included) and checked; None for a module without one.
+    source: the module that holds the bias: T5's layers without one of
+    their own (has_relative_attention_bias False) take their stack's first
+    self-attention layer's, and cross-attention none (source False); MPNet's
+    layers their MPNetEncoder's. Default: the module itself (T5's first
+    layers, UMT5's every layer); ExportError when it holds none and no
+    source says whose (export from the whole model, submodule=)."""
+    kind = _relative_kind(module)
+    if kind is None or source is False:
+        return None
+    name = type(module).__name__
+    with torch.no_grad():
+        if kind == "mpnet":
+            if source is None or not hasattr(source, "compute_position_bias"):
+                raise ExportError(f"{name}'s relative position bias, which is its encoder's "
+                                  "(MPNetEncoder.relative_attention_bias): export it from the "
+                                  "whole model (export_module(model, folder, submodule=...))")
+            n = 2 * _MPNET_MAX_DISTANCE + 1
+            bias = source.compute_position_bias(torch.zeros(1, n, 1))[0].float()
+            return _relative_table(bias, _MPNET_MAX_DISTANCE, name)
+        if getattr(module, "pruned_heads", None):
+            raise ExportError(f"{name} with pruned heads {sorted(module.pruned_heads)}")
+        if getattr(module, "has_relative_attention_bias", False):
+            source = module
+        if source is None:
+            if getattr(module, "is_decoder", False) and getattr(module, "is_causal", None) is False:
+                return None  # transformers 5.x's cross-attention: no position bias
+            raise ExportError(f"{name} without a relative_attention_bias of its own: in the "
+                              "model its scores get its stack's first self-attention layer's "
+                              "(or, as cross-attention, none), which the module alone does not "
+                              "say: export it from the whole model (export_module(model, folder, "
+                              "submodule=...))")
+        distance = int(source.relative_attention_max_distance)
+        n = 2 * distance + 1
+        bias = source.compute_bias(n, n)[0].float()
+        return _relative_table(bias, distance, name)
+
+
+def _relative_bias_source(model, name, module):
+    """The module in `model` that holds the relative bias of `module` (its
+    dotted `name`): T5's stack's first self-attention layer (block 0 of the
+    same stack), False for its cross-attention (EncDecAttention); MPNet's
+    encoder, the nearest enclosing module with compute_position_bias; None
+    for a module that needs none or holds its own."""
+    kind = _relative_kind(module)
+    if kind == "mpnet":
+        parts = name.split(".")
+        for end in range(len(parts) - 1, -1, -1):
+            outer = model.get_submodule(".".join(parts[:end]))
+            if hasattr(outer, "compute_position_bias"):
+                return outer
+        return None
+    if kind != "t5" or getattr(module, "has_relative_attention_bias", False):
+        return None
+    if name.endswith("EncDecAttention"):
+        return False
+    found = re.fullmatch(r"(.*\.)?block\.\d+\.(.*SelfAttention)", name)
+    if found:
+        first = model.get_submodule(f"{found.group(1) or ''}block.0.{found.group(2)}")
+        if getattr(first, "has_relative_attention_bias", False):
+            return first
+    return None
+
+
 def unsupported_features(module, head_dim=None, num_heads=None, model_config=None):
     """What `module` computes that attnserve does not (yet): rotary
     embeddings, sliding windows, QK-norms, value norms, QKV clipping and
@@ -1294,7 +1398,7 @@ def unsupported_features(module, head_dim=None, num_heads=None, model_config=Non
         alibi_slopes_of(module, num_heads, model_config)
     except ExportError as e:
         found.append(str(e))
-    if _model_type(module) not in _ALIBI:
+    if _model_type(module) not in _ALIBI and _relative_kind(module) is None:
         try:
             params = inspect.signature(module.forward).parameters
         except (TypeError, ValueError):
@@ -1304,7 +1408,8 @@ def unsupported_features(module, head_dim=None, num_heads=None, model_config=Non
                 # A bias its caller computes and attnserve would leave out.
                 found.append(f"a position bias its caller passes in (forward's `{name}`), of "
                              f"model type {_model_type(module)!r}, whose bias attnserve does "
-                             f"not know (known: ALiBi of {', '.join(sorted(_ALIBI))})")
+                             f"not know (known: ALiBi of {', '.join(sorted(_ALIBI))}; relative "
+                             f"biases of {', '.join(sorted(_RELATIVE_BIAS))})")
     if not shared:  # a shared layer has no k_norm nor v_norm: its keys are done
         for check in (qk_norm_config, v_norm_config):
             try:
@@ -1321,13 +1426,14 @@ def unsupported_features(module, head_dim=None, num_heads=None, model_config=Non
 
 
 def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None, qkv_layout=None,
-                    kv_source=None, model_config=None):
+                    kv_source=None, model_config=None, relative_bias_source=None):
     """(config dict, {local tensor name: tensor}) of one attention module.
     kv_source: for a layer that reuses an earlier layer's keys and values
     (KV sharing), that layer's module: its k_proj, v_proj and norms are
     exported, and config["kv_source"] names it. model_config: the whole
     model's Hugging Face config, read where the module keeps none (MPT's
-    ALiBi in transformers 4.x)."""
+    ALiBi in transformers 4.x). relative_bias_source: the module that holds
+    a relative position bias the layer's scores get (relative_bias_of)."""
     if torch is None:
         raise ExportError("PyTorch is not importable")
     if isinstance(module, torch.nn.MultiheadAttention):
@@ -1431,6 +1537,16 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
     slopes = alibi_slopes_of(module, config["num_heads"], model_config)
     if slopes is not None:
         config["alibi_slopes"] = slopes
+    relative = relative_bias_of(module, relative_bias_source)
+    if relative is not None:
+        distance, table = relative
+        if table.shape[0] != config["num_heads"]:
+            raise ExportError(f"a relative position bias of {table.shape[0]} heads for a layer "
+                              f"of {config['num_heads']}")
+        config["relative_bias_distance"] = distance
+        tensors["relative_bias"] = table
+    if _relative_kind(module) == "t5" and "scale" not in config:
+        config["scale"] = 1.0  # T5 does not scale its scores (transformers 4.x: no attribute)
     return config, tensors
 
 
@@ -1788,10 +1904,33 @@ def _describe_bert(module, parts, num_heads, head_dim):
     return _describe_separate(module, q, k, v, o, out_name, int(h), int(h), int(hd))
 
 
+def _qkvo_parts(module):
+    """(module holding them, q, k, v, o, out_name) of the attention of a
+    relative-bias model type whose linears are named q, k, v, o (T5 and its
+    copies; MPNetSelfAttention, and MPNetAttention through its `attn`, whose
+    LayerNorm and residual stay with the caller, as BertSelfOutput's); None
+    otherwise."""
+    if _relative_kind(module) is None:
+        return None
+    inner, prefix = module, ""
+    if _relative_kind(module) == "mpnet" and isinstance(getattr(module, "attn", None),
+                                                        torch.nn.Module):
+        inner, prefix = module.attn, "attn."
+    q, k, v, o = (_linear(inner, n) for n in ("q", "k", "v", "o"))
+    if q is None or k is None or v is None or o is None:
+        return None
+    return inner, q, k, v, o, prefix + "o"
+
+
 def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout):
     bert = _bert_parts(module)
     if bert is not None:
         return _describe_bert(module, bert, num_heads, head_dim)
+    qkvo = _qkvo_parts(module)
+    if qkvo is not None:
+        inner, q, k, v, o, out_name = qkvo
+        hd = head_dim or getattr(inner, "key_value_proj_dim", None)  # T5's d_kv
+        return _describe_separate(inner, q, k, v, o, out_name, num_heads, num_kv_heads, hd)
     q, k, v = (_linear(module, n) for n in ("q_proj", "k_proj", "v_proj"))
     model_type = _model_type(module)
     if v is None and k is not None and _keys_are_values(module):
@@ -1911,10 +2050,12 @@ def export_module(model, folder, *, submodule=None, name=None, causal=None, scal
         source_name, kv_source = kv_source, model.get_submodule(kv_source)
     elif kv_source is None and submodule and _kv_shared(module):
         source_name, kv_source = _find_kv_source(model, module)
+    relative_source = _relative_bias_source(model, submodule, module) if submodule else None
     config, tensors = describe_module(module, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                       head_dim=head_dim, qkv_layout=qkv_layout,
                                       kv_source=kv_source,
-                                      model_config=getattr(model, "config", None))
+                                      model_config=getattr(model, "config", None),
+                                      relative_bias_source=relative_source)
     if source_name:
         config["kv_source"] = source_name
     config["name"] = name or os.path.basename(os.path.normpath(folder))
@@ -1922,6 +2063,10 @@ def export_module(model, folder, *, submodule=None, name=None, causal=None, scal
         # Without the module's word: a latent layer is a decoder's (DeepSeek's
         # modules say so too), as is one that slides a window (one-sided).
         causal = getattr(module, "is_causal", None)
+        if causal is None and _relative_kind(module) == "t5":
+            # transformers 4.x: a decoder's self-attention (which alone holds
+            # or takes the relative bias), not its cross-attention.
+            causal = bool(getattr(module, "is_decoder", False)) and relative_source is not False
         bert = _bert_parts(module)
         if causal is None and bert is not None:
             causal = _bert_causal(bert[5])
