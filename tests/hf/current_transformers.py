@@ -73,8 +73,10 @@ MINICPM3_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0,
 # Classes whose name is not {prefix}Attention / {prefix}RotaryEmbedding
 # (None: the model has no rotary class).
 ATTENTION_CLASSES = {"longcat_flash": "LongcatFlashMLA", "distilbert": "DistilBertSelfAttention",
+                     "longt5-local": "LongT5LocalAttention",
                      "minimax-lightning": "MiniMaxLightningAttention"}
 ROTARY_CLASSES = {"kimi_linear": None, "glm5_next": None, "mpt": None, "bloom": None,
+                  "longt5": None,
                   "nemotron_h": None,
                   "bert": None, "xlm_roberta": None, "distilbert": None,
                   "jamba": None, "zamba": None}
@@ -320,6 +322,10 @@ FAMILIES = {
     "mpt": ("mpt", "Mpt", dict(attn_config=dict(clip_qkv=8.0, alibi_bias_max=6)), 0, "served"),
     "falcon-alibi": ("falcon", "Falcon", dict(alibi=True, multi_query=False,
                                               new_decoder_architecture=False), 0, "bfloat16"),
+    # LongT5's local attention: T5's relative bias within blocks of keys, not
+    # the bias attnserve computes (T5's own layers: WHOLE_MODELS).
+    "longt5-local": ("longt5", "LongT5", dict(d_model=64, d_kv=16, num_heads=4), 0,
+                     "not a recognised attention module"),
     # Falcon with RoPE, each layout of its query_key_value: Falcon-7B's
     # multi-query, Falcon-40B's and 180B's groups (new_decoder_architecture),
     # per head with biases.
@@ -405,6 +411,83 @@ FAMILIES = {
                    "served"),
     "olmo-hybrid": ("olmo_hybrid", "OlmoHybrid", {}, 1, "served"),
 }
+
+
+# Layers whose relative position bias is another module's (T5's later
+# layers take their stack's first layer's, MPNet's its encoder's), or none
+# (T5's cross-attention): exported from a whole two-layer model, compared
+# with what the layer computes inside it.
+# name: (model module, model class prefix, config overrides, layer's submodule)
+T5_LIKE = dict(d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2, num_decoder_layers=2,
+               vocab_size=64, dropout_rate=0.0)
+WHOLE_MODELS = {
+    "t5-encoder": ("t5", "T5", T5_LIKE, "encoder.block.1.layer.0.SelfAttention"),
+    "t5-decoder": ("t5", "T5", T5_LIKE, "decoder.block.1.layer.0.SelfAttention"),
+    "t5-cross": ("t5", "T5", T5_LIKE, "decoder.block.1.layer.1.EncDecAttention"),
+    "mt5-encoder": ("mt5", "MT5", T5_LIKE, "encoder.block.1.layer.0.SelfAttention"),
+    "umt5-encoder": ("umt5", "UMT5", T5_LIKE, "encoder.block.1.layer.0.SelfAttention"),
+    "umt5-decoder": ("umt5", "UMT5", T5_LIKE, "decoder.block.1.layer.0.SelfAttention"),
+    "switch-transformers-decoder": (
+        "switch_transformers", "SwitchTransformers",
+        dict(T5_LIKE, num_experts=2, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
+             expert_capacity=128), "decoder.block.1.layer.0.SelfAttention"),
+    "mpnet": ("mpnet", "MPNet", dict(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                     num_hidden_layers=2, vocab_size=64),
+              "encoder.layer.1.attention"),
+}
+
+
+def build_model(family):
+    """The whole model of a WHOLE_MODELS family, random weights (its bias
+    table N(0, 1), so that it moves the scores), in eval mode."""
+    module_name, prefix, overrides, _ = WHOLE_MODELS[family]
+    mod = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    cfg_mod = importlib.import_module(
+        f"transformers.models.{module_name}.configuration_{module_name}")
+    config = getattr(cfg_mod, f"{prefix}Config")(**overrides)
+    config._attn_implementation = "eager"
+    torch.manual_seed(sum(map(ord, family)))
+    model = getattr(mod, f"{prefix}Model")(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "relative_attention_bias" in name:
+                p.normal_()
+            else:
+                p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+def model_layer_forward(model, submodule, x):
+    """(query input, key/value input or None, output) of the layer at
+    `submodule` while `model` runs in float64 on x [B, L, 64] (its decoder
+    on the same x): the layer as its model calls it, with the bias the model
+    gives it. MPNetAttention's output is after its LayerNorm: its attn's."""
+    if submodule.endswith(".attention"):
+        submodule += ".attn"
+    layer = model.get_submodule(submodule)
+    calls = []
+    forward = layer.forward
+
+    def spy(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append((args[0] if args else kwargs["hidden_states"],
+                      kwargs.get("key_value_states"), out[0]))
+        return out
+    layer.forward = spy
+    model.double()
+    xt = torch.from_numpy(x).double()
+    try:
+        with torch.no_grad():
+            if hasattr(model, "decoder"):
+                model(inputs_embeds=xt, decoder_inputs_embeds=xt, use_cache=False)
+            else:
+                model(inputs_embeds=xt)
+    finally:
+        del layer.forward
+        model.float()
+    (hidden, kv, out), = calls
+    return (hidden.float().numpy(), None if kv is None else kv.float().numpy(),
+            out.double().numpy())
 
 
 def build(family):
@@ -596,8 +679,17 @@ def main():
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     repo = tempfile.mkdtemp(prefix="attnserve-hf5-")
     built, results = {}, {}
-    families = args.families or list(FAMILIES)
+    families = args.families or list(FAMILIES) + list(WHOLE_MODELS)
     for family in families:
+        if family in WHOLE_MODELS:
+            try:
+                model = build_model(family)
+                exported = export.export_module(model, os.path.join(repo, family),
+                                                submodule=WHOLE_MODELS[family][3])
+                built[family] = (model, None, None, None, exported["causal"], None)
+            except Exception as e:  # refused, or a model this transformers lacks
+                results[family] = f"FAIL: {type(e).__name__}: {e}"
+            continue
         try:
             m, rotary, config, layer, outcome, source = build(family)
         except Exception as e:  # a family this transformers lacks
@@ -636,9 +728,14 @@ def main():
         rng = np.random.default_rng(1)
         for family, (m, rotary, config, layer, causal, source) in built.items():
             x = rng.uniform(-1, 1, (2, LENGTHS.get(family, 48), 64)).astype(np.float32)
-            xs = None if source is None else rng.uniform(-1, 1, x.shape).astype(np.float32)
-            want = module_forward(m, rotary, config, layer, x, source, xs)
-            got = infer(http, family, x, causal, xs)
+            if family in WHOLE_MODELS:  # 300 tokens: past the buckets' 128 both ways
+                x = rng.uniform(-1, 1, (2, 300, 64)).astype(np.float32)
+                x, kv, want = model_layer_forward(m, WHOLE_MODELS[family][3], x)
+                got = infer(http, family, x, causal, kv)
+            else:
+                xs = None if source is None else rng.uniform(-1, 1, x.shape).astype(np.float32)
+                want = module_forward(m, rotary, config, layer, x, source, xs)
+                got = infer(http, family, x, causal, xs)
             rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             ok = rel < 2e-5
             results[family] = f"{'ok' if ok else 'FAIL'}: relative error {rel:.2e}"
