@@ -161,16 +161,29 @@ void BM_Core(benchmark::State& state, BenchShape s, DType dtype, int threads) {
   state.counters["GBps"] = benchmark::Counter(kv_bytes, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// The causal core, plain or with ALiBi (BLOOM's slopes, 2^-8h/H: head h's
-// scores biased by slope_h * (key - query position)), for bench/alibi.py.
-void BM_CoreCausal(benchmark::State& state, BenchShape s, DType dtype, int threads, bool alibi) {
+// The position biases bench/position_bias.py weighs.
+enum class PositionBias { kNone, kAlibi, kRelative };
+
+// The core, causal or not, plain or with a position bias: ALiBi (BLOOM's
+// slopes, 2^-8h/H: head h's scores biased by slope_h * (key - query
+// position)) or a relative bias table of T5's reach (128 keys each way,
+// values in [-1, 1]).
+void BM_CoreBiased(benchmark::State& state, BenchShape s, DType dtype, int threads, bool causal,
+                   PositionBias bias) {
   CoreInputs in(s, dtype);
-  in.p.causal = true;
-  std::vector<float> slopes;
+  in.p.causal = causal;
+  std::vector<float> slopes, table;
   for (int64_t h = 0; h < s.heads; ++h) {
     slopes.push_back(std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(s.heads)));
   }
-  if (alibi) in.p.alibi_slopes = slopes.data();
+  constexpr int64_t kDistance = 128;
+  const Tensor values = RandomTensor(DType::kFloat32, {s.heads * (2 * kDistance + 1)}, 7);
+  table.assign(values.data_as<float>(), values.data_as<float>() + values.num_elements());
+  if (bias == PositionBias::kAlibi) in.p.alibi_slopes = slopes.data();
+  if (bias == PositionBias::kRelative) {
+    in.p.relative_bias = table.data();
+    in.p.relative_bias_distance = kDistance;
+  }
   TimeFlash(state, in.p, threads);
 }
 
@@ -557,11 +570,17 @@ void RegisterAll() {
               ->Unit(benchmark::kMillisecond)
               ->UseRealTime();
         }
-        for (const bool alibi : {false, true}) {
-          benchmark::RegisterBenchmark(
-              absl::StrCat(alibi ? "CoreCausalAlibi/" : "CoreCausal/", s.name, "/", dn, suffix)
-                  .c_str(),
-              BM_CoreCausal, s, dt, t, alibi)
+        struct Biased {
+          const char* name;
+          bool causal;
+          PositionBias bias;
+        };
+        for (const Biased b : {Biased{"CoreCausal/", true, PositionBias::kNone},
+                               Biased{"CoreCausalAlibi/", true, PositionBias::kAlibi},
+                               Biased{"CoreCausalRelative/", true, PositionBias::kRelative},
+                               Biased{"CoreRelative/", false, PositionBias::kRelative}}) {
+          benchmark::RegisterBenchmark(absl::StrCat(b.name, s.name, "/", dn, suffix).c_str(),
+                                       BM_CoreBiased, s, dt, t, b.causal, b.bias)
               ->Unit(benchmark::kMillisecond)
               ->UseRealTime();
         }

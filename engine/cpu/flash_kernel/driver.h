@@ -297,18 +297,28 @@ class Kernel {
 
   // A relative position bias: bias[j] (+)= table[clamp(j + first, -d, d) +
   // d] * log2(e) for j < jv (AttentionParams::relative_bias; `table` the
-  // row's head's, `first` as for ALiBi): a constant below -d, the table's
-  // run in between, a constant above d.
+  // row's head's, `first` as for ALiBi): a vector at a time, each one below
+  // -d, above d, or within the table's run (a straddling vector lane by lane).
   static void RelativeBias(const float* table, int64_t d, int64_t first, int64_t jv, bool add,
                            float* bias) {
     const int64_t low = std::clamp<int64_t>(-d - first, 0, jv);      // j + first < -d below
     const int64_t high = std::clamp<int64_t>(d + 1 - first, low, jv);  // j + first > d from
-    auto put = [&](int64_t j, float value) {
-      bias[j] = add ? bias[j] + value * kLog2e : value * kLog2e;
-    };
-    for (int64_t j = 0; j < low; ++j) put(j, table[0]);
-    for (int64_t j = low; j < high; ++j) put(j, table[j + first + d]);
-    for (int64_t j = high; j < jv; ++j) put(j, table[2 * d]);
+    const V l2e = Vec::Set1(kLog2e), below = Vec::Set1(table[0]), above = Vec::Set1(table[2 * d]);
+    alignas(64) float lane[W];
+    for (int64_t j = 0; j < jv; j += W) {
+      V v;
+      if (j + W <= low) {
+        v = below;
+      } else if (j >= high) {
+        v = above;
+      } else if (j >= low && j + W <= high) {
+        v = Vec::Load(table + (j + first + d));
+      } else {
+        for (int i = 0; i < W; ++i) lane[i] = table[std::clamp<int64_t>(j + i + first, -d, d) + d];
+        v = Vec::Load(lane);
+      }
+      Vec::Store(bias + j, add ? Vec::Fma(v, l2e, Vec::Load(bias + j)) : Vec::Mul(v, l2e));
+    }
   }
 
   struct Buffers {
