@@ -73,6 +73,13 @@ def _write_layer_feature_models(repo):
     os.makedirs(os.path.join(repo, "alibi-sdpa"))
     with open(os.path.join(repo, "alibi-sdpa", "config.pbtxt"), "w") as f:
         f.write('kind: "sdpa" causal: true alibi_slopes: [0.5, 0.125]\n')
+    # A relative position bias (T5's form: no scale, four projections
+    # without biases) reaching 3 keys each way.
+    write_model_folder(os.path.join(repo, "t5"), dict(
+        embed_dim=32, num_heads=4, head_dim=8, weight_layout="SEPARATE_QKV", scale=1.0,
+        relative_bias_distance=3), {
+        "q_proj.weight": w(32, 32), "k_proj.weight": w(32, 32), "v_proj.weight": w(32, 32),
+        "o_proj.weight": w(32, 32), "relative_bias": 10 * w(4, 7)})
     write_model_folder(os.path.join(repo, "latent"), dict(
         embed_dim=32, num_heads=4, num_kv_heads=4, head_dim=12, weight_layout="SEPARATE_QKV",
         causal=True, rope=dict(type="default", theta=10000.0, interleaved=True),
@@ -245,6 +252,34 @@ def test_model_config_parameters_name_the_layers_features(client):
         client.infer("gemma4-shared", [inp], parameters={"causal": True})
     assert "key: required by model 'gemma4-shared'" in str(refused.value)
     assert "model.layers.3.self_attn" in str(refused.value)
+
+
+def test_a_relative_bias_model_biases_each_score_by_its_distance(client, torch_repo):
+    """A layer with a relative position bias (T5's) says its reach in its
+    parameters and computes, without and with causal, what a NumPy float64
+    layer does: each head's table value for clamp(j - p, -3, 3) added to
+    the unscaled scores."""
+    sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+    from attnserve_client.export import read_safetensors
+    cfg = client.get_model_config("t5", as_json=True)["config"]
+    assert cfg["parameters"]["relative_bias_distance"]["string_value"] == "3"
+    w = {n: np.asarray(t, np.float64)
+         for n, t in read_safetensors(os.path.join(torch_repo[0], "t5",
+                                                   "weights.safetensors")).items()}
+    x = rng.uniform(-1, 1, (2, 9, 32)).astype(np.float32)
+    heads = lambda t: t.reshape(2, 9, 4, 8).transpose(0, 2, 1, 3)  # noqa: E731
+    q, k, v = (heads(x @ w[f"{n}_proj.weight"].T) for n in "qkv")
+    rel = np.arange(9)[None, :] - np.arange(9)[:, None]
+    for causal in (False, True):
+        s = q @ k.transpose(0, 1, 3, 2) + w["relative_bias"][:, np.clip(rel, -3, 3) + 3][None]
+        if causal:
+            s = np.where(rel > 0, -np.inf, s)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        want = (p @ v).transpose(0, 2, 1, 3).reshape(2, 9, 32) @ w["o_proj.weight"].T
+        got = client.infer("t5", [make_input("query", x)],
+                           parameters={"causal": causal}).as_numpy("output")
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_an_alibi_model_biases_each_head_by_its_slope(client):
