@@ -78,6 +78,9 @@ LLM_LAYERS = {
                     sliding_window=16, sinks=True),
     # BLOOM / MPT: ALiBi, one slope per head (BLOOM's for 8 heads), no RoPE.
     "bloom": dict(causal=True, alibi_slopes=[2.0 ** -(h + 1) for h in range(8)]),
+    # T5 / MPNet: a learned relative position bias, one value per distance up
+    # to 16 keys each way (T5's decoder form: causal, no scaling).
+    "t5": dict(causal=True, scale=1.0, relative_bias_distance=16),
     # OLMo-2: one RMSNorm over each token's whole Q, one over its K.
     "olmo2": dict(causal=True, rope={"type": "default", "theta": 500000.0},
                   qk_norm={"eps": 1e-6, "whole_projection": True}),
@@ -141,6 +144,9 @@ def _write_llm_layers(root):
                                                     head_dim * (kv_heads if whole else 1))
         if features.get("sinks"):
             t["sinks"] = rng.normal(0.0, 2.0, heads)
+        if features.get("relative_bias_distance"):
+            t["relative_bias"] = rng.normal(0.0, 2.0,
+                                            (heads, 2 * features["relative_bias_distance"] + 1))
         if "output_gate" in features:  # [q_h | gate_h] per head, gates over sigmoid's curve
             q = t["q_proj.weight"].reshape(heads, 1, head_dim, embed)
             gate = rng.uniform(-4, 4, (heads, 1, head_dim, embed)) / np.sqrt(embed)
