@@ -26,7 +26,7 @@ __device__ __forceinline__ float Score(const AttentionParams& a, const float* sq
                                        int64_t b, int64_t h, int64_t i, int64_t j) {
   float dot = 0.0f;
   for (int64_t d = 0; d < a.head_dim; ++d) dot += sq[d] * ToFloat(k_row[d]);
-  const float t = AddAlibi(a, h, i + (a.kv_len - a.q_len), j, Softcap(a, dot * a.scale));
+  const float t = AddPositionBias(a, h, i + (a.kv_len - a.q_len), j, Softcap(a, dot * a.scale));
   return ApplyMask(a.mask, b, h, i, j, t);
 }
 

@@ -328,6 +328,10 @@ std::optional<std::string> SdpaRefusal(const AttentionParams& p, DType compute) 
   if (p.alibi_slopes != nullptr) {
     return std::string("ALiBi slopes (served by the kernels written here)");
   }
+  // cuDNN takes no bias table, only a bias tensor the size of the scores.
+  if (p.relative_bias != nullptr) {
+    return std::string("a relative position bias (served by the kernels written here)");
+  }
   if (p.chunk > 0) return std::string("chunked attention (served by the kernels written here)");
   if (p.window > 0 &&
       (!p.causal || p.key_lengths != nullptr || p.mask.kind != MaskParams::Kind::kNone)) {

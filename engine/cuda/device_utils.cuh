@@ -109,13 +109,28 @@ __device__ __forceinline__ float AlibiBias(float slope, int64_t position, int64_
   return __fmul_rn(slope, static_cast<float>(j - position));
 }
 
-// A softcapped score of key j for the query at `position` of head h, plus
-// ALiBi's bias when `a` has slopes (a.alibi_slopes a device array of
-// num_heads), to go before the mask.
-__device__ __forceinline__ float AddAlibi(const AttentionParams& a, int64_t h, int64_t position,
-                                          int64_t j, float score) {
-  if (a.alibi_slopes == nullptr) return score;
-  return score + AlibiBias(a.alibi_slopes[h], position, j);
+// The learned relative position bias (attention_params.h) of key j for the
+// query at `position`, from its head's row of the table (2 * distance + 1
+// floats, entry distance for j == position): every key further than
+// `distance` either way shares the outermost entry on its side.
+__device__ __forceinline__ float RelativeBias(const float* head_row, int64_t distance,
+                                              int64_t position, int64_t j) {
+  return head_row[min(max(j - position, -distance), distance) + distance];
+}
+
+// A softcapped score of key j for the query at `position` of head h plus the
+// position biases `a` has, in attention_params.h's order: ALiBi's
+// (a.alibi_slopes a device array of num_heads), then the relative bias
+// table's (a.relative_bias a device array [num_heads, 2D + 1]); to go
+// before the mask.
+__device__ __forceinline__ float AddPositionBias(const AttentionParams& a, int64_t h,
+                                                 int64_t position, int64_t j, float score) {
+  if (a.alibi_slopes != nullptr) score += AlibiBias(a.alibi_slopes[h], position, j);
+  if (a.relative_bias != nullptr) {
+    const int64_t distance = a.relative_bias_distance;
+    score += RelativeBias(a.relative_bias + h * (2 * distance + 1), distance, position, j);
+  }
+  return score;
 }
 
 // The scaled score after the mask for a key j < RowKeyEnd: -inf where a bool

@@ -36,8 +36,9 @@ absl::StatusOr<const void*> ConvertOnDevice(Call& call, const void* data, DType 
 }
 
 // The device-side params of host-side `p`: its dims, causal flag, window,
-// chunk, scale and softcap. Every pointer (sinks and ALiBi slopes too), dtype
-// and stride is left for the caller to set.
+// chunk, scale and softcap. Every pointer (sinks, ALiBi slopes and the
+// relative bias table with its distance too), dtype and stride is left for
+// the caller to set.
 AttentionParams DeviceParams(const AttentionParams& p) {
   AttentionParams a;
   a.batch = p.batch;
@@ -557,8 +558,9 @@ absl::StatusOr<SdpaRoute> RoutePagedPrefill(Call& call, const AttentionParams& p
 // rest computes and enqueues `then` now. `p`: the task's host-side core
 // params over the new rows (its causal flag, scale, window, softcap, host
 // sinks and host ALiBi slopes are used; a's device sinks and slopes, when
-// set, come first). `route` (RoutePagedPrefill, or none): when it is used,
-// a's query and output have route.shape.q_rows rows per head in its
+// set, come first; a's relative bias table, a projection layer's on the
+// device, as it is). `route` (RoutePagedPrefill, or none): when it is
+// used, a's query and output have route.shape.q_rows rows per head in its
 // layout, the rows past q_len of the query zeros, and the attention
 // computes in route.shape.dtype. The block tables (and the sinks and
 // slopes) are uploaded through the call, so this makes the stream wait for
@@ -819,9 +821,14 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
     if (!slopes.ok()) return slopes.status();
     a.alibi_slopes = static_cast<const float*>(*slopes);
   }
-  // The layer's sinks (on the device) join the params; the route sees them.
+  // The layer's sinks and relative bias table (on the device) join the
+  // params; the route sees them.
   AttentionParams routed = p;
   if (config.sinks) a.sinks = routed.sinks = static_cast<const float*>(w.sinks.data());
+  if (config.relative_bias_distance > 0) {
+    a.relative_bias = routed.relative_bias = static_cast<const float*>(w.relative_bias.data());
+    a.relative_bias_distance = routed.relative_bias_distance = config.relative_bias_distance;
+  }
   // A session's request attends over its whole cache: a cuDNN plan of that
   // (a prefill or long append in bf16/fp16 precision), else none.
   const bool paged = task.paged.enabled();

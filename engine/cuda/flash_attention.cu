@@ -14,8 +14,8 @@
 // need them (a mask tensor, or keys outside some row's visible range); a
 // block starts at the first tile of its first row's sliding window, a warp
 // skips tiles none of its rows can see (the causal diagonal, the window),
-// and causal grids start with the heaviest tiles. Softcapping, sinks and
-// ALiBi as flash_tile.cuh applies them.
+// and causal grids start with the heaviest tiles. Softcapping, sinks, ALiBi
+// and the relative position bias as flash_tile.cuh applies them.
 //
 // Fragment layouts are the ones the PTX ISA documents for
 // mma.m16n8k16 with .f16/.bf16 inputs (g = lane / 4, t = lane % 4):

@@ -154,7 +154,7 @@ __device__ __forceinline__ int64_t BlockKeyEnd(const AttentionParams& a, int64_t
 // sum the keys they hold; Normalizers adds the four). Every rule of
 // attention_params.h: causal, key lengths and the sliding window through
 // each row's visible keys [row_begin, row_end), masks, softcapping, sinks,
-// ALiBi.
+// ALiBi, the relative position bias.
 struct RowPair {
   int64_t row[2];
   int64_t row_begin[2];  // keys [row_begin, row_end) may be visible
@@ -194,16 +194,17 @@ struct RowPair {
   // s holds the raw scores Q K^T of kTiles 8-key tiles starting at key j0.
   // Scales them (and softcaps) into the log2 domain, masking where some key
   // of the tiles is not visible to a row or a mask tensor applies, and
-  // adding ALiBi's bias (which every key has: the masked path); updates
-  // the maxima and sums, and leaves in s the unnormalised probabilities
-  // exp2(x - max). On return alpha[r] is the factor by which row r's earlier
-  // accumulators must shrink (0 while the row had seen nothing).
+  // adding the position biases (ALiBi's, the relative bias table's: every
+  // key has them, so they take the masked path); updates the maxima and
+  // sums, and leaves in s the unnormalised probabilities exp2(x - max). On
+  // return alpha[r] is the factor by which row r's earlier accumulators
+  // must shrink (0 while the row had seen nothing).
   template <int kTiles>
   __device__ __forceinline__ void Softmax(float (&s)[kTiles][4], const AttentionParams& a,
                                           int64_t b, int64_t h, int64_t j0, int t, bool has_mask,
                                           float scale_log2, float (&alpha)[2]) {
-    const bool needs_mask = has_mask || a.alibi_slopes != nullptr || j0 + kTiles * 8 > both_see ||
-                            j0 < both_begin;
+    const bool needs_mask = has_mask || a.alibi_slopes != nullptr || a.relative_bias != nullptr ||
+                            j0 + kTiles * 8 > both_see || j0 < both_begin;
     const bool softcap = a.softcap > 0.0f;
     const int64_t offset = a.kv_len - a.q_len;  // row i's position: i + offset
     float tile_max[2] = {m[0], m[1]};
@@ -217,7 +218,8 @@ struct RowPair {
           const int64_t j = j0 + n * 8 + 2 * t + (e & 1);
           x = j >= row_begin[r] && j < row_end[r]
                   ? ApplyMask(a.mask, b, h, row[r], j,
-                              AddAlibi(a, h, row[r] + offset, j, Softcap(a, s[n][e] * a.scale))) *
+                              AddPositionBias(a, h, row[r] + offset, j,
+                                              Softcap(a, s[n][e] * a.scale))) *
                         kLog2e
                   : -INFINITY;
         } else {

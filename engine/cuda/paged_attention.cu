@@ -200,6 +200,15 @@ __device__ __forceinline__ void DecodeBlock(const AttentionParams& a, int64_t ti
   for (int r = 0; r < kRows; ++r) {
     slope[r] = a.alibi_slopes != nullptr && r < rows ? a.alibi_slopes[head_of(r)] : 0.0f;
   }
+  // Likewise each row's head's row of the relative bias table; null for the
+  // rows past the tile.
+  const float* bias_row[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    bias_row[r] = a.relative_bias != nullptr && r < rows
+                      ? a.relative_bias + head_of(r) * (2 * a.relative_bias_distance + 1)
+                      : nullptr;
+  }
   // The keys any row of the tile may see: the chunk, cut by the latest
   // row's causal (or two-sided window's) end and the earliest row's window
   // start (or attention chunk start).
@@ -284,8 +293,8 @@ __device__ __forceinline__ void DecodeBlock(const AttentionParams& a, int64_t ti
         }
       }
     }
-    // Scores after the scale, softcap, ALiBi's bias and the row's
-    // visibility (-inf where it sees no such key).
+    // Scores after the scale, softcap, ALiBi's bias, the relative bias and
+    // the row's visibility (-inf where it sees no such key).
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const bool sees = r < rows && j < hi && !(a.causal && j > pos[r]) &&
@@ -295,6 +304,9 @@ __device__ __forceinline__ void DecodeBlock(const AttentionParams& a, int64_t ti
       float sc = s[r] * a.scale;
       if (a.softcap > 0.0f) sc = a.softcap * tanhf(sc / a.softcap);
       if (a.alibi_slopes != nullptr) sc += AlibiBias(slope[r], pos[r], j);
+      if (bias_row[r] != nullptr) {
+        sc += RelativeBias(bias_row[r], a.relative_bias_distance, pos[r], j);
+      }
       s[r] = sees ? sc : -INFINITY;
     }
     // Per row: the tile's max, the new running max, the probabilities and

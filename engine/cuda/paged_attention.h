@@ -76,8 +76,10 @@ cudaError_t LaunchPagedGather(const AttentionParams& a, const PagedGatherOut& ou
 // a.dtype, the blocks' dtype, at its strides; out in a.out_dtype at its
 // strides). Every visibility rule of a session (attention_params.h):
 // causal bottom-right, sliding window, softcap, ALiBi (a.alibi_slopes a
-// device array of num_heads slopes, or null), sinks (a.sinks a device
-// array of num_heads logits, or null), grouped-query heads. No mask, no
+// device array of num_heads slopes, or null), the relative position bias
+// (a.relative_bias a device array [num_heads, 2 * relative_bias_distance +
+// 1], or null), sinks (a.sinks a device array of num_heads logits, or
+// null), grouped-query heads. No mask, no
 // key_lengths, no weights. A row that sees no key gives zeros.
 //
 // One CUDA block per (kv head, tile of up to 8 of its query rows, chunk of

@@ -52,14 +52,15 @@ __device__ __forceinline__ float BlockReduce(float v, float* shared, bool is_max
 }
 
 // One block per score row of the chunk: t = mask(softcap(s * scale) +
-// ALiBi's bias) for the keys the row sees (-inf elsewhere: outside
-// [RowKeyBegin, RowKeyEnd) or blocked by a bool mask), P = exp(t - max) /
-// sum in place, with the head's sink logit, when there are sinks, in the
-// max and the sum but given no probability; the probabilities also into
-// `weights` when set. A row that sees no key is zeros. With kRowInShared
-// the row's intermediate values stay in shared memory (kv_len floats of
-// dynamic shared memory), so the scores are read once and the
-// probabilities written once; else they go through the score row itself.
+// ALiBi's bias + the relative bias table's) for the keys the row sees (-inf
+// elsewhere: outside [RowKeyBegin, RowKeyEnd) or blocked by a bool mask),
+// P = exp(t - max) / sum in place, with the head's sink logit, when there
+// are sinks, in the max and the sum but given no probability; the
+// probabilities also into `weights` when set. A row that sees no key is
+// zeros. With kRowInShared the row's intermediate values stay in shared
+// memory (kv_len floats of dynamic shared memory), so the scores are read
+// once and the probabilities written once; else they go through the score
+// row itself.
 template <bool kRowInShared>
 __global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s, float* lo) {
   __shared__ float shared[kThreads / 32];
@@ -78,7 +79,8 @@ __global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s, float
   for (int64_t j = threadIdx.x; j < a.kv_len; j += kThreads) {
     const float t = j >= begin && j < end
                         ? ApplyMask(a.mask, b, h, i, j,
-                                    AddAlibi(a, h, position, j, Softcap(a, srow[j] * a.scale)))
+                                    AddPositionBias(a, h, position, j,
+                                                    Softcap(a, srow[j] * a.scale)))
                         : -INFINITY;
     buf[j] = t;
     mx = fmaxf(mx, t);

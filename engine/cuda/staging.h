@@ -202,9 +202,10 @@ struct DeviceLayer {
   DeviceBuffer wq_a, bq_a, wkv_c, bkv_c, wk_rope, bk_rope;
   DeviceBuffer q_a_norm, kv_a_norm;
   // FLOAT32 whatever the precision, as the cpu engine reads them: the
-  // QK-norm weights [head_dim] and the sinks [num_heads], when the layer has
-  // them.
-  DeviceBuffer q_norm, k_norm, sinks;
+  // QK-norm weights [head_dim], the sinks [num_heads] and the relative
+  // position bias table [num_heads, 2 * relative_bias_distance + 1], when
+  // the layer has them.
+  DeviceBuffer q_norm, k_norm, sinks, relative_bias;
   // RoPE: the inverse frequencies (float64, engine/rope.h), when the layer
   // rotates; LongRoPE's long set beside them (its short set in inv_freq),
   // which a call takes when its largest position asks (RopeUsesLongFactors).
@@ -213,9 +214,9 @@ struct DeviceLayer {
 };
 
 // Uploads `layer`'s FLOAT32 weights converted to its precision (the QK-norm
-// weights and sinks as they are, RoPE's frequencies in float64),
-// synchronously on `stream` (done once per layer). InvalidArgument for
-// weights of another dtype.
+// weights, sinks and relative bias table as they are, RoPE's frequencies in
+// float64), synchronously on `stream` (done once per layer).
+// InvalidArgument for weights of another dtype.
 absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(const AttentionLayer& layer,
                                                          cudaStream_t stream);
 

@@ -57,7 +57,8 @@ class UnfusedAttention {
   // or BFLOAT16 q and k with fp32 accumulation (exact products, fp32 sums;
   // a causal request's by row blocks, as Enqueue), then a.weights = exp(t -
   // lse) per key a row sees (LaunchWeightsFromStats). lse[(b * Hq + h) *
-  // lse_rows + i] on the device. No softcap, no sinks, no ALiBi.
+  // lse_rows + i] on the device. No softcap, no sinks, no ALiBi, no
+  // relative position bias.
   static bool SupportsWeights(const AttentionParams& a);
   absl::Status EnqueueWeights(const AttentionParams& a, const float* lse, int64_t lse_rows,
                               DeviceAllocator alloc, cudaStream_t stream);

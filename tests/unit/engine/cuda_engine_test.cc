@@ -1146,12 +1146,14 @@ std::unique_ptr<TaskBuffers> RandomTask(const LayerConfig& config, std::mt19937&
   return t;
 }
 
-// Runs the tasks as one batch on CUDA and one by one on the reference.
+// Runs the tasks as one batch on CUDA (`engine`, the default engine when
+// null) and one by one on the reference.
 void CompareRun(const AttentionLayer& layer, std::vector<std::unique_ptr<TaskBuffers>>& tasks,
-                Tolerance tol) {
+                Tolerance tol, AttentionEngine* engine = nullptr) {
+  if (engine == nullptr) engine = Cuda().engine;
   std::vector<AttentionTask> batch;
   for (auto& t : tasks) batch.push_back(t->task);
-  const absl::Status status = Cuda().engine->Run(layer, batch);
+  const absl::Status status = engine->Run(layer, batch);
   ASSERT_TRUE(status.ok()) << status;
   for (size_t i = 0; i < tasks.size(); ++i) {
     SCOPED_TRACE("task " + std::to_string(i));
@@ -1866,6 +1868,79 @@ TEST(CudaEngineTest, AlibiSessionsAndProjectionLayersMatchReference) {
     CheckProjectionSession(layer, dtype, tol, SessionSteps(), rng);
     if (HasFailure()) return;
   }
+}
+
+// A projection layer of `precision` (256 wide, 4 query heads over 2 kv
+// heads: head dim 64) with a learned relative position bias of `distance`
+// (LayerWeights::relative_bias: entries in [-2, 2], distinct on each side,
+// so a lookup at the wrong distance shows), and ALiBi's slopes too when
+// asked.
+AttentionLayer RelativeBiasLayer(Precision precision, int64_t distance, bool alibi,
+                                 std::mt19937& rng) {
+  AttentionLayer layer = ProjectionLayer(256, 4, 2, 256, 256, true, precision, rng);
+  layer.config.relative_bias_distance = distance;
+  layer.weights.relative_bias = RandomTensor(DType::kFloat32, {4, 2 * distance + 1}, rng, 2.0f);
+  if (alibi) layer.config.alibi_slopes = AlibiSlopes(4);
+  return layer;
+}
+
+// Projection layers with a relative position bias (T5, MPNet) on `engine`
+// (null: the default one), in every precision: distances 3 and 5, which
+// requests of up to 90 keys and the sessions' 62 tokens pass on both sides
+// (causal and not), and 128, past them all; ALiBi beside the table on one.
+// Four random requests each (self- and cross-attention, masks, key
+// lengths, weights), then a session (a prefill through the core kernels,
+// decode steps and an append through the split-KV decode, each row's
+// distances counted from its position in the whole sequence).
+void RelativeBiasCases(AttentionEngine* engine, uint32_t seed) {
+  std::mt19937 rng(seed);
+  struct Variant {
+    Precision precision;
+    int64_t distance;
+    bool alibi;
+  };
+  for (const Variant& v : {Variant{Precision::kFloat32, 3, false},
+                           Variant{Precision::kBFloat16, 5, false},
+                           Variant{Precision::kFloat16, 3, true},
+                           Variant{Precision::kFloat32, 128, false}}) {
+    SCOPED_TRACE(absl::StrCat("relative bias ", v.distance, v.alibi ? " alibi" : "",
+                              " precision ", static_cast<int>(v.precision)));
+    AttentionLayer layer = RelativeBiasLayer(v.precision, v.distance, v.alibi, rng);
+    ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
+    std::vector<std::unique_ptr<TaskBuffers>> tasks;
+    for (int i = 0; i < 4; ++i) {
+      tasks.push_back(RandomTask(layer.config, rng, DType::kFloat32, i % 2 == 0));
+    }
+    const Tolerance tol = v.precision == Precision::kFloat32   ? Tolerance{1e-4, 1e-4}
+                          : v.precision == Precision::kFloat16 ? Tolerance{1.5e-2, 2e-2}
+                                                               : Tolerance{6e-2, 6e-2};
+    CompareRun(layer, tasks, tol, engine);
+    if (::testing::Test::HasFatalFailure()) return;
+    const DType dtype = v.precision == Precision::kFloat32   ? DType::kFloat32
+                        : v.precision == Precision::kFloat16 ? DType::kFloat16
+                                                             : DType::kBFloat16;
+    CheckProjectionSession(layer, dtype, tol, SessionSteps(), rng, engine);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// On the default engine: cuDNN refuses the table (it takes no bias table),
+// so the unfused path and the general kernel serve it, weights too, and the
+// split-KV decode a session's steps.
+TEST(CudaEngineTest, RelativeBiasProjectionLayersAndSessionsMatchReference) {
+  REQUIRE_GPU();
+  RelativeBiasCases(nullptr, 720);
+}
+
+// On the fused kernels written here (ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1):
+// the requests without weights and the sessions' prefills run on
+// flash_attention.cu or flash_attention_fp32.cu.
+TEST(CudaEngineTest, FusedKernelsServeRelativeBiasExactly) {
+  REQUIRE_GPU();
+  std::string why;
+  AttentionEngine* engine = ExperimentalEngine("kernels", &why);
+  ASSERT_NE(engine, nullptr) << why;
+  RelativeBiasCases(engine, 721);
 }
 
 // Sessions stepped from several threads at once, as the server's batchers

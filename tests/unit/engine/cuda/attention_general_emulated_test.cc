@@ -3,9 +3,9 @@
 // serve: every dtype and head dim, per-head weights) compiled for the host
 // and run on warp_emulator.h against float64 attention (attention_oracle.h):
 // every rule (masks, key lengths, the token layout, windows, softcapping,
-// sinks, ALiBi, another output dtype) in the three dtypes, outputs and
-// weights.
-// Checked without a GPU; cuda_engine_test runs it on one.
+// sinks, ALiBi, a relative position bias, another output dtype) in the
+// three dtypes, outputs and weights. Checked without a GPU;
+// cuda_engine_test runs it on one.
 #include "tests/unit/engine/cuda/warp_emulator.h"  // first: it stands in for the device
 
 #include <cmath>
@@ -61,6 +61,20 @@ TEST(AttentionGeneralEmulated, AlibiInEveryDtypeMatchesFloat64) {
   int n = 0;
   for (const DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     for (Case c : oracle::AlibiCases({dtype})) {
+      if (n % 2 == 1) c.dim = 40;
+      RunAndCompare(c, /*weights=*/n++ % 2 == 0, rng);
+    }
+  }
+}
+
+// A relative position bias table with every rule it meets
+// (oracle::RelativeBiasCases: both clamps binding and none, ALiBi beside it)
+// in the three dtypes, outputs and weights.
+TEST(AttentionGeneralEmulated, RelativeBiasInEveryDtypeMatchesFloat64) {
+  std::mt19937 rng(24);
+  int n = 0;
+  for (const DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (Case c : oracle::RelativeBiasCases({dtype})) {
       if (n % 2 == 1) c.dim = 40;
       RunAndCompare(c, /*weights=*/n++ % 2 == 0, rng);
     }

@@ -1,9 +1,10 @@
 // Attention requests for the fused kernels' tests, and their float64 oracle
 // written straight from attention_params.h's definition: causal
 // (bottom-right), sliding window, key lengths, bool and additive masks
-// through broadcast strides, softcapping, sinks, ALiBi, grouped-query heads,
-// the head and token layouts. Shared by the GPU test (fused_attention_test.cc)
-// and their CPU emulations (flash_attention*_emulated_test.cc).
+// through broadcast strides, softcapping, sinks, ALiBi, a relative position
+// bias table, grouped-query heads, the head and token layouts. Shared by the
+// GPU test (fused_attention_test.cc) and their CPU emulations
+// (flash_attention*_emulated_test.cc).
 #ifndef ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_ATTENTION_ORACLE_H_
 #define ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_ATTENTION_ORACLE_H_
 
@@ -37,6 +38,9 @@ struct Case {
   float softcap = 0.0f;
   bool sinks = false;
   bool alibi = false;  // ALiBi slopes (AlibiSlope), one per query head
+  // > 0: a relative position bias table of this distance D (random
+  // [heads, 2D + 1], MakeInputs).
+  int64_t relative_bias_distance = 0;
 
   DType OutDType() const { return out_dtype == DType::kBool ? dtype : out_dtype; }
   std::string Describe() const {
@@ -46,8 +50,11 @@ struct Case {
            (causal ? " causal" : "") + (token_layout ? " tokens" : " heads") +
            (lengths ? " lengths" : "") + " mask " + std::to_string(static_cast<int>(mask)) +
            " window " + std::to_string(window) + " softcap " + std::to_string(softcap) +
-           (sinks ? " sinks" : "") + (alibi ? " alibi" : "") + " out " +
-           std::string(DTypeName(OutDType()));
+           (sinks ? " sinks" : "") + (alibi ? " alibi" : "") +
+           (relative_bias_distance > 0
+                ? " relative_bias " + std::to_string(relative_bias_distance)
+                : "") +
+           " out " + std::string(DTypeName(OutDType()));
   }
 };
 
@@ -82,6 +89,7 @@ struct Inputs {
   std::vector<int64_t> lengths;
   std::vector<float> sinks;
   std::vector<float> alibi_slopes;
+  std::vector<float> relative_bias;
   std::vector<uint8_t> bool_mask;
   std::vector<float> add_mask;
   std::vector<uint8_t> out;  // OutDType(), filled with NaN bytes
@@ -118,6 +126,14 @@ inline Inputs MakeInputs(const Case& c, std::mt19937& rng) {
   for (int64_t h = 0; h < c.heads && c.sinks; ++h) in.sinks.push_back(-1.0f + 0.7f * h);
   for (int64_t h = 0; h < c.heads && c.alibi; ++h) {
     in.alibi_slopes.push_back(AlibiSlope(h, c.heads));
+  }
+  // A table of distinct entries, large enough to move the probabilities and
+  // asymmetric, so that a lookup at the wrong distance (the wrong sign of j
+  // - position, a missing clamp) shows.
+  if (c.relative_bias_distance > 0) {
+    std::uniform_real_distribution<float> entry(-2.0f, 2.0f);
+    in.relative_bias.resize(c.heads * (2 * c.relative_bias_distance + 1));
+    for (float& x : in.relative_bias) x = entry(rng);
   }
   AttentionParams& a = in.params;
   // Masks: bool [B, 1, Lq, Lk] (every fifth key of each row blocked, row 1
@@ -169,6 +185,10 @@ inline Inputs MakeInputs(const Case& c, std::mt19937& rng) {
   if (c.lengths) a.key_lengths = in.lengths.data();
   if (c.sinks) a.sinks = in.sinks.data();
   if (c.alibi) a.alibi_slopes = in.alibi_slopes.data();
+  if (c.relative_bias_distance > 0) {
+    a.relative_bias = in.relative_bias.data();
+    a.relative_bias_distance = c.relative_bias_distance;
+  }
   return in;
 }
 
@@ -244,8 +264,32 @@ inline std::vector<Case> AlibiCases(const std::vector<DType>& dtypes) {
   return cases;
 }
 
+// Relative position bias cases for the CPU emulations of the kernels: every
+// rule case with a table of distance 3 or 5 (each in both dtypes of two;
+// keys tens away from the query, so both clamps bind: the earlier keys'
+// under causal, the later keys' too in the cases that are not), and two
+// more: four query heads over one kv head (a group's rows, each its own
+// head's table row) with a window, sinks and ALiBi's slopes too (both
+// position biases), and Lq > Lk without a window and a distance past every
+// query-key distance (no clamp).
+inline std::vector<Case> RelativeBiasCases(const std::vector<DType>& dtypes) {
+  std::vector<Case> cases = RuleCases(dtypes);
+  for (size_t n = 0; n < cases.size(); ++n) cases[n].relative_bias_distance = n % 3 == 1 ? 5 : 3;
+  Case grouped = MakeCase(dtypes.front(), 1, 4, 1, 60, 230, 64, /*causal=*/true);
+  grouped.window = 70;
+  grouped.sinks = true;
+  grouped.alibi = true;
+  grouped.relative_bias_distance = 5;
+  Case wide = MakeCase(dtypes.back(), 1, 2, 1, 140, 90, 64, /*causal=*/false);
+  wide.relative_bias_distance = 200;
+  cases.push_back(grouped);
+  cases.push_back(wide);
+  return cases;
+}
+
 // Row i of head h, batch b: the logits t[j] of the keys it sees (scaled
 // score, softcapped, plus ALiBi's slope_h * (j - position), plus the
+// relative bias table's entry for clamp(j - position, -D, D), plus the
 // additive mask), -inf for the keys it does not (key lengths, causal,
 // window, bool mask, -inf additive mask); returns whether it sees any.
 inline bool RowLogits(const Inputs& in, int64_t b, int64_t h, int64_t i, std::vector<double>* t) {
@@ -273,6 +317,10 @@ inline bool RowLogits(const Inputs& in, int64_t b, int64_t h, int64_t i, std::ve
     if (c.softcap > 0.0f) logit = c.softcap * std::tanh(logit / c.softcap);
     if (c.alibi) {
       logit += static_cast<double>(in.alibi_slopes[h]) * static_cast<double>(j - position);
+    }
+    if (c.relative_bias_distance > 0) {
+      const int64_t d = c.relative_bias_distance;
+      logit += in.relative_bias[h * (2 * d + 1) + std::clamp(j - position, -d, d) + d];
     }
     (*t)[j] = logit + extra;
     sees = true;

@@ -162,8 +162,8 @@ TEST(SdpaRefusalTest, TakesFp16AndBf16AndNamesWhatItRefuses) {
 }
 
 // Sliding windows go to cuDNN's band only with bottom-right causal alone;
-// sinks without a mask; softcapping and ALiBi never (the kernels written
-// here serve the rest).
+// sinks without a mask; softcapping, ALiBi and a relative position bias
+// never (the kernels written here serve the rest).
 TEST(SdpaRefusalTest, LayerFeaturesCudnnComputesAndTheRest) {
   AttentionParams window = Eligible();
   window.window = 64;
@@ -201,6 +201,16 @@ TEST(SdpaRefusalTest, LayerFeaturesCudnnComputesAndTheRest) {
   alibi.alibi_slopes = slopes;
   EXPECT_THAT(SdpaRefusal(alibi, DType::kFloat16).value_or(""), HasSubstr("ALiBi"));
   EXPECT_THAT(SdpaRefusal(alibi, DType::kBFloat16).value_or(""), HasSubstr("ALiBi"));
+
+  // cuDNN takes no bias table, only a bias tensor the size of the scores.
+  const float table[8 * 7] = {};
+  AttentionParams relative = Eligible();
+  relative.relative_bias = table;
+  relative.relative_bias_distance = 3;
+  EXPECT_THAT(SdpaRefusal(relative, DType::kFloat16).value_or(""),
+              HasSubstr("relative position bias"));
+  EXPECT_THAT(SdpaRefusal(relative, DType::kBFloat16).value_or(""),
+              HasSubstr("relative position bias"));
 }
 
 TEST(CudnnSdpaTest, SequenceLengthsOnlyWhenThePlanMasksPadding) {

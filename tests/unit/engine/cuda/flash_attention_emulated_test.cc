@@ -1,10 +1,11 @@
 // The fused fp16/bf16 kernel (engine/cuda/flash_attention.cu, its source
 // compiled here for the host) run on the CPU by warp_emulator.h, against
 // float64 attention over the same rounded inputs (attention_oracle.h): its
-// tile loops, index arithmetic, masks, windows, softcapping, sinks, ALiBi
-// and the online softmax, checked without a GPU (flash_attention_fp32_emulated_test
-// does the same for the fp32 kernel; fused_attention_test runs both on a
-// GPU). Small shapes: one CUDA thread is one std::thread.
+// tile loops, index arithmetic, masks, windows, softcapping, sinks, ALiBi,
+// the relative position bias and the online softmax, checked without a GPU
+// (flash_attention_fp32_emulated_test does the same for the fp32 kernel;
+// fused_attention_test runs both on a GPU). Small shapes: one CUDA thread
+// is one std::thread.
 #include "tests/unit/engine/cuda/warp_emulator.h"  // first: it stands in for the device
 
 #include <cstdint>
@@ -93,6 +94,16 @@ TEST(FlashKernelEmulated, MatchesFloat64WithMasksWindowsSoftcapAndSinks) {
 TEST(FlashKernelEmulated, MatchesFloat64WithAlibi) {
   std::mt19937 rng(27);
   for (const Case& c : oracle::AlibiCases({DType::kFloat16, DType::kBFloat16})) {
+    EmulateAndCompare(c, rng);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// A relative position bias table, both clamps binding and none, with every
+// rule, GQA, ALiBi beside it, Lq > Lk (oracle::RelativeBiasCases).
+TEST(FlashKernelEmulated, MatchesFloat64WithRelativeBias) {
+  std::mt19937 rng(28);
+  for (const Case& c : oracle::RelativeBiasCases({DType::kFloat16, DType::kBFloat16})) {
     EmulateAndCompare(c, rng);
     if (HasFatalFailure()) return;
   }

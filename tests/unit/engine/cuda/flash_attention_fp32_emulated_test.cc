@@ -1,10 +1,11 @@
 // The fused fp32 kernel (engine/cuda/flash_attention_fp32.cu, its source
 // compiled here for the host) run on the CPU by warp_emulator.h, against
 // float64 attention (attention_oracle.h): its tile loops, index arithmetic,
-// masks, windows, softcapping, sinks, ALiBi and the online softmax, checked
-// without a GPU. What the emulation cannot check (its fragment layouts come
-// from the same reading of the PTX ISA as the kernel's) fused_attention_test
-// checks on a GPU. Small shapes: one CUDA thread is one std::thread.
+// masks, windows, softcapping, sinks, ALiBi, the relative position bias and
+// the online softmax, checked without a GPU. What the emulation cannot
+// check (its fragment layouts come from the same reading of the PTX ISA as
+// the kernel's) fused_attention_test checks on a GPU. Small shapes: one
+// CUDA thread is one std::thread.
 #include "tests/unit/engine/cuda/warp_emulator.h"  // first: it stands in for the device
 
 #include <cstdint>
@@ -77,6 +78,16 @@ TEST(FusedFp32KernelEmulated, MatchesFloat64WithMasksWindowsSoftcapAndSinks) {
 TEST(FusedFp32KernelEmulated, MatchesFloat64WithAlibi) {
   std::mt19937 rng(17);
   for (const Case& c : oracle::AlibiCases({DType::kFloat32})) {
+    EmulateAndCompare(c, rng);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// A relative position bias table, both clamps binding and none, with every
+// rule, GQA, ALiBi beside it, Lq > Lk (oracle::RelativeBiasCases).
+TEST(FusedFp32KernelEmulated, MatchesFloat64WithRelativeBias) {
+  std::mt19937 rng(18);
+  for (const Case& c : oracle::RelativeBiasCases({DType::kFloat32})) {
     EmulateAndCompare(c, rng);
     if (HasFatalFailure()) return;
   }

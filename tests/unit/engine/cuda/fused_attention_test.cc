@@ -6,10 +6,11 @@
 // (bottom-right), key lengths, bool and additive masks through broadcast
 // strides, grouped-query heads, Lq != Lk, the head and token layouts, rows
 // that see no key, another output dtype, and the rules of today's layers:
-// sliding windows, logit softcapping, sinks, ALiBi. fp32 results must be
-// within 1e-5 of float64 (the GPU issue's bar). Linked against the CUDA
-// backend's objects (the module hides them), so the kernel that runs is the
-// one under test, not whatever the engine routes to.
+// sliding windows, logit softcapping, sinks, ALiBi, a relative position
+// bias. fp32 results must be within 1e-5 of float64 (the GPU issue's bar).
+// Linked against the CUDA backend's objects (the module hides them), so the
+// kernel that runs is the one under test, not whatever the engine routes
+// to.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -129,20 +130,22 @@ TEST(FlashAttentionSupports, Fp32FitsAnA100AndRefusesADeviceWithLessSharedMemory
   EXPECT_EQ(FlashAttentionFp32SharedBytes(80), 0);
 }
 
-TEST(FlashAttentionSupports, LayerFeaturesAreTheWindowSoftcapSinksAndAlibi) {
+TEST(FlashAttentionSupports, LayerFeaturesAreTheWindowSoftcapSinksAndPositionBiases) {
   static const float kSinks[4] = {};
   static const float kSlopes[4] = {0.5f, 0.25f, 0.125f, 0.0625f};
+  static const float kTable[4 * 7] = {};
   AttentionParams a = Plain(DType::kFloat16, 64);
   EXPECT_FALSE(UsesLayerFeatures(a));
   a.causal = true;
   a.mask.kind = MaskParams::Kind::kAdditive;
   EXPECT_FALSE(UsesLayerFeatures(a));
-  for (int feature = 0; feature < 4; ++feature) {
+  for (int feature = 0; feature < 5; ++feature) {
     AttentionParams f = Plain(DType::kFloat16, 64);
     if (feature == 0) f.window = 1;
     if (feature == 1) f.softcap = 50.0f;
     if (feature == 2) f.sinks = kSinks;
     if (feature == 3) f.alibi_slopes = kSlopes;
+    if (feature == 4) f.relative_bias = kTable, f.relative_bias_distance = 3;
     EXPECT_TRUE(UsesLayerFeatures(f)) << feature;
   }
 }
@@ -222,6 +225,7 @@ void RunAndCompare(const Case& c, std::mt19937& rng) {
   a.key_lengths = device.Copy(a.key_lengths, in.lengths.size() * sizeof(int64_t));
   a.sinks = device.Copy(a.sinks, in.sinks.size() * sizeof(float));
   a.alibi_slopes = device.Copy(a.alibi_slopes, in.alibi_slopes.size() * sizeof(float));
+  a.relative_bias = device.Copy(a.relative_bias, in.relative_bias.size() * sizeof(float));
   a.mask.data = device.Copy(a.mask.data, in.bool_mask.size() + in.add_mask.size() * 4);
   ASSERT_FALSE(device.failed) << "device allocation or copy: "
                               << cudaGetErrorString(cudaGetLastError());
@@ -349,6 +353,21 @@ TEST(FlashAttentionKernel, AlibiMatchesFloat64) {
   std::mt19937 rng(9);
   for (DType dtype : kDTypes) {
     for (const Case& c : oracle::AlibiCases({dtype})) {
+      RunAndCompare(c, rng);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// A relative position bias table with the rules it meets
+// (oracle::RelativeBiasCases: both clamps binding and none, GQA, ALiBi
+// beside it, Lq > Lk, a window, sinks, softcapping, masks, key lengths) in
+// every dtype.
+TEST(FlashAttentionKernel, RelativeBiasMatchesFloat64) {
+  REQUIRE_GPU();
+  std::mt19937 rng(10);
+  for (DType dtype : kDTypes) {
+    for (const Case& c : oracle::RelativeBiasCases({dtype})) {
       RunAndCompare(c, rng);
       if (HasFatalFailure()) return;
     }

@@ -3,9 +3,10 @@
 // the split-KV decode over paged K/V against float64 attention over the
 // same cache (attention_oracle.h), through every rule of a session (causal
 // bottom-right, grouped-query heads, a sliding window, softcapping, sinks,
-// ALiBi, Dv != Dk), a decode of many chunks, and a batch of requests sharing one
-// launch giving each request's bits alone; append and gather round-trip a
-// cache. Checked without a GPU; cuda_engine_test runs them on one.
+// ALiBi, a relative position bias, Dv != Dk), a decode of many chunks, and
+// a batch of requests sharing one launch giving each request's bits alone;
+// append and gather round-trip a cache. Checked without a GPU;
+// cuda_engine_test runs them on one.
 #include "tests/unit/engine/cuda/warp_emulator.h"  // first: it stands in for the device
 
 #include <cstdint>
@@ -140,6 +141,39 @@ TEST(PagedDecodeEmulated, MatchesFloat64WithAlibi) {
       if (n % 4 == 2) c.softcap = 5.0f, c.scale = 0.5f;
       if (n % 5 == 3) c.sinks = true;
       if (n == 5) c.causal = false, c.window = 5;  // a two-sided window within the append
+      DecodeAndCompare(c, n % 2 == 0 ? 16 : 64, rng);
+      if (HasFatalFailure()) return;
+      ++n;
+    }
+  }
+}
+
+// A relative position bias table over a session's cache: decode steps and
+// multi-row appends whose rows sit after the cached tokens (the distances
+// count from each row's position), decode tiles whose rows span a group's
+// heads (each row its own head's table row), keys split into several
+// chunks, distances 3 and 5 (the earlier keys clamped; the later ones too
+// in a two-sided window within the append) and one past the whole cache,
+// with a window, softcapping, sinks and ALiBi, in the three dtypes.
+TEST(PagedDecodeEmulated, MatchesFloat64WithRelativeBias) {
+  std::mt19937 rng(39);
+  int n = 0;
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (auto [heads, kv_heads, q_len, kv_len, dim] :
+         {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{8, 2, 1, 300, 64},
+          {6, 3, 5, 200, 64},
+          {4, 4, 16, 150, 128},
+          {8, 2, 3, 700, 128}}) {
+      Case c = SessionCase(dtype, heads, kv_heads, q_len, kv_len, dim);
+      c.relative_bias_distance = n % 2 == 0 ? 3 : 5;
+      if (n == 6) c.relative_bias_distance = 1000;  // past every key: no clamp
+      if (n % 3 == 1) c.window = 50;
+      if (n % 4 == 2) c.softcap = 5.0f, c.scale = 0.5f;
+      if (n % 5 == 3) c.sinks = true;
+      if (n % 4 == 3) c.alibi = true;
+      // A two-sided window within the append, wider than the distance: both
+      // clamps bind.
+      if (n == 5) c.causal = false, c.window = 5, c.relative_bias_distance = 3;
       DecodeAndCompare(c, n % 2 == 0 ? 16 : 64, rng);
       if (HasFatalFailure()) return;
       ++n;

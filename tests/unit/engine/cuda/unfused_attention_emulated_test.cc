@@ -165,6 +165,32 @@ TEST(UnfusedAttentionEmulated, AlibiWithinOneInOneHundredThousandOfFloat64) {
   EXPECT_FALSE(UnfusedAttention::SupportsWeights(in.params));
 }
 
+// A relative position bias table through the softmax
+// (oracle::RelativeBiasCases in fp32: both clamps binding and none, ALiBi
+// beside it, masks, key lengths, a window, softcapping, sinks) and with the
+// causal row blocks, on both GEMM paths, weights on every other.
+TEST(UnfusedAttentionEmulated, RelativeBiasWithinOneInOneHundredThousandOfFloat64) {
+  std::mt19937 rng(15);
+  std::vector<Case> cases = oracle::RelativeBiasCases({DType::kFloat32});
+  Case blocks = MakeCase(DType::kFloat32, 1, 2, 1, 512, 560, 32, true);
+  blocks.relative_bias_distance = 5;
+  cases.push_back(blocks);
+  int n = 0;
+  for (const Case& c : cases) {
+    for (const auto gemm : {UnfusedAttention::Gemm::k3xTf32, UnfusedAttention::Gemm::kFp32}) {
+      EnqueueAndCompare(gemm, c, /*weights=*/n++ % 2 == 0, rng);
+    }
+  }
+  // Weights from row statistics are not for a relative bias: their source,
+  // cuDNN, refuses it (SdpaRefusal).
+  Case half = MakeCase(DType::kFloat16, 1, 2, 1, 24, 77, 64, true);
+  half.relative_bias_distance = 3;
+  oracle::Inputs in = oracle::MakeInputs(half, rng);
+  std::vector<float> w = NanWeights(half);
+  in.params.weights = w.data();
+  EXPECT_FALSE(UnfusedAttention::SupportsWeights(in.params));
+}
+
 // The row blocks: exact, and their GEMMs do a little over half the work of
 // the whole score matrix (what they are for), on both GEMM paths.
 TEST(UnfusedAttentionEmulated, CausalRowBlocksAreExactAndSkipTheMaskedHalf) {
