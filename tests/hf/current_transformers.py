@@ -325,7 +325,7 @@ FAMILIES = {
     # LongT5's local attention: T5's relative bias within blocks of keys, not
     # the bias attnserve computes (T5's own layers: WHOLE_MODELS).
     "longt5-local": ("longt5", "LongT5", dict(d_model=64, d_kv=16, num_heads=4), 0,
-                     "not a recognised attention module"),
+                     "position bias its caller passes in"),
     # Falcon with RoPE, each layout of its query_key_value: Falcon-7B's
     # multi-query, Falcon-40B's and 180B's groups (new_decoder_architecture),
     # per head with biases.

@@ -1347,6 +1347,23 @@ def _relative_bias_source(model, name, module):
     return None
 
 
+def _caller_biases(module):
+    """What names a position bias `module`'s forward takes from its caller
+    (`alibi`, `position_bias`, `relative_position_bias`, `attn_bias`), as
+    refusals: attnserve knows only ALiBi's and the relative biases of the
+    model types above."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    return [f"a position bias its caller passes in (forward's `{name}`), of model type "
+            f"{_model_type(module)!r}, whose bias attnserve does not know (known: ALiBi of "
+            f"{', '.join(sorted(_ALIBI))}; relative biases of "
+            f"{', '.join(sorted(_RELATIVE_BIAS))})"
+            for name in ("alibi", "position_bias", "relative_position_bias", "attn_bias")
+            if name in params]
+
+
 def unsupported_features(module, head_dim=None, num_heads=None, model_config=None):
     """What `module` computes that attnserve does not (yet): rotary
     embeddings, sliding windows, QK-norms, value norms, QKV clipping and
@@ -1399,17 +1416,8 @@ def unsupported_features(module, head_dim=None, num_heads=None, model_config=Non
     except ExportError as e:
         found.append(str(e))
     if _model_type(module) not in _ALIBI and _relative_kind(module) is None:
-        try:
-            params = inspect.signature(module.forward).parameters
-        except (TypeError, ValueError):
-            params = {}
-        for name in ("alibi", "position_bias", "relative_position_bias", "attn_bias"):
-            if name in params:
-                # A bias its caller computes and attnserve would leave out.
-                found.append(f"a position bias its caller passes in (forward's `{name}`), of "
-                             f"model type {_model_type(module)!r}, whose bias attnserve does "
-                             f"not know (known: ALiBi of {', '.join(sorted(_ALIBI))}; relative "
-                             f"biases of {', '.join(sorted(_RELATIVE_BIAS))})")
+        # A bias its caller computes and attnserve would leave out.
+        found += _caller_biases(module)
     if not shared:  # a shared layer has no k_norm nor v_norm: its keys are done
         for check in (qk_norm_config, v_norm_config):
             try:
@@ -1995,9 +2003,11 @@ def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout)
         out_name = "proj" if _linear(module, "proj") is not None else "out_proj"
         return _describe_fused(module, qkv, "qkv", o, out_name, qkv_layout == "per_head",
                                num_heads, head_dim)
+    biases = _caller_biases(module) if _relative_kind(module) is None else []
     raise ExportError(f"{type(module).__name__} is not a recognised attention module "
                       "(nn.MultiheadAttention, q_proj/k_proj/v_proj/o_proj, qkv_proj/o_proj, "
-                      "Wqkv/out_proj, query_key_value/dense, qkv/proj)")
+                      "Wqkv/out_proj, query_key_value/dense, qkv/proj)" +
+                      "".join(f"; it takes {b}" for b in biases))
 
 
 _PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
