@@ -172,16 +172,15 @@ void BM_CoreBiased(benchmark::State& state, BenchShape s, DType dtype, int threa
                    PositionBias bias) {
   CoreInputs in(s, dtype);
   in.p.causal = causal;
-  std::vector<float> slopes, table;
+  std::vector<float> slopes;
   for (int64_t h = 0; h < s.heads; ++h) {
     slopes.push_back(std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(s.heads)));
   }
   constexpr int64_t kDistance = 128;
-  const Tensor values = RandomTensor(DType::kFloat32, {s.heads * (2 * kDistance + 1)}, 7);
-  table.assign(values.data_as<float>(), values.data_as<float>() + values.num_elements());
+  const Tensor table = RandomTensor(DType::kFloat32, {s.heads, 2 * kDistance + 1}, 7);
   if (bias == PositionBias::kAlibi) in.p.alibi_slopes = slopes.data();
   if (bias == PositionBias::kRelative) {
-    in.p.relative_bias = table.data();
+    in.p.relative_bias = table.data_as<float>();
     in.p.relative_bias_distance = kDistance;
   }
   TimeFlash(state, in.p, threads);

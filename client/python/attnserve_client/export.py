@@ -1266,7 +1266,7 @@ def _relative_table(bias, distance, what):
     j - i's entry read off the bias and checked: the table must rebuild
     every score's bias exactly, each distance beyond `distance` the same as
     at it, or the model's bias is not one attnserve computes."""
-    heads, n = bias.shape[0], bias.shape[-1]
+    n = bias.shape[-1]
     rel = torch.arange(n)[None, :] - torch.arange(n)[:, None]
     table = torch.stack([bias[:, max(-r, 0), max(r, 0)] for r in range(-distance, distance + 1)],
                         dim=1)
@@ -1275,7 +1275,7 @@ def _relative_table(bias, distance, what):
         raise ExportError(f"{what}'s relative position bias is not one value per distance up to "
                           f"{distance} keys each way, the same beyond: not the relative bias "
                           "attnserve computes")
-    return distance, table.reshape(heads, 2 * distance + 1)
+    return distance, table
 
 
 def relative_bias_of(module, source=None):
@@ -1918,11 +1918,11 @@ def _qkvo_parts(module):
     copies; MPNetSelfAttention, and MPNetAttention through its `attn`, whose
     LayerNorm and residual stay with the caller, as BertSelfOutput's); None
     otherwise."""
-    if _relative_kind(module) is None:
+    kind = _relative_kind(module)
+    if kind is None:
         return None
     inner, prefix = module, ""
-    if _relative_kind(module) == "mpnet" and isinstance(getattr(module, "attn", None),
-                                                        torch.nn.Module):
+    if kind == "mpnet" and isinstance(getattr(module, "attn", None), torch.nn.Module):
         inner, prefix = module.attn, "attn."
     q, k, v, o = (_linear(inner, n) for n in ("q", "k", "v", "o"))
     if q is None or k is None or v is None or o is None:

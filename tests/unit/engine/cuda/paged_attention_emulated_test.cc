@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -121,13 +122,15 @@ TEST(PagedDecodeEmulated, MatchesFloat64ForEverySessionRule) {
   }
 }
 
-// ALiBi over a session's cache: decode steps and multi-row appends whose
-// rows sit after the cached tokens (query i at position kv_len - q_len + i,
-// which the bias counts from), decode tiles whose rows span a group's heads
-// (each row its own head's slope), keys split into several chunks, with a
-// window (one two-sided), softcapping and sinks, in the three dtypes.
-TEST(PagedDecodeEmulated, MatchesFloat64WithAlibi) {
-  std::mt19937 rng(38);
+// A position bias over a session's cache, each case given its bias by
+// `add_bias` (its index n, after the common rules): decode steps and
+// multi-row appends whose rows sit after the cached tokens (query i at
+// position kv_len - q_len + i, which the biases count from), decode tiles
+// whose rows span a group's heads (each row its own head's slope or table
+// row), keys split into several chunks, with a window (one two-sided, within
+// the append: case 5), softcapping and sinks, in the three dtypes.
+void DecodeWithPositionBias(uint32_t seed, const std::function<void(int, Case&)>& add_bias) {
+  std::mt19937 rng(seed);
   int n = 0;
   for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     for (auto [heads, kv_heads, q_len, kv_len, dim] :
@@ -136,49 +139,34 @@ TEST(PagedDecodeEmulated, MatchesFloat64WithAlibi) {
           {4, 4, 16, 150, 128},
           {8, 2, 3, 700, 128}}) {
       Case c = SessionCase(dtype, heads, kv_heads, q_len, kv_len, dim);
-      c.alibi = true;
       if (n % 3 == 1) c.window = 50;
       if (n % 4 == 2) c.softcap = 5.0f, c.scale = 0.5f;
       if (n % 5 == 3) c.sinks = true;
-      if (n == 5) c.causal = false, c.window = 5;  // a two-sided window within the append
+      if (n == 5) c.causal = false, c.window = 5;
+      add_bias(n, c);
       DecodeAndCompare(c, n % 2 == 0 ? 16 : 64, rng);
-      if (HasFatalFailure()) return;
+      if (::testing::Test::HasFatalFailure()) return;
       ++n;
     }
   }
 }
 
-// A relative position bias table over a session's cache: decode steps and
-// multi-row appends whose rows sit after the cached tokens (the distances
-// count from each row's position), decode tiles whose rows span a group's
-// heads (each row its own head's table row), keys split into several
-// chunks, distances 3 and 5 (the earlier keys clamped; the later ones too
-// in a two-sided window within the append) and one past the whole cache,
-// with a window, softcapping, sinks and ALiBi, in the three dtypes.
+// ALiBi: every case with its slopes.
+TEST(PagedDecodeEmulated, MatchesFloat64WithAlibi) {
+  DecodeWithPositionBias(38, [](int, Case& c) { c.alibi = true; });
+}
+
+// A relative position bias table: distances 3 and 5 (the earlier keys
+// clamped; the later ones too in case 5's two-sided window, wider than its
+// distance 3), one past the whole cache (no clamp), ALiBi's slopes beside it
+// on some.
 TEST(PagedDecodeEmulated, MatchesFloat64WithRelativeBias) {
-  std::mt19937 rng(39);
-  int n = 0;
-  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
-    for (auto [heads, kv_heads, q_len, kv_len, dim] :
-         {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{8, 2, 1, 300, 64},
-          {6, 3, 5, 200, 64},
-          {4, 4, 16, 150, 128},
-          {8, 2, 3, 700, 128}}) {
-      Case c = SessionCase(dtype, heads, kv_heads, q_len, kv_len, dim);
-      c.relative_bias_distance = n % 2 == 0 ? 3 : 5;
-      if (n == 6) c.relative_bias_distance = 1000;  // past every key: no clamp
-      if (n % 3 == 1) c.window = 50;
-      if (n % 4 == 2) c.softcap = 5.0f, c.scale = 0.5f;
-      if (n % 5 == 3) c.sinks = true;
-      if (n % 4 == 3) c.alibi = true;
-      // A two-sided window within the append, wider than the distance: both
-      // clamps bind.
-      if (n == 5) c.causal = false, c.window = 5, c.relative_bias_distance = 3;
-      DecodeAndCompare(c, n % 2 == 0 ? 16 : 64, rng);
-      if (HasFatalFailure()) return;
-      ++n;
-    }
-  }
+  DecodeWithPositionBias(39, [](int n, Case& c) {
+    c.relative_bias_distance = n % 2 == 0 ? 3 : 5;
+    if (n == 6) c.relative_bias_distance = 1000;
+    if (n == 5) c.relative_bias_distance = 3;
+    if (n % 4 == 3) c.alibi = true;
+  });
 }
 
 // Requests of different lengths, rows and heads in one launch of each

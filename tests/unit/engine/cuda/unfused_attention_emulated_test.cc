@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <vector>
@@ -139,15 +140,16 @@ TEST(UnfusedAttentionEmulated, Fp32RulesWithinOneInOneHundredThousandOfFloat64) 
   }
 }
 
-// ALiBi through the softmax (oracle::AlibiCases in fp32: causal and not,
+// A position bias through the softmax: `cases` (fp32: causal and not,
 // masks, key lengths, a window, softcapping, sinks, rows in shared memory
-// and not) and with the causal row blocks, on both GEMM paths, weights on
-// every other.
-TEST(UnfusedAttentionEmulated, AlibiWithinOneInOneHundredThousandOfFloat64) {
-  std::mt19937 rng(14);
-  std::vector<Case> cases = oracle::AlibiCases({DType::kFloat32});
+// and not) and the causal row blocks given theirs by `add_bias`, on both
+// GEMM paths, weights on every other. Weights from row statistics are not
+// for a position bias: their source, cuDNN, refuses one (SdpaRefusal).
+void CheckPositionBias(std::vector<Case> cases, uint32_t seed,
+                       const std::function<void(Case&)>& add_bias) {
+  std::mt19937 rng(seed);
   Case blocks = MakeCase(DType::kFloat32, 1, 2, 1, 512, 560, 32, true);
-  blocks.alibi = true;
+  add_bias(blocks);
   cases.push_back(blocks);
   int n = 0;
   for (const Case& c : cases) {
@@ -155,40 +157,24 @@ TEST(UnfusedAttentionEmulated, AlibiWithinOneInOneHundredThousandOfFloat64) {
       EnqueueAndCompare(gemm, c, /*weights=*/n++ % 2 == 0, rng);
     }
   }
-  // Weights from row statistics are not for ALiBi: their source, cuDNN,
-  // refuses it (SdpaRefusal).
   Case half = MakeCase(DType::kFloat16, 1, 2, 1, 24, 77, 64, true);
-  half.alibi = true;
+  add_bias(half);
   oracle::Inputs in = oracle::MakeInputs(half, rng);
   std::vector<float> w = NanWeights(half);
   in.params.weights = w.data();
   EXPECT_FALSE(UnfusedAttention::SupportsWeights(in.params));
 }
 
-// A relative position bias table through the softmax
-// (oracle::RelativeBiasCases in fp32: both clamps binding and none, ALiBi
-// beside it, masks, key lengths, a window, softcapping, sinks) and with the
-// causal row blocks, on both GEMM paths, weights on every other.
+// ALiBi (oracle::AlibiCases).
+TEST(UnfusedAttentionEmulated, AlibiWithinOneInOneHundredThousandOfFloat64) {
+  CheckPositionBias(oracle::AlibiCases({DType::kFloat32}), 14, [](Case& c) { c.alibi = true; });
+}
+
+// A relative position bias table (oracle::RelativeBiasCases: both clamps
+// binding and none, ALiBi beside it; the row blocks with a distance of 5).
 TEST(UnfusedAttentionEmulated, RelativeBiasWithinOneInOneHundredThousandOfFloat64) {
-  std::mt19937 rng(15);
-  std::vector<Case> cases = oracle::RelativeBiasCases({DType::kFloat32});
-  Case blocks = MakeCase(DType::kFloat32, 1, 2, 1, 512, 560, 32, true);
-  blocks.relative_bias_distance = 5;
-  cases.push_back(blocks);
-  int n = 0;
-  for (const Case& c : cases) {
-    for (const auto gemm : {UnfusedAttention::Gemm::k3xTf32, UnfusedAttention::Gemm::kFp32}) {
-      EnqueueAndCompare(gemm, c, /*weights=*/n++ % 2 == 0, rng);
-    }
-  }
-  // Weights from row statistics are not for a relative bias: their source,
-  // cuDNN, refuses it (SdpaRefusal).
-  Case half = MakeCase(DType::kFloat16, 1, 2, 1, 24, 77, 64, true);
-  half.relative_bias_distance = 3;
-  oracle::Inputs in = oracle::MakeInputs(half, rng);
-  std::vector<float> w = NanWeights(half);
-  in.params.weights = w.data();
-  EXPECT_FALSE(UnfusedAttention::SupportsWeights(in.params));
+  CheckPositionBias(oracle::RelativeBiasCases({DType::kFloat32}), 15,
+                    [](Case& c) { c.relative_bias_distance = 5; });
 }
 
 // The row blocks: exact, and their GEMMs do a little over half the work of
