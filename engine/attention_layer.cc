@@ -71,15 +71,17 @@ absl::Status ValidateLatentLayer(const AttentionLayer& layer) {
                 c.rope.rotary_dim);
   }
   if (c.qk_norm.enabled || c.output_gate || c.sinks || c.clip_qkv > 0 || c.v_norm_eps > 0 ||
-      c.relative_bias_distance > 0) {
-    return fail("a latent layer takes no qk_norm, output_gate, sinks, clip_qkv, v_norm or "
-                "relative_bias_distance");
+      c.relative_bias_distance > 0 || c.relative_embeddings.distance > 0) {
+    return fail("a latent layer takes no qk_norm, output_gate, sinks, clip_qkv, v_norm, "
+                "relative_bias_distance or relative_embeddings");
   }
   const LayerWeights& w = layer.weights;
   if (w.q_norm.byte_size() != 0 || w.k_norm.byte_size() != 0 || w.wg.byte_size() != 0 ||
       w.bg.byte_size() != 0 || w.bq.byte_size() != 0 || w.bk.byte_size() != 0 ||
-      w.bv.byte_size() != 0 || w.relative_bias.byte_size() != 0) {
-    return fail("weights q_norm, k_norm, wg, bg, bq, bk, bv and relative_bias must be empty");
+      w.bv.byte_size() != 0 || w.relative_bias.byte_size() != 0 ||
+      w.relative_key.byte_size() != 0 || w.relative_query.byte_size() != 0) {
+    return fail("weights q_norm, k_norm, wg, bg, bq, bk, bv, relative_bias, relative_key and "
+                "relative_query must be empty");
   }
   const int64_t h = c.num_heads, nope = c.head_dim - m.rope_dim;
   const int64_t q_in = m.q_lora_rank > 0 ? m.q_lora_rank : c.query_dim;
@@ -137,6 +139,49 @@ absl::Status ValidateRelativeBias(const LayerConfig& c, const Tensor& table) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer '", c.name, "': relative_bias[", i / expected[1], "][", i % expected[1],
           "] must be finite, got ", values[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Relative position embeddings: with a distance in (0, max], one or both
+// tables, each FLOAT32 [num_heads, head_dim, 2 * distance + 1] and finite;
+// without, neither.
+absl::Status ValidateRelativeEmbeddings(const LayerConfig& c, const LayerWeights& w) {
+  const RelativeEmbeddings& r = c.relative_embeddings;
+  auto fail = [&](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("layer '", c.name, "': ", parts...));
+  };
+  if (r.distance < 0 || r.distance > kMaxRelativeEmbeddingDistance) {
+    return fail("relative_embeddings.distance must be in [0, ", kMaxRelativeEmbeddingDistance,
+                "], got ", r.distance);
+  }
+  if (r.distance > 0 && !r.content_to_position && !r.position_to_content) {
+    return fail("relative_embeddings needs content_to_position, position_to_content or both");
+  }
+  const Shape expected{c.num_heads, c.head_dim, 2 * r.distance + 1};
+  for (const auto& [name, flag, table] :
+       {std::tuple<const char*, bool, const Tensor*>{"relative_key", r.content_to_position,
+                                                     &w.relative_key},
+        {"relative_query", r.position_to_content, &w.relative_query}}) {
+    const bool used = r.distance > 0 && flag;
+    if (!used) {
+      if (table->byte_size() == 0) continue;
+      return fail("a ", name, " table without relative_embeddings.",
+                  table == &w.relative_key ? "content_to_position" : "position_to_content");
+    }
+    if (table->dtype() != DType::kFloat32 || table->shape() != expected) {
+      return fail(name, " must be FLOAT32 ", ShapeString(expected),
+                  " (num_heads, head_dim, 2 * relative_embeddings.distance + 1), got ",
+                  ShapeString(table->shape()));
+    }
+    const float* values = table->data_as<float>();
+    for (int64_t i = 0; i < table->num_elements(); ++i) {
+      if (!std::isfinite(values[i])) {
+        const int64_t row = expected[1] * expected[2];
+        return fail(name, "[", i / row, "][", i % row / expected[2], "][", i % expected[2],
+                    "] must be finite, got ", values[i]);
+      }
     }
   }
   return absl::OkStatus();
@@ -206,11 +251,13 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
     if (c.rope.type != RopeConfig::Type::kNone || c.qk_norm.enabled || c.sinks ||
         c.output_gate || c.temperature_tuning.enabled || c.latent.enabled || c.clip_qkv > 0 ||
         c.v_norm_eps > 0 || c.relative_bias_distance != 0 ||
-        layer.weights.relative_bias.byte_size() != 0) {
+        layer.weights.relative_bias.byte_size() != 0 || c.relative_embeddings.distance != 0 ||
+        w.relative_key.byte_size() != 0 || w.relative_query.byte_size() != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer '", c.name,
           "': rope, qk_norm, sinks, output_gate, temperature_tuning, latent_attention, "
-          "clip_qkv, v_norm and relative_bias_distance apply to projection layers only"));
+          "clip_qkv, v_norm, relative_bias_distance and relative_embeddings apply to projection "
+          "layers only"));
     }
     return absl::OkStatus();
   }
@@ -255,6 +302,7 @@ absl::Status ValidateLayer(const AttentionLayer& layer) {
           " FLOAT32 [", c.num_heads, "] (num_heads), got ", ShapeString(w.sinks.shape())));
     }
     if (absl::Status s = ValidateRelativeBias(c, w.relative_bias); !s.ok()) return s;
+    if (absl::Status s = ValidateRelativeEmbeddings(c, w); !s.ok()) return s;
   }
 
   struct Dim {
@@ -409,6 +457,8 @@ LayerWeightBounds MeasureWeightBounds(const LayerWeights& w) {
                            MeasureProjection(w.wg, w.bg), {}};
   bounds.q_norm = MaxAbs(w.q_norm);
   bounds.k_norm = MaxAbs(w.k_norm);
+  bounds.relative_key = MaxAbs(w.relative_key);
+  bounds.relative_query = MaxAbs(w.relative_query);
   return bounds;
 }
 

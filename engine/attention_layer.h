@@ -124,6 +124,18 @@ struct LatentAttention {
   double kv_norm_eps = 1e-6;  // > 0
 };
 
+// Relative position embeddings in the scores (DeBERTa's disentangled
+// attention, DeBERTa v1 to v3): learned vectors per distance that the
+// queries score as keys (content to position, LayerWeights::relative_key)
+// and the keys score as queries (position to content, relative_query), each
+// [num_heads, head_dim, 2 * distance + 1] (AttentionParams::relative_key).
+// Projection layers only, not latent.
+struct RelativeEmbeddings {
+  int64_t distance = 0;  // > 0: enabled
+  bool content_to_position = false;
+  bool position_to_content = false;
+};
+
 struct LayerConfig {
   std::string name;
   // false: bare scaled-dot-product attention ("sdpa"); inputs are in head
@@ -184,6 +196,11 @@ struct LayerConfig {
   // clamp(j - p, -D, D) + D] added after the scale, softcap and ALiBi, before
   // the masks (AttentionParams::relative_bias). Projection layers only.
   int64_t relative_bias_distance = 0;
+  // Relative position embeddings (above): head h's raw score Q_i . K_j gets
+  // Q_i . relative_key[h][:, c] + K_j . relative_query[h][:, c] added before
+  // the scale, c = clamp(j - p, -distance, distance) + distance (positions
+  // as above); at least one of the two when distance > 0.
+  RelativeEmbeddings relative_embeddings;
   // Gated attention (Qwen3-Next, Qwen3.5, AFMoE): each token's core output,
   // its heads concatenated ([num_heads * head_dim]), is multiplied
   // elementwise by sigmoid(x Wg^T + bg) of the token's query input before
@@ -217,6 +234,9 @@ struct LayerConfig {
 
 // The largest relative_bias_distance a layer takes (T5's and MPNet's: 128).
 inline constexpr int64_t kMaxRelativeBiasDistance = int64_t{1} << 16;
+// The largest RelativeEmbeddings::distance a layer takes (DeBERTa v3's reach
+// about 520 positions, v1's 512).
+inline constexpr int64_t kMaxRelativeEmbeddingDistance = int64_t{1} << 16;
 
 // Features of each head's value and core output: latent.v_head_dim for a
 // latent layer, head_dim otherwise.
@@ -242,6 +262,10 @@ struct LayerWeights {
   // [num_heads, 2 * relative_bias_distance + 1] when
   // LayerConfig::relative_bias_distance > 0; empty otherwise.
   Tensor relative_bias;
+  // [num_heads, head_dim, 2 * distance + 1] when
+  // LayerConfig::relative_embeddings has content_to_position (relative_key)
+  // or position_to_content (relative_query); empty otherwise.
+  Tensor relative_key, relative_query;
   // When LayerConfig::output_gate: [num_heads * head_dim, query_dim] and
   // [num_heads * head_dim] (bg may be empty); empty otherwise.
   Tensor wg, bg;
@@ -309,6 +333,11 @@ struct ProjectionBound {
 struct LayerWeightBounds {
   ProjectionBound q, k, v, o, g, latent;
   double q_norm = 0, k_norm = 0;
+  // The largest |value| of the relative position embeddings
+  // (LayerWeights::relative_key, relative_query; zero without them, +inf
+  // when one is not finite): a query's content-to-position term is at most
+  // max|Q| * head_dim * relative_key, a key's likewise.
+  double relative_key = 0, relative_query = 0;
 };
 LayerWeightBounds MeasureWeightBounds(const LayerWeights& weights);
 

@@ -116,6 +116,19 @@ struct AttentionParams {
   // nullptr: none (relative_bias_distance is then unused).
   const float* relative_bias = nullptr;
   int64_t relative_bias_distance = 0;
+  // Relative position embeddings in the scores (DeBERTa's disentangled
+  // attention): FLOAT32 tables [num_heads, head_dim, 2D + 1], D =
+  // relative_embedding_distance, each head's values for one feature
+  // contiguous along the distance. With c = clamp(j - q, -D, D) + D (q the
+  // query's position, as above), head h's raw score of key j, Q_i . K_j, gets
+  //   sum_d Q_i[d] * relative_key[h][d][c]     (content to position)
+  //   + sum_d K_j[d] * relative_query[h][d][c] (position to content)
+  // added before the scale, so the scale, softcap, biases and masks act on
+  // the sum (K_j: kv head h / (Hq / Hkv)'s key row). Either table may be
+  // nullptr; both nullptr: none (the distance is then unused).
+  const float* relative_key = nullptr;
+  const float* relative_query = nullptr;
+  int64_t relative_embedding_distance = 0;
 
   // Optional softmax probabilities in `weights_dtype`, contiguous:
   // [batch, num_heads, q_len, kv_len], or [batch, q_len, kv_len] averaged

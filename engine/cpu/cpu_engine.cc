@@ -34,6 +34,16 @@ using cpu::LinearJob;
 using cpu::RowLayout;
 using cpu::ThreadBuffer;
 
+// The layer's relative position embeddings, when it has them
+// (AttentionParams::relative_key).
+void SetRelativeEmbeddings(const AttentionLayer& layer, AttentionParams* p) {
+  const RelativeEmbeddings& r = layer.config.relative_embeddings;
+  if (r.distance == 0) return;
+  if (r.content_to_position) p->relative_key = layer.weights.relative_key.data_as<float>();
+  if (r.position_to_content) p->relative_query = layer.weights.relative_query.data_as<float>();
+  p->relative_embedding_distance = r.distance;
+}
+
 class CpuEngine final : public AttentionEngine {
  public:
   explicit CpuEngine(const EngineOptions& options)
@@ -54,6 +64,7 @@ class CpuEngine final : public AttentionEngine {
           p->relative_bias = layer.weights.relative_bias.data_as<float>();
           p->relative_bias_distance = layer.config.relative_bias_distance;
         }
+        SetRelativeEmbeddings(layer, &*p);
         params.push_back(*p);
       }
       if (params.empty()) return absl::OkStatus();

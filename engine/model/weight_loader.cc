@@ -4,6 +4,8 @@
 
 #include <cstring>
 #include <initializer_list>
+#include <string>
+#include <tuple>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -28,6 +30,7 @@ constexpr RoleDefault kTorchMhaNames[] = {
     {"q_norm_weight", "q_norm.weight"},
     {"k_norm_weight", "k_norm.weight"},
     {"sinks", "sinks"}, {"relative_bias", "relative_bias"},
+    {"relative_key", "relative_key"}, {"relative_query", "relative_query"},
     {"gate_weight", "gate_proj.weight"}, {"gate_bias", "gate_proj.bias"},
 };
 constexpr RoleDefault kSeparateQkvNames[] = {
@@ -37,6 +40,7 @@ constexpr RoleDefault kSeparateQkvNames[] = {
     {"out_weight", "o_proj.weight"}, {"out_bias", "o_proj.bias"},
     {"q_norm_weight", "q_norm.weight"}, {"k_norm_weight", "k_norm.weight"},
     {"sinks", "sinks"}, {"relative_bias", "relative_bias"},
+    {"relative_key", "relative_key"}, {"relative_query", "relative_query"},
     {"gate_weight", "gate_proj.weight"}, {"gate_bias", "gate_proj.bias"},
     // Multi-head latent attention (DeepSeek's names).
     {"q_a_weight", "q_a_proj.weight"}, {"q_a_norm_weight", "q_a_layernorm.weight"},
@@ -53,6 +57,7 @@ constexpr RoleDefault kFusedNames[] = {
     {"q_norm_weight", "q_norm.weight"},
     {"k_norm_weight", "k_norm.weight"},
     {"sinks", "sinks"}, {"relative_bias", "relative_bias"},
+    {"relative_key", "relative_key"}, {"relative_query", "relative_query"},
     {"gate_weight", "gate_proj.weight"}, {"gate_bias", "gate_proj.bias"},
 };
 constexpr RoleDefault kKerasNames[] = {
@@ -62,6 +67,7 @@ constexpr RoleDefault kKerasNames[] = {
     {"out_weight", "attention_output/kernel"}, {"out_bias", "attention_output/bias"},
     {"q_norm_weight", "q_norm.weight"}, {"k_norm_weight", "k_norm.weight"},
     {"sinks", "sinks"}, {"relative_bias", "relative_bias"},
+    {"relative_key", "relative_key"}, {"relative_query", "relative_query"},
     {"gate_weight", "gate/kernel"}, {"gate_bias", "gate/bias"},
 };
 
@@ -578,6 +584,25 @@ absl::StatusOr<LayerWeights> LoadLayerWeights(const SafetensorsFile& file,
     absl::StatusOr<std::vector<float>> table = reader.Read("relative_bias", {shape});
     if (!table.ok()) return table.status();
     weights->relative_bias = MakeTensor(shape, table->data());
+  }
+  const RelativeEmbeddings& embeddings = config.relative_embeddings;
+  for (const auto& [role, used, flag, tensor] :
+       {std::tuple<const char*, bool, const char*, Tensor*>{
+            "relative_key", embeddings.content_to_position, "content_to_position",
+            &weights->relative_key},
+        {"relative_query", embeddings.position_to_content, "position_to_content",
+         &weights->relative_query}}) {
+    const std::string why = absl::StrCat("the config has no relative_embeddings with ", flag);
+    if (absl::Status s = reader.CheckUnused(role, embeddings.distance > 0 && used, why.c_str());
+        !s.ok()) {
+      return s;
+    }
+    if (embeddings.distance > 0 && used) {
+      const Shape shape{config.num_heads, config.head_dim, 2 * embeddings.distance + 1};
+      absl::StatusOr<std::vector<float>> table = reader.Read(role, {shape});
+      if (!table.ok()) return table.status();
+      *tensor = MakeTensor(shape, table->data());
+    }
   }
   if (spec.sinks) {
     absl::StatusOr<std::vector<float>> sinks = reader.Read("sinks", {{config.num_heads}});

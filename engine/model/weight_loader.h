@@ -49,6 +49,9 @@ const char* WeightLayoutName(WeightLayout layout);
 //   sinks                         (every layout, with sinks)
 //   relative_bias                 (every layout, with relative_bias_distance:
 //                                 [num_heads, 2 * distance + 1])
+//   relative_key relative_query   (every layout, with relative_embeddings'
+//                                 content_to_position / position_to_content:
+//                                 [num_heads, head_dim, 2 * distance + 1])
 //   gate_weight gate_bias         (every layout, with a separate output gate)
 //   q_a_weight q_a_bias q_a_norm_weight q_b_weight kv_a_weight kv_a_bias
 //   kv_a_norm_weight kv_b_weight  (kSeparateQkv, with latent attention)

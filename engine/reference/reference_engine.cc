@@ -278,6 +278,10 @@ void StoreAll(const std::vector<double>& values, const MutableTensorView& to) {
   }
 }
 
+const float* TableOrNull(const Tensor& t) {
+  return t.byte_size() != 0 ? t.data_as<float>() : nullptr;
+}
+
 // The biases a layer adds by position, in float64: ALiBi's alibi[h] * r and
 // a relative bias table's entry for r = j - (i + Lk - Lq), clamped to
 // [-distance, distance] (LayerConfig::alibi_slopes, relative_bias_distance).
@@ -286,7 +290,28 @@ struct PositionBias {
   const float* table = nullptr;  // [heads, 2 * distance + 1], or none
   int64_t distance = 0;
 
+  // Relative position embeddings (LayerConfig::relative_embeddings): each
+  // [heads, head_dim, 2 * embedding_distance + 1], or none.
+  const float* relative_key = nullptr;
+  const float* relative_query = nullptr;
+  int64_t embedding_distance = 0;
+  int64_t head_dim = 0;
+
   bool empty() const { return alibi.empty() && table == nullptr; }
+  bool embedded() const { return relative_key != nullptr || relative_query != nullptr; }
+  // The embeddings' terms of head h's raw score for r = j - position: q .
+  // relative_key[h][:, c] + k . relative_query[h][:, c].
+  double Embedded(int64_t h, int64_t r, const double* q, const double* k) const {
+    const int64_t n = 2 * embedding_distance + 1;
+    const int64_t c = std::clamp(r, -embedding_distance, embedding_distance) + embedding_distance;
+    double sum = 0.0;
+    for (int64_t f = 0; f < head_dim; ++f) {
+      const int64_t at = (h * head_dim + f) * n + c;
+      if (relative_key != nullptr) sum += q[f] * static_cast<double>(relative_key[at]);
+      if (relative_query != nullptr) sum += k[f] * static_cast<double>(relative_query[at]);
+    }
+    return sum;
+  }
   double operator()(int64_t h, int64_t r) const {
     double bias = 0.0;
     if (!alibi.empty()) bias += static_cast<double>(alibi[h]) * static_cast<double>(r);
@@ -306,7 +331,8 @@ struct PositionBias {
 // i + (Lk - Lq) (its own chunk, with causal),
 // j < key_lengths[b], and a bool mask is nonzero there; a float mask is added
 // to the scaled score (after softcap * tanh(score / softcap) when softcap >
-// 0, and after the position biases); sinks[h], when given, joins the softmax
+// 0, and after the position biases; relative position embeddings join the
+// raw score, before the scale); sinks[h], when given, joins the softmax
 // denominator. A row that sees no key, or only keys at -inf, is zeros
 // (output and weights), not NaN.
 void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, int64_t chunk,
@@ -350,6 +376,9 @@ void AttendHeads(const AttentionTask& t, const Dims& d, int64_t window, int64_t 
           const double* kj = k.row(b, g, j);
           double dot = 0.0;
           for (int64_t c = 0; c < d.head_dim; ++c) dot += qi[c] * kj[c];
+          if (position_bias.embedded()) {
+            dot += position_bias.Embedded(h, j - (i + d.kv_len - d.q_len), qi, kj);
+          }
           double scaled = dot * static_cast<double>(t.scale);
           if (softcap > 0) scaled = softcap * std::tanh(scaled / softcap);
           if (!position_bias.empty()) scaled += position_bias(h, j - (i + d.kv_len - d.q_len));
@@ -582,7 +611,9 @@ void RunProjected(const AttentionLayer& layer, const AttentionTask& t, const Dim
               PositionBias{c.alibi_slopes,
                            c.relative_bias_distance > 0 ? w.relative_bias.data_as<float>()
                                                         : nullptr,
-                           c.relative_bias_distance},
+                           c.relative_bias_distance, TableOrNull(w.relative_key),
+                           TableOrNull(w.relative_query), c.relative_embeddings.distance,
+                           c.head_dim},
               q, k, v, merged);
   if (c.output_gate) {
     // Gated attention: each token's concatenated heads times sigmoid of its

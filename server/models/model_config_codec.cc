@@ -56,6 +56,12 @@ v1::ModelConfig LayerToModelConfig(const AttentionLayer& layer) {
   config.set_sparse_index_topk(c.sparse_index_topk);
   config.mutable_alibi_slopes()->Assign(c.alibi_slopes.begin(), c.alibi_slopes.end());
   config.set_relative_bias_distance(c.relative_bias_distance);
+  if (c.relative_embeddings.distance > 0) {
+    v1::RelativeEmbeddings* r = config.mutable_relative_embeddings();
+    r->set_distance(c.relative_embeddings.distance);
+    r->set_content_to_position(c.relative_embeddings.content_to_position);
+    r->set_position_to_content(c.relative_embeddings.position_to_content);
+  }
   if (c.temperature_tuning.enabled) {
     config.mutable_temperature_tuning()->set_floor_scale(c.temperature_tuning.floor_scale);
     config.mutable_temperature_tuning()->set_attn_scale(c.temperature_tuning.attn_scale);
@@ -157,6 +163,11 @@ LayerConfig ToLayerConfig(const v1::ModelConfig& c) {
   layer.sparse_index_topk = layer.has_projections ? c.sparse_index_topk() : 0;
   layer.alibi_slopes.assign(c.alibi_slopes().begin(), c.alibi_slopes().end());
   layer.relative_bias_distance = layer.has_projections ? c.relative_bias_distance() : 0;
+  if (layer.has_projections && c.has_relative_embeddings()) {
+    layer.relative_embeddings.distance = c.relative_embeddings().distance();
+    layer.relative_embeddings.content_to_position = c.relative_embeddings().content_to_position();
+    layer.relative_embeddings.position_to_content = c.relative_embeddings().position_to_content();
+  }
   if (layer.has_projections && c.has_temperature_tuning()) {
     layer.temperature_tuning.enabled = true;
     layer.temperature_tuning.floor_scale = c.temperature_tuning().floor_scale();

@@ -181,7 +181,8 @@ absl::Status CheckNoProjectionFields(const std::string& path, const v1::ModelCon
                             "out_bias", "weight_layout", "tensor_prefix", "tensor_names",
                             "rope", "qk_norm", "sinks", "output_gate",
                             "temperature_tuning", "latent_attention", "clip_qkv", "v_norm",
-                            "kv_source", "sparse_index_topk", "relative_bias_distance"}) {
+                            "kv_source", "sparse_index_topk", "relative_bias_distance",
+                            "relative_embeddings"}) {
     const google::protobuf::FieldDescriptor* f = d->FindFieldByName(field);
     bool set = f->is_repeated() ? r->FieldSize(c, f) > 0 : r->HasField(c, f);
     if (set) {
@@ -276,10 +277,11 @@ absl::Status ResolveLatentAttention(const std::string& path, v1::ModelConfig* c)
                        "which has no bias)");
   }
   if (c->has_qk_norm() || c->has_output_gate() || c->sinks() || c->clip_qkv() != 0 ||
-      c->has_v_norm() || !c->kv_source().empty() || c->relative_bias_distance() != 0) {
+      c->has_v_norm() || !c->kv_source().empty() || c->relative_bias_distance() != 0 ||
+      c->has_relative_embeddings()) {
     return ConfigError(path, field,
-                       "takes no qk_norm, output_gate, sinks, clip_qkv, v_norm, kv_source or "
-                       "relative_bias_distance");
+                       "takes no qk_norm, output_gate, sinks, clip_qkv, v_norm, kv_source, "
+                       "relative_bias_distance or relative_embeddings");
   }
   if (c->rope().rotary_dim() == 0 && !c->rope().type().empty() && c->rope().type() != "none") {
     c->mutable_rope()->set_rotary_dim(m->qk_rope_head_dim());
@@ -527,6 +529,18 @@ absl::Status ResolveModelConfig(const std::string& path, const std::string& defa
     return ConfigError(path, "relative_bias_distance",
                        absl::StrCat("must be in [0, ", kMaxRelativeBiasDistance,
                                     "] (0 = none), got ", c->relative_bias_distance()));
+  }
+  if (c->has_relative_embeddings()) {
+    const v1::RelativeEmbeddings& r = c->relative_embeddings();
+    if (r.distance() < 1 || r.distance() > kMaxRelativeEmbeddingDistance) {
+      return ConfigError(path, "relative_embeddings.distance",
+                         absl::StrCat("must be in [1, ", kMaxRelativeEmbeddingDistance, "], got ",
+                                      r.distance()));
+    }
+    if (!r.content_to_position() && !r.position_to_content()) {
+      return ConfigError(path, "relative_embeddings",
+                         "needs content_to_position, position_to_content or both");
+    }
   }
   if (c->sparse_index_topk() < 0) {
     return ConfigError(path, "sparse_index_topk",

@@ -447,7 +447,11 @@ absl::Status CheckNormedScores(const TaskDims& dims, const LayerConfig& layer,
   }
   const double q = head_norm(bounds.q_norm, dims.num_heads) * rope * temperature;
   const double k = head_norm(bounds.k_norm, dims.num_kv_heads) * rope;
-  const double score_bound = q * k * scale + mask_max;
+  // Relative position embeddings: each head's query and key against a
+  // table vector of head_dim values of at most their largest.
+  const double dim = std::sqrt(static_cast<double>(dims.head_dim));
+  const double score_bound =
+      (q * k + (q * bounds.relative_key + k * bounds.relative_query) * dim) * scale + mask_max;
   const double limit = PrecisionMax(layer.precision);
   if (!(score_bound <= limit)) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -510,7 +514,10 @@ absl::Status CheckProjectedBounds(const AttentionTask& task, const TaskDims& dim
     }
   }
   const double scale = std::max(1.0, static_cast<double>(task.scale));
-  const double score_bound = values[0] * values[1] * static_cast<double>(dims.head_dim) * scale +
+  // Relative position embeddings add Q . (a table vector) and K . (another).
+  const double score_bound = (values[0] * values[1] + values[0] * bounds.relative_key +
+                              values[1] * bounds.relative_query) *
+                                 static_cast<double>(dims.head_dim) * scale +
                              mask_max;
   if (layer.qk_norm.enabled) {
     if (absl::Status s = CheckNormedScores(dims, layer, bounds, scale, mask_max); !s.ok()) {
@@ -519,8 +526,13 @@ absl::Status CheckProjectedBounds(const AttentionTask& task, const TaskDims& dim
   } else if (!(score_bound <= limit)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "query/key/scale: scores may overflow %s: max|projected query| %g * max|projected key| "
-        "%g * head_dim %d * max(1, scale %g)%s = %g exceeds %g%s",
-        precision, values[0], values[1], dims.head_dim, static_cast<double>(task.scale),
+        "%g%s * head_dim %d * max(1, scale %g)%s = %g exceeds %g%s",
+        precision, values[0], values[1],
+        bounds.relative_key > 0 || bounds.relative_query > 0
+            ? absl::StrFormat(" (+ the relative position embeddings' %g and %g against them)",
+                              bounds.relative_key, bounds.relative_query)
+            : "",
+        dims.head_dim, static_cast<double>(task.scale),
         mask_max > 0 ? absl::StrFormat(" + max attn_mask %g", mask_max) : "", score_bound, limit,
         kRefusedSuffix));
   }

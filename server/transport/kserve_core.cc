@@ -195,6 +195,10 @@ absl::Status KServeCore::ModelConfig(const std::string& name, const std::string&
   if (layer.relative_bias_distance > 0) {
     params["relative_bias_distance"].set_string_value(absl::StrCat(layer.relative_bias_distance));
   }
+  if (layer.relative_embeddings.distance > 0) {
+    params["relative_embedding_distance"].set_string_value(
+        absl::StrCat(layer.relative_embeddings.distance));
+  }
   if (layer.output_gate) params["output_gate"].set_string_value("true");
   if (layer.attention_chunk > 0) {
     params["attention_chunk"].set_string_value(absl::StrCat(layer.attention_chunk));

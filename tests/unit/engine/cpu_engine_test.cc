@@ -1627,6 +1627,61 @@ TEST_F(StackedProjectionTest, RelativeBiasOverLongSequences) {
   }
 }
 
+// Relative position embeddings (DeBERTa) over sequences longer than their
+// distance and than one 256-key block, on fp32 and bf16 layers with grouped
+// KV heads against the reference: content-to-position and
+// position-to-content terms alone and together, an encoder's
+// self-attention, cross lengths with causal (each row's position
+// bottom-right), a decode row split across threads, the weights pass, a
+// bool mask and key lengths on top; distance 5 (most keys take the tables'
+// ends, vectors straddling them) and 300.
+TEST_F(StackedProjectionTest, RelativeEmbeddingsOverLongSequences) {
+  Rng rng(90);
+  const auto base = MakeProjectionLayer(35, 32, 4, 2, 16, 24, Precision::kFloat32);
+  struct Shape2 {
+    int64_t distance, lq, lk;
+    bool c2p, p2c, causal, weights, masked;
+  };
+  for (const Shape2 s : {Shape2{300, 700, 700, true, true, false, false, false},
+                         Shape2{5, 300, 300, true, false, false, false, false},
+                         Shape2{5, 300, 300, false, true, false, false, false},
+                         Shape2{300, 300, 900, true, true, true, false, false},
+                         Shape2{5, 1, 3000, true, true, true, false, false},
+                         Shape2{5, 40, 600, true, true, true, true, false},
+                         Shape2{300, 200, 400, true, true, false, true, true}}) {
+    auto embedded = std::make_shared<AttentionLayer>(*base);
+    embedded->config.name = absl::StrCat("relative-embeddings-", s.distance, s.c2p ? "-c2p" : "",
+                                         s.p2c ? "-p2c" : "");
+    embedded->config.relative_embeddings = {s.distance, s.c2p, s.p2c};
+    const Shape table{4, 16, 2 * s.distance + 1};
+    if (s.c2p) embedded->weights.relative_key = RandomTensor(rng, DType::kFloat32, table, 1.0f);
+    if (s.p2c) embedded->weights.relative_query = RandomTensor(rng, DType::kFloat32, table, 1.0f);
+    ASSERT_TRUE(ValidateLayer(*embedded).ok()) << ValidateLayer(*embedded);
+    for (const auto& layer : {std::shared_ptr<const AttentionLayer>(embedded),
+                              WithPrecision(*embedded, Precision::kBFloat16)}) {
+      Case c;
+      c.layer = layer;
+      c.q = RandomTensor(rng, DType::kFloat32, {2, s.lq, 32}, 1.0f);
+      if (s.lq != s.lk) {
+        c.k = RandomTensor(rng, DType::kFloat32, {2, s.lk, 32}, 1.0f);
+        c.v = RandomTensor(rng, DType::kFloat32, {2, s.lk, 32}, 1.0f);
+      }
+      c.causal = s.causal;
+      c.need_weights = s.weights;
+      if (s.masked) {
+        c.mask = RandomMask(rng, DType::kBool, {2, 1, s.lq, s.lk});
+        c.key_lengths = {s.lk, s.lk / 3};
+      }
+      c.scale = ResolveScale(layer->config, 0.0f, 16);
+      c.label = absl::StrCat(layer->config.name, ", Lq ", s.lq, " Lk ", s.lk,
+                             s.causal ? " causal" : "", s.weights ? " weights" : "",
+                             s.masked ? " mask" : "");
+      const auto got = RunBatch(*cpu_, {c}, {0});
+      CheckAccuracy(c, got[0].first, got[0].second);
+    }
+  }
+}
+
 TEST(ChunkedLinearTest, RowsAreIndependentOfTheirPositionInAChunk) {
   // Not required for correctness (the engine falls back to chunk-aligned
   // tasks), but expected of oneDNN's kernels on x86; a failure here means the

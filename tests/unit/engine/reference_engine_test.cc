@@ -732,6 +732,161 @@ TEST(ReferenceEngineTest, RelativeBiasIsT5sBucketedBias) {
   EXPECT_THAT(std::string(ValidateLayer(bare).message()), HasSubstr("projection layers only"));
 }
 
+// DeBERTa v2/v3's log bucket of a relative position r = i - j
+// (make_log_bucket_position): exact up to half the buckets, then
+// logarithmic up to max_position, signed.
+int64_t DebertaBucket(int64_t r, int64_t buckets, int64_t max_position) {
+  const int64_t mid = buckets / 2;
+  if (std::abs(r) <= mid) return r;
+  const double log_pos =
+      std::ceil(std::log(static_cast<double>(std::abs(r)) / mid) /
+                std::log(static_cast<double>(max_position - 1) / mid) * (mid - 1)) +
+      mid;
+  return r > 0 ? static_cast<int64_t>(log_pos) : -static_cast<int64_t>(log_pos);
+}
+
+// Relative position embeddings are DeBERTa's disentangled attention: its
+// content-to-position and position-to-content scores, built here as DeBERTa
+// builds them (the relative embeddings through the layer's own query and
+// key projections, c2p gathered at clamp(bucket(i - j) + span), p2c gathered
+// over key pairs and transposed) and added as a float mask after the scale,
+// against the layer with each distance's projected vectors written out up
+// to where the buckets stop changing. Self-attention over sequences past
+// that reach, padded by key lengths, c2p alone, p2c alone and both, with
+// and without weights; and the layer check's rules.
+TEST(ReferenceEngineTest, RelativeEmbeddingsAreDebertasDisentangledAttention) {
+  constexpr int64_t H = 3, D = 4, E = 8, kSpan = 8, kMaxPosition = 16, L = 40, B = 2;
+  const Tensor rel = Random({2 * kSpan, E}, 960);  // the encoder's rel_embeddings
+  auto column = [](int64_t r) {  // r = i - j's row of the gathered tables
+    return std::clamp<int64_t>(DebertaBucket(r, kSpan, kMaxPosition) + kSpan, 0, 2 * kSpan - 1);
+  };
+  int64_t reach = 1;  // every |i - j| >= reach in the first or last row
+  for (int64_t r = 2; r < 1000; ++r) {
+    if (column(r) != column(r - 1) || column(-r) != column(1 - r)) reach = r;
+  }
+  ASSERT_LT(reach, L - 1);  // the sequences go past it both ways
+  AttentionLayer layer;
+  LayerConfig& c = layer.config;
+  c.name = "deberta";
+  c.has_projections = true;
+  c.num_heads = c.num_kv_heads = H;
+  c.head_dim = D;
+  c.query_dim = c.key_dim = c.value_dim = c.out_dim = E;
+  c.scale = static_cast<float>(1.0 / std::sqrt(3.0 * D));
+  LayerWeights& w = layer.weights;
+  w.wq = Random({H * D, E}, 961);
+  w.bq = Random({H * D}, 962);
+  w.wk = Random({H * D, E}, 963);
+  w.bk = Random({H * D}, 964);
+  w.wv = Random({H * D, E}, 965);
+  w.wo = Random({E, H * D}, 966);
+  const AttentionLayer plain = layer;
+  // Projected rows, float64: y[n][o] = sum_e x[n][e] w[o][e] + b[o].
+  auto project = [&](const Tensor& x, int64_t rows, const Tensor& wt, const Tensor& bias) {
+    std::vector<double> y(static_cast<size_t>(rows * H * D));
+    for (int64_t n = 0; n < rows; ++n) {
+      for (int64_t o = 0; o < H * D; ++o) {
+        double sum = bias.data_as<float>()[o];
+        for (int64_t e = 0; e < E; ++e) {
+          sum += static_cast<double>(x.data_as<float>()[n * E + e]) * wt.data_as<float>()[o * E + e];
+        }
+        y[n * H * D + o] = sum;
+      }
+    }
+    return y;
+  };
+  const std::vector<double> pos_key = project(rel, 2 * kSpan, w.wk, w.bk);  // share_att_key
+  const std::vector<double> pos_query = project(rel, 2 * kSpan, w.wq, w.bq);
+  // The layer's tables: column r + reach for r = j - p = -(i - j).
+  auto table = [&](const std::vector<double>& pos) {
+    std::vector<float> t;
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t f = 0; f < D; ++f) {
+        for (int64_t r = -reach; r <= reach; ++r) {
+          t.push_back(static_cast<float>(pos[column(-r) * H * D + h * D + f]));
+        }
+      }
+    }
+    return Values(DType::kFloat32, {H, D, 2 * reach + 1}, t);
+  };
+  const Tensor x = Random({B, L, E}, 967);
+  const std::vector<double> q = project(x, B * L, w.wq, w.bq), k = project(x, B * L, w.wk, w.bk);
+  auto dot = [&](const std::vector<double>& a, int64_t row, const std::vector<double>& b,
+                 int64_t pos, int64_t h) {
+    double sum = 0;
+    for (int64_t f = 0; f < D; ++f) sum += a[row * H * D + h * D + f] * b[pos * H * D + h * D + f];
+    return sum;
+  };
+  const std::vector<int64_t> key_lengths = {L, 27};
+  for (const auto& [c2p, p2c] : {std::pair{true, true}, {true, false}, {false, true}}) {
+    AttentionLayer embedded = layer;
+    embedded.config.relative_embeddings = {reach, c2p, p2c};
+    if (c2p) embedded.weights.relative_key = table(pos_key);
+    if (p2c) embedded.weights.relative_query = table(pos_query);
+    ASSERT_TRUE(ValidateLayer(embedded).ok()) << ValidateLayer(embedded);
+    // DeBERTa's scores beside Q K^T, over the scale: c2p[b][h][i][j] = q_i .
+    // pos_key[c(i - j)]; p2c = (k_a . pos_query[c(-(a - b))])^T.
+    std::vector<float> mask;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t i = 0; i < L; ++i) {
+          for (int64_t j = 0; j < L; ++j) {
+            double extra = 0;
+            if (c2p) extra += dot(q, b * L + i, pos_key, column(i - j), h);
+            if (p2c) extra += dot(k, b * L + j, pos_query, std::clamp<int64_t>(
+                                      -DebertaBucket(j - i, kSpan, kMaxPosition) + kSpan, 0,
+                                      2 * kSpan - 1), h);
+            mask.push_back(static_cast<float>(extra * c.scale));
+          }
+        }
+      }
+    }
+    const Tensor added = Values(DType::kFloat32, {B, H, L, L}, mask);
+    std::vector<float> outs[2], weights[2];
+    for (int run = 0; run < 2; ++run) {
+      Tensor out(DType::kFloat32, {B, L, E}), probs(DType::kFloat32, {B, H, L, L});
+      AttentionTask task;
+      task.query = x.view();
+      task.scale = c.scale;  // as the server resolves it
+      task.key_lengths = key_lengths;
+      task.output = out.mutable_view();
+      task.weights = probs.mutable_view();
+      if (run == 1) task.attn_mask = added.view();
+      ASSERT_TRUE(NewReferenceEngine()->Run(run == 0 ? embedded : plain, {&task, 1}).ok());
+      outs[run] = AsFloats(out);
+      weights[run] = AsFloats(probs);
+    }
+    const std::string label = absl::StrCat("c2p ", c2p, " p2c ", p2c);
+    for (size_t i = 0; i < outs[0].size(); ++i) EXPECT_NEAR(outs[0][i], outs[1][i], 1e-5) << label;
+    for (size_t i = 0; i < weights[0].size(); ++i) {
+      EXPECT_NEAR(weights[0][i], weights[1][i], 1e-6) << label;
+    }
+  }
+  AttentionLayer wrong = layer;
+  wrong.config.relative_embeddings = {2, true, false};
+  wrong.weights.relative_key = Random({H, D, 4}, 2);
+  EXPECT_THAT(std::string(ValidateLayer(wrong).message()),
+              AllOf(HasSubstr("relative_key"), HasSubstr("[3, 4, 5]"), HasSubstr("[3, 4, 4]")));
+  std::vector<float> values(H * D * 5, 0.5f);
+  values[5 + 2] = kInf;
+  wrong.weights.relative_key = Values(DType::kFloat32, {H, D, 5}, values);
+  EXPECT_THAT(std::string(ValidateLayer(wrong).message()), HasSubstr("relative_key[0][1][2]"));
+  wrong.weights.relative_key = Random({H, D, 5}, 3);
+  wrong.weights.relative_query = Random({H, D, 5}, 4);
+  EXPECT_THAT(std::string(ValidateLayer(wrong).message()),
+              AllOf(HasSubstr("relative_query"), HasSubstr("position_to_content")));
+  wrong.weights.relative_query = Tensor();
+  wrong.config.relative_embeddings = {2, false, false};
+  EXPECT_THAT(std::string(ValidateLayer(wrong).message()),
+              HasSubstr("needs content_to_position, position_to_content or both"));
+  wrong.config.relative_embeddings = {kMaxRelativeEmbeddingDistance + 1, true, false};
+  EXPECT_THAT(std::string(ValidateLayer(wrong).message()), HasSubstr("65536"));
+  AttentionLayer bare;  // a layer without projections takes none
+  bare.config.name = "sdpa";
+  bare.config.relative_embeddings = {2, true, true};
+  EXPECT_THAT(std::string(ValidateLayer(bare).message()), HasSubstr("projection layers only"));
+}
+
 // An output gate whose weights are zero gates every token by sigmoid of its
 // bias alone: the same as no gate with each output weight column f scaled
 // by sigmoid(bg[f]). And the layer check's rules for the gate's weights.
