@@ -420,6 +420,11 @@ FAMILIES = {
 # name: (model module, model class prefix, config overrides, layer's submodule)
 T5_LIKE = dict(d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2, num_decoder_layers=2,
                vocab_size=64, dropout_rate=0.0)
+DEBERTA_LIKE = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=128, max_position_embeddings=512, relative_attention=True,
+                    position_biased_input=False, norm_rel_ebd="layer_norm",
+                    pos_att_type=["p2c", "c2p"], hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0)
 WHOLE_MODELS = {
     "t5-encoder": ("t5", "T5", T5_LIKE, "encoder.block.1.layer.0.SelfAttention"),
     "t5-decoder": ("t5", "T5", T5_LIKE, "decoder.block.1.layer.0.SelfAttention"),
@@ -434,6 +439,17 @@ WHOLE_MODELS = {
     "mpnet": ("mpnet", "MPNet", dict(hidden_size=64, num_attention_heads=4, intermediate_size=128,
                                      num_hidden_layers=2, vocab_size=64),
               "encoder.layer.1.attention"),
+    # DeBERTa v3's form (log buckets reaching 128 positions, the layer's own
+    # projections for the positions) and v2's (plain distances,
+    # pos_key_proj and pos_query_proj): relative position embeddings.
+    "deberta-v3": ("deberta_v2", "DebertaV2", dict(DEBERTA_LIKE, position_buckets=32,
+                                                   max_relative_positions=128,
+                                                   share_att_key=True),
+                   "encoder.layer.1.attention"),
+    "deberta-v2": ("deberta_v2", "DebertaV2", dict(DEBERTA_LIKE, position_buckets=-1,
+                                                   max_relative_positions=64,
+                                                   share_att_key=False),
+                   "encoder.layer.1.attention"),
 }
 
 
@@ -461,9 +477,16 @@ def model_layer_forward(model, submodule, x):
     """(query input, key/value input or None, output) of the layer at
     `submodule` while `model` runs in float64 on x [B, L, 64] (its decoder
     on the same x): the layer as its model calls it, with the bias the model
-    gives it. MPNetAttention's output is after its LayerNorm: its attn's."""
+    gives it. MPNetAttention's output is after its LayerNorm: its attn's;
+    DebertaV2Attention's too: its DisentangledSelfAttention's through
+    output.dense."""
+    dense = None
     if submodule.endswith(".attention"):
-        submodule += ".attn"
+        holder = model.get_submodule(submodule)
+        if hasattr(getattr(holder, "self", None), "pos_att_type"):
+            submodule, dense = submodule + ".self", holder.output.dense
+        else:
+            submodule += ".attn"
     layer = model.get_submodule(submodule)
     calls = []
     forward = layer.forward
@@ -471,7 +494,7 @@ def model_layer_forward(model, submodule, x):
     def spy(*args, **kwargs):
         out = forward(*args, **kwargs)
         calls.append((args[0] if args else kwargs["hidden_states"],
-                      kwargs.get("key_value_states"), out[0]))
+                      kwargs.get("key_value_states"), out[0] if isinstance(out, tuple) else out))
         return out
     layer.forward = spy
     model.double()
@@ -482,10 +505,12 @@ def model_layer_forward(model, submodule, x):
                 model(inputs_embeds=xt, decoder_inputs_embeds=xt, use_cache=False)
             else:
                 model(inputs_embeds=xt)
+            (hidden, kv, out), = calls
+            if dense is not None:
+                out = dense(out)
     finally:
         del layer.forward
         model.float()
-    (hidden, kv, out), = calls
     return (hidden.float().numpy(), None if kv is None else kv.float().numpy(),
             out.double().numpy())
 

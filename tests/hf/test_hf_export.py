@@ -1740,6 +1740,110 @@ def test_relative_bias_layers_are_served_as_t5_and_mpnet_compute_them(tmp_path):
     assert not os.path.exists(tmp_path / "refused" / "config.pbtxt")
 
 
+def _deberta_models():
+    """Two-layer DeBERTa v2 models from transformers' own classes, random
+    weights: v3's form (log buckets, 32 of them reaching 128 positions, the
+    layer's own query and key projections for the positions, c2p and p2c),
+    v2's without buckets and with pos_key_proj / pos_query_proj of their
+    own, and one with c2p alone."""
+    from transformers import DebertaV2Config, DebertaV2Model
+    torch.manual_seed(33)
+    common = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128, max_position_embeddings=512, relative_attention=True,
+                  position_biased_input=False, norm_rel_ebd="layer_norm",
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    configs = {
+        "deberta-v3": dict(position_buckets=32, max_relative_positions=128,
+                           pos_att_type=["p2c", "c2p"], share_att_key=True),
+        "deberta-v2": dict(position_buckets=-1, max_relative_positions=64,
+                           pos_att_type=["p2c", "c2p"], share_att_key=False),
+        "deberta-c2p": dict(position_buckets=32, max_relative_positions=128,
+                            pos_att_type=["c2p"], share_att_key=True),
+    }
+    models = {}
+    for name, extra in configs.items():
+        model = DebertaV2Model(DebertaV2Config(**common, **extra))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        models[name] = model.eval()
+    return models
+
+
+def _deberta_layer_call(model, x, lengths):
+    """(hidden states, attention output through output.dense) of layer 1's
+    attention inside `model` run in float64 on x [B, L, 64], each
+    sequence's tokens past its length padded: its DisentangledSelfAttention's
+    input and output as recorded in the model's own run, then its output
+    dense (DebertaV2SelfOutput's LayerNorm and residual are the caller's)."""
+    length = x.shape[1]
+    keep = (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).long()
+    attention = model.encoder.layer[1].attention
+    calls = []
+    model = model.double()
+    _spied(attention.self, calls)
+    try:
+        with torch.no_grad():
+            model(inputs_embeds=torch.from_numpy(x).double(), attention_mask=keep)
+            (args, kwargs, out), = calls
+            context = out[0] if isinstance(out, tuple) else out
+            want = attention.output.dense(context)
+    finally:
+        del attention.self.forward
+        model.float()
+    hidden = args[0] if args else kwargs["hidden_states"]
+    return hidden.float().numpy(), want.numpy()
+
+
+def test_deberta_layers_are_served_as_deberta_computes_them(tmp_path):
+    """DeBERTa v2 and v3's disentangled attention (DebertaV2Attention through
+    output.dense), exported from the whole model with its encoder's relative
+    embeddings projected into per-distance tables: v3's log buckets with the
+    layer's own projections, v2's plain distances with pos_key_proj and
+    pos_query_proj, c2p alone; scale 1 / sqrt(head_dim * (1 + terms)).
+    Served as the layer computes it inside its model over 300 tokens (past
+    the buckets' reach both ways), with and without padding. Refused: its
+    DisentangledSelfAttention alone (no output projection) and the attention
+    exported without its encoder."""
+    import harness
+    harness.use_python_client()
+    from attnserve_client import AttentionClient
+    models = _deberta_models()
+    reach = {"deberta-v3": 128, "deberta-v2": 64, "deberta-c2p": 128}
+    for name, model in models.items():
+        config = export_module(model, str(tmp_path / name), submodule="encoder.layer.1.attention")
+        embeddings = config["relative_embeddings"]
+        assert embeddings["distance"] == reach[name], (name, embeddings)
+        assert embeddings["content_to_position"] is True
+        assert embeddings["position_to_content"] is (name != "deberta-c2p")
+        terms = 2 if name == "deberta-c2p" else 3
+        assert config["scale"] == pytest.approx(1 / math.sqrt(16 * terms)), name
+        assert config["causal"] is False
+    x = np.random.default_rng(34).uniform(-1, 1, (2, 300, 64)).astype(np.float32)
+    server = harness.ServerProcess("--model-repository", str(tmp_path), "--backend", "cpu")
+    try:
+        with AttentionClient(server.target, timeout=120) as client:
+            for lengths in ([300, 300], [300, 211]):
+                for name, model in models.items():
+                    hidden, want = _deberta_layer_call(model, x, lengths)
+                    got = client.attend(hidden, model=name, key_lengths=lengths).output
+                    rows = lengths[1]  # padded queries' rows are the caller's
+                    assert _rel(got[1, :rows], want[1, :rows]) < 2e-5, \
+                        (name, lengths, _rel(got[1, :rows], want[1, :rows]))
+                    assert _rel(got[0], want[0]) < 2e-5, (name, lengths, _rel(got[0], want[0]))
+    finally:
+        assert server.stop() == 0, server.log()
+
+    attention = models["deberta-v3"].encoder.layer[1].attention
+    for module, words in ((attention.self, ["no output projection", "DebertaV2Attention"]),
+                          (attention, ["DebertaV2Encoder.rel_embeddings", "submodule="])):
+        with pytest.raises(ExportError) as refused:
+            export_module(module, str(tmp_path / "refused"))
+        for word in words:
+            assert word in str(refused.value), str(refused.value)
+    assert not os.path.exists(tmp_path / "refused" / "config.pbtxt")
+
+
 def test_falcon_layers_are_served_in_each_qkv_layout(tmp_path):
     """Falcon with RoPE (transformers 4.45's FalconAttention): its
     query_key_value in each layout, Falcon-7B's multi-query [queries | key |

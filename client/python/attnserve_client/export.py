@@ -132,7 +132,7 @@ _FIELD_ORDER = ["name", "kind", "embed_dim", "num_heads", "num_kv_heads", "head_
                 "batching", "instances", "backend", "rope", "qk_norm", "sliding_window", "softcap",
                 "sinks", "output_gate", "attention_chunk", "temperature_tuning",
                 "latent_attention", "clip_qkv", "v_norm", "kv_source", "sparse_index_topk",
-                "alibi_slopes", "relative_bias_distance"]
+                "alibi_slopes", "relative_bias_distance", "relative_embeddings"]
 
 
 def _scalar(field, value):
@@ -174,7 +174,7 @@ def config_text(config):
         elif field == "alibi_slopes":  # repeated float: one per query head
             lines.append(f"{field}: [{', '.join(repr(float(np.float32(x))) for x in value)}]")
         elif field in ("rope", "qk_norm", "output_gate", "temperature_tuning",
-                       "latent_attention", "v_norm"):
+                       "latent_attention", "v_norm", "relative_embeddings"):
             # Floats as repr (shortest round-trip double): theta and factors are doubles.
             inner = " ".join(f"{k}: {json.dumps(v) if isinstance(v, str) else _rope_scalar(v)}"
                              for k, v in value.items() if v is not None)
@@ -1321,13 +1321,140 @@ def relative_bias_of(module, source=None):
         return _relative_table(bias, distance, name)
 
 
+# Model types whose scores get relative position embeddings (DeBERTa v2 and
+# v3's disentangled attention: DisentangledSelfAttention, which
+# DebertaV2Attention wraps with its output dense), checked against
+# transformers' own classes (tests/hf). The module path's folder name
+# (deberta_v2) where the module keeps no config.
+_DISENTANGLED = {"deberta_v2", "deberta-v2"}
+
+
+def _deberta_parts(module):
+    """(self-attention, output dense or None) of DeBERTa v2's attention:
+    DebertaV2Attention (its `self` and `output.dense`), or its
+    DisentangledSelfAttention alone (no output projection); None for any
+    other module."""
+    if _model_type(module) not in _DISENTANGLED:
+        return None
+    sa, out = getattr(module, "self", None), getattr(module, "output", None)
+    if sa is not None and hasattr(sa, "pos_att_type"):
+        return sa, _linear(out, "dense") if out is not None else None
+    if hasattr(module, "pos_att_type") and _linear(module, "query_proj") is not None:
+        return module, None
+    return None
+
+
+def _deberta_terms(sa):
+    """(c2p, p2c, scale_factor) of a DisentangledSelfAttention: which
+    relative terms its scores get and the factor its scale counts (1 + one
+    per term, whether or not relative_attention is on, as its forward
+    does); ExportError for a term transformers does not know."""
+    types = list(getattr(sa, "pos_att_type", None) or [])
+    unknown = sorted(set(types) - {"c2p", "p2c"})
+    if unknown:
+        raise ExportError(f"{type(sa).__name__} with pos_att_type {unknown}, not c2p or p2c")
+    return "c2p" in types, "p2c" in types, 1 + ("c2p" in types) + ("p2c" in types)
+
+
+def relative_embeddings_of(module, source=None):
+    """(relative_embeddings config, {"relative_key": ..., "relative_query":
+    ...}) of DeBERTa v2/v3's attention, whose scores get content-to-position
+    (c2p) and position-to-content (p2c) terms: each distance's bucket
+    vectors, through the layer's own query and key projections
+    (share_att_key) or its pos_key_proj / pos_query_proj, laid out [heads,
+    head_dim, 2D + 1] in the order of j - i, D where the buckets stop
+    changing; checked to rebuild the module's own disentangled_attention_bias
+    over 2D + 2 positions. None without such terms (a layer whose model type
+    is not DeBERTa v2's, or without relative_attention).
+    source: the module holding the relative embeddings (DebertaV2Encoder's
+    get_rel_embedding): ExportError when None (export from the whole model,
+    submodule=)."""
+    parts = _deberta_parts(module)
+    if parts is None:
+        return None
+    sa = parts[0]
+    c2p, p2c, factor = _deberta_terms(sa)
+    if not getattr(sa, "relative_attention", False) or not (c2p or p2c):
+        return None
+    name = type(module).__name__
+    if source is None or not hasattr(source, "get_rel_embedding"):
+        raise ExportError(f"{name}'s relative position embeddings, which are its encoder's "
+                          "(DebertaV2Encoder.rel_embeddings, normalised by its LayerNorm): "
+                          "export it from the whole model (export_module(model, folder, "
+                          "submodule=...))")
+    if getattr(sa, "pruned_heads", None):
+        raise ExportError(f"{name} with pruned heads")
+    heads, dim, span = sa.num_attention_heads, sa.attention_head_size, sa.pos_ebd_size
+    buckets, max_position = sa.position_buckets, sa.max_relative_positions
+    code = sys.modules[type(sa).__module__]
+
+    def column(delta):  # i - j -> the row of the module's gathered tables
+        if buckets > 0 and max_position > 0:
+            delta = code.make_log_bucket_position(delta, buckets, max_position)
+        return (delta.long() + span).clamp(0, 2 * span - 1)
+
+    with torch.no_grad():
+        limit = 4 * (max(max_position, 0) + span) + 2
+        cols = column(torch.arange(-limit, limit + 1))
+        changes = [d for d in range(1, limit + 1)
+                   if cols[limit + d] != cols[limit + d - 1] or cols[limit - d] != cols[limit - d + 1]]
+        distance = max(changes, default=1)
+        rel = source.get_rel_embedding()[: 2 * span].float()
+        pick = column(-torch.arange(-distance, distance + 1))  # j - i = r: i - j = -r
+
+        def table(linear):
+            vectors = linear(rel).float().view(-1, heads, dim)  # [2 span, heads, dim]
+            return vectors.permute(1, 2, 0)[:, :, pick].contiguous()
+
+        own = getattr(sa, "share_att_key", False)
+        tables = {}
+        if c2p:
+            tables["relative_key"] = table(sa.key_proj if own else sa.pos_key_proj)
+        if p2c:
+            tables["relative_query"] = table(sa.query_proj if own else sa.pos_query_proj)
+        # The module's own bias over 2D + 2 positions (past D both ways)
+        # against the one the tables give.
+        n = 2 * distance + 2
+        generator = torch.Generator().manual_seed(0)
+        q = torch.randn(heads, n, dim, generator=generator)
+        k = torch.randn(heads, n, dim, generator=generator)
+        expected = sa.disentangled_attention_bias(q, k, None, source.get_rel_embedding().float(),
+                                                  factor)
+        at = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).clamp(-distance, distance) + \
+            distance  # [i, j] -> column of j - i
+        rebuilt = torch.zeros(heads, n, n)
+        for key, rows in (("relative_key", q), ("relative_query", k)):
+            if key in tables:
+                scores = torch.einsum("hnd,hdc->hnc", rows, tables[key])  # [h, row, column]
+                if key == "relative_key":
+                    rebuilt += torch.gather(scores, 2, at.expand(heads, n, n))
+                else:  # key j's score of column(j - i), placed at [i, j]
+                    rebuilt += torch.gather(scores.transpose(1, 2), 1, at.expand(heads, n, n))
+        rebuilt /= math.sqrt(dim * factor)
+        if not torch.allclose(rebuilt, expected.float(), rtol=1e-4,
+                              atol=1e-5 * float(expected.abs().max())):
+            raise ExportError(f"{name}'s relative position terms are not one vector per distance "
+                              f"up to {distance} positions each way, the same beyond: not the "
+                              "relative position embeddings attnserve computes")
+    config = {"distance": distance, "content_to_position": c2p, "position_to_content": p2c}
+    return config, tables
+
+
 def _relative_bias_source(model, name, module):
     """The module in `model` that holds the relative bias of `module` (its
     dotted `name`): T5's stack's first self-attention layer (block 0 of the
     same stack), False for its cross-attention (EncDecAttention); MPNet's
-    encoder, the nearest enclosing module with compute_position_bias; None
+    encoder, the nearest enclosing module with compute_position_bias;
+    DeBERTa's (relative embeddings), the nearest with get_rel_embedding; None
     for a module that needs none or holds its own."""
     kind = _relative_kind(module)
+    if _deberta_parts(module) is not None:  # DeBERTa's encoder: its relative embeddings
+        parts = name.split(".")
+        for end in range(len(parts) - 1, -1, -1):
+            outer = model.get_submodule(".".join(parts[:end]))
+            if hasattr(outer, "get_rel_embedding"):
+                return outer
+        return None
     if kind == "mpnet":
         parts = name.split(".")
         for end in range(len(parts) - 1, -1, -1):
@@ -1441,7 +1568,9 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
     exported, and config["kv_source"] names it. model_config: the whole
     model's Hugging Face config, read where the module keeps none (MPT's
     ALiBi in transformers 4.x). relative_bias_source: the module that holds
-    a relative position bias the layer's scores get (relative_bias_of)."""
+    a relative position bias the layer's scores get (relative_bias_of), or
+    its relative position embeddings (DeBERTa's encoder,
+    relative_embeddings_of)."""
     if torch is None:
         raise ExportError("PyTorch is not importable")
     if isinstance(module, torch.nn.MultiheadAttention):
@@ -1553,6 +1682,10 @@ def describe_module(module, *, num_heads=None, num_kv_heads=None, head_dim=None,
                               f"of {config['num_heads']}")
         config["relative_bias_distance"] = distance
         tensors["relative_bias"] = table
+    embeddings = relative_embeddings_of(module, relative_bias_source)
+    if embeddings is not None:
+        config["relative_embeddings"], tables = embeddings
+        tensors.update(tables)
     if _relative_kind(module) == "t5" and "scale" not in config:
         config["scale"] = 1.0  # T5 does not scale its scores (transformers 4.x: no attribute)
     return config, tensors
@@ -1930,7 +2063,28 @@ def _qkvo_parts(module):
     return inner, q, k, v, o, prefix + "o"
 
 
+def _describe_deberta(module, parts, num_heads, head_dim):
+    """DeBERTa v2's attention: query_proj, key_proj and value_proj of its
+    DisentangledSelfAttention, then output.dense (DebertaV2SelfOutput's
+    dropout, residual and LayerNorm stay with the caller, as BERT's), scaled
+    by 1 / sqrt(head_dim * (1 + its relative terms))."""
+    sa, o = parts
+    if o is None:
+        raise ExportError(f"{type(module).__name__} alone has no output projection: export "
+                          "DebertaV2Attention (its parent), whose output.dense is the "
+                          "attention's output projection")
+    q, k, v = (_linear(sa, n) for n in ("query_proj", "key_proj", "value_proj"))
+    h = int(num_heads or sa.num_attention_heads)
+    hd = int(head_dim or sa.attention_head_size)
+    config, tensors = _describe_separate(module, q, k, v, o, "output.dense", h, h, hd)
+    config["scale"] = 1.0 / math.sqrt(hd * _deberta_terms(sa)[2])
+    return config, tensors
+
+
 def _describe_projections(module, num_heads, num_kv_heads, head_dim, qkv_layout):
+    deberta = _deberta_parts(module)
+    if deberta is not None:
+        return _describe_deberta(module, deberta, num_heads, head_dim)
     bert = _bert_parts(module)
     if bert is not None:
         return _describe_bert(module, bert, num_heads, head_dim)
