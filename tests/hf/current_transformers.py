@@ -450,6 +450,12 @@ WHOLE_MODELS = {
                                                    max_relative_positions=64,
                                                    share_att_key=False),
                    "encoder.layer.1.attention"),
+    # DeBERTa v1: in_proj per head with q_bias and v_bias, pos_proj and
+    # pos_q_proj over 128 relative positions.
+    "deberta-v1": ("deberta", "Deberta", dict(DEBERTA_LIKE, norm_rel_ebd="none",
+                                              max_position_embeddings=128,
+                                              max_relative_positions=-1),
+                   "encoder.layer.1.attention"),
 }
 
 

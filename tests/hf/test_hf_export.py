@@ -1745,8 +1745,9 @@ def _deberta_models():
     weights: v3's form (log buckets, 32 of them reaching 128 positions, the
     layer's own query and key projections for the positions, c2p and p2c),
     v2's without buckets and with pos_key_proj / pos_query_proj of their
-    own, and one with c2p alone."""
-    from transformers import DebertaV2Config, DebertaV2Model
+    own, one with c2p alone; and v1's (in_proj per head, q_bias and v_bias,
+    pos_proj and pos_q_proj, 128 relative positions)."""
+    from transformers import DebertaConfig, DebertaModel, DebertaV2Config, DebertaV2Model
     torch.manual_seed(33)
     common = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=128, max_position_embeddings=512, relative_attention=True,
@@ -1759,10 +1760,14 @@ def _deberta_models():
                            pos_att_type=["p2c", "c2p"], share_att_key=False),
         "deberta-c2p": dict(position_buckets=32, max_relative_positions=128,
                             pos_att_type=["c2p"], share_att_key=True),
+        "deberta-v1": {},
     }
     models = {}
     for name, extra in configs.items():
-        model = DebertaV2Model(DebertaV2Config(**common, **extra))
+        model = DebertaV2Model(DebertaV2Config(**common, **extra)) if extra else \
+            DebertaModel(DebertaConfig(**dict(common, norm_rel_ebd="none",
+                                              max_position_embeddings=128),
+                                       max_relative_positions=-1, pos_att_type=["c2p", "p2c"]))
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
@@ -1796,11 +1801,13 @@ def _deberta_layer_call(model, x, lengths):
 
 
 def test_deberta_layers_are_served_as_deberta_computes_them(tmp_path):
-    """DeBERTa v2 and v3's disentangled attention (DebertaV2Attention through
-    output.dense), exported from the whole model with its encoder's relative
-    embeddings projected into per-distance tables: v3's log buckets with the
-    layer's own projections, v2's plain distances with pos_key_proj and
-    pos_query_proj, c2p alone; scale 1 / sqrt(head_dim * (1 + terms)).
+    """DeBERTa's disentangled attention (DebertaV2Attention and v1's
+    DebertaAttention through output.dense), exported from the whole model
+    with its encoder's relative embeddings projected into per-distance
+    tables: v3's log buckets with the layer's own projections, v2's plain
+    distances with pos_key_proj and pos_query_proj, c2p alone, v1's in_proj
+    per head with q_bias and v_bias and its pos_proj and pos_q_proj; scale 1
+    / sqrt(head_dim * (1 + terms)).
     Served as the layer computes it inside its model over 300 tokens (past
     the buckets' reach both ways), with and without padding. Refused: its
     DisentangledSelfAttention alone (no output projection) and the attention
@@ -1809,7 +1816,7 @@ def test_deberta_layers_are_served_as_deberta_computes_them(tmp_path):
     harness.use_python_client()
     from attnserve_client import AttentionClient
     models = _deberta_models()
-    reach = {"deberta-v3": 128, "deberta-v2": 64, "deberta-c2p": 128}
+    reach = {"deberta-v3": 128, "deberta-v2": 64, "deberta-c2p": 128, "deberta-v1": 128}
     for name, model in models.items():
         config = export_module(model, str(tmp_path / name), submodule="encoder.layer.1.attention")
         embeddings = config["relative_embeddings"]

@@ -1321,26 +1321,27 @@ def relative_bias_of(module, source=None):
         return _relative_table(bias, distance, name)
 
 
-# Model types whose scores get relative position embeddings (DeBERTa v2 and
-# v3's disentangled attention: DisentangledSelfAttention, which
-# DebertaV2Attention wraps with its output dense), checked against
-# transformers' own classes (tests/hf). The module path's folder name
-# (deberta_v2) where the module keeps no config.
-_DISENTANGLED = {"deberta_v2", "deberta-v2"}
+# Model types whose scores get relative position embeddings, DeBERTa's
+# disentangled attention: DisentangledSelfAttention, which DebertaAttention
+# (v1) and DebertaV2Attention (v2 and v3) wrap with their output dense;
+# each checked against transformers' own classes (tests/hf). The module
+# path's folder name where the module keeps no config.
+_DISENTANGLED = {"deberta": 1, "deberta_v2": 2, "deberta-v2": 2}
 
 
 def _deberta_parts(module):
-    """(self-attention, output dense or None) of DeBERTa v2's attention:
-    DebertaV2Attention (its `self` and `output.dense`), or its
-    DisentangledSelfAttention alone (no output projection); None for any
-    other module."""
-    if _model_type(module) not in _DISENTANGLED:
+    """(version, self-attention, output dense or None) of DeBERTa's
+    attention: DebertaAttention or DebertaV2Attention (their `self` and
+    `output.dense`), or a DisentangledSelfAttention alone (no output
+    projection); None for any other module."""
+    version = _DISENTANGLED.get(_model_type(module))
+    if version is None:
         return None
     sa, out = getattr(module, "self", None), getattr(module, "output", None)
     if sa is not None and hasattr(sa, "pos_att_type"):
-        return sa, _linear(out, "dense") if out is not None else None
-    if hasattr(module, "pos_att_type") and _linear(module, "query_proj") is not None:
-        return module, None
+        return version, sa, _linear(out, "dense") if out is not None else None
+    if hasattr(module, "pos_att_type"):
+        return version, module, None
     return None
 
 
@@ -1348,89 +1349,112 @@ def _deberta_terms(sa):
     """(c2p, p2c, scale_factor) of a DisentangledSelfAttention: which
     relative terms its scores get and the factor its scale counts (1 + one
     per term, whether or not relative_attention is on, as its forward
-    does); ExportError for a term transformers does not know."""
+    does); ExportError for a term transformers does not compute."""
     types = list(getattr(sa, "pos_att_type", None) or [])
     unknown = sorted(set(types) - {"c2p", "p2c"})
     if unknown:
         raise ExportError(f"{type(sa).__name__} with pos_att_type {unknown}, not c2p or p2c")
-    return "c2p" in types, "p2c" in types, 1 + ("c2p" in types) + ("p2c" in types)
+    return "c2p" in types, "p2c" in types, 1 + len(types)
+
+
+def _deberta_columns(version, sa):
+    """(rows of the encoder's relative embeddings the module reads, column):
+    column(i - j) is the row of those that the scores of query i and key j
+    read. v2/v3: the first 2 * span rows, at clamp(bucket(i - j) + span) (its
+    log buckets, when position_buckets > 0); v1: every row, at clamp(i - j +
+    max_relative_positions) (its att_span slicing, whatever the length, reads
+    the same rows)."""
+    code = sys.modules[type(sa).__module__]
+    if version == 1:
+        reach = sa.max_relative_positions
+        return 2 * reach, lambda delta: (delta + reach).clamp(0, 2 * reach - 1)
+    span, buckets, max_position = sa.pos_ebd_size, sa.position_buckets, sa.max_relative_positions
+
+    def column(delta):
+        if buckets > 0 and max_position > 0:
+            delta = code.make_log_bucket_position(delta, buckets, max_position)
+        return (delta.long() + span).clamp(0, 2 * span - 1)
+    return 2 * span, column
 
 
 def relative_embeddings_of(module, source=None):
     """(relative_embeddings config, {"relative_key": ..., "relative_query":
-    ...}) of DeBERTa v2/v3's attention, whose scores get content-to-position
-    (c2p) and position-to-content (p2c) terms: each distance's bucket
-    vectors, through the layer's own query and key projections
-    (share_att_key) or its pos_key_proj / pos_query_proj, laid out [heads,
-    head_dim, 2D + 1] in the order of j - i, D where the buckets stop
-    changing; checked to rebuild the module's own disentangled_attention_bias
-    over 2D + 2 positions. None without such terms (a layer whose model type
-    is not DeBERTa v2's, or without relative_attention).
-    source: the module holding the relative embeddings (DebertaV2Encoder's
+    ...}) of DeBERTa's attention (v1, v2, v3), whose scores get
+    content-to-position (c2p) and position-to-content (p2c) terms: each
+    distance's vectors of the encoder's relative embeddings, through the
+    layer's own query and key projections (v2's share_att_key) or its
+    position projections (pos_key_proj / pos_query_proj; v1's pos_proj /
+    pos_q_proj), laid out [heads, head_dim, 2D + 1] in the order of j - i, D
+    where the columns stop changing; checked to rebuild the module's own
+    relative scores over 2D + 2 positions. None without such terms (a layer
+    whose model type is not DeBERTa's, or without relative_attention).
+    source: the module holding the relative embeddings (the encoder's
     get_rel_embedding): ExportError when None (export from the whole model,
     submodule=)."""
     parts = _deberta_parts(module)
     if parts is None:
         return None
-    sa = parts[0]
+    version, sa, _ = parts
     c2p, p2c, factor = _deberta_terms(sa)
     if not getattr(sa, "relative_attention", False) or not (c2p or p2c):
         return None
     name = type(module).__name__
     if source is None or not hasattr(source, "get_rel_embedding"):
+        encoder = "DebertaV2Encoder" if version == 2 else "DebertaEncoder"
         raise ExportError(f"{name}'s relative position embeddings, which are its encoder's "
-                          "(DebertaV2Encoder.rel_embeddings, normalised by its LayerNorm): "
-                          "export it from the whole model (export_module(model, folder, "
-                          "submodule=...))")
+                          f"({encoder}.rel_embeddings): export it from the whole model "
+                          "(export_module(model, folder, submodule=...))")
     if getattr(sa, "pruned_heads", None):
         raise ExportError(f"{name} with pruned heads")
-    heads, dim, span = sa.num_attention_heads, sa.attention_head_size, sa.pos_ebd_size
-    buckets, max_position = sa.position_buckets, sa.max_relative_positions
-    code = sys.modules[type(sa).__module__]
-
-    def column(delta):  # i - j -> the row of the module's gathered tables
-        if buckets > 0 and max_position > 0:
-            delta = code.make_log_bucket_position(delta, buckets, max_position)
-        return (delta.long() + span).clamp(0, 2 * span - 1)
-
+    heads, dim = sa.num_attention_heads, sa.attention_head_size
+    rows, column = _deberta_columns(version, sa)
+    scale = 1.0 / math.sqrt(dim * factor)
     with torch.no_grad():
-        limit = 4 * (max(max_position, 0) + span) + 2
+        limit = 4 * (rows + 1)
         cols = column(torch.arange(-limit, limit + 1))
         changes = [d for d in range(1, limit + 1)
                    if cols[limit + d] != cols[limit + d - 1] or cols[limit - d] != cols[limit - d + 1]]
         distance = max(changes, default=1)
-        rel = source.get_rel_embedding()[: 2 * span].float()
+        embeddings = source.get_rel_embedding()
+        rel = embeddings[:rows].float()
         pick = column(-torch.arange(-distance, distance + 1))  # j - i = r: i - j = -r
 
         def table(linear):
-            vectors = linear(rel).float().view(-1, heads, dim)  # [2 span, heads, dim]
+            vectors = linear(rel).float().view(-1, heads, dim)  # [rows, heads, dim]
             return vectors.permute(1, 2, 0)[:, :, pick].contiguous()
 
-        own = getattr(sa, "share_att_key", False)
+        own = version == 2 and getattr(sa, "share_att_key", False)
         tables = {}
         if c2p:
-            tables["relative_key"] = table(sa.key_proj if own else sa.pos_key_proj)
+            tables["relative_key"] = table(sa.key_proj if own else
+                                           sa.pos_key_proj if version == 2 else sa.pos_proj)
         if p2c:
-            tables["relative_query"] = table(sa.query_proj if own else sa.pos_query_proj)
-        # The module's own bias over 2D + 2 positions (past D both ways)
-        # against the one the tables give.
+            tables["relative_query"] = table(sa.query_proj if own else
+                                             sa.pos_query_proj if version == 2 else sa.pos_q_proj)
+        # The module's own relative scores over 2D + 2 positions (past D both
+        # ways) against the ones the tables give. v2 scales them itself; v1
+        # takes the query already scaled and scales only p2c.
         n = 2 * distance + 2
         generator = torch.Generator().manual_seed(0)
         q = torch.randn(heads, n, dim, generator=generator)
         k = torch.randn(heads, n, dim, generator=generator)
-        expected = sa.disentangled_attention_bias(q, k, None, source.get_rel_embedding().float(),
-                                                  factor)
+        if version == 2:
+            expected = sa.disentangled_attention_bias(q, k, None, embeddings.float(), factor)
+        else:  # its positions i - j, as its encoder passes them (get_rel_pos)
+            relative = (torch.arange(n)[:, None] - torch.arange(n)[None, :])[None]
+            expected = sa.disentangled_att_bias((q * scale)[None], k[None], relative,
+                                                embeddings.float(), factor)[0]
         at = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).clamp(-distance, distance) + \
             distance  # [i, j] -> column of j - i
         rebuilt = torch.zeros(heads, n, n)
-        for key, rows in (("relative_key", q), ("relative_query", k)):
+        for key, features in (("relative_key", q), ("relative_query", k)):
             if key in tables:
-                scores = torch.einsum("hnd,hdc->hnc", rows, tables[key])  # [h, row, column]
+                scores = torch.einsum("hnd,hdc->hnc", features, tables[key])  # [h, row, column]
                 if key == "relative_key":
                     rebuilt += torch.gather(scores, 2, at.expand(heads, n, n))
                 else:  # key j's score of column(j - i), placed at [i, j]
                     rebuilt += torch.gather(scores.transpose(1, 2), 1, at.expand(heads, n, n))
-        rebuilt /= math.sqrt(dim * factor)
+        rebuilt *= scale
         if not torch.allclose(rebuilt, expected.float(), rtol=1e-4,
                               atol=1e-5 * float(expected.abs().max())):
             raise ExportError(f"{name}'s relative position terms are not one vector per distance "
@@ -2064,18 +2088,33 @@ def _qkvo_parts(module):
 
 
 def _describe_deberta(module, parts, num_heads, head_dim):
-    """DeBERTa v2's attention: query_proj, key_proj and value_proj of its
-    DisentangledSelfAttention, then output.dense (DebertaV2SelfOutput's
-    dropout, residual and LayerNorm stay with the caller, as BERT's), scaled
-    by 1 / sqrt(head_dim * (1 + its relative terms))."""
-    sa, o = parts
+    """DeBERTa's attention: its DisentangledSelfAttention's projections (v2's
+    query_proj, key_proj and value_proj; v1's in_proj, [q_h | k_h | v_h] per
+    head without a bias, and its q_bias and v_bias), then output.dense (the
+    SelfOutput's dropout, residual and LayerNorm stay with the caller, as
+    BERT's), scaled by 1 / sqrt(head_dim * (1 + its relative terms)). v1's
+    talking heads (head_logits_proj, mixing the heads' scores) refused."""
+    version, sa, o = parts
     if o is None:
         raise ExportError(f"{type(module).__name__} alone has no output projection: export "
-                          "DebertaV2Attention (its parent), whose output.dense is the "
-                          "attention's output projection")
-    q, k, v = (_linear(sa, n) for n in ("query_proj", "key_proj", "value_proj"))
+                          f"{'DebertaV2Attention' if version == 2 else 'DebertaAttention'} (its "
+                          "parent), whose output.dense is the attention's output projection")
     h = int(num_heads or sa.num_attention_heads)
     hd = int(head_dim or sa.attention_head_size)
+    if version == 2:
+        q, k, v = (_linear(sa, n) for n in ("query_proj", "key_proj", "value_proj"))
+    else:
+        if getattr(sa, "head_logits_proj", None) is not None or \
+                getattr(sa, "head_weights_proj", None) is not None:
+            raise ExportError(f"{type(sa).__name__} with talking heads (head_logits_proj, "
+                              "head_weights_proj: each head's scores and probabilities mixed with "
+                              "the others'), which attnserve does not compute: refused rather "
+                              "than served with different numbers")
+        # Head g's rows: [q_g | k_g | v_g] from g * 3 * head_dim.
+        q, k, v = (_Rows(sa.in_proj, index=(torch.arange(h)[:, None] * 3 * hd + part * hd +
+                                             torch.arange(hd)[None, :]).flatten())
+                   for part in range(3))
+        q.bias, v.bias = sa.q_bias, sa.v_bias
     config, tensors = _describe_separate(module, q, k, v, o, "output.dense", h, h, hd)
     config["scale"] = 1.0 / math.sqrt(hd * _deberta_terms(sa)[2])
     return config, tensors
