@@ -375,6 +375,50 @@ TEST(WeightLoaderTest, RelativeBiasIsReadOnlyWithItsDistance) {
   EXPECT_EQ(w->relative_bias.shape(), (Shape{4, 7}));
 }
 
+// Relative position embeddings are read with their flags (default names
+// "relative_key" and "relative_query", [num_heads, head_dim, 2 * distance +
+// 1], renamed by tensor_names); of another shape, missing, or in the file
+// without their flag, an error naming the tensor.
+TEST(WeightLoaderTest, RelativeEmbeddingsAreReadOnlyWithTheirFlags) {
+  std::vector<NamedTensor> tensors = {
+      T("q_proj.weight", {8, 6}, 1.0f), T("k_proj.weight", {4, 6}, 2.0f),
+      T("v_proj.weight", {4, 6}, 3.0f), T("o_proj.weight", {6, 8}, 4.0f),
+      T("relative_key", {4, 2, 7}, 5.0f), T("relative_query", {4, 2, 7}, 6.0f)};
+  auto file = MakeFile(tensors);
+  const WeightSpec spec = Spec(WeightLayout::kSeparateQkv, false, false);
+  LayerConfig config = Config(6, 4, 2, 2);
+  config.relative_embeddings = {3, true, true};
+  auto w = LoadLayerWeights(*file, config, spec);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(Values(w->relative_key), tensors[4].values);
+  EXPECT_EQ(Values(w->relative_query), tensors[5].values);
+  EXPECT_EQ(w->relative_query.shape(), (Shape{4, 2, 7}));
+  config.relative_embeddings = {2, true, true};
+  w = LoadLayerWeights(*file, config, spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(), AllOf(HasSubstr("'relative_key'"), HasSubstr("[4, 2, 7]"),
+                                          HasSubstr("[4, 2, 5]")));
+  config.relative_embeddings = {3, true, false};
+  w = LoadLayerWeights(*file, config, spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(),
+              AllOf(HasSubstr("'relative_query'"), HasSubstr("position_to_content")));
+  config.relative_embeddings = {3, true, true};
+  w = LoadLayerWeights(*MakeFile({tensors[0], tensors[1], tensors[2], tensors[3], tensors[5]}),
+                       config, spec);
+  ASSERT_FALSE(w.ok());
+  EXPECT_THAT(w.status().message(), HasSubstr("relative_key"));
+  WeightSpec renamed = spec;
+  renamed.tensor_names["relative_key"] = "pos_key";
+  config.relative_embeddings = {3, true, false};
+  w = LoadLayerWeights(*MakeFile({tensors[0], tensors[1], tensors[2], tensors[3],
+                                  T("pos_key", {4, 2, 7}, 7.0f)}),
+                       config, renamed);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->relative_key.shape(), (Shape{4, 2, 7}));
+  EXPECT_EQ(w->relative_query.byte_size(), 0u);
+}
+
 // The output gate as a linear of its own (AFMoE's gate_proj): read when
 // configured (its bias only with gate_bias), an error in the file without;
 // Keras kernels are transposed like the others.

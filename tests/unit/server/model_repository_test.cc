@@ -511,6 +511,46 @@ TEST(ModelConfigTest, RelativeBiasDistanceResolvesAndItsRulesNameTheField) {
               AllOf(HasSubstr("latent_attention"), HasSubstr("relative_bias_distance")));
 }
 
+// Relative position embeddings reach the layer and come back; refused
+// without a term, with a distance out of range, for kind "sdpa" and with
+// latent attention.
+TEST(ModelConfigTest, RelativeEmbeddingsResolveAndTheirRulesNameTheField) {
+  const LayerConfig layer = ToLayerConfig(Resolved(
+      "embed_dim: 64 num_heads: 2 relative_embeddings { distance: 512 content_to_position: true "
+      "position_to_content: true }"));
+  EXPECT_EQ(layer.relative_embeddings.distance, 512);
+  EXPECT_TRUE(layer.relative_embeddings.content_to_position);
+  EXPECT_TRUE(layer.relative_embeddings.position_to_content);
+  const v1::ModelConfig back = LayerToModelConfig(AttentionLayer{layer, {}, {}});
+  EXPECT_EQ(back.relative_embeddings().distance(), 512);
+  EXPECT_TRUE(back.relative_embeddings().position_to_content());
+  EXPECT_FALSE(LayerToModelConfig(AttentionLayer{ToLayerConfig(Resolved(
+                                                     "embed_dim: 64 num_heads: 2")),
+                                                 {}, {}})
+                   .has_relative_embeddings());
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 2 relative_embeddings { distance: 8 }")
+                  .message(),
+              AllOf(HasSubstr("relative_embeddings"), HasSubstr("content_to_position")));
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 2 relative_embeddings { distance: 0 "
+                           "content_to_position: true }")
+                  .message(),
+              AllOf(HasSubstr("relative_embeddings.distance"), HasSubstr("got 0")));
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 2 relative_embeddings { distance: 65537 "
+                           "content_to_position: true }")
+                  .message(),
+              HasSubstr("65536"));
+  EXPECT_THAT(ResolveError("kind: \"sdpa\" relative_embeddings { distance: 8 "
+                           "content_to_position: true }")
+                  .message(),
+              AllOf(HasSubstr("relative_embeddings"), HasSubstr("not allowed for kind")));
+  EXPECT_THAT(ResolveError("embed_dim: 64 num_heads: 4 head_dim: 24 weight_layout: "
+                           "SEPARATE_QKV relative_embeddings { distance: 8 "
+                           "content_to_position: true } latent_attention { "
+                           "kv_lora_rank: 32 qk_rope_head_dim: 8 v_head_dim: 12 }")
+                  .message(),
+              AllOf(HasSubstr("latent_attention"), HasSubstr("relative_embeddings")));
+}
+
 // KV sharing (Gemma 3n, Gemma 4): the source layer's name reaches the layer
 // and comes back; refused for kind "sdpa" and with latent attention.
 TEST(ModelConfigTest, KvSourceResolvesAndItsRulesNameTheField) {

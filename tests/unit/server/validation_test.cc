@@ -761,6 +761,42 @@ TEST(ValidationTest, QkNormBoundsTheScoresWhateverTheProjections) {
                     HasSubstr("exceeds 65504")));
 }
 
+// Relative position embeddings add each head's query and key against a
+// table vector to its scores: an fp16 layer whose plain scores fit refuses
+// the same input once the tables' largest value would overflow them, naming
+// the embeddings; the bound is measured from the tables.
+TEST(ValidationTest, RelativeEmbeddingsJoinTheScoreBound) {
+  static const auto layer = MakeDemoMhaLayer();
+  LayerConfig half = layer->config;
+  half.precision = Precision::kFloat16;
+  LayerWeightBounds bounds = MeasureWeightBounds(layer->weights);
+  EXPECT_EQ(bounds.relative_key, 0);
+  auto validate = [&](const v1::AttendRequest& r) {
+    return ValidateAttendInputs(DecodeAttendRequest(r), half, {}, &bounds);
+  };
+  // Projected queries and keys of about 2: their products stay far below
+  // 65504 (2 * 2 * head_dim 32).
+  v1::AttendRequest r = ValidMhaCross();
+  SetFloat(r.mutable_query(), 0, static_cast<float>(2.0 / bounds.q.gain));
+  SetFloat(r.mutable_key(), 0, static_cast<float>(2.0 / bounds.k.gain));
+  ASSERT_TRUE(validate(r).ok()) << validate(r).status();
+  bounds.relative_key = 2000;  // 2 * 2000 * 32 = 128000 > 65504
+  absl::StatusOr<ValidatedRequest> v = validate(r);
+  ASSERT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument) << v.status();
+  EXPECT_THAT(std::string(v.status().message()),
+              AllOf(HasSubstr("scores may overflow float16"),
+                    HasSubstr("relative position embeddings' 2000")));
+  bounds.relative_key = 0;
+  bounds.relative_query = 2000;
+  EXPECT_EQ(validate(r).status().code(), absl::StatusCode::kInvalidArgument);
+  LayerWeights w = layer->weights;
+  w.relative_query = Tensor(DType::kFloat32, {1, 1, 3});
+  const float values[] = {0.5f, -7.0f, 3.0f};
+  std::memcpy(w.relative_query.data(), values, sizeof values);
+  EXPECT_DOUBLE_EQ(MeasureWeightBounds(w).relative_query, 7.0);
+  EXPECT_EQ(MeasureWeightBounds(w).relative_key, 0);
+}
+
 // Projection models: the score and sum bounds of sdpa, applied to the
 // projected values (gain * max|x| + bias per projection, validation.h).
 TEST(ValidationTest, ProjectionModelScoresAreBoundedByTheirWeights) {
