@@ -80,6 +80,16 @@ def _write_layer_feature_models(repo):
         relative_bias_distance=3), {
         "q_proj.weight": w(32, 32), "k_proj.weight": w(32, 32), "v_proj.weight": w(32, 32),
         "o_proj.weight": w(32, 32), "relative_bias": 10 * w(4, 7)})
+    # Relative position embeddings (DeBERTa's form: biases, both terms)
+    # reaching 3 positions each way, scale 1 / sqrt(8 * 3).
+    write_model_folder(os.path.join(repo, "deberta"), dict(
+        embed_dim=32, num_heads=4, head_dim=8, weight_layout="SEPARATE_QKV",
+        q_bias=True, k_bias=True, v_bias=True, scale=float(1 / np.sqrt(24)),
+        relative_embeddings=dict(distance=3, content_to_position=True,
+                                 position_to_content=True)), {
+        "q_proj.weight": w(32, 32), "k_proj.weight": w(32, 32), "v_proj.weight": w(32, 32),
+        "o_proj.weight": w(32, 32), "q_proj.bias": w(32), "k_proj.bias": w(32),
+        "v_proj.bias": w(32), "relative_key": 10 * w(4, 8, 7), "relative_query": 10 * w(4, 8, 7)})
     write_model_folder(os.path.join(repo, "latent"), dict(
         embed_dim=32, num_heads=4, num_kv_heads=4, head_dim=12, weight_layout="SEPARATE_QKV",
         causal=True, rope=dict(type="default", theta=10000.0, interleaved=True),
@@ -278,6 +288,42 @@ def test_a_relative_bias_model_biases_each_score_by_its_distance(client, torch_r
         p /= p.sum(-1, keepdims=True)
         want = (p @ v).transpose(0, 2, 1, 3).reshape(2, 9, 32) @ w["o_proj.weight"].T
         got = client.infer("t5", [make_input("query", x)],
+                           parameters={"causal": causal}).as_numpy("output")
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_relative_embeddings_join_each_score_by_its_distance(client, torch_repo):
+    """A layer with relative position embeddings (DeBERTa's) says its reach
+    in its parameters and computes, without and with causal and with a key
+    length, what a NumPy float64 layer does: each head's query against its
+    key table's column clamp(j - p, -3, 3) + 3 and each key against its
+    query table's, added to Q K^T before the scale."""
+    sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+    from attnserve_client.export import read_safetensors
+    cfg = client.get_model_config("deberta", as_json=True)["config"]
+    assert cfg["parameters"]["relative_embedding_distance"]["string_value"] == "3"
+    w = {n: np.asarray(t, np.float64)
+         for n, t in read_safetensors(os.path.join(torch_repo[0], "deberta",
+                                                   "weights.safetensors")).items()}
+    x = rng.uniform(-1, 1, (2, 9, 32)).astype(np.float32)
+    heads = lambda t: t.reshape(2, 9, 4, 8).transpose(0, 2, 1, 3)  # noqa: E731
+    q, k, v = (heads(x @ w[f"{n}_proj.weight"].T + w[f"{n}_proj.bias"]) for n in "qkv")
+    rel = np.arange(9)[None, :] - np.arange(9)[:, None]
+    column = np.clip(rel, -3, 3) + 3  # [i, j]
+    # [b, h, i, j]: q_i . key_table[h][:, c(i, j)] and k_j . query_table[h][:, c(i, j)].
+    c2p = np.einsum("bhid,hdij->bhij", q, w["relative_key"][:, :, column])
+    p2c = np.einsum("bhjd,hdij->bhij", k, w["relative_query"][:, :, column])
+    for causal, lengths in ((False, [9, 9]), (True, [9, 9]), (False, [9, 5])):
+        s = (q @ k.transpose(0, 1, 3, 2) + c2p + p2c) / np.sqrt(24)
+        s = np.where(np.arange(9)[None, None, None, :] < np.array(lengths)[:, None, None, None],
+                     s, -np.inf)
+        if causal:
+            s = np.where(rel > 0, -np.inf, s)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        want = (p @ v).transpose(0, 2, 1, 3).reshape(2, 9, 32) @ w["o_proj.weight"].T
+        got = client.infer("deberta", [make_input("query", x),
+                                       make_input("key_lengths", np.array(lengths, np.int64))],
                            parameters={"causal": causal}).as_numpy("output")
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
