@@ -162,12 +162,13 @@ void BM_Core(benchmark::State& state, BenchShape s, DType dtype, int threads) {
 }
 
 // The position biases bench/position_bias.py weighs.
-enum class PositionBias { kNone, kAlibi, kRelative };
+enum class PositionBias { kNone, kAlibi, kRelative, kEmbedded };
 
 // The core, causal or not, plain or with a position bias: ALiBi (BLOOM's
 // slopes, 2^-8h/H: head h's scores biased by slope_h * (key - query
 // position)) or a relative bias table of T5's reach (128 keys each way,
-// values in [-1, 1]).
+// values in [-1, 1]), or relative position embeddings of DeBERTa v3's reach
+// (512 positions each way; both terms, tables in [-1, 1]).
 void BM_CoreBiased(benchmark::State& state, BenchShape s, DType dtype, int threads, bool causal,
                    PositionBias bias) {
   CoreInputs in(s, dtype);
@@ -182,6 +183,15 @@ void BM_CoreBiased(benchmark::State& state, BenchShape s, DType dtype, int threa
   if (bias == PositionBias::kRelative) {
     in.p.relative_bias = table.data_as<float>();
     in.p.relative_bias_distance = kDistance;
+  }
+  constexpr int64_t kReach = 512;
+  Tensor key_table, query_table;
+  if (bias == PositionBias::kEmbedded) {
+    key_table = RandomTensor(DType::kFloat32, {s.heads, s.head_dim, 2 * kReach + 1}, 8);
+    query_table = RandomTensor(DType::kFloat32, {s.heads, s.head_dim, 2 * kReach + 1}, 9);
+    in.p.relative_key = key_table.data_as<float>();
+    in.p.relative_query = query_table.data_as<float>();
+    in.p.relative_embedding_distance = kReach;
   }
   TimeFlash(state, in.p, threads);
 }
@@ -577,7 +587,8 @@ void RegisterAll() {
         for (const Biased b : {Biased{"CoreCausal/", true, PositionBias::kNone},
                                Biased{"CoreCausalAlibi/", true, PositionBias::kAlibi},
                                Biased{"CoreCausalRelative/", true, PositionBias::kRelative},
-                               Biased{"CoreRelative/", false, PositionBias::kRelative}}) {
+                               Biased{"CoreRelative/", false, PositionBias::kRelative},
+                               Biased{"CoreEmbedded/", false, PositionBias::kEmbedded}}) {
           benchmark::RegisterBenchmark(absl::StrCat(b.name, s.name, "/", dn, suffix).c_str(),
                                        BM_CoreBiased, s, dt, t, b.causal, b.bias)
               ->Unit(benchmark::kMillisecond)

@@ -10,6 +10,14 @@ PyTorch: one float mask [H, Lq, Lk] of slope_h * (j - i) with the causal -inf fo
 CoreRelative and CoreCausal / CoreCausalRelative. PyTorch: the float mask [H, Lq, Lk] of
 table[h, clamp(j - i, -128, 128)] that a T5 or MPNet layer adds (and the causal -inf).
 
+--bias embeddings: relative position embeddings (DeBERTa v3's disentangled attention: each
+query against a key vector per distance, each key against a query vector per distance), 512
+positions each way, not causal (an encoder's), the encoder shapes. attnserve: Core /
+CoreEmbedded. PyTorch: what DeBERTa v3 computes per call, its best form: Q and K against the
+2 x 256 bucket vectors (two batched matmuls), each score's bucket gathered (the bucket index
+built once, outside the timing, as DeBERTa's encoder builds it once for its layers), added
+as the float mask of scaled_dot_product_attention.
+
 PyTorch 2 (the peer, in a virtualenv): scaled_dot_product_attention without a mask (is_causal
 when causal), and with the bias as its mask (built once, outside the timing; SDPA takes no
 is_causal with a mask). Same threads, same run. Prints a markdown table (docs/PERFORMANCE.md).
@@ -35,7 +43,27 @@ SHAPES = {
 DISTANCE = 128  # the relative bias's reach, T5's and MPNet's max_distance
 # bias: [(causal, engine_bench's plain benchmark, its biased one)]
 RUNS = {"alibi": [(True, "CoreCausal", "CoreCausalAlibi")],
-        "relative": [(False, "Core", "CoreRelative"), (True, "CoreCausal", "CoreCausalRelative")]}
+        "relative": [(False, "Core", "CoreRelative"), (True, "CoreCausal", "CoreCausalRelative")],
+        "embeddings": [(False, "Core", "CoreEmbedded")]}
+# The shapes of each mode (DeBERTa is an encoder: no decode).
+MODE_SHAPES = {"embeddings": ["B8_L512_E768_H12", "B1_L2048_E1024_H16"]}
+SPAN = 256  # DeBERTa v3's position_buckets: 2 x 256 bucket vectors
+
+
+def shapes(kind):
+    return {n: s for n, s in SHAPES.items() if n in MODE_SHAPES.get(kind, SHAPES)}
+
+
+def deberta_buckets(torch, lq, lk):
+    """DeBERTa v3's bucket of i - j (make_log_bucket_position, 256 buckets up
+    to 512 positions), as the row of its 2 x 256 vectors: [Lq, Lk]."""
+    rel = (torch.arange(lq)[:, None] + lk - lq) - torch.arange(lk)[None, :]
+    mid, top = SPAN // 2, 512
+    absolute = rel.abs().clamp(min=mid).float()
+    log_pos = torch.ceil(torch.log(absolute / mid) / torch.log(torch.tensor((top - 1) / mid)) *
+                         (mid - 1)) + mid
+    bucket = torch.where(rel.abs() <= mid, rel.float(), log_pos * torch.sign(rel.float()))
+    return (bucket.long() + SPAN).clamp(0, 2 * SPAN - 1)
 
 
 def torch_bias(torch, kind, lq, lk, h, causal):
@@ -56,19 +84,34 @@ def torch_worker(args):
     import torch.nn.functional as F
     torch.set_num_threads(args.threads)
     out = {}
-    for name, (b, lq, lk, h, d) in SHAPES.items():
+    for name, (b, lq, lk, h, d) in shapes(args.bias).items():
         for dn, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             g = torch.Generator().manual_seed(1)
             q = (torch.rand(b, h, lq, d, generator=g) * 2 - 1).to(dtype)
             k = (torch.rand(b, h, lk, d, generator=g) * 2 - 1).to(dtype)
             v = (torch.rand(b, h, lk, d, generator=g) * 2 - 1).to(dtype)
             for causal, _, _ in RUNS[args.bias]:
-                bias = torch_bias(torch, args.bias, lq, lk, h, causal).to(dtype)
                 is_causal = causal and lq > 1  # a decode row sees every key
+                if args.bias == "embeddings":
+                    pk = (torch.rand(h, 2 * SPAN, d, generator=g) * 2 - 1).to(dtype)
+                    pq = (torch.rand(h, 2 * SPAN, d, generator=g) * 2 - 1).to(dtype)
+                    at = deberta_buckets(torch, lq, lk)
+                    c2p_at, p2c_at = at.expand(b, h, lq, lk), at.t().expand(b, h, lk, lq)
+
+                    def biased():
+                        c2p = torch.gather(q @ pk.transpose(-1, -2), -1, c2p_at)
+                        p2c = torch.gather(k @ pq.transpose(-1, -2), -1, p2c_at)
+                        mask = (c2p + p2c.transpose(-1, -2)) * (1.0 / (3 * d) ** 0.5)
+                        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                              scale=1.0 / (3 * d) ** 0.5)
+                else:
+                    bias = torch_bias(torch, args.bias, lq, lk, h, causal).to(dtype)
+
+                    def biased():
+                        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
                 for kind, fn in (("plain", lambda: F.scaled_dot_product_attention(
                                      q, k, v, is_causal=is_causal)),
-                                 ("biased", lambda: F.scaled_dot_product_attention(
-                                     q, k, v, attn_mask=bias))):
+                                 ("biased", biased)):
                     with torch.no_grad():
                         fn()
                         times = []
@@ -81,7 +124,7 @@ def torch_worker(args):
 
 
 def engine(args, threads):
-    names = "|".join(SHAPES)
+    names = "|".join(shapes(args.bias))
     benches = "|".join(b for run in RUNS[args.bias] for b in run[1:])
     flt = f"^({benches})/({names})/(fp32|bf16)/threads:{threads}/"
     r = subprocess.run([args.engine_bench, f"--benchmark_filter={flt}",
@@ -109,8 +152,9 @@ def main(argv=None):
     if args.torch_worker:
         args.threads = int(args.threads)
         return torch_worker(args)
-    what = "ALiBi" if args.bias == "alibi" else "relative bias"
-    causal_column = args.bias != "alibi"  # ALiBi's table (bench/alibi.py) is causal only
+    what = {"alibi": "ALiBi", "relative": "relative bias",
+            "embeddings": "relative embeddings"}[args.bias]
+    causal_column = args.bias == "relative"  # ALiBi's runs are causal, DeBERTa's not
     print(f"| shape | dtype | thr |{' causal |' if causal_column else ''} attnserve plain | "
           f"attnserve {what} | cost | torch plain | torch {what} (mask) | cost | "
           f"attnserve vs torch, {what} |")
@@ -123,7 +167,7 @@ def main(argv=None):
                             "--min-time", str(args.min_time)],
                            check=True, capture_output=True, text=True, env=env)
         theirs = json.loads(r.stdout)["ms"]
-        for shape in SHAPES:
+        for shape in shapes(args.bias):
             for dn in ("fp32", "bf16"):
                 for causal, _, _ in RUNS[args.bias]:
                     key = f"{shape}/{dn}/{causal}"

@@ -23,6 +23,7 @@ namespace {
 #include "engine/cpu/flash_kernel/vec_avx2.h"
 #include "engine/cpu/flash_kernel/vec_rows.h"
 #include "engine/cpu/flash_kernel/fp32_products.h"
+#include "engine/cpu/flash_kernel/relative_embeddings.h"
 #include "engine/cpu/flash_kernel/driver.h"
 }  // namespace
 

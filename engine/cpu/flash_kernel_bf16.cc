@@ -24,6 +24,7 @@ namespace {
 #include "engine/cpu/flash_kernel/vec_rows.h"
 #include "engine/cpu/flash_kernel/bf16_packing.h"
 #include "engine/cpu/flash_kernel/bf16_products.h"
+#include "engine/cpu/flash_kernel/relative_embeddings.h"
 #include "engine/cpu/flash_kernel/driver.h"
 }  // namespace
 

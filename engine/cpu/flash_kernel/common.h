@@ -6,7 +6,8 @@
 // them, in this order: common.h; one vector type `Vec` (vec_scalar.h,
 // vec_avx2.h or vec_avx512.h); vec_rows.h; one product policy `Products`
 // (fp32_products.h, or bf16_packing.h and then bf16_products.h or
-// amx_products.h); driver.h, the algorithm over Vec and Products.
+// amx_products.h); relative_embeddings.h, a score term over Vec; driver.h,
+// the algorithm over Vec and Products.
 //
 // The pieces are included after flash_internal.h (which brings every library
 // header they use), inside an anonymous namespace and the including file's

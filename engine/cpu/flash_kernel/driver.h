@@ -321,83 +321,6 @@ class Kernel {
     }
   }
 
-  // Relative position embeddings (AttentionParams::relative_key,
-  // relative_query) for rows [0, count) of a sub-block and keys [kb, kb +
-  // n): s[r][j] += Q_r . RK[:, c] + K_j . RQ[:, c], c = clamp(kb + j - p_r,
-  // -D, D) + D, RK and RQ the row's head's tables, in fp32, a vector of keys
-  // at a time. kt: the block's keys in fp32, feature-major ([head_dim][npad],
-  // KeysByFeature); qf: head_dim floats of room. A vector whose columns all
-  // lie in the tables reads them in place; one wholly below or above reads
-  // one column; one that straddles an end gathers its lanes.
-  static void AddRelativeEmbeddings(const AttentionParams& p, const RequestPlan& plan,
-                                    const Row* row, const void* const* qrows, int64_t count,
-                                    int64_t kb, int64_t n, int64_t npad, const float* kt,
-                                    float* s, float* qf) {
-    const int64_t d = p.relative_embedding_distance, nc = 2 * d + 1, dim = p.head_dim;
-    alignas(64) float lane_k[W], lane_q[W];
-    for (int64_t r = 0; r < count; ++r) {
-      const int64_t table = row[r].h * dim * nc;
-      const float* rk = p.relative_key != nullptr ? p.relative_key + table : nullptr;
-      const float* rq = p.relative_query != nullptr ? p.relative_query + table : nullptr;
-      for (int64_t f = 0; f < dim; ++f) qf[f] = LoadElem(p.dtype, qrows[r], f);
-      // Q_r . RK[:, c] for the columns below and above the tables' reach.
-      float q_low = 0.0f, q_high = 0.0f;
-      for (int64_t f = 0; rk != nullptr && f < dim; ++f) {
-        q_low += qf[f] * rk[f * nc];
-        q_high += qf[f] * rk[f * nc + 2 * d];
-      }
-      const int64_t first = kb - (row[r].i + plan.causal_offset) + d;  // key kb's c, unclamped
-      float* srow = s + r * npad;
-      for (int64_t j = 0; j < n; j += W) {
-        const int64_t c = first + j;
-        V acc = Vec::Zero();
-        if (c >= 0 && c + W - 1 < nc) {
-          for (int64_t f = 0; f < dim; ++f) {
-            if (rk != nullptr) acc = Vec::Fma(Vec::Set1(qf[f]), Vec::Load(rk + f * nc + c), acc);
-            if (rq != nullptr) acc = Vec::Fma(Vec::Load(kt + f * npad + j), Vec::Load(rq + f * nc + c), acc);
-          }
-        } else if (c + W - 1 < 0 || c >= nc) {
-          const int64_t at = c < 0 ? 0 : 2 * d;
-          if (rk != nullptr) acc = Vec::Set1(c < 0 ? q_low : q_high);
-          for (int64_t f = 0; rq != nullptr && f < dim; ++f) {
-            acc = Vec::Fma(Vec::Load(kt + f * npad + j), Vec::Set1(rq[f * nc + at]), acc);
-          }
-        } else {
-          for (int64_t f = 0; f < dim; ++f) {
-            for (int i = 0; i < W; ++i) {
-              const int64_t at = f * nc + std::clamp<int64_t>(c + i, 0, 2 * d);
-              lane_k[i] = rk != nullptr ? rk[at] : 0.0f;
-              lane_q[i] = rq != nullptr ? rq[at] : 0.0f;
-            }
-            acc = Vec::Fma(Vec::Set1(qf[f]), Vec::Load(lane_k), acc);
-            acc = Vec::Fma(Vec::Load(kt + f * npad + j), Vec::Load(lane_q), acc);
-          }
-        }
-        Vec::Store(srow + j, Vec::Add(Vec::Load(srow + j), acc));
-      }
-    }
-  }
-
-  // kt[f * npad + j] = key kb + j's feature f in fp32 for j < n, zero up to
-  // npad (AddRelativeEmbeddings' keys).
-  static void KeysByFeature(const AttentionParams& p, int64_t b, int64_t hkv, int64_t kb,
-                            int64_t n, int64_t npad, float* kt) {
-    const int64_t dim = p.head_dim;
-    for (int64_t j = 0, run = 0; j < n; j += run) {
-      run = RunKeys(p, kb + j, n - j);
-      const void* base = KBlock(p, b, hkv, kb + j);
-      const int64_t ld = KLd(p);
-      for (int64_t t = 0; t < run; ++t) {
-        for (int64_t f = 0; f < dim; ++f) kt[f * npad + j + t] = LoadElem(p.dtype, base, t * ld + f);
-      }
-    }
-    for (int64_t f = 0; f < dim; ++f) FillRow(kt + f * npad + n, npad - n, 0.0f);
-  }
-
-  static bool Embedded(const AttentionParams& p) {
-    return p.relative_key != nullptr || p.relative_query != nullptr;
-  }
-
   struct Buffers {
     QElem* q;
     KElem* k;
@@ -411,7 +334,8 @@ class Kernel {
     float* bias;
     float* conv;
     float* tmp;
-    float* kt;  // relative position embeddings: keys by feature, then a query row
+    float* rel;    // relative position embeddings: a key block's scratch
+    float* rel_q;  // and the item's queries in fp32
   };
 
   static bool GetBuffers(const RequestPlan& plan, int64_t r_pad, Buffers* bufs) {
@@ -431,12 +355,14 @@ class Kernel {
     bufs->bias = sc.bias.Get<float>(static_cast<size_t>(kBlockKeys));
     bufs->conv = sc.conv.Get<float>(Products::ConvElems(dmax));
     bufs->tmp = sc.tmp.Get<float>(static_cast<size_t>(kBlockRows * plan.dv_pad));
-    // Relative position embeddings: the block's keys by feature, then one
-    // query row.
-    bufs->kt = nullptr;
-    if (Embedded(p)) {
-      bufs->kt = sc.rel.Get<float>(static_cast<size_t>((kBlockKeys + 1) * p.head_dim));
-      if (bufs->kt == nullptr) return false;
+    // Relative position embeddings: a key block's prepared keys, then the
+    // item's queries in fp32.
+    bufs->rel = bufs->rel_q = nullptr;
+    if (RelativeEmbeddings::Enabled(p)) {
+      const size_t block = RelativeEmbeddings::BlockFloats(p.head_dim, kBlockKeys, plan.group);
+      bufs->rel = sc.rel.Get<float>(block + static_cast<size_t>(kItemRows * p.head_dim));
+      if (bufs->rel == nullptr) return false;
+      bufs->rel_q = bufs->rel + block;
     }
     if (!bufs->q || !bufs->k || !bufs->v || !bufs->s || !bufs->p || !bufs->o || !stats ||
         !bufs->bias || !bufs->conv || !bufs->tmp)
@@ -579,7 +505,17 @@ class Kernel {
     // read then; a sub-block that no block reaches is zeroed at the end.
     const bool o_from_zero = Products::kPvFromZero && !direct_v;
     bool o_started[kMaxSub] = {};
-    const bool embedded = Embedded(p);
+    // Relative position embeddings: each row's position and head, its query
+    // in fp32.
+    const bool embedded = RelativeEmbeddings::Enabled(p);
+    int64_t positions[kItemRows], heads[kItemRows];
+    if (embedded) {
+      for (int64_t r = 0; r < rows; ++r) {
+        positions[r] = row[r].i + plan.causal_offset;
+        heads[r] = row[r].h;
+      }
+      RelativeEmbeddings::QueriesToFloat(p, qrows, rows, bf.rel_q);
+    }
 
     FillRow(bf.m, r_pad, kNegInf);
     FillRow(bf.l, r_pad, 0.0f);
@@ -617,7 +553,8 @@ class Kernel {
       const VElem* v = nullptr;
       int64_t ldv = 0;
       PackKV(p, plan, b, hkv, kb, n, npad, bf, !direct_v, &v, &ldv, direct_k);
-      if (embedded) KeysByFeature(p, b, hkv, kb, n, npad, bf.kt);
+      RelativeEmbeddings::Block keys{};
+      if (embedded) keys = PrepareEmbeddingKeys(p, b, hkv, kb, n, npad, hkv * g, g, bf);
       const int64_t with_next = std::min(n + kPrefetchRows, kend - kb);
       if (direct_k) {
         RowPointers(p, b, hkv, kb, with_next, false, k_rows);
@@ -639,8 +576,8 @@ class Kernel {
           Products::QK(bf.s, npad, q + r0 * ldq, ldq, bf.k, npad, sr_pad, npad, p.head_dim);
         }
         if (embedded) {
-          AddRelativeEmbeddings(p, plan, row + r0, qrows + r0, sr, kb, n, npad, bf.kt, bf.s,
-                                bf.kt + kBlockKeys * p.head_dim);
+          RelativeEmbeddings::Add(keys, positions + r0, heads + r0, bf.rel_q + r0 * p.head_dim,
+                                  sr, bf.s);
         }
         SoftmaxOnline(plan, row + r0, sr, kb, n, npad, bf.s, bf.p, bf.bias, bf.m + r0, bf.l + r0,
                       bf.alpha + r0);
@@ -680,16 +617,28 @@ class Kernel {
     return true;
   }
 
-  // The weights passes' relative position embeddings: a block's keys by
-  // feature, then every row's terms.
-  static void AddEmbeddingsForWeights(const AttentionParams& p, const RequestPlan& plan,
-                                      int64_t b, int64_t hkv, const Row* row,
-                                      const void* const* qrows, int64_t rows, int64_t kb,
-                                      int64_t n, int64_t npad, const Buffers& bf) {
-    if (!Embedded(p)) return;
-    KeysByFeature(p, b, hkv, kb, n, npad, bf.kt);
-    AddRelativeEmbeddings(p, plan, row, qrows, rows, kb, n, npad, bf.kt, bf.s,
-                          bf.kt + kBlockKeys * p.head_dim);
+  // Keys [kb, kb + n) of kv head `hkv` prepared for the relative position
+  // embeddings of query heads [head0, head0 + heads).
+  static RelativeEmbeddings::Block PrepareEmbeddingKeys(const AttentionParams& p, int64_t b,
+                                                        int64_t hkv, int64_t kb, int64_t n,
+                                                        int64_t npad, int64_t head0,
+                                                        int64_t heads, const Buffers& bf) {
+    auto row_of = [&](int64_t j, int64_t* run) {
+      *run = RunKeys(p, kb + j, n - j);
+      return KBlock(p, b, hkv, kb + j);
+    };
+    return RelativeEmbeddings::Prepare(p, kb, n, npad, KLd(p), row_of, head0, heads, bf.rel);
+  }
+
+  // The weights passes' relative position embeddings for one block: rows of
+  // head h at `positions`.
+  static void AddEmbeddingsForWeights(const AttentionParams& p, int64_t b, int64_t h,
+                                      int64_t hkv, const int64_t* positions,
+                                      const int64_t* heads, int64_t rows, int64_t kb, int64_t n,
+                                      int64_t npad, const Buffers& bf) {
+    if (!RelativeEmbeddings::Enabled(p)) return;
+    const RelativeEmbeddings::Block keys = PrepareEmbeddingKeys(p, b, hkv, kb, n, npad, h, 1, bf);
+    RelativeEmbeddings::Add(keys, positions, heads, bf.rel_q, rows, bf.s);
   }
 
   // kWeights items: query heads [head, head_end) x positions [row0, row1),
@@ -729,6 +678,14 @@ class Kernel {
         kend = std::max(kend, rw.limit);
       }
       Products::PackQ(bf.q, qrows, rows, r_pad, p.dtype, p.head_dim);
+      int64_t positions[kBlockRows], heads[kBlockRows];
+      if (RelativeEmbeddings::Enabled(p)) {
+        for (int64_t r = 0; r < rows; ++r) {
+          positions[r] = row[r].i + plan.causal_offset;
+          heads[r] = h;
+        }
+        RelativeEmbeddings::QueriesToFloat(p, qrows, rows, bf.rel_q);
+      }
       FillRow(bf.m, r_pad, kNegInf);
       FillRow(bf.l, r_pad, 0.0f);
       FillRow(bf.alpha, r_pad, 1.0f);
@@ -740,7 +697,7 @@ class Kernel {
         const int64_t npad = RoundUp(n, Products::kKeyAlign);
         PackKV(p, plan, b, hkv, kb, n, npad, bf, false, nullptr, nullptr);
         Products::QK(bf.s, npad, bf.q, ldq, bf.k, npad, r_pad, npad, p.head_dim);
-        AddEmbeddingsForWeights(p, plan, b, hkv, row, qrows, rows, kb, n, npad, bf);
+        AddEmbeddingsForWeights(p, b, h, hkv, positions, heads, rows, kb, n, npad, bf);
         for (int64_t r = 0; r < rows; ++r)
           SoftmaxBlock<Mode::kStats>(plan, row[r], kb, n, npad, bf.s + r * npad, nullptr, bf.bias,
                                      bf.m + r, bf.l + r, bf.alpha + r);
@@ -752,7 +709,7 @@ class Kernel {
         int64_t ldv = 0;
         PackKV(p, plan, b, hkv, kb, n, npad, bf, true, &v, &ldv);
         Products::QK(bf.s, npad, bf.q, ldq, bf.k, npad, r_pad, npad, p.head_dim);
-        AddEmbeddingsForWeights(p, plan, b, hkv, row, qrows, rows, kb, n, npad, bf);
+        AddEmbeddingsForWeights(p, b, h, hkv, positions, heads, rows, kb, n, npad, bf);
         for (int64_t r = 0; r < rows; ++r) {
           float* srow = bf.s + r * npad;
           SoftmaxBlock<Mode::kFinal>(plan, row[r], kb, n, npad, srow, bf.p + r * npad, bf.bias,
