@@ -164,19 +164,21 @@ TEST(PagedKvTest, CpuEngineSessionStepsEqualOneCausalTask) {
   ASSERT_TRUE(cpu.ok());
   ASSERT_TRUE((*cpu)->SupportsSessions());
   Rng rng(3);
-  enum class Bias { kNone, kAlibi, kRelative };
+  enum class Bias { kNone, kAlibi, kRelative, kEmbedded };
   for (const auto& [projections, bias] :
        {std::pair<bool, Bias>{false, Bias::kNone}, {true, Bias::kNone}, {false, Bias::kAlibi},
-        {true, Bias::kAlibi}, {true, Bias::kRelative}}) {
+        {true, Bias::kAlibi}, {true, Bias::kRelative}, {true, Bias::kEmbedded}}) {
     SCOPED_TRACE(absl::StrCat(projections ? "demo-mha" : "sdpa",
                               bias == Bias::kAlibi      ? " with ALiBi"
                               : bias == Bias::kRelative ? " with a relative bias"
+                              : bias == Bias::kEmbedded ? " with relative embeddings"
                                                         : ""));
     auto own = std::make_shared<AttentionLayer>(projections ? *MakeDemoMhaLayer()
                                                             : *MakeSdpaLayer());
     // ALiBi's bias and a relative bias follow the distance from each query's
     // position in the whole sequence, so each step's rows must be placed
-    // after the cached tokens (a distance of 6: most keys take its ends).
+    // after the cached tokens (a distance of 6: most keys take its ends);
+    // so do relative position embeddings, whose key terms read the cache.
     const int64_t heads = projections ? own->config.num_heads : 4;
     for (int64_t h = 0; bias == Bias::kAlibi && h < heads; ++h) {
       own->config.alibi_slopes.push_back(0.5f / static_cast<float>(h + 1));
@@ -185,6 +187,13 @@ TEST(PagedKvTest, CpuEngineSessionStepsEqualOneCausalTask) {
       own->config.relative_bias_distance = 6;
       own->weights.relative_bias = Random(rng, {heads, 13});
       for (int64_t i = 0; i < heads * 13; ++i) own->weights.relative_bias.data_as<float>()[i] *= 4;
+      ASSERT_TRUE(ValidateLayer(*own).ok()) << ValidateLayer(*own);
+    }
+    if (bias == Bias::kEmbedded) {
+      const int64_t dim = own->config.head_dim;
+      own->config.relative_embeddings = {6, true, true};
+      own->weights.relative_key = Random(rng, {heads, dim, 13});
+      own->weights.relative_query = Random(rng, {heads, dim, 13});
       ASSERT_TRUE(ValidateLayer(*own).ok()) << ValidateLayer(*own);
     }
     const std::shared_ptr<const AttentionLayer> layer = own;
