@@ -21,12 +21,17 @@ __host__ __device__ inline int64_t WarpSharedFloats(int64_t head_dim, int64_t he
   return head_dim + head_dim_v + kWarpSize;
 }
 
+// Query row i's (sq, in fp32) logit of key j (k_row) in head h of batch b:
+// the raw score plus the relative position embeddings' terms, then the
+// scale, softcap, position biases and mask.
 template <typename T>
 __device__ __forceinline__ float Score(const AttentionParams& a, const float* sq, const T* k_row,
                                        int64_t b, int64_t h, int64_t i, int64_t j) {
+  const int64_t position = i + (a.kv_len - a.q_len);
   float dot = 0.0f;
   for (int64_t d = 0; d < a.head_dim; ++d) dot += sq[d] * ToFloat(k_row[d]);
-  const float t = AddPositionBias(a, h, i + (a.kv_len - a.q_len), j, Softcap(a, dot * a.scale));
+  if (HasRelativeEmbeddings(a)) dot += RelativeEmbeddings(a, h, position, j, sq, k_row);
+  const float t = AddPositionBias(a, h, position, j, Softcap(a, dot * a.scale));
   return ApplyMask(a.mask, b, h, i, j, t);
 }
 

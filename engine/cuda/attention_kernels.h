@@ -14,19 +14,21 @@
 namespace attnserve::cuda {
 
 // The attention launchers take AttentionParams whose every pointer (q, k, v,
-// out, key_lengths, mask.data, sinks, alibi_slopes, relative_bias, weights)
-// is on the device. Weights, when wanted, are written per head, contiguous
-// [batch, num_heads, q_len, kv_len] in weights_dtype: average_weights must
-// be false (the engine averages them with LaunchAverageHeads).
+// out, key_lengths, mask.data, sinks, alibi_slopes, relative_bias,
+// relative_key, relative_query, weights) is on the device. Weights, when
+// wanted, are written per head, contiguous [batch, num_heads, q_len,
+// kv_len] in weights_dtype: average_weights must be false (the engine
+// averages them with LaunchAverageHeads).
 
 // The fused tensor-core kernel (flash_attention.cu) serves a request when its
 // inputs are FLOAT16/BFLOAT16, head_dim == head_dim_v is 64 or 128, no
 // weights are wanted, K/V are not paged and q/k/v are 16-byte aligned with
 // strides that are multiples of 8 elements; every masking rule, the sliding
-// window, softcapping, sinks, ALiBi and the relative position bias included.
-// (The engine routes requests with the last five to it only with
-// ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1, until a GPU run has verified them:
-// UsesLayerFeatures.)
+// window, softcapping, sinks, ALiBi, the relative position bias and the
+// relative position embeddings included (the embeddings' terms from the
+// query and key tiles in shared memory). (The engine routes requests with
+// the last six to it only with ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1, until a
+// GPU run has verified them: UsesLayerFeatures.)
 bool FlashAttentionSupports(const AttentionParams& args);
 cudaError_t LaunchFlashAttention(const AttentionParams& args, cudaStream_t stream);
 
@@ -46,10 +48,11 @@ cudaError_t LaunchFlashAttentionFp32(const AttentionParams& args, int max_shared
 
 // Whether a request asks for what today's attention layers add (a sliding
 // window or chunk, logit softcapping, sinks, ALiBi, a relative position
-// bias): the fused kernels' newer rules.
+// bias, relative position embeddings): the fused kernels' newer rules.
 inline bool UsesLayerFeatures(const AttentionParams& args) {
   return args.window > 0 || args.chunk > 0 || args.softcap > 0.0f || args.sinks != nullptr ||
-         args.alibi_slopes != nullptr || args.relative_bias != nullptr;
+         args.alibi_slopes != nullptr || args.relative_bias != nullptr ||
+         args.relative_key != nullptr || args.relative_query != nullptr;
 }
 
 // The general kernel (attention_general.cu): any float dtype, any head dims,
@@ -64,10 +67,12 @@ cudaError_t LaunchAttentionGeneral(const AttentionParams& args, cudaStream_t str
 //    s + n * q_len * kv_len (and, when lo_ptrs is set, lo + n * q_len *
 //    kv_len: the low parts of 3xTF32), its output block o + n * q_len *
 //    head_dim_v;
-//  - LaunchSoftmaxRows: each score row in place -> probabilities (scale,
-//    softcap, ALiBi, relative bias, causal, window, key_lengths, mask, sinks;
-//    zeros for a row that sees no key), and into a.weights (per head,
-//    weights_dtype) when set.
+//  - LaunchSoftmaxRows: each score row in place -> probabilities (the
+//    relative position embeddings' terms, from a's FLOAT32 q and k, added
+//    to the raw scores; scale, softcap, ALiBi, relative bias, causal,
+//    window, key_lengths, mask, sinks; zeros for a row that sees no key),
+//    and into a.weights (per head, weights_dtype) when set;
+//    cudaErrorInvalidValue for embeddings over another dtype.
 //    With `lo` (same layout as s), s gets each probability's TF32 high part
 //    and lo the rest (3xTF32 products, below);
 //  - LaunchScatterOutput: o [count, q_len, head_dim_v] into a.out's strides
@@ -85,9 +90,10 @@ cudaError_t LaunchScatterOutput(const AttentionParams& a, int64_t p0, int64_t co
 // the chunk's score rows s [count, q_len, kv_len] (Q K^T, unscaled) and the
 // rows' log-sum-exp lse[(b * num_heads + h) * lse_rows + i], writes
 // exp(t - lse) for the keys a row sees (t = mask(scale * s), the softmax's
-// rules but softcap, sinks, ALiBi and the relative bias, which the
-// statistics' source refuses), zero elsewhere and for a row that sees no
-// key, into a.weights (per head, weights_dtype).
+// rules but softcap, sinks, ALiBi, the relative bias and the relative
+// position embeddings, which the statistics' source refuses), zero
+// elsewhere and for a row that sees no key, into a.weights (per head,
+// weights_dtype).
 cudaError_t LaunchWeightsFromStats(const AttentionParams& a, int64_t p0, int64_t count,
                                    const float* s, const float* lse, int64_t lse_rows,
                                    cudaStream_t stream);

@@ -332,6 +332,10 @@ std::optional<std::string> SdpaRefusal(const AttentionParams& p, DType compute) 
   if (p.relative_bias != nullptr) {
     return std::string("a relative position bias (served by the kernels written here)");
   }
+  // Nor terms of the scores from per-distance tables.
+  if (p.relative_key != nullptr || p.relative_query != nullptr) {
+    return std::string("relative position embeddings (served by the kernels written here)");
+  }
   if (p.chunk > 0) return std::string("chunked attention (served by the kernels written here)");
   if (p.window > 0 &&
       (!p.causal || p.key_lengths != nullptr || p.mask.kind != MaskParams::Kind::kNone)) {

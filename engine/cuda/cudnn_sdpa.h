@@ -9,12 +9,13 @@
 // here, which cuDNN does not promise), fp32, head dims that are not
 // multiples of 8, causal with Lq > Lk, softcapping, ALiBi (cuDNN's alibi
 // mask has its own fixed slopes), a relative position bias (cuDNN takes no
-// bias table, only a bias tensor the size of the scores), a sliding window
-// other than with bottom-right causal alone (its diagonal band's left
-// bound is aligned to the lengths cuDNN is given), sinks with a mask (its
-// sink token, cuDNN 9.13 and newer), need_weights with sinks. Then cuDNN
-// itself may refuse the graph (unsupported head dim, bias type, ...): the
-// refusal is cached with its shape and the engine's kernels serve it.
+// bias table, only a bias tensor the size of the scores), relative position
+// embeddings (terms of the raw scores from per-distance tables), a sliding
+// window other than with bottom-right causal alone (its diagonal band's
+// left bound is aligned to the lengths cuDNN is given), sinks with a mask
+// (its sink token, cuDNN 9.13 and newer), need_weights with sinks. Then
+// cuDNN itself may refuse the graph (unsupported head dim, bias type, ...):
+// the refusal is cached with its shape and the engine's kernels serve it.
 //
 // need_weights: the plan also writes each query row's softmax statistic,
 // the log-sum-exp of its scaled, masked scores (SdpaArgs::stats); the

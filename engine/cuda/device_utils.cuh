@@ -133,6 +133,35 @@ __device__ __forceinline__ float AddPositionBias(const AttentionParams& a, int64
   return score;
 }
 
+// Whether `a` has relative position embeddings (attention_params.h): either
+// table, a device array [num_heads, head_dim, 2D + 1].
+__device__ __forceinline__ bool HasRelativeEmbeddings(const AttentionParams& a) {
+  return a.relative_key != nullptr || a.relative_query != nullptr;
+}
+
+// The relative position embeddings' terms of head h's raw score of key j for
+// the query at `position` (attention_params.h): q . relative_key[h][:, c] +
+// k . relative_query[h][:, c], c = clamp(j - position, -D, D) + D, in fp32,
+// feature by feature in increasing order; q and k are the query's and the
+// key's head_dim features (any element type ToFloat reads). To be added to
+// the raw score Q_i . K_j, before the scale. Zero without either table.
+template <typename Q, typename K>
+__device__ __forceinline__ float RelativeEmbeddings(const AttentionParams& a, int64_t h,
+                                                    int64_t position, int64_t j, const Q* q,
+                                                    const K* k) {
+  const int64_t distance = a.relative_embedding_distance, columns = 2 * distance + 1;
+  const int64_t c = min(max(j - position, -distance), distance) + distance;
+  const int64_t first = h * a.head_dim * columns + c;  // feature 0's entry
+  const float* key_table = a.relative_key != nullptr ? a.relative_key + first : nullptr;
+  const float* query_table = a.relative_query != nullptr ? a.relative_query + first : nullptr;
+  float sum = 0.0f;
+  for (int64_t f = 0; f < a.head_dim; ++f) {
+    if (key_table != nullptr) sum += ToFloat(q[f]) * key_table[f * columns];
+    if (query_table != nullptr) sum += ToFloat(k[f]) * query_table[f * columns];
+  }
+  return sum;
+}
+
 // The scaled score after the mask for a key j < RowKeyEnd: -inf where a bool
 // mask forbids it, plus the additive mask value otherwise.
 __device__ __forceinline__ float ApplyMask(const MaskParams& m, int64_t b, int64_t h, int64_t i,

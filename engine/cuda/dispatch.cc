@@ -36,9 +36,9 @@ absl::StatusOr<const void*> ConvertOnDevice(Call& call, const void* data, DType 
 }
 
 // The device-side params of host-side `p`: its dims, causal flag, window,
-// chunk, scale and softcap. Every pointer (sinks, ALiBi slopes and the
-// relative bias table with its distance too), dtype and stride is left for
-// the caller to set.
+// chunk, scale and softcap. Every pointer (sinks, ALiBi slopes, the
+// relative bias table and the relative position embeddings with their
+// distances too), dtype and stride is left for the caller to set.
 AttentionParams DeviceParams(const AttentionParams& p) {
   AttentionParams a;
   a.batch = p.batch;
@@ -429,6 +429,19 @@ absl::StatusOr<bool> RunUnfused(Call& call, const AttentionParams& a) {
   return true;
 }
 
+// Bare attention's host-side params carry no layer tables: the relative
+// position bias and the relative position embeddings are projection layers'
+// (ValidateLayer), which EnqueueProjected gives their device copies. Tables
+// here would not reach the kernels, so they are refused, never dropped.
+absl::Status RefuseHostTables(const AttentionParams& p) {
+  if (p.relative_bias != nullptr || p.relative_key != nullptr || p.relative_query != nullptr) {
+    return absl::InvalidArgumentError(
+        "cuda engine: a relative position bias or relative position embeddings on bare "
+        "attention (projection layers only)");
+  }
+  return absl::OkStatus();
+}
+
 // Runs the attention core for device-side `a` (inputs, output, mask already
 // set) and, when `p` asks for weights, downloads them into p.weights.
 absl::Status RunCore(Call& call, AttentionParams& a, const AttentionParams& p,
@@ -558,13 +571,13 @@ absl::StatusOr<SdpaRoute> RoutePagedPrefill(Call& call, const AttentionParams& p
 // rest computes and enqueues `then` now. `p`: the task's host-side core
 // params over the new rows (its causal flag, scale, window, softcap, host
 // sinks and host ALiBi slopes are used; a's device sinks and slopes, when
-// set, come first; a's relative bias table, a projection layer's on the
-// device, as it is). `route` (RoutePagedPrefill, or none): when it is
-// used, a's query and output have route.shape.q_rows rows per head in its
-// layout, the rows past q_len of the query zeros, and the attention
-// computes in route.shape.dtype. The block tables (and the sinks and
-// slopes) are uploaded through the call, so this makes the stream wait for
-// every upload so far.
+// set, come first; a's relative bias table and relative position
+// embeddings, a projection layer's on the device, as they are). `route`
+// (RoutePagedPrefill, or none): when it is used, a's query and output have
+// route.shape.q_rows rows per head in its layout, the rows past q_len of
+// the query zeros, and the attention computes in route.shape.dtype. The
+// block tables (and the sinks and slopes) are uploaded through the call,
+// so this makes the stream wait for every upload so far.
 absl::Status AttendPaged(Call& call, const PagedKv& cache, const AttentionParams& p,
                          const AttentionParams& a, const SdpaRoute& route,
                          PagedDecodes& decodes, std::function<absl::Status()> then) {
@@ -716,6 +729,7 @@ absl::Status PagedDecodes::Flush(Call& call) {
 }
 
 absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType compute) {
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(RefuseHostTables(p));
   // cuDNN or not is decided first: its plans want Q, K, V and O with the
   // rows of the lengths' buckets, and the uploads write that layout.
   absl::StatusOr<SdpaRoute> route = RouteSdpa(call, p, compute, /*token_layout=*/false);
@@ -821,13 +835,23 @@ absl::Status EnqueueProjected(Call& call, const LayerConfig& config, const Devic
     if (!slopes.ok()) return slopes.status();
     a.alibi_slopes = static_cast<const float*>(*slopes);
   }
-  // The layer's sinks and relative bias table (on the device) join the
-  // params; the route sees them.
+  // The layer's sinks, relative bias table and relative position
+  // embeddings (on the device) join the params; the route sees them.
   AttentionParams routed = p;
   if (config.sinks) a.sinks = routed.sinks = static_cast<const float*>(w.sinks.data());
   if (config.relative_bias_distance > 0) {
     a.relative_bias = routed.relative_bias = static_cast<const float*>(w.relative_bias.data());
     a.relative_bias_distance = routed.relative_bias_distance = config.relative_bias_distance;
+  }
+  if (const RelativeEmbeddings& r = config.relative_embeddings; r.distance > 0) {
+    if (r.content_to_position) {
+      a.relative_key = routed.relative_key = static_cast<const float*>(w.relative_key.data());
+    }
+    if (r.position_to_content) {
+      a.relative_query = routed.relative_query =
+          static_cast<const float*>(w.relative_query.data());
+    }
+    a.relative_embedding_distance = routed.relative_embedding_distance = r.distance;
   }
   // A session's request attends over its whole cache: a cuDNN plan of that
   // (a prefill or long append in bf16/fp16 precision), else none.
@@ -961,6 +985,7 @@ absl::Status CheckPagedTask(const LayerConfig& config, const AttentionTask& task
 
 absl::Status EnqueuePagedHostAttention(Call& call, const AttentionParams& p,
                                        const PagedKv& cache, PagedDecodes& decodes) {
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(RefuseHostTables(p));
   // cuDNN or not first: its plan wants the query and output at its bucket's
   // rows, and the upload writes that layout (the tail zeroed).
   absl::StatusOr<SdpaRoute> route =

@@ -21,7 +21,8 @@ namespace attnserve::cuda {
 // Attention over host-side params (checked; head layout or any strides):
 // uploads Q, K, V, the mask and the key lengths, converts the inputs to
 // `compute` if needed, attends, and delivers the output (into p.out's
-// strides) and the weights at call.Finish.
+// strides) and the weights at call.Finish. InvalidArgument for a relative
+// position bias or relative position embeddings (projection layers only).
 absl::Status EnqueueHostAttention(Call& call, const AttentionParams& p, DType compute);
 
 // The split-KV decodes of a Run's session requests (paged_attention.h),
@@ -66,8 +67,9 @@ absl::Status CheckPagedTask(const LayerConfig& config, const AttentionTask& task
 // over the new rows): uploads Q and the new K/V rows, appends the rows into
 // `cache` on the device (converted to cache.dtype), attends the query over
 // the whole cache and delivers the output into p.out's strides at
-// call.Finish (a decode step waits in `decodes` for Flush). Projection
-// layers take EnqueueProjected, which does the same with the projected rows.
+// call.Finish (a decode step waits in `decodes` for Flush); InvalidArgument
+// as EnqueueHostAttention. Projection layers take EnqueueProjected, which
+// does the same with the projected rows.
 absl::Status EnqueuePagedHostAttention(Call& call, const AttentionParams& p,
                                        const PagedKv& cache, PagedDecodes& decodes);
 

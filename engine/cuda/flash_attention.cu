@@ -14,8 +14,10 @@
 // need them (a mask tensor, or keys outside some row's visible range); a
 // block starts at the first tile of its first row's sliding window, a warp
 // skips tiles none of its rows can see (the causal diagonal, the window),
-// and causal grids start with the heaviest tiles. Softcapping, sinks, ALiBi
-// and the relative position bias as flash_tile.cuh applies them.
+// and causal grids start with the heaviest tiles. Softcapping, sinks, ALiBi,
+// the relative position bias and the relative position embeddings (their
+// terms from the Q and K tiles in shared memory, in fp32 on the CUDA cores)
+// as flash_tile.cuh applies them.
 //
 // Fragment layouts are the ones the PTX ISA documents for
 // mma.m16n8k16 with .f16/.bf16 inputs (g = lane / 4, t = lane % 4):
@@ -130,6 +132,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   const float scale_log2 = a.scale * kLog2e;
+  // The relative position embeddings' operands: this thread's query rows
+  // and a key tile, in shared memory.
+  const auto embedding_rows = [&](const T* k_tile) {
+    return flash::SharedRows<T>{
+        {q_tile + (warp * 16 + g) * kLd, q_tile + (warp * 16 + g + 8) * kLd}, k_tile, kLd};
+  };
 
   for (int64_t it = tiles.first; it < tiles.end; ++it) {
     // Tile `it` has landed for every thread, and every warp is done with the
@@ -172,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Scale (and mask where needed) into the log2 domain, the new row maxima,
     // P = exp2(S - max) in place; O shrinks by alpha.
     float alpha[2];
-    rows.Softmax(s, a, b, h, j0, t, has_mask, scale_log2, alpha);
+    rows.Softmax(s, a, b, h, j0, t, has_mask, scale_log2, embedding_rows(k_tile), alpha);
     flash::Rescale(o, alpha);
 
     // O += P V, 16 keys per step; P's A fragment comes from S tiles 2kk, 2kk+1.

@@ -133,6 +133,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float scale_log2 = a.scale * flash::kLog2e;
   // This warp's Q rows; lane l addresses row l % 16 of an ldmatrix.
   const float* q_rows = q_tile + (warp * 16 + (lane & 15)) * kLd + (lane >> 4) * 4;
+  // The relative position embeddings' operands: this thread's query rows
+  // and a key tile, in shared memory.
+  const auto embedding_rows = [&](const float* k_tile) {
+    return flash::SharedRows<float>{
+        {q_tile + (warp * 16 + g) * kLd, q_tile + (warp * 16 + g + 8) * kLd}, k_tile, kLd};
+  };
 
   for (int64_t it = tiles.first; it < tiles.end; ++it) {
     // Tile `it` has landed for every thread, and every warp is done with the
@@ -171,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Scale (and mask where needed) into the log2 domain, the new row maxima,
     // P = exp2(S - max) in place; O shrinks by alpha.
     float alpha[2];
-    rows.Softmax(s, a, b, h, j0, t, has_mask, scale_log2, alpha);
+    rows.Softmax(s, a, b, h, j0, t, has_mask, scale_log2, embedding_rows(k_tile), alpha);
     flash::Rescale(o, alpha);
 
     // O += P V, one 8-key tile per step, keys renumbered (top): P's fragment

@@ -148,13 +148,23 @@ __device__ __forceinline__ int64_t BlockKeyEnd(const AttentionParams& a, int64_t
   return end;
 }
 
+// The operands of the relative position embeddings' terms (RowPair::Softmax)
+// in a kernel's shared memory: a thread's two query rows (g and g + 8 of its
+// warp's 16), and the key tile being scored, its rows `ld` elements apart.
+template <typename T>
+struct SharedRows {
+  const T* q[2];
+  const T* k;
+  int64_t ld;
+};
+
 // The two query rows (g and g + 8 of a warp's 16) whose accumulators a
 // thread holds, and their online softmax: running maxima in the log2 domain
 // and this thread's part of the running sums (the four threads of a row each
 // sum the keys they hold; Normalizers adds the four). Every rule of
 // attention_params.h: causal, key lengths and the sliding window through
 // each row's visible keys [row_begin, row_end), masks, softcapping, sinks,
-// ALiBi, the relative position bias.
+// ALiBi, the relative position bias, the relative position embeddings.
 struct RowPair {
   int64_t row[2];
   int64_t row_begin[2];  // keys [row_begin, row_end) may be visible
@@ -191,20 +201,24 @@ struct RowPair {
     l[0] = l[1] = sink && t == 0 ? 1.0f : 0.0f;
   }
 
-  // s holds the raw scores Q K^T of kTiles 8-key tiles starting at key j0.
-  // Scales them (and softcaps) into the log2 domain, masking where some key
-  // of the tiles is not visible to a row or a mask tensor applies, and
-  // adding the position biases (ALiBi's, the relative bias table's: every
-  // key has them, so they take the masked path); updates the maxima and
-  // sums, and leaves in s the unnormalised probabilities exp2(x - max). On
-  // return alpha[r] is the factor by which row r's earlier accumulators
-  // must shrink (0 while the row had seen nothing).
-  template <int kTiles>
+  // s holds the raw scores Q K^T of kTiles 8-key tiles starting at key j0
+  // (whose rows `tiles` holds). Adds the relative position embeddings'
+  // terms to them, scales them (and softcaps) into the log2 domain, masking
+  // where some key of the tiles is not visible to a row or a mask tensor
+  // applies, and adding the position biases (ALiBi's, the relative bias
+  // table's; these and the embeddings every key has, so they take the
+  // masked path); updates the maxima and sums, and leaves in s the
+  // unnormalised probabilities exp2(x - max). On return alpha[r] is the
+  // factor by which row r's earlier accumulators must shrink (0 while the
+  // row had seen nothing).
+  template <int kTiles, typename T>
   __device__ __forceinline__ void Softmax(float (&s)[kTiles][4], const AttentionParams& a,
                                           int64_t b, int64_t h, int64_t j0, int t, bool has_mask,
-                                          float scale_log2, float (&alpha)[2]) {
+                                          float scale_log2, const SharedRows<T>& tiles,
+                                          float (&alpha)[2]) {
+    const bool embedded = HasRelativeEmbeddings(a);
     const bool needs_mask = has_mask || a.alibi_slopes != nullptr || a.relative_bias != nullptr ||
-                            j0 + kTiles * 8 > both_see || j0 < both_begin;
+                            embedded || j0 + kTiles * 8 > both_see || j0 < both_begin;
     const bool softcap = a.softcap > 0.0f;
     const int64_t offset = a.kv_len - a.q_len;  // row i's position: i + offset
     float tile_max[2] = {m[0], m[1]};
@@ -216,12 +230,17 @@ struct RowPair {
         float x;
         if (needs_mask) {
           const int64_t j = j0 + n * 8 + 2 * t + (e & 1);
-          x = j >= row_begin[r] && j < row_end[r]
-                  ? ApplyMask(a.mask, b, h, row[r], j,
-                              AddPositionBias(a, h, row[r] + offset, j,
-                                              Softcap(a, s[n][e] * a.scale))) *
-                        kLog2e
-                  : -INFINITY;
+          x = -INFINITY;
+          if (j >= row_begin[r] && j < row_end[r]) {
+            float raw = s[n][e];
+            if (embedded) {
+              raw += RelativeEmbeddings(a, h, row[r] + offset, j, tiles.q[r],
+                                        tiles.k + (j - j0) * tiles.ld);
+            }
+            x = ApplyMask(a.mask, b, h, row[r], j,
+                          AddPositionBias(a, h, row[r] + offset, j, Softcap(a, raw * a.scale))) *
+                kLog2e;
+          }
         } else {
           x = softcap ? Softcap(a, s[n][e] * a.scale) * kLog2e : s[n][e] * scale_log2;
         }

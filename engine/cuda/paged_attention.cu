@@ -209,6 +209,7 @@ __device__ __forceinline__ void DecodeBlock(const AttentionParams& a, int64_t ti
                       ? a.relative_bias + head_of(r) * (2 * a.relative_bias_distance + 1)
                       : nullptr;
   }
+  const bool embedded = HasRelativeEmbeddings(a);
   // The keys any row of the tile may see: the chunk, cut by the latest
   // row's causal (or two-sided window's) end and the earliest row's window
   // start (or attention chunk start).
@@ -292,9 +293,18 @@ __device__ __forceinline__ void DecodeBlock(const AttentionParams& a, int64_t ti
           for (int r = 0; r < kRows; ++r) s[r] += sq[r][d] * xd;
         }
       }
+      // The relative position embeddings' terms of each row's head with
+      // this key, added to its raw score.
+      if (embedded) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          if (r < rows) s[r] += RelativeEmbeddings(a, head_of(r), pos[r], j, sq[r], k);
+        }
+      }
     }
-    // Scores after the scale, softcap, ALiBi's bias, the relative bias and
-    // the row's visibility (-inf where it sees no such key).
+    // Scores (with the embeddings' terms) after the scale, softcap, ALiBi's
+    // bias, the relative bias and the row's visibility (-inf where it sees
+    // no such key).
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const bool sees = r < rows && j < hi && !(a.causal && j > pos[r]) &&

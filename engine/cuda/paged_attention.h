@@ -78,9 +78,11 @@ cudaError_t LaunchPagedGather(const AttentionParams& a, const PagedGatherOut& ou
 // causal bottom-right, sliding window, softcap, ALiBi (a.alibi_slopes a
 // device array of num_heads slopes, or null), the relative position bias
 // (a.relative_bias a device array [num_heads, 2 * relative_bias_distance +
-// 1], or null), sinks (a.sinks a device array of num_heads logits, or
-// null), grouped-query heads. No mask, no
-// key_lengths, no weights. A row that sees no key gives zeros.
+// 1], or null), the relative position embeddings (a.relative_key and
+// a.relative_query device arrays [num_heads, head_dim, 2 *
+// relative_embedding_distance + 1], either or both null), sinks (a.sinks a
+// device array of num_heads logits, or null), grouped-query heads. No mask,
+// no key_lengths, no weights. A row that sees no key gives zeros.
 //
 // One CUDA block per (kv head, tile of up to 8 of its query rows, chunk of
 // keys) computes each row's partial (max, sum, accumulator) over the chunk

@@ -51,16 +51,16 @@ __device__ __forceinline__ float BlockReduce(float v, float* shared, bool is_max
   return r;
 }
 
-// One block per score row of the chunk: t = mask(softcap(s * scale) +
-// ALiBi's bias + the relative bias table's) for the keys the row sees (-inf
-// elsewhere: outside [RowKeyBegin, RowKeyEnd) or blocked by a bool mask),
-// P = exp(t - max) / sum in place, with the head's sink logit, when there
-// are sinks, in the max and the sum but given no probability; the
-// probabilities also into `weights` when set. A row that sees no key is
-// zeros. With kRowInShared the row's intermediate values stay in shared
-// memory (kv_len floats of dynamic shared memory), so the scores are read
-// once and the probabilities written once; else they go through the score
-// row itself.
+// One block per score row of the chunk: t = mask(softcap((s + the relative
+// position embeddings' terms) * scale) + ALiBi's bias + the relative bias
+// table's) for the keys the row sees (-inf elsewhere: outside [RowKeyBegin,
+// RowKeyEnd) or blocked by a bool mask), P = exp(t - max) / sum in place,
+// with the head's sink logit, when there are sinks, in the max and the sum
+// but given no probability; the probabilities also into `weights` when set.
+// A row that sees no key is zeros. With kRowInShared the row's intermediate
+// values stay in shared memory (kv_len floats of dynamic shared memory), so
+// the scores are read once and the probabilities written once; else they go
+// through the score row itself.
 template <bool kRowInShared>
 __global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s, float* lo) {
   __shared__ float shared[kThreads / 32];
@@ -75,13 +75,24 @@ __global__ void SoftmaxRowsKernel(AttentionParams a, int64_t p0, float* s, float
   const int64_t begin = RowKeyBegin(a, i);
   const int64_t end = RowKeyEnd(a, b, i);
   const int64_t position = i + (a.kv_len - a.q_len);
+  // The relative position embeddings' operands: the row's query and its kv
+  // head's keys (FLOAT32, LaunchSoftmaxRows).
+  const bool embedded = HasRelativeEmbeddings(a);
+  const float* q_row = static_cast<const float*>(a.q) + b * a.q_stride_b + h * a.q_stride_h +
+                       i * a.q_stride_row;
+  const float* k_rows = static_cast<const float*>(a.k) + b * a.k_stride_b +
+                        h / (a.num_heads / a.num_kv_heads) * a.k_stride_h;
   float mx = -INFINITY;
   for (int64_t j = threadIdx.x; j < a.kv_len; j += kThreads) {
-    const float t = j >= begin && j < end
-                        ? ApplyMask(a.mask, b, h, i, j,
-                                    AddPositionBias(a, h, position, j,
-                                                    Softcap(a, srow[j] * a.scale)))
-                        : -INFINITY;
+    float t = -INFINITY;
+    if (j >= begin && j < end) {
+      float raw = srow[j];
+      if (embedded) {
+        raw += RelativeEmbeddings(a, h, position, j, q_row, k_rows + j * a.k_stride_row);
+      }
+      t = ApplyMask(a.mask, b, h, i, j,
+                    AddPositionBias(a, h, position, j, Softcap(a, raw * a.scale)));
+    }
     buf[j] = t;
     mx = fmaxf(mx, t);
   }
@@ -197,6 +208,10 @@ cudaError_t LaunchPairPointers(const AttentionParams& a, int64_t p0, int64_t cou
 cudaError_t LaunchSoftmaxRows(const AttentionParams& a, int64_t p0, int64_t count, float* s,
                               float* lo, cudaStream_t stream) {
   const int64_t rows = count * a.q_len;
+  // The relative position embeddings read Q and K as FLOAT32.
+  if ((a.relative_key != nullptr || a.relative_query != nullptr) && a.dtype != DType::kFloat32) {
+    return cudaErrorInvalidValue;
+  }
   if (rows <= 0) return cudaSuccess;
   if (rows > INT32_MAX) return cudaErrorInvalidConfiguration;
   // The row in shared memory where it fits (opting in past the default

@@ -339,8 +339,9 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(const AttentionLayer& l
   uploaded->layer_id = layer.id.value();
   uploaded->type = PrecisionDType(layer.config.precision);
   const LayerWeights& w = layer.weights;
-  // The projections in the layer's precision; the QK-norm weights, sinks
-  // and relative bias table in FLOAT32, as the cpu engine reads them.
+  // The projections in the layer's precision; the QK-norm weights, sinks,
+  // relative bias table and relative position embeddings in FLOAT32, as the
+  // cpu engine reads them.
   struct Part {
     const Tensor* host;
     DeviceBuffer* device;
@@ -374,6 +375,8 @@ absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(const AttentionLayer& l
                         {&w.q_norm, &uploaded->q_norm, f32}, {&w.k_norm, &uploaded->k_norm, f32},
                         {&w.sinks, &uploaded->sinks, f32},
                         {&w.relative_bias, &uploaded->relative_bias, f32},
+                        {&w.relative_key, &uploaded->relative_key, f32},
+                        {&w.relative_query, &uploaded->relative_query, f32},
                         {&w.wq_a, &uploaded->wq_a, t},     {&w.bq_a, &uploaded->bq_a, t},
                         {&wkv_c, &uploaded->wkv_c, t},     {&bkv_c, &uploaded->bkv_c, t},
                         {&wk_rope, &uploaded->wk_rope, t}, {&bk_rope, &uploaded->bk_rope, t},

@@ -202,10 +202,12 @@ struct DeviceLayer {
   DeviceBuffer wq_a, bq_a, wkv_c, bkv_c, wk_rope, bk_rope;
   DeviceBuffer q_a_norm, kv_a_norm;
   // FLOAT32 whatever the precision, as the cpu engine reads them: the
-  // QK-norm weights [head_dim], the sinks [num_heads] and the relative
-  // position bias table [num_heads, 2 * relative_bias_distance + 1], when
-  // the layer has them.
-  DeviceBuffer q_norm, k_norm, sinks, relative_bias;
+  // QK-norm weights [head_dim], the sinks [num_heads], the relative
+  // position bias table [num_heads, 2 * relative_bias_distance + 1] and the
+  // relative position embeddings' tables relative_key and relative_query
+  // [num_heads, head_dim, 2 * relative_embeddings.distance + 1], when the
+  // layer has them.
+  DeviceBuffer q_norm, k_norm, sinks, relative_bias, relative_key, relative_query;
   // RoPE: the inverse frequencies (float64, engine/rope.h), when the layer
   // rotates; LongRoPE's long set beside them (its short set in inv_freq),
   // which a call takes when its largest position asks (RopeUsesLongFactors).
@@ -214,9 +216,9 @@ struct DeviceLayer {
 };
 
 // Uploads `layer`'s FLOAT32 weights converted to its precision (the QK-norm
-// weights, sinks and relative bias table as they are, RoPE's frequencies in
-// float64), synchronously on `stream` (done once per layer).
-// InvalidArgument for weights of another dtype.
+// weights, sinks, relative bias table and relative position embeddings as
+// they are, RoPE's frequencies in float64), synchronously on `stream` (done
+// once per layer). InvalidArgument for weights of another dtype.
 absl::StatusOr<std::unique_ptr<DeviceLayer>> UploadLayer(const AttentionLayer& layer,
                                                          cudaStream_t stream);
 

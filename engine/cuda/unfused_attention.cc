@@ -94,7 +94,7 @@ bool UnfusedAttention::Supports(const AttentionParams& a) {
 bool UnfusedAttention::SupportsWeights(const AttentionParams& a) {
   return (a.dtype == DType::kFloat16 || a.dtype == DType::kBFloat16) && a.k_blocks == nullptr &&
          a.softcap <= 0.0f && a.sinks == nullptr && a.alibi_slopes == nullptr &&
-         a.relative_bias == nullptr &&
+         a.relative_bias == nullptr && a.relative_key == nullptr && a.relative_query == nullptr &&
          static_cast<double>(a.q_len) * static_cast<double>(a.kv_len) * 4.0 <=
              static_cast<double>(kMaxChunkScoreBytes) &&
          a.q_len <= (int64_t{1} << 30) && a.kv_len <= (int64_t{1} << 30) &&

@@ -1,6 +1,7 @@
 // Attention as two batched GEMMs around a softmax: S = Q K^T on cuBLAS,
 // P = softmax(S * scale + masks) with every rule of attention_params.h
-// (softmax_rows.cu), O = P V. It serves fp32 inputs exactly, and
+// (softmax_rows.cu; the relative position embeddings' terms join S there,
+// from Q and K), O = P V. It serves fp32 inputs exactly, and
 // need_weights (P is materialised), for what neither cuDNN nor the fused
 // kernel takes. Scores are materialised for a chunk of (batch, head) pairs
 // at a time, so memory stays bounded.
@@ -58,7 +59,7 @@ class UnfusedAttention {
   // a causal request's by row blocks, as Enqueue), then a.weights = exp(t -
   // lse) per key a row sees (LaunchWeightsFromStats). lse[(b * Hq + h) *
   // lse_rows + i] on the device. No softcap, no sinks, no ALiBi, no
-  // relative position bias.
+  // relative position bias, no relative position embeddings.
   static bool SupportsWeights(const AttentionParams& a);
   absl::Status EnqueueWeights(const AttentionParams& a, const float* lse, int64_t lse_rows,
                               DeviceAllocator alloc, cudaStream_t stream);

@@ -81,6 +81,11 @@ LLM_LAYERS = {
     # T5 / MPNet: a learned relative position bias, one value per distance up
     # to 16 keys each way (T5's decoder form: causal, no scaling).
     "t5": dict(causal=True, scale=1.0, relative_bias_distance=16),
+    # DeBERTa: relative position embeddings, both terms, reaching 24
+    # positions each way; an encoder's (not causal), scaled by 1/sqrt(3 * 64).
+    "deberta": dict(causal=False, scale=1.0 / np.sqrt(3 * 64),
+                    relative_embeddings={"distance": 24, "content_to_position": True,
+                                         "position_to_content": True}),
     # OLMo-2: one RMSNorm over each token's whole Q, one over its K.
     "olmo2": dict(causal=True, rope={"type": "default", "theta": 500000.0},
                   qk_norm={"eps": 1e-6, "whole_projection": True}),
@@ -147,6 +152,10 @@ def _write_llm_layers(root):
         if features.get("relative_bias_distance"):
             t["relative_bias"] = rng.normal(0.0, 2.0,
                                             (heads, 2 * features["relative_bias_distance"] + 1))
+        if "relative_embeddings" in features:
+            shape = (heads, head_dim, 2 * features["relative_embeddings"]["distance"] + 1)
+            t["relative_key"] = rng.normal(0.0, 0.5, shape)
+            t["relative_query"] = rng.normal(0.0, 0.5, shape)
         if "output_gate" in features:  # [q_h | gate_h] per head, gates over sigmoid's curve
             q = t["q_proj.weight"].reshape(heads, 1, head_dim, embed)
             gate = rng.uniform(-4, 4, (heads, 1, head_dim, embed)) / np.sqrt(embed)

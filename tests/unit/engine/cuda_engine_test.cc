@@ -1943,6 +1943,194 @@ TEST(CudaEngineTest, FusedKernelsServeRelativeBiasExactly) {
   RelativeBiasCases(engine, 721);
 }
 
+// A projection layer of `precision` (256 wide, 4 query heads over 2 kv
+// heads: head dim 64) with relative position embeddings of `distance`
+// (DeBERTa's disentangled attention, LayerWeights::relative_key and
+// relative_query as `c2p` and `p2c` say: entries in [-scale, scale], by
+// default large enough that each score's terms move its probability and a
+// column at the wrong distance shows), a relative bias table and ALiBi's
+// slopes too when `biases`.
+AttentionLayer RelativeEmbeddingLayer(Precision precision, int64_t distance, bool c2p, bool p2c,
+                                      bool biases, std::mt19937& rng, float scale = 2.0f) {
+  AttentionLayer layer = ProjectionLayer(256, 4, 2, 256, 256, true, precision, rng);
+  RelativeEmbeddings& r = layer.config.relative_embeddings;
+  r.distance = distance;
+  r.content_to_position = c2p;
+  r.position_to_content = p2c;
+  const Shape table{4, 64, 2 * distance + 1};
+  if (c2p) layer.weights.relative_key = RandomTensor(DType::kFloat32, table, rng, scale);
+  if (p2c) layer.weights.relative_query = RandomTensor(DType::kFloat32, table, rng, scale);
+  if (biases) {
+    layer.config.relative_bias_distance = 4;
+    layer.weights.relative_bias = RandomTensor(DType::kFloat32, {4, 9}, rng, 2.0f);
+    layer.config.alibi_slopes = AlibiSlopes(4);
+  }
+  return layer;
+}
+
+// Projection layers with relative position embeddings (DeBERTa) on
+// `engine` (null: the default one), in every precision: both tables and
+// each alone, distances 3 and 5, which requests of up to 90 keys and the
+// sessions' 62 tokens pass on both sides (causal and not), and 128, past
+// them all; a relative bias table and ALiBi beside them on one. Four random
+// requests each (self- and cross-attention, masks, key lengths, weights),
+// then a session (a prefill through the core kernels, decode steps and an
+// append through the split-KV decode, each row's distances counted from its
+// position in the whole sequence, each key's terms from its cached row).
+void RelativeEmbeddingCases(AttentionEngine* engine, uint32_t seed) {
+  std::mt19937 rng(seed);
+  struct Variant {
+    Precision precision;
+    int64_t distance;
+    bool c2p, p2c, biases;
+  };
+  for (const Variant& v : {Variant{Precision::kFloat32, 3, true, true, false},
+                           Variant{Precision::kBFloat16, 5, true, false, false},
+                           Variant{Precision::kFloat16, 3, false, true, true},
+                           Variant{Precision::kFloat32, 5, false, true, false},
+                           Variant{Precision::kFloat16, 128, true, true, false}}) {
+    SCOPED_TRACE(absl::StrCat("relative embeddings ", v.distance, v.c2p ? " c2p" : "",
+                              v.p2c ? " p2c" : "", v.biases ? " biases" : "", " precision ",
+                              static_cast<int>(v.precision)));
+    AttentionLayer layer =
+        RelativeEmbeddingLayer(v.precision, v.distance, v.c2p, v.p2c, v.biases, rng);
+    ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
+    std::vector<std::unique_ptr<TaskBuffers>> tasks;
+    for (int i = 0; i < 4; ++i) {
+      tasks.push_back(RandomTask(layer.config, rng, DType::kFloat32, i % 2 == 0));
+    }
+    const Tolerance tol = v.precision == Precision::kFloat32   ? Tolerance{1e-4, 1e-4}
+                          : v.precision == Precision::kFloat16 ? Tolerance{1.5e-2, 2e-2}
+                                                               : Tolerance{6e-2, 6e-2};
+    CompareRun(layer, tasks, tol, engine);
+    if (::testing::Test::HasFatalFailure()) return;
+    const DType dtype = v.precision == Precision::kFloat32   ? DType::kFloat32
+                        : v.precision == Precision::kFloat16 ? DType::kFloat16
+                                                             : DType::kBFloat16;
+    CheckProjectionSession(layer, dtype, tol, SessionSteps(), rng, engine);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// On the default engine: cuDNN refuses the embeddings (it takes no terms
+// from tables), so the unfused path and the general kernel serve them,
+// weights too, and the split-KV decode a session's steps.
+TEST(CudaEngineTest, RelativeEmbeddingProjectionLayersAndSessionsMatchReference) {
+  REQUIRE_GPU();
+  RelativeEmbeddingCases(nullptr, 730);
+}
+
+// On the fused kernels written here (ATTNSERVE_CUDA_EXPERIMENTAL_FUSED=1):
+// the requests without weights and the sessions' prefills run on
+// flash_attention.cu or flash_attention_fp32.cu, their terms from the
+// shared-memory tiles.
+TEST(CudaEngineTest, FusedKernelsServeRelativeEmbeddingsExactly) {
+  REQUIRE_GPU();
+  std::string why;
+  AttentionEngine* engine = ExperimentalEngine("kernels", &why);
+  ASSERT_NE(engine, nullptr) << why;
+  RelativeEmbeddingCases(engine, 731);
+}
+
+// How many elements of `got` are off `want` by more than `tol` (NaN counts).
+int64_t CountOff(const Tensor& got, const Tensor& want, Tolerance tol) {
+  int64_t off = 0;
+  for (int64_t i = 0; i < want.num_elements(); ++i) {
+    const double g = LoadAsFloat(got.dtype(), got.data(), i);
+    const double w = LoadAsFloat(want.dtype(), want.data(), i);
+    if (!(std::abs(g - w) <= tol.atol + tol.rtol * std::abs(w))) ++off;
+  }
+  return off;
+}
+
+// No path that serves a layer with relative position embeddings leaves
+// their terms out: on the default engine and the fused kernels, in each
+// precision, a causal request of 38 tokens without and with weights, and a
+// session of the same tokens (a prefill of 37 through the core kernels, a
+// decode step through the split-KV decode), each matches the reference and
+// is off the reference of the same layer with tables of zeros (what a path
+// that dropped them would compute) by more than the tolerance. Tables of
+// entries in [-6, 6]: terms that move a score's logit by about one, so that
+// even the decode step's one row is off by more than bf16's tolerance.
+TEST(CudaEngineTest, NoPathIgnoresRelativeEmbeddings) {
+  REQUIRE_GPU();
+  std::string why;
+  AttentionEngine* fused = ExperimentalEngine("kernels", &why);
+  ASSERT_NE(fused, nullptr) << why;
+  std::mt19937 rng(732);
+  constexpr int64_t kLen = 38, kPrefill = 37;
+  for (const Precision precision :
+       {Precision::kFloat32, Precision::kFloat16, Precision::kBFloat16}) {
+    SCOPED_TRACE(absl::StrCat("precision ", static_cast<int>(precision)));
+    const AttentionLayer layer =
+        RelativeEmbeddingLayer(precision, 2, true, true, false, rng, /*scale=*/6.0f);
+    AttentionLayer zero = layer;  // its own id: the engine uploads its tables anew
+    for (Tensor* table : {&zero.weights.relative_key, &zero.weights.relative_query}) {
+      std::memset(table->data(), 0, table->byte_size());
+    }
+    ASSERT_TRUE(ValidateLayer(layer).ok() && ValidateLayer(zero).ok());
+    const DType dtype = precision == Precision::kFloat32   ? DType::kFloat32
+                        : precision == Precision::kFloat16 ? DType::kFloat16
+                                                           : DType::kBFloat16;
+    const Tolerance tol = precision == Precision::kFloat32   ? Tolerance{1e-4, 1e-4}
+                          : precision == Precision::kFloat16 ? Tolerance{1.5e-2, 2e-2}
+                                                             : Tolerance{6e-2, 6e-2};
+    const Tensor x = RandomTensor(dtype, {1, kLen, 256}, rng);
+    AttentionTask request;
+    request.query = x.view();
+    request.causal = true;
+    request.scale = ResolveScale(layer.config, 0.0f, 64);
+    // The reference's outputs and weights, with the tables and with zeros.
+    Tensor want(DType::kFloat32, {1, kLen, 256}), want_zero(DType::kFloat32, {1, kLen, 256});
+    Tensor want_p(DType::kFloat32, {1, 4, kLen, kLen});
+    Tensor want_p_zero(DType::kFloat32, {1, 4, kLen, kLen});
+    for (auto [l, out, probs] :
+         {std::tuple<const AttentionLayer*, Tensor*, Tensor*>{&layer, &want, &want_p},
+          {&zero, &want_zero, &want_p_zero}}) {
+      AttentionTask t = request;
+      t.output = out->mutable_view();
+      t.weights = probs->mutable_view();
+      ASSERT_TRUE(Reference().Run(*l, {&t, 1}).ok());
+    }
+    // `got` matches `expected` and is off `dropped` (what = the path's name).
+    auto check = [&](const Tensor& got, const Tensor& expected, const Tensor& dropped,
+                     const std::string& what) {
+      ExpectClose(got, expected, tol, what);
+      EXPECT_GT(CountOff(got, dropped, tol), 0) << what << ": the tables changed nothing";
+    };
+    for (AttentionEngine* engine : {Cuda().engine, fused}) {
+      const std::string name = engine == fused ? "fused kernels " : "default engine ";
+      for (const bool weights : {false, true}) {
+        Tensor got(dtype, {1, kLen, 256});
+        Tensor probs(DType::kFloat32, {1, 4, kLen, kLen});
+        AttentionTask t = request;
+        t.output = got.mutable_view();
+        if (weights) t.weights = probs.mutable_view();
+        const absl::Status status = engine->Run(layer, {&t, 1});
+        ASSERT_TRUE(status.ok()) << status;
+        check(got, want, want_zero, name + (weights ? "request with weights" : "request"));
+        if (weights) check(probs, want_p, want_p_zero, name + "weights");
+      }
+      const KvCacheGeometry g = engine->SessionCacheGeometry(layer.config);
+      DeviceCache cache(*engine, DType::kFloat32, g.num_kv_heads, g.head_dim, g.head_dim_v, 16,
+                        kLen);
+      ASSERT_TRUE(cache.ok());
+      for (auto [cached, step] : {std::pair<int64_t, int64_t>{0, kPrefill}, {kPrefill, 1}}) {
+        const Tensor xs = SliceRows(x, 1, cached, step);
+        Tensor got(dtype, {1, step, 256});
+        AttentionTask t = request;
+        t.query = xs.view();
+        t.output = got.mutable_view();
+        t.paged = cache.At(cached);
+        const absl::Status status = engine->Run(layer, {&t, 1});
+        ASSERT_TRUE(status.ok()) << status;
+        check(got, SliceRows(want, 1, cached, step), SliceRows(want_zero, 1, cached, step),
+              name + (step == 1 ? "session decode step" : "session prefill"));
+      }
+    }
+  }
+}
+
 // Sessions stepped from several threads at once, as the server's batchers
 // step theirs: each call on its own workspace and stream, each session on
 // its own blocks of the engine's one device pool, each equal step by step

@@ -3,7 +3,8 @@
 // serve: every dtype and head dim, per-head weights) compiled for the host
 // and run on warp_emulator.h against float64 attention (attention_oracle.h):
 // every rule (masks, key lengths, the token layout, windows, softcapping,
-// sinks, ALiBi, a relative position bias, another output dtype) in the
+// sinks, ALiBi, a relative position bias, relative position embeddings,
+// another output dtype) in the
 // three dtypes, outputs and weights. Checked without a GPU;
 // cuda_engine_test runs it on one.
 #include "tests/unit/engine/cuda/warp_emulator.h"  // first: it stands in for the device
@@ -75,6 +76,21 @@ TEST(AttentionGeneralEmulated, RelativeBiasInEveryDtypeMatchesFloat64) {
   int n = 0;
   for (const DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     for (Case c : oracle::RelativeBiasCases({dtype})) {
+      if (n % 2 == 1) c.dim = 40;
+      RunAndCompare(c, /*weights=*/n++ % 2 == 0, rng);
+    }
+  }
+}
+
+// Relative position embeddings with every rule they meet
+// (oracle::RelativeEmbeddingCases: each set of tables, both clamps binding
+// and none, ALiBi and a relative bias beside them) in the three dtypes,
+// outputs and weights.
+TEST(AttentionGeneralEmulated, RelativeEmbeddingsInEveryDtypeMatchFloat64) {
+  std::mt19937 rng(25);
+  int n = 0;
+  for (const DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (Case c : oracle::RelativeEmbeddingCases({dtype})) {
       if (n % 2 == 1) c.dim = 40;
       RunAndCompare(c, /*weights=*/n++ % 2 == 0, rng);
     }

@@ -2,9 +2,9 @@
 // written straight from attention_params.h's definition: causal
 // (bottom-right), sliding window, key lengths, bool and additive masks
 // through broadcast strides, softcapping, sinks, ALiBi, a relative position
-// bias table, grouped-query heads, the head and token layouts. Shared by the
-// GPU test (fused_attention_test.cc) and their CPU emulations
-// (flash_attention*_emulated_test.cc).
+// bias table, relative position embeddings, grouped-query heads, the head
+// and token layouts. Shared by the GPU test (fused_attention_test.cc) and
+// their CPU emulations (flash_attention*_emulated_test.cc).
 #ifndef ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_ATTENTION_ORACLE_H_
 #define ATTNSERVE_TESTS_UNIT_ENGINE_CUDA_ATTENTION_ORACLE_H_
 
@@ -14,6 +14,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/attention_params.h"
@@ -24,6 +25,9 @@
 namespace attnserve::oracle {
 
 enum class Mask { kNone, kBoolPerBatch, kAdditivePerHead };
+// Which tables of relative position embeddings a case has
+// (AttentionParams::relative_key, relative_query).
+enum class Embeddings { kBoth, kContentToPosition, kPositionToContent };
 
 struct Case {
   DType dtype = DType::kFloat32;
@@ -41,7 +45,17 @@ struct Case {
   // > 0: a relative position bias table of this distance D (random
   // [heads, 2D + 1], MakeInputs).
   int64_t relative_bias_distance = 0;
+  // > 0: relative position embeddings of this distance D (random tables
+  // [heads, dim, 2D + 1], MakeInputs): `embeddings` says which.
+  int64_t relative_embedding_distance = 0;
+  Embeddings embeddings = Embeddings::kBoth;
 
+  bool ContentToPosition() const {
+    return relative_embedding_distance > 0 && embeddings != Embeddings::kPositionToContent;
+  }
+  bool PositionToContent() const {
+    return relative_embedding_distance > 0 && embeddings != Embeddings::kContentToPosition;
+  }
   DType OutDType() const { return out_dtype == DType::kBool ? dtype : out_dtype; }
   std::string Describe() const {
     return std::string(DTypeName(dtype)) + " " +
@@ -53,6 +67,10 @@ struct Case {
            (sinks ? " sinks" : "") + (alibi ? " alibi" : "") +
            (relative_bias_distance > 0
                 ? " relative_bias " + std::to_string(relative_bias_distance)
+                : "") +
+           (relative_embedding_distance > 0
+                ? " embeddings " + std::to_string(relative_embedding_distance) +
+                      (ContentToPosition() ? " c2p" : "") + (PositionToContent() ? " p2c" : "")
                 : "") +
            " out " + std::string(DTypeName(OutDType()));
   }
@@ -90,6 +108,7 @@ struct Inputs {
   std::vector<float> sinks;
   std::vector<float> alibi_slopes;
   std::vector<float> relative_bias;
+  std::vector<float> relative_key, relative_query;  // empty: none
   std::vector<uint8_t> bool_mask;
   std::vector<float> add_mask;
   std::vector<uint8_t> out;  // OutDType(), filled with NaN bytes
@@ -134,6 +153,15 @@ inline Inputs MakeInputs(const Case& c, std::mt19937& rng) {
     std::uniform_real_distribution<float> entry(-2.0f, 2.0f);
     in.relative_bias.resize(c.heads * (2 * c.relative_bias_distance + 1));
     for (float& x : in.relative_bias) x = entry(rng);
+  }
+  // Embedding tables of distinct entries per distance and feature, large
+  // enough that each score's terms move the probabilities.
+  for (auto [used, table] : {std::pair{c.ContentToPosition(), &in.relative_key},
+                             std::pair{c.PositionToContent(), &in.relative_query}}) {
+    if (!used) continue;
+    std::uniform_real_distribution<float> entry(-1.0f, 1.0f);
+    table->resize(c.heads * c.dim * (2 * c.relative_embedding_distance + 1));
+    for (float& x : *table) x = entry(rng);
   }
   AttentionParams& a = in.params;
   // Masks: bool [B, 1, Lq, Lk] (every fifth key of each row blocked, row 1
@@ -188,6 +216,11 @@ inline Inputs MakeInputs(const Case& c, std::mt19937& rng) {
   if (c.relative_bias_distance > 0) {
     a.relative_bias = in.relative_bias.data();
     a.relative_bias_distance = c.relative_bias_distance;
+  }
+  if (c.relative_embedding_distance > 0) {
+    if (c.ContentToPosition()) a.relative_key = in.relative_key.data();
+    if (c.PositionToContent()) a.relative_query = in.relative_query.data();
+    a.relative_embedding_distance = c.relative_embedding_distance;
   }
   return in;
 }
@@ -287,8 +320,39 @@ inline std::vector<Case> RelativeBiasCases(const std::vector<DType>& dtypes) {
   return cases;
 }
 
-// Row i of head h, batch b: the logits t[j] of the keys it sees (scaled
-// score, softcapped, plus ALiBi's slope_h * (j - position), plus the
+// Relative position embeddings cases for the CPU emulations of the kernels:
+// every rule case with tables of distance 3 or 5 (both clamps binding, as in
+// RelativeBiasCases), the three sets of tables in turn (both, content to
+// position alone, position to content alone), and two more: four query
+// heads over one kv head (each row its own head's tables against the
+// group's one key row) with a window, sinks, ALiBi's slopes and a relative
+// bias table too (every position term at once), and Lq > Lk without a
+// window and a distance past every query-key distance (no clamp).
+inline std::vector<Case> RelativeEmbeddingCases(const std::vector<DType>& dtypes) {
+  std::vector<Case> cases = RuleCases(dtypes);
+  const Embeddings sets[] = {Embeddings::kBoth, Embeddings::kContentToPosition,
+                             Embeddings::kPositionToContent};
+  for (size_t n = 0; n < cases.size(); ++n) {
+    cases[n].relative_embedding_distance = n % 2 == 1 ? 5 : 3;
+    cases[n].embeddings = sets[n % 3];
+  }
+  Case grouped = MakeCase(dtypes.front(), 1, 4, 1, 60, 230, 64, /*causal=*/true);
+  grouped.window = 70;
+  grouped.sinks = true;
+  grouped.alibi = true;
+  grouped.relative_bias_distance = 4;
+  grouped.relative_embedding_distance = 5;
+  Case wide = MakeCase(dtypes.back(), 1, 2, 1, 140, 90, 64, /*causal=*/false);
+  wide.relative_embedding_distance = 200;
+  cases.push_back(grouped);
+  cases.push_back(wide);
+  return cases;
+}
+
+// Row i of head h, batch b: the logits t[j] of the keys it sees (the score
+// Q_i . K_j plus the relative position embeddings' Q_i . relative_key[h][:,
+// c] + K_j . relative_query[h][:, c] for c = clamp(j - position, -D, D) +
+// D, scaled, softcapped, plus ALiBi's slope_h * (j - position), plus the
 // relative bias table's entry for clamp(j - position, -D, D), plus the
 // additive mask), -inf for the keys it does not (key lengths, causal,
 // window, bool mask, -inf additive mask); returns whether it sees any.
@@ -313,6 +377,15 @@ inline bool RowLogits(const Inputs& in, int64_t b, int64_t h, int64_t i, std::ve
     const float* kj = &in.k[b * a.k_stride_b + hk * a.k_stride_h + j * a.k_stride_row];
     double dot = 0.0;
     for (int64_t d = 0; d < c.dim; ++d) dot += static_cast<double>(qi[d]) * kj[d];
+    if (c.relative_embedding_distance > 0) {
+      const int64_t e = c.relative_embedding_distance;
+      const int64_t column = std::clamp(j - position, -e, e) + e;
+      for (int64_t d = 0; d < c.dim; ++d) {
+        const int64_t at = (h * c.dim + d) * (2 * e + 1) + column;
+        if (c.ContentToPosition()) dot += static_cast<double>(qi[d]) * in.relative_key[at];
+        if (c.PositionToContent()) dot += static_cast<double>(kj[d]) * in.relative_query[at];
+      }
+    }
     double logit = dot * static_cast<double>(a.scale);  // the scale as the kernel has it
     if (c.softcap > 0.0f) logit = c.softcap * std::tanh(logit / c.softcap);
     if (c.alibi) {

@@ -162,8 +162,9 @@ TEST(SdpaRefusalTest, TakesFp16AndBf16AndNamesWhatItRefuses) {
 }
 
 // Sliding windows go to cuDNN's band only with bottom-right causal alone;
-// sinks without a mask; softcapping, ALiBi and a relative position bias
-// never (the kernels written here serve the rest).
+// sinks without a mask; softcapping, ALiBi, a relative position bias and
+// relative position embeddings never (the kernels written here serve the
+// rest).
 TEST(SdpaRefusalTest, LayerFeaturesCudnnComputesAndTheRest) {
   AttentionParams window = Eligible();
   window.window = 64;
@@ -211,6 +212,20 @@ TEST(SdpaRefusalTest, LayerFeaturesCudnnComputesAndTheRest) {
               HasSubstr("relative position bias"));
   EXPECT_THAT(SdpaRefusal(relative, DType::kBFloat16).value_or(""),
               HasSubstr("relative position bias"));
+
+  // Nor terms of the raw scores from per-distance tables: either table
+  // alone is refused.
+  static const float embeddings[8 * 128 * 7] = {};
+  for (int which = 0; which < 2; ++which) {
+    AttentionParams embedded = Eligible();
+    (which == 0 ? embedded.relative_key : embedded.relative_query) = embeddings;
+    embedded.relative_embedding_distance = 3;
+    for (const DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+      EXPECT_THAT(SdpaRefusal(embedded, dtype).value_or(""),
+                  HasSubstr("relative position embeddings"))
+          << which;
+    }
+  }
 }
 
 TEST(CudnnSdpaTest, SequenceLengthsOnlyWhenThePlanMasksPadding) {

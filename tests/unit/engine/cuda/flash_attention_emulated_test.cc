@@ -2,7 +2,8 @@
 // compiled here for the host) run on the CPU by warp_emulator.h, against
 // float64 attention over the same rounded inputs (attention_oracle.h): its
 // tile loops, index arithmetic, masks, windows, softcapping, sinks, ALiBi,
-// the relative position bias and the online softmax, checked without a GPU
+// the relative position bias, the relative position embeddings and the
+// online softmax, checked without a GPU
 // (flash_attention_fp32_emulated_test does the same for the fp32 kernel;
 // fused_attention_test runs both on a GPU). Small shapes: one CUDA thread
 // is one std::thread.
@@ -104,6 +105,18 @@ TEST(FlashKernelEmulated, MatchesFloat64WithAlibi) {
 TEST(FlashKernelEmulated, MatchesFloat64WithRelativeBias) {
   std::mt19937 rng(28);
   for (const Case& c : oracle::RelativeBiasCases({DType::kFloat16, DType::kBFloat16})) {
+    EmulateAndCompare(c, rng);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Relative position embeddings, each set of tables, both clamps binding and
+// none, with every rule, GQA, ALiBi and a relative bias beside them, Lq > Lk
+// (oracle::RelativeEmbeddingCases): their terms from the Q and K tiles in
+// shared memory.
+TEST(FlashKernelEmulated, MatchesFloat64WithRelativeEmbeddings) {
+  std::mt19937 rng(29);
+  for (const Case& c : oracle::RelativeEmbeddingCases({DType::kBFloat16, DType::kFloat16})) {
     EmulateAndCompare(c, rng);
     if (HasFatalFailure()) return;
   }

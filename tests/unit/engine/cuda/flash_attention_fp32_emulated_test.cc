@@ -1,8 +1,9 @@
 // The fused fp32 kernel (engine/cuda/flash_attention_fp32.cu, its source
 // compiled here for the host) run on the CPU by warp_emulator.h, against
 // float64 attention (attention_oracle.h): its tile loops, index arithmetic,
-// masks, windows, softcapping, sinks, ALiBi, the relative position bias and
-// the online softmax, checked without a GPU. What the emulation cannot
+// masks, windows, softcapping, sinks, ALiBi, the relative position bias, the
+// relative position embeddings and the online softmax, checked without a
+// GPU. What the emulation cannot
 // check (its fragment layouts come from the same reading of the PTX ISA as
 // the kernel's) fused_attention_test checks on a GPU. Small shapes: one
 // CUDA thread is one std::thread.
@@ -88,6 +89,17 @@ TEST(FusedFp32KernelEmulated, MatchesFloat64WithAlibi) {
 TEST(FusedFp32KernelEmulated, MatchesFloat64WithRelativeBias) {
   std::mt19937 rng(18);
   for (const Case& c : oracle::RelativeBiasCases({DType::kFloat32})) {
+    EmulateAndCompare(c, rng);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Relative position embeddings, each set of tables, both clamps binding and
+// none, with every rule, GQA, ALiBi and a relative bias beside them, Lq > Lk
+// (oracle::RelativeEmbeddingCases): within 1e-5 of float64 as the rest.
+TEST(FusedFp32KernelEmulated, MatchesFloat64WithRelativeEmbeddings) {
+  std::mt19937 rng(19);
+  for (const Case& c : oracle::RelativeEmbeddingCases({DType::kFloat32})) {
     EmulateAndCompare(c, rng);
     if (HasFatalFailure()) return;
   }

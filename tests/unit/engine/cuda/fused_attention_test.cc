@@ -7,10 +7,10 @@
 // strides, grouped-query heads, Lq != Lk, the head and token layouts, rows
 // that see no key, another output dtype, and the rules of today's layers:
 // sliding windows, logit softcapping, sinks, ALiBi, a relative position
-// bias. fp32 results must be within 1e-5 of float64 (the GPU issue's bar).
-// Linked against the CUDA backend's objects (the module hides them), so the
-// kernel that runs is the one under test, not whatever the engine routes
-// to.
+// bias, relative position embeddings. fp32 results must be within 1e-5 of
+// float64 (the GPU issue's bar). Linked against the CUDA backend's objects
+// (the module hides them), so the kernel that runs is the one under test,
+// not whatever the engine routes to.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -134,18 +134,21 @@ TEST(FlashAttentionSupports, LayerFeaturesAreTheWindowSoftcapSinksAndPositionBia
   static const float kSinks[4] = {};
   static const float kSlopes[4] = {0.5f, 0.25f, 0.125f, 0.0625f};
   static const float kTable[4 * 7] = {};
+  static const float kEmbeddings[4 * 64 * 7] = {};
   AttentionParams a = Plain(DType::kFloat16, 64);
   EXPECT_FALSE(UsesLayerFeatures(a));
   a.causal = true;
   a.mask.kind = MaskParams::Kind::kAdditive;
   EXPECT_FALSE(UsesLayerFeatures(a));
-  for (int feature = 0; feature < 5; ++feature) {
+  for (int feature = 0; feature < 7; ++feature) {
     AttentionParams f = Plain(DType::kFloat16, 64);
     if (feature == 0) f.window = 1;
     if (feature == 1) f.softcap = 50.0f;
     if (feature == 2) f.sinks = kSinks;
     if (feature == 3) f.alibi_slopes = kSlopes;
     if (feature == 4) f.relative_bias = kTable, f.relative_bias_distance = 3;
+    if (feature == 5) f.relative_key = kEmbeddings, f.relative_embedding_distance = 3;
+    if (feature == 6) f.relative_query = kEmbeddings, f.relative_embedding_distance = 3;
     EXPECT_TRUE(UsesLayerFeatures(f)) << feature;
   }
 }
@@ -226,6 +229,8 @@ void RunAndCompare(const Case& c, std::mt19937& rng) {
   a.sinks = device.Copy(a.sinks, in.sinks.size() * sizeof(float));
   a.alibi_slopes = device.Copy(a.alibi_slopes, in.alibi_slopes.size() * sizeof(float));
   a.relative_bias = device.Copy(a.relative_bias, in.relative_bias.size() * sizeof(float));
+  a.relative_key = device.Copy(a.relative_key, in.relative_key.size() * sizeof(float));
+  a.relative_query = device.Copy(a.relative_query, in.relative_query.size() * sizeof(float));
   a.mask.data = device.Copy(a.mask.data, in.bool_mask.size() + in.add_mask.size() * 4);
   ASSERT_FALSE(device.failed) << "device allocation or copy: "
                               << cudaGetErrorString(cudaGetLastError());
@@ -368,6 +373,21 @@ TEST(FlashAttentionKernel, RelativeBiasMatchesFloat64) {
   std::mt19937 rng(10);
   for (DType dtype : kDTypes) {
     for (const Case& c : oracle::RelativeBiasCases({dtype})) {
+      RunAndCompare(c, rng);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// Relative position embeddings with the rules they meet
+// (oracle::RelativeEmbeddingCases: each set of tables, both clamps binding
+// and none, GQA, ALiBi and a relative bias beside them, Lq > Lk, a window,
+// sinks, softcapping, masks, key lengths) in every dtype.
+TEST(FlashAttentionKernel, RelativeEmbeddingsMatchFloat64) {
+  REQUIRE_GPU();
+  std::mt19937 rng(11);
+  for (DType dtype : kDTypes) {
+    for (const Case& c : oracle::RelativeEmbeddingCases({dtype})) {
       RunAndCompare(c, rng);
       if (HasFatalFailure()) return;
     }

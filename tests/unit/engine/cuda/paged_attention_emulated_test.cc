@@ -3,7 +3,8 @@
 // the split-KV decode over paged K/V against float64 attention over the
 // same cache (attention_oracle.h), through every rule of a session (causal
 // bottom-right, grouped-query heads, a sliding window, softcapping, sinks,
-// ALiBi, a relative position bias, Dv != Dk), a decode of many chunks, and
+// ALiBi, a relative position bias, relative position embeddings, Dv !=
+// Dk), a decode of many chunks, and
 // a batch of requests sharing one launch giving each request's bits alone;
 // append and gather round-trip a cache. Checked without a GPU;
 // cuda_engine_test runs them on one.
@@ -166,6 +167,24 @@ TEST(PagedDecodeEmulated, MatchesFloat64WithRelativeBias) {
     if (n == 6) c.relative_bias_distance = 1000;
     if (n == 5) c.relative_bias_distance = 3;
     if (n % 4 == 3) c.alibi = true;
+  });
+}
+
+// Relative position embeddings: the three sets of tables in turn,
+// distances 3 and 5 (clamped as the relative bias's above), one past the
+// whole cache (no clamp), a relative bias table and ALiBi's slopes beside
+// them on some; each tile row its own head's tables against the kv head's
+// keys.
+TEST(PagedDecodeEmulated, MatchesFloat64WithRelativeEmbeddings) {
+  DecodeWithPositionBias(40, [](int n, Case& c) {
+    const oracle::Embeddings sets[] = {oracle::Embeddings::kBoth,
+                                       oracle::Embeddings::kContentToPosition,
+                                       oracle::Embeddings::kPositionToContent};
+    c.embeddings = sets[n % 3];
+    c.relative_embedding_distance = n % 2 == 0 ? 3 : 5;
+    if (n == 6) c.relative_embedding_distance = 1000;
+    if (n == 5) c.relative_embedding_distance = 3;
+    if (n % 4 == 3) c.alibi = true, c.relative_bias_distance = 4;
   });
 }
 

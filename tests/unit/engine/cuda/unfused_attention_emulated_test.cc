@@ -177,6 +177,15 @@ TEST(UnfusedAttentionEmulated, RelativeBiasWithinOneInOneHundredThousandOfFloat6
                     [](Case& c) { c.relative_bias_distance = 5; });
 }
 
+// Relative position embeddings (oracle::RelativeEmbeddingCases: each set of
+// tables, both clamps binding and none, ALiBi and a relative bias beside
+// them; the row blocks with both tables of distance 5): their terms from Q
+// and K in the softmax, added to the GEMM's scores.
+TEST(UnfusedAttentionEmulated, RelativeEmbeddingsWithinOneInOneHundredThousandOfFloat64) {
+  CheckPositionBias(oracle::RelativeEmbeddingCases({DType::kFloat32}), 16,
+                    [](Case& c) { c.relative_embedding_distance = 5; });
+}
+
 // The row blocks: exact, and their GEMMs do a little over half the work of
 // the whole score matrix (what they are for), on both GEMM paths.
 TEST(UnfusedAttentionEmulated, CausalRowBlocksAreExactAndSkipTheMaskedHalf) {
