@@ -4,7 +4,8 @@
 //
 // Per work item (<= 256 query rows of one kv head, see flash_internal.h) and
 // per block of 256 keys: pack K (transposed, or in bf16 pairs) and V once;
-// then per 64-row sub-block: S = Q K^T; per row: t = S*scale*log2(e) + mask,
+// then per 64-row sub-block: S = Q K^T (plus the relative position
+// embeddings' terms, relative_embeddings.h); per row: t = S*scale*log2(e) + mask,
 // running max m, P = 2^(t - m), running sum l, alpha = 2^(m_old - m);
 // O = alpha * O + P V.
 // Keys beyond a row's causal/key_lengths limit are -inf; whole blocks beyond
