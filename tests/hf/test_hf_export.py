@@ -1417,6 +1417,13 @@ def _bert_modules():
                   attn_implementation="eager")
     torch.manual_seed(14)
     modules = {"bert": BertAttention(BertConfig(**common)),
+               # BERT's own relative position embeddings (transformers 4.x):
+               # the query's, and the query's and the key's, up to 47 apart.
+               "bert-relative-key": BertAttention(BertConfig(
+                   **common, max_position_embeddings=48, position_embedding_type="relative_key")),
+               "bert-relative-key-query": BertAttention(BertConfig(
+                   **common, max_position_embeddings=48,
+                   position_embedding_type="relative_key_query")),
                "roberta": RobertaAttention(RobertaConfig(**common)),
                "xlm-roberta": XLMRobertaAttention(XLMRobertaConfig(**common)),
                "distilbert": modeling_distilbert.MultiHeadSelfAttention(DistilBertConfig(
@@ -1450,8 +1457,9 @@ def test_bert_attention_is_served_as_its_modules_compute_it(tmp_path):
     """BERT, RoBERTa, XLM-R and DistilBERT (sentence-embedding encoders):
     not causal, the default scale, four projections with biases; served as
     the attention through output.dense (out_lin) computes it, with and
-    without padding (key_lengths). BertAttention's relative position
-    embeddings are refused, naming them."""
+    without padding (key_lengths); BERT's relative_key and
+    relative_key_query as relative position embeddings. A decoder's
+    attention with them is refused, naming why."""
     import harness
     from attnserve_client import AttentionClient
     from transformers import BertConfig
@@ -1462,7 +1470,10 @@ def test_bert_attention_is_served_as_its_modules_compute_it(tmp_path):
         assert config["causal"] is False and config["num_heads"] == 4, name
         assert (config["q_bias"], config["out_bias"]) == (True, True), name
         assert "scale" not in config and "rope" not in config, name
+        assert ("relative_embeddings" in config) is ("relative" in name), name
     assert configs["bert"]["tensor_names"]["out_weight"] == "output.dense.weight"
+    assert configs["bert-relative-key-query"]["relative_embeddings"] == dict(
+        distance=47, content_to_position=True, position_to_content=True)
     x = np.random.default_rng(15).uniform(-1, 1, (2, 40, 64)).astype(np.float32)
     server = harness.ServerProcess("--model-repository", str(tmp_path), "--backend", "cpu")
     try:
@@ -1474,11 +1485,12 @@ def test_bert_attention_is_served_as_its_modules_compute_it(tmp_path):
                     assert _rel(got, want) < 2e-5, (name, lengths, _rel(got, want))
     finally:
         assert server.stop() == 0, server.log()
-    relative = BertAttention(BertConfig(hidden_size=64, num_attention_heads=4,
-                                        position_embedding_type="relative_key"))
+    decoder = BertAttention(BertConfig(hidden_size=64, num_attention_heads=4, is_decoder=True,
+                                       position_embedding_type="relative_key"))
     with pytest.raises(ExportError) as refused:
-        export_module(relative, str(tmp_path / "relative"))
+        export_module(decoder, str(tmp_path / "relative"), causal=True)
     assert "position_embedding_type 'relative_key'" in str(refused.value)
+    assert "encoders only" in str(refused.value)
 
 
 def _alibi_modules():

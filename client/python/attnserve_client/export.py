@@ -1377,6 +1377,38 @@ def _deberta_columns(version, sa):
     return 2 * span, column
 
 
+# BERT's own relative position embeddings (position_embedding_type,
+# transformers 4.x): one learned vector per distance i - j, shared by the
+# heads, that the query scores (relative_key) and the key too
+# (relative_key_query).
+_BERT_RELATIVE = {"relative_key": False, "relative_key_query": True}
+
+
+def _bert_relative(module):
+    """(relative_embeddings config, tables) of BERT's attention with its
+    relative position embeddings (an encoder's: distance_embedding's vector
+    for i - j + max_position_embeddings - 1, written out per distance for
+    every head; transformers' forward fails past max_position_embeddings -
+    1, where attnserve's last column goes on); None for any other module."""
+    parts = _bert_parts(module)
+    kind = getattr(parts[5], "position_embedding_type", None) if parts is not None else None
+    if kind not in _BERT_RELATIVE:
+        return None
+    sa = parts[5]
+    heads, dim = sa.num_attention_heads, sa.attention_head_size
+    reach = sa.max_position_embeddings - 1
+    with torch.no_grad():
+        vectors = sa.distance_embedding.weight.float()  # [2 * reach + 1, dim], row i - j + reach
+        columns = vectors[reach - torch.arange(-reach, reach + 1)]  # j - i = r: row -r + reach
+        table = columns.t()[None].expand(heads, dim, 2 * reach + 1).contiguous()
+    tables = {"relative_key": table}
+    if _BERT_RELATIVE[kind]:
+        tables["relative_query"] = table.clone()
+    config = {"distance": reach, "content_to_position": True,
+              "position_to_content": _BERT_RELATIVE[kind]}
+    return config, tables
+
+
 def relative_embeddings_of(module, source=None):
     """(relative_embeddings config, {"relative_key": ..., "relative_query":
     ...}) of DeBERTa's attention (v1, v2, v3), whose scores get
@@ -1391,6 +1423,9 @@ def relative_embeddings_of(module, source=None):
     source: the module holding the relative embeddings (the encoder's
     get_rel_embedding): ExportError when None (export from the whole model,
     submodule=)."""
+    bert = _bert_relative(module)
+    if bert is not None:
+        return bert
     parts = _deberta_parts(module)
     if parts is None:
         return None
@@ -2057,13 +2092,21 @@ def _describe_bert(module, parts, num_heads, head_dim):
     """BERT's attention: the projections and softmax of its self-attention,
     then output.dense; BertSelfOutput's dropout, residual and LayerNorm (the
     rest of BertAttention's forward) are not attention and stay with the
-    caller. Relative position embeddings refused."""
+    caller. Its own relative position embeddings (relative_key,
+    relative_key_query) on an encoder, as relative_embeddings."""
     q, k, v, o, out_name, sa = parts
     kind = getattr(sa, "position_embedding_type", None) or "absolute"
-    if kind != "absolute":
-        raise ExportError(f"{type(sa).__name__} with position_embedding_type {kind!r} (relative "
-                          "position embeddings added to the scores), which attnserve does not "
-                          "compute: refused rather than served with different numbers")
+    if kind not in ("absolute", *_BERT_RELATIVE):
+        raise ExportError(f"{type(sa).__name__} with position_embedding_type {kind!r}, which "
+                          "attnserve does not compute: refused rather than served with different "
+                          "numbers")
+    if kind != "absolute" and getattr(sa, "is_decoder", False):
+        # Its cross-attention places the queries at 0.. (top-left), its
+        # cached decode at the last key: not one rule attnserve can follow.
+        raise ExportError(f"{type(sa).__name__} of a decoder (is_decoder) with "
+                          f"position_embedding_type {kind!r}: its relative positions in "
+                          "cross-attention count from the first key, not attnserve's "
+                          "bottom-right rule; served for encoders only")
     h = num_heads or _first_attr(sa, ["num_attention_heads", "n_heads"])
     hd = head_dim or _first_attr(sa, ["attention_head_size"]) or q.out_features // int(h)
     return _describe_separate(module, q, k, v, o, out_name, int(h), int(h), int(hd))
