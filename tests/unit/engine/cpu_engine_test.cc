@@ -1358,8 +1358,44 @@ Case RandomProjectionTask(Rng& rng, const std::shared_ptr<const AttentionLayer>&
   return c;
 }
 
+// One request of the position tests below: its lengths, causal, weights
+// wanted, a bool mask and key lengths on top.
+struct LongSequence {
+  int64_t lq, lk;
+  bool causal, weights, masked;
+};
+
 class StackedProjectionTest : public CpuEngineTest {
  protected:
+  // `layer` (4 heads of 16 over 2 KV heads, inputs of 32) and its bf16 copy on
+  // one random request of shape `s`, each against the reference.
+  void CheckLongSequence(const std::shared_ptr<AttentionLayer>& layer, const LongSequence& s,
+                         Rng& rng) {
+    ASSERT_TRUE(ValidateLayer(*layer).ok()) << ValidateLayer(*layer);
+    for (const auto& each : {std::shared_ptr<const AttentionLayer>(layer),
+                             WithPrecision(*layer, Precision::kBFloat16)}) {
+      Case c;
+      c.layer = each;
+      c.q = RandomTensor(rng, DType::kFloat32, {2, s.lq, 32}, 1.0f);
+      if (s.lq != s.lk) {
+        c.k = RandomTensor(rng, DType::kFloat32, {2, s.lk, 32}, 1.0f);
+        c.v = RandomTensor(rng, DType::kFloat32, {2, s.lk, 32}, 1.0f);
+      }
+      c.causal = s.causal;
+      c.need_weights = s.weights;
+      if (s.masked) {
+        c.mask = RandomMask(rng, DType::kBool, {2, 1, s.lq, s.lk});
+        c.key_lengths = {s.lk, s.lk / 3};
+      }
+      c.scale = ResolveScale(each->config, 0.0f, 16);
+      c.label = absl::StrCat(each->config.name, ", Lq ", s.lq, " Lk ", s.lk,
+                             s.causal ? " causal" : "", s.weights ? " weights" : "",
+                             s.masked ? " mask" : "");
+      const auto got = RunBatch(*cpu_, {c}, {0});
+      CheckAccuracy(c, got[0].first, got[0].second);
+    }
+  }
+
   // The layers under test: demo-mha and a small odd-sized GQA layer, each in
   // fp32 and bf16 precision, and a wide fp32 layer whose fused QKV weights
   // (7 MiB) take 64-row chunks.
@@ -1586,44 +1622,19 @@ TEST_F(StackedProjectionTest, ALayerRebuiltInPlaceWithANewIdGetsItsNewWeights) {
 TEST_F(StackedProjectionTest, RelativeBiasOverLongSequences) {
   Rng rng(89);
   const auto base = MakeProjectionLayer(34, 32, 4, 2, 16, 24, Precision::kFloat32);
-  struct Shape2 {
-    int64_t distance, lq, lk;
-    bool causal, weights, masked;
-  };
-  for (const Shape2 s : {Shape2{128, 700, 700, false, false, false},
-                         Shape2{5, 300, 300, false, false, false},
-                         Shape2{128, 300, 900, true, false, false},
-                         Shape2{128, 1, 3000, true, false, false},
-                         Shape2{5, 40, 600, true, true, false},
-                         Shape2{128, 200, 400, false, true, true}}) {
+  for (const auto& [distance, s] :
+       {std::pair<int64_t, LongSequence>{128, {700, 700, false, false, false}},
+        {5, {300, 300, false, false, false}},
+        {128, {300, 900, true, false, false}},
+        {128, {1, 3000, true, false, false}},
+        {5, {40, 600, true, true, false}},
+        {128, {200, 400, false, true, true}}}) {
     auto biased = std::make_shared<AttentionLayer>(*base);
-    biased->config.name = absl::StrCat("relative-bias-", s.distance);
-    biased->config.relative_bias_distance = s.distance;
-    biased->weights.relative_bias = RandomTensor(rng, DType::kFloat32, {4, 2 * s.distance + 1},
+    biased->config.name = absl::StrCat("relative-bias-", distance);
+    biased->config.relative_bias_distance = distance;
+    biased->weights.relative_bias = RandomTensor(rng, DType::kFloat32, {4, 2 * distance + 1},
                                                  3.0f);
-    ASSERT_TRUE(ValidateLayer(*biased).ok()) << ValidateLayer(*biased);
-    for (const auto& layer : {std::shared_ptr<const AttentionLayer>(biased),
-                              WithPrecision(*biased, Precision::kBFloat16)}) {
-      Case c;
-      c.layer = layer;
-      c.q = RandomTensor(rng, DType::kFloat32, {2, s.lq, 32}, 1.0f);
-      if (s.lq != s.lk) {
-        c.k = RandomTensor(rng, DType::kFloat32, {2, s.lk, 32}, 1.0f);
-        c.v = RandomTensor(rng, DType::kFloat32, {2, s.lk, 32}, 1.0f);
-      }
-      c.causal = s.causal;
-      c.need_weights = s.weights;
-      if (s.masked) {
-        c.mask = RandomMask(rng, DType::kBool, {2, 1, s.lq, s.lk});
-        c.key_lengths = {s.lk, s.lk / 3};
-      }
-      c.scale = ResolveScale(layer->config, 0.0f, 16);
-      c.label = absl::StrCat(layer->config.name, ", Lq ", s.lq, " Lk ", s.lk,
-                             s.causal ? " causal" : "", s.weights ? " weights" : "",
-                             s.masked ? " mask" : "");
-      const auto got = RunBatch(*cpu_, {c}, {0});
-      CheckAccuracy(c, got[0].first, got[0].second);
-    }
+    CheckLongSequence(biased, s, rng);
   }
 }
 
@@ -1638,47 +1649,26 @@ TEST_F(StackedProjectionTest, RelativeBiasOverLongSequences) {
 TEST_F(StackedProjectionTest, RelativeEmbeddingsOverLongSequences) {
   Rng rng(90);
   const auto base = MakeProjectionLayer(35, 32, 4, 2, 16, 24, Precision::kFloat32);
-  struct Shape2 {
-    int64_t distance, lq, lk;
-    bool c2p, p2c, causal, weights, masked;
+  struct Embedded {
+    int64_t distance;
+    bool c2p, p2c;
+    LongSequence s;
   };
-  for (const Shape2 s : {Shape2{300, 700, 700, true, true, false, false, false},
-                         Shape2{5, 300, 300, true, false, false, false, false},
-                         Shape2{5, 300, 300, false, true, false, false, false},
-                         Shape2{300, 300, 900, true, true, true, false, false},
-                         Shape2{5, 1, 3000, true, true, true, false, false},
-                         Shape2{5, 40, 600, true, true, true, true, false},
-                         Shape2{300, 200, 400, true, true, false, true, true}}) {
+  for (const Embedded& e : {Embedded{300, true, true, {700, 700, false, false, false}},
+                            Embedded{5, true, false, {300, 300, false, false, false}},
+                            Embedded{5, false, true, {300, 300, false, false, false}},
+                            Embedded{300, true, true, {300, 900, true, false, false}},
+                            Embedded{5, true, true, {1, 3000, true, false, false}},
+                            Embedded{5, true, true, {40, 600, true, true, false}},
+                            Embedded{300, true, true, {200, 400, false, true, true}}}) {
     auto embedded = std::make_shared<AttentionLayer>(*base);
-    embedded->config.name = absl::StrCat("relative-embeddings-", s.distance, s.c2p ? "-c2p" : "",
-                                         s.p2c ? "-p2c" : "");
-    embedded->config.relative_embeddings = {s.distance, s.c2p, s.p2c};
-    const Shape table{4, 16, 2 * s.distance + 1};
-    if (s.c2p) embedded->weights.relative_key = RandomTensor(rng, DType::kFloat32, table, 1.0f);
-    if (s.p2c) embedded->weights.relative_query = RandomTensor(rng, DType::kFloat32, table, 1.0f);
-    ASSERT_TRUE(ValidateLayer(*embedded).ok()) << ValidateLayer(*embedded);
-    for (const auto& layer : {std::shared_ptr<const AttentionLayer>(embedded),
-                              WithPrecision(*embedded, Precision::kBFloat16)}) {
-      Case c;
-      c.layer = layer;
-      c.q = RandomTensor(rng, DType::kFloat32, {2, s.lq, 32}, 1.0f);
-      if (s.lq != s.lk) {
-        c.k = RandomTensor(rng, DType::kFloat32, {2, s.lk, 32}, 1.0f);
-        c.v = RandomTensor(rng, DType::kFloat32, {2, s.lk, 32}, 1.0f);
-      }
-      c.causal = s.causal;
-      c.need_weights = s.weights;
-      if (s.masked) {
-        c.mask = RandomMask(rng, DType::kBool, {2, 1, s.lq, s.lk});
-        c.key_lengths = {s.lk, s.lk / 3};
-      }
-      c.scale = ResolveScale(layer->config, 0.0f, 16);
-      c.label = absl::StrCat(layer->config.name, ", Lq ", s.lq, " Lk ", s.lk,
-                             s.causal ? " causal" : "", s.weights ? " weights" : "",
-                             s.masked ? " mask" : "");
-      const auto got = RunBatch(*cpu_, {c}, {0});
-      CheckAccuracy(c, got[0].first, got[0].second);
-    }
+    embedded->config.name = absl::StrCat("relative-embeddings-", e.distance, e.c2p ? "-c2p" : "",
+                                         e.p2c ? "-p2c" : "");
+    embedded->config.relative_embeddings = {e.distance, e.c2p, e.p2c};
+    const Shape table{4, 16, 2 * e.distance + 1};
+    if (e.c2p) embedded->weights.relative_key = RandomTensor(rng, DType::kFloat32, table, 1.0f);
+    if (e.p2c) embedded->weights.relative_query = RandomTensor(rng, DType::kFloat32, table, 1.0f);
+    CheckLongSequence(embedded, e.s, rng);
   }
 }
 
