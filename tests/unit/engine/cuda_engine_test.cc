@@ -1884,6 +1884,28 @@ AttentionLayer RelativeBiasLayer(Precision precision, int64_t distance, bool ali
   return layer;
 }
 
+// `layer` on `engine` (null: the default one) against the reference: four
+// random requests (self- and cross-attention, masks, key lengths, weights),
+// then a session in the layer's precision, within that precision's
+// tolerance.
+void RequestsAndSession(const AttentionLayer& layer, std::mt19937& rng, AttentionEngine* engine) {
+  ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
+  std::vector<std::unique_ptr<TaskBuffers>> tasks;
+  for (int i = 0; i < 4; ++i) {
+    tasks.push_back(RandomTask(layer.config, rng, DType::kFloat32, i % 2 == 0));
+  }
+  const Precision precision = layer.config.precision;
+  const Tolerance tol = precision == Precision::kFloat32   ? Tolerance{1e-4, 1e-4}
+                        : precision == Precision::kFloat16 ? Tolerance{1.5e-2, 2e-2}
+                                                           : Tolerance{6e-2, 6e-2};
+  CompareRun(layer, tasks, tol, engine);
+  if (::testing::Test::HasFatalFailure()) return;
+  const DType dtype = precision == Precision::kFloat32   ? DType::kFloat32
+                      : precision == Precision::kFloat16 ? DType::kFloat16
+                                                         : DType::kBFloat16;
+  CheckProjectionSession(layer, dtype, tol, SessionSteps(), rng, engine);
+}
+
 // Projection layers with a relative position bias (T5, MPNet) on `engine`
 // (null: the default one), in every precision: distances 3 and 5, which
 // requests of up to 90 keys and the sessions' 62 tokens pass on both sides
@@ -1905,21 +1927,7 @@ void RelativeBiasCases(AttentionEngine* engine, uint32_t seed) {
                            Variant{Precision::kFloat32, 128, false}}) {
     SCOPED_TRACE(absl::StrCat("relative bias ", v.distance, v.alibi ? " alibi" : "",
                               " precision ", static_cast<int>(v.precision)));
-    AttentionLayer layer = RelativeBiasLayer(v.precision, v.distance, v.alibi, rng);
-    ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
-    std::vector<std::unique_ptr<TaskBuffers>> tasks;
-    for (int i = 0; i < 4; ++i) {
-      tasks.push_back(RandomTask(layer.config, rng, DType::kFloat32, i % 2 == 0));
-    }
-    const Tolerance tol = v.precision == Precision::kFloat32   ? Tolerance{1e-4, 1e-4}
-                          : v.precision == Precision::kFloat16 ? Tolerance{1.5e-2, 2e-2}
-                                                               : Tolerance{6e-2, 6e-2};
-    CompareRun(layer, tasks, tol, engine);
-    if (::testing::Test::HasFatalFailure()) return;
-    const DType dtype = v.precision == Precision::kFloat32   ? DType::kFloat32
-                        : v.precision == Precision::kFloat16 ? DType::kFloat16
-                                                             : DType::kBFloat16;
-    CheckProjectionSession(layer, dtype, tol, SessionSteps(), rng, engine);
+    RequestsAndSession(RelativeBiasLayer(v.precision, v.distance, v.alibi, rng), rng, engine);
     if (::testing::Test::HasFailure()) return;
   }
 }
@@ -1992,22 +2000,9 @@ void RelativeEmbeddingCases(AttentionEngine* engine, uint32_t seed) {
     SCOPED_TRACE(absl::StrCat("relative embeddings ", v.distance, v.c2p ? " c2p" : "",
                               v.p2c ? " p2c" : "", v.biases ? " biases" : "", " precision ",
                               static_cast<int>(v.precision)));
-    AttentionLayer layer =
-        RelativeEmbeddingLayer(v.precision, v.distance, v.c2p, v.p2c, v.biases, rng);
-    ASSERT_TRUE(ValidateLayer(layer).ok()) << ValidateLayer(layer);
-    std::vector<std::unique_ptr<TaskBuffers>> tasks;
-    for (int i = 0; i < 4; ++i) {
-      tasks.push_back(RandomTask(layer.config, rng, DType::kFloat32, i % 2 == 0));
-    }
-    const Tolerance tol = v.precision == Precision::kFloat32   ? Tolerance{1e-4, 1e-4}
-                          : v.precision == Precision::kFloat16 ? Tolerance{1.5e-2, 2e-2}
-                                                               : Tolerance{6e-2, 6e-2};
-    CompareRun(layer, tasks, tol, engine);
-    if (::testing::Test::HasFatalFailure()) return;
-    const DType dtype = v.precision == Precision::kFloat32   ? DType::kFloat32
-                        : v.precision == Precision::kFloat16 ? DType::kFloat16
-                                                             : DType::kBFloat16;
-    CheckProjectionSession(layer, dtype, tol, SessionSteps(), rng, engine);
+    RequestsAndSession(
+        RelativeEmbeddingLayer(v.precision, v.distance, v.c2p, v.p2c, v.biases, rng), rng,
+        engine);
     if (::testing::Test::HasFailure()) return;
   }
 }
