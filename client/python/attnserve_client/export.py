@@ -1353,7 +1353,9 @@ def _deberta_terms(sa):
     types = list(getattr(sa, "pos_att_type", None) or [])
     unknown = sorted(set(types) - {"c2p", "p2c"})
     if unknown:
-        raise ExportError(f"{type(sa).__name__} with pos_att_type {unknown}, not c2p or p2c")
+        raise ExportError(f"{type(sa).__name__} with pos_att_type {unknown} (relative terms "
+                          "other than c2p and p2c), which attnserve does not compute: refused "
+                          "rather than served with different numbers")
     return "c2p" in types, "p2c" in types, 1 + len(types)
 
 
@@ -1448,7 +1450,8 @@ def relative_embeddings_of(module, source=None):
         limit = 4 * (rows + 1)
         cols = column(torch.arange(-limit, limit + 1))
         changes = [d for d in range(1, limit + 1)
-                   if cols[limit + d] != cols[limit + d - 1] or cols[limit - d] != cols[limit - d + 1]]
+                   if cols[limit + d] != cols[limit + d - 1] or
+                   cols[limit - d] != cols[limit - d + 1]]
         distance = max(changes, default=1)
         embeddings = source.get_rel_embedding()
         rel = embeddings[:rows].float()
