@@ -1822,8 +1822,8 @@ def test_deberta_layers_are_served_as_deberta_computes_them(tmp_path):
     / sqrt(head_dim * (1 + terms)).
     Served as the layer computes it inside its model over 300 tokens (past
     the buckets' reach both ways), with and without padding. Refused: its
-    DisentangledSelfAttention alone (no output projection) and the attention
-    exported without its encoder."""
+    DisentangledSelfAttention alone (no output projection), the attention
+    exported without its encoder, and v1's talking heads."""
     import harness
     harness.use_python_client()
     from attnserve_client import AttentionClient
@@ -1853,11 +1853,18 @@ def test_deberta_layers_are_served_as_deberta_computes_them(tmp_path):
     finally:
         assert server.stop() == 0, server.log()
 
+    from transformers import DebertaConfig, DebertaModel
+    talking = DebertaModel(DebertaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, intermediate_size=128,
+                                         relative_attention=True, talking_head=True,
+                                         pos_att_type=["c2p", "p2c"])).eval()
     attention = models["deberta-v3"].encoder.layer[1].attention
-    for module, words in ((attention.self, ["no output projection", "DebertaV2Attention"]),
-                          (attention, ["DebertaV2Encoder.rel_embeddings", "submodule="])):
+    for module, submodule, words in (
+            (attention.self, None, ["no output projection", "DebertaV2Attention"]),
+            (attention, None, ["DebertaV2Encoder.rel_embeddings", "submodule="]),
+            (talking, "encoder.layer.0.attention", ["talking heads", "head_logits_proj"])):
         with pytest.raises(ExportError) as refused:
-            export_module(module, str(tmp_path / "refused"))
+            export_module(module, str(tmp_path / "refused"), submodule=submodule)
         for word in words:
             assert word in str(refused.value), str(refused.value)
     assert not os.path.exists(tmp_path / "refused" / "config.pbtxt")
