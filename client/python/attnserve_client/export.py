@@ -1502,6 +1502,17 @@ def relative_embeddings_of(module, source=None):
     return config, tables
 
 
+def _enclosing_with(model, name, attribute):
+    """The nearest module of `model` enclosing the one at dotted `name` that
+    has `attribute`, or None."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, -1, -1):
+        outer = model.get_submodule(".".join(parts[:end]))
+        if hasattr(outer, attribute):
+            return outer
+    return None
+
+
 def _relative_bias_source(model, name, module):
     """The module in `model` that holds the relative bias of `module` (its
     dotted `name`): T5's stack's first self-attention layer (block 0 of the
@@ -1511,19 +1522,9 @@ def _relative_bias_source(model, name, module):
     for a module that needs none or holds its own."""
     kind = _relative_kind(module)
     if _deberta_parts(module) is not None:  # DeBERTa's encoder: its relative embeddings
-        parts = name.split(".")
-        for end in range(len(parts) - 1, -1, -1):
-            outer = model.get_submodule(".".join(parts[:end]))
-            if hasattr(outer, "get_rel_embedding"):
-                return outer
-        return None
+        return _enclosing_with(model, name, "get_rel_embedding")
     if kind == "mpnet":
-        parts = name.split(".")
-        for end in range(len(parts) - 1, -1, -1):
-            outer = model.get_submodule(".".join(parts[:end]))
-            if hasattr(outer, "compute_position_bias"):
-                return outer
-        return None
+        return _enclosing_with(model, name, "compute_position_bias")
     if kind != "t5" or getattr(module, "has_relative_attention_bias", False):
         return None
     if name.endswith("EncDecAttention"):
