@@ -108,6 +108,20 @@ absl::Status CheckTaskOptions(const LayerConfig& layer, const AttentionTask& tas
         absl::StrCat("query: the layer's alibi_slopes hold ", layer.alibi_slopes.size(),
                      " slopes, one per query head, but the query has ", d.num_heads, " heads"));
   }
+  // The temperature of query i is that of its index, cached + Lk - Lq + i
+  // (temperature.h), defined for indexes >= 0 only: log1p(floor(p /
+  // floor_scale)) is -inf or NaN below. With explicit positions too, whose
+  // queries are the last Lq keys (Lq <= Lk, below).
+  if (layer.temperature_tuning.enabled) {
+    const int64_t cached = task.paged.enabled() ? task.paged.cached_len : 0;
+    if (d.q_len > cached + d.kv_len) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "query: the layer's temperature_tuning needs Lq <= Lk", cached > 0 ? " + cached" : "",
+          " (query i is at index ", cached > 0 ? "cached + " : "",
+          "Lk - Lq + i, and its temperature is defined for indexes >= 0), got Lq ", d.q_len,
+          ", Lk ", d.kv_len, cached > 0 ? absl::StrCat(", cached ", cached) : ""));
+    }
+  }
   if (!task.positions.empty()) {
     if (layer.rope.type == RopeConfig::Type::kNone) {
       return absl::InvalidArgumentError("positions: the layer has no rotary embedding");

@@ -164,6 +164,13 @@ absl::Status CheckRest(const LayerConfig& c, const AttentionTask& t, const Dims&
     return Invalid("window", "window, softcap and sinks per request need a layer without "
                              "projections");
   }
+  // Query i sits at index Lk - Lq + i; the temperature's log1p(floor(p /
+  // floor_scale)) is -inf or NaN below index 0.
+  if (c.temperature_tuning.enabled && d.q_len > d.kv_len) {
+    return Invalid("query", absl::StrCat("the layer's temperature_tuning needs Lq <= Lk (its "
+                                         "factor is defined for indexes >= 0), got Lq ",
+                                         d.q_len, ", Lk ", d.kv_len));
+  }
   if (!c.alibi_slopes.empty() && static_cast<int64_t>(c.alibi_slopes.size()) != d.heads) {
     return Invalid("query", absl::StrCat("the layer's alibi_slopes hold ", c.alibi_slopes.size(),
                                          " slopes, one per query head, but the query has ",

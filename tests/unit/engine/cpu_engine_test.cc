@@ -217,6 +217,13 @@ std::shared_ptr<const AttentionLayer> RandomProjectionLayer(Rng& rng, bool self_
   return layer;
 }
 
+// The key rows of a task whose draw gave `lk` beside `lq` queries: at least
+// lq on a layer with temperature tuning, whose query i sits at index
+// Lk - Lq + i and must not be negative (CheckTask refuses Lq > Lk there).
+int64_t KeyRows(const LayerConfig& c, int64_t lq, int64_t lk) {
+  return c.temperature_tuning.enabled ? std::max(lk, lq) : lk;
+}
+
 // A bool or additive mask of `shape` with some rows masked out entirely.
 Tensor RandomMask(Rng& rng, DType dtype, const Shape& shape) {
   Tensor t(dtype, shape);
@@ -283,6 +290,7 @@ Case RandomCase(int i, const std::shared_ptr<const AttentionLayer>& sdpa,
     if (causal_shape == 2) lk = lq;
   }
   if (self_attention) lk = lq;
+  lk = KeyRows(lc, lq, lk);
   const float amplitude = rng.Pick<float>({0.5f, 1.0f, 2.0f});
 
   int64_t hq, head_dim;
@@ -668,7 +676,7 @@ TEST_F(CpuEngineTest, ClipQkvMatchesReference) {
     Case c;
     c.layer = layer;
     const int64_t batch = rng.Int(1, 2), lq = rng.Int(1, 12);
-    const int64_t lk = self_attention ? lq : rng.Int(1, 12);
+    const int64_t lk = self_attention ? lq : KeyRows(lc, lq, rng.Int(1, 12));
     c.q = RandomTensor(rng, DType::kFloat32, {batch, lq, lc.query_dim}, 3.0f);
     if (!self_attention) {
       c.k = RandomTensor(rng, DType::kFloat32, {batch, lk, lc.key_dim}, 3.0f);
@@ -703,7 +711,7 @@ TEST_F(CpuEngineTest, ValueNormMatchesReference) {
     Case c;
     c.layer = layer;
     const int64_t batch = rng.Int(1, 2), lq = rng.Int(1, 12);
-    const int64_t lk = self_attention ? lq : rng.Int(1, 12);
+    const int64_t lk = self_attention ? lq : KeyRows(lc, lq, rng.Int(1, 12));
     const DType in = rng.Pick<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat16});
     c.q = RandomTensor(rng, in, {batch, lq, lc.query_dim}, 2.0f);
     if (!self_attention) {
@@ -747,7 +755,7 @@ TEST_F(CpuEngineTest, LayerNormQkNormWithWeightsPerHeadMatchesReference) {
     Case c;
     c.layer = layer;
     const int64_t batch = rng.Int(1, 2), lq = rng.Int(1, 12);
-    const int64_t lk = self_attention ? lq : rng.Int(1, 12);
+    const int64_t lk = self_attention ? lq : KeyRows(lc, lq, rng.Int(1, 12));
     const DType in = rng.Pick<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat16});
     c.q = RandomTensor(rng, in, {batch, lq, lc.query_dim}, 2.0f);
     if (!self_attention) {
@@ -808,6 +816,19 @@ TEST_F(CpuEngineTest, TemperatureByPositionMatchesReference) {
                            " Lq ", lq, " Lk ", lk);
     CheckAgainstReference(c);
     if (HasFatalFailure()) return;
+    if (!self_attention && lq > 1) {
+      // One query more than keys: the first would sit at index -1, whose
+      // factor 1 + 0.1 * log1p(floor(-1 / floor_scale)) is -inf. Refused.
+      Case over = c;
+      over.positions.clear();
+      over.k = RandomTensor(rng, DType::kFloat32, {batch, lq - 1, lc.key_dim}, 2.0f);
+      over.v = RandomTensor(rng, DType::kFloat32, {batch, lq - 1, lc.value_dim}, 2.0f);
+      CaseRun run(over, DType::kFloat32, DType::kFloat32);
+      const absl::Status status = cpu_->Run(*over.layer, {&run.task, 1});
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.label;
+      EXPECT_NE(status.message().find("temperature_tuning needs Lq <= Lk"), std::string::npos)
+          << c.label << ": " << status;
+    }
   }
 }
 

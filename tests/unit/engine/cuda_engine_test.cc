@@ -1100,7 +1100,9 @@ std::unique_ptr<TaskBuffers> RandomTask(const LayerConfig& config, std::mt19937&
   auto t = std::make_unique<TaskBuffers>();
   const int64_t b = Pick<int64_t>(rng, {1, 2});
   const int64_t lq = Pick<int64_t>(rng, {1, 9, 64, 77});
-  const int64_t lk = self_attention ? lq : Pick<int64_t>(rng, {5, 64, 90});
+  int64_t lk = self_attention ? lq : Pick<int64_t>(rng, {5, 64, 90});
+  // The queries' temperature is defined at indexes Lk - Lq + i >= 0 only.
+  if (config.temperature_tuning.enabled) lk = std::max(lk, lq);
   const int64_t hq = config.has_projections ? config.num_heads : 4;
   const int64_t hkv = config.has_projections ? config.num_kv_heads : 2;
   const int64_t dk = config.has_projections ? config.head_dim : 64;

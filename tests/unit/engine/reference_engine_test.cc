@@ -1001,6 +1001,25 @@ TEST(ReferenceEngineTest, TemperatureByPositionScalesTheScores) {
   const std::vector<float> near = run(tuned, {}, scale);
   const std::vector<float> untouched = run(plain, {}, scale);
   for (size_t i = 0; i < near.size(); ++i) EXPECT_EQ(near[i], untouched[i]) << i;
+  // More queries than keys put the first at negative indexes, where the
+  // factor is log1p(-1) = -inf: refused, naming the rule; Lq == Lk serves.
+  for (const int64_t lk : {L - 1, L}) {
+    const Tensor kv = Random({B, lk, E}, 955);
+    Tensor out(DType::kFloat32, {B, L, E});
+    AttentionTask task;
+    task.query = x.view();
+    task.key = kv.view();
+    task.value = kv.view();
+    task.scale = scale;
+    task.output = out.mutable_view();
+    const absl::Status status = NewReferenceEngine()->Run(tuned, {&task, 1});
+    if (lk == L) {
+      EXPECT_TRUE(status.ok()) << status;
+    } else {
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+      EXPECT_THAT(status.message(), ::testing::HasSubstr("temperature_tuning needs Lq <= Lk"));
+    }
+  }
 }
 
 // QK-norm's LayerNorm form (Cohere): (x - mean) / sqrt(var + eps) * w, the
