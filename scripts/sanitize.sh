@@ -13,8 +13,9 @@
 #       batching, scheduler, sessions, model control and server tests
 #       (dynamic_batcher_test, batching_scheduler_test, session_manager_test,
 #       kv_block_pool_test, model_manager_test, attn_server_test, the
-#       request memory's pool, host_buffer_test, and the shared-memory
-#       regions, system_shared_memory_test), and the CUDA kernels on
+#       request memory's pool, host_buffer_test, the shared-memory
+#       regions, system_shared_memory_test, and the parallel copy of request
+#       tensors, payload_copier_test), and the CUDA kernels on
 #       their CPU emulation where the CUDA headers are (every
 #       *_emulated_test: the fused kernels, the general kernel, the
 #       sessions' kernels, the unfused path, QK-norm and RoPE, the
@@ -186,7 +187,8 @@ case "$mode" in
     instrumented_abseil "$build"
     configure "$build" "-fsanitize=thread"
     tests=(dynamic_batcher_test batching_scheduler_test session_manager_test kv_block_pool_test
-           model_manager_test attn_server_test host_buffer_test system_shared_memory_test)
+           model_manager_test attn_server_test host_buffer_test system_shared_memory_test
+           payload_copier_test)
     # The CUDA kernels on the CPU emulation (tests/CMakeLists.txt: built where
     # the CUDA headers are), each CUDA thread a TSan fiber ordered only by
     # the barriers: a missing __syncthreads between a shared memory write

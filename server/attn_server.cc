@@ -17,6 +17,7 @@
 #include "server/fd_limit.h"
 #include "server/models/model_repository.h"
 #include "server/models/warmup.h"
+#include "server/transport/payload_copier.h"
 #include "server/transport/tls_credentials.h"
 
 namespace attnserve {
@@ -153,6 +154,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
     service_options.request_memory = HostBufferPool::Ordinary();
     server->ordinary_request_memory_ = service_options.request_memory;
   }
+  service_options.payload_copier = std::make_shared<PayloadCopier>(
+      options.payload_copy_threads >= 0 ? options.payload_copy_threads
+                                        : PayloadCopier::DefaultHelpers());
   if (!options.auth_token_file.empty()) {
     absl::StatusOr<BearerTokens> tokens = BearerTokens::FromFile(options.auth_token_file);
     if (!tokens.ok()) {
@@ -181,7 +185,8 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   server->kserve_ = std::make_unique<KServeServiceImpl>(
       &server->registry_, server->dispatcher_.get(), server->metrics_.get(),
       service_options.max_stream_backlog, service_options.tokens, server->models_.get(),
-      service_options.request_memory, server->shared_memory_.get());
+      service_options.request_memory, server->shared_memory_.get(),
+      service_options.payload_copier);
 
   // A process-wide switch read by ServerBuilder; it must be set before
   // BuildAndStart. Health is never behind the tokens: probes need it.

@@ -170,6 +170,10 @@ ABSL_FLAG(int64_t, malloc_trim_threshold, kDefaults.malloc_trim_threshold,
           "bytes; below it, --malloc-trim-interval's trims give it back (0 = glibc's default, "
           "128 KiB, with which each large request's freed receive buffers are unmapped and "
           "faulted in again by the next); at most 1073741824");
+ABSL_FLAG(int, payload_copy_threads, kDefaults.payload_copy_threads,
+          "threads that help copy a request tensor of 1 MiB or more off the wire and scan its "
+          "values, beside the thread that received it (-1 = one per hardware thread beyond the "
+          "first, at most 7; 0 = none); at most 64");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::FromChrono(kDefaults.shutdown_grace),
           "on SIGTERM/SIGINT, how long accepted requests may take to complete (e.g. 8s, "
           "500ms); requests still queued after it get UNAVAILABLE; the default fits inside "
@@ -394,6 +398,7 @@ int main(int argc, char** argv) {
   options.malloc_arena_max = absl::GetFlag(FLAGS_malloc_arena_max);
   options.malloc_mmap_threshold = absl::GetFlag(FLAGS_malloc_mmap_threshold);
   options.malloc_trim_threshold = absl::GetFlag(FLAGS_malloc_trim_threshold);
+  options.payload_copy_threads = absl::GetFlag(FLAGS_payload_copy_threads);
   options.validation.max_multiply_adds = absl::GetFlag(FLAGS_max_multiply_adds);
   absl::StatusOr<attnserve::NonfiniteInputs> nonfinite =
       attnserve::ParseNonfiniteInputs(absl::GetFlag(FLAGS_nonfinite_inputs));

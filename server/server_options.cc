@@ -65,6 +65,11 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
         "--malloc-trim-threshold: must be in [0, 1073741824] bytes (0 = glibc's default), got ",
         options.malloc_trim_threshold));
   }
+  if (options.payload_copy_threads < -1 || options.payload_copy_threads > 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--payload-copy-threads: must be in [-1, 64] (-1 = by the hardware threads), got ",
+        options.payload_copy_threads));
+  }
   if (options.validation.max_attention_scores < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max-attention-scores: must be >= 1, got ",

@@ -12,6 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "engine/tensor.h"
+#include "server/request/value_scan.h"
 
 namespace attnserve {
 
@@ -27,6 +28,11 @@ struct InputTensor {
   Shape shape;
   // The tensor's bytes, row-major, little-endian, as received.
   absl::string_view data;
+  // What the front end's copy of `data` off the wire found in it, read at
+  // the width of the dtype the wire gave before the bytes (value_scan.h);
+  // unset: not scanned. Validation uses it only at this dtype's width, and
+  // otherwise reads the bytes itself.
+  std::optional<ValueScan> scan;
 };
 
 // Lifetime: every view points into the front end's request message, which

@@ -8,6 +8,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -18,6 +19,7 @@
 #include "engine/mask_broadcast.h"
 #include "engine/rope.h"
 #include "engine/temperature.h"
+#include "server/request/value_scan.h"
 
 namespace attnserve {
 namespace {
@@ -253,89 +255,23 @@ absl::Status CheckOutputSize(absl::string_view field, const Shape& shape, DType 
                    " is over the server's limit of ", limit_bytes, " bytes"));
 }
 
-// The bit layout of a float dtype, read as a signed integer of its width:
-// the pattern of +Inf (exponent all ones, mantissa zero) and the mask that
-// clears the sign. With the sign cleared, a pattern above +Inf is NaN and
-// finite magnitudes order as their patterns do; read signed, every negative
-// float is below every positive one. So two integer max reductions find the
-// largest |x|, the largest positive x, and any NaN or Inf.
-template <typename Bits>
-struct FloatBits {
-  Bits abs_mask;
-  Bits inf;
-};
-constexpr FloatBits<int32_t> kFloat32Bits{0x7fffffff, 0x7f800000};
-constexpr FloatBits<int16_t> kFloat16Bits{0x7fff, 0x7c00};
-constexpr FloatBits<int16_t> kBFloat16Bits{0x7fff, 0x7f80};
+// The +Inf pattern of each float dtype (value_scan.h).
+constexpr int32_t kFloat32Inf = 0x7f800000, kFloat16Inf = 0x7c00, kBFloat16Inf = 0x7f80;
 
-// What one pass over a float tensor found, as bit patterns.
-struct ValueScan {
-  // Largest magnitude (sign cleared): > inf: a NaN exists; == inf: an Inf
-  // and no NaN.
-  int32_t max_abs_bits = 0;
-  // Largest pattern among values with the sign bit clear (NaN above +Inf
-  // above every finite value); 0 when none is positive.
-  int32_t max_positive_bits = 0;
-};
-
-// GCC vectorises loops only from -O3 (or with -ftree-vectorize); this loop
-// is the whole cost of the values rules, and vectorised it reads at memory
-// speed (docs/OPERATIONS.md has the measurement against memcpy). Clang vectorises
-// at -O2. On x86-64 the loop is also built for AVX2, picked at load time where
-// the CPU has it: baseline x86-64 (SSE2) has a 16-bit integer max but no
-// 32-bit one, so the fp32 scan emulated it in four instructions and ran at a
-// third of the fp16 scan's speed. (Clang 14 multiversions no templates: the
-// clones are the two functions below, the loop inlined into each.) Not
-// under ThreadSanitizer: the loader calls a clone's resolver before TSan's
-// runtime has started, and TSan instruments the resolver (a segfault at load).
-#if defined(__GNUC__) && !defined(__clang__)
-#define ATTNSERVE_VECTORIZE_LOOP __attribute__((optimize("tree-vectorize")))
-#else
-#define ATTNSERVE_VECTORIZE_LOOP
-#endif
-#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
-#define ATTNSERVE_VECTORIZE \
-  ATTNSERVE_VECTORIZE_LOOP __attribute__((target_clones("avx2", "default")))
-#else
-#define ATTNSERVE_VECTORIZE ATTNSERVE_VECTORIZE_LOOP
-#endif
-
-template <typename Bits>
-[[gnu::always_inline]] inline ValueScan ScanBits(const Bits* p, int64_t n, Bits abs_mask) {
-  Bits max_abs = 0, max_positive = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const Bits b = p[i];
-    max_abs = std::max<Bits>(max_abs, static_cast<Bits>(b & abs_mask));
-    max_positive = std::max<Bits>(max_positive, b);
-  }
-  return ValueScan{max_abs, max_positive};
-}
-
-ATTNSERVE_VECTORIZE ValueScan Scan32(const void* data, int64_t n) {
-  return ScanBits(static_cast<const int32_t*>(data), n, kFloat32Bits.abs_mask);
-}
-
-// float16 and bfloat16 have the same sign bit.
-static_assert(kFloat16Bits.abs_mask == kBFloat16Bits.abs_mask);
-ATTNSERVE_VECTORIZE ValueScan Scan16(const void* data, int64_t n) {
-  return ScanBits(static_cast<const int16_t*>(data), n, kFloat16Bits.abs_mask);
-}
-
-ValueScan Scan(const TensorView& view) {
-  const int64_t n = view.num_elements();
-  switch (view.dtype) {
-    case DType::kFloat32: return Scan32(view.data, n);
-    case DType::kFloat16:
-    case DType::kBFloat16: return Scan16(view.data, n);
-    default: return ValueScan{};
-  }
+// The scan of a float input: the one its front end made while copying the
+// bytes (`known`: of these bytes, read at this dtype's width), else one pass
+// now.
+ValueScan Scan(const TensorView& view, const std::optional<ValueScan>& known) {
+  const int width = static_cast<int>(DTypeSize(view.dtype));
+  if (known.has_value() && known->width == width) return *known;
+  return ScanValues(view.data, view.num_elements(), width);
 }
 
 int32_t InfBits(DType dtype) {
   switch (dtype) {
-    case DType::kFloat16: return kFloat16Bits.inf;
-    case DType::kBFloat16: return kBFloat16Bits.inf;
-    default: return kFloat32Bits.inf;
+    case DType::kFloat16: return kFloat16Inf;
+    case DType::kBFloat16: return kBFloat16Inf;
+    default: return kFloat32Inf;
   }
 }
 
@@ -381,8 +317,9 @@ constexpr absl::string_view kRefused =
     "non-finite inputs are refused (--nonfinite-inputs=reject)";
 
 // max|x| of a float input, or InvalidArgument at its first NaN/Inf.
-absl::StatusOr<double> FiniteMaxAbs(absl::string_view field, const TensorView& view) {
-  const ValueScan scan = Scan(view);
+absl::StatusOr<double> FiniteMaxAbs(absl::string_view field, const TensorView& view,
+                                    const std::optional<ValueScan>& known) {
+  const ValueScan scan = Scan(view, known);
   if (scan.max_abs_bits >= InfBits(view.dtype)) {
     return NonfiniteError(field, view, kRefused, /*refuse_negative_inf=*/true);
   }
@@ -391,8 +328,9 @@ absl::StatusOr<double> FiniteMaxAbs(absl::string_view field, const TensorView& v
 
 // The largest positive value of a float mask (0 if none), or InvalidArgument
 // at its first NaN or +Inf. -Inf means "masked" and is what SDPA users send.
-absl::StatusOr<double> MaskMaxPositive(const TensorView& mask) {
-  const ValueScan scan = Scan(mask);
+absl::StatusOr<double> MaskMaxPositive(const TensorView& mask,
+                                       const std::optional<ValueScan>& known) {
+  const ValueScan scan = Scan(mask, known);
   const int32_t inf = InfBits(mask.dtype);
   if (scan.max_positive_bits >= inf || scan.max_abs_bits > inf) {
     return NonfiniteError("attn_mask", mask,
@@ -558,24 +496,36 @@ absl::Status CheckProjectedBounds(const AttentionTask& task, const TaskDims& dim
   return absl::OkStatus();
 }
 
+// The scan `input`'s front end made of the bytes `view` holds, if any.
+std::optional<ValueScan> KnownScan(const InputTensor& input, const TensorView& view) {
+  if (input.data.data() != view.data || input.data.size() != view.byte_size()) {
+    return std::nullopt;
+  }
+  return input.scan;
+}
+
 // The values rules of ValidateAttendInputs (see validation.h).
-absl::Status CheckValues(const AttentionTask& task, const TaskDims& dims, const LayerConfig& layer,
+absl::Status CheckValues(const AttendInputs& request, const AttentionTask& task,
+                         const TaskDims& dims, const LayerConfig& layer,
                          const LayerWeightBounds* weight_bounds) {
-  absl::StatusOr<double> max_q = FiniteMaxAbs("query", task.query);
+  absl::StatusOr<double> max_q =
+      FiniteMaxAbs("query", task.query, KnownScan(request.query, task.query));
   if (!max_q.ok()) return max_q.status();
   // Self-attention (projection models, no key/value sent): key = value = query.
   double max_k = *max_q, max_v = *max_q;
   if (!task.key.empty()) {
-    absl::StatusOr<double> k = FiniteMaxAbs("key", task.key);
+    absl::StatusOr<double> k = FiniteMaxAbs("key", task.key, KnownScan(request.key, task.key));
     if (!k.ok()) return k.status();
-    absl::StatusOr<double> v = FiniteMaxAbs("value", task.value);
+    absl::StatusOr<double> v =
+        FiniteMaxAbs("value", task.value, KnownScan(request.value, task.value));
     if (!v.ok()) return v.status();
     max_k = *k;
     max_v = *v;
   }
   double mask_max = 0;
   if (!task.attn_mask.empty() && IsFloat(task.attn_mask.dtype)) {
-    absl::StatusOr<double> m = MaskMaxPositive(task.attn_mask);
+    absl::StatusOr<double> m =
+        MaskMaxPositive(task.attn_mask, KnownScan(request.attn_mask, task.attn_mask));
     if (!m.ok()) return m.status();
     mask_max = *m;
   }
@@ -938,7 +888,7 @@ absl::StatusOr<ValidatedRequest> ValidateAttendInputs(const AttendInputs& reques
 
   // Values: the one pass over the data, last.
   if (options.nonfinite_inputs == NonfiniteInputs::kReject) {
-    if (absl::Status s = CheckValues(task, dims, layer, weight_bounds); !s.ok()) return s;
+    if (absl::Status s = CheckValues(request, task, dims, layer, weight_bounds); !s.ok()) return s;
   }
   return out;
 }

@@ -10,10 +10,17 @@ namespace attnserve {
 
 namespace {
 
-const HostBuffer* Payload(const AttendPayloads* payloads,
-                          std::optional<HostBuffer> AttendPayloads::*field) {
-  if (payloads == nullptr || !(payloads->*field).has_value()) return nullptr;
-  return &*(payloads->*field);
+// A Tensor field's input, its data from `payloads` when the wire's bytes
+// went there (with the scan its copy made).
+InputTensor DecodeField(const v1::Tensor& tensor, bool has, absl::string_view field,
+                        const AttendPayloads* payloads,
+                        std::optional<AttendPayload> AttendPayloads::*payload) {
+  const AttendPayload* taken = payloads != nullptr && (payloads->*payload).has_value()
+                                   ? &*(payloads->*payload)
+                                   : nullptr;
+  InputTensor input = DecodeTensor(tensor, has, field, taken != nullptr ? &taken->bytes : nullptr);
+  if (taken != nullptr && input.present) input.scan = taken->scan;
+  return input;
 }
 
 }  // namespace
@@ -22,14 +29,13 @@ AttendInputs DecodeAttendRequest(const v1::AttendRequest& request,
                                  const AttendPayloads* payloads) {
   AttendInputs in;
   in.model = request.model();
-  in.query = DecodeTensor(request.query(), request.has_query(), "query",
-                          Payload(payloads, &AttendPayloads::query));
-  in.key = DecodeTensor(request.key(), request.has_key(), "key",
-                        Payload(payloads, &AttendPayloads::key));
-  in.value = DecodeTensor(request.value(), request.has_value(), "value",
-                          Payload(payloads, &AttendPayloads::value));
-  in.attn_mask = DecodeTensor(request.attn_mask(), request.has_attn_mask(), "attn_mask",
-                              Payload(payloads, &AttendPayloads::attn_mask));
+  in.query = DecodeField(request.query(), request.has_query(), "query", payloads,
+                         &AttendPayloads::query);
+  in.key = DecodeField(request.key(), request.has_key(), "key", payloads, &AttendPayloads::key);
+  in.value = DecodeField(request.value(), request.has_value(), "value", payloads,
+                         &AttendPayloads::value);
+  in.attn_mask = DecodeField(request.attn_mask(), request.has_attn_mask(), "attn_mask", payloads,
+                             &AttendPayloads::attn_mask);
   in.key_lengths = absl::MakeConstSpan(request.key_lengths().data(),
                                        static_cast<size_t>(request.key_lengths_size()));
   in.causal = request.causal();

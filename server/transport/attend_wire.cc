@@ -26,18 +26,39 @@ constexpr uint32_t kKey = v1::AttendRequest::kKeyFieldNumber;
 constexpr uint32_t kValue = v1::AttendRequest::kValueFieldNumber;
 constexpr uint32_t kAttnMask = v1::AttendRequest::kAttnMaskFieldNumber;
 constexpr uint32_t kTensorData = v1::Tensor::kDataFieldNumber;
+constexpr uint32_t kTensorDtype = v1::Tensor::kDtypeFieldNumber;
+
+// The bytes per value of a float DataType code as sent; 0 for any other.
+int FloatWidth(uint64_t code) {
+  switch (code) {
+    case v1::FLOAT32: return 4;
+    case v1::FLOAT16:
+    case v1::BFLOAT16: return 2;
+    default: return 0;
+  }
+}
 
 // One Tensor message of `length` bytes: its `data` into `*payload` (the last
-// occurrence wins), the rest into `out`, as it came, as a Tensor without
-// `data`.
-bool SplitTensor(size_t length, SliceReader& in, HostBufferPool& pool,
-                 std::optional<HostBuffer>* payload, std::string* out) {
+// occurrence wins), copied and scanned at the width of the dtype read so far
+// (protobuf writes dtype first), the rest into `out`, as it came, as a
+// Tensor without `data`.
+bool SplitTensor(size_t length, SliceReader& in, HostBufferPool& pool, PayloadCopier& copier,
+                 std::optional<AttendPayload>* payload, std::string* out) {
   const size_t end = in.left() - length;  // what is left once the Tensor is read
   std::string rest;
+  int width = 0;  // of the dtype read so far (the last occurrence wins)
+  std::vector<absl::string_view> pieces;
   while (in.left() > end) {
     uint32_t tag;
     std::string raw_tag;
     if (!ReadTag(in, &tag, &raw_tag) || in.left() < end) return false;
+    if (tag == (kTensorDtype << 3 | kWireVarint)) {
+      rest += raw_tag;
+      uint64_t code;  // read as CopyBody reads a varint, its bytes kept
+      if (!in.ReadVarint(10, &code, &rest) || in.left() < end) return false;
+      width = FloatWidth(code);
+      continue;
+    }
     if (tag != (kTensorData << 3 | kWireLengthDelimited)) {
       rest += raw_tag;
       if (!CopyBody(tag, in, &rest) || in.left() < end) return false;  // not past the Tensor
@@ -46,8 +67,11 @@ bool SplitTensor(size_t length, SliceReader& in, HostBufferPool& pool,
     size_t size;
     if (!ReadLength(in, end, &size)) return false;
     absl::StatusOr<HostBuffer> buffer = pool.Allocate(size);
-    if (!buffer.ok() || !in.Read(buffer->data(), size)) return false;
-    *payload = *std::move(buffer);
+    pieces.clear();
+    if (!buffer.ok() || !in.ReadPieces(size, &pieces)) return false;
+    const ValueScan scan = copier.Copy(pieces, buffer->data(), width);
+    *payload = AttendPayload{*std::move(buffer), std::nullopt};
+    if (scan.width > 0) (*payload)->scan = scan;
   }
   if (in.left() != end) return false;  // a field ran past the Tensor's end
   AppendVarint(rest.size(), out);
@@ -55,7 +79,7 @@ bool SplitTensor(size_t length, SliceReader& in, HostBufferPool& pool,
   return true;
 }
 
-std::optional<HostBuffer>* PayloadOf(uint32_t field, AttendPayloads* payloads) {
+std::optional<AttendPayload>* PayloadOf(uint32_t field, AttendPayloads* payloads) {
   switch (field) {
     case kQuery: return &payloads->query;
     case kKey: return &payloads->key;
@@ -67,15 +91,15 @@ std::optional<HostBuffer>* PayloadOf(uint32_t field, AttendPayloads* payloads) {
 
 // The message without its tensors' data, into `rest`; false: leave the
 // bytes to protobuf.
-bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, std::string* rest,
-           AttendPayloads* payloads) {
+bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, PayloadCopier& copier,
+           std::string* rest, AttendPayloads* payloads) {
   SliceReader in(bytes);
   if (!in.ok()) return false;
   while (in.left() > 0) {
     uint32_t tag;
     std::string raw_tag;
     if (!ReadTag(in, &tag, &raw_tag)) return false;
-    std::optional<HostBuffer>* payload = PayloadOf(tag >> 3, payloads);
+    std::optional<AttendPayload>* payload = PayloadOf(tag >> 3, payloads);
     if (payload == nullptr || (tag & 7) != kWireLengthDelimited) {
       *rest += raw_tag;
       if (!CopyBody(tag, in, rest)) return false;
@@ -84,7 +108,7 @@ bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, std::string* rest,
     size_t length;
     if (!ReadLength(in, 0, &length)) return false;
     *rest += raw_tag;
-    if (!SplitTensor(length, in, pool, payload, rest)) return false;
+    if (!SplitTensor(length, in, pool, copier, payload, rest)) return false;
   }
   return true;
 }
@@ -160,10 +184,10 @@ absl::Status SerializeAttendStreamResponse(const v1::AttendStreamResponse& answe
 }
 
 absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
-                                HostBufferPool& pool, v1::AttendRequest* request,
-                                AttendPayloads* payloads) {
+                                HostBufferPool& pool, PayloadCopier& copier,
+                                v1::AttendRequest* request, AttendPayloads* payloads) {
   std::string rest;
-  const bool split = Split(bytes, pool, &rest, payloads);
+  const bool split = Split(bytes, pool, copier, &rest, payloads);
   return FinishSplitParse(bytes, what, number, split, rest, request,
                           [payloads] { *payloads = AttendPayloads(); });
 }

@@ -21,29 +21,41 @@
 #include "engine/host_buffer.h"
 #include "engine/tensor.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "server/request/value_scan.h"
+#include "server/transport/payload_copier.h"
 
 namespace attnserve {
 
-// The `data` of the request's query, key, value and attn_mask, as the wire
-// had them. Unset: that data was not taken out of the message (then the
-// message's own `data` field holds it, as protobuf parsed it).
+// One tensor's `data` as the wire had it, and what the copy found in it:
+// the scan at the width of the dtype its Tensor gave before the data
+// (value_scan.h; unset when it gave none, or not FLOAT32, FLOAT16 or
+// BFLOAT16).
+struct AttendPayload {
+  HostBuffer bytes;
+  std::optional<ValueScan> scan;
+};
+
+// The `data` of the request's query, key, value and attn_mask. Unset: that
+// data was not taken out of the message (then the message's own `data`
+// field holds it, as protobuf parsed it).
 struct AttendPayloads {
-  std::optional<HostBuffer> query, key, value, attn_mask;
+  std::optional<AttendPayload> query, key, value, attn_mask;
 };
 
 // Parses `bytes` into `request` as ParseRequestMessage(bytes, what, number,
 // request) would, with the same result and the same error for any input,
 // except that every Tensor's `data` of the four tensor fields is left out of
 // `request` and copied into a buffer from `pool` in `payloads` (the last
-// occurrence on the wire, as protobuf keeps the last). The fields it leaves
+// occurrence on the wire, as protobuf keeps the last) by `copier`, which also
+// scans it (AttendPayload::scan). The fields it leaves
 // alone reach protobuf byte for byte. An encoding it does not take (a group,
 // a tag or length in more bytes than protobuf reads, a malformed or
 // truncated field, a field past the end of its Tensor) or a pool out of
 // memory leaves the whole message to ParseRequestMessage, with `payloads`
 // unset. Releases `bytes` either way.
 absl::Status ParseAttendRequest(grpc::ByteBuffer* bytes, absl::string_view what, int64_t number,
-                                HostBufferPool& pool, v1::AttendRequest* request,
-                                AttendPayloads* payloads);
+                                HostBufferPool& pool, PayloadCopier& copier,
+                                v1::AttendRequest* request, AttendPayloads* payloads);
 
 // The bytes of a response's result tensors (output, weights), in host
 // buffers the engine wrote them into, sent from there: gRPC's send path

@@ -19,6 +19,9 @@ namespace {
 
 AttentionServiceOptions WithRequestMemory(AttentionServiceOptions options) {
   if (options.request_memory == nullptr) options.request_memory = HostBufferPool::Ordinary();
+  if (options.payload_copier == nullptr) {
+    options.payload_copier = std::make_shared<PayloadCopier>(PayloadCopier::DefaultHelpers());
+  }
   return options;
 }
 
@@ -112,7 +115,8 @@ class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor
         // then; releasing it now keeps one copy of the inputs, not two.
         parsed_(access_.ok()
                     ? ParseAttendRequest(const_cast<grpc::ByteBuffer*>(request_bytes), "request",
-                                         0, *service->options_.request_memory, &request_,
+                                         0, *service->options_.request_memory,
+                                         *service->options_.payload_copier, &request_,
                                          &payloads_)
                     : access_.status()),
         model_(request_.model()),
@@ -194,7 +198,7 @@ void AttentionServiceImpl::StartStreamMessage(grpc::CallbackServerContext* conte
   const absl::Time received = dispatcher_->clock()->Now();
   const absl::Status parsed =
       ParseAttendRequest(bytes, "AttendStream message", number, *options_.request_memory,
-                         &message->request, &message->payloads);
+                         *options_.payload_copier, &message->request, &message->payloads);
   if (!parsed.ok()) CountUnparseable("AttendStream");
   message->answer.set_id(message->request.id());
   // The stream was authenticated when it opened (AttendStream); its access

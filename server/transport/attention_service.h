@@ -23,6 +23,7 @@
 #include "server/transport/attend_wire.h"
 #include "server/transport/bearer_tokens.h"
 #include "server/transport/call_tracker.h"
+#include "server/transport/payload_copier.h"
 #include "server/transport/stream_reactor.h"
 
 namespace attnserve {
@@ -41,6 +42,10 @@ struct AttentionServiceOptions {
   // backend engine's request_memory(). Null: ordinary memory
   // (HostBufferPool::Ordinary()). Default: null.
   std::shared_ptr<HostBufferPool> request_memory;
+  // Copies (and scans) the tensors' bytes into request_memory
+  // (payload_copier.h); shared with the other front ends. Null: one with
+  // PayloadCopier::DefaultHelpers() helpers. Default: null.
+  std::shared_ptr<PayloadCopier> payload_copier;
 };
 
 // Attend and AttendStream take gRPC's raw bytes and parse them here, so that

@@ -49,7 +49,8 @@ KServeServiceImpl::KServeServiceImpl(const ModelRegistry* registry, RequestDispa
                                      const Metrics* metrics, size_t max_stream_backlog,
                                      const BearerTokens* tokens, ModelManager* models,
                                      std::shared_ptr<HostBufferPool> request_memory,
-                                     SystemSharedMemory* shared_memory)
+                                     SystemSharedMemory* shared_memory,
+                                     std::shared_ptr<PayloadCopier> payload_copier)
     : registry_(registry),
       dispatcher_(dispatcher),
       metrics_(metrics),
@@ -57,6 +58,8 @@ KServeServiceImpl::KServeServiceImpl(const ModelRegistry* registry, RequestDispa
       tokens_(tokens),
       request_memory_(request_memory != nullptr ? std::move(request_memory)
                                                 : HostBufferPool::Ordinary()),
+      payload_copier_(payload_copier != nullptr ? std::move(payload_copier)
+                                                : std::make_shared<PayloadCopier>(0)),
       core_(registry, dispatcher, metrics, models, shared_memory) {}
 
 absl::Status KServeServiceImpl::Authorize(const grpc::CallbackServerContext& context,
@@ -106,8 +109,8 @@ class KServeServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
         // copy of the inputs, not two.
         parsed_(authorized_.ok()
                     ? ParseModelInferRequest(const_cast<grpc::ByteBuffer*>(request_bytes),
-                                             "request", 0, *service->request_memory_, &request_,
-                                             &raw_inputs_)
+                                             "request", 0, *service->request_memory_,
+                                             *service->payload_copier_, &request_, &raw_inputs_)
                     : authorized_),
         model_(request_.model_name()),
         counted_(service->calls_.CallStarted()) {}
@@ -176,7 +179,7 @@ void KServeServiceImpl::StartStreamMessage(grpc::CallbackServerContext* context,
   const absl::Time received = dispatcher_->clock()->Now();
   const absl::Status parsed =
       ParseModelInferRequest(bytes, "ModelStreamInfer message", number, *request_memory_,
-                             &message->request, &message->raw_inputs);
+                             *payload_copier_, &message->request, &message->raw_inputs);
   inference::ModelInferResponse* response = message->answer.mutable_infer_response();
   // Authenticated when the stream opened; the same access for every message.
   ModelAccess access = ModelAccess::None();

@@ -28,6 +28,7 @@
 #include "server/transport/call_tracker.h"
 #include "server/transport/kserve_codec.h"
 #include "server/transport/kserve_core.h"
+#include "server/transport/payload_copier.h"
 #include "server/transport/stream_reactor.h"
 
 namespace attnserve {
@@ -76,11 +77,14 @@ class KServeServiceImpl final : public KServeServiceBase, private StreamHandler 
   // AttentionServiceOptions::request_memory (null: ordinary memory).
   // `shared_memory`: the regions clients register (system_shared_memory.h),
   // shared with the HTTP front end; null: --allow-client-shm is off.
+  // `payload_copier`: copies raw inputs off the wire, as
+  // AttentionServiceOptions::payload_copier (null: one without helpers).
   KServeServiceImpl(const ModelRegistry* registry, RequestDispatcher* dispatcher,
                     const Metrics* metrics, size_t max_stream_backlog,
                     const BearerTokens* tokens = nullptr, ModelManager* models = nullptr,
                     std::shared_ptr<HostBufferPool> request_memory = nullptr,
-                    SystemSharedMemory* shared_memory = nullptr);
+                    SystemSharedMemory* shared_memory = nullptr,
+                    std::shared_ptr<PayloadCopier> payload_copier = nullptr);
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
@@ -190,6 +194,7 @@ class KServeServiceImpl final : public KServeServiceBase, private StreamHandler 
   const size_t max_stream_backlog_;
   const BearerTokens* const tokens_;  // null: no authentication
   const std::shared_ptr<HostBufferPool> request_memory_;  // never null
+  const std::shared_ptr<PayloadCopier> payload_copier_;   // never null
   const KServeCore core_;
   CallTracker calls_;
 };

@@ -34,9 +34,10 @@ constexpr size_t kMaxRawInputs = 64;
 
 // The message without its raw_input_contents, into `rest`; false: leave the
 // bytes to protobuf.
-bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, std::string* rest,
-           std::vector<HostBuffer>* raw_inputs) {
+bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, PayloadCopier& copier,
+           std::string* rest, std::vector<HostBuffer>* raw_inputs) {
   SliceReader in(bytes);
+  std::vector<absl::string_view> pieces;
   if (!in.ok()) return false;
   while (in.left() > 0) {
     uint32_t tag;
@@ -50,7 +51,9 @@ bool Split(grpc::ByteBuffer* bytes, HostBufferPool& pool, std::string* rest,
     size_t length;
     if (raw_inputs->size() == kMaxRawInputs || !ReadLength(in, 0, &length)) return false;
     absl::StatusOr<HostBuffer> buffer = pool.Allocate(length);
-    if (!buffer.ok() || !in.Read(buffer->data(), length)) return false;
+    pieces.clear();
+    if (!buffer.ok() || !in.ReadPieces(length, &pieces)) return false;
+    copier.Copy(pieces, buffer->data(), /*width=*/0);
     raw_inputs->push_back(*std::move(buffer));
   }
   return true;
@@ -79,11 +82,11 @@ SliceWriter WriteResponse(const inference::ModelInferResponse& response,
 }  // namespace
 
 absl::Status ParseModelInferRequest(grpc::ByteBuffer* bytes, absl::string_view what,
-                                    int64_t number, HostBufferPool& pool,
+                                    int64_t number, HostBufferPool& pool, PayloadCopier& copier,
                                     inference::ModelInferRequest* request,
                                     std::vector<HostBuffer>* raw_inputs) {
   std::string rest;
-  const bool split = Split(bytes, pool, &rest, raw_inputs);
+  const bool split = Split(bytes, pool, copier, &rest, raw_inputs);
   return FinishSplitParse(bytes, what, number, split, rest, request,
                           [raw_inputs] { raw_inputs->clear(); });
 }

@@ -19,6 +19,7 @@
 #include "grpcpp/support/byte_buffer.h"
 #include "inference/grpc_service.pb.h"
 #include "server/dispatch/request_dispatcher.h"
+#include "server/transport/payload_copier.h"
 
 namespace attnserve {
 
@@ -36,8 +37,10 @@ namespace attnserve {
 // So a request's raw contents are `raw_inputs` when it is not empty and
 // request->raw_input_contents() otherwise (DecodeModelInferRequest takes
 // both).
+// The raw entries are copied by `copier` (payload_copier.h; not scanned:
+// their datatypes are in `inputs`, which protobuf parses after the split).
 absl::Status ParseModelInferRequest(grpc::ByteBuffer* bytes, absl::string_view what,
-                                    int64_t number, HostBufferPool& pool,
+                                    int64_t number, HostBufferPool& pool, PayloadCopier& copier,
                                     inference::ModelInferRequest* request,
                                     std::vector<HostBuffer>* raw_inputs);
 

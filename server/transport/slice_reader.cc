@@ -15,18 +15,14 @@ SliceReader::SliceReader(grpc::ByteBuffer* bytes) : ok_(bytes->Dump(&slices_).ok
   for (const grpc::Slice& s : slices_) left_ += s.size();
 }
 
-bool SliceReader::Read(char* out, size_t n) {
+template <typename Part>
+bool SliceReader::Consume(size_t n, Part part) {
   if (n > left_) return false;
   left_ -= n;
   while (n > 0) {
     const grpc::Slice& s = slices_[slice_];
     const size_t take = std::min(n, s.size() - offset_);
-    const char* from = reinterpret_cast<const char*>(s.begin()) + offset_;
-    if (out != nullptr) {
-      std::memcpy(out, from, take);
-      out += take;
-    }
-    if (record_ != nullptr) record_->append(from, take);
+    part(reinterpret_cast<const char*>(s.begin()) + offset_, take);
     n -= take;
     offset_ += take;
     if (offset_ == s.size()) {
@@ -35,6 +31,20 @@ bool SliceReader::Read(char* out, size_t n) {
     }
   }
   return true;
+}
+
+bool SliceReader::Read(char* out, size_t n) {
+  return Consume(n, [&](const char* from, size_t take) {
+    if (out != nullptr) {
+      std::memcpy(out, from, take);
+      out += take;
+    }
+    if (record_ != nullptr) record_->append(from, take);
+  });
+}
+
+bool SliceReader::ReadPieces(size_t n, std::vector<absl::string_view>* pieces) {
+  return Consume(n, [pieces](const char* from, size_t take) { pieces->emplace_back(from, take); });
 }
 
 bool SliceReader::ReadVarint(int max_bytes, uint64_t* value, std::string* raw) {

@@ -38,12 +38,21 @@ class SliceReader {
   // way). False: fewer are left.
   bool Read(char* out, size_t n);
   bool Skip(size_t n) { return Read(nullptr, n); }
+  // The next `n` bytes as views into the slices, in order, appended to
+  // `pieces` (valid while this reader lives), for a caller that copies them
+  // itself; never recorded. False: fewer are left.
+  bool ReadPieces(size_t n, std::vector<absl::string_view>* pieces);
 
   // A varint of at most `max_bytes` bytes; its bytes into `raw` too, when
   // given. False: truncated or longer.
   bool ReadVarint(int max_bytes, uint64_t* value, std::string* raw = nullptr);
 
  private:
+  // Moves past the next `n` bytes (false, moving nowhere: fewer are left),
+  // handing each slice's part of them to `part(const char*, size_t)`.
+  template <typename Part>
+  bool Consume(size_t n, Part part);
+
   std::vector<grpc::Slice> slices_;
   bool ok_;
   size_t left_ = 0;

@@ -22,6 +22,7 @@
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
 #include "server/request/validation.h"
+#include "server/request/value_scan.h"
 #include "server/transport/attend_codec.h"
 #include "server/transport/attend_wire.h"
 #include "server/transport/message_codec.h"
@@ -101,6 +102,7 @@ struct Fixture {
   std::unique_ptr<AttentionEngine> reference, cpu;
   ValidationOptions options;
   std::shared_ptr<HostBufferPool> request_memory = HostBufferPool::Ordinary();
+  std::shared_ptr<PayloadCopier> payload_copier = std::make_shared<PayloadCopier>(1);
 };
 
 double MaxAbs(const TensorView& t) {
@@ -171,13 +173,28 @@ void CheckWireParseAgrees(const absl::Status& parsed, const v1::AttendRequest& r
     Fail("ParseAttendRequest: " + parsed.ToString() + "; protobuf: " + oracle_status.ToString());
   }
   v1::AttendRequest joined = request;
-  auto put = [](const std::optional<HostBuffer>& payload, v1::Tensor* tensor) {
-    if (payload.has_value()) tensor->set_data(std::string(payload->data(), payload->size()));
+  auto put = [](const std::optional<AttendPayload>& payload, v1::Tensor* tensor) {
+    if (payload.has_value()) {
+      tensor->set_data(std::string(payload->bytes.data(), payload->bytes.size()));
+    }
   };
   put(payloads.query, joined.mutable_query());
   put(payloads.key, joined.mutable_key());
   put(payloads.value, joined.mutable_value());
   put(payloads.attn_mask, joined.mutable_attn_mask());
+  // A copy's scan is the scan of the bytes it copied.
+  for (const std::optional<AttendPayload>* payload :
+       {&payloads.query, &payloads.key, &payloads.value, &payloads.attn_mask}) {
+    if (!payload->has_value() || !(*payload)->scan.has_value()) continue;
+    const ValueScan& got = *(*payload)->scan;
+    const HostBuffer& bytes = (*payload)->bytes;
+    if (got.width != 2 && got.width != 4) Fail("a scan of width other than 2 or 4");
+    const ValueScan want =
+        ScanValues(bytes.data(), static_cast<int64_t>(bytes.size()) / got.width, got.width);
+    if (got.max_abs_bits != want.max_abs_bits || got.max_positive_bits != want.max_positive_bits) {
+      Fail("the copy's scan differs from a scan of the copied bytes");
+    }
+  }
   if (!request.has_query()) joined.clear_query();
   if (!request.has_key()) joined.clear_key();
   if (!request.has_value()) joined.clear_value();
@@ -199,8 +216,8 @@ void RunOne(const Fixture& f, const uint8_t* data, size_t size) {
   grpc::ByteBuffer bytes(halves, 2);
   v1::AttendRequest request;
   AttendPayloads payloads;
-  const absl::Status parsed =
-      ParseAttendRequest(&bytes, "request", 0, *f.request_memory, &request, &payloads);
+  const absl::Status parsed = ParseAttendRequest(&bytes, "request", 0, *f.request_memory,
+                                                 *f.payload_copier, &request, &payloads);
   CheckWireParseAgrees(parsed, request, oracle_status, oracle, payloads);
   if (!parsed.ok()) {
     if (parsed.code() != absl::StatusCode::kInvalidArgument ||

@@ -57,8 +57,9 @@ void RunOne(const uint8_t* data, size_t size) {
   grpc::ByteBuffer bytes(halves, 2);
   inference::ModelInferRequest request;
   std::vector<HostBuffer> raw_inputs;
+  static PayloadCopier* const copier = new PayloadCopier(1);
   const absl::Status parsed =
-      ParseModelInferRequest(&bytes, "request", 0, *pool, &request, &raw_inputs);
+      ParseModelInferRequest(&bytes, "request", 0, *pool, *copier, &request, &raw_inputs);
   if (parsed != oracle_status) {
     Fail("ParseModelInferRequest: " + parsed.ToString() +
          "; protobuf: " + oracle_status.ToString());

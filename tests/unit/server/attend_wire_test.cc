@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/support/slice.h"
 #include "gtest/gtest.h"
+#include "server/request/value_scan.h"
 #include "server/transport/attend_codec.h"
 #include "server/transport/message_codec.h"
 #include "server/transport/protobuf_log.h"
@@ -36,11 +37,17 @@ struct Parsed {
   AttendPayloads payloads;
 };
 
+// Two helpers: tensors of 1 MiB and more are copied by several threads.
+PayloadCopier& Copier() {
+  static PayloadCopier* copier = new PayloadCopier(2);
+  return *copier;
+}
+
 Parsed ParseWire(const std::string& wire, HostBufferPool& pool, std::vector<size_t> cuts = {}) {
   InstallProtobufLogHandler();  // protobuf's complaints become the error, as in the server
   Parsed p;
   grpc::ByteBuffer bytes = Buffer(wire, std::move(cuts));
-  p.status = ParseAttendRequest(&bytes, "request", 0, pool, &p.request, &p.payloads);
+  p.status = ParseAttendRequest(&bytes, "request", 0, pool, Copier(), &p.request, &p.payloads);
   EXPECT_EQ(bytes.Length(), 0u) << "the bytes are released after the parse";
   return p;
 }
@@ -58,8 +65,10 @@ Parsed ParseOracle(const std::string& wire, std::vector<size_t> cuts = {}) {
 // The request with the payloads put back where the wire had them.
 v1::AttendRequest Joined(const Parsed& p) {
   v1::AttendRequest r = p.request;
-  auto put = [](const std::optional<HostBuffer>& payload, v1::Tensor* tensor) {
-    if (payload.has_value()) tensor->set_data(std::string(payload->data(), payload->size()));
+  auto put = [](const std::optional<AttendPayload>& payload, v1::Tensor* tensor) {
+    if (payload.has_value()) {
+      tensor->set_data(std::string(payload->bytes.data(), payload->bytes.size()));
+    }
   };
   put(p.payloads.query, r.mutable_query());
   put(p.payloads.key, r.mutable_key());
@@ -151,8 +160,8 @@ TEST(AttendWireTest, TheTensorsBytesLandInThePoolAndNotInTheMessage) {
   Parsed p = ParseWire(r.SerializeAsString(), *pool.pool, {5});
   ASSERT_TRUE(p.status.ok());
   ASSERT_TRUE(p.payloads.query.has_value());
-  EXPECT_EQ(std::string(p.payloads.query->data(), 8), "qqqqqqqq");
-  EXPECT_TRUE(pool.pool->Contains(p.payloads.query->data(), 8));
+  EXPECT_EQ(std::string(p.payloads.query->bytes.data(), 8), "qqqqqqqq");
+  EXPECT_TRUE(pool.pool->Contains(p.payloads.query->bytes.data(), 8));
   EXPECT_TRUE(p.request.query().data().empty());
   EXPECT_EQ(p.request.query().shape_size(), 1);
   ASSERT_TRUE(p.payloads.attn_mask.has_value());
@@ -160,9 +169,63 @@ TEST(AttendWireTest, TheTensorsBytesLandInThePoolAndNotInTheMessage) {
   EXPECT_FALSE(p.payloads.key.has_value());
   const AttendInputs in = DecodeAttendRequest(p.request, &p.payloads);
   EXPECT_TRUE(in.query.present);
-  EXPECT_EQ(in.query.data.data(), p.payloads.query->data()) << "read in place";
+  EXPECT_EQ(in.query.data.data(), p.payloads.query->bytes.data()) << "read in place";
   EXPECT_TRUE(in.attn_mask.present);
   EXPECT_FALSE(in.key.present);
+}
+
+// Each tensor's bytes are scanned as they are copied, at the width of the
+// dtype its Tensor gave before them; the scan is the one ScanValues makes of
+// the copied bytes (the oracle), and reaches the decoded inputs.
+TEST(AttendWireTest, TheCopyScansTheValuesAtTheDtypeSentBeforeThem) {
+  Pool pool;
+  std::mt19937 rng(7);
+  // 3 MiB of fp16 (in chunks across threads) and 12 bytes of fp32.
+  std::string big(size_t{3} << 20, '\0');
+  for (char& c : big) c = static_cast<char>(rng());
+  v1::AttendRequest r;
+  r.mutable_query()->set_dtype(v1::FLOAT16);
+  r.mutable_query()->set_data(big);
+  r.mutable_key()->set_dtype(v1::FLOAT32);
+  // 1.0, NaN, -2.0
+  r.mutable_key()->set_data(
+      std::string("\x00\x00\x80\x3f\x00\x00\xc0\x7f\x00\x00\x00\xc0", 12));
+  r.mutable_attn_mask()->set_dtype(v1::BOOL);
+  r.mutable_attn_mask()->set_data(std::string(6, '\x01'));
+  std::vector<size_t> cuts;
+  for (size_t at = 1; at < big.size(); at += 4093 + rng() % 70000) cuts.push_back(at);
+  Parsed p = ParseWire(r.SerializeAsString(), *pool.pool, cuts);
+  ASSERT_TRUE(p.status.ok()) << p.status;
+  ASSERT_TRUE(p.payloads.query.has_value());
+  ASSERT_EQ(std::string(p.payloads.query->bytes.data(), p.payloads.query->bytes.size()), big);
+  ASSERT_TRUE(p.payloads.query->scan.has_value());
+  const ValueScan want = ScanValues(big.data(), static_cast<int64_t>(big.size() / 2), 2);
+  EXPECT_EQ(p.payloads.query->scan->width, 2);
+  EXPECT_EQ(p.payloads.query->scan->max_abs_bits, want.max_abs_bits);
+  EXPECT_EQ(p.payloads.query->scan->max_positive_bits, want.max_positive_bits);
+  ASSERT_TRUE(p.payloads.key->scan.has_value());
+  EXPECT_EQ(p.payloads.key->scan->width, 4);
+  EXPECT_EQ(p.payloads.key->scan->max_abs_bits, 0x7fc00000) << "the NaN";
+  EXPECT_EQ(p.payloads.key->scan->max_positive_bits, 0x7fc00000);
+  EXPECT_FALSE(p.payloads.attn_mask->scan.has_value()) << "BOOL is not scanned";
+  const AttendInputs in = DecodeAttendRequest(p.request, &p.payloads);
+  ASSERT_TRUE(in.query.scan.has_value());
+  EXPECT_EQ(in.query.scan->max_abs_bits, want.max_abs_bits);
+  EXPECT_FALSE(in.attn_mask.scan.has_value());
+
+  // Data before its dtype: not scanned (validation reads the bytes itself).
+  v1::Tensor data_first;
+  data_first.set_data(std::string(4, '\x01'));
+  v1::Tensor dtype_after;
+  dtype_after.set_dtype(v1::FLOAT32);
+  const std::string tensor = data_first.SerializeAsString() + dtype_after.SerializeAsString();
+  const std::string wire =
+      Tag(v1::AttendRequest::kQueryFieldNumber, 2) + Varint(tensor.size()) + tensor;
+  Parsed late = ParseWire(wire, *pool.pool);
+  ASSERT_TRUE(late.status.ok()) << late.status;
+  ASSERT_TRUE(late.payloads.query.has_value());
+  EXPECT_EQ(late.request.query().dtype(), v1::FLOAT32);
+  EXPECT_FALSE(late.payloads.query->scan.has_value());
 }
 
 TEST(AttendWireTest, EncodingsProtobufMergesParseAsProtobufParsesThem) {

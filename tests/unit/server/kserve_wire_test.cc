@@ -51,7 +51,9 @@ Parsed ParseWire(const std::string& wire, HostBufferPool& pool, std::vector<size
   InstallProtobufLogHandler();  // protobuf's complaints become the error, as in the server
   Parsed p;
   grpc::ByteBuffer bytes = Buffer(wire, std::move(cuts));
-  p.status = ParseModelInferRequest(&bytes, "request", 0, pool, &p.request, &p.raw_inputs);
+  static PayloadCopier* copier = new PayloadCopier(2);  // entries of 1 MiB on: shared copies
+  p.status =
+      ParseModelInferRequest(&bytes, "request", 0, pool, *copier, &p.request, &p.raw_inputs);
   EXPECT_EQ(bytes.Length(), 0u) << "the bytes are released after the parse";
   return p;
 }

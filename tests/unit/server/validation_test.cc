@@ -501,6 +501,32 @@ TEST_P(ValidationTableTest, RejectsWithFieldRuleAndValues) {
 INSTANTIATE_TEST_SUITE_P(EveryRule, ValidationTableTest, ::testing::ValuesIn(Cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
+// A front end's scan of the bytes (InputTensor::scan, made as it copied
+// them) stands for validation's own pass: a scan claiming 1e30 in query
+// and key (whose bytes hold zeros) gets the overflow refusal the values
+// would; one read at another width than the dtype's is ignored.
+TEST(ValidationTest, TheFrontEndsScanStandsForTheValuesPass) {
+  const v1::AttendRequest r = ValidSdpa();  // zeros
+  auto bits = [](float f) {
+    int32_t b;
+    std::memcpy(&b, &f, sizeof b);
+    return b;
+  };
+  const ValueScan large{4, bits(1e30f), bits(1e30f)};
+  AttendInputs in = DecodeAttendRequest(r);
+  in.query.scan = large;
+  in.key.scan = large;
+  absl::StatusOr<ValidatedRequest> v = ValidateAttendInputs(in, SdpaLayer(), {});
+  ASSERT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument) << v.status();
+  EXPECT_THAT(std::string(v.status().message()),
+              AllOf(HasSubstr("scores may overflow float32"), HasSubstr("max|query| 1e+30")));
+  // Patterns that would read as NaN at FLOAT32's width, but claimed for 16-bit values.
+  in.query.scan = ValueScan{2, 0x7fc00000, 0x7fc00000};
+  in.key.scan = ValueScan{2, 0x7fc00000, 0x7fc00000};
+  v = ValidateAttendInputs(in, SdpaLayer(), {});
+  EXPECT_TRUE(v.ok()) << v.status();
+}
+
 TEST(ValidationTest, SdpaGqaCrossAttentionDims) {
   v1::AttendRequest r = ValidSdpa();
   r.set_need_weights(true);
