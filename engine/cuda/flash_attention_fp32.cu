@@ -87,6 +87,7 @@ __device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], u
 struct SplitA {
   uint32_t hi[4];
   uint32_t lo[4];
+  SplitA() = default;
   __device__ __forceinline__ explicit SplitA(const uint32_t (&x)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) Split(x[i], hi[i], lo[i]);
@@ -156,42 +157,96 @@ __global__ void __launch_bounds__(kThreads, 1)
     // S = Q K^T for this warp's 16 rows and the tile's keys, 8 dims per step.
     // ldmatrix of K's rows n*8.. gives B's fragments of n-tiles n and n+1:
     // blocks (keys n*8.., dims 0-3), (.., dims 4-7), (keys n*8+8.., 0-3), (.., 4-7).
+    // In chains of kChain steps (8 dims each), each chain's sum added to S
+    // in fp32: the tensor cores cut each mma's sum toward zero (below), so
+    // a score loses what one short chain loses, whatever the head dim.
+    constexpr int kChain = 2;
     float s[kN / 8][4];
 #pragma unroll
     for (int n = 0; n < kN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < D / 8; ++kk) {
-      uint32_t q_frag[4];
-      flash::LoadMatrices(q_frag, q_rows + kk * 8);
-      const SplitA qa(q_frag);
+    for (int k0 = 0; k0 < D / 8; k0 += kChain) {
+      float chain[kN / 8][4];
 #pragma unroll
-      for (int n = 0; n < kN / 8; n += 2) {
-        uint32_t kb[4];
-        flash::LoadMatrices(kb, k_tile + (n * 8 + (lane >> 4) * 8 + (lane & 7)) * kLd + kk * 8 +
-                                    ((lane >> 3) & 1) * 4);
-        Mma3xTf32(s[n], qa, kb[0], kb[1]);
-        Mma3xTf32(s[n + 1], qa, kb[2], kb[3]);
+      for (int n = 0; n < kN / 8; ++n) chain[n][0] = chain[n][1] = chain[n][2] = chain[n][3] = 0.0f;
+#pragma unroll
+      for (int kk = k0; kk < k0 + kChain; ++kk) {
+        uint32_t q_frag[4];
+        flash::LoadMatrices(q_frag, q_rows + kk * 8);
+        const SplitA qa(q_frag);
+#pragma unroll
+        for (int n = 0; n < kN / 8; n += 2) {
+          uint32_t kb[4];
+          flash::LoadMatrices(kb, k_tile + (n * 8 + (lane >> 4) * 8 + (lane & 7)) * kLd +
+                                      kk * 8 + ((lane >> 3) & 1) * 4);
+          Mma3xTf32(chain[n], qa, kb[0], kb[1]);
+          Mma3xTf32(chain[n + 1], qa, kb[2], kb[3]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < kN / 8; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[n][i] += chain[n][i];
       }
     }
 
     // Scale (and mask where needed) into the log2 domain, the new row maxima,
-    // P = exp2(S - max) in place; O shrinks by alpha.
+    // P = exp2(S - max) in place; alpha: how much O shrinks.
     float alpha[2];
     rows.Softmax(s, a, b, h, j0, t, has_mask, scale_log2, embedding_rows(k_tile), alpha);
-    flash::Rescale(o, alpha);
 
-    // O += P V, one 8-key tile per step, keys renumbered (top): P's fragment
-    // {c0, c2, c1, c3}; V's rows 2t and 2t+1 of the tile at feature f*8 + g.
-#pragma unroll
-    for (int n = 0; n < kN / 8; ++n) {
+    // This tile's P V, one 8-key tile per step, keys renumbered (top): P's
+    // fragment {c0, c2, c1, c3}; V's rows 2t and 2t+1 of the tile at feature
+    // f*8 + g. Into accumulators of its own, then O = O * alpha + P V in
+    // fp32 (alpha: each row's shrink, rows g and g + 8): the tensor cores
+    // cut each mma's sum toward zero (H200 runs 1-2: rows of 2048-2500 keys
+    // accumulated into O off float64 by 1.5e-5-2.4e-5; the emulator's model
+    // of it, Tf32Accumulation::kTruncated, gives the same), so a chain of
+    // mma only as long as a tile's, and round-to-nearest between tiles,
+    // keeps the error from growing with the row. Feature by feature where
+    // the tile's split P takes fewer registers than a whole P V (head dim
+    // 128), else 8-key tile by 8-key tile.
+    const auto add_to_o = [&](float (&o_f)[4], const float (&pv_f)[4]) {
+      o_f[0] = fmaf(o_f[0], alpha[0], pv_f[0]);
+      o_f[1] = fmaf(o_f[1], alpha[0], pv_f[1]);
+      o_f[2] = fmaf(o_f[2], alpha[1], pv_f[2]);
+      o_f[3] = fmaf(o_f[3], alpha[1], pv_f[3]);
+    };
+    const auto split_p = [&](int n) {
       const uint32_t p_frag[4] = {__float_as_uint(s[n][0]), __float_as_uint(s[n][2]),
                                   __float_as_uint(s[n][1]), __float_as_uint(s[n][3])};
-      const SplitA pa(p_frag);
-      const float* v_rows = v_tile + (n * 8 + 2 * t) * kLd + g;
+      return SplitA(p_frag);
+    };
+    if constexpr (kN / 8 * 8 < D / 8 * 4) {
+      SplitA pa[kN / 8];
+#pragma unroll
+      for (int n = 0; n < kN / 8; ++n) pa[n] = split_p(n);
 #pragma unroll
       for (int f = 0; f < D / 8; ++f) {
-        Mma3xTf32(o[f], pa, __float_as_uint(v_rows[f * 8]), __float_as_uint(v_rows[kLd + f * 8]));
+        float pv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int n = 0; n < kN / 8; ++n) {
+          const float* v_rows = v_tile + (n * 8 + 2 * t) * kLd + g + f * 8;
+          Mma3xTf32(pv, pa[n], __float_as_uint(v_rows[0]), __float_as_uint(v_rows[kLd]));
+        }
+        add_to_o(o[f], pv);
       }
+    } else {
+      float pv[D / 8][4];
+#pragma unroll
+      for (int f = 0; f < D / 8; ++f) pv[f][0] = pv[f][1] = pv[f][2] = pv[f][3] = 0.0f;
+#pragma unroll
+      for (int n = 0; n < kN / 8; ++n) {
+        const SplitA pa = split_p(n);
+        const float* v_rows = v_tile + (n * 8 + 2 * t) * kLd + g;
+#pragma unroll
+        for (int f = 0; f < D / 8; ++f) {
+          Mma3xTf32(pv[f], pa, __float_as_uint(v_rows[f * 8]),
+                    __float_as_uint(v_rows[kLd + f * 8]));
+        }
+      }
+#pragma unroll
+      for (int f = 0; f < D / 8; ++f) add_to_o(o[f], pv[f]);
     }
   }
   flash::WaitCopies();  // with no key tile, Q's copy is still in flight

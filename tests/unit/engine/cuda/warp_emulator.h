@@ -36,7 +36,9 @@
 //     lays them out (a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4],
 //     a3 = A[g+8][t+4]; b0 = B[t][g], b1 = B[t+4][g]; c0, c1 = C[g][2t..],
 //     c2, c3 = C[g+8][2t..]), the inputs' low 13 bits ignored as the tensor
-//     cores do, products accumulated in k order;
+//     cores do, products accumulated in k order, or, under
+//     ScopedTf32Accumulation(kTruncated), summed as the tensor cores were
+//     measured to sum them (truncated toward zero; below);
 //   - cp.async: copied (or zero-filled) at once, so commit and wait are
 //     empty.
 // Addresses the hardware requires 16-byte aligned (ldmatrix rows, cp.async)
@@ -66,7 +68,10 @@
 #include <cuda_runtime_api.h>
 #include <vector_functions.h>
 
+#include <algorithm>
+#include <atomic>
 #include <bit>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -590,14 +595,94 @@ inline void MmaM16N8K16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint
       });
 }
 
+// How the emulated tf32 mma adds its products to the accumulator.
+// kFused: an fp32 fma per product, in k order, each rounded to nearest.
+// kTruncated: as Fasi, Higham, Mikaitis and Pranesh measured NVIDIA's tensor
+// cores ("Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021): the
+// products (exact: two 11-bit significands) and the accumulator aligned to
+// the largest exponent among them, each cut to 24 bits below that
+// exponent's leading bit (tf32_accumulation_bits) toward zero, summed, and
+// the sum cut to fp32 toward zero. Each mma then errs toward zero by up to an ulp of its
+// result, and a long chain of mma into one accumulator adds those errors
+// up instead of letting them cancel.
+enum class Tf32Accumulation { kFused, kTruncated };
+inline std::atomic<Tf32Accumulation> tf32_accumulation{Tf32Accumulation::kFused};
+
+// kTruncated's bits kept below the largest addend's leading bit (its own
+// included): 24, fp32's significand, in the paper's measurements of the
+// V100, T4 and A100; fewer where a GPU keeps fewer.
+inline std::atomic<int> tf32_accumulation_bits{24};
+
+// Sets tf32_accumulation (and the bits it keeps) for a scope (a test).
+class ScopedTf32Accumulation {
+ public:
+  explicit ScopedTf32Accumulation(Tf32Accumulation mode, int bits = 24)
+      : old_(tf32_accumulation.load()), old_bits_(tf32_accumulation_bits.load()) {
+    tf32_accumulation = mode;
+    tf32_accumulation_bits = bits;
+  }
+  ~ScopedTf32Accumulation() {
+    tf32_accumulation = old_;
+    tf32_accumulation_bits = old_bits_;
+  }
+
+ private:
+  Tf32Accumulation old_;
+  int old_bits_;
+};
+
+// x toward zero to a multiple of 2^exponent.
+inline double TruncateTo(double x, int exponent) {
+  return std::trunc(std::ldexp(x, -exponent)) * std::ldexp(1.0, exponent);
+}
+
+// acc + the sum of `n` products, as kTruncated sums them.
+inline float TruncatedSum(float acc, const double* products, int n) {
+  int top = INT32_MIN;
+  for (int k = -1; k < n; ++k) {
+    const double x = k < 0 ? acc : products[k];
+    if (x != 0.0) top = std::max(top, std::ilogb(x));
+  }
+  if (top == INT32_MIN) return 0.0f * acc;  // every addend zero
+  const int unit = top - (tf32_accumulation_bits.load() - 1);
+  double sum = TruncateTo(acc, unit);
+  for (int k = 0; k < n; ++k) sum += TruncateTo(products[k], unit);
+  if (sum == 0.0 || !std::isfinite(sum)) return static_cast<float>(sum);
+  return static_cast<float>(TruncateTo(sum, std::ilogb(sum) - 23));
+}
+
 // mma.m16n8k8 .tf32 (layouts at the top).
 inline void MmaM16N8K8Tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  WarpMma<8>(
-      d, a, b0, b1,
-      [](Words words, int row, int k) {
-        return Tf32Input(words[(row % 8) * 4 + k % 4][(row >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]);
-      },
-      [](Words words, int k, int col) { return Tf32Input(words[col * 4 + k % 4][4 + (k >= 4)]); });
+  const auto read_a = [](Words words, int row, int k) {
+    return Tf32Input(words[(row % 8) * 4 + k % 4][(row >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]);
+  };
+  const auto read_b = [](Words words, int k, int col) {
+    return Tf32Input(words[col * 4 + k % 4][4 + (k >= 4)]);
+  };
+  if (tf32_accumulation.load() == Tf32Accumulation::kFused) {
+    WarpMma<8>(d, a, b0, b1, read_a, read_b);
+    return;
+  }
+  // WarpMma's exchange, with the truncated sum.
+  Warp& w = MyWarp();
+  const int lane = Lane();
+  uint32_t* mine = w.words[lane];
+  for (int i = 0; i < 4; ++i) mine[i] = a[i];
+  mine[4] = b0;
+  mine[5] = b1;
+  w.sync.arrive_and_wait();
+  const int g = lane / 4, t = lane % 4;
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i % 2);
+    double products[8];
+    for (int k = 0; k < 8; ++k) {
+      products[k] = static_cast<double>(read_a(w.words, row, k)) * read_b(w.words, k, col);
+    }
+    out[i] = TruncatedSum(d[i], products, 8);
+  }
+  w.sync.arrive_and_wait();
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
 
 }  // namespace attnserve::emu

@@ -33,6 +33,41 @@ __global__ void ReadAnotherWarpsSlot(float* out) {
   out[t] = slots[(t + 32) % blockDim.x];
 }
 
+// One tf32 mma: A's row 0 has 1.0 at k = 0 (zeros elsewhere), B's column 0
+// has 1.0 at k = 0, C[0][0] starts at 3 * 2^-24; out[0] is D[0][0].
+__global__ void OneTf32Mma(float* out) {
+  const int lane = static_cast<int>(threadIdx.x);
+  const int g = lane / 4, t = lane % 4;
+  const uint32_t one = 0x3f800000u;
+  const uint32_t a[4] = {g == 0 && t == 0 ? one : 0u, 0u, 0u, 0u};  // a0 = A[g][t]
+  const uint32_t b0 = g == 0 && t == 0 ? one : 0u;                   // b0 = B[t][g]
+  float d[4] = {lane == 0 ? 3.0f * std::ldexp(1.0f, -24) : 0.0f, 0.0f, 0.0f, 0.0f};
+  MmaM16N8K8Tf32(d, a, b0, 0u);
+  if (lane == 0) out[0] = d[0];
+}
+
+// 1 + 3 * 2^-24 lies halfway between two floats: an fma rounds it to the
+// even one, 1 + 2^-22; the tensor cores' truncated sum (Tf32Accumulation::
+// kTruncated, 24 bits below the product's leading bit) cuts the
+// accumulator to 2^-23 first: 1 + 2^-23. With 22 bits, to 1.
+TEST(WarpEmulator, Tf32MmaSumsAsAFusedAddOrAsTheTensorCoresTruncate) {
+  float out = 0.0f;
+  ATTNSERVE_LAUNCH(OneTf32Mma, 1, 32, 0, nullptr, &out);
+  EXPECT_EQ(out, 1.0f + std::ldexp(1.0f, -22));
+  {
+    const ScopedTf32Accumulation truncated(Tf32Accumulation::kTruncated);
+    ATTNSERVE_LAUNCH(OneTf32Mma, 1, 32, 0, nullptr, &out);
+    EXPECT_EQ(out, 1.0f + std::ldexp(1.0f, -23));
+  }
+  {
+    const ScopedTf32Accumulation truncated(Tf32Accumulation::kTruncated, 22);
+    ATTNSERVE_LAUNCH(OneTf32Mma, 1, 32, 0, nullptr, &out);
+    EXPECT_EQ(out, 1.0f);
+  }
+  ATTNSERVE_LAUNCH(OneTf32Mma, 1, 32, 0, nullptr, &out);  // the scope ended: fused again
+  EXPECT_EQ(out, 1.0f + std::ldexp(1.0f, -22));
+}
+
 TEST(WarpEmulator, ThreadsAndBlocksSeeTheirIndices) {
   std::vector<int> out(3 * 64, -1);
   ATTNSERVE_LAUNCH(WriteIndices, 3, 64, 0, nullptr, out.data());
