@@ -125,7 +125,7 @@ TEST(FusedFp32KernelEmulated, LongRowsStayExactUnderTruncatedAccumulation) {
           {1, 2048, 64, false}}) {
       Case c;
       c.batch = 1;
-      c.heads = c.kv_heads = 2;
+      c.heads = c.kv_heads = 1;
       c.dim = dim;
       c.q_len = lq;
       c.kv_len = lk;
