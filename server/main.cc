@@ -3,6 +3,7 @@
 // signal exits at once (code 128 + signal).
 #include <chrono>
 #include <csignal>
+#include <algorithm>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -58,20 +59,25 @@ void DefaultToShortOpenMpSpins(char** argv) {
 // --threads 0: one engine thread per CPU the process may use. OpenMP counts
 // the CPUs of the affinity mask, which in a container is the node's; a
 // cgroup CPU quota (docker --cpus, Kubernetes limits.cpu) is the real
-// budget. 0 (OpenMP's count) when there is no quota.
-int ThreadsForContainer() {
+// budget. 0 (OpenMP's count) when there is no quota. `log`: say so (for
+// the engine threads).
+int ThreadsForContainer(bool log) {
   absl::StatusOr<std::optional<attnserve::CpuLimit>> limit = attnserve::ReadCpuLimit();
   if (!limit.ok()) {
-    std::fprintf(stderr, "attnserve: warning: cannot read the cgroup CPU limit (%s); --threads 0 "
-                 "uses one thread per CPU\n", std::string(limit.status().message()).c_str());
+    if (log) {
+      std::fprintf(stderr, "attnserve: warning: cannot read the cgroup CPU limit (%s); --threads "
+                   "0 uses one thread per CPU\n", std::string(limit.status().message()).c_str());
+    }
     return 0;
   }
   if (!limit->has_value()) return 0;
   cpu_set_t cpus;
   const int available = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
   const int threads = attnserve::ThreadsForCpuLimit((*limit)->cpus, available);
-  std::fprintf(stderr, "attnserve: engine threads %d (CPU limit %.2f from %s)\n", threads,
-               (*limit)->cpus, (*limit)->source.c_str());
+  if (log) {
+    std::fprintf(stderr, "attnserve: engine threads %d (CPU limit %.2f from %s)\n", threads,
+                 (*limit)->cpus, (*limit)->source.c_str());
+  }
   return threads;
 }
 }  // namespace
@@ -172,8 +178,8 @@ ABSL_FLAG(int64_t, malloc_trim_threshold, kDefaults.malloc_trim_threshold,
           "faulted in again by the next); at most 1073741824");
 ABSL_FLAG(int, payload_copy_threads, kDefaults.payload_copy_threads,
           "threads that help copy a request tensor of 1 MiB or more off the wire and scan its "
-          "values, beside the thread that received it (-1 = one per hardware thread beyond the "
-          "first, at most 7; 0 = none); at most 64");
+          "values, beside the thread that received it (-1 = one per CPU beyond the first, counting "
+          "a cgroup CPU quota's CPUs where there is one, at most 7; 0 = none); at most 64");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::FromChrono(kDefaults.shutdown_grace),
           "on SIGTERM/SIGINT, how long accepted requests may take to complete (e.g. 8s, "
           "500ms); requests still queued after it get UNAVAILABLE; the default fits inside "
@@ -443,7 +449,15 @@ int main(int argc, char** argv) {
   options.sessions.max_tokens = absl::GetFlag(FLAGS_session_max_tokens);
   options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
 
-  if (options.engine_threads == 0) options.engine_threads = ThreadsForContainer();
+  if (options.engine_threads == 0) options.engine_threads = ThreadsForContainer(/*log=*/true);
+  // --payload-copy-threads -1 under a CPU quota: helpers for the CPUs the
+  // quota covers beyond the first (PayloadCopier::DefaultHelpers counts the
+  // node's).
+  if (options.payload_copy_threads == -1) {
+    if (const int cpus = ThreadsForContainer(/*log=*/false); cpus > 0) {
+      options.payload_copy_threads = std::clamp(cpus - 1, 0, 7);
+    }
+  }
   // Process-wide, before the server's threads exist; the values are checked
   // first so that a bad flag gets the flag's own message.
   if (absl::Status checked = attnserve::CheckServerOptions(options); !checked.ok()) {

@@ -67,7 +67,7 @@ absl::Status CheckServerOptions(const ServerOptions& options) {
   }
   if (options.payload_copy_threads < -1 || options.payload_copy_threads > 64) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--payload-copy-threads: must be in [-1, 64] (-1 = by the hardware threads), got ",
+        "--payload-copy-threads: must be in [-1, 64] (-1 = one per CPU beyond the first), got ",
         options.payload_copy_threads));
   }
   if (options.validation.max_attention_scores < 1) {

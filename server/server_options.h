@@ -121,8 +121,9 @@ struct ServerOptions {
   int64_t malloc_trim_threshold = int64_t{64} << 20;
   // Threads that help copy a large request tensor off the wire (and scan
   // its values) beside the thread that received it
-  // (server/transport/payload_copier.h); -1 = one per hardware thread
-  // beyond the first, at most 7; 0 = none. At most 64. Default: -1.
+  // (server/transport/payload_copier.h); -1 = one per CPU beyond the first
+  // (main.cc counts a cgroup CPU quota's CPUs where there is one), at most
+  // 7; 0 = none. At most 64. Default: -1.
   int payload_copy_threads = -1;
   // Per-request size and work limits (--max-attention-scores,
   // --max-multiply-adds) and what is done with non-finite inputs

@@ -44,8 +44,8 @@ class PayloadCopier {
   PayloadCopier(const PayloadCopier&) = delete;
   PayloadCopier& operator=(const PayloadCopier&) = delete;
 
-  // The helpers a server starts by default: one per hardware thread beyond
-  // the first, at most 7.
+  // One helper per hardware thread beyond the first, at most 7 (the
+  // server's default where no CPU quota says fewer: server/main.cc).
   static int DefaultHelpers();
 
   int helpers() const { return static_cast<int>(threads_.size()); }

@@ -55,6 +55,11 @@ TEST(ServerOptionsTest, RejectsBadValuesNamingTheFlag) {
   o.malloc_trim_threshold = -1;
   EXPECT_THAT(message(o), HasSubstr("--malloc-trim-threshold: must be in [0, 1073741824]"));
   o = {};
+  o.payload_copy_threads = -2;
+  EXPECT_THAT(message(o), HasSubstr("--payload-copy-threads: must be in [-1, 64]"));
+  o.payload_copy_threads = 65;
+  EXPECT_THAT(message(o), HasSubstr("--payload-copy-threads: must be in [-1, 64]"));
+  o = {};
   o.validation.max_attention_scores = 0;
   EXPECT_THAT(message(o), HasSubstr("--max-attention-scores"));
   o = {};
