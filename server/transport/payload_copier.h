@@ -34,7 +34,10 @@ class PayloadCopier {
   // scanned from the core's cache right after it is copied.
   static constexpr size_t kChunkBytes = size_t{256} << 10;
   // Tensors smaller than this are copied by the caller alone (waking a
-  // helper costs more than it saves).
+  // helper costs more than it saves), with memcpy, and scanned from the
+  // cache after each chunk (the engine reads a small tensor next, from the
+  // cache); from this size on, into a 64-byte aligned buffer, with
+  // streaming stores (copy_scan.h).
   static constexpr size_t kMinParallelBytes = size_t{1} << 20;
 
   // Starts `helpers` threads (0: the caller copies every chunk).
