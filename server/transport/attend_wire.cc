@@ -5,6 +5,7 @@
 #include "server/transport/attend_wire.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -30,12 +31,9 @@ constexpr uint32_t kTensorDtype = v1::Tensor::kDtypeFieldNumber;
 
 // The bytes per value of a float DataType code as sent; 0 for any other.
 int FloatWidth(uint64_t code) {
-  switch (code) {
-    case v1::FLOAT32: return 4;
-    case v1::FLOAT16:
-    case v1::BFLOAT16: return 2;
-    default: return 0;
-  }
+  if (code > static_cast<uint64_t>(INT_MAX)) return 0;
+  const absl::StatusOr<DType> dtype = DTypeFromProto(static_cast<int>(code), "dtype");
+  return dtype.ok() && IsFloat(*dtype) ? static_cast<int>(DTypeSize(*dtype)) : 0;
 }
 
 // One Tensor message of `length` bytes: its `data` into `*payload` (the last

@@ -544,32 +544,43 @@ inline void RequireAligned(const void* p, const char* what) {
 inline float HalfBits(uint16_t h) { return __half2float(std::bit_cast<__half>(h)); }
 inline float Bfloat16Bits(uint16_t h) { return std::bit_cast<float>(uint32_t{h} << 16); }
 
+// acc + sum_k a[k] b[k] as one fp32 fma per product, in k order, each
+// rounded to nearest.
+struct FusedSum {
+  template <int K>
+  float operator()(float acc, const float (&a)[K], const float (&b)[K]) const {
+    for (int k = 0; k < K; ++k) acc = std::fma(a[k], b[k], acc);
+    return acc;
+  }
+};
+
 // d += A B for one m16n8 tile with fp32 accumulation, K deep: every lane
-// deposits its registers (words 0-3: a, 4-5: b, 6-9: d), then computes its
-// four outputs (c0, c1 = C[g][2t..2t+1], c2, c3 = C[g+8][2t..]) from the
-// warp's; a(words, row, k) and b(words, k, col) read one element each from
-// the deposited registers, as the instruction's layout places it.
+// deposits its registers (words 0-3: a, 4-5: b), then computes its four
+// outputs (c0, c1 = C[g][2t..2t+1], c2, c3 = C[g+8][2t..]) from the warp's
+// as sum(its accumulator, the row's K elements of A, the column's of B);
+// a(words, row, k) and b(words, k, col) read one element each from the
+// deposited registers, as the instruction's layout places it.
 using Words = uint32_t (*)[10];
-template <int K, typename ReadA, typename ReadB>
+template <int K, typename ReadA, typename ReadB, typename Sum = FusedSum>
 inline void WarpMma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
-                    ReadA read_a, ReadB read_b) {
+                    ReadA read_a, ReadB read_b, Sum sum = {}) {
   Warp& w = MyWarp();
   const int lane = Lane();
   uint32_t* mine = w.words[lane];
   for (int i = 0; i < 4; ++i) mine[i] = a[i];
   mine[4] = b0;
   mine[5] = b1;
-  for (int i = 0; i < 4; ++i) mine[6 + i] = std::bit_cast<uint32_t>(d[i]);
   w.sync.arrive_and_wait();
   const int g = lane / 4, t = lane % 4;
   float out[4];
   for (int i = 0; i < 4; ++i) {
     const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i % 2);
-    float acc = std::bit_cast<float>(w.words[lane][6 + i]);
+    float a_row[K], b_col[K];
     for (int k = 0; k < K; ++k) {
-      acc = std::fma(read_a(w.words, row, k), read_b(w.words, k, col), acc);
+      a_row[k] = read_a(w.words, row, k);
+      b_col[k] = read_b(w.words, k, col);
     }
-    out[i] = acc;
+    out[i] = sum.template operator()<K>(d[i], a_row, b_col);
   }
   w.sync.arrive_and_wait();
   for (int i = 0; i < 4; ++i) d[i] = out[i];
@@ -636,20 +647,25 @@ inline double TruncateTo(double x, int exponent) {
   return std::trunc(std::ldexp(x, -exponent)) * std::ldexp(1.0, exponent);
 }
 
-// acc + the sum of `n` products, as kTruncated sums them.
-inline float TruncatedSum(float acc, const double* products, int n) {
-  int top = INT32_MIN;
-  for (int k = -1; k < n; ++k) {
-    const double x = k < 0 ? acc : products[k];
-    if (x != 0.0) top = std::max(top, std::ilogb(x));
+// acc + sum_k a[k] b[k] as kTruncated sums them (the products exact).
+struct TruncatedSum {
+  template <int K>
+  float operator()(float acc, const float (&a)[K], const float (&b)[K]) const {
+    double products[K];
+    int top = INT32_MIN;
+    if (acc != 0.0f) top = std::ilogb(acc);
+    for (int k = 0; k < K; ++k) {
+      products[k] = static_cast<double>(a[k]) * b[k];
+      if (products[k] != 0.0) top = std::max(top, std::ilogb(products[k]));
+    }
+    if (top == INT32_MIN) return 0.0f * acc;  // every addend zero
+    const int unit = top - (tf32_accumulation_bits.load() - 1);
+    double sum = TruncateTo(acc, unit);
+    for (int k = 0; k < K; ++k) sum += TruncateTo(products[k], unit);
+    if (sum == 0.0 || !std::isfinite(sum)) return static_cast<float>(sum);
+    return static_cast<float>(TruncateTo(sum, std::ilogb(sum) - 23));
   }
-  if (top == INT32_MIN) return 0.0f * acc;  // every addend zero
-  const int unit = top - (tf32_accumulation_bits.load() - 1);
-  double sum = TruncateTo(acc, unit);
-  for (int k = 0; k < n; ++k) sum += TruncateTo(products[k], unit);
-  if (sum == 0.0 || !std::isfinite(sum)) return static_cast<float>(sum);
-  return static_cast<float>(TruncateTo(sum, std::ilogb(sum) - 23));
-}
+};
 
 // mma.m16n8k8 .tf32 (layouts at the top).
 inline void MmaM16N8K8Tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -661,28 +677,9 @@ inline void MmaM16N8K8Tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, u
   };
   if (tf32_accumulation.load() == Tf32Accumulation::kFused) {
     WarpMma<8>(d, a, b0, b1, read_a, read_b);
-    return;
+  } else {
+    WarpMma<8>(d, a, b0, b1, read_a, read_b, TruncatedSum{});
   }
-  // WarpMma's exchange, with the truncated sum.
-  Warp& w = MyWarp();
-  const int lane = Lane();
-  uint32_t* mine = w.words[lane];
-  for (int i = 0; i < 4; ++i) mine[i] = a[i];
-  mine[4] = b0;
-  mine[5] = b1;
-  w.sync.arrive_and_wait();
-  const int g = lane / 4, t = lane % 4;
-  float out[4];
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i % 2);
-    double products[8];
-    for (int k = 0; k < 8; ++k) {
-      products[k] = static_cast<double>(read_a(w.words, row, k)) * read_b(w.words, k, col);
-    }
-    out[i] = TruncatedSum(d[i], products, 8);
-  }
-  w.sync.arrive_and_wait();
-  for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
 
 }  // namespace attnserve::emu
